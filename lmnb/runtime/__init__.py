@@ -1,0 +1,22 @@
+"""The inference engine: scheduler, memory pools, model runner, sampling, prefix cache.
+
+Usable without IPython; never imports `lmnb.lang`, `lmnb.magics` or `lmnb.widgets`.
+`Runtime` is imported lazily so that importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["Runtime"]
+
+if TYPE_CHECKING:
+    from lmnb.runtime.engine import Runtime
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Runtime":
+        from lmnb.runtime.engine import Runtime
+
+        return Runtime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

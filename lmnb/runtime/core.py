@@ -1,0 +1,210 @@
+"""Shared vocabulary of the runtime: sampling parameters, requests, batches, finish reasons."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot be served as given; raised to the caller, the runtime is untouched."""
+
+
+_TOP_K_ALL = -1
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request decoding parameters; the keys and defaults follow SGLang's `sampling_params`."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = _TOP_K_ALL
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if isinstance(self.stop_token_ids, int):
+            self.stop_token_ids = [self.stop_token_ids]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k in (0, None):
+            self.top_k = _TOP_K_ALL
+        self._check()
+
+    def _check(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"invalid sampling params: {message}")
+
+        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+             f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        need(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
+             f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
+        need(self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
+        need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        need(isinstance(self.top_k, int) and (self.top_k == _TOP_K_ALL or self.top_k >= 1),
+             f"top_k must be -1 (all) or >= 1, got {self.top_k!r}")
+        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        need(-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(-2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        need(0.0 < self.repetition_penalty <= 2.0,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        need(isinstance(self.n, int) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
+        need(all(isinstance(s, str) for s in self.stop), "stop must be a string or list of strings")
+        need(all(isinstance(t, int) for t in self.stop_token_ids),
+             "stop_token_ids must be a list of ints")
+        need(self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, dict):
+            raise InvalidRequestError(f"sampling_params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling params {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**params)
+        except TypeError as error:
+            raise InvalidRequestError(f"invalid sampling params: {error}") from None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def finish_length(length: int) -> dict[str, Any]:
+    return {"type": "length", "length": length}
+
+
+def finish_stop(matched: int | str) -> dict[str, Any]:
+    return {"type": "stop", "matched": matched}
+
+
+def finish_abort(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message}
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill of new tokens (possibly after a cached prefix, possibly a chunk)
+    DECODE = "decode"  # one new token per request
+
+
+_req_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request as the scheduler sees it.
+
+    KV ownership: `req_to_token[req_pool_idx, :kv_len]` holds the slots of the tokens whose KV is
+    computed. The first `len(prefix_indices)` belong to the prefix cache (locked through
+    `last_node` while the request lives); the rest belong to the request.
+    """
+
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    rid: int = field(default_factory=lambda: next(_req_ids))
+    sample_index: int = 0  # which of the n samples of its prompt
+
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict[str, Any] | None = None
+
+    # KV state, owned by the scheduler thread.
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor | None = None
+    last_node: Any = None
+    kv_len: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported)
+    retractions: int = 0
+    forward_passes: int = 0
+    created_at: float = 0.0
+
+    # Logprobs accumulated so far.
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    generator: torch.Generator | None = None
+    detokenizer: Any = None
+    sink: Any = None  # where outputs go (engine side); called from the scheduler thread
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """All tokens whose KV the request needs before its next decode step."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def owned_kv_len(self) -> int:
+        prefix = 0 if self.prefix_indices is None else len(self.prefix_indices)
+        return self.kv_len - prefix
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def input_logprobs_needed_from(self) -> int:
+        """First prompt position whose logprob is still missing (prompt logprobs are computed once)."""
+        return max(self.logprob_start_len, 0) + len(self.input_token_logprobs)
+
+
+@dataclass
+class Batch:
+    """One forward pass: each request feeds `fill_ids[kv_len : kv_len + extend_lens[i]]`.
+
+    DECODE is the case of one token per request. `samples[i]` says whether request i draws its
+    next token after this pass (false for a chunk that leaves part of the prompt to prefill).
+    """
+
+    mode: ForwardMode
+    reqs: list[Req]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor
+    samples: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)

@@ -1,0 +1,322 @@
+"""`Runtime`: the in-process engine. Its scheduler runs on a daemon thread; any thread may call
+`generate`, and a generate call blocks only its caller."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
+from lmnb.runtime.detokenizer import IncrementalDetokenizer
+from lmnb.runtime.model_runner import ModelRunner
+from lmnb.runtime.models import loader
+from lmnb.runtime.policy import make_policy
+from lmnb.runtime.prefix_cache import NoReuseCache
+from lmnb.runtime.scheduler import Scheduler, SchedulerConfig
+
+PromptInput = str | Sequence[str] | None
+IdsInput = Sequence[int] | Sequence[Sequence[int]] | None
+
+
+def _eos_token_ids(config, tokenizer, model_dir: Path | None) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(config, "eos_token_id", None))
+    add(tokenizer.eos_token_id)
+    generation_config = model_dir / "generation_config.json" if model_dir else None
+    if generation_config is not None and generation_config.exists():
+        add(json.loads(generation_config.read_text()).get("eos_token_id"))
+    return ids
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Runtime:
+    """A model plus a continuous-batching scheduler, living in this process.
+
+    `Runtime()` loads the embedded SmolLM2-135M-Instruct; `Runtime(path)` a local HF folder or a
+    GGUF file. Options follow SGLang's names. `close()` (or leaving a `with` block) frees memory;
+    a new Runtime can be created afterwards in the same process.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        tokenizer_path: str | Path | None = None,
+        load_format: str = "auto",
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float | None = None,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        chunked_prefill_size: int | None = None,
+        schedule_policy: str = "fcfs",
+        attention_backend: str | None = None,
+        check_integrity_each_step: bool = False,
+    ) -> None:
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        self.device = _resolve_device(device)
+        self.model_dir = loader.resolve_model_dir(model_path)
+        self.config = loader.load_config(self.model_dir)
+        self.tokenizer = loader.load_tokenizer(
+            loader.resolve_model_dir(tokenizer_path) if tokenizer_path else self.model_dir)
+        self.dtype = loader.resolve_dtype(dtype, self.config, self.device)
+        model = loader.load_model(self.model_dir, self.config, dtype=self.dtype,
+                                  device=self.device, dummy=load_format == "dummy")
+        self.eos_token_ids = _eos_token_ids(self.config, self.tokenizer, self.model_dir)
+        self._runner = ModelRunner(
+            model, self.config, device=self.device, dtype=self.dtype,
+            eos_token_ids=self.eos_token_ids, max_total_tokens=max_total_tokens,
+            mem_fraction_static=mem_fraction_static, max_running_requests=max_running_requests,
+            context_length=context_length,
+            attention_backend=attention_backend or "torch_native")
+        self.context_len = self._runner.context_len
+        self.max_total_tokens = self._runner.max_total_tokens
+        scheduler_config = SchedulerConfig(
+            chunked_prefill_size=chunked_prefill_size or (8192 if self.device.type == "cuda"
+                                                          else 2048),
+            check_integrity_each_step=check_integrity_each_step)
+        cache = NoReuseCache(self._runner.req_to_token_pool, self._runner.token_to_kv_pool)
+        self._scheduler = Scheduler(self._runner, cache, make_policy(schedule_policy),
+                                    scheduler_config, self.eos_token_ids)
+        self._tokenizer_lock = threading.Lock()
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops the scheduler (aborting what is in flight) and frees the model and KV memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._scheduler.stop()
+        self._runner.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Runtime is closed; create a new one")
+        if self._scheduler.fatal_error is not None:
+            raise RuntimeError("the scheduler failed") from self._scheduler.fatal_error
+
+    # ---- introspection -----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raises `IntegrityError` unless every KV slot and request slot is accounted for."""
+        self._check_open()
+        self._scheduler.call(self._scheduler.check_integrity)
+
+    def stats(self) -> dict[str, Any]:
+        self._check_open()
+        scheduler = self._scheduler
+
+        def read() -> dict[str, Any]:
+            pool = scheduler.kv_pool
+            return {**scheduler.stats, "max_total_tokens": pool.size,
+                    "free_tokens": pool.available(), "running": len(scheduler.running),
+                    "waiting": len(scheduler.waiting)}
+
+        return scheduler.call(read)
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: PromptInput = None,
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+        *,
+        input_ids: IdsInput = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generates for one prompt (returns a dict) or a list (returns a list of dicts; with
+        `n > 1`, `n` consecutive dicts per prompt). With `stream=True`, an iterator of
+        incremental dicts (`text` and `output_ids` are what is new; the last one per request has
+        `meta_info["finish_reason"]`); leaving the loop early aborts the requests."""
+        self._check_open()
+        token_lists, is_batch = self._token_lists(prompt, input_ids)
+        params_list = self._params_list(sampling_params, len(token_lists))
+        reqs = [
+            self._make_req(ids, params, sample_index=k, return_logprob=return_logprob,
+                           logprob_start_len=logprob_start_len,
+                           top_logprobs_num=top_logprobs_num)
+            for ids, params in zip(token_lists, params_list, strict=True)
+            for k in range(params.n)
+        ]
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        for req in reqs:
+            req.sink = lambda r, delta, ids: events.put((r, delta, ids))
+        for req in reqs:
+            self._scheduler.submit(req)
+        if stream:
+            return self._stream(reqs, events, tagged=is_batch or len(reqs) > 1)
+        texts = self._wait(reqs, events)
+        results = [self._result(req, texts[i]) for i, req in enumerate(reqs)]
+        return results if is_batch or len(reqs) > 1 else results[0]
+
+    def _wait(self, reqs: list[Req], events: queue.SimpleQueue) -> list[str]:
+        index = {req.rid: i for i, req in enumerate(reqs)}
+        texts = [""] * len(reqs)
+        pending = len(reqs)
+        try:
+            while pending:
+                try:
+                    req, delta, _ = events.get(timeout=0.1)  # short waits keep Ctrl-C responsive
+                except queue.Empty:
+                    self._check_open()
+                    continue
+                texts[index[req.rid]] += delta
+                if req.finished:
+                    pending -= 1
+        except BaseException:
+            for req in reqs:
+                self._scheduler.abort(req, "interrupted")
+            raise
+        return texts
+
+    def _stream(self, reqs: list[Req], events: queue.SimpleQueue,
+                tagged: bool) -> Iterator[dict[str, Any]]:
+        index = {req.rid: i for i, req in enumerate(reqs)}
+        pending = len(reqs)
+        try:
+            while pending:
+                try:
+                    req, delta, ids = events.get(timeout=0.1)
+                except queue.Empty:
+                    self._check_open()
+                    continue
+                if req.finished:
+                    pending -= 1
+                chunk = {"text": delta, "output_ids": list(ids), "meta_info": self._meta(req)}
+                if tagged:
+                    chunk["index"] = index[req.rid]
+                yield chunk
+        finally:
+            for req in reqs:
+                if not req.finished and not self._closed:
+                    self._scheduler.abort(req, "stream closed by the caller")
+
+    # ---- request building ----------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _token_lists(self, prompt: PromptInput, input_ids: IdsInput) -> tuple[list[list[int]],
+                                                                                bool]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            if isinstance(prompt, str):
+                return [self._encode(prompt)], False
+            if not prompt:
+                raise InvalidRequestError("empty list of prompts")
+            if not all(isinstance(p, str) for p in prompt):
+                raise InvalidRequestError("prompt must be a string or a list of strings")
+            return [self._encode(p) for p in prompt], True
+        if not input_ids:
+            raise InvalidRequestError("empty input_ids")
+        if all(isinstance(t, int) for t in input_ids):
+            return [list(input_ids)], False
+        if all(isinstance(ids, list | tuple) for ids in input_ids):
+            return [list(ids) for ids in input_ids], True
+        raise InvalidRequestError("input_ids must be a list of ints or a list of lists of ints")
+
+    @staticmethod
+    def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, list | tuple):
+            if len(sampling_params) != count:
+                raise InvalidRequestError(
+                    f"{len(sampling_params)} sampling_params for {count} prompts")
+            return [SamplingParams.from_dict(dict(p) if isinstance(p, dict) else p)
+                    for p in sampling_params]
+        params = dict(sampling_params) if isinstance(sampling_params, dict) else sampling_params
+        return [SamplingParams.from_dict(params) for _ in range(count)]
+
+    def _make_req(self, ids: list[int], params: SamplingParams, *, sample_index: int,
+                  return_logprob: bool, logprob_start_len: int | None,
+                  top_logprobs_num: int | None) -> Req:
+        if not ids:
+            raise InvalidRequestError("empty prompt: it has no tokens")
+        vocab = self.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"input_ids must be ints in [0, {vocab})")
+        if len(ids) >= self.context_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; the context length is {self.context_len}")
+        if params.regex is not None or params.json_schema is not None:
+            raise InvalidRequestError("regex / json_schema constraints are not supported yet")
+        start = -1 if logprob_start_len is None else logprob_start_len
+        if return_logprob and start >= len(ids):
+            raise InvalidRequestError(
+                f"logprob_start_len {start} is past the prompt's {len(ids)} tokens")
+        top = top_logprobs_num or 0
+        if top < 0 or top > vocab:
+            raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}], got {top}")
+        room = self.context_len - len(ids)
+        if params.max_new_tokens > room:
+            params = SamplingParams.from_dict({
+                **{f: getattr(params, f) for f in params.__slots__},
+                "max_new_tokens": min(params.max_new_tokens, room),
+                "min_new_tokens": min(params.min_new_tokens, room)})
+        req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
+                  logprob_start_len=start if return_logprob else -1,
+                  top_logprobs_num=top if return_logprob else 0, sample_index=sample_index)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(
+                params.seed + sample_index)
+        req.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+        req.created_at = time.perf_counter()
+        return req
+
+    # ---- results -------------------------------------------------------------------------------
+    def _meta(self, req: Req) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": str(req.rid),
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finished_reason,
+            "forward_passes": req.forward_passes,
+            "retractions": req.retractions,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = list(req.output_token_logprobs)
+            if req.logprob_start_len >= 0:
+                meta["input_token_logprobs"] = list(req.input_token_logprobs)
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = list(req.output_top_logprobs)
+                if req.logprob_start_len >= 0:
+                    meta["input_top_logprobs"] = list(req.input_top_logprobs)
+        if req.finished:
+            meta["e2e_latency"] = time.perf_counter() - req.created_at
+        return meta
+
+    def _result(self, req: Req, text: str) -> dict[str, Any]:
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": self._meta(req)}

