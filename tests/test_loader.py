@@ -248,6 +248,7 @@ def test_load_model_dummy_and_from_files(
         None, cfg, dtype=torch.bfloat16, device=torch.device("cpu"), dummy=True
     )
     assert torch.get_default_dtype() == default_dtype
+    assert torch.nn.init.normal_(torch.zeros(8)).abs().sum() > 0  # random init restored
     assert not model.training and model.received == []
     assert model.proj.weight.dtype == torch.bfloat16 and model.table.dtype == torch.float32
     assert torch.all(model.norm.weight == 1) and torch.all(model.proj.bias == 0)

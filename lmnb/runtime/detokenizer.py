@@ -5,8 +5,13 @@ vLLM and SGLang): `prefix` = decode(ids[prefix_offset:read_offset]) is text alre
 `window` = decode(ids[prefix_offset:]); the delta is window[len(prefix):]. The window starts on
 the last few prompt tokens, so the first output token keeps its leading space (SentencePiece strips
 the leading space of the first decoded token). The emitted text is therefore what the output adds
-after the prompt: decode(tail + output)[len(decode(tail)):], tail = the last 5 prompt ids; for
-byte-level BPE this equals decode(output).
+after the prompt: decode(tail + output)[len(decode(tail)):], where tail is the longest suffix of
+the last 5 prompt ids whose decode does not start with U+FFFD (does not start inside a character).
+For byte-level BPE this equals decode(output); for SentencePiece it may keep one leading space.
+
+One exception: HF's ByteFallback decoder turns a whole run of byte tokens into U+FFFD as soon as
+the run is not valid UTF-8. Characters of the run already streamed cannot be taken back, so for
+such (garbage) output the text keeps them, as SentencePiece's own decoder does.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ class IncrementalDetokenizer:
         self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
         self._stop_prefixes = {s[:k] for s in self.stop for k in range(1, len(s))}
         self._max_hold = max((len(s) - 1 for s in self.stop), default=0)
-        self._ids: list[int] = [int(i) for i in prompt_ids[-_PROMPT_TAIL:]]
+        self._ids = self._prompt_tail([int(i) for i in prompt_ids[-_PROMPT_TAIL:]])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._pending = ""
@@ -55,7 +60,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed newly generated ids; returns the new text that is safe to stream."""
-        if self.finished or not token_ids:
+        if self.finished or len(token_ids) == 0:
             return ""
         self._ids.extend(int(i) for i in token_ids)
         self._pending += self._decode_delta(final=False)
@@ -68,9 +73,19 @@ class IncrementalDetokenizer:
         self._pending += self._decode_delta(final=True)
         return self._release(final=True)
 
+    def _prompt_tail(self, tail: list[int]) -> list[int]:
+        # A tail cut inside a multi-byte character decodes to U+FFFD, and HF's byte-fallback
+        # decoder would then spoil the whole byte run, output bytes included: start it later.
+        for k in range(len(tail)):
+            if not self._decode_ids(tail[k:]).startswith(_REPLACEMENT):
+                return tail[k:]
+        return tail
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self._ids[start:end],
-                                     skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(self._ids[start:end])
 
     def _advance(self, read_offset: int) -> None:
         self._prefix_offset, self._read_offset = self._read_offset, read_offset

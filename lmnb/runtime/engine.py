@@ -171,7 +171,9 @@ class Runtime:
         ]
         events: queue.SimpleQueue = queue.SimpleQueue()
         for req in reqs:
-            req.sink = lambda r, delta, ids: events.put((r, delta, ids))
+            # `finished` is read here, on the scheduler thread: by the time the caller reads an
+            # event the request may have finished, and only its last event may count as the end.
+            req.sink = lambda r, delta, ids: events.put((r, delta, ids, r.finished))
         for req in reqs:
             self._scheduler.submit(req)
         if stream:
@@ -187,12 +189,12 @@ class Runtime:
         try:
             while pending:
                 try:
-                    req, delta, _ = events.get(timeout=0.1)  # short waits keep Ctrl-C responsive
+                    req, delta, _, final = events.get(timeout=0.1)  # short waits: Ctrl-C works
                 except queue.Empty:
                     self._check_open()
                     continue
                 texts[index[req.rid]] += delta
-                if req.finished:
+                if final:
                     pending -= 1
         except BaseException:
             for req in reqs:
@@ -207,13 +209,18 @@ class Runtime:
         try:
             while pending:
                 try:
-                    req, delta, ids = events.get(timeout=0.1)
+                    req, delta, ids, final = events.get(timeout=0.1)
                 except queue.Empty:
                     self._check_open()
                     continue
-                if req.finished:
+                if final:
                     pending -= 1
-                chunk = {"text": delta, "output_ids": list(ids), "meta_info": self._meta(req)}
+                if final:
+                    meta = self._meta(req)
+                else:  # the request is still moving on the scheduler thread: no snapshot of it
+                    meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
+                            "finish_reason": None}
+                chunk = {"text": delta, "output_ids": list(ids), "meta_info": meta}
                 if tagged:
                     chunk["index"] = index[req.rid]
                 yield chunk

@@ -3,6 +3,8 @@ min-p, seeded draws, and logprobs of the raw distribution.
 
 Filtering follows HF transformers' warper chain (temperature, top-k, top-p over the top-k
 renormalised set, min-p); penalties follow HF (repetition) and OpenAI/SGLang (frequency, presence).
+Rows cut by top-k/top-p never sort the vocabulary: they take a window of their best logits, cut and
+draw inside it, and widen the window only when their nucleus does not end inside it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lmnb.runtime.core import Req
+from lmnb.runtime.core import Req, SamplingParams
 
 _NEG_INF = float("-inf")
 _MIN_TEMPERATURE = 1e-5  # below this logits / T overflows; such rows are sampled greedily
-_FIRST_WINDOW = 64  # candidates looked at first when cutting top-p; grows x8 when too few
+_FIRST_WINDOW = 64  # best tokens a top-p row looks at first; grows x8 while its nucleus is wider
 
 
 @dataclass
@@ -25,6 +27,16 @@ class SampleOutput:
     next_token_ids: torch.Tensor  # [bs] int64
     next_token_logprobs: torch.Tensor  # [bs] float32, log_softmax of the raw logits at the token
     top_logprobs: list[list[tuple[float, int]]] | None  # per row (logprob, id), best first
+
+
+@dataclass
+class _Support:
+    """Some sampled rows and what they draw from: `probs` [rows, n] unnormalised, over the
+    whole vocabulary when `ids` is None, else over the candidate ids `ids` [rows, n]."""
+
+    positions: torch.Tensor  # indices into the list of sampled rows
+    probs: torch.Tensor
+    ids: torch.Tensor | None
 
 
 def _is_greedy(req: Req) -> bool:
@@ -49,10 +61,8 @@ class Sampler:
         self._check_rows(best, reqs)
         rows = [i for i, req in enumerate(reqs) if not _is_greedy(req)]
         if rows:
-            rows_t = torch.tensor(rows, device=raw.device)
-            probs = self._filtered_probs(work, rows, reqs)
             ids = ids.clone()
-            ids[rows_t] = self._draw(probs, [reqs[i] for i in rows])
+            ids[torch.tensor(rows, device=raw.device)] = self._sample(work, rows, reqs)
         lse = torch.logsumexp(raw, dim=-1)
         logprobs = raw.gather(1, ids[:, None]).squeeze(1) - lse
         return SampleOutput(ids, logprobs, self._top_logprobs(raw, lse, reqs))
@@ -86,11 +96,34 @@ class Sampler:
         probs = torch.zeros_like(work)
         probs[torch.arange(len(reqs), device=work.device), ids] = 1.0
         rows = [i for i, req in enumerate(reqs) if not _is_greedy(req)]
-        if rows:
-            filtered = self._filtered_probs(work, rows, reqs)
-            filtered /= filtered.sum(dim=-1, keepdim=True)
-            probs[torch.tensor(rows, device=work.device)] = filtered
+        if not rows:
+            return probs
+        rows_t = torch.tensor(rows, device=work.device)
+        for support in _supports(work, rows_t, [reqs[i].sampling_params for i in rows]):
+            target = rows_t[support.positions]
+            normalised = support.probs / support.probs.sum(dim=-1, keepdim=True)
+            if support.ids is None:
+                probs[target] = normalised
+            else:
+                dense = torch.zeros(len(target), work.shape[1], device=work.device)
+                probs[target] = dense.scatter_(1, support.ids, normalised)
         return probs
+
+    def _sample(self, work: torch.Tensor, rows: list[int], reqs: Sequence[Req]) -> torch.Tensor:
+        """Draw for the sampled rows. Rows with a generator are worked out and drawn alone with
+        it, so their tokens do not depend on the rest of the batch."""
+        device = work.device
+        out = torch.empty(len(rows), dtype=torch.int64, device=device)
+        free = [j for j, i in enumerate(rows) if reqs[i].generator is None]
+        if free:
+            batch_rows = torch.tensor([rows[j] for j in free], device=device)
+            tokens = _draw(work, batch_rows, [reqs[rows[j]].sampling_params for j in free], None)
+            out[torch.tensor(free, device=device)] = tokens
+        for j, i in enumerate(rows):
+            if reqs[i].generator is not None:
+                batch_rows = torch.tensor([i], device=device)
+                out[j] = _draw(work, batch_rows, [reqs[i].sampling_params], reqs[i].generator)[0]
+        return out
 
     def _raw(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
@@ -112,40 +145,39 @@ class Sampler:
         return rows, cols
 
     def _apply_penalties(self, work: torch.Tensor, rows: list[int], reqs: Sequence[Req]) -> None:
+        """Penalties touch only the (row, token) pairs that occur, so the cost is O(history)."""
         device = work.device
-        sps = [reqs[i].sampling_params for i in rows]
         rows_t = torch.tensor(rows, device=device)
-        counts = self._counts([reqs[i].output_ids for i in rows], device)
-        logits = work[rows_t]
+        sps = [reqs[i].sampling_params for i in rows]
         reps = [sp.repetition_penalty for sp in sps]
         if any(r != 1.0 for r in reps):
-            prompts = [reqs[i].origin_input_ids if sp.repetition_penalty != 1.0 else []
-                       for i, sp in zip(rows, sps, strict=True)]
-            seen = (counts > 0) | (self._counts(prompts, device) > 0)
-            penalty = torch.tensor(reps, dtype=torch.float32, device=device)[:, None]
-            scaled = torch.where(logits < 0, logits * penalty, logits / penalty)
-            logits = torch.where(seen, scaled, logits)
+            histories = [reqs[i].origin_input_ids + reqs[i].output_ids if r != 1.0 else []
+                         for i, r in zip(rows, reps, strict=True)]
+            local, col, _ = self._occurrences(histories, device)
+            penalty = torch.tensor(reps, dtype=torch.float32, device=device)[local]
+            row = rows_t[local]
+            values = work[row, col]
+            work[row, col] = torch.where(values < 0, values * penalty, values / penalty)
         freqs = [sp.frequency_penalty for sp in sps]
-        if any(freqs):
-            logits -= torch.tensor(freqs, dtype=torch.float32, device=device)[:, None] * counts
         pres = [sp.presence_penalty for sp in sps]
-        if any(pres):
-            present = (counts > 0).float()
-            logits -= torch.tensor(pres, dtype=torch.float32, device=device)[:, None] * present
-        work[rows_t] = logits
+        if any(freqs) or any(pres):
+            local, col, count = self._occurrences([reqs[i].output_ids for i in rows], device)
+            freq_t = torch.tensor(freqs, dtype=torch.float32, device=device)[local]
+            pres_t = torch.tensor(pres, dtype=torch.float32, device=device)[local]
+            work[rows_t[local], col] -= freq_t * count + pres_t
 
-    def _counts(self, id_lists: list[list[int]], device: torch.device) -> torch.Tensor:
-        """[len(id_lists), vocab] float32 occurrence counts, ids outside the vocab ignored."""
+    def _occurrences(self, id_lists: list[list[int]], device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Distinct (list index, token) pairs of `id_lists` with their counts; ids outside the
+        vocab are ignored."""
         vocab = self.vocab_size
-        counts = torch.zeros(len(id_lists) * vocab, dtype=torch.float32, device=device)
         flat = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
-        if flat.numel():
-            lengths = torch.tensor([len(ids) for ids in id_lists])
-            offsets = torch.repeat_interleave(torch.arange(len(id_lists)) * vocab, lengths)
-            valid = (flat >= 0) & (flat < vocab)
-            index = (flat + offsets)[valid].to(device)
-            counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
-        return counts.view(len(id_lists), vocab)
+        lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(id_lists)), lengths)
+        valid = (flat >= 0) & (flat < vocab)
+        keys, counts = torch.unique((owner * vocab + flat)[valid], return_counts=True)
+        keys = keys.to(device)
+        return keys // vocab, keys % vocab, counts.to(device=device, dtype=torch.float32)
 
     def _check_rows(self, best: torch.Tensor, reqs: Sequence[Req]) -> None:
         bad = ~torch.isfinite(best)
@@ -158,57 +190,6 @@ class Sampler:
                 f"request {reqs[i].rid}: every token is masked (min_new_tokens EOS/stop ids, "
                 "grammar mask or -inf logits); nothing can be sampled")
         raise RuntimeError(f"request {reqs[i].rid}: logits contain {value} (NaN or +inf)")
-
-    def _filtered_probs(self, work: torch.Tensor, rows: list[int],
-                        reqs: Sequence[Req]) -> torch.Tensor:
-        """Unnormalised probabilities of the sampled rows after temperature/top-k/top-p/min-p."""
-        device = work.device
-        sps = [reqs[i].sampling_params for i in rows]
-        temps = [sp.temperature for sp in sps]
-        if len(rows) == work.shape[0]:
-            logits = work
-        else:
-            logits = work[torch.tensor(rows, device=device)]
-        if any(t != 1.0 for t in temps):
-            logits = logits / torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
-        probs = torch.softmax(logits, dim=-1)
-        vocab = probs.shape[1]
-        top_ks = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in sps]
-        top_ps = [sp.top_p for sp in sps]
-        min_ps = [sp.min_p for sp in sps]
-        cut = [j for j in range(len(rows)) if top_ks[j] < vocab or top_ps[j] < 1.0]
-        if not cut and not any(min_ps):
-            return probs
-        threshold = torch.zeros(len(rows), dtype=torch.float32, device=device)
-        if len(cut) == len(rows):
-            threshold = _cut_threshold(probs, top_ks, top_ps)
-        elif cut:
-            cut_t = torch.tensor(cut, device=device)
-            threshold[cut_t] = _cut_threshold(
-                probs[cut_t], [top_ks[j] for j in cut], [top_ps[j] for j in cut])
-        if any(min_ps):
-            min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)
-            threshold = torch.maximum(threshold, min_p * probs.amax(dim=-1))
-        return probs.masked_fill_(probs < threshold[:, None], 0.0)
-
-    def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """One token per row by inverse CDF; rows with a generator draw alone with it, so their
-        tokens do not depend on the rest of the batch."""
-        device = probs.device
-        seeded = [j for j, req in enumerate(reqs) if req.generator is not None]
-        if not seeded:
-            return _inverse_cdf(probs, torch.rand(len(reqs), 1, device=device))
-        out = torch.empty(len(reqs), dtype=torch.int64, device=device)
-        free = [j for j, req in enumerate(reqs) if req.generator is None]
-        if free:
-            free_t = torch.tensor(free, device=device)
-            out[free_t] = _inverse_cdf(probs[free_t], torch.rand(len(free), 1, device=device))
-        for j in seeded:
-            generator = reqs[j].generator
-            assert generator is not None
-            uniform = torch.rand(1, 1, generator=generator, device=generator.device)
-            out[j] = _inverse_cdf(probs[j : j + 1], uniform.to(device))[0]
-        return out
 
     def _top_logprobs(self, raw: torch.Tensor, lse: torch.Tensor,
                       reqs: Sequence[Req]) -> list[list[tuple[float, int]]] | None:
@@ -226,6 +207,92 @@ class Sampler:
         return out
 
 
+def _draw(work: torch.Tensor, rows: torch.Tensor, sps: list[SamplingParams],
+          generator: torch.Generator | None) -> torch.Tensor:
+    out = torch.empty(len(rows), dtype=torch.int64, device=work.device)
+    for support in _supports(work, rows, sps):
+        gen_device = work.device if generator is None else generator.device
+        uniform = torch.rand(len(support.positions), 1, generator=generator, device=gen_device)
+        choice = _inverse_cdf(support.probs, uniform.to(work.device))
+        if support.ids is not None:
+            choice = support.ids.gather(1, choice[:, None]).squeeze(1)
+        out[support.positions] = choice
+    return out
+
+
+def _supports(work: torch.Tensor, rows: torch.Tensor, sps: list[SamplingParams]) -> list[_Support]:
+    """What the sampled rows `rows` of `work` (penalised, masked logits) draw from."""
+    device = work.device
+    vocab = work.shape[1]
+    logits = work if len(rows) == work.shape[0] else work[rows]  # rows are ascending
+    temps = torch.tensor([sp.temperature for sp in sps], dtype=torch.float32, device=device)
+    top_ks = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in sps]
+    cut = [j for j, sp in enumerate(sps) if top_ks[j] < vocab or sp.top_p < 1.0]
+    full = sorted(set(range(len(sps))) - set(cut))
+    supports = []
+    if full:
+        full_t = torch.tensor(full, device=device)
+        part = logits if len(full) == len(sps) else logits[full_t]
+        if any(sps[j].temperature != 1.0 for j in full):
+            part = part / temps[full_t, None]
+        probs = torch.softmax(part, dim=-1)
+        min_ps = [sps[j].min_p for j in full]
+        if any(min_ps):
+            min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)
+            probs.masked_fill_(probs < (min_p * probs.amax(dim=-1))[:, None], 0.0)
+        supports.append(_Support(full_t, probs, None))
+    if cut:
+        cut_t = torch.tensor(cut, device=device)
+        part = logits if len(cut) == len(sps) else logits[cut_t]
+        supports.extend(_cut_supports(
+            part, cut_t, temps[cut_t], [top_ks[j] for j in cut], [sps[j].top_p for j in cut],
+            [sps[j].min_p for j in cut]))
+    return supports
+
+
+def _cut_supports(logits: torch.Tensor, positions: torch.Tensor, temps: torch.Tensor,
+                  top_ks: list[int], top_ps: list[float], min_ps: list[float]) -> list[_Support]:
+    """Supports of rows cut by top-k (exactly k best) then top-p (the smallest set of best tokens
+    whose mass, renormalised over the top-k set, reaches top_p) then min-p, each as a window of
+    its best candidates."""
+    rows, vocab = logits.shape
+    device = logits.device
+    k = torch.tensor(top_ks, device=device)
+    p = torch.tensor(top_ps, dtype=torch.float32, device=device)[:, None]
+    min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)[:, None]
+    has_k = k < vocab
+    log_total = torch.zeros(rows, dtype=torch.float32, device=device)
+    whole = [j for j, kk in enumerate(top_ks) if kk >= vocab]  # their top-p needs the normaliser
+    if len(whole) == rows:
+        log_total = torch.logsumexp(logits / temps[:, None], dim=-1)
+    elif whole:
+        whole_t = torch.tensor(whole, device=device)
+        log_total[whole_t] = torch.logsumexp(logits[whole_t] / temps[whole_t, None], dim=-1)
+    supports = []
+    todo = torch.arange(rows, device=device)
+    window = min(vocab, max([_FIRST_WINDOW] + [kk for kk in top_ks if kk < vocab]))
+    while True:
+        part = logits if len(todo) == rows else logits[todo]
+        values, ids = part.topk(window, dim=-1)
+        scaled = values / temps[todo, None]
+        in_k = torch.arange(window, device=device) < k[todo].clamp(max=window)[:, None]
+        scaled = scaled.masked_fill(~in_k, _NEG_INF)
+        log_norm = torch.where(has_k[todo], torch.logsumexp(scaled, dim=-1), log_total[todo])
+        probs = torch.exp(scaled - log_norm[:, None])
+        before = probs.cumsum(dim=-1) - probs  # mass ranked strictly above each candidate
+        keep = in_k & ((before < p[todo]) | (p[todo] >= 1.0))
+        keep &= probs >= min_p[todo] * probs[:, :1]
+        keep[:, 0] = True
+        n_keep = keep.sum(dim=-1)
+        done = has_k[todo] | (n_keep < window) | (window == vocab)
+        if bool(done.any()):
+            supports.append(_Support(positions[todo[done]], (probs * keep)[done], ids[done]))
+        todo = todo[~done]
+        if len(todo) == 0:
+            return supports
+        window = min(vocab, window * 8)
+
+
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[rows] token ids drawn from unnormalised `probs` given [rows, 1] uniforms in [0, 1)."""
     cdf = probs.cumsum(dim=-1)
@@ -233,38 +300,3 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     # Strictly below the total, so the first cdf entry above it belongs to a token with mass > 0.
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
-
-def _cut_threshold(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    """Per row, the smallest probability kept by top-k then top-p (nucleus over the top-k set,
-    renormalised, always keeping the best token). Looks at a window of the best candidates and
-    widens it (x8) only for the rows whose nucleus does not end inside it: no full sort unless a
-    distribution is very flat.
-    """
-    rows, vocab = probs.shape
-    device = probs.device
-    k = torch.tensor(top_ks, device=device)
-    p = torch.tensor(top_ps, dtype=torch.float32, device=device)[:, None]
-    totals = probs.sum(dim=-1)
-    out = torch.empty(rows, dtype=probs.dtype, device=device)
-    todo = torch.arange(rows, device=device)
-    window = min(vocab, max([_FIRST_WINDOW] + [kk for kk in top_ks if kk < vocab]))
-    while True:
-        part = probs if len(todo) == rows else probs[todo]
-        values = part.topk(window, dim=-1).values
-        cumulative = values.cumsum(dim=-1)
-        has_k = k[todo] < vocab
-        kept_k = k[todo].clamp(max=window)
-        mass = cumulative.gather(1, (kept_k - 1)[:, None]).squeeze(1)
-        total = torch.where(has_k, mass, totals[todo])
-        before = (cumulative - values) / total[:, None]  # mass ranked strictly above, renormalised
-        position = torch.arange(window, device=device)
-        top_p = p[todo]
-        keep = (position < kept_k[:, None]) & ((before < top_p) | (top_p >= 1.0))
-        n_keep = keep.sum(dim=-1).clamp(min=1)
-        done = has_k | (n_keep < window) | (window == vocab)
-        out[todo[done]] = values.gather(1, (n_keep - 1)[:, None]).squeeze(1)[done]
-        todo = todo[~done]
-        if len(todo) == 0:
-            return out
-        window = min(vocab, window * 8)

@@ -314,7 +314,8 @@ class Scheduler:
             self._finish(req, finish_stop(token))
             return
         delta = req.detokenizer.add([token]) if req.detokenizer is not None else ""
-        if past_min and req.detokenizer is not None and req.detokenizer.matched_stop is not None:
+        # Stop strings apply from the first token: min_new_tokens holds back EOS and stop ids only.
+        if req.detokenizer is not None and req.detokenizer.matched_stop is not None:
             self._emit(req, delta, [token])
             self._finish(req, finish_stop(req.detokenizer.matched_stop))
             return

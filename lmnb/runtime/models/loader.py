@@ -14,12 +14,13 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from lmnb.runtime.models import registry
@@ -102,6 +103,7 @@ def _converted_gguf_dir(gguf: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)
     try:
         _convert_gguf(gguf.resolve(), tmp)
         try:
@@ -231,6 +233,37 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
     return resolved
 
 
+_RANDOM_INITS = frozenset(
+    {
+        torch.nn.init.uniform_,
+        torch.nn.init.normal_,
+        torch.nn.init.trunc_normal_,
+        torch.nn.init.xavier_uniform_,
+        torch.nn.init.xavier_normal_,
+        torch.nn.init.kaiming_uniform_,
+        torch.nn.init.kaiming_normal_,
+        torch.nn.init.orthogonal_,
+        torch.nn.init.sparse_,
+    }
+)
+
+
+class _SkipRandomInit(TorchFunctionMode):
+    """Makes torch.nn.init's random fills no-ops in this thread: weights are overwritten anyway."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _RANDOM_INITS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast floating parameters module by module; buffers (e.g. RoPE tables) keep their dtype."""
     for module in model.modules():
@@ -270,7 +303,7 @@ def load_model(
     device = torch.device(device)
     if not dummy and model_dir is None:
         raise ValueError("load_model needs a model_dir unless dummy=True")
-    with torch.device(device):
+    with torch.device(device), _SkipRandomInit():
         model = cls(config)
     _cast_parameters(model, dtype)
     if device.type == "cuda":

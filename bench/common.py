@@ -1,0 +1,109 @@
+"""Helpers shared by the benchmark scripts: wall-clock timing, one results table, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Waits for queued GPU work, so that wall-clock times cover it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def stopwatch(device: str | torch.device) -> Iterator[dict[str, float]]:
+    """`with stopwatch(dev) as t: ...` then `t["seconds"]`; synchronizes the device at both ends."""
+    timing = {"seconds": 0.0}
+    synchronize(device)
+    start = time.perf_counter()
+    try:
+        yield timing
+    finally:
+        synchronize(device)
+        timing["seconds"] = time.perf_counter() - start
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def device_name(device: str | torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    return f"CPU {cpu} ({torch.get_num_threads()} torch threads, {os.cpu_count()} cores)"
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None
+
+
+def environment(device: str | torch.device) -> dict[str, Any]:
+    """What a result was measured on: device, library versions, commit, time."""
+    import transformers
+
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "git_commit": _git_commit(),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table; floats get 2 decimals, ints thousands separators."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, bool) or value is None:
+            return "-" if value is None else str(value)
+        if isinstance(value, int):
+            return f"{value:,}"
+        if isinstance(value, float):
+            return f"{value:,.2f}"
+        return str(value)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    # First column left-aligned (names), the rest right-aligned (numbers).
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths, strict=True)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in cells)])
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Writes `payload` as indented JSON, creating the folder; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path

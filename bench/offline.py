@@ -1,0 +1,368 @@
+"""nano-vllm's offline throughput workload on lmnb and on HF transformers `generate`.
+
+N sequences of random prompt ids (lengths uniform in [min_input_len, max_input_len]) each with a
+fixed output length (uniform in [min_output_len, max_output_len]), drawn exactly as nano-vllm's
+bench.py draws them (`random.Random(0)`, ids in [0, 10000]); temperature 0.6 and `ignore_eos`, so
+every sequence generates exactly its drawn length.
+
+- lmnb: every prompt in one `Runtime.generate(input_ids=[...], sampling_params=[...])` call.
+- HF: `model.generate` on the same weights, `--hf-batch-size` prompts at a time, left-padded,
+  `min_new_tokens = max_new_tokens =` the batch's longest output; only each sequence's own
+  requested tokens count as output (the rest is the cost of static batching).
+
+`--dummy-config llama-2-7b` benchmarks random weights of a real architecture (GPU); the embedded
+SmolLM2's tokenizer is used only to detokenize, so the text is meaningless, and ids the
+tokenizer does not know are dropped from the text. HF then gets its own random weights of the
+same shape (same architecture and cost, not the same values).
+
+    python bench/offline.py                                  # 256 seqs, SmolLM2
+    python bench/offline.py --dummy-config llama-2-7b --device cuda
+    python bench/offline.py --num-seqs 8 --max-input-len 128 --max-output-len 32 --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    environment,
+    format_table,
+    resolve_device,
+    stopwatch,
+    write_json,
+)
+from lmnb.runtime.models import loader  # noqa: E402
+
+SEED = 0
+MAX_PROMPT_ID = 10000  # nano-vllm draws prompt ids from randint(0, 10000)
+WARMUP_TOKENS = 4
+
+_LLAMA_2_7B = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
+    intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+    vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+    hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.02, dtype="float16")
+
+# Real architectures' shapes for random-weight runs (--dummy-config NAME).
+DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": _LLAMA_2_7B,
+    "llama-2-13b": {**_LLAMA_2_7B, "hidden_size": 5120, "intermediate_size": 13824,
+                    "num_hidden_layers": 40, "num_attention_heads": 40,
+                    "num_key_value_heads": 40},
+    "llama-3-8b": {**_LLAMA_2_7B, "intermediate_size": 14336, "num_key_value_heads": 8,
+                   "vocab_size": 128256, "max_position_embeddings": 8192,
+                   "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001,
+                   "dtype": "bfloat16"},
+    "mistral-7b": {**_LLAMA_2_7B, "model_type": "mistral",
+                   "architectures": ["MistralForCausalLM"], "intermediate_size": 14336,
+                   "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                   "sliding_window": None, "dtype": "bfloat16"},
+    "qwen2-7b": {**_LLAMA_2_7B, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                 "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                 "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                 "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                 "rms_norm_eps": 1e-6, "bos_token_id": 151643, "eos_token_id": 151643,
+                 "dtype": "bfloat16"},
+    "smollm2-135m": {**_LLAMA_2_7B, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "vocab_size": 49152, "max_position_embeddings": 8192,
+                     "rope_theta": 100000.0, "tie_word_embeddings": True,
+                     "dtype": "bfloat16"},
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What both systems load: a folder (real weights) or a config (random weights)."""
+
+    label: str
+    model_dir: Path  # for dummy configs, a temporary folder holding only config.json
+    tokenizer_dir: Path | None
+    config: Any
+    dtype: torch.dtype
+    dummy: bool
+
+
+def make_workload(*, num_seqs: int, min_input_len: int, max_input_len: int,
+                  min_output_len: int, max_output_len: int, vocab_size: int) -> Workload:
+    """nano-vllm's draw order: every prompt (length, then ids), then every output length."""
+    rng = random.Random(SEED)
+    top_id = min(MAX_PROMPT_ID, vocab_size - 1)
+    prompts = [[rng.randint(0, top_id) for _ in range(rng.randint(min_input_len, max_input_len))]
+               for _ in range(num_seqs)]
+    output_lens = [rng.randint(min_output_len, max_output_len) for _ in range(num_seqs)]
+    return Workload(prompts, output_lens)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-input-len", type=int, default=100)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--min-output-len", type=int, default=100)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.6,
+                        help="0 for greedy (default 0.6, as nano-vllm)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None,
+                       help="local HF folder or .gguf (default: the embedded SmolLM2-135M)")
+    model.add_argument("--dummy-config", choices=sorted(DUMMY_CONFIGS), default=None,
+                       help="random weights of this architecture")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="lmnb KV pool size in tokens (default: sized from free memory)")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--skip-hf", action="store_true", help="run lmnb only")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "offline.json")
+    args = parser.parse_args(argv)
+    # Defaults of the min lengths give way to a smaller max (e.g. --max-output-len 64).
+    args.min_input_len = min(args.min_input_len, args.max_input_len)
+    args.min_output_len = min(args.min_output_len, args.max_output_len)
+    if args.num_seqs < 1 or args.min_input_len < 1 or args.min_output_len < 1:
+        parser.error("--num-seqs and the lengths must be >= 1")
+    if args.hf_batch_size < 1:
+        parser.error("--hf-batch-size must be >= 1")
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+    return args
+
+
+def model_spec(args: argparse.Namespace, scratch: Path, device: torch.device) -> ModelSpec:
+    if args.dummy_config is None:
+        model_dir = loader.resolve_model_dir(args.model)
+        config = loader.load_config(model_dir)
+        label = args.model or "embedded SmolLM2-135M-Instruct"
+        tokenizer_dir = None
+    else:
+        from transformers import AutoConfig
+
+        fields = dict(DUMMY_CONFIGS[args.dummy_config])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        model_dir = scratch / args.dummy_config
+        config.save_pretrained(model_dir)
+        label = f"dummy {args.dummy_config} (random weights)"
+        tokenizer_dir = loader.resolve_model_dir(None)
+    dtype = loader.resolve_dtype(args.dtype, config, device)
+    return ModelSpec(label=label, model_dir=model_dir, tokenizer_dir=tokenizer_dir,
+                     config=config, dtype=dtype, dummy=args.dummy_config is not None)
+
+
+def _release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_lmnb(spec: ModelSpec, workload: Workload, args: argparse.Namespace,
+             device: torch.device) -> dict[str, Any]:
+    from lmnb.runtime.engine import Runtime
+
+    with stopwatch(device) as load:
+        rt = Runtime(spec.model_dir, dtype=spec.dtype, device=device,
+                     tokenizer_path=spec.tokenizer_dir,
+                     load_format="dummy" if spec.dummy else "auto",
+                     max_total_tokens=args.max_total_tokens,
+                     attention_backend=args.attention_backend)
+    try:
+        longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens,
+                                                 strict=True))
+        if longest > rt.context_len:
+            raise SystemExit(f"a sequence needs {longest} tokens; lmnb's context length is "
+                             f"{rt.context_len} (raise --max-total-tokens or shorten the lengths)")
+        params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature}
+                  for n in workload.output_lens]
+        torch.manual_seed(SEED)
+        rt.generate(input_ids=workload.prompts[0][:16],
+                    sampling_params={**params[0], "max_new_tokens": WARMUP_TOKENS})
+        before = rt.stats()
+        with stopwatch(device) as run:
+            outputs = rt.generate(input_ids=workload.prompts, sampling_params=params)
+        after = rt.stats()
+        max_total_tokens = rt.max_total_tokens
+    finally:
+        rt.close()
+        del rt
+        _release_memory(device)
+    produced = [out["meta_info"]["completion_tokens"] for out in outputs]
+    return {
+        "seqs": len(outputs),
+        "output_tokens": sum(produced),
+        "seconds": run["seconds"],
+        "tokens_per_s": sum(produced) / run["seconds"],
+        "load_seconds": load["seconds"],
+        "short_seqs": sum(p < n for p, n in zip(produced, workload.output_lens, strict=True)),
+        "forward_passes": after["forward_passes"] - before["forward_passes"],
+        "retractions": after["retractions"] - before["retractions"],
+        "max_total_tokens": max_total_tokens,
+    }
+
+
+def _load_hf(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if spec.dummy:
+        torch.manual_seed(SEED)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(spec.config, dtype=spec.dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=spec.dtype,
+                                                     local_files_only=True).to(device)
+    return model.eval()
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int,
+                 temperature: float, pad_id: int, device: torch.device) -> int:
+    """Generates exactly `new_tokens` per prompt; returns how many tokens each row got."""
+    ids, mask = _left_padded(prompts, pad_id, device)
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+                if temperature > 0 else dict(do_sample=False))
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=pad_id, **sampling)
+    return out.shape[1] - ids.shape[1]
+
+
+def run_hf(spec: ModelSpec, workload: Workload, args: argparse.Namespace,
+           device: torch.device) -> dict[str, Any]:
+    with stopwatch(device) as load:
+        model = _load_hf(spec, device)
+    config = spec.config
+    pad_id = next((t for t in (getattr(config, "pad_token_id", None),
+                               getattr(config, "eos_token_id", None)) if isinstance(t, int)), 0)
+    size = args.hf_batch_size
+    batches = [range(i, min(i + size, len(workload.prompts)))
+               for i in range(0, len(workload.prompts), size)]
+    try:
+        torch.manual_seed(SEED)
+        _hf_generate(model, [workload.prompts[0][:16]] * 2, WARMUP_TOKENS, args.temperature,
+                     pad_id, device)
+        useful = generated = short = 0
+        with stopwatch(device) as run:
+            for batch in batches:
+                wanted = [workload.output_lens[i] for i in batch]
+                got = _hf_generate(model, [workload.prompts[i] for i in batch], max(wanted),
+                                   args.temperature, pad_id, device)
+                useful += sum(min(n, got) for n in wanted)
+                generated += got * len(wanted)
+                short += sum(got < n for n in wanted)
+    finally:
+        del model
+        _release_memory(device)
+    return {
+        "seqs": len(workload.prompts),
+        "output_tokens": useful,
+        "seconds": run["seconds"],
+        "tokens_per_s": useful / run["seconds"],
+        "load_seconds": load["seconds"],
+        "short_seqs": short,
+        "batch_size": size,
+        "generated_tokens": generated,  # including tokens past a sequence's own length
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    warnings.filterwarnings("ignore", module="transformers")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory(prefix="lmnb-bench-") as scratch:
+        spec = model_spec(args, Path(scratch), device)
+        longest = args.max_input_len + args.max_output_len
+        if longest > spec.config.max_position_embeddings:
+            raise SystemExit(f"max input + output ({longest}) exceeds the model's "
+                             f"{spec.config.max_position_embeddings} positions")
+        workload = make_workload(
+            num_seqs=args.num_seqs, min_input_len=args.min_input_len,
+            max_input_len=args.max_input_len, min_output_len=args.min_output_len,
+            max_output_len=args.max_output_len, vocab_size=spec.config.vocab_size)
+        print(f"offline: {args.num_seqs} seqs, {workload.prompt_tokens:,} prompt tokens, "
+              f"{workload.output_tokens:,} output tokens; {spec.label}, {spec.dtype}, {device}")
+        results = {"lmnb": run_lmnb(spec, workload, args, device)}
+        if not args.skip_hf:
+            results["hf"] = run_hf(spec, workload, args, device)
+
+    names = {"lmnb": "lmnb", "hf": f"HF generate (batch {args.hf_batch_size})"}
+    rows = [(names[k], r["seqs"], r["output_tokens"], r["seconds"], r["tokens_per_s"])
+            for k, r in results.items()]
+    print(format_table(["system", "seqs", "output tokens", "seconds", "tokens/s"], rows))
+    for key, result in results.items():
+        if result["short_seqs"]:
+            print(f"warning: {result['short_seqs']} {names[key]} sequences got fewer tokens "
+                  "than requested")
+    ratio = (results["lmnb"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+             if "hf" in results else None)
+    if ratio is not None:
+        print(f"lmnb / HF throughput: {ratio:.2f}x")
+
+    payload = {
+        "benchmark": "offline",
+        "config": {
+            "model": spec.label,
+            "dtype": str(spec.dtype).removeprefix("torch."),
+            "num_seqs": args.num_seqs,
+            "input_len": [args.min_input_len, args.max_input_len],
+            "output_len": [args.min_output_len, args.max_output_len],
+            "temperature": args.temperature,
+            "ignore_eos": True,
+            "seed": SEED,
+            "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
+            "max_total_tokens": args.max_total_tokens,
+            "attention_backend": args.attention_backend,
+        },
+        "workload": {"prompt_tokens": workload.prompt_tokens,
+                     "output_tokens": workload.output_tokens},
+        "results": results,
+        "ratio_lmnb_over_hf": ratio,
+        "environment": environment(device),
+    }
+    path = write_json(args.output, payload)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
