@@ -142,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="lmnb KV pool size in tokens (default: sized from free memory)")
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (CPU; default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="run lmnb only")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "offline.json")
@@ -151,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.min_output_len = min(args.min_output_len, args.max_output_len)
     if args.num_seqs < 1 or args.min_input_len < 1 or args.min_output_len < 1:
         parser.error("--num-seqs and the lengths must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
     if args.hf_batch_size < 1:
         parser.error("--hf-batch-size must be >= 1")
     if args.temperature < 0:
@@ -305,6 +309,8 @@ def run_hf(spec: ModelSpec, workload: Workload, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -352,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
             "max_total_tokens": args.max_total_tokens,
             "attention_backend": args.attention_backend,
+            "threads": torch.get_num_threads(),
         },
         "workload": {"prompt_tokens": workload.prompt_tokens,
                      "output_tokens": workload.output_tokens},

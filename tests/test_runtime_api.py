@@ -523,9 +523,9 @@ def test_close_aborts_a_running_stream(model_dir: Path) -> None:
                               stream=True)
     next(stream)
     runtime.close()
-    with pytest.raises(RuntimeError):
-        for _ in stream:
-            pass
+    rest = list(stream)  # the stream ends: its request was aborted by close()
+    assert rest and rest[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert sum(len(c["output_ids"]) for c in rest) < 399
 
 
 # ---- memory pressure and chunking ------------------------------------------------------------

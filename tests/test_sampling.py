@@ -99,6 +99,25 @@ def test_temperature_frequencies_follow_softmax(temperature: float) -> None:
     assert chi2 < 24.3  # 7 degrees of freedom, p = 0.001
 
 
+@pytest.mark.parametrize("params", [dict(top_k=4, temperature=0.8), dict(top_p=0.7),
+                                    dict(top_k=6, top_p=0.8, min_p=0.2, temperature=1.3)])
+def test_cut_frequencies_follow_renormalised_distribution(params: dict[str, float]) -> None:
+    torch.manual_seed(13)
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    draws = 20000
+    reqs = [make_req(**params) for _ in range(draws)]
+    sampler = Sampler(8, {EOS})
+    target = sampler.distribution(base[None], reqs[:1])[0].double()
+    assert 1 < int((target > 0).sum()) < 8
+    ids = sampler(base.expand(draws, 8).clone(), reqs).next_token_ids
+    observed = torch.bincount(ids, minlength=8).double()
+    assert observed[target == 0].sum() == 0
+    kept = target > 0
+    expected = target[kept] * draws
+    chi2 = float(((observed[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # at most 5 degrees of freedom, p = 0.001
+
+
 def test_top_k_restricts_support() -> None:
     torch.manual_seed(4)
     logits = torch.randn(5, 2000)
@@ -231,11 +250,12 @@ def test_min_new_tokens_blocks_eos_and_stop_ids() -> None:
     assert not set(many.next_token_ids.tolist()) & {EOS, 5}
 
 
-def test_seeded_requests_are_batch_independent() -> None:
+@pytest.mark.parametrize("params", [dict(temperature=1.1, top_p=0.95, top_k=500),
+                                    dict(temperature=0.9), dict(top_p=0.9, min_p=0.01)])
+def test_seeded_requests_are_batch_independent(params: dict[str, float]) -> None:
     torch.manual_seed(10)
     vocab = 5000
-    row = torch.randn(vocab)
-    params = dict(temperature=1.1, top_p=0.95, top_k=500)
+    row = torch.randn(vocab) * 2
 
     def run(batch_size: int, position: int, steps: int = 6) -> list[int]:
         seeded = make_req(seed=1234, **params)
@@ -260,11 +280,11 @@ def test_seeded_requests_are_batch_independent() -> None:
 
 def test_vocab_mask_and_padded_logits() -> None:
     torch.manual_seed(11)
-    logits = torch.randn(3, 128)
+    logits = torch.randn(4, 128)
     logits[:, 100:] = 100.0  # padding past the tokenizer's vocab is never sampled
-    mask = torch.zeros(3, 128, dtype=torch.bool)
+    mask = torch.zeros(4, 128, dtype=torch.bool)
     mask[:, [3, 8, 9]] = True
-    reqs = [make_req(temperature=0.0), make_req(), make_req(top_p=0.5)]
+    reqs = [make_req(temperature=0.0), make_req(), make_req(top_p=0.5), make_req(top_k=50)]
     sampler = Sampler(100, {EOS})
     out = sampler(logits, reqs)
     assert (out.next_token_ids < 100).all()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -76,7 +77,8 @@ class SamplingParams:
         need(all(isinstance(s, str) for s in self.stop), "stop must be a string or list of strings")
         need(all(isinstance(t, int) for t in self.stop_token_ids),
              "stop_token_ids must be a list of ints")
-        need(self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
+        need(self.seed is None or isinstance(self.seed, int),
+             f"seed must be an int, got {self.seed!r}")
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -85,7 +87,8 @@ class SamplingParams:
         if isinstance(params, SamplingParams):
             return params
         if not isinstance(params, dict):
-            raise InvalidRequestError(f"sampling_params must be a dict, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"sampling_params must be a dict, got {type(params).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
@@ -142,6 +145,7 @@ class Req:
     top_logprobs_num: int = 0
     rid: int = field(default_factory=lambda: next(_req_ids))
     sample_index: int = 0  # which of the n samples of its prompt
+    extra_key: Hashable = None  # prefix-cache namespace: equal tokens in other namespaces differ
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -155,6 +159,7 @@ class Req:
     retractions: int = 0
     forward_passes: int = 0
     created_at: float = 0.0
+    arrival_pass: int = 0  # scheduler forward-pass count when it arrived (for aging)
 
     # Logprobs accumulated so far.
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
@@ -186,7 +191,7 @@ class Req:
 
     @property
     def input_logprobs_needed_from(self) -> int:
-        """First prompt position whose logprob is still missing (prompt logprobs are computed once)."""
+        """First prompt position whose logprob is still missing (each is computed once)."""
         return max(self.logprob_start_len, 0) + len(self.input_token_logprobs)
 
 

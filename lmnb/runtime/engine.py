@@ -19,6 +19,7 @@ from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
+from lmnb.runtime.radix.cache import RadixCache
 from lmnb.runtime.scheduler import Scheduler, SchedulerConfig
 
 PromptInput = str | Sequence[str] | None
@@ -69,7 +70,8 @@ class Runtime:
         max_running_requests: int | None = None,
         context_length: int | None = None,
         chunked_prefill_size: int | None = None,
-        schedule_policy: str = "fcfs",
+        schedule_policy: str = "lpm",
+        disable_radix_cache: bool = False,
         attention_backend: str | None = None,
         check_integrity_each_step: bool = False,
     ) -> None:
@@ -96,8 +98,9 @@ class Runtime:
             chunked_prefill_size=chunked_prefill_size or (8192 if self.device.type == "cuda"
                                                           else 2048),
             check_integrity_each_step=check_integrity_each_step)
-        cache = NoReuseCache(self._runner.req_to_token_pool, self._runner.token_to_kv_pool)
-        self._scheduler = Scheduler(self._runner, cache, make_policy(schedule_policy),
+        pools = (self._runner.req_to_token_pool, self._runner.token_to_kv_pool)
+        self._cache = NoReuseCache(*pools) if disable_radix_cache else RadixCache(*pools)
+        self._scheduler = Scheduler(self._runner, self._cache, make_policy(schedule_policy),
                                     scheduler_config, self.eos_token_ids)
         self._tokenizer_lock = threading.Lock()
         self._closed = False
@@ -132,16 +135,65 @@ class Runtime:
         self._scheduler.call(self._scheduler.check_integrity)
 
     def stats(self) -> dict[str, Any]:
+        """Counters and gauges: hit rate (cumulative and over the recent window), forward passes,
+        retractions, evictions, radix tree size, KV pool usage."""
         self._check_open()
-        scheduler = self._scheduler
+        scheduler, cache = self._scheduler, self._cache
 
         def read() -> dict[str, Any]:
+            stats = dict(scheduler.stats)
+            recent_cached = sum(c for c, _ in scheduler.recent_hits)
+            recent_prompt = sum(p for _, p in scheduler.recent_hits)
             pool = scheduler.kv_pool
-            return {**scheduler.stats, "max_total_tokens": pool.size,
-                    "free_tokens": pool.available(), "running": len(scheduler.running),
-                    "waiting": len(scheduler.waiting)}
+            stats.update(
+                cache_hit_rate=stats["cached_tokens"] / max(stats["prompt_tokens"], 1),
+                recent_cache_hit_rate=recent_cached / max(recent_prompt, 1),
+                evicted_tokens=getattr(cache, "evicted_tokens", 0),
+                eviction_events=getattr(cache, "eviction_events", 0),
+                tree_nodes=cache.node_count() if isinstance(cache, RadixCache) else 0,
+                tree_tokens=cache.evictable_size() + cache.protected_size(),
+                evictable_tokens=cache.evictable_size(),
+                protected_tokens=cache.protected_size(),
+                max_total_tokens=pool.size, free_tokens=pool.available(),
+                running=len(scheduler.running), waiting=len(scheduler.waiting))
+            return stats
 
         return scheduler.call(read)
+
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache; refused (returns False) while requests are in flight."""
+        self._check_open()
+        scheduler, cache = self._scheduler, self._cache
+
+        def flush() -> bool:
+            if scheduler.waiting or scheduler.live_reqs():
+                return False
+            cache.evict(cache.evictable_size())
+            cache.reset()
+            return True
+
+        return scheduler.call(flush)
+
+    def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
+        """The radix tree as plain data (node id, parent, token count, text preview, lock_ref,
+        last access, hit count), parents first; empty without a radix cache."""
+        self._check_open()
+        if not isinstance(self._cache, RadixCache):
+            return []
+        rows = self._scheduler.call(lambda: self._cache.snapshot(preview_tokens))
+        for row in rows:
+            ids = row.pop("key_preview")
+            row["text"] = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return rows
+
+    def cache_prefix(self, prompt: str | None = None, *,
+                     input_ids: Sequence[int] | None = None) -> int:
+        """Prefills `prompt` (or `input_ids`) into the cache without generating; returns the
+        number of tokens it holds. The frontend's hint for forks and batches."""
+        out = self.generate(prompt, {"max_new_tokens": 0}, input_ids=input_ids)
+        if isinstance(out, list):
+            raise InvalidRequestError("cache_prefix takes one prompt")
+        return out["meta_info"]["prompt_tokens"]
 
     # ---- generation --------------------------------------------------------------------------
     def generate(

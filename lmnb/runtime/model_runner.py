@@ -79,7 +79,8 @@ class ModelRunner:
             fraction = 0.88 if mem_fraction_static is None else mem_fraction_static
             budget = total * fraction - (total - available)
         else:
-            fraction = CPU_KV_MEMORY_FRACTION if mem_fraction_static is None else mem_fraction_static
+            fraction = (CPU_KV_MEMORY_FRACTION if mem_fraction_static is None
+                        else mem_fraction_static)
             budget = available * fraction
         tokens = int(budget // per_token)
         if tokens < 2:

@@ -1,12 +1,15 @@
-"""Orders the waiting queue before admission."""
+"""Orders the waiting queue before admission: fcfs, lpm, dfs-weight, and lpm with aging."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 from lmnb.runtime.core import Req
+from lmnb.runtime.prefix_cache import PrefixCache
 
 _POLICIES: dict[str, type[SchedulePolicy]] = {}
+LPM_MAX_QUEUE = 128  # beyond this many waiting requests, matching each one costs too much
 
 
 def register_policy(name: str) -> Callable[[type[SchedulePolicy]], type[SchedulePolicy]]:
@@ -19,16 +22,80 @@ def register_policy(name: str) -> Callable[[type[SchedulePolicy]], type[Schedule
 
 
 class SchedulePolicy:
+    """`order(waiting, cache, clock)`: the admission order; `clock` counts forward passes."""
+
     name = "base"
 
-    def order(self, waiting: list[Req]) -> list[Req]:
+    def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
         raise NotImplementedError
+
+
+def _matched_lengths(waiting: list[Req], cache: PrefixCache) -> dict[int, int]:
+    return {req.rid: len(cache.match_prefix(req.fill_ids, req.extra_key).indices)
+            for req in waiting}
 
 
 @register_policy("fcfs")
 class FirstComeFirstServed(SchedulePolicy):
-    def order(self, waiting: list[Req]) -> list[Req]:
+    def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
         return list(waiting)
+
+
+@register_policy("lpm")
+class LongestPrefixMatch(SchedulePolicy):
+    """Longest cached prefix first (ties keep arrival order): the paper's cache-aware order."""
+
+    def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
+        if not cache.reuses_kv or len(waiting) > LPM_MAX_QUEUE:
+            return list(waiting)
+        matched = _matched_lengths(waiting, cache)
+        return sorted(waiting, key=lambda req: -matched[req.rid])
+
+
+@register_policy("dfs-weight")
+class DepthFirstWeight(SchedulePolicy):
+    """Walks the radix tree depth first, heavier subtrees (more waiting requests) first, so that
+    requests sharing a subtree run together while it is cached."""
+
+    def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
+        root = getattr(cache, "root", None)
+        if root is None or len(waiting) > LPM_MAX_QUEUE:
+            return list(waiting)
+        at_node: dict[int, list[Req]] = defaultdict(list)
+        nodes = {}
+        for req in waiting:
+            node = cache.match_prefix(req.fill_ids, req.extra_key).last_node
+            at_node[node.id].append(req)
+            nodes[node.id] = node
+        weight: dict[int, int] = defaultdict(int)
+        for node_id, reqs in at_node.items():
+            node = nodes[node_id]
+            while node is not None:
+                weight[node.id] += len(reqs)
+                node = node.parent
+        ordered: list[Req] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            ordered.extend(at_node.get(node.id, ()))
+            children = [c for c in node.children.values() if weight.get(c.id)]
+            stack.extend(sorted(children, key=lambda c: weight[c.id]))  # heaviest popped first
+        return ordered
+
+
+@register_policy("lpm-fair")
+class LongestPrefixMatchWithAging(SchedulePolicy):
+    """LPM, except that a request waiting `max_wait_passes` forward passes or more goes first
+    (oldest first): cache-aware order without unbounded starvation."""
+
+    def __init__(self, max_wait_passes: int = 64) -> None:
+        self.max_wait_passes = max_wait_passes
+        self._lpm = LongestPrefixMatch()
+
+    def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
+        starved = [r for r in waiting if clock - r.arrival_pass >= self.max_wait_passes]
+        rest = [r for r in waiting if clock - r.arrival_pass < self.max_wait_passes]
+        return sorted(starved, key=lambda r: r.arrival_pass) + self._lpm.order(rest, cache, clock)
 
 
 def make_policy(name: str) -> SchedulePolicy:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -17,6 +17,14 @@ class MatchResult(NamedTuple):
     last_node: Any  # handle to lock while the slots are in use
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class PrefixCache(ABC):
     """KV of earlier requests kept for reuse, sharing the one token pool with running requests.
 
@@ -26,12 +34,14 @@ class PrefixCache(ABC):
     a live request beyond its matched prefix.
     """
 
+    reuses_kv = True
+
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
 
     @abstractmethod
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         """Longest cached prefix of `key`, at most `len(key) - 1` tokens (a request always computes
         at least one token of its own)."""
 
@@ -45,6 +55,9 @@ class PrefixCache(ABC):
     def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: may cache the computed part and move the request's lock to it,
         updating `req.prefix_indices` and `req.last_node`."""
+
+    def note_hit(self, node: Any) -> None:  # noqa: B027
+        """A request was admitted on the prefix ending at `node` (for hit statistics)."""
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> None: ...
@@ -70,9 +83,11 @@ class PrefixCache(ABC):
 class NoReuseCache(PrefixCache):
     """Caches nothing: every request prefills its whole prompt and frees its KV when done."""
 
+    reuses_kv = False
+
     _EMPTY = torch.empty(0, dtype=torch.int64)
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         return MatchResult(self._EMPTY.to(self.token_to_kv_pool.device), None)
 
     def cache_finished_req(self, req: Req) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from lmnb.runtime.core import (
 )
 from lmnb.runtime.model_runner import ModelRunner, StepOutput
 from lmnb.runtime.policy import SchedulePolicy
-from lmnb.runtime.prefix_cache import PrefixCache
+from lmnb.runtime.prefix_cache import PrefixCache, common_prefix_length
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7  # share of max_new_tokens reserved for running requests
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001  # per decode pass
+    in_batch_prefix_min_tokens: int = 32  # defer a request sharing this many uncached tokens
     check_integrity_each_step: bool = False
 
     def __post_init__(self) -> None:
@@ -54,7 +56,8 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: PrefixCache, policy: SchedulePolicy,
-                 config: SchedulerConfig, eos_token_ids: set[int]) -> None:
+                 config: SchedulerConfig, eos_token_ids: set[int],
+                 recent_window: int = 64) -> None:
         self.runner = runner
         self.cache = cache
         self.policy = policy
@@ -68,6 +71,7 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = {"forward_passes": 0, "retractions": 0, "prompt_tokens": 0,
                       "cached_tokens": 0, "generated_tokens": 0}
+        self.recent_hits: deque[tuple[int, int]] = deque(maxlen=recent_window)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self.fatal_error: BaseException | None = None
@@ -125,6 +129,7 @@ class Scheduler:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
+            payload.arrival_pass = self.stats["forward_passes"]
             self.waiting.append(payload)
         elif kind == "abort":
             req, message = payload
@@ -165,44 +170,53 @@ class Scheduler:
 
     def _schedule_extend(self) -> Batch | None:
         budget = self.config.chunked_prefill_size
-        room = self.kv_pool.available() + self.cache.evictable_size() - self._reserved_for_running()
+        reserved = self._reserved_for_running()
+        planned = 0  # tokens this batch allocates plus the reserves of the requests it admits
+
+        def room() -> int:
+            return self.kv_pool.available() + self.cache.evictable_size() - reserved - planned
+
         reqs: list[Req] = []
         prefix_lens: list[int] = []
         extend_lens: list[int] = []
         if self.chunked is not None:
             req = self.chunked
             remaining = len(req.fill_ids) - req.kv_len
-            take = min(remaining, budget, max(room, 0))
+            take = min(remaining, budget, max(room(), 0))
             if take <= 0:
                 return None
             reqs.append(req)
             prefix_lens.append(req.kv_len)
             extend_lens.append(take)
             budget -= take
-            room -= take
-            if take == remaining:
-                self.chunked = None
-        for req in self.policy.order(self.waiting) if self.chunked is None else []:
+            planned += take
+            if take < remaining:
+                return self._make_batch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens)
+            self.chunked = None
+        for req in self.policy.order(self.waiting, self.cache, self.stats["forward_passes"]):
             if budget <= 0 or self.req_to_token_pool.available() == 0:
                 break
             match = self._match(req)
             prefix_len = len(match.indices)
+            if self._defer_for_shared_prefix(req, prefix_len, reqs):
+                continue
+            self._bind(req, match)  # locks the prefix: it no longer counts as evictable room
             extend = len(req.fill_ids) - prefix_len
             reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
                           * self.new_token_ratio)
             alone = not (self.running or reqs)  # admitted even if its reserve does not fit
-            if extend + reserve > room and not alone:
-                break
-            take = min(extend, budget, room)
-            if take <= 0:
+            available = room()
+            take = min(extend, budget, available)
+            if (extend + reserve > available and not alone) or take <= 0:
+                self._unbind(req)
                 break
             self.waiting.remove(req)
-            self._bind(req, match)
+            self._count_admission(req, prefix_len)
             reqs.append(req)
             prefix_lens.append(prefix_len)
             extend_lens.append(take)
             budget -= take
-            room -= take + reserve
+            planned += take + reserve
             if take < extend:
                 self.chunked = req
                 break
@@ -210,11 +224,24 @@ class Scheduler:
             return None
         return self._make_batch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens)
 
+    def _defer_for_shared_prefix(self, req: Req, cached_len: int, admitted: list[Req]) -> bool:
+        """Holds back a request whose uncached prefix an admitted one is about to compute: once
+        that one's prompt is in the cache, this one hits it."""
+        threshold = self.config.in_batch_prefix_min_tokens
+        if not self.cache.reuses_kv or threshold <= 0:
+            return False
+        ids = req.fill_ids
+        for other in admitted:
+            if other.extra_key == req.extra_key and \
+                    common_prefix_length(ids, other.fill_ids) - cached_len >= threshold:
+                return True
+        return False
+
     def _match(self, req: Req):
         key = req.fill_ids
         if req.wants_input_logprobs:
             key = key[:max(req.input_logprobs_needed_from, 1)]  # scored positions must be computed
-        return self.cache.match_prefix(key)
+        return self.cache.match_prefix(key, req.extra_key)
 
     def _bind(self, req: Req, match) -> None:
         req.req_pool_idx = self.req_to_token_pool.alloc()
@@ -224,10 +251,19 @@ class Scheduler:
         req.last_node = match.last_node
         req.kv_len = len(prefix)
         self.req_to_token_pool.req_to_token[req.req_pool_idx, :len(prefix)] = prefix
+
+    def _unbind(self, req: Req) -> None:
+        self.cache.dec_lock_ref(req.last_node)
+        self._release_slots(req)
+
+    def _count_admission(self, req: Req, prefix_len: int) -> None:
         if req.retractions == 0:
-            req.cached_tokens = len(prefix)
+            req.cached_tokens = prefix_len
             self.stats["prompt_tokens"] += len(req.origin_input_ids)
-            self.stats["cached_tokens"] += len(prefix)
+            self.stats["cached_tokens"] += prefix_len
+            self.recent_hits.append((prefix_len, len(req.origin_input_ids)))
+            if prefix_len:
+                self.cache.note_hit(req.last_node)
         if req.wants_input_logprobs and req.logprob_start_len == 0 and not req.input_token_logprobs:
             req.input_token_logprobs.append((None, req.origin_input_ids[0]))
             req.input_top_logprobs.append(None)
@@ -282,22 +318,24 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
     def _process(self, batch: Batch, output: StepOutput) -> None:
+        extend = batch.mode is ForwardMode.EXTEND
         for i, req in enumerate(batch.reqs):
             req.forward_passes += 1
             if output.input_logprobs[i]:
                 req.input_token_logprobs.extend(output.input_logprobs[i])
                 req.input_top_logprobs.extend(output.input_top_logprobs[i])
             token = output.next_token_ids[i]
-            if token is None:
-                if req.kv_len < len(req.fill_ids):
-                    self.cache.cache_unfinished_req(req)
-                else:  # prompt done and nothing to generate (max_new_tokens reached)
-                    self._finish(req, finish_length(len(req.output_ids)))
-                continue
-            if batch.mode is ForwardMode.EXTEND:
-                self.running.append(req)
-            self._append_token(req, token, output.next_token_logprobs[i],
-                               output.next_top_logprobs[i])
+            if token is not None:
+                if extend:
+                    self.running.append(req)
+                self._append_token(req, token, output.next_token_logprobs[i],
+                                   output.next_top_logprobs[i])
+            elif req.kv_len == len(req.fill_ids):  # prompt done, nothing to generate
+                self._finish(req, finish_length(len(req.output_ids)))
+            if extend and not req.finished:
+                # Computed prompt KV goes into the cache at once, so that requests sharing the
+                # prefix can hit it while this one still runs.
+                self.cache.cache_unfinished_req(req)
 
     def _append_token(self, req: Req, token: int, logprob: float | None,
                       top: list[tuple[float, int]] | None) -> None:

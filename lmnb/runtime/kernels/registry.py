@@ -1,4 +1,4 @@
-"""Attention backends by name: `@register_attention_backend("name")` and `attention_backend_class`."""
+"""Attention backends by name: `@register_attention_backend(name)`, `attention_backend_class`."""
 
 from __future__ import annotations
 

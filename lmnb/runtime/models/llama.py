@@ -59,7 +59,8 @@ def rope_inverse_frequencies(config, head_dim: int) -> torch.Tensor:
         high_freq_wavelen = old_context_len / high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smooth = ((old_context_len / wavelen - low_freq_factor)
+                  / (high_freq_factor - low_freq_factor))
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)

@@ -1,0 +1,246 @@
+"""RadixAttention's cache: a radix tree over token ids whose nodes hold KV slot indices.
+
+    root ── [The, cat]──┬── [sat]            each edge is a run of tokens; a node's `value`
+                        └── [ran, away]      holds the KV slot of each of its tokens
+
+Cached tokens and running requests share one pool: a node is *protected* while some request holds
+a lock on it or on a descendant (lock_ref > 0), else *evictable*. Eviction frees least recently
+used unlocked leaves first; a parent becomes a leaf, and evictable, once its children are gone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from lmnb.runtime.core import Req
+from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
+from lmnb.runtime.prefix_cache import MatchResult, PrefixCache, common_prefix_length
+
+
+class TreeNode:
+    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access",
+                 "hit_count", "namespace")
+
+    def __init__(self, node_id: int, namespace: Hashable = None) -> None:
+        self.id = node_id
+        self.parent: TreeNode | None = None
+        self.children: dict[tuple[Hashable, int], TreeNode] = {}
+        self.key: list[int] = []
+        self.value: torch.Tensor | None = None
+        self.lock_ref = 0
+        self.last_access = time.monotonic()
+        self.hit_count = 0
+        self.namespace = namespace
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap order: least recently used first
+        return self.last_access < other.last_access
+
+
+class RadixCache(PrefixCache):
+    """Token-level radix tree of KV slots, LRU eviction, lock counting.
+
+    Keys may live in a namespace (`extra_key`): equal token runs under different namespaces never
+    share KV (e.g. LoRA adapters, or media whose pseudo-tokens must not collide).
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool) -> None:
+        super().__init__(req_to_token_pool, token_to_kv_pool)
+        self._ids = itertools.count()
+        self.reset()
+
+    def reset(self) -> None:
+        self.root = TreeNode(next(self._ids))
+        self.root.lock_ref = 1  # the root is never evicted
+        self.root.value = torch.empty(0, dtype=torch.int64, device=self.token_to_kv_pool.device)
+        self._evictable = 0
+        self._protected = 0
+        self.evicted_tokens = 0
+        self.eviction_events = 0
+
+    # ---- matching --------------------------------------------------------------------------------
+    def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
+        if len(key) <= 1:
+            return MatchResult(self.root.value, self.root)
+        return self._match(list(key[:len(key) - 1]), extra_key)
+
+    def _match(self, key: list[int], extra_key: Hashable) -> MatchResult:
+        node = self.root
+        values = []
+        now = time.monotonic()
+        node.last_access = now
+        while key:
+            child = node.children.get((extra_key, key[0]))
+            if child is None:
+                break
+            child.last_access = now
+            matched = common_prefix_length(child.key, key)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            values.append(child.value)
+            node = child
+            key = key[matched:]
+        indices = torch.cat(values) if values else self.root.value
+        return MatchResult(indices, node)
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cuts `node`'s edge after `at` tokens; returns the new upper node."""
+        upper = TreeNode(next(self._ids), node.namespace)
+        upper.parent = node.parent
+        upper.key, upper.value = node.key[:at], node.value[:at]
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        upper.hit_count = node.hit_count
+        node.parent.children[(node.namespace, upper.key[0])] = upper
+        node.key, node.value = node.key[at:], node.value[at:]
+        node.parent = upper
+        upper.children[(node.namespace, node.key[0])] = node
+        return upper
+
+    def note_hit(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            node.hit_count += 1
+            node = node.parent
+
+    # ---- inserting -------------------------------------------------------------------------------
+    def insert(self, key: Sequence[int], value: torch.Tensor, extra_key: Hashable = None) -> int:
+        """Adds `key` -> `value` slots; returns how many leading tokens were already cached (their
+        slots in `value` are duplicates that the caller frees)."""
+        node = self.root
+        key = list(key)
+        now = time.monotonic()
+        done = 0
+        while done < len(key):
+            child = node.children.get((extra_key, key[done]))
+            if child is None:
+                leaf = TreeNode(next(self._ids), extra_key)
+                leaf.parent = node
+                leaf.key = key[done:]
+                leaf.value = value[done:].clone()
+                leaf.last_access = now
+                node.children[(extra_key, key[done])] = leaf
+                self._evictable += len(leaf.key)
+                return done
+            child.last_access = now
+            matched = common_prefix_length(child.key, key[done:])
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            done += matched
+            node = child
+        return done
+
+    def cache_finished_req(self, req: Req) -> None:
+        key = req.fill_ids[:req.kv_len]
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len].clone()
+        already = self.insert(key, slots, req.extra_key)
+        owned_from = len(req.prefix_indices)
+        self.token_to_kv_pool.free(slots[owned_from:max(already, owned_from)])
+        self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        key = req.fill_ids[:req.kv_len]
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        slots = row[:req.kv_len].clone()
+        already = self.insert(key, slots, req.extra_key)
+        owned_from = len(req.prefix_indices)
+        self.token_to_kv_pool.free(slots[owned_from:max(already, owned_from)])
+        indices, node = self._match(list(key), req.extra_key)
+        row[owned_from:len(indices)] = indices[owned_from:]
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices = indices
+        req.last_node = node
+
+    # ---- locks -----------------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            if node.lock_ref == 1:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            node.lock_ref -= 1
+            if node.lock_ref < 0:
+                raise AssertionError(f"radix node {node.id} unlocked more often than locked")
+            node = node.parent
+
+    # ---- eviction --------------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            leaf = heapq.heappop(leaves)
+            self.token_to_kv_pool.free(leaf.value)
+            freed += len(leaf.key)
+            self._evictable -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[(leaf.namespace, leaf.key[0])]
+            self.eviction_events += 1
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        self.evicted_tokens += freed
+        return freed
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    # ---- inspection ------------------------------------------------------------------------------
+    def _nodes(self) -> list[TreeNode]:
+        nodes, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def total_size(self) -> int:
+        return sum(len(n.key) for n in self._nodes())
+
+    def node_count(self) -> int:
+        return len(self._nodes())
+
+    def snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
+        """The tree as plain data, parents first; `key_preview` holds leading token ids."""
+        rows = [{"id": self.root.id, "parent": None, "tokens": 0, "key_preview": [],
+                 "lock_ref": 0, "last_access": self.root.last_access, "hit_count": 0,
+                 "namespace": None}]
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for child in sorted(node.children.values(), key=lambda n: n.id):
+                rows.append({"id": child.id, "parent": node.id, "tokens": len(child.key),
+                             "key_preview": child.key[:preview_tokens],
+                             "lock_ref": child.lock_ref, "last_access": child.last_access,
+                             "hit_count": child.hit_count, "namespace": child.namespace})
+                stack.append(child)
+        return rows
+
+    def check(self) -> None:
+        """Self-check for tests: sizes add up, children are keyed by their first token."""
+        evictable = protected = 0
+        for node in self._nodes():
+            assert node.key and len(node.key) == len(node.value), f"node {node.id} key/value"
+            assert node.parent.children[(node.namespace, node.key[0])] is node
+            assert node.lock_ref >= 0
+            if node.lock_ref:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+            assert node.lock_ref >= max((c.lock_ref for c in node.children.values()), default=0)
+        assert (evictable, protected) == (self._evictable, self._protected), \
+            f"counted {(evictable, protected)} != kept {(self._evictable, self._protected)}"
