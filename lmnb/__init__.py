@@ -7,11 +7,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lmnb.lang.api import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    image,
+    select,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+    video,
+)
+from lmnb.lang.program import Program, ProgramState, function, set_default_backend
+
 __version__ = "0.1.0"
 
-__all__ = ["Runtime", "__version__"]
+__all__ = [
+    "Program", "ProgramState", "Runtime", "LocalBackend", "__version__", "assistant",
+    "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string", "image",
+    "select", "set_default_backend", "system", "system_begin", "system_end", "user",
+    "user_begin", "user_end", "video",
+]
 
 if TYPE_CHECKING:
+    from lmnb.lang.backends.local import LocalBackend
     from lmnb.runtime.engine import Runtime
 
 
@@ -20,6 +45,10 @@ def __getattr__(name: str) -> Any:
         from lmnb.runtime.engine import Runtime
 
         return Runtime
+    if name == "LocalBackend":
+        from lmnb.lang.backends.local import LocalBackend
+
+        return LocalBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

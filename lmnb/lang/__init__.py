@@ -1,0 +1,1 @@
+"""The SGLang-style DSL: programs, expressions, interpreter and backends."""

@@ -1,0 +1,167 @@
+"""The DSL's vocabulary: functions that build expression nodes (SGLang's names and arguments)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from lmnb.lang.ir import (
+    Expr,
+    ExprList,
+    Gen,
+    GenParams,
+    Image,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Video,
+    concat,
+)
+
+CHOICES_METHODS = ("token_length_normalized", "greedy_token_selection",
+                   "unconditional_likelihood_normalized")
+DTYPE_REGEXES = {
+    int: r"[-+]?(0|[1-9][0-9]*)",
+    float: r"[-+]?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?",
+    bool: r"(true|false)",
+    str: r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"',
+}
+_DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _tuple(value: str | Sequence | None) -> tuple | None:
+    if value is None:
+        return None
+    if isinstance(value, str | int):
+        return (value,)
+    return tuple(value)
+
+
+def _schema_text(json_schema: Any) -> str | None:
+    if json_schema is None or isinstance(json_schema, str):
+        return json_schema
+    if isinstance(json_schema, dict):
+        return json.dumps(json_schema)
+    model_json_schema = getattr(json_schema, "model_json_schema", None)  # pydantic models
+    if model_json_schema is not None:
+        return json.dumps(model_json_schema())
+    raise TypeError("json_schema must be a dict, a JSON string or a pydantic model")
+
+
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    n: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: int | Sequence[int] | None = None,
+    stop_regex: str | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    dtype: type | str | None = None,
+    choices: Sequence[str] | None = None,
+    choices_method: str = "token_length_normalized",
+    regex: str | None = None,
+    json_schema: Any = None,
+) -> Expr:
+    """Generates text into variable `name`. Unset arguments inherit the run's defaults. With
+    `choices`, it is a `select`; `dtype` (int, float, bool, str) constrains the output's form."""
+    if choices is not None:
+        return select(name, choices, choices_method=choices_method)
+    if dtype is not None:
+        kind = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if kind not in DTYPE_REGEXES:
+            raise ValueError(f"dtype must be one of int, float, bool, str; got {dtype!r}")
+        if regex is not None:
+            raise ValueError("give either dtype or regex, not both")
+        regex = DTYPE_REGEXES[kind]
+    if regex is not None and json_schema is not None:
+        raise ValueError("give either regex or json_schema, not both")
+    params = GenParams(
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=_tuple(stop),
+        stop_token_ids=_tuple(stop_token_ids), stop_regex=stop_regex, temperature=temperature,
+        top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, regex=regex,
+        json_schema=_schema_text(json_schema))
+    return Gen(name, params)
+
+
+def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
+    return gen(name, dtype=str, **kwargs)
+
+
+def select(name: str | None = None, choices: Sequence[str] | None = None, *,
+           choices_method: str = "token_length_normalized", temperature: float = 0.0) -> Select:
+    """Picks one of `choices` by its likelihood after the text so far (no sampling)."""
+    del temperature  # accepted for SGLang compatibility; scoring is deterministic
+    if not choices:
+        raise ValueError("select needs a non-empty list of choices")
+    if not all(isinstance(c, str) for c in choices):
+        raise TypeError("select choices must be strings")
+    if choices_method not in CHOICES_METHODS:
+        raise ValueError(f"unknown choices_method {choices_method!r}; use one of {CHOICES_METHODS}")
+    return Select(name, tuple(choices), choices_method)
+
+
+def image(source: Any) -> Image:
+    return Image(source)
+
+
+def video(source: Any, num_frames: int = 8) -> Video:
+    return Video(source, num_frames)
+
+
+def _role(role: str, content: Any) -> ExprList:
+    if content is None:
+        return concat(RoleBegin(role), RoleEnd(role))
+    return concat(RoleBegin(role), content, RoleEnd(role))
+
+
+def system(content: Any = None) -> ExprList:
+    return _role("system", content)
+
+
+def user(content: Any = None) -> ExprList:
+    return _role("user", content)
+
+
+def assistant(content: Any = None) -> ExprList:
+    return _role("assistant", content)
+
+
+def system_begin() -> RoleBegin:
+    return RoleBegin("system")
+
+
+def system_end() -> RoleEnd:
+    return RoleEnd("system")
+
+
+def user_begin() -> RoleBegin:
+    return RoleBegin("user")
+
+
+def user_end() -> RoleEnd:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> RoleBegin:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> RoleEnd:
+    return RoleEnd("assistant")

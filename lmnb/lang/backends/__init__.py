@@ -1,0 +1,1 @@
+"""Where programs run: the in-kernel runtime (`LocalBackend`) or an API endpoint."""

@@ -1,0 +1,41 @@
+"""The protocol every backend implements, and the results it returns."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from lmnb.lang.chat_template import ChatTemplate
+from lmnb.lang.ir import GenParams
+
+
+class ProgramAborted(RuntimeError):
+    """The program was interrupted; its requests were aborted."""
+
+
+@dataclass
+class Generation:
+    text: str | list[str]  # a list when n > 1
+    meta_info: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    chat_template: ChatTemplate
+
+    def generate(self, prompt: str, params: GenParams, *,
+                 on_delta: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None) -> Generation:
+        """Continues `prompt`. `on_delta` receives text as it streams; setting `cancel` aborts
+        the request and raises `ProgramAborted`."""
+        ...
+
+    def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:
+        """The chosen continuation and its scores."""
+        ...
+
+    def cache_prefix(self, prompt: str) -> None:
+        """Hint: `prompt` will be shared by several continuations."""
+        ...

@@ -1,0 +1,222 @@
+"""`select()` scoring: which choice a model prefers as the continuation of a prompt.
+
+Every choice is scored over one shared span of tokens. The prompt is tokenized alone and with each
+choice appended; the span starts at `start`, the shortest common prefix between the prompt's
+tokens and any prompt+choice's tokens. Where a choice's tokenization merges the prompt's last
+token (prompt "The sky is " + "red" -> "Ġred" instead of "Ġ" + "red"), the merged token is scored,
+and every other choice is scored from the same position, so that all spans cover the same
+prompt text (SGLang issues #523, #608, #2873). The prefix `tokens(prompt)[:start]` is prefilled
+once, then all choices are scored in one batch.
+
+Methods (`METHODS`), each over the span's conditional logprobs:
+
+- ``token_length_normalized``: the mean logprob; the highest wins.
+- ``greedy_token_selection``: what greedy decoding restricted to the choices would pick: at each
+  position keep the choices with the highest logprob. A choice that has ended scores -inf at the
+  positions after its end, so it loses to any choice that shares its tokens so far and goes on
+  (there is no end-of-choice token whose probability could be compared).
+- ``unconditional_likelihood_normalized``: the mean of (conditional - unconditional) logprob, where
+  the unconditional logprob of each span token comes from the span alone, preceded only by the
+  tokens the tokenizer adds to every text (its BOS, if any): this divides out how likely the
+  choice's text is without the prompt. Without a BOS the span's first token has no context; it is
+  left out of both sums. A choice with no token left scores 0.0 (no evidence either way).
+
+Ties go to the first choice. Positions where choices share all span tokens so far get the first
+such choice's logprob, so that noise between batch rows cannot split true ties.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+METHODS = ("token_length_normalized", "greedy_token_selection",
+           "unconditional_likelihood_normalized")
+
+T = TypeVar("T")
+
+
+class ChoiceScorer(Protocol):
+    """What a backend offers to score choices."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the special tokens the model expects (BOS)."""
+        ...
+
+    def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
+        """Per sequence, the logprob of each token at positions `start`.. given the tokens before
+        it. Position 0 has none, so `start >= 1`; every sequence is longer than `start`."""
+        ...
+
+    def cache_prefix(self, input_ids: list[int]) -> None:
+        """Hint: `input_ids` is a prefix of the sequences about to be scored."""
+        ...
+
+
+@dataclass
+class ChoiceResult:
+    choice: str
+    index: int
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Spans:
+    start: int  # first scored token position, shared by all choices
+    token_ids: list[list[int]]  # per choice, tokens(prompt + choice)[start:]
+    logprobs: list[list[float]]  # per choice, conditional logprob of each span token
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _share_ties(token_ids: list[list[int]], values: list[list[T]]) -> list[list[T]]:
+    """Gives choices sharing span tokens [0..j] the same value at j (the first such choice's)."""
+    first: dict[tuple[int, ...], T] = {}
+    shared = []
+    for ids, row in zip(token_ids, values, strict=True):
+        shared.append([first.setdefault(tuple(ids[:j + 1]), v) for j, v in enumerate(row)])
+    return shared
+
+
+def _argmax(scores: Sequence[float]) -> int:
+    best = 0
+    for i, score in enumerate(scores):
+        if score > scores[best]:
+            best = i
+    return best
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _token_length_normalized(scorer: ChoiceScorer, spans: _Spans,
+                             meta: dict[str, Any]) -> int:
+    return _argmax(meta["normalized_prompt_logprobs"])
+
+
+def _greedy_token_selection(scorer: ChoiceScorer, spans: _Spans, meta: dict[str, Any]) -> int:
+    width = max(len(row) for row in spans.logprobs)
+    matrix = [row + [-math.inf] * (width - len(row)) for row in spans.logprobs]
+    meta["greedy_logprob_matrix"] = matrix
+    remaining = list(range(len(matrix)))
+    for j in range(width):
+        best = max(matrix[i][j] for i in remaining)
+        remaining = [i for i in remaining if matrix[i][j] == best]
+        if len(remaining) == 1:
+            break
+    return remaining[0]
+
+
+def _unconditional_likelihood_normalized(scorer: ChoiceScorer, spans: _Spans,
+                                         meta: dict[str, Any]) -> int:
+    context = scorer.encode("")  # what the tokenizer puts before any text: BOS or nothing
+    first = max(len(context), 1)  # the first position that has a logprob
+    skip = first - len(context)  # span tokens before any context: 1 without BOS, else 0
+    sequences = [context + ids for ids in spans.token_ids]
+    scored = [i for i, seq in enumerate(sequences) if len(seq) > first]
+    results = scorer.prompt_logprobs([sequences[i] for i in scored], first) if scored else []
+    unconditional: list[list[float | None]] = [[None] * len(ids) for ids in spans.token_ids]
+    for i, values in zip(scored, results, strict=True):
+        _check_lengths(values, len(spans.token_ids[i]) - skip)
+        unconditional[i][skip:] = values
+    unconditional = _share_ties(spans.token_ids, unconditional)
+    scores = []
+    for conditional, prior in zip(spans.logprobs, unconditional, strict=True):
+        diffs = [c - u for c, u in zip(conditional, prior, strict=True) if u is not None]
+        scores.append(_mean(diffs) if diffs else 0.0)
+    meta["unconditional_token_logprobs"] = unconditional
+    meta["normalized_unconditional_prompt_logprobs"] = scores
+    return _argmax(scores)
+
+
+_METHODS: dict[str, Callable[[ChoiceScorer, _Spans, dict[str, Any]], int]] = {
+    "token_length_normalized": _token_length_normalized,
+    "greedy_token_selection": _greedy_token_selection,
+    "unconditional_likelihood_normalized": _unconditional_likelihood_normalized,
+}
+
+
+def _check_lengths(values: Sequence[float], expected: int) -> None:
+    if len(values) != expected:
+        raise RuntimeError(f"the scorer returned {len(values)} logprobs, expected {expected}")
+
+
+def _spans(scorer: ChoiceScorer, prompt: str, choices: Sequence[str]) -> _Spans:
+    prompt_ids = scorer.encode(prompt)
+    full = [scorer.encode(prompt + choice) for choice in choices]
+    start = min(_common_prefix_length(prompt_ids, ids) for ids in full)
+    if start < 1:
+        raise ValueError("select needs a prompt that the choices' tokens can be scored after: "
+                         f"{prompt!r} gives no token shared by all prompt+choice tokenizations")
+    token_ids = [ids[start:] for ids in full]
+    for choice, ids in zip(choices, token_ids, strict=True):
+        if not ids:
+            raise ValueError(f"choice {choice!r} adds no tokens to the prompt")
+    scorer.cache_prefix(prompt_ids[:start])
+    logprobs = scorer.prompt_logprobs(full, start)
+    for values, ids in zip(logprobs, token_ids, strict=True):
+        _check_lengths(values, len(ids))
+    shared = _share_ties(token_ids, [list(map(float, values)) for values in logprobs])
+    return _Spans(start, token_ids, shared)
+
+
+def select_choice(scorer: ChoiceScorer, prompt: str, choices: Sequence[str],
+                  method: str = "token_length_normalized") -> ChoiceResult:
+    """Picks the choice the model prefers after `prompt`, scored by `method` (one of
+    `METHODS`). `meta_info` holds `normalized_prompt_logprobs` and `input_token_logprobs`
+    (per choice, over the scored span), `input_token_ids`, `scored_from` (the span's first token
+    position), `method`, and the method's own scores."""
+    if method not in _METHODS:
+        raise ValueError(f"unknown choices method {method!r}; use one of {METHODS}")
+    if isinstance(choices, str) or not choices:
+        raise ValueError("select needs a non-empty list of choices")
+    if not all(isinstance(choice, str) for choice in choices):
+        raise ValueError(f"select choices must be strings, got {list(choices)!r}")
+    choices = list(choices)
+    spans = _spans(scorer, prompt, choices)
+    meta: dict[str, Any] = {
+        "method": method,
+        "scored_from": spans.start,
+        "normalized_prompt_logprobs": [_mean(values) for values in spans.logprobs],
+        "input_token_logprobs": spans.logprobs,
+        "input_token_ids": spans.token_ids,
+    }
+    index = _METHODS[method](scorer, spans, meta)
+    return ChoiceResult(choice=choices[index], index=index, meta_info=meta)
+
+
+class RuntimeChoiceScorer:
+    """`ChoiceScorer` over an in-process `lmnb.Runtime`."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.runtime._encode(text))  # the runtime's own tokenization, under its lock
+
+    def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
+        if not input_ids:
+            return []
+        outputs = self.runtime.generate(
+            input_ids=[list(ids) for ids in input_ids], sampling_params={"max_new_tokens": 0},
+            return_logprob=True, logprob_start_len=start)
+        results = []
+        for ids, output in zip(input_ids, outputs, strict=True):
+            pairs = output["meta_info"]["input_token_logprobs"]
+            if [token for _, token in pairs] != list(ids[start:]):
+                raise RuntimeError("the runtime's prompt logprobs do not match the tokens sent")
+            results.append([float(logprob) for logprob, _ in pairs])
+        return results
+
+    def cache_prefix(self, input_ids: list[int]) -> None:
+        self.runtime.cache_prefix(input_ids=list(input_ids))

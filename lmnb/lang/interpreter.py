@@ -1,0 +1,307 @@
+"""`StreamExecutor`: runs one program state's expressions, in order, on a worker thread.
+
+`submit` never blocks; readers (`get_var`, `text`) wait for what they need. The first error stops
+the stream, is kept, and is raised to every later reader.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import singledispatchmethod
+from typing import Any
+
+from lmnb.lang.backends.base import Backend, ProgramAborted
+from lmnb.lang.ir import (
+    CommitPrefix,
+    Expr,
+    ExprList,
+    Gen,
+    GenParams,
+    Image,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SetVar,
+    Text,
+    VarScopeBegin,
+    VarScopeEnd,
+    Video,
+)
+
+_POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets through
+
+
+class ProgramError(RuntimeError):
+    """An error raised inside a program, re-raised where its result is read."""
+
+
+@dataclass(frozen=True)
+class JoinBranches(Expr):
+    """Interpreter-only node: merge forked executors back into this one."""
+
+    branches: tuple[StreamExecutor, ...]
+    mode: str
+
+
+_END = object()
+
+
+class StreamExecutor:
+    def __init__(self, backend: Backend, *, defaults: GenParams, stream: bool = False) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.stream = stream
+        self.text_ = ""
+        self.messages_: list[dict[str, str]] = []
+        self.variables: dict[str, Any] = {}
+        self.meta_info: dict[str, Any] = {}
+        self.spans: list[tuple[str, int, int]] = []  # (variable, start, end) of generated text
+        self.error: BaseException | None = None
+        self.fork_point = 0  # length of the text inherited from the parent (forks)
+        self.cancel = threading.Event()
+        self._role: str | None = None
+        self._role_start = 0
+        self._scopes: dict[str, int] = {}
+        self._var_events: dict[str, threading.Event] = defaultdict(threading.Event)
+        self._listeners: list[tuple[str | None, queue.SimpleQueue]] = []
+        self._listeners_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="lmnb-program", daemon=True)
+        self._worker.start()
+
+    # ---- caller side -----------------------------------------------------------------------
+    def submit(self, expr: Expr) -> None:
+        self._queue.put(expr)
+
+    def sync(self) -> None:
+        """Waits until everything submitted so far has run."""
+        if not self._worker.is_alive():
+            return
+        done = threading.Event()
+        self._queue.put(done)
+        while not done.wait(_POLL):
+            if not self._worker.is_alive():
+                return
+
+    def close(self) -> None:
+        """Stops the worker once its queue is drained."""
+        self._queue.put(_END)
+
+    def abort(self) -> None:
+        """Interrupts the running request (freeing its KV) and drops what is queued."""
+        self.cancel.set()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise ProgramError(f"the program failed: {self.error!r}") from self.error
+
+    def get_var(self, name: str) -> Any:
+        event = self._var_events[name]
+        while not event.wait(_POLL):
+            if self.error is not None:
+                break
+            if not self._queue.unfinished_tasks and not event.is_set():
+                if name in self.variables:
+                    break
+                raise KeyError(f"the program set no variable {name!r}")
+        self.raise_error()
+        return self.variables[name]
+
+    def text(self) -> str:
+        self.sync()
+        self.raise_error()
+        return self.text_
+
+    def iter_text(self, var: str | None = None) -> Iterator[str]:
+        """Text as it is produced: of variable `var`, or of the whole state."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        with self._listeners_lock:
+            already = self.variables.get(var) if var is not None else self.text_
+            finished = (var in self.variables) if var is not None else False
+            self._listeners.append((var, events))
+        try:
+            if isinstance(already, str) and already:
+                yield already
+            if finished:
+                return
+            while True:
+                try:
+                    item = events.get(timeout=_POLL)
+                except queue.Empty:
+                    if self.error is not None:
+                        self.raise_error()
+                    if var is None and not self._queue.unfinished_tasks:
+                        return
+                    continue
+                if item is _END:
+                    return
+                yield item
+        finally:
+            with self._listeners_lock:
+                self._listeners.remove((var, events))
+
+    def fork(self, count: int) -> list[StreamExecutor]:
+        """New executors that continue from this one's current state (call after `sync`)."""
+        branches = []
+        for _ in range(count):
+            branch = StreamExecutor(self.backend, defaults=self.defaults, stream=self.stream)
+            branch.text_ = self.text_
+            branch.messages_ = [dict(m) for m in self.messages_]
+            branch.variables = dict(self.variables)
+            for name in branch.variables:
+                branch._var_events[name].set()
+            branch.meta_info = dict(self.meta_info)
+            branch._role, branch._role_start = self._role, self._role_start
+            branch.fork_point = len(self.text_)
+            branch.spans = list(self.spans)
+            branches.append(branch)
+        return branches
+
+    # ---- worker side -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            expr = self._queue.get()
+            try:
+                if expr is _END:
+                    return
+                if isinstance(expr, threading.Event):
+                    expr.set()
+                elif self.error is None:
+                    if self.cancel.is_set():
+                        raise ProgramAborted("the program was interrupted")
+                    self._execute(expr)
+            except BaseException as error:
+                self.error = error
+                for event in list(self._var_events.values()):
+                    event.set()
+            finally:
+                self._queue.task_done()
+
+    def _notify(self, var: str | None, delta: str) -> None:
+        with self._listeners_lock:
+            for wanted, events in self._listeners:
+                if wanted is None or wanted == var:
+                    events.put(delta)
+
+    def _finish_var(self, name: str) -> None:
+        with self._listeners_lock:
+            for wanted, events in self._listeners:
+                if wanted == name:
+                    events.put(_END)
+        self._var_events[name].set()
+
+    def _append(self, text: str, var: str | None = None) -> None:
+        self.text_ += text
+        self._notify(var, text)
+
+    @singledispatchmethod
+    def _execute(self, expr: Expr) -> None:
+        raise TypeError(f"cannot execute {type(expr).__name__} here")
+
+    @_execute.register
+    def _(self, expr: ExprList) -> None:
+        for item in expr.items:
+            self._execute(item)
+
+    @_execute.register
+    def _(self, expr: Text) -> None:
+        self._append(expr.value)
+
+    @_execute.register
+    def _(self, expr: RoleBegin) -> None:
+        if self._role is not None:
+            raise ProgramError(f"{expr.role!r} begins inside the open {self._role!r} role")
+        first = not self.messages_
+        self._append(self.backend.chat_template.role_text(expr.role, first=first).prefix)
+        self._role, self._role_start = expr.role, len(self.text_)
+
+    @_execute.register
+    def _(self, expr: RoleEnd) -> None:
+        if self._role != expr.role:
+            raise ProgramError(f"{expr.role!r} ends but the open role is {self._role!r}")
+        self.messages_.append({"role": expr.role, "content": self.text_[self._role_start:]})
+        self._role = None
+        self._append(self.backend.chat_template.role_text(expr.role, first=False).suffix)
+
+    @_execute.register
+    def _(self, expr: Gen) -> None:
+        params = expr.params.merged_over(self.defaults)
+        if self._role == "assistant" and params.stop is None and params.stop_token_ids is None:
+            stops, stop_ids = self.backend.chat_template.end_of_turn()
+            params = GenParams(**{**params.__dict__, "stop": tuple(stops) or None,
+                                  "stop_token_ids": tuple(stop_ids) or None})
+        start = len(self.text_)
+        generation = self.backend.generate(
+            self.text_, params, on_delta=lambda delta: self._notify(expr.name, delta),
+            cancel=self.cancel)
+        text = generation.text
+        first = text[0] if isinstance(text, list) else text
+        self.text_ += first
+        if expr.name is not None:
+            self.spans.append((expr.name, start, len(self.text_)))
+            self.variables[expr.name] = text
+            self.meta_info[expr.name] = generation.meta_info
+            self._finish_var(expr.name)
+
+    @_execute.register
+    def _(self, expr: Select) -> None:
+        choice, meta = self.backend.select(self.text_, expr.choices, expr.method)
+        start = len(self.text_)
+        self._append(choice, expr.name)
+        if expr.name is not None:
+            self.spans.append((expr.name, start, len(self.text_)))
+            self.variables[expr.name] = choice
+            self.meta_info[expr.name] = meta
+            self._finish_var(expr.name)
+
+    @_execute.register
+    def _(self, expr: VarScopeBegin) -> None:
+        self._scopes[expr.name] = len(self.text_)
+
+    @_execute.register
+    def _(self, expr: VarScopeEnd) -> None:
+        if expr.name not in self._scopes:
+            raise ProgramError(f"var_scope {expr.name!r} ends without beginning")
+        self.variables[expr.name] = self.text_[self._scopes.pop(expr.name):]
+        self._finish_var(expr.name)
+
+    @_execute.register
+    def _(self, expr: SetVar) -> None:
+        self.variables[expr.name] = expr.value
+        self._finish_var(expr.name)
+
+    @_execute.register
+    def _(self, expr: CommitPrefix) -> None:
+        self.backend.cache_prefix(self.text_)
+
+    @_execute.register
+    def _(self, expr: Image) -> None:
+        raise ProgramError("image() needs a multimodal (LLaVA) backend; this one is text-only")
+
+    @_execute.register
+    def _(self, expr: Video) -> None:
+        raise ProgramError("video() needs a multimodal (LLaVA) backend; this one is text-only")
+
+    @_execute.register
+    def _(self, expr: JoinBranches) -> None:
+        for branch in expr.branches:
+            branch.sync()
+            branch.raise_error()
+        if expr.mode == "gather_variable":
+            names = {name for branch in expr.branches for name in branch.variables
+                     if name not in self.variables
+                     or branch.variables[name] is not self.variables.get(name)}
+            for name in sorted(names):
+                self.variables[name] = [branch.variables.get(name) for branch in expr.branches]
+                self._finish_var(name)
+        elif expr.mode == "concat_and_append":
+            for branch in expr.branches:
+                self._append(branch.text_[branch.fork_point:])
+        else:
+            raise ProgramError(f"unknown join mode {expr.mode!r}; use gather_variable or "
+                               f"concat_and_append")
+

@@ -1,0 +1,168 @@
+"""Expression nodes of the DSL. Immutable; `+` concatenates (`"Grade: " + gen("grade")`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class Expr:
+    """Base of every node; `a + b` builds an `ExprList`."""
+
+    def __add__(self, other: Any) -> ExprList:
+        return concat(self, other)
+
+    def __radd__(self, other: Any) -> ExprList:
+        return concat(other, self)
+
+
+def to_expr(value: Any) -> Expr:
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, str):
+        return Text(value)
+    if isinstance(value, list | tuple):
+        return concat(*value)
+    raise TypeError(f"cannot add {type(value).__name__} to a program state; use str or DSL "
+                    f"expressions (gen, select, image, roles...)")
+
+
+def concat(*values: Any) -> ExprList:
+    items: list[Expr] = []
+    for value in values:
+        expr = to_expr(value)
+        items.extend(expr.items if isinstance(expr, ExprList) else (expr,))
+    return ExprList(tuple(items))
+
+
+@dataclass(frozen=True)
+class Text(Expr):
+    value: str
+
+
+@dataclass(frozen=True)
+class ExprList(Expr):
+    items: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Sampling arguments of one `gen`; None means "inherit the run's default"."""
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    n: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    stop_regex: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+
+    def merged_over(self, defaults: GenParams) -> GenParams:
+        """These arguments, with the unset ones taken from `defaults`."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in values.items():
+            if value is None:
+                values[name] = getattr(defaults, name)
+        return GenParams(**values)
+
+    def set_values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Gen(Expr):
+    name: str | None
+    params: GenParams = field(default_factory=GenParams)
+
+
+@dataclass(frozen=True)
+class Select(Expr):
+    name: str | None
+    choices: tuple[str, ...]
+    method: str = "token_length_normalized"
+
+
+@dataclass(frozen=True)
+class Image(Expr):
+    source: Any  # a path, URL-less file name, bytes or a PIL image
+
+
+@dataclass(frozen=True)
+class Video(Expr):
+    source: Any
+    num_frames: int = 8
+
+
+@dataclass(frozen=True)
+class RoleBegin(Expr):
+    role: str
+
+
+@dataclass(frozen=True)
+class RoleEnd(Expr):
+    role: str
+
+
+@dataclass(frozen=True)
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass(frozen=True)
+class VarScopeEnd(Expr):
+    name: str
+
+
+@dataclass(frozen=True)
+class CommitPrefix(Expr):
+    """Hint: the text so far will be shared (forks, batches); cache it in the backend now."""
+
+
+@dataclass(frozen=True)
+class SetVar(Expr):
+    name: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Variable(Expr):
+    """The value of variable `name` of state `state_id` (tracing: not known yet)."""
+
+    name: str
+    state_id: int
+
+
+@dataclass(frozen=True)
+class Argument(Expr):
+    """A program argument not bound yet (tracing)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ForkItem(Expr):
+    """Tracing: the start of branch `index` of fork `fork_id` of state `state_id`."""
+
+    state_id: int
+    fork_id: int
+    index: int
+
+
+@dataclass(frozen=True)
+class Join(Expr):
+    """Tracing: `mode` join of the branches `branch_ids` into the state."""
+
+    branch_ids: tuple[int, ...]
+    mode: str

@@ -1,0 +1,364 @@
+"""`@function` programs and the state `s` they write to.
+
+    @lmnb.function
+    def qa(s, question):
+        s += lmnb.user(question)
+        s += lmnb.assistant(lmnb.gen("answer", max_tokens=64))
+
+    state = qa.run(question="...", temperature=0)   # state["answer"], state.text()
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from lmnb.lang import api
+from lmnb.lang.backends.base import Backend
+from lmnb.lang.interpreter import JoinBranches, StreamExecutor
+from lmnb.lang.ir import CommitPrefix, Expr, GenParams, SetVar, VarScopeBegin, VarScopeEnd, to_expr
+
+SAMPLING_DEFAULT_KEYS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids",
+                         "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                         "presence_penalty", "ignore_eos", "return_logprob", "logprob_start_len",
+                         "top_logprobs_num")
+RUN_DEFAULTS = GenParams(max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
+                         frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False)
+_JOIN_MODES = ("gather_variable", "concat_and_append")
+
+_default_backend: Backend | None = None
+
+
+def set_default_backend(backend: Any) -> None:
+    """Programs run here unless `run(backend=...)` says otherwise; a `Runtime` is accepted."""
+    global _default_backend
+    _default_backend = as_backend(backend)
+
+
+def as_backend(backend: Any) -> Backend:
+    if backend is None:
+        if _default_backend is None:
+            raise RuntimeError("no backend: call lmnb.set_default_backend(lmnb.Runtime()) or pass "
+                               "backend=... to run()")
+        return _default_backend
+    if hasattr(backend, "generate") and hasattr(backend, "tokenizer") \
+            and not hasattr(backend, "chat_template"):
+        from lmnb.lang.backends.local import LocalBackend
+
+        return LocalBackend(backend)
+    return backend
+
+
+def _run_defaults(sampling: dict[str, Any]) -> GenParams:
+    values = dict(sampling)
+    for key in ("stop", "stop_token_ids"):
+        if isinstance(values.get(key), str | int):
+            values[key] = (values[key],)
+        elif values.get(key) is not None:
+            values[key] = tuple(values[key])
+    return GenParams(**values).merged_over(RUN_DEFAULTS)
+
+
+class ProgramState:
+    """The `s` of a program: `+=` appends (never blocks), `s["var"]` waits for the value."""
+
+    def __init__(self, executor: StreamExecutor, run: _Run | None = None) -> None:
+        self._executor = executor
+        self._run = run or _Run()
+        self._run.executors.append(executor)
+        self.ret_value: Any = None
+        weakref.finalize(self, executor.close)
+
+    # ---- writing -------------------------------------------------------------------------
+    def __iadd__(self, other: Any) -> ProgramState:
+        self._executor.submit(to_expr(other))
+        return self
+
+    def set_var(self, name: str, value: Any) -> None:
+        self._executor.submit(SetVar(name, value))
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        self._executor.submit(VarScopeBegin(name))
+        yield
+        self._executor.submit(VarScopeEnd(name))
+
+    def _role(self, role: str, content: Any) -> Any:
+        if content is not None:
+            self += api._role(role, content)
+            return None
+        return self._role_scope(role)
+
+    @contextmanager
+    def _role_scope(self, role: str) -> Iterator[None]:
+        self._executor.submit(api._role(role, None).items[0])
+        yield
+        self._executor.submit(api._role(role, None).items[1])
+
+    def system(self, content: Any = None) -> Any:
+        """`s.system("...")` appends a system message; `with s.system():` opens one."""
+        return self._role("system", content)
+
+    def user(self, content: Any = None) -> Any:
+        return self._role("user", content)
+
+    def assistant(self, content: Any = None) -> Any:
+        return self._role("assistant", content)
+
+    # ---- reading -------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> Any:
+        return self._executor.get_var(name)
+
+    def __contains__(self, name: str) -> bool:
+        self.sync()
+        return name in self._executor.variables
+
+    def get_var(self, name: str) -> Any:
+        return self[name]
+
+    def get_meta_info(self, name: str) -> Any:
+        self._executor.get_var(name)
+        return self._executor.meta_info.get(name)
+
+    def text(self) -> str:
+        return self._executor.text()
+
+    def messages(self) -> list[dict[str, str]]:
+        self.sync()
+        self._executor.raise_error()
+        return [dict(m) for m in self._executor.messages_]
+
+    def variables(self) -> dict[str, Any]:
+        self.sync()
+        self._executor.raise_error()
+        return dict(self._executor.variables)
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(variable, start, end) character spans of generated text in `text()`."""
+        self.sync()
+        return list(self._executor.spans)
+
+    def text_iter(self, var: str | None = None) -> Iterator[str]:
+        """Streams the text of variable `var` (or of the whole state) as it is generated."""
+        return self._executor.iter_text(var)
+
+    def error(self) -> BaseException | None:
+        self.sync()
+        return self._executor.error
+
+    def sync(self) -> None:
+        self._run.wait(self._executor.sync)
+
+    # ---- branching -----------------------------------------------------------------------
+    def fork(self, size: int = 1) -> ProgramStateGroup:
+        """`size` copies of this state. The shared text is sent to the backend's cache once
+        before the branches run, so their requests hit it."""
+        if size < 1:
+            raise ValueError(f"fork size must be >= 1, got {size}")
+        if size > 1:
+            self._executor.submit(CommitPrefix())
+        self.sync()
+        self._executor.raise_error()
+        branches = self._executor.fork(size)
+        return ProgramStateGroup([ProgramState(b, self._run) for b in branches], parent=self)
+
+    def copy(self) -> ProgramState:
+        return self.fork(1)[0]
+
+    def join(self, forks: ProgramStateGroup | Sequence[ProgramState],
+             mode: str = "gather_variable") -> None:
+        """Merges branches: `gather_variable` makes each new variable a list over branches;
+        `concat_and_append` appends each branch's new text in order."""
+        if mode not in _JOIN_MODES:
+            raise ValueError(f"unknown join mode {mode!r}; use one of {_JOIN_MODES}")
+        branches = tuple(state._executor for state in forks)
+        self._executor.submit(JoinBranches(branches, mode))
+
+    def abort(self) -> None:
+        self._run.abort()
+
+    def __repr__(self) -> str:
+        executor = self._executor
+        return f"ProgramState(text={executor.text_!r}, variables={sorted(executor.variables)})"
+
+
+class ProgramStateGroup:
+    """The branches of `s.fork(n)`: `forks += expr` (all), a list (one each), or a callable of the
+    branch index."""
+
+    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
+        self.states = states
+        self.parent = parent
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index: int) -> ProgramState:
+        return self.states[index]
+
+    def __iadd__(self, other: Any) -> ProgramStateGroup:
+        if callable(other) and not isinstance(other, Expr):
+            for i, state in enumerate(self.states):
+                state += other(i)
+        elif isinstance(other, list | tuple):
+            if len(other) != len(self.states):
+                raise ValueError(f"{len(other)} expressions for {len(self.states)} branches")
+            for state, expr in zip(self.states, other, strict=True):
+                state += expr
+        else:
+            expr = to_expr(other)
+            for state in self.states:
+                state += expr
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        self.parent.join(self, mode)
+
+
+class _Run:
+    """Every executor of one program run, so that an interrupt aborts them all."""
+
+    def __init__(self) -> None:
+        self.executors: list[StreamExecutor] = []
+
+    def abort(self) -> None:
+        for executor in self.executors:
+            executor.abort()
+
+    def wait(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except KeyboardInterrupt:
+            self.abort()
+            for executor in self.executors:
+                executor.sync()
+            raise
+
+
+class Program:
+    """A function `f(s, *args)` compiled into a runnable program."""
+
+    def __init__(self, func: Callable[..., Any], bound: dict[str, Any] | None = None) -> None:
+        self.func = func
+        self.bound = dict(bound or {})
+        parameters = list(inspect.signature(func).parameters.values())
+        if not parameters:
+            raise TypeError(f"{func.__name__} must take the program state as its first parameter")
+        self.arg_names = [p.name for p in parameters[1:]]
+        self.__name__ = func.__name__
+        self.__doc__ = func.__doc__
+
+    def bind(self, **kwargs: Any) -> Program:
+        unknown = set(kwargs) - set(self.arg_names)
+        if unknown:
+            raise TypeError(f"{self.__name__} has no arguments {sorted(unknown)}")
+        return Program(self.func, {**self.bound, **kwargs})
+
+    def _split(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict, dict]:
+        sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in SAMPLING_DEFAULT_KEYS}
+        arguments = dict(self.bound)
+        try:
+            bound = inspect.signature(self.func).bind_partial(None, *args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self.__name__}: {error}") from None
+        arguments.update({k: v for k, v in bound.arguments.items()
+                          if k != next(iter(inspect.signature(self.func).parameters))})
+        return arguments, sampling
+
+    def run(self, *args: Any, backend: Any = None, stream: bool = False,
+            **kwargs: Any) -> ProgramState:
+        """Runs the program; returns its state once done (at once with `stream=True`).
+        Keyword arguments named like sampling parameters (temperature, max_new_tokens, ...) are
+        the defaults of every `gen` that leaves them unset."""
+        arguments, sampling = self._split(args, kwargs)
+        return self._execute(as_backend(backend), arguments, _run_defaults(sampling), stream)
+
+    def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
+                 stream: bool) -> ProgramState:
+        executor = StreamExecutor(backend, defaults=defaults, stream=stream)
+        state = ProgramState(executor)
+        try:
+            state.ret_value = self.func(state, **arguments)
+        except KeyboardInterrupt:
+            state.abort()
+            raise
+        except Exception as error:  # kept, raised where the state is read
+            executor.error = executor.error or error
+        if not stream:
+            state.sync()
+        return state
+
+    def run_batch(self, batch_kwargs: Sequence[dict[str, Any]], *, backend: Any = None,
+                  num_threads: int | str = "auto", progress_bar: bool = True,
+                  **sampling: Any) -> list[ProgramState]:
+        """Runs the program once per kwargs dict, concurrently. The programs' common constant
+        prefix is sent to the backend's cache first, so every run hits it."""
+        backend = as_backend(backend)
+        defaults = _run_defaults({k: sampling.pop(k) for k in list(sampling)
+                                  if k in SAMPLING_DEFAULT_KEYS})
+        if sampling:
+            raise TypeError(f"run_batch got unknown keyword arguments {sorted(sampling)}")
+        batch = [self._split((), dict(kwargs))[0] for kwargs in batch_kwargs]
+        if not batch:
+            return []
+        from lmnb.lang.tracer import constant_prefix
+
+        prefix = constant_prefix(self, backend)
+        if prefix and len(batch) > 1:
+            backend.cache_prefix(prefix)
+        if num_threads == "auto":
+            num_threads = max(96, (os.cpu_count() or 1) * 16)
+        workers = max(1, min(int(num_threads), len(batch)))
+        bar = None
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(batch), desc=self.__name__)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch") as pool:
+            def one(arguments: dict[str, Any]) -> ProgramState:
+                state = self._execute(backend, arguments, defaults, stream=False)
+                if bar is not None:
+                    bar.update(1)
+                return state
+
+            states = list(pool.map(one, batch))
+        if bar is not None:
+            bar.close()
+        return states
+
+    def trace(self, **kwargs: Any) -> Any:
+        """The program as an IR graph; unbound arguments stay symbolic."""
+        from lmnb.lang.tracer import trace_program
+
+        return trace_program(self, {**self.bound, **kwargs})
+
+    def compile(self) -> Any:
+        """A graph-executed version of the program (no data-dependent control flow)."""
+        from lmnb.lang.compiler import CompiledProgram
+
+        return CompiledProgram(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
+        return self.run(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<lmnb program {self.__name__}({', '.join(self.arg_names)})>"
+
+
+def function(func: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """Decorator: `@lmnb.function` turns `def f(s, ...)` into a `Program`."""
+    if options:
+        unknown = set(options) - {"num_api_spec_tokens"}
+        if unknown:
+            raise TypeError(f"unknown function options {sorted(unknown)}")
+    if func is None:
+        return lambda f: Program(f)
+    return Program(func)
