@@ -110,8 +110,8 @@ def select(name: str | None = None, choices: Sequence[str] | None = None, *,
     del temperature  # accepted for SGLang compatibility; scoring is deterministic
     if not choices:
         raise ValueError("select needs a non-empty list of choices")
-    if not all(isinstance(c, str) for c in choices):
-        raise TypeError("select choices must be strings")
+    if isinstance(choices, str) or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"select choices must be a list of non-empty strings, got {choices!r}")
     if choices_method not in CHOICES_METHODS:
         raise ValueError(f"unknown choices_method {choices_method!r}; use one of {CHOICES_METHODS}")
     return Select(name, tuple(choices), choices_method)

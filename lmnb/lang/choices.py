@@ -54,6 +54,11 @@ class ChoiceScorer(Protocol):
         """Hint: `input_ids` is a prefix of the sequences about to be scored."""
         ...
 
+    def unconditional_context(self) -> list[int]:
+        """Tokens standing for "no context": what the tokenizer puts before any text (BOS), or a
+        start-of-text token when it puts nothing there."""
+        ...
+
 
 @dataclass
 class ChoiceResult:
@@ -119,7 +124,7 @@ def _greedy_token_selection(scorer: ChoiceScorer, spans: _Spans, meta: dict[str,
 
 def _unconditional_likelihood_normalized(scorer: ChoiceScorer, spans: _Spans,
                                          meta: dict[str, Any]) -> int:
-    context = scorer.encode("")  # what the tokenizer puts before any text: BOS or nothing
+    context = scorer.unconditional_context()
     first = max(len(context), 1)  # the first position that has a logprob
     skip = first - len(context)  # span tokens before any context: 1 without BOS, else 0
     sequences = [context + ids for ids in spans.token_ids]
@@ -202,7 +207,17 @@ class RuntimeChoiceScorer:
         self.runtime = runtime
 
     def encode(self, text: str) -> list[int]:
-        return list(self.runtime._encode(text))  # the runtime's own tokenization, under its lock
+        return self.runtime.encode(text)
+
+    def unconditional_context(self) -> list[int]:
+        ids = self.encode("")
+        if ids:
+            return ids
+        tokenizer = self.runtime.tokenizer
+        start = tokenizer.bos_token_id
+        if start is None:
+            start = tokenizer.eos_token_id
+        return [] if start is None else [start]
 
     def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
         if not input_ids:

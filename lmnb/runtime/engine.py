@@ -282,7 +282,8 @@ class Runtime:
                     self._scheduler.abort(req, "stream closed by the caller")
 
     # ---- request building ----------------------------------------------------------------------
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` as `generate` would feed them (special tokens added)."""
         with self._tokenizer_lock:
             return self.tokenizer.encode(text, add_special_tokens=True)
 
@@ -292,12 +293,12 @@ class Runtime:
             raise InvalidRequestError("give exactly one of prompt or input_ids")
         if prompt is not None:
             if isinstance(prompt, str):
-                return [self._encode(prompt)], False
+                return [self.encode(prompt)], False
             if not prompt:
                 raise InvalidRequestError("empty list of prompts")
             if not all(isinstance(p, str) for p in prompt):
                 raise InvalidRequestError("prompt must be a string or a list of strings")
-            return [self._encode(p) for p in prompt], True
+            return [self.encode(p) for p in prompt], True
         if not input_ids:
             raise InvalidRequestError("empty input_ids")
         if all(isinstance(t, int) for t in input_ids):
