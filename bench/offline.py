@@ -137,11 +137,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="local HF folder or .gguf (default: the embedded SmolLM2-135M)")
     model.add_argument("--dummy-config", choices=sorted(DUMMY_CONFIGS), default=None,
                        help="random weights of this architecture")
+    parser.add_argument("--tokenizer", default=None,
+                        help="HF folder whose tokenizer detokenizes --dummy-config outputs "
+                             "(default: the embedded SmolLM2's)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="lmnb KV pool size in tokens (default: sized from free memory)")
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--schedule-policy", default=None,
+                        help="lmnb schedule policy (default: the Runtime's)")
+    parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (CPU; default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="run lmnb only")
@@ -153,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.min_output_len = min(args.min_output_len, args.max_output_len)
     if args.num_seqs < 1 or args.min_input_len < 1 or args.min_output_len < 1:
         parser.error("--num-seqs and the lengths must be >= 1")
+    if args.tokenizer is not None and args.dummy_config is None:
+        parser.error("--tokenizer goes with --dummy-config (a --model folder has its own)")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be >= 1")
     if args.hf_batch_size < 1:
@@ -176,7 +184,7 @@ def model_spec(args: argparse.Namespace, scratch: Path, device: torch.device) ->
         model_dir = scratch / args.dummy_config
         config.save_pretrained(model_dir)
         label = f"dummy {args.dummy_config} (random weights)"
-        tokenizer_dir = loader.resolve_model_dir(None)
+        tokenizer_dir = loader.resolve_model_dir(args.tokenizer)
     dtype = loader.resolve_dtype(args.dtype, config, device)
     return ModelSpec(label=label, model_dir=model_dir, tokenizer_dir=tokenizer_dir,
                      config=config, dtype=dtype, dummy=args.dummy_config is not None)
@@ -197,7 +205,9 @@ def run_lmnb(spec: ModelSpec, workload: Workload, args: argparse.Namespace,
                      tokenizer_path=spec.tokenizer_dir,
                      load_format="dummy" if spec.dummy else "auto",
                      max_total_tokens=args.max_total_tokens,
-                     attention_backend=args.attention_backend)
+                     attention_backend=args.attention_backend,
+                     disable_radix_cache=args.disable_radix_cache,
+                     **({"schedule_policy": args.schedule_policy} if args.schedule_policy else {}))
     try:
         longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens,
                                                  strict=True))
@@ -358,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
             "max_total_tokens": args.max_total_tokens,
             "attention_backend": args.attention_backend,
+            "schedule_policy": args.schedule_policy,
+            "disable_radix_cache": args.disable_radix_cache,
             "threads": torch.get_num_threads(),
         },
         "workload": {"prompt_tokens": workload.prompt_tokens,

@@ -68,6 +68,12 @@ def idle(rt: Runtime, timeout: float = 5.0) -> dict:
         time.sleep(0.02)
 
 
+def assert_no_kv_held(stats: dict) -> None:
+    """Idle: every KV slot is free or held by the prefix cache, evictable."""
+    assert stats["protected_tokens"] == 0
+    assert stats["free_tokens"] + stats["evictable_tokens"] == stats["max_total_tokens"]
+
+
 def assert_usable(rt: Runtime) -> None:
     out = rt.generate(PROMPTS[0], {"temperature": 0.0, "max_new_tokens": 3})
     assert len(out["output_ids"]) == 3
@@ -77,13 +83,17 @@ def assert_usable(rt: Runtime) -> None:
 # ---- result shapes -------------------------------------------------------------------------
 
 def test_single_prompt_result(rt: Runtime) -> None:
-    out = rt.generate(PROMPTS[0], GREEDY)
+    prompt = "A prompt used by this test only:"
+    out = rt.generate(prompt, GREEDY)
     assert isinstance(out, dict)
-    prompt_ids = rt.tokenizer.encode(PROMPTS[0])
+    prompt_ids = rt.tokenizer.encode(prompt)
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == len(prompt_ids)
     assert meta["completion_tokens"] == 12 == len(out["output_ids"])
     assert meta["cached_tokens"] == 0
+    again = rt.generate(prompt, GREEDY)  # the prompt is cached now; the result is the same
+    assert again["output_ids"] == out["output_ids"]
+    assert 0 < again["meta_info"]["cached_tokens"] < len(prompt_ids)
     assert meta["finish_reason"] == {"type": "length", "length": 12}
     assert all(isinstance(t, int) and 0 <= t < rt.config.vocab_size for t in out["output_ids"])
     assert out["text"] == rt.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
@@ -347,6 +357,22 @@ def test_stream_matches_non_stream(rt: Runtime) -> None:
     assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 20}
     assert chunks[0]["meta_info"]["prompt_tokens"] == full["meta_info"]["prompt_tokens"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_slow_stream_consumer_gets_everything(rt: Runtime) -> None:
+    """The request finishes while the caller still holds unread chunks: none may be lost, and
+    only the last one carries the finish reason."""
+    params = {"temperature": 0.0, "max_new_tokens": 20}
+    full = rt.generate(PROMPTS[6], params)
+    stream = rt.generate(PROMPTS[6], params, stream=True)
+    chunks = [next(stream)]
+    time.sleep(0.5)  # the request is done long before the next read
+    chunks += list(stream)
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
+    assert [c["meta_info"]["finish_reason"] is not None for c in chunks].count(True) == 1
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 20}
 
 
 def test_stream_batch_is_tagged(rt: Runtime) -> None:
@@ -373,7 +399,7 @@ def test_breaking_out_of_stream_aborts(rt: Runtime) -> None:
         break
     stats = idle(rt)
     assert stats["generated_tokens"] - before < 400
-    assert stats["free_tokens"] == stats["max_total_tokens"]
+    assert_no_kv_held(stats)
     rt.check_integrity()
     assert_usable(rt)
 
@@ -481,7 +507,7 @@ def test_closing_stream_in_a_thread_aborts(rt: Runtime) -> None:
     assert sum(len(c["output_ids"]) for c in received) < 400
     assert all(c["meta_info"]["finish_reason"] is None for c in received)
     stats = idle(rt)
-    assert stats["free_tokens"] == stats["max_total_tokens"]
+    assert_no_kv_held(stats)
     rt.check_integrity()
     assert_usable(rt)
 
@@ -530,13 +556,19 @@ def test_close_aborts_a_running_stream(model_dir: Path) -> None:
 
 # ---- memory pressure and chunking ------------------------------------------------------------
 
-def test_retraction_keeps_outputs(rt: Runtime, model_dir: Path) -> None:
-    prompts = [f"Item {i}: " + "alpha beta gamma delta epsilon " * 3 for i in range(6)]
+@pytest.mark.parametrize(("shared_prefix", "disable_radix_cache"),
+                         [(False, False), (False, True), (True, False)],
+                         ids=["radix", "no-cache", "radix-shared-prefix"])
+def test_retraction_keeps_outputs(rt: Runtime, model_dir: Path, shared_prefix: bool,
+                                  disable_radix_cache: bool) -> None:
+    body = "alpha beta gamma delta epsilon " * 3
+    prompts = [body + f"Item {i}:" if shared_prefix else f"Item {i}: " + body for i in range(6)]
     lengths = [len(rt.tokenizer.encode(p)) for p in prompts]
     assert all(15 <= n <= 25 for n in lengths), lengths
     params = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
     alone = [rt.generate(p, params)["output_ids"] for p in prompts]
     with Runtime(model_dir, max_total_tokens=160, chunked_prefill_size=32,
+                 disable_radix_cache=disable_radix_cache,
                  check_integrity_each_step=True) as tight:
         outs = tight.generate(prompts, params)
         stats = idle(tight)
@@ -546,11 +578,13 @@ def test_retraction_keeps_outputs(rt: Runtime, model_dir: Path) -> None:
                    for o in outs)
         assert [o["output_ids"] for o in outs] == alone
         assert [o["meta_info"]["prompt_tokens"] for o in outs] == lengths
-        assert stats["free_tokens"] == 160
+        assert_no_kv_held(stats)
         tight.check_integrity()
 
 
-def test_chunked_prefill_matches(rt: Runtime, model_dir: Path) -> None:
+@pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["radix", "no-cache"])
+def test_chunked_prefill_matches(rt: Runtime, model_dir: Path,
+                                 disable_radix_cache: bool) -> None:
     prompt = " ".join(f"word{i}" for i in range(60))
     ids = rt.tokenizer.encode(prompt)
     assert 120 <= len(ids) <= 200, len(ids)
@@ -558,6 +592,7 @@ def test_chunked_prefill_matches(rt: Runtime, model_dir: Path) -> None:
     whole = rt.generate(input_ids=ids, sampling_params=params, return_logprob=True,
                         logprob_start_len=0)
     with Runtime(model_dir, max_total_tokens=1024, chunked_prefill_size=16,
+                 disable_radix_cache=disable_radix_cache,
                  check_integrity_each_step=True) as chunky:
         chunked = chunky.generate(input_ids=ids, sampling_params=params, return_logprob=True,
                                   logprob_start_len=0)

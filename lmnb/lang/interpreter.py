@@ -10,7 +10,7 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import Any
 
@@ -65,6 +65,7 @@ class StreamExecutor:
         self.cancel = threading.Event()
         self._role: str | None = None
         self._role_start = 0
+        self._streaming: tuple[str | None, int] | None = None  # (variable, start) of a running gen
         self._scopes: dict[str, int] = {}
         self._var_events: dict[str, threading.Event] = defaultdict(threading.Event)
         self._listeners: list[tuple[str | None, queue.SimpleQueue]] = []
@@ -120,8 +121,15 @@ class StreamExecutor:
         """Text as it is produced: of variable `var`, or of the whole state."""
         events: queue.SimpleQueue = queue.SimpleQueue()
         with self._listeners_lock:
-            already = self.variables.get(var) if var is not None else self.text_
-            finished = (var in self.variables) if var is not None else False
+            streaming = self._streaming
+            if var is None:
+                already, finished = self.text_, False
+            elif var in self.variables:
+                already, finished = self.variables[var], True
+            elif streaming is not None and streaming[0] == var:
+                already, finished = self.text_[streaming[1]:], False
+            else:
+                already, finished = "", False
             self._listeners.append((var, events))
         try:
             if isinstance(already, str) and already:
@@ -134,7 +142,12 @@ class StreamExecutor:
                 except queue.Empty:
                     if self.error is not None:
                         self.raise_error()
-                    if var is None and not self._queue.unfinished_tasks:
+                    if not self._queue.unfinished_tasks:  # all done: hand out what is left
+                        while not events.empty():
+                            item = events.get()
+                            if item is _END:
+                                return
+                            yield item
                         return
                     continue
                 if item is _END:
@@ -182,10 +195,9 @@ class StreamExecutor:
                 self._queue.task_done()
 
     def _notify(self, var: str | None, delta: str) -> None:
-        with self._listeners_lock:
-            for wanted, events in self._listeners:
-                if wanted is None or wanted == var:
-                    events.put(delta)
+        for wanted, events in self._listeners:  # callers hold _listeners_lock
+            if wanted is None or wanted == var:
+                events.put(delta)
 
     def _finish_var(self, name: str) -> None:
         with self._listeners_lock:
@@ -195,8 +207,9 @@ class StreamExecutor:
         self._var_events[name].set()
 
     def _append(self, text: str, var: str | None = None) -> None:
-        self.text_ += text
-        self._notify(var, text)
+        with self._listeners_lock:  # listeners joining now see the text in `text_` or as a delta
+            self.text_ += text
+            self._notify(var, text)
 
     @singledispatchmethod
     def _execute(self, expr: Expr) -> None:
@@ -230,21 +243,28 @@ class StreamExecutor:
     @_execute.register
     def _(self, expr: Gen) -> None:
         params = expr.params.merged_over(self.defaults)
-        if self._role == "assistant" and params.stop is None and params.stop_token_ids is None:
+        if self._role == "assistant":  # the turn's end stops it too, as in SGLang
             stops, stop_ids = self.backend.chat_template.end_of_turn()
-            params = GenParams(**{**params.__dict__, "stop": tuple(stops) or None,
-                                  "stop_token_ids": tuple(stop_ids) or None})
+            params = replace(params, stop=(*(params.stop or ()), *stops) or None,
+                             stop_token_ids=(*(params.stop_token_ids or ()), *stop_ids) or None)
         start = len(self.text_)
+        self._streaming = (expr.name, start)
         generation = self.backend.generate(
-            self.text_, params, on_delta=lambda delta: self._notify(expr.name, delta),
+            self.text_, params, on_delta=lambda delta: self._append(delta, expr.name),
             cancel=self.cancel)
         text = generation.text
         first = text[0] if isinstance(text, list) else text
-        self.text_ += first
+        with self._listeners_lock:  # the final text replaces what was streamed
+            streamed = self.text_[start:]
+            self.text_ = self.text_[:start] + first
+            self._streaming = None
+            if first.startswith(streamed) and len(first) > len(streamed):
+                self._notify(expr.name, first[len(streamed):])
+            if expr.name is not None:
+                self.spans.append((expr.name, start, len(self.text_)))
+                self.variables[expr.name] = text
+                self.meta_info[expr.name] = generation.meta_info
         if expr.name is not None:
-            self.spans.append((expr.name, start, len(self.text_)))
-            self.variables[expr.name] = text
-            self.meta_info[expr.name] = generation.meta_info
             self._finish_var(expr.name)
 
     @_execute.register

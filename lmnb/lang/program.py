@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -291,6 +292,10 @@ class Program:
             state.abort()
             raise
         except Exception as error:  # kept, raised where the state is read
+            # Its frames hold `s`: kept by the worker thread, they would keep it (and the thread)
+            # alive forever. Drop this frame, clear the program's locals; line numbers stay.
+            error = error.with_traceback(error.__traceback__.tb_next)
+            traceback.clear_frames(error.__traceback__)
             executor.error = executor.error or error
         if not stream:
             state.sync()

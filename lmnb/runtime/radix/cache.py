@@ -55,6 +55,8 @@ class RadixCache(PrefixCache):
         self.reset()
 
     def reset(self) -> None:
+        if hasattr(self, "root"):
+            self.evict(self._evictable)  # cached slots go back to the shared pool
         self.root = TreeNode(next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.root.value = torch.empty(0, dtype=torch.int64, device=self.token_to_kv_pool.device)
