@@ -7,6 +7,7 @@ from __future__ import annotations
 import _thread
 import json
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -513,7 +514,11 @@ def test_closing_stream_in_a_thread_aborts(rt: Runtime) -> None:
 
 
 def test_keyboard_interrupt_aborts_blocking_generate(rt: Runtime) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be set from the main thread")
     before = rt.stats()["generated_tokens"]
+    # interrupt_main() does nothing where SIGINT is ignored (e.g. pytest started in background)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, _thread.interrupt_main)
     timer.start()
     try:
@@ -521,6 +526,7 @@ def test_keyboard_interrupt_aborts_blocking_generate(rt: Runtime) -> None:
             rt.generate(PROMPTS[3], {"max_new_tokens": 400, "ignore_eos": True})
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     stats = idle(rt)
     assert stats["generated_tokens"] - before < 400
     rt.check_integrity()
