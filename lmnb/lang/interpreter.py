@@ -161,7 +161,7 @@ class StreamExecutor:
         """New executors that continue from this one's current state (call after `sync`)."""
         branches = []
         for _ in range(count):
-            branch = StreamExecutor(self.backend, defaults=self.defaults, stream=self.stream)
+            branch = type(self)(self.backend, defaults=self.defaults, stream=self.stream)
             branch.text_ = self.text_
             branch.messages_ = [dict(m) for m in self.messages_]
             branch.variables = dict(self.variables)

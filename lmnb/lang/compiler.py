@@ -1,0 +1,370 @@
+"""Compiled programs: trace once, then run the graph with one executor per traced state.
+
+    compiled = qa.compile()     # TracingError if Python control flow depends on generated values
+    print(compiled)             # the graph
+    state = compiled.run(question="...", temperature=0)   # a ProgramState, as from qa.run(...)
+
+A run submits all of the root's nodes at once (a branch's, when it is forked); no Python code of
+the program runs again. Where a node needs something not known yet, its executor's worker waits:
+
+    state 0   text  gen a  capture@2  "You said {s0.a}"  fork point  ...  join 1, 2
+                              |          ^ resolved from capture@2    |             ^
+                              +----------+                            v             |
+    state 1                                          (forked here)  text  gen idea -+
+
+A capture snapshots a state's variables after its first `position` nodes, where the traced program
+read them (`s["a"]`); a fork point forks the executor there and submits each branch's nodes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import weakref
+from bisect import bisect_left
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import singledispatchmethod
+from typing import Any
+
+from lmnb.lang.backends.base import Backend, ProgramAborted
+from lmnb.lang.interpreter import JoinBranches, ProgramError, StreamExecutor
+from lmnb.lang.ir import (
+    Argument,
+    CommitPrefix,
+    Expr,
+    ForkItem,
+    GenParams,
+    Join,
+    Variable,
+    to_expr,
+)
+from lmnb.lang.program import (
+    SAMPLING_DEFAULT_KEYS,
+    Program,
+    ProgramState,
+    _run_defaults,
+    as_backend,
+)
+from lmnb.lang.tracer import Fork, Ref, TracedProgram, refs_of, substitute, trace_program
+
+_POLL = 0.05  # seconds between checks while waiting, so that aborts get through
+
+Read = tuple[int, int, str]  # (state, position, variable): its value after `position` nodes
+
+
+# ---- the plan: the traced graph, with the reads between states made explicit ---------------------
+@dataclass(frozen=True)
+class _Step:
+    node: Any
+    reads: tuple[Read, ...]
+    constant: bool  # no argument or variable in it
+
+
+class _Plan:
+    def __init__(self, traced: TracedProgram) -> None:
+        self.traced = traced
+        self.parents = {state.state_id: state.parent for state in traced.states}
+        self.steps = {state.state_id: [self._step(node, order)
+                                       for node, order in zip(state.nodes, state.order,
+                                                              strict=True)]
+                      for state in traced.states}
+        self.ret = self._step(traced.ret_value, traced.ret_order)
+        self.captures = {(state_id, position) for step in self._all_steps()
+                         for state_id, position, _ in step.reads}
+
+    def _all_steps(self) -> list[_Step]:
+        return [step for steps in self.steps.values() for step in steps] + [self.ret]
+
+    def _step(self, node: Any, order: int) -> _Step:
+        refs = refs_of(node)
+        states = self.traced.states
+        reads = {(ref.state_id, bisect_left(states[ref.state_id].order, order), ref.name)
+                 for ref in refs if isinstance(ref, Variable)}
+        return _Step(node, tuple(sorted(reads)), not refs)
+
+
+# ---- nodes only a graph executor runs ------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class _Capture(Expr):
+    run: _GraphRun
+    state_id: int
+    position: int
+
+
+@dataclass(frozen=True, eq=False)
+class _Resolve(Expr):
+    """`expr` with its arguments and variables substituted (waiting for the variables)."""
+
+    run: _GraphRun
+    expr: Any
+    reads: tuple[Read, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _SetReturn(Expr):
+    run: _GraphRun
+    reads: tuple[Read, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _ForkPoint(Expr):
+    run: _GraphRun
+    branch_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _JoinAt(Expr):
+    run: _GraphRun
+    branch_ids: tuple[int, ...]
+    mode: str
+
+
+class GraphExecutor(StreamExecutor):
+    """A `StreamExecutor` that also runs the compiler's nodes (captures, reads, fork points)."""
+
+    graph: _GraphRun | None = None
+
+    @singledispatchmethod
+    def _execute(self, expr: Expr) -> None:
+        super()._execute(expr)
+
+    @_execute.register
+    def _(self, expr: _Capture) -> None:
+        expr.run.captured(expr.state_id, expr.position, dict(self.variables))
+
+    @_execute.register
+    def _(self, expr: _Resolve) -> None:
+        self._execute(to_expr(expr.run.resolve(expr.expr, expr.reads, self)))
+
+    @_execute.register
+    def _(self, expr: _SetReturn) -> None:
+        expr.run.set_return(expr.run.resolve(expr.run.plan.ret.node, expr.reads, self))
+
+    @_execute.register
+    def _(self, expr: _ForkPoint) -> None:
+        expr.run.start(expr.branch_ids, self.fork(len(expr.branch_ids)))
+
+    @_execute.register
+    def _(self, expr: _JoinAt) -> None:
+        branches = tuple(expr.run.executor(i, self) for i in expr.branch_ids)
+        self._execute(JoinBranches(branches, expr.mode))
+
+    def abort(self) -> None:
+        if self.graph is None:
+            super().abort()
+        else:
+            self.graph.abort()
+
+
+# ---- one run of the graph ------------------------------------------------------------------------
+class _Box:
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.values: dict[str, Any] = {}
+
+
+class _GraphRun:
+    """The executors of one run, created as the program forks, and the values they hand on."""
+
+    def __init__(self, plan: _Plan, arguments: dict[str, Any], state: ProgramState) -> None:
+        self.plan = plan
+        self.arguments = arguments
+        self.executors: dict[int, GraphExecutor] = {}
+        self._created = defaultdict(threading.Event)
+        self._boxes = {key: _Box() for key in plan.captures}
+        self._state = weakref.ref(state)
+
+    # ---- starting states -----------------------------------------------------------------
+    def start(self, state_ids: Sequence[int], executors: Sequence[StreamExecutor]) -> None:
+        """Registers the executors of `state_ids` and submits their nodes."""
+        for state_id, executor in zip(state_ids, executors, strict=True):
+            executor.graph = self  # type: ignore[attr-defined]
+            self.executors[state_id] = executor  # type: ignore[assignment]
+            self._created[state_id].set()
+        for state_id, executor in zip(state_ids, executors, strict=True):
+            for expr in self._exprs(state_id):
+                executor.submit(expr)
+            if state_id != 0:
+                executor.close()  # branches are never written to again
+
+    def _exprs(self, state_id: int) -> list[Expr]:
+        steps = self.plan.steps[state_id]
+        exprs: list[Expr] = []
+        for position, step in enumerate([*steps, None]):
+            if (state_id, position) in self._boxes:
+                exprs.append(_Capture(self, state_id, position))
+            if step is not None:
+                exprs.extend(self._translate(step.node, step))
+        if state_id == 0 and self.plan.ret.reads:
+            exprs.append(_SetReturn(self, self.plan.ret.reads))
+        return exprs
+
+    @singledispatchmethod
+    def _translate(self, node: Expr, step: _Step) -> list[Expr]:
+        return [node] if step.constant else [_Resolve(self, node, step.reads)]
+
+    @_translate.register
+    def _(self, node: ForkItem, step: _Step) -> list[Expr]:
+        return []  # the executor was forked from its parent there
+
+    @_translate.register
+    def _(self, node: Fork, step: _Step) -> list[Expr]:
+        commit = [CommitPrefix()] if len(node.branch_ids) > 1 else []
+        return [*commit, _ForkPoint(self, node.branch_ids)]
+
+    @_translate.register
+    def _(self, node: Join, step: _Step) -> list[Expr]:
+        return [_JoinAt(self, node.branch_ids, node.mode)]
+
+    # ---- values between states -----------------------------------------------------------
+    def captured(self, state_id: int, position: int, variables: dict[str, Any]) -> None:
+        box = self._boxes[(state_id, position)]
+        box.values = variables
+        box.ready.set()
+
+    def resolve(self, value: Any, reads: tuple[Read, ...], waiter: StreamExecutor) -> Any:
+        """`value` with arguments and variables substituted; waits for the variables."""
+        values: dict[tuple[int, str], Any] = {}
+        for state_id, position, name in reads:
+            box = self._boxes[(state_id, position)]
+            self._wait(box.ready, state_id, waiter)
+            if name not in box.values:
+                raise KeyError(f"the program set no variable {name!r}")
+            values[(state_id, name)] = box.values[name]
+
+        def lookup(ref: Ref) -> Any:
+            if isinstance(ref, Argument):
+                return self.arguments[ref.name]
+            return values[(ref.state_id, ref.name)]
+
+        return substitute(value, lookup)
+
+    def executor(self, state_id: int, waiter: StreamExecutor) -> GraphExecutor:
+        self._wait(self._created[state_id], self.plan.parents[state_id], waiter)
+        return self.executors[state_id]
+
+    def _wait(self, event: threading.Event, state_id: int | None,
+              waiter: StreamExecutor) -> None:
+        """Waits for `event`, set by state `state_id`'s executor; fails if that state fails."""
+        while not event.wait(_POLL):
+            if waiter.cancel.is_set():
+                raise ProgramAborted("the program was interrupted")
+            error = self._failure(state_id)
+            if error is not None:
+                raise ProgramError(f"state {state_id} of the program failed: {error!r}") from error
+
+    def _failure(self, state_id: int | None) -> BaseException | None:
+        while state_id is not None:
+            executor = self.executors.get(state_id)
+            if executor is not None:
+                return executor.error
+            state_id = self.plan.parents[state_id]
+        return None
+
+    def set_return(self, value: Any) -> None:
+        state = self._state()
+        if state is not None:
+            state.ret_value = value
+
+    def abort(self) -> None:
+        for executor in list(self.executors.values()):
+            StreamExecutor.abort(executor)
+
+
+# ---- the compiled program ------------------------------------------------------------------------
+class CompiledProgram:
+    """A program traced once (arguments symbolic, bound ones constant) and run as a graph: the same
+    results as `Program.run`, with no Python code of the program run again."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.__name__ = program.__name__
+        self.traced = trace_program(program, dict(program.bound))
+        self._plan = _Plan(self.traced)
+        self._signature = inspect.signature(program.func)
+
+    def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict, dict]:
+        arguments, sampling = self.program._split(args, kwargs)
+        for name, value in self.program.bound.items():
+            if arguments[name] is not value:
+                raise TypeError(f"{self.__name__}: {name!r} was bound when the program was "
+                                f"compiled; compile program.bind({name}=...) instead")
+        missing = []
+        for name in self.traced.arguments:
+            if name not in arguments:
+                default = self._signature.parameters[name].default
+                if default is inspect.Parameter.empty:
+                    missing.append(name)
+                arguments[name] = default
+        if missing:
+            raise TypeError(f"{self.__name__}() missing required arguments {missing}")
+        return arguments, sampling
+
+    def run(self, *args: Any, backend: Any = None, stream: bool = False,
+            **kwargs: Any) -> ProgramState:
+        """Runs the graph; returns its state once done (at once with `stream=True`). Keyword
+        arguments named like sampling parameters are the defaults of every `gen`, as in
+        `Program.run`."""
+        arguments, sampling = self._arguments(args, kwargs)
+        return self._execute(as_backend(backend), arguments, _run_defaults(sampling), stream)
+
+    def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
+                 stream: bool) -> ProgramState:
+        root = GraphExecutor(backend, defaults=defaults, stream=stream)
+        state = ProgramState(root)
+        run = _GraphRun(self._plan, arguments, state)
+        if not self._plan.ret.reads:
+            state.ret_value = run.resolve(self._plan.ret.node, (), root)
+        run.start([0], [root])
+        if not stream:
+            state.sync()
+        return state
+
+    def run_batch(self, batch_kwargs: Sequence[dict[str, Any]], *, backend: Any = None,
+                  num_threads: int | str = "auto", progress_bar: bool = True,
+                  **sampling: Any) -> list[ProgramState]:
+        """Runs the graph once per kwargs dict, concurrently, after caching the constant prefix
+        (as `Program.run_batch`)."""
+        backend = as_backend(backend)
+        defaults = _run_defaults({k: sampling.pop(k) for k in list(sampling)
+                                  if k in SAMPLING_DEFAULT_KEYS})
+        if sampling:
+            raise TypeError(f"run_batch got unknown keyword arguments {sorted(sampling)}")
+        batch = [self._arguments((), dict(kwargs))[0] for kwargs in batch_kwargs]
+        if not batch:
+            return []
+        prefix = self.traced.constant_text(backend.chat_template)
+        if prefix and len(batch) > 1:
+            backend.cache_prefix(prefix)
+        if num_threads == "auto":
+            num_threads = max(96, (os.cpu_count() or 1) * 16)
+        workers = max(1, min(int(num_threads), len(batch)))
+        bar = None
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(batch), desc=self.__name__)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch") as pool:
+            def one(arguments: dict[str, Any]) -> ProgramState:
+                state = self._execute(backend, arguments, defaults, stream=False)
+                if bar is not None:
+                    bar.update(1)
+                return state
+
+            states = list(pool.map(one, batch))
+        if bar is not None:
+            bar.close()
+        return states
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
+        return self.run(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return str(self.traced)
+
+    def __repr__(self) -> str:
+        return f"<compiled lmnb program {self.__name__}({', '.join(self.program.arg_names)})>"

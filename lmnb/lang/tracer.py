@@ -1,0 +1,682 @@
+"""Tracing: run a program's function on a recording state and get its expression graph.
+
+    traced = qa.trace()          # every argument not given stays symbolic
+    print(traced)                # state 0:\n  user begin\n  argument question\n  ...
+
+Each state (the root and every fork branch) gets a list of nodes in program order; every node also
+gets a global sequence number, so that a read of another state's variable knows how far that state
+had got. Symbolic values (`Argument`, `Variable`) flow through `+`, f-strings and `str()` (inside
+strings they become placeholder tokens that the compiler substitutes); using them for Python control
+flow (`if`, `==`, `len`, iteration, ...) raises `TracingError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import singledispatch
+from typing import Any, NoReturn
+
+from lmnb.lang.chat_template import ChatTemplate
+from lmnb.lang.ir import (
+    Argument,
+    CommitPrefix,
+    Expr,
+    ExprList,
+    ForkItem,
+    Gen,
+    GenParams,
+    Image,
+    Join,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SetVar,
+    Text,
+    Variable,
+    VarScopeBegin,
+    VarScopeEnd,
+    Video,
+    concat,
+    to_expr,
+)
+
+_OPEN, _CLOSE, _SEP = "\ue000", "\ue001", "\ue002"
+_PLACEHOLDER = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
+_JOIN_MODES = ("gather_variable", "concat_and_append")
+
+Ref = Argument | Variable
+
+
+class TracingError(RuntimeError):
+    """The program cannot be traced: its Python control flow depends on values not known yet."""
+
+
+@dataclass(frozen=True)
+class Fork(Expr):
+    """Tracing: fork `fork_id` of this state into the states `branch_ids`."""
+
+    fork_id: int
+    branch_ids: tuple[int, ...]
+
+
+# ---- placeholders: symbolic values inside strings ------------------------------------------------
+def placeholder(ref: Ref, conversion: str = "", spec: str = "") -> str:
+    """`"\\ue000arg:name\\ue001"` or `"\\ue000var:state:name\\ue001"`, with the f-string's
+    conversion and format spec if any."""
+    body = f"arg:{ref.name}" if isinstance(ref, Argument) else f"var:{ref.state_id}:{ref.name}"
+    if conversion or spec:
+        body += f"{_SEP}{conversion}{_SEP}{spec}"
+    return f"{_OPEN}{body}{_CLOSE}"
+
+
+def _parse(body: str) -> tuple[Ref, str, str]:
+    ref_text, _, rest = body.partition(_SEP)
+    conversion, _, spec = rest.partition(_SEP)
+    kind, _, name = ref_text.partition(":")
+    if kind == "arg":
+        return Argument(name), conversion, spec
+    state, _, name = name.partition(":")
+    return Variable(name, int(state)), conversion, spec
+
+
+def format_value(value: Any, conversion: str, spec: str) -> str:
+    if conversion == "r":
+        value = repr(value)
+    elif conversion == "a":
+        value = ascii(value)
+    return format(value, spec)
+
+
+def substitute_text(text: str, lookup: Callable[[Ref], Any]) -> str:
+    """`text` with each placeholder replaced by its value, formatted as the f-string asked."""
+    if _OPEN not in text:
+        return text
+
+    def replace(match: re.Match) -> str:
+        ref, conversion, spec = _parse(match.group(1))
+        return format_value(lookup(ref), conversion, spec)
+
+    return _PLACEHOLDER.sub(replace, text)
+
+
+def text_refs(text: str) -> list[Ref]:
+    return [_parse(m.group(1))[0] for m in _PLACEHOLDER.finditer(text)] if _OPEN in text else []
+
+
+def constant_head(text: str) -> tuple[str, bool]:
+    """The part of `text` before its first placeholder, and whether the whole text is constant."""
+    index = text.find(_OPEN)
+    return (text, True) if index < 0 else (text[:index], False)
+
+
+def _ref_label(ref: Ref) -> str:
+    return ref.name if isinstance(ref, Argument) else f"s{ref.state_id}.{ref.name}"
+
+
+def readable(text: str) -> str:
+    """`text` with placeholders shown as `{name}` / `{s0.name}`."""
+    def show(match: re.Match) -> str:
+        ref, conversion, spec = _parse(match.group(1))
+        return ("{" + _ref_label(ref) + (f"!{conversion}" if conversion else "")
+                + (f":{spec}" if spec else "") + "}")
+
+    return _PLACEHOLDER.sub(show, text)
+
+
+# ---- walking values that may hold symbolic references --------------------------------------------
+@dataclass(frozen=True)
+class _Visitor:
+    on_ref: Callable[[Ref], Any]
+    on_text: Callable[[str], Any]
+
+
+@singledispatch
+def _walk(value: Any, visitor: _Visitor) -> Any:
+    return value
+
+
+@_walk.register
+def _(value: str, visitor: _Visitor) -> Any:
+    return visitor.on_text(value)
+
+
+@_walk.register(Argument)
+@_walk.register(Variable)
+def _(value: Ref, visitor: _Visitor) -> Any:
+    return visitor.on_ref(value)
+
+
+@_walk.register(tuple)
+@_walk.register(list)
+def _(value: tuple | list, visitor: _Visitor) -> Any:
+    items = [_walk(item, visitor) for item in value]
+    if all(new is old for new, old in zip(items, value, strict=True)):
+        return value
+    return type(value)(items)
+
+
+@_walk.register
+def _(value: dict, visitor: _Visitor) -> Any:
+    items = {key: _walk(item, visitor) for key, item in value.items()}
+    return value if all(items[k] is value[k] for k in value) else items
+
+
+@_walk.register(Expr)
+@_walk.register(GenParams)
+def _(value: Any, visitor: _Visitor) -> Any:
+    if not dataclasses.is_dataclass(value):
+        return value
+    changes = {}
+    for f in dataclasses.fields(value):
+        old = getattr(value, f.name)
+        new = _walk(old, visitor)
+        if new is not old:
+            changes[f.name] = new
+    return dataclasses.replace(value, **changes) if changes else value
+
+
+def substitute(value: Any, lookup: Callable[[Ref], Any]) -> Any:
+    """`value` with every `Argument`/`Variable` (and placeholder in strings) replaced by its value;
+    unchanged parts keep their identity."""
+    return _walk(value, _Visitor(lookup, lambda text: substitute_text(text, lookup)))
+
+
+def refs_of(value: Any) -> list[Ref]:
+    """Every `Argument`/`Variable` in `value`, placeholders included, in order."""
+    found: list[Ref] = []
+
+    def on_ref(ref: Ref) -> Ref:
+        found.append(_plain(ref))
+        return ref
+
+    def on_text(text: str) -> str:
+        found.extend(text_refs(text))
+        return text
+
+    _walk(value, _Visitor(on_ref, on_text))
+    return found
+
+
+def _plain(ref: Ref) -> Ref:
+    return Argument(ref.name) if isinstance(ref, Argument) else Variable(ref.name, ref.state_id)
+
+
+def normalize(value: Any) -> Any:
+    """`value` with the tracer's symbolic proxies replaced by plain IR nodes."""
+    return _walk(value, _Visitor(_plain, lambda text: text))
+
+
+# ---- symbolic values -----------------------------------------------------------------------------
+class _Symbolic:
+    """Python operations on a value that is not known while tracing: data flow works, control
+    flow raises `TracingError`."""
+
+    def _label(self) -> str:
+        if isinstance(self, Argument):
+            return f"argument {self.name!r}"
+        return f"variable {self.name!r} of state {self.state_id}"  # type: ignore[attr-defined]
+
+    def _control(self, use: str) -> NoReturn:
+        raise TracingError(
+            f"data-dependent control flow: {self._label()} is {use}, but its value is not known "
+            f"while tracing. Compiled programs may only pass such values on (s += ..., +, "
+            f"f-strings, str()); run the program with .run() to branch on them")
+
+    def __str__(self) -> str:
+        return placeholder(self)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return placeholder(self, conversion="r")  # type: ignore[arg-type]
+
+    def __format__(self, spec: str) -> str:
+        return placeholder(self, spec=spec)  # type: ignore[arg-type]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Expr):
+            return normalize(self) == normalize(other)
+        self._control(f"compared (==) with {other!r}")
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(_plain(self))  # type: ignore[arg-type]
+
+    def __bool__(self) -> bool:
+        self._control("used as a truth value (if, while, and, or, not)")
+
+    def __len__(self) -> int:
+        self._control("passed to len()")
+
+    def __iter__(self) -> Iterator[Any]:
+        self._control("iterated over")
+
+    def __contains__(self, item: object) -> bool:
+        self._control("searched with `in`")
+
+    def __getitem__(self, key: object) -> Any:
+        self._control(f"indexed with [{key!r}]")
+
+    def __int__(self) -> int:
+        self._control("converted with int()")
+
+    def __float__(self) -> float:
+        self._control("converted with float()")
+
+    def __index__(self) -> int:
+        self._control("used as an integer (range, indexing, *)")
+
+    def __lt__(self, other: object) -> bool:
+        self._control("compared (<)")
+
+    def __le__(self, other: object) -> bool:
+        self._control("compared (<=)")
+
+    def __gt__(self, other: object) -> bool:
+        self._control("compared (>)")
+
+    def __ge__(self, other: object) -> bool:
+        self._control("compared (>=)")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # protocols and probes (hasattr) see a plain missing attribute
+            raise AttributeError(name)
+        self._control(f"used with .{name}")
+
+
+class SymbolicArgument(_Symbolic, Argument):
+    """A program argument while tracing."""
+
+
+class SymbolicVariable(_Symbolic, Variable):
+    """`s["name"]` while tracing."""
+
+
+# ---- the traced graph ----------------------------------------------------------------------------
+@dataclass
+class TracedState:
+    """One state of the graph: the root (0) or a fork branch."""
+
+    state_id: int
+    parent: int | None = None
+    fork_id: int | None = None
+    index: int | None = None
+    nodes: list[Expr] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # global sequence number of each node
+
+    def label(self) -> str:
+        if self.parent is None:
+            return f"state {self.state_id}"
+        return (f"state {self.state_id} (fork #{self.fork_id} branch {self.index} of state "
+                f"{self.parent})")
+
+
+class TracedProgram:
+    """The expression graph of one program: per state, its nodes in program order."""
+
+    def __init__(self, name: str, states: list[TracedState], arguments: tuple[str, ...],
+                 ret_value: Any, ret_order: int) -> None:
+        self.name = name
+        self.states = tuple(states)
+        self.arguments = arguments
+        self.ret_value = ret_value
+        self.ret_order = ret_order
+
+    def nodes(self, state_id: int = 0) -> tuple[Expr, ...]:
+        return tuple(self.states[state_id].nodes)
+
+    @property
+    def variables(self) -> dict[int, tuple[str, ...]]:
+        """Per state, the names of the variables it sets (in order of first setting)."""
+        names: dict[int, tuple[str, ...]] = {}
+
+        def of(state_id: int) -> tuple[str, ...]:
+            if state_id not in names:
+                names[state_id] = ()
+                nodes = self.states[state_id].nodes
+                names[state_id] = tuple(dict.fromkeys(
+                    name for node in nodes for name in _sets(node, of)))
+            return names[state_id]
+
+        for state in self.states:
+            of(state.state_id)
+        return names
+
+    def constant_text(self, chat_template: ChatTemplate) -> str:
+        """The text state 0 produces before its first node that is not a compile-time constant."""
+        prefix = _Prefix(chat_template)
+        try:
+            for node in self.states[0].nodes:
+                if not _constant_piece(node, prefix):
+                    break
+        except ValueError:  # a role the chat template cannot render here: the run will say so
+            pass
+        return prefix.text
+
+    def __str__(self) -> str:
+        lines = []
+        for state in self.states:
+            lines.append(f"{state.label()}:")
+            lines.extend(f"  {describe(node)}" for node in state.nodes)
+        if self.ret_value is not None:
+            lines.append(f"returns {_show(self.ret_value)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"<traced program {self.name}: {len(self.states)} states, "
+                f"{sum(len(s.nodes) for s in self.states)} nodes>")
+
+
+@singledispatch
+def _sets(node: Expr, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
+    """The variables `node` sets; `of(state)` gives those a branch sets (for joins)."""
+    return ()
+
+
+@_sets.register(Gen)
+@_sets.register(Select)
+def _(node: Gen | Select, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
+    return () if node.name is None else (node.name,)
+
+
+@_sets.register(SetVar)
+@_sets.register(VarScopeEnd)
+def _(node: SetVar | VarScopeEnd, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
+    return (node.name,)
+
+
+@_sets.register
+def _(node: Join, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
+    if node.mode != "gather_variable":
+        return ()
+    return tuple(name for branch in node.branch_ids for name in of(branch))
+
+
+# ---- printing ------------------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    if isinstance(value, Argument | Variable):
+        return "{" + _ref_label(value) + "}"
+    if isinstance(value, str):
+        return repr(readable(value))
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
+
+
+def _params(values: dict[str, Any]) -> str:
+    return " (" + ", ".join(f"{k}={_show(v)}" for k, v in values.items()) + ")" if values else ""
+
+
+def _source(node: Image | Video) -> str:
+    return _show(node.source) if isinstance(node.source, str | Expr) else "<data>"
+
+
+_DESCRIBE: dict[type, Callable[[Any], str]] = {
+    Text: lambda n: f"text {_show(n.value)}",
+    Argument: lambda n: f"argument {n.name}",
+    Variable: lambda n: f"variable {n.name} of state {n.state_id}",
+    Gen: lambda n: f"gen {n.name or '_'}{_params(n.params.set_values())}",
+    Select: lambda n: f"select {n.name or '_'} {_show(n.choices)} ({n.method})",
+    RoleBegin: lambda n: f"{n.role} begin",
+    RoleEnd: lambda n: f"{n.role} end",
+    VarScopeBegin: lambda n: f"var_scope {n.name} begin",
+    VarScopeEnd: lambda n: f"var_scope {n.name} end",
+    SetVar: lambda n: f"set_var {n.name} = {_show(n.value)}",
+    CommitPrefix: lambda n: "commit_prefix",
+    Image: lambda n: f"image {_source(n)}",
+    Video: lambda n: f"video {_source(n)} ({n.num_frames} frames)",
+    Fork: lambda n: f"fork #{n.fork_id} -> states {', '.join(map(str, n.branch_ids))}",
+    ForkItem: lambda n: f"fork item: branch {n.index} of fork #{n.fork_id} of state {n.state_id}",
+    Join: lambda n: f"join {n.mode} <- states {', '.join(map(str, n.branch_ids))}",
+}
+
+
+def describe(node: Expr) -> str:
+    """One line for one node of a traced graph."""
+    return _DESCRIBE.get(type(node), repr)(node)
+
+
+# ---- constant prefix -----------------------------------------------------------------------------
+@dataclass
+class _Prefix:
+    chat_template: ChatTemplate
+    text: str = ""
+    first: bool = True  # no message finished yet (the interpreter's `not messages_`)
+
+
+@singledispatch
+def _constant_piece(node: Expr, prefix: _Prefix) -> bool:
+    """Adds `node`'s text to `prefix` if it is a compile-time constant; False stops the prefix."""
+    return False
+
+
+@_constant_piece.register
+def _(node: Text, prefix: _Prefix) -> bool:
+    head, whole = constant_head(node.value)
+    prefix.text += head
+    return whole
+
+
+@_constant_piece.register
+def _(node: RoleBegin, prefix: _Prefix) -> bool:
+    prefix.text += prefix.chat_template.role_text(node.role, first=prefix.first).prefix
+    return True
+
+
+@_constant_piece.register
+def _(node: RoleEnd, prefix: _Prefix) -> bool:
+    prefix.first = False
+    prefix.text += prefix.chat_template.role_text(node.role, first=False).suffix
+    return True
+
+
+@_constant_piece.register(VarScopeBegin)
+@_constant_piece.register(VarScopeEnd)
+@_constant_piece.register(CommitPrefix)
+@_constant_piece.register(SetVar)
+@_constant_piece.register(Fork)
+def _(node: Expr, prefix: _Prefix) -> bool:
+    return True
+
+
+def constant_prefix(program: Any, backend: Any) -> str:
+    """The text every run of `program` starts with (its arguments symbolic), for caching before a
+    batch; "" when the program cannot be traced or starts with something not constant."""
+    try:
+        return trace_program(program, dict(program.bound)).constant_text(backend.chat_template)
+    except Exception:  # a hint only: the run itself reports the program's errors
+        return ""
+
+
+# ---- the recording state -------------------------------------------------------------------------
+class _Recorder:
+    def __init__(self) -> None:
+        self.states: list[TracedState] = []
+        self.sequence = 0
+        self.forks = 0
+
+    def new_state(self, **kwargs: Any) -> TracingState:
+        state = TracedState(len(self.states), **kwargs)
+        self.states.append(state)
+        return TracingState(self, state)
+
+    def record(self, state: TracedState, node: Expr) -> None:
+        state.nodes.append(normalize(node))
+        state.order.append(self.sequence)
+        self.sequence += 1
+
+
+class TracingState:
+    """The `s` of a program while tracing: the API of `ProgramState`, recording nodes."""
+
+    def __init__(self, recorder: _Recorder, state: TracedState) -> None:
+        self._recorder = recorder
+        self._state = state
+        self.ret_value: Any = None
+
+    @property
+    def state_id(self) -> int:
+        return self._state.state_id
+
+    def _record(self, node: Expr) -> None:
+        self._recorder.record(self._state, node)
+
+    # ---- writing -------------------------------------------------------------------------
+    def __iadd__(self, other: Any) -> TracingState:
+        expr = to_expr(other)
+        for item in expr.items if isinstance(expr, ExprList) else (expr,):
+            self._record(item)
+        return self
+
+    def set_var(self, name: str, value: Any) -> None:
+        self._record(SetVar(name, value))
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        self._record(VarScopeBegin(name))
+        yield
+        self._record(VarScopeEnd(name))
+
+    def _role(self, role: str, content: Any) -> Any:
+        if content is not None:
+            self += concat(RoleBegin(role), content, RoleEnd(role))
+            return None
+        return self._role_scope(role)
+
+    @contextmanager
+    def _role_scope(self, role: str) -> Iterator[None]:
+        self._record(RoleBegin(role))
+        yield
+        self._record(RoleEnd(role))
+
+    def system(self, content: Any = None) -> Any:
+        return self._role("system", content)
+
+    def user(self, content: Any = None) -> Any:
+        return self._role("user", content)
+
+    def assistant(self, content: Any = None) -> Any:
+        return self._role("assistant", content)
+
+    # ---- reading -------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> SymbolicVariable:
+        return SymbolicVariable(name, self.state_id)
+
+    def get_var(self, name: str) -> SymbolicVariable:
+        return self[name]
+
+    def _unknown(self, what: str) -> NoReturn:
+        raise TracingError(f"data-dependent control flow: {what} of state {self.state_id} is not "
+                           f"known while tracing; run the program with .run() to use it")
+
+    def __contains__(self, name: str) -> bool:
+        self._unknown(f"whether variable {name!r} is set")
+
+    def get_meta_info(self, name: str) -> Any:
+        self._unknown(f"the meta info of variable {name!r}")
+
+    def text(self) -> str:
+        self._unknown("the text")
+
+    def messages(self) -> list[dict[str, str]]:
+        self._unknown("the messages")
+
+    def variables(self) -> dict[str, Any]:
+        self._unknown("the variables")
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        self._unknown("the spans")
+
+    def text_iter(self, var: str | None = None) -> Iterator[str]:
+        self._unknown("the text")
+
+    def error(self) -> BaseException | None:
+        self._unknown("the error")
+
+    def sync(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    # ---- branching -----------------------------------------------------------------------
+    def fork(self, size: int = 1) -> TracingStateGroup:
+        if size < 1:
+            raise ValueError(f"fork size must be >= 1, got {size}")
+        fork_id = self._recorder.forks
+        self._recorder.forks += 1
+        branches = [self._recorder.new_state(parent=self.state_id, fork_id=fork_id, index=i)
+                    for i in range(size)]
+        self._record(Fork(fork_id, tuple(b.state_id for b in branches)))
+        for i, branch in enumerate(branches):
+            branch._record(ForkItem(self.state_id, fork_id, i))
+        return TracingStateGroup(branches, parent=self)
+
+    def copy(self) -> TracingState:
+        return self.fork(1)[0]
+
+    def join(self, forks: TracingStateGroup | Sequence[TracingState],
+             mode: str = "gather_variable") -> None:
+        if mode not in _JOIN_MODES:
+            raise ValueError(f"unknown join mode {mode!r}; use one of {_JOIN_MODES}")
+        self._record(Join(tuple(state.state_id for state in forks), mode))
+
+    def __repr__(self) -> str:
+        return f"TracingState({self.state_id}, {len(self._state.nodes)} nodes)"
+
+
+class TracingStateGroup:
+    """The branches of `s.fork(n)` while tracing (the API of `ProgramStateGroup`)."""
+
+    def __init__(self, states: list[TracingState], parent: TracingState) -> None:
+        self.states = states
+        self.parent = parent
+
+    def __iter__(self) -> Iterator[TracingState]:
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index: int) -> TracingState:
+        return self.states[index]
+
+    def __iadd__(self, other: Any) -> TracingStateGroup:
+        if callable(other) and not isinstance(other, Expr):
+            for i, state in enumerate(self.states):
+                state += other(i)
+        elif isinstance(other, list | tuple):
+            if len(other) != len(self.states):
+                raise ValueError(f"{len(other)} expressions for {len(self.states)} branches")
+            for state, expr in zip(self.states, other, strict=True):
+                state += expr
+        else:
+            expr = to_expr(other)
+            for state in self.states:
+                state += expr
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        self.parent.join(self, mode)
+
+
+def trace_program(program: Any, kwargs: dict[str, Any]) -> TracedProgram:
+    """Runs `program.func` on a recording state. Arguments missing from `kwargs` are symbolic
+    (`Argument` nodes); raises `TracingError` on data-dependent control flow."""
+    unknown = set(kwargs) - set(program.arg_names)
+    if unknown:
+        raise TypeError(f"{program.__name__} has no arguments {sorted(unknown)}")
+    parameters = list(inspect.signature(program.func).parameters.values())[1:]
+    names = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    arguments = {name: kwargs[name] if name in kwargs else SymbolicArgument(name)
+                 for name in names}
+    recorder = _Recorder()
+    ret_value = program.func(recorder.new_state(), **arguments)
+    return TracedProgram(program.__name__, recorder.states,
+                         tuple(name for name in names if name not in kwargs),
+                         normalize(ret_value), recorder.sequence)
