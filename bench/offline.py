@@ -18,6 +18,9 @@ same shape (same architecture and cost, not the same values).
     python bench/offline.py                                  # 256 seqs, SmolLM2
     python bench/offline.py --dummy-config llama-2-7b --device cuda
     python bench/offline.py --num-seqs 8 --max-input-len 128 --max-output-len 32 --skip-hf
+
+On a small shared CPU box, `--threads 1` gives steadier ratios (oversubscribed torch threads
+slow HF's many small ops far more than lmnb's).
 """
 
 from __future__ import annotations
@@ -219,6 +222,7 @@ def run_lmnb(spec: ModelSpec, workload: Workload, args: argparse.Namespace,
         torch.manual_seed(SEED)
         rt.generate(input_ids=workload.prompts[0][:16],
                     sampling_params={**params[0], "max_new_tokens": WARMUP_TOKENS})
+        rt.flush_cache()  # the warm-up prompt must not become a cache hit
         before = rt.stats()
         with stopwatch(device) as run:
             outputs = rt.generate(input_ids=workload.prompts, sampling_params=params)

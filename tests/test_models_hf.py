@@ -100,4 +100,5 @@ def test_retraction_under_tiny_pool_keeps_tokens_exact(tiny_models, hf_models):
         assert [out["output_ids"] for out in outs] == expected
         assert rt.stats()["retractions"] > 0
         rt.check_integrity()
-        assert rt.stats()["free_tokens"] == 128
+        stats = rt.stats()
+        assert stats["free_tokens"] + stats["evictable_tokens"] == 128  # nothing held

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -292,11 +291,9 @@ class Program:
             state.abort()
             raise
         except Exception as error:  # kept, raised where the state is read
-            # Its frames hold `s`: kept by the worker thread, they would keep it (and the thread)
-            # alive forever. Drop this frame, clear the program's locals; line numbers stay.
-            error = error.with_traceback(error.__traceback__.tb_next)
-            traceback.clear_frames(error.__traceback__)
             executor.error = executor.error or error
+            # Nothing more runs. The error's frames hold `s`: a live worker would keep it forever.
+            executor.close()
         if not stream:
             state.sync()
         return state
