@@ -41,8 +41,11 @@ class TokenToKVPool:
         self.dtype = dtype
         self.device = device
         shape = (size + 1, kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Slots are written before they are read; only the padding slot must hold finite values.
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buffer in (*self.k_buffers, *self.v_buffers):
+            buffer[0].zero_()
         self._free_slots = torch.arange(1, size + 1, dtype=torch.int64, device=device)
 
     @staticmethod

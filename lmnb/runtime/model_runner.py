@@ -16,6 +16,7 @@ from lmnb.runtime.sampling import Sampler
 
 TopLogprobs = list[tuple[float, int]]
 CPU_KV_MEMORY_FRACTION = 0.15  # of the host's available memory, when no size is given on CPU
+CPU_MAX_DEFAULT_TOKENS = 65536
 
 
 @dataclass
@@ -83,6 +84,8 @@ class ModelRunner:
                         else mem_fraction_static)
             budget = available * fraction
         tokens = int(budget // per_token)
+        if self.device.type == "cpu" and mem_fraction_static is None:
+            tokens = min(tokens, CPU_MAX_DEFAULT_TOKENS)
         if tokens < 2:
             raise ValueError(f"no memory left for the KV cache (mem_fraction_static={fraction})")
         return tokens

@@ -17,10 +17,12 @@ class TorchNativeAttention(AttentionBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         if forward_batch.mode is ForwardMode.DECODE:
             max_len = max(forward_batch.seq_lens_cpu)
-            # [bs, max_len] slots, padded with slot 0; mask hides the padding.
-            self._slots = req_to_token[forward_batch.req_pool_indices, :max_len]
             positions = torch.arange(max_len, device=req_to_token.device)
-            self._mask = (positions[None, :] < forward_batch.seq_lens[:, None])[:, None, None, :]
+            valid = positions[None, :] < forward_batch.seq_lens[:, None]  # [bs, max_len]
+            # Padding reads slot 0 (always finite): a masked weight times a NaN would still be NaN.
+            slots = req_to_token[forward_batch.req_pool_indices, :max_len]
+            self._slots = torch.where(valid, slots, torch.zeros_like(slots))
+            self._mask = valid[:, None, None, :]
         else:
             self._slots_per_req = [
                 req_to_token[int(idx), :seq_len]

@@ -80,10 +80,10 @@ class RadixCache(PrefixCache):
             child = node.children.get((extra_key, key[0]))
             if child is None:
                 break
-            child.last_access = now
             matched = common_prefix_length(child.key, key)
             if matched < len(child.key):
-                child = self._split(child, matched)
+                child = self._split(child, matched)  # the unmatched lower half keeps its time
+            child.last_access = now
             values.append(child.value)
             node = child
             key = key[matched:]
@@ -128,10 +128,10 @@ class RadixCache(PrefixCache):
                 node.children[(extra_key, key[done])] = leaf
                 self._evictable += len(leaf.key)
                 return done
-            child.last_access = now
             matched = common_prefix_length(child.key, key[done:])
             if matched < len(child.key):
                 child = self._split(child, matched)
+            child.last_access = now
             done += matched
             node = child
         return done
