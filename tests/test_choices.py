@@ -279,7 +279,8 @@ def test_smollm2_knows_the_capital_of_france(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["greedy_token_selection", "unconditional_likelihood_normalized"])
+@pytest.mark.parametrize("method",
+                         ["greedy_token_selection", "unconditional_likelihood_normalized"])
 def test_smollm2_other_methods_agree_on_the_capital(smollm2, method):
     result = select_choice(RuntimeChoiceScorer(smollm2), "The capital of France is",
                            [" Paris", " London", " a banana"], method)
