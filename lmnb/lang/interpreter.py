@@ -6,10 +6,12 @@ the stream, is kept, and is raised to every later reader.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import Any
@@ -48,10 +50,17 @@ class JoinBranches(Expr):
 
 
 _END = object()
+_executor_ids = itertools.count()
+
+# observer(kind, executor, data): kind is "text" (data: delta, var), "variable" (name), "fork"
+# (branches), or "error" (error). Called on the executor's worker thread; must not block.
+Observer = Callable[[str, "StreamExecutor", dict[str, Any]], None]
 
 
 class StreamExecutor:
     def __init__(self, backend: Backend, *, defaults: GenParams, stream: bool = False) -> None:
+        self.id = next(_executor_ids)
+        self.observer: Observer | None = None
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
@@ -171,8 +180,24 @@ class StreamExecutor:
             branch._role, branch._role_start = self._role, self._role_start
             branch.fork_point = len(self.text_)
             branch.spans = list(self.spans)
+            branch.observer = self.observer
             branches.append(branch)
+        self._emit("fork", branches=branches)
         return branches
+
+    @property
+    def idle(self) -> bool:
+        """Nothing submitted is waiting or running."""
+        return not self._queue.unfinished_tasks
+
+    def _emit(self, kind: str, **data: Any) -> None:
+        observer = self.observer
+        if observer is None:
+            return
+        try:
+            observer(kind, self, data)
+        except Exception:  # a broken display must not break the program
+            logging.getLogger(__name__).exception("program observer failed")
 
     # ---- worker side -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -191,6 +216,7 @@ class StreamExecutor:
                 self.error = error
                 for event in list(self._var_events.values()):
                     event.set()
+                self._emit("error", error=error)
             finally:
                 self._queue.task_done()
 
@@ -205,11 +231,13 @@ class StreamExecutor:
                 if wanted == name:
                     events.put(_END)
         self._var_events[name].set()
+        self._emit("variable", name=name)
 
     def _append(self, text: str, var: str | None = None) -> None:
         with self._listeners_lock:  # listeners joining now see the text in `text_` or as a delta
             self.text_ += text
             self._notify(var, text)
+        self._emit("text", delta=text, var=var)
 
     @singledispatchmethod
     def _execute(self, expr: Expr) -> None:

@@ -70,7 +70,7 @@ class ProgramState:
     def __init__(self, executor: StreamExecutor, run: _Run | None = None) -> None:
         self._executor = executor
         self._run = run or _Run()
-        self._run.executors.append(executor)
+        self._run.add(executor)
         self.ret_value: Any = None
         weakref.finalize(self, executor.close)
 
@@ -182,6 +182,21 @@ class ProgramState:
     def abort(self) -> None:
         self._run.abort()
 
+    def observe(self, observer: Any) -> None:
+        """Calls `observer(kind, executor, data)` on this run's events (text deltas, finished
+        variables, forks, errors) from the program's worker threads; used by live widgets."""
+        self._run.observer = observer
+        for executor in self._run.executors:
+            executor.observer = observer
+
+    @property
+    def state_id(self) -> int:
+        return self._executor.id
+
+    @property
+    def idle(self) -> bool:
+        return self._executor.idle
+
     def __repr__(self) -> str:
         executor = self._executor
         return f"ProgramState(text={executor.text_!r}, variables={sorted(executor.variables)})"
@@ -228,6 +243,12 @@ class _Run:
 
     def __init__(self) -> None:
         self.executors: list[StreamExecutor] = []
+        self.observer = None
+
+    def add(self, executor: StreamExecutor) -> None:
+        if self.observer is not None:
+            executor.observer = self.observer
+        self.executors.append(executor)
 
     def abort(self) -> None:
         for executor in self.executors:
