@@ -38,7 +38,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     regex: str | None = None
-    json_schema: str | None = None
+    json_schema: str | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -160,6 +160,9 @@ class Req:
     forward_passes: int = 0
     created_at: float = 0.0
     arrival_pass: int = 0  # scheduler forward-pass count when it arrived (for aging)
+    admitted: bool = False  # admitted once already (retracted or jumped requests come back)
+    grammar: Any = None  # RequestGrammar of a regex / JSON-schema constrained request
+    jumps: int = 0  # jump-forward steps taken
 
     # Logprobs accumulated so far.
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)

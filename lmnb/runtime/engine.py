@@ -15,6 +15,11 @@ import torch
 
 from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
 from lmnb.runtime.detokenizer import IncrementalDetokenizer
+from lmnb.runtime.fsm.grammar import RequestGrammar
+from lmnb.runtime.fsm.index import get_token_index
+from lmnb.runtime.fsm.json_schema import InvalidSchemaError, json_schema_to_regex
+from lmnb.runtime.fsm.jump import JumpForward
+from lmnb.runtime.fsm.regex import InvalidRegexError
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
 from lmnb.runtime.policy import make_policy
@@ -72,6 +77,7 @@ class Runtime:
         chunked_prefill_size: int | None = None,
         schedule_policy: str = "lpm",
         disable_radix_cache: bool = False,
+        disable_jump_forward: bool = False,
         attention_backend: str | None = None,
         check_integrity_each_step: bool = False,
     ) -> None:
@@ -101,7 +107,9 @@ class Runtime:
         pools = (self._runner.req_to_token_pool, self._runner.token_to_kv_pool)
         self._cache = NoReuseCache(*pools) if disable_radix_cache else RadixCache(*pools)
         self._scheduler = Scheduler(self._runner, self._cache, make_policy(schedule_policy),
-                                    scheduler_config, self.eos_token_ids)
+                                    scheduler_config, self.eos_token_ids,
+                                    jump_forward=None if disable_jump_forward
+                                    else JumpForward(self.tokenizer))
         self._tokenizer_lock = threading.Lock()
         self._closed = False
 
@@ -329,8 +337,6 @@ class Runtime:
         if len(ids) >= self.context_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_len}")
-        if params.regex is not None or params.json_schema is not None:
-            raise InvalidRequestError("regex / json_schema constraints are not supported yet")
         start = -1 if logprob_start_len is None else logprob_start_len
         if return_logprob and start >= len(ids):
             raise InvalidRequestError(
@@ -347,6 +353,8 @@ class Runtime:
         req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                   logprob_start_len=start if return_logprob else -1,
                   top_logprobs_num=top if return_logprob else 0, sample_index=sample_index)
+        if params.regex is not None or params.json_schema is not None:
+            req.grammar = self._grammar(params)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(
                 params.seed + sample_index)
@@ -354,6 +362,18 @@ class Runtime:
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
         req.created_at = time.perf_counter()
         return req
+
+    def _grammar(self, params: SamplingParams) -> RequestGrammar:
+        if params.regex is not None and params.json_schema is not None:
+            raise InvalidRequestError("give either regex or json_schema, not both")
+        try:
+            pattern = params.regex
+            if pattern is None:
+                pattern = json_schema_to_regex(params.json_schema)
+            index = get_token_index(pattern, self.tokenizer, vocab_size=self.config.vocab_size)
+        except (InvalidRegexError, InvalidSchemaError) as error:
+            raise InvalidRequestError(str(error)) from None
+        return RequestGrammar(index, pattern)
 
     # ---- results -------------------------------------------------------------------------------
     def _meta(self, req: Req) -> dict[str, Any]:
@@ -366,6 +386,8 @@ class Runtime:
             "forward_passes": req.forward_passes,
             "retractions": req.retractions,
         }
+        if req.grammar is not None:
+            meta["jump_forward_steps"] = req.jumps
         if req.return_logprob:
             meta["output_token_logprobs"] = list(req.output_token_logprobs)
             if req.logprob_start_len >= 0:

@@ -114,7 +114,8 @@ class ModelRunner:
             self._input_logprobs(batch, hidden, out)
         if sample_rows:
             logits = self.model.compute_logits(hidden[last_token_rows])
-            sampled = self.sampler(logits, [batch.reqs[i] for i in sample_rows])
+            sampling_reqs = [batch.reqs[i] for i in sample_rows]
+            sampled = self.sampler(logits, sampling_reqs, self._grammar_mask(sampling_reqs, logits))
             token_ids = sampled.next_token_ids.tolist()
             logprobs = sampled.next_token_logprobs.tolist()
             for row, i in enumerate(sample_rows):
@@ -123,6 +124,20 @@ class ModelRunner:
                 if sampled.top_logprobs is not None:
                     out.next_top_logprobs[i] = sampled.top_logprobs[row]
         return out
+
+    def _grammar_mask(self, reqs: list, logits: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] allowed tokens of constrained requests (all allowed for the others)."""
+        if all(req.grammar is None for req in reqs):
+            return None
+        mask = torch.ones(logits.shape, dtype=torch.bool)
+        stop_ids = self.sampler.eos_token_ids
+        for row, req in enumerate(reqs):
+            if req.grammar is not None:
+                allowed = req.grammar.mask(stop_ids | set(req.sampling_params.stop_token_ids))
+                mask[row].zero_()
+                width = min(allowed.numel(), mask.shape[1])
+                mask[row, :width] = allowed[:width]
+        return mask.to(logits.device)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         input_ids: list[int] = []

@@ -27,6 +27,7 @@ from lmnb.runtime.core import (
     finish_length,
     finish_stop,
 )
+from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.model_runner import ModelRunner, StepOutput
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.prefix_cache import PrefixCache, common_prefix_length
@@ -57,12 +58,13 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: PrefixCache, policy: SchedulePolicy,
                  config: SchedulerConfig, eos_token_ids: set[int],
-                 recent_window: int = 64) -> None:
+                 jump_forward: JumpForward | None = None, recent_window: int = 64) -> None:
         self.runner = runner
         self.cache = cache
         self.policy = policy
         self.config = config
         self.eos_token_ids = eos_token_ids
+        self.jump_forward = jump_forward
         self.req_to_token_pool = runner.req_to_token_pool
         self.kv_pool = runner.token_to_kv_pool
         self.waiting: list[Req] = []
@@ -70,7 +72,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = {"forward_passes": 0, "retractions": 0, "prompt_tokens": 0,
-                      "cached_tokens": 0, "generated_tokens": 0}
+                      "cached_tokens": 0, "generated_tokens": 0, "jump_forward_tokens": 0}
         self.recent_hits: deque[tuple[int, int]] = deque(maxlen=recent_window)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -257,7 +259,8 @@ class Scheduler:
         self._release_slots(req)
 
     def _count_admission(self, req: Req, prefix_len: int) -> None:
-        if req.retractions == 0:
+        if not req.admitted:
+            req.admitted = True
             req.cached_tokens = prefix_len
             self.stats["prompt_tokens"] += len(req.origin_input_ids)
             self.stats["cached_tokens"] += prefix_len
@@ -332,7 +335,7 @@ class Scheduler:
                                    output.next_top_logprobs[i])
             elif req.kv_len == len(req.fill_ids):  # prompt done, nothing to generate
                 self._finish(req, finish_length(len(req.output_ids)))
-            if extend and not req.finished:
+            if extend and req.req_pool_idx is not None:  # still live, not jumped
                 # Computed prompt KV goes into the cache at once, so that requests sharing the
                 # prefix can hit it while this one still runs.
                 self.cache.cache_unfinished_req(req)
@@ -351,17 +354,51 @@ class Scheduler:
                          or token in params.stop_token_ids):
             self._finish(req, finish_stop(token))
             return
+        if req.grammar is not None:
+            req.grammar.advance(token)
         delta = req.detokenizer.add([token]) if req.detokenizer is not None else ""
+        self._emit(req, delta, [token])
+        if not self._finish_if_done(req) and req.grammar is not None and self.jump_forward:
+            self._jump_forward(req)
+
+    def _finish_if_done(self, req: Req) -> bool:
+        """Ends the request on a stop string, its length limit or a completed constraint."""
         # Stop strings apply from the first token: min_new_tokens holds back EOS and stop ids only.
         if req.detokenizer is not None and req.detokenizer.matched_stop is not None:
-            self._emit(req, delta, [token])
             self._finish(req, finish_stop(req.detokenizer.matched_stop))
-            return
-        if len(req.output_ids) >= params.max_new_tokens:
-            self._emit(req, delta, [token])
+        elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
             self._finish(req, finish_length(len(req.output_ids)))
+        elif req.grammar is not None and (req.grammar.is_final or req.grammar.is_dead):
+            self._finish(req, finish_stop(None))
+        else:
+            return False
+        return True
+
+    def _jump_forward(self, req: Req) -> None:
+        """Compressed-FSM jump: text the constraint forces is appended at once. The output is
+        re-tokenized as a whole; the request leaves the running batch (its KV goes to the prefix
+        cache) and is prefilled again, reusing the KV of the unchanged prefix."""
+        forced = req.grammar.forced_text()
+        if not forced:
             return
-        self._emit(req, delta, [token])
+        plan = self.jump_forward.plan(req.origin_input_ids, req.output_ids, forced)
+        if plan is None:
+            return
+        self.running.remove(req)
+        self.cache.cache_finished_req(req)  # keyed by the old output ids
+        self._release_slots(req)
+        req.output_ids = list(plan.new_output_ids)
+        req.grammar.advance_text(forced)
+        req.jumps += 1
+        self.stats["jump_forward_tokens"] += len(plan.appended)
+        old = req.detokenizer
+        emitted = old.text
+        req.detokenizer = type(old)(old.tokenizer, req.origin_input_ids,
+                                    skip_special_tokens=old.skip_special_tokens, stop=old.stop)
+        text = req.detokenizer.add(req.output_ids)
+        self._emit(req, text[len(emitted):] if text.startswith(emitted) else "", plan.appended)
+        if not self._finish_if_done(req):
+            self.waiting.insert(0, req)
 
     def _emit(self, req: Req, delta: str, new_ids: list[int]) -> None:
         if req.sink is not None:

@@ -1,0 +1,48 @@
+"""A request's place in its constraint: the token mask to sample from and the state to advance."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from lmnb.runtime.fsm.index import TokenIndex
+
+
+class RequestGrammar:
+    """Walks one request through a shared `TokenIndex`. Stop tokens (EOS) are allowed only in
+    accepting states; a dead end (no token continues and the text is incomplete) allows them too,
+    so that the request ends instead of the batch failing."""
+
+    def __init__(self, index: TokenIndex, pattern: str) -> None:
+        self.index = index
+        self.pattern = pattern
+        self.state = index.initial
+
+    def mask(self, stop_ids: Iterable[int]) -> torch.Tensor:
+        """Bool [vocab] of the tokens allowed next."""
+        allowed = self.index.allowed(self.state)
+        if self.index.is_accepting(self.state) or not bool(allowed.any()):
+            allowed = allowed.clone()
+            for token in stop_ids:
+                if 0 <= token < allowed.numel():
+                    allowed[token] = True
+        return allowed
+
+    def advance(self, token_id: int) -> None:
+        self.state = self.index.next_state(self.state, token_id)
+
+    def advance_text(self, text: str) -> None:
+        self.state = self.index.fsm.walk(self.state, text.encode("utf-8"))
+
+    @property
+    def is_final(self) -> bool:
+        return self.index.is_final(self.state)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.state < 0
+
+    def forced_text(self) -> str:
+        """Text every continuation starts with (whole characters), '' if the model has a choice."""
+        return self.index.forced_bytes(self.state).decode("utf-8") if self.state >= 0 else ""
