@@ -233,9 +233,13 @@ class Scheduler:
         if not self.cache.reuses_kv or threshold <= 0:
             return False
         ids = req.fill_ids
+        uncached = len(ids) - cached_len
         for other in admitted:
-            if other.extra_key == req.extra_key and \
-                    common_prefix_length(ids, other.fill_ids) - cached_len >= threshold:
+            if other.extra_key != req.extra_key:
+                continue
+            shared = common_prefix_length(ids, other.fill_ids) - cached_len
+            # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples).
+            if shared >= threshold or (shared > 0 and shared >= uncached - 1):
                 return True
         return False
 
