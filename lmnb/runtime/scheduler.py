@@ -386,8 +386,8 @@ class Scheduler:
         if not forced:
             return
         plan = self.jump_forward.plan(req.origin_input_ids, req.output_ids, forced)
-        if plan is None:
-            return
+        if plan is None or len(plan.new_output_ids) > req.sampling_params.max_new_tokens:
+            return  # past max_new_tokens (which also keeps the context length): decode instead
         self.running.remove(req)
         self.cache.cache_finished_req(req)  # keyed by the old output ids
         self._release_slots(req)
