@@ -71,6 +71,7 @@ class StreamExecutor:
         self.spans: list[tuple[str, int, int]] = []  # (variable, start, end) of generated text
         self.error: BaseException | None = None
         self.fork_point = 0  # length of the text inherited from the parent (forks)
+        self._closed = False
         self.cancel = threading.Event()
         self._role: str | None = None
         self._role_start = 0
@@ -85,6 +86,8 @@ class StreamExecutor:
 
     # ---- caller side -----------------------------------------------------------------------
     def submit(self, expr: Expr) -> None:
+        if self._closed:
+            raise ProgramError("this program state is closed")
         self._queue.put(expr)
 
     def sync(self) -> None:
@@ -188,7 +191,7 @@ class StreamExecutor:
     @property
     def idle(self) -> bool:
         """Nothing submitted is waiting or running."""
-        return not self._queue.unfinished_tasks
+        return self._closed or not self._queue.unfinished_tasks
 
     def _emit(self, kind: str, **data: Any) -> None:
         observer = self.observer
@@ -199,12 +202,25 @@ class StreamExecutor:
         except Exception:  # a broken display must not break the program
             logging.getLogger(__name__).exception("program observer failed")
 
+    def _drain_after_close(self) -> None:
+        """Settles what arrives after the end marker (sync markers of late readers)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+            self._queue.task_done()
+
     # ---- worker side -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             expr = self._queue.get()
             try:
                 if expr is _END:
+                    self._closed = True
+                    self._drain_after_close()
                     return
                 if isinstance(expr, threading.Event):
                     expr.set()

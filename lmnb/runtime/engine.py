@@ -124,6 +124,10 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __enter__(self) -> Runtime:
         return self
 

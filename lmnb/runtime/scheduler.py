@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,12 @@ class Scheduler:
             raise RuntimeError("the runtime is closed")
         future: Future = Future()
         self._inbox.put(("call", (fn, future)))
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except FutureTimeout:
+                if not self._thread.is_alive() and not future.done():
+                    raise RuntimeError("the runtime is closed") from None
 
     def stop(self) -> None:
         self._stopped.set()
@@ -116,6 +122,19 @@ class Scheduler:
             if not worked and (self.waiting or self.running or self.chunked):
                 self._drain_inbox(block=True)  # nothing schedulable now: wait for news
         self._abort_everything("the runtime was closed")
+        self._refuse_pending_calls()
+
+    def _refuse_pending_calls(self) -> None:
+        """Calls that raced with `stop` fail instead of waiting forever."""
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                payload[1].set_exception(RuntimeError("the runtime is closed"))
+            elif kind == "add":
+                self._finish(payload, finish_abort("the runtime was closed"), cache_kv=False)
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:

@@ -1,0 +1,13 @@
+"""Live Jupyter widgets (anywidget): program forks, cache statistics and the radix tree.
+
+Each widget polls or observes on daemon threads, updates at most ~20 times a second, has
+`refresh()` for an update now, `close()`, and a plain-text `repr` for frontends without widgets.
+"""
+
+from __future__ import annotations
+
+from lmnb.widgets.cache_dashboard import CacheDashboard
+from lmnb.widgets.fork_view import ForkView
+from lmnb.widgets.radix_tree_view import RadixTreeView
+
+__all__ = ["CacheDashboard", "ForkView", "RadixTreeView"]

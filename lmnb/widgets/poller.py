@@ -1,0 +1,49 @@
+"""A daemon thread that polls a source until told to stop or the source goes away."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+_log = logging.getLogger(__name__)
+
+
+class Poller:
+    """Calls `poll()` every `interval_s` seconds on a daemon thread until `stop()` or until
+    `poll()` returns False (its source is gone, e.g. a closed Runtime)."""
+
+    def __init__(self, poll: Callable[[], bool], *, interval_s: float) -> None:
+        if interval_s < 1 / 30:
+            raise ValueError(f"interval_s must be at least 1/30 s, got {interval_s}")
+        self._poll = poll
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lmnb-widget-poll", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                if not self._poll():
+                    return
+            except Exception:
+                _log.exception("widget poll failed")
+                return
+
+
+def runtime_gone(runtime: object) -> bool:
+    """Whether a Runtime that raised RuntimeError is closed or failed for good (else the error
+    was passing and polling goes on)."""
+    if getattr(runtime, "closed", None) is True or getattr(runtime, "_closed", False):
+        return True
+    return getattr(getattr(runtime, "_scheduler", None), "fatal_error", None) is not None

@@ -1,0 +1,324 @@
+"""Widgets: ForkView over a forked program, CacheDashboard and RadixTreeView over a live Runtime,
+their synced state (what nbclient saves) and their ESM (valid JavaScript)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import subprocess
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+pytest.importorskip("anywidget")
+
+import lmnb  # noqa: E402
+from lmnb.widgets import CacheDashboard, ForkView, RadixTreeView  # noqa: E402
+from lmnb.widgets.fork_view import segments  # noqa: E402
+from lmnb.widgets.radix_tree_view import tidy_layout  # noqa: E402
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+PREFIX = "You are a careful assistant. Answer briefly and exactly. " * 3
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_models):
+    return tiny_models["llama-gqa"]
+
+
+@pytest.fixture(scope="module")
+def rt(folder):
+    with lmnb.Runtime(folder, max_total_tokens=4096) as runtime:
+        yield runtime
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _serializes(widget: Any) -> dict[str, Any]:
+    state = widget.get_state()
+    json.dumps(state)
+    assert state["_esm"] and state["_css"]
+    return state
+
+
+@lmnb.function
+def ideas(s, topic):
+    s += "Topic: " + topic + "\n"
+    forks = s.fork(3)
+    forks += lambda i: f"Idea {i}:" + lmnb.gen("idea", max_tokens=12)
+    forks.join()
+    return forks
+
+
+@lmnb.function
+def nested(s):
+    s += "Plan:"
+    forks = s.fork(2)
+    forks += lambda i: f" step {i}" + lmnb.gen("step", max_tokens=3)
+    inner = forks[0].fork(2)
+    inner += lambda i: f" detail {i}" + lmnb.gen("detail", max_tokens=3)
+    forks[1] += lmnb.image("missing.png")  # text-only backend: this branch fails
+
+
+# ---- ForkView ---------------------------------------------------------------------------------
+def test_segments_cut_text_at_variable_spans():
+    text = "abcXYZdefUV"
+    assert segments(text, [("x", 3, 6), ("u", 9, 11)], start=1) == [
+        {"text": "bc", "var": None}, {"text": "XYZ", "var": "x"}, {"text": "def", "var": None},
+        {"text": "UV", "var": "u"}]
+    assert segments(text, [("x", 3, 6)], start=6) == [{"text": "defUV", "var": None}]
+
+
+def test_fork_view_streams_branches_until_done(rt):
+    state = ideas.run(topic="cats", backend=rt, stream=True, **GREEDY)
+    view = ForkView(state, title="ideas")
+    _wait(lambda: view.done)  # no refresh(): the view's own updater got there
+    state.sync()
+    view.refresh()
+    forks = state.ret_value
+    assert [b["label"] for b in view.branches] == ["branch 1", "branch 2", "branch 3"]
+    for branch, fork in zip(view.branches, forks, strict=True):
+        assert branch["status"] == "done" and branch["error"] is None
+        assert branch["parent"] == state.state_id
+        start = fork._executor.fork_point
+        assert "".join(seg["text"] for seg in branch["segments"]) == fork.text()[start:]
+        marked = [seg for seg in branch["segments"] if seg["var"] is not None]
+        assert marked == [{"text": fork["idea"], "var": "idea"}]
+        assert marked[0]["text"]
+    root = view.root
+    assert root["label"] == "root" and root["status"] == "done"
+    assert "".join(seg["text"] for seg in root["segments"]) == state.text()
+    assert state["idea"] == [fork["idea"] for fork in forks]
+    saved = _serializes(view)
+    assert saved["branches"] == view.branches and saved["done"] is True
+    text = repr(view)
+    assert "branch 3 (done)" in text and f"[idea: {forks[0]['idea']}" in text
+    assert view._repr_mimebundle_()[0]["text/plain"] == text
+    view.close()
+    assert state._run.observer is None
+
+
+@lmnb.function
+def dropped(s):
+    s += "Topic:"
+    forks = s.fork(2)  # not kept: their states are collected once the program returns
+    forks += lambda i: f" idea {i}" + lmnb.gen("idea", max_tokens=4)
+    forks.join()
+
+
+def test_fork_view_done_when_branch_states_were_dropped(rt):
+    state = dropped.run(backend=rt, stream=True, **GREEDY)
+    view = ForkView(state)
+    _wait(lambda: view.done)
+    assert [b["status"] for b in view.branches] == ["done", "done"]
+    assert len(state["idea"]) == 2
+    view.close()
+
+
+def test_fork_view_nested_forks_and_errors(rt):
+    state = nested.run(backend=rt, stream=True, **GREEDY)
+    view = ForkView(state)
+    state.sync()
+    for executor in state._run.executors:
+        executor.sync()
+    view.refresh()
+    by_label = {b["label"]: b for b in view.branches}
+    assert sorted(by_label) == ["branch 1", "branch 1.1", "branch 1.2", "branch 2"]
+    assert by_label["branch 1.1"]["parent"] == by_label["branch 1"]["id"]
+    assert by_label["branch 2"]["status"] == "error"
+    assert "image()" in by_label["branch 2"]["error"]
+    detail = [s for s in by_label["branch 1.2"]["segments"] if s["var"]]
+    assert [s["var"] for s in detail] == ["detail"]
+    assert view.done
+    view.close()
+
+
+# ---- CacheDashboard ---------------------------------------------------------------------------
+def test_cache_dashboard_tracks_hits_pool_and_optimal(rt):
+    assert rt.flush_cache()
+    prompts = [PREFIX + f"Question {i}: what is {i} + {i}?" for i in range(4)]
+    dash = CacheDashboard(rt, interval_s=0.05)
+    assert dash.optimal is None and "n/a" in dash.optimal_note
+    dash.set_workload(prompts)
+    for prompt in prompts[:2]:
+        dash.add_request(rt.generate(prompt, {"max_new_tokens": 4, **GREEDY}))
+    dash.add_request(rt.generate(prompts[2:], {"max_new_tokens": 4, **GREEDY}))
+    _wait(lambda: dash.series[-1]["prompt_tokens"] > 0)  # the poller saw the requests
+    dash.refresh()
+    stats = rt.stats()
+    for key in ("max_total_tokens", "free_tokens", "evictable_tokens", "protected_tokens",
+                "tree_nodes", "tree_tokens", "cached_tokens", "prompt_tokens", "evicted_tokens"):
+        assert dash.stats[key] == stats[key], key
+    last = dash.series[-1]
+    assert last["used_tokens"] == stats["max_total_tokens"] - stats["free_tokens"]
+    assert last["prompt_tokens"] == sum(len(rt.encode(p)) for p in prompts)
+    assert any(point["hit_rate"] > 0 for point in dash.series)
+    assert dash.optimal is not None and dash.optimal + 1e-9 >= last["hit_rate"] > 0
+    assert [r["cached"] > 0 for r in dash.requests] == [False, True, True, True]
+    assert sum(r["cached"] for r in dash.requests) == last["cached_tokens"]
+    _serializes(dash)
+    assert "optimal" in repr(dash) and "KV pool" in repr(dash)
+    dash.close()
+    assert not dash.polling and dash.status == "stopped"
+
+
+def test_widgets_let_go_of_a_closed_runtime(folder):
+    runtime = lmnb.Runtime(folder, max_total_tokens=512)
+    dash = CacheDashboard(runtime, interval_s=0.05)
+    tree = RadixTreeView(runtime, interval_s=0.05)
+    ref = weakref.ref(runtime)
+    runtime.close()
+    del runtime
+    _wait(lambda: not dash.polling and not tree.polling)
+    assert dash.status.startswith("stopped") and tree.status.startswith("stopped")
+    gc.collect()
+    assert ref() is None
+    dash.refresh()
+    tree.refresh()
+    dash.close()
+    tree.close()
+
+
+# ---- RadixTreeView ----------------------------------------------------------------------------
+def _shape(view: RadixTreeView) -> set[tuple[int, int | None, int]]:
+    return {(n["id"], n["parent"], n["tokens"]) for n in view.nodes if n["state"] != "evicted"}
+
+
+def _matches_snapshot(view: RadixTreeView, rt: Any) -> list[dict[str, Any]]:
+    rows = rt.cache_snapshot()
+    assert _shape(view) == {(r["id"], r["parent"], r["tokens"]) for r in rows}
+    live = {n["id"] for n in view.nodes if n["state"] != "evicted"}
+    assert {tuple(e) for e in view.edges if e[1] in live} == {
+        (r["parent"], r["id"]) for r in rows if r["parent"] is not None}
+    return rows
+
+
+def test_radix_tree_view_states(rt):
+    assert rt.flush_cache()
+    view = RadixTreeView(rt, interval_s=None)
+    assert [n["state"] for n in view.nodes] == ["root"]
+    rt.generate(PREFIX + "First question?", {"max_new_tokens": 3, **GREEDY})
+    view.refresh()
+    _matches_snapshot(view, rt)
+    # the prompt's node (inserted at prefill) and the output's below it
+    assert sorted(n["state"] for n in view.nodes) == ["new", "new", "root"]
+    first = next(n for n in view.nodes if n["state"] == "new" and n["depth"] == 1)
+    assert first["tokens"] > 10 and first["text"]
+
+    rt.generate(PREFIX + "Second question?", {"max_new_tokens": 3, **GREEDY})
+    view.refresh()
+    rows = _matches_snapshot(view, rt)
+    states = {n["id"]: n["state"] for n in view.nodes}
+    shared = next(r for r in rows if r["parent"] is not None and r["hit_count"] > 0)
+    assert states[shared["id"]] == "hit"  # the prefix cut out of the first request's node
+    assert states[first["id"]] == "evictable"  # its lower half, untouched
+    assert list(states.values()).count("new") == 2  # the second request's prompt rest, output
+    assert view.summary["hit"] == 1 and view.summary["refreshes"] == 3
+
+    view.refresh()  # nothing changed: the view stays as it is
+    assert view.summary["refreshes"] == 3
+
+    before = {n["id"] for n in view.nodes if n["state"] != "root"}
+    assert rt.flush_cache()
+    view.refresh()
+    _matches_snapshot(view, rt)
+    assert {n["id"] for n in view.nodes if n["state"] == "evicted"} == before
+    assert view.summary["evicted"] == len(before) == 5
+    root = next(n["id"] for n in view.nodes if n["state"] == "root")
+    ghosts = {n["id"]: n["parent"] for n in view.nodes if n["state"] == "evicted"}
+    assert ghosts[shared["id"]] == root
+
+    saved = _serializes(view)
+    assert saved["nodes"] == view.nodes and saved["edges"] == view.edges
+    assert "[evicted]" in repr(view)
+    view.close()
+
+
+class _FakeRuntime:
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
+        return [dict(row) for row in self.rows]
+
+
+def _row(node_id: int, parent: int | None, lock_ref: int = 0) -> dict[str, Any]:
+    return {"id": node_id, "parent": parent, "tokens": 0 if parent is None else 4,
+            "text": f"n{node_id}", "lock_ref": lock_ref, "last_access": 0.0, "hit_count": 0,
+            "namespace": None}
+
+
+def test_radix_tree_view_layout_locks_and_truncation():
+    rows = [_row(0, None), _row(1, 0), _row(2, 1, lock_ref=1), _row(3, 1), _row(4, 0)]
+    layout = tidy_layout(rows)
+    assert layout == {0: (0, 1.25), 1: (1, 0.5), 2: (2, 0.0), 3: (2, 1.0), 4: (1, 2.0)}
+    fake = _FakeRuntime(rows)
+    view = RadixTreeView(fake, interval_s=None, max_nodes=3)
+    assert [n["id"] for n in view.nodes] == [0, 1, 4] and view.summary["hidden"] == 2
+    assert view.summary["nodes"] == 5
+    fake.rows = [*rows[:4]]
+    fake.rows[2] = {**rows[2], "lock_ref": 2}
+    view._max_nodes = 100
+    view.refresh()
+    states = {n["id"]: n["state"] for n in view.nodes}
+    assert states == {0: "root", 1: "evictable", 2: "locked", 3: "evictable", 4: "evicted"}
+    assert next(n for n in view.nodes if n["id"] == 2)["locked"]
+    view.close()
+
+
+# ---- ESM ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("widget", [ForkView, CacheDashboard, RadixTreeView])
+def test_esm_is_valid_javascript(widget, tmp_path):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    path = tmp_path / f"{widget.__name__}.mjs"
+    path.write_text(widget._esm)
+    result = subprocess.run([node, "--check", str(path)], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "export default" in widget._esm
+
+
+class _FakeStats:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.closed = False
+        self.flaky = False
+
+    def stats(self) -> dict[str, Any]:
+        if self.closed or self.flaky:
+            raise RuntimeError("this Runtime is closed" if self.closed else "Already borrowed")
+        self.calls += 1
+        keys = ("evicted_tokens", "eviction_events", "evictable_tokens", "protected_tokens",
+                "running", "waiting")
+        return {"prompt_tokens": 10 * self.calls, "cached_tokens": 5 * self.calls,
+                "recent_cache_hit_rate": 0.5, "max_total_tokens": 100, "free_tokens": 90,
+                **dict.fromkeys(keys, 0)}
+
+
+def test_cache_dashboard_thins_its_series_and_stops_on_a_closed_runtime():
+    fake = _FakeStats()
+    dash = CacheDashboard(fake, interval_s=None, max_points=10)
+    for _ in range(40):
+        dash.refresh()
+    assert len(dash.series) <= 10
+    times = [p["t"] for p in dash.series]
+    assert times == sorted(times) and dash.series[-1]["prompt_tokens"] == 400
+    assert dash.series[-1]["hit_rate"] == 0.5 and dash.series[-1]["d_prompt"] == 10
+    fake.flaky = True  # a passing error: polling goes on
+    dash.refresh()
+    assert dash.status == "live" and dash.series[-1]["prompt_tokens"] == 400
+    fake.closed = True
+    dash.refresh()
+    assert dash.status.startswith("stopped") and dash._runtime is None
+    dash.close()
