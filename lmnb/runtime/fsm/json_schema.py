@@ -24,6 +24,9 @@ valid for the schema. Conventions:
 - `enum`/`const` match each value's canonical JSON (values of another `type` are dropped; other
   keywords beside them are not checked). `oneOf` is `anyOf` (branches assumed disjoint, as in
   pydantic unions). `allOf` items and `$ref` siblings are merged when they set different keywords.
+- Size: linear in the schema with its `$ref`s expanded (never 2^n in the optional properties),
+  except that commas cost copies: an array's item regex is written twice, and so are members
+  2..n of an object with no required property, so each such level nests 2x or (2n-1)x.
 - Bounds: a recursive `$ref` expands at most `max_recursion` times inside itself (past that the
   branch is dropped: an optional field is left out, a list stays empty); a free-form value (`{}`,
   `true`, `items` or `additionalProperties` left out) nests at most `any_depth` arrays/objects.
@@ -201,7 +204,7 @@ class _Builder:
         self.root = root
         self.max_recursion = max_recursion
         self.any_depth = any_depth
-        self.pad = "" if whitespace is None else f"({whitespace})"
+        self.pad = f"({whitespace})" if whitespace else ""
         self.sep = ", " if whitespace is None else f"{self.pad},{self.pad}"
         self.colon = ": " if whitespace is None else f"{self.pad}:{self.pad}"
         self.expanding: dict[str, int] = {}
@@ -480,9 +483,10 @@ class _Builder:
         return self._members(members)
 
     def _members(self, members: list[tuple[str, bool]]) -> str:
-        """Comma-separated members in order; optional ones may be left out. Linear in size: the
-        members before the first required one each carry a trailing separator, those after it a
-        leading one; with none required, F(k) = (F(k-1)(, m_k)?|m_k) is any non-empty subset."""
+        """Comma-separated members in order; optional ones may be left out. With a required
+        member, each member is written once: those before the first required one carry a trailing
+        separator, those after it a leading one. With none required, F(k) = (F(k-1)(, m_k)?|m_k)
+        (any non-empty subset in order) writes members 2..n twice."""
         first = next((i for i, (_, req) in enumerate(members) if req), None)
         if first is None:
             body = None
