@@ -40,6 +40,20 @@ if TYPE_CHECKING:
     from lmnb.runtime.engine import Runtime
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext lmnb`: registers `%lmnb` and `%%lmprogram` (options: `%config LMNB`)."""
+    from lmnb.magics.extension import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """`%unload_ext lmnb` (and `%reload_ext lmnb`): closes the kernel's runtime."""
+    from lmnb.magics.extension import unload
+
+    unload(ipython)
+
+
 def __getattr__(name: str) -> Any:
     if name == "Runtime":
         from lmnb.runtime.engine import Runtime

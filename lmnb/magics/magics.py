@@ -1,0 +1,186 @@
+"""`%lmnb` manages the kernel's runtime; `%%lmprogram` runs a cell as an lmnb program or defines
+one. Options are traitlets: `%config LMNB` lists them, `%config LMNB.temperature = 0` sets one."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from traitlets import Bool, Float, Int, TraitError, Unicode, validate
+
+from lmnb.lang.program import Program, set_default_backend
+from lmnb.magics.cell import CELL_FUNCTION, CellNamespace, CellSource, SignatureError, compile_cell
+from lmnb.magics.errors import LMProgramError
+from lmnb.magics.execution import run_background, run_foreground, run_streaming
+from lmnb.magics.loading import describe
+from lmnb.magics.parsing import (
+    HelpShown,
+    ProgramLine,
+    full_help,
+    lmnb_parser,
+    lmprogram_parser,
+    parse_program_line,
+)
+from lmnb.magics.session import KernelSession
+from lmnb.magics.status import status_view
+
+
+@magics_class
+class LMNB(Magics):
+    """lmnb's magics and their options (`%config LMNB.<option> = value`)."""
+
+    model = Unicode(None, allow_none=True, help="Model for `%lmnb load` without MODEL and for "
+                    "the first cell run with no runtime loaded; None is the embedded "
+                    "SmolLM2-135M-Instruct.").tag(config=True)
+    dtype = Unicode("auto", help="auto, float32, float16 or bfloat16.").tag(config=True)
+    device = Unicode("auto", help="auto (CUDA when available), cpu, cuda, ...").tag(config=True)
+    max_total_tokens = Int(None, allow_none=True, help="KV cache size in tokens; None sizes it "
+                           "from free memory.").tag(config=True)
+    temperature = Float(None, allow_none=True, help="Default temperature of a cell's gens; None "
+                        "is lmnb's default (1.0).").tag(config=True)
+    max_new_tokens = Int(None, allow_none=True, help="Default max_tokens of a cell's gens; None "
+                         "is lmnb's default (128).").tag(config=True)
+    top_p = Float(None, allow_none=True, help="Default top_p of a cell's gens.").tag(config=True)
+    stream = Bool(False, help="Stream cells by default (a live view while they "
+                  "generate).").tag(config=True)
+    stream_hz = Float(15.0, help="Refresh rate of the live text view (1-60).").tag(config=True)
+    progress = Bool(True, help="Show a progress bar while a model loads.").tag(config=True)
+
+    @validate("stream_hz")
+    def _valid_hz(self, proposal: dict[str, Any]) -> float:
+        if not 1.0 <= proposal["value"] <= 60.0:
+            raise TraitError(f"stream_hz must be in [1, 60], got {proposal['value']}")
+        return proposal["value"]
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell=shell)
+        self.session = KernelSession(self.load_options)
+        self._lmnb_parser = lmnb_parser()
+        self._program_parser = lmprogram_parser()
+
+    def load_options(self) -> dict[str, Any]:
+        return {"model": self.model, "dtype": self.dtype, "device": self.device,
+                "max_total_tokens": self.max_total_tokens, "progress": self.progress}
+
+    # ---- %lmnb -------------------------------------------------------------------------------
+    @line_magic
+    def lmnb(self, line: str) -> Any:
+        try:
+            args = self._lmnb_parser.parse_args(shlex.split(line))
+        except HelpShown:
+            return None
+        except ValueError as error:  # shlex: unbalanced quotes
+            raise UsageError(f"%lmnb: {error}") from None
+        return getattr(self, f"_{args.command or 'help'}")(args)
+
+    def _load(self, args: argparse.Namespace) -> None:
+        options = self.load_options()
+        model = args.model if args.model is not None else options.pop("model")
+        options.pop("model", None)
+        for key in ("dtype", "device", "max_total_tokens"):
+            if getattr(args, key) is not None:
+                options[key] = getattr(args, key)
+        if args.schedule_policy is not None:
+            options["schedule_policy"] = args.schedule_policy
+        if args.disable_radix_cache:
+            options["disable_radix_cache"] = True
+        try:
+            runtime = self.session.load(model, **options)
+        except FileNotFoundError as error:  # a path that names no model: no long traceback
+            raise UsageError(f"%lmnb load: {error}") from None
+        set_default_backend(self.session.backend)
+        print(f"lmnb: loaded {describe(runtime)}")
+
+    def _status(self, args: argparse.Namespace) -> Any:
+        runtime = self.session.runtime
+        if runtime is None:
+            print("lmnb: no runtime loaded; `%lmnb load [MODEL]` loads one")
+            return None
+        return status_view(runtime, describe(runtime))
+
+    def _flush(self, args: argparse.Namespace) -> None:
+        runtime = self.session.runtime
+        if runtime is None:
+            print("lmnb: no runtime loaded")
+        elif runtime.flush_cache():
+            print("lmnb: prefix cache flushed")
+        else:
+            print("lmnb: requests are running; the cache was not flushed (try again later)")
+
+    def _close(self, args: argparse.Namespace) -> None:
+        print("lmnb: runtime closed" if self.session.close() else "lmnb: no runtime loaded")
+
+    def _help(self, args: argparse.Namespace) -> None:
+        print(full_help(self._lmnb_parser))
+        print(self._program_parser.format_help())
+
+    # ---- %%lmprogram -------------------------------------------------------------------------
+    @line_cell_magic
+    def lmprogram(self, line: str, cell: str | None = None) -> Any:
+        try:
+            parsed = parse_program_line(line, self._program_parser)
+        except HelpShown:
+            return None
+        if cell is None:  # only `%lmprogram --help` makes sense as a line magic
+            raise UsageError("%%lmprogram runs the cell below it; `%lmprogram --help` for usage")
+        name = parsed.name or CELL_FUNCTION
+        filename = f"<lmprogram {parsed.name}>" if parsed.name else "<lmprogram cell>"
+        source = CellSource.of(filename, f"%%lmprogram {line}".rstrip(), cell)
+        try:
+            func = compile_cell(source, namespace=CellNamespace(self.shell.user_ns), name=name,
+                                signature=parsed.signature)
+        except SignatureError as error:
+            raise UsageError(str(error)) from None
+        except Exception as error:  # a syntax error, or a default that does not evaluate
+            raise LMProgramError(error, source) from error
+        if parsed.name is not None:
+            program = Program(func)
+            self.shell.user_ns[parsed.name] = program
+            if parsed.options.trace:
+                self._print_trace(program, source)
+            return None
+        if parsed.options.trace:
+            self._print_trace(Program(func), source)
+            return None
+        return self._run(func, parsed, source)
+
+    def _print_trace(self, program: Program, source: CellSource) -> None:
+        try:
+            traced = program.trace()
+        except Exception as error:
+            raise LMProgramError(error, source) from error
+        print(traced)
+
+    def _sampling(self, options: argparse.Namespace) -> dict[str, Any]:
+        sampling = {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
+                    "top_p": self.top_p}
+        for key in sampling:
+            if getattr(options, key) is not None:
+                sampling[key] = getattr(options, key)
+        return {key: value for key, value in sampling.items() if value is not None}
+
+    def _run(self, func: Any, parsed: ProgramLine, source: CellSource) -> Any:
+        options = parsed.options
+        backend = self.session.local_backend()
+        sampling = self._sampling(options)
+        stream = self.stream if options.stream is None else options.stream
+        if options.bg:
+            result = run_background(func, backend, sampling, live=stream)
+        else:
+            if stream:
+                result = run_streaming(func, backend, sampling, hz=self.stream_hz)
+            else:
+                result = run_foreground(func, backend, sampling)
+            if (error := result.state.error()) is not None:
+                raise LMProgramError(error, source) from error
+        if parsed.capture is not None:
+            self.shell.user_ns[parsed.capture] = result
+            return None
+        return result
+
+
+LMNB.lmnb.__doc__ = full_help(lmnb_parser())
+LMNB.lmprogram.__doc__ = lmprogram_parser().format_help()

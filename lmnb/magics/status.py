@@ -1,0 +1,57 @@
+"""`%lmnb status`: the CacheDashboard widget when `lmnb.widgets` provides it, else a summary of
+`runtime.stats()` as an HTML table (and plain text)."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+_ROWS = (
+    ("cache hit rate", "cache_hit_rate", "{:.1%}"),
+    ("recent cache hit rate", "recent_cache_hit_rate", "{:.1%}"),
+    ("prompt tokens", "prompt_tokens", "{:,}"),
+    ("cached tokens", "cached_tokens", "{:,}"),
+    ("generated tokens", "generated_tokens", "{:,}"),
+    ("forward passes", "forward_passes", "{:,}"),
+    ("running / waiting", ("running", "waiting"), "{} / {}"),
+    ("free KV tokens", ("free_tokens", "max_total_tokens"), "{:,} of {:,}"),
+    ("radix tree", ("tree_nodes", "tree_tokens"), "{:,} nodes, {:,} tokens"),
+    ("evictable / locked tokens", ("evictable_tokens", "protected_tokens"), "{:,} / {:,}"),
+    ("evicted tokens", "evicted_tokens", "{:,}"),
+    ("retractions", "retractions", "{:,}"),
+)
+
+
+class StatusSummary:
+    def __init__(self, title: str, stats: dict[str, Any]) -> None:
+        self.title = title
+        self.stats = stats
+
+    def rows(self) -> list[tuple[str, str]]:
+        rows = []
+        for label, keys, fmt in _ROWS:
+            keys = keys if isinstance(keys, tuple) else (keys,)
+            if all(key in self.stats for key in keys):
+                rows.append((label, fmt.format(*(self.stats[key] for key in keys))))
+        return rows
+
+    def _repr_html_(self) -> str:
+        body = "".join(f'<tr><td style="text-align:left">{html.escape(label)}</td>'
+                       f'<td style="text-align:right">{html.escape(value)}</td></tr>'
+                       for label, value in self.rows())
+        return (f'<div class="lmnb-status"><b>lmnb</b>: {html.escape(self.title)}'
+                f"<table>{body}</table></div>")
+
+    def __repr__(self) -> str:
+        width = max(len(label) for label, _ in self.rows())
+        lines = [f"lmnb: {self.title}"]
+        lines.extend(f"  {label:<{width}}  {value}" for label, value in self.rows())
+        return "\n".join(lines)
+
+
+def status_view(runtime: Any, title: str) -> Any:
+    try:
+        from lmnb.widgets import CacheDashboard
+    except ImportError:
+        return StatusSummary(title, runtime.stats())
+    return CacheDashboard(runtime)

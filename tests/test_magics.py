@@ -1,0 +1,289 @@
+"""The IPython extension driven through a real `InteractiveShell` on a tiny random-weight Llama:
+`%lmnb` load/status/flush/close/help and its `%config` options, `%%lmprogram` cells (named
+programs, capture, the namespace layering, cell-line errors, trace, background, streaming,
+interrupt) and `%reload_ext` / `%unload_ext` closing the runtime."""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+import lmnb
+from lmnb.lang import program as program_module
+from lmnb.magics import LMProgramError, ProgramResult
+from lmnb.magics.status import StatusSummary
+
+LONG = 's += "Count: " + gen("long", max_tokens=400, ignore_eos=True)\n'
+
+
+@pytest.fixture
+def ip() -> Iterator[InteractiveShell]:
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    shell = InteractiveShell.instance(config=config)
+    shell.run_line_magic("load_ext", "lmnb")
+    shell.run_line_magic("config", "LMNB.progress = False")
+    shell.run_line_magic("config", "LMNB.temperature = 0.0")
+    yield shell
+    if "lmnb" in shell.extension_manager.loaded:
+        shell.run_line_magic("unload_ext", "lmnb")
+    InteractiveShell.clear_instance()
+
+
+@pytest.fixture
+def model(tiny_models) -> Path:
+    return tiny_models["llama-gqa"]
+
+
+@pytest.fixture
+def loaded(ip: InteractiveShell, model: Path) -> InteractiveShell:
+    ip.run_line_magic("lmnb", f"load {model} --max-total-tokens 4096")
+    return ip
+
+
+def runtime_of(ip: InteractiveShell) -> Any:
+    return ip.magics_manager.registry["LMNB"].session.runtime
+
+
+def schedulers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "lmnb-scheduler" and t.is_alive()}
+
+
+def wait_idle(runtime: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (stats := runtime.stats())["running"] or stats["waiting"]:
+        assert time.monotonic() < deadline, f"requests still live: {stats}"
+        time.sleep(0.02)
+
+
+def cell(ip: InteractiveShell, line: str, body: str) -> Any:
+    return ip.run_cell_magic("lmprogram", line, body)
+
+
+def test_load_status_flush_close_help(ip: InteractiveShell, model: Path, capsys,
+                                      monkeypatch) -> None:
+    before = schedulers()
+    ip.run_line_magic("config", "LMNB.progress = True")
+    ip.run_line_magic("lmnb", f"load {model} --max-total-tokens 4096 --dtype float32")
+    out, err = capsys.readouterr()
+    assert "lmnb: loaded llama-gqa on cpu (float32), 4096 KV tokens" in out
+    assert "lmnb: loading llama-gqa" in err  # the progress bar (a widget in notebooks)
+    runtime = runtime_of(ip)
+    assert runtime.max_total_tokens == 4096 and len(schedulers() - before) == 1
+
+    status = ip.run_line_magic("lmnb", "status")
+    assert isinstance(status, StatusSummary) or type(status).__name__ == "CacheDashboard"
+    monkeypatch.setitem(sys.modules, "lmnb.widgets", None)  # the fallback without widgets
+    summary = ip.run_line_magic("lmnb", "status")
+    assert isinstance(summary, StatusSummary) and "llama-gqa" in repr(summary)
+    assert "cache hit rate" in repr(summary) and "<table>" in summary._repr_html_()
+
+    ip.run_line_magic("lmnb", "flush")
+    assert "prefix cache flushed" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="cannot load model"):
+        ip.run_line_magic("lmnb", "load /no/such/model")
+    assert runtime_of(ip) is runtime and runtime._scheduler._thread.is_alive()
+
+    for line in ("--help", "help", ""):
+        ip.run_line_magic("lmnb", line)
+        out = capsys.readouterr().out
+        assert all(word in out for word in ("load", "status", "flush", "close"))
+    ip.run_line_magic("lmnb", "load --help")
+    assert "--max-total-tokens" in capsys.readouterr().out
+    ip.run_line_magic("lmprogram", "--help")
+    assert "--bg" in capsys.readouterr().out
+    assert "--trace" in ip.find_line_magic("lmprogram").__doc__
+    with pytest.raises(UsageError, match="invalid choice"):
+        ip.run_line_magic("lmnb", "frobnicate")
+
+    ip.run_line_magic("lmnb", "close")
+    assert "runtime closed" in capsys.readouterr().out
+    assert schedulers() <= before and not runtime._scheduler._thread.is_alive()
+    ip.run_line_magic("lmnb", "status")
+    assert "no runtime loaded" in capsys.readouterr().out
+
+
+def test_config_options_and_lazy_load(ip: InteractiveShell, model: Path, capsys) -> None:
+    ip.run_line_magic("config", f"LMNB.model = {str(model)!r}")
+    ip.run_line_magic("config", "LMNB.max_total_tokens = 2048")
+    ip.run_line_magic("config", "LMNB.max_new_tokens = 3")
+    result = cell(ip, "", 's += "Hello" + gen("x")\n')  # no %lmnb load: loads LMNB.model
+    assert runtime_of(ip).max_total_tokens == 2048
+    assert result.get_meta_info("x")["completion_tokens"] == 3
+    result = cell(ip, "--max-tokens 5", 's += "Hello" + gen("x")\n')
+    assert result.get_meta_info("x")["completion_tokens"] == 5
+    with pytest.raises(Exception, match="stream_hz"):
+        ip.magics_manager.registry["LMNB"].stream_hz = 1000.0
+    capsys.readouterr()
+    ip.run_line_magic("config", "LMNB")
+    listing = capsys.readouterr().out
+    names = ("model", "dtype", "device", "max_total_tokens", "temperature", "max_new_tokens",
+             "stream")
+    assert all(f"LMNB.{name}" in listing for name in names)
+
+
+def test_named_program_runs_from_python(loaded: InteractiveShell) -> None:
+    assert cell(loaded, "qa(question, n=2)", (
+        's += user(question)\n'
+        's += assistant(gen("answer", max_tokens=4))\n')) is None
+    qa = loaded.user_ns["qa"]
+    assert isinstance(qa, lmnb.Program) and qa.arg_names == ["question", "n"]
+    state = qa.run(question="What is 2+2?", temperature=0)  # the kernel's runtime by default
+    assert isinstance(state["answer"], str) and "What is 2+2?" in state.text()
+    states = qa.run_batch([{"question": "a"}, {"question": "b"}], temperature=0,
+                          progress_bar=False)
+    assert [s.messages()[-2]["content"] for s in states] == ["a", "b"]
+    assert qa.run(question="a", temperature=0)["answer"] == states[0]["answer"]
+    with pytest.raises(UsageError, match=r"qa\(\.\.\.\)"):
+        cell(loaded, "qa", "s += 'x'\n")
+    with pytest.raises(UsageError, match="--bg"):
+        cell(loaded, "qa(q) --bg", "s += q\n")
+
+
+def test_unnamed_cell_result_and_capture(loaded: InteractiveShell) -> None:
+    body = 's += "The answer is" + gen("x", max_tokens=4)\n'
+    result = cell(loaded, "", body)
+    assert isinstance(result, ProgramResult) and result.text().startswith("The answer is")
+    assert 'title="x"' in result._repr_html_() and "x = " in repr(result)
+    assert cell(loaded, "-o out", body) is None
+    assert cell(loaded, "out2 << --temperature 0", body) is None
+    out, out2 = loaded.user_ns["out"], loaded.user_ns["out2"]
+    assert out["x"] == out2["x"] == result["x"] and out.variables() == {"x": result["x"]}
+    with pytest.raises(UsageError, match="not both"):
+        cell(loaded, "a << -o b", body)
+
+
+def test_namespace_layering(loaded: InteractiveShell) -> None:
+    ns = loaded.user_ns
+    ns.update(topic="cats", select="mine", image=" [pic]")
+    result = cell(loaded, "", (
+        's += user("Tell me about " + topic + image)\n'
+        'local_var = 1\n'
+        's += assistant(gen("answer", max_tokens=3))\n'
+        'names = (gen_int, gen_string, select, user_end, video)\n'
+        's.set_var("dsl", [getattr(f, "__name__", f) for f in names])\n'))
+    assert "Tell me about cats [pic]" in result.text()
+    assert result["dsl"] == ["gen_int", "gen_string", "mine", "user_end", "video"]
+    assert ns["select"] == "mine" and ns["image"] == " [pic]"
+    assert not {"gen", "user", "assistant", "gen_int", "video", "local_var", "s"} & set(ns)
+    ns["topic"] = "dogs"  # named programs read notebook variables when they run
+    cell(loaded, "about()", 's += "About " + topic\n')
+    assert ns["about"].run().text() == "About dogs"
+
+
+def test_errors_point_at_the_cell_line(loaded: InteractiveShell, capsys) -> None:
+    body = 's += "a"\ns += gen("x", max_tokens=undefined_name)\n'
+    with pytest.raises(LMProgramError) as info:
+        cell(loaded, "", body)
+    assert info.value.lineno == 3 and "undefined_name" in info.value.line
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "line 3" in rendered and 's += gen("x", max_tokens=undefined_name)' in rendered
+    assert "NameError: name 'undefined_name' is not defined" in rendered
+
+    result = loaded.run_cell(f"%%lmprogram\n{body}")
+    assert isinstance(result.error_in_exec, LMProgramError)
+    shown = capsys.readouterr().out
+    assert "line 3" in shown and "NameError" in shown and "site-packages" not in shown
+
+    loaded.run_cell('%%lmprogram\ns += "a"\n\ns += gen("x", max_tokens=(\n')
+    assert "line 4" in (shown := capsys.readouterr().out) and "SyntaxError" in shown
+
+    with pytest.raises(LMProgramError, match="begins inside") as info:
+        cell(loaded, "", "s += user_begin()\ns += user_begin()\n")
+    assert "while running the program" in "\n".join(info.value._render_traceback_())
+    runtime_of(loaded).check_integrity()
+
+
+def test_trace(loaded: InteractiveShell, capsys) -> None:
+    loaded.user_ns["topic"] = "cats"
+    generated = runtime_of(loaded).stats()["generated_tokens"]
+    assert cell(loaded, "--trace", (
+        's += user(topic)\n'
+        'f = s.fork(2)\n'
+        'f += gen("idea", max_tokens=3)\n'
+        'f.join()\n'
+        's += assistant(gen("answer", max_tokens=4))\n')) is None
+    out = capsys.readouterr().out
+    assert "text 'cats'" in out and "gen answer" in out and "fork #0" in out
+    assert runtime_of(loaded).stats()["generated_tokens"] == generated  # traced, not run
+    cell(loaded, "qa(question) --trace", 's += user(question)\n')
+    assert "argument question" in capsys.readouterr().out and "qa" in loaded.user_ns
+    with pytest.raises(LMProgramError) as info:
+        cell(loaded, "--trace", 's += "x" + gen("a")\nif s["a"] == "y":\n    s += "z"\n')
+    assert info.value.lineno == 3
+
+
+def test_background_handle(loaded: InteractiveShell) -> None:
+    started = time.monotonic()
+    handle = cell(loaded, "--bg", LONG.replace("400", "100"))
+    assert time.monotonic() - started < 1.0 and isinstance(handle, ProgramResult)
+    repr(handle), handle._repr_html_()  # never blocks
+    assert handle.wait().done and len(handle.get_meta_info("long")["finish_reason"]) > 0
+    assert "done" in repr(handle)
+    cell(loaded, "h << --bg", 's += "x" + gen("a", max_tokens=2)\n')
+    assert loaded.user_ns["h"].wait()["a"] is not None
+
+
+@pytest.mark.parametrize("widgets", [True, False])
+def test_stream(loaded: InteractiveShell, widgets: bool, monkeypatch, capsys) -> None:
+    if not widgets:  # the display-handle fallback
+        monkeypatch.setitem(sys.modules, "lmnb.widgets", None)
+    body = 's += "Ideas:"\nf = s.fork(2)\nf += gen("a", max_tokens=40, ignore_eos=True)\nf.join()\n'
+    result = cell(loaded, "--stream", body)
+    assert isinstance(result, ProgramResult) and len(result["a"]) == 2 and result.done
+    if not widgets:
+        assert "<lmprogram result: running>\nIdeas:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line", ["", "--stream"])
+def test_interrupt_aborts_and_frees_kv(loaded: InteractiveShell, line: str) -> None:
+    runtime = runtime_of(loaded)
+    generated = runtime.stats()["generated_tokens"]
+
+    def interrupt_when_running() -> None:
+        deadline = time.monotonic() + 10
+        while runtime.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _thread.interrupt_main()
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        thread = threading.Thread(target=interrupt_when_running)
+        thread.start()
+        with pytest.raises(KeyboardInterrupt):
+            cell(loaded, line, LONG)
+        thread.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    wait_idle(runtime)
+    runtime.check_integrity()
+    stats = runtime.stats()
+    assert stats["generated_tokens"] - generated < 400 and stats["protected_tokens"] == 0
+    assert cell(loaded, "", 's += "ok" + gen("x", max_tokens=2)\n')["x"] is not None
+
+
+def test_reload_and_unload_close_the_runtime(loaded: InteractiveShell, model: Path) -> None:
+    runtime = runtime_of(loaded)
+    assert runtime._scheduler._thread in schedulers()
+    loaded.run_line_magic("reload_ext", "lmnb")
+    assert not runtime._scheduler._thread.is_alive()
+    assert loaded.find_line_magic("lmnb") is not None and runtime_of(loaded) is None
+
+    loaded.run_line_magic("lmnb", f"load {model} --max-total-tokens 2048")
+    runtime = runtime_of(loaded)
+    loaded.run_line_magic("unload_ext", "lmnb")
+    assert not runtime._scheduler._thread.is_alive()
+    assert loaded.find_line_magic("lmnb") is None and loaded.find_cell_magic("lmprogram") is None
+    assert program_module._default_backend is None
+    assert not any(type(c).__name__ == "LMNB" for c in loaded.configurables)
