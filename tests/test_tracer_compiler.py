@@ -324,6 +324,14 @@ def test_constant_prefix(rt) -> None:
     assert few_shot.run(question="Spain?", backend=rt, **GREEDY).text().startswith(expected)
     assert constant_prefix(starts_with_argument, backend) == ""
     assert constant_prefix(branchy, backend) == ""
+
+    @lmnb.function
+    def checks_argument(s, question):
+        s += "Shared instructions. "
+        if question:  # control flow on an argument: tracing stops here, the head stays
+            s += question
+
+    assert constant_prefix(checks_argument, backend) == "Shared instructions. "
     states = few_shot.compile().run_batch([{"question": "Spain?"}, {"question": "Peru?"}],
                                           backend=rt, progress_bar=False, **GREEDY)
     assert all(state.text().startswith(expected) for state in states)

@@ -487,8 +487,9 @@ def _(node: Expr, prefix: _Prefix) -> bool:
 def constant_prefix(program: Any, backend: Any) -> str:
     """The text every run of `program` starts with (its arguments symbolic), for caching before a
     batch; "" when the program cannot be traced or starts with something not constant."""
-    try:
-        return trace_program(program, dict(program.bound)).constant_text(backend.chat_template)
+    try:  # what was recorded before a tracing failure is still a valid head
+        traced = trace_program(program, dict(program.bound), partial=True)
+        return traced.constant_text(backend.chat_template)
     except Exception:  # a hint only: the run itself reports the program's errors
         return ""
 
@@ -665,9 +666,10 @@ class TracingStateGroup:
         self.parent.join(self, mode)
 
 
-def trace_program(program: Any, kwargs: dict[str, Any]) -> TracedProgram:
+def trace_program(program: Any, kwargs: dict[str, Any], *, partial: bool = False) -> TracedProgram:
     """Runs `program.func` on a recording state. Arguments missing from `kwargs` are symbolic
-    (`Argument` nodes); raises `TracingError` on data-dependent control flow."""
+    (`Argument` nodes); raises `TracingError` on data-dependent control flow — unless `partial`,
+    which returns what was recorded up to the failure."""
     unknown = set(kwargs) - set(program.arg_names)
     if unknown:
         raise TypeError(f"{program.__name__} has no arguments {sorted(unknown)}")
@@ -676,7 +678,12 @@ def trace_program(program: Any, kwargs: dict[str, Any]) -> TracedProgram:
     arguments = {name: kwargs[name] if name in kwargs else SymbolicArgument(name)
                  for name in names}
     recorder = _Recorder()
-    ret_value = program.func(recorder.new_state(), **arguments)
+    try:
+        ret_value = program.func(recorder.new_state(), **arguments)
+    except Exception:
+        if not partial:
+            raise
+        ret_value = None
     return TracedProgram(program.__name__, recorder.states,
                          tuple(name for name in names if name not in kwargs),
                          normalize(ret_value), recorder.sequence)
