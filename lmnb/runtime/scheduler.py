@@ -389,10 +389,10 @@ class Scheduler:
         # Stop strings apply from the first token: min_new_tokens holds back EOS and stop ids only.
         if req.detokenizer is not None and req.detokenizer.matched_stop is not None:
             self._finish(req, finish_stop(req.detokenizer.matched_stop))
-        elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
-            self._finish(req, finish_length(len(req.output_ids)))
         elif req.grammar is not None and (req.grammar.is_final or req.grammar.is_dead):
             self._finish(req, finish_stop(None))
+        elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
+            self._finish(req, finish_length(len(req.output_ids)))
         else:
             return False
         return True
@@ -411,6 +411,12 @@ class Scheduler:
         self.cache.cache_finished_req(req)  # keyed by the old output ids
         self._release_slots(req)
         req.output_ids = list(plan.new_output_ids)
+        if req.return_logprob:  # re-tokenized tokens were not sampled: they have no logprob
+            appended = [(None, token) for token in plan.appended]
+            req.output_token_logprobs = req.output_token_logprobs[:plan.keep] + appended
+            if req.top_logprobs_num:
+                req.output_top_logprobs = (req.output_top_logprobs[:plan.keep]
+                                           + [[] for _ in plan.appended])
         req.grammar.advance_text(forced)
         req.jumps += 1
         self.stats["jump_forward_tokens"] += len(plan.appended)
