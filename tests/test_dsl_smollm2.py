@@ -3,6 +3,7 @@ in words) and a batch of 64 small programs, on the embedded SmolLM2-135M-Instruc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +12,7 @@ import lmnb
 from lmnb import assistant, gen, system, user
 
 pytestmark = pytest.mark.slow
+GRADE_REGEX = r"[A-D][+-]?"
 
 DIMENSIONS = ["Clarity", "Originality", "Evidence"]
 IMAGE = "A golden retriever leaps to catch a red frisbee in a sunny park."
@@ -58,7 +60,7 @@ def multi_dimensional_judge(s, essay: str):
         s += judgment + "\n"
         s += "Summary: " + gen("summary", max_tokens=48, stop="\n")
         # A regex for the letter comes with constrained decoding.
-        s += "\nGrade: " + gen("grade", max_tokens=8)
+        s += "\nGrade: " + gen("grade", max_tokens=8, regex=GRADE_REGEX)  # the paper's final regex
     return s["grade"]
 
 
@@ -72,7 +74,7 @@ def test_figure2_multi_dimensional_judge(rt):
     for meta in judgments:  # the fork's shared prefix was cached before the branches ran
         assert meta["cached_tokens"] >= shared_tokens - 1, (meta, shared_tokens)
         assert meta["finish_reason"]["type"] in ("stop", "length")
-    assert isinstance(state["summary"], str) and isinstance(state["grade"], str)
+    assert isinstance(state["summary"], str) and re.fullmatch(GRADE_REGEX, state["grade"])
     assert state.ret_value == state["grade"]
     text = state.text()
     assert "\nSummary: " + state["summary"] + "\nGrade: " + state["grade"] in text
