@@ -19,13 +19,11 @@ read them (`s["a"]`); a fork point forks the executor there and submits each bra
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 import weakref
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import singledispatchmethod
 from typing import Any
@@ -48,6 +46,7 @@ from lmnb.lang.program import (
     ProgramState,
     _run_defaults,
     as_backend,
+    run_all,
 )
 from lmnb.lang.tracer import Fork, Ref, TracedProgram, refs_of, substitute, trace_program
 
@@ -337,28 +336,10 @@ class CompiledProgram:
         batch = [self._arguments((), dict(kwargs))[0] for kwargs in batch_kwargs]
         if not batch:
             return []
-        prefix = self.traced.constant_text(backend.chat_template)
-        if prefix and len(batch) > 1:
-            backend.cache_prefix(prefix)
-        if num_threads == "auto":
-            num_threads = max(96, (os.cpu_count() or 1) * 16)
-        workers = max(1, min(int(num_threads), len(batch)))
-        bar = None
-        if progress_bar:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(batch), desc=self.__name__)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch") as pool:
-            def one(arguments: dict[str, Any]) -> ProgramState:
-                state = self._execute(backend, arguments, defaults, stream=False)
-                if bar is not None:
-                    bar.update(1)
-                return state
-
-            states = list(pool.map(one, batch))
-        if bar is not None:
-            bar.close()
-        return states
+        return run_all(self.__name__, backend, self.traced.constant_text(backend.chat_template),
+                       batch,
+                       lambda arguments: self._execute(backend, arguments, defaults, stream=False),
+                       num_threads=num_threads, progress_bar=progress_bar)
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)

@@ -64,6 +64,35 @@ def _run_defaults(sampling: dict[str, Any]) -> GenParams:
     return GenParams(**values).merged_over(RUN_DEFAULTS)
 
 
+def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]],
+            execute: Callable[[dict[str, Any]], ProgramState], *, num_threads: int | str,
+            progress_bar: bool) -> list[ProgramState]:
+    """`run_batch`'s engine: caches the shared `prefix` once, then runs `execute` on every
+    argument dict on a thread pool (tqdm progress bar), returning the states in order."""
+    if prefix and len(batch) > 1:
+        backend.cache_prefix(prefix)
+    if num_threads == "auto":
+        num_threads = max(96, (os.cpu_count() or 1) * 16)
+    workers = max(1, min(int(num_threads), len(batch)))
+    bar = None
+    if progress_bar:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(batch), desc=name)
+
+    def one(arguments: dict[str, Any]) -> ProgramState:
+        state = execute(arguments)
+        if bar is not None:
+            bar.update(1)
+        return state
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch") as pool:
+        states = list(pool.map(one, batch))
+    if bar is not None:
+        bar.close()
+    return states
+
+
 class ProgramState:
     """The `s` of a program: `+=` appends (never blocks), `s["var"]` waits for the value."""
 
@@ -334,28 +363,9 @@ class Program:
             return []
         from lmnb.lang.tracer import constant_prefix
 
-        prefix = constant_prefix(self, backend)
-        if prefix and len(batch) > 1:
-            backend.cache_prefix(prefix)
-        if num_threads == "auto":
-            num_threads = max(96, (os.cpu_count() or 1) * 16)
-        workers = max(1, min(int(num_threads), len(batch)))
-        bar = None
-        if progress_bar:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(batch), desc=self.__name__)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch") as pool:
-            def one(arguments: dict[str, Any]) -> ProgramState:
-                state = self._execute(backend, arguments, defaults, stream=False)
-                if bar is not None:
-                    bar.update(1)
-                return state
-
-            states = list(pool.map(one, batch))
-        if bar is not None:
-            bar.close()
-        return states
+        return run_all(self.__name__, backend, constant_prefix(self, backend), batch,
+                       lambda arguments: self._execute(backend, arguments, defaults, stream=False),
+                       num_threads=num_threads, progress_bar=progress_bar)
 
     def trace(self, **kwargs: Any) -> Any:
         """The program as an IR graph; unbound arguments stay symbolic."""
