@@ -233,7 +233,7 @@ class ProgramState:
 
 class ProgramStateGroup:
     """The branches of `s.fork(n)`: `forks += expr` (all), a list (one each), or a callable of the
-    branch index."""
+    branch index. Serves tracing states too (they share the `+=` / `join` API)."""
 
     def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
         self.states = states

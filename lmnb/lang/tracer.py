@@ -44,6 +44,7 @@ from lmnb.lang.ir import (
     concat,
     to_expr,
 )
+from lmnb.lang.program import ProgramStateGroup  # program imports this module lazily
 
 _OPEN, _CLOSE, _SEP = "\ue000", "\ue001", "\ue002"
 _PLACEHOLDER = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
@@ -606,7 +607,7 @@ class TracingState:
         pass
 
     # ---- branching -----------------------------------------------------------------------
-    def fork(self, size: int = 1) -> TracingStateGroup:
+    def fork(self, size: int = 1) -> ProgramStateGroup:
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
         fork_id = self._recorder.forks
@@ -616,12 +617,12 @@ class TracingState:
         self._record(Fork(fork_id, tuple(b.state_id for b in branches)))
         for i, branch in enumerate(branches):
             branch._record(ForkItem(self.state_id, fork_id, i))
-        return TracingStateGroup(branches, parent=self)
+        return ProgramStateGroup(branches, parent=self)
 
     def copy(self) -> TracingState:
         return self.fork(1)[0]
 
-    def join(self, forks: TracingStateGroup | Sequence[TracingState],
+    def join(self, forks: ProgramStateGroup | Sequence[TracingState],
              mode: str = "gather_variable") -> None:
         if mode not in _JOIN_MODES:
             raise ValueError(f"unknown join mode {mode!r}; use one of {_JOIN_MODES}")
@@ -629,41 +630,6 @@ class TracingState:
 
     def __repr__(self) -> str:
         return f"TracingState({self.state_id}, {len(self._state.nodes)} nodes)"
-
-
-class TracingStateGroup:
-    """The branches of `s.fork(n)` while tracing (the API of `ProgramStateGroup`)."""
-
-    def __init__(self, states: list[TracingState], parent: TracingState) -> None:
-        self.states = states
-        self.parent = parent
-
-    def __iter__(self) -> Iterator[TracingState]:
-        return iter(self.states)
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, index: int) -> TracingState:
-        return self.states[index]
-
-    def __iadd__(self, other: Any) -> TracingStateGroup:
-        if callable(other) and not isinstance(other, Expr):
-            for i, state in enumerate(self.states):
-                state += other(i)
-        elif isinstance(other, list | tuple):
-            if len(other) != len(self.states):
-                raise ValueError(f"{len(other)} expressions for {len(self.states)} branches")
-            for state, expr in zip(self.states, other, strict=True):
-                state += expr
-        else:
-            expr = to_expr(other)
-            for state in self.states:
-                state += expr
-        return self
-
-    def join(self, mode: str = "gather_variable") -> None:
-        self.parent.join(self, mode)
 
 
 def trace_program(program: Any, kwargs: dict[str, Any], *, partial: bool = False) -> TracedProgram:
