@@ -11,7 +11,7 @@ BENCH_OFFLINE_ARGS ?= --num-seqs 16 --max-input-len 128 --max-output-len 64
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: venv demo test lint bench-offline
+.PHONY: venv demo test lint bench-offline browser-deps
 
 venv: $(STAMP)
 
@@ -28,9 +28,21 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VPY) examples/demo.py
 
+# examples/*.ipynb run under nbval in the same session as tests/ (testpaths): their outputs must
+# match the committed ones, up to examples/nbval_sanitize.cfg and cells tagged nbval-ignore-output.
+NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with examples/nbval_sanitize.cfg
+
 # pytest exits 5 when no test is collected; that is not a failure.
-test: venv
-	$(VPY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+test: venv browser-deps
+	$(VPY) -m pytest -q $(NBVAL_ARGS) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+# tests/browser drives Debian's chromium (no `playwright install`); root (CI) installs it, anyone
+# else without it gets the browser test skipped.
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update && apt-get install -y chromium) || echo "make: apt-get could not install chromium; tests/browser will be skipped"; \
+	  else echo "make: chromium is missing and only root may apt-get it; tests/browser will be skipped"; fi; }
 
 lint: venv
 	$(VPY) -m ruff check lmnb tests bench

@@ -706,3 +706,18 @@ def test_keyboard_interrupt_aborts_a_blocking_run(rt):
     wait_idle(rt)
     assert rt.stats()["protected_tokens"] == 0
     assert_usable(rt)
+
+
+def test_fork_item_augmented_assignment():
+    backend = FakeBackend()
+
+    @lmnb.function
+    def indexed(s):
+        forks = s.fork(2)
+        forks[0] += "left"
+        forks[1] += "right"
+        forks.join(mode="concat_and_append")
+
+    assert indexed.run(backend=backend).text() == "leftright"
+    with pytest.raises(TypeError):
+        indexed.run(backend=backend).fork(2)[0] = None

@@ -248,6 +248,11 @@ class ProgramStateGroup:
     def __getitem__(self, index: int) -> ProgramState:
         return self.states[index]
 
+    def __setitem__(self, index: int, state: ProgramState) -> None:
+        """Completes `forks[i] += expr` (Python stores the item back after `+=`)."""
+        if state is not self.states[index]:
+            raise TypeError("fork branches cannot be replaced; use forks[i] += expr")
+
     def __iadd__(self, other: Any) -> ProgramStateGroup:
         if callable(other) and not isinstance(other, Expr):
             for i, state in enumerate(self.states):

@@ -45,6 +45,10 @@ class LiveView:
             self.handle.update(self.result)
 
     def close(self) -> None:
-        """The widget stays; the text view gives way to the cell's result."""
+        """The widget stays, refreshed once more from the main thread so that its final state
+        belongs to the cell's output (nbclient keeps only a cell's own comm messages); the text
+        view gives way to the cell's result."""
+        if self.widget is not None:
+            self.widget.refresh()
         if self.handle is not None:
             self.handle.update(_Blank())
