@@ -11,7 +11,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from lmnb.widgets.poller import Poller, runtime_gone
+from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
 
 _GAUGES = ("cache_hit_rate", "recent_cache_hit_rate", "prompt_tokens", "cached_tokens",
            "generated_tokens", "forward_passes", "retractions", "evicted_tokens",
@@ -226,7 +226,7 @@ def _meta_info(request: Mapping[str, Any]) -> Mapping[str, Any]:
     return request.get("meta_info", request)
 
 
-class CacheDashboard(anywidget.AnyWidget):
+class CacheDashboard(PollingWidget, anywidget.AnyWidget):
     """Live prefix-cache statistics of a `Runtime`, polled on a daemon thread every `interval_s`
     (None: only on `refresh()`).
 
@@ -379,19 +379,6 @@ class CacheDashboard(anywidget.AnyWidget):
         }
 
     # ---- lifecycle and text ----------------------------------------------------------------
-    def close(self) -> None:
-        """Stops polling and lets go of the runtime."""
-        if self._poller is not None:
-            self._poller.stop()
-        self._runtime = None
-        if self.status == "live":
-            self.status = "stopped"
-        super().close()
-
-    @property
-    def polling(self) -> bool:
-        return self._poller is not None and self._poller.alive
-
     def __repr__(self) -> str:
         st = self.stats
         last = self.series[-1] if self.series else None

@@ -44,6 +44,28 @@ class Poller:
 def runtime_gone(runtime: object) -> bool:
     """Whether a Runtime that raised RuntimeError is closed or failed for good (else the error
     was passing and polling goes on)."""
-    if getattr(runtime, "closed", None) is True or getattr(runtime, "_closed", False):
+    if getattr(runtime, "closed", False):
         return True
     return getattr(getattr(runtime, "_scheduler", None), "fatal_error", None) is not None
+
+
+class PollingWidget:
+    """Mixin for widgets that poll a Runtime through `self._poller` (a `Poller` or None) and show
+    `self.status`: `close()` stops polling and lets go of the runtime."""
+
+    _poller: Poller | None
+    _runtime: object | None
+    status: str
+
+    def close(self) -> None:
+        """Stops polling and lets go of the runtime."""
+        if self._poller is not None:
+            self._poller.stop()
+        self._runtime = None
+        if self.status == "live":
+            self.status = "stopped"
+        super().close()  # type: ignore[misc]
+
+    @property
+    def polling(self) -> bool:
+        return self._poller is not None and self._poller.alive

@@ -10,7 +10,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from lmnb.widgets.poller import Poller, runtime_gone
+from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
 
 STATES = ("root", "new", "hit", "locked", "evictable", "evicted")
 _TRACKED = ("parent", "tokens", "lock_ref", "hit_count")  # a change here is a new refresh
@@ -203,7 +203,7 @@ def tidy_layout(rows: list[dict[str, Any]]) -> dict[int, tuple[int, float]]:
     return {n: (depth[n], ys[n]) for n in ys}
 
 
-class RadixTreeView(anywidget.AnyWidget):
+class RadixTreeView(PollingWidget, anywidget.AnyWidget):
     """The radix tree of a `Runtime`'s prefix cache, drawn left to right, polled on a daemon
     thread (`interval_s=None`: only on `refresh()`).
 
@@ -320,19 +320,6 @@ class RadixTreeView(anywidget.AnyWidget):
         return kept
 
     # ---- lifecycle and text ----------------------------------------------------------------
-    def close(self) -> None:
-        """Stops polling and lets go of the runtime."""
-        if self._poller is not None:
-            self._poller.stop()
-        self._runtime = None
-        if self.status == "live":
-            self.status = "stopped"
-        super().close()
-
-    @property
-    def polling(self) -> bool:
-        return self._poller is not None and self._poller.alive
-
     def __repr__(self) -> str:
         s = self.summary
         lines = [f"RadixTreeView ({self.status}): {s.get('nodes', 0)} nodes, "
