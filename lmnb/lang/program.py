@@ -21,7 +21,17 @@ from typing import Any
 from lmnb.lang import api
 from lmnb.lang.backends.base import Backend
 from lmnb.lang.interpreter import JoinBranches, StreamExecutor
-from lmnb.lang.ir import CommitPrefix, Expr, GenParams, SetVar, VarScopeBegin, VarScopeEnd, to_expr
+from lmnb.lang.ir import (
+    CommitPrefix,
+    Expr,
+    GenParams,
+    RoleBegin,
+    RoleEnd,
+    SetVar,
+    VarScopeBegin,
+    VarScopeEnd,
+    to_expr,
+)
 
 SAMPLING_DEFAULT_KEYS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids",
                          "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
@@ -93,41 +103,38 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
     return states
 
 
-class ProgramState:
-    """The `s` of a program: `+=` appends (never blocks), `s["var"]` waits for the value."""
+class StateWriter:
+    """The writing half of `s`, shared by running and tracing states: `+=`, `set_var`,
+    `var_scope`, and the roles as calls (`s.user("hi")`) or blocks (`with s.user(): ...`).
+    Subclasses define `_submit(expr)`."""
 
-    def __init__(self, executor: StreamExecutor, run: _Run | None = None) -> None:
-        self._executor = executor
-        self._run = run or _Run()
-        self._run.add(executor)
-        self.ret_value: Any = None
-        weakref.finalize(self, executor.close)
+    def _submit(self, expr: Expr) -> None:
+        raise NotImplementedError
 
-    # ---- writing -------------------------------------------------------------------------
-    def __iadd__(self, other: Any) -> ProgramState:
-        self._executor.submit(to_expr(other))
+    def __iadd__(self, other: Any) -> Any:
+        self._submit(to_expr(other))
         return self
 
     def set_var(self, name: str, value: Any) -> None:
-        self._executor.submit(SetVar(name, value))
+        self._submit(SetVar(name, value))
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator[None]:
-        self._executor.submit(VarScopeBegin(name))
+        self._submit(VarScopeBegin(name))
         yield
-        self._executor.submit(VarScopeEnd(name))
-
-    def _role(self, role: str, content: Any) -> Any:
-        if content is not None:
-            self += api._role(role, content)
-            return None
-        return self._role_scope(role)
+        self._submit(VarScopeEnd(name))
 
     @contextmanager
     def _role_scope(self, role: str) -> Iterator[None]:
-        self._executor.submit(api._role(role, None).items[0])
+        self._submit(RoleBegin(role))
         yield
-        self._executor.submit(api._role(role, None).items[1])
+        self._submit(RoleEnd(role))
+
+    def _role(self, role: str, content: Any) -> Any:
+        if content is not None:
+            self._submit(api._role(role, content))
+            return None
+        return self._role_scope(role)
 
     def system(self, content: Any = None) -> Any:
         """`s.system("...")` appends a system message; `with s.system():` opens one."""
@@ -138,6 +145,21 @@ class ProgramState:
 
     def assistant(self, content: Any = None) -> Any:
         return self._role("assistant", content)
+
+
+class ProgramState(StateWriter):
+    """The `s` of a program: `+=` appends (never blocks), `s["var"]` waits for the value."""
+
+    def __init__(self, executor: StreamExecutor, run: _Run | None = None) -> None:
+        self._executor = executor
+        self._run = run or _Run()
+        self._run.add(executor)
+        self.ret_value: Any = None
+        weakref.finalize(self, executor.close)
+
+    # ---- writing -------------------------------------------------------------------------
+    def _submit(self, expr: Expr) -> None:
+        self._executor.submit(expr)
 
     # ---- reading -------------------------------------------------------------------------
     def __getitem__(self, name: str) -> Any:

@@ -16,7 +16,6 @@ import dataclasses
 import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import singledispatch
 from typing import Any, NoReturn
@@ -41,10 +40,8 @@ from lmnb.lang.ir import (
     VarScopeBegin,
     VarScopeEnd,
     Video,
-    concat,
-    to_expr,
 )
-from lmnb.lang.program import ProgramStateGroup  # program imports this module lazily
+from lmnb.lang.program import ProgramStateGroup, StateWriter  # program imports us lazily
 
 _OPEN, _CLOSE, _SEP = "\ue000", "\ue001", "\ue002"
 _PLACEHOLDER = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
@@ -513,7 +510,7 @@ class _Recorder:
         self.sequence += 1
 
 
-class TracingState:
+class TracingState(StateWriter):
     """The `s` of a program while tracing: the API of `ProgramState`, recording nodes."""
 
     def __init__(self, recorder: _Recorder, state: TracedState) -> None:
@@ -529,41 +526,9 @@ class TracingState:
         self._recorder.record(self._state, node)
 
     # ---- writing -------------------------------------------------------------------------
-    def __iadd__(self, other: Any) -> TracingState:
-        expr = to_expr(other)
+    def _submit(self, expr: Expr) -> None:
         for item in expr.items if isinstance(expr, ExprList) else (expr,):
             self._record(item)
-        return self
-
-    def set_var(self, name: str, value: Any) -> None:
-        self._record(SetVar(name, value))
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        self._record(VarScopeBegin(name))
-        yield
-        self._record(VarScopeEnd(name))
-
-    def _role(self, role: str, content: Any) -> Any:
-        if content is not None:
-            self += concat(RoleBegin(role), content, RoleEnd(role))
-            return None
-        return self._role_scope(role)
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self._record(RoleBegin(role))
-        yield
-        self._record(RoleEnd(role))
-
-    def system(self, content: Any = None) -> Any:
-        return self._role("system", content)
-
-    def user(self, content: Any = None) -> Any:
-        return self._role("user", content)
-
-    def assistant(self, content: Any = None) -> Any:
-        return self._role("assistant", content)
 
     # ---- reading -------------------------------------------------------------------------
     def __getitem__(self, name: str) -> SymbolicVariable:
