@@ -24,15 +24,21 @@ from lmnb.lang.api import (
     user_end,
     video,
 )
-from lmnb.lang.program import Program, ProgramState, function, set_default_backend
+from lmnb.lang.program import (
+    Program,
+    ProgramState,
+    default_backend,
+    function,
+    set_default_backend,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Program", "ProgramState", "Runtime", "LocalBackend", "__version__", "assistant",
-    "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string", "image",
-    "select", "set_default_backend", "system", "system_begin", "system_end", "user",
-    "user_begin", "user_end", "video",
+    "LocalBackend", "Program", "ProgramState", "Runtime", "__version__", "assistant",
+    "assistant_begin", "assistant_end", "default_backend", "function", "gen", "gen_int",
+    "gen_string", "image", "select", "set_default_backend", "system", "system_begin",
+    "system_end", "user", "user_begin", "user_end", "video",
 ]
 
 if TYPE_CHECKING:

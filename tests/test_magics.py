@@ -287,3 +287,12 @@ def test_reload_and_unload_close_the_runtime(loaded: InteractiveShell, model: Pa
     assert loaded.find_line_magic("lmnb") is None and loaded.find_cell_magic("lmprogram") is None
     assert program_module._default_backend is None
     assert not any(type(c).__name__ == "LMNB" for c in loaded.configurables)
+
+
+def test_load_makes_the_kernel_runtime_the_default_backend(loaded):
+    ip = loaded
+    backend = lmnb.default_backend()
+    assert backend.runtime is runtime_of(ip)
+    assert backend is not None and backend.runtime.generate("Hi", {"max_new_tokens": 2})
+    ip.run_line_magic("unload_ext", "lmnb")
+    assert lmnb.default_backend() is None

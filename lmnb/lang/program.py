@@ -45,9 +45,15 @@ _default_backend: Backend | None = None
 
 
 def set_default_backend(backend: Any) -> None:
-    """Programs run here unless `run(backend=...)` says otherwise; a `Runtime` is accepted."""
+    """Programs run here unless `run(backend=...)` says otherwise; a `Runtime` is accepted;
+    None clears it."""
     global _default_backend
-    _default_backend = as_backend(backend)
+    _default_backend = None if backend is None else as_backend(backend)
+
+
+def default_backend() -> Backend | None:
+    """The default backend (after `%lmnb load`, the kernel's; its `.runtime` is the Runtime)."""
+    return _default_backend
 
 
 def as_backend(backend: Any) -> Backend:

@@ -28,4 +28,4 @@ def unload(shell: Any) -> None:
     if magics in shell.configurables:
         shell.configurables.remove(magics)
     if program_module._default_backend is magics.session.backend:
-        program_module._default_backend = None  # set_default_backend(None) cannot clear it
+        program_module.set_default_backend(None)

@@ -53,6 +53,11 @@ class KernelBackend:
         self.session = session
 
     @property
+    def runtime(self) -> Any:
+        """The kernel's Runtime (loading the configured model on first use)."""
+        return self.session.local_backend().runtime
+
+    @property
     def chat_template(self) -> Any:
         return self.session.local_backend().chat_template
 
