@@ -15,9 +15,10 @@ EOS = 0
 
 
 def make_req(prompt: tuple[int, ...] = (1, 2, 3), output: tuple[int, ...] = (),
-             seed: int | None = None, top_logprobs_num: int = 0, **params: object) -> Req:
+             seed: int | None = None, top_logprobs_num: int = 0, return_logprob: bool = True,
+             **params: object) -> Req:
     req = Req(origin_input_ids=list(prompt), sampling_params=SamplingParams(**params),
-              top_logprobs_num=top_logprobs_num)
+              top_logprobs_num=top_logprobs_num, return_logprob=return_logprob)
     req.output_ids = list(output)
     if seed is not None:
         req.generator = torch.Generator().manual_seed(seed)
@@ -65,6 +66,14 @@ def test_logprobs_are_raw_log_softmax() -> None:
     expected = torch.log_softmax(logits, -1).gather(1, out.next_token_ids[:, None]).squeeze(1)
     assert out.next_token_logprobs.dtype == torch.float32
     torch.testing.assert_close(out.next_token_logprobs, expected, atol=1e-5, rtol=0)
+
+
+def test_logprobs_are_skipped_when_nobody_asks() -> None:
+    logits = torch.randn(3, 200)
+    reqs = [make_req(return_logprob=False, temperature=0.0) for _ in range(3)]
+    out = Sampler(200, {EOS})(logits, reqs)
+    assert out.next_token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.top_logprobs is None and not out.next_token_logprobs.any()
 
 
 def test_top_logprobs_sorted_with_requested_length() -> None:

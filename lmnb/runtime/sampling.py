@@ -26,6 +26,7 @@ _FIRST_WINDOW = 64  # best tokens a top-p row looks at first; grows x8 while its
 class SampleOutput:
     next_token_ids: torch.Tensor  # [bs] int64
     next_token_logprobs: torch.Tensor  # [bs] float32, log_softmax of the raw logits at the token
+    # (zeros when no request of the batch asked for logprobs)
     top_logprobs: list[list[tuple[float, int]]] | None  # per row (logprob, id), best first
 
 
@@ -63,6 +64,8 @@ class Sampler:
         if rows:
             ids = ids.clone()
             ids[torch.tensor(rows, device=raw.device)] = self._sample(work, rows, reqs)
+        if not any(req.return_logprob or req.top_logprobs_num for req in reqs):
+            return SampleOutput(ids, torch.zeros(len(reqs), device=raw.device), None)
         lse = torch.logsumexp(raw, dim=-1)
         logprobs = raw.gather(1, ids[:, None]).squeeze(1) - lse
         return SampleOutput(ids, logprobs, self._top_logprobs(raw, lse, reqs))
