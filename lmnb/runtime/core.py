@@ -180,6 +180,19 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def fill_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """`fill_ids[start:end]` without building the whole list (the decode hot path)."""
+        prompt_len = len(self.origin_input_ids)
+        if start >= prompt_len:
+            return self.output_ids[start - prompt_len:end - prompt_len]
+        if end <= prompt_len:
+            return self.origin_input_ids[start:end]
+        return self.origin_input_ids[start:] + self.output_ids[:end - prompt_len]
+
+    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 

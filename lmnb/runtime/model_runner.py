@@ -145,7 +145,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         for req, start, extend_len in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
                                           strict=True):
-            input_ids.extend(req.fill_ids[start:start + extend_len])
+            input_ids.extend(req.fill_slice(start, start + extend_len))
             positions.extend(range(start, start + extend_len))
             seq_lens.append(start + extend_len)
         device = self.device

@@ -202,7 +202,7 @@ class Scheduler:
         extend_lens: list[int] = []
         if self.chunked is not None:
             req = self.chunked
-            remaining = len(req.fill_ids) - req.kv_len
+            remaining = req.fill_len - req.kv_len
             take = min(remaining, budget, max(room(), 0))
             if take <= 0:
                 return None
@@ -222,7 +222,7 @@ class Scheduler:
             if self._defer_for_shared_prefix(req, prefix_len, reqs):
                 continue
             self._bind(req, match)  # locks the prefix: it no longer counts as evictable room
-            extend = len(req.fill_ids) - prefix_len
+            extend = req.fill_len - prefix_len
             reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
                           * self.new_token_ratio)
             alone = not (self.running or reqs)  # admitted even if its reserve does not fit
@@ -311,7 +311,7 @@ class Scheduler:
                 out_cache_loc[start:start + extend_len]
             start += extend_len
             req.kv_len = prefix_len + extend_len  # the slots are the request's from now on
-            completes = req.kv_len == len(req.fill_ids)
+            completes = req.kv_len == req.fill_len
             samples.append(completes and req.sampling_params.max_new_tokens > len(req.output_ids))
         return Batch(mode=mode, reqs=reqs, prefix_lens=prefix_lens, extend_lens=extend_lens,
                      out_cache_loc=out_cache_loc, samples=samples)
@@ -356,7 +356,7 @@ class Scheduler:
                     self.running.append(req)
                 self._append_token(req, token, output.next_token_logprobs[i],
                                    output.next_top_logprobs[i])
-            elif req.kv_len == len(req.fill_ids):  # prompt done, nothing to generate
+            elif req.kv_len == req.fill_len:  # prompt done, nothing to generate
                 self._finish(req, finish_length(len(req.output_ids)))
             if extend and req.req_pool_idx is not None:  # still live, not jumped
                 # Computed prompt KV goes into the cache at once, so that requests sharing the
