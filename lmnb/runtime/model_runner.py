@@ -77,7 +77,9 @@ class ModelRunner:
         available = _available_memory(self.device)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
-            fraction = 0.88 if mem_fraction_static is None else mem_fraction_static
+            # Weights + KV pool; the rest is for activations (torch-native decode gathers the
+            # padded K/V of the whole batch per layer, so it needs room).
+            fraction = 0.80 if mem_fraction_static is None else mem_fraction_static
             budget = total * fraction - (total - available)
         else:
             fraction = (CPU_KV_MEMORY_FRACTION if mem_fraction_static is None
