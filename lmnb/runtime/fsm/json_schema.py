@@ -40,14 +40,11 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    from re import _parser as _sre
-else:  # pragma: no cover
-    import sre_parse as _sre
+from lmnb.runtime.fsm.json_numbers import decimal_range, integer_range
+from lmnb.runtime.fsm.regex_text import alternatives, group, literal_text, repeat
 
 
 class InvalidSchemaError(ValueError):
@@ -107,7 +104,6 @@ _TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
 }
-_REGEX_SPECIALS = frozenset("\\.^$*+?{}[]|()")
 
 
 def json_schema_to_regex(
@@ -148,40 +144,6 @@ def dtype_regex(dtype: type | str) -> str:
     if kind not in _DTYPE_REGEXES:
         raise ValueError(f"dtype must be one of int, float, bool, str; got {dtype!r}")
     return _DTYPE_REGEXES[kind]
-
-
-def _group(regex: str) -> str:
-    return f"({regex})" if "|" in regex else regex
-
-
-def _alternatives(regexes: list[str | None]) -> str | None:
-    kept = list(dict.fromkeys(r for r in regexes if r is not None))
-    if not kept:
-        return None
-    return kept[0] if len(kept) == 1 else "(" + "|".join(kept) + ")"
-
-
-def _repeat(regex: str, lo: int, hi: int | None) -> str:
-    if hi == 0:
-        return ""
-    quantifier = {(0, None): "*", (1, None): "+", (0, 1): "?", (1, 1): ""}.get((lo, hi))
-    if quantifier is None:
-        quantifier = f"{{{lo}}}" if lo == hi else f"{{{lo},{'' if hi is None else hi}}}"
-    if not quantifier:
-        return regex
-    atom = regex if re.fullmatch(r"\[[^\]]*\]|\\?.", regex) else f"({regex})"
-    return atom + quantifier
-
-
-def _literal_text(text: str) -> str:
-    return "".join("\\" + c if c in _REGEX_SPECIALS else c for c in text)
-
-
-def _class_char(c: str) -> str:
-    code = ord(c)
-    if code < 0x20 or 0x7F <= code <= 0x9F:
-        return f"\\x{code:02x}"
-    return "\\" + c if c in "\\]^-[&~|" else c
 
 
 def _json_type_of(value: Any) -> set[str]:
@@ -237,7 +199,7 @@ class _Builder:
         types = self._types(schema)
         if types is None:
             return self._any(self.any_depth)
-        return _alternatives([self.types[name](schema) for name in types])
+        return alternatives([self.types[name](schema) for name in types])
 
     def _types(self, schema: dict) -> list[str] | None:
         declared = schema.get("type")
@@ -310,7 +272,7 @@ class _Builder:
             raise InvalidSchemaError(f"{keyword!r} must be a non-empty list")
         siblings = {k: v for k, v in schema.items() if k != keyword}
         if not set(siblings) - _ANNOTATIONS:
-            return _alternatives([self.build(branch) for branch in branches])
+            return alternatives([self.build(branch) for branch in branches])
         regexes = []
         for branch in branches:
             if branch is True:
@@ -318,7 +280,7 @@ class _Builder:
             if isinstance(branch, dict):
                 branch = _merge(siblings, branch, where=repr(keyword))
             regexes.append(self.build(branch))
-        return _alternatives(regexes)
+        return alternatives(regexes)
 
     def _enum(self, schema: dict) -> str | None:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
@@ -331,7 +293,7 @@ class _Builder:
             if "number" in allowed:
                 allowed.add("integer")
             values = [v for v in values if _json_type_of(v) & allowed]
-        return _alternatives([self._literal(v) for v in values])
+        return alternatives([self._literal(v) for v in values])
 
     def _literal(self, value: Any) -> str:
         if isinstance(value, dict):
@@ -342,7 +304,7 @@ class _Builder:
             items = [self._literal(v) for v in value]
             return self._container(r"\[", r"\]", self.sep.join(items) or None, optional=False)
         try:
-            return _literal_text(json.dumps(value, ensure_ascii=False, allow_nan=False))
+            return literal_text(json.dumps(value, ensure_ascii=False, allow_nan=False))
         except (TypeError, ValueError) as e:
             raise InvalidSchemaError(f"not a JSON value in 'enum'/'const': {value!r}") from e
 
@@ -361,7 +323,7 @@ class _Builder:
                 inner = self._any(depth - 1)
                 scalars.append(self._array_of([], inner, 0, None))
                 scalars.append(self._map(inner, 0, None))
-            self.any_cache[depth] = _alternatives(scalars)
+            self.any_cache[depth] = alternatives(scalars)
         return self.any_cache[depth]
 
     def _null(self, schema: dict) -> str:
@@ -380,13 +342,13 @@ class _Builder:
         hi_int = None if hi is None else (
             int(hi.to_integral_value(ROUND_CEILING)) - 1 if hi_excl
             else int(hi.to_integral_value(ROUND_FLOOR)))
-        return _integer_range(lo_int, hi_int)
+        return integer_range(lo_int, hi_int)
 
     def _number(self, schema: dict) -> str | None:
         lo, lo_excl, hi, hi_excl = _bounds(schema)
         if lo is None and hi is None:
             return NUMBER
-        return _decimal_range(lo, lo_excl, hi, hi_excl)
+        return decimal_range(lo, lo_excl, hi, hi_excl)
 
     def _string(self, schema: dict) -> str | None:
         lo = _count(schema, "minLength", 0)
@@ -398,7 +360,9 @@ class _Builder:
                     "'pattern' cannot be combined with 'format', 'minLength' or 'maxLength'")
             if not isinstance(pattern, str):
                 raise InvalidSchemaError(f"'pattern' must be a string, got {pattern!r}")
-            return f'"{_PatternTranslator(pattern).regex()}"'
+            from lmnb.runtime.fsm.json_pattern import PatternTranslator  # imports this module
+
+            return f'"{PatternTranslator(pattern).regex()}"'
         if fmt in FORMATS:
             if lo or hi is not None:
                 raise InvalidSchemaError(
@@ -406,7 +370,7 @@ class _Builder:
             return f'"{FORMATS[fmt]}"'
         if hi is not None and hi < lo:
             return None
-        return STRING if (lo, hi) == (0, None) else f'"{_repeat(STRING_CHAR, lo, hi)}"'
+        return STRING if (lo, hi) == (0, None) else f'"{repeat(STRING_CHAR, lo, hi)}"'
 
     def _array(self, schema: dict) -> str | None:
         if schema.get("uniqueItems") is True:
@@ -443,15 +407,15 @@ class _Builder:
         if not prefix:
             if rest is None:
                 return self._container(r"\[", r"\]", None, optional=True)
-            rest = _group(rest)
-            body = rest + _repeat(f"{self.sep}{rest}", max(rest_lo - 1, 0),
+            rest = group(rest)
+            body = rest + repeat(f"{self.sep}{rest}", max(rest_lo - 1, 0),
                                   None if rest_hi is None else rest_hi - 1)
             return self._container(r"\[", r"\]", body, optional=rest_lo == 0)
-        tail = "" if rest is None else _repeat(f"{self.sep}{_group(rest)}", rest_lo, rest_hi)
+        tail = "" if rest is None else repeat(f"{self.sep}{group(rest)}", rest_lo, rest_hi)
         for position in range(len(prefix) - 1, 0, -1):
-            segment = f"{self.sep}{_group(prefix[position])}{tail}"
+            segment = f"{self.sep}{group(prefix[position])}{tail}"
             tail = segment if position < lo else f"({segment})?"
-        return self._container(r"\[", r"\]", _group(prefix[0]) + tail, optional=lo == 0)
+        return self._container(r"\[", r"\]", group(prefix[0]) + tail, optional=lo == 0)
 
     def _object(self, schema: dict) -> str | None:
         properties = schema.get("properties", {})
@@ -478,8 +442,8 @@ class _Builder:
                 if name in required:
                     return None
                 continue
-            key = _literal_text(json.dumps(name, ensure_ascii=False))
-            members.append((f"{key}{self.colon}{_group(value)}", name in required))
+            key = literal_text(json.dumps(name, ensure_ascii=False))
+            members.append((f"{key}{self.colon}{group(value)}", name in required))
         return self._members(members)
 
     def _members(self, members: list[tuple[str, bool]]) -> str:
@@ -504,8 +468,8 @@ class _Builder:
             return None
         if value is None or hi == 0:
             return None if lo > 0 else self._container(r"\{", r"\}", None, optional=True)
-        entry = f"{STRING}{self.colon}{_group(value)}"
-        body = entry + _repeat(f"{self.sep}{entry}", max(lo - 1, 0), None if hi is None else hi - 1)
+        entry = f"{STRING}{self.colon}{group(value)}"
+        body = entry + repeat(f"{self.sep}{entry}", max(lo - 1, 0), None if hi is None else hi - 1)
         return self._container(r"\{", r"\}", body, optional=lo == 0)
 
 
@@ -553,305 +517,3 @@ def _bounds(schema: dict) -> tuple[Decimal | None, bool, Decimal | None, bool]:
             bounds.append((value, False))
     (lo, lo_excl), (hi, hi_excl) = bounds
     return lo, lo_excl, hi, hi_excl
-
-
-def _digit_class(lo: int, hi: int) -> str:
-    return str(lo) if lo == hi else f"[{lo}-{hi}]"
-
-
-def _same_length_range(lo: str, hi: str) -> str:
-    """Digit strings of one length between `lo` and `hi` inclusive."""
-    if lo == hi:
-        return lo
-    n = len(lo) - 1
-    if lo[0] == hi[0]:
-        return lo[0] + _group(_same_length_range(lo[1:], hi[1:]))
-    parts, first, last = [], int(lo[0]), int(hi[0])
-    if lo[1:] != "0" * n:
-        parts.append(lo[0] + _group(_same_length_range(lo[1:], "9" * n)))
-        first += 1
-    tail = None
-    if hi[1:] != "9" * n:
-        tail = hi[0] + _group(_same_length_range("0" * n, hi[1:]))
-        last -= 1
-    if first <= last:
-        parts.append(_digit_class(first, last) + _repeat("[0-9]", n, n))
-    if tail is not None:
-        parts.append(tail)
-    return "|".join(parts)
-
-
-def _natural_range(lo: int, hi: int | None) -> str | None:
-    """Decimal naturals (no leading zeros) in [lo, hi]; hi None is unbounded."""
-    if hi is not None and hi < lo:
-        return None
-    low, high = str(lo), None if hi is None else str(hi)
-    if high is not None and len(high) == len(low):
-        return _group(_same_length_range(low, high))
-    parts = [_same_length_range(low, "9" * len(low))]
-    longer = len(low) + 1
-    if high is None:
-        parts.append(f"[1-9][0-9]{{{longer - 1},}}")
-    else:
-        if len(high) > longer:
-            parts.append("[1-9]" + _repeat("[0-9]", longer - 1, len(high) - 2))
-        parts.append(_same_length_range("1" + "0" * (len(high) - 1), high))
-    return "(" + "|".join(parts) + ")"
-
-
-def _integer_range(lo: int | None, hi: int | None) -> str | None:
-    """Integers in [lo, hi] (None: unbounded), without "-0"."""
-    positive = None
-    if hi is None or hi >= 0:
-        positive = _natural_range(max(lo, 0) if lo is not None else 0, hi)
-    negative = None
-    if lo is None or lo < 0:
-        magnitude = _natural_range(max(-hi, 1) if hi is not None else 1,
-                                   None if lo is None else -lo)
-        negative = None if magnitude is None else "-" + magnitude
-    return _alternatives([positive, negative])
-
-
-def _split(value: Decimal) -> tuple[int, str]:
-    """Non-negative decimal -> (integer part, fraction digits without trailing zeros)."""
-    whole, _, fraction = format(value, "f").partition(".")
-    return int(whole), fraction.rstrip("0")
-
-
-def _fraction(lo: str | None, lo_excl: bool, hi: str | None, hi_excl: bool
-              ) -> tuple[str | None, bool]:
-    """Digit strings R (read as 0.R) within the bounds: (regex of the non-empty ones, whether the
-    empty one is allowed). Bounds are digit strings without trailing zeros; None is unbounded."""
-    empty = (lo is None or (lo == "" and not lo_excl)) and (hi != "" or not hi_excl)
-    if hi is None and lo == "" and lo_excl:
-        return "0*[1-9][0-9]*", False
-    if lo is None or (lo == "" and not lo_excl):
-        if hi is None:
-            return "[0-9]+", empty
-        lo, lo_excl = "", False
-        if hi == "":
-            return (None if hi_excl else "0+"), empty
-    if hi is not None and hi == "":
-        return None, empty
-    first_lo, rest_lo = (lo[0], lo[1:]) if lo else ("0", "")
-    first_hi = None if hi is None else hi[0]
-    parts: list[str | None] = []
-
-    def follow(digit: str, *bounds: Any) -> str | None:
-        regex, may_end = _fraction(*bounds)
-        if regex is None:
-            return digit if may_end else None
-        return digit + (f"({regex})?" if may_end else _group(regex))
-
-    if first_hi is None or first_lo < first_hi:
-        parts.append(follow(first_lo, rest_lo, lo_excl, None, False))
-        top = 9 if first_hi is None else int(first_hi) - 1
-        if int(first_lo) + 1 <= top:
-            parts.append(_digit_class(int(first_lo) + 1, top) + "[0-9]*")
-        if first_hi is not None:
-            parts.append(follow(first_hi, "", False, hi[1:], hi_excl))
-    elif first_lo == first_hi:
-        parts.append(follow(first_lo, rest_lo, lo_excl, hi[1:], hi_excl))
-    kept = [p for p in parts if p is not None]
-    return ("|".join(kept) if kept else None), empty
-
-
-def _magnitude_range(lo: Decimal, lo_excl: bool, hi: Decimal | None, hi_excl: bool
-                     ) -> str | None:
-    """Plain decimals m >= 0 (`I` or `I.F`) between the bounds, lo >= 0."""
-    lo_int, lo_frac = _split(lo)
-    hi_int, hi_frac = (None, None) if hi is None else _split(hi)
-
-    def with_fraction(whole: int, *bounds: Any) -> str | None:
-        regex, may_end = _fraction(*bounds)
-        if regex is None:
-            return str(whole) if may_end else None
-        dotted = rf"\.({regex})"
-        return str(whole) + (f"({dotted})?" if may_end else dotted)
-
-    if hi_int is not None and hi_int < lo_int:
-        return None
-    if hi_int == lo_int:
-        return with_fraction(lo_int, lo_frac, lo_excl, hi_frac, hi_excl)
-    parts = [with_fraction(lo_int, lo_frac, lo_excl, None, False)]
-    middle = _natural_range(lo_int + 1, None if hi_int is None else hi_int - 1)
-    if middle is not None:
-        parts.append(middle + r"(\.[0-9]+)?")
-    if hi_int is not None:
-        parts.append(with_fraction(hi_int, "", False, hi_frac, hi_excl))
-    return _alternatives(parts)
-
-
-def _decimal_range(lo: Decimal | None, lo_excl: bool, hi: Decimal | None, hi_excl: bool
-                   ) -> str | None:
-    """Plain decimals (no exponent) within the bounds; "-0" / "-0.0" count as zero."""
-    zero = Decimal(0)
-    positive = None
-    if hi is None or hi >= 0:
-        low, low_excl = (lo, lo_excl) if lo is not None and lo >= 0 else (zero, False)
-        positive = _magnitude_range(low, low_excl, hi, hi_excl)
-    negative = None
-    if lo is None or lo <= 0:
-        low, low_excl = (-hi, hi_excl) if hi is not None and hi <= 0 else (zero, False)
-        magnitude = _magnitude_range(low, low_excl, None if lo is None else -lo, lo_excl)
-        negative = None if magnitude is None else "-" + _group(magnitude)
-    return _alternatives([positive, negative])
-
-
-_CATEGORIES = {
-    _sre.CATEGORY_DIGIT: r"\d", _sre.CATEGORY_NOT_DIGIT: r"\D",
-    _sre.CATEGORY_SPACE: r"\s", _sre.CATEGORY_NOT_SPACE: r"\S",
-    _sre.CATEGORY_WORD: r"\w", _sre.CATEGORY_NOT_WORD: r"\W",
-}
-_SHORT_ESCAPES = {'"': '"', "\\": "\\", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
-_NEEDS_ESCAPE = ['"', "\\"] + [chr(i) for i in range(0x20)]
-_BAD_INTERVALS = [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
-_STARTS = (_sre.AT_BEGINNING, _sre.AT_BEGINNING_STRING)
-_ENDS = (_sre.AT_END, _sre.AT_END_STRING)
-
-
-class _PatternTranslator:
-    """A `pattern` (a regex over the decoded string) -> a regex over the string's JSON text."""
-
-    def __init__(self, pattern: str) -> None:
-        self.pattern = pattern
-
-    def fail(self, what: str) -> InvalidSchemaError:
-        return InvalidSchemaError(f"'pattern' {self.pattern!r}: {what} is not supported")
-
-    def regex(self) -> str:
-        try:
-            parsed = _sre.parse(self.pattern)
-        except re.error as e:
-            raise InvalidSchemaError(f"'pattern' {self.pattern!r} is not a valid regex: {e}"
-                                     ) from None
-        if parsed.state.flags & ~int(re.UNICODE):
-            raise self.fail("an inline flag")
-        return self.anchored(list(parsed), start=False, end=False)
-
-    def anchored(self, items: list, *, start: bool, end: bool) -> str:
-        while items and items[0][0] is _sre.AT and items[0][1] in _STARTS:
-            start, items = True, items[1:]
-        while items and items[-1][0] is _sre.AT and items[-1][1] in _ENDS:
-            end, items = True, items[:-1]
-        if len(items) == 1:
-            op, arg = items[0]
-            if op is _sre.BRANCH:
-                return "(" + "|".join(self.anchored(list(alt), start=start, end=end)
-                                      for alt in arg[1]) + ")"
-            if op is _sre.SUBPATTERN and not arg[1] and not arg[2]:
-                return self.anchored(list(arg[3]), start=start, end=end)
-        body = self.sequence(items)
-        if not body and not (start and end):
-            return STRING_CHAR + "*"
-        return ("" if start else STRING_CHAR + "*") + body + ("" if end else STRING_CHAR + "*")
-
-    def sequence(self, items: Any) -> str:
-        return "".join(self.item(op, arg) for op, arg in items)
-
-    def item(self, op: Any, arg: Any) -> str:
-        if op is _sre.LITERAL:
-            return self.char(chr(arg))
-        if op is _sre.NOT_LITERAL:
-            return self.charset([(_sre.LITERAL, arg)], negate=True)
-        if op is _sre.ANY:
-            return self.charset([(_sre.LITERAL, ord("\n"))], negate=True)
-        if op is _sre.IN:
-            negate = bool(arg) and arg[0][0] is _sre.NEGATE
-            return self.charset(arg[1:] if negate else arg, negate=negate)
-        if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT):
-            lo, hi, sub = arg
-            return _repeat(self.sequence(sub), lo, None if hi == _sre.MAXREPEAT else hi)
-        if op is _sre.SUBPATTERN:
-            if arg[1] or arg[2]:
-                raise self.fail("an inline flag")
-            return f"({self.sequence(arg[3])})"
-        if op is _sre.BRANCH:
-            return "(" + "|".join(self.sequence(alt) for alt in arg[1]) + ")"
-        names = {_sre.AT: "an anchor inside the pattern or '\\b'", _sre.ASSERT: "a lookaround",
-                 _sre.ASSERT_NOT: "a lookaround", _sre.GROUPREF: "a backreference",
-                 _sre.GROUPREF_EXISTS: "a conditional group"}
-        raise self.fail(names.get(op, f"{str(op).lower()!r}"))
-
-    def char(self, c: str) -> str:
-        if c in _NEEDS_ESCAPE:
-            return _escapes([c])
-        return _literal_text(c)
-
-    def charset(self, items: list, *, negate: bool) -> str:
-        def member(c: str) -> bool:
-            return any(_set_item_contains(op, arg, c) for op, arg in items) != negate
-
-        raw: list[str] = []
-        if negate:
-            raw.append("[^" + "".join(_set_item_text(op, arg) for op, arg in items) + _BAD + "]")
-        else:
-            intervals = []
-            for op, arg in items:
-                if op is _sre.LITERAL:
-                    intervals.append((arg, arg))
-                elif op is _sre.RANGE:
-                    intervals.append(arg)
-                elif op is _sre.CATEGORY:
-                    raw.append("[^" + _CATEGORIES[arg].swapcase() + _BAD + "]")
-                else:
-                    raise self.fail(f"{str(op).lower()!r} in a character class")
-            allowed = _subtract(intervals, _BAD_INTERVALS)
-            if allowed:
-                raw.insert(0, "[" + "".join(_class_char(chr(a)) if a == b else
-                                            f"{_class_char(chr(a))}-{_class_char(chr(b))}"
-                                            for a, b in allowed) + "]")
-        escaped = [c for c in _NEEDS_ESCAPE if member(c)]
-        options = raw + ([_escapes(escaped)] if escaped else [])
-        if not options:
-            raise self.fail("a character class that matches no string character")
-        return options[0] if len(options) == 1 else "(" + "|".join(options) + ")"
-
-
-def _set_item_contains(op: Any, arg: Any, c: str) -> bool:
-    if op is _sre.LITERAL:
-        return ord(c) == arg
-    if op is _sre.RANGE:
-        return arg[0] <= ord(c) <= arg[1]
-    return op is _sre.CATEGORY and re.fullmatch(_CATEGORIES[arg], c) is not None
-
-
-def _set_item_text(op: Any, arg: Any) -> str:
-    if op is _sre.LITERAL:
-        return _class_char(chr(arg))
-    if op is _sre.RANGE:
-        return f"{_class_char(chr(arg[0]))}-{_class_char(chr(arg[1]))}"
-    return _CATEGORIES[arg]
-
-
-def _subtract(intervals: list[tuple[int, int]], holes: list[tuple[int, int]]
-              ) -> list[tuple[int, int]]:
-    """Code-point intervals minus sorted, disjoint `holes`."""
-    result = []
-    for lo, hi in sorted(intervals):
-        for hole_lo, hole_hi in holes:
-            if hole_hi < lo or hole_lo > hi:
-                continue
-            if hole_lo > lo:
-                result.append((lo, hole_lo - 1))
-            lo = hole_hi + 1
-        if lo <= hi:
-            result.append((lo, hi))
-    return result
-
-
-def _escapes(chars: list[str]) -> str:
-    """JSON escape sequences of `chars` (each must need escaping): short form where there is
-    one, else `\\u00XX` in either case."""
-    options = []
-    short = [_SHORT_ESCAPES[c] for c in chars if c in _SHORT_ESCAPES]
-    if short:
-        options.append("\\\\" + ("[" + "".join(_class_char(s) for s in short) + "]"
-                                 if len(short) > 1 else _literal_text(short[0])))
-    coded = [ord(c) for c in chars if c not in _SHORT_ESCAPES]
-    for high in (0, 1):
-        lows = [code & 0xF for code in coded if code >> 4 == high]
-        if lows:
-            digits = "".join(f"{low:x}{low:X}" if low > 9 else str(low) for low in lows)
-            options.append(f"\\\\u00{high}[{digits}]")
-    return options[0] if len(options) == 1 else "(" + "|".join(options) + ")"
