@@ -17,12 +17,17 @@ class MatchResult(NamedTuple):
     last_node: Any  # handle to lock while the slots are in use
 
 
+_CHUNK = 64
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    i = 0
+    while i + _CHUNK <= n and a[i:i + _CHUNK] == b[i:i + _CHUNK]:  # slice compares run in C
+        i += _CHUNK
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class PrefixCache(ABC):

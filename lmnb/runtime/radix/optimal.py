@@ -15,17 +15,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-_CHUNK = 64
-
-
-def _common_prefix_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i + _CHUNK <= n and a[i:i + _CHUNK] == b[i:i + _CHUNK]:  # slice compares run in C
-        i += _CHUNK
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from lmnb.runtime.prefix_cache import common_prefix_length
 
 
 def _sorted_unique(seqs: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -36,7 +26,7 @@ def _distinct_prefixes(ordered: list[tuple[int, ...]]) -> int:
     total = 0
     previous: tuple[int, ...] = ()
     for seq in ordered:
-        total += len(seq) - _common_prefix_length(previous, seq)
+        total += len(seq) - common_prefix_length(previous, seq)
         previous = seq
     return total
 
