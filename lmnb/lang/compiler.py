@@ -41,11 +41,11 @@ from lmnb.lang.ir import (
     to_expr,
 )
 from lmnb.lang.program import (
-    SAMPLING_DEFAULT_KEYS,
     Program,
     ProgramState,
     _run_defaults,
     as_backend,
+    batch_defaults,
     run_all,
 )
 from lmnb.lang.tracer import Fork, Ref, TracedProgram, refs_of, substitute, trace_program
@@ -329,10 +329,7 @@ class CompiledProgram:
         """Runs the graph once per kwargs dict, concurrently, after caching the constant prefix
         (as `Program.run_batch`)."""
         backend = as_backend(backend)
-        defaults = _run_defaults({k: sampling.pop(k) for k in list(sampling)
-                                  if k in SAMPLING_DEFAULT_KEYS})
-        if sampling:
-            raise TypeError(f"run_batch got unknown keyword arguments {sorted(sampling)}")
+        defaults = batch_defaults(sampling)
         batch = [self._arguments((), dict(kwargs))[0] for kwargs in batch_kwargs]
         if not batch:
             return []

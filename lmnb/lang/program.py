@@ -70,6 +70,14 @@ def as_backend(backend: Any) -> Backend:
     return backend
 
 
+def batch_defaults(sampling: dict[str, Any]) -> GenParams:
+    """`run_batch`'s keyword arguments: sampling defaults only."""
+    unknown = sorted(set(sampling) - set(SAMPLING_DEFAULT_KEYS))
+    if unknown:
+        raise TypeError(f"run_batch got unknown keyword arguments {unknown}")
+    return _run_defaults(sampling)
+
+
 def _run_defaults(sampling: dict[str, Any]) -> GenParams:
     values = dict(sampling)
     for key in ("stop", "stop_token_ids"):
@@ -387,10 +395,7 @@ class Program:
         """Runs the program once per kwargs dict, concurrently. The programs' common constant
         prefix is sent to the backend's cache first, so every run hits it."""
         backend = as_backend(backend)
-        defaults = _run_defaults({k: sampling.pop(k) for k in list(sampling)
-                                  if k in SAMPLING_DEFAULT_KEYS})
-        if sampling:
-            raise TypeError(f"run_batch got unknown keyword arguments {sorted(sampling)}")
+        defaults = batch_defaults(sampling)
         batch = [self._split((), dict(kwargs))[0] for kwargs in batch_kwargs]
         if not batch:
             return []
