@@ -225,7 +225,3 @@ class Batch:
     extend_lens: list[int]
     out_cache_loc: torch.Tensor
     samples: list[bool]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)

@@ -33,7 +33,3 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: TokenToKVPool | None = None
     attn_backend: Any = None
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seq_lens_cpu)

@@ -171,10 +171,6 @@ class TokenIndex:
             moved = self._device_masks[key] = mask.to(device)
         return moved
 
-    def allowed_ids(self, state: int) -> torch.Tensor:
-        """The allowed token ids from `state`, ascending (int64)."""
-        return self.allowed(state).nonzero().flatten()
-
     def build_all(self) -> int:
         """Computes the mask of every state reachable from `initial` by tokens; returns how many."""
         seen = {self.initial}
