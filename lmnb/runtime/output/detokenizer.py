@@ -1,0 +1,160 @@
+"""Incremental detokenization of one request's output, with stop strings.
+
+Text is decoded from a sliding window of ids (the prefix_offset / read_offset technique of
+vLLM and SGLang): `prefix` = decode(ids[prefix_offset:read_offset]) is text already emitted,
+`window` = decode(ids[prefix_offset:]); the delta is window[len(prefix):]. The window starts on
+the last few prompt tokens, so the first output token keeps its leading space (SentencePiece strips
+the leading space of the first decoded token). The emitted text is therefore what the output adds
+after the prompt: decode(tail + output)[len(decode(tail)):], where tail is the longest suffix of
+the last 5 prompt ids whose decode does not start with U+FFFD (does not start inside a character).
+For byte-level BPE this equals decode(output); for SentencePiece it may keep one leading space.
+
+One exception: HF's ByteFallback decoder turns a whole run of byte tokens into U+FFFD as soon as
+the run is not valid UTF-8. Characters of the run already streamed cannot be taken back, so for
+such (garbage) output the text keeps them, as SentencePiece's own decoder does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+_REPLACEMENT = "\ufffd"
+_PROMPT_TAIL = 5
+# Ids that may stay undecoded (an incomplete UTF-8 character never takes more than 4 bytes); past
+# this many, undecodable bytes are emitted as U+FFFD so the window stays bounded.
+_MAX_PENDING = 8
+_TRIM_AT = 1024
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def prompt_tail(tokenizer: Decoder, prompt_ids: Sequence[int], *,
+                skip_special_tokens: bool = True) -> list[int]:
+    """The prompt ids the output is decoded after: the longest of the last 5 whose decode does not
+    start with U+FFFD. A tail cut inside a multi-byte character would decode to U+FFFD, and HF's
+    byte-fallback decoder would then spoil the whole byte run, output bytes included."""
+    tail = [int(i) for i in prompt_ids[-_PROMPT_TAIL:]]
+    for k in range(len(tail)):
+        if not tokenizer.decode(tail[k:], skip_special_tokens=skip_special_tokens).startswith(
+                _REPLACEMENT):
+            return tail[k:]
+    return tail
+
+
+class IncrementalDetokenizer:
+    """Turns a request's generated ids into stable text deltas; one per request, one thread."""
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], *,
+                 skip_special_tokens: bool = True, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
+        self._stop_prefixes = {s[:k] for s in self.stop for k in range(1, len(s))}
+        self._max_hold = max((len(s) - 1 for s in self.stop), default=0)
+        self._ids = prompt_tail(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._pending = ""
+        self._chunks: list[str] = []
+        self._text: str | None = ""
+        self.matched_stop: str | None = None
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far: the concatenation of every delta returned."""
+        if self._text is None:
+            self._text = "".join(self._chunks)
+            self._chunks = [self._text]
+        return self._text
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Feed newly generated ids; returns the new text that is safe to stream."""
+        if self.finished or len(token_ids) == 0:
+            return ""
+        self._ids.extend(int(i) for i in token_ids)
+        self._pending += self._decode_delta(final=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The request ended: flush held-back text (never a matched stop string)."""
+        if self.finished:
+            return ""
+        self._pending += self._decode_delta(final=True)
+        return self._release(final=True)
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._decode_ids(self._ids[start:end])
+
+    def _advance(self, read_offset: int) -> None:
+        self._prefix_offset, self._read_offset = self._read_offset, read_offset
+        if self._prefix_offset >= _TRIM_AT:
+            del self._ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+    def _decode_delta(self, *, final: bool) -> str:
+        start, read, end = self._prefix_offset, self._read_offset, len(self._ids)
+        if read == end:
+            return ""
+        prefix = self._decode(start, read)
+        window = self._decode(start, end)
+        stalled = end - read > _MAX_PENDING
+        if final or not window.endswith(_REPLACEMENT):
+            if len(window) > len(prefix) or final or stalled:
+                self._advance(end)
+                return window[len(prefix):]
+            return ""
+        if not stalled:
+            return ""
+        # Undecodable bytes keep the window open: emit up to the last clean boundary.
+        cut = max(read + 1, end - 3)
+        for j in range(end - 1, read, -1):
+            window = self._decode(start, j)
+            if not window.endswith(_REPLACEMENT):
+                cut = j
+                break
+        else:
+            window = self._decode(start, cut)
+        self._advance(cut)
+        return window[len(prefix):]
+
+    def _release(self, *, final: bool) -> str:
+        pending = self._pending
+        if self.stop and pending:
+            # The match completed first wins (then the one starting first): the result does not
+            # depend on how the ids were chunked.
+            best, which = (len(pending) + 1, 0), None
+            for s in self.stop:
+                i = pending.find(s)
+                if i != -1 and (i + len(s), i) < best:
+                    best, which = (i + len(s), i), s
+            if which is not None:
+                at = best[1]
+                self.matched_stop = which
+                self.finished = True
+                self._pending = ""
+                return self._emit(pending[:at])
+        if final:
+            self.finished = True
+            self._pending = ""
+            return self._emit(pending)
+        hold = 0
+        for k in range(min(self._max_hold, len(pending)), 0, -1):
+            if pending[-k:] in self._stop_prefixes:
+                hold = k
+                break
+        self._pending = pending[len(pending) - hold:] if hold else ""
+        return self._emit(pending[:len(pending) - hold])
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._chunks.append(delta)
+            self._text = None
+        return delta

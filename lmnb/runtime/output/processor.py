@@ -1,0 +1,189 @@
+"""`OutputProcessor`: the output thread. It turns the scheduler's per-step `TokenEvent` batches
+into text deltas (one `IncrementalDetokenizer` per request) and delivers chunks to streams."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmnb.runtime.output.detokenizer import Decoder, IncrementalDetokenizer
+from lmnb.runtime.output.events import TokenEvent
+from lmnb.runtime.output.stream import Chunk, OutputStream
+
+
+@dataclass(slots=True)
+class _Registration:
+    rid: Any
+    stream: OutputStream
+    tokenizer: Decoder
+    prompt_ids: list[int]
+    skip_special_tokens: bool
+    stop: tuple[str, ...]
+    created_at: float
+
+
+@dataclass(slots=True)
+class _RequestOutput:
+    """Per-request state, touched only by the output thread."""
+
+    stream: OutputStream
+    detokenizer: IncrementalDetokenizer
+    prompt_ids: list[int]
+    created_at: float
+    output_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # text delivered (or, whole, to deliver)
+    skip: int = 0  # characters of the detokenizer's coming text that were already delivered
+
+
+def _stopped_on_id(reason: dict[str, Any] | None, ids: list[int]) -> bool:
+    if reason is None or reason.get("type") != "stop" or not ids:
+        return False
+    matched = reason.get("matched")
+    return isinstance(matched, int) and not isinstance(matched, bool) and ids[-1] == matched
+
+
+class OutputProcessor:
+    """One per Runtime. `register` a request (from the caller's thread, before submitting it to
+    the scheduler), then the scheduler `put`s one list of `TokenEvent`s per step. Events of
+    unregistered requests are ignored. `start()` runs the loop on a daemon thread; tests may call
+    `pump()` instead."""
+
+    def __init__(self, *, name: str = "lmnb-output") -> None:
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._requests: dict[Any, _RequestOutput] = {}
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._closed = False
+
+    # ---- called from other threads ---------------------------------------------------------------
+    def register(self, stream: OutputStream, rid: Any, *, tokenizer: Decoder,
+                 prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 stop: Sequence[str] = ()) -> None:
+        """Announces request `rid` (one of `stream.rids`); call before the scheduler may emit for
+        it: registrations and events share one FIFO."""
+        self._inbox.put(_Registration(rid, stream, tokenizer, list(prompt_ids),
+                                      skip_special_tokens, tuple(stop), time.perf_counter()))
+
+    def put(self, events: list[TokenEvent]) -> None:
+        """The scheduler's one call per step (cheap: a queue put)."""
+        if events:
+            self._inbox.put(events)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Handles what was put so far, stops the thread, and fails streams still waiting."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        else:
+            self.pump()
+        for state in self._requests.values():
+            state.stream.fail(RuntimeError("the runtime was closed"))
+        self._requests.clear()
+
+    # ---- the output thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while self._handle(self._inbox.get()):
+            pass
+
+    def pump(self) -> int:
+        """Handles everything queued now, on the calling thread; returns how many items."""
+        count = 0
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return count
+            count += 1
+            if not self._handle(item):
+                return count
+
+    def _handle(self, item: Any) -> bool:
+        if item is None:
+            return False
+        if isinstance(item, _Registration):
+            self._requests[item.rid] = _RequestOutput(
+                stream=item.stream, prompt_ids=item.prompt_ids, created_at=item.created_at,
+                detokenizer=IncrementalDetokenizer(
+                    item.tokenizer, item.prompt_ids,
+                    skip_special_tokens=item.skip_special_tokens, stop=item.stop))
+        else:
+            self.process(item)
+        return True
+
+    def process(self, events: list[TokenEvent]) -> None:
+        """One scheduler step: each stream gets one delivery with its requests' chunks."""
+        out: dict[OutputStream, list[Chunk]] = {}
+        for event in events:
+            state = self._requests.get(event.rid)
+            if state is None:
+                continue
+            try:
+                chunk = self._apply(event, state)
+            except Exception as error:  # a tokenizer failure ends this request's stream only
+                self._requests.pop(event.rid, None)
+                state.stream.fail(error)
+                continue
+            if chunk is not None:
+                out.setdefault(state.stream, []).append(chunk)
+        for stream, chunks in out.items():
+            stream.deliver(chunks)
+
+    def _apply(self, event: TokenEvent, state: _RequestOutput) -> Chunk | None:
+        detokenizer = state.detokenizer
+        reason = event.finished_reason
+        if event.replace_output_ids is not None:
+            state.output_ids = list(event.replace_output_ids)
+            delta = self._replace(state)
+        else:
+            ids = event.new_token_ids
+            state.output_ids.extend(ids)
+            delta = detokenizer.add(ids[:-1] if _stopped_on_id(reason, ids) else ids)
+        if reason is not None:
+            delta += detokenizer.finish()
+            del self._requests[event.rid]
+        if state.skip:
+            taken = min(state.skip, len(delta))
+            state.skip -= taken
+            delta = delta[taken:]
+        if delta:
+            state.pieces.append(delta)
+        stream = state.stream
+        if not stream.incremental and reason is None:
+            return None
+        meta: dict[str, Any] = {"id": str(event.rid), "prompt_tokens": len(state.prompt_ids),
+                                "finish_reason": reason}
+        if reason is not None:
+            meta["completion_tokens"] = len(state.output_ids)
+            meta["e2e_latency"] = time.perf_counter() - state.created_at
+        if event.meta:
+            meta.update(event.meta)
+        if stream.incremental:
+            chunk = {"text": delta, "output_ids": list(event.new_token_ids), "meta_info": meta}
+        else:
+            chunk = {"text": "".join(state.pieces), "output_ids": list(state.output_ids),
+                     "meta_info": meta}
+        if stream.tagged:
+            chunk["index"] = stream.index[event.rid]
+        return chunk
+
+    @staticmethod
+    def _replace(state: _RequestOutput) -> str:
+        """The output was re-tokenized: a new detokenizer reads it whole. Text already delivered
+        cannot be taken back; what the new one adds past it is the delta."""
+        old = state.detokenizer
+        delivered = "".join(state.pieces)
+        state.detokenizer = IncrementalDetokenizer(
+            old.tokenizer, state.prompt_ids, skip_special_tokens=old.skip_special_tokens,
+            stop=old.stop)
+        text = state.detokenizer.add(state.output_ids)
+        state.skip = max(len(delivered) - len(text), 0)
+        return text[len(delivered):]
