@@ -21,9 +21,10 @@ from hypothesis.stateful import (
 )
 
 from lmnb.runtime.core import Req, SamplingParams
-from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
+from lmnb.runtime.memory import KVAllocator, ReqToTokenPool
 from lmnb.runtime.radix import cache as radix_module
 from lmnb.runtime.radix.cache import RadixCache, TreeNode
+from lmnb.runtime.scheduler import CacheManager
 
 CPU = torch.device("cpu")
 Prefix = tuple[Hashable, tuple[int, ...]]
@@ -40,12 +41,11 @@ class FakeClock:
         return self.now
 
 
-class RecordingPool(TokenToKVPool):
+class RecordingPool(KVAllocator):
     """A KV pool that remembers each `free` call, so eviction order can be checked."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(size, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float16,
-                         device=CPU)
+        super().__init__(size, CPU)
         self.freed: list[list[int]] = []
 
     def free(self, slots: torch.Tensor) -> None:
@@ -64,7 +64,7 @@ def make_cache(size: int, max_reqs: int = 4,
                context: int = 64) -> tuple[RadixCache, RecordingPool, ReqToTokenPool]:
     pool = RecordingPool(size)
     req_pool = ReqToTokenPool(max_reqs, context, CPU)
-    return RadixCache(req_pool, pool), pool, req_pool
+    return RadixCache(pool), pool, req_pool
 
 
 def contents(cache: RadixCache) -> dict[Prefix, int]:
@@ -97,11 +97,11 @@ def attached(cache: RadixCache, node: TreeNode) -> bool:
     return True
 
 
-def free_slots(pool: TokenToKVPool) -> list[int]:
-    return pool._free_slots.tolist()
+def free_slots(pool: KVAllocator) -> list[int]:
+    return pool._free.tolist()
 
 
-def conserved(cache: RadixCache, pool: TokenToKVPool, owned: int = 0) -> bool:
+def conserved(cache: RadixCache, pool: KVAllocator, owned: int = 0) -> bool:
     return (pool.available() + cache.evictable_size() + cache.protected_size() + owned
             == pool.size)
 
@@ -248,7 +248,7 @@ class RadixMachine(RuleBasedStateMachine):
         key = self.draw_key(data)
         indices, node = self.match(ns, key, full=full)
         if lock:
-            self.cache.inc_lock_ref(node)
+            self.cache.lock(node)
             self.locks.append((ns, tuple(key[:len(indices)]), node))
 
     @precondition(lambda self: self.locks)
@@ -256,7 +256,7 @@ class RadixMachine(RuleBasedStateMachine):
     def unlock(self, which: int) -> None:
         RadixMachine.steps += 1
         _, _, node = self.locks.pop(which % len(self.locks))
-        self.cache.dec_lock_ref(node)
+        self.cache.unlock(node)
 
     @rule(n=st.integers(0, 48))
     def evict_some(self, n: int) -> None:
@@ -277,33 +277,33 @@ class RadixMachine(RuleBasedStateMachine):
         req.output_ids = output
         fill = req.fill_ids
         prefix, node = self.match(ns, prompt, full=False)
-        cache.inc_lock_ref(node)
+        cache.lock(node)
         self.locks.append((ns, tuple(prompt[:len(prefix)]), node))
         p, total = len(prefix), len(fill)
         first = min(p + chunk, total)
         rival = {None: 0, "unfinished": first, "finished": total}[race]
         if not self.make_room(total - p + rival):
             self.locks.pop()
-            cache.dec_lock_ref(node)
+            cache.unlock(node)
             return
         self.locks.pop()  # the request holds it from here on; nothing is evicted until it ends
         req.req_pool_idx = self.req_pool.alloc()
         row = self.req_pool.req_to_token[req.req_pool_idx]
         row[:p] = prefix
         row[p:total] = pool.alloc(total - p)
-        req.prefix_indices, req.last_node, req.kv_len = prefix, node, first
+        req.prefix_len, req.cache_handle, req.kv_len = len(prefix), node, first
 
         if race == "unfinished":
             self.insert_fresh(ns, fill[:first])
         if first < total:
             own = row[:first].tolist()
             before = self.clock.now
-            cache.cache_unfinished_req(req)
+            CacheManager(cache, cache.allocator, self.req_pool).cache_unfinished(req)
             self.touch(ns, fill[:first], before)
             self.record_new(ns, fill[:first], own)
             expected = [self.ref[(ns, tuple(fill[:i + 1]))] for i in range(first)]
-            assert req.prefix_indices.tolist() == expected == row[:first].tolist()
-            assert path_key(req.last_node) == fill[:first] and req.last_node.lock_ref > 0
+            assert req.prefix_len == len(expected) and expected == row[:first].tolist()
+            assert path_key(req.cache_handle) == fill[:first] and req.cache_handle.lock_ref > 0
             assert conserved(cache, pool, owned=total - first)
             cache.check()
         if race == "finished":
@@ -311,10 +311,9 @@ class RadixMachine(RuleBasedStateMachine):
         req.kv_len = total
         own = row[:total].tolist()
         before = self.clock.now
-        cache.cache_finished_req(req)
+        CacheManager(cache, cache.allocator, self.req_pool).cache_finished(req)
         self.touch(ns, fill, before)
         self.record_new(ns, fill, own)
-        self.req_pool.free(req.req_pool_idx)
 
     # -- after every step
     @invariant()
@@ -430,9 +429,9 @@ class Server:
         cache, pool = self.cache, self.pool
         req = Req(origin_input_ids=prompt, sampling_params=SamplingParams())
         prefix, node = cache.match_prefix(prompt)
-        cache.inc_lock_ref(node)
+        cache.lock(node)
         req.req_pool_idx = self.req_pool.alloc()
-        req.prefix_indices, req.last_node = prefix, node
+        req.prefix_len, req.cache_handle = len(prefix), node
         req.output_ids = output
         need = len(req.fill_ids) - len(prefix)
         short = need - pool.available()
@@ -450,8 +449,7 @@ class Server:
         return req
 
     def finish(self, req: Req) -> None:
-        self.cache.cache_finished_req(req)
-        self.req_pool.free(req.req_pool_idx)
+        CacheManager(self.cache, self.cache.allocator, self.req_pool).cache_finished(req)
         self.running.remove(req)
         self.check()
 
@@ -519,7 +517,7 @@ def test_paper_figure_3(clock: FakeClock) -> None:
     server.evicted.clear()
     samples = [server.start(ids("FEWSHOT", "QUESTION"), ids(s)) for s in ("S1", "S2", "S3")]
     assert server.evicted == ["SYS", "Q1+A1"]
-    fewshot = samples[0].last_node
+    fewshot = samples[0].cache_handle
     assert label(fewshot.key) == "FEWSHOT" and fewshot.lock_ref == 3
     assert cache.protected_size() == 10 and cache.evictable_size() == 12
     assert server.pool.available() == 0
@@ -547,10 +545,10 @@ def test_paper_figure_3(clock: FakeClock) -> None:
 
     # Afterwards: with one prefix locked, evicting everything leaves exactly that prefix.
     _, held = cache._match(ids("FEWSHOT", "QUESTION", "S3"), None)
-    cache.inc_lock_ref(held)
+    cache.lock(held)
     assert cache.evict(1000) == 31 - 14
     assert shape(cache) == {"FEWSHOT": {"QUESTION": {"S3": {}}}}
-    cache.dec_lock_ref(held)
+    cache.unlock(held)
     assert cache.evict(1000) == 14 and shape(cache) == {}
     assert server.pool.available() == 34
 
@@ -568,7 +566,7 @@ def test_match_prefix_leaves_one_token_to_compute() -> None:
     assert cache._match([1, 2, 3, 4], None).indices.tolist() == slots.tolist()
     assert cache.match_prefix([1, 2, 3, 4, 5]).indices.tolist() == slots.tolist()
     assert len(cache.match_prefix([1]).indices) == 0
-    assert cache.match_prefix([]).last_node is cache.root
+    assert cache.match_prefix([]).handle is cache.root
     assert len(cache.match_prefix([2, 1]).indices) == 0
     cache.check()
 
@@ -578,7 +576,7 @@ def test_insert_ending_or_diverging_mid_edge_splits() -> None:
     a = pool.alloc(5)
     cache.insert([1, 2, 3, 4, 5], a)
     _, leaf = cache._match([1, 2, 3, 4, 5], None)
-    cache.inc_lock_ref(leaf)
+    cache.lock(leaf)
 
     b = pool.alloc(3)
     assert cache.insert([1, 2, 3], b) == 3  # ends mid-edge: all already there
@@ -599,10 +597,10 @@ def test_insert_ending_or_diverging_mid_edge_splits() -> None:
     assert conserved(cache, pool)
     cache.check()
 
-    cache.dec_lock_ref(leaf)
+    cache.unlock(leaf)
     assert cache.protected_size() == 0 and cache.evictable_size() == 6
     with pytest.raises(AssertionError):
-        cache.dec_lock_ref(leaf)
+        cache.unlock(leaf)
 
 
 def test_unfinished_then_finished_req_frees_duplicates_and_balances_locks() -> None:
@@ -614,9 +612,9 @@ def test_unfinished_then_finished_req_frees_duplicates_and_balances_locks() -> N
     req = Req(origin_input_ids=prompt, sampling_params=SamplingParams())
     prefix, node = cache.match_prefix(prompt)
     assert prefix.tolist() == shared.tolist()
-    cache.inc_lock_ref(node)
+    cache.lock(node)
     req.req_pool_idx = req_pool.alloc()
-    req.prefix_indices, req.last_node, req.kv_len = prefix, node, 4
+    req.prefix_len, req.cache_handle, req.kv_len = len(prefix), node, 4
     row = req_pool.req_to_token[req.req_pool_idx]
     row[:4] = prefix
     first = pool.alloc(3)  # the first prefill chunk: prompt positions 4..6
@@ -629,10 +627,10 @@ def test_unfinished_then_finished_req_frees_duplicates_and_balances_locks() -> N
     assert cache.insert(prompt[:6], rival) == 4
     pool.free(rival[:4])
 
-    cache.cache_unfinished_req(req)
+    CacheManager(cache, cache.allocator, req_pool).cache_unfinished(req)
     expected = shared.tolist() + rival[4:6].tolist() + first[2:].tolist()
-    assert req.prefix_indices.tolist() == expected == row[:7].tolist()
-    assert req.last_node.key == prompt[6:7] and req.last_node.lock_ref == 1
+    assert req.prefix_len == len(expected) and expected == row[:7].tolist()
+    assert req.cache_handle.key == prompt[6:7] and req.cache_handle.lock_ref == 1
     assert node.lock_ref == 1  # the old lock moved down, it was not doubled
     assert cache.protected_size() == 7 and cache.evictable_size() == 0
     assert set(first[:2].tolist()) <= set(free_slots(pool))  # the duplicates were freed
@@ -643,7 +641,7 @@ def test_unfinished_then_finished_req_frees_duplicates_and_balances_locks() -> N
     req.output_ids = [90, 91]
     req.kv_len = 12
     assert conserved(cache, pool, owned=req.owned_kv_len)
-    cache.cache_finished_req(req)
+    CacheManager(cache, cache.allocator, req_pool).cache_finished(req)
     assert cache.protected_size() == 0 and cache.evictable_size() == 12
     assert conserved(cache, pool)
     assert sorted(free_slots(pool) + row[:12].tolist()) == list(range(1, 41))
@@ -660,14 +658,14 @@ def test_finished_req_with_fully_cached_prompt_frees_its_recomputed_token() -> N
     req = Req(origin_input_ids=prompt, sampling_params=SamplingParams())
     prefix, node = cache.match_prefix(prompt)
     assert len(prefix) == 2
-    cache.inc_lock_ref(node)
+    cache.lock(node)
     req.req_pool_idx = req_pool.alloc()
-    req.prefix_indices, req.last_node, req.kv_len = prefix, node, 3
+    req.prefix_len, req.cache_handle, req.kv_len = len(prefix), node, 3
     row = req_pool.req_to_token[req.req_pool_idx]
     row[:2] = prefix
     recomputed = pool.alloc(1)
     row[2:3] = recomputed
-    cache.cache_finished_req(req)
+    CacheManager(cache, cache.allocator, req_pool).cache_finished(req)
     assert recomputed.item() in free_slots(pool)
     assert cache.protected_size() == 0 and cache.evictable_size() == 3 and conserved(cache, pool)
     assert cache._match(prompt, None).indices.tolist() == slots.tolist()
@@ -687,11 +685,11 @@ def test_namespaces_do_not_share() -> None:
     assert cache._match([1, 2, 4], None).indices.tolist() == plain[:2].tolist()
     assert {row["namespace"] for row in cache.snapshot()[1:]} == {None, "a"}
     _, held = cache._match([1, 2, 3], "a")
-    cache.inc_lock_ref(held)
+    cache.lock(held)
     cache.evict(100)
     assert cache._match([1, 2, 3], "a").indices.tolist() == media.tolist()
     assert len(cache._match([1, 2, 3], None).indices) == 0
-    cache.dec_lock_ref(held)
+    cache.unlock(held)
     assert conserved(cache, pool)
     cache.check()
 
@@ -702,8 +700,8 @@ def test_reset_empties(clock: FakeClock) -> None:
     slots = pool.alloc(4)
     pool.free(slots[:cache.insert([1, 2, 5, 6], slots)])
     _, held = cache._match([1, 2, 5], None)
-    cache.inc_lock_ref(held)
-    cache.dec_lock_ref(held)
+    cache.lock(held)
+    cache.unlock(held)
     cache.reset()
     assert cache.node_count() == 0 and cache.total_size() == 0
     assert cache.evictable_size() == cache.protected_size() == 0
@@ -721,7 +719,7 @@ def test_snapshot_lists_parents_first_with_counts() -> None:
         done = cache.insert(key, slots := pool.alloc(len(key)))
         pool.free(slots[:done])
     _, node = cache._match([1, 2, 5, 6, 7], None)
-    cache.inc_lock_ref(node)
+    cache.lock(node)
     rows = cache.snapshot(preview_tokens=2)
     assert rows[0]["parent"] is None and rows[0]["tokens"] == 0
     position = {row["id"]: i for i, row in enumerate(rows)}
@@ -738,7 +736,7 @@ def test_snapshot_lists_parents_first_with_counts() -> None:
     full = cache.snapshot(preview_tokens=16)
     assert [row["id"] for row in full] == [row["id"] for row in rows]
     assert max(len(row["key_preview"]) for row in full) == 3
-    cache.dec_lock_ref(node)
+    cache.unlock(node)
 
 
 def test_note_hit_counts_along_path() -> None:
@@ -777,11 +775,11 @@ def test_evict_takes_least_recently_used_leaf_first(clock: FakeClock) -> None:
 
     _, held = cache._match([3, 3], None)
     cache.match_prefix([1, 1, 1, 1])  # [3, 3] is the LRU leaf now, but a lock keeps it
-    cache.inc_lock_ref(held)
+    cache.lock(held)
     assert cache.evict(1) == 3
     assert {tuple(n.key) for n in cache._nodes()} == {(3, 3)}
     assert cache.evict(10) == 0
-    cache.dec_lock_ref(held)
+    cache.unlock(held)
     cache.check()
 
 

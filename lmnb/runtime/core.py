@@ -126,16 +126,24 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"  # one new token per request
 
 
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # holds no KV; admitted by the prefill manager
+    PREFILLING = "prefilling"  # part of its prompt prefilled (a chunk is pending)
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
 _req_ids = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Req:
-    """One generation request as the scheduler sees it.
+    """One generation request as the scheduler sees it: plain data (ids, lengths, parameters,
+    where its KV is, status), nothing that cannot cross a process boundary.
 
-    KV ownership: `req_to_token[req_pool_idx, :kv_len]` holds the slots of the tokens whose KV is
-    computed. The first `len(prefix_indices)` belong to the prefix cache (locked through
-    `last_node` while the request lives); the rest belong to the request.
+    KV: `req_to_token[req_pool_idx, :kv_len]` holds the slots of the tokens whose KV is computed;
+    the first `prefix_len` belong to the prefix cache (locked through `cache_handle` while the
+    request holds them), the rest to the request.
     """
 
     origin_input_ids: list[int]
@@ -148,31 +156,21 @@ class Req:
     extra_key: Hashable = None  # prefix-cache namespace: equal tokens in other namespaces differ
 
     output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
     finished_reason: dict[str, Any] | None = None
 
-    # KV state, owned by the scheduler thread.
     req_pool_idx: int | None = None
-    prefix_indices: torch.Tensor | None = None
-    last_node: Any = None
     kv_len: int = 0
+    prefix_len: int = 0
+    cache_handle: Any = None
+
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported)
+    input_logprobs_done: int = 0  # prompt logprobs computed so far (each is computed once)
     retractions: int = 0
     forward_passes: int = 0
-    created_at: float = 0.0
     arrival_pass: int = 0  # scheduler forward-pass count when it arrived (for aging)
     admitted: bool = False  # admitted once already (retracted or jumped requests come back)
-    grammar: Any = None  # RequestGrammar of a regex / JSON-schema constrained request
     jumps: int = 0  # jump-forward steps taken
-
-    # Logprobs accumulated so far.
-    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-
-    generator: torch.Generator | None = None
-    detokenizer: Any = None
-    sink: Any = None  # where outputs go (engine side); called from the scheduler thread
 
     @property
     def fill_ids(self) -> list[int]:
@@ -198,8 +196,7 @@ class Req:
 
     @property
     def owned_kv_len(self) -> int:
-        prefix = 0 if self.prefix_indices is None else len(self.prefix_indices)
-        return self.kv_len - prefix
+        return self.kv_len - self.prefix_len
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -207,21 +204,45 @@ class Req:
 
     @property
     def input_logprobs_needed_from(self) -> int:
-        """First prompt position whose logprob is still missing (each is computed once)."""
-        return max(self.logprob_start_len, 0) + len(self.input_token_logprobs)
+        """First prompt position whose logprob is still missing."""
+        return max(self.logprob_start_len, 0) + self.input_logprobs_done
 
 
-@dataclass
+@dataclass(slots=True)
+class InputLogprobSpan:
+    """Prompt logprobs one request of an EXTEND pass asks for: the tokens `targets` at positions
+    `first_target ...`, each scored by the logits one position earlier."""
+
+    first_target: int
+    targets: list[int]
+    top_logprobs_num: int
+
+
+@dataclass(slots=True)
 class Batch:
-    """One forward pass: each request feeds `fill_ids[kv_len : kv_len + extend_lens[i]]`.
+    """One forward pass as plain data (picklable; what a model runner on any rank needs).
 
-    DECODE is the case of one token per request. `samples[i]` says whether request i draws its
-    next token after this pass (false for a chunk that leaves part of the prompt to prefill).
+    Request i feeds `extend_lens[i]` new tokens at positions `prefix_lens[i] ...`, whose ids are
+    the i-th run of `input_ids` and whose KV goes to the same run of `out_cache_loc`. DECODE is
+    the case of one token per request. `samples[i]`: request i draws a token after the pass
+    (false for a chunk that leaves part of the prompt to prefill).
     """
 
     mode: ForwardMode
-    reqs: list[Req]
+    rids: list[int]
+    req_pool_indices: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
-    out_cache_loc: torch.Tensor
+    input_ids: list[int]
+    out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 on the KV device
     samples: list[bool]
+    input_logprobs: list[InputLogprobSpan | None] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.rids)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+

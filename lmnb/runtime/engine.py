@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -14,18 +13,26 @@ from typing import Any
 import torch
 
 from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
-from lmnb.runtime.detokenizer import IncrementalDetokenizer
 from lmnb.runtime.fsm.grammar import RequestGrammar
 from lmnb.runtime.fsm.index import get_token_index
 from lmnb.runtime.fsm.json_schema import InvalidSchemaError, json_schema_to_regex
 from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.fsm.regex import InvalidRegexError
+from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
+from lmnb.runtime.output import OutputProcessor, OutputStream
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
 from lmnb.runtime.radix.cache import RadixCache
-from lmnb.runtime.scheduler import Scheduler, SchedulerConfig
+from lmnb.runtime.scheduler import (
+    CacheManager,
+    ReqState,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerThread,
+    StopRules,
+)
 
 PromptInput = str | Sequence[str] | None
 IdsInput = Sequence[int] | Sequence[Sequence[int]] | None
@@ -104,12 +111,18 @@ class Runtime:
             chunked_prefill_size=chunked_prefill_size or (8192 if self.device.type == "cuda"
                                                           else 2048),
             check_integrity_each_step=check_integrity_each_step)
-        pools = (self._runner.req_to_token_pool, self._runner.token_to_kv_pool)
-        self._cache = NoReuseCache(*pools) if disable_radix_cache else RadixCache(*pools)
-        self._scheduler = Scheduler(self._runner, self._cache, make_policy(schedule_policy),
-                                    scheduler_config, self.eos_token_ids,
-                                    jump_forward=None if disable_jump_forward
-                                    else JumpForward(self.tokenizer))
+        allocator = KVAllocator(self.max_total_tokens, self.device)
+        self._cache = NoReuseCache(allocator) if disable_radix_cache else RadixCache(allocator)
+        self._outputs = OutputProcessor()
+        self._outputs.start()
+        scheduler = Scheduler(
+            runner=self._runner,
+            cache=CacheManager(self._cache, allocator, self._runner.req_to_token_pool),
+            policy=make_policy(schedule_policy), config=scheduler_config,
+            stop_rules=StopRules(self.eos_token_ids), sink=self._outputs,
+            tokenizer=self.tokenizer,
+            jump_forward=None if disable_jump_forward else JumpForward(self.tokenizer))
+        self._scheduler = SchedulerThread(scheduler)
         self._tokenizer_lock = threading.Lock()
         self._closed = False
 
@@ -120,6 +133,7 @@ class Runtime:
             return
         self._closed = True
         self._scheduler.stop()
+        self._outputs.close()
         self._runner.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -144,41 +158,37 @@ class Runtime:
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless every KV slot and request slot is accounted for."""
         self._check_open()
-        self._scheduler.call(self._scheduler.check_integrity)
+        self._scheduler.call(self._scheduler.scheduler.check_integrity)
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: hit rate (cumulative and over the recent window), forward passes,
         retractions, evictions, radix tree size, KV pool usage."""
         self._check_open()
-        scheduler, cache = self._scheduler, self._cache
+        scheduler, cache = self._scheduler.scheduler, self._cache
 
         def read() -> dict[str, Any]:
-            stats = dict(scheduler.stats)
-            recent_cached = sum(c for c, _ in scheduler.recent_hits)
-            recent_prompt = sum(p for _, p in scheduler.recent_hits)
-            pool = scheduler.kv_pool
+            stats = scheduler.stats.counters()
+            allocator = scheduler.cache.allocator
             stats.update(
-                cache_hit_rate=stats["cached_tokens"] / max(stats["prompt_tokens"], 1),
-                recent_cache_hit_rate=recent_cached / max(recent_prompt, 1),
                 evicted_tokens=getattr(cache, "evicted_tokens", 0),
                 eviction_events=getattr(cache, "eviction_events", 0),
                 tree_nodes=cache.node_count() if isinstance(cache, RadixCache) else 0,
                 tree_tokens=cache.evictable_size() + cache.protected_size(),
                 evictable_tokens=cache.evictable_size(),
                 protected_tokens=cache.protected_size(),
-                max_total_tokens=pool.size, free_tokens=pool.available(),
-                running=len(scheduler.running), waiting=len(scheduler.waiting))
+                max_total_tokens=allocator.size, free_tokens=allocator.available(),
+                running=len(scheduler.table.running), waiting=len(scheduler.table.waiting))
             return stats
 
-        return scheduler.call(read)
+        return self._scheduler.call(read)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (returns False) while requests are in flight."""
         self._check_open()
-        scheduler, cache = self._scheduler, self._cache
+        scheduler, cache = self._scheduler.scheduler, self._cache
 
         def flush() -> bool:
-            if scheduler.waiting or scheduler.live_reqs():
+            if scheduler.has_work:
                 return False
             cache.evict(cache.evictable_size())
             cache.reset()
@@ -226,72 +236,35 @@ class Runtime:
         self._check_open()
         token_lists, is_batch = self._token_lists(prompt, input_ids)
         params_list = self._params_list(sampling_params, len(token_lists))
-        reqs = [
-            self._make_req(ids, params, sample_index=k, return_logprob=return_logprob,
-                           logprob_start_len=logprob_start_len,
-                           top_logprobs_num=top_logprobs_num)
+        states = [
+            self._make_state(ids, params, sample_index=k, return_logprob=return_logprob,
+                             logprob_start_len=logprob_start_len,
+                             top_logprobs_num=top_logprobs_num)
             for ids, params in zip(token_lists, params_list, strict=True)
             for k in range(params.n)
         ]
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        for req in reqs:
-            # `finished` is read here, on the scheduler thread: by the time the caller reads an
-            # event the request may have finished, and only its last event may count as the end.
-            req.sink = lambda r, delta, ids: events.put((r, delta, ids, r.finished))
-        for req in reqs:
-            self._scheduler.submit(req)
+        single = not is_batch and len(states) == 1
+        output = OutputStream([state.rid for state in states], incremental=stream,
+                              tagged=stream and not single, on_close=self._abort_rids,
+                              poll=self._check_open)
+        for state in states:
+            params = state.sampling_params
+            self._outputs.register(output, state.rid, tokenizer=self.tokenizer,
+                                   prompt_ids=state.origin_input_ids,
+                                   skip_special_tokens=params.skip_special_tokens,
+                                   stop=params.stop)
+        for state in states:
+            self._scheduler.submit(state)
         if stream:
-            return self._stream(reqs, events, tagged=is_batch or len(reqs) > 1)
-        texts = self._wait(reqs, events)
-        results = [self._result(req, texts[i]) for i, req in enumerate(reqs)]
-        return results if is_batch or len(reqs) > 1 else results[0]
+            return iter(output)
+        with output:  # an interrupt (Ctrl-C) closes it, which aborts the requests
+            results = output.results()
+        return results[0] if single else results
 
-    def _wait(self, reqs: list[Req], events: queue.SimpleQueue) -> list[str]:
-        index = {req.rid: i for i, req in enumerate(reqs)}
-        texts = [""] * len(reqs)
-        pending = len(reqs)
-        try:
-            while pending:
-                try:
-                    req, delta, _, final = events.get(timeout=0.1)  # short waits: Ctrl-C works
-                except queue.Empty:
-                    self._check_open()
-                    continue
-                texts[index[req.rid]] += delta
-                if final:
-                    pending -= 1
-        except BaseException:
-            for req in reqs:
-                self._scheduler.abort(req, "interrupted")
-            raise
-        return texts
-
-    def _stream(self, reqs: list[Req], events: queue.SimpleQueue,
-                tagged: bool) -> Iterator[dict[str, Any]]:
-        index = {req.rid: i for i, req in enumerate(reqs)}
-        pending = len(reqs)
-        try:
-            while pending:
-                try:
-                    req, delta, ids, final = events.get(timeout=0.1)
-                except queue.Empty:
-                    self._check_open()
-                    continue
-                if final:
-                    pending -= 1
-                if final:
-                    meta = self._meta(req)
-                else:  # the request is still moving on the scheduler thread: no snapshot of it
-                    meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
-                            "finish_reason": None}
-                chunk = {"text": delta, "output_ids": list(ids), "meta_info": meta}
-                if tagged:
-                    chunk["index"] = index[req.rid]
-                yield chunk
-        finally:
-            for req in reqs:
-                if not req.finished and not self._closed:
-                    self._scheduler.abort(req, "stream closed by the caller")
+    def _abort_rids(self, rids: list[int]) -> None:
+        if not self._closed:
+            for rid in rids:
+                self._scheduler.abort(rid, "interrupted")
 
     # ---- request building ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -330,9 +303,9 @@ class Runtime:
         params = dict(sampling_params) if isinstance(sampling_params, dict) else sampling_params
         return [SamplingParams.from_dict(params) for _ in range(count)]
 
-    def _make_req(self, ids: list[int], params: SamplingParams, *, sample_index: int,
-                  return_logprob: bool, logprob_start_len: int | None,
-                  top_logprobs_num: int | None) -> Req:
+    def _make_state(self, ids: list[int], params: SamplingParams, *, sample_index: int,
+                    return_logprob: bool, logprob_start_len: int | None,
+                    top_logprobs_num: int | None) -> ReqState:
         if not ids:
             raise InvalidRequestError("empty prompt: it has no tokens")
         vocab = self.config.vocab_size
@@ -357,15 +330,13 @@ class Runtime:
         req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                   logprob_start_len=start if return_logprob else -1,
                   top_logprobs_num=top if return_logprob else 0, sample_index=sample_index)
+        state = ReqState(req, created_at=time.perf_counter())
         if params.regex is not None or params.json_schema is not None:
-            req.grammar = self._grammar(params)
+            state.grammar = self._grammar(params)
         if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(
+            state.generator = torch.Generator(device=self.device).manual_seed(
                 params.seed + sample_index)
-        req.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
-        req.created_at = time.perf_counter()
-        return req
+        return state
 
     def _grammar(self, params: SamplingParams) -> RequestGrammar:
         if params.regex is not None and params.json_schema is not None:
@@ -378,31 +349,3 @@ class Runtime:
         except (InvalidRegexError, InvalidSchemaError) as error:
             raise InvalidRequestError(str(error)) from None
         return RequestGrammar(index, pattern)
-
-    # ---- results -------------------------------------------------------------------------------
-    def _meta(self, req: Req) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": str(req.rid),
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finished_reason,
-            "forward_passes": req.forward_passes,
-            "retractions": req.retractions,
-        }
-        if req.grammar is not None:
-            meta["jump_forward_steps"] = req.jumps
-        if req.return_logprob:
-            meta["output_token_logprobs"] = list(req.output_token_logprobs)
-            if req.logprob_start_len >= 0:
-                meta["input_token_logprobs"] = list(req.input_token_logprobs)
-            if req.top_logprobs_num:
-                meta["output_top_logprobs"] = list(req.output_top_logprobs)
-                if req.logprob_start_len >= 0:
-                    meta["input_top_logprobs"] = list(req.input_top_logprobs)
-        if req.finished:
-            meta["e2e_latency"] = time.perf_counter() - req.created_at
-        return meta
-
-    def _result(self, req: Req, text: str) -> dict[str, Any]:
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": self._meta(req)}

@@ -10,7 +10,7 @@ import torch
 from lmnb.runtime.core import ForwardMode
 
 if TYPE_CHECKING:
-    from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
+    from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 
 @dataclass
@@ -31,5 +31,5 @@ class ForwardBatch:
     extend_prefix_lens: list[int] = field(default_factory=list)  # EXTEND only
     extend_seq_lens: list[int] = field(default_factory=list)  # EXTEND only
     req_to_token_pool: ReqToTokenPool | None = None
-    token_to_kv_pool: TokenToKVPool | None = None
+    kv_storage: KVStorage | None = None
     attn_backend: Any = None

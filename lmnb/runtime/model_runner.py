@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,9 +11,11 @@ import torch
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.registry import attention_backend_class
-from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
+from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.models.llama import head_dim_of
 from lmnb.runtime.sampling import Sampler
+
+SamplingRow = object  # the sampler's row protocol (sampling params, ids, generator, grammar)
 
 TopLogprobs = list[tuple[float, int]]
 CPU_KV_MEMORY_FRACTION = 0.15  # of the host's available memory, when no size is given on CPU
@@ -52,7 +55,7 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = head_dim_of(config)
-        per_token = TokenToKVPool.bytes_per_token(
+        per_token = KVStorage.bytes_per_token(
             num_layers=config.num_hidden_layers, kv_heads=num_kv_heads, head_dim=head_dim,
             dtype=dtype)
         self.max_total_tokens = max_total_tokens or self._kv_budget(per_token, mem_fraction_static)
@@ -65,12 +68,12 @@ class ModelRunner:
             256, max(self.max_total_tokens // 2, 1))
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 1,
                                                 device)
-        self.token_to_kv_pool = TokenToKVPool(
+        self.kv_storage = KVStorage(
             self.max_total_tokens, num_layers=config.num_hidden_layers, kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=dtype, device=device)
         self.attn_backend = attention_backend_class(attention_backend)(
             num_heads=config.num_attention_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool)
+            req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
 
     def _kv_budget(self, per_token: int, mem_fraction_static: float | None) -> int:
@@ -93,12 +96,13 @@ class ModelRunner:
         return tokens
 
     def close(self) -> None:
-        self.token_to_kv_pool.k_buffers.clear()
-        self.token_to_kv_pool.v_buffers.clear()
+        self.kv_storage.release()
         self.model = None
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> StepOutput:
+    def run(self, batch: Batch, rows: Sequence[SamplingRow]) -> StepOutput:
+        """Forward `batch`; sample one token for each request with `batch.samples[i]`, whose
+        sampling state is `rows` (in batch order)."""
         forward_batch = self._forward_batch(batch)
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         sample_rows: list[int] = []
@@ -109,15 +113,14 @@ class ModelRunner:
             if batch.samples[i]:
                 sample_rows.append(i)
                 last_token_rows.append(end - 1)
-        size = len(batch.reqs)
+        size = batch.size
         out = StepOutput([None] * size, [None] * size, [None] * size,
                          [[] for _ in range(size)], [[] for _ in range(size)])
         if batch.mode is ForwardMode.EXTEND:
             self._input_logprobs(batch, hidden, out)
         if sample_rows:
             logits = self.model.compute_logits(hidden[last_token_rows])
-            sampling_reqs = [batch.reqs[i] for i in sample_rows]
-            sampled = self.sampler(logits, sampling_reqs, self._grammar_mask(sampling_reqs, logits))
+            sampled = self.sampler(logits, rows, self._grammar_mask(rows, logits))
             token_ids = sampled.next_token_ids.tolist()
             logprobs = sampled.next_token_logprobs.tolist()
             for row, i in enumerate(sample_rows):
@@ -142,28 +145,24 @@ class ModelRunner:
         return mask.to(logits.device)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
-        input_ids: list[int] = []
         positions: list[int] = []
-        seq_lens: list[int] = []
-        for req, start, extend_len in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
-                                          strict=True):
-            input_ids.extend(req.fill_slice(start, start + extend_len))
+        for start, extend_len in zip(batch.prefix_lens, batch.extend_lens, strict=True):
             positions.extend(range(start, start + extend_len))
-            seq_lens.append(start + extend_len)
         device = self.device
+        seq_lens = batch.seq_lens
         forward_batch = ForwardBatch(
             mode=batch.mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             out_cache_loc=batch.out_cache_loc,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs],
-                                          dtype=torch.int64, device=device),
+            req_pool_indices=torch.tensor(batch.req_pool_indices, dtype=torch.int64,
+                                          device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             seq_lens_cpu=seq_lens,
             extend_prefix_lens=list(batch.prefix_lens),
             extend_seq_lens=list(batch.extend_lens),
             req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=self.token_to_kv_pool,
+            kv_storage=self.kv_storage,
             attn_backend=self.attn_backend,
         )
         self.attn_backend.init_forward_metadata(forward_batch)
@@ -172,28 +171,23 @@ class ModelRunner:
     def _input_logprobs(self, batch: Batch, hidden: torch.Tensor, out: StepOutput) -> None:
         """Prompt logprobs: the token at position t is scored by the logits at position t - 1."""
         offset = 0
-        for i, (req, start, extend_len) in enumerate(zip(batch.reqs, batch.prefix_lens,
-                                                         batch.extend_lens, strict=True)):
+        for i, (span, start, extend_len) in enumerate(zip(batch.input_logprobs,
+                                                          batch.prefix_lens, batch.extend_lens,
+                                                          strict=True)):
             rows_start = offset
             offset += extend_len
-            if not req.wants_input_logprobs:
+            if span is None:
                 continue
-            first_target = max(req.input_logprobs_needed_from, 1, start + 1)
-            last_target = min(start + extend_len, len(req.origin_input_ids) - 1)
-            if first_target > last_target:
-                continue
-            rows = torch.arange(first_target - 1, last_target, device=hidden.device)
-            rows = rows - start + rows_start
-            targets = req.origin_input_ids[first_target:last_target + 1]
+            first_row = span.first_target - 1 - start + rows_start
+            rows = torch.arange(first_row, first_row + len(span.targets), device=hidden.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
-            target_ids = torch.tensor(targets, device=logprobs.device)
+            target_ids = torch.tensor(span.targets, device=logprobs.device)
             chosen = logprobs.gather(1, target_ids[:, None]).squeeze(1).tolist()
-            out.input_logprobs[i] = list(zip(chosen, targets, strict=True))
-            if req.top_logprobs_num > 0:
-                values, ids = logprobs.topk(req.top_logprobs_num, dim=-1)
+            out.input_logprobs[i] = list(zip(chosen, span.targets, strict=True))
+            if span.top_logprobs_num > 0:
+                values, ids = logprobs.topk(span.top_logprobs_num, dim=-1)
                 out.input_top_logprobs[i] = [
                     list(zip(v, t, strict=True))
                     for v, t in zip(values.tolist(), ids.tolist(), strict=True)]
             else:
-                out.input_top_logprobs[i] = [None] * len(targets)
-
+                out.input_top_logprobs[i] = [None] * len(span.targets)

@@ -64,7 +64,7 @@ class DepthFirstWeight(SchedulePolicy):
         at_node: dict[int, list[Req]] = defaultdict(list)
         nodes = {}
         for req in waiting:
-            node = cache.match_prefix(req.fill_ids, req.extra_key).last_node
+            node = cache.match_prefix(req.fill_ids, req.extra_key).handle
             at_node[node.id].append(req)
             nodes[node.id] = node
         weight: dict[int, int] = defaultdict(int)

@@ -1,4 +1,5 @@
-"""The prefix-cache interface the scheduler talks to, and the implementation that reuses nothing."""
+"""The prefix-cache interface (token ids -> KV slots, handles to lock) and the cache that reuses
+nothing. It never sees a request: the scheduler's cache manager turns requests into calls."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lmnb.runtime.core import Req
-from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
+from lmnb.runtime.memory import KVAllocator
+
+CacheHandle = Any  # opaque to callers: pass it back to lock/unlock/note_hit
 
 
 class MatchResult(NamedTuple):
-    indices: torch.Tensor  # KV slots of the matched prefix, in order
-    last_node: Any  # handle to lock while the slots are in use
+    indices: torch.Tensor  # [matched] KV slots of the matched prefix, in order
+    handle: CacheHandle  # lock it before using `indices`; None when nothing can be locked
 
 
 _CHUNK = 64
@@ -31,48 +33,49 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache(ABC):
-    """KV of earlier requests kept for reuse, sharing the one token pool with running requests.
+    """KV of earlier requests kept for reuse, sharing the one slot allocator with running
+    requests.
 
-    Invariants: handles must be locked (`inc_lock_ref`) before the returned indices are used and
-    unlocked when the request lets go of them; a locked slot is never evicted. Every slot is in
-    exactly one place: free, evictable (cached, unlocked), protected (cached, locked), or owned by
-    a live request beyond its matched prefix.
+    Invariants:
+    - a handle must be locked (`lock`) before the indices of its match are used, and unlocked
+      exactly once when the user lets go of them; a locked slot is never evicted;
+    - every slot is in exactly one place: free (in the allocator), evictable (cached, unlocked),
+      protected (cached, locked), or owned by a live request beyond its matched prefix;
+    - `match_prefix` returns at most `len(key) - 1` tokens: a request computes one of its own.
     """
 
     reuses_kv = True
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool) -> None:
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool = token_to_kv_pool
+    def __init__(self, allocator: KVAllocator) -> None:
+        self.allocator = allocator
 
     @abstractmethod
     def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
-        """Longest cached prefix of `key`, at most `len(key) - 1` tokens (a request always computes
-        at least one token of its own)."""
+        """Longest cached prefix of `key` under namespace `extra_key`, at most `len(key) - 1`."""
 
     @abstractmethod
-    def cache_finished_req(self, req: Req) -> None:
-        """Takes over the slots `req_to_token[req.req_pool_idx, :req.kv_len]` of a request that is
-        done (finished or retracted): keeps them for reuse or frees them, and unlocks
-        `req.last_node`."""
+    def match_all(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
+        """Longest cached prefix of the whole `key` (re-matching what was just inserted)."""
 
     @abstractmethod
-    def cache_unfinished_req(self, req: Req) -> None:
-        """After a prefill chunk: may cache the computed part and move the request's lock to it,
-        updating `req.prefix_indices` and `req.last_node`."""
-
-    def note_hit(self, node: Any) -> None:  # noqa: B027
-        """A request was admitted on the prefix ending at `node` (for hit statistics)."""
+    def insert(self, key: Sequence[int], indices: torch.Tensor, extra_key: Hashable = None) -> int:
+        """Offers `key` -> `indices`; returns how many leading tokens were cached already. The
+        cache owns `indices[returned:]` from now on (it may free them at once); the leading
+        duplicates stay the caller's to free or keep."""
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> None: ...
+    def lock(self, handle: CacheHandle) -> None: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any) -> None: ...
+    def unlock(self, handle: CacheHandle) -> None: ...
+
+    def note_hit(self, handle: CacheHandle) -> None:  # noqa: B027
+        """A request was admitted on the prefix ending at `handle` (for hit statistics)."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
-        """Frees up to `num_tokens` unlocked cached slots; returns how many were freed."""
+        """Frees up to `num_tokens` unlocked cached slots, least recently used first; returns how
+        many were freed."""
 
     @abstractmethod
     def evictable_size(self) -> int: ...
@@ -82,7 +85,7 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def reset(self) -> None:
-        """Drops every cached entry; only valid when no request holds a lock."""
+        """Drops every cached entry; only valid when no handle is locked."""
 
 
 class NoReuseCache(PrefixCache):
@@ -90,22 +93,23 @@ class NoReuseCache(PrefixCache):
 
     reuses_kv = False
 
-    _EMPTY = torch.empty(0, dtype=torch.int64)
+    def _empty(self) -> MatchResult:
+        return MatchResult(torch.empty(0, dtype=torch.int64, device=self.allocator.device), None)
 
     def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
-        return MatchResult(self._EMPTY.to(self.token_to_kv_pool.device), None)
+        return self._empty()
 
-    def cache_finished_req(self, req: Req) -> None:
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len]
-        self.token_to_kv_pool.free(slots.clone())
+    def match_all(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
+        return self._empty()
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def insert(self, key: Sequence[int], indices: torch.Tensor, extra_key: Hashable = None) -> int:
+        self.allocator.free(indices.clone())
+        return 0
+
+    def lock(self, handle: CacheHandle) -> None:
         pass
 
-    def inc_lock_ref(self, node: Any) -> None:
-        pass
-
-    def dec_lock_ref(self, node: Any) -> None:
+    def unlock(self, handle: CacheHandle) -> None:
         pass
 
     def evict(self, num_tokens: int) -> int:

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from lmnb.runtime.forward_batch import ForwardBatch
-from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
+from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 
 class AttentionBackend(ABC):
@@ -19,13 +19,13 @@ class AttentionBackend(ABC):
     """
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                 req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool) -> None:
+                 req_to_token_pool: ReqToTokenPool, kv_storage: KVStorage) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool = token_to_kv_pool
+        self.kv_storage = kv_storage
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
         """Precompute per-step data shared by all layers (called once per forward pass)."""

@@ -32,7 +32,7 @@ class TorchNativeAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        pool = self.token_to_kv_pool
+        pool = self.kv_storage
         num_tokens = q.shape[0]
         pool.set_kv(layer_id, forward_batch.out_cache_loc,
                     k.view(num_tokens, self.num_kv_heads, self.head_dim),

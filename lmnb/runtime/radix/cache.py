@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from lmnb.runtime.core import Req
-from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
+from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.prefix_cache import MatchResult, PrefixCache, common_prefix_length
 
 
@@ -49,8 +48,8 @@ class RadixCache(PrefixCache):
     share KV (e.g. LoRA adapters, or media whose pseudo-tokens must not collide).
     """
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool) -> None:
-        super().__init__(req_to_token_pool, token_to_kv_pool)
+    def __init__(self, allocator: KVAllocator) -> None:
+        super().__init__(allocator)
         self._ids = itertools.count()
         self.reset()
 
@@ -59,7 +58,7 @@ class RadixCache(PrefixCache):
             self.evict(self._evictable)  # cached slots go back to the shared pool
         self.root = TreeNode(next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
-        self.root.value = torch.empty(0, dtype=torch.int64, device=self.token_to_kv_pool.device)
+        self.root.value = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
         self._evictable = 0
         self._protected = 0
         self.evicted_tokens = 0
@@ -70,6 +69,9 @@ class RadixCache(PrefixCache):
         if len(key) <= 1:
             return MatchResult(self.root.value, self.root)
         return self._match(list(key[:len(key) - 1]), extra_key)
+
+    def match_all(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
+        return self._match(list(key), extra_key)
 
     def _match(self, key: list[int], extra_key: Hashable) -> MatchResult:
         node = self.root
@@ -112,7 +114,7 @@ class RadixCache(PrefixCache):
     # ---- inserting -------------------------------------------------------------------------------
     def insert(self, key: Sequence[int], value: torch.Tensor, extra_key: Hashable = None) -> int:
         """Adds `key` -> `value` slots; returns how many leading tokens were already cached (their
-        slots in `value` are duplicates that the caller frees)."""
+        slots in `value` are duplicates that stay the caller's)."""
         node = self.root
         key = list(key)
         now = time.monotonic()
@@ -136,30 +138,8 @@ class RadixCache(PrefixCache):
             node = child
         return done
 
-    def cache_finished_req(self, req: Req) -> None:
-        key = req.fill_ids[:req.kv_len]
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len].clone()
-        already = self.insert(key, slots, req.extra_key)
-        owned_from = len(req.prefix_indices)
-        self.token_to_kv_pool.free(slots[owned_from:max(already, owned_from)])
-        self.dec_lock_ref(req.last_node)
-
-    def cache_unfinished_req(self, req: Req) -> None:
-        key = req.fill_ids[:req.kv_len]
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        slots = row[:req.kv_len].clone()
-        already = self.insert(key, slots, req.extra_key)
-        owned_from = len(req.prefix_indices)
-        self.token_to_kv_pool.free(slots[owned_from:max(already, owned_from)])
-        indices, node = self._match(list(key), req.extra_key)
-        row[owned_from:len(indices)] = indices[owned_from:]
-        self.inc_lock_ref(node)
-        self.dec_lock_ref(req.last_node)
-        req.prefix_indices = indices
-        req.last_node = node
-
     # ---- locks -----------------------------------------------------------------------------------
-    def inc_lock_ref(self, node: TreeNode | None) -> None:
+    def lock(self, node: TreeNode | None) -> None:
         while node is not None and node is not self.root:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
@@ -167,7 +147,7 @@ class RadixCache(PrefixCache):
             node.lock_ref += 1
             node = node.parent
 
-    def dec_lock_ref(self, node: TreeNode | None) -> None:
+    def unlock(self, node: TreeNode | None) -> None:
         while node is not None and node is not self.root:
             if node.lock_ref == 1:
                 self._evictable += len(node.key)
@@ -184,7 +164,7 @@ class RadixCache(PrefixCache):
         freed = 0
         while freed < num_tokens and leaves:
             leaf = heapq.heappop(leaves)
-            self.token_to_kv_pool.free(leaf.value)
+            self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             parent = leaf.parent

@@ -1,0 +1,131 @@
+"""Requests' KV bookkeeping over the prefix cache, the slot allocator and the request table.
+
+The only place that reads and writes a request's KV fields (`req_pool_idx`, `kv_len`,
+`prefix_len`, `cache_handle`) and the `req_to_token` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmnb.runtime.core import Req
+from lmnb.runtime.memory import KVAllocator, ReqToTokenPool
+from lmnb.runtime.prefix_cache import MatchResult, PrefixCache
+
+
+class IntegrityError(AssertionError):
+    pass
+
+
+class CacheManager:
+    def __init__(self, cache: PrefixCache, allocator: KVAllocator,
+                 req_to_token_pool: ReqToTokenPool) -> None:
+        self.cache = cache
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.table = req_to_token_pool.req_to_token
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    def room(self) -> int:
+        """Slots a new allocation can get: free now plus evictable."""
+        return self.allocator.available() + self.cache.evictable_size()
+
+    def has_request_slot(self) -> bool:
+        return self.req_to_token_pool.available() > 0
+
+    # ---- binding a request to its prefix -------------------------------------------------------
+    def match(self, req: Req) -> MatchResult:
+        key = req.fill_ids
+        if req.wants_input_logprobs:  # scored positions must be computed
+            key = key[:max(req.input_logprobs_needed_from, 1)]
+        return self.cache.match_prefix(key, req.extra_key)
+
+    def bind(self, req: Req, match: MatchResult) -> None:
+        """Gives `req` a request row holding its matched prefix, locked."""
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+        self.cache.lock(match.handle)
+        req.cache_handle = match.handle
+        req.prefix_len = req.kv_len = len(match.indices)
+        self.table[req.req_pool_idx, :req.prefix_len] = match.indices
+
+    def unbind(self, req: Req) -> None:
+        """Undoes `bind` before any slot of its own was allocated."""
+        self.cache.unlock(req.cache_handle)
+        self._release_row(req)
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def alloc(self, n: int) -> torch.Tensor:
+        short = n - self.allocator.available()
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.alloc(n)
+
+    def extend(self, req: Req, slots: torch.Tensor) -> None:
+        """`slots` hold the KV of `req`'s next `len(slots)` tokens from now on."""
+        self.table[req.req_pool_idx, req.kv_len:req.kv_len + len(slots)] = slots
+        req.kv_len += len(slots)
+
+    def extend_each_by_one(self, reqs: list[Req], slots: torch.Tensor) -> None:
+        """Decode: request i's next token goes to `slots[i]` (one indexed write for the batch)."""
+        rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)
+        cols = torch.tensor([req.kv_len for req in reqs], dtype=torch.int64)
+        device = self.table.device
+        self.table[rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)] = slots
+        for req in reqs:
+            req.kv_len += 1
+
+    # ---- handing KV back -----------------------------------------------------------------------
+    def cache_unfinished(self, req: Req) -> None:
+        """After a prefill pass: the computed tokens go into the cache at once (requests sharing
+        them can hit while this one runs) and the request's lock moves down to them."""
+        if not self.cache.reuses_kv:
+            return
+        key = req.fill_slice(0, req.kv_len)
+        row = self.table[req.req_pool_idx]
+        slots = row[:req.kv_len].clone()
+        already = self.cache.insert(key, slots, req.extra_key)
+        self.allocator.free(slots[req.prefix_len:max(already, req.prefix_len)])
+        match = self.cache.match_all(key, req.extra_key)
+        row[req.prefix_len:len(match.indices)] = match.indices[req.prefix_len:]
+        self.cache.lock(match.handle)
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle = match.handle
+        req.prefix_len = len(match.indices)
+
+    def cache_finished(self, req: Req) -> None:
+        """A request that is done (finished, retracted or jumping) hands its KV to the cache."""
+        slots = self.table[req.req_pool_idx, :req.kv_len].clone()
+        already = self.cache.insert(req.fill_slice(0, req.kv_len), slots, req.extra_key)
+        self.allocator.free(slots[req.prefix_len:max(already, req.prefix_len)])
+        self.cache.unlock(req.cache_handle)
+        self._release_row(req)
+
+    def free(self, req: Req) -> None:
+        """An aborted request: its own KV is freed, its prefix unlocked."""
+        self.allocator.free(self.table[req.req_pool_idx, req.prefix_len:req.kv_len].clone())
+        self.cache.unlock(req.cache_handle)
+        self._release_row(req)
+
+    def _release_row(self, req: Req) -> None:
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.cache_handle = None
+        req.prefix_len = req.kv_len = 0
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def check_integrity(self, live: list[Req], waiting: list[Req]) -> None:
+        """KV slots are conserved: free + evictable + protected + owned by requests == total."""
+        owned = sum(req.owned_kv_len for req in live)
+        free = self.allocator.available()
+        evictable = self.cache.evictable_size()
+        protected = self.cache.protected_size()
+        total = self.allocator.size
+        if free + evictable + protected + owned != total:
+            raise IntegrityError(
+                f"KV slots leaked: free {free} + evictable {evictable} + protected {protected} + "
+                f"owned {owned} != total {total}")
+        used_rows = self.req_to_token_pool.size - self.req_to_token_pool.available()
+        if used_rows != len(live):
+            raise IntegrityError(f"request slots leaked: {used_rows} in use, {len(live)} live")
+        if any(req.req_pool_idx is not None for req in waiting):
+            raise IntegrityError("a waiting request still holds KV")

@@ -1,0 +1,95 @@
+"""Prefill admission: which waiting requests join the next EXTEND pass, under a token budget
+(`chunked_prefill_size`) and the KV room left after the running requests' reserve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmnb.runtime.core import Req
+from lmnb.runtime.policy import SchedulePolicy
+from lmnb.runtime.prefix_cache import common_prefix_length
+from lmnb.runtime.scheduler.cache_manager import CacheManager
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    reqs: list[Req] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    admitted: list[Req] = field(default_factory=list)  # came from the waiting queue
+    chunked: Req | None = None  # left with part of its prompt to prefill
+
+
+class PrefillManager:
+    def __init__(self, cache: CacheManager, policy: SchedulePolicy, *, budget: int,
+                 in_batch_prefix_min_tokens: int) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.budget = budget
+        self.in_batch_prefix_min_tokens = in_batch_prefix_min_tokens
+
+    def plan(self, waiting: list[Req], chunked: Req | None, *, reserved: int, any_running: bool,
+             new_token_ratio: float, clock: int) -> PrefillPlan | None:
+        """Binds (matches and locks the prefix of) every request it admits; allocates nothing.
+        `reserved`: KV the running requests are expected to need."""
+        plan = PrefillPlan()
+        budget = self.budget
+        planned = 0  # tokens this pass allocates plus the reserves of the requests it admits
+
+        def room() -> int:
+            return self.cache.room() - reserved - planned
+
+        if chunked is not None:
+            remaining = chunked.fill_len - chunked.kv_len
+            take = min(remaining, budget, max(room(), 0))
+            if take <= 0:
+                return None
+            plan.reqs.append(chunked)
+            plan.extend_lens.append(take)
+            budget -= take
+            planned += take
+            if take < remaining:
+                plan.chunked = chunked
+                return plan
+        for req in self.policy.order(waiting, self.cache.cache, clock):
+            if budget <= 0 or not self.cache.has_request_slot():
+                break
+            match = self.cache.match(req)
+            prefix_len = len(match.indices)
+            if self._defer_for_shared_prefix(req, prefix_len, plan.reqs):
+                continue
+            self.cache.bind(req, match)  # locked: the prefix no longer counts as evictable room
+            extend = req.fill_len - prefix_len
+            reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
+                          * new_token_ratio)
+            alone = not (any_running or plan.reqs)  # admitted even if its reserve does not fit
+            available = room()
+            take = min(extend, budget, available)
+            if (extend + reserve > available and not alone) or take <= 0:
+                self.cache.unbind(req)
+                break
+            plan.reqs.append(req)
+            plan.extend_lens.append(take)
+            plan.admitted.append(req)
+            budget -= take
+            planned += take + reserve
+            if take < extend:
+                plan.chunked = req
+                break
+        return plan if plan.reqs else None
+
+    def _defer_for_shared_prefix(self, req: Req, cached_len: int, admitted: list[Req]) -> bool:
+        """Holds back a request whose uncached prefix an admitted one is about to compute: once
+        that one's prompt is in the cache, this one hits it."""
+        threshold = self.in_batch_prefix_min_tokens
+        if not self.cache.cache.reuses_kv or threshold <= 0:
+            return False
+        ids = req.fill_ids
+        uncached = len(ids) - cached_len
+        for other in admitted:
+            if other.extra_key != req.extra_key:
+                continue
+            shared = common_prefix_length(ids, other.fill_ids) - cached_len
+            # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples).
+            if shared >= threshold or (shared > 0 and shared >= uncached - 1):
+                return True
+        return False

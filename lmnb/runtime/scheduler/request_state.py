@@ -1,0 +1,60 @@
+"""What the scheduler keeps beside each `Req`: its sampling state (grammar, seeded generator),
+its stop checker and the logprobs it has accumulated. Not plain data; never leaves this process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmnb.runtime.core import Req, SamplingParams
+
+Logprob = tuple[float | None, int]
+TopLogprobs = list[tuple[float, int]]
+
+
+@dataclass(slots=True)
+class RequestLogprobs:
+    input_token: list[Logprob] = field(default_factory=list)
+    input_top: list[TopLogprobs | None] = field(default_factory=list)
+    output_token: list[Logprob] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class ReqState:
+    """One live request: `req` plus its per-request state. Satisfies the sampler's SamplingRow
+    protocol (sampling_params, origin_input_ids, output_ids, generator, grammar, return_logprob,
+    top_logprobs_num)."""
+
+    req: Req
+    grammar: Any = None  # RequestGrammar of a regex / JSON-schema constrained request
+    generator: torch.Generator | None = None
+    stop_text: Any = None  # StopText watching stop strings / stop_regex, if the request has any
+    logprobs: RequestLogprobs = field(default_factory=RequestLogprobs)
+    created_at: float = 0.0
+
+    @property
+    def rid(self) -> int:
+        return self.req.rid
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.req.sampling_params
+
+    @property
+    def origin_input_ids(self) -> list[int]:
+        return self.req.origin_input_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.req.output_ids
+
+    @property
+    def return_logprob(self) -> bool:
+        return self.req.return_logprob
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.req.top_logprobs_num

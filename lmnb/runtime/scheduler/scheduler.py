@@ -1,0 +1,327 @@
+"""One scheduler step: admit (prefill manager) or decode (decode manager) -> build a plain-data
+`Batch` -> run the model -> process the outputs (stop rules, jump-forward, KV to the cache) ->
+one batch of `TokenEvent`s to the sink.
+
+`step()` is synchronous and touches no thread: tests call it directly; `SchedulerThread` is the
+loop that calls it in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from lmnb.runtime.core import (
+    Batch,
+    ForwardMode,
+    InputLogprobSpan,
+    Req,
+    ReqStatus,
+    finish_abort,
+    finish_length,
+)
+from lmnb.runtime.output.events import TokenEvent
+from lmnb.runtime.policy import SchedulePolicy
+from lmnb.runtime.scheduler.cache_manager import CacheManager
+from lmnb.runtime.scheduler.decode import DecodeManager
+from lmnb.runtime.scheduler.prefill import PrefillManager
+from lmnb.runtime.scheduler.request_state import ReqState
+from lmnb.runtime.scheduler.stats import SchedulerStats, request_meta
+from lmnb.runtime.scheduler.stop import StopRules, StopText
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    chunked_prefill_size: int = 2048  # most prompt tokens prefilled in one pass
+    init_new_token_ratio: float = 0.7  # share of max_new_tokens reserved for running requests
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001  # per decode pass
+    in_batch_prefix_min_tokens: int = 32  # defer a request sharing this many uncached tokens
+    check_integrity_each_step: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+
+
+class OutputSink(Protocol):
+    def put(self, events: list[TokenEvent]) -> None:
+        """Called once per step from the scheduler; must not block."""
+
+
+class StepRunner(Protocol):
+    def run(self, batch: Batch, rows: list[ReqState]) -> Any:
+        """Forward `batch`, sample for `rows` (the requests with `samples[i]`, in order); returns
+        a StepOutput (per request of the batch: next token or None, logprobs)."""
+
+
+class Scheduler:
+    def __init__(self, *, runner: StepRunner, cache: CacheManager, policy: SchedulePolicy,
+                 config: SchedulerConfig, stop_rules: StopRules, sink: OutputSink,
+                 tokenizer: Any = None, jump_forward: Any = None) -> None:
+        from lmnb.runtime.scheduler.request_table import RequestTable
+
+        self.runner = runner
+        self.cache = cache
+        self.config = config
+        self.stop_rules = stop_rules
+        self.sink = sink
+        self.tokenizer = tokenizer
+        self.jump_forward = jump_forward
+        self.table = RequestTable()
+        self.prefill = PrefillManager(cache, policy, budget=config.chunked_prefill_size,
+                                      in_batch_prefix_min_tokens=config.in_batch_prefix_min_tokens)
+        self.decode = DecodeManager(cache, init_new_token_ratio=config.init_new_token_ratio,
+                                    min_new_token_ratio=config.min_new_token_ratio,
+                                    new_token_ratio_decay=config.new_token_ratio_decay)
+        self.stats = SchedulerStats()
+        self._events: list[TokenEvent] = []
+
+    # ---- requests in and out ------------------------------------------------------------------
+    def add(self, state: ReqState) -> None:
+        state.req.arrival_pass = self.stats.forward_passes
+        if state.stop_text is None and StopText.wanted(state.sampling_params):
+            state.stop_text = StopText(self.tokenizer, state.origin_input_ids,
+                                       state.sampling_params)
+        self.table.add(state)
+
+    def abort(self, rid: int, message: str = "aborted") -> bool:
+        """Ends request `rid` (waiting, mid-prefill or decoding), freeing its KV; False if it is
+        not live."""
+        state = self.table.get(rid)
+        if state is None:
+            return False
+        self._finish(state, finish_abort(message), cache_kv=False)
+        self._flush()
+        return True
+
+    def abort_all(self, message: str) -> None:
+        for req in self.table.all():
+            self._finish(self.table.states[req.rid], finish_abort(message), cache_kv=False)
+        self._flush()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.table.states)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One forward pass if there is work; returns whether one ran."""
+        scheduled = self._schedule_extend() or self._schedule_decode()
+        if scheduled is None:
+            return False
+        batch, reqs = scheduled
+        rows = [self.table.states[req.rid] for req, s in zip(reqs, batch.samples, strict=True)
+                if s]
+        try:
+            output = self.runner.run(batch, rows)
+        except Exception as error:
+            logger.exception("forward pass failed")
+            for req in reqs:
+                self._finish(self.table.states[req.rid],
+                             finish_abort(f"forward pass failed: {error!r}"), cache_kv=False)
+            self._flush()
+            return True
+        self.stats.forward_passes += 1
+        self._process(batch, reqs, output)
+        self._flush()
+        if self.config.check_integrity_each_step:
+            self.check_integrity()
+        return True
+
+    def _schedule_extend(self) -> tuple[Batch, list[Req]] | None:
+        table = self.table
+        if not table.waiting and table.chunked is None:
+            return None
+        plan = self.prefill.plan(
+            table.waiting, table.chunked, reserved=self.decode.reserved(table.running),
+            any_running=bool(table.running), new_token_ratio=self.decode.new_token_ratio,
+            clock=self.stats.forward_passes)
+        if plan is None:
+            return None
+        for req in plan.admitted:
+            table.waiting.remove(req)
+            self._count_admission(req)
+        table.chunked = plan.chunked
+        for req in plan.reqs:
+            req.status = ReqStatus.PREFILLING
+        return self._make_batch(ForwardMode.EXTEND, plan.reqs, plan.extend_lens), plan.reqs
+
+    def _schedule_decode(self) -> tuple[Batch, list[Req]] | None:
+        running = self.table.running
+        if not running:
+            return None
+        retracted = self.decode.retract_until_decodable(running)
+        for req in reversed(retracted):
+            self.stats.retractions += 1
+            self.table.requeue_front(req)
+        self.decode.decayed()
+        reqs = list(running)
+        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs)), reqs
+
+    def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int]) -> Batch:
+        out_cache_loc = self.cache.alloc(sum(extend_lens))
+        prefix_lens = [req.kv_len for req in reqs]
+        input_ids: list[int] = []
+        samples: list[bool] = []
+        spans: list[InputLogprobSpan | None] = []
+        if mode is ForwardMode.DECODE:
+            self.cache.extend_each_by_one(reqs, out_cache_loc)
+            for req in reqs:
+                input_ids.append(req.output_ids[-1] if req.output_ids
+                                 else req.origin_input_ids[-1])
+                samples.append(True)
+        else:
+            start = 0
+            for req, extend_len in zip(reqs, extend_lens, strict=True):
+                prefix_len = req.kv_len
+                input_ids.extend(req.fill_slice(prefix_len, prefix_len + extend_len))
+                self.cache.extend(req, out_cache_loc[start:start + extend_len])
+                start += extend_len
+                completes = req.kv_len == req.fill_len
+                samples.append(completes
+                               and req.sampling_params.max_new_tokens > len(req.output_ids))
+                spans.append(_input_logprob_span(req, prefix_len, extend_len))
+        return Batch(mode=mode, rids=[req.rid for req in reqs],
+                     req_pool_indices=[req.req_pool_idx for req in reqs],
+                     prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
+                     out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans)
+
+    def _count_admission(self, req: Req) -> None:
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = req.prefix_len
+            self.stats.prompt_tokens += len(req.origin_input_ids)
+            self.stats.cached_tokens += req.prefix_len
+            self.stats.recent_hits.append((req.prefix_len, len(req.origin_input_ids)))
+            if req.prefix_len:
+                self.cache.cache.note_hit(req.cache_handle)
+        state = self.table.states[req.rid]
+        if req.wants_input_logprobs and req.logprob_start_len == 0 and req.input_logprobs_done == 0:
+            state.logprobs.input_token.append((None, req.origin_input_ids[0]))
+            state.logprobs.input_top.append(None)
+            req.input_logprobs_done = 1
+
+    # ---- results ------------------------------------------------------------------------------
+    def _process(self, batch: Batch, reqs: list[Req], output: Any) -> None:
+        extend = batch.mode is ForwardMode.EXTEND
+        for i, req in enumerate(reqs):
+            state = self.table.states[req.rid]
+            req.forward_passes += 1
+            if output.input_logprobs[i]:
+                state.logprobs.input_token.extend(output.input_logprobs[i])
+                state.logprobs.input_top.extend(output.input_top_logprobs[i])
+                req.input_logprobs_done += len(output.input_logprobs[i])
+            token = output.next_token_ids[i]
+            if token is not None:
+                if extend:
+                    req.status = ReqStatus.RUNNING
+                    self.table.running.append(req)
+                self._append_token(state, token, output.next_token_logprobs[i],
+                                   output.next_top_logprobs[i])
+            elif req.kv_len == req.fill_len:  # prompt done, nothing to generate
+                self._finish(state, finish_length(len(req.output_ids)))
+            if extend and req.req_pool_idx is not None:  # still live, not jumped
+                self.cache.cache_unfinished(req)
+
+    def _append_token(self, state: ReqState, token: int, logprob: float | None,
+                      top: list[tuple[float, int]] | None) -> None:
+        req, params = state.req, state.sampling_params
+        req.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        if req.return_logprob:
+            state.logprobs.output_token.append((logprob, token))
+            if req.top_logprobs_num:
+                state.logprobs.output_top.append(top or [])
+        reason = self.stop_rules.by_token(token, params, len(req.output_ids))
+        if reason is not None:
+            self._finish(state, reason, new_ids=[token])
+            return
+        if state.grammar is not None:
+            state.grammar.advance(token)
+        if state.stop_text is not None:
+            state.stop_text.add([token])
+        reason = self.stop_rules.after_text(state.stop_text, state.grammar, params,
+                                            len(req.output_ids))
+        if reason is not None:
+            self._finish(state, reason, new_ids=[token])
+            return
+        self._events.append(TokenEvent(req.rid, [token]))
+        if state.grammar is not None and self.jump_forward is not None:
+            self._jump_forward(state)
+
+    def _jump_forward(self, state: ReqState) -> None:
+        """Compressed-FSM jump: text the constraint forces is appended at once. The output is
+        re-tokenized as a whole; the request leaves the running batch (its KV goes to the prefix
+        cache) and is prefilled again, reusing the KV of the unchanged prefix."""
+        req = state.req
+        forced = state.grammar.forced_text()
+        if not forced:
+            return
+        plan = self.jump_forward.plan(req.origin_input_ids, req.output_ids, forced)
+        if plan is None or len(plan.new_output_ids) > req.sampling_params.max_new_tokens:
+            return  # past max_new_tokens (which also keeps the context length): decode instead
+        self.table.detach(req)
+        self.cache.cache_finished(req)  # keyed by the old output ids
+        req.output_ids = list(plan.new_output_ids)
+        if req.return_logprob:  # re-tokenized tokens were not sampled: they have no logprob
+            logprobs = state.logprobs
+            logprobs.output_token = (logprobs.output_token[:plan.keep]
+                                     + [(None, token) for token in plan.appended])
+            if req.top_logprobs_num:
+                logprobs.output_top = logprobs.output_top[:plan.keep] + [[] for _ in plan.appended]
+        state.grammar.advance_text(forced)
+        req.jumps += 1
+        self.stats.jump_forward_tokens += len(plan.appended)
+        if state.stop_text is not None:
+            state.stop_text = StopText(self.tokenizer, req.origin_input_ids, req.sampling_params)
+            state.stop_text.add(list(req.output_ids))
+        event = TokenEvent(req.rid, list(plan.appended), replace_output_ids=list(req.output_ids))
+        reason = self.stop_rules.after_text(state.stop_text, state.grammar, req.sampling_params,
+                                            len(req.output_ids))
+        if reason is not None:
+            self._events.append(event)
+            self._finish(state, reason)
+        else:
+            self._events.append(event)
+            self.table.requeue_front(req)
+
+    def _finish(self, state: ReqState, reason: dict[str, Any], *, new_ids: list[int] | None = None,
+                cache_kv: bool = True) -> None:
+        """Ends a request: its KV goes to the cache (or is freed) and the sink gets the end."""
+        req = state.req
+        self.table.detach(req)
+        if req.req_pool_idx is not None:
+            if cache_kv:
+                self.cache.cache_finished(req)
+            else:
+                self.cache.free(req)
+        req.finished_reason = reason
+        req.status = ReqStatus.FINISHED
+        self.table.remove(req)
+        self._events.append(TokenEvent(req.rid, new_ids or [], reason, request_meta(state)))
+
+    def _flush(self) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            self.sink.put(events)
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raises IntegrityError unless every KV slot and request row is accounted for."""
+        self.cache.check_integrity(self.table.live(), self.table.waiting)
+
+
+def _input_logprob_span(req: Req, start: int, extend_len: int) -> InputLogprobSpan | None:
+    """Prompt logprobs this chunk can score: the token at position t by the logits at t - 1."""
+    if not req.wants_input_logprobs:
+        return None
+    first_target = max(req.input_logprobs_needed_from, 1, start + 1)
+    last_target = min(start + extend_len, len(req.origin_input_ids) - 1)
+    if first_target > last_target:
+        return None
+    return InputLogprobSpan(first_target, req.origin_input_ids[first_target:last_target + 1],
+                            req.top_logprobs_num)

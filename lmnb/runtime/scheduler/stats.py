@@ -1,0 +1,56 @@
+"""The scheduler's counters, and the per-request meta_info it reports when a request ends."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lmnb.runtime.scheduler.request_state import ReqState
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    forward_passes: int = 0
+    retractions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    jump_forward_tokens: int = 0
+    recent_hits: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=64))
+
+    def counters(self) -> dict[str, Any]:
+        counters = asdict(self)
+        recent = counters.pop("recent_hits")
+        counters["cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens, 1)
+        counters["recent_cache_hit_rate"] = (sum(c for c, _ in recent)
+                                             / max(sum(p for _, p in recent), 1))
+        return counters
+
+
+def request_meta(state: ReqState) -> dict[str, Any]:
+    """SGLang-style meta_info of a finished request."""
+    req = state.req
+    meta: dict[str, Any] = {
+        "id": str(req.rid),
+        "prompt_tokens": len(req.origin_input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": req.finished_reason,
+        "forward_passes": req.forward_passes,
+        "retractions": req.retractions,
+        "e2e_latency": time.perf_counter() - state.created_at,
+    }
+    if state.grammar is not None:
+        meta["jump_forward_steps"] = req.jumps
+    if req.return_logprob:
+        logprobs = state.logprobs
+        meta["output_token_logprobs"] = list(logprobs.output_token)
+        if req.logprob_start_len >= 0:
+            meta["input_token_logprobs"] = list(logprobs.input_token)
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = list(logprobs.output_top)
+            if req.logprob_start_len >= 0:
+                meta["input_top_logprobs"] = list(logprobs.input_top)
+    return meta

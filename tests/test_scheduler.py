@@ -1,0 +1,258 @@
+"""The scheduler stepped by hand, without a thread or a model: a fake runner returns tokens, and
+slot conservation is checked after every step (`check_integrity_each_step`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmnb.runtime.core import ForwardMode, Req, ReqStatus, SamplingParams
+from lmnb.runtime.memory import KVAllocator, ReqToTokenPool
+from lmnb.runtime.model_runner import StepOutput
+from lmnb.runtime.policy import make_policy
+from lmnb.runtime.prefix_cache import NoReuseCache
+from lmnb.runtime.radix.cache import RadixCache
+from lmnb.runtime.scheduler import (
+    CacheManager,
+    ReqState,
+    Scheduler,
+    SchedulerConfig,
+    StopRules,
+)
+
+CPU = torch.device("cpu")
+EOS = 2
+
+
+class FakeRunner:
+    """Samples `token_for(row)` for each sampling request; records the batches it ran."""
+
+    def __init__(self, token_for=None) -> None:
+        self.batches = []
+        self.token_for = token_for or (lambda row: 100 + len(row.output_ids))
+
+    def run(self, batch, rows):
+        self.batches.append(batch)
+        size = batch.size
+        out = StepOutput([None] * size, [None] * size, [None] * size,
+                         [[] for _ in range(size)], [[] for _ in range(size)])
+        sampling = iter(rows)
+        for i, samples in enumerate(batch.samples):
+            if samples:
+                out.next_token_ids[i] = self.token_for(next(sampling))
+                out.next_token_logprobs[i] = -1.0
+        return out
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events = []
+
+    def put(self, events) -> None:
+        self.events.extend(events)
+
+    def finished(self, rid: int):
+        return [e for e in self.events if e.rid == rid and e.finished_reason is not None]
+
+
+def make(pool: int = 256, *, chunk: int = 16, reuse: bool = True, max_reqs: int = 8,
+         runner: FakeRunner | None = None, tokenizer=None, jump_forward=None,
+         policy: str = "fcfs") -> Scheduler:
+    allocator = KVAllocator(pool, CPU)
+    cache = RadixCache(allocator) if reuse else NoReuseCache(allocator)
+    manager = CacheManager(cache, allocator, ReqToTokenPool(max_reqs, 256, CPU))
+    config = SchedulerConfig(chunked_prefill_size=chunk, check_integrity_each_step=True)
+    return Scheduler(runner=runner or FakeRunner(), cache=manager, policy=make_policy(policy),
+                     config=config, stop_rules=StopRules({EOS}), sink=Sink(),
+                     tokenizer=tokenizer, jump_forward=jump_forward)
+
+
+def request(prompt: list[int], **params) -> ReqState:
+    return ReqState(Req(origin_input_ids=list(prompt), sampling_params=SamplingParams(**params)))
+
+
+def run_to_end(scheduler: Scheduler, limit: int = 500) -> int:
+    steps = 0
+    while scheduler.step():
+        steps += 1
+        assert steps < limit
+    return steps
+
+
+def test_admission_fills_the_token_budget_and_chunks_the_last_request() -> None:
+    scheduler = make(chunk=16)
+    states = [request(range(10 * k, 10 * k + 10), max_new_tokens=2) for k in (1, 2, 3)]
+    for state in states:
+        scheduler.add(state)
+    assert scheduler.step()
+    batch = scheduler.runner.batches[-1]
+    assert batch.mode is ForwardMode.EXTEND
+    assert batch.extend_lens == [10, 6] and batch.samples == [True, False]
+    assert scheduler.table.chunked is states[1].req
+    assert scheduler.table.waiting == [states[2].req]
+    assert states[1].req.status is ReqStatus.PREFILLING
+    assert scheduler.step()
+    batch = scheduler.runner.batches[-1]
+    assert batch.rids[0] == states[1].rid and batch.extend_lens == [4, 10]
+    run_to_end(scheduler)
+    for state in states:
+        assert state.req.output_ids == [100, 101]
+        assert state.req.finished_reason == {"type": "length", "length": 2}
+    assert not scheduler.has_work
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_samples_only_after_the_last() -> None:
+    scheduler = make(chunk=16)
+    state = request(range(3, 43), max_new_tokens=1)
+    scheduler.add(state)
+    run_to_end(scheduler)
+    extends = [b for b in scheduler.runner.batches if b.mode is ForwardMode.EXTEND]
+    assert [b.extend_lens for b in extends] == [[16], [16], [8]]
+    assert [b.prefix_lens for b in extends] == [[0], [16], [32]]
+    assert [b.samples for b in extends] == [[False], [False], [True]]
+    assert [b.input_ids for b in extends] == [list(range(3, 19)), list(range(19, 35)),
+                                              list(range(35, 43))]
+    assert state.req.output_ids == [100]
+
+
+def test_decode_batches_every_running_request_and_feeds_the_last_token() -> None:
+    scheduler = make(chunk=64)
+    a, b = request([5, 6, 7], max_new_tokens=3), request([8, 9], max_new_tokens=3)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.step()
+    scheduler.step()
+    decode = scheduler.runner.batches[-1]
+    assert decode.mode is ForwardMode.DECODE
+    assert decode.input_ids == [100, 100] and decode.prefix_lens == [3, 2]
+    assert decode.extend_lens == [1, 1] and len(decode.out_cache_loc) == 2
+    table = scheduler.cache.table
+    for req, slot in zip((a.req, b.req), decode.out_cache_loc.tolist(), strict=True):
+        assert table[req.req_pool_idx, req.kv_len - 1].item() == slot
+
+
+@pytest.mark.parametrize(("stop_param", "stop_token"), [({}, EOS), ({"stop_token_ids": [7]}, 7)])
+def test_eos_and_stop_ids_end_requests_only_after_min_new_tokens(stop_param, stop_token) -> None:
+    scheduler = make(runner=FakeRunner(lambda row: stop_token))
+    state = request([1, 2, 3], max_new_tokens=10, min_new_tokens=2, **stop_param)
+    scheduler.add(state)
+    run_to_end(scheduler)
+    assert state.req.output_ids == [stop_token] * 3
+    assert state.req.finished_reason == {"type": "stop", "matched": stop_token}
+    (event,) = scheduler.sink.finished(state.rid)
+    assert event.new_token_ids == [stop_token]
+
+
+def test_ignore_eos_runs_to_the_length_limit() -> None:
+    scheduler = make(runner=FakeRunner(lambda row: EOS))
+    state = request([1, 2, 3], max_new_tokens=4, ignore_eos=True)
+    scheduler.add(state)
+    run_to_end(scheduler)
+    assert state.req.output_ids == [EOS] * 4 and state.req.finished_reason["type"] == "length"
+
+
+def test_retraction_when_kv_runs_out_then_everyone_finishes() -> None:
+    scheduler = make(pool=40, chunk=64)
+    states = [request(range(10 * k, 10 * k + 8), max_new_tokens=14) for k in (1, 2, 3)]
+    for state in states:
+        scheduler.add(state)
+    run_to_end(scheduler)
+    assert scheduler.stats.retractions >= 1
+    assert any(state.req.retractions for state in states)
+    for state in states:
+        assert state.req.output_ids == list(range(100, 114))
+        assert state.req.finished_reason["type"] == "length"
+    assert scheduler.cache.allocator.available() + scheduler.cache.cache.evictable_size() == 40
+
+
+def test_abort_mid_prefill_frees_its_kv_and_unlocks_its_prefix() -> None:
+    scheduler = make(chunk=8)
+    shared = list(range(50, 60))
+    first = request(shared, max_new_tokens=1)
+    scheduler.add(first)
+    run_to_end(scheduler)
+    second = request(shared + list(range(70, 100)), max_new_tokens=4)
+    scheduler.add(second)
+    scheduler.step()
+    assert scheduler.table.chunked is second.req and second.req.prefix_len > 0
+    assert scheduler.abort(second.rid, "stop it")
+    (event,) = scheduler.sink.finished(second.rid)
+    assert event.finished_reason == {"type": "abort", "message": "stop it"}
+    assert event.meta["finish_reason"]["type"] == "abort"
+    assert not scheduler.has_work and second.req.req_pool_idx is None
+    assert scheduler.cache.cache.protected_size() == 0
+    scheduler.check_integrity()
+    assert not scheduler.abort(second.rid)  # no longer live
+
+
+def test_abort_of_waiting_and_running_requests() -> None:
+    scheduler = make(chunk=4)
+    running = request([1, 2, 3], max_new_tokens=50)
+    waiting = request(list(range(10, 30)), max_new_tokens=5)
+    scheduler.add(running)
+    scheduler.step()
+    scheduler.add(waiting)
+    assert scheduler.abort(waiting.rid)
+    scheduler.step()
+    assert running.req.status is ReqStatus.RUNNING
+    assert scheduler.abort(running.rid)
+    assert not scheduler.has_work
+    scheduler.check_integrity()
+    assert scheduler.cache.cache.protected_size() == 0
+
+
+def test_finished_requests_leave_prompt_and_output_in_the_cache() -> None:
+    scheduler = make(chunk=64)
+    state = request([4, 5, 6, 7], max_new_tokens=3)
+    scheduler.add(state)
+    run_to_end(scheduler)
+    # The last sampled token has no KV: prompt (4) + the first two outputs are cached.
+    assert scheduler.cache.cache.evictable_size() == 6
+    again = request([4, 5, 6, 7, 100, 101, 9], max_new_tokens=1)
+    scheduler.add(again)
+    scheduler.step()
+    assert again.req.cached_tokens == 6
+    assert scheduler.runner.batches[-1].extend_lens == [1]
+
+
+def test_without_reuse_every_prompt_is_prefilled_whole() -> None:
+    scheduler = make(chunk=64, reuse=False)
+    for _ in range(2):
+        state = request([4, 5, 6, 7], max_new_tokens=2)
+        scheduler.add(state)
+        run_to_end(scheduler)
+        assert state.req.cached_tokens == 0
+    assert scheduler.cache.allocator.available() == 256
+
+
+def test_forward_failure_aborts_the_batch_and_the_scheduler_goes_on() -> None:
+    class Failing(FakeRunner):
+        def run(self, batch, rows):
+            if len(self.batches) == 0:
+                self.batches.append(batch)
+                raise RuntimeError("boom")
+            return super().run(batch, rows)
+
+    scheduler = make(runner=Failing())
+    bad = request([1, 2, 3], max_new_tokens=2)
+    scheduler.add(bad)
+    assert scheduler.step()
+    assert bad.req.finished_reason["type"] == "abort" and "boom" in bad.req.finished_reason[
+        "message"]
+    good = request([1, 2, 3], max_new_tokens=2)
+    scheduler.add(good)
+    run_to_end(scheduler)
+    assert good.req.output_ids == [100, 101]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lpm-fair"])
+def test_policies_conserve_slots_under_pressure(policy: str) -> None:
+    scheduler = make(pool=64, chunk=12, policy=policy, max_reqs=4)
+    prefixes = [list(range(200, 210)), list(range(300, 306))]
+    states = [request(prefixes[k % 2] + [k, k + 1], max_new_tokens=3 + k % 4) for k in range(10)]
+    for state in states:
+        scheduler.add(state)
+    run_to_end(scheduler)
+    for k, state in enumerate(states):
+        assert len(state.req.output_ids) == 3 + k % 4
+    assert scheduler.stats.cached_tokens > 0
