@@ -259,14 +259,16 @@ def test_n_and_logprobs(rt):
     assert "output_token_logprobs" not in metas[0]
 
 
-def test_stop_regex_trims_before_the_first_match(rt):
+@pytest.mark.parametrize("as_list", [False, True], ids=["one", "list"])
+def test_stop_regex_trims_before_the_first_match(rt, as_list):
     full = greedy(rt, PROMPT, 12)["text"]
     p = next(p for p in range(2, len(full) - 2) if full.find(full[p:p + 2]) == p)
     pattern = re.escape(full[p:p + 2])
+    stop_regex = ["\N{SNOWMAN}+", pattern] if as_list else pattern
 
     @lmnb.function
     def stopped(s):
-        s += PROMPT + gen("a", max_tokens=12, stop_regex=pattern)
+        s += PROMPT + gen("a", max_tokens=12, stop_regex=stop_regex)
 
     state = stopped.run(backend=rt, temperature=0)
     assert state["a"] == full[:p]

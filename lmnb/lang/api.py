@@ -30,14 +30,6 @@ DTYPE_REGEXES = {
 _DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
-def _tuple(value: str | Sequence | None) -> tuple | None:
-    if value is None:
-        return None
-    if isinstance(value, str | int):
-        return (value,)
-    return tuple(value)
-
-
 def _schema_text(json_schema: Any) -> str | None:
     if json_schema is None or isinstance(json_schema, str):
         return json_schema
@@ -56,7 +48,7 @@ def gen(
     n: int | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: int | Sequence[int] | None = None,
-    stop_regex: str | None = None,
+    stop_regex: str | Sequence[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -73,8 +65,11 @@ def gen(
     regex: str | None = None,
     json_schema: Any = None,
 ) -> Expr:
-    """Generates text into variable `name`. Unset arguments inherit the run's defaults. With
-    `choices`, it is a `select`; `dtype` (int, float, bool, str) constrains the output's form."""
+    """Generates text into variable `name`. Unset arguments inherit the run's defaults; the
+    sampling arguments are `lmnb.params`'s (`max_tokens`, `min_tokens` are SGLang's names for
+    `max_new_tokens`, `min_new_tokens`). With `choices`, it is a `select`; `dtype` (int, float,
+    bool, str) constrains the output's form; `stop_regex` (one or a list) cuts the output before
+    the first match."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
     if dtype is not None:
@@ -87,8 +82,8 @@ def gen(
     if regex is not None and json_schema is not None:
         raise ValueError("give either regex or json_schema, not both")
     params = GenParams(
-        max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=_tuple(stop),
-        stop_token_ids=_tuple(stop_token_ids), stop_regex=stop_regex, temperature=temperature,
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop,
+        stop_token_ids=stop_token_ids, stop_regex=stop_regex, temperature=temperature,
         top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, regex=regex,

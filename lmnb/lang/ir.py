@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from lmnb.params import stop_regex_patterns
 
 
 class Expr:
@@ -47,14 +50,18 @@ class ExprList(Expr):
 
 @dataclass(frozen=True)
 class GenParams:
-    """Sampling arguments of one `gen`; None means "inherit the run's default"."""
+    """Arguments of one `gen`, named as in `lmnb.params`; None means "inherit the run's default".
+
+    Hashable: `stop`, `stop_token_ids` and `stop_regex` are kept as tuples (one value or a list
+    is accepted). Values may be tracing placeholders (`Argument`, `Variable`) until bound.
+    """
 
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None
     n: int | None = None
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
-    stop_regex: str | None = None
+    stop_regex: tuple[str, ...] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -68,6 +75,18 @@ class GenParams:
     regex: str | None = None
     json_schema: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids", "stop_regex"):
+            value = getattr(self, name)
+            if isinstance(value, str | int):
+                value = (value,)
+            elif isinstance(value, Iterable):
+                value = tuple(value)
+            if name == "stop_regex" and isinstance(value, tuple) \
+                    and all(isinstance(v, str) for v in value):
+                value = tuple(stop_regex_patterns(value)) or None  # checked early, at `gen`
+            object.__setattr__(self, name, value)
+
     def merged_over(self, defaults: GenParams) -> GenParams:
         """These arguments, with the unset ones taken from `defaults`."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -79,6 +98,9 @@ class GenParams:
     def set_values(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if getattr(self, f.name) is not None}
+
+
+GEN_PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(GenParams))
 
 
 @dataclass(frozen=True)

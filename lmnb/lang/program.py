@@ -22,6 +22,7 @@ from lmnb.lang import api
 from lmnb.lang.backends.base import Backend
 from lmnb.lang.interpreter import JoinBranches, StreamExecutor
 from lmnb.lang.ir import (
+    GEN_PARAM_NAMES,
     CommitPrefix,
     Expr,
     GenParams,
@@ -32,13 +33,14 @@ from lmnb.lang.ir import (
     VarScopeEnd,
     to_expr,
 )
+from lmnb.params import default_sampling_params
 
-SAMPLING_DEFAULT_KEYS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids",
-                         "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                         "presence_penalty", "ignore_eos", "return_logprob", "logprob_start_len",
-                         "top_logprobs_num")
-RUN_DEFAULTS = GenParams(max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
-                         frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False)
+# `run`/`run_batch` keywords that set every gen's default: the gen arguments except those that
+# only make sense per gen (a sample count, an output constraint).
+SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES if k not in ("n", "regex", "json_schema"))
+# The runtime's own scalar defaults; stop lists stay unset (the chat template may add its own).
+RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
+                            if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})
 _JOIN_MODES = ("gather_variable", "concat_and_append")
 
 _default_backend: Backend | None = None

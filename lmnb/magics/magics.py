@@ -26,6 +26,13 @@ from lmnb.magics.parsing import (
 )
 from lmnb.magics.session import KernelSession
 from lmnb.magics.status import status_view
+from lmnb.params import PARAM_HELP, default_sampling_params
+
+
+def _gen_default_help(name: str) -> str:
+    default = default_sampling_params()[name]
+    return (f"Default {name} of a cell's gens ({PARAM_HELP[name]}); None is lmnb's default "
+            f"({default!r}).")
 
 
 @magics_class
@@ -39,11 +46,11 @@ class LMNB(Magics):
     device = Unicode("auto", help="auto (CUDA when available), cpu, cuda, ...").tag(config=True)
     max_total_tokens = Int(None, allow_none=True, help="KV cache size in tokens; None sizes it "
                            "from free memory.").tag(config=True)
-    temperature = Float(None, allow_none=True, help="Default temperature of a cell's gens; None "
-                        "is lmnb's default (1.0).").tag(config=True)
-    max_new_tokens = Int(None, allow_none=True, help="Default max_tokens of a cell's gens; None "
-                         "is lmnb's default (128).").tag(config=True)
-    top_p = Float(None, allow_none=True, help="Default top_p of a cell's gens.").tag(config=True)
+    temperature = Float(None, allow_none=True, help=_gen_default_help("temperature")
+                        ).tag(config=True)
+    max_new_tokens = Int(None, allow_none=True, help=_gen_default_help("max_new_tokens")
+                         ).tag(config=True)
+    top_p = Float(None, allow_none=True, help=_gen_default_help("top_p")).tag(config=True)
     stream = Bool(False, help="Stream cells by default (a live view while they "
                   "generate).").tag(config=True)
     stream_hz = Float(15.0, help="Refresh rate of the live text view (1-60).").tag(config=True)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from IPython.core.error import UsageError
 
+from lmnb.params import param_help
+
 _CAPTURE = re.compile(r"^\s*([A-Za-z_]\w*)\s*<<(.*)$", re.DOTALL)
 _NAME = re.compile(r"^\s*([A-Za-z_]\w*)\s*(\(?)")
 
@@ -89,10 +91,11 @@ The DSL names (gen, select, gen_int, gen_string, image, video, system/user/assis
 _begin/_end, function, lmnb) need no import; notebook variables are visible and win over
 them; names assigned in the cell stay local to it. Ctrl-C aborts the program's requests.""")
     parser.add_argument("-o", "--out", metavar="VAR", help="store the result in VAR (no display)")
-    parser.add_argument("--temperature", type=float, help="default temperature of every gen")
+    parser.add_argument("--temperature", type=float,
+                        help=f"every gen's default: {param_help('temperature')}")
     parser.add_argument("--max-tokens", type=int, metavar="N", dest="max_new_tokens",
-                        help="default max_tokens of every gen")
-    parser.add_argument("--top-p", type=float, help="default top_p of every gen")
+                        help=f"every gen's default: {param_help('max_new_tokens')}")
+    parser.add_argument("--top-p", type=float, help=f"every gen's default: {param_help('top_p')}")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="show the text live as it is generated (default: LMNB.stream)")
     parser.add_argument("--trace", action="store_true",

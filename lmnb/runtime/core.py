@@ -1,112 +1,19 @@
-"""Shared vocabulary of the runtime: sampling parameters, requests, batches, finish reasons."""
+"""Shared vocabulary of the runtime: requests, batches, finish reasons (sampling parameters live
+in `lmnb.params` and are re-exported here)."""
 
 from __future__ import annotations
 
 import enum
 import itertools
 from collections.abc import Hashable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-
-class InvalidRequestError(ValueError):
-    """A request that cannot be served as given; raised to the caller, the runtime is untouched."""
-
-
-_TOP_K_ALL = -1
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """Per-request decoding parameters; the keys and defaults follow SGLang's `sampling_params`."""
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = _TOP_K_ALL
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: int = 1
-    seed: int | None = None
-    regex: str | None = None
-    json_schema: str | dict | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        if isinstance(self.stop_token_ids, int):
-            self.stop_token_ids = [self.stop_token_ids]
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k in (0, None):
-            self.top_k = _TOP_K_ALL
-        self._check()
-
-    def _check(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise InvalidRequestError(f"invalid sampling params: {message}")
-
-        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-             f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        need(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
-             f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
-        need(self.min_new_tokens <= self.max_new_tokens,
-             f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
-        need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        need(isinstance(self.top_k, int) and (self.top_k == _TOP_K_ALL or self.top_k >= 1),
-             f"top_k must be -1 (all) or >= 1, got {self.top_k!r}")
-        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        need(-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        need(-2.0 <= self.presence_penalty <= 2.0,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        need(0.0 < self.repetition_penalty <= 2.0,
-             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        need(isinstance(self.n, int) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
-        need(all(isinstance(s, str) for s in self.stop), "stop must be a string or list of strings")
-        need(all(isinstance(t, int) for t in self.stop_token_ids),
-             "stop_token_ids must be a list of ints")
-        need(self.seed is None or isinstance(self.seed, int),
-             f"seed must be an int, got {self.seed!r}")
-
-    @classmethod
-    def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
-        if params is None:
-            return cls()
-        if isinstance(params, SamplingParams):
-            return params
-        if not isinstance(params, dict):
-            raise InvalidRequestError(
-                f"sampling_params must be a dict, got {type(params).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown sampling params {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**params)
-        except TypeError as error:
-            raise InvalidRequestError(f"invalid sampling params: {error}") from None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+# Re-exported: `from lmnb.runtime.core import SamplingParams` keeps working.
+from lmnb.params import InvalidRequestError as InvalidRequestError
+from lmnb.params import SamplingParams as SamplingParams
 
 
 def finish_length(length: int) -> dict[str, Any]:

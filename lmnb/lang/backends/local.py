@@ -9,11 +9,13 @@ from typing import Any
 
 from lmnb.lang.backends.base import Generation, ProgramAborted
 from lmnb.lang.chat_template import ChatTemplate
-from lmnb.lang.ir import GenParams
+from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
+from lmnb.params import SAMPLING_PARAM_NAMES
 
-_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "n", "temperature", "top_p", "top_k",
-                  "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "regex",
-                  "json_schema")
+# A gen's sampling parameters go to the runtime as they are, except stop_regex: it is enforced on
+# the stream below.
+_SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES
+                       if k in SAMPLING_PARAM_NAMES and k != "stop_regex")
 
 
 class LocalBackend:
@@ -25,18 +27,14 @@ class LocalBackend:
 
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
         values = params.set_values()
-        sampling = {key: values[key] for key in _SAMPLING_KEYS if key in values}
-        if params.stop:
-            sampling["stop"] = list(params.stop)
-        if params.stop_token_ids:
-            sampling["stop_token_ids"] = list(params.stop_token_ids)
-        return sampling
+        return {key: list(values[key]) if isinstance(values[key], tuple) else values[key]
+                for key in _SAMPLING_KEYS if key in values}
 
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None) -> Generation:
         n = params.n or 1
-        stop_regex = re.compile(params.stop_regex) if params.stop_regex and n == 1 else None
+        stop_regex = [re.compile(p) for p in params.stop_regex or ()] if n == 1 else []
         chunks = self.runtime.generate(
             prompt, self.sampling_params(params), return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
@@ -52,7 +50,7 @@ class LocalBackend:
                 texts[index] += chunk["text"]
                 if chunk["meta_info"].get("finish_reason") is not None:
                     metas[index] = chunk["meta_info"]
-                match = stop_regex.search(texts[0]) if stop_regex is not None else None
+                match = _first_match(stop_regex, texts[0])
                 if match:
                     texts[0] = texts[0][:match.start()]
                     metas[0] = {**chunk["meta_info"],
@@ -77,3 +75,9 @@ class LocalBackend:
     def cache_prefix(self, prompt: str) -> None:
         if prompt:
             self.runtime.cache_prefix(prompt)
+
+
+def _first_match(patterns: list[re.Pattern], text: str) -> re.Match | None:
+    """The match that starts first among `patterns` in `text`."""
+    matches = [m for m in (p.search(text) for p in patterns) if m is not None]
+    return min(matches, key=lambda m: m.start(), default=None)

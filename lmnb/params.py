@@ -1,0 +1,177 @@
+"""THE sampling parameters: names, defaults, one-line descriptions and validation.
+
+One definition serves the runtime (requests), the DSL (`gen` arguments and run defaults), the
+magics' help and the server. Names and defaults follow SGLang's `sampling_params`. No torch here:
+`import lmnb.params` must stay light.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot be served as given; raised to the caller, the runtime is untouched."""
+
+
+TOP_K_ALL = -1
+
+
+def stop_regex_patterns(value: str | Sequence[str] | None) -> list[str]:
+    """`stop_regex` as a list of patterns (a string is one pattern; empty ones are dropped),
+    each checked with `re.compile`."""
+    patterns = [value] if isinstance(value, str) else list(value or [])
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise InvalidRequestError("invalid sampling params: stop_regex must be a string or "
+                                      f"a list of strings, got {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            message = f"stop_regex {pattern!r} is not a regex: {error}"
+            raise InvalidRequestError(f"invalid sampling params: {message}") from None
+    return [p for p in patterns if p]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request decoding parameters, validated on construction (`InvalidRequestError`)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_ALL
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    regex: str | None = None
+    json_schema: str | dict | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if isinstance(self.stop_token_ids, int):
+            self.stop_token_ids = [self.stop_token_ids]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_regex = stop_regex_patterns(self.stop_regex)
+        if self.top_k in (0, None):
+            self.top_k = TOP_K_ALL
+        self._check()
+
+    def _check(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"invalid sampling params: {message}")
+
+        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+             f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        need(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
+             f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
+        need(self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
+        need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        need(isinstance(self.top_k, int) and (self.top_k == TOP_K_ALL or self.top_k >= 1),
+             f"top_k must be -1 (all) or >= 1, got {self.top_k!r}")
+        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        need(-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(-2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        need(0.0 < self.repetition_penalty <= 2.0,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        need(isinstance(self.n, int) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
+        need(all(isinstance(s, str) for s in self.stop), "stop must be a string or list of strings")
+        need(all(isinstance(t, int) for t in self.stop_token_ids),
+             "stop_token_ids must be a list of ints")
+        need(self.seed is None or isinstance(self.seed, int),
+             f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+        """Parameters from a request's dict (SGLang's `sampling_params`); unknown keys are
+        rejected with the list of known ones."""
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, dict):
+            raise InvalidRequestError(
+                f"sampling_params must be a dict, got {type(params).__name__}")
+        unknown = sorted(set(params) - set(SAMPLING_PARAM_NAMES))
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling params {unknown}; known: {sorted(SAMPLING_PARAM_NAMES)}")
+        try:
+            return cls(**params)
+        except TypeError as error:
+            raise InvalidRequestError(f"invalid sampling params: {error}") from None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+SAMPLING_PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+
+
+def default_sampling_params() -> dict[str, Any]:
+    """Every sampling parameter's default, in a new dict (its lists are new too)."""
+    defaults = SamplingParams()
+    return {name: getattr(defaults, name) for name in SAMPLING_PARAM_NAMES}
+
+
+# Logprob options travel beside the sampling parameters (SGLang's `generate` arguments).
+LOGPROB_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0})
+LOGPROB_PARAM_NAMES: tuple[str, ...] = tuple(LOGPROB_DEFAULTS)
+
+# One line per parameter (sampling and logprob options), for help texts.
+PARAM_HELP: dict[str, str] = {
+    "max_new_tokens": "most tokens to generate",
+    "min_new_tokens": "fewest tokens to generate before EOS or a stop may end the output",
+    "temperature": "softmax temperature; 0 is greedy",
+    "top_p": "sample from the smallest set of tokens whose probability reaches top_p",
+    "top_k": "sample from the k most likely tokens; -1 is all",
+    "min_p": "drop tokens less likely than min_p times the most likely one",
+    "frequency_penalty": "subtract this times a token's count in the output so far (-2 to 2)",
+    "presence_penalty": "subtract this from tokens already in the output (-2 to 2)",
+    "repetition_penalty": "scale logits of tokens seen in prompt or output; > 1 discourages them",
+    "stop": "strings that end the output (not included in it)",
+    "stop_token_ids": "token ids that end the output",
+    "stop_regex": "regexes whose first match ends the output (cut before it)",
+    "ignore_eos": "keep generating after the end-of-sequence token",
+    "skip_special_tokens": "leave special tokens out of the text",
+    "n": "number of samples of the same prompt",
+    "seed": "random seed of this request's sampling (sample i uses seed + i)",
+    "regex": "the output must match this regex",
+    "json_schema": "the output must be JSON valid under this schema",
+    "return_logprob": "return the log-probabilities of prompt and output tokens",
+    "logprob_start_len": "first prompt position whose logprob is returned; -1 is none",
+    "top_logprobs_num": "also return this many most likely tokens at each position",
+}
+
+
+def param_help(name: str) -> str:
+    """`name`'s description with its default, e.g. for a command-line option's help."""
+    default = {**default_sampling_params(), **LOGPROB_DEFAULTS}[name]
+    return f"{PARAM_HELP[name]} (default {default!r})"

@@ -1,0 +1,218 @@
+"""`lmnb.params`: the one definition of the sampling parameters (validation, names, defaults, help),
+importable without torch, and the DSL's use of it (gen arguments, run defaults, LocalBackend)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+import lmnb
+from lmnb import gen
+from lmnb.lang.backends.local import LocalBackend
+from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
+from lmnb.lang.program import RUN_DEFAULTS, SAMPLING_DEFAULT_KEYS
+from lmnb.params import (
+    LOGPROB_DEFAULTS,
+    LOGPROB_PARAM_NAMES,
+    PARAM_HELP,
+    SAMPLING_PARAM_NAMES,
+    InvalidRequestError,
+    SamplingParams,
+    default_sampling_params,
+    param_help,
+)
+
+
+def test_import_needs_no_torch() -> None:
+    code = "import lmnb.params, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_runtime_core_re_exports_the_same_classes() -> None:
+    from lmnb.runtime import core
+
+    assert core.SamplingParams is SamplingParams
+    assert core.InvalidRequestError is InvalidRequestError
+    assert issubclass(InvalidRequestError, ValueError)
+
+
+# ---- validation --------------------------------------------------------------------------------
+BAD_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
+    "max-negative": ({"max_new_tokens": -1}, "max_new_tokens must be an int >= 0, got -1"),
+    "max-float": ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 0, got 2.5"),
+    "min-over-max": ({"min_new_tokens": 5, "max_new_tokens": 4},
+                     "min_new_tokens (5) > max_new_tokens (4)"),
+    "temperature": ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    "top-p-zero": ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    "top-k": ({"top_k": -2}, "top_k must be -1 (all) or >= 1, got -2"),
+    "min-p": ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+    "frequency": ({"frequency_penalty": 3.0}, "frequency_penalty must be in [-2, 2], got 3.0"),
+    "presence": ({"presence_penalty": -3.0}, "presence_penalty must be in [-2, 2], got -3.0"),
+    "repetition": ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2], got 0.0"),
+    "n": ({"n": 0}, "n must be an int >= 1, got 0"),
+    "stop": ({"stop": ["a", 3]}, "stop must be a string or list of strings"),
+    "stop-ids": ({"stop_token_ids": ["x"]}, "stop_token_ids must be a list of ints"),
+    "seed": ({"seed": "7"}, "seed must be an int, got '7'"),
+    "stop-regex": ({"stop_regex": ["ok", "(unclosed"]}, "stop_regex '(unclosed' is not a regex"),
+    "stop-regex-type": ({"stop_regex": [1]}, "stop_regex must be a string or a list of strings"),
+}
+
+
+@pytest.mark.parametrize("params, message", BAD_PARAMS.values(), ids=BAD_PARAMS.keys())
+def test_invalid_params_say_what_is_wrong(params: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequestError, match="^invalid sampling params: ") as info:
+        SamplingParams.from_dict(params)
+    assert message in str(info.value)
+
+
+def test_from_dict_rejects_unknown_keys_and_lists_the_known_ones() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams.from_dict({"temperature": 0.5, "max_tokens": 3, "stop_regexp": "x"})
+    message = str(info.value)
+    assert message.startswith("unknown sampling params ['max_tokens', 'stop_regexp']; known: ")
+    assert all(name in message for name in SAMPLING_PARAM_NAMES)
+    with pytest.raises(InvalidRequestError, match="sampling_params must be a dict, got list"):
+        SamplingParams.from_dict([("temperature", 0.5)])  # type: ignore[arg-type]
+
+
+def test_from_dict_builds_and_passes_through() -> None:
+    assert SamplingParams.from_dict(None) == SamplingParams()
+    params = SamplingParams(temperature=0.0)
+    assert SamplingParams.from_dict(params) is params
+    built = SamplingParams.from_dict({"temperature": 0.0, "stop": "END", "stop_token_ids": 7,
+                                      "top_k": 0})
+    assert (built.stop, built.stop_token_ids, built.top_k) == (["END"], [7], -1)
+    assert built.is_greedy and not built.has_penalties
+    assert SamplingParams(top_k=1).is_greedy and not SamplingParams().is_greedy
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(presence_penalty=0.5).has_penalties
+
+
+@pytest.mark.parametrize("given, patterns", [
+    (None, []),
+    ("a+b", ["a+b"]),
+    (["x", r"\d+"], ["x", r"\d+"]),
+    (("x", ""), ["x"]),  # empty patterns would match everywhere: dropped, as empty stops are
+    ([], []),
+])
+def test_stop_regex_is_normalised_to_a_list_of_patterns(given: Any, patterns: list[str]) -> None:
+    assert SamplingParams(stop_regex=given).stop_regex == patterns
+    assert SamplingParams.from_dict({"stop_regex": given}).stop_regex == patterns
+
+
+# ---- names, defaults, help ---------------------------------------------------------------------
+def test_names_defaults_and_help_cover_every_parameter() -> None:
+    assert SAMPLING_PARAM_NAMES == tuple(f.name for f in fields(SamplingParams))
+    assert "stop_regex" in SAMPLING_PARAM_NAMES
+    defaults = default_sampling_params()
+    assert tuple(defaults) == SAMPLING_PARAM_NAMES
+    assert SamplingParams(**defaults) == SamplingParams()
+    # SGLang's defaults
+    assert {k: defaults[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                                     "repetition_penalty", "n", "skip_special_tokens")} == {
+        "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+        "repetition_penalty": 1.0, "n": 1, "skip_special_tokens": True}
+    assert dict(LOGPROB_DEFAULTS) == {"return_logprob": False, "logprob_start_len": -1,
+                                      "top_logprobs_num": 0}
+    assert set(PARAM_HELP) == set(SAMPLING_PARAM_NAMES) | set(LOGPROB_PARAM_NAMES)
+    assert all(text and "\n" not in text for text in PARAM_HELP.values())
+    assert param_help("top_k") == f"{PARAM_HELP['top_k']} (default -1)"
+
+
+def test_defaults_are_fresh_each_time() -> None:
+    first = default_sampling_params()
+    first["stop"].append("X")
+    first["temperature"] = 0.0
+    assert default_sampling_params()["stop"] == [] and SamplingParams().stop == []
+    assert default_sampling_params()["temperature"] == 1.0
+
+
+# ---- the DSL uses the same vocabulary ----------------------------------------------------------
+def test_gen_arguments_are_params_names_and_run_defaults_are_the_runtimes() -> None:
+    assert set(GEN_PARAM_NAMES) <= set(SAMPLING_PARAM_NAMES) | set(LOGPROB_PARAM_NAMES)
+    assert set(SAMPLING_DEFAULT_KEYS) <= set(GEN_PARAM_NAMES)
+    assert "stop_regex" in SAMPLING_DEFAULT_KEYS
+    defaults = default_sampling_params()
+    for name, value in RUN_DEFAULTS.set_values().items():
+        assert value == defaults[name], name
+    assert RUN_DEFAULTS.temperature == 1.0 and RUN_DEFAULTS.max_new_tokens == 128
+
+
+def test_gen_keeps_stops_as_tuples_so_its_node_is_hashable() -> None:
+    node = gen("a", stop_regex=["x+", r"\d"], stop=["END", "\n"], stop_token_ids=[5])
+    hash(node)
+    params = node.params  # type: ignore[attr-defined]
+    assert params.stop_regex == ("x+", r"\d")
+    assert (params.stop, params.stop_token_ids) == (("END", "\n"), (5,))
+    assert gen("a", stop_regex="x+").params.stop_regex == ("x+",)  # type: ignore[attr-defined]
+    assert gen("a", stop_regex="").params.stop_regex is None  # type: ignore[attr-defined]
+    assert GenParams(stop={"only"}).stop == ("only",)
+    with pytest.raises(InvalidRequestError, match="stop_regex '\\[' is not a regex"):
+        gen("a", stop_regex=["ok", "["])
+
+
+class FakeRuntime:
+    """`Runtime.generate(stream=True)` without a model: streams `pieces`, records the call."""
+
+    tokenizer = None
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+        self.calls: list[dict[str, Any]] = []
+        self.closed = False
+
+    def generate(self, prompt: str, sampling_params: dict[str, Any], **kwargs: Any
+                 ) -> Iterator[dict[str, Any]]:
+        SamplingParams.from_dict(sampling_params)  # what the runtime accepts
+        self.calls.append({"prompt": prompt, "sampling_params": sampling_params, **kwargs})
+        return self._chunks()
+
+    def _chunks(self) -> Iterator[dict[str, Any]]:
+        try:
+            for i, piece in enumerate(self.pieces):
+                last = i == len(self.pieces) - 1
+                yield {"text": piece, "meta_info": {
+                    "finish_reason": {"type": "length", "length": len(self.pieces)} if last
+                    else None}}
+        finally:
+            self.closed = True
+
+
+def test_local_backend_sends_every_sampling_parameter_but_stop_regex() -> None:
+    values = {"max_new_tokens": 9, "min_new_tokens": 2, "n": 1, "stop": ("END",),
+              "stop_token_ids": (4, 5), "stop_regex": ("z",), "temperature": 0.5, "top_p": 0.9,
+              "top_k": 3, "min_p": 0.1, "frequency_penalty": 0.2, "presence_penalty": 0.3,
+              "ignore_eos": True, "return_logprob": True, "logprob_start_len": 1,
+              "top_logprobs_num": 2, "regex": "[a-z]+", "json_schema": None}
+    assert set(values) == set(GEN_PARAM_NAMES)  # a new gen argument needs a line here
+    sampling = LocalBackend(FakeRuntime([])).sampling_params(GenParams(**values))
+    expected = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()
+                if k in SAMPLING_PARAM_NAMES and k != "stop_regex" and v is not None}
+    assert sampling == expected
+    SamplingParams.from_dict(sampling)
+
+
+def test_a_list_of_stop_regexes_cuts_at_the_first_match_of_any() -> None:
+    runtime = FakeRuntime(["ab1", "2cd", "efg"])
+
+    @lmnb.function
+    def stopped(s):
+        s += "Q: " + gen("a", stop_regex=["f+", r"\d{2}", "never"])
+        s += "|" + gen("b")
+
+    state = stopped.run(backend=LocalBackend(runtime), stop_regex=["cd"], temperature=0)
+    assert state["a"] == "ab"  # "12" starts before "f"
+    assert state.get_meta_info("a")["finish_reason"] == {"type": "stop", "matched": "12"}
+    assert state["b"] == "ab12"  # the run's default stop_regex
+    assert state.get_meta_info("b")["finish_reason"] == {"type": "stop", "matched": "cd"}
+    assert state.text() == "Q: ab|ab12"
+    assert runtime.closed  # the rest of the stream was closed (aborted)
+    assert all("stop_regex" not in call["sampling_params"] for call in runtime.calls)
+    assert runtime.calls[0]["sampling_params"]["temperature"] == 0
