@@ -185,7 +185,7 @@ class FakeRuntime:
             self.closed = True
 
 
-def test_local_backend_sends_every_sampling_parameter_but_stop_regex() -> None:
+def test_local_backend_sends_every_sampling_parameter() -> None:
     values = {"max_new_tokens": 9, "min_new_tokens": 2, "n": 1, "stop": ("END",),
               "stop_token_ids": (4, 5), "stop_regex": ("z",), "temperature": 0.5, "top_p": 0.9,
               "top_k": 3, "min_p": 0.1, "frequency_penalty": 0.2, "presence_penalty": 0.3,
@@ -194,7 +194,7 @@ def test_local_backend_sends_every_sampling_parameter_but_stop_regex() -> None:
     assert set(values) == set(GEN_PARAM_NAMES)  # a new gen argument needs a line here
     sampling = LocalBackend(FakeRuntime([])).sampling_params(GenParams(**values))
     expected = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()
-                if k in SAMPLING_PARAM_NAMES and k != "stop_regex" and v is not None}
+                if k in SAMPLING_PARAM_NAMES and v is not None}
     assert sampling == expected
     SamplingParams.from_dict(sampling)
 
@@ -214,5 +214,5 @@ def test_a_list_of_stop_regexes_cuts_at_the_first_match_of_any() -> None:
     assert state.get_meta_info("b")["finish_reason"] == {"type": "stop", "matched": "cd"}
     assert state.text() == "Q: ab|ab12"
     assert runtime.closed  # the rest of the stream was closed (aborted)
-    assert all("stop_regex" not in call["sampling_params"] for call in runtime.calls)
+    assert runtime.calls[0]["sampling_params"]["stop_regex"] == ["f+", r"\d{2}", "never"]
     assert runtime.calls[0]["sampling_params"]["temperature"] == 0

@@ -9,7 +9,7 @@ import torch
 
 from lmnb.runtime.core import Req, SamplingParams
 from lmnb.runtime.engine import Runtime
-from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
+from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.radix.cache import RadixCache
 
@@ -127,9 +127,8 @@ def test_disabled_cache_reports_no_hits(folder, reference):
 # ---- policies ---------------------------------------------------------------------------------
 
 def _cache_with(keys: list[list[int]]) -> RadixCache:
-    pool = TokenToKVPool(256, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32,
-                         device=torch.device("cpu"))
-    cache = RadixCache(ReqToTokenPool(4, 64, torch.device("cpu")), pool)
+    pool = KVAllocator(256, torch.device("cpu"))
+    cache = RadixCache(pool)
     for key in keys:
         cache.insert(key, pool.alloc(len(key)))
     return cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import re
 import shutil
 import signal
 import threading
@@ -247,6 +248,25 @@ def test_eos_from_generation_config(rt: Runtime, model_dir: Path, tmp_path: Path
         assert late["output_ids"][j] != eos
         assert len(late["output_ids"]) >= j + 1
         eos_rt.check_integrity()
+
+
+def test_stop_regex_ends_generation_and_cuts_the_text(rt: Runtime) -> None:
+    prompt = PROMPTS[5]
+    g = greedy_ids(rt, prompt, 24)
+    text = rt.tokenizer.decode(g, skip_special_tokens=True)
+    word = next(w for w in text.split() if w.isalpha() and len(w) >= 3)
+    pattern = f"{word[0]}[a-z]{{{len(word) - 2}}}{word[-1]}"
+    at = re.search(pattern, text).start()
+    out = rt.generate(prompt, {"temperature": 0.0, "max_new_tokens": 24,
+                               "stop_regex": ["zzzq", pattern]})
+    assert out["text"] == text[:at]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert re.fullmatch(pattern, out["meta_info"]["finish_reason"]["matched"])
+    n = len(out["output_ids"])
+    assert out["output_ids"] == g[:n] and n < 24  # generation stopped at the match
+    assert re.search(pattern, rt.tokenizer.decode(g[:n], skip_special_tokens=True))
+    assert not re.search(pattern, rt.tokenizer.decode(g[:n - 1], skip_special_tokens=True))
+    rt.check_integrity()
 
 
 def test_stop_string_across_token_boundary(rt: Runtime) -> None:

@@ -194,7 +194,7 @@ class Runtime:
             cache.reset()
             return True
 
-        return scheduler.call(flush)
+        return self._scheduler.call(flush)
 
     def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
         """The radix tree as plain data (node id, parent, token count, text preview, lock_ref,
@@ -252,7 +252,7 @@ class Runtime:
             self._outputs.register(output, state.rid, tokenizer=self.tokenizer,
                                    prompt_ids=state.origin_input_ids,
                                    skip_special_tokens=params.skip_special_tokens,
-                                   stop=params.stop)
+                                   stop=params.stop, stop_regex=params.stop_regex)
         for state in states:
             self._scheduler.submit(state)
         if stream:

@@ -11,11 +11,11 @@ from lmnb.lang.backends.base import Generation, ProgramAborted
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
 from lmnb.params import SAMPLING_PARAM_NAMES
+from lmnb.runtime.output.stop import first_stop_regex_match
 
-# A gen's sampling parameters go to the runtime as they are, except stop_regex: it is enforced on
-# the stream below.
-_SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES
-                       if k in SAMPLING_PARAM_NAMES and k != "stop_regex")
+# A gen's sampling parameters go to the runtime as they are. The runtime ends a request on a
+# stop_regex match; text streamed before the match completed is cut here.
+_SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES if k in SAMPLING_PARAM_NAMES)
 
 
 class LocalBackend:
@@ -34,7 +34,7 @@ class LocalBackend:
                  on_delta: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None) -> Generation:
         n = params.n or 1
-        stop_regex = [re.compile(p) for p in params.stop_regex or ()] if n == 1 else []
+        stop_regex = [re.compile(p) for p in params.stop_regex or ()]
         chunks = self.runtime.generate(
             prompt, self.sampling_params(params), return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
@@ -50,15 +50,15 @@ class LocalBackend:
                 texts[index] += chunk["text"]
                 if chunk["meta_info"].get("finish_reason") is not None:
                     metas[index] = chunk["meta_info"]
-                match = _first_match(stop_regex, texts[0])
+                match = first_stop_regex_match(stop_regex, texts[index])
                 if match:
-                    texts[0] = texts[0][:match.start()]
-                    metas[0] = {**chunk["meta_info"],
-                                "finish_reason": {"type": "stop", "matched": match.group()}}
+                    texts[index] = texts[index][:match.start()]
+                    metas[index] = {**chunk["meta_info"],
+                                    "finish_reason": {"type": "stop", "matched": match.group()}}
                 if n == 1 and on_delta is not None and len(texts[0]) > streamed:
                     on_delta(texts[0][streamed:])
                     streamed = len(texts[0])
-                if match:
+                if match and n == 1:
                     break
         finally:
             chunks.close()  # aborts whatever is still running
@@ -76,8 +76,3 @@ class LocalBackend:
         if prompt:
             self.runtime.cache_prefix(prompt)
 
-
-def _first_match(patterns: list[re.Pattern], text: str) -> re.Match | None:
-    """The match that starts first among `patterns` in `text`."""
-    matches = [m for m in (p.search(text) for p in patterns) if m is not None]
-    return min(matches, key=lambda m: m.start(), default=None)

@@ -4,6 +4,7 @@ into text deltas (one `IncrementalDetokenizer` per request) and delivers chunks 
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from typing import Any
 
 from lmnb.runtime.output.detokenizer import Decoder, IncrementalDetokenizer
 from lmnb.runtime.output.events import TokenEvent
+from lmnb.runtime.output.stop import first_stop_regex_match
 from lmnb.runtime.output.stream import Chunk, OutputStream
 
 
@@ -23,6 +25,7 @@ class _Registration:
     prompt_ids: list[int]
     skip_special_tokens: bool
     stop: tuple[str, ...]
+    stop_regex: tuple[str, ...]
     created_at: float
 
 
@@ -37,6 +40,7 @@ class _RequestOutput:
     output_ids: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # text delivered (or, whole, to deliver)
     skip: int = 0  # characters of the detokenizer's coming text that were already delivered
+    stop_regex: list[re.Pattern] = field(default_factory=list)
 
 
 def _stopped_on_id(reason: dict[str, Any] | None, ids: list[int]) -> bool:
@@ -61,11 +65,12 @@ class OutputProcessor:
     # ---- called from other threads ---------------------------------------------------------------
     def register(self, stream: OutputStream, rid: Any, *, tokenizer: Decoder,
                  prompt_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: Sequence[str] = ()) -> None:
+                 stop: Sequence[str] = (), stop_regex: Sequence[str] = ()) -> None:
         """Announces request `rid` (one of `stream.rids`); call before the scheduler may emit for
         it: registrations and events share one FIFO."""
         self._inbox.put(_Registration(rid, stream, tokenizer, list(prompt_ids),
-                                      skip_special_tokens, tuple(stop), time.perf_counter()))
+                                      skip_special_tokens, tuple(stop), tuple(stop_regex),
+                                      time.perf_counter()))
 
     def put(self, events: list[TokenEvent]) -> None:
         """The scheduler's one call per step (cheap: a queue put)."""
@@ -112,6 +117,7 @@ class OutputProcessor:
         if isinstance(item, _Registration):
             self._requests[item.rid] = _RequestOutput(
                 stream=item.stream, prompt_ids=item.prompt_ids, created_at=item.created_at,
+                stop_regex=[re.compile(p) for p in item.stop_regex],
                 detokenizer=IncrementalDetokenizer(
                     item.tokenizer, item.prompt_ids,
                     skip_special_tokens=item.skip_special_tokens, stop=item.stop))
@@ -154,6 +160,8 @@ class OutputProcessor:
             taken = min(state.skip, len(delta))
             state.skip -= taken
             delta = delta[taken:]
+        if reason is not None and state.stop_regex and reason.get("type") == "stop":
+            delta = self._cut_at_stop_regex(state, delta)
         if delta:
             state.pieces.append(delta)
         stream = state.stream
@@ -174,6 +182,18 @@ class OutputProcessor:
         if stream.tagged:
             chunk["index"] = stream.index[event.rid]
         return chunk
+
+    @staticmethod
+    def _cut_at_stop_regex(state: _RequestOutput, delta: str) -> str:
+        """The text ends where the scheduler's stop regex matched (the same rule on the same
+        text); text already streamed before the match completed stays streamed."""
+        delivered = "".join(state.pieces)
+        match = first_stop_regex_match(state.stop_regex, delivered + delta)
+        if match is None:
+            return delta
+        if not state.stream.incremental:
+            state.pieces = [delivered[:match.start()]]
+        return delta[:max(match.start() - len(delivered), 0)]
 
     @staticmethod
     def _replace(state: _RequestOutput) -> str:

@@ -9,6 +9,7 @@ start of the output, so both see the same text.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from lmnb.runtime.output.detokenizer import Decoder
@@ -58,3 +59,11 @@ def stop_string_hit(tokenizer: Decoder, prompt_tail_ids: Sequence[int],
         if i != -1 and (best is None or (i + len(s), i) < best):
             best, which = (i + len(s), i), s
     return which
+
+
+def first_stop_regex_match(patterns: Sequence[re.Pattern], text: str,
+                           start: int = 0) -> re.Match | None:
+    """The earliest match of any `stop_regex` pattern in `text[start:]`: the scheduler ends the
+    request on it and the output processor cuts the text at its start."""
+    matches = [m for m in (p.search(text, start) for p in patterns) if m is not None]
+    return min(matches, key=lambda m: m.start(), default=None)

@@ -3,7 +3,7 @@ a completed or dead grammar, the length limit.
 
 Text rules need text: only requests with stop strings or a stop_regex decode on the scheduler
 thread (`StopText`); everyone else's text is made off the critical path by the output processor,
-which applies the same rules to the same text (`first_stop_regex_match`), so both agree.
+which applies the same rules to the same text, so both agree.
 """
 
 from __future__ import annotations
@@ -13,15 +13,9 @@ from typing import Any
 
 from lmnb.runtime.core import SamplingParams, finish_length, finish_stop
 from lmnb.runtime.output.detokenizer import IncrementalDetokenizer
+from lmnb.runtime.output.stop import first_stop_regex_match
 
 STOP_REGEX_WINDOW = 256  # characters before the new text that a stop_regex match may start in
-
-
-def first_stop_regex_match(patterns: list[re.Pattern], text: str,
-                           start: int = 0) -> re.Match | None:
-    """The earliest match of any pattern in `text[start:]`."""
-    matches = [m for m in (p.search(text, start) for p in patterns) if m is not None]
-    return min(matches, key=lambda m: m.start(), default=None)
 
 
 class StopText:
@@ -32,12 +26,12 @@ class StopText:
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
             stop=params.stop)
-        self.patterns = [re.compile(p) for p in (getattr(params, "stop_regex", None) or [])]
+        self.patterns = [re.compile(p) for p in (params.stop_regex)]
         self.matched: str | None = None
 
     @staticmethod
     def wanted(params: SamplingParams) -> bool:
-        return bool(params.stop or getattr(params, "stop_regex", None))
+        return bool(params.stop or params.stop_regex)
 
     def add(self, ids: list[int]) -> None:
         before = len(self.detokenizer.text)
