@@ -294,6 +294,7 @@ class _FakeStats:
         self.calls = 0
         self.closed = False
         self.flaky = False
+        self.failed = False
 
     def stats(self) -> dict[str, Any]:
         if self.closed or self.flaky:
