@@ -686,26 +686,43 @@ def test_abort_frees_the_runtime_request(rt):
     assert_usable(rt)
 
 
+class InterruptingBackend(LocalBackend):
+    """At its first streamed text, interrupts the main thread and holds the program until the
+    interrupt has aborted it: the run cannot end before the interrupt lands."""
+
+    def __init__(self, runtime: lmnb.Runtime) -> None:
+        super().__init__(runtime)
+        self.interrupted = threading.Event()
+        self.cancelled = False
+
+    def generate(self, prompt: str, params: GenParams, *,
+                 on_delta: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None) -> Generation:
+        def delta(text: str) -> None:
+            if not self.interrupted.is_set():
+                self.interrupted.set()
+                _thread.interrupt_main()
+                self.cancelled = cancel.wait(60)  # only a broken abort waits this long
+            if on_delta is not None:
+                on_delta(text)
+
+        return super().generate(prompt, params, on_delta=delta, cancel=cancel)
+
+
 def test_keyboard_interrupt_aborts_a_blocking_run(rt):
+    states = []
+
     @lmnb.function
     def long(s):
+        states.append(s)
         s += PROMPT + gen("long", max_tokens=480, ignore_eos=True)
 
-    def interrupt_when_running() -> None:
-        deadline = time.monotonic() + 10
-        while rt.stats()["running"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        _thread.interrupt_main()
-
-    generated = rt.stats()["generated_tokens"]
-    thread = threading.Thread(target=interrupt_when_running)
-    thread.start()
+    backend = InterruptingBackend(rt)
     with pytest.raises(KeyboardInterrupt):
-        long.run(backend=rt)
-    thread.join()
-    wait_idle(rt)
-    assert rt.stats()["generated_tokens"] - generated < 480  # cut short
-    wait_idle(rt)
+        long.run(backend=backend)
+    assert backend.interrupted.is_set() and backend.cancelled
+    assert isinstance(states[0].error(), ProgramAborted)
+    wait_idle(rt)  # the runtime's request is aborted (or done): its KV is released
     assert rt.stats()["protected_tokens"] == 0
     assert_usable(rt)
 

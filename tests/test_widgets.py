@@ -89,7 +89,7 @@ def test_fork_view_streams_branches_until_done(rt):
     for branch, fork in zip(view.branches, forks, strict=True):
         assert branch["status"] == "done" and branch["error"] is None
         assert branch["parent"] == state.state_id
-        start = fork._executor.fork_point
+        start = fork.executor.fork_point
         assert "".join(seg["text"] for seg in branch["segments"]) == fork.text()[start:]
         marked = [seg for seg in branch["segments"] if seg["var"] is not None]
         assert marked == [{"text": fork["idea"], "var": "idea"}]
@@ -104,7 +104,7 @@ def test_fork_view_streams_branches_until_done(rt):
     assert "branch 3 (done)" in text and f"[idea: {forks[0]['idea']}" in text
     assert view._repr_mimebundle_()[0]["text/plain"] == text
     view.close()
-    assert state._run.observer is None
+    assert state.run.observer is None
 
 
 @lmnb.function
@@ -128,7 +128,7 @@ def test_fork_view_nested_forks_and_errors(rt):
     state = nested.run(backend=rt, stream=True, **GREEDY)
     view = ForkView(state)
     state.sync()
-    for executor in state._run.executors:
+    for executor in state.run.executors:
         executor.sync()
     view.refresh()
     by_label = {b["label"]: b for b in view.branches}
@@ -294,6 +294,7 @@ class _FakeStats:
         self.calls = 0
         self.closed = False
         self.flaky = False
+        self.failed = False
 
     def stats(self) -> dict[str, Any]:
         if self.closed or self.flaky:

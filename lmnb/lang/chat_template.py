@@ -1,15 +1,20 @@
-"""Role begin/end text from the tokenizer's own jinja chat template (a plain fallback without one).
+"""Role begin/end text from the model's own jinja chat template (a plain fallback without one).
 
 The template is rendered with a sentinel as the message content; what precedes the sentinel is the
 role's prefix and what follows is its suffix. The first message may differ (templates insert a
-default system prompt or BOS there), so it is rendered separately.
+default system prompt there), so it is rendered separately. Rendering goes through the backend's
+`render` (a Runtime's `apply_chat_template`), so roles and chat prompts share one implementation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+# (messages, add_generation_prompt) -> prompt text, e.g. `Runtime.apply_chat_template`
+ChatRender = Callable[[list[dict[str, str]], bool], str]
 
 _SENTINEL = "\x1eLMNB_CONTENT\x1e"
 _FILLER = "\x1eLMNB_FILLER\x1e"
@@ -22,11 +27,15 @@ class RoleText:
 
 
 class ChatTemplate:
-    """`role_text(role, first=...)` gives the text around a message of that role."""
+    """`role_text(role, first=...)` gives the text around a message of that role.
 
-    def __init__(self, tokenizer: Any = None) -> None:
+    `render` applies the template (default: `lmnb.runtime.chat.apply_chat_template` over
+    `tokenizer`); `tokenizer` also tokenizes the end-of-turn marker."""
+
+    def __init__(self, tokenizer: Any = None, *, render: ChatRender | None = None) -> None:
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.render = render or self._render_with_tokenizer
         self._role_text = lru_cache(maxsize=None)(self._compute_role_text)
 
     def role_text(self, role: str, *, first: bool) -> RoleText:
@@ -45,8 +54,15 @@ class ChatTemplate:
         return [suffix], []
 
     # ---- rendering ------------------------------------------------------------------------
+    def _render_with_tokenizer(self, messages: list[dict[str, str]],
+                               add_generation_prompt: bool) -> str:
+        from lmnb.runtime.chat import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, messages,
+                                   add_generation_prompt=add_generation_prompt)
+
     def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return self.render(messages, False)
 
     def _compute_role_text(self, role: str, first: bool) -> RoleText:
         if not self.has_template:
@@ -67,8 +83,6 @@ class ChatTemplate:
             raise ValueError(f"the chat template cannot render a {role!r} message here: "
                              f"{error}") from error
         prefix, _, suffix = text.partition(_SENTINEL)
-        if first:
-            prefix = self._strip_auto_bos(prefix)
         return RoleText(prefix, suffix)
 
     @staticmethod
@@ -76,12 +90,3 @@ class ChatTemplate:
         if role == "assistant":
             return [{"role": "user", "content": _FILLER}]
         return [{"role": "user", "content": _FILLER}, {"role": "assistant", "content": _FILLER}]
-
-    def _strip_auto_bos(self, prefix: str) -> str:
-        """The runtime's tokenizer adds BOS itself; a template's BOS text would double it."""
-        bos = getattr(self.tokenizer, "bos_token", None)
-        if not bos or not prefix.startswith(bos):
-            return prefix
-        ids = self.tokenizer.encode("a", add_special_tokens=True)
-        adds_bos = bool(ids) and ids[0] == self.tokenizer.bos_token_id
-        return prefix[len(bos):] if adds_bos else prefix

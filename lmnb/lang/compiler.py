@@ -42,11 +42,12 @@ from lmnb.lang.ir import (
 )
 from lmnb.lang.program import (
     Program,
+    ProgramRun,
     ProgramState,
-    _run_defaults,
     as_backend,
     batch_defaults,
     run_all,
+    run_defaults,
 )
 from lmnb.lang.tracer import Fork, Ref, TracedProgram, refs_of, substitute, trace_program
 
@@ -287,7 +288,7 @@ class CompiledProgram:
         self._signature = inspect.signature(program.func)
 
     def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict, dict]:
-        arguments, sampling = self.program._split(args, kwargs)
+        arguments, sampling = self.program.split_arguments(args, kwargs)
         for name, value in self.program.bound.items():
             if arguments[name] is not value:
                 raise TypeError(f"{self.__name__}: {name!r} was bound when the program was "
@@ -309,12 +310,12 @@ class CompiledProgram:
         arguments named like sampling parameters are the defaults of every `gen`, as in
         `Program.run`."""
         arguments, sampling = self._arguments(args, kwargs)
-        return self._execute(as_backend(backend), arguments, _run_defaults(sampling), stream)
+        return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream)
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
-                 stream: bool) -> ProgramState:
+                 stream: bool, run: ProgramRun | None = None) -> ProgramState:
         root = GraphExecutor(backend, defaults=defaults, stream=stream)
-        state = ProgramState(root)
+        state = ProgramState(root, run)
         run = _GraphRun(self._plan, arguments, state)
         if not self._plan.ret.reads:
             state.ret_value = run.resolve(self._plan.ret.node, (), root)
@@ -335,7 +336,8 @@ class CompiledProgram:
             return []
         return run_all(self.__name__, backend, self.traced.constant_text(backend.chat_template),
                        batch,
-                       lambda arguments: self._execute(backend, arguments, defaults, stream=False),
+                       lambda arguments, run: self._execute(backend, arguments, defaults,
+                                                            stream=False, run=run),
                        num_threads=num_threads, progress_bar=progress_bar)
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:

@@ -92,12 +92,12 @@ class StreamExecutor:
 
     def sync(self) -> None:
         """Waits until everything submitted so far has run."""
-        if not self._worker.is_alive():
+        if not self.alive:
             return
         done = threading.Event()
         self._queue.put(done)
         while not done.wait(_POLL):
-            if not self._worker.is_alive():
+            if not self.alive:
                 return
 
     def close(self) -> None:
@@ -192,6 +192,16 @@ class StreamExecutor:
     def idle(self) -> bool:
         """Nothing submitted is waiting or running."""
         return self._closed or not self._queue.unfinished_tasks
+
+    @property
+    def alive(self) -> bool:
+        """The worker thread still runs (it stops once closed and drained)."""
+        return self._worker.is_alive()
+
+    @property
+    def streaming(self) -> tuple[str | None, int] | None:
+        """(variable, start in `text_`) of the gen streaming now, or None."""
+        return self._streaming
 
     def _emit(self, kind: str, **data: Any) -> None:
         observer = self.observer

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any
 
 from lmnb.lang import api
 from lmnb.lang.backends.base import Backend
-from lmnb.lang.interpreter import JoinBranches, StreamExecutor
+from lmnb.lang.interpreter import JoinBranches, Observer, StreamExecutor
 from lmnb.lang.ir import (
     GEN_PARAM_NAMES,
     CommitPrefix,
@@ -42,6 +43,8 @@ SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES if k not in ("n", "rege
 RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
                             if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})
 _JOIN_MODES = ("gather_variable", "concat_and_append")
+_ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistant}
+_POLL = 0.05  # seconds between checks while run_batch waits, so that Ctrl-C gets through
 
 _default_backend: Backend | None = None
 
@@ -77,10 +80,10 @@ def batch_defaults(sampling: dict[str, Any]) -> GenParams:
     unknown = sorted(set(sampling) - set(SAMPLING_DEFAULT_KEYS))
     if unknown:
         raise TypeError(f"run_batch got unknown keyword arguments {unknown}")
-    return _run_defaults(sampling)
+    return run_defaults(sampling)
 
 
-def _run_defaults(sampling: dict[str, Any]) -> GenParams:
+def run_defaults(sampling: dict[str, Any]) -> GenParams:
     values = dict(sampling)
     for key in ("stop", "stop_token_ids"):
         if isinstance(values.get(key), str | int):
@@ -91,15 +94,20 @@ def _run_defaults(sampling: dict[str, Any]) -> GenParams:
 
 
 def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]],
-            execute: Callable[[dict[str, Any]], ProgramState], *, num_threads: int | str,
-            progress_bar: bool) -> list[ProgramState]:
-    """`run_batch`'s engine: caches the shared `prefix` once, then runs `execute` on every
-    argument dict on a thread pool (tqdm progress bar), returning the states in order."""
+            execute: Callable[[dict[str, Any], ProgramRun], ProgramState], *,
+            num_threads: int | str, progress_bar: bool) -> list[ProgramState]:
+    """`run_batch`'s engine: caches the shared `prefix` once, then runs `execute(arguments, run)`
+    on every argument dict on a thread pool (tqdm progress bar), returning the states in order.
+
+    If the waiting thread is interrupted (Ctrl-C) or a program's thread fails, programs not yet
+    started never start, every started program's requests are aborted, and the error is raised
+    at once: the threads settle on their own."""
     if prefix and len(batch) > 1:
         backend.cache_prefix(prefix)
     if num_threads == "auto":
         num_threads = max(96, (os.cpu_count() or 1) * 16)
     workers = max(1, min(int(num_threads), len(batch)))
+    runs = _BatchRuns()
     bar = None
     if progress_bar:
         from tqdm.auto import tqdm
@@ -107,16 +115,53 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
         bar = tqdm(total=len(batch), desc=name)
 
     def one(arguments: dict[str, Any]) -> ProgramState:
-        state = execute(arguments)
+        state = execute(arguments, runs.new_run())
         if bar is not None:
             bar.update(1)
         return state
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch") as pool:
-        states = list(pool.map(one, batch))
-    if bar is not None:
-        bar.close()
-    return states
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch")
+    try:
+        futures = [pool.submit(one, arguments) for arguments in batch]
+        pending = set(futures)
+        while pending:  # short waits: a blocked lock wait would not see a simulated Ctrl-C
+            done, pending = wait(pending, timeout=_POLL, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # raises a program thread's error here
+        return [future.result() for future in futures]
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        runs.abort()
+        raise
+    finally:
+        pool.shutdown(wait=False)
+        if bar is not None:
+            bar.close()
+
+
+class _BatchRuns:
+    """The runs of one `run_batch`; once aborted, runs made later start aborted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: list[ProgramRun] = []
+        self._aborted = False
+
+    def new_run(self) -> ProgramRun:
+        run = ProgramRun()
+        with self._lock:
+            self._runs.append(run)
+            aborted = self._aborted
+        if aborted:
+            run.abort()
+        return run
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            runs = list(self._runs)
+        for run in runs:
+            run.abort()
 
 
 class StateWriter:
@@ -148,7 +193,7 @@ class StateWriter:
 
     def _role(self, role: str, content: Any) -> Any:
         if content is not None:
-            self._submit(api._role(role, content))
+            self._submit(_ROLE_EXPRS[role](content))
             return None
         return self._role_scope(role)
 
@@ -166,12 +211,23 @@ class StateWriter:
 class ProgramState(StateWriter):
     """The `s` of a program: `+=` appends (never blocks), `s["var"]` waits for the value."""
 
-    def __init__(self, executor: StreamExecutor, run: _Run | None = None) -> None:
+    def __init__(self, executor: StreamExecutor, run: ProgramRun | None = None) -> None:
         self._executor = executor
-        self._run = run or _Run()
+        self._run = run or ProgramRun()
         self._run.add(executor)
         self.ret_value: Any = None
         weakref.finalize(self, executor.close)
+
+    @property
+    def executor(self) -> StreamExecutor:
+        """This state's executor: its fields (`text_`, `spans`, `variables`, `error`, `idle`)
+        are the live view, read without waiting for the program."""
+        return self._executor
+
+    @property
+    def run(self) -> ProgramRun:
+        """Every executor of this program run (this state, its forks and their forks)."""
+        return self._run
 
     # ---- writing -------------------------------------------------------------------------
     def _submit(self, expr: Expr) -> None:
@@ -243,18 +299,16 @@ class ProgramState(StateWriter):
         `concat_and_append` appends each branch's new text in order."""
         if mode not in _JOIN_MODES:
             raise ValueError(f"unknown join mode {mode!r}; use one of {_JOIN_MODES}")
-        branches = tuple(state._executor for state in forks)
+        branches = tuple(state.executor for state in forks)
         self._executor.submit(JoinBranches(branches, mode))
 
     def abort(self) -> None:
         self._run.abort()
 
-    def observe(self, observer: Any) -> None:
+    def observe(self, observer: Observer | None) -> None:
         """Calls `observer(kind, executor, data)` on this run's events (text deltas, finished
         variables, forks, errors) from the program's worker threads; used by live widgets."""
-        self._run.observer = observer
-        for executor in self._run.executors:
-            executor.observer = observer
+        self._run.observe(observer)
 
     @property
     def state_id(self) -> int:
@@ -310,29 +364,64 @@ class ProgramStateGroup:
         self.parent.join(self, mode)
 
 
-class _Run:
-    """Every executor of one program run, so that an interrupt aborts them all."""
+class ProgramRun:
+    """Every executor of one program run (root state and forks), so that an interrupt aborts
+    them all. Once aborted, executors added later (forks) are aborted as they are added."""
 
     def __init__(self) -> None:
-        self.executors: list[StreamExecutor] = []
-        self.observer = None
+        self._lock = threading.Lock()
+        self._executors: list[StreamExecutor] = []
+        self._observer: Observer | None = None
+        self._aborted = False
+
+    @property
+    def executors(self) -> tuple[StreamExecutor, ...]:
+        with self._lock:
+            return tuple(self._executors)
+
+    @property
+    def observer(self) -> Observer | None:
+        return self._observer
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def observe(self, observer: Observer | None) -> None:
+        with self._lock:
+            self._observer = observer
+            executors = list(self._executors)
+        for executor in executors:
+            executor.observer = observer
 
     def add(self, executor: StreamExecutor) -> None:
-        if self.observer is not None:
-            executor.observer = self.observer
-        self.executors.append(executor)
+        with self._lock:
+            if self._observer is not None:
+                executor.observer = self._observer
+            self._executors.append(executor)
+            aborted = self._aborted
+        if aborted:
+            executor.abort()
 
     def abort(self) -> None:
-        for executor in self.executors:
+        """Interrupts every executor's running request and drops what is queued."""
+        with self._lock:
+            self._aborted = True
+            executors = list(self._executors)
+        for executor in executors:
             executor.abort()
+
+    def settle(self) -> None:
+        """Waits until every executor has stopped running (after `abort`, promptly)."""
+        for executor in self.executors:
+            executor.sync()
 
     def wait(self, fn: Callable[[], None]) -> None:
         try:
             fn()
         except KeyboardInterrupt:
             self.abort()
-            for executor in self.executors:
-                executor.sync()
+            self.settle()
             raise
 
 
@@ -355,7 +444,8 @@ class Program:
             raise TypeError(f"{self.__name__} has no arguments {sorted(unknown)}")
         return Program(self.func, {**self.bound, **kwargs})
 
-    def _split(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict, dict]:
+    def split_arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict, dict]:
+        """(program arguments, sampling defaults) of a call's arguments."""
         sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in SAMPLING_DEFAULT_KEYS}
         arguments = dict(self.bound)
         try:
@@ -371,13 +461,13 @@ class Program:
         """Runs the program; returns its state once done (at once with `stream=True`).
         Keyword arguments named like sampling parameters (temperature, max_new_tokens, ...) are
         the defaults of every `gen` that leaves them unset."""
-        arguments, sampling = self._split(args, kwargs)
-        return self._execute(as_backend(backend), arguments, _run_defaults(sampling), stream)
+        arguments, sampling = self.split_arguments(args, kwargs)
+        return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream)
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
-                 stream: bool) -> ProgramState:
+                 stream: bool, run: ProgramRun | None = None) -> ProgramState:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream)
-        state = ProgramState(executor)
+        state = ProgramState(executor, run)
         try:
             state.ret_value = self.func(state, **arguments)
         except KeyboardInterrupt:
@@ -398,13 +488,14 @@ class Program:
         prefix is sent to the backend's cache first, so every run hits it."""
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
-        batch = [self._split((), dict(kwargs))[0] for kwargs in batch_kwargs]
+        batch = [self.split_arguments((), dict(kwargs))[0] for kwargs in batch_kwargs]
         if not batch:
             return []
         from lmnb.lang.tracer import constant_prefix
 
         return run_all(self.__name__, backend, constant_prefix(self, backend), batch,
-                       lambda arguments: self._execute(backend, arguments, defaults, stream=False),
+                       lambda arguments, run: self._execute(backend, arguments, defaults,
+                                                            stream=False, run=run),
                        num_threads=num_threads, progress_bar=progress_bar)
 
     def trace(self, **kwargs: Any) -> Any:

@@ -22,9 +22,7 @@ def abort_and_settle(state: ProgramState) -> None:
     """Aborts every request of the state's run (forks included) and waits until its executors
     have stopped, so that their KV cache is released."""
     state.abort()
-    run = getattr(state, "_run", None)
-    for executor in list(run.executors) if run is not None else [state._executor]:
-        executor.sync()
+    state.run.settle()
 
 
 def _recording(func: Callable[..., Any], holder: list[ProgramState],

@@ -11,7 +11,7 @@ from lmnb.magics.magics import LMNB
 def load(shell: Any) -> None:
     magics = LMNB(shell=shell)
     shell.register_magics(magics)
-    if program_module._default_backend is None:  # programs from Python follow the kernel's model
+    if program_module.default_backend() is None:  # programs from Python follow the kernel's model
         program_module.set_default_backend(magics.session.backend)
 
 
@@ -27,5 +27,5 @@ def unload(shell: Any) -> None:
             del table[name]
     if magics in shell.configurables:
         shell.configurables.remove(magics)
-    if program_module._default_backend is magics.session.backend:
+    if program_module.default_backend() is magics.session.backend:
         program_module.set_default_backend(None)

@@ -11,6 +11,7 @@ import keyword
 import re
 import shlex
 from dataclasses import dataclass
+from typing import Any
 
 from IPython.core.error import UsageError
 
@@ -25,6 +26,10 @@ class HelpShown(Exception):
 
 
 class MagicArgumentParser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}  # sub-command parsers, by name
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{self.format_usage().strip()}\n{self.prog}: error: {message}")
 
@@ -41,6 +46,7 @@ def lmnb_parser() -> MagicArgumentParser:
         epilog="Run `%lmnb COMMAND --help` for a command's options; `%%lmprogram --help` for "
         "the cell magic.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = commands.choices
     load = commands.add_parser(
         "load", help="load a model, replacing the current one",
         description="Load a model into the kernel, closing the current one first. MODEL is an "
@@ -64,13 +70,11 @@ def lmnb_parser() -> MagicArgumentParser:
     return parser
 
 
-def full_help(parser: argparse.ArgumentParser) -> str:
+def full_help(parser: MagicArgumentParser) -> str:
     """The parser's help followed by each command's."""
     parts = [parser.format_help()]
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            parts.extend(f"\n{sub.format_help()}" for name, sub in action.choices.items()
-                         if name != "help")
+    parts.extend(f"\n{sub.format_help()}" for name, sub in parser.commands.items()
+                 if name != "help")
     return "".join(parts)
 
 

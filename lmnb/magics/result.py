@@ -23,7 +23,7 @@ class Snapshot:
 
 
 def snapshot(state: Any, running: bool = False) -> Snapshot:
-    executor = state._executor  # the non-blocking view; the public readers wait for the program
+    executor = state.executor  # the non-blocking view; the public readers wait for the program
     return Snapshot(executor.text_, tuple(executor.spans), dict(executor.variables),
                     executor.error, running or not executor.idle)
 

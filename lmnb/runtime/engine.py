@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
 from lmnb.runtime.fsm.grammar import RequestGrammar
 from lmnb.runtime.fsm.index import get_token_index
@@ -349,3 +350,18 @@ class Runtime:
         except (InvalidRegexError, InvalidSchemaError) as error:
             raise InvalidRequestError(str(error)) from None
         return RequestGrammar(index, pattern)
+
+    # ---- seams for the frontends -----------------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        """The scheduler stopped on an error; every later call raises it (create a new Runtime)."""
+        return self._scheduler.fatal_error is not None
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            add_generation_prompt: bool = True, *,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of chat `messages` in the model's own template, ready for
+        `generate` (see `lmnb.runtime.chat.apply_chat_template`)."""
+        with self._tokenizer_lock:
+            return apply_chat_template(self.tokenizer, messages,
+                                       add_generation_prompt=add_generation_prompt, tools=tools)

@@ -164,14 +164,14 @@ def _status(executor: StreamExecutor) -> tuple[str, str | None]:
     if error is not None:
         return "error", f"{type(error).__name__}: {error}"
     # A stopped worker runs nothing, even if its queue still counts an item (put after close).
-    running = not executor.idle and executor._worker.is_alive()
+    running = not executor.idle and executor.alive
     return ("running" if running else "done"), None
 
 
 def _panel(executor: StreamExecutor, *, label: str, start: int) -> dict[str, Any]:
     text = executor.text_
     spans = list(executor.spans)
-    streaming = getattr(executor, "_streaming", None)  # (variable, start) of a running gen
+    streaming = executor.streaming  # (variable, start) of a running gen
     if streaming is not None and streaming[0] is not None:
         spans.append((streaming[0], streaming[1], len(text)))
     status, error = _status(executor)
@@ -234,8 +234,8 @@ class ForkView(anywidget.AnyWidget):
                 self.done = done
 
     def _read(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        top = self._state._executor
-        for executor in list(self._state._run.executors):
+        top = self._state.executor
+        for executor in self._state.run.executors:
             self._executors.setdefault(executor.id, executor)
         ordered = [e for _, e in sorted(self._executors.items()) if e is not top]
         for i, branch in enumerate(ordered):
@@ -269,7 +269,7 @@ class ForkView(anywidget.AnyWidget):
         """Stops updating and detaches from the program."""
         self._closed = True
         self._throttle.stop()
-        if self._state._run.observer == self._on_event:
+        if self._state.run.observer == self._on_event:
             self._state.observe(None)
         super().close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 _log = logging.getLogger(__name__)
 
@@ -41,12 +42,20 @@ class Poller:
                 return
 
 
-def runtime_gone(runtime: object) -> bool:
+class PolledRuntime(Protocol):
+    """What the polling widgets ask of a Runtime besides its readers."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def failed(self) -> bool: ...
+
+
+def runtime_gone(runtime: PolledRuntime) -> bool:
     """Whether a Runtime that raised RuntimeError is closed or failed for good (else the error
     was passing and polling goes on)."""
-    if getattr(runtime, "closed", False):
-        return True
-    return getattr(getattr(runtime, "_scheduler", None), "fatal_error", None) is not None
+    return runtime.closed or runtime.failed
 
 
 class PollingWidget:

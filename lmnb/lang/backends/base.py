@@ -23,6 +23,8 @@ class Generation:
 
 @runtime_checkable
 class Backend(Protocol):
+    # Role text from the model's own template; a backend over a Runtime renders it with
+    # `Runtime.apply_chat_template`, so roles and chat prompts agree.
     chat_template: ChatTemplate
 
     def generate(self, prompt: str, params: GenParams, *,

@@ -23,7 +23,7 @@ class LocalBackend:
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
-        self.chat_template = ChatTemplate(runtime.tokenizer)
+        self.chat_template = ChatTemplate(runtime.tokenizer, render=runtime.apply_chat_template)
 
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
         values = params.set_values()
