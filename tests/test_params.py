@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -168,21 +167,34 @@ class FakeRuntime:
         self.calls: list[dict[str, Any]] = []
         self.closed = False
 
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        raise NotImplementedError("no chat template")
+
     def generate(self, prompt: str, sampling_params: dict[str, Any], **kwargs: Any
-                 ) -> Iterator[dict[str, Any]]:
+                 ) -> FakeStream:
         SamplingParams.from_dict(sampling_params)  # what the runtime accepts
         self.calls.append({"prompt": prompt, "sampling_params": sampling_params, **kwargs})
-        return self._chunks()
+        last = len(self.pieces) - 1
+        return FakeStream(self, [
+            {"text": piece, "meta_info": {
+                "finish_reason": {"type": "length", "length": len(self.pieces)} if i == last
+                else None}}
+            for i, piece in enumerate(self.pieces)])
 
-    def _chunks(self) -> Iterator[dict[str, Any]]:
-        try:
-            for i, piece in enumerate(self.pieces):
-                last = i == len(self.pieces) - 1
-                yield {"text": piece, "meta_info": {
-                    "finish_reason": {"type": "length", "length": len(self.pieces)} if last
-                    else None}}
-        finally:
-            self.closed = True
+
+class FakeStream:
+    """The part of `OutputStream` a backend uses: `get` (None at the end) and `close`."""
+
+    def __init__(self, runtime: FakeRuntime, chunks: list[dict[str, Any]]) -> None:
+        self.runtime = runtime
+        self.chunks = chunks
+
+    def get(self, timeout: float | None = None) -> dict[str, Any] | None:
+        return self.chunks.pop(0) if self.chunks else None
+
+    def close(self) -> None:
+        self.runtime.closed = True
 
 
 def test_local_backend_sends_every_sampling_parameter() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -229,11 +229,12 @@ class Runtime:
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
         stream: bool = False,
-    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+    ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """Generates for one prompt (returns a dict) or a list (returns a list of dicts; with
-        `n > 1`, `n` consecutive dicts per prompt). With `stream=True`, an iterator of
+        `n > 1`, `n` consecutive dicts per prompt). With `stream=True`, an `OutputStream` of
         incremental dicts (`text` and `output_ids` are what is new; the last one per request has
-        `meta_info["finish_reason"]`); leaving the loop early aborts the requests."""
+        `meta_info["finish_reason"]`), consumed by a thread (`for`, `get(timeout)`) or an asyncio
+        task (`async for`); leaving the loop early or `close()` aborts the requests."""
         self._check_open()
         token_lists, is_batch = self._token_lists(prompt, input_ids)
         params_list = self._params_list(sampling_params, len(token_lists))
@@ -257,7 +258,7 @@ class Runtime:
         for state in states:
             self._scheduler.submit(state)
         if stream:
-            return iter(output)
+            return output
         with output:  # an interrupt (Ctrl-C) closes it, which aborts the requests
             results = output.results()
         return results[0] if single else results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from lmnb.runtime.output.stop import first_stop_regex_match
 
 # A gen's sampling parameters go to the runtime as they are. The runtime ends a request on a
 # stop_regex match; text streamed before the match completed is cut here.
+_CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
 _SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES if k in SAMPLING_PARAM_NAMES)
 
 
@@ -43,9 +45,15 @@ class LocalBackend:
         metas: list[dict[str, Any]] = [{} for _ in range(n)]
         streamed = 0  # characters of texts[0] handed to on_delta
         try:
-            for chunk in chunks:
+            while True:
                 if cancel is not None and cancel.is_set():
                     raise ProgramAborted("the program was interrupted")
+                try:
+                    chunk = chunks.get(timeout=_CANCEL_POLL_S)
+                except queue.Empty:
+                    continue
+                if chunk is None:
+                    break
                 index = chunk.get("index", 0)
                 texts[index] += chunk["text"]
                 if chunk["meta_info"].get("finish_reason") is not None:
