@@ -52,6 +52,7 @@ class OutputStream:
         self._error: BaseException | None = None
         self._closed = False
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._iterator: Iterator[Chunk] | None = None
 
     # ---- producer (output thread) ------------------------------------------------------------
     def deliver(self, chunks: Sequence[Chunk]) -> None:
@@ -147,6 +148,12 @@ class OutputStream:
                 yield chunk
         finally:
             self.close()
+
+    def __next__(self) -> Chunk:
+        """`next(stream)` as on a generator (one iterator kept across calls)."""
+        if self._iterator is None:
+            self._iterator = iter(self)
+        return next(self._iterator)
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self
