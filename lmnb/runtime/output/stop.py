@@ -32,7 +32,7 @@ def stop_string_hit(tokenizer: Decoder, prompt_tail_ids: Sequence[int],
         return None
     longest = max(len(s) for s in stops)
     old_count = len(output_ids) - min(new_tokens, len(output_ids))
-    count = window if window is not None else longest + 1
+    count = max(window if window is not None else longest + 1, 1)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -44,9 +44,12 @@ def stop_string_hit(tokenizer: Decoder, prompt_tail_ids: Sequence[int],
         head = list(prompt_tail_ids) if start == 0 else [int(output_ids[start - 1])]
         old = [int(i) for i in output_ids[start:old_count]]
         begin = len(decode(head))
+        old_text = decode(head + old)
         # The new ids' text starts where the old text's incomplete character (if any) started.
-        new_at = max(len(decode(head + old).rstrip(_REPLACEMENT)), begin)
-        if start == 0 or new_at - begin >= longest - 1:
+        new_at = max(len(old_text.rstrip(_REPLACEMENT)), begin)
+        # A start inside a character decodes to U+FFFD: those are not characters of the text.
+        garbage = len(old_text) - begin - len(old_text[begin:].lstrip(_REPLACEMENT))
+        if start == 0 or new_at - begin - garbage >= longest - 1:
             break
         count *= 2
     full = decode(head + old + [int(i) for i in output_ids[old_count:]])
