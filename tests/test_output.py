@@ -303,7 +303,8 @@ def test_stop_helper_reads_only_a_short_tail(smollm2):
 
     ids = _encode(smollm2, " ".join(TEXTS) * 3)
     assert _first_hit(Counting(), [], ids, ["never-seen-xyz"]) == (len(ids), None)
-    assert len(ids) > 300 and Counting.longest <= 40
+    # Bounded by the stop's length (a character may take 4 byte tokens; the window doubles).
+    assert len(ids) > 300 and Counting.longest <= 8 * len("never-seen-xyz")
 
 
 # ---- closing -----------------------------------------------------------------------------------
@@ -430,3 +431,8 @@ def test_stops_completed_by_one_jump_end_first_wins(tok):
         text = drain(det_stream)[0]["text"]
         assert hit == ("cd" if "cd" in stops else "abcd") and text == "xx ab"[:len(text)]
         assert text == ("xx ab" if hit == "cd" else "xx ")
+
+
+def test_register_checks_the_stream(processor):
+    with pytest.raises(ValueError, match="not one of"):
+        processor.register(OutputStream([1]), 2, tokenizer=BYTES, prompt_ids=[])
