@@ -68,6 +68,8 @@ class OutputProcessor:
                  stop: Sequence[str] = (), stop_regex: Sequence[str] = ()) -> None:
         """Announces request `rid` (one of `stream.rids`); call before the scheduler may emit for
         it: registrations and events share one FIFO."""
+        if rid not in stream.index:
+            raise ValueError(f"request {rid!r} is not one of the stream's {stream.rids}")
         self._inbox.put(_Registration(rid, stream, tokenizer, list(prompt_ids),
                                       skip_special_tokens, tuple(stop), tuple(stop_regex),
                                       time.perf_counter()))
