@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.core import Batch, ForwardMode, Req, SamplingParams
 from lmnb.runtime.engine import Runtime
 from lmnb.runtime.model_runner import ModelRunner
@@ -39,12 +40,12 @@ def _hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_prefill_logits_match_hf(variant, tiny_models, hf_models):
     folder = tiny_models[variant]
-    config = loader.load_config(folder)
+    config = loader.load_model_config(folder)
     model = loader.load_model(folder, config, dtype=torch.float32, device=torch.device("cpu"))
-    runner = ModelRunner(model, config, device=torch.device("cpu"), dtype=torch.float32,
-                         eos_token_ids={2}, max_total_tokens=512, mem_fraction_static=None,
-                         max_running_requests=4, context_length=None,
-                         attention_backend="torch_native")
+    engine_config = EngineConfig(max_total_tokens=512, max_running_requests=4,
+                                 attention_backend="torch_native")
+    runner = ModelRunner(model, config, engine_config, device=torch.device("cpu"),
+                         dtype=torch.float32, eos_token_ids={2})
     prompts = _prompts(3, seed=1)
     reqs = [Req(origin_input_ids=ids, sampling_params=SamplingParams()) for ids in prompts]
     for req in reqs:
