@@ -145,3 +145,36 @@ def test_model_config_rejects_inconsistent_heads_and_non_decoders() -> None:
         ModelConfig.from_hf(LlamaConfig(**SMALL, num_key_value_heads=3))
     with pytest.raises(ValueError, match="no num_attention_heads"):
         ModelConfig.from_hf(PretrainedConfig())
+
+
+def test_model_runner_sizes_its_pools_from_both_configs() -> None:
+    from lmnb.runtime.model_runner import ModelRunner
+
+    model_config = ModelConfig.from_hf(LlamaConfig(**SMALL, num_key_value_heads=2))
+    cpu = torch.device("cpu")
+
+    def runner(**options: object) -> ModelRunner:
+        return ModelRunner(None, model_config, EngineConfig(**options), device=cpu,
+                           dtype=torch.float32, eos_token_ids={2})
+
+    sized = runner(max_total_tokens=300, context_length=1000)
+    assert (sized.max_total_tokens, sized.context_len) == (300, 256)
+    assert sized.max_running_requests == 150
+    assert sized.token_to_kv_pool.size == 300
+    assert runner(max_total_tokens=100, max_running_requests=3).context_len == 100
+    assert runner(max_total_tokens=300, context_length=64).context_len == 64
+    assert runner(max_total_tokens=300, max_running_requests=3).max_running_requests == 3
+    assert 2 <= runner().max_total_tokens <= 65536  # CPU default: capped share of free memory
+
+
+def test_runtime_exposes_both_configs(tiny_models: dict[str, Path]) -> None:
+    from lmnb.runtime.engine import Runtime
+
+    with Runtime(tiny_models["llama-gqa"], max_total_tokens=256, device="cpu",
+                 schedule_policy="fcfs") as rt:
+        assert rt.engine_config.max_total_tokens == 256
+        assert rt.engine_config.schedule_policy == "fcfs"
+        assert rt.engine_config.model_path == str(tiny_models["llama-gqa"])
+        assert (rt.model_config.num_kv_heads, rt.model_config.tie_word_embeddings) == (2, True)
+        assert rt.context_len == 256 and rt.dtype == torch.float32
+        assert 2 in rt.eos_token_ids
