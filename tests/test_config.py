@@ -160,7 +160,7 @@ def test_model_runner_sizes_its_pools_from_both_configs() -> None:
     sized = runner(max_total_tokens=300, context_length=1000)
     assert (sized.max_total_tokens, sized.context_len) == (300, 256)
     assert sized.max_running_requests == 150
-    assert sized.token_to_kv_pool.size == 300
+    assert sized.kv_storage.size == 300
     assert runner(max_total_tokens=100, max_running_requests=3).context_len == 100
     assert runner(max_total_tokens=300, context_length=64).context_len == 64
     assert runner(max_total_tokens=300, max_running_requests=3).max_running_requests == 3

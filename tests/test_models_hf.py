@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lmnb.runtime.config import EngineConfig
-from lmnb.runtime.core import Batch, ForwardMode, Req, SamplingParams
+from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.engine import Runtime
+from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
 from tests.conftest import TINY_VARIANTS
@@ -47,17 +48,17 @@ def test_prefill_logits_match_hf(variant, tiny_models, hf_models):
     runner = ModelRunner(model, config, engine_config, device=torch.device("cpu"),
                          dtype=torch.float32, eos_token_ids={2})
     prompts = _prompts(3, seed=1)
-    reqs = [Req(origin_input_ids=ids, sampling_params=SamplingParams()) for ids in prompts]
-    for req in reqs:
-        req.req_pool_idx = runner.req_to_token_pool.alloc()
+    pool_indices = [runner.req_to_token_pool.alloc() for _ in prompts]
     lens = [len(ids) for ids in prompts]
-    slots = runner.token_to_kv_pool.alloc(sum(lens))
+    slots = KVAllocator(512, torch.device("cpu")).alloc(sum(lens))
     start = 0
-    for req, n in zip(reqs, lens, strict=True):
-        runner.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = slots[start:start + n]
+    for pool_index, n in zip(pool_indices, lens, strict=True):
+        runner.req_to_token_pool.req_to_token[pool_index, :n] = slots[start:start + n]
         start += n
-    batch = Batch(mode=ForwardMode.EXTEND, reqs=reqs, prefix_lens=[0] * 3, extend_lens=lens,
-                  out_cache_loc=slots, samples=[False] * 3)
+    batch = Batch(mode=ForwardMode.EXTEND, rids=[0, 1, 2], req_pool_indices=pool_indices,
+                  prefix_lens=[0] * 3, extend_lens=lens,
+                  input_ids=[t for ids in prompts for t in ids], out_cache_loc=slots,
+                  samples=[False] * 3)
     with torch.inference_mode():
         forward_batch = runner._forward_batch(batch)
         logits = model.compute_logits(model(forward_batch.input_ids, forward_batch.positions,
