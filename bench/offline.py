@@ -48,6 +48,7 @@ from bench.common import (  # noqa: E402
     stopwatch,
     write_json,
 )
+from lmnb.runtime.config import ModelConfig  # noqa: E402
 from lmnb.runtime.models import loader  # noqa: E402
 
 SEED = 0
@@ -188,7 +189,7 @@ def model_spec(args: argparse.Namespace, scratch: Path, device: torch.device) ->
         config.save_pretrained(model_dir)
         label = f"dummy {args.dummy_config} (random weights)"
         tokenizer_dir = loader.resolve_model_dir(args.tokenizer)
-    dtype = loader.resolve_dtype(args.dtype, config, device)
+    dtype = loader.resolve_dtype(args.dtype, ModelConfig.from_hf(config).dtype, device)
     return ModelSpec(label=label, model_dir=model_dir, tokenizer_dir=tokenizer_dir,
                      config=config, dtype=dtype, dummy=args.dummy_config is not None)
 

@@ -367,8 +367,8 @@ def test_eos_only_in_accepting_states(rt, rt_nojump) -> None:
     for out in outs:
         assert re.fullmatch("[a-z]{3,12}", out["text"]), out
         assert out["meta_info"]["finish_reason"]["type"] == "stop"
-    grammar = RequestGrammar(get_token_index("ab?", rt.tokenizer, vocab_size=rt.config.vocab_size),
-                             "ab?")
+    vocab_size = rt.model_config.vocab_size
+    grammar = RequestGrammar(get_token_index("ab?", rt.tokenizer, vocab_size=vocab_size), "ab?")
     eos = rt.eos_token_ids
     assert not grammar.mask(eos)[list(eos)].any()  # nothing generated yet
     grammar.advance(rt.encode("a")[-1])

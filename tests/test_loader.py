@@ -44,7 +44,7 @@ class RecorderModel(torch.nn.Module):
 
 def _recorder_config(**kw: object) -> SimpleNamespace:
     base = dict(
-        architectures=["LmnbTestRecorderForCausalLM"],
+        architecture="LmnbTestRecorderForCausalLM",
         model_type="lmnb_test_recorder",
         hidden_size=256,
         initializer_range=0.05,
@@ -117,11 +117,12 @@ def test_embedded_converts_once_then_hits_cache(
 @needs_smollm2
 def test_cached_folder_loads_fast_with_chat_template(converted: Path) -> None:
     start = time.perf_counter()
-    config = loader.load_config(converted)
+    config = loader.load_model_config(converted)
     weights = dict(loader.iter_safetensors(converted))
     assert time.perf_counter() - start < 1.0
     assert config.model_type == "llama" and config.tie_word_embeddings
-    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
+    assert (config.num_layers, config.vocab_size) == (30, 49152)
     assert weights["model.embed_tokens.weight"].shape == (49152, 576)
     assert weights["model.embed_tokens.weight"].dtype == torch.float32
     assert len([n for n in weights if n.endswith("self_attn.q_proj.weight")]) == 30
@@ -211,11 +212,10 @@ def test_iter_pytorch_bin_fallback(
 def test_resolve_dtype() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     resolve = loader.resolve_dtype
-    assert resolve("auto", SimpleNamespace(dtype=torch.bfloat16), cpu) == torch.float32
-    assert resolve("auto", SimpleNamespace(dtype="float32"), cuda) == torch.bfloat16
-    fp16_config = SimpleNamespace(dtype=None, torch_dtype="float16")
-    assert resolve("auto", fp16_config, cuda) == torch.float16
-    assert resolve("auto", SimpleNamespace(), cuda) == torch.bfloat16
+    assert resolve("auto", torch.bfloat16, cpu) == torch.float32
+    assert resolve("auto", "float32", cuda) == torch.bfloat16
+    assert resolve("auto", "float16", cuda) == torch.float16
+    assert resolve("auto", None, cuda) == torch.bfloat16
     for name, expected in [
         ("fp32", torch.float32),
         ("float32", torch.float32),
@@ -232,10 +232,10 @@ def test_resolve_dtype() -> None:
 
 def test_registry_lookup() -> None:
     assert registry.model_class(_recorder_config()) is RecorderModel
-    fallback = _recorder_config(architectures=["SomethingElse"])
+    fallback = _recorder_config(architecture="SomethingElse")
     assert registry.model_class(fallback) is RecorderModel
     with pytest.raises(ValueError, match="LmnbTestRecorderForCausalLM") as info:
-        registry.model_class(SimpleNamespace(architectures=["NopeForCausalLM"], model_type="nope"))
+        registry.model_class(SimpleNamespace(architecture="NopeForCausalLM", model_type="nope"))
     assert "NopeForCausalLM" in str(info.value)
 
 

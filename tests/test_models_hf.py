@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.engine import Runtime
 from lmnb.runtime.memory import KVAllocator
@@ -40,21 +41,21 @@ def _hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_prefill_logits_match_hf(variant, tiny_models, hf_models):
     folder = tiny_models[variant]
-    config = loader.load_config(folder)
+    config = loader.load_model_config(folder)
     model = loader.load_model(folder, config, dtype=torch.float32, device=torch.device("cpu"))
-    runner = ModelRunner(model, config, device=torch.device("cpu"), dtype=torch.float32,
-                         eos_token_ids={2}, max_total_tokens=512, mem_fraction_static=None,
-                         max_running_requests=4, context_length=None,
-                         attention_backend="torch_native")
+    engine_config = EngineConfig(max_total_tokens=512, max_running_requests=4,
+                                 attention_backend="torch_native")
+    runner = ModelRunner(model, config, engine_config, device=torch.device("cpu"),
+                         dtype=torch.float32, eos_token_ids={2})
     prompts = _prompts(3, seed=1)
-    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+    pool_indices = [runner.req_to_token_pool.alloc() for _ in prompts]
     lens = [len(ids) for ids in prompts]
     slots = KVAllocator(512, torch.device("cpu")).alloc(sum(lens))
     start = 0
-    for row, n in zip(rows, lens, strict=True):
-        runner.req_to_token_pool.req_to_token[row, :n] = slots[start:start + n]
+    for pool_index, n in zip(pool_indices, lens, strict=True):
+        runner.req_to_token_pool.req_to_token[pool_index, :n] = slots[start:start + n]
         start += n
-    batch = Batch(mode=ForwardMode.EXTEND, rids=list(range(3)), req_pool_indices=rows,
+    batch = Batch(mode=ForwardMode.EXTEND, rids=[0, 1, 2], req_pool_indices=pool_indices,
                   prefix_lens=[0] * 3, extend_lens=lens,
                   input_ids=[t for ids in prompts for t in ids], out_cache_loc=slots,
                   samples=[False] * 3)

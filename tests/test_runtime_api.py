@@ -97,7 +97,8 @@ def test_single_prompt_result(rt: Runtime) -> None:
     assert again["output_ids"] == out["output_ids"]
     assert 0 < again["meta_info"]["cached_tokens"] < len(prompt_ids)
     assert meta["finish_reason"] == {"type": "length", "length": 12}
-    assert all(isinstance(t, int) and 0 <= t < rt.config.vocab_size for t in out["output_ids"])
+    vocab_size = rt.model_config.vocab_size
+    assert all(isinstance(t, int) and 0 <= t < vocab_size for t in out["output_ids"])
     assert out["text"] == rt.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
     assert out["text"]
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lmnb.runtime.chat import apply_chat_template
+from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
 from lmnb.runtime.fsm.grammar import RequestGrammar
 from lmnb.runtime.fsm.index import get_token_index
@@ -39,8 +40,8 @@ PromptInput = str | Sequence[str] | None
 IdsInput = Sequence[int] | Sequence[Sequence[int]] | None
 
 
-def _eos_token_ids(config, tokenizer, model_dir: Path | None) -> set[int]:
-    ids: set[int] = set()
+def _eos_token_ids(model_config: ModelConfig, tokenizer: Any, model_dir: Path | None) -> set[int]:
+    ids: set[int] = set(model_config.eos_token_ids)
 
     def add(value: Any) -> None:
         if isinstance(value, int):
@@ -48,7 +49,6 @@ def _eos_token_ids(config, tokenizer, model_dir: Path | None) -> set[int]:
         elif isinstance(value, list | tuple):
             ids.update(v for v in value if isinstance(v, int))
 
-    add(getattr(config, "eos_token_id", None))
     add(tokenizer.eos_token_id)
     generation_config = model_dir / "generation_config.json" if model_dir else None
     if generation_config is not None and generation_config.exists():
@@ -70,59 +70,41 @@ class Runtime:
     a new Runtime can be created afterwards in the same process.
     """
 
-    def __init__(
-        self,
-        model_path: str | Path | None = None,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "auto",
-        tokenizer_path: str | Path | None = None,
-        load_format: str = "auto",
-        max_total_tokens: int | None = None,
-        mem_fraction_static: float | None = None,
-        max_running_requests: int | None = None,
-        context_length: int | None = None,
-        chunked_prefill_size: int | None = None,
-        schedule_policy: str = "lpm",
-        disable_radix_cache: bool = False,
-        disable_jump_forward: bool = False,
-        attention_backend: str | None = None,
-        check_integrity_each_step: bool = False,
-    ) -> None:
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-        self.device = _resolve_device(device)
-        self.model_dir = loader.resolve_model_dir(model_path)
-        self.config = loader.load_config(self.model_dir)
+    def __init__(self, model_path: str | Path | None = None, **options: Any) -> None:
+        """`options` are `EngineConfig`'s fields (SGLang's names); an unknown one is a
+        TypeError that lists the known ones, a bad value a ValueError."""
+        config = EngineConfig.from_options(model_path=model_path, **options)
+        self.engine_config = config
+        self.device = _resolve_device(config.device)
+        self.model_dir = loader.resolve_model_dir(config.model_path)
+        self.model_config = ModelConfig.from_hf(loader.load_config(self.model_dir))
         self.tokenizer = loader.load_tokenizer(
-            loader.resolve_model_dir(tokenizer_path) if tokenizer_path else self.model_dir)
-        self.dtype = loader.resolve_dtype(dtype, self.config, self.device)
-        model = loader.load_model(self.model_dir, self.config, dtype=self.dtype,
-                                  device=self.device, dummy=load_format == "dummy")
-        self.eos_token_ids = _eos_token_ids(self.config, self.tokenizer, self.model_dir)
-        self._runner = ModelRunner(
-            model, self.config, device=self.device, dtype=self.dtype,
-            eos_token_ids=self.eos_token_ids, max_total_tokens=max_total_tokens,
-            mem_fraction_static=mem_fraction_static, max_running_requests=max_running_requests,
-            context_length=context_length,
-            attention_backend=attention_backend or "torch_native")
+            loader.resolve_model_dir(config.tokenizer_path) if config.tokenizer_path
+            else self.model_dir)
+        self.dtype = loader.resolve_dtype(config.dtype, self.model_config.dtype, self.device)
+        model = loader.load_model(self.model_dir, self.model_config, dtype=self.dtype,
+                                  device=self.device, dummy=config.load_format == "dummy")
+        self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer, self.model_dir)
+        self._runner = ModelRunner(model, self.model_config, config, device=self.device,
+                                   dtype=self.dtype, eos_token_ids=self.eos_token_ids)
         self.context_len = self._runner.context_len
         self.max_total_tokens = self._runner.max_total_tokens
         scheduler_config = SchedulerConfig(
-            chunked_prefill_size=chunked_prefill_size or (8192 if self.device.type == "cuda"
-                                                          else 2048),
-            check_integrity_each_step=check_integrity_each_step)
+            chunked_prefill_size=config.chunked_prefill_size or (
+                8192 if self.device.type == "cuda" else 2048),
+            check_integrity_each_step=config.check_integrity_each_step)
         allocator = KVAllocator(self.max_total_tokens, self.device)
-        self._cache = NoReuseCache(allocator) if disable_radix_cache else RadixCache(allocator)
+        self._cache = (NoReuseCache(allocator) if config.disable_radix_cache
+                       else RadixCache(allocator))
         self._outputs = OutputProcessor()
         self._outputs.start()
         scheduler = Scheduler(
             runner=self._runner,
             cache=CacheManager(self._cache, allocator, self._runner.req_to_token_pool),
-            policy=make_policy(schedule_policy), config=scheduler_config,
+            policy=make_policy(config.schedule_policy), config=scheduler_config,
             stop_rules=StopRules(self.eos_token_ids), sink=self._outputs,
             tokenizer=self.tokenizer,
-            jump_forward=None if disable_jump_forward else JumpForward(self.tokenizer))
+            jump_forward=None if config.disable_jump_forward else JumpForward(self.tokenizer))
         self._scheduler = SchedulerThread(scheduler)
         self._tokenizer_lock = threading.Lock()
         self._closed = False
@@ -310,7 +292,7 @@ class Runtime:
                     top_logprobs_num: int | None) -> ReqState:
         if not ids:
             raise InvalidRequestError("empty prompt: it has no tokens")
-        vocab = self.config.vocab_size
+        vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"input_ids must be ints in [0, {vocab})")
         if len(ids) >= self.context_len:
@@ -347,7 +329,8 @@ class Runtime:
             pattern = params.regex
             if pattern is None:
                 pattern = json_schema_to_regex(params.json_schema)
-            index = get_token_index(pattern, self.tokenizer, vocab_size=self.config.vocab_size)
+            index = get_token_index(pattern, self.tokenizer,
+                                    vocab_size=self.model_config.vocab_size)
         except (InvalidRegexError, InvalidSchemaError) as error:
             raise InvalidRequestError(str(error)) from None
         return RequestGrammar(index, pattern)

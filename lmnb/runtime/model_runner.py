@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.registry import attention_backend_class
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
-from lmnb.runtime.models.llama import head_dim_of
 from lmnb.runtime.sampling import Sampler
 
 SamplingRow = object  # the sampler's row protocol (sampling params, ids, generator, grammar)
@@ -44,44 +44,49 @@ def _available_memory(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config, *, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: set[int], max_total_tokens: int | None,
-                 mem_fraction_static: float | None, max_running_requests: int | None,
-                 context_length: int | None, attention_backend: str) -> None:
+    """Sizes and owns the KV pools from the engine and model configs, and runs the model.
+
+    `device` and `dtype` are the resolved ones (the engine config may say 'auto')."""
+
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig,
+                 engine_config: EngineConfig, *, device: torch.device, dtype: torch.dtype,
+                 eos_token_ids: set[int]) -> None:
         self.model = model
-        self.config = config
+        self.model_config = model_config
         self.device = device
         self.dtype = dtype
-        self.vocab_size = config.vocab_size
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = head_dim_of(config)
+        self.vocab_size = model_config.vocab_size
+        num_layers, num_kv_heads = model_config.num_layers, model_config.num_kv_heads
+        head_dim = model_config.head_dim
         per_token = KVStorage.bytes_per_token(
-            num_layers=config.num_hidden_layers, kv_heads=num_kv_heads, head_dim=head_dim,
-            dtype=dtype)
-        self.max_total_tokens = max_total_tokens or self._kv_budget(per_token, mem_fraction_static)
-        if self.max_total_tokens < 2:
-            raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
-        model_context = config.max_position_embeddings
-        self.context_len = min(context_length or model_context, model_context,
+            num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+        self.max_total_tokens = (engine_config.max_total_tokens
+                                 or self._kv_budget(per_token, engine_config.mem_fraction_static))
+        model_context = model_config.context_length
+        self.context_len = min(engine_config.context_length or model_context, model_context,
                                self.max_total_tokens)
-        self.max_running_requests = max_running_requests or min(
+        self.max_running_requests = engine_config.max_running_requests or min(
             256, max(self.max_total_tokens // 2, 1))
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 1,
                                                 device)
         self.kv_storage = KVStorage(
-            self.max_total_tokens, num_layers=config.num_hidden_layers, kv_heads=num_kv_heads,
+            self.max_total_tokens, num_layers=num_layers, kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=dtype, device=device)
-        self.attn_backend = attention_backend_class(attention_backend)(
-            num_heads=config.num_attention_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        self.attn_backend = attention_backend_class(
+            engine_config.attention_backend or "torch_native")(
+            num_heads=model_config.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
 
     def _kv_budget(self, per_token: int, mem_fraction_static: float | None) -> int:
+        """KV pool tokens that fit: on CUDA, `mem_fraction_static` (default 0.80) of the device
+        holds weights + KV; on CPU, that fraction (default 15%, at most 65536 tokens unless the
+        fraction is given) of the host's available memory."""
         available = _available_memory(self.device)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
-            # Weights + KV pool; the rest is for activations (torch-native decode gathers the
-            # padded K/V of the whole batch per layer, so it needs room).
+            # The rest is for activations (torch-native decode gathers the padded K/V of the
+            # whole batch per layer, so it needs room).
             fraction = 0.80 if mem_fraction_static is None else mem_fraction_static
             budget = total * fraction - (total - available)
         else:

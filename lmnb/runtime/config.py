@@ -1,0 +1,278 @@
+"""Typed configuration: `EngineConfig` (every `Runtime(**options)` key, SGLang's option names) and
+`ModelConfig` (the architecture, normalised from an HF config, LLaVA's `text_config` included).
+
+Nothing below the engine reads a raw HF config: models, the loader's model building and the model
+runner take a `ModelConfig`. No torch at module level: both are plain, picklable data.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Accepted dtype spellings -> canonical names (the attribute names in `torch`).
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+LOAD_FORMATS = ("auto", "dummy")
+_DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """'float32' | 'float16' | 'bfloat16' for a name or a floating torch.dtype; ValueError else."""
+    if not isinstance(dtype, str) and type(dtype).__module__ == "torch":  # a torch.dtype
+        if not getattr(dtype, "is_floating_point", False):
+            raise ValueError(f"dtype must be a floating point type, got {dtype}")
+        dtype = str(dtype)
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[key]
+
+
+def _check_int(name: str, value: Any, *, minimum: int, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int{' or None' if optional else ''}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Every option of `Runtime(model_path, **options)`, validated on construction.
+
+    Names and meanings follow SGLang's server arguments. Sizes left as None are chosen from the
+    device and the model when the runtime starts. `dtype` and `device` are stored as strings
+    ('auto' or a canonical name) so that the config stays plain data.
+    """
+
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer_path: str | None = None  # None: the model's own tokenizer
+    load_format: str = "auto"  # 'auto' (checkpoint files) | 'dummy' (seeded random weights)
+    dtype: str = "auto"  # 'auto': float32 on CPU, the checkpoint's dtype on GPUs (fp32 -> bf16)
+    device: str = "auto"  # 'auto': cuda when available, else cpu
+    context_length: int | None = None  # capped by the model's positions and the KV pool
+    max_total_tokens: int | None = None  # KV pool size in tokens
+    mem_fraction_static: float | None = None  # of device memory for weights + KV pool
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None  # prompt tokens per prefill pass
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    disable_jump_forward: bool = False
+    attention_backend: str | None = None  # None: the default backend for the device
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # largest decode batch captured in a CUDA graph
+    disable_overlap_schedule: bool = False
+    random_seed: int | None = None
+    tp_size: int = 1
+    dp_size: int = 1
+    check_integrity_each_step: bool = False  # KV slot accounting after every step (tests)
+
+    def __post_init__(self) -> None:
+        for path_field in ("model_path", "tokenizer_path"):
+            value = getattr(self, path_field)
+            if value is not None:
+                if not isinstance(value, str | os.PathLike):
+                    raise ValueError(f"{path_field} must be a path or None, got {value!r}")
+                object.__setattr__(self, path_field, os.fspath(value))
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {self.load_format!r}; choose one of: "
+                             f"{', '.join(LOAD_FORMATS)}")
+        if not (isinstance(self.dtype, str) and self.dtype.lower() == "auto"):
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        else:
+            object.__setattr__(self, "dtype", "auto")
+        device = str(self.device) if type(self.device).__module__ == "torch" else self.device
+        if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        object.__setattr__(self, "device", device)
+        _check_int("context_length", self.context_length, minimum=2)
+        _check_int("max_total_tokens", self.max_total_tokens, minimum=2)
+        _check_int("max_running_requests", self.max_running_requests, minimum=1)
+        _check_int("chunked_prefill_size", self.chunked_prefill_size, minimum=1)
+        _check_int("cuda_graph_max_bs", self.cuda_graph_max_bs, minimum=1)
+        _check_int("random_seed", self.random_seed, minimum=0)
+        _check_int("tp_size", self.tp_size, minimum=1, optional=False)
+        _check_int("dp_size", self.dp_size, minimum=1, optional=False)
+        for size_field in ("tp_size", "dp_size"):
+            if getattr(self, size_field) != 1:
+                raise ValueError(f"{size_field}={getattr(self, size_field)}: tensor and data "
+                                 "parallelism are not implemented yet; only 1 is accepted")
+        fraction = self.mem_fraction_static
+        if fraction is not None and (isinstance(fraction, bool)
+                                     or not isinstance(fraction, int | float)
+                                     or not 0.0 < fraction <= 1.0):
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
+        for flag in ("disable_radix_cache", "disable_jump_forward", "disable_cuda_graph",
+                     "disable_overlap_schedule", "check_integrity_each_step"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.attention_backend is not None and (not isinstance(self.attention_backend, str)
+                                                   or not self.attention_backend):
+            raise ValueError(f"attention_backend must be a backend name or None, "
+                             f"got {self.attention_backend!r}")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        if not isinstance(self.schedule_policy, str):
+            raise ValueError(f"schedule_policy must be a name, got {self.schedule_policy!r}")
+        from lmnb.runtime.policy import make_policy  # its names come from its registry
+
+        make_policy(self.schedule_policy)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """`EngineConfig(**options)`, with a TypeError naming unknown options and the known ones."""
+        known = cls.option_names()
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown Runtime option(s): {', '.join(unknown)}; "
+                            f"known options: {', '.join(known)}")
+        return cls(**options)
+
+
+# Keys under which HF configs of other families store the trained context length.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+                 "max_seq_len")
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list | tuple):
+        return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+    return ()
+
+
+def _rope(text: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling or None) from transformers 4 (`rope_theta` + `rope_scaling`) or 5
+    (`rope_parameters`); the scaling dict has `rope_type` and no theta."""
+    params = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+                  or {})
+    theta = params.pop("rope_theta", None) or getattr(text, "rope_theta", None) or 10000.0
+    rope_type = params.pop("type", None) or params.pop("rope_type", None) or "default"
+    return float(theta), (None if rope_type == "default" else {"rope_type": rope_type, **params})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The decoder's architecture, whatever the HF config's layout; built by `from_hf`."""
+
+    architecture: str | None  # HF `architectures[0]` of the top-level config
+    model_type: str  # of the top-level config ('llava' for LLaVA, whose decoder is 'llama')
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {'rope_type': 'llama3', 'factor': ...} or None
+    hidden_act: str = "silu"
+    qkv_bias: bool = False  # Qwen2 always; Llama with attention_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str | None = None  # the checkpoint's dtype ('bfloat16', ...), None when unknown
+    initializer_range: float = 0.02
+    image_token_id: int | None = None  # multimodal configs only
+    text_model_type: str = ""  # the decoder's model_type ('' = model_type)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
+                     "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+            _check_int(name, getattr(self, name), minimum=1, optional=False)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if not self.text_model_type:
+            object.__setattr__(self, "text_model_type", self.model_type)
+
+    @property
+    def context_length(self) -> int:
+        return self.max_position_embeddings
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.text_model_type != self.model_type
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
+        """Normalise an HF `PretrainedConfig` (or any object with its attributes); a nested
+        `text_config` (LLaVA and its relatives) supplies the decoder's fields."""
+        text = getattr(hf_config, "text_config", None) or hf_config
+        if isinstance(text, dict):
+            raise ValueError("text_config must be a config object, not a dict")
+
+        def read(name: str, default: Any = None) -> Any:
+            value = getattr(text, name, None)
+            return default if value is None else value
+
+        def top_or_text(name: str) -> Any:
+            value = getattr(hf_config, name, None)
+            return read(name) if value is None else value
+
+        num_heads = read("num_attention_heads")
+        hidden_size = read("hidden_size")
+        if num_heads is None or hidden_size is None:
+            raise ValueError(f"{type(hf_config).__name__} has no num_attention_heads/hidden_size: "
+                             "not a decoder config this runtime can serve")
+        context = next((getattr(text, k) for k in _CONTEXT_KEYS
+                        if isinstance(getattr(text, k, None), int)), None)
+        if context is None:
+            raise ValueError(f"{type(hf_config).__name__} states no context length "
+                             f"({', '.join(_CONTEXT_KEYS)})")
+        theta, scaling = _rope(text)
+        text_model_type = read("model_type", "")
+        attention_bias = bool(read("attention_bias", False))
+        is_qwen2 = text_model_type == "qwen2"
+        checkpoint_dtype = top_or_text("dtype") or top_or_text("torch_dtype")
+        try:
+            checkpoint_dtype = canonical_dtype(checkpoint_dtype) if checkpoint_dtype else None
+        except ValueError:
+            checkpoint_dtype = None
+        architectures = getattr(hf_config, "architectures", None) or []
+        image_token = getattr(hf_config, "image_token_id", None)
+        if image_token is None:
+            image_token = getattr(hf_config, "image_token_index", None)
+        return cls(
+            architecture=architectures[0] if architectures else None,
+            model_type=getattr(hf_config, "model_type", None) or text_model_type,
+            text_model_type=text_model_type,
+            num_layers=read("num_hidden_layers"),
+            hidden_size=hidden_size,
+            intermediate_size=read("intermediate_size"),
+            num_heads=num_heads,
+            num_kv_heads=read("num_key_value_heads", num_heads),
+            head_dim=read("head_dim") or hidden_size // num_heads,
+            vocab_size=read("vocab_size"),
+            max_position_embeddings=context,
+            rms_norm_eps=float(read("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            hidden_act=read("hidden_act", "silu"),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(read("mlp_bias", False)),
+            tie_word_embeddings=bool(read("tie_word_embeddings", False)),
+            bos_token_id=top_or_text("bos_token_id"),
+            eos_token_ids=_eos_ids(top_or_text("eos_token_id")),
+            dtype=checkpoint_dtype,
+            initializer_range=float(read("initializer_range", 0.02)),
+            image_token_id=image_token,
+        )
