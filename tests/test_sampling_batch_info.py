@@ -79,10 +79,11 @@ def test_advanced_state_equals_a_rebuild_every_step() -> None:
             req.output_ids.append(token)
     assert kept.penalties is not None and kept.penalties.counts is not None
     # Counts of the frequency rows are the output histograms.
-    for local, i in enumerate(kept.penalties.rows.tolist()):
+    assert kept.penalties.fp_rows is not None
+    assert kept.penalties.fp_rows.tolist() == [0, 2]
+    for local, i in enumerate(kept.penalties.fp_rows.tolist()):
         histogram = torch.bincount(torch.tensor(reqs[i].output_ids), minlength=VOCAB)
-        if reqs[i].sampling_params.frequency_penalty:
-            assert torch.equal(kept.penalties.counts[local], histogram.float())
+        assert torch.equal(kept.penalties.counts[local], histogram.float())
 
 
 def test_sample_output_host_copy_and_sync() -> None:

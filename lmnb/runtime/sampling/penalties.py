@@ -29,69 +29,81 @@ def _occurrence_keys(id_lists: list[list[int]], vocab: int, device: torch.device
 
 
 class Penalties:
-    """Dense penalty state of the penalised rows of a batch.
+    """Penalty state of a batch, sized by history (repetition) and by vocabulary rows only for
+    frequency/presence rows.
 
-    `rows` [n] are batch row indices; `counts` [n, vocab] float32 counts each token in the row's
-    output (frequency/presence; None when no row uses them); `seen` [n, vocab] bool marks tokens in
-    the prompt or output (repetition; None when every repetition penalty is 1).
+    Repetition: `rep_keys` [m] flat indices `row * vocab + token` of the tokens in each repetition
+    row's prompt and output (duplicates allowed: each rewrites the same value) with the row's
+    penalty in `rep_values` [m]. Frequency/presence: `counts` [n, vocab] float32 occurrences in the
+    output of the rows `fp_rows` [n], and `neg_bias` [n, vocab] = -(frequency * count + presence
+    * (count > 0)), added to the logits in one op and updated where a token is sampled.
     """
 
-    def __init__(self, rows: Sequence[SamplingRow], positions: list[int], vocab_size: int,
-                 device: torch.device) -> None:
-        params = [rows[i].sampling_params for i in positions]
-        n = len(positions)
+    def __init__(self, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
-        self.rows = torch.tensor(positions, dtype=torch.int64, device=device)
-        self.whole_batch = n == len(rows)
-        self.frequency = torch.tensor([[p.frequency_penalty] for p in params],
-                                      dtype=torch.float32, device=device)
-        self.presence = torch.tensor([[p.presence_penalty] for p in params],
-                                     dtype=torch.float32, device=device)
-        self.repetition = torch.tensor([[p.repetition_penalty] for p in params],
-                                       dtype=torch.float32, device=device)
-        self.counts: torch.Tensor | None = None
-        self.seen: torch.Tensor | None = None
-        if any(p.frequency_penalty or p.presence_penalty for p in params):
-            keys = _occurrence_keys([list(rows[i].output_ids) for i in positions], vocab_size,
-                                    device)
-            counts = torch.zeros(n * vocab_size, dtype=torch.float32, device=device)
+        self.batch_size = len(rows)
+        params = [row.sampling_params for row in rows]
+        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        fp = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+        self.rep_rows = self.rep_penalty = self.rep_keys = self.rep_values = None
+        if rep:
+            self.rep_rows = torch.tensor(rep, dtype=torch.int64, device=device)
+            self.rep_penalty = torch.tensor([params[i].repetition_penalty for i in rep],
+                                            dtype=torch.float32, device=device)
+            histories = [list(row.origin_input_ids) + list(row.output_ids)
+                         if params[i].repetition_penalty != 1.0 else []
+                         for i, row in enumerate(rows)]
+            self.rep_keys = _occurrence_keys(histories, vocab_size, device).unique()
+            penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
+                                   device=device)
+            self.rep_values = penalty[self.rep_keys // vocab_size]
+        self.fp_rows = self.counts = self.neg_bias = None
+        self.fp_whole_batch = len(fp) == len(rows)
+        if fp:
+            self.fp_rows = torch.tensor(fp, dtype=torch.int64, device=device)
+            self.frequency = torch.tensor([[params[i].frequency_penalty] for i in fp],
+                                          dtype=torch.float32, device=device)
+            self.presence = torch.tensor([[params[i].presence_penalty] for i in fp],
+                                         dtype=torch.float32, device=device)
+            keys = _occurrence_keys([list(rows[i].output_ids) for i in fp], vocab_size, device)
+            counts = torch.zeros(len(fp) * vocab_size, dtype=torch.float32, device=device)
             counts.index_add_(0, keys, torch.ones_like(keys, dtype=torch.float32))
-            self.counts = counts.view(n, vocab_size)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            histories = [list(rows[i].origin_input_ids) + list(rows[i].output_ids)
-                         if p.repetition_penalty != 1.0 else []
-                         for i, p in zip(positions, params, strict=True)]
-            seen = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
-            seen[_occurrence_keys(histories, vocab_size, device)] = True
-            self.seen = seen.view(n, vocab_size)
+            self.counts = counts.view(len(fp), vocab_size)
+            self.neg_bias = -(self.frequency * self.counts + self.presence * (self.counts > 0))
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int,
               device: torch.device) -> Penalties | None:
-        positions = [i for i, row in enumerate(rows) if row.sampling_params.has_penalties]
-        return cls(rows, positions, vocab_size, device) if positions else None
+        if not any(row.sampling_params.has_penalties for row in rows):
+            return None
+        return cls(rows, vocab_size, device)
 
     def apply_(self, logits: torch.Tensor) -> None:
-        """Penalises `logits` [bs, vocab] in place (repetition first, then frequency/presence)."""
-        part = logits if self.whole_batch else logits[self.rows]
-        if self.seen is not None:
-            rep = self.repetition
-            part = torch.where(self.seen, torch.where(part < 0, part * rep, part / rep), part)
-        if self.counts is not None:
-            part = part - (self.frequency * self.counts + self.presence * (self.counts > 0))
-        if self.whole_batch:
-            logits.copy_(part)
-        else:
-            logits[self.rows] = part
+        """Penalises contiguous `logits` [bs, vocab] in place (repetition first, like HF, then
+        frequency/presence)."""
+        if self.rep_keys is not None:
+            flat = logits.view(-1)
+            values = flat[self.rep_keys]
+            flat[self.rep_keys] = torch.where(values < 0, values * self.rep_values,
+                                              values / self.rep_values)
+        if self.neg_bias is not None:
+            if self.fp_whole_batch:
+                logits.add_(self.neg_bias)
+            else:
+                logits.index_add_(0, self.fp_rows, self.neg_bias)
 
     def advance(self, next_token_ids: torch.Tensor) -> None:
         """Counts the batch's sampled ids [bs] (device) into the state."""
-        picked = next_token_ids if self.whole_batch else next_token_ids[self.rows]
-        picked = picked.clamp(0, self.vocab_size - 1)[:, None]  # failed rows (-1) are dropped
+        ids = next_token_ids.clamp(0, self.vocab_size - 1)  # failed rows (-1) are dropped
+        if self.rep_keys is not None:
+            new_keys = self.rep_rows * self.vocab_size + ids[self.rep_rows]
+            self.rep_keys = torch.cat([self.rep_keys, new_keys])
+            self.rep_values = torch.cat([self.rep_values, self.rep_penalty])
         if self.counts is not None:
+            picked = (ids if self.fp_whole_batch else ids[self.fp_rows])[:, None]
             self.counts.scatter_add_(1, picked, torch.ones_like(picked, dtype=torch.float32))
-        if self.seen is not None:
-            self.seen.scatter_(1, picked, True)
+            count = self.counts.gather(1, picked)
+            self.neg_bias.scatter_(1, picked, -(self.frequency * count + self.presence))
 
 
 class MinNewTokens:
