@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (
 )
 
 from lmnb.runtime.core import Req, SamplingParams
-from lmnb.runtime.sampling import Sampler
+from lmnb.runtime.sampling import SampleOutput, Sampler, pack_mask
 
 EOS = 0
 
@@ -23,6 +23,25 @@ def make_req(prompt: tuple[int, ...] = (1, 2, 3), output: tuple[int, ...] = (),
     if seed is not None:
         req.generator = torch.Generator().manual_seed(seed)
     return req
+
+
+def sample(vocab: int, logits: torch.Tensor, reqs: list[Req],
+           vocab_mask: torch.Tensor | None = None) -> SampleOutput:
+    sampler = Sampler(vocab, {EOS})
+    bitmask = None if vocab_mask is None else pack_mask(vocab_mask)
+    out = sampler(logits, sampler.batch_info(reqs, logits.device), bitmask)
+    out.synchronize()
+    return out
+
+
+def distribution(vocab: int, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    sampler = Sampler(vocab, {EOS})
+    return sampler.distribution(logits, sampler.batch_info(reqs, logits.device))
+
+
+def adjusted_logits(vocab: int, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    sampler = Sampler(vocab, {EOS})
+    return sampler.adjusted_logits(logits, sampler.batch_info(reqs, logits.device))
 
 
 def support(row: torch.Tensor) -> set[int]:
@@ -46,13 +65,13 @@ def test_greedy_equals_argmax() -> None:
     logits = torch.randn(8, 1000)
     logits[3, [10, 20]] = 50.0  # tie: the first index wins, like torch.argmax
     reqs = [make_req(temperature=0.0) for _ in range(4)] + [make_req(top_k=1) for _ in range(4)]
-    out = Sampler(1000, {EOS})(logits, reqs)
+    out = sample(1000, logits, reqs)
     assert torch.equal(out.next_token_ids, logits.argmax(-1))
     assert out.next_token_ids[3] == 10
     assert out.next_token_ids.dtype == torch.int64
-    assert out.top_logprobs is None
+    assert out.top_logprobs() is None
     half = logits.bfloat16()
-    assert torch.equal(Sampler(1000, {EOS})(half, reqs).next_token_ids, half.float().argmax(-1))
+    assert torch.equal(sample(1000, half, reqs).next_token_ids, half.float().argmax(-1))
 
 
 def test_logprobs_are_raw_log_softmax() -> None:
@@ -62,7 +81,7 @@ def test_logprobs_are_raw_log_softmax() -> None:
             make_req(temperature=0.5, top_p=0.8),
             make_req(temperature=1.3, top_k=10, frequency_penalty=0.7, output=(1, 2)),
             make_req(min_p=0.1, min_new_tokens=3)]
-    out = Sampler(500, {EOS})(logits, reqs)
+    out = sample(500, logits, reqs)
     expected = torch.log_softmax(logits, -1).gather(1, out.next_token_ids[:, None]).squeeze(1)
     assert out.next_token_logprobs.dtype == torch.float32
     torch.testing.assert_close(out.next_token_logprobs, expected, atol=1e-5, rtol=0)
@@ -71,9 +90,10 @@ def test_logprobs_are_raw_log_softmax() -> None:
 def test_logprobs_are_skipped_when_nobody_asks() -> None:
     logits = torch.randn(3, 200)
     reqs = [make_req(return_logprob=False, temperature=0.0) for _ in range(3)]
-    out = Sampler(200, {EOS})(logits, reqs)
+    out = sample(200, logits, reqs)
     assert out.next_token_ids.tolist() == logits.argmax(-1).tolist()
-    assert out.top_logprobs is None and not out.next_token_logprobs.any()
+    assert out.top_logprobs() is None and out.next_token_logprobs is None
+    assert out.logprobs() is None
 
 
 def test_top_logprobs_sorted_with_requested_length() -> None:
@@ -81,10 +101,11 @@ def test_top_logprobs_sorted_with_requested_length() -> None:
     logits = torch.randn(4, 300)
     wanted = [0, 1, 5, 20]
     reqs = [make_req(temperature=0.0, top_logprobs_num=n) for n in wanted]
-    out = Sampler(300, {EOS})(logits, reqs)
-    assert out.top_logprobs is not None
+    out = sample(300, logits, reqs)
+    tops_per_row = out.top_logprobs()
+    assert tops_per_row is not None
     reference = torch.log_softmax(logits, -1)
-    for row, n, tops in zip(range(4), wanted, out.top_logprobs, strict=True):
+    for row, n, tops in zip(range(4), wanted, tops_per_row, strict=True):
         assert len(tops) == n
         values = [v for v, _ in tops]
         assert values == sorted(values, reverse=True)
@@ -92,7 +113,7 @@ def test_top_logprobs_sorted_with_requested_length() -> None:
         if best is not None:
             assert [t for _, t in tops] == best.indices.tolist()
             torch.testing.assert_close(torch.tensor(values), best.values, atol=1e-5, rtol=0)
-    assert out.top_logprobs[1][0][1] == int(out.next_token_ids[1])
+    assert tops_per_row[1][0][1] == int(out.next_token_ids[1])
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.8])
@@ -101,7 +122,7 @@ def test_temperature_frequencies_follow_softmax(temperature: float) -> None:
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     draws = 20000
     reqs = [make_req(temperature=temperature) for _ in range(draws)]
-    ids = Sampler(8, {EOS})(base.expand(draws, 8).clone(), reqs).next_token_ids
+    ids = sample(8, base.expand(draws, 8).clone(), reqs).next_token_ids
     observed = torch.bincount(ids, minlength=8).double()
     expected = torch.softmax(base.double() / temperature, -1) * draws
     chi2 = float(((observed - expected) ** 2 / expected).sum())
@@ -115,10 +136,9 @@ def test_cut_frequencies_follow_renormalised_distribution(params: dict[str, floa
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     draws = 20000
     reqs = [make_req(**params) for _ in range(draws)]
-    sampler = Sampler(8, {EOS})
-    target = sampler.distribution(base[None], reqs[:1])[0].double()
+    target = distribution(8, base[None], reqs[:1])[0].double()
     assert 1 < int((target > 0).sum()) < 8
-    ids = sampler(base.expand(draws, 8).clone(), reqs).next_token_ids
+    ids = sample(8, base.expand(draws, 8).clone(), reqs).next_token_ids
     observed = torch.bincount(ids, minlength=8).double()
     assert observed[target == 0].sum() == 0
     kept = target > 0
@@ -132,13 +152,12 @@ def test_top_k_restricts_support() -> None:
     logits = torch.randn(5, 2000)
     ks = [1, 2, 7, 50, 1999]
     reqs = [make_req(temperature=0.9, top_k=k) for k in ks]
-    sampler = Sampler(2000, {EOS})
-    probs = sampler.distribution(logits, reqs)
+    probs = distribution(2000, logits, reqs)
     for row, k in enumerate(ks):
         assert support(probs[row]) == set(logits[row].topk(k).indices.tolist())
     torch.testing.assert_close(probs.sum(-1), torch.ones(5))
     small = torch.randn(1, 20).expand(2000, 20).clone()
-    ids = sampler(small, [make_req(top_k=3) for _ in range(2000)]).next_token_ids
+    ids = sample(20, small, [make_req(top_k=3) for _ in range(2000)]).next_token_ids
     assert set(ids.tolist()) == set(small[0].topk(3).indices.tolist())
 
 
@@ -150,7 +169,7 @@ def test_top_p_support_is_minimal_nucleus(scale: float) -> None:
     top_ps = [0.05, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0, 0.6]
     temps = [1.0, 0.5, 1.5] * 4
     reqs = [make_req(temperature=t, top_p=p) for t, p in zip(temps, top_ps, strict=True)]
-    probs = Sampler(vocab, {EOS}).distribution(logits, reqs)
+    probs = distribution(vocab, logits, reqs)
     for row, (t, p) in enumerate(zip(temps, top_ps, strict=True)):
         full = torch.softmax(logits[row] / t, -1)
         expected = set(range(vocab)) if p == 1.0 else nucleus(full, p)
@@ -161,7 +180,7 @@ def test_top_p_support_is_minimal_nucleus(scale: float) -> None:
 
 def test_top_p_keeps_best_token() -> None:
     logits = torch.tensor([[5.0, 0.0, 0.0, 0.0]])
-    probs = Sampler(4, {EOS}).distribution(logits, [make_req(top_p=0.01)])
+    probs = distribution(4, logits, [make_req(top_p=0.01)])
     assert support(probs[0]) == {0}
 
 
@@ -170,7 +189,7 @@ def test_min_p_support() -> None:
     logits = torch.randn(4, 1000) * 2
     min_ps = [0.0, 0.05, 0.3, 1.0]
     reqs = [make_req(temperature=0.8, min_p=m) for m in min_ps]
-    probs = Sampler(1000, {EOS}).distribution(logits, reqs)
+    probs = distribution(1000, logits, reqs)
     for row, m in enumerate(min_ps):
         full = torch.softmax(logits[row] / 0.8, -1)
         assert support(probs[row]) == set((full >= m * full.max()).nonzero().flatten().tolist())
@@ -183,7 +202,7 @@ def test_filter_chain_matches_hf_warpers() -> None:
     settings = [(0.7, 40, 0.9, 0.0), (1.2, 200, 0.5, 0.05), (1.0, 5, 0.99, 0.0),
                 (0.5, -1, 0.8, 0.1), (2.0, 1000, 0.95, 0.02), (1.0, 3, 1.0, 0.2)]
     reqs = [make_req(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in settings]
-    probs = Sampler(vocab, {EOS}).distribution(logits, reqs)
+    probs = distribution(vocab, logits, reqs)
     ids = torch.zeros(1, 1, dtype=torch.long)
     for row, (t, k, p, m) in enumerate(settings):
         scores = TemperatureLogitsWarper(t)(ids, logits[row : row + 1].clone())
@@ -206,12 +225,12 @@ def test_repetition_penalty_matches_hf() -> None:
     penalties = [1.3, 0.7, 1.0]
     reqs = [make_req(prompt=prompt, output=output, temperature=0.0, repetition_penalty=r)
             for r in penalties]
-    adjusted = Sampler(vocab, {EOS}).adjusted_logits(logits, reqs)
+    adjusted = adjusted_logits(vocab, logits, reqs)
     history = torch.tensor([prompt + output])
     for row, r in enumerate(penalties):
         expected = RepetitionPenaltyLogitsProcessor(r)(history, logits[row : row + 1].clone())
         assert torch.equal(adjusted[row], expected[0])
-    out = Sampler(vocab, {EOS})(logits, reqs)
+    out = sample(vocab, logits, reqs)
     assert torch.equal(out.next_token_ids, adjusted.argmax(-1))
 
 
@@ -223,7 +242,7 @@ def test_frequency_and_presence_penalties_hand_computed() -> None:
     params = [dict(frequency_penalty=0.5), dict(presence_penalty=-0.8),
               dict(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=1.1)]
     reqs = [make_req(prompt=prompt, output=output, **p) for p in params]
-    adjusted = Sampler(vocab, {EOS}).adjusted_logits(logits, reqs)
+    adjusted = adjusted_logits(vocab, logits, reqs)
     for row, p in enumerate(params):
         expected = logits[row].clone()
         rep = p.get("repetition_penalty", 1.0)
@@ -234,7 +253,7 @@ def test_frequency_and_presence_penalties_hand_computed() -> None:
             expected[token] -= p.get("frequency_penalty", 0.0) * output.count(token)
             expected[token] -= p.get("presence_penalty", 0.0)
         torch.testing.assert_close(adjusted[row], expected, atol=1e-6, rtol=0)
-    untouched = Sampler(vocab, {EOS}).adjusted_logits(logits, [make_req() for _ in range(3)])
+    untouched = adjusted_logits(vocab, logits, [make_req() for _ in range(3)])
     assert torch.equal(untouched, logits)
 
 
@@ -244,17 +263,16 @@ def test_min_new_tokens_blocks_eos_and_stop_ids() -> None:
     logits[:, EOS] = 10.0
     logits[:, 5] = 9.0
     logits[:, 7] = 8.0
-    sampler = Sampler(vocab, {EOS})
     blocked = [make_req(temperature=0.0, min_new_tokens=3, stop_token_ids=[5], output=(1, 2)),
                make_req(min_new_tokens=2, stop_token_ids=[5], ignore_eos=True)]
     done = [make_req(temperature=0.0, min_new_tokens=2, stop_token_ids=[5], output=(1, 2)),
             make_req(temperature=0.0, min_new_tokens=3)]
-    out = sampler(logits, blocked + done)
+    out = sample(vocab, logits, blocked + done)
     assert out.next_token_ids[0] == 7 and out.next_token_ids[2] == EOS
     assert out.next_token_ids[3] == 5  # EOS blocked, stop id 5 is not this request's
-    probs = sampler.distribution(logits[:2], blocked)
+    probs = distribution(vocab, logits[:2], blocked)
     assert probs[:, EOS].eq(0).all() and probs[:, 5].eq(0).all()
-    many = sampler(logits[1:2].expand(3000, vocab).clone(),
+    many = sample(vocab, logits[1:2].expand(3000, vocab).clone(),
                    [make_req(min_new_tokens=1, stop_token_ids=[5]) for _ in range(3000)])
     assert not set(many.next_token_ids.tolist()) & {EOS, 5}
 
@@ -275,7 +293,7 @@ def test_seeded_requests_are_batch_independent(params: dict[str, float]) -> None
             reqs = [make_req(temperature=float(t % 3), top_p=0.5 + 0.1 * (t % 5))
                     for t in range(batch_size)]
             reqs[position] = seeded
-            tokens.append(int(Sampler(vocab, {EOS})(logits, reqs).next_token_ids[position]))
+            tokens.append(int(sample(vocab, logits, reqs).next_token_ids[position]))
         return tokens
 
     first = run(1, 0)
@@ -283,7 +301,7 @@ def test_seeded_requests_are_batch_independent(params: dict[str, float]) -> None
     assert run(32, 31) == first
     assert len(set(first)) > 1
     other = make_req(seed=99, **params)
-    assert [int(Sampler(vocab, {EOS})(row[None], [other]).next_token_ids[0])
+    assert [int(sample(vocab, row[None], [other]).next_token_ids[0])
             for _ in range(6)] != first
 
 
@@ -294,10 +312,9 @@ def test_vocab_mask_and_padded_logits() -> None:
     mask = torch.zeros(4, 128, dtype=torch.bool)
     mask[:, [3, 8, 9]] = True
     reqs = [make_req(temperature=0.0), make_req(), make_req(top_p=0.5), make_req(top_k=50)]
-    sampler = Sampler(100, {EOS})
-    out = sampler(logits, reqs)
+    out = sample(100, logits, reqs)
     assert (out.next_token_ids < 100).all()
-    masked = sampler(logits, reqs, vocab_mask=mask)
+    masked = sample(100, logits, reqs, vocab_mask=mask)
     assert set(masked.next_token_ids.tolist()) <= {3, 8, 9}
     assert int(masked.next_token_ids[0]) == [3, 8, 9][int(logits[0, [3, 8, 9]].argmax())]
     expected = torch.log_softmax(logits[:, :100], -1).gather(1, masked.next_token_ids[:, None])
@@ -305,19 +322,18 @@ def test_vocab_mask_and_padded_logits() -> None:
 
 
 def test_everything_masked_or_nan_raises() -> None:
-    sampler = Sampler(10, {EOS})
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[1] = False
     with pytest.raises(RuntimeError, match="every token is masked"):
-        sampler(torch.randn(2, 10), [make_req(), make_req()], vocab_mask=mask)
+        sample(10, torch.randn(2, 10), [make_req(), make_req()], vocab_mask=mask)
     only_eos = torch.full((1, 10), float("-inf"))
     only_eos[0, EOS] = 1.0
     with pytest.raises(RuntimeError, match="every token is masked"):
-        sampler(only_eos, [make_req(min_new_tokens=1)])
+        sample(10, only_eos, [make_req(min_new_tokens=1)])
     nan = torch.randn(2, 10)
     nan[0, 4] = float("nan")
     with pytest.raises(RuntimeError, match="nan"):
-        sampler(nan, [make_req(temperature=0.0), make_req()])
+        sample(10, nan, [make_req(temperature=0.0), make_req()])
 
 
 def test_mixed_large_batch_runs() -> None:
@@ -332,9 +348,10 @@ def test_mixed_large_batch_runs() -> None:
             top_k=[-1, 20, -1, 100][i % 4], min_p=[0.0, 0.05][i % 5 == 0],
             repetition_penalty=[1.0, 1.1][i % 6 == 0], frequency_penalty=[0.0, 0.2][i % 4 == 1],
             seed=i if i % 8 == 0 else None, top_logprobs_num=i % 3))
-    out = Sampler(vocab, {EOS})(logits, reqs)
+    out = sample(vocab, logits, reqs)
     assert out.next_token_ids.shape == (bs,)
     assert ((out.next_token_ids >= 0) & (out.next_token_ids < vocab)).all()
     assert torch.isfinite(out.next_token_logprobs).all()
-    assert out.top_logprobs is not None
-    assert [len(t) for t in out.top_logprobs] == [i % 3 for i in range(bs)]
+    tops = out.top_logprobs()
+    assert tops is not None
+    assert [len(t) for t in tops] == [i % 3 for i in range(bs)]

@@ -13,9 +13,8 @@ from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.registry import attention_backend_class
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
-from lmnb.runtime.sampling import Sampler
-
-SamplingRow = object  # the sampler's row protocol (sampling params, ids, generator, grammar)
+from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
+from lmnb.runtime.sampling.batch_info import SamplingRow
 
 TopLogprobs = list[tuple[float, int]]
 CPU_KV_MEMORY_FRACTION = 0.15  # of the host's available memory, when no size is given on CPU
@@ -77,6 +76,7 @@ class ModelRunner:
             num_heads=model_config.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
+        self._batch_info: SamplingBatchInfo | None = None
 
     def _kv_budget(self, per_token: int, mem_fraction_static: float | None) -> int:
         """KV pool tokens that fit: on CUDA, `mem_fraction_static` (default 0.80) of the device
@@ -125,29 +125,36 @@ class ModelRunner:
             self._input_logprobs(batch, hidden, out)
         if sample_rows:
             logits = self.model.compute_logits(hidden[last_token_rows])
-            sampled = self.sampler(logits, rows, self._grammar_mask(rows, logits))
-            token_ids = sampled.next_token_ids.tolist()
-            logprobs = sampled.next_token_logprobs.tolist()
+            rows = list(rows)
+            info = self._sampling_info(rows)
+            sampled = self.sampler(logits, info, self._grammar_mask(rows, info))
+            info.advance(sampled.next_token_ids)
+            token_ids = sampled.token_ids()  # the step's one wait for the device
+            logprobs = sampled.logprobs()
+            top_logprobs = sampled.top_logprobs()
             for row, i in enumerate(sample_rows):
                 out.next_token_ids[i] = token_ids[row]
-                out.next_token_logprobs[i] = logprobs[row]
-                if sampled.top_logprobs is not None:
-                    out.next_top_logprobs[i] = sampled.top_logprobs[row]
+                out.next_token_logprobs[i] = 0.0 if logprobs is None else logprobs[row]
+                if top_logprobs is not None:
+                    out.next_top_logprobs[i] = top_logprobs[row]
         return out
 
-    def _grammar_mask(self, reqs: list, logits: torch.Tensor) -> torch.Tensor | None:
-        """[rows, vocab] allowed tokens of constrained requests (all allowed for the others)."""
-        if all(req.grammar is None for req in reqs):
+    def _sampling_info(self, rows: list) -> SamplingBatchInfo:
+        """The cached SamplingBatchInfo while the sampled rows stay the same (decode steps)."""
+        info = self._batch_info
+        if info is None or not info.matches(rows):
+            info = self._batch_info = self.sampler.batch_info(rows, self.device)
+        return info
+
+    def _grammar_mask(self, rows: list, info: SamplingBatchInfo) -> torch.Tensor | None:
+        """[rows, words] packed allowed tokens (see sampling.bitmask): each constrained row's
+        cached state mask, the cached all-ones row for the others."""
+        if not info.has_grammar:
             return None
-        mask = torch.ones(logits.shape, dtype=torch.bool)
-        stop_ids = self.sampler.eos_token_ids
-        for row, req in enumerate(reqs):
-            if req.grammar is not None:
-                allowed = req.grammar.mask(stop_ids | set(req.sampling_params.stop_token_ids))
-                mask[row].zero_()
-                width = min(allowed.numel(), mask.shape[1])
-                mask[row, :width] = allowed[:width]
-        return mask.to(logits.device)
+        ones = all_allowed(info.num_words, self.device)
+        return stack_bitmasks(
+            [ones if row.grammar is None else row.grammar.bitmask(info.stop_ids[i], self.device)
+             for i, row in enumerate(rows)], info.num_words)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         positions: list[int] = []

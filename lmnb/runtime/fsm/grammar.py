@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from lmnb.runtime.fsm.index import TokenIndex
+from lmnb.runtime.sampling.bitmask import pack_mask
 
 
 class RequestGrammar:
@@ -18,16 +19,34 @@ class RequestGrammar:
         self.index = index
         self.pattern = pattern
         self.state = index.initial
+        self._bitmasks: dict[tuple[int, str, frozenset[int]], torch.Tensor] = {}
 
     def mask(self, stop_ids: Iterable[int]) -> torch.Tensor:
         """Bool [vocab] of the tokens allowed next."""
         allowed = self.index.allowed(self.state)
-        if self.index.is_accepting(self.state) or not bool(allowed.any()):
+        if self._stops_allowed(allowed):
             allowed = allowed.clone()
             for token in stop_ids:
                 if 0 <= token < allowed.numel():
                     allowed[token] = True
         return allowed
+
+    def bitmask(self, stop_ids: Iterable[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """Packed int32 [ceil(vocab / 32)] form of `mask(stop_ids)` on `device`, cached per
+        (state, device, stop ids); callers must not modify it."""
+        stops = frozenset(stop_ids)
+        key = (self.state, str(device), stops)
+        if (packed := self._bitmasks.get(key)) is None:
+            if self._stops_allowed(self.index.allowed(self.state)):
+                packed = pack_mask(self.mask(stops)).to(device)
+            else:
+                packed = self.index.bitmask(self.state, device)
+            self._bitmasks[key] = packed
+        return packed
+
+    def _stops_allowed(self, allowed: torch.Tensor) -> bool:
+        """Stop ids are allowed in accepting states and at dead ends."""
+        return self.index.is_accepting(self.state) or not bool(allowed.any())
 
     def advance(self, token_id: int) -> None:
         self.state = self.index.next_state(self.state, token_id)

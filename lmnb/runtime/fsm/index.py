@@ -22,6 +22,7 @@ import torch
 from lmnb.runtime.fsm.jump import CompressedFSM
 from lmnb.runtime.fsm.regex import ByteFSM, compile_regex
 from lmnb.runtime.fsm.token_bytes import token_byte_table
+from lmnb.runtime.sampling.bitmask import pack_mask
 
 _BATCH = 64  # FSM states walked together by build_all
 MAX_CACHED_INDEXES = 128
@@ -132,6 +133,7 @@ class TokenIndex:
         self.compressed = CompressedFSM(fsm)
         self._masks: dict[int, torch.Tensor] = {}
         self._device_masks: dict[tuple[int, str], torch.Tensor] = {}
+        self._bitmasks: dict[tuple[int, str], torch.Tensor] = {}
         self._successors: dict[int, frozenset[int]] = {}
         self._lock = threading.Lock()
 
@@ -170,6 +172,16 @@ class TokenIndex:
         if (moved := self._device_masks.get(key)) is None:
             moved = self._device_masks[key] = mask.to(device)
         return moved
+
+    def bitmask(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Packed int32 [ceil(vocab_size / 32)] form of `allowed(state)` (see
+        lmnb.runtime.sampling.bitmask), cached per (state, device); callers must not modify it."""
+        key = (state, str(device))
+        if (packed := self._bitmasks.get(key)) is None:
+            packed = pack_mask(self.allowed(state)).to(device)
+            with self._lock:
+                packed = self._bitmasks.setdefault(key, packed)
+        return packed
 
     def build_all(self) -> int:
         """Computes the mask of every state reachable from `initial` by tokens; returns how many."""

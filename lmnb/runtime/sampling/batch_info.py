@@ -1,0 +1,157 @@
+"""A batch's sampling parameters as device tensors, built once per batch composition.
+
+The caller keeps one `SamplingBatchInfo` while `matches(rows)` holds and calls `advance` with each
+step's sampled ids; penalty counts and min_new_tokens counters then follow on the device, so a
+decode step reads no Python lists of parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from lmnb.runtime.sampling.bitmask import num_words
+from lmnb.runtime.sampling.penalties import MinNewTokens, Penalties
+
+if TYPE_CHECKING:
+    from lmnb.runtime.core import SamplingParams
+    from lmnb.runtime.fsm.grammar import RequestGrammar
+
+MIN_TEMPERATURE = 1e-5  # below this logits / T overflows; such rows are sampled greedily
+FIRST_WINDOW = 64  # on the CPU, best tokens a top-p-only row looks at first (grows x8)
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one request."""
+
+    sampling_params: SamplingParams
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+    grammar: RequestGrammar | None
+    return_logprob: bool
+    top_logprobs_num: int
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy or params.temperature < MIN_TEMPERATURE
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+class RowGroup:
+    """Sampled rows drawn the same way: `rows` [n] batch indices (device) with their parameters
+    as [n, 1] columns; `whole_batch` when the group is every row of the batch."""
+
+    def __init__(self, positions: list[int], params: list[SamplingParams], vocab_size: int,
+                 batch_size: int, device: torch.device) -> None:
+        self.rows = torch.tensor(positions, dtype=torch.int64, device=device)
+        self.size = len(positions)
+        self.whole_batch = self.size == batch_size
+        self.temperatures = _column([p.temperature for p in params], device)
+        self.top_ps = _column([p.top_p for p in params], device)
+        self.min_ps = _column([p.min_p for p in params], device)
+        self.any_min_p = any(p.min_p > 0 for p in params)
+        ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        self.top_ks = torch.tensor(ks, dtype=torch.int64, device=device)
+        self.has_k = self.top_ks < vocab_size
+        self.max_k = max(ks)
+        self.any_without_k = any(k >= vocab_size for k in ks)
+
+    def take(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.whole_batch else logits[self.rows]
+
+
+class SamplingBatchInfo:
+    """Sampling state of one batch of rows (see `SamplingRow`), on `device`.
+
+    Rows are split, once, into greedy rows (argmax), `full` rows (temperature/min-p over the whole
+    vocabulary) and `cut` rows (top-k and/or top-p: drawn from a window of their best tokens).
+    Valid for the same row objects while each row's `output_ids` is the same list grown only by
+    the tokens given to `advance` (jump-forward replaces the list, so it forces a rebuild).
+    """
+
+    def __init__(self, rows: Sequence[SamplingRow], *, device: torch.device, vocab_size: int,
+                 eos_ids: Iterable[int]) -> None:
+        device = torch.device(device)
+        self.rows = list(rows)
+        self.device = device
+        self.vocab_size = vocab_size
+        self.batch_size = len(self.rows)
+        self.num_words = num_words(vocab_size)
+        params = [row.sampling_params for row in self.rows]
+        eos = frozenset(eos_ids)
+        self.stop_ids = [eos.union(p.stop_token_ids) for p in params]
+        greedy = [is_greedy(p) for p in params]
+        self.all_greedy = all(greedy)
+        cut = [i for i, p in enumerate(params) if not greedy[i]
+               and ((0 < p.top_k < vocab_size) or p.top_p < 1.0)]
+        cut_set = set(cut)
+        full = [i for i in range(len(params)) if not greedy[i] and i not in cut_set]
+        self.full = (RowGroup(full, [params[i] for i in full], vocab_size, len(params), device)
+                     if full else None)
+        self.cut = (RowGroup(cut, [params[i] for i in cut], vocab_size, len(params), device)
+                    if cut else None)
+        # The cut rows' window: on a GPU wide enough for every row at once (no host sync); on
+        # the CPU top-p-only rows start narrow and widen while their nucleus does not fit.
+        self.cut_window = vocab_size
+        self.cut_may_widen = False
+        if self.cut is not None:
+            if not self.cut.any_without_k:
+                self.cut_window = self.cut.max_k
+            elif device.type == "cpu":
+                self.cut_window = min(vocab_size, max(FIRST_WINDOW, self.cut.max_k))
+                self.cut_may_widen = self.cut_window < vocab_size
+        self.generators = [(i, row.generator) for i, row in enumerate(self.rows)
+                           if row.generator is not None and not greedy[i]]
+        self.top_logprobs_nums = [min(max(row.top_logprobs_num, 0), vocab_size)
+                                  for row in self.rows]
+        self.max_top_logprobs = max(self.top_logprobs_nums, default=0)
+        self.need_logprobs = self.max_top_logprobs > 0 or any(r.return_logprob for r in self.rows)
+        self.has_grammar = any(row.grammar is not None for row in self.rows)
+        self.penalties = Penalties.build(self.rows, vocab_size, device)
+        self.min_new_tokens = MinNewTokens.build(self.rows, self.stop_ids, vocab_size, device)
+        self._outputs = [row.output_ids for row in self.rows]
+        self._output_lens = [len(ids) for ids in self._outputs]
+        self._steps = 0
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], device: torch.device | str, vocab_size: int,
+              eos_ids: Iterable[int]) -> SamplingBatchInfo:
+        return cls(rows, device=torch.device(device), vocab_size=vocab_size, eos_ids=eos_ids)
+
+    def matches(self, rows: Sequence[SamplingRow]) -> bool:
+        """Whether this info still describes `rows` (same objects, outputs grown only by the
+        tokens given to `advance`). O(rows) attribute reads, no device work."""
+        if len(rows) != self.batch_size:
+            return False
+        steps = self._steps
+        for row, mine, outputs, length in zip(rows, self.rows, self._outputs, self._output_lens,
+                                              strict=True):
+            if row is not mine or row.output_ids is not outputs or len(outputs) != length + steps:
+                return False
+        return True
+
+    def advance(self, next_token_ids: torch.Tensor) -> None:
+        """Records one sampled id per row ([bs] device tensor; no sync). The caller appends the
+        same ids to the rows' `output_ids` before the next `matches`."""
+        if self.penalties is not None:
+            self.penalties.advance(next_token_ids)
+        if self.min_new_tokens is not None:
+            self.min_new_tokens.advance()
+        self._steps += 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or min_new_tokens blocks change the logits this step."""
+        return self.penalties is not None or (
+            self.min_new_tokens is not None and self.min_new_tokens.active)
+
+    def label(self, row: int) -> str:
+        """How errors name row `row`."""
+        rid = getattr(self.rows[row], "rid", None)
+        return f"request {rid}" if rid is not None else f"row {row}"

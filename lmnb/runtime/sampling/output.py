@@ -1,0 +1,80 @@
+"""One sampling step's result: device tensors at once, host copies after one wait."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+MASKED = -1  # next_token_ids value of a row whose every token is masked
+NOT_FINITE = -2  # ... of a row whose logits hold NaN or +inf
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Starts a non-blocking copy into pinned memory (CUDA); on the CPU the tensor itself."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+class SampleOutput:
+    """Sampled ids [bs] int64 on the device (`next_token_ids`, usable by further device work at
+    once), optional logprobs, and their host copies, started when the output is created.
+
+    Call `synchronize()` (or any of the list accessors) once per step: it waits for the copies and
+    raises RuntimeError for a row that could not be sampled.
+    """
+
+    def __init__(self, next_token_ids: torch.Tensor, *, logprobs: torch.Tensor | None,
+                 top_values: torch.Tensor | None, top_ids: torch.Tensor | None,
+                 top_logprobs_nums: list[int], label: Callable[[int], str]) -> None:
+        self.next_token_ids = next_token_ids
+        self.next_token_logprobs = logprobs  # [bs] float32, None when no row asked
+        self.top_logprob_values = top_values  # [bs, max wanted] float32, best first
+        self.top_logprob_ids = top_ids
+        self.top_logprobs_nums = top_logprobs_nums
+        self._label = label
+        self.next_token_ids_cpu = _to_host(next_token_ids)
+        self._logprobs_cpu = None if logprobs is None else _to_host(logprobs)
+        self._top_cpu = None if top_values is None else (_to_host(top_values), _to_host(top_ids))
+        self._event: torch.cuda.Event | None = None
+        if next_token_ids.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._checked = False
+
+    def synchronize(self) -> None:
+        """Waits for the host copies; raises RuntimeError naming the first row that failed."""
+        if self._checked:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        ids = self.next_token_ids_cpu
+        bad = (ids < 0).nonzero()
+        if len(bad):
+            row = int(bad[0, 0])
+            if int(ids[row]) == MASKED:
+                raise RuntimeError(
+                    f"{self._label(row)}: every token is masked (min_new_tokens EOS/stop ids, "
+                    "grammar mask or -inf logits); nothing can be sampled")
+            raise RuntimeError(f"{self._label(row)}: logits contain nan or +inf")
+        self._checked = True
+
+    def token_ids(self) -> list[int]:
+        self.synchronize()
+        return self.next_token_ids_cpu.tolist()
+
+    def logprobs(self) -> list[float] | None:
+        """Raw log-softmax of each row's sampled token, or None when no row asked."""
+        self.synchronize()
+        return None if self._logprobs_cpu is None else self._logprobs_cpu.tolist()
+
+    def top_logprobs(self) -> list[list[tuple[float, int]]] | None:
+        """Per row its `top_logprobs_num` best (logprob, id), best first; None when no row asked."""
+        self.synchronize()
+        if self._top_cpu is None:
+            return None
+        values, ids = (t.tolist() for t in self._top_cpu)
+        return [list(zip(v[:n], i[:n], strict=True)) if n else []
+                for v, i, n in zip(values, ids, self.top_logprobs_nums, strict=True)]

@@ -1,0 +1,198 @@
+"""Logits -> next tokens for a whole batch with tensor ops: penalties, min-new-tokens and grammar
+masks, temperature, top-k, top-p, min-p, seeded draws, and logprobs of the raw distribution.
+
+Filtering follows HF transformers' warper chain (temperature, top-k, top-p over the top-k
+renormalised set, min-p). Every sampled row draws by inverse CDF from one uniform: `full` rows
+over the whole vocabulary, `cut` rows over a window of their best logits (see SamplingBatchInfo),
+so a seeded row's token depends only on its own logits and generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from lmnb.runtime.sampling.batch_info import RowGroup, SamplingBatchInfo, SamplingRow
+from lmnb.runtime.sampling.bitmask import apply_bitmask_
+from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, SampleOutput
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class _Support:
+    """Some sampled rows and what they draw from: `probs` [rows, n] unnormalised, over the
+    whole vocabulary when `ids` is None, else over the candidate ids `ids` [rows, n]."""
+
+    positions: torch.Tensor  # [rows] batch row indices (device)
+    probs: torch.Tensor
+    ids: torch.Tensor | None
+
+
+class Sampler:
+    """Samples one token per row of a batch described by a `SamplingBatchInfo`."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def batch_info(self, rows: list[SamplingRow], device: torch.device | str
+                   ) -> SamplingBatchInfo:
+        return SamplingBatchInfo.build(rows, device, self.vocab_size, self.eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo,
+                 bitmask: torch.Tensor | None = None) -> SampleOutput:
+        """Sample one token per row of `logits` [bs, >= vocab]. `bitmask` ([bs, words] int32,
+        see bitmask.py) carries grammar constraints; reported logprobs ignore it, like every
+        other adjustment. No host sync: the result's `synchronize()` is the step's one wait."""
+        raw = self._raw(logits, info)
+        work = self._adjusted(raw, info, bitmask)
+        best, ids = work.max(dim=-1)  # first maximal index, like argmax
+        if not info.all_greedy:
+            ids = self._draw(work, info, ids)
+        bad = ~torch.isfinite(best)
+        ids = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
+        logprobs = top_values = top_ids = None
+        if info.need_logprobs:
+            lse = torch.logsumexp(raw, dim=-1)
+            logprobs = raw.gather(1, ids.clamp(min=0)[:, None]).squeeze(1) - lse
+            if info.max_top_logprobs:
+                top_values, top_ids = raw.topk(info.max_top_logprobs, dim=-1)
+                top_values = top_values - lse[:, None]
+        return SampleOutput(ids, logprobs=logprobs, top_values=top_values, top_ids=top_ids,
+                            top_logprobs_nums=info.top_logprobs_nums, label=info.label)
+
+    def adjusted_logits(self, logits: torch.Tensor, info: SamplingBatchInfo,
+                        bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits after penalties and masks, before temperature; never modifies `logits`."""
+        return self._adjusted(self._raw(logits, info), info, bitmask)
+
+    def distribution(self, logits: torch.Tensor, info: SamplingBatchInfo,
+                     bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """[bs, vocab] normalised probabilities each row is drawn from (greedy rows: one-hot).
+        For tests and inspection: it waits for the device."""
+        work = self.adjusted_logits(logits, info, bitmask)
+        best, ids = work.max(dim=-1)
+        bad = ~torch.isfinite(best)
+        if bool(bad.any()):
+            fake = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
+            SampleOutput(fake, logprobs=None, top_values=None, top_ids=None,
+                         top_logprobs_nums=info.top_logprobs_nums,
+                         label=info.label).synchronize()
+        probs = torch.zeros_like(work)
+        probs[torch.arange(len(ids), device=work.device), ids] = 1.0
+        for support in _supports(work, info):
+            normalised = support.probs / support.probs.sum(dim=-1, keepdim=True)
+            if support.ids is None:
+                probs[support.positions] = normalised
+            else:
+                dense = torch.zeros(len(support.positions), work.shape[1], device=work.device)
+                probs[support.positions] = dense.scatter_(1, support.ids, normalised)
+        return probs
+
+    def _raw(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        if (logits.dim() != 2 or logits.shape[0] != info.batch_size
+                or logits.shape[1] < info.vocab_size):
+            raise ValueError(f"logits must be [{info.batch_size}, >= {info.vocab_size}], "
+                             f"got {tuple(logits.shape)}")
+        return logits[:, : info.vocab_size].float()
+
+    def _adjusted(self, raw: torch.Tensor, info: SamplingBatchInfo,
+                  bitmask: torch.Tensor | None) -> torch.Tensor:
+        if not info.adjusts_logits and bitmask is None:
+            return raw
+        work = raw.clone()
+        if info.penalties is not None:
+            info.penalties.apply_(work)
+        if info.min_new_tokens is not None and info.min_new_tokens.active:
+            info.min_new_tokens.apply_(work)
+        if bitmask is not None:
+            apply_bitmask_(work, bitmask)
+        return work
+
+    def _draw(self, work: torch.Tensor, info: SamplingBatchInfo,
+              greedy_ids: torch.Tensor) -> torch.Tensor:
+        """Greedy rows keep `greedy_ids`; the others draw from their supports. Seeded rows take
+        their uniform from their own generator."""
+        uniform = torch.rand(info.batch_size, 1, device=work.device)
+        for row, generator in info.generators:
+            draw = torch.rand(1, 1, generator=generator, device=generator.device)
+            uniform[row] = draw.to(work.device)[0]
+        ids = greedy_ids.clone()
+        for support in _supports(work, info):
+            choice = _inverse_cdf(support.probs, uniform[support.positions])
+            if support.ids is not None:
+                choice = support.ids.gather(1, choice[:, None]).squeeze(1)
+            ids[support.positions] = choice
+        return ids
+
+
+def _supports(work: torch.Tensor, info: SamplingBatchInfo) -> list[_Support]:
+    """What the sampled rows of `work` (penalised, masked logits) draw from."""
+    supports = []
+    if (full := info.full) is not None:
+        probs = torch.softmax(full.take(work) / full.temperatures, dim=-1)
+        if full.any_min_p:
+            probs.masked_fill_(probs < full.min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
+        supports.append(_Support(full.rows, probs, None))
+    if info.cut is not None:
+        supports.extend(_cut_supports(info.cut.take(work), info.cut, info.cut_window,
+                                      info.cut_may_widen))
+    return supports
+
+
+def _cut_supports(logits: torch.Tensor, group: RowGroup, window: int,
+                  may_widen: bool) -> list[_Support]:
+    """Supports of rows cut by top-k (exactly k best) then top-p (the smallest set of best tokens
+    whose mass, renormalised over the top-k set, reaches top_p) then min-p, each as a window of
+    its best candidates. Without `may_widen` the window holds every row's support (one pass, no
+    host sync); with it, rows whose nucleus fills the window retry with a wider one."""
+    vocab = logits.shape[1]
+    device = logits.device
+    temps, k, p, min_p, has_k = (group.temperatures, group.top_ks, group.top_ps, group.min_ps,
+                                 group.has_k)
+    log_total = None
+    if group.any_without_k:  # their top-p needs the whole vocabulary's normaliser
+        log_total = torch.logsumexp(logits / temps, dim=-1)
+    positions = group.rows
+    supports = []
+    while True:
+        values, ids = logits.topk(window, dim=-1)
+        scaled = values / temps
+        in_k = torch.arange(window, device=device) < k.clamp(max=window)[:, None]
+        scaled = scaled.masked_fill(~in_k, _NEG_INF)
+        log_norm = torch.logsumexp(scaled, dim=-1)
+        if log_total is not None:
+            log_norm = torch.where(has_k, log_norm, log_total)
+        probs = torch.exp(scaled - log_norm[:, None])
+        before = probs.cumsum(dim=-1) - probs  # mass ranked strictly above each candidate
+        keep = in_k & ((before < p) | (p >= 1.0))
+        if group.any_min_p:
+            keep &= probs >= min_p * probs[:, :1]
+        keep[:, 0] = True
+        if not may_widen:
+            supports.append(_Support(positions, probs * keep, ids))
+            return supports
+        done = has_k | (keep.sum(dim=-1) < window) | (window == vocab)
+        if bool(done.any()):
+            supports.append(_Support(positions[done], (probs * keep)[done], ids[done]))
+        todo = ~done
+        if not bool(todo.any()):
+            return supports
+        logits, positions, temps, k, p, min_p, has_k = (
+            t[todo] for t in (logits, positions, temps, k, p, min_p, has_k))
+        if log_total is not None:
+            log_total = log_total[todo]
+        window = min(vocab, window * 8)
+        may_widen = window < vocab
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[rows] token ids drawn from unnormalised `probs` given [rows, 1] uniforms in [0, 1)."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the first cdf entry above it belongs to a token with mass > 0.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

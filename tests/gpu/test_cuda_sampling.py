@@ -1,0 +1,77 @@
+"""The batch sampler on a CUDA device: a step (penalties, min_new_tokens, grammar bitmask, top-k/p,
+min-p, seeded rows, logprobs) and its `advance` issue no host sync; greedy agrees with the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmnb.runtime.core import Req, SamplingParams
+from lmnb.runtime.sampling import Sampler, pack_mask
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+EOS = 2
+VOCAB = 32000
+
+
+def _reqs(bs: int, device: str) -> list[Req]:
+    reqs = []
+    for i in range(bs):
+        req = Req(origin_input_ids=list(range(i, i + 50)), return_logprob=True,
+                  top_logprobs_num=i % 3, sampling_params=SamplingParams(
+                      temperature=[0.0, 0.7, 1.0][i % 3], top_p=[1.0, 0.9][i % 2],
+                      top_k=[-1, 20, -1, 100][i % 4], min_p=[0.0, 0.05][i % 5 == 0],
+                      repetition_penalty=[1.0, 1.1][i % 6 == 0],
+                      frequency_penalty=[0.0, 0.2][i % 4 == 1], min_new_tokens=i % 3,
+                      stop_token_ids=[7]))
+        req.output_ids = list(range(i % 7))
+        if i % 8 == 0:
+            req.generator = torch.Generator(device=device).manual_seed(i)
+        reqs.append(req)
+    return reqs
+
+
+def test_a_step_issues_no_host_sync() -> None:
+    torch.manual_seed(0)
+    bs = 64
+    reqs = _reqs(bs, "cuda")
+    sampler = Sampler(VOCAB, {EOS})
+    info = sampler.batch_info(reqs, "cuda")
+    allowed = torch.rand(bs, VOCAB, device="cuda") < 0.5
+    bitmask = pack_mask(allowed)
+    for step in range(3):  # the first step warms the allocators up
+        logits = torch.randn(bs, VOCAB, device="cuda") * 3
+        if step:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = sampler(logits, info, bitmask)
+            info.advance(out.next_token_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        ids = out.token_ids()
+        assert out.next_token_ids_cpu.is_pinned()
+        assert all(bool(allowed[row, token]) for row, token in enumerate(ids))
+        for req, token in zip(reqs, ids, strict=True):
+            req.output_ids.append(token)
+        assert info.matches(reqs)
+        tops = out.top_logprobs()
+        assert tops is not None and [len(t) for t in tops] == [i % 3 for i in range(bs)]
+
+
+def test_greedy_and_adjusted_logits_agree_with_the_cpu() -> None:
+    torch.manual_seed(1)
+    bs = 16
+    logits = torch.randn(bs, VOCAB) * 3
+    sampler = Sampler(VOCAB, {EOS})
+    results = {}
+    for device in ("cpu", "cuda"):
+        reqs = _reqs(bs, device)
+        for req in reqs:
+            req.sampling_params.temperature = 0.0
+        info = sampler.batch_info(reqs, device)
+        results[device] = (sampler(logits.to(device), info).token_ids(),
+                           sampler.adjusted_logits(logits.to(device), info).cpu())
+    assert results["cpu"][0] == results["cuda"][0]
+    torch.testing.assert_close(results["cpu"][1], results["cuda"][1])
