@@ -9,6 +9,7 @@ from transformers.generation.logits_process import (
 )
 
 from lmnb.runtime.core import Req, SamplingParams
+from lmnb.runtime.scheduler import ReqState
 from lmnb.runtime.sampling import SampleOutput, Sampler, pack_mask
 
 EOS = 0
@@ -16,13 +17,14 @@ EOS = 0
 
 def make_req(prompt: tuple[int, ...] = (1, 2, 3), output: tuple[int, ...] = (),
              seed: int | None = None, top_logprobs_num: int = 0, return_logprob: bool = True,
-             **params: object) -> Req:
+             **params: object) -> ReqState:
     req = Req(origin_input_ids=list(prompt), sampling_params=SamplingParams(**params),
               top_logprobs_num=top_logprobs_num, return_logprob=return_logprob)
     req.output_ids = list(output)
+    state = ReqState(req)
     if seed is not None:
-        req.generator = torch.Generator().manual_seed(seed)
-    return req
+        state.generator = torch.Generator().manual_seed(seed)
+    return state
 
 
 def sample(vocab: int, logits: torch.Tensor, reqs: list[Req],

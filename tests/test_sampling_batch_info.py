@@ -4,6 +4,7 @@ counts, min_new_tokens) equal to an info rebuilt from the rows at every step."""
 import torch
 
 from lmnb.runtime.core import Req, SamplingParams
+from lmnb.runtime.scheduler import ReqState
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo
 
 EOS = 0
@@ -11,11 +12,11 @@ VOCAB = 40
 
 
 def make_req(prompt: tuple[int, ...] = (1, 2, 3), output: tuple[int, ...] = (),
-             return_logprob: bool = False, top_logprobs_num: int = 0, **params: object) -> Req:
+             return_logprob: bool = False, top_logprobs_num: int = 0, **params: object) -> ReqState:
     req = Req(origin_input_ids=list(prompt), sampling_params=SamplingParams(**params),
               return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
     req.output_ids = list(output)
-    return req
+    return ReqState(req)
 
 
 def build(reqs: list[Req]) -> SamplingBatchInfo:
@@ -36,7 +37,7 @@ def test_matches_while_rows_grow_by_the_advanced_tokens() -> None:
     reqs[1].output_ids.append(10)  # a token the info never saw (e.g. jump-forward)
     assert not info.matches(reqs)
     reqs[1].output_ids.pop()
-    reqs[2].output_ids = list(reqs[2].output_ids)  # jump-forward replaces the list
+    reqs[2].req.output_ids = list(reqs[2].output_ids)  # jump-forward replaces the list
     assert not info.matches(reqs)
 
 
