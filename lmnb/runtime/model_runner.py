@@ -9,7 +9,7 @@ import torch
 
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
-from lmnb.runtime.kernels.registry import attention_backend_class
+from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import ReqToTokenPool, TokenToKVPool
 from lmnb.runtime.models.llama import head_dim_of
 from lmnb.runtime.sampling import Sampler
@@ -68,8 +68,9 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_tokens, num_layers=config.num_hidden_layers, kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=dtype, device=device)
-        self.attn_backend = attention_backend_class(attention_backend)(
-            num_heads=config.num_attention_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        self.attn_backend = create_attention_backend(
+            attention_backend, device=device, num_heads=config.num_attention_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool)
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
 
@@ -142,30 +143,18 @@ class ModelRunner:
         return mask.to(logits.device)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
+        """The attention-ready view of a batch: device tensors, indptrs and KV indices."""
         input_ids: list[int] = []
-        positions: list[int] = []
-        seq_lens: list[int] = []
         for req, start, extend_len in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
                                           strict=True):
             input_ids.extend(req.fill_slice(start, start + extend_len))
-            positions.extend(range(start, start + extend_len))
-            seq_lens.append(start + extend_len)
-        device = self.device
-        forward_batch = ForwardBatch(
-            mode=batch.mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            out_cache_loc=batch.out_cache_loc,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs],
-                                          dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens=list(batch.prefix_lens),
-            extend_seq_lens=list(batch.extend_lens),
-            req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=self.token_to_kv_pool,
-            attn_backend=self.attn_backend,
-        )
+        forward_batch = ForwardBatch.build(
+            mode=batch.mode, input_ids=input_ids,
+            req_pool_indices=[req.req_pool_idx for req in batch.reqs],
+            prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
+            out_cache_loc=batch.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend)
         self.attn_backend.init_forward_metadata(forward_batch)
         return forward_batch
 

@@ -1,0 +1,55 @@
+"""Per-step attention metadata built on the device with vectorised torch ops (no host sync).
+
+Sizes (`num_tokens`, `num_kv_tokens`, `max_kv_len`) come from the host lists the scheduler already
+holds, so no function here reads a device value back. A Triton kernel can replace any of them.
+
+    qo_indptr   [bs + 1]  request i's query tokens are rows qo_indptr[i] : qo_indptr[i + 1]
+    kv_indptr   [bs + 1]  request i's KV slots are kv_indices[kv_indptr[i] : kv_indptr[i + 1]]
+    kv_indices  [num_kv_tokens]  KV slots in token order: req_to_token[req, 0 : seq_len]
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_indptr(lens: torch.Tensor) -> torch.Tensor:
+    """[bs] lengths -> [bs + 1] exclusive prefix sums starting at 0."""
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
+    torch.cumsum(lens, dim=0, out=indptr[1:])
+    return indptr
+
+
+def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, kv_indptr: torch.Tensor,
+                     num_kv_tokens: int) -> torch.Tensor:
+    """[num_kv_tokens] KV slots of every request's first `seq_len` positions, request by request.
+
+    `num_kv_tokens` must equal `seq_lens.sum()` (the caller knows it on the host).
+    """
+    rows = torch.repeat_interleave(req_pool_indices, seq_lens, output_size=num_kv_tokens)
+    starts = torch.repeat_interleave(kv_indptr[:-1], seq_lens, output_size=num_kv_tokens)
+    cols = torch.arange(num_kv_tokens, device=seq_lens.device) - starts
+    return req_to_token[rows, cols]
+
+
+def build_positions(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_indptr: torch.Tensor,
+                    num_tokens: int) -> torch.Tensor:
+    """[num_tokens] position of each new token: prefix_len + its offset within its request."""
+    shift = torch.repeat_interleave(prefix_lens - qo_indptr[:-1], extend_lens,
+                                    output_size=num_tokens)
+    return torch.arange(num_tokens, device=prefix_lens.device) + shift
+
+
+def padded_kv_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged KV slots -> ([bs, max_kv_len] slots, [bs, max_kv_len] valid) for padded decode.
+
+    Requires `max_kv_len >= max(seq_lens)`. Invalid entries read slot 0, the pool's padding slot
+    (always finite: a masked weight times a NaN would still be NaN).
+    """
+    cols = torch.arange(max_kv_len, device=seq_lens.device)
+    valid = cols[None, :] < seq_lens[:, None]
+    index = (kv_indptr[:-1, None] + cols[None, :]).clamp_(max=max(kv_indices.numel() - 1, 0))
+    slots = torch.where(valid, kv_indices[index], 0)
+    return slots, valid
