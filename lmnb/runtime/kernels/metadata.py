@@ -27,10 +27,12 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 
     `num_kv_tokens` must equal `seq_lens.sum()` (the caller knows it on the host).
     """
-    rows = torch.repeat_interleave(req_pool_indices, seq_lens, output_size=num_kv_tokens)
-    starts = torch.repeat_interleave(kv_indptr[:-1], seq_lens, output_size=num_kv_tokens)
-    cols = torch.arange(num_kv_tokens, device=seq_lens.device) - starts
-    return req_to_token[rows, cols]
+    # Flat index of req_to_token[req, j] for the j-th KV token of a request starting at
+    # kv_indptr[i]: req * width + (t - kv_indptr[i]) for the t-th KV token overall.
+    offsets = req_pool_indices * req_to_token.shape[1] - kv_indptr[:-1]
+    index = torch.repeat_interleave(offsets, seq_lens, output_size=num_kv_tokens)
+    index += torch.arange(num_kv_tokens, device=seq_lens.device)
+    return torch.take(req_to_token, index)
 
 
 def build_positions(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_indptr: torch.Tensor,
@@ -51,5 +53,4 @@ def padded_kv_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens:
     cols = torch.arange(max_kv_len, device=seq_lens.device)
     valid = cols[None, :] < seq_lens[:, None]
     index = (kv_indptr[:-1, None] + cols[None, :]).clamp_(max=max(kv_indices.numel() - 1, 0))
-    slots = torch.where(valid, kv_indices[index], 0)
-    return slots, valid
+    return torch.take(kv_indices, index).masked_fill_(~valid, 0), valid
