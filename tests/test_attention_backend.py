@@ -11,7 +11,7 @@ import torch
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
-from lmnb.runtime.kernels.metadata import build_kv_indices, padded_kv_slots
+from lmnb.runtime.kernels.metadata import DecodeBuffers, build_kv_indices, padded_kv_slots
 from lmnb.runtime.kernels.registry import (
     attention_backend_class,
     available_attention_backends,
@@ -182,6 +182,28 @@ def test_padded_kv_slots_pads_with_the_padding_slot():
     got = build_kv_indices(table, torch.tensor([2, 0]), torch.tensor([3, 2]),
                            torch.tensor([0, 3, 5]), 5)
     assert got.tolist() == [20, 21, 22, 0, 1]
+
+
+def test_decode_buffers_pad_with_dummy_rows_and_keep_their_addresses():
+    buffers = DecodeBuffers(max_bs=6, kv_capacity=12, device=torch.device("cpu"))
+    pointers = [t.data_ptr() for t in (buffers.seq_lens, buffers.kv_indptr, buffers.kv_indices)]
+    buffers.fill(seq_lens=torch.tensor([2, 3, 1, 2, 2]),
+                 kv_indptr=torch.tensor([0, 2, 5, 6, 8, 10]),
+                 kv_indices=torch.arange(11, 21), num_kv_tokens=10, bs=6)
+    buffers.fill(seq_lens=torch.tensor([3, 1]), kv_indptr=torch.tensor([0, 3, 4]),
+                 kv_indices=torch.tensor([7, 8, 9, 4]), num_kv_tokens=4, bs=5)
+    assert buffers.seq_lens[:5].tolist() == [3, 1, 1, 1, 1]
+    assert buffers.kv_indptr[:6].tolist() == [0, 3, 4, 5, 6, 7]
+    assert buffers.kv_indices[:7].tolist() == [7, 8, 9, 4, 0, 0, 0]
+    assert pointers == [t.data_ptr() for t in (buffers.seq_lens, buffers.kv_indptr,
+                                                buffers.kv_indices)]
+    assert not buffers.fits(2, 13)
+    with pytest.raises(ValueError, match="does not fit"):
+        buffers.fill(seq_lens=torch.tensor([13]), kv_indptr=torch.tensor([0, 13]),
+                     kv_indices=torch.arange(13), num_kv_tokens=13, bs=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        buffers.fill(seq_lens=torch.tensor([1, 1]), kv_indptr=torch.tensor([0, 1, 2]),
+                     kv_indices=torch.arange(2), num_kv_tokens=2, bs=1)
 
 
 def _padded(case: Case, bs: int) -> tuple[torch.Tensor, ...]:

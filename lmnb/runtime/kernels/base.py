@@ -41,6 +41,8 @@ class AttentionBackend(ABC):
       outputs are garbage the caller drops, and their K/V writes (out_cache_loc padded with 0)
       land in slot 0 and hurt nobody.
     - A replay gives the same result as eager decode of the same batch (tests check it).
+    `kernels.metadata.DecodeBuffers` holds static seq_lens / kv_indptr / kv_indices padded this way;
+    a backend keeps whatever it derives from them (padded slot tables, wrapper plans) static too.
     """
 
     supports_capture: ClassVar[bool] = False

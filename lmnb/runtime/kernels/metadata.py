@@ -54,3 +54,36 @@ def padded_kv_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens:
     valid = cols[None, :] < seq_lens[:, None]
     index = (kv_indptr[:-1, None] + cols[None, :]).clamp_(max=max(kv_indices.numel() - 1, 0))
     return torch.take(kv_indices, index).masked_fill_(~valid, 0), valid
+
+
+class DecodeBuffers:
+    """Static seq_lens / kv_indptr / kv_indices for captured decode graphs of up to `max_bs` rows.
+
+    `fill(fb, bs)` copies a decode batch of n <= bs requests into the first rows and turns rows
+    n..bs into dummies of one KV token each, slot 0 (the pool's padding slot), so a kernel captured
+    for bs rows reads valid metadata. The buffers' addresses never change.
+    """
+
+    def __init__(self, max_bs: int, kv_capacity: int, device: torch.device) -> None:
+        self.max_bs = max_bs
+        self.kv_capacity = kv_capacity
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
+        self.kv_indptr = torch.arange(max_bs + 1, dtype=torch.int64, device=device)
+        self.kv_indices = torch.zeros(kv_capacity + max_bs, dtype=torch.int64, device=device)
+        self._steps = torch.arange(1, max_bs + 1, dtype=torch.int64, device=device)
+
+    def fits(self, batch_size: int, num_kv_tokens: int) -> bool:
+        return batch_size <= self.max_bs and num_kv_tokens <= self.kv_capacity
+
+    def fill(self, *, seq_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+             num_kv_tokens: int, bs: int) -> None:
+        n = seq_lens.numel()
+        if not (n <= bs <= self.max_bs and self.fits(n, num_kv_tokens)):
+            raise ValueError(f"decode batch of {n} requests / {num_kv_tokens} KV tokens does not "
+                             f"fit graph size {bs} (max {self.max_bs}, {self.kv_capacity} tokens)")
+        self.seq_lens[:n].copy_(seq_lens)
+        self.seq_lens[n:bs].fill_(1)
+        self.kv_indptr[:n + 1].copy_(kv_indptr)
+        torch.add(self._steps[:bs - n], num_kv_tokens, out=self.kv_indptr[n + 1:bs + 1])
+        self.kv_indices[:num_kv_tokens].copy_(kv_indices)
+        self.kv_indices[num_kv_tokens:num_kv_tokens + bs - n].zero_()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
-from lmnb.runtime.kernels.metadata import padded_kv_slots
+from lmnb.runtime.kernels.metadata import DecodeBuffers, padded_kv_slots
 from lmnb.runtime.kernels.registry import register_attention_backend
 
 
@@ -36,26 +36,29 @@ class TorchNativeAttention(AttentionBackend):
             self._kv_starts = [0, *accumulate(forward_batch.seq_lens_cpu)]
 
     def init_capture(self, max_bs: int, *, max_kv_len: int | None = None) -> None:
-        self._max_kv_len = max_kv_len or self.req_to_token_pool.req_to_token.shape[1]
-        device = self.req_to_token_pool.req_to_token.device
+        req_to_token = self.req_to_token_pool.req_to_token
+        self._max_kv_len = max_kv_len or req_to_token.shape[1]
+        self._buffers = DecodeBuffers(max_bs, max_bs * self._max_kv_len, req_to_token.device)
         self._static_slots = torch.zeros((max_bs, self._max_kv_len), dtype=torch.int64,
-                                         device=device)
-        self._dummy_valid = torch.arange(self._max_kv_len, device=device) < 1  # seq_len 1, slot 0
-        self._static_valid = self._dummy_valid.repeat(max_bs, 1)
+                                         device=req_to_token.device)
+        self._static_valid = torch.zeros((max_bs, self._max_kv_len), dtype=torch.bool,
+                                         device=req_to_token.device)
+        self._static_valid[:, 0] = True  # dummy rows: one KV token, the padding slot
 
     def prepare_for_capture(self, bs: int) -> None:
         self._slots = self._static_slots[:bs]
         self._mask = self._static_valid[:bs, None, None, :]
 
     def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None) -> None:
-        n = forward_batch.batch_size
-        bs = n if bs is None else bs
-        slots, valid = padded_kv_slots(forward_batch.kv_indptr, forward_batch.kv_indices,
-                                       forward_batch.seq_lens, self._max_kv_len)
-        self._static_slots[:n].copy_(slots)
-        self._static_valid[:n].copy_(valid)
-        self._static_slots[n:bs].zero_()
-        self._static_valid[n:bs].copy_(self._dummy_valid)
+        bs = forward_batch.batch_size if bs is None else bs
+        buffers = self._buffers
+        buffers.fill(seq_lens=forward_batch.seq_lens, kv_indptr=forward_batch.kv_indptr,
+                     kv_indices=forward_batch.kv_indices,
+                     num_kv_tokens=forward_batch.num_kv_tokens, bs=bs)
+        slots, valid = padded_kv_slots(buffers.kv_indptr[:bs + 1], buffers.kv_indices,
+                                       buffers.seq_lens[:bs], self._max_kv_len)
+        self._static_slots[:bs].copy_(slots)
+        self._static_valid[:bs].copy_(valid)
         self.prepare_for_capture(bs)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
