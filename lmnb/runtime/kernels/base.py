@@ -34,8 +34,9 @@ class AttentionBackend(ABC):
                                     fb.batch_size..bs become dummies) and point forward at them
 
     Invariants of the capture path:
-    - `forward` in DECODE after prepare_for_capture/prepare_for_replay reads only static buffers
-      and the KV pool: no tensor it touches is reallocated, no shape depends on this step, no host
+    - `forward` in DECODE after prepare_for_capture/prepare_for_replay reads only static buffers,
+      the KV pool, and of the ForwardBatch only `mode` and `out_cache_loc` (which the graph runner
+      keeps static): no tensor it touches is reallocated, no shape depends on this step, no host
       value is read back, so the recorded kernels stay valid for every replay.
     - Padded rows (fb.batch_size <= row < bs) attend only to slot 0, the pool's padding slot; their
       outputs are garbage the caller drops, and their K/V writes (out_cache_loc padded with 0)
