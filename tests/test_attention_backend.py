@@ -288,3 +288,60 @@ def test_decode_metadata_and_replay_never_sync_the_host():
         backend.prepare_for_replay(forward_batch, 8)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_model_decode_through_capture_hooks_matches_eager(tiny_models):
+    """A whole model's decode step as a graph runner would replay it (padded to bs, static
+    buffers) gives the eager step's logits; no CUDA graph on CPU, the hooks are what is tested."""
+    from lmnb.runtime.model_runner import ModelRunner
+    from lmnb.runtime.models import loader
+
+    folder = tiny_models["llama-gqa"]
+    config = loader.load_config(folder)
+    model = loader.load_model(folder, config, dtype=torch.float32, device=torch.device("cpu"))
+    runner = ModelRunner(model, config, device=torch.device("cpu"), dtype=torch.float32,
+                         eos_token_ids={2}, max_total_tokens=512, mem_fraction_static=None,
+                         max_running_requests=8, context_length=None,
+                         attention_backend="auto")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 30))] for _ in range(3)]
+    pools = {"req_to_token": runner.req_to_token_pool.req_to_token,
+             "req_to_token_pool": runner.req_to_token_pool,
+             "token_to_kv_pool": runner.token_to_kv_pool, "attn_backend": runner.attn_backend}
+    indices = [runner.req_to_token_pool.alloc() for _ in prompts]
+    lens = [len(ids) for ids in prompts]
+    slots = runner.token_to_kv_pool.alloc(sum(lens) + len(prompts))
+    for i, (idx, n) in enumerate(zip(indices, lens, strict=True)):
+        start = sum(lens[:i]) + i
+        runner.req_to_token_pool.req_to_token[idx, :n + 1] = slots[start:start + n + 1]
+    prefill_loc = torch.cat([slots[sum(lens[:i]) + i:sum(lens[:i + 1]) + i]
+                             for i in range(len(lens))])
+    decode_loc = torch.stack([slots[sum(lens[:i + 1]) + i] for i in range(len(lens))])
+
+    def step(fb: ForwardBatch) -> torch.Tensor:
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+
+    with torch.inference_mode():
+        prefill = ForwardBatch.build(mode=ForwardMode.EXTEND, input_ids=sum(prompts, []),
+                                     req_pool_indices=indices, prefix_lens=[0] * 3,
+                                     extend_lens=lens, out_cache_loc=prefill_loc, **pools)
+        runner.attn_backend.init_forward_metadata(prefill)
+        step(prefill)
+        decode = ForwardBatch.build(mode=ForwardMode.DECODE, input_ids=[5, 6, 7],
+                                    req_pool_indices=indices, prefix_lens=lens,
+                                    extend_lens=[1] * 3, out_cache_loc=decode_loc, **pools)
+        runner.attn_backend.init_forward_metadata(decode)
+        eager = step(decode)
+
+        bs = 4
+        runner.attn_backend.init_capture(max_bs=8)
+        runner.attn_backend.prepare_for_capture(bs)
+        runner.attn_backend.prepare_for_replay(decode, bs)
+        zero = torch.zeros(1, dtype=torch.int64)
+        padded = ForwardBatch(**{**decode.__dict__, "batch_size": bs,
+                                 "input_ids": torch.cat((decode.input_ids, zero)),
+                                 "positions": torch.cat((decode.positions, zero)),
+                                 "out_cache_loc": torch.cat((decode.out_cache_loc, zero))})
+        replayed = step(padded)
+    assert replayed.shape[0] == bs
+    torch.testing.assert_close(replayed[:3], eager, atol=1e-5, rtol=1e-5)
