@@ -168,6 +168,13 @@ def test_metadata_matches_python_reference(device):
         assert fb.num_kv_tokens == len(kv_indices)
         assert fb.req_pool_indices.tolist() == case.pool_indices
         assert fb.input_ids.tolist() == [0] * len(positions)
+        given = ForwardBatch.build(
+            mode=mode, input_ids=torch.arange(len(positions), dtype=torch.int32),
+            req_pool_indices=case.pool_indices, prefix_lens=case.prefix_lens,
+            extend_lens=case.extend_lens, out_cache_loc=case.out_cache_loc,
+            req_to_token=backend.req_to_token_pool.req_to_token)
+        assert given.input_ids.tolist() == list(range(len(positions)))
+        assert given.input_ids.dtype == torch.int64 and given.positions.tolist() == positions
 
 
 def test_padded_kv_slots_pads_with_the_padding_slot():

@@ -50,21 +50,28 @@ class ForwardBatch:
         return self.input_ids.numel()
 
     @classmethod
-    def build(cls, *, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int],
+    def build(cls, *, mode: ForwardMode, input_ids: list[int] | torch.Tensor,
+              req_pool_indices: list[int],
               prefix_lens: list[int], extend_lens: list[int], out_cache_loc: torch.Tensor,
               req_to_token: torch.Tensor, req_to_token_pool: ReqToTokenPool | None = None,
               token_to_kv_pool: TokenToKVPool | None = None,
               attn_backend: Any = None) -> ForwardBatch:
-        """All device tensors from host lists with one host-to-device copy; no sync."""
+        """All device tensors from host lists with one host-to-device copy; no sync.
+
+        `input_ids` may already be a tensor (then it is moved, not packed with the lengths).
+        """
         device = req_to_token.device
         bs = len(req_pool_indices)
         seq_lens_cpu = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-        num_tokens = len(input_ids)
-        host = torch.tensor([*req_pool_indices, *prefix_lens, *extend_lens, *input_ids],
-                            dtype=torch.int64)
+        ids_given = isinstance(input_ids, torch.Tensor)
+        host = torch.tensor([*req_pool_indices, *prefix_lens, *extend_lens,
+                             *([] if ids_given else input_ids)], dtype=torch.int64)
         if device.type == "cuda":
             host = host.pin_memory()
         packed = host.to(device, non_blocking=True)
+        ids = (input_ids.to(device=device, dtype=torch.int64, non_blocking=True) if ids_given
+               else packed[3 * bs:])
+        num_tokens = ids.numel()
         pool_indices, prefix, extend = packed[:bs], packed[bs:2 * bs], packed[2 * bs:3 * bs]
         seq_lens = prefix + extend
         num_kv_tokens = sum(seq_lens_cpu)
@@ -76,7 +83,7 @@ class ForwardBatch:
             positions = build_positions(prefix, extend, qo_indptr, num_tokens)
         kv_indptr = build_indptr(seq_lens)
         return cls(
-            mode=mode, batch_size=bs, input_ids=packed[3 * bs:], positions=positions,
+            mode=mode, batch_size=bs, input_ids=ids, positions=positions,
             out_cache_loc=out_cache_loc, req_pool_indices=pool_indices, prefix_lens=prefix,
             extend_lens=extend, seq_lens=seq_lens, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
             kv_indices=build_kv_indices(req_to_token, pool_indices, seq_lens, kv_indptr,
