@@ -9,8 +9,8 @@ from transformers.generation.logits_process import (
 )
 
 from lmnb.runtime.core import Req, SamplingParams
-from lmnb.runtime.scheduler import ReqState
 from lmnb.runtime.sampling import SampleOutput, Sampler, pack_mask
+from lmnb.runtime.scheduler import ReqState
 
 EOS = 0
 

@@ -4,8 +4,8 @@ counts, min_new_tokens) equal to an info rebuilt from the rows at every step."""
 import torch
 
 from lmnb.runtime.core import Req, SamplingParams
-from lmnb.runtime.scheduler import ReqState
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo
+from lmnb.runtime.scheduler import ReqState
 
 EOS = 0
 VOCAB = 40

@@ -11,7 +11,7 @@ import torch
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
-from lmnb.runtime.kernels.registry import attention_backend_class
+from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
 from lmnb.runtime.sampling.batch_info import SamplingRow
@@ -71,8 +71,8 @@ class ModelRunner:
         self.kv_storage = KVStorage(
             self.max_total_tokens, num_layers=num_layers, kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=dtype, device=device)
-        self.attn_backend = attention_backend_class(
-            engine_config.attention_backend or "torch_native")(
+        self.attn_backend = create_attention_backend(
+            engine_config.attention_backend or "auto", device=device,
             num_heads=model_config.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
@@ -157,26 +157,14 @@ class ModelRunner:
              for i, row in enumerate(rows)], info.num_words)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
-        positions: list[int] = []
-        for start, extend_len in zip(batch.prefix_lens, batch.extend_lens, strict=True):
-            positions.extend(range(start, start + extend_len))
-        device = self.device
-        seq_lens = batch.seq_lens
-        forward_batch = ForwardBatch(
-            mode=batch.mode,
-            input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            out_cache_loc=batch.out_cache_loc,
-            req_pool_indices=torch.tensor(batch.req_pool_indices, dtype=torch.int64,
-                                          device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens=list(batch.prefix_lens),
-            extend_seq_lens=list(batch.extend_lens),
-            req_to_token_pool=self.req_to_token_pool,
-            kv_storage=self.kv_storage,
-            attn_backend=self.attn_backend,
-        )
+        """The attention-ready view of a batch: device tensors, indptrs and KV indices."""
+        forward_batch = ForwardBatch.build(
+            mode=batch.mode, input_ids=batch.input_ids,
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
+            out_cache_loc=batch.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
+            req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage,
+            attn_backend=self.attn_backend)
         self.attn_backend.init_forward_metadata(forward_batch)
         return forward_batch
 

@@ -3,20 +3,51 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
+if TYPE_CHECKING:
+    from lmnb.runtime.kernels.registry import BackendChoice
+
 
 class AttentionBackend(ABC):
-    """Attention over the token-level KV pool.
+    """Attention over the token-level KV pool (page size 1).
 
-    `forward` writes the new tokens' K/V to `forward_batch.out_cache_loc` of layer `layer_id`, then
-    attends each query token to its request's whole KV (`req_to_token[req, :seq_len]`), causally
-    within the request.
+    Per pass, eager:
+        init_forward_metadata(fb)   once, before the first layer: derive whatever the kernels need
+                                    from fb.qo_indptr / kv_indptr / kv_indices (built on the device
+                                    by `ForwardBatch.build`); no host sync in DECODE
+        forward(q, k, v, layer, fb) every layer: write the new tokens' K/V to fb.out_cache_loc,
+                                    then attend each query to its request's KV causally
+
+    CUDA-graph capture and replay, DECODE only (`supports_capture` backends):
+        init_capture(max_bs)        once: allocate static metadata buffers for up to max_bs rows,
+                                    filled with a valid dummy decode (seq_len 1 reading slot 0)
+        prepare_for_capture(bs)     before capturing the graph of size bs: point forward at the
+                                    static buffers' first bs rows
+        prepare_for_replay(fb, bs)  before each replay of the graph of size bs >= fb.batch_size:
+                                    copy this step's metadata into the static buffers (rows
+                                    fb.batch_size..bs become dummies) and point forward at them
+
+    Invariants of the capture path:
+    - `forward` in DECODE after prepare_for_capture/prepare_for_replay reads only static buffers,
+      the KV pool, and of the ForwardBatch only `mode` and `out_cache_loc` (which the graph runner
+      keeps static): no tensor it touches is reallocated, no shape depends on this step, no host
+      value is read back, so the recorded kernels stay valid for every replay.
+    - Padded rows (fb.batch_size <= row < bs) attend only to slot 0, the pool's padding slot; their
+      outputs are garbage the caller drops, and their K/V writes (out_cache_loc padded with 0)
+      land in slot 0 and hurt nobody.
+    - A replay gives the same result as eager decode of the same batch (tests check it).
+    `kernels.metadata.DecodeBuffers` holds static seq_lens / kv_indptr / kv_indices padded this way;
+    a backend keeps whatever it derives from them (padded slot tables, wrapper plans) static too.
     """
+
+    supports_capture: ClassVar[bool] = False
+    choice: BackendChoice | None = None  # set by `create_attention_backend`: name and why
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  req_to_token_pool: ReqToTokenPool, kv_storage: KVStorage) -> None:
@@ -28,9 +59,21 @@ class AttentionBackend(ABC):
         self.kv_storage = kv_storage
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
-        """Precompute per-step data shared by all layers (called once per forward pass)."""
+        """Precompute per-step data shared by all layers (called once per eager forward pass)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         """q [num_tokens, heads * head_dim], k/v [num_tokens, kv_heads * head_dim] -> like q."""
+
+    def init_capture(self, max_bs: int) -> None:
+        """Allocate the static decode metadata for graphs of up to `max_bs` requests."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA-graph capture")
+
+    def prepare_for_capture(self, bs: int) -> None:
+        """Make DECODE `forward` read the static buffers of a padded batch of `bs` requests."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA-graph capture")
+
+    def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None) -> None:
+        """Copy a DECODE batch's metadata into the static buffers of the graph of size `bs`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA-graph capture")

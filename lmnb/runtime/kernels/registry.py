@@ -1,10 +1,34 @@
-"""Attention backends by name: `@register_attention_backend(name)`, `attention_backend_class`."""
+"""Attention backends by name or "auto": `select_attention_backend`, `create_attention_backend`.
+
+A backend module registers its class with `@register_attention_backend(name)`; `_MODULES` says
+which module to import for a name, so nothing heavy (triton, flashinfer) loads until asked for.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
-_BACKENDS: dict[str, type] = {}
+import torch
+
+if TYPE_CHECKING:
+    from lmnb.runtime.kernels.base import AttentionBackend
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+# name -> module defining it; the GPU backends add their lines here when they land.
+_MODULES: dict[str, str] = {
+    "torch_native": "lmnb.runtime.kernels.torch_native",
+}
+# "auto" on CUDA tries these in order: (backend name, package it needs).
+_AUTO_CUDA_ORDER: tuple[tuple[str, str], ...] = (("flashinfer", "flashinfer"), ("triton", "triton"))
+_FALLBACK = "torch_native"
+
+
+class BackendChoice(NamedTuple):
+    name: str
+    reason: str  # why this backend, e.g. why "auto" passed over the faster ones
 
 
 def register_attention_backend(name: str) -> Callable[[type], type]:
@@ -15,9 +39,42 @@ def register_attention_backend(name: str) -> Callable[[type], type]:
     return register
 
 
-def attention_backend_class(name: str) -> type:
-    if name == "torch_native":
-        from lmnb.runtime.kernels import torch_native  # noqa: F401
+def available_attention_backends() -> list[str]:
+    """Names `attention_backend_class` accepts (besides "auto")."""
+    return sorted(_MODULES)
+
+
+def attention_backend_class(name: str) -> type[AttentionBackend]:
+    if name not in _MODULES:
+        raise ValueError(f"unknown attention backend {name!r}; available: "
+                         f"{', '.join(['auto', *available_attention_backends()])}")
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+        importlib.import_module(_MODULES[name])
     return _BACKENDS[name]
+
+
+def select_attention_backend(name: str, device: torch.device) -> BackendChoice:
+    """Resolve "auto" (FlashInfer, then Triton on CUDA; torch_native otherwise); check a name."""
+    if name != "auto":
+        attention_backend_class(name)  # raises ValueError for an unknown name
+        return BackendChoice(name, "asked for by name")
+    if device.type != "cuda":
+        return BackendChoice(_FALLBACK, f"auto on {device.type}: GPU backends need CUDA")
+    passed_over = []
+    for candidate, package in _AUTO_CUDA_ORDER:
+        if candidate not in _MODULES:
+            passed_over.append(f"{candidate}: no such backend in this build")
+        elif importlib.util.find_spec(package) is None:
+            passed_over.append(f"{candidate}: package {package!r} is not installed")
+        else:
+            return BackendChoice(candidate, "auto on cuda: first available")
+    return BackendChoice(_FALLBACK, "auto on cuda: " + "; ".join(passed_over))
+
+
+def create_attention_backend(name: str, *, device: torch.device,
+                             **kwargs: object) -> AttentionBackend:
+    """Instantiate the backend `name` ("auto" allowed) with the constructor's keyword arguments."""
+    choice = select_attention_backend(name, device)
+    backend = attention_backend_class(choice.name)(**kwargs)
+    backend.choice = choice
+    return backend
