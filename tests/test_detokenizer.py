@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from lmnb.runtime.detokenizer import IncrementalDetokenizer
+from lmnb.runtime.output.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! This is a test of streaming detokenization.",

@@ -1,5 +1,6 @@
 """The output side: TokenEvent batches -> OutputProcessor (detokenization off the scheduler
-thread) -> OutputStream consumed by threads and asyncio; stop_string_hit agrees with the trim."""
+thread) -> OutputStream consumed by threads and asyncio; the scheduler's stop rule agrees with
+the output's trim."""
 
 from __future__ import annotations
 
@@ -10,13 +11,9 @@ import threading
 
 import pytest
 
-from lmnb.runtime.output import (
-    OutputProcessor,
-    OutputStream,
-    TokenEvent,
-    prompt_tail,
-    stop_string_hit,
-)
+from lmnb.params import SamplingParams
+from lmnb.runtime.output import OutputProcessor, OutputStream, TokenEvent
+from lmnb.runtime.scheduler.stop import StopText
 from tests import test_detokenizer
 from tests.test_detokenizer import TEXTS, _byte_ids, _encode, _expected
 
@@ -244,11 +241,12 @@ def test_replace_that_holds_back_delivered_text(processor):
 
 
 def _first_hit(tok, prompt: list[int], ids: list[int], stops: list[str]) -> tuple[int, str | None]:
-    tail = prompt_tail(tok, prompt)
+    """Where the scheduler's stop rule ends a request fed `ids` one by one."""
+    watcher = StopText(tok, prompt, SamplingParams(stop=stops))
     for t in range(1, len(ids) + 1):
-        hit = stop_string_hit(tok, tail, ids[:t], stops)
-        if hit is not None:
-            return t, hit
+        watcher.add([ids[t - 1]])
+        if watcher.matched is not None:
+            return t, watcher.matched
     return len(ids), None
 
 
@@ -256,7 +254,7 @@ def _visible(tok, prompt: list[int], ids: list[int]) -> str:
     return _expected(tok, prompt, ids).rstrip("\ufffd")
 
 
-def test_stop_helper_agrees_with_the_output_trim(tok):
+def test_scheduler_stop_rule_agrees_with_the_output_trim(tok):
     rng = random.Random(5)
     processor = OutputProcessor()
     prompts = [[], _encode(tok, "User: go on.\nAssistant:")]
@@ -276,7 +274,7 @@ def test_stop_helper_agrees_with_the_output_trim(tok):
                     assert not any(s in _visible(tok, prompt, ids) for s in stops)
                     continue
                 cases += 1
-                # The helper fires on the first token whose text shows a stop, not later.
+                # The rule fires on the first token whose text shows a stop, not later.
                 assert hit in full
                 assert not any(s in _visible(tok, prompt, ids[:t - 1]) for s in stops)
                 ends = [(full.find(s) + len(s), full.find(s), s) for s in stops if s in full]
@@ -293,7 +291,7 @@ def test_stop_helper_agrees_with_the_output_trim(tok):
     processor.close()
 
 
-def test_stop_helper_reads_only_a_short_tail(smollm2):
+def test_scheduler_stop_rule_reads_only_a_short_tail(smollm2):
     class Counting:
         longest = 0
 
@@ -397,32 +395,12 @@ def test_a_failing_tokenizer_fails_only_its_stream(processor):
     assert good.results()[0]["text"] == "ok"
 
 
-def test_stop_helper_does_not_depend_on_its_window(tok):
-    # Stops that start with a space, found from every first window (SentencePiece drops the
-    # leading space of the first id decoded: the helper keeps one id of context).
-    # Byte-split characters: a window may start inside one (U+FFFD is not text).
-    texts = ["one two three four five six", "alpha beta, gamma delta epsilon",
-             "你好 世界 再见 朋友 日本 한국"]
-    for text, byte_split in [(t, b) for t in texts for b in (False, True)]:
-        ids = _byte_ids(tok, text) if byte_split else _encode(tok, text)
-        words = text.split()
-        stop_lists = [[" " + " ".join(words[k:k + 2])] for k in range(1, len(words))]
-        stop_lists += [[text[i:i + 3]] for i in range(1, len(text) - 3, 2)]
-        for stops in stop_lists:
-            want = _first_hit(tok, [], ids, stops)
-            assert want[1] == stops[0]
-            for window in range(0, 13):
-                tail = prompt_tail(tok, [])
-                hits = [stop_string_hit(tok, tail, ids[:t], stops, window=window)
-                        for t in range(1, len(ids) + 1)]
-                first = next(t for t, h in enumerate(hits, 1) if h is not None)
-                assert (first, hits[first - 1]) == want
-
-
 def test_stops_completed_by_one_jump_end_first_wins(tok):
     ids = _encode(tok, "xx abcdef yy")
     for stops in (["abcdef", "cd"], ["cd", "abcdef"], ["bcde", "abcd"]):
-        hit = stop_string_hit(tok, [], ids, stops, new_tokens=len(ids))
+        watcher = StopText(tok, [], SamplingParams(stop=stops))
+        watcher.add(ids)
+        hit = watcher.matched
         det_stream = OutputStream([0])
         processor = OutputProcessor()
         processor.register(det_stream, 0, tokenizer=tok, prompt_ids=[], stop=stops)
