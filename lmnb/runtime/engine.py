@@ -335,6 +335,11 @@ class Runtime:
             raise InvalidRequestError(str(error)) from None
         return RequestGrammar(index, pattern)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights (what one decode step at least reads)."""
+        return self._runner.weight_bytes
+
     # ---- seams for the frontends -----------------------------------------------------------------
     @property
     def failed(self) -> bool:

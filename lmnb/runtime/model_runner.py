@@ -100,6 +100,12 @@ class ModelRunner:
             raise ValueError(f"no memory left for the KV cache (mem_fraction_static={fraction})")
         return tokens
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def close(self) -> None:
         self.kv_storage.release()
         self.model = None
