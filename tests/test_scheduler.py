@@ -3,6 +3,8 @@ slot conservation is checked after every step (`check_integrity_each_step`)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -256,3 +258,40 @@ def test_policies_conserve_slots_under_pressure(policy: str) -> None:
     for k, state in enumerate(states):
         assert len(state.req.output_ids) == 3 + k % 4
     assert scheduler.stats.cached_tokens > 0
+
+
+def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(smollm2_dir):
+    from lmnb.runtime.fsm.grammar import RequestGrammar
+    from lmnb.runtime.fsm.index import get_token_index
+    from lmnb.runtime.fsm.jump import JumpForward
+    from lmnb.runtime.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    pattern = r'\{"name": "(ab|cd)", "size": [0-9]\}'
+    index = get_token_index(pattern, tokenizer, vocab_size=len(tokenizer))
+
+    def first_allowed(row) -> int:  # a "model" that obeys the grammar: the lowest allowed id
+        return int(row.grammar.mask({EOS}).nonzero()[0, 0])
+
+    scheduler = make(runner=FakeRunner(first_allowed), tokenizer=tokenizer,
+                     jump_forward=JumpForward(tokenizer), chunk=64)
+    state = request(tokenizer.encode("Give me JSON:"), max_new_tokens=40)
+    state.grammar = RequestGrammar(index, pattern)
+    scheduler.add(state)
+    run_to_end(scheduler)
+
+    text = tokenizer.decode(state.req.output_ids, skip_special_tokens=True)
+    assert re.fullmatch(pattern, text), text
+    assert state.req.finished_reason["type"] == "stop"
+    assert state.req.jumps >= 2 and scheduler.stats.jump_forward_tokens > 0
+    replaced = [e for e in scheduler.sink.events if e.replace_output_ids is not None]
+    assert len(replaced) == state.req.jumps
+    assert replaced[-1].replace_output_ids == state.req.output_ids[:len(
+        replaced[-1].replace_output_ids)]
+    # After each jump the request is prefilled again, on the KV it left in the cache.
+    extends = [b for b in scheduler.runner.batches if b.mode is ForwardMode.EXTEND]
+    last, before = scheduler.sink.events[-1], scheduler.sink.events[-2]
+    ended_by_a_jump = last.new_token_ids == [] and before.replace_output_ids is not None
+    assert len(extends) == 1 + state.req.jumps - ended_by_a_jump
+    assert all(b.prefix_lens[0] > 0 for b in extends[1:])
+    assert state.req.cached_tokens == 0  # counted once, at the first admission

@@ -8,6 +8,7 @@ import torch
 
 from lmnb.runtime.core import Req, SamplingParams
 from lmnb.runtime.sampling import Sampler, pack_mask
+from lmnb.runtime.scheduler import ReqState
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -16,7 +17,7 @@ EOS = 2
 VOCAB = 32000
 
 
-def _reqs(bs: int, device: str) -> list[Req]:
+def _reqs(bs: int, device: str) -> list[ReqState]:
     reqs = []
     for i in range(bs):
         req = Req(origin_input_ids=list(range(i, i + 50)), return_logprob=True,
@@ -27,9 +28,10 @@ def _reqs(bs: int, device: str) -> list[Req]:
                       frequency_penalty=[0.0, 0.2][i % 4 == 1], min_new_tokens=i % 3,
                       stop_token_ids=[7]))
         req.output_ids = list(range(i % 7))
+        state = ReqState(req)
         if i % 8 == 0:
-            req.generator = torch.Generator(device=device).manual_seed(i)
-        reqs.append(req)
+            state.generator = torch.Generator(device=device).manual_seed(i)
+        reqs.append(state)
     return reqs
 
 

@@ -16,7 +16,7 @@ such (garbage) output the text keeps them, as SentencePiece's own decoder does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
@@ -44,6 +44,16 @@ def prompt_tail(tokenizer: Decoder, prompt_ids: Sequence[int], *,
     return tail
 
 
+def fast_decode(tokenizer: Decoder, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """`tokenizer.decode` as one call into the Rust tokenizer when that is what it amounts to (an
+    HF fast tokenizer that does not clean up spaces): the per-call Python of the wrapper costs
+    more than the decoding of a few ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Turns a request's generated ids into stable text deltas; one per request, one thread."""
 
@@ -51,6 +61,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = fast_decode(tokenizer, skip_special_tokens)
         self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
         self._stop_prefixes = {s[:k] for s in self.stop for k in range(1, len(s))}
         self._max_hold = max((len(s) - 1 for s in self.stop), default=0)
@@ -85,9 +96,6 @@ class IncrementalDetokenizer:
             return ""
         self._pending += self._decode_delta(final=True)
         return self._release(final=True)
-
-    def _decode_ids(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode(self, start: int, end: int) -> str:
         return self._decode_ids(self._ids[start:end])
