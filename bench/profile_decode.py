@@ -1,0 +1,52 @@
+"""Where a decode step's time goes: torch profiler over one request (1 prefill + N decode steps)
+on random weights of a real architecture; prints kernel launches per step and the host-side
+table (GPU).
+
+    python bench/profile_decode.py --model-config llama-2-7b --tokenizer <tokenizer folder>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.offline import DUMMY_CONFIGS  # noqa: E402
+from lmnb.runtime.engine import Runtime  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", default="llama-2-7b", choices=sorted(DUMMY_CONFIGS))
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    fields = DUMMY_CONFIGS[args.model_config]
+    with tempfile.TemporaryDirectory() as scratch:
+        (Path(scratch) / "config.json").write_text(json.dumps(fields))
+        with Runtime(scratch, tokenizer_path=str(args.tokenizer), load_format="dummy",
+                     device="cuda", dtype=fields["dtype"]) as rt:
+            params = {"temperature": 0, "ignore_eos": True}
+            prompt = list(range(100, 356))
+            rt.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=activities) as prof:
+                rt.generate(input_ids=prompt,
+                            sampling_params={**params, "max_new_tokens": args.steps + 1})
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    passes = args.steps + 1
+    print(f"CUDA kernels for 1 prefill + {args.steps} decode steps: {kernels} "
+          f"(~{kernels / passes:.0f} per pass)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    main()
