@@ -14,7 +14,7 @@ from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
-from lmnb.runtime.sampling.batch_info import SamplingRow
+from lmnb.runtime.sampling.row import SamplingRow
 
 TopLogprobs = list[tuple[float, int]]
 CPU_KV_MEMORY_FRACTION = 0.15  # of the host's available memory, when no size is given on CPU

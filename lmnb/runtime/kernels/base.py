@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
-if TYPE_CHECKING:
-    from lmnb.runtime.kernels.registry import BackendChoice
+
+class BackendChoice(NamedTuple):
+    name: str
+    reason: str  # why this backend, e.g. why "auto" passed over the faster ones
 
 
 class AttentionBackend(ABC):

@@ -9,12 +9,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from lmnb.runtime.kernels.base import AttentionBackend
+from lmnb.runtime.kernels.base import AttentionBackend, BackendChoice
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 # name -> module defining it; the GPU backends add their lines here when they land.
@@ -24,11 +22,6 @@ _MODULES: dict[str, str] = {
 # "auto" on CUDA tries these in order: (backend name, package it needs).
 _AUTO_CUDA_ORDER: tuple[tuple[str, str], ...] = (("flashinfer", "flashinfer"), ("triton", "triton"))
 _FALLBACK = "torch_native"
-
-
-class BackendChoice(NamedTuple):
-    name: str
-    reason: str  # why this backend, e.g. why "auto" passed over the faster ones
 
 
 def register_attention_backend(name: str) -> Callable[[type], type]:

@@ -1,7 +1,7 @@
 """Sampling as batch tensors: `SamplingBatchInfo` (built when the batch changes), `Sampler`
 (one step, no host sync), `SampleOutput` (one wait per step), packed grammar bitmasks."""
 
-from lmnb.runtime.sampling.batch_info import SamplingBatchInfo, SamplingRow
+from lmnb.runtime.sampling.batch_info import SamplingBatchInfo
 from lmnb.runtime.sampling.bitmask import (
     all_allowed,
     apply_bitmask_,
@@ -11,6 +11,7 @@ from lmnb.runtime.sampling.bitmask import (
     unpack_bitmask,
 )
 from lmnb.runtime.sampling.output import SampleOutput
+from lmnb.runtime.sampling.row import SamplingRow
 from lmnb.runtime.sampling.sampler import Sampler
 
 __all__ = [

@@ -8,31 +8,19 @@ decode step reads no Python lists of parameters.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmnb.runtime.sampling.bitmask import num_words
 from lmnb.runtime.sampling.penalties import MinNewTokens, Penalties
+from lmnb.runtime.sampling.row import SamplingRow
 
 if TYPE_CHECKING:
     from lmnb.runtime.core import SamplingParams
-    from lmnb.runtime.fsm.grammar import RequestGrammar
 
 MIN_TEMPERATURE = 1e-5  # below this logits / T overflows; such rows are sampled greedily
 FIRST_WINDOW = 64  # on the CPU, best tokens a top-p-only row looks at first (grows x8)
-
-
-class SamplingRow(Protocol):
-    """What the sampler reads of one request."""
-
-    sampling_params: SamplingParams
-    origin_input_ids: list[int]
-    output_ids: list[int]
-    generator: torch.Generator | None
-    grammar: RequestGrammar | None
-    return_logprob: bool
-    top_logprobs_num: int
 
 
 def is_greedy(params: SamplingParams) -> bool:

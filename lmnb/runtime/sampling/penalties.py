@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lmnb.runtime.sampling.batch_info import SamplingRow
+    from lmnb.runtime.sampling.row import SamplingRow
 
 _NEG_INF = float("-inf")
 

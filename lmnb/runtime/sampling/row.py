@@ -1,0 +1,23 @@
+"""The sampler's view of one request (the scheduler's `ReqState` is one)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from lmnb.runtime.core import SamplingParams
+    from lmnb.runtime.fsm.grammar import RequestGrammar
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one request."""
+
+    sampling_params: SamplingParams
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+    grammar: RequestGrammar | None
+    return_logprob: bool
+    top_logprobs_num: int
