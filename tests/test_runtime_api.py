@@ -5,6 +5,7 @@ aborts, close, retraction and chunked prefill. Every runtime checks KV integrity
 from __future__ import annotations
 
 import _thread
+import asyncio
 import json
 import re
 import shutil
@@ -411,6 +412,41 @@ def test_stream_batch_is_tagged(rt: Runtime) -> None:
     assert finished == [1, 1, 1]
     assert texts == [f["text"] for f in full]
     assert ids == [f["output_ids"] for f in full]
+
+
+def test_stream_consumed_from_asyncio(rt: Runtime) -> None:
+    """The stream an asyncio task reads (the server's case): same chunks as a thread reads, and
+    cancelling the task aborts the request."""
+    params = {"temperature": 0.0, "max_new_tokens": 12}
+    full = rt.generate(PROMPTS[2:4], params)
+
+    async def consume() -> list[dict]:
+        return [chunk async for chunk in rt.generate(PROMPTS[2:4], params, stream=True)]
+
+    chunks = asyncio.run(consume())
+    for i in range(2):
+        mine = [c for c in chunks if c["index"] == i]
+        assert "".join(c["text"] for c in mine) == full[i]["text"]
+        assert [t for c in mine for t in c["output_ids"]] == full[i]["output_ids"]
+
+    async def cancel_midway() -> None:
+        stream = rt.generate(PROMPTS[7], {"max_new_tokens": 400, "ignore_eos": True},
+                             stream=True)
+        first = asyncio.Event()
+
+        async def reader() -> None:
+            async for _ in stream:
+                first.set()
+
+        task = asyncio.create_task(reader())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    assert_no_kv_held(idle(rt))
+    rt.check_integrity()
 
 
 def test_breaking_out_of_stream_aborts(rt: Runtime) -> None:
