@@ -151,7 +151,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def batch1_decode(config_name: str, tokenizer_dir: Path | None, device: torch.device,
-                  new_tokens: int) -> dict[str, float]:
+                  new_tokens: int, *, cuda_graphs: bool) -> dict[str, float]:
     from lmnb.runtime.engine import Runtime
 
     fields = DUMMY_CONFIGS[config_name]
@@ -160,8 +160,10 @@ def batch1_decode(config_name: str, tokenizer_dir: Path | None, device: torch.de
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(fields))
         tokenizer = str(tokenizer_dir) if tokenizer_dir else str(loader.resolve_model_dir(None))
+        graphs = {"cuda_graph_max_bs": 1} if cuda_graphs else {"disable_cuda_graph": True}
         with Runtime(str(folder), tokenizer_path=tokenizer, load_format="dummy",
-                     device=str(device), dtype=fields["dtype"]) as rt:
+                     device=str(device), dtype=fields["dtype"], context_length=2048,
+                     max_running_requests=4, **graphs) as rt:
             weight_bytes = rt.weight_bytes
             prompt = list(range(100, 100 + PROMPT_LEN))
             params = {"temperature": 0, "ignore_eos": True}
@@ -231,12 +233,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.model_config:
         if device.type != "cuda":
             raise SystemExit("--model-config needs a CUDA device (the floor is HBM bandwidth)")
-        decode = batch1_decode(args.model_config, args.tokenizer, device, args.decode_tokens)
-        results["batch1_decode"] = {"model": args.model_config, **decode}
-        print(f"batch-1 decode, random {args.model_config}: {decode['decode_step_ms']:.2f} ms "
-              f"per step; HBM floor {decode['hbm_floor_ms']:.2f} ms ({decode['weight_gb']:.2f} GB"
-              f" at {decode['copy_tb_s']:.2f} TB/s): {100 * decode['fraction_of_floor']:.1f}% "
-              "of the floor")
+        results["batch1_decode"] = {"model": args.model_config}
+        for mode, graphs in (("eager", False), ("cuda_graphs", True)):
+            decode = batch1_decode(args.model_config, args.tokenizer, device,
+                                   args.decode_tokens, cuda_graphs=graphs)
+            results["batch1_decode"][mode] = decode
+            print(f"batch-1 decode ({mode}), random {args.model_config}: "
+                  f"{decode['decode_step_ms']:.2f} ms per step; HBM floor "
+                  f"{decode['hbm_floor_ms']:.2f} ms ({decode['weight_gb']:.2f} GB at "
+                  f"{decode['copy_tb_s']:.2f} TB/s): {100 * decode['fraction_of_floor']:.1f}% "
+                  "of the floor")
     write_json(RESULTS_DIR / f"scheduler_overhead_{device.type}.json", results)
     return results
 

@@ -61,6 +61,7 @@ def test_prefill_logits_match_hf(variant, tiny_models, hf_models):
                   samples=[False] * 3)
     with torch.inference_mode():
         forward_batch = runner._forward_batch(batch)
+        runner.attn_backend.init_forward_metadata(forward_batch)
         logits = model.compute_logits(model(forward_batch.input_ids, forward_batch.positions,
                                             forward_batch))
     start = 0

@@ -89,6 +89,9 @@ class Runtime:
                                    dtype=self.dtype, eos_token_ids=self.eos_token_ids)
         self.context_len = self._runner.context_len
         self.max_total_tokens = self._runner.max_total_tokens
+        graph_max_bs = self._cuda_graph_max_bs(config)
+        if graph_max_bs:
+            self._runner.capture_cuda_graphs(graph_max_bs)
         scheduler_config = SchedulerConfig(
             chunked_prefill_size=config.chunked_prefill_size or (
                 8192 if self.device.type == "cuda" else 2048),
@@ -108,6 +111,20 @@ class Runtime:
         self._scheduler = SchedulerThread(scheduler)
         self._tokenizer_lock = threading.Lock()
         self._closed = False
+
+    def _cuda_graph_max_bs(self, config: EngineConfig) -> int:
+        """Largest decode batch to capture (0: eager decode). On CUDA unless disabled; with the
+        torch-native backend only when asked for (`cuda_graph_max_bs`), since its captured
+        decode gathers K/V padded to the whole context."""
+        backend = self._runner.attn_backend
+        if (self.device.type != "cuda" or config.disable_cuda_graph
+                or not backend.supports_capture):
+            return 0
+        if config.cuda_graph_max_bs is not None:
+            return config.cuda_graph_max_bs
+        if backend.choice is not None and backend.choice.name == "torch_native":
+            return 0
+        return min(self._runner.max_running_requests, 256)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -152,7 +169,10 @@ class Runtime:
         def read() -> dict[str, Any]:
             stats = scheduler.stats.counters()
             allocator = scheduler.cache.allocator
+            graphs = self._runner.graph_runner
             stats.update(
+                cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
+                cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
                 evicted_tokens=getattr(cache, "evicted_tokens", 0),
                 eviction_events=getattr(cache, "eviction_events", 0),
                 tree_nodes=cache.node_count() if isinstance(cache, RadixCache) else 0,

@@ -11,6 +11,7 @@ import torch
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
+from lmnb.runtime.graph_runner import DecodeGraphRunner
 from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
@@ -77,6 +78,7 @@ class ModelRunner:
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
         self._batch_info: SamplingBatchInfo | None = None
+        self.graph_runner: DecodeGraphRunner | None = None
 
     def _kv_budget(self, per_token: int, mem_fraction_static: float | None) -> int:
         """KV pool tokens that fit: on CUDA, `mem_fraction_static` (default 0.80) of the device
@@ -100,6 +102,12 @@ class ModelRunner:
             raise ValueError(f"no memory left for the KV cache (mem_fraction_static={fraction})")
         return tokens
 
+    def capture_cuda_graphs(self, max_bs: int) -> None:
+        """Captures decode graphs for batches of up to `max_bs` requests (CUDA only)."""
+        self.graph_runner = DecodeGraphRunner(self.model, self.attn_backend,
+                                              max_bs=min(max_bs, self.max_running_requests),
+                                              device=self.device)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers."""
@@ -107,6 +115,7 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def close(self) -> None:
+        self.graph_runner = None
         self.kv_storage.release()
         self.model = None
 
@@ -115,7 +124,12 @@ class ModelRunner:
         """Forward `batch`; sample one token for each request with `batch.samples[i]`, whose
         sampling state is `rows` (in batch order)."""
         forward_batch = self._forward_batch(batch)
-        hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        graph_logits = None
+        if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
+            graph_logits = self.graph_runner.replay(forward_batch)  # decode: every row samples
+        else:
+            self.attn_backend.init_forward_metadata(forward_batch)
+            hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         sample_rows: list[int] = []
         last_token_rows: list[int] = []
         end = 0
@@ -130,7 +144,8 @@ class ModelRunner:
         if batch.mode is ForwardMode.EXTEND:
             self._input_logprobs(batch, hidden, out)
         if sample_rows:
-            logits = self.model.compute_logits(hidden[last_token_rows])
+            logits = (graph_logits if graph_logits is not None
+                      else self.model.compute_logits(hidden[last_token_rows]))
             rows = list(rows)
             info = self._sampling_info(rows)
             sampled = self.sampler(logits, info, self._grammar_mask(rows, info))
@@ -171,7 +186,6 @@ class ModelRunner:
             out_cache_loc=batch.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage,
             attn_backend=self.attn_backend)
-        self.attn_backend.init_forward_metadata(forward_batch)
         return forward_batch
 
     def _input_logprobs(self, batch: Batch, hidden: torch.Tensor, out: StepOutput) -> None:

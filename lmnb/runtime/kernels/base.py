@@ -31,6 +31,7 @@ class AttentionBackend(ABC):
                                     filled with a valid dummy decode (seq_len 1 reading slot 0)
         prepare_for_capture(bs)     before capturing the graph of size bs: point forward at the
                                     static buffers' first bs rows
+        can_replay(fb)              whether this step's batch fits the static buffers (else eager)
         prepare_for_replay(fb, bs)  before each replay of the graph of size bs >= fb.batch_size:
                                     copy this step's metadata into the static buffers (rows
                                     fb.batch_size..bs become dummies) and point forward at them
@@ -75,6 +76,10 @@ class AttentionBackend(ABC):
     def prepare_for_capture(self, bs: int) -> None:
         """Make DECODE `forward` read the static buffers of a padded batch of `bs` requests."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA-graph capture")
+
+    def can_replay(self, forward_batch: ForwardBatch) -> bool:
+        """Whether the static buffers of `init_capture` hold this DECODE batch (else: eager)."""
+        return False
 
     def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None) -> None:
         """Copy a DECODE batch's metadata into the static buffers of the graph of size `bs`."""

@@ -45,6 +45,10 @@ class TorchNativeAttention(AttentionBackend):
                                          device=req_to_token.device)
         self._static_valid[:, 0] = True  # dummy rows: one KV token, the padding slot
 
+    def can_replay(self, forward_batch: ForwardBatch) -> bool:
+        return (self._buffers.fits(forward_batch.batch_size, forward_batch.num_kv_tokens)
+                and max(forward_batch.seq_lens_cpu) <= self._max_kv_len)
+
     def prepare_for_capture(self, bs: int) -> None:
         self._slots = self._static_slots[:bs]
         self._mask = self._static_valid[:bs, None, None, :]

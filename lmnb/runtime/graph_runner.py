@@ -1,0 +1,104 @@
+"""CUDA graphs of the decode pass: the model's forward and the logits of every row, captured once
+per batch size of a ladder, replayed with the step's inputs copied into static buffers.
+
+    static input_ids / positions / out_cache_loc [max_bs]   rows n..bs of a replay are padding:
+    backend.prepare_for_replay(fb, bs)                       token 0 at position 0 writing slot 0,
+    graph[bs].replay() -> logits[bs][:n]                     attending to slot 0 only
+
+A replay reads nothing from the host, so one decode step costs a handful of launches instead of
+a few per layer and op (the host cost that dominated eager decode).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+import torch
+
+from lmnb.runtime.core import ForwardMode
+from lmnb.runtime.forward_batch import ForwardBatch
+from lmnb.runtime.kernels.base import AttentionBackend
+
+
+def batch_size_ladder(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to `max_bs` (which is always included)."""
+    sizes = [bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
+    return sorted(set(sizes))
+
+
+class DecodeGraphRunner:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, *, max_bs: int,
+                 device: torch.device) -> None:
+        if not backend.supports_capture:
+            raise ValueError(f"{type(backend).__name__} does not support CUDA-graph capture")
+        self.model = model
+        self.backend = backend
+        self.max_bs = max_bs
+        self.device = device
+        self.ladder = batch_size_ladder(max_bs)
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._pool: Any = None
+        start = time.perf_counter()
+        backend.init_capture(max_bs)
+        with torch.inference_mode():
+            for bs in reversed(self.ladder):  # the largest first: smaller ones reuse its memory
+                self._capture(bs)
+        torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - start
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        return (forward_batch.mode is ForwardMode.DECODE
+                and forward_batch.batch_size <= self.max_bs
+                and self.backend.can_replay(forward_batch))
+
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """[n, vocab] logits of the decode batch `forward_batch` (n requests)."""
+        n = forward_batch.batch_size
+        bs = self.ladder[bisect.bisect_left(self.ladder, n)]
+        for static, value in ((self.input_ids, forward_batch.input_ids),
+                              (self.positions, forward_batch.positions),
+                              (self.out_cache_loc, forward_batch.out_cache_loc)):
+            static[:n].copy_(value, non_blocking=True)
+            if bs > n:
+                static[n:bs].zero_()
+        self.backend.prepare_for_replay(forward_batch, bs)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        """The ForwardBatch the captured forward sees: only mode, the static token buffers and the
+        backend are read (the backend's own static metadata stands for the rest)."""
+        zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
+        indptr = torch.arange(bs + 1, dtype=torch.int64, device=self.device)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=zeros, prefix_lens=zeros, extend_lens=zeros + 1,
+            seq_lens=zeros + 1, qo_indptr=indptr, kv_indptr=indptr, kv_indices=zeros,
+            prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, seq_lens_cpu=[1] * bs,
+            num_kv_tokens=bs, attn_backend=self.backend)
+
+    def _forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, bs: int) -> None:
+        forward_batch = self._static_batch(bs)
+        self.backend.prepare_for_capture(bs)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy inits)
+            for _ in range(2):
+                self._forward(forward_batch)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.logits[bs] = self._forward(forward_batch)
+        self._pool = graph.pool()
+        self.graphs[bs] = graph
