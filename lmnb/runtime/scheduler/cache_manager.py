@@ -66,11 +66,13 @@ class CacheManager:
         req.kv_len += len(slots)
 
     def extend_each_by_one(self, reqs: list[Req], slots: torch.Tensor) -> None:
-        """Decode: request i's next token goes to `slots[i]` (one indexed write for the batch)."""
-        rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)
-        cols = torch.tensor([req.kv_len for req in reqs], dtype=torch.int64)
+        """Decode: request i's next token goes to `slots[i]` (one indexed write for the batch;
+        the indices travel from pinned memory, so the copy does not wait for the device)."""
         device = self.table.device
-        self.table[rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)] = slots
+        pinned = device.type == "cuda"
+        where = torch.tensor([[req.req_pool_idx for req in reqs], [req.kv_len for req in reqs]],
+                             dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+        self.table[where[0], where[1]] = slots
         for req in reqs:
             req.kv_len += 1
 
