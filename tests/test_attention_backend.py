@@ -70,7 +70,8 @@ def _case(backend: AttentionBackend, rng: random.Random, *, mode: ForwardMode, b
     Requests and slots come from the pools' allocators, so cases of one backend never overlap.
     """
     device = backend.req_to_token_pool.req_to_token.device
-    allocator = _ALLOCATORS.setdefault(backend, KVAllocator(POOL_SIZE, torch.device(device)))
+    allocator = _ALLOCATORS.setdefault(backend, KVAllocator(backend.kv_storage.size,
+                                                            torch.device(device)))
     pool = backend.kv_storage
     prefix_lens = [rng.choice([0, rng.randint(1, max_prefix)]) for _ in range(bs)]
     if mode is ForwardMode.DECODE:

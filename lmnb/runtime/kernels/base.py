@@ -61,6 +61,12 @@ class AttentionBackend(ABC):
         self.req_to_token_pool = req_to_token_pool
         self.kv_storage = kv_storage
 
+    @classmethod
+    def unsupported(cls, *, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why this backend cannot serve KV of `dtype` and `head_dim` (None: it can); "auto"
+        passes over a backend that says why."""
+        return None
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
         """Precompute per-step data shared by all layers (called once per eager forward pass)."""
 

@@ -18,6 +18,7 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {}
 # name -> module defining it; the GPU backends add their lines here when they land.
 _MODULES: dict[str, str] = {
     "torch_native": "lmnb.runtime.kernels.torch_native",
+    "flashinfer": "lmnb.runtime.kernels.flashinfer_backend",
 }
 # "auto" on CUDA tries these in order: (backend name, package it needs).
 _AUTO_CUDA_ORDER: tuple[tuple[str, str], ...] = (("flashinfer", "flashinfer"), ("triton", "triton"))
@@ -46,8 +47,11 @@ def attention_backend_class(name: str) -> type[AttentionBackend]:
     return _BACKENDS[name]
 
 
-def select_attention_backend(name: str, device: torch.device) -> BackendChoice:
-    """Resolve "auto" (FlashInfer, then Triton on CUDA; torch_native otherwise); check a name."""
+def select_attention_backend(name: str, device: torch.device, *,
+                             dtype: torch.dtype | None = None,
+                             head_dim: int | None = None) -> BackendChoice:
+    """Resolve "auto" (FlashInfer, then Triton on CUDA, each if installed and able to serve
+    `dtype`/`head_dim`; torch_native otherwise); check a name."""
     if name != "auto":
         attention_backend_class(name)  # raises ValueError for an unknown name
         return BackendChoice(name, "asked for by name")
@@ -59,6 +63,10 @@ def select_attention_backend(name: str, device: torch.device) -> BackendChoice:
             passed_over.append(f"{candidate}: no such backend in this build")
         elif importlib.util.find_spec(package) is None:
             passed_over.append(f"{candidate}: package {package!r} is not installed")
+        elif dtype is not None and head_dim is not None and (
+                reason := attention_backend_class(candidate).unsupported(dtype=dtype,
+                                                                         head_dim=head_dim)):
+            passed_over.append(f"{candidate}: {reason}")
         else:
             return BackendChoice(candidate, "auto on cuda: first available")
     return BackendChoice(_FALLBACK, "auto on cuda: " + "; ".join(passed_over))
@@ -67,7 +75,10 @@ def select_attention_backend(name: str, device: torch.device) -> BackendChoice:
 def create_attention_backend(name: str, *, device: torch.device,
                              **kwargs: object) -> AttentionBackend:
     """Instantiate the backend `name` ("auto" allowed) with the constructor's keyword arguments."""
-    choice = select_attention_backend(name, device)
+    storage = kwargs.get("kv_storage")
+    choice = select_attention_backend(name, device,
+                                      dtype=getattr(storage, "dtype", None),
+                                      head_dim=kwargs.get("head_dim"))  # type: ignore[arg-type]
     backend = attention_backend_class(choice.name)(**kwargs)
     backend.choice = choice
     return backend

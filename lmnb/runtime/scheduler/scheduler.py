@@ -27,6 +27,7 @@ from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
 from lmnb.runtime.scheduler.prefill import PrefillManager
 from lmnb.runtime.scheduler.request_state import ReqState
+from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, request_meta
 from lmnb.runtime.scheduler.stop import StopRules, StopText
 
@@ -62,8 +63,6 @@ class Scheduler:
     def __init__(self, *, runner: StepRunner, cache: CacheManager, policy: SchedulePolicy,
                  config: SchedulerConfig, stop_rules: StopRules, sink: OutputSink,
                  tokenizer: Any = None, jump_forward: Any = None) -> None:
-        from lmnb.runtime.scheduler.request_table import RequestTable
-
         self.runner = runner
         self.cache = cache
         self.config = config
