@@ -150,8 +150,15 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * source.numel() * repeats / (time.perf_counter() - start)
 
 
+DECODE_MODES: dict[str, dict[str, Any]] = {  # label -> Runtime options
+    "eager, torch-native": {"attention_backend": "torch_native", "disable_cuda_graph": True},
+    "graphs, torch-native": {"attention_backend": "torch_native", "cuda_graph_max_bs": 1},
+    "auto (best backend, graphs)": {},
+}
+
+
 def batch1_decode(config_name: str, tokenizer_dir: Path | None, device: torch.device,
-                  new_tokens: int, *, cuda_graphs: bool) -> dict[str, float]:
+                  new_tokens: int, options: dict[str, Any]) -> dict[str, Any]:
     from lmnb.runtime.engine import Runtime
 
     fields = DUMMY_CONFIGS[config_name]
@@ -160,10 +167,10 @@ def batch1_decode(config_name: str, tokenizer_dir: Path | None, device: torch.de
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(fields))
         tokenizer = str(tokenizer_dir) if tokenizer_dir else str(loader.resolve_model_dir(None))
-        graphs = {"cuda_graph_max_bs": 1} if cuda_graphs else {"disable_cuda_graph": True}
         with Runtime(str(folder), tokenizer_path=tokenizer, load_format="dummy",
                      device=str(device), dtype=fields["dtype"], context_length=2048,
-                     max_running_requests=4, **graphs) as rt:
+                     max_running_requests=4, **options) as rt:
+            backend = rt.stats()["attention_backend"]
             weight_bytes = rt.weight_bytes
             prompt = list(range(100, 100 + PROMPT_LEN))
             params = {"temperature": 0, "ignore_eos": True}
@@ -181,7 +188,8 @@ def batch1_decode(config_name: str, tokenizer_dir: Path | None, device: torch.de
             step = (long - short) / new_tokens
     bandwidth = copy_bandwidth(device)
     floor = weight_bytes / bandwidth
-    return {"weight_gb": weight_bytes / 1e9, "copy_tb_s": bandwidth / 1e12,
+    return {"attention_backend": backend, "weight_gb": weight_bytes / 1e9,
+            "copy_tb_s": bandwidth / 1e12,
             "hbm_floor_ms": 1e3 * floor, "decode_step_ms": 1e3 * step,
             "fraction_of_floor": floor / step}
 
@@ -234,11 +242,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device.type != "cuda":
             raise SystemExit("--model-config needs a CUDA device (the floor is HBM bandwidth)")
         results["batch1_decode"] = {"model": args.model_config}
-        for mode, graphs in (("eager", False), ("cuda_graphs", True)):
+        for mode, options in DECODE_MODES.items():
             decode = batch1_decode(args.model_config, args.tokenizer, device,
-                                   args.decode_tokens, cuda_graphs=graphs)
+                                   args.decode_tokens, options)
             results["batch1_decode"][mode] = decode
-            print(f"batch-1 decode ({mode}), random {args.model_config}: "
+            print(f"batch-1 decode ({mode}: {decode['attention_backend']}), random "
+                  f"{args.model_config}: "
                   f"{decode['decode_step_ms']:.2f} ms per step; HBM floor "
                   f"{decode['hbm_floor_ms']:.2f} ms ({decode['weight_gb']:.2f} GB at "
                   f"{decode['copy_tb_s']:.2f} TB/s): {100 * decode['fraction_of_floor']:.1f}% "

@@ -170,7 +170,9 @@ class Runtime:
             stats = scheduler.stats.counters()
             allocator = scheduler.cache.allocator
             graphs = self._runner.graph_runner
+            choice = self._runner.attn_backend.choice
             stats.update(
+                attention_backend=choice.name if choice else "custom",
                 cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
                 cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
                 evicted_tokens=getattr(cache, "evicted_tokens", 0),
