@@ -90,8 +90,8 @@ def _case(backend: AttentionBackend, rng: random.Random, *, mode: ForwardMode, b
         backend.req_to_token_pool.req_to_token[idx, :prefix + extend] = slots
         new_slots.append(slots[prefix:])
         shape = (prefix, backend.num_kv_heads, backend.head_dim)
-        pool.k_buffers[0][slots[:prefix]] = torch.randn(shape, device=device)
-        pool.v_buffers[0][slots[:prefix]] = torch.randn(shape, device=device)
+        pool.k_buffers[0][slots[:prefix]] = torch.randn(shape, device=device).to(pool.dtype)
+        pool.v_buffers[0][slots[:prefix]] = torch.randn(shape, device=device).to(pool.dtype)
     tokens = sum(extend_lens)
     return Case(backend=backend, mode=mode, prefix_lens=prefix_lens, extend_lens=extend_lens,
                 pool_indices=pool_indices, out_cache_loc=torch.cat(new_slots),
