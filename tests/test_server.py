@@ -198,7 +198,7 @@ def test_bad_requests_are_400_and_runtime_stays_usable(http, client, rt):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
     for body in ({"messages": CHAT, "temperature": -1},
                  {"messages": [{"role": "wizard", "content": "hi"}]},
-                 {"messages": CHAT, "extra_body": None, "regex": "(unclosed"},
+                 {"messages": CHAT, "regex": "(unclosed"},
                  {"messages": CHAT, "top_p": 0}):
         response = http.post("/v1/chat/completions", json={"model": "tiny", **body})
         assert response.status_code == 400, body
@@ -379,3 +379,49 @@ def test_server_stops_and_port_is_free(rt):
     assert not handle.running
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")
+
+
+def test_cli_serves_a_model(tiny_models, monkeypatch):
+    import lmnb.server
+    from lmnb.__main__ import main
+
+    calls = []
+
+    def fake_serve(runtime, **options):  # instead of blocking in uvicorn.run
+        calls.append(options)
+        out = runtime.generate("Hi", {"max_new_tokens": 1})
+        assert out["meta_info"]["completion_tokens"] == 1
+
+    monkeypatch.setattr(lmnb.server, "serve", fake_serve)
+    assert main(["serve", str(tiny_models["llama-gqa"]), "--port", "0", "--api-key", "k",
+                 "--max-total-tokens", "512", "--device", "cpu"]) == 0
+    assert calls == [{"host": "127.0.0.1", "port": 0, "api_key": "k",
+                      "served_model_name": None, "log_level": "info"}]
+
+
+# ---- SmolLM2, where the text matters -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_server() -> Iterator[tuple[Runtime, ServerHandle]]:
+    with Runtime(max_total_tokens=8192) as runtime, ServerHandle.start(runtime) as handle:
+        yield runtime, handle
+
+
+@pytest.mark.slow
+def test_smollm2_chat_json_and_greedy_agreement(smollm2_server):
+    runtime, handle = smollm2_server
+    client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model="x", messages=messages, temperature=0,
+                                          max_tokens=30)
+    assert "Paris" in chat.choices[0].message.content
+    direct = runtime.generate(runtime.apply_chat_template(messages),
+                              {"temperature": 0, "max_new_tokens": 30})
+    assert chat.choices[0].message.content == direct["text"]
+    streamed = "".join(e.choices[0].delta.content or "" for e in client.chat.completions.create(
+        model="x", messages=messages, temperature=0, max_tokens=30, stream=True))
+    assert streamed == direct["text"]
+    person = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    out = client.chat.completions.create(model="x", messages=person, temperature=0,
+                                         max_tokens=120,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)

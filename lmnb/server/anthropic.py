@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.server.messages import text_content
-from lmnb.server.streams import ServedRuntime, chunks, collect, open_stream, sse
+from lmnb.server.streams import ServedRuntime, chunks, collect, guarded, open_stream, sse
 
 
 class MessagesRequest(BaseModel):
@@ -46,6 +46,11 @@ def _usage(meta: dict[str, Any], output_tokens: int | None = None) -> dict[str, 
             "cache_read_input_tokens": meta.get("cached_tokens", 0)}
 
 
+def _error_event(error: Exception) -> str:
+    return sse({"type": "error", "error": {"type": "api_error", "message": str(error)}},
+               event="error")
+
+
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
 
@@ -68,7 +73,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                    "model": body.model or model_name}
         if body.stream:
-            return StreamingResponse(_events(stream, message, stops),
+            return StreamingResponse(guarded(_events(stream, message, stops), _error_event),
                                      media_type="text/event-stream")
         (result,) = await collect(request, stream)
         meta = result["meta_info"]

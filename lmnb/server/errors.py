@@ -61,6 +61,11 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param = _validation_message(error)
         return JSONResponse(error_body(message, param=param), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"{type(error).__name__}: {error}", type="server_error"),
+                            status_code=500)
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, error: HTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"

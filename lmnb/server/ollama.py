@@ -15,7 +15,14 @@ from pydantic import BaseModel, ConfigDict
 
 from lmnb.server.errors import APIError
 from lmnb.server.messages import chat_messages
-from lmnb.server.streams import ServedRuntime, chunks, collect, finish_type, open_stream
+from lmnb.server.streams import (
+    ServedRuntime,
+    chunks,
+    collect,
+    finish_type,
+    guarded,
+    open_stream,
+)
 
 # Ollama's `options` -> SGLang's sampling parameter names.
 _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -85,7 +92,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             return {"response": text}
 
         if body.stream:
-            return StreamingResponse(_lines(stream, model, piece, started),
+            return StreamingResponse(guarded(_lines(stream, model, piece, started),
+                                             lambda error: json.dumps({"error": str(error)})
+                                             + "\n"),
                                      media_type="application/x-ndjson")
         (result,) = await collect(request, stream)
         return {"model": model, "created_at": _now(), **piece(result["text"]),

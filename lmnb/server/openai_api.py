@@ -23,8 +23,10 @@ from lmnb.server.streams import (
     chunks,
     collect,
     finish_type,
+    guarded,
     open_stream,
     sse,
+    sse_error,
 )
 
 # A JSON object of any shape (`response_format: json_object`).
@@ -239,7 +241,7 @@ def _completion_prompt(prompt: Any) -> tuple[Any, Any]:
 
 
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+    return StreamingResponse(guarded(events, sse_error), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 

@@ -26,8 +26,10 @@ from lmnb.server.streams import (
     chunk_index,
     chunks,
     collect,
+    guarded,
     open_stream,
     sse,
+    sse_error,
 )
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
@@ -84,7 +86,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             top_logprobs_num=body.top_logprobs_num)
         texts = token_text if body.return_text_in_logprobs else None
         if body.stream:
-            return StreamingResponse(_events(stream, batch, texts),
+            return StreamingResponse(guarded(_events(stream, batch, texts), sse_error),
                                      media_type="text/event-stream")
         results = [{**r, "meta_info": sglang_meta(r["meta_info"], texts)}
                    for r in await collect(request, stream)]

@@ -117,3 +117,22 @@ class TokenText:
         if text is None:
             text = self._cache[token_id] = self._decode([token_id])
         return text
+
+
+async def guarded(events: AsyncIterator[str],
+                  on_error: Callable[[Exception], str]) -> AsyncIterator[str]:
+    """`events`, ending with `on_error(error)`'s text when the runtime fails mid-stream (the
+    status line is sent already, so the error travels in the body)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as error:  # a closed or failed runtime, a tokenizer error
+        yield on_error(error)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def sse_error(error: Exception) -> str:
+    """OpenAI's and SGLang's in-stream error, then the end marker."""
+    return sse({"error": {"message": str(error), "type": type(error).__name__,
+                          "param": None, "code": None}}) + sse("[DONE]")
