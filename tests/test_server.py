@@ -425,3 +425,35 @@ def test_smollm2_chat_json_and_greedy_agreement(smollm2_server):
                                          max_tokens=120,
                                          response_format={"type": "json_object"})
     assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_runtime_closed_mid_stream_ends_the_stream(tiny_models):
+    runtime = Runtime(tiny_models["llama-gqa"], max_total_tokens=2048)
+    with ServerHandle.start(runtime) as handle, httpx.Client(base_url=handle.url,
+                                                             timeout=60) as c:
+        body = {"text": "Hi", "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        with c.stream("POST", "/generate", json=body) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+            runtime.close()
+            events = sse_data(lines)
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert c.post("/generate", json={"text": "Hi"}).status_code == 500
+
+
+def test_errors_mid_stream_become_an_event():
+    from lmnb.server.streams import guarded, sse, sse_error
+
+    async def events():
+        yield sse({"n": 1})
+        raise RuntimeError("the scheduler failed")
+
+    async def read() -> list[str]:
+        return [event async for event in guarded(events(), sse_error)]
+
+    out = asyncio.run(read())
+    assert out[0] == 'data: {"n": 1}\n\n'
+    assert json.loads(out[1].split("\n")[0][6:])["error"]["message"] == "the scheduler failed"
+    assert out[1].endswith("data: [DONE]\n\n")
