@@ -74,6 +74,9 @@ def sse_data(lines: Iterator[str]) -> list:
 # ---- OpenAI ------------------------------------------------------------------------------------
 def test_models_and_chat_completion(client, rt):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
     chat = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0,
                                           max_tokens=8, seed=1)
     choice = chat.choices[0]

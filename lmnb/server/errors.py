@@ -41,8 +41,9 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('msg', '')}", None
-    param = ".".join(loc) or None
-    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+    where = ".".join(loc)
+    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (
+        loc[0] if loc else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

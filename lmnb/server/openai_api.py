@@ -58,6 +58,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
     # SGLang's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -70,6 +71,8 @@ class _Sampling(BaseModel):
     json_schema: dict[str, Any] | str | None = None
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n}
         for ours, value in (("temperature", self.temperature), ("top_p", self.top_p),
                             ("stop", self.stop), ("frequency_penalty", self.frequency_penalty),
@@ -162,11 +165,20 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
     token_text = TokenText(runtime.tokenizer)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "lmnb",
+            "root": model_name, "max_model_len": runtime.context_len}
+
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "lmnb",
-             "root": model_name, "max_model_len": runtime.context_len}]}
+        return {"object": "list", "data": [card]}
+
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        if model != model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves "
+                           f"{model_name!r}", status=404, param="model",
+                           code="model_not_found")
+        return card
 
     @router.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:

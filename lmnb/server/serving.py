@@ -29,7 +29,9 @@ class ServerHandle:
               api_key: str | None = None, served_model_name: str | None = None,
               log_level: str = "warning", startup_timeout: float = 30.0) -> ServerHandle:
         app = create_app(runtime, api_key=api_key, served_model_name=served_model_name)
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, loop="asyncio",
+        # log_config=None: uvicorn leaves the process's (the kernel's) logging setup alone
+        config = uvicorn.Config(app, log_level=log_level, log_config=None, access_log=False,
+                                loop="asyncio",
                                 http="h11", lifespan="off", timeout_graceful_shutdown=2)
         server = uvicorn.Server(config)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
