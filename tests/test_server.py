@@ -322,6 +322,11 @@ def test_anthropic_messages(http):
     text = "".join(d["delta"]["text"] for d in datas if d["type"] == "content_block_delta")
     assert text == whole["content"][0]["text"]
     assert datas[-2]["delta"]["stop_reason"] == whole["stop_reason"]
+    text = whole["content"][0]["text"]
+    assert len(text) > 3
+    cut = http.post("/v1/messages", json={**body, "stop_sequences": [text[2:4]]}).json()
+    assert cut["stop_reason"] == "stop_sequence" and cut["stop_sequence"] == text[2:4]
+    assert cut["content"][0]["text"] == text[:text.index(text[2:4])]
 
 
 def test_ollama_generate_and_chat(http):
@@ -343,6 +348,10 @@ def test_ollama_generate_and_chat(http):
                                                 "options": options}) as response:
         lines = [json.loads(line) for line in response.iter_lines() if line]
     assert "".join(line["message"]["content"] for line in lines) == chat["message"]["content"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    shaped = http.post("/api/chat", json={"model": "tiny", "messages": CHAT, "stream": False,
+                                          "format": schema, "options": {"num_predict": 30}})
+    jsonschema.validate(json.loads(shaped.json()["message"]["content"]), schema)
 
 
 # ---- many streams at once ---------------------------------------------------------------------
