@@ -469,3 +469,18 @@ def test_errors_mid_stream_become_an_event():
     assert out[0] == 'data: {"n": 1}\n\n'
     assert json.loads(out[1].split("\n")[0][6:])["error"]["message"] == "the scheduler failed"
     assert out[1].endswith("data: [DONE]\n\n")
+
+
+def test_stop_with_an_open_stream_aborts_it(rt):
+    before = wait_idle(rt)["generated_tokens"]
+    handle = ServerHandle.start(rt)
+    body = {"text": "Hi", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "n": 8}}
+    with httpx.Client(base_url=handle.url, timeout=60) as c:
+        with c.stream("POST", "/generate", json=body) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: "))
+            handle.stop()
+            assert not handle.running
+    stats = wait_idle(rt)
+    assert stats["generated_tokens"] - before < 8 * 400
+    rt.check_integrity()
