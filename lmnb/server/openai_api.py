@@ -210,8 +210,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
         prompt = runtime.apply_chat_template(chat_messages(body.messages), tools=body.tools)
-        params = body.sampling_params(
-            body.max_completion_tokens or body.max_tokens or runtime.context_len)
+        limits = (body.max_completion_tokens, body.max_tokens, runtime.context_len)
+        params = body.sampling_params(next(n for n in limits if n is not None))
         schema = _response_format_schema(body.response_format)
         if schema is not None:
             if body.regex is not None or body.json_schema is not None:
