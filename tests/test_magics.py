@@ -296,3 +296,25 @@ def test_load_makes_the_kernel_runtime_the_default_backend(loaded):
     assert backend is not None and backend.runtime.generate("Hi", {"max_new_tokens": 2})
     ip.run_line_magic("unload_ext", "lmnb")
     assert lmnb.default_backend() is None
+
+
+def test_serve_the_kernels_runtime(loaded: InteractiveShell, capsys) -> None:
+    import httpx
+
+    session = loaded.magics_manager.registry["LMNB"].session
+    loaded.run_line_magic("lmnb", "serve --api-key k")
+    server = session.server
+    assert server.url in capsys.readouterr().out
+    before = runtime_of(loaded).stats()["prompt_tokens"]
+    response = httpx.post(f"{server.url}/generate", headers={"Authorization": "Bearer k"},
+                          json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+    assert response.status_code == 200
+    assert runtime_of(loaded).stats()["prompt_tokens"] > before  # the kernel's own runtime
+    loaded.run_line_magic("lmnb", "serve stop")
+    assert session.server is None and not server.running
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
+    loaded.run_line_magic("lmnb", "serve")
+    server = session.server
+    loaded.run_line_magic("lmnb", "close")  # the server does not outlive its runtime
+    assert session.server is None and not server.running

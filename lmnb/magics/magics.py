@@ -120,6 +120,21 @@ class LMNB(Magics):
     def _close(self, args: argparse.Namespace) -> None:
         print("lmnb: runtime closed" if self.session.close() else "lmnb: no runtime loaded")
 
+    def _serve(self, args: argparse.Namespace) -> None:
+        if args.action == "stop":
+            stopped = self.session.stop_server()
+            print("lmnb: server stopped" if stopped else "lmnb: no server running")
+            return
+        try:
+            server = self.session.serve(host=args.host, port=args.port, api_key=args.api_key)
+        except ImportError as error:
+            raise UsageError(f"%lmnb serve needs the server extra (pip install "
+                             f"'lmnb[server]'): {error}") from None
+        except OSError as error:  # the port is taken
+            raise UsageError(f"%lmnb serve: {error}") from None
+        print(f"lmnb: serving {server.runtime.model_dir.name} at {server.url} "
+              f"(OpenAI API: {server.url}/v1); `%lmnb serve stop` stops it")
+
     def _help(self, args: argparse.Namespace) -> None:
         print(full_help(self._lmnb_parser))
         print(self._program_parser.format_help())

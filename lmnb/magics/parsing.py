@@ -66,6 +66,15 @@ def lmnb_parser() -> MagicArgumentParser:
     commands.add_parser("close", help="stop the runtime and free its memory",
                         description="Close the runtime: abort what runs, stop its threads, free "
                         "the model and KV memory.")
+    serve = commands.add_parser(
+        "serve", help="serve the runtime over HTTP (OpenAI, SGLang, Anthropic, Ollama APIs)",
+        description="Serve the kernel's runtime (same KV cache) from a background thread; "
+        "`%lmnb serve stop` stops it.")
+    serve.add_argument("action", nargs="?", choices=["stop"], help="stop the server")
+    serve.add_argument("--host", default="127.0.0.1", help="default: loopback only")
+    serve.add_argument("--port", type=int, default=0, metavar="N", help="default: a free port")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require `Authorization: Bearer KEY` on every route but /health")
     commands.add_parser("help", help="show this help", description="Show help for every command.")
     return parser
 

@@ -16,6 +16,7 @@ class KernelSession:
         self._lock = threading.RLock()
         self.runtime: Any = None
         self._local: Any = None
+        self.server: Any = None  # lmnb.server.ServerHandle over `runtime`, while serving
         self.backend = KernelBackend(self)
 
     def load(self, model: str | None, *, progress: bool = True, **options: Any) -> Any:
@@ -36,7 +37,27 @@ class KernelSession:
                 self.load(options.pop("model"), **options)
             return self._local
 
+    def serve(self, **options: Any) -> Any:
+        """Serves the current runtime (loading the default model if none is) over HTTP, in
+        place of a server already running."""
+        from lmnb.server import ServerHandle
+
+        with self._lock:
+            runtime = self.local_backend().runtime
+            self.stop_server()
+            self.server = ServerHandle.start(runtime, **options)
+            return self.server
+
+    def stop_server(self) -> bool:
+        with self._lock:
+            server, self.server = self.server, None
+        if server is None:
+            return False
+        server.stop()
+        return True
+
     def close(self) -> bool:
+        self.stop_server()  # a server never outlives its runtime
         with self._lock:
             runtime, self.runtime, self._local = self.runtime, None, None
         if runtime is None:

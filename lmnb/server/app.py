@@ -1,0 +1,64 @@
+"""`create_app(runtime)`: the FastAPI app serving one in-process `Runtime` through OpenAI's,
+SGLang's native, Anthropic's and Ollama's APIs."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lmnb.server import anthropic, ollama, openai_api, sglang_native
+from lmnb.server.errors import error_body, install_error_handlers
+from lmnb.server.streams import ServedRuntime
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP path but `OPEN_PATHS` needs `Authorization: Bearer KEY`
+    (or Anthropic's `x-api-key: KEY`); otherwise 401 with the OpenAI error body."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    def _allowed(self, headers: dict[bytes, bytes]) -> bool:
+        auth = headers.get(b"authorization", b"")
+        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key")
+        return token is not None and hmac.compare_digest(token, self._key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._allowed(
+                dict(scope["headers"])):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(error_body("missing or wrong API key (Authorization: Bearer KEY)",
+                                     type="authentication_error", code="invalid_api_key"))
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+
+def default_model_name(runtime: Any) -> str:
+    model_dir = getattr(runtime, "model_dir", None)
+    return model_dir.name if model_dir is not None else "lmnb"
+
+
+def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
+               served_model_name: str | None = None) -> FastAPI:
+    """The app over `runtime` (not owned: closing the app leaves the runtime running). With
+    `api_key`, every route but `/health` needs it."""
+    name = served_model_name or default_model_name(runtime)
+    app = FastAPI(title="lmnb", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    for module in (openai_api, sglang_native, anthropic, ollama):
+        app.include_router(module.make_router(runtime, name))
+    app.state.runtime = runtime
+    app.state.served_model_name = name
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    return app

@@ -1,0 +1,74 @@
+"""Errors as HTTP responses: one OpenAI-style body for every route."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from lmnb.params import InvalidRequestError
+
+
+class APIError(Exception):
+    """Raised by a route: becomes `status` with the OpenAI error body."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = (
+            message, status, type, param, code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.message, type=error.type, param=error.param,
+                                   code=error.code), status_code=error.status)
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """The first problem in words, and the parameter it is about."""
+    details = error.errors()
+    if not details:
+        return "invalid request", None
+    first = details[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('msg', '')}", None
+    where = ".".join(loc)
+    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (
+        loc[0] if loc else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Bad JSON and bad parameters are 400s; the runtime's `InvalidRequestError` too."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, error: InvalidRequestError) -> JSONResponse:
+        return JSONResponse(error_body(str(error)), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"{type(error).__name__}: {error}", type="server_error"),
+                            status_code=500)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, error: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(error.detail), type=kind),
+                            status_code=error.status_code)

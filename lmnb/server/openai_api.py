@@ -1,0 +1,310 @@
+"""OpenAI's API over the runtime: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
+(streaming as server-sent events ending with `data: [DONE]`). The module is not named `openai`
+so that it never shadows the `openai` package."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from lmnb.server.errors import APIError
+from lmnb.server.messages import chat_messages
+from lmnb.server.streams import (
+    Chunk,
+    ServedRuntime,
+    TokenText,
+    chunk_index,
+    chunks,
+    collect,
+    finish_type,
+    guarded,
+    open_stream,
+    sse,
+    sse_error,
+)
+
+# A JSON object of any shape (`response_format: json_object`).
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints (OpenAI's, then SGLang's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # SGLang's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    regex: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n}
+        for ours, value in (("temperature", self.temperature), ("top_p", self.top_p),
+                            ("stop", self.stop), ("frequency_penalty", self.frequency_penalty),
+                            ("presence_penalty", self.presence_penalty), ("seed", self.seed),
+                            ("top_k", self.top_k), ("min_p", self.min_p),
+                            ("repetition_penalty", self.repetition_penalty),
+                            ("min_new_tokens", self.min_tokens), ("ignore_eos", self.ignore_eos),
+                            ("stop_token_ids", self.stop_token_ids),
+                            ("skip_special_tokens", self.skip_special_tokens),
+                            ("regex", self.regex), ("json_schema", self.json_schema)):
+            if value is not None:
+                params[ours] = value
+        return params
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def _response_format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    spec = fmt.json_schema or {}
+    schema = spec.get("schema", spec.get("schema_"))
+    if not isinstance(schema, dict):
+        raise APIError("response_format.json_schema.schema must be a JSON schema object",
+                       param="response_format")
+    return schema
+
+
+def _usage(results: list[Chunk], n: int) -> dict[str, Any]:
+    metas = [r["meta_info"] for r in results]
+    prompt = sum(m.get("prompt_tokens", 0) for m in metas[::n])
+    completion = sum(m.get("completion_tokens", 0) for m in metas)
+    cached = sum(m.get("cached_tokens", 0) for m in metas)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _chat_logprobs(meta: dict[str, Any], token_text: TokenText) -> dict[str, Any]:
+    """`{"content": [{token, logprob, bytes, top_logprobs}]}` from SGLang-style meta_info lists
+    (a token forced by jump-forward has no logprob: reported as 0.0, probability 1 under the
+    constraint)."""
+
+    def entry(logprob: float | None, token_id: int) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": 0.0 if logprob is None else logprob,
+                "bytes": list(text.encode())}
+
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for i, (logprob, token_id) in enumerate(meta.get("output_token_logprobs") or []):
+        item = entry(logprob, token_id)
+        item["top_logprobs"] = [entry(lp, tid) for lp, tid in (tops[i] if i < len(tops) else [])]
+        content.append(item)
+    return {"content": content}
+
+
+def _completion_logprobs(meta: dict[str, Any], token_text: TokenText) -> dict[str, Any]:
+    tokens, logprobs, offsets, top = [], [], [], []
+    offset = 0
+    tops = meta.get("output_top_logprobs") or []
+    for i, (logprob, token_id) in enumerate(meta.get("output_token_logprobs") or []):
+        text = token_text(token_id)
+        tokens.append(text)
+        logprobs.append(0.0 if logprob is None else logprob)
+        offsets.append(offset)
+        offset += len(text)
+        top.append({token_text(tid): lp for lp, tid in (tops[i] if i < len(tops) else [])})
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
+    router = APIRouter()
+    token_text = TokenText(runtime.tokenizer)
+
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "lmnb",
+            "root": model_name, "max_model_len": runtime.context_len}
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card]}
+
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        if model != model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves "
+                           f"{model_name!r}", status=404, param="model",
+                           code="model_not_found")
+        return card
+
+    @router.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        if body.echo:
+            raise APIError("echo is not supported", param="echo")
+        if body.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        prompt, input_ids = _completion_prompt(body.prompt)
+        top = body.logprobs or 0
+        stream = await open_stream(
+            runtime, prompt, body.sampling_params(16 if body.max_tokens is None
+                                                  else body.max_tokens),
+            input_ids=input_ids, return_logprob=body.logprobs is not None,
+            top_logprobs_num=top)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse_response(_completion_events(stream, head, body.n, include_usage,
+                                                    body.logprobs is not None, token_text))
+        results = await collect(request, stream)
+        choices = [{"index": i, "text": r["text"],
+                    "logprobs": (_completion_logprobs(r["meta_info"], token_text)
+                                 if body.logprobs is not None else None),
+                    "finish_reason": finish_type(r["meta_info"])}
+                   for i, r in enumerate(results)]
+        return {**head, "choices": choices, "usage": _usage(results, body.n)}
+
+    @router.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        prompt = runtime.apply_chat_template(chat_messages(body.messages), tools=body.tools)
+        limits = (body.max_completion_tokens, body.max_tokens, runtime.context_len)
+        params = body.sampling_params(next(n for n in limits if n is not None))
+        schema = _response_format_schema(body.response_format)
+        if schema is not None:
+            if body.regex is not None or body.json_schema is not None:
+                raise APIError("give either response_format or regex / json_schema",
+                               param="response_format")
+            params["json_schema"] = schema
+        stream = await open_stream(runtime, prompt, params, return_logprob=body.logprobs,
+                                   top_logprobs_num=body.top_logprobs or 0)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "created": created, "model": model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse_response(_chat_events(stream, head, body.n, include_usage,
+                                              body.logprobs, token_text))
+        results = await collect(request, stream)
+        choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
+                    "logprobs": (_chat_logprobs(r["meta_info"], token_text)
+                                 if body.logprobs else None),
+                    "finish_reason": finish_type(r["meta_info"])}
+                   for i, r in enumerate(results)]
+        return {**head, "object": "chat.completion", "choices": choices,
+                "usage": _usage(results, body.n)}
+
+    return router
+
+
+def _completion_prompt(prompt: Any) -> tuple[Any, Any]:
+    """(prompt text or texts, input ids or lists of ids): one of them is None."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return prompt, None
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return None, prompt
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return None, prompt
+    raise APIError("prompt must be a string, a list of strings, a list of token ids or a list "
+                   "of lists of token ids", param="prompt")
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(guarded(events, sse_error), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
+                             logprobs: bool, token_text: TokenText) -> AsyncIterator[str]:
+    finals: dict[int, Chunk] = {}
+    async for chunk in chunks(stream):
+        meta = chunk["meta_info"]
+        done = meta.get("finish_reason") is not None
+        index = chunk_index(chunk)
+        if done:
+            finals[index] = chunk
+        if not chunk["text"] and not done:
+            continue
+        choice = {"index": index, "text": chunk["text"],
+                  "logprobs": (_completion_logprobs(meta, token_text)
+                               if logprobs and done else None),
+                  "finish_reason": finish_type(meta) if done else None}
+        yield sse({**head, "choices": [choice]})
+    if include_usage:
+        results = [finals[i] for i in sorted(finals)]
+        yield sse({**head, "choices": [], "usage": _usage(results, n)})
+    yield sse("[DONE]")
+
+
+async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
+                       logprobs: bool, token_text: TokenText) -> AsyncIterator[str]:
+    """Per choice: a first delta with the role, content deltas, and a last chunk with the
+    finish reason (carrying every token's logprobs: the runtime reports them at the end)."""
+    head = {**head, "object": "chat.completion.chunk"}
+    started: set[int] = set()
+    finals: dict[int, Chunk] = {}
+    async for chunk in chunks(stream):
+        meta = chunk["meta_info"]
+        index = chunk_index(chunk)
+        done = meta.get("finish_reason") is not None
+        if index not in started:
+            started.add(index)
+            yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant",
+                                                                       "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        if chunk["text"]:
+            yield sse({**head, "choices": [{"index": index, "delta": {"content": chunk["text"]},
+                                            "logprobs": None, "finish_reason": None}]})
+        if done:
+            finals[index] = chunk
+            yield sse({**head, "choices": [{
+                "index": index, "delta": {},
+                "logprobs": _chat_logprobs(meta, token_text) if logprobs else None,
+                "finish_reason": finish_type(meta)}]})
+    if include_usage:
+        results = [finals[i] for i in sorted(finals)]
+        yield sse({**head, "choices": [], "usage": _usage(results, n)})
+    yield sse("[DONE]")

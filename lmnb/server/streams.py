@@ -1,0 +1,138 @@
+"""How a route drives the runtime: open an `OutputStream` off the event loop, read it with
+`async for`, and abort its requests when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any, Protocol
+
+from fastapi import Request
+
+from lmnb.runtime.output import OutputStream
+
+Chunk = dict[str, Any]
+
+
+class ServedRuntime(Protocol):
+    """What the server uses of `lmnb.Runtime`."""
+
+    tokenizer: Any
+    context_len: int
+    max_total_tokens: int
+    model_config: Any
+    engine_config: Any
+    model_dir: Any
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, *,
+                            tools: Any = None) -> str: ...
+    def encode(self, text: str) -> list[int]: ...
+    def stats(self) -> dict[str, Any]: ...
+    def flush_cache(self) -> bool: ...
+
+
+async def open_stream(runtime: ServedRuntime, prompt: Any = None, sampling_params: Any = None,
+                      **kwargs: Any) -> OutputStream:
+    """`runtime.generate(..., stream=True)` on a worker thread (tokenizing and building a grammar
+    must not block the loop). Cancelled while it runs, the stream it returns is closed."""
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(None, partial(runtime.generate, prompt, sampling_params,
+                                                stream=True, **kwargs))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_close_result)
+        raise
+
+
+def _close_result(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
+
+
+@contextlib.asynccontextmanager
+async def closed_on_disconnect(request: Request, stream: OutputStream) -> AsyncIterator[None]:
+    """While the block runs, a client disconnect closes `stream` (aborting its requests); the
+    stream is closed when the block ends in any way."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        stream.close()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        stream.close()
+
+
+async def collect(request: Request, stream: OutputStream) -> list[Chunk]:
+    """Every request's whole result, in order (`text`, `output_ids`, last `meta_info`); stops
+    early, aborting the requests, when the client disconnects."""
+    async with closed_on_disconnect(request, stream):
+        return await stream.aresults()
+
+
+async def chunks(stream: OutputStream) -> AsyncIterator[Chunk]:
+    """The stream's chunks; leaving early (a disconnect cancels the response task, or the
+    generator is closed) closes the stream, which aborts unfinished requests."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        stream.close()
+
+
+def chunk_index(chunk: Chunk) -> int:
+    return chunk.get("index", 0)
+
+
+def finish_type(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event; `data` as JSON unless it is a string already."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
+
+
+class TokenText:
+    """Token id -> text for logprob listings (cached: the same ids recur)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode: Callable[[list[int]], str] = partial(tokenizer.decode,
+                                                           skip_special_tokens=False)
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._decode([token_id])
+        return text
+
+
+async def guarded(events: AsyncIterator[str],
+                  on_error: Callable[[Exception], str]) -> AsyncIterator[str]:
+    """`events`, ending with `on_error(error)`'s text when the runtime fails mid-stream (the
+    status line is sent already, so the error travels in the body)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as error:  # a closed or failed runtime, a tokenizer error
+        yield on_error(error)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def sse_error(error: Exception) -> str:
+    """OpenAI's and SGLang's in-stream error, then the end marker."""
+    return sse({"error": {"message": str(error), "type": type(error).__name__,
+                          "param": None, "code": None}}) + sse("[DONE]")

@@ -1,0 +1,486 @@
+"""The HTTP server over a live Runtime, started on a free loopback port and driven by the official
+`openai` client and httpx: OpenAI, SGLang-native, Anthropic and Ollama shapes, errors, auth,
+disconnects and many concurrent streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from lmnb.runtime.engine import Runtime
+from lmnb.server import ServerHandle
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_models) -> Iterator[Runtime]:
+    runtime = Runtime(tiny_models["llama-gqa"], max_total_tokens=8192,
+                      check_integrity_each_step=True)
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(scope="module")
+def server(rt) -> Iterator[ServerHandle]:
+    with ServerHandle.start(rt, api_key=KEY, served_model_name="tiny") as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture()
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def wait_idle(rt: Runtime, timeout: float = 30.0) -> dict:
+    """Polls (bounded) until nothing runs, waits or holds a lock in the cache."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = rt.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["protected_tokens"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"runtime not idle: {stats}"
+        time.sleep(0.02)
+
+
+def sse_data(lines: Iterator[str]) -> list:
+    """The JSON payloads of an SSE body, up to `[DONE]` (which must come)."""
+    out = []
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return out
+        out.append(json.loads(data))
+    raise AssertionError("the stream ended without data: [DONE]")
+
+
+# ---- OpenAI ------------------------------------------------------------------------------------
+def test_models_and_chat_completion(client, rt):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0,
+                                          max_tokens=8, seed=1)
+    choice = chat.choices[0]
+    assert chat.object == "chat.completion" and choice.message.role == "assistant"
+    prompt = rt.apply_chat_template(CHAT)
+    direct = rt.generate(prompt, {"temperature": 0, "max_new_tokens": 8})
+    assert choice.message.content == direct["text"]
+    assert chat.usage.completion_tokens == direct["meta_info"]["completion_tokens"]
+    assert chat.usage.prompt_tokens == len(rt.encode(prompt))
+    again = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0,
+                                           max_tokens=8)
+    assert again.choices[0].message.content == choice.message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt ran before
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_completion_n_and_stop(client, rt):
+    out = client.completions.create(model="tiny", prompt=["Hello", "The sky"], max_tokens=6,
+                                    temperature=0.8, n=2, seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 4 * 6
+    assert out.usage.prompt_tokens == len(rt.encode("Hello")) + len(rt.encode("The sky"))
+    greedy = client.completions.create(model="tiny", prompt="Hello", max_tokens=12,
+                                       temperature=0)
+    text = greedy.choices[0].text
+    assert len(text) > 2
+    stop = text[1:3]
+    cut = client.completions.create(model="tiny", prompt="Hello", max_tokens=12,
+                                    temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_streaming_chat_equals_whole(client):
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0,
+                                           max_tokens=10)
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0,
+                                            max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True})
+    events = list(stream)
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert text == whole.choices[0].message.content
+    assert events[0].choices[0].delta.role == "assistant"
+    finishes = [e.choices[0].finish_reason for e in events if e.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == (
+        whole.usage.completion_tokens)
+
+
+def test_streaming_completion(client):
+    stream = client.completions.create(model="tiny", prompt="Once", max_tokens=7,
+                                       temperature=0, stream=True)
+    chunks = list(stream)
+    whole = client.completions.create(model="tiny", prompt="Once", max_tokens=7, temperature=0)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_json_schema_output_validates(client):
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "pet": {"enum": ["cat", "dog"]}}, "required": ["name", "age", "pet"],
+        "additionalProperties": False}
+    for seed in (0, 1):
+        out = client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=80, seed=seed,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": schema}})
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    regex = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20,
+                                           extra_body={"regex": "(yes|no)!"})
+    assert regex.choices[0].message.content in ("yes!", "no!")
+
+
+def test_logprobs(client):
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0,
+                                          max_tokens=5, logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-4)
+        assert token.bytes == list(token.token.encode())
+    done = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                     logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = done.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+
+def test_streamed_logprobs_cover_every_token(client):
+    events = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_tokens=6, logprobs=True,
+        stream=True, extra_body={"ignore_eos": True}))
+    content = [t for e in events if e.choices and e.choices[0].logprobs
+               for t in e.choices[0].logprobs.content]
+    assert len(content) == 6
+
+
+# ---- errors and auth ---------------------------------------------------------------------------
+def test_api_key_required_except_health(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    for path in ("/v1/models", "/get_model_info"):
+        response = httpx.get(f"{server.url}{path}")
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+def test_bad_requests_are_400_and_runtime_stays_usable(http, client, rt):
+    bad_json = http.post("/v1/chat/completions", content=b"{not json",
+                         headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400
+    assert set(bad_json.json()["error"]) == {"message", "type", "param", "code"}
+    missing = http.post("/v1/chat/completions", json={"model": "tiny"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
+    for body in ({"messages": CHAT, "temperature": -1},
+                 {"messages": [{"role": "wizard", "content": "hi"}]},
+                 {"messages": CHAT, "regex": "(unclosed"},
+                 {"messages": CHAT, "top_p": 0}):
+        response = http.post("/v1/chat/completions", json={"model": "tiny", **body})
+        assert response.status_code == 400, body
+        assert response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=-3)
+    assert http.post("/generate", json={"text": "x", "sampling_params": {"nope": 1}}
+                     ).status_code == 400
+    assert http.post("/generate", json={"sampling_params": {}}).status_code == 400
+    out = client.completions.create(model="tiny", prompt="still alive", max_tokens=3)
+    assert out.choices[0].text is not None
+    wait_idle(rt)
+    rt.check_integrity()
+
+
+def test_disconnect_mid_stream_frees_kv(server, rt):
+    """Dropped clients abort their requests: far fewer tokens are generated than asked for,
+    and every KV slot and lock comes back."""
+    samples, tokens = 12, 400
+    before = wait_idle(rt)["generated_tokens"]
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": tokens, "stream": True,
+            "ignore_eos": True, "n": samples}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 2 * samples:
+                    break
+    stats = wait_idle(rt)
+    assert stats["generated_tokens"] - before < samples * tokens
+    rt.check_integrity()
+    # a non-streaming request dropped by its client is aborted too
+    before = stats["generated_tokens"]
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=0.3) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/generate", json={"text": "long", "sampling_params": {
+                "max_new_tokens": tokens, "ignore_eos": True, "n": samples}})
+    stats = wait_idle(rt)
+    assert stats["generated_tokens"] - before < samples * tokens
+    rt.check_integrity()
+
+
+# ---- SGLang native ----------------------------------------------------------------------------
+def test_native_generate_shapes(http, rt):
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    one = http.post("/generate", json={"text": "Hello", "sampling_params": params}).json()
+    assert set(one) == {"text", "output_ids", "meta_info"}
+    meta = one["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == len(rt.encode("Hello")) and meta["completion_tokens"] == 6
+    assert {"id", "cached_tokens", "e2e_latency"} <= set(meta)
+    ids = http.post("/generate", json={"input_ids": rt.encode("Hello"),
+                                       "sampling_params": params}).json()
+    assert ids["text"] == one["text"] and ids["output_ids"] == one["output_ids"]
+    batch = http.post("/generate", json={"text": ["Hello", "Bye"],
+                                         "sampling_params": params}).json()
+    assert isinstance(batch, list) and batch[0]["text"] == one["text"]
+    logprobs = http.post("/generate", json={
+        "text": "Hello", "sampling_params": params, "return_logprob": True,
+        "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True}).json()
+    meta = logprobs["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 6
+    logprob, token_id, text = meta["output_token_logprobs"][0]
+    assert token_id == one["output_ids"][0] and isinstance(text, str) and logprob <= 0
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert meta["input_token_logprobs"][0][0] is None
+    assert all(len(row) == 2 for row in meta["output_top_logprobs"])
+    plain = http.post("/generate", json={"text": "Hello", "sampling_params": params,
+                                         "return_logprob": True}).json()
+    assert plain["meta_info"]["output_token_logprobs"][0][2] is None
+
+
+def test_native_generate_stream_is_cumulative(http):
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    whole = http.post("/generate", json={"text": "Hi", "sampling_params": params}).json()
+    with http.stream("POST", "/generate", json={"text": "Hi", "sampling_params": params,
+                                                "stream": True}) as response:
+        events = sse_data(response.iter_lines())
+    texts = [e["text"] for e in events]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    assert texts[-1] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 1)
+    with http.stream("POST", "/generate", json={"text": ["a", "b"], "sampling_params": params,
+                                                "stream": True}) as response:
+        events = sse_data(response.iter_lines())
+    assert {e["index"] for e in events} == {0, 1}
+
+
+def test_native_info_routes(http, rt):
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"]
+    server_info = http.get("/get_server_info").json()
+    assert server_info["max_total_num_tokens"] == rt.max_total_tokens
+    assert "internal_states" in server_info and "version" in server_info
+    assert http.get("/health_generate").status_code == 200
+    wait_idle(rt)
+    assert http.post("/flush_cache").status_code == 200
+    assert rt.stats()["tree_tokens"] == 0
+
+
+# ---- Anthropic and Ollama ---------------------------------------------------------------------
+def test_anthropic_messages(http):
+    body = {"model": "tiny", "max_tokens": 6, "system": "Be brief.", "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    whole = http.post("/v1/messages", json=body).json()
+    assert whole["type"] == "message" and whole["role"] == "assistant"
+    assert whole["content"][0]["type"] == "text"
+    assert whole["stop_reason"] in ("end_turn", "max_tokens")
+    assert whole["usage"]["input_tokens"] > 0
+    with http.stream("POST", "/v1/messages", json={**body, "stream": True}) as response:
+        lines = list(response.iter_lines())
+    names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    datas = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    text = "".join(d["delta"]["text"] for d in datas if d["type"] == "content_block_delta")
+    assert text == whole["content"][0]["text"]
+    assert datas[-2]["delta"]["stop_reason"] == whole["stop_reason"]
+    text = whole["content"][0]["text"]
+    assert len(text) > 3
+    cut = http.post("/v1/messages", json={**body, "stop_sequences": [text[2:4]]}).json()
+    assert cut["stop_reason"] == "stop_sequence" and cut["stop_sequence"] == text[2:4]
+    assert cut["content"][0]["text"] == text[:text.index(text[2:4])]
+
+
+def test_ollama_generate_and_chat(http):
+    options = {"temperature": 0, "num_predict": 5}
+    whole = http.post("/api/generate", json={"model": "tiny", "prompt": "Hi",
+                                             "options": options, "stream": False}).json()
+    assert whole["done"] is True and whole["eval_count"] <= 5
+    assert {"response", "prompt_eval_count", "done_reason", "created_at"} <= set(whole)
+    with http.stream("POST", "/api/generate", json={"model": "tiny", "prompt": "Hi",
+                                                    "options": options}) as response:
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    assert "".join(line["response"] for line in lines) == whole["response"]
+    assert [line["done"] for line in lines] == [False] * (len(lines) - 1) + [True]
+    chat = http.post("/api/chat", json={"model": "tiny", "messages": CHAT, "options": options,
+                                        "stream": False}).json()
+    assert chat["message"]["role"] == "assistant" and chat["done"] is True
+    with http.stream("POST", "/api/chat", json={"model": "tiny", "messages": CHAT,
+                                                "options": options}) as response:
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    assert "".join(line["message"]["content"] for line in lines) == chat["message"]["content"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    shaped = http.post("/api/chat", json={"model": "tiny", "messages": CHAT, "stream": False,
+                                          "format": schema, "options": {"num_predict": 30}})
+    jsonschema.validate(json.loads(shaped.json()["message"]["content"]), schema)
+
+
+# ---- many streams at once ---------------------------------------------------------------------
+def test_many_concurrent_streams_all_complete(server, rt):
+    count, tokens = 200, 6
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[str, int]:
+        body = {"model": "tiny", "prompt": f"Request {i}:", "max_tokens": tokens,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        async with c.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = [line async for line in response.aiter_lines()]
+        events = sse_data(iter(lines))
+        finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        assert finishes[-1] == "length"
+        return "".join(e["choices"][0]["text"] for e in events if e["choices"]), (
+            events[-1]["usage"]["completion_tokens"])
+
+    async def main() -> list[tuple[str, int]]:
+        limits = httpx.Limits(max_connections=count)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120,
+                                     limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(count)))
+
+    results = asyncio.run(main())
+    assert len(results) == count and all(n == tokens for _, n in results)
+    wait_idle(rt)
+    rt.check_integrity()
+
+
+def test_server_stops_and_port_is_free(rt):
+    handle = ServerHandle.start(rt)
+    url = handle.url
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/v1/models").status_code == 200  # no key configured
+    handle.stop()
+    assert not handle.running
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")
+
+
+def test_cli_serves_a_model(tiny_models, monkeypatch):
+    import lmnb.server
+    from lmnb.__main__ import main
+
+    calls = []
+
+    def fake_serve(runtime, **options):  # instead of blocking in uvicorn.run
+        calls.append(options)
+        out = runtime.generate("Hi", {"max_new_tokens": 1})
+        assert out["meta_info"]["completion_tokens"] == 1
+
+    monkeypatch.setattr(lmnb.server, "serve", fake_serve)
+    assert main(["serve", str(tiny_models["llama-gqa"]), "--port", "0", "--api-key", "k",
+                 "--max-total-tokens", "512", "--device", "cpu"]) == 0
+    assert calls == [{"host": "127.0.0.1", "port": 0, "api_key": "k",
+                      "served_model_name": None, "log_level": "info"}]
+
+
+# ---- SmolLM2, where the text matters -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_server() -> Iterator[tuple[Runtime, ServerHandle]]:
+    with Runtime(max_total_tokens=8192) as runtime, ServerHandle.start(runtime) as handle:
+        yield runtime, handle
+
+
+@pytest.mark.slow
+def test_smollm2_chat_json_and_greedy_agreement(smollm2_server):
+    runtime, handle = smollm2_server
+    client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model="x", messages=messages, temperature=0,
+                                          max_tokens=30)
+    assert "Paris" in chat.choices[0].message.content
+    direct = runtime.generate(runtime.apply_chat_template(messages),
+                              {"temperature": 0, "max_new_tokens": 30})
+    assert chat.choices[0].message.content == direct["text"]
+    streamed = "".join(e.choices[0].delta.content or "" for e in client.chat.completions.create(
+        model="x", messages=messages, temperature=0, max_tokens=30, stream=True))
+    assert streamed == direct["text"]
+    person = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    out = client.chat.completions.create(model="x", messages=person, temperature=0,
+                                         max_tokens=120,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_runtime_closed_mid_stream_ends_the_stream(tiny_models):
+    runtime = Runtime(tiny_models["llama-gqa"], max_total_tokens=2048)
+    with ServerHandle.start(runtime) as handle, httpx.Client(base_url=handle.url,
+                                                             timeout=60) as c:
+        body = {"text": "Hi", "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        with c.stream("POST", "/generate", json=body) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+            runtime.close()
+            events = sse_data(lines)
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert c.post("/generate", json={"text": "Hi"}).status_code == 500
+
+
+def test_errors_mid_stream_become_an_event():
+    from lmnb.server.streams import guarded, sse, sse_error
+
+    async def events():
+        yield sse({"n": 1})
+        raise RuntimeError("the scheduler failed")
+
+    async def read() -> list[str]:
+        return [event async for event in guarded(events(), sse_error)]
+
+    out = asyncio.run(read())
+    assert out[0] == 'data: {"n": 1}\n\n'
+    assert json.loads(out[1].split("\n")[0][6:])["error"]["message"] == "the scheduler failed"
+    assert out[1].endswith("data: [DONE]\n\n")
+
+
+def test_stop_with_an_open_stream_aborts_it(rt):
+    before = wait_idle(rt)["generated_tokens"]
+    handle = ServerHandle.start(rt)
+    body = {"text": "Hi", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "n": 8}}
+    with httpx.Client(base_url=handle.url, timeout=60) as c:
+        with c.stream("POST", "/generate", json=body) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: "))
+            handle.stop()
+            assert not handle.running
+    stats = wait_idle(rt)
+    assert stats["generated_tokens"] - before < 8 * 400
+    rt.check_integrity()
