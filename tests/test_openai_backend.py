@@ -72,11 +72,11 @@ def test_params_pass_through_and_extensions_only_when_set():
     api = backend(endpoint, chat=False)
     params = lmnb.lang.ir.GenParams(max_new_tokens=8, temperature=0.5, top_p=0.9,
                                     frequency_penalty=0.1, presence_penalty=0.2, top_k=-1,
-                                    regex=r"[A-Z][a-z]+")
+                                    seed=7, regex=r"[A-Z][a-z]+")
     api.generate("Name:", params)
     body = endpoint.calls[-1].body
     assert (body["temperature"], body["top_p"]) == (0.5, 0.9)
-    assert (body["frequency_penalty"], body["presence_penalty"]) == (0.1, 0.2)
+    assert (body["frequency_penalty"], body["presence_penalty"], body["seed"]) == (0.1, 0.2, 7)
     assert body["regex"] == r"[A-Z][a-z]+" and "top_k" not in body  # default: not sent
 
     chat = backend(endpoint, chat=True)

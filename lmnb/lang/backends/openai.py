@@ -32,7 +32,7 @@ COMPLETION_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
 # OpenAI's own names for the parameters the standard API has.
 _STANDARD = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
              "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-             "n": "n"}
+             "seed": "seed", "n": "n"}
 # Extensions that SGLang- and vLLM-compatible servers accept in the body; sent only when a gen
 # sets them away from the default, so that plain OpenAI endpoints never see them.
 _EXTRA = {"top_k": "top_k", "min_p": "min_p", "min_new_tokens": "min_tokens",
