@@ -31,6 +31,7 @@ class Call:
 class FakeEndpoint:
     document: str
     logprobs: bool = True  # whether completions with echo return prompt logprobs
+    echo: bool = True  # whether completions accept echo (else 400, as the lmnb server does)
     calls: list[Call] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -84,6 +85,8 @@ class FakeEndpoint:
                 "total_tokens": prompt + completion}
 
     def _completions(self, body: dict[str, Any]) -> httpx.Response:
+        if body.get("echo") and not self.echo:
+            return httpx.Response(400, json={"error": {"message": "echo is not supported"}})
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         choices, completion_tokens = [], 0
         for index, prompt in enumerate(prompts):

@@ -147,6 +147,9 @@ def test_select_without_logprobs_is_a_clear_error():
     api = backend(FakeEndpoint(DOCUMENT, logprobs=False), chat=False)
     with pytest.raises(ValueError, match="token_length_normalized.*logprobs"):
         api.select("House:", (" A", " B"), "token_length_normalized")
+    api = backend(FakeEndpoint(DOCUMENT, echo=False), chat=False)
+    with pytest.raises(ValueError, match="token_length_normalized.*refused.*echo"):
+        api.select("House:", (" A", " B"), "token_length_normalized")
     chat = backend(FakeEndpoint(DOCUMENT), chat=True)
     with pytest.raises(ValueError, match="greedy_token_selection.*chat"):
         chat.select("House:", (" A", " B"), "greedy_token_selection")

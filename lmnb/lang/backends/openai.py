@@ -260,9 +260,16 @@ class OpenAI:
         if not choices:
             raise ValueError("select needs a non-empty list of choices")
         texts = [prompt + choice for choice in choices]
-        response = self.client.completions.create(
-            model=self.model, prompt=texts, echo=True, logprobs=1, max_tokens=1,
-            temperature=0)
+        import openai
+
+        try:
+            response = self.client.completions.create(
+                model=self.model, prompt=texts, echo=True, logprobs=1, max_tokens=1,
+                temperature=0)
+        except openai.BadRequestError as error:
+            raise ValueError(f"select(method={method!r}) needs prompt logprobs, and this endpoint "
+                             f"refused completions with echo=True and logprobs=1: "
+                             f"{error}") from error
         self._count(response.usage)
         scored: list[list[float]] = [[] for _ in choices]
         for choice in response.choices:
