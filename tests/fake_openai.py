@@ -93,7 +93,8 @@ class FakeEndpoint:
             text, reason, matched, tokens = self.complete(prompt, body)
             completion_tokens += tokens
             choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": reason,
-                                      "matched_stop": matched, "logprobs": None}
+                                      "matched_stop": matched,
+                                      "logprobs": _completion_logprobs(text, body)}
             if body.get("echo"):
                 choice["text"] = prompt + text
                 if body.get("logprobs") is not None and self.logprobs:
@@ -108,7 +109,8 @@ class FakeEndpoint:
         if body.get("stream"):
             (choice,) = choices
             return self._sse("text_completion", choice["text"], choice, usage, body,
-                             lambda piece: {"text": piece})
+                             lambda piece: {"text": piece,
+                                            "logprobs": _completion_logprobs(piece, body)})
         return httpx.Response(200, json={"id": "cmpl", "object": "text_completion",
                                          "created": 0, "model": body["model"],
                                          "choices": choices, "usage": usage})
@@ -123,10 +125,12 @@ class FakeEndpoint:
         text, reason, matched, tokens = self.complete(partial, body)
         usage = self._record("chat", body, prompt_tokens, tokens)
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": reason, "matched_stop": matched}
+                  "finish_reason": reason, "matched_stop": matched,
+                  "logprobs": _chat_logprobs(text, body)}
         if body.get("stream"):
             return self._sse("chat.completion.chunk", text, choice, usage, body,
-                             lambda piece: {"delta": {"content": piece}})
+                             lambda piece: {"delta": {"content": piece},
+                                            "logprobs": _chat_logprobs(piece, body)})
         return httpx.Response(200, json={"id": "chat", "object": "chat.completion",
                                          "created": 0, "model": body["model"],
                                          "choices": [choice], "usage": usage})
@@ -147,3 +151,17 @@ class FakeEndpoint:
         chunks.append(b"data: [DONE]\n\n")
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
                               content=b"".join(chunks))
+
+
+def _completion_logprobs(text: str, body: dict[str, Any]) -> dict | None:
+    if body.get("logprobs") is None or body.get("echo"):
+        return None
+    return {"tokens": list(text), "token_logprobs": [-0.1] * len(text),
+            "text_offset": list(range(len(text))), "top_logprobs": None}
+
+
+def _chat_logprobs(text: str, body: dict[str, Any]) -> dict | None:
+    if not body.get("logprobs"):
+        return None
+    return {"content": [{"token": c, "logprob": -0.1, "bytes": None, "top_logprobs": []}
+                        for c in text]}

@@ -38,10 +38,12 @@ def backend(endpoint: FakeEndpoint, *, chat: bool, **options) -> lmnb.OpenAI:
     return lmnb.OpenAI("fake-model", client=endpoint.client(), is_chat_model=chat, **options)
 
 
-def run(program, endpoint: FakeEndpoint, *, chat: bool, spec: int | None = None, **options):
+def run(program, endpoint: FakeEndpoint, *, chat: bool, spec: int | None = None,
+        max_new_tokens: int | None = None, **options):
     prog = function(num_api_spec_tokens=spec)(program) if spec else function(program)
     api = backend(endpoint, chat=chat, **options)
-    state = prog.run(backend=api, temperature=0)
+    sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+    state = prog.run(backend=api, temperature=0, **sampling)
     return state, api
 
 
@@ -86,6 +88,20 @@ def test_params_pass_through_and_extensions_only_when_set():
     body = endpoint.calls[-1].body
     assert body["response_format"]["type"] == "json_schema"
     assert body["response_format"]["json_schema"]["schema"] == {"type": "object"}
+
+
+def test_return_logprob_gives_token_texts():
+    def completion(s):
+        s += "Name:" + gen("x", stop="\n", return_logprob=True)
+
+    def chat(s):
+        s += user("hi") + assistant(gen("x", stop="\n", return_logprob=True))
+
+    for program, expected in ((completion, " Harry Potter"), (chat, "Name: Harry Potter")):
+        state, _ = run(program, FakeEndpoint(DOCUMENT), chat=program is chat)
+        assert state["x"] == expected
+        logprobs = state.get_meta_info("x")["output_token_logprobs"]
+        assert "".join(text for _, _, text in logprobs) == expected
 
 
 def test_stop_regex_is_cut_client_side():
@@ -225,14 +241,30 @@ def test_speculation_respects_the_budget_and_forks():
     assert on["name"] == " Harry P"  # cut by its own budget, through a real call
     assert api.token_usage.calls == 3
 
+    @function(num_api_spec_tokens=64)
+    def small_fields(s):  # each piece fits its budget, counted by the call's token texts
+        s += "Name:" + gen("name", stop="\n", max_tokens=14)
+        s += "\nBirthday:" + gen("birthday", stop="\n", max_tokens=15)
+        s += "\nJob:" + gen("job", stop="\n", max_tokens=16)
+
     endpoint = FakeEndpoint(DOCUMENT)
+    api = backend(endpoint, chat=False)
+    on = small_fields.run(backend=api, temperature=0)
+    assert (on["name"], on["birthday"]) == (" Harry Potter", " July 31, 1980")
+    assert on["job"] == " Student at Hogw"  # 21 tokens to its stop: a real call, cut at 16
+    assert api.token_usage.calls == 2
+    assert endpoint.calls[0].body["logprobs"] == 0 and endpoint.calls[0].body["max_tokens"] == 64
 
-    def forked(s):
-        s += "Name:" + gen("name", stop="\n")
-        branches = s.fork(2)
-        branches += "\nBirthday:" + gen("birthday", stop="\n")
-        s.join(branches)
 
-    on, api = run(forked, endpoint, chat=False, spec=128)
-    assert on["birthday"] == [" July 31, 1980"] * 2
-    assert api.token_usage.calls == 1
+def test_speculation_that_runs_out_speculates_again():
+    endpoint = FakeEndpoint(DOCUMENT)
+    off, _ = run(character, FakeEndpoint(DOCUMENT), chat=False, max_new_tokens=20)
+    api = backend(endpoint, chat=False)
+    on = function(num_api_spec_tokens=20)(character).run(backend=api, temperature=0,
+                                                          max_new_tokens=20)
+    assert [on[name] for name in FIELDS] == [off[name] for name in FIELDS]
+    assert off["wand"] == " Holly, phoenix feat"  # its own budget ends it
+    # 20-token calls: name + "\nBirthd" (does not match "\nBirthday:"), birthday + "\nJob: ",
+    # job (runs out: a new call, ended by the budget), house + "\nWand: Ho", wand.
+    assert [call.body["prompt"].rsplit("\n", 1)[1] for call in endpoint.calls] == [
+        "Name:", "Birthday:", "Job:", "House:", "Wand:"]

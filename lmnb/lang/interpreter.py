@@ -353,9 +353,15 @@ class StreamExecutor:
             if served is not None:
                 self._spec = served.rest
                 return served
+            if not spec.runs_out(params):
+                # It reached this gen and showed it cannot be served (budget, parameters): a
+                # new speculative call would not do better than a real one.
+                return None
         if not can_start(params):
             return None
-        call_params = speculative_params(params, self.num_api_spec_tokens or 0)
+        call_params = speculative_params(
+            params, self.num_api_spec_tokens or 0,
+            token_texts=bool(getattr(self.backend, "reports_token_texts", False)))
         if self.chat:
             # A chat reply starts at its role's start: speculate from there and match the
             # role's text so far as literal text. Once per role: a retry would repeat itself.

@@ -78,6 +78,20 @@ class _Reply:
     text: str = ""
     finish_reason: str | None = None
     matched: str | int | None = None
+    logprobs: list[tuple[float | None, None, str]] | None = None  # (logprob, id, token text)
+
+    def add_logprobs(self, logprobs: Any) -> None:
+        """Appends a choice's (or chunk's) output logprobs: chat `content` or completion
+        `tokens`/`token_logprobs`."""
+        if logprobs is None:
+            return
+        content = getattr(logprobs, "content", None)
+        if content is not None:
+            pairs = [(item.logprob, item.token) for item in content]
+        else:
+            pairs = list(zip(getattr(logprobs, "token_logprobs", None) or [],
+                             getattr(logprobs, "tokens", None) or [], strict=False))
+        self.logprobs = (self.logprobs or []) + [(lp, None, token) for lp, token in pairs]
 
 
 class OpenAI:
@@ -106,6 +120,10 @@ class OpenAI:
         # the program's text; chat models are sent messages, not this text).
         self.chat_template = chat_template or ChatTemplate()
         self.token_usage = TokenUsage()
+
+    # Output logprobs come with token texts (`meta_info["output_token_logprobs"]` entries are
+    # `(logprob, None, text)`), which API speculation uses to size each served gen.
+    reports_token_texts = True
 
     def __repr__(self) -> str:
         kind = "chat" if self.is_chat_model else "completion"
@@ -150,6 +168,13 @@ class OpenAI:
                 kwargs[name] = values[key]
         if params.stop:
             kwargs["stop"] = list(params.stop)
+        if params.return_logprob:
+            if self.is_chat_model:
+                kwargs["logprobs"] = True
+                if params.top_logprobs_num:
+                    kwargs["top_logprobs"] = params.top_logprobs_num
+            else:
+                kwargs["logprobs"] = params.top_logprobs_num or 0
         extra = {name: list(values[key]) if isinstance(values[key], tuple) else values[key]
                  for key, name in _EXTRA.items()
                  if key in values and values[key] != _DEFAULTS.get(key)
@@ -198,6 +223,7 @@ class OpenAI:
                     reply.text += _delta_text(choice) or ""
                     reply.finish_reason = choice.finish_reason or reply.finish_reason
                     reply.matched = _matched_stop(choice) or reply.matched
+                    reply.add_logprobs(getattr(choice, "logprobs", None))
                 if _cut(reply, stop_regex):
                     break
                 if on_delta is not None and len(reply.text) > streamed:
@@ -220,6 +246,7 @@ class OpenAI:
             message = getattr(choice, "message", None)
             reply.text = (message.content if message is not None else choice.text) or ""
             reply.finish_reason, reply.matched = choice.finish_reason, _matched_stop(choice)
+            reply.add_logprobs(getattr(choice, "logprobs", None))
             _cut(reply, stop_regex)
         self._count(response.usage)
         return replies, response.usage
@@ -235,6 +262,8 @@ class OpenAI:
         if reply.matched is not None:
             reason["matched"] = reply.matched
         meta: dict[str, Any] = {"finish_reason": reason}
+        if reply.logprobs is not None:
+            meta["output_token_logprobs"] = reply.logprobs
         if usage is not None:
             meta["prompt_tokens"] = usage.prompt_tokens
             if n == 1:  # per choice only when there is one
