@@ -34,7 +34,10 @@ from lmnb import assistant_begin, assistant_end, function, gen, user  # noqa: E4
 FIELDS = ("Name", "Birthday", "Job", "House", "Wand", "Pet")
 EXAMPLE = ("Character: Hermione Granger\nName: Hermione Jean Granger\nBirthday: 19 September 1979\n"
            "Job: Student at Hogwarts\nHouse: Gryffindor\nWand: Vine wood, dragon heartstring\n"
-           "Pet: Crookshanks, a cat\n\n")
+           "Pet: Crookshanks, a cat\n\n"
+           "Character: Rubeus Hagrid\nName: Rubeus Hagrid\nBirthday: 6 December 1928\n"
+           "Job: Keeper of Keys and Grounds at Hogwarts\nHouse: Gryffindor\nWand: Oak, snapped\n"
+           "Pet: Fang, a boarhound\n\n")  # two examples of the form
 CHARACTERS = ("Harry Potter", "Ron Weasley", "Draco Malfoy", "Luna Lovegood", "Neville Longbottom",
               "Albus Dumbledore", "Severus Snape", "Ginny Weasley")
 INSTRUCTION = ("Below are character sheets from a wiki about the Harry Potter books, one field per "
