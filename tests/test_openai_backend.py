@@ -69,6 +69,25 @@ def test_completion_gen_stops_and_streams():
     assert call.body["max_tokens"] == 64 and call.body["stream"] is True
 
 
+def test_cancel_stops_a_streaming_gen():
+    import threading
+
+    from lmnb.lang.backends.base import ProgramAborted
+
+    api = backend(FakeEndpoint(DOCUMENT), chat=False)
+    cancel = threading.Event()
+    deltas: list[str] = []
+
+    def on_delta(delta: str) -> None:
+        deltas.append(delta)
+        cancel.set()
+
+    with pytest.raises(ProgramAborted):
+        api.generate("Name:", lmnb.lang.ir.GenParams(max_new_tokens=64), on_delta=on_delta,
+                     cancel=cancel)
+    assert len(deltas) == 1
+
+
 def test_params_pass_through_and_extensions_only_when_set():
     endpoint = FakeEndpoint(DOCUMENT)
     api = backend(endpoint, chat=False)
@@ -185,6 +204,17 @@ def test_token_usage_counts_every_call_across_threads():
     assert usage["completion_tokens"] == sum(c.completion_tokens for c in endpoint.calls)
     api.token_usage.reset()
     assert api.token_usage.as_dict() == {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+    @function(num_api_spec_tokens=128)
+    def speculative(s):
+        character(s)
+
+    for runner in (speculative, speculative.compile()):  # per state: one call per program
+        api = backend(FakeEndpoint(DOCUMENT), chat=False)
+        states = runner.run_batch([{}] * 6, backend=api, temperature=0, num_threads=6,
+                                  progress_bar=False)
+        assert [state["wand"] for state in states] == [" Holly, phoenix feather"] * 6
+        assert api.token_usage.calls == 6
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
