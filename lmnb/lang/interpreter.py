@@ -83,7 +83,7 @@ class StreamExecutor:
         self._streaming: tuple[str | None, int] | None = None  # (variable, start) of a running gen
         self._scopes: dict[str, int] = {}
         self._spec: Speculation | None = None  # API speculation: what the model should write next
-        self._spec_failed_at: int | None = None  # chat: role start whose speculation failed
+        self._spec_turn: int | None = None  # chat: the turn (its start) speculated already
         self._var_events: dict[str, threading.Event] = defaultdict(threading.Event)
         self._listeners: list[tuple[str | None, queue.SimpleQueue]] = []
         self._listeners_lock = threading.Lock()
@@ -190,7 +190,7 @@ class StreamExecutor:
             branch.meta_info = dict(self.meta_info)
             branch._role, branch._role_start = self._role, self._role_start
             branch.fork_point = len(self.text_)
-            branch._spec, branch._spec_failed_at = self._spec, self._spec_failed_at
+            branch._spec, branch._spec_turn = self._spec, self._spec_turn
             branch.spans = list(self.spans)
             branch.observer = self.observer
             branches.append(branch)
@@ -363,11 +363,11 @@ class StreamExecutor:
             params, self.num_api_spec_tokens or 0,
             token_texts=bool(getattr(self.backend, "reports_token_texts", False)))
         if self.chat:
-            # A chat reply starts at its role's start: speculate from there and match the
-            # role's text so far as literal text. Once per role: a retry would repeat itself.
-            if self._role != "assistant" or self._spec_failed_at == self._role_start:
+            # A chat reply starts at its turn's start: speculate from there and match the
+            # turn's text so far as literal text. Once per turn: a retry would repeat itself.
+            if self._role != "assistant" or self._spec_turn == self._role_start:
                 return None
-            self._spec_failed_at = self._role_start
+            self._spec_turn = self._role_start
             generation = self._call(self.text_[:self._role_start], call_params,
                                     self._chat_prompt(at_role_start=True))
             partial = self.text_[self._role_start:]
@@ -382,7 +382,7 @@ class StreamExecutor:
         served = spec.serve(params) if spec is not None else None
         if served is None:
             return None
-        self._spec, self._spec_failed_at = served.rest, None
+        self._spec = served.rest
         return served
 
     def _finish_gen(self, name: str | None, start: int, generation: Generation) -> None:
