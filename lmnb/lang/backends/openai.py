@@ -127,7 +127,8 @@ class OpenAI:
 
     def __repr__(self) -> str:
         kind = "chat" if self.is_chat_model else "completion"
-        return f"lmnb.OpenAI({self.model!r}, {kind} model, base_url={str(self.client.base_url)!r})"
+        base_url = getattr(self.client, "base_url", None)
+        return f"lmnb.OpenAI({self.model!r}, {kind} model, base_url={str(base_url)!r})"
 
     # ---- gen -------------------------------------------------------------------------------
     def generate(self, prompt: str, params: GenParams, *,
