@@ -88,6 +88,7 @@ class FakeEndpoint:
         if body.get("echo") and not self.echo:
             return httpx.Response(400, json={"error": {"message": "echo is not supported"}})
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        prompts = [p for p in prompts for _ in range(body.get("n") or 1)]  # n samples each
         choices, completion_tokens = [], 0
         for index, prompt in enumerate(prompts):
             text, reason, matched, tokens = self.complete(prompt, body)

@@ -123,6 +123,16 @@ def test_return_logprob_gives_token_texts():
         assert "".join(text for _, _, text in logprobs) == expected
 
 
+def test_n_samples_in_one_call():
+    endpoint = FakeEndpoint(DOCUMENT)
+    api = backend(endpoint, chat=False)
+    out = api.generate("Name:", lmnb.lang.ir.GenParams(n=3, stop=("\n",), max_new_tokens=32))
+    assert out.text == [" Harry Potter"] * 3
+    assert [m["finish_reason"]["type"] for m in out.meta_info] == ["stop"] * 3
+    (call,) = endpoint.calls
+    assert call.body["n"] == 3 and "stream" not in call.body
+
+
 def test_stop_regex_is_cut_client_side():
     endpoint = FakeEndpoint(DOCUMENT)
     api = backend(endpoint, chat=False)
