@@ -35,7 +35,7 @@ from lmnb.lang.program import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "LocalBackend", "Program", "ProgramState", "Runtime", "__version__", "assistant",
+    "LocalBackend", "OpenAI", "Program", "ProgramState", "Runtime", "__version__", "assistant",
     "assistant_begin", "assistant_end", "default_backend", "function", "gen", "gen_int",
     "gen_string", "image", "select", "set_default_backend", "system", "system_begin",
     "system_end", "user", "user_begin", "user_end", "video",
@@ -43,6 +43,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from lmnb.lang.backends.local import LocalBackend
+    from lmnb.lang.backends.openai import OpenAI
     from lmnb.runtime.engine import Runtime
 
 
@@ -69,6 +70,10 @@ def __getattr__(name: str) -> Any:
         from lmnb.lang.backends.local import LocalBackend
 
         return LocalBackend
+    if name == "OpenAI":
+        from lmnb.lang.backends.openai import OpenAI
+
+        return OpenAI
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

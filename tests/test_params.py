@@ -201,7 +201,7 @@ def test_local_backend_sends_every_sampling_parameter() -> None:
     values = {"max_new_tokens": 9, "min_new_tokens": 2, "n": 1, "stop": ("END",),
               "stop_token_ids": (4, 5), "stop_regex": ("z",), "temperature": 0.5, "top_p": 0.9,
               "top_k": 3, "min_p": 0.1, "frequency_penalty": 0.2, "presence_penalty": 0.3,
-              "ignore_eos": True, "return_logprob": True, "logprob_start_len": 1,
+              "seed": 11, "ignore_eos": True, "return_logprob": True, "logprob_start_len": 1,
               "top_logprobs_num": 2, "regex": "[a-z]+", "json_schema": None}
     assert set(values) == set(GEN_PARAM_NAMES)  # a new gen argument needs a line here
     sampling = LocalBackend(FakeRuntime([])).sampling_params(GenParams(**values))

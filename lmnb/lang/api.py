@@ -64,12 +64,13 @@ def gen(
     choices_method: str = "token_length_normalized",
     regex: str | None = None,
     json_schema: Any = None,
+    seed: int | None = None,
 ) -> Expr:
     """Generates text into variable `name`. Unset arguments inherit the run's defaults; the
     sampling arguments are `lmnb.params`'s (`max_tokens`, `min_tokens` are SGLang's names for
-    `max_new_tokens`, `min_new_tokens`). With `choices`, it is a `select`; `dtype` (int, float,
-    bool, str) constrains the output's form; `stop_regex` (one or a list) cuts the output before
-    the first match."""
+    `max_new_tokens`, `min_new_tokens`; `seed` makes sampling reproducible). With `choices`, it
+    is a `select`; `dtype` (int, float, bool, str) constrains the output's form; `stop_regex`
+    (one or a list) cuts the output before the first match."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
     if dtype is not None:
@@ -85,7 +86,8 @@ def gen(
         max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop,
         stop_token_ids=stop_token_ids, stop_regex=stop_regex, temperature=temperature,
         top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
+        presence_penalty=presence_penalty, seed=seed, ignore_eos=ignore_eos,
+        return_logprob=return_logprob,
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, regex=regex,
         json_schema=_schema_text(json_schema))
     return Gen(name, params)

@@ -314,7 +314,8 @@ class CompiledProgram:
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
                  stream: bool, run: ProgramRun | None = None) -> ProgramState:
-        root = GraphExecutor(backend, defaults=defaults, stream=stream)
+        root = GraphExecutor(backend, defaults=defaults, stream=stream,
+                             num_api_spec_tokens=self.program.num_api_spec_tokens)
         state = ProgramState(root, run)
         run = _GraphRun(self._plan, arguments, state)
         if not self._plan.ret.reads:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import Any
 
-from lmnb.lang.backends.base import Backend, ProgramAborted
+from lmnb.lang.backends.base import Backend, ChatPrompt, Generation, ProgramAborted
 from lmnb.lang.ir import (
     CommitPrefix,
     Expr,
@@ -33,6 +33,7 @@ from lmnb.lang.ir import (
     VarScopeEnd,
     Video,
 )
+from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, speculative_params
 
 _POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets through
 
@@ -58,12 +59,16 @@ Observer = Callable[[str, "StreamExecutor", dict[str, Any]], None]
 
 
 class StreamExecutor:
-    def __init__(self, backend: Backend, *, defaults: GenParams, stream: bool = False) -> None:
+    def __init__(self, backend: Backend, *, defaults: GenParams, stream: bool = False,
+                 num_api_spec_tokens: int | None = None) -> None:
         self.id = next(_executor_ids)
         self.observer: Observer | None = None
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
+        self.num_api_spec_tokens = num_api_spec_tokens
+        # Backends of chat models are given the conversation as messages (`ChatPrompt`).
+        self.chat = bool(getattr(backend, "is_chat_model", False))
         self.text_ = ""
         self.messages_: list[dict[str, str]] = []
         self.variables: dict[str, Any] = {}
@@ -77,6 +82,8 @@ class StreamExecutor:
         self._role_start = 0
         self._streaming: tuple[str | None, int] | None = None  # (variable, start) of a running gen
         self._scopes: dict[str, int] = {}
+        self._spec: Speculation | None = None  # API speculation: what the model should write next
+        self._spec_turn: int | None = None  # chat: the turn (its start) speculated already
         self._var_events: dict[str, threading.Event] = defaultdict(threading.Event)
         self._listeners: list[tuple[str | None, queue.SimpleQueue]] = []
         self._listeners_lock = threading.Lock()
@@ -173,7 +180,8 @@ class StreamExecutor:
         """New executors that continue from this one's current state (call after `sync`)."""
         branches = []
         for _ in range(count):
-            branch = type(self)(self.backend, defaults=self.defaults, stream=self.stream)
+            branch = type(self)(self.backend, defaults=self.defaults, stream=self.stream,
+                                num_api_spec_tokens=self.num_api_spec_tokens)
             branch.text_ = self.text_
             branch.messages_ = [dict(m) for m in self.messages_]
             branch.variables = dict(self.variables)
@@ -182,6 +190,7 @@ class StreamExecutor:
             branch.meta_info = dict(self.meta_info)
             branch._role, branch._role_start = self._role, self._role_start
             branch.fork_point = len(self.text_)
+            branch._spec, branch._spec_turn = self._spec, self._spec_turn
             branch.spans = list(self.spans)
             branch.observer = self.observer
             branches.append(branch)
@@ -276,10 +285,17 @@ class StreamExecutor:
 
     @_execute.register
     def _(self, expr: Text) -> None:
+        if self.chat and self._role is None and expr.value:
+            raise ProgramError(f"a chat model takes messages: text outside a role "
+                               f"({expr.value[:40]!r}) cannot be sent; put it in system(), user() "
+                               f"or assistant()")
+        if self._spec is not None:
+            self._spec = self._spec.after_text(expr.value)
         self._append(expr.value)
 
     @_execute.register
     def _(self, expr: RoleBegin) -> None:
+        self._spec = None
         if self._role is not None:
             raise ProgramError(f"{expr.role!r} begins inside the open {self._role!r} role")
         first = not self.messages_
@@ -290,6 +306,7 @@ class StreamExecutor:
     def _(self, expr: RoleEnd) -> None:
         if self._role != expr.role:
             raise ProgramError(f"{expr.role!r} ends but the open role is {self._role!r}")
+        self._spec = None
         self.messages_.append({"role": expr.role, "content": self.text_[self._role_start:]})
         self._role = None
         self._append(self.backend.chat_template.role_text(expr.role, first=False).suffix)
@@ -302,10 +319,73 @@ class StreamExecutor:
             params = replace(params, stop=(*(params.stop or ()), *stops) or None,
                              stop_token_ids=(*(params.stop_token_ids or ()), *stop_ids) or None)
         start = len(self.text_)
+        if self.num_api_spec_tokens and can_serve(params):
+            served = self._speculated(params)
+            if served is not None:
+                self._streaming = (expr.name, start)
+                self._append(served.text, expr.name)
+                self._finish_gen(expr.name, start, Generation(served.text, served.meta_info))
+                return
         self._streaming = (expr.name, start)
-        generation = self.backend.generate(
-            self.text_, params, on_delta=lambda delta: self._append(delta, expr.name),
-            cancel=self.cancel)
+        generation = self._call(self.text_, params, self._chat_prompt(),
+                                on_delta=lambda delta: self._append(delta, expr.name))
+        self._finish_gen(expr.name, start, generation)
+
+    def _chat_prompt(self, *, at_role_start: bool = False) -> ChatPrompt | None:
+        if not self.chat:
+            return None
+        partial = "" if self._role is None or at_role_start else self.text_[self._role_start:]
+        return ChatPrompt(tuple(dict(m) for m in self.messages_), self._role, partial)
+
+    def _call(self, prompt: str, params: GenParams, chat: ChatPrompt | None,
+              on_delta: Callable[[str], None] | None = None) -> Generation:
+        if chat is None:
+            return self.backend.generate(prompt, params, on_delta=on_delta, cancel=self.cancel)
+        return self.backend.generate(prompt, params, on_delta=on_delta, cancel=self.cancel,
+                                     chat=chat)  # type: ignore[call-arg]
+
+    def _speculated(self, params: GenParams) -> Served | None:
+        """The gen served from speculated text, making the speculative call if none is live;
+        None when it needs a real call."""
+        spec, self._spec = self._spec, None
+        if spec is not None and spec.role == self._role:
+            served = spec.serve(params)
+            if served is not None:
+                self._spec = served.rest
+                return served
+            if not spec.runs_out(params):
+                # It reached this gen and showed it cannot be served (budget, parameters): a
+                # new speculative call would not do better than a real one.
+                return None
+        if not can_start(params):
+            return None
+        call_params = speculative_params(
+            params, self.num_api_spec_tokens or 0,
+            token_texts=bool(getattr(self.backend, "reports_token_texts", False)))
+        if self.chat:
+            # A chat reply starts at its turn's start: speculate from there and match the
+            # turn's text so far as literal text. Once per turn: a retry would repeat itself.
+            if self._role != "assistant" or self._spec_turn == self._role_start:
+                return None
+            self._spec_turn = self._role_start
+            generation = self._call(self.text_[:self._role_start], call_params,
+                                    self._chat_prompt(at_role_start=True))
+            partial = self.text_[self._role_start:]
+        else:
+            generation = self._call(self.text_, call_params, None)
+            partial = ""
+        if not isinstance(generation.text, str) or not isinstance(generation.meta_info, dict):
+            return None
+        spec = Speculation.from_call(generation.text, generation.meta_info, call_params,
+                                     self._role)
+        spec = spec.after_text(partial) if spec is not None else None
+        served = spec.serve(params) if spec is not None else None
+        if served is None:
+            return None
+        self._spec = served.rest
+        return served
+
+    def _finish_gen(self, name: str | None, start: int, generation: Generation) -> None:
         text = generation.text
         first = text[0] if isinstance(text, list) else text
         with self._listeners_lock:  # the final text replaces what was streamed
@@ -313,16 +393,17 @@ class StreamExecutor:
             self.text_ = self.text_[:start] + first
             self._streaming = None
             if first.startswith(streamed) and len(first) > len(streamed):
-                self._notify(expr.name, first[len(streamed):])
-            if expr.name is not None:
-                self.spans.append((expr.name, start, len(self.text_)))
-                self.variables[expr.name] = text
-                self.meta_info[expr.name] = generation.meta_info
-        if expr.name is not None:
-            self._finish_var(expr.name)
+                self._notify(name, first[len(streamed):])
+            if name is not None:
+                self.spans.append((name, start, len(self.text_)))
+                self.variables[name] = text
+                self.meta_info[name] = generation.meta_info
+        if name is not None:
+            self._finish_var(name)
 
     @_execute.register
     def _(self, expr: Select) -> None:
+        self._spec = None
         choice, meta = self.backend.select(self.text_, expr.choices, expr.method)
         start = len(self.text_)
         self._append(choice, expr.name)
@@ -362,6 +443,7 @@ class StreamExecutor:
 
     @_execute.register
     def _(self, expr: JoinBranches) -> None:
+        self._spec = None
         for branch in expr.branches:
             branch.sync()
             branch.raise_error()

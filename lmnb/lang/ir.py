@@ -68,6 +68,7 @@ class GenParams:
     min_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    seed: int | None = None
     ignore_eos: bool | None = None
     return_logprob: bool | None = None
     logprob_start_len: int | None = None

@@ -428,9 +428,17 @@ class ProgramRun:
 class Program:
     """A function `f(s, *args)` compiled into a runnable program."""
 
-    def __init__(self, func: Callable[..., Any], bound: dict[str, Any] | None = None) -> None:
+    def __init__(self, func: Callable[..., Any], bound: dict[str, Any] | None = None, *,
+                 num_api_spec_tokens: int | None = None) -> None:
+        if num_api_spec_tokens is not None and (
+                isinstance(num_api_spec_tokens, bool) or not isinstance(num_api_spec_tokens, int)
+                or num_api_spec_tokens < 1):
+            raise ValueError(f"num_api_spec_tokens must be a positive int, got "
+                             f"{num_api_spec_tokens!r}")
         self.func = func
         self.bound = dict(bound or {})
+        # API speculative execution (lmnb.lang.speculation): tokens a gen may run past its stop.
+        self.num_api_spec_tokens = num_api_spec_tokens
         parameters = list(inspect.signature(func).parameters.values())
         if not parameters:
             raise TypeError(f"{func.__name__} must take the program state as its first parameter")
@@ -442,7 +450,8 @@ class Program:
         unknown = set(kwargs) - set(self.arg_names)
         if unknown:
             raise TypeError(f"{self.__name__} has no arguments {sorted(unknown)}")
-        return Program(self.func, {**self.bound, **kwargs})
+        return Program(self.func, {**self.bound, **kwargs},
+                       num_api_spec_tokens=self.num_api_spec_tokens)
 
     def split_arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict, dict]:
         """(program arguments, sampling defaults) of a call's arguments."""
@@ -466,7 +475,8 @@ class Program:
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
                  stream: bool, run: ProgramRun | None = None) -> ProgramState:
-        executor = StreamExecutor(backend, defaults=defaults, stream=stream)
+        executor = StreamExecutor(backend, defaults=defaults, stream=stream,
+                                  num_api_spec_tokens=self.num_api_spec_tokens)
         state = ProgramState(executor, run)
         try:
             state.ret_value = self.func(state, **arguments)
@@ -518,11 +528,11 @@ class Program:
 
 
 def function(func: Callable[..., Any] | None = None, **options: Any) -> Any:
-    """Decorator: `@lmnb.function` turns `def f(s, ...)` into a `Program`."""
-    if options:
-        unknown = set(options) - {"num_api_spec_tokens"}
-        if unknown:
-            raise TypeError(f"unknown function options {sorted(unknown)}")
+    """Decorator: `@lmnb.function` turns `def f(s, ...)` into a `Program`;
+    `@lmnb.function(num_api_spec_tokens=N)` turns on API speculative execution."""
+    unknown = set(options) - {"num_api_spec_tokens"}
+    if unknown:
+        raise TypeError(f"unknown function options {sorted(unknown)}")
     if func is None:
-        return lambda f: Program(f)
-    return Program(func)
+        return lambda f: Program(f, **options)
+    return Program(func, **options)

@@ -21,6 +21,18 @@ class Generation:
     meta_info: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """The program's conversation at a `gen`, for backends whose endpoint takes messages.
+
+    `messages` are the closed role messages; `role` is the open one (None outside roles) and
+    `partial` its content written so far (text the reply must continue)."""
+
+    messages: tuple[dict[str, str], ...]
+    role: str | None
+    partial: str = ""
+
+
 @runtime_checkable
 class Backend(Protocol):
     # Role text from the model's own template; a backend over a Runtime renders it with
@@ -31,7 +43,11 @@ class Backend(Protocol):
                  on_delta: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None) -> Generation:
         """Continues `prompt`. `on_delta` receives text as it streams; setting `cancel` aborts
-        the request and raises `ProgramAborted`."""
+        the request and raises `ProgramAborted`. Backends of chat models (`is_chat_model` true)
+        are also given `chat=ChatPrompt(...)`, the same prompt as messages.
+
+        `meta_info` carries at least `finish_reason` (`{"type": "stop" | "length", ...}`) and
+        `completion_tokens` when the backend knows them (API speculation relies on both)."""
         ...
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:

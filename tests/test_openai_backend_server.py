@@ -1,0 +1,74 @@
+"""`lmnb.OpenAI` against the lmnb server (skipped where `lmnb.server` is absent): the same greedy
+text as the local backend, and API speculation on a real model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("openai")
+server = pytest.importorskip("lmnb.server")
+
+import lmnb  # noqa: E402
+from lmnb import assistant, function, gen, system, user  # noqa: E402
+from lmnb.runtime.engine import Runtime  # noqa: E402
+
+
+@function
+def story(s, topic):
+    s += f"A short note about {topic}.\nTitle:" + gen("title", stop="\n", max_tokens=12)
+    s += "\nFirst line:" + gen("line", max_tokens=16)
+
+
+@function
+def qa(s, question):
+    s += system("Answer briefly.")
+    s += user(question)
+    s += assistant(gen("answer", max_tokens=16))
+
+
+def serve(runtime: Runtime) -> Iterator[str]:
+    with server.ServerHandle.start(runtime, served_model_name="m") as handle:
+        yield f"{handle.url}/v1"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models) -> Iterator[tuple[Runtime, str]]:
+    with Runtime(tiny_models["llama-gqa"], max_total_tokens=4096) as runtime:
+        for url in serve(runtime):
+            yield runtime, url
+
+
+def test_api_and_local_backends_give_the_same_greedy_text(tiny):
+    runtime, url = tiny
+    local = lmnb.LocalBackend(runtime)
+    for program, chat, arguments in ((story, False, {"topic": "rain"}),
+                                      (qa, True, {"question": "Why is the sky blue?"})):
+        api = lmnb.OpenAI("m", base_url=url, is_chat_model=chat)
+        over_api = program.run(backend=api, temperature=0, **arguments)
+        in_process = program.run(backend=local, temperature=0, **arguments)
+        assert over_api.variables() == in_process.variables()
+        assert api.token_usage.calls == (2 if not chat else 1)
+
+
+@pytest.mark.slow
+def test_api_speculation_on_smollm2():
+    def sheet(s):
+        s += ("Character: Hermione Granger\nName: Hermione Jean Granger\nHouse: Gryffindor\n"
+              "Pet: Crookshanks, a cat\n\nCharacter: Harry Potter\nName:")
+        s += gen("name", stop="\n", max_tokens=16) + "\nHouse:"
+        s += gen("house", stop="\n", max_tokens=16) + "\nPet:"
+        s += gen("pet", stop="\n", max_tokens=16)
+
+    with Runtime(max_total_tokens=4096) as runtime:
+        for url in serve(runtime):
+            off_api = lmnb.OpenAI("m", base_url=url, is_chat_model=False)
+            on_api = lmnb.OpenAI("m", base_url=url, is_chat_model=False)
+            off = function(sheet).run(backend=off_api, temperature=0)
+            on = function(num_api_spec_tokens=48)(sheet).run(backend=on_api, temperature=0)
+            assert on.variables() == off.variables()
+            # Pieces sized by the server's token texts: served within each gen's 16 tokens.
+            assert off_api.token_usage.calls == 3 and on_api.token_usage.calls < 3
+            assert on_api.token_usage.prompt_tokens < off_api.token_usage.prompt_tokens
+            assert any(on.get_meta_info(name).get("speculative") for name in ("house", "pet"))
