@@ -120,11 +120,12 @@ class LMNB(Magics):
     def _close(self, args: argparse.Namespace) -> None:
         print("lmnb: runtime closed" if self.session.close() else "lmnb: no runtime loaded")
 
-    def _serve(self, args: argparse.Namespace) -> None:
+    def _serve(self, args: argparse.Namespace) -> Any:
+        """`server = %lmnb serve` keeps the handle (`server.url`, `server.stop()`)."""
         if args.action == "stop":
             stopped = self.session.stop_server()
             print("lmnb: server stopped" if stopped else "lmnb: no server running")
-            return
+            return None
         try:
             server = self.session.serve(host=args.host, port=args.port, api_key=args.api_key)
         except ImportError as error:
@@ -134,6 +135,7 @@ class LMNB(Magics):
             raise UsageError(f"%lmnb serve: {error}") from None
         print(f"lmnb: serving {server.runtime.model_dir.name} at {server.url} "
               f"(OpenAI API: {server.url}/v1); `%lmnb serve stop` stops it")
+        return server
 
     def _help(self, args: argparse.Namespace) -> None:
         print(full_help(self._lmnb_parser))
