@@ -19,6 +19,7 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {}
 _MODULES: dict[str, str] = {
     "torch_native": "lmnb.runtime.kernels.torch_native",
     "flashinfer": "lmnb.runtime.kernels.flashinfer_backend",
+    "triton": "lmnb.runtime.kernels.triton_backend",
 }
 # "auto" on CUDA tries these in order: (backend name, package it needs).
 _AUTO_CUDA_ORDER: tuple[tuple[str, str], ...] = (("flashinfer", "flashinfer"), ("triton", "triton"))

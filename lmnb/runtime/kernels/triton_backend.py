@@ -1,0 +1,95 @@
+"""Attention through the Triton kernels: ragged extend and split-K decode over the KV pool.
+
+Every pass writes the new tokens' K/V into the pool first (`KVStorage.set_kv`), then attends:
+EXTEND with `triton_extend.extend_attention` (new K/V read back from the pool), DECODE with
+`triton_decode.decode_attention`. Decode uses `max_kv_splits` splits per request at most, a
+launch constant, so a captured graph stays valid for every context length. Under
+TRITON_INTERPRET=1 the same kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmnb.runtime.core import ForwardMode
+from lmnb.runtime.forward_batch import ForwardBatch
+from lmnb.runtime.kernels.base import AttentionBackend
+from lmnb.runtime.kernels.metadata import DecodeBuffers
+from lmnb.runtime.kernels.registry import register_attention_backend
+from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
+from lmnb.runtime.kernels.triton_extend import extend_attention
+from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+
+DEFAULT_MAX_KV_SPLITS = 16
+
+
+@register_attention_backend("triton")
+class TritonAttention(AttentionBackend):
+    supports_capture = True
+
+    # DECODE: what `forward` reads; eager tensors of this step or views of the static buffers.
+    _kv_indptr: torch.Tensor  # [bs + 1]
+    _kv_indices: torch.Tensor  # [>= num_kv_tokens]
+    _partial_out: torch.Tensor  # [bs, heads, splits, head_dim] float32 scratch
+    _partial_lse: torch.Tensor  # [bs, heads, splits]
+    # EXTEND
+    _max_extend_len: int
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 req_to_token_pool: ReqToTokenPool, kv_storage: KVStorage,
+                 max_kv_splits: int = DEFAULT_MAX_KV_SPLITS) -> None:
+        super().__init__(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         req_to_token_pool=req_to_token_pool, kv_storage=kv_storage)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads do not group over {num_kv_heads} KV heads")
+        self.max_kv_splits = max_kv_splits
+        self._device = req_to_token_pool.req_to_token.device
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if forward_batch.mode is ForwardMode.DECODE:
+            self._kv_indptr, self._kv_indices = forward_batch.kv_indptr, forward_batch.kv_indices
+            self._partial_out, self._partial_lse = partial_buffers(
+                forward_batch.batch_size, self.num_heads, self.head_dim, self.max_kv_splits,
+                self._device)
+        else:
+            self._max_extend_len = max(forward_batch.extend_lens_cpu, default=1)
+
+    def init_capture(self, max_bs: int, *, kv_capacity: int | None = None) -> None:
+        """Static buffers for graphs of up to `max_bs` rows holding up to `kv_capacity` KV tokens
+        in all (default: `max_bs` full-width requests)."""
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        self._buffers = DecodeBuffers(max_bs, kv_capacity or max_bs * width, self._device)
+        self._static_partials = partial_buffers(max_bs, self.num_heads, self.head_dim,
+                                                self.max_kv_splits, self._device)
+
+    def prepare_for_capture(self, bs: int) -> None:
+        buffers = self._buffers
+        self._kv_indptr, self._kv_indices = buffers.kv_indptr[:bs + 1], buffers.kv_indices
+        self._partial_out, self._partial_lse = (t[:bs] for t in self._static_partials)
+
+    def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None) -> None:
+        bs = forward_batch.batch_size if bs is None else bs
+        self._buffers.fill(seq_lens=forward_batch.seq_lens, kv_indptr=forward_batch.kv_indptr,
+                           kv_indices=forward_batch.kv_indices,
+                           num_kv_tokens=forward_batch.num_kv_tokens, bs=bs)
+        self.prepare_for_capture(bs)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        pool = self.kv_storage
+        num_tokens = q.shape[0]
+        pool.set_kv(layer_id, forward_batch.out_cache_loc,
+                    k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                    v.view(num_tokens, self.num_kv_heads, self.head_dim))
+        k_buffer, v_buffer = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        out = torch.empty_like(q)
+        if forward_batch.mode is ForwardMode.DECODE:
+            decode_attention(q, k_buffer, v_buffer, out, self._kv_indptr, self._kv_indices,
+                             self._partial_out, self._partial_lse, scale=self.scale,
+                             max_kv_splits=self.max_kv_splits)
+        else:
+            extend_attention(q, k_buffer, v_buffer, out, forward_batch.qo_indptr,
+                             forward_batch.kv_indptr, forward_batch.kv_indices,
+                             max_extend_len=self._max_extend_len, scale=self.scale)
+        return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,196 @@
+"""Decode attention over the token-level KV pool (page size 1): split-K flash-decoding in Triton.
+
+One query token per request. Stage 1 runs a program per (request, KV head, split): the query heads
+sharing that KV head (GQA group, padded to BLOCK_H rows) attend to one chunk of the request's KV
+with an online softmax and store the chunk's normalised output and log-sum-exp. Stage 2 runs a
+program per (request, query head) and merges the splits.
+
+The split count is a launch constant (`max_kv_splits`): a request of kv_len tokens uses
+cdiv(kv_len, split_len) of them, split_len = max(cdiv(kv_len, max_kv_splits), MIN_SPLIT_LEN)
+rounded up to BLOCK_N, computed inside both kernels from kv_indptr, so no launch reads a device
+value back and CUDA graphs can capture both stages.
+
+    partial_out  [bs, heads, max_kv_splits, head_dim]  float32
+    partial_lse  [bs, heads, max_kv_splits]            float32
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_SPLIT_LEN = 64
+
+
+# Triton decides at decoration time whether a kernel is compiled or interpreted on CPU.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Feed tl.dot float32 operands: the interpreter (triton 3.9) computes bf16 dots wrongly."""
+    return dtype == torch.bfloat16 and INTERPRETED
+
+
+@triton.jit
+def dot_operand(x, UPCAST: tl.constexpr):
+    if UPCAST:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _split_len(kv_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    split_len = tl.maximum(tl.cdiv(kv_len, MAX_SPLITS), MIN_SPLIT)
+    return tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q, K, V, KV_INDPTR, KV_INDICES, PART_O, PART_LSE,
+    scale,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_begin = tl.load(KV_INDPTR + req)
+    kv_len = tl.load(KV_INDPTR + req + 1) - kv_begin
+    split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+
+    if end > start:
+        q = tl.load(Q + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n in range(start, end, BLOCK_N):
+            cols = n + offs_n
+            mask_n = cols < end
+            slots = tl.load(KV_INDICES + kv_begin + cols, mask=mask_n, other=0)
+            k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            k = dot_operand(k, UPCAST)
+            qk = tl.dot(q, k, input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = dot_operand(v, UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(PART_O + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+                 + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(PART_LSE + req * stride_plb + heads * stride_plh + split, m_i + tl.log(l_i),
+                 mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PART_O, PART_LSE, KV_INDPTR, OUT,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
+    split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    used = offs_s < tl.cdiv(kv_len, split_len)  # split 0 always holds a token
+    lse = tl.load(PART_LSE + req * stride_plb + head * stride_plh + offs_s, mask=used,
+                  other=float("-inf"))
+    parts = tl.load(PART_O + req * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos
+                    + offs_d[None, :], mask=used[:, None] & (offs_d < HEAD_DIM)[None, :],
+                    other=0.0)  # [BLOCK_S, BLOCK_D]
+    weight = tl.exp(lse - tl.max(lse, 0))
+    out = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
+    tl.store(OUT + req * stride_ot + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def decode_block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_N): smaller KV blocks for large fp32 heads (shared memory)."""
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = 32 if block_d * torch.empty((), dtype=dtype).element_size() > 512 else 64
+    return block_d, block_n
+
+
+def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([bs, heads, splits, head_dim], [bs, heads, splits]) float32 scratch for stage 1."""
+    return (torch.empty((bs, num_heads, max_kv_splits, head_dim), dtype=torch.float32,
+                        device=device),
+            torch.empty((bs, num_heads, max_kv_splits), dtype=torch.float32, device=device))
+
+
+def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     partial_out: torch.Tensor, partial_lse: torch.Tensor, *, scale: float,
+                     max_kv_splits: int) -> torch.Tensor:
+    """out[i] = softmax(q[i] k^T * scale) v over request i's KV slots, per head (GQA-aware).
+
+    q, out [bs, heads, head_dim]; k_buffer, v_buffer [slots, kv_heads, head_dim] (last dim
+    contiguous); kv_indptr [bs + 1]; every request has at least one KV token. partial_out /
+    partial_lse come from `partial_buffers` with at least bs rows and `max_kv_splits` splits.
+    """
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    block_d, block_n = decode_block_sizes(head_dim, k_buffer.dtype)
+    block_h = max(16, triton.next_power_of_2(group))
+    precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
+    for t in (q, k_buffer, v_buffer, out):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse,
+        scale,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
+        MAX_SPLITS=max_kv_splits, MIN_SPLIT=MIN_SPLIT_LEN, PRECISION=precision,
+        UPCAST=dot_upcast(k_buffer.dtype),
+        num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(bs, num_heads)](
+        partial_out, partial_lse, kv_indptr, out,
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, MAX_SPLITS=max_kv_splits,
+        BLOCK_S=triton.next_power_of_2(max_kv_splits), MIN_SPLIT=MIN_SPLIT_LEN,
+        num_warps=4, num_stages=1,
+    )
+    return out

@@ -1,0 +1,114 @@
+"""Extend (prefill) attention for a ragged batch over the token-level KV pool, in Triton.
+
+Request i's new tokens are q rows qo_indptr[i] : qo_indptr[i + 1]; its whole KV (cached prefix
+then the new tokens) is the slots kv_indices[kv_indptr[i] : kv_indptr[i + 1]]. The new tokens'
+K/V are read from the pool, so the caller writes them there first (the backend does, with
+`KVStorage.set_kv`); one loop over the request's slots then covers prefix and new tokens alike,
+with the causal mask col <= prefix_len + row.
+
+One program per (request, query head, block of BLOCK_M new tokens), online softmax over blocks of
+BLOCK_N KV tokens; blocks past the causal edge of the row block are never loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmnb.runtime.kernels.triton_decode import dot_operand, dot_upcast
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, OUT, QO_INDPTR, KV_INDPTR, KV_INDICES,
+    scale,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+
+    q_begin = tl.load(QO_INDPTR + req)
+    extend_len = tl.load(QO_INDPTR + req + 1) - q_begin
+    if block * BLOCK_M < extend_len:
+        kv_begin = tl.load(KV_INDPTR + req)
+        seq_len = tl.load(KV_INDPTR + req + 1) - kv_begin
+        prefix_len = seq_len - extend_len
+        kv_head = head // GROUP
+
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_m = rows < extend_len
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(Q + (q_begin + rows)[:, None] * stride_qt + head * stride_qh
+                    + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
+        last = prefix_len + rows  # [BLOCK_M] the last KV position each row may see
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        kv_end = tl.minimum(seq_len, prefix_len + (block + 1) * BLOCK_M)
+        for n in range(0, kv_end, BLOCK_N):
+            cols = n + offs_n
+            mask_n = cols < kv_end
+            slots = tl.load(KV_INDICES + kv_begin + cols, mask=mask_n, other=0)
+            k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
+            # Column 0 is visible to every row, so each row's running max is finite after the
+            # first block and fully masked blocks add exp(-inf) = 0.
+            allowed = mask_n[None, :] & (cols[None, :] <= last[:, None])
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = dot_operand(v, UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     out: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor, *, max_extend_len: int,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of each request's new tokens to its cached prefix and to themselves.
+
+    q, out [num_tokens, heads, head_dim]; k_buffer, v_buffer [slots, kv_heads, head_dim] already
+    holding the new tokens' K/V; `max_extend_len` >= the longest request's new-token count.
+    """
+    bs = qo_indptr.numel() - 1
+    _, num_heads, head_dim = q.shape
+    group = num_heads // k_buffer.shape[1]
+    block_d = triton.next_power_of_2(head_dim)
+    wide = block_d * k_buffer.element_size() > 256  # fp32 heads of 128+: smaller tiles
+    block_m, block_n = (64, 32) if wide else (64, 64)
+    precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
+    for t in (q, k_buffer, v_buffer, out):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    grid = (bs, num_heads, triton.cdiv(max(max_extend_len, 1), block_m))
+    _extend_kernel[grid](
+        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices,
+        scale,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
+        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+    )
+    return out

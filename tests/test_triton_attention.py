@@ -1,0 +1,259 @@
+"""Triton attention kernels and backend against float64 / torch-native references.
+
+Without CUDA (or with TRITON_INTERPRET=1 already set) the kernels run in Triton's CPU interpreter
+on CPU tensors, with small shapes; with CUDA they are compiled and run on the GPU, with lengths up
+to 2k. Triton decides at decoration time, so the variable is set before the kernels are imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+pytest.importorskip("numpy")
+
+from lmnb.runtime.core import ForwardMode  # noqa: E402
+from lmnb.runtime.forward_batch import ForwardBatch  # noqa: E402
+from lmnb.runtime.kernels import triton_decode  # noqa: E402
+from lmnb.runtime.kernels.registry import (  # noqa: E402
+    attention_backend_class,
+    select_attention_backend,
+)
+from lmnb.runtime.kernels.triton_backend import TritonAttention  # noqa: E402
+from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers  # noqa: E402
+from lmnb.runtime.kernels.triton_extend import extend_attention  # noqa: E402
+from lmnb.runtime.memory import KVAllocator, KVStorage, ReqToTokenPool  # noqa: E402
+
+pytestmark = pytest.mark.skipif(triton_decode.INTERPRETED != INTERPRET,
+                                reason="the kernels were imported in the other Triton mode")
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="interpreter off")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        INTERPRET, reason="needs CUDA and compiled Triton")]),
+]
+SHAPES = [(4, 4, 64), (8, 2, 128), (8, 1, 64)]  # (heads, kv_heads, head_dim): GQA 1, 4, 8
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _max_len(device: str) -> int:
+    return 300 if device == "cpu" else 2048
+
+
+def _pool(num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+          device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K/V pool [num_slots + 1, kv_heads, head_dim]; row 0 is the zero padding slot."""
+    shape = (num_slots + 1, kv_heads, head_dim)
+    k, v = (torch.randn(shape, device=device).to(dtype) for _ in range(2))
+    k[0], v[0] = 0, 0
+    return k, v
+
+
+def _reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+               slots: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """float64 attention of q [n, heads, dim] (positions prefix_len...) over slots, causal."""
+    n, heads, dim = q.shape
+    group = heads // k_buffer.shape[1]
+    keys = k_buffer[slots].double().repeat_interleave(group, dim=1)  # [seq, heads, dim]
+    values = v_buffer[slots].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * dim**-0.5
+    rows = torch.arange(prefix_len, prefix_len + n, device=q.device)[:, None]
+    allowed = torch.arange(len(slots), device=q.device)[None, :] <= rows
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, values)
+
+
+def _ragged(seq_lens: list[int], device: str,
+            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_indptr and scattered kv_indices (slots 1..) for requests of these lengths."""
+    total = sum(seq_lens)
+    kv_indices = (torch.randperm(total, generator=gen) + 1).to(device)
+    kv_indptr = torch.tensor([0, *seq_lens], device=device).cumsum(0)
+    return kv_indptr, kv_indices
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_kernel_matches_float64(device, heads, kv_heads, head_dim, dtype):
+    rng, gen = random.Random(heads + head_dim), torch.Generator().manual_seed(heads)
+    top = _max_len(device)
+    seq_lens = [1, 2, rng.randint(60, 70), rng.randint(1, top), top]
+    kv_indptr, kv_indices = _ragged(seq_lens, device, gen)
+    k_buffer, v_buffer = _pool(sum(seq_lens), kv_heads, head_dim, dtype, device)
+    q = torch.randn(len(seq_lens), heads, head_dim, device=device).to(dtype)
+    for splits in (1, 5):
+        out = torch.empty_like(q)
+        partials = partial_buffers(len(seq_lens), heads, head_dim, splits, q.device)
+        decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices, *partials,
+                         scale=head_dim**-0.5, max_kv_splits=splits)
+        for i, n in enumerate(seq_lens):
+            slots = kv_indices[kv_indptr[i]:kv_indptr[i] + n]
+            expected = _reference(q[i:i + 1], k_buffer, v_buffer, slots, n - 1)
+            tol = TOLERANCE[dtype]
+            torch.testing.assert_close(out[i:i + 1].double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_extend_kernel_matches_float64(device, heads, kv_heads, head_dim, dtype):
+    rng, gen = random.Random(heads * head_dim), torch.Generator().manual_seed(head_dim)
+    top = _max_len(device)
+    small = device == "cpu"
+    prefix_lens = [0, rng.randint(1, top // 2), 0 if small else top, rng.randint(1, 9)]
+    extend_lens = [rng.randint(1, top // 3), rng.randint(1, 70), 1, top - 9 if not small else 5]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    kv_indptr, kv_indices = _ragged(seq_lens, device, gen)
+    qo_indptr = torch.tensor([0, *extend_lens], device=device).cumsum(0)
+    k_buffer, v_buffer = _pool(sum(seq_lens), kv_heads, head_dim, dtype, device)
+    q = torch.randn(sum(extend_lens), heads, head_dim, device=device).to(dtype)
+    out = extend_attention(q, k_buffer, v_buffer, torch.empty_like(q), qo_indptr, kv_indptr,
+                           kv_indices, max_extend_len=max(extend_lens), scale=head_dim**-0.5)
+    for i, prefix in enumerate(prefix_lens):
+        slots = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+        rows = slice(qo_indptr[i], qo_indptr[i + 1])
+        expected = _reference(q[rows], k_buffer, v_buffer, slots, prefix)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol)
+
+
+def _backends(device: str, heads: int = 8, kv_heads: int = 2, head_dim: int = 64):
+    """A Triton and a torch-native backend over one shared request table and KV pool."""
+    pool = ReqToTokenPool(16, 512, torch.device(device))
+    storage = KVStorage(4096, num_layers=1, kv_heads=kv_heads, head_dim=head_dim,
+                        dtype=torch.float32, device=torch.device(device))
+    kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                  req_to_token_pool=pool, kv_storage=storage)
+    return (TritonAttention(**kwargs, max_kv_splits=4),
+            attention_backend_class("torch_native")(**kwargs))
+
+
+def _batch(backend, rng: random.Random, allocator: KVAllocator, mode: ForwardMode,
+           bs: int) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ragged batch with random cached prefixes in the pool, and its new q/k/v."""
+    device = backend.req_to_token_pool.req_to_token.device
+    prefix_lens = [rng.choice([0, rng.randint(1, 150)]) for _ in range(bs)]
+    if mode is ForwardMode.DECODE:
+        prefix_lens, extend_lens = [p + 1 for p in prefix_lens], [1] * bs
+    else:
+        extend_lens = [rng.randint(1, 40) for _ in range(bs)]
+    indices = [backend.req_to_token_pool.alloc() for _ in range(bs)]
+    new_loc = []
+    for idx, prefix, extend in zip(indices, prefix_lens, extend_lens, strict=True):
+        slots = allocator.alloc(prefix + extend)
+        backend.req_to_token_pool.req_to_token[idx, :prefix + extend] = slots
+        shape = (prefix, backend.num_kv_heads, backend.head_dim)
+        backend.kv_storage.k_buffers[0][slots[:prefix]] = torch.randn(shape, device=device)
+        backend.kv_storage.v_buffers[0][slots[:prefix]] = torch.randn(shape, device=device)
+        new_loc.append(slots[prefix:])
+    tokens = sum(extend_lens)
+    fb = ForwardBatch.build(mode=mode, input_ids=[0] * tokens, req_pool_indices=indices,
+                            prefix_lens=prefix_lens, extend_lens=extend_lens,
+                            out_cache_loc=torch.cat(new_loc),
+                            req_to_token=backend.req_to_token_pool.req_to_token)
+    q, k, v = (torch.randn(tokens, n * backend.head_dim, device=device)
+               for n in (backend.num_heads, backend.num_kv_heads, backend.num_kv_heads))
+    return fb, q, k, v
+
+
+def _run(backend, fb: ForwardBatch, q, k, v) -> torch.Tensor:
+    backend.init_forward_metadata(fb)
+    return backend.forward(q, k, v, 0, fb)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_backend_matches_torch_native(device, mode):
+    triton_backend, native = _backends(device)
+    allocator = KVAllocator(4096, torch.device(device))
+    rng = random.Random(int(mode is ForwardMode.DECODE))
+    for bs in (1, 5):
+        fb, q, k, v = _batch(triton_backend, rng, allocator, mode, bs)
+        got = _run(triton_backend, fb, q, k, v)
+        torch.testing.assert_close(got, _run(native, fb, q, k, v), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(triton_backend.kv_storage.v_buffers[0][fb.out_cache_loc],
+                                   v.view(len(v), 2, 64), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_capture_hooks_replay_equals_eager_decode(device):
+    backend, _ = _backends(device)
+    allocator = KVAllocator(4096, torch.device(device))
+    rng = random.Random(9)
+    batches = [_batch(backend, rng, allocator, ForwardMode.DECODE, bs) for bs in (3, 1)]
+    eager = [_run(backend, *batch) for batch in batches]
+    backend.init_capture(max_bs=6)
+    backend.prepare_for_capture(4)
+    pointers = backend._kv_indptr.data_ptr(), backend._partial_out.data_ptr()
+    for (fb, q, k, v), expected in zip([*batches, batches[0]], [*eager, eager[0]], strict=True):
+        backend.prepare_for_replay(fb, 4)
+        assert (backend._kv_indptr.data_ptr(), backend._partial_out.data_ptr()) == pointers
+        extra = 4 - fb.batch_size
+        q, k, v = (torch.cat((t, torch.randn(extra, t.shape[1], device=device))) for t in (q, k, v))
+        padded_loc = torch.cat((fb.out_cache_loc, fb.out_cache_loc.new_zeros(extra)))
+        got = backend.forward(q, k, v, 0, dataclasses.replace(fb, out_cache_loc=padded_loc))
+        torch.testing.assert_close(got[:len(expected)], expected, atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(got).all()
+        _run(backend, *batches[1])  # an eager step in between must not leak into the next replay
+
+
+def test_registered_as_triton_and_cpu_auto_stays_torch_native():
+    assert attention_backend_class("triton") is TritonAttention
+    assert TritonAttention.supports_capture
+    assert select_attention_backend("auto", torch.device("cpu")).name == "torch_native"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_model_logits_equal_torch_native(device, tiny_models):
+    """Prefill then one decode step of a tiny GQA model: Triton logits == torch-native logits."""
+    from lmnb.runtime.config import EngineConfig
+    from lmnb.runtime.model_runner import ModelRunner
+    from lmnb.runtime.models import loader
+
+    folder = tiny_models["llama-gqa"]
+    config = loader.load_model_config(folder)
+    model = loader.load_model(folder, config, dtype=torch.float32, device=torch.device(device))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 40))] for _ in range(3)]
+    lens = [len(p) for p in prompts]
+    logits = {}
+    for name in ("triton", "torch_native"):
+        runner = ModelRunner(model, config, EngineConfig(max_total_tokens=512,
+                                                         max_running_requests=4,
+                                                         attention_backend=name),
+                             device=torch.device(device), dtype=torch.float32,
+                             eos_token_ids={2})
+        assert runner.attn_backend.choice.name == name
+        table = runner.req_to_token_pool
+        indices = [table.alloc() for _ in prompts]
+        slots = KVAllocator(512, torch.device(device)).alloc(sum(lens) + len(lens))
+        starts = [sum(lens[:i]) + i for i in range(len(lens))]
+        for idx, start, n in zip(indices, starts, lens, strict=True):
+            table.req_to_token[idx, :n + 1] = slots[start:start + n + 1]
+        pools = dict(req_to_token=table.req_to_token, req_to_token_pool=table,
+                     kv_storage=runner.kv_storage, attn_backend=runner.attn_backend)
+        prefill = ForwardBatch.build(
+            mode=ForwardMode.EXTEND, input_ids=sum(prompts, []), req_pool_indices=indices,
+            prefix_lens=[0] * 3, extend_lens=lens, **pools,
+            out_cache_loc=torch.cat([slots[s:s + n] for s, n in zip(starts, lens, strict=True)]))
+        decode = ForwardBatch.build(
+            mode=ForwardMode.DECODE, input_ids=[5, 6, 7], req_pool_indices=indices,
+            prefix_lens=lens, extend_lens=[1] * 3, **pools,
+            out_cache_loc=torch.stack([slots[s + n] for s, n in zip(starts, lens, strict=True)]))
+        steps = []
+        with torch.inference_mode():
+            for fb in (prefill, decode):
+                runner.attn_backend.init_forward_metadata(fb)
+                steps.append(model.compute_logits(model(fb.input_ids, fb.positions, fb)))
+        logits[name] = steps
+    for got, expected in zip(logits["triton"], logits["torch_native"], strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
