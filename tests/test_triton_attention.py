@@ -257,3 +257,38 @@ def test_tiny_model_logits_equal_torch_native(device, tiny_models):
         logits[name] = steps
     for got, expected in zip(logits["triton"], logits["torch_native"], strict=True):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="needs CUDA and compiled Triton")
+def test_cuda_graph_of_decode_replays_eager_results():
+    """One captured decode graph (bs 4) replays batches of 4, 2 and 3 requests exactly."""
+    backend, _ = _backends("cuda")
+    allocator = KVAllocator(4096, torch.device("cuda"))
+    rng = random.Random(13)
+    batches = [_batch(backend, rng, allocator, ForwardMode.DECODE, n) for n in (4, 2, 3)]
+    eager = [_run(backend, *batch).clone() for batch in batches]
+    bs = 4
+    static_q, static_k, static_v = (torch.zeros(bs, n * 64, device="cuda") for n in (8, 2, 2))
+    static_loc = torch.zeros(bs, dtype=torch.int64, device="cuda")
+    graph_batch = dataclasses.replace(batches[0][0], out_cache_loc=static_loc)
+    backend.init_capture(max_bs=8)
+    backend.prepare_for_replay(batches[0][0], bs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels outside the capture
+        backend.forward(static_q, static_k, static_v, 0, graph_batch)
+    torch.cuda.current_stream().wait_stream(side)
+    backend.prepare_for_capture(bs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.forward(static_q, static_k, static_v, 0, graph_batch)
+    for (fb, q, k, v), expected in zip(batches, eager, strict=True):
+        n = fb.batch_size
+        backend.prepare_for_replay(fb, bs)
+        for static, fresh in ((static_q, q), (static_k, k), (static_v, v), (static_loc,
+                                                                          fb.out_cache_loc)):
+            static.zero_()
+            static[:n] = fresh
+        graph.replay()
+        torch.testing.assert_close(static_out[:n], expected, atol=1e-5, rtol=1e-5)

@@ -3,20 +3,47 @@
 Request i's new tokens are q rows qo_indptr[i] : qo_indptr[i + 1]; its whole KV (cached prefix
 then the new tokens) is the slots kv_indices[kv_indptr[i] : kv_indptr[i + 1]]. The new tokens'
 K/V are read from the pool, so the caller writes them there first (the backend does, with
-`KVStorage.set_kv`); one loop over the request's slots then covers prefix and new tokens alike,
-with the causal mask col <= prefix_len + row.
+`KVStorage.set_kv`): prefix and new tokens are read the same way, through kv_indices.
 
 One program per (request, query head, block of BLOCK_M new tokens), online softmax over blocks of
-BLOCK_N KV tokens; blocks past the causal edge of the row block are never loaded.
+BLOCK_N KV tokens: first the prefix (no causal mask), then the new tokens with the mask
+col <= prefix_len + row; blocks past the row block's causal edge are never loaded.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from lmnb.runtime.kernels.triton_decode import dot_operand, dot_upcast
+
+
+@triton.jit
+def _attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
+                  stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
+                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step over KV columns n : n + BLOCK_N (those < end)."""
+    cols = n + offs_n
+    mask_n = cols < end
+    slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
+    k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
+    if CAUSAL:
+        qk = tl.where(mask_n[None, :] & (cols[None, :] <= last[:, None]), qk, float("-inf"))
+    else:
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = dot_operand(v, UPCAST)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
@@ -55,36 +82,43 @@ def _extend_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # The cached prefix: every row sees all of it, only the length bound masks.
+        for n in range(0, prefix_len, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q, K, V, KV_INDICES + kv_begin, n, prefix_len, last, m_i, l_i, acc, scale,
+                kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
+                False, PRECISION, UPCAST)
+        # The new tokens, causally; blocks past the row block's last row are never loaded.
+        # Column prefix_len (the first new token) is visible to every row, so each row's
+        # running max is finite and fully masked columns add exp(-inf) = 0.
         kv_end = tl.minimum(seq_len, prefix_len + (block + 1) * BLOCK_M)
-        for n in range(0, kv_end, BLOCK_N):
-            cols = n + offs_n
-            mask_n = cols < kv_end
-            slots = tl.load(KV_INDICES + kv_begin + cols, mask=mask_n, other=0)
-            k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
-            # Column 0 is visible to every row, so each row's running max is finite after the
-            # first block and fully masked blocks add exp(-inf) = 0.
-            allowed = mask_n[None, :] & (cols[None, :] <= last[:, None])
-            qk = tl.where(allowed, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = dot_operand(v, UPCAST)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        for n in range(prefix_len, kv_end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
+                kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
+                True, PRECISION, UPCAST)
         out = acc / l_i[:, None]
         tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+class ExtendConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def extend_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
+    """Tile sizes by head size and element width (fp32 heads of 128+ need smaller KV tiles)."""
+    wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 256
+    return ExtendConfig(64, 32, 4, 2) if wide else ExtendConfig(64, 64, 4, 2)
+
+
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      out: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                     kv_indices: torch.Tensor, *, max_extend_len: int,
-                     scale: float) -> torch.Tensor:
+                     kv_indices: torch.Tensor, *, max_extend_len: int, scale: float,
+                     config: ExtendConfig | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens to its cached prefix and to themselves.
 
     q, out [num_tokens, heads, head_dim]; k_buffer, v_buffer [slots, kv_heads, head_dim] already
@@ -94,12 +128,11 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
     block_d = triton.next_power_of_2(head_dim)
-    wide = block_d * k_buffer.element_size() > 256  # fp32 heads of 128+: smaller tiles
-    block_m, block_n = (64, 32) if wide else (64, 64)
+    config = config or extend_config(head_dim, k_buffer.dtype)
     precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
-    grid = (bs, num_heads, triton.cdiv(max(max_extend_len, 1), block_m))
+    grid = (bs, num_heads, triton.cdiv(max(max_extend_len, 1), config.block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices,
         scale,
@@ -107,8 +140,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
