@@ -17,6 +17,7 @@ value back and CUDA graphs can capture both stages.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -138,11 +139,17 @@ def _decode_merge_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-def decode_block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_N): smaller KV blocks for large fp32 heads (shared memory)."""
-    block_d = triton.next_power_of_2(head_dim)
-    block_n = 32 if block_d * torch.empty((), dtype=dtype).element_size() > 512 else 64
-    return block_d, block_n
+class DecodeConfig(NamedTuple):
+    block_n: int  # KV tokens per inner step
+    min_split: int  # fewest KV tokens a split is given (short contexts use fewer splits)
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads)."""
+    wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 512
+    return DecodeConfig(32 if wide else 64, MIN_SPLIT_LEN, 4, 2)
 
 
 def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
@@ -156,7 +163,7 @@ def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor, *, scale: float,
-                     max_kv_splits: int) -> torch.Tensor:
+                     max_kv_splits: int, config: DecodeConfig | None = None) -> torch.Tensor:
     """out[i] = softmax(q[i] k^T * scale) v over request i's KV slots, per head (GQA-aware).
 
     q, out [bs, heads, head_dim]; k_buffer, v_buffer [slots, kv_heads, head_dim] (last dim
@@ -166,7 +173,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
-    block_d, block_n = decode_block_sizes(head_dim, k_buffer.dtype)
+    block_d = triton.next_power_of_2(head_dim)
+    config = config or decode_config(head_dim, k_buffer.dtype)
     block_h = max(16, triton.next_power_of_2(group))
     precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
@@ -179,18 +187,18 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         v_buffer.stride(0), v_buffer.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
-        MAX_SPLITS=max_kv_splits, MIN_SPLIT=MIN_SPLIT_LEN, PRECISION=precision,
-        UPCAST=dot_upcast(k_buffer.dtype),
-        num_warps=4, num_stages=2,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
+        PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     _decode_merge_kernel[(bs, num_heads)](
         partial_out, partial_lse, kv_indptr, out,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, MAX_SPLITS=max_kv_splits,
-        BLOCK_S=triton.next_power_of_2(max_kv_splits), MIN_SPLIT=MIN_SPLIT_LEN,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits,
+        BLOCK_S=triton.next_power_of_2(max_kv_splits), MIN_SPLIT=config.min_split,
         num_warps=4, num_stages=1,
     )
     return out
