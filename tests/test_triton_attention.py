@@ -191,7 +191,10 @@ def test_capture_hooks_replay_equals_eager_decode(device):
     rng = random.Random(9)
     batches = [_batch(backend, rng, allocator, ForwardMode.DECODE, bs) for bs in (3, 1)]
     eager = [_run(backend, *batch) for batch in batches]
-    backend.init_capture(max_bs=6)
+    backend.init_capture(max_bs=6, kv_capacity=600)
+    assert backend.can_replay(batches[0][0]) and not backend.can_replay(
+        dataclasses.replace(batches[0][0], batch_size=7))
+    assert not backend.can_replay(dataclasses.replace(batches[0][0], num_kv_tokens=601))
     backend.prepare_for_capture(4)
     pointers = backend._kv_indptr.data_ptr(), backend._partial_out.data_ptr()
     for (fb, q, k, v), expected in zip([*batches, batches[0]], [*eager, eager[0]], strict=True):
@@ -210,6 +213,11 @@ def test_registered_as_triton_and_cpu_auto_stays_torch_native():
     assert attention_backend_class("triton") is TritonAttention
     assert TritonAttention.supports_capture
     assert select_attention_backend("auto", torch.device("cpu")).name == "torch_native"
+    assert TritonAttention.unsupported(dtype=torch.bfloat16, head_dim=80) is None
+    assert "float8" in TritonAttention.unsupported(dtype=torch.float8_e4m3fn, head_dim=128)
+    on_cuda = select_attention_backend("auto", torch.device("cuda"), dtype=torch.float32,
+                                       head_dim=64)  # FlashInfer takes no fp32 KV
+    assert on_cuda.name == "triton"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -21,6 +21,7 @@ from lmnb.runtime.kernels.triton_extend import extend_attention
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 DEFAULT_MAX_KV_SPLITS = 16
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @register_attention_backend("triton")
@@ -35,6 +36,12 @@ class TritonAttention(AttentionBackend):
     # EXTEND
     _max_extend_len: int
 
+    @classmethod
+    def unsupported(cls, *, dtype: torch.dtype, head_dim: int) -> str | None:
+        if dtype not in _DTYPES:
+            return f"its kernels take fp16/bf16/fp32 KV, not {dtype}"
+        return None  # any head_dim: tiles are padded to a power of two
+
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  req_to_token_pool: ReqToTokenPool, kv_storage: KVStorage,
                  max_kv_splits: int = DEFAULT_MAX_KV_SPLITS) -> None:
@@ -42,6 +49,9 @@ class TritonAttention(AttentionBackend):
                          req_to_token_pool=req_to_token_pool, kv_storage=kv_storage)
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads do not group over {num_kv_heads} KV heads")
+        reason = self.unsupported(dtype=kv_storage.dtype, head_dim=head_dim)
+        if reason:
+            raise ValueError(f"Triton attention: {reason}")
         self.max_kv_splits = max_kv_splits
         self._device = req_to_token_pool.req_to_token.device
 
@@ -61,6 +71,9 @@ class TritonAttention(AttentionBackend):
         self._buffers = DecodeBuffers(max_bs, kv_capacity or max_bs * width, self._device)
         self._static_partials = partial_buffers(max_bs, self.num_heads, self.head_dim,
                                                 self.max_kv_splits, self._device)
+
+    def can_replay(self, forward_batch: ForwardBatch) -> bool:
+        return self._buffers.fits(forward_batch.batch_size, forward_batch.num_kv_tokens)
 
     def prepare_for_capture(self, bs: int) -> None:
         buffers = self._buffers
