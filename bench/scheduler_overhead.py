@@ -153,6 +153,7 @@ def copy_bandwidth(device: torch.device) -> float:
 DECODE_MODES: dict[str, dict[str, Any]] = {  # label -> Runtime options
     "eager, torch-native": {"attention_backend": "torch_native", "disable_cuda_graph": True},
     "graphs, torch-native": {"attention_backend": "torch_native", "cuda_graph_max_bs": 1},
+    "graphs, triton": {"attention_backend": "triton"},
     "auto (best backend, graphs)": {},
 }
 

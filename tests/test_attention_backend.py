@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import weakref
 from dataclasses import dataclass
@@ -273,9 +274,20 @@ def test_registry_by_name_auto_and_unknown():
     assert select_attention_backend("torch_native", torch.device("cpu")).name == "torch_native"
     choice = select_attention_backend("auto", torch.device("cpu"))
     assert choice.name == "torch_native" and "cuda" in choice.reason.lower()
-    on_cuda = select_attention_backend("auto", torch.device("cuda"))
-    assert on_cuda.name == "torch_native"  # no GPU backend in this build yet
-    assert "flashinfer" in on_cuda.reason and "triton" in on_cuda.reason
+    # On CUDA, auto tries FlashInfer (fp16/bf16 only), then Triton, then torch-native.
+    installed = {name: importlib.util.find_spec(name) is not None
+                 for name in ("flashinfer", "triton")}
+    half = select_attention_backend("auto", torch.device("cuda"), dtype=torch.bfloat16,
+                                    head_dim=128)
+    fp32 = select_attention_backend("auto", torch.device("cuda"), dtype=torch.float32,
+                                    head_dim=128)
+    fallback = "triton" if installed["triton"] else "torch_native"
+    assert half.name == ("flashinfer" if installed["flashinfer"] else fallback)
+    assert fp32.name == fallback
+    if installed["flashinfer"]:
+        assert "fp16/bf16" in fp32.reason
+    elif fallback == "torch_native":
+        assert "flashinfer" in fp32.reason and "triton" in fp32.reason
     with pytest.raises(ValueError, match="torch_native") as error:
         select_attention_backend("flashattention9", torch.device("cpu"))
     assert "auto" in str(error.value)
