@@ -36,12 +36,13 @@ NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with examples/nbval_s
 test: venv browser-deps
 	$(VPY) -m pytest -q $(NBVAL_ARGS) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
-# tests/browser drives Debian's chromium (no `playwright install`); root (CI) installs it, anyone
-# else without it gets the browser test skipped.
+# tests/browser drives Debian's chromium (no `playwright install`); root (CI) installs the chromium
+# package and its hard dependencies only (--no-install-recommends: no recommended extras such as
+# dbus/systemd/mesa); anyone else without it gets the browser test skipped.
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update && apt-get install -y chromium) || echo "make: apt-get could not install chromium; tests/browser will be skipped"; \
+	    (apt-get update && apt-get install -y --no-install-recommends chromium) || echo "make: apt-get could not install chromium; tests/browser will be skipped"; \
 	  else echo "make: chromium is missing and only root may apt-get it; tests/browser will be skipped"; fi; }
 
 lint: venv
