@@ -22,6 +22,7 @@ from lmnb.widgets.fork_view import segments  # noqa: E402
 from lmnb.widgets.radix_tree_view import tidy_layout  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+GUARD_S = 60.0  # bounds a failing (hung) test only; no assertion depends on speed
 PREFIX = "You are a careful assistant. Answer briefly and exactly. " * 3
 
 
@@ -36,7 +37,7 @@ def rt(folder):
         yield runtime
 
 
-def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+def _wait(condition: Callable[[], bool], timeout: float = GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
