@@ -607,6 +607,18 @@ def test_close(model_dir: Path) -> None:
         second.generate(PROMPTS[0], GREEDY)
 
 
+def test_sglang_names_shutdown_and_get_tokenizer(model_dir: Path) -> None:
+    runtime = Runtime(model_dir, max_total_tokens=512)
+    tokenizer = runtime.get_tokenizer()
+    assert tokenizer is runtime.tokenizer
+    assert tokenizer.encode("Hello world") == runtime.encode("Hello world")
+    runtime.shutdown()  # as close(): refuses new work
+    assert runtime.closed
+    runtime.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        runtime.generate(PROMPTS[0], GREEDY)
+
+
 def test_close_aborts_a_running_stream(model_dir: Path) -> None:
     runtime = Runtime(model_dir, max_total_tokens=512)
     stream = runtime.generate(PROMPTS[0], {"max_new_tokens": 400, "ignore_eos": True},
