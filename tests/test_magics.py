@@ -85,6 +85,8 @@ def test_load_status_flush_close_help(ip: InteractiveShell, model: Path, capsys,
 
     status = ip.run_line_magic("lmnb", "status")
     assert isinstance(status, StatusSummary) or type(status).__name__ == "CacheDashboard"
+    if hasattr(status, "close"):
+        status.close()
     monkeypatch.setitem(sys.modules, "lmnb.widgets", None)  # the fallback without widgets
     summary = ip.run_line_magic("lmnb", "status")
     assert isinstance(summary, StatusSummary) and "llama-gqa" in repr(summary)
@@ -113,6 +115,29 @@ def test_load_status_flush_close_help(ip: InteractiveShell, model: Path, capsys,
     assert schedulers() <= before and not runtime._scheduler._thread.is_alive()
     ip.run_line_magic("lmnb", "status")
     assert "no runtime loaded" in capsys.readouterr().out
+
+
+def test_status_counts_since_the_runtime_started(loaded: InteractiveShell) -> None:
+    pytest.importorskip("anywidget")
+    runtime = runtime_of(loaded)
+    prompt = "Repeat after me: " + "the same words " * 8
+    for _ in range(2):  # the second time the prompt is cached
+        runtime.generate(prompt, {"max_new_tokens": 2})
+    stats = runtime.stats()
+    assert stats["cached_tokens"] > 0
+    dashboard = loaded.run_line_magic("lmnb", "status")
+    try:
+        dashboard.refresh()
+        last = dashboard.series[-1]
+        assert (last["prompt_tokens"], last["cached_tokens"]) == (
+            stats["prompt_tokens"], stats["cached_tokens"])
+        assert last["hit_rate"] == pytest.approx(stats["cached_tokens"] / stats["prompt_tokens"])
+        assert "since the runtime started" in repr(dashboard)
+        runtime.generate(prompt, {"max_new_tokens": 2})  # and live from then on
+        dashboard.refresh()
+        assert dashboard.series[-1]["cached_tokens"] > stats["cached_tokens"]
+    finally:
+        dashboard.close()
 
 
 def test_config_options_and_lazy_load(ip: InteractiveShell, model: Path, capsys) -> None:

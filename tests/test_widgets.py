@@ -172,6 +172,28 @@ def test_cache_dashboard_tracks_hits_pool_and_optimal(rt):
     assert not dash.polling and dash.status == "stopped"
 
 
+def test_cache_dashboard_since_runtime_start(rt):
+    prompt = PREFIX + "Question: what is 1 + 1?"
+    rt.generate(prompt, {"max_new_tokens": 2, **GREEDY})
+    rt.generate(prompt, {"max_new_tokens": 2, **GREEDY})
+    fresh = CacheDashboard(rt, interval_s=None)
+    total = CacheDashboard(rt, interval_s=None, since_runtime_start=True)
+    stats = rt.stats()
+    assert fresh.series[-1]["prompt_tokens"] == 0 and fresh.series[-1]["hit_rate"] == 0
+    assert total.series[-1]["cached_tokens"] == stats["cached_tokens"] > 0
+    assert total.series[-1]["hit_rate"] > 0 and total.scope == "since the runtime started"
+    rt.generate(prompt, {"max_new_tokens": 2, **GREEDY})
+    fresh.refresh()
+    total.refresh()
+    added = rt.stats()["prompt_tokens"] - stats["prompt_tokens"]
+    assert fresh.series[-1]["prompt_tokens"] == added
+    assert total.series[-1]["prompt_tokens"] == stats["prompt_tokens"] + added
+    total.reset()  # an explicit reset counts from now, as a new dashboard does
+    assert total.series[-1]["prompt_tokens"] == 0 and total.scope == fresh.scope
+    fresh.close()
+    total.close()
+
+
 def test_widgets_let_go_of_a_closed_runtime(folder):
     runtime = lmnb.Runtime(folder, max_total_tokens=512)
     dash = CacheDashboard(runtime, interval_s=0.05)
