@@ -11,7 +11,7 @@ BENCH_OFFLINE_ARGS ?= --num-seqs 16 --max-input-len 128 --max-output-len 64
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: venv demo test lint bench-offline browser-deps
+.PHONY: venv demo lab test lint bench-offline browser-deps
 
 venv: $(STAMP)
 
@@ -27,6 +27,14 @@ $(STAMP): pyproject.toml
 
 demo: venv
 	$(VPY) examples/demo.py
+
+# JupyterLab on examples/, in this virtualenv (its python3 kernel has lmnb installed), on loopback
+# only; the server prints the URL with its token. LAB_ARGS adds options (e.g. --no-browser). Root
+# (containers) needs --allow-root, which is safe here: the server listens on loopback only.
+LAB_ARGS ?=
+lab: venv
+	$(VPY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=examples \
+	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
 # examples/*.ipynb run under nbval in the same session as tests/ (testpaths): their outputs must
 # match the committed ones, up to examples/nbval_sanitize.cfg and cells tagged nbval-ignore-output.
