@@ -102,6 +102,10 @@ def test_saved_plain_text_is_the_final_state(tiny_models, tmp_path: Path) -> Non
         's += "Tips:"\nf = s.fork(2)\nf += gen("tip", max_tokens=6)\nf.join()',
         "%%lmprogram ask(q)\ns += q + gen(\"a\", max_tokens=3)",
         'states = ask.run_batch([{"q": f"Q{i}:"} for i in range(4)])',
+        "from lmnb.widgets import CacheDashboard\n"
+        'rt = get_ipython().magics_manager.registry["LMNB"].session.runtime\n'
+        "dash = CacheDashboard(rt, interval_s=None)\ndash",
+        'ask.run_batch([{"q": "Q0:"}, {"q": "Q1:"}], progress_bar=False)\ndash.refresh()',
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -117,3 +121,5 @@ def test_saved_plain_text_is_the_final_state(tiny_models, tmp_path: Path) -> Non
     assert view.startswith("ForkView: 2 branches, done") and "running" not in view, view
     (bar,) = [t for t in batch if "it/s" in t or "/4" in t]
     assert "4/4" in bar and "100%" in bar, bar
+    (dashboard,) = texts[5]  # displayed empty, refreshed two cells later
+    assert dashboard.startswith("CacheDashboard") and "cached 0 of 0" not in dashboard, dashboard

@@ -32,10 +32,9 @@ class LiveView:
         self.interval = 1.0 / hz
         self.widget = fork_view(result.state)
         self.handle = None
-        self.widget_handle = None
         self._last = time.monotonic()
         if self.widget is not None:
-            self.widget_handle = display(self.widget, display_id=True)
+            display(self.widget)
         else:
             self.handle = display(result, display_id=True)
 
@@ -48,11 +47,9 @@ class LiveView:
     def close(self) -> None:
         """The widget stays, refreshed once more from the main thread so that its final state
         belongs to the cell's output (nbclient keeps only a cell's own comm messages); the text
-        view gives way to the cell's result. The widget is displayed once more too: a saved
-        notebook's plain-text fallback is then its final state, not "running"."""
+        view gives way to the cell's result. The widget's refresh also re-displays it, so a
+        saved notebook's plain-text fallback is its final state, not "running"."""
         if self.widget is not None:
             self.widget.refresh()
-            if self.widget_handle is not None:
-                self.widget_handle.update(self.widget)
         if self.handle is not None:
             self.handle.update(_Blank())

@@ -12,6 +12,7 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
+from lmnb.widgets.saved_text import SavedText
 
 _GAUGES = ("cache_hit_rate", "recent_cache_hit_rate", "prompt_tokens", "cached_tokens",
            "generated_tokens", "forward_passes", "retractions", "evicted_tokens",
@@ -229,7 +230,7 @@ def _meta_info(request: Mapping[str, Any]) -> Mapping[str, Any]:
     return request.get("meta_info", request)
 
 
-class CacheDashboard(PollingWidget, anywidget.AnyWidget):
+class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
     """Live prefix-cache statistics of a `Runtime`, polled on a daemon thread every `interval_s`
     (None: only on `refresh()`).
 
@@ -379,6 +380,7 @@ class CacheDashboard(PollingWidget, anywidget.AnyWidget):
     def refresh(self) -> None:
         """Reads the runtime's stats and updates the view now."""
         self._update(force=True)
+        self.update_saved_text()
 
     def _point(self, stats: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
         prompt = stats["prompt_tokens"] - self._base.get("prompt_tokens", 0)
