@@ -11,7 +11,7 @@ BENCH_OFFLINE_ARGS ?= --num-seqs 16 --max-input-len 128 --max-output-len 64
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: venv demo test lint bench-offline browser-deps
+.PHONY: venv demo lab test lint bench-offline browser-deps
 
 venv: $(STAMP)
 
@@ -28,6 +28,14 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VPY) examples/demo.py
 
+# JupyterLab on examples/, in this virtualenv (its python3 kernel has lmnb installed), on loopback
+# only; the server prints the URL with its token. LAB_ARGS adds options (e.g. --no-browser). Root
+# (containers) needs --allow-root, which is safe here: the server listens on loopback only.
+LAB_ARGS ?=
+lab: venv
+	$(VPY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=examples \
+	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
+
 # examples/*.ipynb run under nbval in the same session as tests/ (testpaths): their outputs must
 # match the committed ones, up to examples/nbval_sanitize.cfg and cells tagged nbval-ignore-output.
 NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with examples/nbval_sanitize.cfg
@@ -36,12 +44,13 @@ NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with examples/nbval_s
 test: venv browser-deps
 	$(VPY) -m pytest -q $(NBVAL_ARGS) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
-# tests/browser drives Debian's chromium (no `playwright install`); root (CI) installs it, anyone
-# else without it gets the browser test skipped.
+# tests/browser drives Debian's chromium (no `playwright install`); root (CI) installs the chromium
+# package and its hard dependencies only (--no-install-recommends: no recommended extras such as
+# dbus/systemd/mesa); anyone else without it gets the browser test skipped.
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update && apt-get install -y chromium) || echo "make: apt-get could not install chromium; tests/browser will be skipped"; \
+	    (apt-get update && apt-get install -y --no-install-recommends chromium) || echo "make: apt-get could not install chromium; tests/browser will be skipped"; \
 	  else echo "make: chromium is missing and only root may apt-get it; tests/browser will be skipped"; fi; }
 
 lint: venv

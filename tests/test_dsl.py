@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _thread
 import gc
+import itertools
 import re
 import threading
 import time
@@ -41,6 +42,7 @@ from lmnb.runtime.core import InvalidRequestError
 
 PROMPT = "def fibonacci(n):"  # the tiny model's greedy output has several distinct tokens
 CONTEXT = "Shared context: " + " ".join(f"item{k}" for k in range(60)) + "\n"
+GUARD_S = 60.0  # bounds a failing (hung) test only; no assertion depends on speed
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def greedy(rt: lmnb.Runtime, prompt: str, max_new_tokens: int, **params: Any) ->
     return rt.generate(prompt, {"max_new_tokens": max_new_tokens, "temperature": 0, **params})
 
 
-def wait_idle(rt: lmnb.Runtime, timeout: float = 10.0) -> None:
+def wait_idle(rt: lmnb.Runtime, timeout: float = GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while (stats := rt.stats())["running"] or stats["waiting"]:
         assert time.monotonic() < deadline, f"requests still live: {stats}"
@@ -72,7 +74,7 @@ def assert_usable(rt: lmnb.Runtime) -> None:
     rt.check_integrity()
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+def call_with_timeout(fn: Callable[[], Any], timeout: float = GUARD_S) -> Any:
     """Runs `fn` on a thread: a reader that hangs fails the test instead of blocking it."""
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(fn).result(timeout=timeout)
@@ -87,12 +89,14 @@ class Call:
 
 
 class FakeBackend:
-    """Replies `reply` in 3 streamed pieces over `delay` seconds; records every call."""
+    """Replies `reply` in 3 streamed pieces over `delay` seconds; records every call. With a
+    `gate`, each call streams its first piece, sets `first_piece`, then waits for the gate."""
 
     def __init__(self, reply: str = "abcdef", delay: float = 0.0, tokenizer: Any = None,
-                 error: BaseException | None = None) -> None:
+                 error: BaseException | None = None, gate: threading.Event | None = None) -> None:
         self.chat_template = ChatTemplate(tokenizer)
-        self.reply, self.delay, self.error = reply, delay, error
+        self.reply, self.delay, self.error, self.gate = reply, delay, error, gate
+        self.first_piece = threading.Event()
         self.calls: list[Call] = []
         self.events: list[tuple[str, str]] = []  # ("generate" | "cache_prefix", prompt)
 
@@ -106,9 +110,12 @@ class FakeBackend:
             raise self.error
         third = max(1, len(self.reply) // 3)
         pieces = [self.reply[:third], self.reply[third:2 * third], self.reply[2 * third:]]
-        for piece in pieces:
+        for k, piece in enumerate(pieces):
             if cancel is not None and cancel.wait(self.delay / 3):
                 raise ProgramAborted("the program was interrupted")
+            if k == 1 and self.gate is not None:
+                self.first_piece.set()
+                assert self.gate.wait(GUARD_S), "the test never opened the gate"
             if on_delta is not None and piece:
                 on_delta(piece)
         call.end = time.monotonic()
@@ -526,12 +533,16 @@ def test_stream_returns_at_once_and_text_iter_streams(rt):
     def story(s):
         s += PROMPT + gen("a", max_tokens=120, ignore_eos=True) + "\nEnd."
 
-    start = time.monotonic()
+    gate = threading.Event()
+    gated = FakeBackend(reply="123456", gate=gate)
+    state = call_with_timeout(lambda: story.run(backend=gated, stream=True))
+    assert gated.first_piece.wait(GUARD_S)  # run() returned while the gen was still streaming
+    assert not state.idle
+    gate.set()
+    assert "".join(call_with_timeout(lambda: list(state.text_iter("a")))) == "123456"
+
     state = story.run(backend=rt, stream=True, temperature=0)
-    returned = time.monotonic() - start
     pieces = list(state.text_iter("a"))
-    elapsed = time.monotonic() - start
-    assert returned < elapsed / 3, (returned, elapsed)
     assert len(pieces) > 1 and "".join(pieces) == state["a"]
     assert state.get_meta_info("a")["completion_tokens"] == 120
 
@@ -545,8 +556,11 @@ def test_text_iter_after_the_stream_began():
     def three(s):
         s += "a" + gen("x") + "b" + gen("y")
 
-    state = three.run(backend=FakeBackend(reply="123456", delay=0.3), stream=True)
-    time.sleep(0.15)  # "x" is half streamed
+    gate = threading.Event()
+    backend = FakeBackend(reply="123456", gate=gate)
+    state = three.run(backend=backend, stream=True)
+    assert backend.first_piece.wait(GUARD_S)  # "x" is half streamed
+    gate.set()
     assert "".join(state.text_iter("x")) == "123456"
     assert "".join(state.text_iter("y")) == "123456"
     assert "".join(state.text_iter()) == "a123456b123456"
@@ -622,22 +636,25 @@ def test_backend_per_call_default_and_none(rt, no_default_backend):
 
 # ---- the interpreter ----------------------------------------------------------------------------
 def test_submitting_never_blocks():
-    backend = FakeBackend(delay=0.3)
-    returned: list[float] = []
+    gate = threading.Event()
+    backend = FakeBackend(gate=gate)
+    body_done = threading.Event()
 
     @lmnb.function
     def three(s):
         for k in range(3):
             s += f"{k}:" + gen(f"g{k}")
-        returned.append(time.monotonic())
+        body_done.set()
 
-    start = time.monotonic()
-    state = three.run(backend=backend, stream=True)
-    assert time.monotonic() - start < 0.2
+    state = call_with_timeout(lambda: three.run(backend=backend, stream=True))
+    # The first gen is held mid-stream by the gate, yet the function body has finished.
+    assert body_done.wait(GUARD_S) and backend.first_piece.wait(GUARD_S)
+    assert len(backend.calls) == 1 and backend.calls[0].end == 0.0
+    gate.set()
     state.text()
     assert len(backend.calls) == 3
-    assert returned[0] < backend.calls[0].end  # the function was done before the first gen
-    assert time.monotonic() - start >= 0.85  # the gens ran one after the other
+    calls = backend.calls
+    assert all(a.end <= b.start for a, b in itertools.pairwise(calls))  # one after the other
 
 
 def test_no_threads_leak():
@@ -663,7 +680,7 @@ def test_no_threads_leak():
             state = qa.run(question="q", backend=FakeBackend(), stream=True)
         state.error()
     del state
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + GUARD_S
     while settled_count() > before:
         assert time.monotonic() < deadline, (
             f"{threading.active_count() - before} threads left: {threading.enumerate()}")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-import time
+import json
+import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
@@ -101,30 +103,37 @@ def test_embedded_converts_once_then_hits_cache(
     }
     assert not [p for p in converted.parent.iterdir() if ".tmp-" in p.name]
     mtime = (converted / "model.safetensors").stat().st_mtime_ns
+    gguf = loader.embedded_model_gguf()
+    source = json.loads((converted / "lmnb_source.json").read_text())
+    assert source["sha256"] == loader._stream_sha256(gguf) and source["dtype"] == "bfloat16"
+    assert converted.name.endswith("-" + source["sha256"][:16])
 
     def no_convert(*args: object) -> None:
         raise AssertionError("converted again")
 
+    def no_hash(*args: object) -> None:
+        raise AssertionError("the GGUF was read again")
+
+    # A cached load reads neither the GGUF's bytes nor converts: stat + one small json.
     monkeypatch.setattr(loader, "_convert_gguf", no_convert)
-    start = time.perf_counter()
+    monkeypatch.setattr(loader, "_stream_sha256", no_hash)
     assert loader.resolve_model_dir(None) == converted
-    assert loader.resolve_model_dir(loader.embedded_model_gguf()) == converted
-    assert loader.resolve_model_dir(loader.embedded_model_gguf().parent) == converted
-    assert time.perf_counter() - start < 1.0
+    assert loader.resolve_model_dir(gguf) == converted
+    assert loader.resolve_model_dir(gguf.parent) == converted
     assert (converted / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 @needs_smollm2
-def test_cached_folder_loads_fast_with_chat_template(converted: Path) -> None:
-    start = time.perf_counter()
+def test_cached_folder_is_bfloat16_with_chat_template(converted: Path) -> None:
     config = loader.load_model_config(converted)
     weights = dict(loader.iter_safetensors(converted))
-    assert time.perf_counter() - start < 1.0
     assert config.model_type == "llama" and config.tie_word_embeddings
+    assert config.dtype == "bfloat16"  # as SmolLM2 ships; on CPU "auto" still computes in fp32
+    assert loader.resolve_dtype("auto", config.dtype, "cpu") == torch.float32
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
     assert (config.num_layers, config.vocab_size) == (30, 49152)
     assert weights["model.embed_tokens.weight"].shape == (49152, 576)
-    assert weights["model.embed_tokens.weight"].dtype == torch.float32
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
     assert len([n for n in weights if n.endswith("self_attn.q_proj.weight")]) == 30
 
     tokenizer = loader.load_tokenizer(converted)
@@ -164,6 +173,81 @@ def test_gguf_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert calls == [gguf.resolve()]
     assert [p.name for p in models.iterdir()] == [first.name]
     assert first.name.startswith("fake-")
+
+
+def test_gguf_cache_is_keyed_by_content(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LMNB_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[Path] = []
+    hashed: list[Path] = []
+    stream_sha256 = loader._stream_sha256
+
+    def works(src: Path, out: Path) -> None:
+        calls.append(src)
+        (out / "config.json").write_text("{}")
+
+    def counting_hash(path: Path) -> str:
+        hashed.append(path)
+        return stream_sha256(path)
+
+    monkeypatch.setattr(loader, "_convert_gguf", works)
+    monkeypatch.setattr(loader, "_stream_sha256", counting_hash)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = tmp_path / "a" / "m.gguf"
+    first.write_bytes(b"GGUF one")
+    copy = tmp_path / "b" / "m.gguf"  # the same file in another virtualenv
+    shutil.copyfile(first, copy)
+    target = loader.resolve_model_dir(first)
+    assert loader.resolve_model_dir(copy) == target and calls == [first.resolve()]
+    assert loader.resolve_model_dir(first) == target
+    assert hashed == [first.resolve(), copy.resolve()]  # each path hashed once
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, same bytes
+    assert loader.resolve_model_dir(copy) == target and len(hashed) == 3
+    copy.write_bytes(b"GGUF two")
+    assert loader.resolve_model_dir(copy) != target and len(calls) == 2
+    (tmp_path / "cache" / "hashes" / next(
+        p.name for p in (tmp_path / "cache" / "hashes").iterdir())).write_text("{")
+    assert loader.resolve_model_dir(first) == target  # a damaged record is recomputed
+
+
+def _write_gguf(path: Path, kinds: dict[str, object]) -> Path:
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    writer = GGUFWriter(str(path), "llama")
+    for name, kind in kinds.items():
+        data = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+        if kind == GGMLQuantizationType.F16:
+            writer.add_tensor(name, data.astype(np.float16))
+        elif kind == GGMLQuantizationType.F32:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
+    writer.add_tensor("norm", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_shipped_dtype(tmp_path: Path) -> None:
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as Q
+
+    cases = {
+        "f32": ({"a": Q.F32, "b": Q.F32}, torch.float32),
+        "f16": ({"a": Q.F16, "b": Q.F32}, torch.float16),
+        "bf16": ({"a": Q.BF16, "b": Q.F16}, torch.bfloat16),
+        "q8": ({"a": Q.Q8_0, "b": Q.F16}, torch.bfloat16),
+        "q4_1": ({"a": Q.Q4_1, "b": Q.Q4_1}, torch.bfloat16),
+    }
+    for name, (kinds, expected) in cases.items():
+        assert loader.shipped_dtype(_write_gguf(tmp_path / f"{name}.gguf", kinds)) == expected
+    if HAS_SMOLLM2:
+        assert loader.shipped_dtype(loader.embedded_model_gguf()) == torch.bfloat16
 
 
 def test_unknown_path_is_model_not_found(tmp_path: Path) -> None:

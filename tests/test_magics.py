@@ -25,6 +25,7 @@ from lmnb.magics import LMProgramError, ProgramResult
 from lmnb.magics.status import StatusSummary
 
 LONG = 's += "Count: " + gen("long", max_tokens=400, ignore_eos=True)\n'
+GUARD_S = 60.0  # bounds a failing (hung) test only; no assertion depends on speed
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def schedulers() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "lmnb-scheduler" and t.is_alive()}
 
 
-def wait_idle(runtime: Any, timeout: float = 10.0) -> None:
+def wait_idle(runtime: Any, timeout: float = GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while (stats := runtime.stats())["running"] or stats["waiting"]:
         assert time.monotonic() < deadline, f"requests still live: {stats}"
@@ -84,6 +85,8 @@ def test_load_status_flush_close_help(ip: InteractiveShell, model: Path, capsys,
 
     status = ip.run_line_magic("lmnb", "status")
     assert isinstance(status, StatusSummary) or type(status).__name__ == "CacheDashboard"
+    if hasattr(status, "close"):
+        status.close()
     monkeypatch.setitem(sys.modules, "lmnb.widgets", None)  # the fallback without widgets
     summary = ip.run_line_magic("lmnb", "status")
     assert isinstance(summary, StatusSummary) and "llama-gqa" in repr(summary)
@@ -112,6 +115,29 @@ def test_load_status_flush_close_help(ip: InteractiveShell, model: Path, capsys,
     assert schedulers() <= before and not runtime._scheduler._thread.is_alive()
     ip.run_line_magic("lmnb", "status")
     assert "no runtime loaded" in capsys.readouterr().out
+
+
+def test_status_counts_since_the_runtime_started(loaded: InteractiveShell) -> None:
+    pytest.importorskip("anywidget")
+    runtime = runtime_of(loaded)
+    prompt = "Repeat after me: " + "the same words " * 8
+    for _ in range(2):  # the second time the prompt is cached
+        runtime.generate(prompt, {"max_new_tokens": 2})
+    stats = runtime.stats()
+    assert stats["cached_tokens"] > 0
+    dashboard = loaded.run_line_magic("lmnb", "status")
+    try:
+        dashboard.refresh()
+        last = dashboard.series[-1]
+        assert (last["prompt_tokens"], last["cached_tokens"]) == (
+            stats["prompt_tokens"], stats["cached_tokens"])
+        assert last["hit_rate"] == pytest.approx(stats["cached_tokens"] / stats["prompt_tokens"])
+        assert "since the runtime started" in repr(dashboard)
+        runtime.generate(prompt, {"max_new_tokens": 2})  # and live from then on
+        dashboard.refresh()
+        assert dashboard.series[-1]["cached_tokens"] > stats["cached_tokens"]
+    finally:
+        dashboard.close()
 
 
 def test_config_options_and_lazy_load(ip: InteractiveShell, model: Path, capsys) -> None:
@@ -225,10 +251,13 @@ def test_trace(loaded: InteractiveShell, capsys) -> None:
 
 
 def test_background_handle(loaded: InteractiveShell) -> None:
-    started = time.monotonic()
-    handle = cell(loaded, "--bg", LONG.replace("400", "100"))
-    assert time.monotonic() - started < 1.0 and isinstance(handle, ProgramResult)
+    gate = threading.Event()
+    loaded.user_ns["gate"] = gate
+    # The body waits for the gate: a --bg that blocked would return only after GUARD_S, done.
+    handle = cell(loaded, "--bg", f"assert gate.wait({GUARD_S})\n" + LONG.replace("400", "100"))
+    assert isinstance(handle, ProgramResult) and not handle.done
     repr(handle), handle._repr_html_()  # never blocks
+    gate.set()
     assert handle.wait().done and len(handle.get_meta_info("long")["finish_reason"]) > 0
     assert "done" in repr(handle)
     cell(loaded, "h << --bg", 's += "x" + gen("a", max_tokens=2)\n')
@@ -252,7 +281,7 @@ def test_interrupt_aborts_and_frees_kv(loaded: InteractiveShell, line: str) -> N
     generated = runtime.stats()["generated_tokens"]
 
     def interrupt_when_running() -> None:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + GUARD_S
         while runtime.stats()["running"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         _thread.interrupt_main()

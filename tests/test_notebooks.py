@@ -89,3 +89,37 @@ def test_radix_cache_dashboard_and_tree_final_state() -> None:
     assert sum(n["parent"] is None for n in nodes) == 1
     assert len(tree["edges"]) == len(nodes) - 1
     assert any(n["hit_count"] > 0 and n["tokens"] > 50 for n in nodes)  # the few-shot prefix
+
+
+def test_saved_plain_text_is_the_final_state(tiny_models, tmp_path: Path) -> None:
+    """What nbconvert and GitHub show of a saved notebook (each output's text/plain) is the
+    widgets' final state: no "0/2" load bar, no "0/4" batch bar, no "running" fork view."""
+    model = tiny_models["llama-gqa"]
+    cells = [
+        "%load_ext lmnb\n%config LMNB.temperature = 0",
+        f"%lmnb load {str(model)!r} --max-total-tokens 2048",
+        "%%lmprogram tips << --stream\n"
+        's += "Tips:"\nf = s.fork(2)\nf += gen("tip", max_tokens=6)\nf.join()',
+        "%%lmprogram ask(q)\ns += q + gen(\"a\", max_tokens=3)",
+        'states = ask.run_batch([{"q": f"Q{i}:"} for i in range(4)])',
+        "from lmnb.widgets import CacheDashboard\n"
+        'rt = get_ipython().magics_manager.registry["LMNB"].session.runtime\n'
+        "dash = CacheDashboard(rt, interval_s=None)\ndash",
+        'ask.run_batch([{"q": "Q0:"}, {"q": "Q1:"}], progress_bar=False)\ndash.refresh()',
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     store_widget_state=True,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    texts = [["".join(o.get("data", {}).get("text/plain", "")) for o in cell.outputs]
+             for cell in nb.cells]
+    load, stream, batch = texts[1], texts[2], texts[4]
+    assert not any("/2" in t for t in load), load  # the load bar left nothing behind
+    assert any("lmnb: loaded" in o.get("text", "") for o in nb.cells[1].outputs)
+    (view,) = [t for t in stream if t.startswith("ForkView")]
+    assert view.startswith("ForkView: 2 branches, done") and "running" not in view, view
+    (bar,) = [t for t in batch if "it/s" in t or "/4" in t]
+    assert "4/4" in bar and "100%" in bar, bar
+    (dashboard,) = texts[5]  # displayed empty, refreshed two cells later
+    assert dashboard.startswith("CacheDashboard") and "cached 0 of 0" not in dashboard, dashboard

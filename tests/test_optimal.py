@@ -109,5 +109,5 @@ def test_thousands_of_long_prompts_are_fast() -> None:
     start = time.perf_counter()
     assert trie_size(prompts) == 500 + 2000 * 500
     computed = optimal_computed_tokens(prompts)
-    assert time.perf_counter() - start < 10.0
+    assert time.perf_counter() - start < 60.0  # ~0.5 s here; a quadratic trie takes hours
     assert computed == 500 + 2000 * 500 + 500

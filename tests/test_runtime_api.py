@@ -32,6 +32,7 @@ PROMPTS = [
     "The quick brown fox",
 ]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
+GUARD_S = 60.0  # bounds a failing (hung) test only; no assertion depends on speed
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def idle(rt: Runtime, timeout: float = 5.0) -> dict:
+def idle(rt: Runtime, timeout: float = GUARD_S) -> dict:
     """Polls until no request is running or waiting; returns the last stats."""
     deadline = time.monotonic() + timeout
     while True:
@@ -533,7 +534,7 @@ def test_concurrent_threads_match_sequential(rt: Runtime) -> None:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=30)
+        thread.join(timeout=GUARD_S)
     assert not errors, errors
     assert results == sequential
     idle(rt)
@@ -558,9 +559,9 @@ def test_closing_stream_in_a_thread_aborts(rt: Runtime) -> None:
 
     thread = threading.Thread(target=consume)
     thread.start()
-    assert started.wait(timeout=20)
+    assert started.wait(timeout=GUARD_S)
     stop.set()
-    thread.join(timeout=10)
+    thread.join(timeout=GUARD_S)
     assert not thread.is_alive()
     assert sum(len(c["output_ids"]) for c in received) < 400
     assert all(c["meta_info"]["finish_reason"] is None for c in received)
@@ -604,6 +605,18 @@ def test_close(model_dir: Path) -> None:
         assert second.generate(PROMPTS[0], GREEDY)["output_ids"] == expected
     with pytest.raises(RuntimeError):
         second.generate(PROMPTS[0], GREEDY)
+
+
+def test_sglang_names_shutdown_and_get_tokenizer(model_dir: Path) -> None:
+    runtime = Runtime(model_dir, max_total_tokens=512)
+    tokenizer = runtime.get_tokenizer()
+    assert tokenizer is runtime.tokenizer
+    assert tokenizer.encode("Hello world") == runtime.encode("Hello world")
+    runtime.shutdown()  # as close(): refuses new work
+    assert runtime.closed
+    runtime.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        runtime.generate(PROMPTS[0], GREEDY)
 
 
 def test_close_aborts_a_running_stream(model_dir: Path) -> None:

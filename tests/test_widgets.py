@@ -22,6 +22,7 @@ from lmnb.widgets.fork_view import segments  # noqa: E402
 from lmnb.widgets.radix_tree_view import tidy_layout  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+GUARD_S = 60.0  # bounds a failing (hung) test only; no assertion depends on speed
 PREFIX = "You are a careful assistant. Answer briefly and exactly. " * 3
 
 
@@ -36,7 +37,7 @@ def rt(folder):
         yield runtime
 
 
-def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+def _wait(condition: Callable[[], bool], timeout: float = GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -169,6 +170,28 @@ def test_cache_dashboard_tracks_hits_pool_and_optimal(rt):
     assert "optimal" in repr(dash) and "KV pool" in repr(dash)
     dash.close()
     assert not dash.polling and dash.status == "stopped"
+
+
+def test_cache_dashboard_since_runtime_start(rt):
+    prompt = PREFIX + "Question: what is 1 + 1?"
+    rt.generate(prompt, {"max_new_tokens": 2, **GREEDY})
+    rt.generate(prompt, {"max_new_tokens": 2, **GREEDY})
+    fresh = CacheDashboard(rt, interval_s=None)
+    total = CacheDashboard(rt, interval_s=None, since_runtime_start=True)
+    stats = rt.stats()
+    assert fresh.series[-1]["prompt_tokens"] == 0 and fresh.series[-1]["hit_rate"] == 0
+    assert total.series[-1]["cached_tokens"] == stats["cached_tokens"] > 0
+    assert total.series[-1]["hit_rate"] > 0 and total.scope == "since the runtime started"
+    rt.generate(prompt, {"max_new_tokens": 2, **GREEDY})
+    fresh.refresh()
+    total.refresh()
+    added = rt.stats()["prompt_tokens"] - stats["prompt_tokens"]
+    assert fresh.series[-1]["prompt_tokens"] == added
+    assert total.series[-1]["prompt_tokens"] == stats["prompt_tokens"] + added
+    total.reset()  # an explicit reset counts from now, as a new dashboard does
+    assert total.series[-1]["prompt_tokens"] == 0 and total.scope == fresh.scope
+    fresh.close()
+    total.close()
 
 
 def test_widgets_let_go_of_a_closed_runtime(folder):

@@ -34,6 +34,7 @@ from lmnb.lang.ir import (
     VarScopeEnd,
     to_expr,
 )
+from lmnb.lang.progress import progress_bar as tqdm_bar
 from lmnb.params import default_sampling_params
 
 # `run`/`run_batch` keywords that set every gen's default: the gen arguments except those that
@@ -108,35 +109,28 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
         num_threads = max(96, (os.cpu_count() or 1) * 16)
     workers = max(1, min(int(num_threads), len(batch)))
     runs = _BatchRuns()
-    bar = None
-    if progress_bar:
-        from tqdm.auto import tqdm
+    with tqdm_bar(total=len(batch), desc=name, disable=not progress_bar) as bar:
 
-        bar = tqdm(total=len(batch), desc=name)
-
-    def one(arguments: dict[str, Any]) -> ProgramState:
-        state = execute(arguments, runs.new_run())
-        if bar is not None:
+        def one(arguments: dict[str, Any]) -> ProgramState:
+            state = execute(arguments, runs.new_run())
             bar.update(1)
-        return state
+            return state
 
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch")
-    try:
-        futures = [pool.submit(one, arguments) for arguments in batch]
-        pending = set(futures)
-        while pending:  # short waits: a blocked lock wait would not see a simulated Ctrl-C
-            done, pending = wait(pending, timeout=_POLL, return_when=FIRST_EXCEPTION)
-            for future in done:
-                future.result()  # raises a program thread's error here
-        return [future.result() for future in futures]
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        runs.abort()
-        raise
-    finally:
-        pool.shutdown(wait=False)
-        if bar is not None:
-            bar.close()
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch")
+        try:
+            futures = [pool.submit(one, arguments) for arguments in batch]
+            pending = set(futures)
+            while pending:  # short waits: a blocked lock wait would not see a simulated Ctrl-C
+                done, pending = wait(pending, timeout=_POLL, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    future.result()  # raises a program thread's error here
+            return [future.result() for future in futures]
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            runs.abort()
+            raise
+        finally:
+            pool.shutdown(wait=False)
 
 
 class _BatchRuns:

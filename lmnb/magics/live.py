@@ -47,7 +47,8 @@ class LiveView:
     def close(self) -> None:
         """The widget stays, refreshed once more from the main thread so that its final state
         belongs to the cell's output (nbclient keeps only a cell's own comm messages); the text
-        view gives way to the cell's result."""
+        view gives way to the cell's result. The widget's refresh also re-displays it, so a
+        saved notebook's plain-text fallback is its final state, not "running"."""
         if self.widget is not None:
             self.widget.refresh()
         if self.handle is not None:

@@ -1,4 +1,5 @@
-"""Loading a Runtime in the foreground with a progress bar (tqdm.auto: a widget in notebooks).
+"""Loading a Runtime in the foreground with a progress bar (a widget in notebooks, gone from the
+saved notebook once loaded).
 
 The load itself runs on the kernel's main thread: on CPU, a Runtime whose weights were the first
 torch work of a short-lived thread decodes ~25x slower (the OpenMP pool stays bound to the dead
@@ -39,14 +40,13 @@ def load_runtime(model: str | None, *, progress: bool = True,
     """`lmnb.Runtime(model, **options)`; None is the embedded SmolLM2-135M-Instruct (converted
     from GGUF and cached on first use). `on_found` runs once the model's files are found, before
     its weights load (e.g. to close the runtime it replaces)."""
-    from tqdm.auto import tqdm
-
+    from lmnb.lang.progress import progress_bar
     from lmnb.runtime.engine import Runtime
     from lmnb.runtime.models.loader import resolve_model_dir
 
     label = EMBEDDED_NAME if model is None else Path(model).name
-    with tqdm(total=2, desc=f"lmnb: finding {label}", disable=not progress, leave=False,
-              bar_format="{desc} {bar} {n_fmt}/{total_fmt} [{elapsed}]") as bar:
+    with progress_bar(total=2, desc=f"lmnb: finding {label}", disable=not progress, leave=False,
+                      bar_format="{desc} {bar} {n_fmt}/{total_fmt} [{elapsed}]") as bar:
         with _ticking(bar):
             model_dir = resolve_model_dir(model)
             bar.update(1)

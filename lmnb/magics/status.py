@@ -1,5 +1,6 @@
-"""`%lmnb status`: the CacheDashboard widget when `lmnb.widgets` provides it, else a summary of
-`runtime.stats()` as an HTML table (and plain text)."""
+"""`%lmnb status`: the CacheDashboard widget when `lmnb.widgets` provides it (counting from the
+runtime's start, then live), else a summary of `runtime.stats()` as an HTML table (and plain
+text)."""
 
 from __future__ import annotations
 
@@ -54,4 +55,4 @@ def status_view(runtime: Any, title: str) -> Any:
         from lmnb.widgets import CacheDashboard
     except ImportError:
         return StatusSummary(title, runtime.stats())
-    return CacheDashboard(runtime)
+    return CacheDashboard(runtime, since_runtime_start=True)

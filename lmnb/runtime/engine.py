@@ -376,3 +376,12 @@ class Runtime:
         with self._tokenizer_lock:
             return apply_chat_template(self.tokenizer, messages,
                                        add_generation_prompt=add_generation_prompt, tools=tools)
+
+    # ---- SGLang's names ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """SGLang's `Runtime.shutdown()`: the same as `close()` (idempotent)."""
+        self.close()
+
+    def get_tokenizer(self) -> Any:
+        """SGLang's `Runtime.get_tokenizer()`: the model's HF tokenizer (`tokenizer`)."""
+        return self.tokenizer

@@ -12,11 +12,15 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
+from lmnb.widgets.saved_text import SavedText
 
 _GAUGES = ("cache_hit_rate", "recent_cache_hit_rate", "prompt_tokens", "cached_tokens",
            "generated_tokens", "forward_passes", "retractions", "evicted_tokens",
            "eviction_events", "tree_nodes", "tree_tokens", "evictable_tokens", "protected_tokens",
            "max_total_tokens", "free_tokens", "running", "waiting")
+
+_SINCE_CREATED = "since this dashboard started"
+_SINCE_RUNTIME = "since the runtime started"
 
 _ESM = r"""
 const SVG = "http://www.w3.org/2000/svg";
@@ -149,7 +153,7 @@ function render({ model, el }) {
     const st = model.get("stats") || {};
     const opt = model.get("optimal");
     const last = series.length ? series[series.length - 1] : null;
-    status.textContent = model.get("status");
+    status.textContent = `${model.get("status")}; counts ${model.get("scope")}`;
     box.dataset.status = model.get("status");
     achieved.textContent = last ? pct(last.hit_rate) : "n/a";
     optimal.textContent = pct(opt);
@@ -181,7 +185,7 @@ function render({ model, el }) {
     poolBar(poolBox, st);
   };
   const names = ["change:series", "change:stats", "change:optimal", "change:requests",
-    "change:status"];
+    "change:status", "change:scope"];
   for (const name of names) model.on(name, draw);
   draw();
   return () => { for (const name of names) model.off(name, draw); };
@@ -226,14 +230,15 @@ def _meta_info(request: Mapping[str, Any]) -> Mapping[str, Any]:
     return request.get("meta_info", request)
 
 
-class CacheDashboard(PollingWidget, anywidget.AnyWidget):
+class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
     """Live prefix-cache statistics of a `Runtime`, polled on a daemon thread every `interval_s`
     (None: only on `refresh()`).
 
     The hit rate is over the requests admitted since the dashboard was created (or `reset()`),
     so that it compares with `optimal`, the best hit rate any order could reach on the workload's
     prompts (SGLang Theorem 3.1) once given by `prompts=` or `set_workload()`. Optimal assumes
-    the cache held none of the workload when it began.
+    the cache held none of the workload when it began. With `since_runtime_start=True` (what
+    `%lmnb status` shows) the counts start with the runtime's totals instead, and go on live.
 
     Reuse per request: callers push each request's `meta_info` (or the whole `generate` result)
     with `add_request()`; without that, the bars show the prompt tokens admitted between updates
@@ -242,7 +247,8 @@ class CacheDashboard(PollingWidget, anywidget.AnyWidget):
     Traits: `series` (points {t, hit_rate, recent_hit_rate, prompt_tokens, cached_tokens,
     d_prompt, d_cached, used_tokens, free_tokens, evictable_tokens, protected_tokens,
     evicted_tokens, eviction_events, running, waiting}), `stats` (the latest `Runtime.stats()`),
-    `optimal` (float or None), `optimal_note`, `requests` ([{prompt, cached}]), `status`.
+    `optimal` (float or None), `optimal_note`, `requests` ([{prompt, cached}]), `status`,
+    `scope` (what the counts cover, in words).
     """
 
     _esm = _ESM
@@ -253,10 +259,11 @@ class CacheDashboard(PollingWidget, anywidget.AnyWidget):
     optimal_note = traitlets.Unicode("optimal: n/a (no workload prompts given)").tag(sync=True)
     requests = traitlets.List(traitlets.Dict()).tag(sync=True)
     status = traitlets.Unicode("live").tag(sync=True)
+    scope = traitlets.Unicode(_SINCE_CREATED).tag(sync=True)
 
     def __init__(self, runtime: Any, *, prompts: Sequence[Sequence[int] | str] | None = None,
                  interval_s: float | None = 0.1, max_points: int = 400,
-                 max_requests: int = 500) -> None:
+                 max_requests: int = 500, since_runtime_start: bool = False) -> None:
         super().__init__()
         self._runtime: Any = runtime
         self._lock = threading.Lock()
@@ -268,6 +275,8 @@ class CacheDashboard(PollingWidget, anywidget.AnyWidget):
         with self._lock:
             self._read_now()
         self.reset()
+        if since_runtime_start:
+            self._start_from_runtime_start()
         if prompts is not None:
             self.set_workload(prompts)
         self._poller: Poller | None = None
@@ -283,9 +292,19 @@ class CacheDashboard(PollingWidget, anywidget.AnyWidget):
             self._base = {k: stats.get(k, 0) for k in ("prompt_tokens", "cached_tokens")}
             self._start = time.monotonic()
             with self.hold_sync():
+                self.scope = _SINCE_CREATED
                 self.stats = dict(stats)
                 self.series = [self._point(stats, stats)] if stats else []
                 self.requests = []
+
+    def _start_from_runtime_start(self) -> None:
+        """The counters are the runtime's own (cumulative since it started): no baseline."""
+        with self._lock:
+            stats = self._last or {}
+            self._base = {}
+            with self.hold_sync():
+                self.scope = _SINCE_RUNTIME
+                self.series = [self._point(stats, stats)] if stats else []
 
     def set_workload(self, prompts: Sequence[Sequence[int] | str]) -> None:
         """The workload's prompts (token id lists, or strings encoded with the runtime's
@@ -361,6 +380,7 @@ class CacheDashboard(PollingWidget, anywidget.AnyWidget):
     def refresh(self) -> None:
         """Reads the runtime's stats and updates the view now."""
         self._update(force=True)
+        self.update_saved_text()
 
     def _point(self, stats: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
         prompt = stats["prompt_tokens"] - self._base.get("prompt_tokens", 0)
@@ -387,7 +407,7 @@ class CacheDashboard(PollingWidget, anywidget.AnyWidget):
         lines = [f"CacheDashboard ({self.status}): hit rate {hit}, optimal {optimal}"]
         if last:
             lines.append(f"  cached {last['cached_tokens']} of {last['prompt_tokens']} prompt "
-                         f"tokens since start; {len(self.requests)} requests recorded")
+                         f"tokens {self.scope}; {len(self.requests)} requests recorded")
         if st:
             lines.append(f"  KV pool {st['max_total_tokens']} tokens: {st['free_tokens']} free, "
                          f"{st['evictable_tokens']} evictable, {st['protected_tokens']} locked; "

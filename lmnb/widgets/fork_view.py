@@ -11,6 +11,7 @@ import traitlets
 from lmnb.lang.backends.base import ProgramAborted
 from lmnb.lang.interpreter import StreamExecutor
 from lmnb.lang.program import ProgramState
+from lmnb.widgets.saved_text import SavedText
 from lmnb.widgets.throttle import Throttle
 
 Segment = dict[str, Any]  # {"text": str, "var": str | None}
@@ -179,7 +180,7 @@ def _panel(executor: StreamExecutor, *, label: str, start: int) -> dict[str, Any
             "segments": segments(text, spans, min(start, len(text)))}
 
 
-class ForkView(anywidget.AnyWidget):
+class ForkView(SavedText, anywidget.AnyWidget):
     """The text of a program's root state on top and of each fork branch in columns, with
     generated variables highlighted, streaming while the program runs.
 
@@ -232,6 +233,7 @@ class ForkView(anywidget.AnyWidget):
                 self.root = root
                 self.branches = branches
                 self.done = done
+        self.update_saved_text()
 
     def _read(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         top = self._state.executor

@@ -73,6 +73,9 @@ class PollingWidget:
         self._runtime = None
         if self.status == "live":
             self.status = "stopped"
+        update_saved_text = getattr(self, "update_saved_text", None)
+        if update_saved_text is not None:
+            update_saved_text()
         super().close()  # type: ignore[misc]
 
     @property

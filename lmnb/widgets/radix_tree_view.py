@@ -11,6 +11,7 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
+from lmnb.widgets.saved_text import SavedText
 
 STATES = ("root", "new", "hit", "locked", "evictable", "evicted")
 _TRACKED = ("parent", "tokens", "lock_ref", "hit_count")  # a change here is a new refresh
@@ -203,7 +204,7 @@ def tidy_layout(rows: list[dict[str, Any]]) -> dict[int, tuple[int, float]]:
     return {n: (depth[n], ys[n]) for n in ys}
 
 
-class RadixTreeView(PollingWidget, anywidget.AnyWidget):
+class RadixTreeView(SavedText, PollingWidget, anywidget.AnyWidget):
     """The radix tree of a `Runtime`'s prefix cache, drawn left to right, polled on a daemon
     thread (`interval_s=None`: only on `refresh()`).
 
@@ -240,11 +241,16 @@ class RadixTreeView(PollingWidget, anywidget.AnyWidget):
             self._poller.start()
 
     def _poll(self) -> bool:
-        return self.refresh()
+        return self._refresh()
 
     def refresh(self) -> bool:
         """Reads the runtime's tree and redraws it if it changed since the last refresh;
         False once the runtime is gone."""
+        alive = self._refresh()
+        self.update_saved_text()
+        return alive
+
+    def _refresh(self) -> bool:
         with self._lock:
             runtime = self._runtime
             if runtime is None:

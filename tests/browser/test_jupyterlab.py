@@ -228,7 +228,7 @@ def run_notebook(browser, lab: Lab, name: str, ready: str):
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         try:
-            page.wait_for_function(STARTED, timeout=20_000, polling=250)
+            page.wait_for_function(STARTED, timeout=UI_S * 1000, polling=250)
             break
         except Exception:
             if attempt == 2:

