@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is defined: without CUDA, every test process runs
+# Triton kernels in the CPU interpreter, whichever test module imports them first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=512, vocab_size=49152,
@@ -60,3 +66,14 @@ def make_tiny_model(root: Path, variant: str, tokenizer_dir: Path, seed: int = 0
 def tiny_models(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {variant: make_tiny_model(root, variant, smollm2_dir) for variant in TINY_VARIANTS}
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test: `_thread.interrupt_main()` (a simulated Ctrl-C)
+    does nothing where SIGINT is ignored, e.g. under a pytest started in the background."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -726,7 +726,7 @@ class InterruptingBackend(LocalBackend):
         return super().generate(prompt, params, on_delta=delta, cancel=cancel)
 
 
-def test_keyboard_interrupt_aborts_a_blocking_run(rt):
+def test_keyboard_interrupt_aborts_a_blocking_run(rt, default_sigint):
     states = []
 
     @lmnb.function

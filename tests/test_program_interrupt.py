@@ -72,7 +72,7 @@ def test_blocking_backend_implements_the_protocol():
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_interrupted_run_batch_aborts_every_program_and_returns_at_once(compiled):
+def test_interrupted_run_batch_aborts_every_program_and_returns_at_once(compiled, default_sigint):
     backend = BlockingBackend(expected=2)
 
     @lmnb.function
