@@ -70,6 +70,13 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
         """Precompute per-step data shared by all layers (called once per eager forward pass)."""
 
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                 forward_batch: ForwardBatch) -> None:
+        """Writes the new tokens' K/V ([num_tokens, kv_heads * head_dim]) to their slots."""
+        shape = (k.shape[0], self.num_kv_heads, self.head_dim)
+        self.kv_storage.set_kv(layer_id, forward_batch.out_cache_loc, k.view(shape),
+                               v.view(shape))
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 forward_batch: ForwardBatch) -> torch.Tensor:

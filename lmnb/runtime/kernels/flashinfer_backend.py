@@ -104,9 +104,7 @@ class FlashInferAttention(AttentionBackend):
                 forward_batch: ForwardBatch) -> torch.Tensor:
         storage = self.kv_storage
         num_tokens = q.shape[0]
-        storage.set_kv(layer_id, forward_batch.out_cache_loc,
-                       k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                       v.view(num_tokens, self.num_kv_heads, self.head_dim))
+        self.store_kv(k, v, layer_id, forward_batch)
         cache = (storage.k_buffers[layer_id].unsqueeze(1),  # [pages, page_size 1, kv_heads, dim]
                  storage.v_buffers[layer_id].unsqueeze(1))
         query = q.view(num_tokens, self.num_heads, self.head_dim).to(storage.dtype)

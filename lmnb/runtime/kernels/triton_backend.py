@@ -91,9 +91,7 @@ class TritonAttention(AttentionBackend):
                 forward_batch: ForwardBatch) -> torch.Tensor:
         pool = self.kv_storage
         num_tokens = q.shape[0]
-        pool.set_kv(layer_id, forward_batch.out_cache_loc,
-                    k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                    v.view(num_tokens, self.num_kv_heads, self.head_dim))
+        self.store_kv(k, v, layer_id, forward_batch)
         k_buffer, v_buffer = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         out = torch.empty_like(q)
