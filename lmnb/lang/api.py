@@ -59,6 +59,7 @@ def gen(
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
     dtype: type | str | None = None,
     choices: Sequence[str] | None = None,
     choices_method: str = "token_length_normalized",
@@ -70,7 +71,9 @@ def gen(
     sampling arguments are `lmnb.params`'s (`max_tokens`, `min_tokens` are SGLang's names for
     `max_new_tokens`, `min_new_tokens`; `seed` makes sampling reproducible). With `choices`, it
     is a `select`; `dtype` (int, float, bool, str) constrains the output's form; `stop_regex`
-    (one or a list) cuts the output before the first match."""
+    (one or a list) cuts the output before the first match. With `return_logprob`, logprobs in
+    `meta_info` are `(logprob, token_id)` pairs, or `(logprob, token_id, text)` with
+    `return_text_in_logprobs` (SGLang's triples)."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
     if dtype is not None:
@@ -88,7 +91,8 @@ def gen(
         top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, seed=seed, ignore_eos=ignore_eos,
         return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, regex=regex,
+        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs, regex=regex,
         json_schema=_schema_text(json_schema))
     return Gen(name, params)
 
@@ -101,17 +105,20 @@ def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
     return gen(name, dtype=str, **kwargs)
 
 
-def select(name: str | None = None, choices: Sequence[str] | None = None, *,
-           choices_method: str = "token_length_normalized", temperature: float = 0.0) -> Select:
-    """Picks one of `choices` by its likelihood after the text so far (no sampling)."""
+def select(name: str | None = None, choices: Sequence[str] | None = None,
+           temperature: float = 0.0,
+           choices_method: str = "token_length_normalized") -> Select:
+    """Picks one of `choices` by its likelihood after the text so far (no sampling).
+    `choices_method` is a method name or one of `lmnb.token_length_normalized`,
+    `lmnb.greedy_token_selection`, `lmnb.unconditional_likelihood_normalized`."""
     del temperature  # accepted for SGLang compatibility; scoring is deterministic
     if not choices:
         raise ValueError("select needs a non-empty list of choices")
     if isinstance(choices, str) or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"select choices must be a list of non-empty strings, got {choices!r}")
-    if choices_method not in CHOICES_METHODS:
+    if not isinstance(choices_method, str) or choices_method not in CHOICES_METHODS:
         raise ValueError(f"unknown choices_method {choices_method!r}; use one of {CHOICES_METHODS}")
-    return Select(name, tuple(choices), choices_method)
+    return Select(name, tuple(choices), str(choices_method))
 
 
 def image(source: Any) -> Image:

@@ -495,9 +495,12 @@ class Program:
         batch = [self.split_arguments((), dict(kwargs))[0] for kwargs in batch_kwargs]
         if not batch:
             return []
+        from lmnb.lang.global_config import global_config
         from lmnb.lang.tracer import constant_prefix
 
-        return run_all(self.__name__, backend, constant_prefix(self, backend), batch,
+        precache = global_config.enable_precache_with_tracing
+        prefix = constant_prefix(self, backend) if precache else ""
+        return run_all(self.__name__, backend, prefix, batch,
                        lambda arguments, run: self._execute(backend, arguments, defaults,
                                                             stream=False, run=run),
                        num_threads=num_threads, progress_bar=progress_bar)

@@ -1,0 +1,95 @@
+"""SGLang frontend programs run unchanged through `import lmnb as sgl`: the programs here are
+written in SGLang's style (its names, positional forms and defaults) for this test, and run on a
+tiny random-weight Llama, over the in-process runtime and over the server (`RuntimeEndpoint`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+
+import lmnb as sgl
+from lmnb.lang import program as program_module
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_models) -> Iterator[sgl.Runtime]:
+    runtime = sgl.Engine(tiny_models["llama-gqa"], max_total_tokens=4096)
+    yield runtime
+    runtime.shutdown()
+
+
+@pytest.fixture
+def backend(rt, monkeypatch) -> sgl.Runtime:
+    monkeypatch.setattr(program_module, "_default_backend", None)  # restored afterwards
+    sgl.set_default_backend(rt)
+    return rt
+
+
+@sgl.function
+def answer(s, question):
+    s += "Q: " + question + "\n"
+    s += "A:" + sgl.gen("answer", max_tokens=6, temperature=0)
+
+
+# ---- names -------------------------------------------------------------------------------------
+def test_module_level_names(backend):
+    assert sgl.Engine is sgl.Runtime
+    assert isinstance(backend, sgl.Engine)
+    state = answer.run(question="What is 1+1?")
+    assert state["answer"]
+    assert sgl.flush_cache() is True
+    info = sgl.get_server_info()
+    assert info["max_total_num_tokens"] == backend.max_total_tokens
+    assert isinstance(info["internal_states"][0], dict)
+    assert sgl.global_config.default_backend is program_module.default_backend()
+    assert sgl.global_config.enable_precache_with_tracing is True
+    assert {"verbosity", "skip_special_tokens_in_output"} <= set(vars(sgl.global_config))
+
+
+def test_regex_constants_are_sglangs():
+    from lmnb.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+
+    assert re.fullmatch(REGEX_INT, "-42 ") and not re.fullmatch(REGEX_INT, "4.2")
+    assert re.fullmatch(REGEX_FLOAT, "3.25\n")
+    assert re.fullmatch(REGEX_BOOL, "True") and not re.fullmatch(REGEX_BOOL, "true")
+    assert re.fullmatch(REGEX_STR, '"hello world"')
+
+
+@pytest.mark.parametrize("method", [sgl.token_length_normalized, sgl.greedy_token_selection,
+                                    sgl.unconditional_likelihood_normalized])
+def test_choice_methods_as_objects(backend, method):
+    @sgl.function
+    def pick(s):
+        s += "The sky is"
+        s += sgl.select("colour", [" blue", " green", " red"], choices_method=method)
+
+    state = pick.run()
+    assert state["colour"] in (" blue", " green", " red")
+    assert state.get_meta_info("colour")["method"] == method
+    from lmnb.lang.choices import RuntimeChoiceScorer
+
+    assert method(RuntimeChoiceScorer(backend), "The sky is", [" blue", " green"]).choice \
+        in (" blue", " green")
+
+
+def test_runtime_endpoint_over_the_server(rt, monkeypatch):
+    from lmnb.server import ServerHandle
+
+    monkeypatch.setattr(program_module, "_default_backend", None)
+    with ServerHandle.start(rt) as server:
+        sgl.set_default_backend(sgl.RuntimeEndpoint(server.url))
+        remote = answer.run(question="What is 1+1?")
+        local = answer.run(question="What is 1+1?", backend=rt)
+        assert remote["answer"] == local["answer"]
+        assert remote.get_meta_info("answer")["completion_tokens"] == 6
+
+        @sgl.function
+        def pick(s):
+            s += "The sky is"
+            s += sgl.select("colour", [" blue", " green", " red"])
+
+        assert pick.run()["colour"] == pick.run(backend=rt)["colour"]
+        assert sgl.get_server_info()["max_total_num_tokens"] == rt.max_total_tokens
+        assert sgl.flush_cache() is True
