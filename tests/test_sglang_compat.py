@@ -93,3 +93,26 @@ def test_runtime_endpoint_over_the_server(rt, monkeypatch):
         assert pick.run()["colour"] == pick.run(backend=rt)["colour"]
         assert sgl.get_server_info()["max_total_num_tokens"] == rt.max_total_tokens
         assert sgl.flush_cache() is True
+
+
+# ---- gen, select, meta info ----------------------------------------------------------------------
+def test_logprobs_with_text_and_positional_select(backend):
+    @sgl.function
+    def scored(s):
+        s += "The sky is"
+        s += sgl.gen("plain", max_tokens=3, temperature=0, return_logprob=True)
+        s += sgl.gen("texts", max_tokens=3, temperature=0, return_logprob=True,
+                     top_logprobs_num=2, return_text_in_logprobs=True)
+        s += sgl.select("pick", [" yes", " no"], 0.0, sgl.greedy_token_selection)
+
+    state = scored.run()
+    plain = state.get_meta_info("plain")["output_token_logprobs"]
+    assert all(len(entry) == 2 for entry in plain)
+    triples = state.get_meta_info("texts")["output_token_logprobs"]
+    tokenizer = backend.get_tokenizer()
+    assert [text for _, _, text in triples] == [tokenizer.decode([i]) for _, i, _ in triples]
+    assert "".join(text for _, _, text in triples) == state["texts"]
+    assert all(len(entry) == 3 for row in state.get_meta_info("texts")["output_top_logprobs"]
+               for entry in row)
+    assert state.get_meta_info("pick")["method"] == "greedy_token_selection"
+    assert state.get_meta_info("no_such_variable") is None

@@ -239,8 +239,15 @@ class ProgramState(StateWriter):
         return self[name]
 
     def get_meta_info(self, name: str) -> Any:
-        self._executor.get_var(name)
-        return self._executor.meta_info.get(name)
+        """The meta info of gen/select `name` once it is done; None if the program sets no such
+        variable (as SGLang)."""
+        executor = self._executor
+        if name not in executor.variables:
+            self.sync()
+            if name not in executor.variables:
+                executor.raise_error()
+                return None
+        return executor.meta_info.get(name)
 
     def text(self) -> str:
         return self._executor.text()
