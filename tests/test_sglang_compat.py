@@ -33,7 +33,7 @@ def answer(s, question):
     s += "A:" + sgl.gen("answer", max_tokens=6, temperature=0)
 
 
-# ---- names -------------------------------------------------------------------------------------
+# ---- names ---------------------------------------------------------------------------------------
 def test_module_level_names(backend):
     assert sgl.Engine is sgl.Runtime
     assert isinstance(backend, sgl.Engine)
@@ -116,3 +116,49 @@ def test_logprobs_with_text_and_positional_select(backend):
                for entry in row)
     assert state.get_meta_info("pick")["method"] == "greedy_token_selection"
     assert state.get_meta_info("no_such_variable") is None
+
+
+# ---- dtype ---------------------------------------------------------------------------------------
+class Recorder:
+    """A backend without a model: records each gen's parameters and replies `reply`."""
+
+    def __init__(self, reply: str = "7") -> None:
+        from lmnb.lang.chat_template import ChatTemplate
+
+        self.chat_template = ChatTemplate(None)
+        self.reply = reply
+        self.params: list = []
+
+    def generate(self, prompt, params, *, on_delta=None, cancel=None):
+        from lmnb.lang.backends.base import Generation
+
+        self.params.append(params)
+        return Generation(self.reply, {"finish_reason": {"type": "stop"}})
+
+    def select(self, prompt, choices, method):
+        return choices[0], {"method": method}
+
+    def cache_prefix(self, prompt):
+        pass
+
+
+def test_dtype_regexes_and_stops_as_sglang(rt):
+    from lmnb.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+
+    @sgl.function
+    def typed(s):
+        s += "n=" + sgl.gen("n", dtype=int) + " x=" + sgl.gen("x", dtype="float", stop="!")
+        s += " ok=" + sgl.gen("ok", dtype=bool) + " s=" + sgl.gen_string("s")
+
+    recorder = Recorder()
+    typed.run(backend=recorder).sync()
+    assert [p.regex for p in recorder.params] == [REGEX_INT, REGEX_FLOAT, REGEX_BOOL, REGEX_STR]
+    assert [p.stop for p in recorder.params] == [(" ", "\n"), ("!", " ", "\n"), None, None]
+    with pytest.warns(UserWarning, match="dtype"):
+        assert sgl.gen("n", dtype=int, regex="[0-9]").params.regex == REGEX_INT
+
+    # On the model: an int ends before any whitespace; a bool is True or False.
+    state = typed.run(backend=rt, temperature=1.0, max_new_tokens=8, seed=1)
+    meta = state.get_meta_info("n")
+    assert re.fullmatch(r"[-+]?[0-9]+", state["n"]) or meta["finish_reason"]["type"] == "length"
+    assert state["ok"] in ("True", "False")

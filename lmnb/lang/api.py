@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from lmnb.lang.ir import (
+    REGEX_BOOL,
+    REGEX_FLOAT,
+    REGEX_INT,
+    REGEX_STR,
     Expr,
     ExprList,
     Gen,
@@ -21,12 +26,9 @@ from lmnb.lang.ir import (
 
 CHOICES_METHODS = ("token_length_normalized", "greedy_token_selection",
                    "unconditional_likelihood_normalized")
-DTYPE_REGEXES = {
-    int: r"[-+]?(0|[1-9][0-9]*)",
-    float: r"[-+]?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?",
-    bool: r"(true|false)",
-    str: r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"',
-}
+# `gen(dtype=...)` as SGLang: a regex per type; int and float also stop at whitespace.
+DTYPE_REGEXES = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
+DTYPE_STOPS: dict[type, tuple[str, ...]] = {int: (" ", "\n"), float: (" ", "\n")}
 _DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -70,7 +72,8 @@ def gen(
     """Generates text into variable `name`. Unset arguments inherit the run's defaults; the
     sampling arguments are `lmnb.params`'s (`max_tokens`, `min_tokens` are SGLang's names for
     `max_new_tokens`, `min_new_tokens`; `seed` makes sampling reproducible). With `choices`, it
-    is a `select`; `dtype` (int, float, bool, str) constrains the output's form; `stop_regex`
+    is a `select`; `dtype` (int, float, bool, str) constrains the output as SGLang does
+    (`lmnb.lang.ir.REGEX_*`; int and float also stop at a space or newline); `stop_regex`
     (one or a list) cuts the output before the first match. With `return_logprob`, logprobs in
     `meta_info` are `(logprob, token_id)` pairs, or `(logprob, token_id, text)` with
     `return_text_in_logprobs` (SGLang's triples)."""
@@ -81,8 +84,11 @@ def gen(
         if kind not in DTYPE_REGEXES:
             raise ValueError(f"dtype must be one of int, float, bool, str; got {dtype!r}")
         if regex is not None:
-            raise ValueError("give either dtype or regex, not both")
+            warnings.warn(f"gen got both dtype and regex; dtype={dtype!r} is used (as SGLang)",
+                          stacklevel=2)
         regex = DTYPE_REGEXES[kind]
+        if kind in DTYPE_STOPS:
+            stop = (*([stop] if isinstance(stop, str) else stop or ()), *DTYPE_STOPS[kind])
     if regex is not None and json_schema is not None:
         raise ValueError("give either regex or json_schema, not both")
     params = GenParams(
