@@ -162,3 +162,40 @@ def test_dtype_regexes_and_stops_as_sglang(rt):
     meta = state.get_meta_info("n")
     assert re.fullmatch(r"[-+]?[0-9]+", state["n"]) or meta["finish_reason"]["type"] == "length"
     assert state["ok"] in ("True", "False")
+
+
+# ---- ProgramState --------------------------------------------------------------------------------
+def test_state_item_assignment_iterators_and_copy(backend):
+    @sgl.function
+    def chat(s, topic):
+        s["topic"] = topic
+        s += "Topic: " + topic + "\n"
+        with s.copy() as draft:
+            draft += "Draft:" + sgl.gen("draft", max_tokens=4, temperature=0)
+        s["draft"] = draft["draft"]
+        s += "Final:" + sgl.gen("final", max_tokens=4, temperature=0)
+
+    state = chat.run(topic="tea")
+    assert state["topic"] == "tea" and state["draft"]
+    assert not state.text().count("Draft:")  # the copy's text stays in the copy
+
+    streamed = chat.run(topic="tea", stream=True)
+    assert "".join(streamed.text_iter(var_name="final")) == state["final"]
+
+    async def collect() -> str:
+        return "".join([chunk async for chunk in streamed.text_async_iter(var_name="final")])
+
+    import asyncio
+
+    assert asyncio.run(collect()) == state["final"]
+    assert "".join(chat.run(topic="tea", stream=True).text_iter()) == state.text()
+
+
+def test_an_exception_in_the_body_surfaces_from_run(backend):
+    @sgl.function
+    def failing(s):
+        s += "x" + sgl.gen("a", max_tokens=2)
+        raise ZeroDivisionError("in the body")
+
+    with pytest.raises(ZeroDivisionError, match="in the body"):
+        failing.run()

@@ -10,11 +10,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any
@@ -173,6 +174,10 @@ class StateWriter:
     def set_var(self, name: str, value: Any) -> None:
         self._submit(SetVar(name, value))
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        """`s["x"] = value`, as SGLang: the same as `s.set_var("x", value)`."""
+        self.set_var(name, value)
+
     @contextmanager
     def var_scope(self, name: str) -> Iterator[None]:
         self._submit(VarScopeBegin(name))
@@ -267,9 +272,16 @@ class ProgramState(StateWriter):
         self.sync()
         return list(self._executor.spans)
 
-    def text_iter(self, var: str | None = None) -> Iterator[str]:
-        """Streams the text of variable `var` (or of the whole state) as it is generated."""
-        return self._executor.iter_text(var)
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Streams the text of variable `var_name` (or of the whole state) as it is generated."""
+        return self._executor.iter_text(var_name)
+
+    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+        """`text_iter` for asyncio: `async for chunk in state.text_async_iter("answer")`."""
+        chunks = self._executor.iter_text(var_name)
+        done = object()
+        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            yield chunk
 
     def error(self) -> BaseException | None:
         self.sync()
@@ -292,7 +304,14 @@ class ProgramState(StateWriter):
         return ProgramStateGroup([ProgramState(b, self._run) for b in branches], parent=self)
 
     def copy(self) -> ProgramState:
+        """One fork of this state; `with s.copy() as c:` ends it when the block ends."""
         return self.fork(1)[0]
+
+    def __enter__(self) -> ProgramState:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._executor.close()  # what was submitted still runs; reads keep working
 
     def join(self, forks: ProgramStateGroup | Sequence[ProgramState],
              mode: str = "gather_variable") -> None:
@@ -475,7 +494,8 @@ class Program:
         return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream)
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
-                 stream: bool, run: ProgramRun | None = None) -> ProgramState:
+                 stream: bool, run: ProgramRun | None = None, *,
+                 raise_body_error: bool = True) -> ProgramState:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         state = ProgramState(executor, run)
@@ -484,10 +504,14 @@ class Program:
         except KeyboardInterrupt:
             state.abort()
             raise
-        except Exception as error:  # kept, raised where the state is read
+        except Exception as error:
+            # Kept, raised where the state is read; and at once from `run()` as in SGLang (a
+            # streamed run returns its state first, so its reader sees it).
             executor.error = executor.error or error
             # Nothing more runs. The error's frames hold `s`: a live worker would keep it forever.
             executor.close()
+            if not stream and raise_body_error:
+                raise
         if not stream:
             state.sync()
         return state
@@ -509,7 +533,8 @@ class Program:
         prefix = constant_prefix(self, backend) if precache else ""
         return run_all(self.__name__, backend, prefix, batch,
                        lambda arguments, run: self._execute(backend, arguments, defaults,
-                                                            stream=False, run=run),
+                                                            stream=False, run=run,
+                                                            raise_body_error=False),
                        num_threads=num_threads, progress_bar=progress_bar)
 
     def trace(self, **kwargs: Any) -> Any:
