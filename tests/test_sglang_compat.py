@@ -199,3 +199,38 @@ def test_an_exception_in_the_body_surfaces_from_run(backend):
 
     with pytest.raises(ZeroDivisionError, match="in the body"):
         failing.run()
+
+
+# ---- fork / join, run_batch ----------------------------------------------------------------------
+def test_fork_join_as_sglang(backend):
+    @sgl.function
+    def tips(s):
+        s += "Tips:" + sgl.gen("intro", max_tokens=2, temperature=0)
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"\n{i + 1}." + sgl.gen("tip", max_tokens=3, temperature=0)
+            f += sgl.gen("intro", max_tokens=1, temperature=0)  # the parent's: kept there
+        forks.join()
+        s += "\nMore:"
+        again = s.fork(2)
+        again += sgl.gen("more", max_tokens=2, temperature=0)
+        again.join("concate_and_append")
+
+    state = tips.run()
+    assert isinstance(state["tip"], list) and len(state["tip"]) == 2
+    assert isinstance(state["intro"], str)
+    assert state.text().startswith("Tips:" + state["intro"] + "\nMore:")
+    assert len(state.text()) > len("Tips:" + state["intro"] + "\nMore:")
+
+
+def test_run_batch_with_positional_tuples(backend, capsys):
+    @sgl.function
+    def pair(s, a, b):
+        s += a + " and " + b + sgl.gen("rest", max_tokens=2, temperature=0)
+
+    states = pair.run_batch([("salt", "pepper"), ["oil", "vinegar"], {"a": "x", "b": "y"}])
+    assert [s.text().split(" and ")[0] for s in states] == ["salt", "oil", "x"]
+    assert states[1]["rest"] == pair.run("oil", "vinegar")["rest"]
+    assert "pair" not in capsys.readouterr().err  # no progress bar unless asked
+    compiled = pair.compile()
+    assert [s["rest"] for s in compiled.run_batch([("salt", "pepper")])] == [states[0]["rest"]]

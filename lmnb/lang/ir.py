@@ -192,6 +192,18 @@ class ForkItem(Expr):
     index: int
 
 
+JOIN_MODES = ("gather_variable", "concat_and_append")
+_JOIN_ALIASES = {"concate_and_append": "concat_and_append"}  # SGLang's spelling
+
+
+def join_mode(mode: str) -> str:
+    """The join mode `mode` names (SGLang's `concate_and_append` accepted)."""
+    mode = _JOIN_ALIASES.get(mode, mode)
+    if mode not in JOIN_MODES:
+        raise ValueError(f"unknown join mode {mode!r}; use one of {JOIN_MODES}")
+    return mode
+
+
 @dataclass(frozen=True)
 class Join(Expr):
     """Tracing: `mode` join of the branches `branch_ids` into the state."""

@@ -33,6 +33,7 @@ from lmnb.lang.ir import (
     SetVar,
     VarScopeBegin,
     VarScopeEnd,
+    join_mode,
     to_expr,
 )
 from lmnb.lang.progress import progress_bar as tqdm_bar
@@ -44,7 +45,6 @@ SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES if k not in ("n", "rege
 # The runtime's own scalar defaults; stop lists stay unset (the chat template may add its own).
 RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
                             if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})
-_JOIN_MODES = ("gather_variable", "concat_and_append")
 _ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistant}
 _POLL = 0.05  # seconds between checks while run_batch waits, so that Ctrl-C gets through
 
@@ -83,6 +83,14 @@ def batch_defaults(sampling: dict[str, Any]) -> GenParams:
     if unknown:
         raise TypeError(f"run_batch got unknown keyword arguments {unknown}")
     return run_defaults(sampling)
+
+
+def call_arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
+    """One `run_batch` item as (positional, keyword) arguments: a dict of keyword arguments or,
+    as SGLang accepts, a list or tuple of positional ones."""
+    if isinstance(item, list | tuple):
+        return tuple(item), {}
+    return (), dict(item)
 
 
 def run_defaults(sampling: dict[str, Any]) -> GenParams:
@@ -315,12 +323,11 @@ class ProgramState(StateWriter):
 
     def join(self, forks: ProgramStateGroup | Sequence[ProgramState],
              mode: str = "gather_variable") -> None:
-        """Merges branches: `gather_variable` makes each new variable a list over branches;
-        `concat_and_append` appends each branch's new text in order."""
-        if mode not in _JOIN_MODES:
-            raise ValueError(f"unknown join mode {mode!r}; use one of {_JOIN_MODES}")
+        """Merges branches: `gather_variable` makes each variable the parent does not have a
+        list over branches; `concat_and_append` (or SGLang's `concate_and_append`) appends each
+        branch's new text in order."""
         branches = tuple(state.executor for state in forks)
-        self._executor.submit(JoinBranches(branches, mode))
+        self._executor.submit(JoinBranches(branches, join_mode(mode)))
 
     def abort(self) -> None:
         self._run.abort()
@@ -516,14 +523,15 @@ class Program:
             state.sync()
         return state
 
-    def run_batch(self, batch_kwargs: Sequence[dict[str, Any]], *, backend: Any = None,
-                  num_threads: int | str = "auto", progress_bar: bool = True,
-                  **sampling: Any) -> list[ProgramState]:
-        """Runs the program once per kwargs dict, concurrently. The programs' common constant
-        prefix is sent to the backend's cache first, so every run hits it."""
+    def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
+                  backend: Any = None, num_threads: int | str = "auto",
+                  progress_bar: bool = False, **sampling: Any) -> list[ProgramState]:
+        """Runs the program once per kwargs dict (or tuple of positional arguments),
+        concurrently. The programs' common constant prefix is sent to the backend's cache
+        first, so every run hits it."""
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
-        batch = [self.split_arguments((), dict(kwargs))[0] for kwargs in batch_kwargs]
+        batch = [self.split_arguments(*call_arguments(item))[0] for item in batch_kwargs]
         if not batch:
             return []
         from lmnb.lang.global_config import global_config

@@ -40,12 +40,12 @@ from lmnb.lang.ir import (
     VarScopeBegin,
     VarScopeEnd,
     Video,
+    join_mode,
 )
 from lmnb.lang.program import ProgramStateGroup, StateWriter  # program imports us lazily
 
 _OPEN, _CLOSE, _SEP = "\ue000", "\ue001", "\ue002"
 _PLACEHOLDER = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
-_JOIN_MODES = ("gather_variable", "concat_and_append")
 
 Ref = Argument | Variable
 
@@ -589,9 +589,7 @@ class TracingState(StateWriter):
 
     def join(self, forks: ProgramStateGroup | Sequence[TracingState],
              mode: str = "gather_variable") -> None:
-        if mode not in _JOIN_MODES:
-            raise ValueError(f"unknown join mode {mode!r}; use one of {_JOIN_MODES}")
-        self._record(Join(tuple(state.state_id for state in forks), mode))
+        self._record(Join(tuple(state.state_id for state in forks), join_mode(mode)))
 
     def __repr__(self) -> str:
         return f"TracingState({self.state_id}, {len(self._state.nodes)} nodes)"
