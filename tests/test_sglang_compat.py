@@ -172,11 +172,12 @@ def test_state_item_assignment_iterators_and_copy(backend):
         s += "Topic: " + topic + "\n"
         with s.copy() as draft:
             draft += "Draft:" + sgl.gen("draft", max_tokens=4, temperature=0)
-        s["draft"] = draft["draft"]
+        s["first_draft"] = draft["draft"]
         s += "Final:" + sgl.gen("final", max_tokens=4, temperature=0)
 
     state = chat.run(topic="tea")
-    assert state["topic"] == "tea" and state["draft"]
+    assert state["topic"] == "tea"
+    assert state["draft"] == [state["first_draft"]]  # joined back at the block's end
     assert not state.text().count("Draft:")  # the copy's text stays in the copy
 
     streamed = chat.run(topic="tea", stream=True)
@@ -234,3 +235,17 @@ def test_run_batch_with_positional_tuples(backend, capsys):
     assert "pair" not in capsys.readouterr().err  # no progress bar unless asked
     compiled = pair.compile()
     assert [s["rest"] for s in compiled.run_batch([("salt", "pepper")])] == [states[0]["rest"]]
+
+
+def test_copy_block_traces_and_compiles(backend):
+    @sgl.function
+    def drafts(s, topic):
+        s += "Topic: " + topic + "\n"
+        with s.copy() as draft:
+            draft += "Draft:" + sgl.gen("draft", max_tokens=3, temperature=0)
+        s += "Final:" + sgl.gen("final", max_tokens=3, temperature=0)
+
+    expected = drafts.run(topic="tea")
+    compiled = drafts.compile().run(topic="tea")
+    assert compiled["draft"] == expected["draft"] and len(expected["draft"]) == 1
+    assert compiled.text() == expected.text()

@@ -223,6 +223,7 @@ class ProgramState(StateWriter):
         self._run = run or ProgramRun()
         self._run.add(executor)
         self.ret_value: Any = None
+        self._copy_of: ProgramState | None = None  # the parent of `s.copy()`, joined at `with` end
         weakref.finalize(self, executor.close)
 
     @property
@@ -312,13 +313,18 @@ class ProgramState(StateWriter):
         return ProgramStateGroup([ProgramState(b, self._run) for b in branches], parent=self)
 
     def copy(self) -> ProgramState:
-        """One fork of this state; `with s.copy() as c:` ends it when the block ends."""
-        return self.fork(1)[0]
+        """One fork of this state. As in SGLang, `with s.copy() as c:` joins it back when the
+        block ends (`gather_variable`: its new variables become one-item lists in `s`)."""
+        branch = self.fork(1)[0]
+        branch._copy_of = self
+        return branch
 
     def __enter__(self) -> ProgramState:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if self._copy_of is not None and exc_info[0] is None:
+            self._copy_of.join([self])
         self._executor.close()  # what was submitted still runs; reads keep working
 
     def join(self, forks: ProgramStateGroup | Sequence[ProgramState],

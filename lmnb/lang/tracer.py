@@ -559,7 +559,7 @@ class TracingState(StateWriter):
     def spans(self) -> list[tuple[str, int, int]]:
         self._unknown("the spans")
 
-    def text_iter(self, var: str | None = None) -> Iterator[str]:
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         self._unknown("the text")
 
     def error(self) -> BaseException | None:
@@ -585,7 +585,18 @@ class TracingState(StateWriter):
         return ProgramStateGroup(branches, parent=self)
 
     def copy(self) -> TracingState:
-        return self.fork(1)[0]
+        """As `ProgramState.copy`: `with s.copy() as c:` joins `c` back at the block's end."""
+        branch = self.fork(1)[0]
+        branch._copy_of = self
+        return branch
+
+    def __enter__(self) -> TracingState:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        parent = getattr(self, "_copy_of", None)
+        if parent is not None and exc_info[0] is None:
+            parent.join([self])
 
     def join(self, forks: ProgramStateGroup | Sequence[TracingState],
              mode: str = "gather_variable") -> None:
