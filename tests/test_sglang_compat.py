@@ -249,3 +249,19 @@ def test_copy_block_traces_and_compiles(backend):
     compiled = drafts.compile().run(topic="tea")
     assert compiled["draft"] == expected["draft"] and len(expected["draft"]) == 1
     assert compiled.text() == expected.text()
+
+
+def test_trace_compile_and_cache_take_sglangs_arguments(backend):
+    @sgl.function
+    def shared(s, question):
+        s += "You answer questions about tea.\n" * 4
+        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=2, temperature=0)
+
+    traced = shared.trace(backend=backend)
+    assert traced.last_node is not None and traced.last_node == traced.nodes()[-1]
+    prefix = shared.cache()
+    assert prefix.startswith("You answer questions about tea.")
+    hits = backend.stats()["cached_tokens"]
+    state = shared.compile(backend=backend).run(question="Green?")
+    assert state.get_meta_info("answer")["cached_tokens"] > 0
+    assert backend.stats()["cached_tokens"] > hits

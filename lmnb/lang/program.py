@@ -551,17 +551,32 @@ class Program:
                                                             raise_body_error=False),
                        num_threads=num_threads, progress_bar=progress_bar)
 
-    def trace(self, **kwargs: Any) -> Any:
-        """The program as an IR graph; unbound arguments stay symbolic."""
+    def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:
+        """The program as an IR graph; unbound arguments stay symbolic. The graph does not
+        depend on a backend (`backend` is accepted as in SGLang)."""
+        del backend
         from lmnb.lang.tracer import trace_program
 
         return trace_program(self, {**self.bound, **kwargs})
 
-    def compile(self) -> Any:
-        """A graph-executed version of the program (no data-dependent control flow)."""
+    def compile(self, *, backend: Any = None) -> Any:
+        """A graph-executed version of the program (no data-dependent control flow); the backend
+        is chosen when it runs (`backend` is accepted as in SGLang)."""
+        del backend
         from lmnb.lang.compiler import CompiledProgram
 
         return CompiledProgram(self)
+
+    def cache(self, backend: Any = None) -> str:
+        """SGLang's `cache`: sends the text every run of the program starts with (its constant
+        prefix, found by tracing) to the backend's prefix cache; returns that text."""
+        from lmnb.lang.tracer import constant_prefix
+
+        backend = as_backend(backend)
+        prefix = constant_prefix(self, backend)
+        if prefix:
+            backend.cache_prefix(prefix)
+        return prefix
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)

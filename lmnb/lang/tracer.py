@@ -329,6 +329,12 @@ class TracedProgram:
         return tuple(self.states[state_id].nodes)
 
     @property
+    def last_node(self) -> Expr | None:
+        """The root state's last node (SGLang's `last_node`), None for an empty program."""
+        nodes = self.states[0].nodes
+        return nodes[-1] if nodes else None
+
+    @property
     def variables(self) -> dict[int, tuple[str, ...]]:
         """Per state, the names of the variables it sets (in order of first setting)."""
         names: dict[int, tuple[str, ...]] = {}
