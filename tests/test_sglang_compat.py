@@ -176,6 +176,7 @@ def test_state_item_assignment_iterators_and_copy(backend):
         s += "Final:" + sgl.gen("final", max_tokens=4, temperature=0)
 
     state = chat.run(topic="tea")
+    assert repr(state) == f"ProgramState({state.text()})"
     assert state["topic"] == "tea"
     assert state["draft"] == [state["first_draft"]]  # joined back at the block's end
     assert not state.text().count("Draft:")  # the copy's text stays in the copy

@@ -352,8 +352,9 @@ class ProgramState(StateWriter):
         return self._executor.idle
 
     def __repr__(self) -> str:
-        executor = self._executor
-        return f"ProgramState(text={executor.text_!r}, variables={sorted(executor.variables)})"
+        """SGLang's form, `ProgramState(<text>)`; the text so far while the program runs (a
+        repr never waits)."""
+        return f"ProgramState({self._executor.text_})"
 
 
 class ProgramStateGroup:
