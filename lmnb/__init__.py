@@ -24,6 +24,12 @@ from lmnb.lang.api import (
     user_end,
     video,
 )
+from lmnb.lang.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
+from lmnb.lang.global_config import global_config
 from lmnb.lang.program import (
     Program,
     ProgramState,
@@ -35,16 +41,42 @@ from lmnb.lang.program import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "LocalBackend", "OpenAI", "Program", "ProgramState", "Runtime", "__version__", "assistant",
-    "assistant_begin", "assistant_end", "default_backend", "function", "gen", "gen_int",
-    "gen_string", "image", "select", "set_default_backend", "system", "system_begin",
-    "system_end", "user", "user_begin", "user_end", "video",
+    "Engine", "LocalBackend", "OpenAI", "Program", "ProgramState", "Runtime", "RuntimeEndpoint",
+    "__version__", "assistant", "assistant_begin", "assistant_end", "default_backend",
+    "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "global_config",
+    "greedy_token_selection", "image", "select", "set_default_backend", "system", "system_begin",
+    "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
+    "user_begin", "user_end", "video",
 ]
 
 if TYPE_CHECKING:
+    from lmnb.lang.backends.endpoint import RuntimeEndpoint
     from lmnb.lang.backends.local import LocalBackend
     from lmnb.lang.backends.openai import OpenAI
     from lmnb.runtime.engine import Runtime
+    from lmnb.runtime.engine import Runtime as Engine
+
+
+def _backend_call(name: str, backend: Any) -> Any:
+    from lmnb.lang.program import as_backend
+
+    backend = as_backend(backend)
+    call = getattr(backend, name, None)
+    if call is None:
+        raise NotImplementedError(f"{type(backend).__name__} has no {name}()")
+    return call()
+
+
+def flush_cache(backend: Any = None) -> bool:
+    """SGLang's `sgl.flush_cache()`: empties the prefix cache of `backend` (default: the default
+    backend); False while requests are running or waiting."""
+    return _backend_call("flush_cache", backend)
+
+
+def get_server_info(backend: Any = None) -> dict[str, Any]:
+    """SGLang's `sgl.get_server_info()`: the settings and statistics of `backend`'s runtime
+    (default: the default backend's)."""
+    return _backend_call("get_server_info", backend)
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -62,10 +94,14 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Runtime":
+    if name in ("Runtime", "Engine"):  # Engine: SGLang's name for the in-process runtime
         from lmnb.runtime.engine import Runtime
 
         return Runtime
+    if name == "RuntimeEndpoint":
+        from lmnb.lang.backends.endpoint import RuntimeEndpoint
+
+        return RuntimeEndpoint
     if name == "LocalBackend":
         from lmnb.lang.backends.local import LocalBackend
 

@@ -404,14 +404,16 @@ def test_an_exception_in_the_program_is_raised_where_read():
         s += "a" + gen("x")
         raise ValueError("boom")
 
-    for stream in (False, True):
-        state = failing.run(backend=FakeBackend(delay=0.05), stream=stream)
-        with pytest.raises(ProgramError, match="boom") as info:
-            call_with_timeout(lambda state=state: state["x"])
-        assert isinstance(info.value.__cause__, ValueError)
-        with pytest.raises(ProgramError, match="boom"):
-            state.text()
-        assert isinstance(state.error(), ValueError)
+    with pytest.raises(ValueError, match="boom"):  # from run(), as in SGLang
+        failing.run(backend=FakeBackend(delay=0.05))
+    # A streamed run returns its state first: the error is raised where the state is read.
+    state = failing.run(backend=FakeBackend(delay=0.05), stream=True)
+    with pytest.raises(ProgramError, match="boom") as info:
+        call_with_timeout(lambda: state["x"])
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(ProgramError, match="boom"):
+        state.text()
+    assert isinstance(state.error(), ValueError)
 
 
 def test_an_error_in_the_stream_is_raised_where_read(rt):
@@ -673,7 +675,7 @@ def test_no_threads_leak():
         if k % 4 == 0:
             state = branches.run(width=2, backend=FakeBackend())
         elif k % 4 == 1:
-            state = failing.run(backend=FakeBackend())
+            state = failing.run(backend=FakeBackend(), stream=True)
         elif k % 4 == 2:
             state = qa.run(question="q", backend=FakeBackend(error=InvalidRequestError("no")))
         else:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from lmnb.lang.ir import (
+    REGEX_BOOL,
+    REGEX_FLOAT,
+    REGEX_INT,
+    REGEX_STR,
     Expr,
     ExprList,
     Gen,
@@ -21,12 +26,9 @@ from lmnb.lang.ir import (
 
 CHOICES_METHODS = ("token_length_normalized", "greedy_token_selection",
                    "unconditional_likelihood_normalized")
-DTYPE_REGEXES = {
-    int: r"[-+]?(0|[1-9][0-9]*)",
-    float: r"[-+]?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?",
-    bool: r"(true|false)",
-    str: r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"',
-}
+# `gen(dtype=...)` as SGLang: a regex per type; int and float also stop at whitespace.
+DTYPE_REGEXES = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
+DTYPE_STOPS: dict[type, tuple[str, ...]] = {int: (" ", "\n"), float: (" ", "\n")}
 _DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -59,6 +61,7 @@ def gen(
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
     dtype: type | str | None = None,
     choices: Sequence[str] | None = None,
     choices_method: str = "token_length_normalized",
@@ -69,8 +72,11 @@ def gen(
     """Generates text into variable `name`. Unset arguments inherit the run's defaults; the
     sampling arguments are `lmnb.params`'s (`max_tokens`, `min_tokens` are SGLang's names for
     `max_new_tokens`, `min_new_tokens`; `seed` makes sampling reproducible). With `choices`, it
-    is a `select`; `dtype` (int, float, bool, str) constrains the output's form; `stop_regex`
-    (one or a list) cuts the output before the first match."""
+    is a `select`; `dtype` (int, float, bool, str) constrains the output as SGLang does
+    (`lmnb.lang.ir.REGEX_*`; int and float also stop at a space or newline); `stop_regex`
+    (one or a list) cuts the output before the first match. With `return_logprob`, logprobs in
+    `meta_info` are `(logprob, token_id)` pairs, or `(logprob, token_id, text)` with
+    `return_text_in_logprobs` (SGLang's triples)."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
     if dtype is not None:
@@ -78,8 +84,11 @@ def gen(
         if kind not in DTYPE_REGEXES:
             raise ValueError(f"dtype must be one of int, float, bool, str; got {dtype!r}")
         if regex is not None:
-            raise ValueError("give either dtype or regex, not both")
+            warnings.warn(f"gen got both dtype and regex; dtype={dtype!r} is used (as SGLang)",
+                          stacklevel=2)
         regex = DTYPE_REGEXES[kind]
+        if kind in DTYPE_STOPS:
+            stop = (*([stop] if isinstance(stop, str) else stop or ()), *DTYPE_STOPS[kind])
     if regex is not None and json_schema is not None:
         raise ValueError("give either regex or json_schema, not both")
     params = GenParams(
@@ -88,7 +97,8 @@ def gen(
         top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, seed=seed, ignore_eos=ignore_eos,
         return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, regex=regex,
+        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs, regex=regex,
         json_schema=_schema_text(json_schema))
     return Gen(name, params)
 
@@ -101,17 +111,20 @@ def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
     return gen(name, dtype=str, **kwargs)
 
 
-def select(name: str | None = None, choices: Sequence[str] | None = None, *,
-           choices_method: str = "token_length_normalized", temperature: float = 0.0) -> Select:
-    """Picks one of `choices` by its likelihood after the text so far (no sampling)."""
+def select(name: str | None = None, choices: Sequence[str] | None = None,
+           temperature: float = 0.0,
+           choices_method: str = "token_length_normalized") -> Select:
+    """Picks one of `choices` by its likelihood after the text so far (no sampling).
+    `choices_method` is a method name or one of `lmnb.token_length_normalized`,
+    `lmnb.greedy_token_selection`, `lmnb.unconditional_likelihood_normalized`."""
     del temperature  # accepted for SGLang compatibility; scoring is deterministic
     if not choices:
         raise ValueError("select needs a non-empty list of choices")
     if isinstance(choices, str) or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"select choices must be a list of non-empty strings, got {choices!r}")
-    if choices_method not in CHOICES_METHODS:
+    if not isinstance(choices_method, str) or choices_method not in CHOICES_METHODS:
         raise ValueError(f"unknown choices_method {choices_method!r}; use one of {CHOICES_METHODS}")
-    return Select(name, tuple(choices), choices_method)
+    return Select(name, tuple(choices), str(choices_method))
 
 
 def image(source: Any) -> Image:

@@ -235,3 +235,30 @@ class RuntimeChoiceScorer:
 
     def cache_prefix(self, input_ids: list[int]) -> None:
         self.runtime.cache_prefix(input_ids=list(input_ids))
+
+
+class ChoicesMethod(str):
+    """A choices method by name, importable as in SGLang (`lmnb.greedy_token_selection`): a `str`
+    (accepted wherever a method name is) that also scores: `method(scorer, prompt, choices)`."""
+
+    __slots__ = ()
+
+    def __new__(cls, name: str) -> ChoicesMethod:
+        if name not in _METHODS:
+            raise ValueError(f"unknown choices method {name!r}; use one of {METHODS}")
+        return super().__new__(cls, name)
+
+    @property
+    def requires_unconditional_logprobs(self) -> bool:
+        return self == "unconditional_likelihood_normalized"
+
+    def __call__(self, scorer: ChoiceScorer, prompt: str, choices: Sequence[str]) -> ChoiceResult:
+        return select_choice(scorer, prompt, choices, str(self))
+
+    def __repr__(self) -> str:
+        return f"ChoicesMethod({str(self)!r})"
+
+
+token_length_normalized = ChoicesMethod("token_length_normalized")
+greedy_token_selection = ChoicesMethod("greedy_token_selection")
+unconditional_likelihood_normalized = ChoicesMethod("unconditional_likelihood_normalized")

@@ -46,6 +46,7 @@ from lmnb.lang.program import (
     ProgramState,
     as_backend,
     batch_defaults,
+    call_arguments,
     run_all,
     run_defaults,
 )
@@ -325,14 +326,14 @@ class CompiledProgram:
             state.sync()
         return state
 
-    def run_batch(self, batch_kwargs: Sequence[dict[str, Any]], *, backend: Any = None,
-                  num_threads: int | str = "auto", progress_bar: bool = True,
-                  **sampling: Any) -> list[ProgramState]:
+    def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
+                  backend: Any = None, num_threads: int | str = "auto",
+                  progress_bar: bool = False, **sampling: Any) -> list[ProgramState]:
         """Runs the graph once per kwargs dict, concurrently, after caching the constant prefix
         (as `Program.run_batch`)."""
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
-        batch = [self._arguments((), dict(kwargs))[0] for kwargs in batch_kwargs]
+        batch = [self._arguments(*call_arguments(item))[0] for item in batch_kwargs]
         if not batch:
             return []
         return run_all(self.__name__, backend, self.traced.constant_text(backend.chat_template),

@@ -448,9 +448,9 @@ class StreamExecutor:
             branch.sync()
             branch.raise_error()
         if expr.mode == "gather_variable":
+            # As SGLang: a variable the parent has already is kept as it is.
             names = {name for branch in expr.branches for name in branch.variables
-                     if name not in self.variables
-                     or branch.variables[name] is not self.variables.get(name)}
+                     if name not in self.variables}
             for name in sorted(names):
                 self.variables[name] = [branch.variables.get(name) for branch in expr.branches]
                 self._finish_var(name)

@@ -8,6 +8,14 @@ from typing import Any
 
 from lmnb.params import stop_regex_patterns
 
+# `gen(dtype=...)`'s constraints, as SGLang's (`sglang.lang.ir`): int and float may end in spaces
+# or newlines, which the automatic stop (" ", "\n") then cuts; str is a quoted run of word
+# characters and spaces.
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""
+
 
 class Expr:
     """Base of every node; `a + b` builds an `ExprList`."""
@@ -73,6 +81,7 @@ class GenParams:
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
     regex: str | None = None
     json_schema: str | None = None
 
@@ -181,6 +190,18 @@ class ForkItem(Expr):
     state_id: int
     fork_id: int
     index: int
+
+
+JOIN_MODES = ("gather_variable", "concat_and_append")
+_JOIN_ALIASES = {"concate_and_append": "concat_and_append"}  # SGLang's spelling
+
+
+def join_mode(mode: str) -> str:
+    """The join mode `mode` names (SGLang's `concate_and_append` accepted)."""
+    mode = _JOIN_ALIASES.get(mode, mode)
+    if mode not in JOIN_MODES:
+        raise ValueError(f"unknown join mode {mode!r}; use one of {JOIN_MODES}")
+    return mode
 
 
 @dataclass(frozen=True)

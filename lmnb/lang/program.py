@@ -10,11 +10,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +33,7 @@ from lmnb.lang.ir import (
     SetVar,
     VarScopeBegin,
     VarScopeEnd,
+    join_mode,
     to_expr,
 )
 from lmnb.lang.progress import progress_bar as tqdm_bar
@@ -43,7 +45,6 @@ SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES if k not in ("n", "rege
 # The runtime's own scalar defaults; stop lists stay unset (the chat template may add its own).
 RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
                             if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})
-_JOIN_MODES = ("gather_variable", "concat_and_append")
 _ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistant}
 _POLL = 0.05  # seconds between checks while run_batch waits, so that Ctrl-C gets through
 
@@ -82,6 +83,14 @@ def batch_defaults(sampling: dict[str, Any]) -> GenParams:
     if unknown:
         raise TypeError(f"run_batch got unknown keyword arguments {unknown}")
     return run_defaults(sampling)
+
+
+def call_arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
+    """One `run_batch` item as (positional, keyword) arguments: a dict of keyword arguments or,
+    as SGLang accepts, a list or tuple of positional ones."""
+    if isinstance(item, list | tuple):
+        return tuple(item), {}
+    return (), dict(item)
 
 
 def run_defaults(sampling: dict[str, Any]) -> GenParams:
@@ -173,6 +182,10 @@ class StateWriter:
     def set_var(self, name: str, value: Any) -> None:
         self._submit(SetVar(name, value))
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        """`s["x"] = value`, as SGLang: the same as `s.set_var("x", value)`."""
+        self.set_var(name, value)
+
     @contextmanager
     def var_scope(self, name: str) -> Iterator[None]:
         self._submit(VarScopeBegin(name))
@@ -210,6 +223,7 @@ class ProgramState(StateWriter):
         self._run = run or ProgramRun()
         self._run.add(executor)
         self.ret_value: Any = None
+        self._copy_of: ProgramState | None = None  # the parent of `s.copy()`, joined at `with` end
         weakref.finalize(self, executor.close)
 
     @property
@@ -239,8 +253,15 @@ class ProgramState(StateWriter):
         return self[name]
 
     def get_meta_info(self, name: str) -> Any:
-        self._executor.get_var(name)
-        return self._executor.meta_info.get(name)
+        """The meta info of gen/select `name` once it is done; None if the program sets no such
+        variable (as SGLang)."""
+        executor = self._executor
+        if name not in executor.variables:
+            self.sync()
+            if name not in executor.variables:
+                executor.raise_error()
+                return None
+        return executor.meta_info.get(name)
 
     def text(self) -> str:
         return self._executor.text()
@@ -260,9 +281,16 @@ class ProgramState(StateWriter):
         self.sync()
         return list(self._executor.spans)
 
-    def text_iter(self, var: str | None = None) -> Iterator[str]:
-        """Streams the text of variable `var` (or of the whole state) as it is generated."""
-        return self._executor.iter_text(var)
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Streams the text of variable `var_name` (or of the whole state) as it is generated."""
+        return self._executor.iter_text(var_name)
+
+    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+        """`text_iter` for asyncio: `async for chunk in state.text_async_iter("answer")`."""
+        chunks = self._executor.iter_text(var_name)
+        done = object()
+        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            yield chunk
 
     def error(self) -> BaseException | None:
         self.sync()
@@ -285,16 +313,27 @@ class ProgramState(StateWriter):
         return ProgramStateGroup([ProgramState(b, self._run) for b in branches], parent=self)
 
     def copy(self) -> ProgramState:
-        return self.fork(1)[0]
+        """One fork of this state. As in SGLang, `with s.copy() as c:` joins it back when the
+        block ends (`gather_variable`: its new variables become one-item lists in `s`)."""
+        branch = self.fork(1)[0]
+        branch._copy_of = self
+        return branch
+
+    def __enter__(self) -> ProgramState:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._copy_of is not None and exc_info[0] is None:
+            self._copy_of.join([self])
+        self._executor.close()  # what was submitted still runs; reads keep working
 
     def join(self, forks: ProgramStateGroup | Sequence[ProgramState],
              mode: str = "gather_variable") -> None:
-        """Merges branches: `gather_variable` makes each new variable a list over branches;
-        `concat_and_append` appends each branch's new text in order."""
-        if mode not in _JOIN_MODES:
-            raise ValueError(f"unknown join mode {mode!r}; use one of {_JOIN_MODES}")
+        """Merges branches: `gather_variable` makes each variable the parent does not have a
+        list over branches; `concat_and_append` (or SGLang's `concate_and_append`) appends each
+        branch's new text in order."""
         branches = tuple(state.executor for state in forks)
-        self._executor.submit(JoinBranches(branches, mode))
+        self._executor.submit(JoinBranches(branches, join_mode(mode)))
 
     def abort(self) -> None:
         self._run.abort()
@@ -313,8 +352,9 @@ class ProgramState(StateWriter):
         return self._executor.idle
 
     def __repr__(self) -> str:
-        executor = self._executor
-        return f"ProgramState(text={executor.text_!r}, variables={sorted(executor.variables)})"
+        """SGLang's form, `ProgramState(<text>)`; the text so far while the program runs (a
+        repr never waits)."""
+        return f"ProgramState({self._executor.text_})"
 
 
 class ProgramStateGroup:
@@ -468,7 +508,8 @@ class Program:
         return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream)
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
-                 stream: bool, run: ProgramRun | None = None) -> ProgramState:
+                 stream: bool, run: ProgramRun | None = None, *,
+                 raise_body_error: bool = True) -> ProgramState:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         state = ProgramState(executor, run)
@@ -477,42 +518,66 @@ class Program:
         except KeyboardInterrupt:
             state.abort()
             raise
-        except Exception as error:  # kept, raised where the state is read
+        except Exception as error:
+            # Kept, raised where the state is read; and at once from `run()` as in SGLang (a
+            # streamed run returns its state first, so its reader sees it).
             executor.error = executor.error or error
             # Nothing more runs. The error's frames hold `s`: a live worker would keep it forever.
             executor.close()
+            if not stream and raise_body_error:
+                raise
         if not stream:
             state.sync()
         return state
 
-    def run_batch(self, batch_kwargs: Sequence[dict[str, Any]], *, backend: Any = None,
-                  num_threads: int | str = "auto", progress_bar: bool = True,
-                  **sampling: Any) -> list[ProgramState]:
-        """Runs the program once per kwargs dict, concurrently. The programs' common constant
-        prefix is sent to the backend's cache first, so every run hits it."""
+    def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
+                  backend: Any = None, num_threads: int | str = "auto",
+                  progress_bar: bool = False, **sampling: Any) -> list[ProgramState]:
+        """Runs the program once per kwargs dict (or tuple of positional arguments),
+        concurrently. The programs' common constant prefix is sent to the backend's cache
+        first, so every run hits it."""
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
-        batch = [self.split_arguments((), dict(kwargs))[0] for kwargs in batch_kwargs]
+        batch = [self.split_arguments(*call_arguments(item))[0] for item in batch_kwargs]
         if not batch:
             return []
+        from lmnb.lang.global_config import global_config
         from lmnb.lang.tracer import constant_prefix
 
-        return run_all(self.__name__, backend, constant_prefix(self, backend), batch,
+        precache = global_config.enable_precache_with_tracing
+        prefix = constant_prefix(self, backend) if precache else ""
+        return run_all(self.__name__, backend, prefix, batch,
                        lambda arguments, run: self._execute(backend, arguments, defaults,
-                                                            stream=False, run=run),
+                                                            stream=False, run=run,
+                                                            raise_body_error=False),
                        num_threads=num_threads, progress_bar=progress_bar)
 
-    def trace(self, **kwargs: Any) -> Any:
-        """The program as an IR graph; unbound arguments stay symbolic."""
+    def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:
+        """The program as an IR graph; unbound arguments stay symbolic. The graph does not
+        depend on a backend (`backend` is accepted as in SGLang)."""
+        del backend
         from lmnb.lang.tracer import trace_program
 
         return trace_program(self, {**self.bound, **kwargs})
 
-    def compile(self) -> Any:
-        """A graph-executed version of the program (no data-dependent control flow)."""
+    def compile(self, *, backend: Any = None) -> Any:
+        """A graph-executed version of the program (no data-dependent control flow); the backend
+        is chosen when it runs (`backend` is accepted as in SGLang)."""
+        del backend
         from lmnb.lang.compiler import CompiledProgram
 
         return CompiledProgram(self)
+
+    def cache(self, backend: Any = None) -> str:
+        """SGLang's `cache`: sends the text every run of the program starts with (its constant
+        prefix, found by tracing) to the backend's prefix cache; returns that text."""
+        from lmnb.lang.tracer import constant_prefix
+
+        backend = as_backend(backend)
+        prefix = constant_prefix(self, backend)
+        if prefix:
+            backend.cache_prefix(prefix)
+        return prefix
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)

@@ -25,7 +25,8 @@ from lmnb.lang.ir import GenParams
 # Parameters a speculative call and the gens served from it must agree on, except these: the
 # stop strings and token budget are the gen's own, checked against the speculated text instead;
 # logprobs only report on the output.
-_PER_GEN = ("stop", "max_new_tokens", "return_logprob", "top_logprobs_num", "logprob_start_len")
+_PER_GEN = ("stop", "max_new_tokens", "return_logprob", "top_logprobs_num", "logprob_start_len",
+            "return_text_in_logprobs")
 
 
 def can_serve(params: GenParams) -> bool:

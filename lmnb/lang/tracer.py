@@ -40,12 +40,12 @@ from lmnb.lang.ir import (
     VarScopeBegin,
     VarScopeEnd,
     Video,
+    join_mode,
 )
 from lmnb.lang.program import ProgramStateGroup, StateWriter  # program imports us lazily
 
 _OPEN, _CLOSE, _SEP = "\ue000", "\ue001", "\ue002"
 _PLACEHOLDER = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
-_JOIN_MODES = ("gather_variable", "concat_and_append")
 
 Ref = Argument | Variable
 
@@ -329,6 +329,12 @@ class TracedProgram:
         return tuple(self.states[state_id].nodes)
 
     @property
+    def last_node(self) -> Expr | None:
+        """The root state's last node (SGLang's `last_node`), None for an empty program."""
+        nodes = self.states[0].nodes
+        return nodes[-1] if nodes else None
+
+    @property
     def variables(self) -> dict[int, tuple[str, ...]]:
         """Per state, the names of the variables it sets (in order of first setting)."""
         names: dict[int, tuple[str, ...]] = {}
@@ -559,7 +565,7 @@ class TracingState(StateWriter):
     def spans(self) -> list[tuple[str, int, int]]:
         self._unknown("the spans")
 
-    def text_iter(self, var: str | None = None) -> Iterator[str]:
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         self._unknown("the text")
 
     def error(self) -> BaseException | None:
@@ -585,13 +591,22 @@ class TracingState(StateWriter):
         return ProgramStateGroup(branches, parent=self)
 
     def copy(self) -> TracingState:
-        return self.fork(1)[0]
+        """As `ProgramState.copy`: `with s.copy() as c:` joins `c` back at the block's end."""
+        branch = self.fork(1)[0]
+        branch._copy_of = self
+        return branch
+
+    def __enter__(self) -> TracingState:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        parent = getattr(self, "_copy_of", None)
+        if parent is not None and exc_info[0] is None:
+            parent.join([self])
 
     def join(self, forks: ProgramStateGroup | Sequence[TracingState],
              mode: str = "gather_variable") -> None:
-        if mode not in _JOIN_MODES:
-            raise ValueError(f"unknown join mode {mode!r}; use one of {_JOIN_MODES}")
-        self._record(Join(tuple(state.state_id for state in forks), mode))
+        self._record(Join(tuple(state.state_id for state in forks), join_mode(mode)))
 
     def __repr__(self) -> str:
         return f"TracingState({self.state_id}, {len(self._state.nodes)} nodes)"

@@ -20,6 +20,27 @@ _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, ev
 _SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES if k in SAMPLING_PARAM_NAMES)
 
 
+_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
+_TOP_LOGPROB_KEYS = ("input_top_logprobs", "output_top_logprobs")
+
+
+def with_token_texts(meta: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """`meta` with its `(logprob, token_id)` pairs as `(logprob, token_id, text)` triples."""
+
+    def triple(pair: Any) -> tuple[Any, int, str]:
+        logprob, token_id = pair[0], pair[1]
+        return logprob, token_id, tokenizer.decode([token_id])
+
+    out = dict(meta)
+    for key in _LOGPROB_KEYS:
+        if out.get(key) is not None:
+            out[key] = [triple(p) for p in out[key]]
+    for key in _TOP_LOGPROB_KEYS:
+        if out.get(key) is not None:
+            out[key] = [None if row is None else [triple(p) for p in row] for row in out[key]]
+    return out
+
+
 class LocalBackend:
     """Backend over a `Runtime` living in this process (the kernel's)."""
 
@@ -70,6 +91,8 @@ class LocalBackend:
                     break
         finally:
             chunks.close()  # aborts whatever is still running
+        if params.return_text_in_logprobs:
+            metas = [with_token_texts(meta, self.runtime.tokenizer) for meta in metas]
         if n == 1:
             return Generation(texts[0], metas[0])
         return Generation(texts, metas)
@@ -84,3 +107,22 @@ class LocalBackend:
         if prompt:
             self.runtime.cache_prefix(prompt)
 
+
+    # ---- SGLang's backend calls (`lmnb.flush_cache()`, `lmnb.get_server_info()`) ----------------
+    def flush_cache(self) -> bool:
+        """Empties the runtime's prefix cache; False while requests are running or waiting."""
+        return self.runtime.flush_cache()
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The runtime's settings and live statistics, in the shape of SGLang's
+        `/get_server_info` (the engine options, `max_total_num_tokens`, `internal_states`)."""
+        import dataclasses
+
+        from lmnb import __version__
+
+        runtime = self.runtime
+        return {**dataclasses.asdict(runtime.engine_config), "version": __version__,
+                "model_path": str(getattr(runtime, "model_dir", "")),
+                "max_total_num_tokens": getattr(runtime, "max_total_tokens", None),
+                "context_length": getattr(runtime, "context_len", None),
+                "internal_states": [runtime.stats()]}

@@ -1,0 +1,37 @@
+"""`lmnb.global_config`: SGLang's frontend settings object, with the fields programs commonly read.
+
+`default_backend` is the program default (`set_default_backend`); `enable_precache_with_tracing`
+turns `run_batch`'s shared-prefix caching on or off. The other fields are kept for programs that
+set or read them and change nothing here (lmnb's detokenizer always skips special tokens)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GlobalConfig:
+    def __init__(self) -> None:
+        self.verbosity = 0
+        self.skip_special_tokens_in_output = True
+        self.spaces_between_special_tokens_in_out = True
+        self.enable_precache_with_tracing = True
+        self.enable_parallel_encoding = True
+
+    @property
+    def default_backend(self) -> Any:
+        from lmnb.lang.program import default_backend
+
+        return default_backend()
+
+    @default_backend.setter
+    def default_backend(self, backend: Any) -> None:
+        from lmnb.lang.program import set_default_backend
+
+        set_default_backend(backend)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"GlobalConfig({fields}, default_backend={self.default_backend!r})"
+
+
+global_config = GlobalConfig()

@@ -1,0 +1,268 @@
+"""SGLang frontend programs run unchanged through `import lmnb as sgl`: the programs here are
+written in SGLang's style (its names, positional forms and defaults) for this test, and run on a
+tiny random-weight Llama, over the in-process runtime and over the server (`RuntimeEndpoint`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+
+import lmnb as sgl
+from lmnb.lang import program as program_module
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_models) -> Iterator[sgl.Runtime]:
+    runtime = sgl.Engine(tiny_models["llama-gqa"], max_total_tokens=4096)
+    yield runtime
+    runtime.shutdown()
+
+
+@pytest.fixture
+def backend(rt, monkeypatch) -> sgl.Runtime:
+    monkeypatch.setattr(program_module, "_default_backend", None)  # restored afterwards
+    sgl.set_default_backend(rt)
+    return rt
+
+
+@sgl.function
+def answer(s, question):
+    s += "Q: " + question + "\n"
+    s += "A:" + sgl.gen("answer", max_tokens=6, temperature=0)
+
+
+# ---- names ---------------------------------------------------------------------------------------
+def test_module_level_names(backend):
+    assert sgl.Engine is sgl.Runtime
+    assert isinstance(backend, sgl.Engine)
+    state = answer.run(question="What is 1+1?")
+    assert state["answer"]
+    assert sgl.flush_cache() is True
+    info = sgl.get_server_info()
+    assert info["max_total_num_tokens"] == backend.max_total_tokens
+    assert isinstance(info["internal_states"][0], dict)
+    assert sgl.global_config.default_backend is program_module.default_backend()
+    assert sgl.global_config.enable_precache_with_tracing is True
+    assert {"verbosity", "skip_special_tokens_in_output"} <= set(vars(sgl.global_config))
+
+
+def test_regex_constants_are_sglangs():
+    from lmnb.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+
+    assert re.fullmatch(REGEX_INT, "-42 ") and not re.fullmatch(REGEX_INT, "4.2")
+    assert re.fullmatch(REGEX_FLOAT, "3.25\n")
+    assert re.fullmatch(REGEX_BOOL, "True") and not re.fullmatch(REGEX_BOOL, "true")
+    assert re.fullmatch(REGEX_STR, '"hello world"')
+
+
+@pytest.mark.parametrize("method", [sgl.token_length_normalized, sgl.greedy_token_selection,
+                                    sgl.unconditional_likelihood_normalized])
+def test_choice_methods_as_objects(backend, method):
+    @sgl.function
+    def pick(s):
+        s += "The sky is"
+        s += sgl.select("colour", [" blue", " green", " red"], choices_method=method)
+
+    state = pick.run()
+    assert state["colour"] in (" blue", " green", " red")
+    assert state.get_meta_info("colour")["method"] == method
+    from lmnb.lang.choices import RuntimeChoiceScorer
+
+    assert method(RuntimeChoiceScorer(backend), "The sky is", [" blue", " green"]).choice \
+        in (" blue", " green")
+
+
+def test_runtime_endpoint_over_the_server(rt, monkeypatch):
+    from lmnb.server import ServerHandle
+
+    monkeypatch.setattr(program_module, "_default_backend", None)
+    with ServerHandle.start(rt) as server:
+        sgl.set_default_backend(sgl.RuntimeEndpoint(server.url))
+        remote = answer.run(question="What is 1+1?")
+        local = answer.run(question="What is 1+1?", backend=rt)
+        assert remote["answer"] == local["answer"]
+        assert remote.get_meta_info("answer")["completion_tokens"] == 6
+
+        @sgl.function
+        def pick(s):
+            s += "The sky is"
+            s += sgl.select("colour", [" blue", " green", " red"])
+
+        assert pick.run()["colour"] == pick.run(backend=rt)["colour"]
+        assert sgl.get_server_info()["max_total_num_tokens"] == rt.max_total_tokens
+        assert sgl.flush_cache() is True
+
+
+# ---- gen, select, meta info ----------------------------------------------------------------------
+def test_logprobs_with_text_and_positional_select(backend):
+    @sgl.function
+    def scored(s):
+        s += "The sky is"
+        s += sgl.gen("plain", max_tokens=3, temperature=0, return_logprob=True)
+        s += sgl.gen("texts", max_tokens=3, temperature=0, return_logprob=True,
+                     top_logprobs_num=2, return_text_in_logprobs=True)
+        s += sgl.select("pick", [" yes", " no"], 0.0, sgl.greedy_token_selection)
+
+    state = scored.run()
+    plain = state.get_meta_info("plain")["output_token_logprobs"]
+    assert all(len(entry) == 2 for entry in plain)
+    triples = state.get_meta_info("texts")["output_token_logprobs"]
+    tokenizer = backend.get_tokenizer()
+    assert [text for _, _, text in triples] == [tokenizer.decode([i]) for _, i, _ in triples]
+    assert "".join(text for _, _, text in triples) == state["texts"]
+    assert all(len(entry) == 3 for row in state.get_meta_info("texts")["output_top_logprobs"]
+               for entry in row)
+    assert state.get_meta_info("pick")["method"] == "greedy_token_selection"
+    assert state.get_meta_info("no_such_variable") is None
+
+
+# ---- dtype ---------------------------------------------------------------------------------------
+class Recorder:
+    """A backend without a model: records each gen's parameters and replies `reply`."""
+
+    def __init__(self, reply: str = "7") -> None:
+        from lmnb.lang.chat_template import ChatTemplate
+
+        self.chat_template = ChatTemplate(None)
+        self.reply = reply
+        self.params: list = []
+
+    def generate(self, prompt, params, *, on_delta=None, cancel=None):
+        from lmnb.lang.backends.base import Generation
+
+        self.params.append(params)
+        return Generation(self.reply, {"finish_reason": {"type": "stop"}})
+
+    def select(self, prompt, choices, method):
+        return choices[0], {"method": method}
+
+    def cache_prefix(self, prompt):
+        pass
+
+
+def test_dtype_regexes_and_stops_as_sglang(rt):
+    from lmnb.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+
+    @sgl.function
+    def typed(s):
+        s += "n=" + sgl.gen("n", dtype=int) + " x=" + sgl.gen("x", dtype="float", stop="!")
+        s += " ok=" + sgl.gen("ok", dtype=bool) + " s=" + sgl.gen_string("s")
+
+    recorder = Recorder()
+    typed.run(backend=recorder).sync()
+    assert [p.regex for p in recorder.params] == [REGEX_INT, REGEX_FLOAT, REGEX_BOOL, REGEX_STR]
+    assert [p.stop for p in recorder.params] == [(" ", "\n"), ("!", " ", "\n"), None, None]
+    with pytest.warns(UserWarning, match="dtype"):
+        assert sgl.gen("n", dtype=int, regex="[0-9]").params.regex == REGEX_INT
+
+    # On the model: an int ends before any whitespace; a bool is True or False.
+    state = typed.run(backend=rt, temperature=1.0, max_new_tokens=8, seed=1)
+    meta = state.get_meta_info("n")
+    assert re.fullmatch(r"[-+]?[0-9]+", state["n"]) or meta["finish_reason"]["type"] == "length"
+    assert state["ok"] in ("True", "False")
+
+
+# ---- ProgramState --------------------------------------------------------------------------------
+def test_state_item_assignment_iterators_and_copy(backend):
+    @sgl.function
+    def chat(s, topic):
+        s["topic"] = topic
+        s += "Topic: " + topic + "\n"
+        with s.copy() as draft:
+            draft += "Draft:" + sgl.gen("draft", max_tokens=4, temperature=0)
+        s["first_draft"] = draft["draft"]
+        s += "Final:" + sgl.gen("final", max_tokens=4, temperature=0)
+
+    state = chat.run(topic="tea")
+    assert repr(state) == f"ProgramState({state.text()})"
+    assert state["topic"] == "tea"
+    assert state["draft"] == [state["first_draft"]]  # joined back at the block's end
+    assert not state.text().count("Draft:")  # the copy's text stays in the copy
+
+    streamed = chat.run(topic="tea", stream=True)
+    assert "".join(streamed.text_iter(var_name="final")) == state["final"]
+
+    async def collect() -> str:
+        return "".join([chunk async for chunk in streamed.text_async_iter(var_name="final")])
+
+    import asyncio
+
+    assert asyncio.run(collect()) == state["final"]
+    assert "".join(chat.run(topic="tea", stream=True).text_iter()) == state.text()
+
+
+def test_an_exception_in_the_body_surfaces_from_run(backend):
+    @sgl.function
+    def failing(s):
+        s += "x" + sgl.gen("a", max_tokens=2)
+        raise ZeroDivisionError("in the body")
+
+    with pytest.raises(ZeroDivisionError, match="in the body"):
+        failing.run()
+
+
+# ---- fork / join, run_batch ----------------------------------------------------------------------
+def test_fork_join_as_sglang(backend):
+    @sgl.function
+    def tips(s):
+        s += "Tips:" + sgl.gen("intro", max_tokens=2, temperature=0)
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"\n{i + 1}." + sgl.gen("tip", max_tokens=3, temperature=0)
+            f += sgl.gen("intro", max_tokens=1, temperature=0)  # the parent's: kept there
+        forks.join()
+        s += "\nMore:"
+        again = s.fork(2)
+        again += sgl.gen("more", max_tokens=2, temperature=0)
+        again.join("concate_and_append")
+
+    state = tips.run()
+    assert isinstance(state["tip"], list) and len(state["tip"]) == 2
+    assert isinstance(state["intro"], str)
+    assert state.text().startswith("Tips:" + state["intro"] + "\nMore:")
+    assert len(state.text()) > len("Tips:" + state["intro"] + "\nMore:")
+
+
+def test_run_batch_with_positional_tuples(backend, capsys):
+    @sgl.function
+    def pair(s, a, b):
+        s += a + " and " + b + sgl.gen("rest", max_tokens=2, temperature=0)
+
+    states = pair.run_batch([("salt", "pepper"), ["oil", "vinegar"], {"a": "x", "b": "y"}])
+    assert [s.text().split(" and ")[0] for s in states] == ["salt", "oil", "x"]
+    assert states[1]["rest"] == pair.run("oil", "vinegar")["rest"]
+    assert "pair" not in capsys.readouterr().err  # no progress bar unless asked
+    compiled = pair.compile()
+    assert [s["rest"] for s in compiled.run_batch([("salt", "pepper")])] == [states[0]["rest"]]
+
+
+def test_copy_block_traces_and_compiles(backend):
+    @sgl.function
+    def drafts(s, topic):
+        s += "Topic: " + topic + "\n"
+        with s.copy() as draft:
+            draft += "Draft:" + sgl.gen("draft", max_tokens=3, temperature=0)
+        s += "Final:" + sgl.gen("final", max_tokens=3, temperature=0)
+
+    expected = drafts.run(topic="tea")
+    compiled = drafts.compile().run(topic="tea")
+    assert compiled["draft"] == expected["draft"] and len(expected["draft"]) == 1
+    assert compiled.text() == expected.text()
+
+
+def test_trace_compile_and_cache_take_sglangs_arguments(backend):
+    @sgl.function
+    def shared(s, question):
+        s += "You answer questions about tea.\n" * 4
+        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=2, temperature=0)
+
+    traced = shared.trace(backend=backend)
+    assert traced.last_node is not None and traced.last_node == traced.nodes()[-1]
+    prefix = shared.cache()
+    assert prefix.startswith("You answer questions about tea.")
+    hits = backend.stats()["cached_tokens"]
+    state = shared.compile(backend=backend).run(question="Green?")
+    assert state.get_meta_info("answer")["cached_tokens"] > 0
+    assert backend.stats()["cached_tokens"] > hits
