@@ -142,7 +142,8 @@ def default_sampling_params() -> dict[str, Any]:
 
 # Logprob options travel beside the sampling parameters (SGLang's `generate` arguments).
 LOGPROB_DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0})
+    {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
+     "return_text_in_logprobs": False})
 LOGPROB_PARAM_NAMES: tuple[str, ...] = tuple(LOGPROB_DEFAULTS)
 
 # One line per parameter (sampling and logprob options), for help texts.
@@ -168,6 +169,7 @@ PARAM_HELP: dict[str, str] = {
     "return_logprob": "return the log-probabilities of prompt and output tokens",
     "logprob_start_len": "first prompt position whose logprob is returned; -1 is none",
     "top_logprobs_num": "also return this many most likely tokens at each position",
+    "return_text_in_logprobs": "logprobs as (logprob, token id, token text)",
 }
 
 

@@ -656,12 +656,10 @@ def test_inputs_and_keywords() -> None:
         json_schema_to_regex({}, whitespace="(")
 
 
-def test_dtype_regexes_match_the_dsl() -> None:
-    from lmnb.lang.api import DTYPE_REGEXES
-
-    for dtype, regex in DTYPE_REGEXES.items():
-        ours = interegular.parse_pattern(dtype_regex(dtype)).to_fsm()
-        assert ours.equivalent(interegular.parse_pattern(regex).to_fsm())
+def test_json_dtype_regexes() -> None:
+    """JSON's spellings of the Python types (the DSL's `gen(dtype=)` uses SGLang's own regexes,
+    which differ: `True|False`, trailing whitespace after numbers)."""
+    for dtype in (int, float, bool, str):
         assert dtype_regex(dtype.__name__) == dtype_regex(dtype)
     assert re.fullmatch(dtype_regex(int), "-12") and re.fullmatch(dtype_regex(float), "1.5e3")
     assert re.fullmatch(dtype_regex(str), '"a\\"b"') and re.fullmatch(dtype_regex(bool), "true")

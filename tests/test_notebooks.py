@@ -101,7 +101,7 @@ def test_saved_plain_text_is_the_final_state(tiny_models, tmp_path: Path) -> Non
         "%%lmprogram tips << --stream\n"
         's += "Tips:"\nf = s.fork(2)\nf += gen("tip", max_tokens=6)\nf.join()',
         "%%lmprogram ask(q)\ns += q + gen(\"a\", max_tokens=3)",
-        'states = ask.run_batch([{"q": f"Q{i}:"} for i in range(4)])',
+        'states = ask.run_batch([{"q": f"Q{i}:"} for i in range(4)], progress_bar=True)',
         "from lmnb.widgets import CacheDashboard\n"
         'rt = get_ipython().magics_manager.registry["LMNB"].session.runtime\n'
         "dash = CacheDashboard(rt, interval_s=None)\ndash",

@@ -119,7 +119,7 @@ def test_names_defaults_and_help_cover_every_parameter() -> None:
         "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
         "repetition_penalty": 1.0, "n": 1, "skip_special_tokens": True}
     assert dict(LOGPROB_DEFAULTS) == {"return_logprob": False, "logprob_start_len": -1,
-                                      "top_logprobs_num": 0}
+                                      "top_logprobs_num": 0, "return_text_in_logprobs": False}
     assert set(PARAM_HELP) == set(SAMPLING_PARAM_NAMES) | set(LOGPROB_PARAM_NAMES)
     assert all(text and "\n" not in text for text in PARAM_HELP.values())
     assert param_help("top_k") == f"{PARAM_HELP['top_k']} (default -1)"
@@ -202,7 +202,8 @@ def test_local_backend_sends_every_sampling_parameter() -> None:
               "stop_token_ids": (4, 5), "stop_regex": ("z",), "temperature": 0.5, "top_p": 0.9,
               "top_k": 3, "min_p": 0.1, "frequency_penalty": 0.2, "presence_penalty": 0.3,
               "seed": 11, "ignore_eos": True, "return_logprob": True, "logprob_start_len": 1,
-              "top_logprobs_num": 2, "regex": "[a-z]+", "json_schema": None}
+              "top_logprobs_num": 2, "return_text_in_logprobs": True, "regex": "[a-z]+",
+              "json_schema": None}
     assert set(values) == set(GEN_PARAM_NAMES)  # a new gen argument needs a line here
     sampling = LocalBackend(FakeRuntime([])).sampling_params(GenParams(**values))
     expected = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()
