@@ -10,7 +10,6 @@ server reports, so the server must run on this machine or share its model folder
 from __future__ import annotations
 
 import json
-import re
 import threading
 import urllib.error
 import urllib.request
@@ -18,12 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lmnb.lang.backends.base import Generation, ProgramAborted
+from lmnb.lang.backends.runtime_gen import GenTexts, runtime_sampling_params
 from lmnb.lang.chat_template import ChatTemplate
-from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
-from lmnb.params import SAMPLING_PARAM_NAMES
-from lmnb.runtime.output.stop import first_stop_regex_match
-
-_SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES if k in SAMPLING_PARAM_NAMES)
+from lmnb.lang.ir import GenParams
 
 
 class RuntimeEndpoint:
@@ -77,36 +73,20 @@ class RuntimeEndpoint:
                  on_delta: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None) -> Generation:
         values = params.set_values()
-        sampling = {key: list(values[key]) if isinstance(values[key], tuple) else values[key]
-                    for key in _SAMPLING_KEYS if key in values}
-        body: dict[str, Any] = {"text": prompt, "sampling_params": sampling}
+        body: dict[str, Any] = {"text": prompt, "sampling_params": runtime_sampling_params(params)}
         for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
             if values.get(key) is not None:
                 body[key] = values[key]
         if params.return_text_in_logprobs:
             body["return_text_in_logprobs"] = True
-        n = params.n or 1
-        stop_regex = [re.compile(p) for p in params.stop_regex or ()]
-        texts, metas = [""] * n, [{} for _ in range(n)]
-        streamed = 0
+        gen = GenTexts(params, on_delta)
         for event in self._events(body):  # closing the response aborts the request
             if cancel is not None and cancel.is_set():
                 raise ProgramAborted("the program was interrupted")
-            index = event.get("index", 0)
-            texts[index], metas[index] = event["text"], event["meta_info"]  # cumulative
-            match = first_stop_regex_match(stop_regex, texts[index])
-            if match:
-                texts[index] = texts[index][:match.start()]
-                metas[index] = {**metas[index],
-                                "finish_reason": {"type": "stop", "matched": match.group()}}
-            if n == 1 and on_delta is not None and len(texts[0]) > streamed:
-                on_delta(texts[0][streamed:])
-                streamed = len(texts[0])
-            if match and n == 1:
+            # text and meta_info are cumulative in SGLang's stream
+            if gen.update(event.get("index", 0), event["text"], event["meta_info"]):
                 break
-        if n == 1:
-            return Generation(texts[0], metas[0])
-        return Generation(texts, metas)
+        return gen.generation()
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:
         from lmnb.lang.choices import RuntimeChoiceScorer, select_choice

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import queue
-import re
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from lmnb.lang.backends.base import Generation, ProgramAborted
+from lmnb.lang.backends.runtime_gen import GenTexts, runtime_sampling_params
 from lmnb.lang.chat_template import ChatTemplate
-from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
-from lmnb.params import SAMPLING_PARAM_NAMES
-from lmnb.runtime.output.stop import first_stop_regex_match
+from lmnb.lang.ir import GenParams
 
-# A gen's sampling parameters go to the runtime as they are. The runtime ends a request on a
-# stop_regex match; text streamed before the match completed is cut here.
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
-_SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES if k in SAMPLING_PARAM_NAMES)
 
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
@@ -49,22 +44,16 @@ class LocalBackend:
         self.chat_template = ChatTemplate(runtime.tokenizer, render=runtime.apply_chat_template)
 
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
-        values = params.set_values()
-        return {key: list(values[key]) if isinstance(values[key], tuple) else values[key]
-                for key in _SAMPLING_KEYS if key in values}
+        return runtime_sampling_params(params)
 
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None) -> Generation:
-        n = params.n or 1
-        stop_regex = [re.compile(p) for p in params.stop_regex or ()]
         chunks = self.runtime.generate(
             prompt, self.sampling_params(params), return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
             top_logprobs_num=params.top_logprobs_num, stream=True)
-        texts = [""] * n
-        metas: list[dict[str, Any]] = [{} for _ in range(n)]
-        streamed = 0  # characters of texts[0] handed to on_delta
+        gen = GenTexts(params, on_delta)
         try:
             while True:
                 if cancel is not None and cancel.is_set():
@@ -76,26 +65,13 @@ class LocalBackend:
                 if chunk is None:
                     break
                 index = chunk.get("index", 0)
-                texts[index] += chunk["text"]
-                if chunk["meta_info"].get("finish_reason") is not None:
-                    metas[index] = chunk["meta_info"]
-                match = first_stop_regex_match(stop_regex, texts[index])
-                if match:
-                    texts[index] = texts[index][:match.start()]
-                    metas[index] = {**chunk["meta_info"],
-                                    "finish_reason": {"type": "stop", "matched": match.group()}}
-                if n == 1 and on_delta is not None and len(texts[0]) > streamed:
-                    on_delta(texts[0][streamed:])
-                    streamed = len(texts[0])
-                if match and n == 1:
+                if gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"]):
                     break
         finally:
             chunks.close()  # aborts whatever is still running
         if params.return_text_in_logprobs:
-            metas = [with_token_texts(meta, self.runtime.tokenizer) for meta in metas]
-        if n == 1:
-            return Generation(texts[0], metas[0])
-        return Generation(texts, metas)
+            gen.metas = [with_token_texts(meta, self.runtime.tokenizer) for meta in gen.metas]
+        return gen.generation()
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:
         from lmnb.lang.choices import RuntimeChoiceScorer, select_choice

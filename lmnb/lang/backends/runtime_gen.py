@@ -1,0 +1,54 @@
+"""A `gen` against an lmnb (or SGLang) runtime, in process or over its native API: the sampling
+parameters it sends, and its samples' text as the stream brings it. The runtime ends a request
+on a `stop_regex` match; text streamed before the match completed is cut here."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from lmnb.lang.backends.base import Generation
+from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
+from lmnb.params import SAMPLING_PARAM_NAMES
+from lmnb.runtime.output.stop import first_stop_regex_match
+
+_SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES if k in SAMPLING_PARAM_NAMES)
+
+
+def runtime_sampling_params(params: GenParams) -> dict[str, Any]:
+    """The `sampling_params` of `params`' set values (tuples as lists, as JSON has them)."""
+    values = params.set_values()
+    return {key: list(values[key]) if isinstance(values[key], tuple) else values[key]
+            for key in _SAMPLING_KEYS if key in values}
+
+
+class GenTexts:
+    """The text and meta_info of a gen's `n` samples as updates arrive; each sample is cut at its
+    first `stop_regex` match, and the first sample's new text goes to `on_delta` (n == 1)."""
+
+    def __init__(self, params: GenParams, on_delta: Callable[[str], None] | None) -> None:
+        self.n = params.n or 1
+        self.stop_regex = [re.compile(p) for p in params.stop_regex or ()]
+        self.on_delta = on_delta
+        self.texts = [""] * self.n
+        self.metas: list[dict[str, Any]] = [{} for _ in range(self.n)]
+        self._streamed = 0  # characters of texts[0] handed to on_delta
+
+    def update(self, index: int, text: str, meta: dict[str, Any]) -> bool:
+        """Sample `index` now reads `text` with `meta`; True when the gen is complete (its one
+        sample hit a stop_regex: the caller closes the stream)."""
+        match = first_stop_regex_match(self.stop_regex, text)
+        if match:
+            text = text[:match.start()]
+            meta = {**meta, "finish_reason": {"type": "stop", "matched": match.group()}}
+        self.texts[index], self.metas[index] = text, meta
+        if self.n == 1 and self.on_delta is not None and len(self.texts[0]) > self._streamed:
+            self.on_delta(self.texts[0][self._streamed:])
+            self._streamed = len(self.texts[0])
+        return bool(match) and self.n == 1
+
+    def generation(self) -> Generation:
+        if self.n == 1:
+            return Generation(self.texts[0], self.metas[0])
+        return Generation(self.texts, self.metas)
