@@ -22,6 +22,7 @@ from traitlets.config import Config
 import lmnb
 from lmnb.lang import program as program_module
 from lmnb.magics import LMProgramError, ProgramResult
+from lmnb.magics.live import LiveView
 from lmnb.magics.status import StatusSummary
 
 LONG = 's += "Count: " + gen("long", max_tokens=400, ignore_eos=True)\n'
@@ -266,9 +267,25 @@ def test_background_handle(loaded: InteractiveShell) -> None:
 
 @pytest.mark.parametrize("widgets", [True, False])
 def test_stream(loaded: InteractiveShell, widgets: bool, monkeypatch, capsys) -> None:
+    body = 's += "Ideas:"\nf = s.fork(2)\nf += gen("a", max_tokens=40, ignore_eos=True)\nf.join()\n'
     if not widgets:  # the display-handle fallback
         monkeypatch.setitem(sys.modules, "lmnb.widgets", None)
-    body = 's += "Ideas:"\nf = s.fork(2)\nf += gen("a", max_tokens=40, ignore_eos=True)\nf.join()\n'
+        # Deterministic: the program waits until a refresh of the running view has drawn its
+        # text (the view's rate limit would otherwise race a fast tiny model to the end).
+        shown = threading.Event()
+        refresh = LiveView.refresh
+
+        def refresh_until_shown(view: LiveView) -> None:
+            if not shown.is_set() and "Ideas:" in repr(view.result):
+                view._last = float("-inf")  # this refresh draws
+                refresh(view)
+                shown.set()
+            else:
+                refresh(view)
+
+        monkeypatch.setattr(LiveView, "refresh", refresh_until_shown)
+        loaded.user_ns["shown"] = shown
+        body = body.replace("\n", f"\nassert shown.wait({GUARD_S})\n", 1)
     result = cell(loaded, "--stream", body)
     assert isinstance(result, ProgramResult) and len(result["a"]) == 2 and result.done
     if not widgets:
