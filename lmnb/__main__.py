@@ -1,9 +1,14 @@
 """`python -m lmnb serve [MODEL] [--host H] [--port N] [--api-key KEY] ...`: load a model and
-serve it (OpenAI, SGLang native, Anthropic and Ollama APIs) until interrupted."""
+serve it (OpenAI, SGLang native, Anthropic and Ollama APIs) until interrupted.
+
+With `--watch-stdin` (how a data-parallel router runs its replicas) it prints "lmnb: serving on
+URL" on stdout once serving (`--port 0`: a free port) and stops when stdin closes (its parent
+died or let go: no orphan replicas). `--engine-options JSON` passes any `Runtime` option."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -15,28 +20,50 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", default=None,
                        help="HF folder or GGUF file; default: the embedded SmolLM2-135M-Instruct")
     serve.add_argument("--host", default="127.0.0.1", help="default: loopback only")
-    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--port", type=int, default=30000, help="0: a free port")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every route but /health")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-total-tokens", type=int, default=None)
+    serve.add_argument("--engine-options", type=json.loads, default=None, metavar="JSON",
+                       help="more Runtime options as a JSON object (SGLang's names)")
+    serve.add_argument("--watch-stdin", action="store_true",
+                       help="print the URL once serving; stop when stdin reaches end of file "
+                            "(the parent process is gone)")
     serve.add_argument("--log-level", default="info")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from lmnb.runtime.distributed.replica import READY_PREFIX
     from lmnb.runtime.engine import Runtime
     from lmnb.server import serve
+    from lmnb.server.serving import ServerHandle
 
     options = {"device": args.device, "dtype": args.dtype}
     if args.max_total_tokens is not None:
         options["max_total_tokens"] = args.max_total_tokens
+    options.update(args.engine_options or {})
     with Runtime(args.model, **options) as runtime:
-        serve(runtime, host=args.host, port=args.port, api_key=args.api_key,
-              served_model_name=args.served_model_name, log_level=args.log_level)
+        if not args.watch_stdin:
+            serve(runtime, host=args.host, port=args.port, api_key=args.api_key,
+                  served_model_name=args.served_model_name, log_level=args.log_level)
+            return 0
+        handle = ServerHandle.start(runtime, host=args.host, port=args.port,
+                                    api_key=args.api_key,
+                                    served_model_name=args.served_model_name,
+                                    log_level="warning" if args.log_level == "info"
+                                    else args.log_level)
+        print(f"{READY_PREFIX}{handle.url}", flush=True)
+        try:
+            sys.stdin.buffer.read()  # returns at end of file: the parent closed it or died
+        except KeyboardInterrupt:
+            pass
+        finally:
+            handle.stop(timeout=5.0)
     return 0
 
 

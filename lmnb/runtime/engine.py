@@ -15,6 +15,7 @@ import torch
 from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
+from lmnb.runtime.distributed.events import CacheEventLog
 from lmnb.runtime.fsm.grammar import RequestGrammar
 from lmnb.runtime.fsm.index import get_token_index
 from lmnb.runtime.fsm.json_schema import InvalidSchemaError, json_schema_to_regex
@@ -70,6 +71,15 @@ class Runtime:
     a new Runtime can be created afterwards in the same process.
     """
 
+    def __new__(cls, model_path: str | Path | None = None, **options: Any) -> Any:
+        """`Runtime(path, dp_size=N)` with N > 1 is a `DataParallelRuntime`: N replicas behind
+        a cache-aware router, with the same generate/stats/close surface."""
+        if cls is Runtime and options.get("dp_size", 1) not in (1, None):
+            from lmnb.runtime.distributed.dp_runtime import DataParallelRuntime
+
+            return DataParallelRuntime(model_path, **options)
+        return super().__new__(cls)
+
     def __init__(self, model_path: str | Path | None = None, **options: Any) -> None:
         """`options` are `EngineConfig`'s fields (SGLang's names); an unknown one is a
         TypeError that lists the known ones, a bad value a ValueError."""
@@ -112,6 +122,7 @@ class Runtime:
             jump_forward=None if config.disable_jump_forward else JumpForward(self.tokenizer))
         self._scheduler = SchedulerThread(scheduler)
         self._tokenizer_lock = threading.Lock()
+        self._cache_events: CacheEventLog | None = None
         self._closed = False
 
     def _cuda_graph_max_bs(self, config: EngineConfig) -> int:
@@ -187,6 +198,24 @@ class Runtime:
                 max_total_tokens=allocator.size, free_tokens=allocator.available(),
                 running=len(scheduler.table.running), waiting=len(scheduler.table.waiting))
             return stats
+
+        return self._scheduler.call(read)
+
+    def cache_events(self, since: int = 0) -> dict[str, Any]:
+        """Prefix-cache evictions numbered after `since` (see `CacheEventLog.since`) and the
+        tokens cached now (`cached_tokens`), for a data-parallel router's meta tree. Recording
+        starts with the first call."""
+        self._check_open()
+        cache = self._cache
+
+        def read() -> dict[str, Any]:  # on the scheduler thread: between steps
+            if self._cache_events is None:
+                self._cache_events = CacheEventLog()
+                if isinstance(cache, RadixCache):
+                    cache.eviction_listener = self._cache_events
+            report = self._cache_events.since(since)
+            report["cached_tokens"] = cache.evictable_size() + cache.protected_size()
+            return report
 
         return self._scheduler.call(read)
 

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lmnb.server import anthropic, ollama, openai_api, sglang_native
+from lmnb.server import anthropic, ollama, openai_api, replica_api, sglang_native
 from lmnb.server.errors import error_body, install_error_handlers
 from lmnb.server.streams import ServedRuntime
 
@@ -55,7 +55,7 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     name = served_model_name or default_model_name(runtime)
     app = FastAPI(title="lmnb", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    for module in (openai_api, sglang_native, anthropic, ollama):
+    for module in (openai_api, sglang_native, anthropic, ollama, replica_api):
         app.include_router(module.make_router(runtime, name))
     app.state.runtime = runtime
     app.state.served_model_name = name

@@ -14,12 +14,19 @@ import heapq
 import itertools
 import time
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.prefix_cache import MatchResult, PrefixCache, common_prefix_length
+
+
+class EvictionListener(Protocol):
+    """Told of evictions (a data-parallel replica's `CacheEventLog`)."""
+
+    def evicted(self, tokens: Sequence[int]) -> None: ...  # root path through the leaf's 1st token
+    def reset(self) -> None: ...
 
 
 class TreeNode:
@@ -51,11 +58,16 @@ class RadixCache(PrefixCache):
     def __init__(self, allocator: KVAllocator) -> None:
         super().__init__(allocator)
         self._ids = itertools.count()
+        self.eviction_listener: EvictionListener | None = None
         self.reset()
 
     def reset(self) -> None:
+        listener, self.eviction_listener = self.eviction_listener, None
         if hasattr(self, "root"):
             self.evict(self._evictable)  # cached slots go back to the shared pool
+        if listener is not None:
+            listener.reset()
+        self.eviction_listener = listener
         self.root = TreeNode(next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.root.value = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
@@ -170,6 +182,8 @@ class RadixCache(PrefixCache):
             parent = leaf.parent
             del parent.children[(leaf.namespace, leaf.key[0])]
             self.eviction_events += 1
+            if self.eviction_listener is not None and leaf.namespace is None:
+                self.eviction_listener.evicted(self._path(parent) + leaf.key[:1])
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         self.evicted_tokens += freed
@@ -180,6 +194,14 @@ class RadixCache(PrefixCache):
 
     def protected_size(self) -> int:
         return self._protected
+
+    def _path(self, node: TreeNode) -> list[int]:
+        """The tokens from the root through the end of `node`'s edge."""
+        edges = []
+        while node is not self.root:
+            edges.append(node.key)
+            node = node.parent
+        return [token for edge in reversed(edges) for token in edge]
 
     # ---- inspection ------------------------------------------------------------------------------
     def _nodes(self) -> list[TreeNode]:

@@ -1,0 +1,26 @@
+"""What a data-parallel router asks of a replica server beyond SGLang's routes:
+`GET /lmnb/cache_events?since=N`, the prefix cache's evictions after event N
+(`Runtime.cache_events`), so that the router's meta tree forgets what the replica forgot."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from lmnb.server.errors import error_body
+
+
+def make_router(runtime: Any, model_name: str) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/lmnb/cache_events", response_model=None)
+    async def cache_events(since: int = 0) -> Any:
+        if not hasattr(runtime, "cache_events"):
+            return JSONResponse(error_body("this runtime reports no cache events",
+                                           type="not_found_error"), status_code=404)
+        return await asyncio.to_thread(runtime.cache_events, since)
+
+    return router
