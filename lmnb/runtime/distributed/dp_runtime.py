@@ -79,9 +79,9 @@ class DataParallelRuntime:
     `options` are `Runtime`'s (each replica gets them with `dp_size=1`). Own options:
     `replica_backend` ('process' | 'ray'), `ray_address` (for 'ray': a cluster to join; None
     joins the running one or starts a local one), `ray_runtime_env` (Ray's `runtime_env` for the
-    actors), `router` (a `RouterConfig` or a dict of its
-    fields: policy, balance thresholds), `event_poll_interval` (seconds between eviction polls),
-    `startup_timeout` (seconds, per replica).
+    actors), `router` (a `RouterConfig` or a dict of its fields: policy, balance thresholds),
+    `event_poll_interval` (seconds between eviction polls), `startup_timeout` (seconds, per
+    replica). `device` and `dtype` are the replicas' ('auto' puts one replica on each GPU).
     """
 
     def __init__(self, model_path: str | Path | None = None, *, dp_size: int = 2,
@@ -97,6 +97,7 @@ class DataParallelRuntime:
         self.engine_config = config
         self.dp_size = config.dp_size
         self.replica_backend = replica_backend
+        self.device, self.dtype = config.device, config.dtype
         self.model_dir = loader.resolve_model_dir(config.model_path)
         self.model_config = ModelConfig.from_hf(loader.load_config(self.model_dir))
         self.tokenizer = loader.load_tokenizer(
@@ -136,8 +137,12 @@ class DataParallelRuntime:
         self.router = Router(self.dp_size, router_config,
                              capacities=[r.max_total_tokens for r in self.replicas])
         self._poll_lock: asyncio.Lock | None = None
-        self.sync_cache_events()  # starts each replica's event log before any request
         self._poller = self._loop.spawn(self._poll_forever())
+        try:
+            self.sync_cache_events()  # starts each replica's event log before any request
+        except BaseException:
+            self.close()
+            raise
 
     # ---- replicas --------------------------------------------------------------------------------
     def _start_replicas(self, model_path: str, options: dict[str, Any], *,
@@ -295,6 +300,8 @@ class DataParallelRuntime:
                     report = await replica.cache_events(self._event_seq[i])
                 except ReplicaDiedError:
                     self._replica_died(i)
+                    continue
+                except Exception:  # cut off but alive: the next poll asks again
                     continue
                 with self._lock:
                     self.router.apply_events(i, report, upto)
@@ -484,6 +491,8 @@ class DataParallelRuntime:
                         self.router.finished(replica, len(prompt_ids), prompt_ids + ids[:-1])
                 output.deliver([out])
         except asyncio.CancelledError:
+            if self._closed:  # a reader waiting on this stream must not wait forever
+                output.fail(RuntimeError("the DataParallelRuntime was closed"))
             raise
         except ReplicaDiedError as error:
             self._replica_died(replica)

@@ -99,7 +99,7 @@ class RayReplica:
     @property
     def description(self) -> str:
         where = f"pid {self.pid} on {self.node}" if self.pid else "starting"
-        return f"replica {self.index}: Ray actor {self.actor._actor_id.hex()[:12]} ({where})"
+        return f"replica {self.index}: Ray actor, {where}"
 
     def wait_ready(self, timeout: float) -> None:
         import ray
