@@ -7,6 +7,9 @@ On a two-GPU machine (random Llama-2-7B weights, the SmolLM2 tokenizer only deto
 
     python bench/dp.py --dummy-config llama-2-7b --tokenizer <SmolLM2 tokenizer folder>
 
+(the replicas are `python -m lmnb serve` children: fastapi, uvicorn, pydantic and httpx must be
+importable there).
+
 The DP replicas run first (the bench process stays off the GPUs until they are gone), then the
 single runtime on GPU 0. `--dp1` adds the router over one replica (GPU 0): the cost of the
 process + HTTP transport itself. Replicas get GPUs in `CUDA_VISIBLE_DEVICES` order. On CPU (a
@@ -141,8 +144,21 @@ def run_single(spec: Any, workload: Workload, args: argparse.Namespace,
     return {**result, "load_seconds": load}
 
 
+def _check_server_packages() -> None:
+    """Replicas are `python -m lmnb serve` children: the server extra must be importable."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn", "httpx", "pydantic")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"bench/dp.py needs {', '.join(missing)} (pip install 'lmnb[server]'; "
+                         "offline: carry wheels of fastapi, starlette, uvicorn, pydantic, "
+                         "pydantic-core, annotated-types, typing-inspection, opentelemetry-api)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _check_server_packages()
     warnings.filterwarnings("ignore", module="transformers")
     import torch
     from transformers.utils import logging as hf_logging

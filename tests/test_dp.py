@@ -239,7 +239,7 @@ def test_dsl_runs_unchanged_and_branches_stay_on_one_replica(dp, single) -> None
 
     @lmnb.function
     def plan(s, topic):
-        s += f"Here is a careful plan about {topic}, written step by step. First, "
+        s += f"{topic.capitalize()}: here is a careful plan, written step by step. First, "
         s += lmnb.gen("intro", max_tokens=8, temperature=0)
         forks = s.fork(3)
         for i, f in enumerate(forks):
@@ -255,6 +255,9 @@ def test_dsl_runs_unchanged_and_branches_stay_on_one_replica(dp, single) -> None
                                          backend=LocalBackend(single))]
     for state in states:  # trunk and branches of one program: one replica
         assert len(set(state["ranks"])) == 1, state["ranks"]
+    # the programs share no prefix, so they spread over both replicas (least loaded, then the
+    # one holding fewer tokens)
+    assert {state["ranks"][0] for state in states} == {0, 1}
     stats = dp.stats()["router"]
     assert stats["cache_routed"] >= 3 * len(topics)  # branches followed their trunk's prefix
 

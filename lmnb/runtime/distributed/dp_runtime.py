@@ -425,10 +425,15 @@ class DataParallelRuntime:
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
         stream: bool = False,
+        image_data: Any = None,
+        video_data: Any = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """As `Runtime.generate`; each prompt (with its `n` samples) goes to the replica the
-        router picks, and `meta_info["dp_rank"]` says which."""
+        router picks, and `meta_info["dp_rank"]` says which. Media inputs are not routed yet."""
         self._check_open()
+        if image_data is not None or video_data is not None:
+            raise InvalidRequestError("a data-parallel runtime does not take images or videos "
+                                      "yet; use a single Runtime")
         token_lists, is_batch = self._token_lists(prompt, input_ids)
         params_list = self._params_list(sampling_params, len(token_lists))
         counts = [SamplingParams.from_dict(dict(p)).n for p in params_list]
