@@ -146,7 +146,7 @@ class ModelRunner:
             if self._last_sampled is None or self._last_sampled.numel() != batch.size:
                 raise RuntimeError("follows_previous without a matching previous decode pass")
             input_ids = self._last_sampled
-        forward_batch = self._forward_batch(batch, input_ids)
+        forward_batch = self.forward_batch(batch, input_ids)
         hidden = graph_logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             graph_logits = self.graph_runner.replay(forward_batch)  # decode: every row samples
@@ -197,11 +197,12 @@ class ModelRunner:
             [ones if row.grammar is None else row.grammar.bitmask(info.stop_ids[i], self.device)
              for i, row in enumerate(rows)], info.num_words)
 
-    def _forward_batch(self, batch: Batch,
-                       input_ids: list[int] | torch.Tensor) -> ForwardBatch:
-        """The attention-ready view of a batch: device tensors, indptrs and KV indices."""
+    def forward_batch(self, batch: Batch,
+                      input_ids: list[int] | torch.Tensor | None = None) -> ForwardBatch:
+        """The attention-ready view of a batch: device tensors, indptrs and KV indices
+        (`input_ids`: instead of `batch.input_ids`, e.g. tokens still on the device)."""
         forward_batch = ForwardBatch.build(
-            mode=batch.mode, input_ids=input_ids,
+            mode=batch.mode, input_ids=batch.input_ids if input_ids is None else input_ids,
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
             out_cache_loc=batch.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
