@@ -73,6 +73,10 @@ def test_the_same_picture_is_one_hash_whatever_its_source(tmp_path, processors):
     assert len({item.hash for item in items}) == 1
     assert all(torch.equal(item.pixel_values, items[0].pixel_values) for item in items)
     assert processor.image(random_image((40, 60), seed=1)).hash != items[0].hash
+    # A repeated picture is preprocessed once: new items (own offsets) share its pixels.
+    assert items[1].pixel_values is items[0].pixel_values and items[1] is not items[0]
+    items[0].offset = 3
+    assert processor.image(image).offset == -1
 
 
 def test_video_frames_and_tokens(tiny_llavas, processors):
