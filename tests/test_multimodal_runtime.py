@@ -17,7 +17,12 @@ from lmnb.multimodal.items import pad_token_id
 from lmnb.multimodal.media import sample_video_path
 from lmnb.params import InvalidRequestError
 from lmnb.runtime import Runtime
-from tests.llava_fixtures import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, video_pixel_values
+from tests.llava_fixtures import (
+    IMAGE_TOKEN_ID,
+    expand_video_token,
+    hf_processor,
+    video_pixel_values,
+)
 
 skimage_data = pytest.importorskip("skimage.data")
 
@@ -84,10 +89,7 @@ def hf_greedy(model, inputs: dict) -> list[int]:
 
 
 def hf_image_inputs(folder: Path, text: str, pictures: list) -> dict:
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(folder)
-    return dict(processor(text=text, images=pictures, return_tensors="pt"))
+    return dict(hf_processor(folder)(text=text, images=pictures, return_tensors="pt"))
 
 
 def assert_integrity(rt: Runtime) -> None:
@@ -144,10 +146,7 @@ def test_video_matches_hf(tiny_llavas, runtimes):
 
     frames, _ = load_video(bigbuckbunny(), 4)
     pixel_values = video_pixel_values(folder, list(frames))[None]  # [1, frames, 3, H, W]
-    ids = rt.encode(VIDEO_PROMPT)
-    per_frame = 4  # the fixture's 4x4 patch grid pooled to 2x2 (HF: grid*grid // 4 per frame)
-    at = ids.index(VIDEO_TOKEN_ID)
-    hf_ids = ids[:at] + [VIDEO_TOKEN_ID] * (4 * per_frame) + ids[at + 1:]
+    hf_ids = rt.encode(expand_video_token(VIDEO_PROMPT, folder, pixel_values[0]))
     inputs = {"input_ids": torch.tensor([hf_ids]), "attention_mask": torch.ones(1, len(hf_ids),
                                                                                  dtype=torch.long),
               "pixel_values_videos": pixel_values}
