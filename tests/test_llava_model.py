@@ -23,7 +23,7 @@ from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
-from lmnb.runtime.models.anyres import num_media_tokens, select_best_resolution, unpadded_window
+from lmnb.multimodal.anyres import num_media_tokens, select_best_resolution, unpadded_window
 from tests.llava_fixtures import (
     IMAGE_TOKEN_ID,
     LLAVA_VARIANTS,

@@ -5,7 +5,7 @@ Pil classes, torchvision is not installed); a video's sampled frames go one by o
 CLIP-style image processor configured from the folder's video processor config (what
 LLaVA-NeXT-Video's video processor does: resize the shortest edge, center crop, normalize).
 `num_tokens` counts the prompt tokens of an item as HF's processor does, with the model's own
-count (`lmnb.runtime.models.anyres.num_media_tokens`), so it is the number of embedding rows the
+count (`lmnb.multimodal.anyres.num_media_tokens`), so it is the number of embedding rows the
 model's `embed_media` returns.
 
 `expand` replaces each `<image>` / `<video>` token of a prompt with its item's span of pad ids
@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmnb.multimodal.anyres import num_media_tokens
 from lmnb.multimodal.hashing import image_hash, video_hash
 from lmnb.multimodal.items import MediaItem, pad_token_id
 from lmnb.multimodal.media import (
@@ -66,8 +67,6 @@ class MediaProcessor:
         from functools import partial
 
         from transformers import AutoImageProcessor
-
-        from lmnb.runtime.models.anyres import num_media_tokens
 
         folder = Path(model_dir)
         video_token = mm.video_token_id if mm.supports_video else None

@@ -225,7 +225,7 @@ class MultimodalConfig:
     `select_strategy`: 'default' drops the CLS position, 'full' keeps it.
     `image_grid_pinpoints`: anyres resolutions ((height, width), ...) of LLaVA-NeXT; None for
     LLaVA-1.5 (one tile per image). `spatial_pool_mode`/`_stride`: LLaVA-NeXT-Video's pooling of
-    each frame's patch grid (None: no video support). Token counts: `lmnb.runtime.models.anyres`.
+    each frame's patch grid (None: no video support). Token counts: `lmnb.multimodal.anyres`.
     """
 
     vision: VisionConfig

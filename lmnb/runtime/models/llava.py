@@ -12,11 +12,11 @@ The model protocol the runner uses (docs/structures.md):
 Per item (HF's order of operations):
 - LLaVA-1.5 image [3, S, S]: tower -> feature layer(s) -> drop CLS ('default') -> projector.
 - LLaVA-NeXT image [tiles, 3, S, S] (base tile first; `image_size` = the original (h, w)):
-  every tile through tower and projector, then `pack_anyres` (lmnb.runtime.models.anyres
+  every tile through tower and projector, then `pack_anyres` (lmnb.multimodal.anyres
   draws the layout): base features, then the tiles' grid unpadded with a newline per row.
 - LLaVA-NeXT-Video video [frames, 3, S, S]: tower -> features -> drop CLS -> spatial pooling of
   each frame's patch grid -> projector; frames one after another.
-How many rows each gives: `lmnb.runtime.models.anyres.num_media_tokens(config, kind, ...)`.
+How many rows each gives: `lmnb.multimodal.anyres.num_media_tokens(config, kind, ...)`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import nn
 from lmnb.multimodal.items import MediaItem
 from lmnb.runtime.config import ModelConfig, MultimodalConfig
 from lmnb.runtime.forward_batch import ForwardBatch
-from lmnb.runtime.models.anyres import (
+from lmnb.multimodal.anyres import (
     anyres_num_tiles,
     anyres_tile_grid,
     num_media_tokens,
