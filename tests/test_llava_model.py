@@ -17,13 +17,13 @@ import pytest
 import torch
 from PIL import Image
 
+from lmnb.multimodal.anyres import num_media_tokens, select_best_resolution, unpadded_window
 from lmnb.multimodal.items import MediaItem
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
-from lmnb.multimodal.anyres import num_media_tokens, select_best_resolution, unpadded_window
 from tests.llava_fixtures import (
     IMAGE_TOKEN_ID,
     LLAVA_VARIANTS,

@@ -26,15 +26,15 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from lmnb.multimodal.items import MediaItem
-from lmnb.runtime.config import ModelConfig, MultimodalConfig
-from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.multimodal.anyres import (
     anyres_num_tiles,
     anyres_tile_grid,
     num_media_tokens,
     unpadded_window,
 )
+from lmnb.multimodal.items import MediaItem
+from lmnb.runtime.config import ModelConfig, MultimodalConfig
+from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.models.llama import LlamaForCausalLM
 from lmnb.runtime.models.registry import register_model
 from lmnb.runtime.models.vision import CLIPVisionModel, activation, copy_checked
