@@ -23,6 +23,7 @@ from lmnb.runtime.fsm.regex import InvalidRegexError
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
+from lmnb.runtime.models.layers.fusion import fused_kernels_available, set_fused_kernels
 from lmnb.runtime.output import OutputProcessor, OutputStream
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
@@ -84,6 +85,8 @@ class Runtime:
         self.dtype = loader.resolve_dtype(config.dtype, self.model_config.dtype, self.device)
         model = loader.load_model(self.model_dir, self.model_config, dtype=self.dtype,
                                   device=self.device, dummy=config.load_format == "dummy")
+        fused = not config.disable_fused_kernels and fused_kernels_available(self.device)
+        self._fused_kernels = fused and set_fused_kernels(model, fused) > 0
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer, self.model_dir)
         self._runner = ModelRunner(model, self.model_config, config, device=self.device,
                                    dtype=self.dtype, eos_token_ids=self.eos_token_ids)
@@ -178,6 +181,7 @@ class Runtime:
                 overlap_schedule=scheduler.config.overlap_schedule,
                 cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
                 cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
+                fused_kernels=self._fused_kernels,
                 evicted_tokens=getattr(cache, "evicted_tokens", 0),
                 eviction_events=getattr(cache, "eviction_events", 0),
                 tree_nodes=cache.node_count() if isinstance(cache, RadixCache) else 0,
