@@ -187,6 +187,57 @@ def test_the_switch_sets_every_fusable_layer(tiny_models):
     assert not fused_kernels_available(torch.device("cpu"))
 
 
+# ---- code generation for a real GPU, without one -------------------------------------------
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmnb.runtime.kernels.fused import activation, rmsnorm, rope
+
+def compile(fn, signature, constants):
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+for dt in ("fp16", "bf16", "fp32"):
+    compile(rmsnorm._rms_norm_kernel,
+            {**{n: "*" + dt for n in ("X", "RES", "W", "OUT", "RES_OUT")},
+             **{n: "i32" for n in ("stride_x", "stride_res", "stride_out", "stride_res_out",
+                                   "hidden")}, "eps": "fp32"},
+            {"HAS_RESIDUAL": True, "BLOCK": 4096})
+    compile(activation._silu_and_mul_kernel,
+            {"X": "*" + dt, "OUT": "*" + dt, "stride_x": "i32", "stride_out": "i32",
+             "width": "i32"}, {"BLOCK": 1024})
+    for store in (True, False):
+        compile(rope._rotary_qkv_kernel,
+                {**{n: "*" + dt for n in ("QKV", "Q_OUT", "K_OUT", "V_OUT")},
+                 "POS": "*i64", "SLOTS": "*i64", "COS": "*fp32", "SIN": "*fp32",
+                 **{n: "i32" for n in ("stride_qkv", "stride_cos", "stride_sin", "stride_q_out",
+                                       "stride_k_row", "stride_k_head", "stride_v_row",
+                                       "stride_v_head", "num_heads", "num_kv_heads")}},
+                {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
+                 "STORE_KV": store})
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the other tests compile the kernels")
+def test_kernels_compile_for_a_hopper_gpu():
+    """The interpreter does not run Triton's code generation: compile each kernel for sm_90
+    ahead of time (no GPU needed; Triton ships ptxas) in a process without TRITON_INTERPRET."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 # ---- whole models: fused kernels against the torch path ------------------------------------
 
 def _passes(runner: ModelRunner, prompts: list[list[int]], next_ids: list[int]

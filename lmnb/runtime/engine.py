@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 
 from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
-from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
+from lmnb.runtime.core import Batch, InvalidRequestError, Req, SamplingParams
 from lmnb.runtime.fsm.grammar import RequestGrammar
 from lmnb.runtime.fsm.index import get_token_index
 from lmnb.runtime.fsm.json_schema import InvalidSchemaError, json_schema_to_regex
@@ -193,6 +193,19 @@ class Runtime:
             return stats
 
         return self._scheduler.call(read)
+
+    def set_batch_hook(self, hook: Callable[[Batch], None] | None) -> None:
+        """Calls `hook(batch)` on the scheduler thread after every forward pass with the `Batch`
+        that ran (plain data: mode, prefix/extend lengths, samples), e.g. to compute the floor of
+        the schedule in benchmarks; None removes it. The hook must be quick and not keep the
+        batch's tensors."""
+        self._check_open()
+        scheduler = self._scheduler.scheduler
+
+        def install() -> None:
+            scheduler.batch_hook = hook
+
+        self._scheduler.call(install)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (returns False) while requests are in flight."""

@@ -37,10 +37,9 @@ def _rotary_qkv_kernel(
     stride_qkv, stride_cos, stride_sin, stride_q_out,
     stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     num_heads, num_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_KV: tl.constexpr, STORE_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE_KV: tl.constexpr,
 ):
-    HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + token).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -100,7 +99,7 @@ def rotary_qkv(positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, si
             qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0),
             k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
             num_heads, num_kv_heads,
-            HEAD_DIM=head_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
             BLOCK_H=block_h, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
             STORE_KV=kv_buffers is not None,
             num_warps=4 if block_h * head_dim <= 2048 else 8,
