@@ -187,6 +187,19 @@ def test_the_switch_sets_every_fusable_layer(tiny_models):
     assert not fused_kernels_available(torch.device("cpu"))
 
 
+def test_the_engine_turns_them_on_for_cuda_unless_disabled(tiny_models):
+    from lmnb.runtime.engine import Runtime
+
+    with pytest.raises(ValueError, match="disable_fused_kernels"):
+        EngineConfig(disable_fused_kernels="no")
+    device = "cpu" if INTERPRET else "cuda"
+    folder = tiny_models["llama-gqa"]
+    with Runtime(folder, device=device, max_total_tokens=256) as rt:
+        assert rt.stats()["fused_kernels"] is (device == "cuda")
+    with Runtime(folder, device=device, max_total_tokens=256, disable_fused_kernels=True) as rt:
+        assert rt.stats()["fused_kernels"] is False
+
+
 # ---- code generation for a real GPU, without one -------------------------------------------
 
 _COMPILE_FOR_HOPPER = """
