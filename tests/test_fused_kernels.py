@@ -277,7 +277,7 @@ def _passes(runner: ModelRunner, prompts: list[list[int]], next_ids: list[int]
     logits = []
     with torch.inference_mode():
         for batch in (extend, decode):
-            forward_batch = runner._forward_batch(batch)
+            forward_batch = runner.forward_batch(batch)
             runner.attn_backend.init_forward_metadata(forward_batch)
             hidden = model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             logits.append(model.compute_logits(hidden))
