@@ -15,7 +15,8 @@
 #   offline-llama2  the same on random Llama-2-7B fp16                                   ~2 min
 #   programs        bench/programs.py with random Llama-2-7B: radix cache on vs off       ~2 min
 # FlashInfer: wheels in .gpu/whl are installed into /tmp/site when present (no network); its JIT
-# output goes to .gpu/ficache (ignored; kept while the machine stays warm). The tokenizer comes
+# output goes to build/flashinfer (ignored and not carried, so a warm machine keeps it between
+# calls that carry .gpu). The tokenizer comes
 # from $LMNB_TOKENIZER_DIR or .gpu/tokenizer (SmolLM2's files; random-weight models only need
 # it to detokenize).
 set -uo pipefail
@@ -35,7 +36,7 @@ if compgen -G ".gpu/whl/flashinfer_python-*.whl" >/dev/null; then
       || echo "gpu_suite: could not install the FlashInfer wheels; FlashInfer rows are skipped"
   fi
   export PYTHONPATH=/tmp/site:$PYTHONPATH
-  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.gpu/ficache}
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/flashinfer}
   mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 fi
 
