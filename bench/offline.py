@@ -8,7 +8,14 @@ every sequence generates exactly its drawn length.
 - lmnb: every prompt in one `Runtime.generate(input_ids=[...], sampling_params=[...])` call.
 - HF: `model.generate` on the same weights, `--hf-batch-size` prompts at a time, left-padded,
   `min_new_tokens = max_new_tokens =` the batch's longest output; only each sequence's own
-  requested tokens count as output (the rest is the cost of static batching).
+  requested tokens count as output (the rest is the cost of static batching). `--hf-num-seqs`
+  / `--hf-max-output-len` give HF a smaller workload (drawn the same way); lmnb then runs that
+  one too, in the same runtime, and the ratio compares the two on it.
+- The floor of the run's own schedule (CUDA; `bench/floor.py`): every forward pass the scheduler
+  ran is logged through `Runtime.set_batch_hook`; per decode pass max(weights + KV bytes / copy
+  bandwidth, FLOPs / matmul rate), per prefill pass FLOPs / matmul rate (and the max with its
+  bytes, reported apart), both rates measured in this run; lmnb's time over that sum is the
+  fraction of the floor it reached.
 
 `--dummy-config llama-2-7b` benchmarks random weights of a real architecture (GPU); the embedded
 SmolLM2's tokenizer is used only to detokenize, so the text is meaningless, and ids the
@@ -18,6 +25,8 @@ same shape (same architecture and cost, not the same values).
     python bench/offline.py                                  # 256 seqs, SmolLM2
     python bench/offline.py --dummy-config llama-2-7b --device cuda
     python bench/offline.py --num-seqs 8 --max-input-len 128 --max-output-len 32 --skip-hf
+    python bench/offline.py --dummy-config llama-3-8b --device cuda --tokenizer .gpu/tokenizer \
+        --hf-num-seqs 32 --hf-max-output-len 256 --hf-batch-size 32
 
 On a small shared CPU box, `--threads 1` gives steadier ratios (oversubscribed torch threads
 slow HF's many small ops far more than lmnb's).
@@ -48,6 +57,7 @@ from bench.common import (  # noqa: E402
     stopwatch,
     write_json,
 )
+from bench.floor import BatchLog, ModelCost, measure_rates, schedule_floor  # noqa: E402
 from lmnb.runtime.config import ModelConfig  # noqa: E402
 from lmnb.runtime.models import loader  # noqa: E402
 
@@ -156,6 +166,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch intra-op threads (CPU; default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="run lmnb only")
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-num-seqs", type=int, default=None,
+                        help="HF's (smaller) workload: this many sequences (default: the same "
+                             "workload as lmnb); lmnb runs it too for the ratio")
+    parser.add_argument("--hf-max-output-len", type=int, default=None,
+                        help="HF's workload: output lengths up to this (default --max-output-len)")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the floor of the schedule (measured on CUDA only)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "offline.json")
     args = parser.parse_args(argv)
     # Defaults of the min lengths give way to a smaller max (e.g. --max-output-len 64).
@@ -169,6 +186,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--threads must be >= 1")
     if args.hf_batch_size < 1:
         parser.error("--hf-batch-size must be >= 1")
+    if args.hf_num_seqs is not None and args.hf_num_seqs < 1:
+        parser.error("--hf-num-seqs must be >= 1")
+    if args.hf_max_output_len is not None and args.hf_max_output_len < 1:
+        parser.error("--hf-max-output-len must be >= 1")
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
     return args
@@ -200,8 +221,10 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_lmnb(spec: ModelSpec, workload: Workload, args: argparse.Namespace,
-             device: torch.device) -> dict[str, Any]:
+def run_lmnb(spec: ModelSpec, workloads: dict[str, Workload], args: argparse.Namespace,
+             device: torch.device) -> dict[str, dict[str, Any]]:
+    """Runs each workload (in order) on one runtime; per workload its throughput and, with
+    `args.rates`, the floor of the passes the scheduler ran for it."""
     from lmnb.runtime.engine import Runtime
 
     with stopwatch(device) as load:
@@ -212,39 +235,61 @@ def run_lmnb(spec: ModelSpec, workload: Workload, args: argparse.Namespace,
                      attention_backend=args.attention_backend,
                      disable_radix_cache=args.disable_radix_cache,
                      **({"schedule_policy": args.schedule_policy} if args.schedule_policy else {}))
+    results: dict[str, dict[str, Any]] = {}
+    log = BatchLog()
+    cost = ModelCost.from_config(rt.model_config, spec.dtype)
     try:
-        longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens,
-                                                 strict=True))
-        if longest > rt.context_len:
-            raise SystemExit(f"a sequence needs {longest} tokens; lmnb's context length is "
-                             f"{rt.context_len} (raise --max-total-tokens or shorten the lengths)")
-        params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature}
-                  for n in workload.output_lens]
-        torch.manual_seed(SEED)
-        rt.generate(input_ids=workload.prompts[0][:16],
-                    sampling_params={**params[0], "max_new_tokens": WARMUP_TOKENS})
-        rt.flush_cache()  # the warm-up prompt must not become a cache hit
-        before = rt.stats()
-        with stopwatch(device) as run:
-            outputs = rt.generate(input_ids=workload.prompts, sampling_params=params)
-        after = rt.stats()
-        max_total_tokens = rt.max_total_tokens
+        stats = rt.stats()
+        engine = {key: stats[key] for key in ("attention_backend", "cuda_graph_batch_sizes",
+                                              "cuda_graph_capture_seconds", "fused_kernels")
+                  if key in stats}
+        for label, workload in workloads.items():
+            longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens,
+                                                     strict=True))
+            if longest > rt.context_len:
+                raise SystemExit(f"a sequence needs {longest} tokens; lmnb's context length is "
+                                 f"{rt.context_len} (raise --max-total-tokens or shorten the "
+                                 "lengths)")
+            params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature}
+                      for n in workload.output_lens]
+            torch.manual_seed(SEED)
+            rt.generate(input_ids=workload.prompts[0][:16],
+                        sampling_params={**params[0], "max_new_tokens": WARMUP_TOKENS})
+            rt.flush_cache()  # the warm-up prompt must not become a cache hit
+            before = rt.stats()
+            log.clear()
+            rt.set_batch_hook(log)
+            with stopwatch(device) as run:
+                outputs = rt.generate(input_ids=workload.prompts, sampling_params=params)
+            rt.set_batch_hook(None)
+            after = rt.stats()
+            produced = [out["meta_info"]["completion_tokens"] for out in outputs]
+            result = {
+                "seqs": len(outputs),
+                "output_tokens": sum(produced),
+                "seconds": run["seconds"],
+                "tokens_per_s": sum(produced) / run["seconds"],
+                "load_seconds": load["seconds"],
+                "short_seqs": sum(p < n for p, n in zip(produced, workload.output_lens,
+                                                        strict=True)),
+                "forward_passes": after["forward_passes"] - before["forward_passes"],
+                "retractions": after["retractions"] - before["retractions"],
+                "max_total_tokens": rt.max_total_tokens,
+                **engine,
+            }
+            if args.rates is not None:
+                floor = schedule_floor(log, cost, **args.rates)
+                result["floor"] = floor
+                result["floor_tokens_per_s"] = sum(produced) / floor["seconds"]
+                result["fraction_of_floor"] = floor["seconds"] / run["seconds"]
+                result["fraction_of_floor_issue_definition"] = (
+                    floor["seconds_issue_definition"] / run["seconds"])
+            results[label] = result
     finally:
         rt.close()
         del rt
         _release_memory(device)
-    produced = [out["meta_info"]["completion_tokens"] for out in outputs]
-    return {
-        "seqs": len(outputs),
-        "output_tokens": sum(produced),
-        "seconds": run["seconds"],
-        "tokens_per_s": sum(produced) / run["seconds"],
-        "load_seconds": load["seconds"],
-        "short_seqs": sum(p < n for p, n in zip(produced, workload.output_lens, strict=True)),
-        "forward_passes": after["forward_passes"] - before["forward_passes"],
-        "retractions": after["retractions"] - before["retractions"],
-        "max_total_tokens": max_total_tokens,
-    }
+    return results
 
 
 def _load_hf(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
@@ -321,6 +366,16 @@ def run_hf(spec: ModelSpec, workload: Workload, args: argparse.Namespace,
     }
 
 
+def _hf_workload(args: argparse.Namespace, main: Workload, vocab_size: int) -> Workload:
+    if args.hf_num_seqs is None and args.hf_max_output_len is None:
+        return main
+    max_output = args.hf_max_output_len or args.max_output_len
+    return make_workload(
+        num_seqs=args.hf_num_seqs or args.num_seqs, min_input_len=args.min_input_len,
+        max_input_len=args.max_input_len, min_output_len=min(args.min_output_len, max_output),
+        max_output_len=max_output, vocab_size=vocab_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -340,24 +395,58 @@ def main(argv: list[str] | None = None) -> int:
             num_seqs=args.num_seqs, min_input_len=args.min_input_len,
             max_input_len=args.max_input_len, min_output_len=args.min_output_len,
             max_output_len=args.max_output_len, vocab_size=spec.config.vocab_size)
+        hf_workload = _hf_workload(args, workload, spec.config.vocab_size)
+        separate = hf_workload is not workload and not args.skip_hf
         print(f"offline: {args.num_seqs} seqs, {workload.prompt_tokens:,} prompt tokens, "
               f"{workload.output_tokens:,} output tokens; {spec.label}, {spec.dtype}, {device}")
-        results = {"lmnb": run_lmnb(spec, workload, args, device)}
+        if separate:
+            print(f"HF comparison workload: {len(hf_workload.prompts)} seqs, "
+                  f"{hf_workload.prompt_tokens:,} prompt tokens, "
+                  f"{hf_workload.output_tokens:,} output tokens (lmnb runs it too)")
+        model_config = ModelConfig.from_hf(spec.config)
+        args.rates = (measure_rates(device, model_config, spec.dtype)
+                      if device.type == "cuda" and not args.no_floor else None)
+        if args.rates:
+            print(f"measured: copy {args.rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+                  f"{spec.dtype} matmul {args.rates['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+        lmnb_workloads = {"lmnb": workload}
+        if separate:
+            lmnb_workloads["lmnb_hf_workload"] = hf_workload
+        results = run_lmnb(spec, lmnb_workloads, args, device)
         if not args.skip_hf:
-            results["hf"] = run_hf(spec, workload, args, device)
+            results["hf"] = run_hf(spec, hf_workload, args, device)
 
-    names = {"lmnb": "lmnb", "hf": f"HF generate (batch {args.hf_batch_size})"}
-    rows = [(names[k], r["seqs"], r["output_tokens"], r["seconds"], r["tokens_per_s"])
+    names = {"lmnb": "lmnb", "lmnb_hf_workload": "lmnb (HF's workload)",
+             "hf": f"HF generate (batch {args.hf_batch_size})"}
+    rows = [(names[k], r["seqs"], r["output_tokens"], r["seconds"], r["tokens_per_s"],
+             r.get("floor_tokens_per_s"),
+             None if "fraction_of_floor" not in r else f"{100 * r['fraction_of_floor']:.1f}%")
             for k, r in results.items()]
-    print(format_table(["system", "seqs", "output tokens", "seconds", "tokens/s"], rows))
+    print(format_table(["system", "seqs", "output tokens", "seconds", "tokens/s",
+                        "floor tokens/s", "of floor"], rows))
     for key, result in results.items():
         if result["short_seqs"]:
             print(f"warning: {result['short_seqs']} {names[key]} sequences got fewer tokens "
                   "than requested")
-    ratio = (results["lmnb"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+        floor = result.get("floor")
+        if floor:
+            print(f"{names[key]} schedule: {floor['extend_passes']} prefill passes "
+                  f"({floor['extend_tokens']:,} tokens, floor {floor['extend_seconds']:.2f} s), "
+                  f"{floor['decode_passes']} decode passes ({floor['decode_tokens']:,} tokens, "
+                  f"floor {floor['decode_seconds']:.2f} s, "
+                  f"{floor['decode_memory_bound_passes']} memory-bound); "
+                  f"{100 * result['fraction_of_floor']:.1f}% of the floor "
+                  f"({100 * result['fraction_of_floor_issue_definition']:.1f}% with prefill "
+                  "FLOPs only)")
+    lmnb_key = "lmnb_hf_workload" if separate else "lmnb"
+    ratio = (results[lmnb_key]["tokens_per_s"] / results["hf"]["tokens_per_s"]
              if "hf" in results else None)
     if ratio is not None:
-        print(f"lmnb / HF throughput: {ratio:.2f}x")
+        print(f"lmnb / HF throughput on the same workload: {ratio:.2f}x")
+
+    def workload_info(w: Workload) -> dict[str, int]:
+        return {"seqs": len(w.prompts), "prompt_tokens": w.prompt_tokens,
+                "output_tokens": w.output_tokens}
 
     payload = {
         "benchmark": "offline",
@@ -371,14 +460,17 @@ def main(argv: list[str] | None = None) -> int:
             "ignore_eos": True,
             "seed": SEED,
             "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
+            "hf_num_seqs": args.hf_num_seqs,
+            "hf_max_output_len": args.hf_max_output_len,
             "max_total_tokens": args.max_total_tokens,
             "attention_backend": args.attention_backend,
             "schedule_policy": args.schedule_policy,
             "disable_radix_cache": args.disable_radix_cache,
             "threads": torch.get_num_threads(),
         },
-        "workload": {"prompt_tokens": workload.prompt_tokens,
-                     "output_tokens": workload.output_tokens},
+        "workload": workload_info(workload),
+        "hf_workload": workload_info(hf_workload) if separate else None,
+        "rates": args.rates,
         "results": results,
         "ratio_lmnb_over_hf": ratio,
         "environment": environment(device),

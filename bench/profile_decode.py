@@ -27,12 +27,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-config", default="llama-2-7b", choices=sorted(DUMMY_CONFIGS))
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--disable-fused-kernels", action="store_true")
     args = parser.parse_args(argv)
     fields = DUMMY_CONFIGS[args.model_config]
     with tempfile.TemporaryDirectory() as scratch:
         (Path(scratch) / "config.json").write_text(json.dumps(fields))
         with Runtime(scratch, tokenizer_path=str(args.tokenizer), load_format="dummy",
-                     device="cuda", dtype=fields["dtype"]) as rt:
+                     device="cuda", dtype=fields["dtype"],
+                     attention_backend=args.attention_backend,
+                     disable_cuda_graph=args.disable_cuda_graph,
+                     disable_fused_kernels=args.disable_fused_kernels) as rt:
             params = {"temperature": 0, "ignore_eos": True}
             prompt = list(range(100, 356))
             rt.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})

@@ -32,6 +32,12 @@ The modes alternate which runs first; `--repeats N` keeps the fastest of N inter
     python bench/programs.py                          # embedded SmolLM2-135M on CPU
     python bench/programs.py --scale 4 --device cuda
     python bench/programs.py --workloads mmlu,no-reuse --repeats 3
+    python bench/programs.py --dummy-config llama-2-7b --tokenizer .gpu/tokenizer --scale 8
+
+`--dummy-config NAME` runs random weights of a real architecture (GPU; text is meaningless, the
+cache and scheduling work is real); its vocabulary grows to the tokenizer's when that is larger
+(SmolLM2's 49152 ids for Llama-2-7B's 32000: +0.28 GB of weights), so that every prompt id has an
+embedding.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -59,6 +66,7 @@ from bench.common import (  # noqa: E402
     stopwatch,
     write_json,
 )
+from bench.offline import DUMMY_CONFIGS  # noqa: E402
 from lmnb.lang.ir import Expr  # noqa: E402
 from lmnb.lang.program import ProgramState  # noqa: E402
 from lmnb.runtime.radix.optimal import optimal_computed_tokens as prompt_only_optimum  # noqa: E402
@@ -110,6 +118,14 @@ class RecordingRuntime:
     def flush_cache(self) -> bool:
         return self.runtime.flush_cache()
 
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *args: Any,
+                            **options: Any) -> str:
+        return self.runtime.apply_chat_template(messages, *args, **options)
+
+    @property
+    def engine_config(self) -> Any:
+        return self.runtime.engine_config
+
     def stats(self) -> dict[str, Any]:
         return self.runtime.stats()
 
@@ -142,21 +158,45 @@ class RecordingRuntime:
             self._record(ids, result["output_ids"], result["meta_info"])
         return out
 
-    def _recorded_stream(self, chunks: Any, sent: list[list[int]]) -> Iterator[dict[str, Any]]:
-        outputs: list[list[int]] = [[] for _ in sent]
-        try:
-            for chunk in chunks:
-                index = chunk.get("index", 0)
-                outputs[index].extend(chunk["output_ids"])
-                if chunk["meta_info"].get("finish_reason") is not None:
-                    self._record(sent[index], outputs[index], chunk["meta_info"])
-                yield chunk
-        finally:
-            chunks.close()
+    def _recorded_stream(self, chunks: Any, sent: list[list[int]]) -> RecordedStream:
+        return RecordedStream(chunks, sent, self._record)
 
     def _record(self, input_ids: list[int], output_ids: list[int], meta: dict[str, Any]) -> None:
         with self._lock:
             self.requests.append(Request(input_ids, list(output_ids), meta))
+
+
+class RecordedStream:
+    """A runtime's `OutputStream` (`get(timeout)`, iteration, `close()`) that records each
+    request when its final chunk passes through."""
+
+    def __init__(self, chunks: Any, sent: list[list[int]],
+                 record: Callable[[list[int], list[int], dict[str, Any]], None]) -> None:
+        self.chunks = chunks
+        self.sent = sent
+        self.record = record
+        self.outputs: list[list[int]] = [[] for _ in sent]
+
+    def _see(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        index = chunk.get("index", 0)
+        self.outputs[index].extend(chunk["output_ids"])
+        if chunk["meta_info"].get("finish_reason") is not None:
+            self.record(self.sent[index], self.outputs[index], chunk["meta_info"])
+        return chunk
+
+    def get(self, timeout: float | None = None) -> dict[str, Any] | None:
+        chunk = self.chunks.get(timeout)
+        return None if chunk is None else self._see(chunk)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            for chunk in self.chunks:
+                yield self._see(chunk)
+        finally:
+            self.chunks.close()
+
+    def close(self) -> None:
+        self.chunks.close()
 
 
 def optimal_computed_tokens(requests: Sequence[Request]) -> int:
@@ -457,6 +497,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None,
                         help="local HF folder or .gguf (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dummy-config", default=None, choices=sorted(DUMMY_CONFIGS),
+                        help="random weights of this architecture instead of --model")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder for --dummy-config (default: the embedded "
+                             "SmolLM2's)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies program counts")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
@@ -475,7 +520,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--scale must be > 0")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.dummy_config and args.model:
+        parser.error("--model and --dummy-config exclude each other")
+    if args.tokenizer and not args.dummy_config:
+        parser.error("--tokenizer goes with --dummy-config (a --model has its own)")
     return args
+
+
+def _dummy_model(args: argparse.Namespace, scratch: Path) -> tuple[str, dict[str, Any]]:
+    """A folder holding only the config of `--dummy-config` (vocabulary grown to the
+    tokenizer's), and the Runtime options that load random weights with that tokenizer."""
+    import json
+
+    from lmnb.runtime.models import loader
+
+    tokenizer_dir = loader.resolve_model_dir(args.tokenizer)
+    fields = dict(DUMMY_CONFIGS[args.dummy_config])
+    fields["vocab_size"] = max(fields["vocab_size"], len(loader.load_tokenizer(tokenizer_dir)))
+    folder = scratch / args.dummy_config
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(fields))
+    return str(folder), {"tokenizer_path": str(tokenizer_dir), "load_format": "dummy",
+                         "dtype": fields["dtype"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -486,16 +552,24 @@ def main(argv: list[str] | None = None) -> int:
     from lmnb.runtime.engine import Runtime
 
     hf_logging.set_verbosity_error()
-    options = dict(device=args.device, max_total_tokens=args.max_total_tokens)
-    runtimes = {"on": Runtime(args.model, **options),
-                "off": Runtime(args.model, disable_radix_cache=True, **options)}
+    options: dict[str, Any] = dict(device=args.device, max_total_tokens=args.max_total_tokens)
+    model_label = args.model or "embedded SmolLM2-135M-Instruct"
+    scratch = None
+    model_path = args.model
+    if args.dummy_config:
+        scratch = tempfile.TemporaryDirectory(prefix="lmnb-programs-")
+        model_path, dummy_options = _dummy_model(args, Path(scratch.name))
+        options.update(dummy_options)
+        model_label = f"dummy {args.dummy_config} (random weights)"
+    runtimes = {"on": Runtime(model_path, **options),
+                "off": Runtime(model_path, disable_radix_cache=True, **options)}
     results: dict[str, dict[str, Any]] = {}
     try:
         for rt in runtimes.values():  # warm-up
             rt.generate("Hello, world.", {"max_new_tokens": 4, "temperature": 0.0})
         device = runtimes["on"].device
         print(f"programs: {', '.join(args.workloads)}; scale {args.scale}; "
-              f"{args.model or 'embedded SmolLM2-135M-Instruct'}, {device}")
+              f"{model_label}, {device}")
         for index, name in enumerate(args.workloads):
             runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
             for repeat in range(args.repeats):
@@ -512,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for rt in runtimes.values():
             rt.close()
+        if scratch is not None:
+            scratch.cleanup()
 
     rows = []
     for name, by_mode in results.items():
@@ -545,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "programs",
         "config": {
-            "model": args.model or "embedded SmolLM2-135M-Instruct",
+            "model": model_label,
             "workloads": args.workloads,
             "scale": args.scale,
             "repeats": args.repeats,

@@ -69,6 +69,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # largest decode batch captured in a CUDA graph
     disable_overlap_schedule: bool | None = None  # None: overlap on CUDA only; False forces it on
+    disable_fused_kernels: bool = False  # torch ops instead of the fused Triton kernels (CUDA)
     random_seed: int | None = None
     tp_size: int = 1
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
@@ -109,7 +110,8 @@ class EngineConfig:
                                      or not 0.0 < fraction <= 1.0):
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
         for flag in ("disable_radix_cache", "disable_jump_forward", "disable_cuda_graph",
-                     "disable_overlap_schedule", "check_integrity_each_step"):
+                     "disable_overlap_schedule", "disable_fused_kernels",
+                     "check_integrity_each_step"):
             if flag == "disable_overlap_schedule" and self.disable_overlap_schedule is None:
                 continue
             if not isinstance(getattr(self, flag), bool):

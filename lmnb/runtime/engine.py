@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from lmnb.multimodal.items import MediaItem, MultimodalInputs, pad_token_id
 from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
-from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
+from lmnb.runtime.core import Batch, InvalidRequestError, Req, SamplingParams
 from lmnb.runtime.distributed.events import CacheEventLog
 from lmnb.runtime.fsm.grammar import RequestGrammar
 from lmnb.runtime.fsm.index import get_token_index
@@ -26,6 +26,7 @@ from lmnb.runtime.fsm.regex import InvalidRegexError
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
+from lmnb.runtime.models.layers.fusion import fused_kernels_available, set_fused_kernels
 from lmnb.runtime.output import OutputProcessor, OutputStream
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
@@ -99,6 +100,8 @@ class Runtime:
         self.dtype = loader.resolve_dtype(config.dtype, self.model_config.dtype, self.device)
         model = loader.load_model(self.model_dir, self.model_config, dtype=self.dtype,
                                   device=self.device, dummy=config.load_format == "dummy")
+        fused = not config.disable_fused_kernels and fused_kernels_available(self.device)
+        self._fused_kernels = fused and set_fused_kernels(model, fused) > 0
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer, self.model_dir)
         # Images/videos: None for a text model.
         self.media_processor = (MediaProcessor.from_model_dir(self.model_dir, self.model_config)
@@ -198,6 +201,7 @@ class Runtime:
                 overlap_schedule=scheduler.config.overlap_schedule,
                 cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
                 cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
+                fused_kernels=self._fused_kernels,
                 evicted_tokens=getattr(cache, "evicted_tokens", 0),
                 eviction_events=getattr(cache, "eviction_events", 0),
                 tree_nodes=cache.node_count() if isinstance(cache, RadixCache) else 0,
@@ -228,6 +232,19 @@ class Runtime:
             return report
 
         return self._scheduler.call(read)
+
+    def set_batch_hook(self, hook: Callable[[Batch], None] | None) -> None:
+        """Calls `hook(batch)` on the scheduler thread after every forward pass with the `Batch`
+        that ran (plain data: mode, prefix/extend lengths, samples), e.g. to compute the floor of
+        the schedule in benchmarks; None removes it. The hook must be quick and not keep the
+        batch's tensors."""
+        self._check_open()
+        scheduler = self._scheduler.scheduler
+
+        def install() -> None:
+            scheduler.batch_hook = hook
+
+        self._scheduler.call(install)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (returns False) while requests are in flight."""

@@ -23,8 +23,9 @@ class AttentionBackend(ABC):
         init_forward_metadata(fb)   once, before the first layer: derive whatever the kernels need
                                     from fb.qo_indptr / kv_indptr / kv_indices (built on the device
                                     by `ForwardBatch.build`); no host sync in DECODE
-        forward(q, k, v, layer, fb) every layer: write the new tokens' K/V to fb.out_cache_loc,
-                                    then attend each query to its request's KV causally
+        forward(q, k, v, layer, fb) every layer: write the new tokens' K/V to fb.out_cache_loc
+                                    (unless save_kv=False: the caller wrote them), then attend
+                                    each query to its request's KV causally
 
     CUDA-graph capture and replay, DECODE only (`supports_capture` backends):
         init_capture(max_bs)        once: allocate static metadata buffers for up to max_bs rows,
@@ -78,9 +79,13 @@ class AttentionBackend(ABC):
                                v.view(shape))
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                forward_batch: ForwardBatch) -> torch.Tensor:
-        """q [num_tokens, heads * head_dim], k/v [num_tokens, kv_heads * head_dim] -> like q."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
+                ) -> torch.Tensor:
+        """q [num_tokens, heads * head_dim], k/v [num_tokens, kv_heads * head_dim] -> like q.
+
+        save_kv=False: the caller has written this pass's K/V to fb.out_cache_loc already (the
+        fused rotary kernel does); k and v are then unused (None)."""
 
     def init_capture(self, max_bs: int) -> None:
         """Allocate the static decode metadata for graphs of up to `max_bs` requests."""

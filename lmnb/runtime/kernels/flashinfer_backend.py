@@ -100,11 +100,13 @@ class FlashInferAttention(AttentionBackend):
             kv_data_type=self.kv_storage.dtype, sm_scale=self.scale)
         self._active = self._prefill
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
+                ) -> torch.Tensor:
         storage = self.kv_storage
         num_tokens = q.shape[0]
-        self.store_kv(k, v, layer_id, forward_batch)
+        if save_kv:
+            self.store_kv(k, v, layer_id, forward_batch)
         cache = (storage.k_buffers[layer_id].unsqueeze(1),  # [pages, page_size 1, kv_heads, dim]
                  storage.v_buffers[layer_id].unsqueeze(1))
         query = q.view(num_tokens, self.num_heads, self.head_dim).to(storage.dtype)

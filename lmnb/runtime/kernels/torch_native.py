@@ -65,11 +65,13 @@ class TorchNativeAttention(AttentionBackend):
         self._static_valid[:bs].copy_(valid)
         self.prepare_for_capture(bs)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
+                ) -> torch.Tensor:
         pool = self.kv_storage
         num_tokens = q.shape[0]
-        self.store_kv(k, v, layer_id, forward_batch)
+        if save_kv:
+            self.store_kv(k, v, layer_id, forward_batch)
         k_buffer, v_buffer = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if forward_batch.mode is ForwardMode.DECODE:

@@ -87,11 +87,13 @@ class TritonAttention(AttentionBackend):
                            num_kv_tokens=forward_batch.num_kv_tokens, bs=bs)
         self.prepare_for_capture(bs)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
+                ) -> torch.Tensor:
         pool = self.kv_storage
         num_tokens = q.shape[0]
-        self.store_kv(k, v, layer_id, forward_batch)
+        if save_kv:
+            self.store_kv(k, v, layer_id, forward_batch)
         k_buffer, v_buffer = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         out = torch.empty_like(q)

@@ -6,7 +6,6 @@ attention finds each request's KV through the `ForwardBatch`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -14,76 +13,13 @@ from torch import nn
 
 from lmnb.runtime.config import ModelConfig
 from lmnb.runtime.forward_batch import ForwardBatch
+from lmnb.runtime.models.layers.activation import GatedActivation
+from lmnb.runtime.models.layers.norm import RMSNorm
+from lmnb.runtime.models.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from lmnb.runtime.models.registry import register_model
 
-_ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu,
-                "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    head_dim = config.head_dim
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
-    params = config.rope_scaling
-    if params is None:
-        return inv_freq
-    rope_type = params["rope_type"]
-    if rope_type == "linear":
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        factor = params["factor"]
-        low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
-        old_context_len = params["original_max_position_embeddings"]
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = ((old_context_len / wavelen - low_freq_factor)
-                  / (high_freq_factor - low_freq_factor))
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding with a precomputed cos/sin table over all positions."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        inv_freq = rope_inverse_frequencies(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-        self.head_dim = config.head_dim
-
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q [num_tokens, heads, dim], k [num_tokens, kv_heads, dim]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return (q * cos + self._rotate_half(q) * sin,
-                k * cos + self._rotate_half(k) * sin)
+__all__ = ["LlamaForCausalLM", "LlamaModel", "RMSNorm", "RotaryEmbedding",
+           "rope_inverse_frequencies"]
 
 
 class LlamaAttention(nn.Module):
@@ -101,13 +37,19 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        q, k = rotary(positions, q.view(num_tokens, self.num_heads, self.head_dim),
-                      k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        out = forward_batch.attn_backend.forward(q.reshape(num_tokens, -1),
-                                                 k.reshape(num_tokens, -1), v,
-                                                 self.layer_id, forward_batch)
+        backend = forward_batch.attn_backend
+        qkv = self.qkv_proj(hidden)
+        if rotary.fused:  # one kernel: rotate q and k, store k and v in the KV pool
+            storage = backend.kv_storage
+            q, _, _ = rotary.rotate_qkv(
+                positions, qkv, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
+                slots=forward_batch.out_cache_loc)
+            out = backend.forward(q, None, None, self.layer_id, forward_batch, save_kv=False)
+        else:
+            q, k, v = rotary.rotate_qkv(positions, qkv, num_heads=self.num_heads,
+                                        num_kv_heads=self.num_kv_heads)
+            out = backend.forward(q, k, v, self.layer_id, forward_batch)
         return self.o_proj(out)
 
 
@@ -118,17 +60,16 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        if config.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported "
-                             f"({', '.join(_ACTIVATIONS)})")
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act_fn = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block passing the residual stream along (`hidden, residual`), so that each
+    residual add happens inside the next RMSNorm (one fused kernel on CUDA)."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id)
@@ -136,11 +77,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
-                forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary,
-                                         forward_batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the residual stream before it); their sum is the
+        layer's output hidden state. `residual` None: the first layer (hidden is the stream)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rotary, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -156,9 +105,11 @@ class LlamaModel(nn.Module):
                 forward_batch: ForwardBatch,
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, self.rotary, forward_batch)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, self.rotary, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama", "mistral",

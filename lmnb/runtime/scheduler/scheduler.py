@@ -18,6 +18,7 @@ last token, room for one more token each); otherwise the pass in flight is proce
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -108,6 +109,7 @@ class Scheduler:
                                     new_token_ratio_decay=config.new_token_ratio_decay)
         self.stats = SchedulerStats()
         self.media = MediaLog(vocab_size if vocab_size is not None else 1 << 31)
+        self.batch_hook: Callable[[Batch], None] | None = None  # sees every batch that ran
         self._events: list[TokenEvent] = []
         self._in_flight: _InFlight | None = None
 
@@ -234,6 +236,8 @@ class Scheduler:
 
     def _complete(self, batch: Batch, reqs: list[Req], output: Any) -> None:
         self.stats.forward_passes += 1
+        if self.batch_hook is not None:
+            self.batch_hook(batch)
         self._process(batch, reqs, output)
         self._flush()
         if self.config.check_integrity_each_step:

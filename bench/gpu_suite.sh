@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The issue-10 GPU measurements in one command, each stage a separate process writing its JSON
+# into bench/results/ (copied into $OUT too when that is set, e.g. on the device machine).
+#
+#   bench/gpu_suite.sh                      # decode offline-llama3 offline-llama2 programs
+#   bench/gpu_suite.sh decode programs      # some stages
+#   bench/gpu_suite.sh tests                # the GPU tests of the fused kernels (not in "all")
+#
+# Stages (rough H100 times, Triton/FlashInfer JIT included on a fresh machine):
+#   decode          batch-1 decode of random Llama-2-7B fp16 (128-token prompt, 256 new tokens),
+#                   eager / graphs+torch_native / graphs+Triton / graphs+FlashInfer, fused on/off,
+#                   % of the HBM floor measured in the same run                        ~3 min
+#   offline-llama3  nano-vllm's offline workload (256 seqs) on random Llama-3-8B bf16, the floor
+#                   of its own schedule, lmnb vs HF generate on 32 seqs (outputs <= 256) ~2 min
+#   offline-llama2  the same on random Llama-2-7B fp16                                   ~2 min
+#   programs        bench/programs.py with random Llama-2-7B: radix cache on vs off       ~2 min
+# FlashInfer: wheels in .gpu/whl are installed into /tmp/site when present (no network); its JIT
+# output goes to build/flashinfer (ignored and not carried, so a warm machine keeps it between
+# calls that carry .gpu). The tokenizer comes
+# from $LMNB_TOKENIZER_DIR or .gpu/tokenizer (SmolLM2's files; random-weight models only need
+# it to detokenize).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python}
+TOKENIZER=${LMNB_TOKENIZER_DIR:-.gpu/tokenizer}
+RESULTS=bench/results
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0
+export LMNB_TOKENIZER_DIR=$TOKENIZER
+mkdir -p "$RESULTS"
+
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".gpu/whl/flashinfer_python-*.whl" >/dev/null; then
+  if ! PYTHONPATH=/tmp/site:$PYTHONPATH $PY -c "import flashinfer" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl \
+      || echo "gpu_suite: could not install the FlashInfer wheels; FlashInfer rows are skipped"
+  fi
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/flashinfer}
+  mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+fi
+
+stages=("$@")
+if [ ${#stages[@]} -eq 0 ] || [ "${stages[0]}" = all ]; then
+  stages=(decode offline-llama3 offline-llama2 programs)
+fi
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+$PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null \
+  || echo "flashinfer: not installed"
+
+failed=()
+run_stage() {
+  local name=$1; shift
+  echo
+  echo "=== $name: $*"
+  local start=$SECONDS
+  if "$@"; then
+    echo "=== $name done in $((SECONDS - start)) s"
+  else
+    echo "=== $name FAILED (exit $?) after $((SECONDS - start)) s"
+    failed+=("$name")
+  fi
+  if [ -n "${OUT:-}" ]; then cp "$RESULTS"/*.json "$OUT"/ 2>/dev/null || true; fi
+}
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    decode)
+      run_stage decode $PY bench/decode_ablation.py --model-config llama-2-7b \
+        --tokenizer "$TOKENIZER" --output "$RESULTS/decode_ablation.json" ;;
+    offline-llama3)
+      run_stage offline-llama3 $PY bench/offline.py --dummy-config llama-3-8b --device cuda \
+        --tokenizer "$TOKENIZER" --hf-num-seqs 32 --hf-max-output-len 256 --hf-batch-size 32 \
+        --output "$RESULTS/offline_llama-3-8b.json" ;;
+    offline-llama2)
+      run_stage offline-llama2 $PY bench/offline.py --dummy-config llama-2-7b --device cuda \
+        --tokenizer "$TOKENIZER" --hf-num-seqs 32 --hf-max-output-len 256 --hf-batch-size 32 \
+        --output "$RESULTS/offline_llama-2-7b.json" ;;
+    programs)
+      run_stage programs $PY bench/programs.py --dummy-config llama-2-7b --device cuda \
+        --tokenizer "$TOKENIZER" --scale 8 \
+        --workloads mmlu,hellaswag,tree-of-thought,chat-short,chat-long \
+        --output "$RESULTS/programs_llama-2-7b.json" ;;
+    tests)
+      run_stage tests $PY -m pytest -q -x tests/test_fused_kernels.py \
+        tests/gpu/test_fused_model.py tests/gpu/test_cuda_graphs.py \
+        tests/gpu/test_gpu_attention_backends.py ;;
+    *)
+      echo "gpu_suite: unknown stage $stage (decode offline-llama3 offline-llama2 programs tests)"
+      failed+=("$stage") ;;
+  esac
+done
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu_suite: failed stages: ${failed[*]}"
+  exit 1
+fi
+echo "gpu_suite: all stages passed; JSON in $RESULTS/"

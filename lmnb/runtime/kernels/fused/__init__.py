@@ -1,0 +1,17 @@
+"""Fused elementwise Triton kernels of the decoder layer (one launch where torch needs several):
+
+- `rms_norm`: RMSNorm, with the residual add fused in (SGLang's / vLLM's fused_add_rms_norm).
+- `silu_and_mul`: SiLU(gate) * up over the two halves of the gate_up projection.
+- `rotary_qkv`: neox rotary embedding of q and k straight from the qkv projection, writing q to a
+  contiguous tensor and, optionally, the rotated k and v straight into the KV pool's slots.
+
+Each rounds where the torch path (`lmnb/runtime/models/layers/`, the CPU path and the reference)
+rounds, so the two agree up to the order of a sum. They run compiled on CUDA and in Triton's
+interpreter on CPU tensors (`TRITON_INTERPRET=1`), which the tests use; triton 3.6 and 3.9.
+"""
+
+from lmnb.runtime.kernels.fused.activation import silu_and_mul
+from lmnb.runtime.kernels.fused.rmsnorm import rms_norm
+from lmnb.runtime.kernels.fused.rope import rotary_qkv
+
+__all__ = ["rms_norm", "rotary_qkv", "silu_and_mul"]

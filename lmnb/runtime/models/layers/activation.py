@@ -1,0 +1,32 @@
+"""The gated activation of the MLP: act(gate) * up over the gate_up projection's two halves."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmnb.runtime.models.layers.fusion import Fusable
+
+ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu,
+               "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+
+
+class GatedActivation(Fusable):
+    """[tokens, 2 * width] (gate | up) -> act(gate) * up [tokens, width]; SiLU has a fused
+    kernel, the other activations always take the torch path."""
+
+    def __init__(self, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported "
+                             f"({', '.join(ACTIVATIONS)})")
+        self.hidden_act = hidden_act
+        self.act = ACTIVATIONS[hidden_act]
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused and self.hidden_act == "silu":
+            from lmnb.runtime.kernels.fused import silu_and_mul
+
+            return silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
