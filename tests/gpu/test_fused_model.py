@@ -1,5 +1,5 @@
 """The whole engine with the fused Triton kernels (the CUDA default) against the torch path
-(`disable_fused_kernels=True`): the same greedy tokens in fp32, mostly the same in bf16, through
+(`disable_fused_kernels=True`): the same greedy tokens in fp32, close logprobs in bf16, through
 every GPU attention backend with CUDA graphs and eagerly."""
 
 from __future__ import annotations
@@ -35,16 +35,30 @@ def test_fused_kernels_give_the_torch_paths_tokens(request, dtype, backend, eage
         torch.backends.cuda.matmul.allow_tf32 = False
     with Runtime(folder, disable_fused_kernels=True, **options) as reference:
         assert reference.stats()["fused_kernels"] is False
-        expected = reference.generate(input_ids=prompts, sampling_params=GREEDY)
+        expected = reference.generate(input_ids=prompts, sampling_params=GREEDY,
+                                      return_logprob=True)
     with Runtime(folder, **options) as rt:
         assert rt.stats()["fused_kernels"] is True
-        got = rt.generate(input_ids=prompts, sampling_params=GREEDY)
+        got = rt.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         alone = rt.generate(input_ids=prompts[3], sampling_params=GREEDY)
         rt.check_integrity()
     if dtype == "float32":
         assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expected]
         assert alone["output_ids"] == expected[3]["output_ids"]
         return
-    same = sum(a == b for g, e in zip(got, expected, strict=True)
-               for a, b in zip(g["output_ids"], e["output_ids"], strict=True))
-    assert same >= 0.8 * sum(len(e["output_ids"]) for e in expected)
+    # bf16 rounds differently on the two paths: once a near-tie flips, a random model's greedy
+    # continuations part ways. Close means: the first tokens agree, and while a continuation
+    # agrees, each token's logprob does too.
+    first_same = sum(g["output_ids"][0] == e["output_ids"][0]
+                     for g, e in zip(got, expected, strict=True))
+    assert first_same >= 0.8 * len(prompts)
+    diffs = []
+    for g, e in zip(got, expected, strict=True):
+        pairs = zip(g["meta_info"]["output_token_logprobs"],
+                    e["meta_info"]["output_token_logprobs"], strict=True)
+        for mine, theirs in pairs:
+            if mine[1] != theirs[1]:
+                break
+            diffs.append(abs(mine[0] - theirs[0]))
+    assert len(diffs) >= 2 * len(prompts)
+    assert sum(diffs) / len(diffs) < 0.05
