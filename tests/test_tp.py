@@ -56,7 +56,10 @@ def _run(folder: Path, tp_size: int, **options) -> list[dict]:
         batch = rt.generate([PREFIX + q for q in QUESTIONS[1:]], GREEDY)
         scored = rt.generate(PREFIX + QUESTIONS[0], {**GREEDY, "max_new_tokens": 2},
                              return_logprob=True, logprob_start_len=3, top_logprobs_num=2)
-        assert rt.stats()["tp_size"] == tp_size
+        stats = rt.stats()
+        assert stats["tp_size"] == tp_size
+        assert (stats["overlapped_passes"] > 0) == (options.get("disable_overlap_schedule")
+                                                    is False)
     assert _workers() == []
     return [first, *batch, scored]
 
