@@ -52,7 +52,7 @@ def test_engine_config_normalises_paths_dtypes_and_devices() -> None:
     ({"chunked_prefill_size": 0}, "chunked_prefill_size must be >= 1"),
     ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be >= 1"),
     ({"random_seed": -1}, "random_seed must be >= 0"),
-    ({"tp_size": 2}, "tp_size=2: tensor parallelism is not implemented"),
+    ({"tp_size": 0}, "tp_size must be >= 1, got 0"),
     ({"dp_size": 0}, "dp_size must be >= 1"),
     ({"tp_size": None}, "tp_size must be an int, got None"),
     ({"disable_radix_cache": "yes"}, "disable_radix_cache must be True or False"),

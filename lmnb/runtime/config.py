@@ -71,7 +71,7 @@ class EngineConfig:
     disable_overlap_schedule: bool | None = None  # None: overlap on CUDA only; False forces it on
     disable_fused_kernels: bool = False  # torch ops instead of the fused Triton kernels (CUDA)
     random_seed: int | None = None
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel ranks: this process and tp_size - 1 spawned workers
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
     check_integrity_each_step: bool = False  # KV slot accounting after every step (tests)
 
@@ -101,9 +101,6 @@ class EngineConfig:
         _check_int("random_seed", self.random_seed, minimum=0)
         _check_int("tp_size", self.tp_size, minimum=1, optional=False)
         _check_int("dp_size", self.dp_size, minimum=1, optional=False)
-        if self.tp_size != 1:
-            raise ValueError(f"tp_size={self.tp_size}: tensor parallelism is not implemented "
-                             "yet; only 1 is accepted")
         fraction = self.mem_fraction_static
         if fraction is not None and (isinstance(fraction, bool)
                                      or not isinstance(fraction, int | float)

@@ -18,6 +18,9 @@ from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, InvalidRequestError, Req, SamplingParams
 from lmnb.runtime.distributed.events import CacheEventLog
+from lmnb.runtime.distributed.group import TPError
+from lmnb.runtime.distributed.step import Command
+from lmnb.runtime.distributed.tp_worker import TPWorkers
 from lmnb.runtime.fsm.grammar import RequestGrammar
 from lmnb.runtime.fsm.index import get_token_index
 from lmnb.runtime.fsm.json_schema import InvalidSchemaError, json_schema_to_regex
@@ -75,6 +78,10 @@ class Runtime:
     `Runtime()` loads the embedded SmolLM2-135M-Instruct; `Runtime(path)` a local HF folder or a
     GGUF file. Options follow SGLang's names. `close()` (or leaving a `with` block) frees memory;
     a new Runtime can be created afterwards in the same process.
+
+    `tp_size=N` shards the model over N ranks: this process is rank 0 (scheduler, sampling) and
+    starts N - 1 worker processes (`distributed/tp_worker.py`; CPU: gloo, CUDA: NCCL with rank r
+    on cuda:r), which `close()` stops and which exit by themselves if this process dies.
     """
 
     def __new__(cls, model_path: str | Path | None = None, **options: Any) -> Any:
@@ -94,25 +101,37 @@ class Runtime:
         self.device = _resolve_device(config.device)
         self.model_dir = loader.resolve_model_dir(config.model_path)
         self.model_config = ModelConfig.from_hf(loader.load_config(self.model_dir))
-        self.tokenizer = loader.load_tokenizer(
-            loader.resolve_model_dir(config.tokenizer_path) if config.tokenizer_path
-            else self.model_dir)
         self.dtype = loader.resolve_dtype(config.dtype, self.model_config.dtype, self.device)
-        model = loader.load_model(self.model_dir, self.model_config, dtype=self.dtype,
-                                  device=self.device, dummy=config.load_format == "dummy")
-        fused = not config.disable_fused_kernels and fused_kernels_available(self.device)
-        self._fused_kernels = fused and set_fused_kernels(model, fused) > 0
-        self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer, self.model_dir)
-        # Images/videos: None for a text model.
-        self.media_processor = (MediaProcessor.from_model_dir(self.model_dir, self.model_config)
-                                if self.model_config.is_multimodal else None)
-        self._runner = ModelRunner(model, self.model_config, config, device=self.device,
-                                   dtype=self.dtype, eos_token_ids=self.eos_token_ids)
+        self._tp_workers: TPWorkers | None = None
+        if config.tp_size > 1:  # the workers boot while this process loads the tokenizer
+            loader.check_tensor_parallel(self.model_config, config.tp_size)
+            self._tp_workers = TPWorkers(
+                size=config.tp_size, device=self.device, model_dir=self.model_dir,
+                model_config=self.model_config, engine_config=config, dtype=self.dtype)
+        try:
+            self.tokenizer = loader.load_tokenizer(
+                loader.resolve_model_dir(config.tokenizer_path) if config.tokenizer_path
+                else self.model_dir)
+            self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer,
+                                                self.model_dir)
+            # Images/videos: None for a text model.
+            self.media_processor = (
+                MediaProcessor.from_model_dir(self.model_dir, self.model_config)
+                if self.model_config.is_multimodal else None)
+            self._runner = self._build_runner(config)
+        except BaseException as error:
+            if self._tp_workers is None:
+                raise
+            try:
+                if not isinstance(error, TPError):
+                    self._tp_workers.check()  # a dead worker is the clearer error
+            except TPError as worker_error:
+                raise worker_error from error
+            finally:
+                self._tp_workers.close(graceful=False)
+            raise
         self.context_len = self._runner.context_len
         self.max_total_tokens = self._runner.max_total_tokens
-        graph_max_bs = self._cuda_graph_max_bs(config)
-        if graph_max_bs:
-            self._runner.capture_cuda_graphs(graph_max_bs)
         scheduler_config = SchedulerConfig(
             chunked_prefill_size=config.chunked_prefill_size or (
                 8192 if self.device.type == "cuda" else 2048),
@@ -137,6 +156,26 @@ class Runtime:
         self._cache_events: CacheEventLog | None = None
         self._closed = False
 
+    def _build_runner(self, config: EngineConfig) -> ModelRunner:
+        """Rank 0's shard, KV pools and decode graphs (the workers build theirs alongside)."""
+        workers = self._tp_workers
+        tp = workers.group if workers is not None else None
+        model = loader.load_model(self.model_dir, self.model_config, dtype=self.dtype,
+                                  device=self.device, dummy=config.load_format == "dummy", tp=tp)
+        fused = not config.disable_fused_kernels and fused_kernels_available(self.device)
+        self._fused_kernels = fused and set_fused_kernels(model, fused) > 0  # workers: alike
+        if workers is not None:
+            workers.connect()  # the workers have loaded their shards meanwhile
+            workers.command(Command.RUNNER)
+        self._runner = ModelRunner(model, self.model_config, config, device=self.device,
+                                   dtype=self.dtype, eos_token_ids=self.eos_token_ids, tp=tp)
+        graph_max_bs = self._cuda_graph_max_bs(config)
+        if graph_max_bs:
+            if workers is not None:
+                workers.command(Command.CAPTURE, graph_max_bs)
+            self._runner.capture_cuda_graphs(graph_max_bs)
+        return self._runner
+
     def _cuda_graph_max_bs(self, config: EngineConfig) -> int:
         """Largest decode batch to capture (0: eager decode). On CUDA unless disabled; with the
         torch-native backend only when asked for (`cuda_graph_max_bs`), since its captured
@@ -159,6 +198,9 @@ class Runtime:
         self._closed = True
         self._scheduler.stop()
         self._outputs.close()
+        if self._tp_workers is not None:
+            self._runner.release_graphs()  # graphs that captured collectives go first
+            self._tp_workers.close()
         self._runner.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -178,6 +220,8 @@ class Runtime:
             raise RuntimeError("this Runtime is closed; create a new one")
         if self._scheduler.fatal_error is not None:
             raise RuntimeError("the scheduler failed") from self._scheduler.fatal_error
+        if self._tp_workers is not None:
+            self._runner.tp.check()  # a worker died, or a step failed midway: TPError
 
     # ---- introspection -----------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -191,6 +235,8 @@ class Runtime:
         self._check_open()
         scheduler, cache = self._scheduler.scheduler, self._cache
 
+        tp = self._runner.tp
+
         def read() -> dict[str, Any]:
             stats = scheduler.stats.counters()
             allocator = scheduler.cache.allocator
@@ -199,6 +245,9 @@ class Runtime:
             stats.update(
                 attention_backend=choice.name if choice else "custom",
                 overlap_schedule=scheduler.config.overlap_schedule,
+                tp_size=self.engine_config.tp_size,
+                tp_steps_sent=tp.steps.forwards_sent if tp else 0,
+                tp_step_send_seconds=tp.steps.send_seconds if tp else 0.0,
                 cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
                 cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
                 fused_kernels=self._fused_kernels,
@@ -558,7 +607,13 @@ class Runtime:
     # ---- seams for the frontends -----------------------------------------------------------------
     @property
     def failed(self) -> bool:
-        """The scheduler stopped on an error; every later call raises it (create a new Runtime)."""
+        """The scheduler stopped on an error (or a tensor-parallel worker died); every later call
+        raises it (create a new Runtime)."""
+        if self._tp_workers is not None and not self._closed:
+            try:
+                self._runner.tp.check()
+            except TPError:
+                return True
         return self._scheduler.fatal_error is not None
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],

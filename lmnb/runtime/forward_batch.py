@@ -55,10 +55,11 @@ class ForwardBatch:
               prefix_lens: list[int], extend_lens: list[int], out_cache_loc: torch.Tensor,
               req_to_token: torch.Tensor, req_to_token_pool: ReqToTokenPool | None = None,
               kv_storage: KVStorage | None = None,
-              attn_backend: Any = None) -> ForwardBatch:
+              attn_backend: Any = None, kv_indices: torch.Tensor | None = None) -> ForwardBatch:
         """All device tensors from host lists with one host-to-device copy; no sync.
 
-        `input_ids` may already be a tensor (then it is moved, not packed with the lengths).
+        `input_ids` may already be a tensor (then it is moved, not packed with the lengths);
+        `kv_indices` given (a tensor-parallel worker gets rank 0's) skips reading `req_to_token`.
         """
         device = req_to_token.device
         bs = len(req_pool_indices)
@@ -86,8 +87,8 @@ class ForwardBatch:
             mode=mode, batch_size=bs, input_ids=ids, positions=positions,
             out_cache_loc=out_cache_loc, req_pool_indices=pool_indices, prefix_lens=prefix,
             extend_lens=extend, seq_lens=seq_lens, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-            kv_indices=build_kv_indices(req_to_token, pool_indices, seq_lens, kv_indptr,
-                                        num_kv_tokens),
+            kv_indices=kv_indices if kv_indices is not None else build_kv_indices(
+                req_to_token, pool_indices, seq_lens, kv_indptr, num_kv_tokens),
             prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
             seq_lens_cpu=seq_lens_cpu, num_kv_tokens=num_kv_tokens,
             req_to_token_pool=req_to_token_pool, kv_storage=kv_storage,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,8 +16,13 @@ from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner
 from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+from lmnb.runtime.models.layers.linear import head_split
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
 from lmnb.runtime.sampling.row import SamplingRow
+
+if TYPE_CHECKING:
+    from lmnb.runtime.distributed.group import TPGroup
+    from lmnb.runtime.distributed.step import Step
 
 TopLogprobs = list[tuple[float, int]]
 CPU_KV_MEMORY_FRACTION = 0.15  # of the host's available memory, when no size is given on CPU
@@ -46,25 +51,47 @@ def _available_memory(device: torch.device) -> int:
         return 8 << 30
 
 
+def sampling_rows(extend_lens: Sequence[int],
+                  samples: Sequence[bool]) -> tuple[list[int], list[int]]:
+    """(requests that sample, the hidden row of each one's last token)."""
+    requests: list[int] = []
+    last_token_rows: list[int] = []
+    end = 0
+    for i, extend_len in enumerate(extend_lens):
+        end += extend_len
+        if samples[i]:
+            requests.append(i)
+            last_token_rows.append(end - 1)
+    return requests, last_token_rows
+
+
 class ModelRunner:
     """Sizes and owns the KV pools from the engine and model configs, and runs the model.
 
-    `device` and `dtype` are the resolved ones (the engine config may say 'auto')."""
+    `device` and `dtype` are the resolved ones (the engine config may say 'auto'). With a
+    tensor-parallel group `tp`, `model` is this rank's shard and the KV pools hold this rank's KV
+    heads, sized alike on every rank (the smallest device decides); rank 0 `launch`es each batch
+    and broadcasts it, the other ranks `follow` (see `distributed/`)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig,
                  engine_config: EngineConfig, *, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], tp: TPGroup | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
+        self.tp = tp
         self.vocab_size = model_config.vocab_size
-        num_layers, num_kv_heads = model_config.num_layers, model_config.num_kv_heads
+        heads = head_split(model_config.num_heads, model_config.num_kv_heads,
+                           rank=tp.rank if tp else 0, size=tp.size if tp else 1)
+        num_layers, num_kv_heads = model_config.num_layers, heads.kv_heads
         head_dim = model_config.head_dim
         per_token = KVStorage.bytes_per_token(
             num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         self.max_total_tokens = (engine_config.max_total_tokens
                                  or self._kv_budget(per_token, engine_config.mem_fraction_static))
+        if tp is not None:
+            self.max_total_tokens = tp.min_over_ranks(self.max_total_tokens)
         model_context = model_config.context_length
         self.context_len = min(engine_config.context_length or model_context, model_context,
                                self.max_total_tokens)
@@ -77,13 +104,15 @@ class ModelRunner:
             head_dim=head_dim, dtype=dtype, device=device)
         self.attn_backend = create_attention_backend(
             engine_config.attention_backend or "auto", device=device,
-            num_heads=model_config.num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
         self._batch_info: SamplingBatchInfo | None = None
         self.graph_runner: DecodeGraphRunner | None = None
         self.media_cache = EmbeddingCache()
         self._last_sampled: torch.Tensor | None = None  # [bs] ids the last launch sampled
+        if tp is not None:
+            tp.steps.reserve(self.max_running_requests)
 
     def _kv_budget(self, per_token: int, mem_fraction_static: float | None) -> int:
         """KV pool tokens that fit: on CUDA, `mem_fraction_static` (default 0.80) of the device
@@ -115,7 +144,7 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the model's parameters and buffers."""
+        """Bytes of the model's parameters and buffers (this rank's shard)."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -124,6 +153,13 @@ class ModelRunner:
         cache = self.media_cache
         return {"vision_tower_runs": cache.runs, "media_embedding_hits": cache.hits,
                 "media_embedding_cache_bytes": cache.bytes}
+
+    def release_graphs(self) -> None:
+        """Drops the decode CUDA graphs (before a tensor-parallel communicator they captured
+        goes away)."""
+        if self.graph_runner is not None:
+            torch.cuda.synchronize(self.device)
+            self.graph_runner = None
 
     def close(self) -> None:
         self.media_cache.clear()
@@ -140,33 +176,36 @@ class ModelRunner:
     def launch(self, batch: Batch, rows: Sequence[SamplingRow]) -> PendingStep:
         """Enqueues the forward pass and the sampling on the device and starts the copies of
         their results to the host; `result()` waits for them. With `batch.follows_previous`
-        the input ids are the tokens the previous launch sampled (still on the device)."""
+        the input ids are the tokens the previous launch sampled (still on the device).
+        Tensor-parallel rank 0 first broadcasts the batch; any failure then is final
+        (`TPGroup.fail`: the ranks may be out of step)."""
+        if self.tp is None:
+            return self._launch(batch, rows)
+        self.tp.check()
+        try:
+            return self._launch(batch, rows)
+        except BaseException as error:
+            self.tp_failed(error)
+            raise
+
+    def tp_failed(self, error: BaseException) -> None:
+        """A tensor-parallel step failed: every later one raises (the clearer error, e.g. which
+        worker died, is raised now when there is one)."""
+        assert self.tp is not None
+        self.tp.fail(error)
+        self.tp.check()
+
+    def _launch(self, batch: Batch, rows: Sequence[SamplingRow]) -> PendingStep:
         input_ids: list[int] | torch.Tensor = batch.input_ids
         if batch.follows_previous:
             if self._last_sampled is None or self._last_sampled.numel() != batch.size:
                 raise RuntimeError("follows_previous without a matching previous decode pass")
             input_ids = self._last_sampled
         forward_batch = self.forward_batch(batch, input_ids)
-        hidden = graph_logits = None
-        if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
-            graph_logits = self.graph_runner.replay(forward_batch)  # decode: every row samples
-        else:
-            self.attn_backend.init_forward_metadata(forward_batch)
-            if batch.mode is ForwardMode.EXTEND and batch.has_media:
-                embeds = self._input_embeds(batch, forward_batch.input_ids)
-                hidden = self.model(forward_batch.input_ids.clamp(max=self.vocab_size - 1),
-                                    forward_batch.positions, forward_batch, input_embeds=embeds)
-            else:
-                hidden = self.model(forward_batch.input_ids, forward_batch.positions,
-                                    forward_batch)
-        sample_rows: list[int] = []
-        last_token_rows: list[int] = []
-        end = 0
-        for i, extend_len in enumerate(batch.extend_lens):
-            end += extend_len
-            if batch.samples[i]:
-                sample_rows.append(i)
-                last_token_rows.append(end - 1)
+        if self.tp is not None:
+            self.tp.steps.send_forward(batch, forward_batch, self.span_rows(batch))
+        hidden, graph_logits = self._forward(forward_batch, batch)
+        sample_rows, last_token_rows = sampling_rows(batch.extend_lens, batch.samples)
         sampled = None
         self._last_sampled = None
         if sample_rows:
@@ -179,6 +218,41 @@ class ModelRunner:
             if len(sample_rows) == batch.size:
                 self._last_sampled = sampled.next_token_ids
         return PendingStep(self, batch, hidden, sample_rows, sampled)
+
+    @torch.inference_mode()
+    def follow(self, step: Step) -> None:
+        """Tensor-parallel ranks > 0: rank 0's `launch` + `result` of the same batch on this
+        rank's shard, the same collectives in the same order (the sampled rows' logits, then the
+        prompt-logprob rows'); nothing is sampled."""
+        forward_batch = ForwardBatch.build(
+            mode=step.mode, input_ids=step.input_ids, req_pool_indices=step.req_pool_indices,
+            prefix_lens=step.prefix_lens, extend_lens=step.extend_lens,
+            out_cache_loc=step.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
+            req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage,
+            attn_backend=self.attn_backend, kv_indices=step.kv_indices)
+        hidden, graph_logits = self._forward(forward_batch)
+        if graph_logits is not None:
+            return
+        _, last_token_rows = sampling_rows(step.extend_lens, step.samples)
+        if last_token_rows:
+            self.model.compute_logits(hidden[last_token_rows])
+        if step.mode is ForwardMode.EXTEND:
+            for span in step.spans:
+                if span is not None:
+                    self.model.compute_logits(hidden[span[0]:span[0] + span[1]])
+
+    def _forward(self, forward_batch: ForwardBatch, batch: Batch | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(hidden states, None) of an eager pass, or (None, logits) of a CUDA-graph replay.
+        An EXTEND `batch` with media feeds the model its spliced `input_embeds`."""
+        if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
+            return None, self.graph_runner.replay(forward_batch)  # decode: every row samples
+        self.attn_backend.init_forward_metadata(forward_batch)
+        if batch is not None and batch.mode is ForwardMode.EXTEND and batch.has_media:
+            embeds = self._input_embeds(batch, forward_batch.input_ids)
+            return self.model(forward_batch.input_ids.clamp(max=self.vocab_size - 1),
+                              forward_batch.positions, forward_batch, input_embeds=embeds), None
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch), None
 
     def _sampling_info(self, rows: list) -> SamplingBatchInfo:
         """The cached SamplingBatchInfo while the sampled rows stay the same (decode steps)."""
@@ -231,17 +305,28 @@ class ModelRunner:
                 embeds[dest:dest + hi - lo] = rows[lo:hi].to(embeds.dtype)
         return embeds
 
-    def fill_input_logprobs(self, batch: Batch, hidden: torch.Tensor, out: StepOutput) -> None:
-        """Prompt logprobs: the token at position t is scored by the logits at position t - 1."""
+    @staticmethod
+    def span_rows(batch: Batch) -> list[tuple[int, int] | None]:
+        """Per request: (first hidden row, rows) scoring its prompt logprobs in this pass: the
+        token at position t is scored by the logits at position t - 1."""
+        if batch.mode is not ForwardMode.EXTEND:
+            return [None] * batch.size
+        rows: list[tuple[int, int] | None] = []
         offset = 0
-        for i, (span, start, extend_len) in enumerate(zip(batch.input_logprobs,
-                                                          batch.prefix_lens, batch.extend_lens,
-                                                          strict=True)):
-            rows_start = offset
+        for span, start, extend_len in zip(batch.input_logprobs, batch.prefix_lens,
+                                           batch.extend_lens, strict=True):
+            rows.append(None if span is None
+                        else (span.first_target - 1 - start + offset, len(span.targets)))
             offset += extend_len
-            if span is None:
+        return rows
+
+    def fill_input_logprobs(self, batch: Batch, hidden: torch.Tensor, out: StepOutput) -> None:
+        """Prompt logprobs of the requests that asked, in request order."""
+        for i, (span, span_rows) in enumerate(zip(batch.input_logprobs, self.span_rows(batch),
+                                                  strict=True)):
+            if span is None or span_rows is None:
                 continue
-            first_row = span.first_target - 1 - start + rows_start
+            first_row = span_rows[0]
             rows = torch.arange(first_row, first_row + len(span.targets), device=hidden.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
             target_ids = torch.tensor(span.targets, device=logprobs.device)
@@ -272,6 +357,15 @@ class PendingStep:
 
     @torch.inference_mode()
     def result(self) -> StepOutput:
+        if self._runner.tp is None:
+            return self._result()
+        try:
+            return self._result()
+        except BaseException as error:
+            self._runner.tp_failed(error)
+            raise
+
+    def _result(self) -> StepOutput:
         batch, size = self._batch, self._batch.size
         out = StepOutput([None] * size, [None] * size, [None] * size,
                          [[] for _ in range(size)], [[] for _ in range(size)])

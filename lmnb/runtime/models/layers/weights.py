@@ -1,0 +1,40 @@
+"""Checkpoint tensors as the parallel layers read them: whole (`torch.Tensor`) or lazily, a
+`CheckpointSlice` that reads from the file only the rows or columns a rank keeps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+WeightSource = Any  # torch.Tensor | CheckpointSlice: both have `shape` and `narrow`
+
+
+class CheckpointSlice:
+    """A safetensors tensor not read yet (`safe_open(...).get_slice(name)`): `narrow` reads one
+    block of it, `load` all of it. Valid while its file is open."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.shape = torch.Size(handle.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._handle[index]
+
+    def load(self) -> torch.Tensor:
+        return self._handle[...] if len(self.shape) == 0 else self._handle[:]
+
+
+def materialize(source: WeightSource) -> torch.Tensor:
+    """The whole tensor of `source`."""
+    return source.load() if isinstance(source, CheckpointSlice) else source
+
+
+def copy_weight(param: torch.Tensor, source: WeightSource, name: str) -> None:
+    """`param.copy_(source)` after checking that the shapes agree (the checkpoint's name in the
+    error)."""
+    if tuple(param.shape) != tuple(source.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)} != model shape "
+                         f"{tuple(param.shape)}")
+    param.copy_(materialize(source))
