@@ -15,6 +15,28 @@ class ProgramAborted(RuntimeError):
     """The program was interrupted; its requests were aborted."""
 
 
+class MediaUnsupported(RuntimeError):
+    """The backend's model takes no images (or no videos)."""
+
+
+MEDIA_KINDS = ("image", "video")
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    """One image or video of a program's prompt, as its backend prepared it (once: forks and
+    later gens reuse it).
+
+    `token` is the text standing for it in the prompt (the model's image or video token, e.g.
+    `<image>`); `data` is what the backend sends (a preprocessed `MediaItem`, a data URL, ...);
+    `label` names it for people (a file name, "PIL image 512x512")."""
+
+    kind: str  # "image" | "video"
+    token: str
+    data: Any
+    label: str = ""
+
+
 @dataclass
 class Generation:
     text: str | list[str]  # a list when n > 1
@@ -56,4 +78,17 @@ class Backend(Protocol):
 
     def cache_prefix(self, prompt: str) -> None:
         """Hint: `prompt` will be shared by several continuations."""
+        ...
+
+
+@runtime_checkable
+class MediaBackend(Backend, Protocol):
+    """A backend whose model takes images and videos (LLaVA). Its `generate`, `select` and
+    `cache_prefix` also take `media=` (a sequence of `MediaInput`, in prompt order), passed only
+    when the prompt has media; every media's `token` is in the prompt text where it goes."""
+
+    def prepare_media(self, kind: str, source: Any, *,
+                      num_frames: int | None = None) -> MediaInput:
+        """Loads (and hashes, preprocesses) one image or video for this backend's model; raises
+        `MediaUnsupported` when the model takes no such media, `ValueError` for bad media."""
         ...
