@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +35,15 @@ class MediaInput:
     token: str
     data: Any
     label: str = ""
+
+
+def media_data(media: Sequence[MediaInput]) -> dict[str, list[Any]]:
+    """`image_data=` / `video_data=` of one prompt's media (each kind in prompt order), as
+    `Runtime.generate` and SGLang's `/generate` take them."""
+    data: dict[str, list[Any]] = {}
+    for item in media:
+        data.setdefault(f"{item.kind}_data", []).append(item.data)
+    return data
 
 
 @dataclass
