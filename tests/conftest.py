@@ -68,6 +68,15 @@ def tiny_models(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
     return {variant: make_tiny_model(root, variant, smollm2_dir) for variant in TINY_VARIANTS}
 
 
+@pytest.fixture(scope="session")
+def tiny_llavas(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
+    """{variant: folder} of tiny random-weight llava-hf folders (tests/llava_fixtures.py)."""
+    from tests.llava_fixtures import LLAVA_VARIANTS, make_tiny_llava
+
+    root = tmp_path_factory.mktemp("tiny_llava")
+    return {variant: make_tiny_llava(root, variant, smollm2_dir) for variant in LLAVA_VARIANTS}
+
+
 @pytest.fixture
 def default_sigint():
     """Python's own SIGINT handler for the test: `_thread.interrupt_main()` (a simulated Ctrl-C)

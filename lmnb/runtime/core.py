@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lmnb.multimodal.items import MultimodalInputs
+
 # Re-exported: `from lmnb.runtime.core import SamplingParams` keeps working.
 from lmnb.params import InvalidRequestError as InvalidRequestError
 from lmnb.params import SamplingParams as SamplingParams
@@ -61,6 +63,8 @@ class Req:
     rid: int = field(default_factory=lambda: next(_req_ids))
     sample_index: int = 0  # which of the n samples of its prompt
     extra_key: Hashable = None  # prefix-cache namespace: equal tokens in other namespaces differ
+    # Images / videos whose spans of pad ids (>= vocab_size) sit in `origin_input_ids`.
+    mm_inputs: MultimodalInputs | None = None
 
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
@@ -96,6 +100,19 @@ class Req:
         if end <= prompt_len:
             return self.origin_input_ids[start:end]
         return self.origin_input_ids[start:] + self.output_ids[:end - prompt_len]
+
+    @property
+    def text_prompt_ids(self) -> list[int]:
+        """The prompt ids that text code (detokenizers, jump-forward's re-tokenization) may read:
+        those after the last media span (pad ids are no text; a media token is a hard boundary)."""
+        if self.mm_inputs is None or not self.mm_inputs.items:
+            return self.origin_input_ids
+        return self.origin_input_ids[max(item.end for item in self.mm_inputs.items):]
+
+    @property
+    def media_tokens(self) -> int:
+        """Prompt tokens inside media spans."""
+        return sum(item.num_tokens for item in self.mm_inputs.items) if self.mm_inputs else 0
 
     @property
     def finished(self) -> bool:
@@ -144,6 +161,9 @@ class Batch:
     out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 on the KV device
     samples: list[bool]
     input_logprobs: list[InputLogprobSpan | None] = field(default_factory=list)
+    # EXTEND: per request (aligned with rids) its media, or None; empty for DECODE. The model
+    # runner splices the embeddings of the items overlapping each request's extend range.
+    mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -152,4 +172,8 @@ class Batch:
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+    @property
+    def has_media(self) -> bool:
+        return any(mm is not None and mm.items for mm in self.mm_inputs)
 

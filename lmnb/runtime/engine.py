@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lmnb.multimodal.items import MediaItem, MultimodalInputs, pad_token_id
+from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import InvalidRequestError, Req, SamplingParams
@@ -38,6 +40,9 @@ from lmnb.runtime.scheduler import (
 
 PromptInput = str | Sequence[str] | None
 IdsInput = Sequence[int] | Sequence[Sequence[int]] | None
+# One prompt: an image (path, PIL image, array, bytes, data: URL, MediaItem) or a list of them;
+# a list of prompts: a list of those (None for a prompt without media).
+MediaInput = Any
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer: Any, model_dir: Path | None) -> set[int]:
@@ -85,6 +90,9 @@ class Runtime:
         model = loader.load_model(self.model_dir, self.model_config, dtype=self.dtype,
                                   device=self.device, dummy=config.load_format == "dummy")
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer, self.model_dir)
+        # Images/videos: None for a text model.
+        self.media_processor = (MediaProcessor.from_model_dir(self.model_dir, self.model_config)
+                                if self.model_config.is_multimodal else None)
         self._runner = ModelRunner(model, self.model_config, config, device=self.device,
                                    dtype=self.dtype, eos_token_ids=self.eos_token_ids)
         self.context_len = self._runner.context_len
@@ -107,7 +115,8 @@ class Runtime:
             policy=make_policy(config.schedule_policy), config=scheduler_config,
             stop_rules=StopRules(self.eos_token_ids), sink=self._outputs,
             tokenizer=self.tokenizer,
-            jump_forward=None if config.disable_jump_forward else JumpForward(self.tokenizer))
+            jump_forward=None if config.disable_jump_forward else JumpForward(self.tokenizer),
+            vocab_size=self.model_config.vocab_size)
         self._scheduler = SchedulerThread(scheduler)
         self._tokenizer_lock = threading.Lock()
         self._closed = False
@@ -182,7 +191,8 @@ class Runtime:
                 evictable_tokens=cache.evictable_size(),
                 protected_tokens=cache.protected_size(),
                 max_total_tokens=allocator.size, free_tokens=allocator.available(),
-                running=len(scheduler.table.running), waiting=len(scheduler.table.waiting))
+                running=len(scheduler.table.running), waiting=len(scheduler.table.waiting),
+                **self._runner.media_counters())
             return stats
 
         return self._scheduler.call(read)
@@ -207,17 +217,55 @@ class Runtime:
         self._check_open()
         if not isinstance(self._cache, RadixCache):
             return []
-        rows = self._scheduler.call(lambda: self._cache.snapshot(preview_tokens))
+        media = self._scheduler.scheduler.media
+        rows, pads = self._scheduler.call(
+            lambda: (self._cache.snapshot(preview_tokens), media.pad_kinds()))
         for row in rows:
             ids = row.pop("key_preview")
-            row["text"] = self.tokenizer.decode(ids, skip_special_tokens=False)
+            row["text"] = self._preview_text(ids, pads)
         return rows
 
+    def _preview_text(self, ids: list[int], pads: dict[int, tuple[str, int]]) -> str:
+        """Token ids as text, each run of a media span's pad ids shown as `[image 1a2b3c4d]`."""
+        vocab = self.model_config.vocab_size
+        if all(t < vocab for t in ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        parts: list[str] = []
+        run: list[int] = []
+        previous = None
+        for token in ids:
+            if token < vocab:
+                run.append(token)
+                previous = None
+                continue
+            if run:
+                parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+                run = []
+            if token != previous:
+                kind, media_hash = pads.get(token, ("media", token - vocab))
+                parts.append(f"[{kind} {media_hash:016x}"[:len(kind) + 10] + "]")  # 8 hex digits
+            previous = token
+        if run:
+            parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+        return "".join(parts)
+
+    def media_snapshot(self) -> list[dict[str, Any]]:
+        """The media this runtime has seen, most recent first (at most 64): per content hash
+        `{"hash": hex str, "kind": "image"|"video", "num_tokens", "requests", "hits" (requests
+        that found its whole span cached), "resident" (its span is in the prefix cache now),
+        "thumbnail" (PNG bytes or None), "size": (h, w)}`. Empty for a text model."""
+        self._check_open()
+        scheduler = self._scheduler.scheduler
+        return self._scheduler.call(lambda: scheduler.media.snapshot(self._cache))
+
     def cache_prefix(self, prompt: str | None = None, *,
-                     input_ids: Sequence[int] | None = None) -> int:
-        """Prefills `prompt` (or `input_ids`) into the cache without generating; returns the
-        number of tokens it holds. The frontend's hint for forks and batches."""
-        out = self.generate(prompt, {"max_new_tokens": 0}, input_ids=input_ids)
+                     input_ids: Sequence[int] | None = None, image_data: MediaInput = None,
+                     video_data: MediaInput = None) -> int:
+        """Prefills `prompt` (or `input_ids`, with its media) into the cache without
+        generating; returns the number of tokens it holds (media spans included). The
+        frontend's hint for forks and batches."""
+        out = self.generate(prompt, {"max_new_tokens": 0}, input_ids=input_ids,
+                            image_data=image_data, video_data=video_data)
         if isinstance(out, list):
             raise InvalidRequestError("cache_prefix takes one prompt")
         return out["meta_info"]["prompt_tokens"]
@@ -229,6 +277,8 @@ class Runtime:
         sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
         *,
         input_ids: IdsInput = None,
+        image_data: MediaInput = None,
+        video_data: MediaInput = None,
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
@@ -238,15 +288,26 @@ class Runtime:
         `n > 1`, `n` consecutive dicts per prompt). With `stream=True`, an `OutputStream` of
         incremental dicts (`text` and `output_ids` are what is new; the last one per request has
         `meta_info["finish_reason"]`), consumed by a thread (`for`, `get(timeout)`) or an asyncio
-        task (`async for`); leaving the loop early or `close()` aborts the requests."""
+        task (`async for`); leaving the loop early or `close()` aborts the requests.
+
+        Multimodal models (SGLang's engine arguments): `image_data` is, for one prompt, an image
+        or a list of images in the order of the prompt's image tokens (a path, `PIL.Image`,
+        uint8 array, bytes, `data:` URL or a `MediaItem`); for a list of prompts, a list of
+        those (None for a prompt without images). `video_data` likewise with videos (a path,
+        bytes, `data:` URL, uint8 frames [F, H, W, 3], a `MediaItem`, or `{"video": source,
+        "num_frames": n}`; 8 frames by default). Each image/video token of the prompt becomes
+        the item's span of tokens; bad media or a count mismatch is an `InvalidRequestError`."""
         self._check_open()
         token_lists, is_batch = self._token_lists(prompt, input_ids)
         params_list = self._params_list(sampling_params, len(token_lists))
+        media = self._media_lists(image_data, video_data, len(token_lists), is_batch)
+        prompts = [self._expand(ids, items) for ids, items in zip(token_lists, media,
+                                                                  strict=True)]
         states = [
             self._make_state(ids, params, sample_index=k, return_logprob=return_logprob,
                              logprob_start_len=logprob_start_len,
-                             top_logprobs_num=top_logprobs_num)
-            for ids, params in zip(token_lists, params_list, strict=True)
+                             top_logprobs_num=top_logprobs_num, mm_inputs=mm)
+            for (ids, mm), params in zip(prompts, params_list, strict=True)
             for k in range(params.n)
         ]
         single = not is_batch and len(states) == 1
@@ -256,7 +317,7 @@ class Runtime:
         for state in states:
             params = state.sampling_params
             self._outputs.register(output, state.rid, tokenizer=self.tokenizer,
-                                   prompt_ids=state.origin_input_ids,
+                                   prompt_ids=state.origin_input_ids,  # pad ids decode to ''
                                    skip_special_tokens=params.skip_special_tokens,
                                    stop=params.stop, stop_regex=params.stop_regex)
         for state in states:
@@ -311,15 +372,23 @@ class Runtime:
 
     def _make_state(self, ids: list[int], params: SamplingParams, *, sample_index: int,
                     return_logprob: bool, logprob_start_len: int | None,
-                    top_logprobs_num: int | None) -> ReqState:
+                    top_logprobs_num: int | None,
+                    mm_inputs: MultimodalInputs | None = None) -> ReqState:
         if not ids:
             raise InvalidRequestError("empty prompt: it has no tokens")
         vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"input_ids must be ints in [0, {vocab})")
+        self._check_ids(ids, mm_inputs)
         if len(ids) >= self.context_len:
+            media = ""
+            if mm_inputs is not None:
+                counts = ", ".join(f"{sum(i.kind == k for i in mm_inputs.items)} {k}(s)"
+                                   for k in ("image", "video")
+                                   if any(i.kind == k for i in mm_inputs.items))
+                media = (f" ({sum(i.num_tokens for i in mm_inputs.items)} of them for {counts};"
+                         " fewer or smaller media, or fewer frames, would fit)")
             raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; the context length is {self.context_len}")
+                f"the prompt has {len(ids)} tokens{media}; the context length is "
+                f"{self.context_len}")
         start = -1 if logprob_start_len is None else logprob_start_len
         if return_logprob and start >= len(ids):
             raise InvalidRequestError(
@@ -335,7 +404,8 @@ class Runtime:
                 "min_new_tokens": min(params.min_new_tokens, room)})
         req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                   logprob_start_len=start if return_logprob else -1,
-                  top_logprobs_num=top if return_logprob else 0, sample_index=sample_index)
+                  top_logprobs_num=top if return_logprob else 0, sample_index=sample_index,
+                  mm_inputs=mm_inputs)
         state = ReqState(req, created_at=time.perf_counter())
         if params.regex is not None or params.json_schema is not None:
             state.grammar = self._grammar(params)
@@ -343,6 +413,80 @@ class Runtime:
             state.generator = torch.Generator(device=self.device).manual_seed(
                 params.seed + sample_index)
         return state
+
+    def _check_ids(self, ids: list[int], mm_inputs: MultimodalInputs | None) -> None:
+        """Text ids in [0, vocab_size); pad ids (>= vocab_size) only inside media spans."""
+        vocab = self.model_config.vocab_size
+        if mm_inputs is not None:
+            ids = list(ids)
+            for item in mm_inputs.items:
+                span = ids[item.offset:item.end]
+                if item.offset < 0 or span != [pad_token_id(item.hash, vocab)] * item.num_tokens:
+                    raise InvalidRequestError(f"a {item.kind} span is not where its item says")
+                ids[item.offset:item.end] = [0] * item.num_tokens
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"input_ids must be ints in [0, {vocab})")
+
+    # ---- media ---------------------------------------------------------------------------------
+    def _media_lists(self, image_data: MediaInput, video_data: MediaInput, count: int,
+                     is_batch: bool) -> list[list[MediaItem]]:
+        """Per prompt its media items (images, then videos; each kind in prompt order),
+        loaded and preprocessed here, on the caller's thread."""
+        if image_data is None and video_data is None:
+            return [[] for _ in range(count)]
+        processor = self.media_processor
+        if processor is None:
+            raise InvalidRequestError(f"{self.model_config.architecture or 'this model'} is a "
+                                      "text model: it takes no image_data or video_data")
+        per_prompt: list[list[MediaItem]] = [[] for _ in range(count)]
+        for kind, data in (("image", image_data), ("video", video_data)):
+            if data is None:
+                continue
+            if is_batch:
+                if not isinstance(data, list | tuple) or len(data) != count:
+                    raise InvalidRequestError(
+                        f"{kind}_data for a list of {count} prompts must be a list of {count} "
+                        f"entries (an {kind}, a list of them, or None per prompt)")
+                groups = list(data)
+            else:
+                groups = [data]
+            for items, group in zip(per_prompt, groups, strict=True):
+                if group is None:
+                    continue
+                sources = list(group) if isinstance(group, list | tuple) else [group]
+                items.extend(processor.item(kind, source) for source in sources)
+        return per_prompt
+
+    def _expand(self, ids: list[int], items: list[MediaItem]
+                ) -> tuple[list[int], MultimodalInputs | None]:
+        """The prompt with each image/video token replaced by its item's span of pad ids."""
+        processor = self.media_processor
+        if processor is None:
+            return ids, None
+        media_tokens = {processor.image_token_id, processor.video_token_id} - {None}
+        if not items and not any(t in media_tokens for t in ids):
+            return ids, None
+        self._check_ids(ids, None)
+        expanded = processor.expand(ids, items)
+        return expanded, MultimodalInputs(sorted(items, key=lambda item: item.offset))
+
+    @property
+    def image_token(self) -> str | None:
+        """The text of the prompt token that stands for one image (None: no images)."""
+        return self._token_text(None if self.media_processor is None
+                                else self.media_processor.image_token_id)
+
+    @property
+    def video_token(self) -> str | None:
+        """The text of the prompt token that stands for one video (None: no videos)."""
+        return self._token_text(None if self.media_processor is None
+                                else self.media_processor.video_token_id)
+
+    def _token_text(self, token_id: int | None) -> str | None:
+        if token_id is None:
+            return None
+        with self._tokenizer_lock:
+            return self.tokenizer.convert_ids_to_tokens(token_id)
 
     def _grammar(self, params: SamplingParams) -> RequestGrammar:
         if params.regex is not None and params.json_schema is not None:

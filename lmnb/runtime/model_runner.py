@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmnb.multimodal.embedding_cache import EmbeddingCache
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
@@ -29,7 +30,8 @@ class StepOutput:
     next_token_ids: list[int | None]
     next_token_logprobs: list[float | None]
     next_top_logprobs: list[TopLogprobs | None]
-    input_logprobs: list[list[tuple[float, int]]]  # prompt logprobs computed in this pass
+    # prompt logprobs computed in this pass (None for a media pad id)
+    input_logprobs: list[list[tuple[float | None, int]]]
     input_top_logprobs: list[list[TopLogprobs | None]]
 
 
@@ -79,6 +81,7 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
         self._batch_info: SamplingBatchInfo | None = None
         self.graph_runner: DecodeGraphRunner | None = None
+        self.media_cache = EmbeddingCache()
 
     def _kv_budget(self, per_token: int, mem_fraction_static: float | None) -> int:
         """KV pool tokens that fit: on CUDA, `mem_fraction_static` (default 0.80) of the device
@@ -114,7 +117,14 @@ class ModelRunner:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def media_counters(self) -> dict[str, int]:
+        """Vision-tower runs (one per new image/video embedded) and the embeddings cache."""
+        cache = self.media_cache
+        return {"vision_tower_runs": cache.runs, "media_embedding_hits": cache.hits,
+                "media_embedding_cache_bytes": cache.bytes}
+
     def close(self) -> None:
+        self.media_cache.clear()
         self.graph_runner = None
         self.kv_storage.release()
         self.model = None
@@ -129,7 +139,13 @@ class ModelRunner:
             graph_logits = self.graph_runner.replay(forward_batch)  # decode: every row samples
         else:
             self.attn_backend.init_forward_metadata(forward_batch)
-            hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            if batch.mode is ForwardMode.EXTEND and batch.has_media:
+                embeds = self._input_embeds(batch, forward_batch.input_ids)
+                hidden = self.model(forward_batch.input_ids.clamp(max=self.vocab_size - 1),
+                                    forward_batch.positions, forward_batch, input_embeds=embeds)
+            else:
+                hidden = self.model(forward_batch.input_ids, forward_batch.positions,
+                                    forward_batch)
         sample_rows: list[int] = []
         last_token_rows: list[int] = []
         end = 0
@@ -188,6 +204,27 @@ class ModelRunner:
             attn_backend=self.attn_backend)
         return forward_batch
 
+    def _input_embeds(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings of an EXTEND pass with media: text rows from `embed_tokens` (pad
+        ids clamped into the vocabulary first), then the rows of every media span inside this
+        pass overwritten with the item's embeddings (whole spans, or the part of a span that
+        chunked prefill or a partial cache hit left to this pass)."""
+        embeds = self.model.embed_tokens(input_ids.masked_fill(input_ids >= self.vocab_size, 0))
+        spans = []  # (first row in this pass, item, first embedding row, end embedding row)
+        row = 0
+        for mm, start, extend_len in zip(batch.mm_inputs, batch.prefix_lens, batch.extend_lens,
+                                         strict=True):
+            if mm is not None:
+                for item, lo, hi in mm.overlapping(start, start + extend_len):
+                    spans.append((row + item.offset + lo - start, item, lo, hi))
+            row += extend_len
+        if spans:
+            media = self.media_cache.get([item for _, item, _, _ in spans],
+                                         self.model.embed_media)
+            for (dest, _, lo, hi), rows in zip(spans, media, strict=True):
+                embeds[dest:dest + hi - lo] = rows[lo:hi].to(embeds.dtype)
+        return embeds
+
     def _input_logprobs(self, batch: Batch, hidden: torch.Tensor, out: StepOutput) -> None:
         """Prompt logprobs: the token at position t is scored by the logits at position t - 1."""
         offset = 0
@@ -202,7 +239,10 @@ class ModelRunner:
             rows = torch.arange(first_row, first_row + len(span.targets), device=hidden.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
             target_ids = torch.tensor(span.targets, device=logprobs.device)
-            chosen = logprobs.gather(1, target_ids[:, None]).squeeze(1).tolist()
+            # Media pad ids (>= vocab_size) are no token of the vocabulary: no logprob.
+            chosen = logprobs.gather(1, target_ids.clamp(max=self.vocab_size - 1)[:, None])
+            chosen = [c if t < self.vocab_size else None
+                      for c, t in zip(chosen.squeeze(1).tolist(), span.targets, strict=True)]
             out.input_logprobs[i] = list(zip(chosen, span.targets, strict=True))
             if span.top_logprobs_num > 0:
                 values, ids = logprobs.topk(span.top_logprobs_num, dim=-1)

@@ -72,6 +72,11 @@ class PrefixCache(ABC):
     def note_hit(self, handle: CacheHandle) -> None:  # noqa: B027
         """A request was admitted on the prefix ending at `handle` (for hit statistics)."""
 
+    def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
+        """How many leading tokens of `key` are cached now, for observers (widgets): no lock,
+        no split, no LRU touch. The default caches nothing."""
+        return 0
+
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Frees up to `num_tokens` unlocked cached slots, least recently used first; returns how

@@ -92,6 +92,19 @@ class RadixCache(PrefixCache):
         indices = torch.cat(values) if values else self.root.value
         return MatchResult(indices, node)
 
+    def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
+        node, done, key = self.root, 0, list(key)
+        while done < len(key):
+            child = node.children.get((extra_key, key[done]))
+            if child is None:
+                break
+            matched = common_prefix_length(child.key, key[done:])
+            done += matched
+            if matched < len(child.key):
+                break
+            node = child
+        return done
+
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cuts `node`'s edge after `at` tokens; returns the new upper node."""
         upper = TreeNode(next(self._ids), node.namespace)

@@ -25,6 +25,7 @@ from lmnb.runtime.output.events import TokenEvent
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
+from lmnb.runtime.scheduler.media_log import MediaLog
 from lmnb.runtime.scheduler.prefill import PrefillManager
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
@@ -62,7 +63,8 @@ class StepRunner(Protocol):
 class Scheduler:
     def __init__(self, *, runner: StepRunner, cache: CacheManager, policy: SchedulePolicy,
                  config: SchedulerConfig, stop_rules: StopRules, sink: OutputSink,
-                 tokenizer: Any = None, jump_forward: Any = None) -> None:
+                 tokenizer: Any = None, jump_forward: Any = None,
+                 vocab_size: int | None = None) -> None:
         self.runner = runner
         self.cache = cache
         self.config = config
@@ -77,13 +79,14 @@ class Scheduler:
                                     min_new_token_ratio=config.min_new_token_ratio,
                                     new_token_ratio_decay=config.new_token_ratio_decay)
         self.stats = SchedulerStats()
+        self.media = MediaLog(vocab_size if vocab_size is not None else 1 << 31)
         self._events: list[TokenEvent] = []
 
     # ---- requests in and out ------------------------------------------------------------------
     def add(self, state: ReqState) -> None:
         state.req.arrival_pass = self.stats.forward_passes
         if state.stop_text is None and StopText.wanted(state.sampling_params):
-            state.stop_text = StopText(self.tokenizer, state.origin_input_ids,
+            state.stop_text = StopText(self.tokenizer, state.req.text_prompt_ids,
                                        state.sampling_params)
         self.table.add(state)
 
@@ -167,6 +170,7 @@ class Scheduler:
         input_ids: list[int] = []
         samples: list[bool] = []
         spans: list[InputLogprobSpan | None] = []
+        mm_inputs = [] if mode is ForwardMode.DECODE else [req.mm_inputs for req in reqs]
         if mode is ForwardMode.DECODE:
             self.cache.extend_each_by_one(reqs, out_cache_loc)
             for req in reqs:
@@ -187,7 +191,8 @@ class Scheduler:
         return Batch(mode=mode, rids=[req.rid for req in reqs],
                      req_pool_indices=[req.req_pool_idx for req in reqs],
                      prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
-                     out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans)
+                     out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans,
+                     mm_inputs=mm_inputs)
 
     def _count_admission(self, req: Req) -> None:
         if not req.admitted:
@@ -196,6 +201,9 @@ class Scheduler:
             self.stats.prompt_tokens += len(req.origin_input_ids)
             self.stats.cached_tokens += req.prefix_len
             self.stats.recent_hits.append((req.prefix_len, len(req.origin_input_ids)))
+            media, cached_media = self.media.admitted(req)
+            self.stats.media_tokens += media
+            self.stats.cached_media_tokens += cached_media
             if req.prefix_len:
                 self.cache.cache.note_hit(req.cache_handle)
         state = self.table.states[req.rid]
@@ -260,7 +268,7 @@ class Scheduler:
         forced = state.grammar.forced_text()
         if not forced:
             return
-        plan = self.jump_forward.plan(req.origin_input_ids, req.output_ids, forced)
+        plan = self.jump_forward.plan(req.text_prompt_ids, req.output_ids, forced)
         if plan is None or len(plan.new_output_ids) > req.sampling_params.max_new_tokens:
             return  # past max_new_tokens (which also keeps the context length): decode instead
         self.table.detach(req)
@@ -276,7 +284,7 @@ class Scheduler:
         req.jumps += 1
         self.stats.jump_forward_tokens += len(plan.appended)
         if state.stop_text is not None:
-            state.stop_text = StopText(self.tokenizer, req.origin_input_ids, req.sampling_params)
+            state.stop_text = StopText(self.tokenizer, req.text_prompt_ids, req.sampling_params)
             state.stop_text.add(list(req.output_ids))
         event = TokenEvent(req.rid, list(plan.appended), replace_output_ids=list(req.output_ids))
         reason = self.stop_rules.after_text(state.stop_text, state.grammar, req.sampling_params,

@@ -18,6 +18,8 @@ class SchedulerStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     jump_forward_tokens: int = 0
+    media_tokens: int = 0  # prompt tokens inside image/video spans
+    cached_media_tokens: int = 0  # of them served from the prefix cache
     recent_hits: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=64))
 
     def counters(self) -> dict[str, Any]:
