@@ -95,10 +95,9 @@ def chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
 def media_tokens(runtime: Any) -> dict[str, str]:
     """lmnb's additions to `/get_model_info`: `image_token` / `video_token`, the text of the
     model's media tokens (what a client writes where an image or video goes)."""
-    processor = getattr(runtime, "media_processor", None)
     tokens = {}
     for kind in ("image", "video"):
-        token_id = getattr(processor, f"{kind}_token_id", None)
-        if token_id is not None:
-            tokens[f"{kind}_token"] = runtime.tokenizer.convert_ids_to_tokens(token_id)
+        token = getattr(runtime, f"{kind}_token", None)
+        if token is not None:
+            tokens[f"{kind}_token"] = token
     return tokens

@@ -55,26 +55,22 @@ class LocalBackend:
         return runtime_sampling_params(params)
 
     # ---- media -------------------------------------------------------------------------------
-    def _media_token_id(self, kind: str) -> int | None:
-        processor = getattr(self.runtime, "media_processor", None)
-        return None if processor is None else getattr(processor, f"{kind}_token_id", None)
-
     def prepare_media(self, kind: str, source: Any, *,
                       num_frames: int | None = None) -> MediaInput:
-        token_id = self._media_token_id(kind)
-        if token_id is None:
-            model = getattr(getattr(self.runtime, "model_dir", None), "name", "the model")
+        token = getattr(self.runtime, f"{kind}_token", None)  # None: a text model
+        if token is None:
+            model = getattr(getattr(self.runtime, "model_dir", None), "name", None) or "the model"
             raise MediaUnsupported(f"{model} takes no {kind}s")
         processor = self.runtime.media_processor
         if kind == "image":
             item = processor.image(source)
         else:
             item = processor.video(source, num_frames) if num_frames else processor.video(source)
-        token = self.runtime.tokenizer.convert_ids_to_tokens(token_id)
         return MediaInput(kind, token, item, label=_label(source))
 
     def media_token_ids(self) -> frozenset[int]:
-        ids = (self._media_token_id(kind) for kind in ("image", "video"))
+        processor = getattr(self.runtime, "media_processor", None)
+        ids = (getattr(processor, f"{kind}_token_id", None) for kind in ("image", "video"))
         return frozenset(i for i in ids if i is not None)
 
     # ---- Backend -----------------------------------------------------------------------------
