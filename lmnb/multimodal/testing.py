@@ -181,11 +181,24 @@ def build_llava(target: str | Path, *, variant: str = "llava-next-video",
             for name, param in model.named_parameters():
                 if "norm" not in name:
                     param.normal_(0.0, 0.08)
-        model.save_pretrained(target)
+        _quiet_save(model, target)
     else:
         config.save_pretrained(target)
     _save_processor(target, variant, config, tokenizer)
     return target
+
+
+def _quiet_save(model: Any, target: Path) -> None:
+    """`save_pretrained` without its progress bar (a notebook cell would keep it)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(target)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def tiny_llava(target: str | Path, variant: str = "llava-next-video", *, seed: int = 0,
