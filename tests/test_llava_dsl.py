@@ -146,6 +146,23 @@ def test_concat_join_carries_branch_media_along():
     assert state.text().count("<image>") == 3
 
 
+def test_compiled_program_passes_media_too():
+    @lmnb.function
+    def describe_twice(s, picture):
+        s += user(image(picture) + "What is it?")
+        forks = s.fork(2)
+        forks += assistant(gen("answer", max_tokens=4))
+        forks.join()
+
+    assert "image {picture}" in str(describe_twice.trace())
+    backend = FakeMediaBackend()
+    state = describe_twice.compile().run(picture="cat.png", backend=backend)
+    assert state["answer"] == ["ok", "ok"]
+    assert backend.prepared == [("image", "cat.png", None)]
+    assert [(c[0], sources(c[2])) for c in backend.calls] == [
+        ("cache", ["cat.png"]), ("gen", ["cat.png"]), ("gen", ["cat.png"])]
+
+
 def test_media_errors_are_clear():
     def error_of(backend: Any, picture: str = "cat.png") -> str:
         state = describe.run(picture=picture, clip="x.mp4", backend=backend)
