@@ -39,7 +39,7 @@ class FakeMediaBackend:
             raise ValueError("image file not found: missing.png")
         with self._lock:
             self.prepared.append((kind, source, num_frames))
-        return MediaInput(kind, f"<{kind}>", (source, num_frames), label=str(source))
+        return MediaInput(kind, f"<{kind}>", (source, num_frames))
 
     def _record(self, call: str, prompt: str, media: tuple[MediaInput, ...]) -> None:
         with self._lock:
@@ -542,3 +542,20 @@ def test_media_reuse_view_and_dashboard_on_a_runtime(llava):
     view.close()
     dashboard.close()
     assert view.status == "stopped"
+
+
+def test_media_reuse_view_esm_is_valid_javascript(tmp_path):
+    import shutil
+    import subprocess
+
+    pytest.importorskip("anywidget")
+    from lmnb.widgets import MediaReuseView
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    path = tmp_path / "media_reuse_view.mjs"
+    path.write_text(MediaReuseView._esm)
+    result = subprocess.run([node, "--check", str(path)], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr

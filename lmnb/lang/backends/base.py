@@ -28,13 +28,11 @@ class MediaInput:
     later gens reuse it).
 
     `token` is the text standing for it in the prompt (the model's image or video token, e.g.
-    `<image>`); `data` is what the backend sends (a preprocessed `MediaItem`, a data URL, ...);
-    `label` names it for people (a file name, "PIL image 512x512")."""
+    `<image>`); `data` is what the backend sends (a preprocessed `MediaItem`, a data URL, ...)."""
 
     kind: str  # "image" | "video"
     token: str
     data: Any
-    label: str = ""
 
 
 def media_data(media: Sequence[MediaInput]) -> dict[str, list[Any]]:

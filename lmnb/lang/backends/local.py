@@ -66,7 +66,7 @@ class LocalBackend:
             item = processor.image(source)
         else:
             item = processor.video(source, num_frames) if num_frames else processor.video(source)
-        return MediaInput(kind, token, item, label=_label(source))
+        return MediaInput(kind, token, item)
 
     def media_token_ids(self) -> frozenset[int]:
         processor = getattr(self.runtime, "media_processor", None)
@@ -140,17 +140,3 @@ class LocalBackend:
                 "context_length": getattr(runtime, "context_len", None),
                 "internal_states": [runtime.stats()]}
 
-
-def _label(source: Any) -> str:
-    """A short name of a media source for people: a file name, or its type and size."""
-    import os
-
-    if isinstance(source, str | os.PathLike) and not str(source).startswith("data:"):
-        return os.path.basename(os.fspath(source))
-    size = getattr(source, "size", None)
-    if hasattr(source, "mode") and isinstance(size, tuple):  # PIL
-        return f"PIL image {size[0]}x{size[1]}"
-    shape = getattr(source, "shape", None)
-    if shape is not None:
-        return f"array {'x'.join(map(str, shape))}"
-    return type(source).__name__
