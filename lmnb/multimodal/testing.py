@@ -32,6 +32,9 @@ TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
 TINY_TEXT = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8192)
 GRID_PINPOINTS = [[336, 672], [672, 336], [672, 672]]
+_ARCHITECTURES = {"llava-1.5": "LlavaForConditionalGeneration",
+                  "llava-next": "LlavaNextForConditionalGeneration",
+                  "llava-next-video": "LlavaNextVideoForConditionalGeneration"}
 
 # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14-336 and Llama-2-7B.
 CLIP_VIT_L_14_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
@@ -175,6 +178,7 @@ def build_llava(target: str | Path, *, variant: str = "llava-next-video",
         cls = {"llava-1.5": LlavaForConditionalGeneration,
                "llava-next": LlavaNextForConditionalGeneration,
                "llava-next-video": LlavaNextVideoForConditionalGeneration}[variant]
+        assert cls.__name__ == _ARCHITECTURES[variant]
         torch.manual_seed(seed)
         model = cls(config).to(getattr(torch, dtype)).eval()
         with torch.no_grad():  # spread the tiny random init, so greedy ties are unlikely
@@ -183,6 +187,7 @@ def build_llava(target: str | Path, *, variant: str = "llava-next-video",
                     param.normal_(0.0, 0.08)
         _quiet_save(model, target)
     else:
+        config.architectures = [_ARCHITECTURES[variant]]
         config.save_pretrained(target)
     _save_processor(target, variant, config, tokenizer)
     return target
