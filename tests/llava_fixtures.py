@@ -86,7 +86,7 @@ def _tokenizer(tokenizer_dir: Path):
     return tokenizer
 
 
-def _hf_model(variant: str, seed: int):
+def _hf_model(variant: str, seed: int, overrides: dict | None = None):
     from transformers import (
         AutoConfig,
         CLIPVisionConfig,
@@ -104,6 +104,7 @@ def _hf_model(variant: str, seed: int):
     common = dict(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
                   vision_feature_layer=-2, vision_feature_select_strategy="default",
                   projector_hidden_act="gelu")
+    common.update(overrides or {})
     grid = vision.image_size // vision.patch_size
     if variant == "llava-1.5":
         config = LlavaConfig(**common, image_seq_length=grid * grid)
@@ -140,7 +141,8 @@ def _processor(variant: str, model, tokenizer):
     size, crop = ({"shortest_edge": vision.image_size},
                   {"height": vision.image_size, "width": vision.image_size})
     common = dict(tokenizer=tokenizer, patch_size=vision.patch_size,
-                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                  vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+                  num_additional_image_tokens=1,
                   chat_template=CHAT_TEMPLATE)
     if variant == "llava-1.5":
         return LlavaProcessor(image_processor=CLIPImageProcessorPil(size=size, crop_size=crop),
@@ -191,19 +193,23 @@ def _layout_names(state: dict[str, torch.Tensor], layout: str) -> dict[str, torc
 
 
 def make_tiny_llava(root: Path, variant: str, tokenizer_dir: Path, seed: int = 0,
-                    layout: str = "save_pretrained") -> Path:
-    """Saves a random-weight llava-hf style folder of `variant` into `root/<variant>[-layout]`
-    (the layout suffix only for a layout other than "save_pretrained") and returns it."""
+                    layout: str = "save_pretrained", overrides: dict | None = None,
+                    name: str | None = None) -> Path:
+    """Saves a random-weight llava-hf style folder of `variant` into `root/name` (default
+    `<variant>[-<layout>]`, the suffix only for a layout other than "save_pretrained") and
+    returns it. `overrides`: top-level config fields (e.g. `vision_feature_layer=[-3, -1]`,
+    `vision_feature_select_strategy="full"`)."""
     from safetensors.torch import save_file
 
     if variant not in LLAVA_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {LLAVA_VARIANTS}")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    target = Path(root) / (variant if layout == "save_pretrained" else f"{variant}-{layout}")
+    name = name or (variant if layout == "save_pretrained" else f"{variant}-{layout}")
+    target = Path(root) / name
     shutil.rmtree(target, ignore_errors=True)
     tokenizer = _tokenizer(Path(tokenizer_dir))
-    model = _hf_model(variant, seed)
+    model = _hf_model(variant, seed, overrides)
     model.save_pretrained(target)
     if layout != "save_pretrained":
         for file in target.glob("model*.safetensors*"):

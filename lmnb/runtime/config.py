@@ -165,6 +165,131 @@ def _rope(text: Any) -> tuple[float, dict[str, Any] | None]:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """A ViT vision tower (CLIP's), normalised from an HF `vision_config`."""
+
+    model_type: str  # 'clip_vision_model'
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int  # the tower's square input (one tile), in pixels
+    patch_size: int
+    num_channels: int = 3
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "image_size",
+                     "patch_size", "num_channels"):
+            _check_int(name, getattr(self, name), minimum=1, optional=False)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision hidden_size ({self.hidden_size}) must be a multiple of "
+                             f"num_heads ({self.num_heads})")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"vision image_size ({self.image_size}) must be a multiple of "
+                             f"patch_size ({self.patch_size})")
+
+    @property
+    def grid(self) -> int:
+        """Patches per side of one tile."""
+        return self.image_size // self.patch_size
+
+    @classmethod
+    def from_hf(cls, vision: Any) -> VisionConfig:
+        model_type = getattr(vision, "model_type", None) or ""
+        if model_type not in _VISION_MODEL_TYPES:
+            raise ValueError(f"vision tower {model_type!r} is not supported "
+                             f"({', '.join(_VISION_MODEL_TYPES)})")
+        return cls(model_type=model_type, hidden_size=vision.hidden_size,
+                   intermediate_size=vision.intermediate_size,
+                   num_layers=vision.num_hidden_layers, num_heads=vision.num_attention_heads,
+                   image_size=vision.image_size, patch_size=vision.patch_size,
+                   num_channels=getattr(vision, "num_channels", 3) or 3,
+                   hidden_act=getattr(vision, "hidden_act", "quick_gelu") or "quick_gelu",
+                   layer_norm_eps=float(getattr(vision, "layer_norm_eps", 1e-5) or 1e-5))
+
+
+_VISION_MODEL_TYPES = ("clip_vision_model",)
+_SELECT_STRATEGIES = ("default", "full")
+_POOL_MODES = ("average", "max", "conv")
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalConfig:
+    """What a LLaVA-family model does with media besides its decoder, from the HF config.
+
+    `feature_layers`: the tower's hidden states (HF `vision_feature_layer`, an int or a list,
+    as a tuple; index 0 is the embeddings, -1 the last layer's output) concatenated per patch.
+    `select_strategy`: 'default' drops the CLS position, 'full' keeps it.
+    `image_grid_pinpoints`: anyres resolutions ((height, width), ...) of LLaVA-NeXT; None for
+    LLaVA-1.5 (one tile per image). `spatial_pool_mode`/`_stride`: LLaVA-NeXT-Video's pooling of
+    each frame's patch grid (None: no video support). Token counts: `lmnb.runtime.models.anyres`.
+    """
+
+    vision: VisionConfig
+    image_token_id: int | None
+    video_token_id: int | None = None
+    feature_layers: tuple[int, ...] = (-2,)
+    select_strategy: str = "default"
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+    image_grid_pinpoints: tuple[tuple[int, int], ...] | None = None
+    spatial_pool_mode: str | None = None
+    spatial_pool_stride: int = 2
+
+    def __post_init__(self) -> None:
+        if self.select_strategy not in _SELECT_STRATEGIES:
+            raise ValueError(f"vision_feature_select_strategy {self.select_strategy!r} is not "
+                             f"supported ({', '.join(_SELECT_STRATEGIES)})")
+        if not self.feature_layers:
+            raise ValueError("vision_feature_layer names no layer")
+        for layer in self.feature_layers:
+            if not -(self.vision.num_layers + 1) <= layer <= self.vision.num_layers:
+                raise ValueError(f"vision_feature_layer {layer} is out of range for a tower of "
+                                 f"{self.vision.num_layers} layers")
+        if self.spatial_pool_mode is not None and self.spatial_pool_mode not in _POOL_MODES:
+            raise ValueError(f"spatial_pool_mode {self.spatial_pool_mode!r} is not supported "
+                             f"({', '.join(_POOL_MODES)})")
+        _check_int("spatial_pool_stride", self.spatial_pool_stride, minimum=1, optional=False)
+
+    @property
+    def anyres(self) -> bool:
+        return self.image_grid_pinpoints is not None
+
+    @property
+    def supports_video(self) -> bool:
+        return self.spatial_pool_mode is not None and self.video_token_id is not None
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, image_token_id: int | None) -> MultimodalConfig:
+        model_type = getattr(hf_config, "model_type", "")
+        layers = getattr(hf_config, "vision_feature_layer", -2)
+        layers = (layers,) if isinstance(layers, int) else tuple(layers)
+        pinpoints = getattr(hf_config, "image_grid_pinpoints", None)
+        if model_type == "llava":
+            pinpoints = None  # LLaVA-1.5 ignores a pinpoints entry
+        video_token = getattr(hf_config, "video_token_id", None)
+        if video_token is None:
+            video_token = getattr(hf_config, "video_token_index", None)
+        pool_mode = getattr(hf_config, "spatial_pool_mode", None) if video_token is not None \
+            else None
+        return cls(
+            vision=VisionConfig.from_hf(hf_config.vision_config),
+            image_token_id=image_token_id,
+            video_token_id=video_token,
+            feature_layers=layers,
+            select_strategy=getattr(hf_config, "vision_feature_select_strategy", "default"),
+            projector_act=getattr(hf_config, "projector_hidden_act", "gelu"),
+            projector_bias=bool(getattr(hf_config, "multimodal_projector_bias", True)),
+            image_grid_pinpoints=(tuple((int(h), int(w)) for h, w in pinpoints)
+                                  if pinpoints else None),
+            spatial_pool_mode=pool_mode,
+            spatial_pool_stride=int(getattr(hf_config, "spatial_pool_stride", 2) or 2),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The decoder's architecture, whatever the HF config's layout; built by `from_hf`."""
 
@@ -192,6 +317,8 @@ class ModelConfig:
     initializer_range: float = 0.02
     image_token_id: int | None = None  # multimodal configs only
     text_model_type: str = ""  # the decoder's model_type ('' = model_type)
+    video_token_id: int | None = None  # LLaVA-NeXT-Video
+    multimodal: MultimodalConfig | None = None  # vision tower, projector, anyres, pooling
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -250,6 +377,8 @@ class ModelConfig:
         image_token = getattr(hf_config, "image_token_id", None)
         if image_token is None:
             image_token = getattr(hf_config, "image_token_index", None)
+        multimodal = (MultimodalConfig.from_hf(hf_config, image_token)
+                      if getattr(hf_config, "vision_config", None) is not None else None)
         return cls(
             architecture=architectures[0] if architectures else None,
             model_type=getattr(hf_config, "model_type", None) or text_model_type,
@@ -275,4 +404,6 @@ class ModelConfig:
             dtype=checkpoint_dtype,
             initializer_range=float(read("initializer_range", 0.02)),
             image_token_id=image_token,
+            video_token_id=multimodal.video_token_id if multimodal else None,
+            multimodal=multimodal,
         )

@@ -153,8 +153,9 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+                forward_batch: ForwardBatch,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         for layer in self.layers:
             hidden = layer(positions, hidden, self.rotary, forward_batch)
         return self.norm(hidden)
@@ -182,10 +183,15 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
-        """Returns the final hidden states [num_tokens, hidden]; see `compute_logits`."""
-        return self.model(input_ids, positions, forward_batch)
+                forward_batch: ForwardBatch,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the final hidden states [num_tokens, hidden]; see `compute_logits`.
+        `input_embeds` [num_tokens, hidden], when given, replaces the token embedding."""
+        return self.model(input_ids, positions, forward_batch, input_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(hidden, self.lm_head_weight).float()
