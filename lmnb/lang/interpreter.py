@@ -461,7 +461,7 @@ class StreamExecutor:
 
     def _add_media(self, kind: str, source: Any, num_frames: int | None) -> None:
         """Prepares the media once (forks share it) and writes its token where it goes: the
-        chat template's form inside a role (LLaVA-1.5's "<image>\n"), else the bare token."""
+        chat template's form inside a role (llava-hf's "<image>\\n"), else the bare token."""
         prepare = getattr(self.backend, "prepare_media", None)
         try:
             if prepare is None:

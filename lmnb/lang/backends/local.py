@@ -139,4 +139,3 @@ class LocalBackend:
                 "max_total_num_tokens": getattr(runtime, "max_total_tokens", None),
                 "context_length": getattr(runtime, "context_len", None),
                 "internal_states": [runtime.stats()]}
-
