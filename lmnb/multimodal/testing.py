@@ -66,7 +66,8 @@ def _tokenizer(tokenizer_dir: str | Path | None) -> Any:
 
     from lmnb.runtime.models.loader import resolve_model_dir
 
-    folder = resolve_model_dir(None if tokenizer_dir is None else str(tokenizer_dir))
+    # A folder of tokenizer files alone will do (a GPU machine without the embedded model).
+    folder = resolve_model_dir(None) if tokenizer_dir is None else Path(tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, VIDEO_TOKEN]})
     tokenizer.chat_template = chat_template()
