@@ -144,7 +144,7 @@ class _OneRequest:
                       out_cache_loc=slots, samples=[True])
         self.length += len(ids)
         with torch.inference_mode():
-            forward_batch = self.runner._forward_batch(batch)
+            forward_batch = self.runner.forward_batch(batch)
             self.runner.attn_backend.init_forward_metadata(forward_batch)
             embeds = None
             if items is not None:

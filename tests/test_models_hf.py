@@ -60,7 +60,7 @@ def test_prefill_logits_match_hf(variant, tiny_models, hf_models):
                   input_ids=[t for ids in prompts for t in ids], out_cache_loc=slots,
                   samples=[False] * 3)
     with torch.inference_mode():
-        forward_batch = runner._forward_batch(batch)
+        forward_batch = runner.forward_batch(batch)
         runner.attn_backend.init_forward_metadata(forward_batch)
         logits = model.compute_logits(model(forward_batch.input_ids, forward_batch.positions,
                                             forward_batch))

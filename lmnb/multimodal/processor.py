@@ -16,6 +16,8 @@ the same.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from lmnb.multimodal.media import (
 )
 
 DEFAULT_NUM_FRAMES = 8
+RECENT_ITEMS = 32  # preprocessed media kept by hash: a repeated picture skips preprocessing
 _FRAME_KEYS = ("size", "crop_size", "do_resize", "do_center_crop", "do_rescale", "rescale_factor",
                "do_normalize", "image_mean", "image_std", "resample", "do_convert_rgb")
 
@@ -50,6 +53,8 @@ class MediaProcessor:
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.anyres = anyres
+        self._recent: OrderedDict[tuple[str, int], MediaItem] = OrderedDict()
+        self._lock = threading.Lock()  # `image`/`video` run on the callers' threads
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, model_config: Any) -> MediaProcessor | None:
@@ -80,14 +85,19 @@ class MediaProcessor:
         if self.image_token_id is None:
             raise MediaError("this model takes no images")
         image = load_image(source)
+        media_hash = image_hash(image)
+        seen = self._seen("image", media_hash)
+        if seen is not None:
+            return seen
         size = (image.height, image.width)
         out = self.image_processor(images=[image], return_tensors="pt")
         pixels = out["pixel_values"][0]
         if self.anyres and "image_sizes" in out:
             size = tuple(int(v) for v in out["image_sizes"][0].tolist())
-        return MediaItem(kind="image", hash=image_hash(image), pixel_values=pixels.contiguous(),
-                         num_tokens=self.count_tokens("image", image_size=size), image_size=size,
-                         thumbnail=thumbnail_png(image))
+        return self._remember(MediaItem(
+            kind="image", hash=media_hash, pixel_values=pixels.contiguous(),
+            num_tokens=self.count_tokens("image", image_size=size), image_size=size,
+            thumbnail=thumbnail_png(image)))
 
     def video(self, source: VideoSource, num_frames: int = DEFAULT_NUM_FRAMES) -> MediaItem:
         """One video: `num_frames` frames sampled uniformly over the clip, hashed, each frame
@@ -95,15 +105,36 @@ class MediaProcessor:
         if self.video_token_id is None or self.frame_processor is None:
             raise MediaError("this model takes no videos")
         frames, _total = load_video(source, num_frames)
+        media_hash = video_hash(frames)
+        seen = self._seen("video", media_hash)
+        if seen is not None:
+            return seen
         from PIL import Image
 
         images = [Image.fromarray(frame) for frame in frames]
         pixels = self.frame_processor(images=images, return_tensors="pt")["pixel_values"]
         middle = images[len(images) // 2]
-        return MediaItem(kind="video", hash=video_hash(frames), pixel_values=pixels.contiguous(),
-                         num_tokens=self.count_tokens("video", num_frames=len(images)),
-                         image_size=(int(frames.shape[1]), int(frames.shape[2])),
-                         thumbnail=thumbnail_png(middle))
+        return self._remember(MediaItem(
+            kind="video", hash=media_hash, pixel_values=pixels.contiguous(),
+            num_tokens=self.count_tokens("video", num_frames=len(images)),
+            image_size=(int(frames.shape[1]), int(frames.shape[2])),
+            thumbnail=thumbnail_png(middle)))
+
+    def _seen(self, kind: str, media_hash: int) -> MediaItem | None:
+        """A fresh item (its own offset) sharing the pixels of a recently preprocessed one."""
+        with self._lock:
+            item = self._recent.get((kind, media_hash))
+            if item is None:
+                return None
+            self._recent.move_to_end((kind, media_hash))
+        return _copy(item)
+
+    def _remember(self, item: MediaItem) -> MediaItem:
+        with self._lock:
+            self._recent[(item.kind, item.hash)] = item
+            while len(self._recent) > RECENT_ITEMS:
+                self._recent.popitem(last=False)
+        return _copy(item)
 
     def item(self, kind: str, source: Any) -> MediaItem:
         """An item from what `Runtime.generate` accepts per image/video: a source, a `MediaItem`
@@ -112,8 +143,7 @@ class MediaProcessor:
         if isinstance(source, MediaItem):
             if source.kind != kind:
                 raise MediaError(f"a {source.kind} item was given as {kind} data")
-            return MediaItem(source.kind, source.hash, source.pixel_values, source.num_tokens,
-                             source.image_size, -1, source.thumbnail)
+            return _copy(source)
         if kind == "image":
             return self.image(source)
         if isinstance(source, dict):
@@ -155,6 +185,12 @@ class MediaProcessor:
             item.offset = len(out)
             out.extend([pad_token_id(item.hash, self.vocab_size)] * item.num_tokens)
         return out
+
+
+def _copy(item: MediaItem) -> MediaItem:
+    """The same media as a new item (offset unset); tensors and thumbnail are shared."""
+    return MediaItem(item.kind, item.hash, item.pixel_values, item.num_tokens, item.image_size,
+                     -1, item.thumbnail)
 
 
 def _frame_processor(folder: Path) -> Any:

@@ -68,7 +68,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: the default backend for the device
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # largest decode batch captured in a CUDA graph
-    disable_overlap_schedule: bool = False
+    disable_overlap_schedule: bool | None = None  # None: overlap on CUDA only; False forces it on
     random_seed: int | None = None
     tp_size: int = 1
     dp_size: int = 1
@@ -111,6 +111,8 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
         for flag in ("disable_radix_cache", "disable_jump_forward", "disable_cuda_graph",
                      "disable_overlap_schedule", "check_integrity_each_step"):
+            if flag == "disable_overlap_schedule" and self.disable_overlap_schedule is None:
+                continue
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.attention_backend is not None and (not isinstance(self.attention_backend, str)

@@ -149,7 +149,9 @@ class Batch:
     Request i feeds `extend_lens[i]` new tokens at positions `prefix_lens[i] ...`, whose ids are
     the i-th run of `input_ids` and whose KV goes to the same run of `out_cache_loc`. DECODE is
     the case of one token per request. `samples[i]`: request i draws a token after the pass
-    (false for a chunk that leaves part of the prompt to prefill).
+    (false for a chunk that leaves part of the prompt to prefill). `follows_previous`: a DECODE
+    pass of the same requests, in the same order, as the pass launched just before it, whose
+    sampled tokens (still on the device) are its input ids; `input_ids` is then empty.
     """
 
     mode: ForwardMode
@@ -161,6 +163,7 @@ class Batch:
     out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 on the KV device
     samples: list[bool]
     input_logprobs: list[InputLogprobSpan | None] = field(default_factory=list)
+    follows_previous: bool = False
     # EXTEND: per request (aligned with rids) its media, or None; empty for DECODE. The model
     # runner splices the embeddings of the items overlapping each request's extend range.
     mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)

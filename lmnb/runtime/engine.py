@@ -103,7 +103,9 @@ class Runtime:
         scheduler_config = SchedulerConfig(
             chunked_prefill_size=config.chunked_prefill_size or (
                 8192 if self.device.type == "cuda" else 2048),
-            check_integrity_each_step=config.check_integrity_each_step)
+            check_integrity_each_step=config.check_integrity_each_step,
+            overlap_schedule=(self.device.type == "cuda" if config.disable_overlap_schedule is None
+                              else not config.disable_overlap_schedule))
         allocator = KVAllocator(self.max_total_tokens, self.device)
         self._cache = (NoReuseCache(allocator) if config.disable_radix_cache
                        else RadixCache(allocator))
@@ -182,6 +184,7 @@ class Runtime:
             choice = self._runner.attn_backend.choice
             stats.update(
                 attention_backend=choice.name if choice else "custom",
+                overlap_schedule=scheduler.config.overlap_schedule,
                 cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
                 cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
                 evicted_tokens=getattr(cache, "evicted_tokens", 0),

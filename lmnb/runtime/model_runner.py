@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,6 +83,7 @@ class ModelRunner:
         self._batch_info: SamplingBatchInfo | None = None
         self.graph_runner: DecodeGraphRunner | None = None
         self.media_cache = EmbeddingCache()
+        self._last_sampled: torch.Tensor | None = None  # [bs] ids the last launch sampled
 
     def _kv_budget(self, per_token: int, mem_fraction_static: float | None) -> int:
         """KV pool tokens that fit: on CUDA, `mem_fraction_static` (default 0.80) of the device
@@ -129,12 +131,23 @@ class ModelRunner:
         self.kv_storage.release()
         self.model = None
 
-    @torch.inference_mode()
     def run(self, batch: Batch, rows: Sequence[SamplingRow]) -> StepOutput:
         """Forward `batch`; sample one token for each request with `batch.samples[i]`, whose
         sampling state is `rows` (in batch order)."""
-        forward_batch = self._forward_batch(batch)
-        graph_logits = None
+        return self.launch(batch, rows).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, rows: Sequence[SamplingRow]) -> PendingStep:
+        """Enqueues the forward pass and the sampling on the device and starts the copies of
+        their results to the host; `result()` waits for them. With `batch.follows_previous`
+        the input ids are the tokens the previous launch sampled (still on the device)."""
+        input_ids: list[int] | torch.Tensor = batch.input_ids
+        if batch.follows_previous:
+            if self._last_sampled is None or self._last_sampled.numel() != batch.size:
+                raise RuntimeError("follows_previous without a matching previous decode pass")
+            input_ids = self._last_sampled
+        forward_batch = self.forward_batch(batch, input_ids)
+        hidden = graph_logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             graph_logits = self.graph_runner.replay(forward_batch)  # decode: every row samples
         else:
@@ -154,11 +167,8 @@ class ModelRunner:
             if batch.samples[i]:
                 sample_rows.append(i)
                 last_token_rows.append(end - 1)
-        size = batch.size
-        out = StepOutput([None] * size, [None] * size, [None] * size,
-                         [[] for _ in range(size)], [[] for _ in range(size)])
-        if batch.mode is ForwardMode.EXTEND:
-            self._input_logprobs(batch, hidden, out)
+        sampled = None
+        self._last_sampled = None
         if sample_rows:
             logits = (graph_logits if graph_logits is not None
                       else self.model.compute_logits(hidden[last_token_rows]))
@@ -166,15 +176,9 @@ class ModelRunner:
             info = self._sampling_info(rows)
             sampled = self.sampler(logits, info, self._grammar_mask(rows, info))
             info.advance(sampled.next_token_ids)
-            token_ids = sampled.token_ids()  # the step's one wait for the device
-            logprobs = sampled.logprobs()
-            top_logprobs = sampled.top_logprobs()
-            for row, i in enumerate(sample_rows):
-                out.next_token_ids[i] = token_ids[row]
-                out.next_token_logprobs[i] = 0.0 if logprobs is None else logprobs[row]
-                if top_logprobs is not None:
-                    out.next_top_logprobs[i] = top_logprobs[row]
-        return out
+            if len(sample_rows) == batch.size:
+                self._last_sampled = sampled.next_token_ids
+        return PendingStep(self, batch, hidden, sample_rows, sampled)
 
     def _sampling_info(self, rows: list) -> SamplingBatchInfo:
         """The cached SamplingBatchInfo while the sampled rows stay the same (decode steps)."""
@@ -193,10 +197,12 @@ class ModelRunner:
             [ones if row.grammar is None else row.grammar.bitmask(info.stop_ids[i], self.device)
              for i, row in enumerate(rows)], info.num_words)
 
-    def _forward_batch(self, batch: Batch) -> ForwardBatch:
-        """The attention-ready view of a batch: device tensors, indptrs and KV indices."""
+    def forward_batch(self, batch: Batch,
+                      input_ids: list[int] | torch.Tensor | None = None) -> ForwardBatch:
+        """The attention-ready view of a batch: device tensors, indptrs and KV indices
+        (`input_ids`: instead of `batch.input_ids`, e.g. tokens still on the device)."""
         forward_batch = ForwardBatch.build(
-            mode=batch.mode, input_ids=batch.input_ids,
+            mode=batch.mode, input_ids=batch.input_ids if input_ids is None else input_ids,
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
             out_cache_loc=batch.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
@@ -225,7 +231,7 @@ class ModelRunner:
                 embeds[dest:dest + hi - lo] = rows[lo:hi].to(embeds.dtype)
         return embeds
 
-    def _input_logprobs(self, batch: Batch, hidden: torch.Tensor, out: StepOutput) -> None:
+    def fill_input_logprobs(self, batch: Batch, hidden: torch.Tensor, out: StepOutput) -> None:
         """Prompt logprobs: the token at position t is scored by the logits at position t - 1."""
         offset = 0
         for i, (span, start, extend_len) in enumerate(zip(batch.input_logprobs,
@@ -251,3 +257,35 @@ class ModelRunner:
                     for v, t in zip(values.tolist(), ids.tolist(), strict=True)]
             else:
                 out.input_top_logprobs[i] = [None] * len(span.targets)
+
+
+class PendingStep:
+    """A launched pass: `result()` waits for its device work and returns its StepOutput."""
+
+    def __init__(self, runner: ModelRunner, batch: Batch, hidden: torch.Tensor | None,
+                 sample_rows: list[int], sampled: Any) -> None:
+        self._runner = runner
+        self._batch = batch
+        self._hidden = hidden
+        self._sample_rows = sample_rows
+        self._sampled = sampled
+
+    @torch.inference_mode()
+    def result(self) -> StepOutput:
+        batch, size = self._batch, self._batch.size
+        out = StepOutput([None] * size, [None] * size, [None] * size,
+                         [[] for _ in range(size)], [[] for _ in range(size)])
+        if batch.mode is ForwardMode.EXTEND:
+            self._runner.fill_input_logprobs(batch, self._hidden, out)
+        sampled = self._sampled
+        if sampled is not None:
+            token_ids = sampled.token_ids()  # the step's one wait for the device
+            logprobs = sampled.logprobs()
+            top_logprobs = sampled.top_logprobs()
+            for row, i in enumerate(self._sample_rows):
+                out.next_token_ids[i] = token_ids[row]
+                out.next_token_logprobs[i] = 0.0 if logprobs is None else logprobs[row]
+                if top_logprobs is not None:
+                    out.next_top_logprobs[i] = top_logprobs[row]
+        self._hidden = self._sampled = None
+        return out

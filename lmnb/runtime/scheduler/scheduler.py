@@ -4,6 +4,15 @@ one batch of `TokenEvent`s to the sink.
 
 `step()` is synchronous and touches no thread: tests call it directly; `SchedulerThread` is the
 loop that calls it in the engine.
+
+Overlap (`overlap_schedule`, with a runner that can `launch`): a decode pass is launched and left
+in flight; the next `step()` builds and launches the following decode pass of the same requests
+(its input ids are the tokens still on the device) *before* it waits for and processes the one in
+flight, so the host's scheduling and output work hides behind the device's. A request that ends
+in the pass being processed was already in the next one: that pass's token for it is dropped (its
+KV slot holds the KV of its last real token and is cached with it). The pipeline runs only while
+nothing else needs the scheduler's attention (no waiting requests, no grammar, no request at its
+last token, room for one more token each); otherwise the pass in flight is processed first.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001  # per decode pass
     in_batch_prefix_min_tokens: int = 32  # defer a request sharing this many uncached tokens
     check_integrity_each_step: bool = False
+    overlap_schedule: bool = False  # needs a runner with `launch` (OverlapRunner)
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:
@@ -58,6 +68,24 @@ class StepRunner(Protocol):
     def run(self, batch: Batch, rows: list[ReqState]) -> Any:
         """Forward `batch`, sample for `rows` (the requests with `samples[i]`, in order); returns
         a StepOutput (per request of the batch: next token or None, logprobs)."""
+
+
+class PendingStep(Protocol):
+    def result(self) -> Any:
+        """Waits for a launched pass; returns what `StepRunner.run` would have."""
+
+
+class OverlapRunner(StepRunner, Protocol):
+    def launch(self, batch: Batch, rows: list[ReqState]) -> PendingStep:
+        """Enqueues `batch` and returns at once; a `follows_previous` batch takes the tokens
+        the previous launch sampled as its input ids."""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    batch: Batch
+    reqs: list[Req]
+    pending: PendingStep
 
 
 class Scheduler:
@@ -81,6 +109,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.media = MediaLog(vocab_size if vocab_size is not None else 1 << 31)
         self._events: list[TokenEvent] = []
+        self._in_flight: _InFlight | None = None
 
     # ---- requests in and out ------------------------------------------------------------------
     def add(self, state: ReqState) -> None:
@@ -101,38 +130,114 @@ class Scheduler:
         return True
 
     def abort_all(self, message: str) -> None:
+        self._drain_in_flight()
         for req in self.table.all():
             self._finish(self.table.states[req.rid], finish_abort(message), cache_kv=False)
         self._flush()
 
     @property
     def has_work(self) -> bool:
-        return bool(self.table.states)
+        return bool(self.table.states) or self._in_flight is not None
+
+    @property
+    def pass_in_flight(self) -> bool:
+        """A launched pass awaits processing (overlap)."""
+        return self._in_flight is not None
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> bool:
-        """One forward pass if there is work; returns whether one ran."""
+        """One forward pass if there is work; returns whether one ran (or was processed)."""
+        if self._in_flight is not None:
+            self._step_pipelined()
+            return True
         scheduled = self._schedule_extend() or self._schedule_decode()
         if scheduled is None:
             return False
         batch, reqs = scheduled
-        rows = [self.table.states[req.rid] for req, s in zip(reqs, batch.samples, strict=True)
-                if s]
+        rows = self._rows(batch, reqs)
+        if self._may_pipeline(batch, rows):
+            self._launch(batch, reqs, rows)
+            return True
         try:
             output = self.runner.run(batch, rows)
         except Exception as error:
-            logger.exception("forward pass failed")
-            for req in reqs:
-                self._finish(self.table.states[req.rid],
-                             finish_abort(f"forward pass failed: {error!r}"), cache_kv=False)
-            self._flush()
+            self._fail(reqs, error)
             return True
+        self._complete(batch, reqs, output)
+        return True
+
+    def _rows(self, batch: Batch, reqs: list[Req]) -> list[ReqState]:
+        return [self.table.states[req.rid] for req, s in zip(reqs, batch.samples, strict=True)
+                if s]
+
+    def _may_pipeline(self, batch: Batch, rows: list[ReqState]) -> bool:
+        return (self.config.overlap_schedule and batch.mode is ForwardMode.DECODE
+                and all(row.grammar is None for row in rows))
+
+    def _launch(self, batch: Batch, reqs: list[Req], rows: list[ReqState]) -> None:
+        try:
+            pending = self.runner.launch(batch, rows)
+        except Exception as error:
+            self._fail(reqs, error)
+            return
+        self._in_flight = _InFlight(batch, reqs, pending)
+
+    def _step_pipelined(self) -> None:
+        """Launch the next decode pass (when it may follow), then process the one in flight."""
+        current, self._in_flight = self._in_flight, None
+        following = self._following_decode(current)
+        if following is not None:
+            batch, reqs = following
+            self.stats.overlapped_passes += 1
+            self._launch(batch, reqs, self._rows(batch, reqs))
+        try:
+            output = current.pending.result()
+        except Exception as error:
+            self._drain_in_flight()  # the next pass read this one's tokens: it is void too
+            self._fail(current.reqs, error)
+            return
+        self._complete(current.batch, current.reqs, output)
+
+    def _following_decode(self, current: _InFlight) -> tuple[Batch, list[Req]] | None:
+        """The same requests' next decode pass, if nothing stands in its way."""
+        table, reqs = self.table, current.reqs
+        if (current.batch.mode is not ForwardMode.DECODE or table.waiting
+                or table.chunked is not None or table.running != reqs
+                or self.cache.room() < len(reqs)):
+            return None
+        for req in reqs:
+            state = table.states[req.rid]
+            if (state.grammar is not None
+                    or len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens):
+                return None
+        self.decode.decayed()
+        return self._make_batch(ForwardMode.DECODE, list(reqs), [1] * len(reqs),
+                                follows_previous=True), list(reqs)
+
+    def _drain_in_flight(self) -> None:
+        """Waits for a pass in flight and drops its results (its requests are being ended)."""
+        current, self._in_flight = self._in_flight, None
+        if current is not None:
+            try:
+                current.pending.result()
+            except Exception:  # its requests are ended by the caller
+                pass
+
+    def _fail(self, reqs: list[Req], error: Exception) -> None:
+        logger.exception("forward pass failed")
+        for req in reqs:
+            state = self.table.states.get(req.rid)
+            if state is not None:
+                self._finish(state, finish_abort(f"forward pass failed: {error!r}"),
+                             cache_kv=False)
+        self._flush()
+
+    def _complete(self, batch: Batch, reqs: list[Req], output: Any) -> None:
         self.stats.forward_passes += 1
         self._process(batch, reqs, output)
         self._flush()
         if self.config.check_integrity_each_step:
             self.check_integrity()
-        return True
 
     def _schedule_extend(self) -> tuple[Batch, list[Req]] | None:
         table = self.table
@@ -164,7 +269,8 @@ class Scheduler:
         reqs = list(running)
         return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs)), reqs
 
-    def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int]) -> Batch:
+    def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], *,
+                    follows_previous: bool = False) -> Batch:
         out_cache_loc = self.cache.alloc(sum(extend_lens))
         prefix_lens = [req.kv_len for req in reqs]
         input_ids: list[int] = []
@@ -173,10 +279,10 @@ class Scheduler:
         mm_inputs = [] if mode is ForwardMode.DECODE else [req.mm_inputs for req in reqs]
         if mode is ForwardMode.DECODE:
             self.cache.extend_each_by_one(reqs, out_cache_loc)
-            for req in reqs:
-                input_ids.append(req.output_ids[-1] if req.output_ids
-                                 else req.origin_input_ids[-1])
-                samples.append(True)
+            samples = [True] * len(reqs)
+            if not follows_previous:
+                input_ids = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
+                             for req in reqs]
         else:
             start = 0
             for req, extend_len in zip(reqs, extend_lens, strict=True):
@@ -192,6 +298,7 @@ class Scheduler:
                      req_pool_indices=[req.req_pool_idx for req in reqs],
                      prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
                      out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans,
+                     follows_previous=follows_previous,
                      mm_inputs=mm_inputs)
 
     def _count_admission(self, req: Req) -> None:
@@ -216,7 +323,9 @@ class Scheduler:
     def _process(self, batch: Batch, reqs: list[Req], output: Any) -> None:
         extend = batch.mode is ForwardMode.EXTEND
         for i, req in enumerate(reqs):
-            state = self.table.states[req.rid]
+            state = self.table.states.get(req.rid)
+            if state is None or state.req is not req:
+                continue  # ended while its pass was in flight (overlap): the token is dropped
             req.forward_passes += 1
             if output.input_logprobs[i]:
                 state.logprobs.input_token.extend(output.input_logprobs[i])

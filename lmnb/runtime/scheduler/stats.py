@@ -13,6 +13,7 @@ from lmnb.runtime.scheduler.request_state import ReqState
 @dataclass(slots=True)
 class SchedulerStats:
     forward_passes: int = 0
+    overlapped_passes: int = 0  # decode passes launched before the previous one was processed
     retractions: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -1,0 +1,163 @@
+"""Overlap scheduling: the next decode pass is launched before the one in flight is processed.
+The scheduler is stepped by hand with a fake runner that can `launch` (its tokens are decided
+when the result is read, as a device would have them), then a tiny model runs through the
+Runtime with overlap forced on the CPU; both must give exactly what the synchronous loop gives,
+with KV integrity checked after every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmnb.runtime.core import ForwardMode
+from tests.test_scheduler import EOS, FakeRunner, make, request, run_to_end
+
+
+class FakePending:
+    def __init__(self, runner: PipelinedFakeRunner, batch, rows) -> None:
+        self.runner, self.batch, self.rows = runner, batch, rows
+
+    def result(self):
+        if self.runner.fail_on is not None and self.runner.fail_on(self.batch):
+            raise RuntimeError("device fault")
+        return FakeRunner.run(self.runner, self.batch, self.rows)
+
+
+class PipelinedFakeRunner(FakeRunner):
+    """`launch` defers the work to `result()`; `fail_on(batch)` makes a pass fail."""
+
+    def __init__(self, token_for=None, fail_on=None) -> None:
+        super().__init__(token_for)
+        self.fail_on = fail_on
+
+    def launch(self, batch, rows):
+        return FakePending(self, batch, rows)
+
+
+def eos_after(lengths: dict[int, int]):
+    """Tokens 100, 101, ... and EOS once a prompt's first token's output reaches its length."""
+    def token_for(row):
+        n = len(row.output_ids)
+        return EOS if n == lengths.get(row.origin_input_ids[0], -1) else 100 + n
+    return token_for
+
+
+def run_workload(overlap: bool, *, arrivals_at: int | None = None):
+    token_for = eos_after({10: 3, 20: 7})
+    runner = PipelinedFakeRunner(token_for) if overlap else FakeRunner(token_for)
+    scheduler = make(chunk=64, runner=runner)
+    scheduler.config.overlap_schedule = overlap
+    states = [request([10 * k, 1, 2, 3], max_new_tokens=m)
+              for k, m in ((1, 9), (2, 12), (3, 5), (4, 8))]
+    for state in states:
+        scheduler.add(state)
+    late = request([50, 4, 5], max_new_tokens=4)
+    steps = 0
+    while scheduler.step():
+        steps += 1
+        if steps == arrivals_at:
+            scheduler.add(late)
+        assert steps < 200
+    if arrivals_at is not None:
+        states.append(late)
+    return scheduler, [(s.req.output_ids, s.req.finished_reason) for s in states]
+
+
+@pytest.mark.parametrize("arrivals_at", [None, 4])
+def test_pipelined_decode_gives_the_synchronous_outputs(arrivals_at) -> None:
+    sync, expected = run_workload(False, arrivals_at=arrivals_at)
+    pipelined, got = run_workload(True, arrivals_at=arrivals_at)
+    assert got == expected
+    follows = [b for b in pipelined.runner.batches if b.follows_previous]
+    assert follows and pipelined.stats.overlapped_passes == len(follows)
+    assert all(b.mode is ForwardMode.DECODE and b.input_ids == [] for b in follows)
+    assert not any(b.follows_previous for b in sync.runner.batches)
+    assert pipelined.cache.allocator.available() + pipelined.cache.cache.evictable_size() \
+        == pipelined.cache.allocator.size
+    assert not pipelined.has_work
+
+
+def test_a_request_ending_in_flight_drops_the_token_of_the_pass_after() -> None:
+    runner = PipelinedFakeRunner(eos_after({10: 2}))
+    scheduler = make(chunk=64, runner=runner)
+    scheduler.config.overlap_schedule = True
+    ends, goes_on = request([10, 1], max_new_tokens=20), request([20, 1], max_new_tokens=6)
+    scheduler.add(ends)
+    scheduler.add(goes_on)
+    run_to_end(scheduler)
+    assert ends.req.output_ids == [100, 101, EOS]
+    assert goes_on.req.output_ids == [100, 101, 102, 103, 104, 105]
+    # the pass launched while EOS was in flight still carried the ended request
+    carried = [b for b in runner.batches if b.follows_previous and ends.rid in b.rids]
+    assert len(carried) >= 1
+    scheduler.check_integrity()
+
+
+def test_abort_while_a_pass_is_in_flight() -> None:
+    runner = PipelinedFakeRunner()
+    scheduler = make(chunk=64, runner=runner)
+    scheduler.config.overlap_schedule = True
+    a, b = request([1, 2, 3], max_new_tokens=30), request([4, 5], max_new_tokens=10)
+    scheduler.add(a)
+    scheduler.add(b)
+    for _ in range(4):
+        scheduler.step()
+    assert scheduler.pass_in_flight
+    assert scheduler.abort(a.rid, "user abort")
+    run_to_end(scheduler)
+    assert a.req.finished_reason == {"type": "abort", "message": "user abort"}
+    assert b.req.output_ids == list(range(100, 110))
+    scheduler.check_integrity()
+    assert scheduler.cache.allocator.available() + scheduler.cache.cache.evictable_size() \
+        == scheduler.cache.allocator.size
+
+
+def test_a_failing_pipelined_pass_aborts_its_requests_and_the_scheduler_goes_on() -> None:
+    failed = []
+
+    def fail_on(batch):
+        if batch.follows_previous and not failed:
+            failed.append(batch)
+            return True
+        return False
+
+    runner = PipelinedFakeRunner(fail_on=fail_on)
+    scheduler = make(chunk=64, runner=runner)
+    scheduler.config.overlap_schedule = True
+    a = request([1, 2, 3], max_new_tokens=8)
+    scheduler.add(a)
+    run_to_end(scheduler)
+    assert a.req.finished_reason["type"] == "abort"
+    assert "device fault" in a.req.finished_reason["message"]
+    after = request([7, 8, 9], max_new_tokens=3)
+    scheduler.add(after)
+    run_to_end(scheduler)
+    assert after.req.output_ids == [100, 101, 102]
+    scheduler.check_integrity()
+
+
+def test_runtime_with_overlap_forced_on_cpu_matches_the_synchronous_runtime(tiny_models):
+    from lmnb.runtime.engine import Runtime
+
+    prompts = ["The cat sat on", "A list of colours: red,", "The cat sat on the mat and"]
+    params = [{"max_new_tokens": n, "temperature": 0} for n in (9, 14, 5)]
+    params[1]["stop"] = [" green"]
+    results = {}
+    for disable in (True, False):
+        with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
+                     disable_overlap_schedule=disable, check_integrity_each_step=True) as rt:
+            out = rt.generate(prompts, params)
+            again = rt.generate(prompts[0], {"max_new_tokens": 12, "temperature": 0})
+            stats = rt.stats()
+            results[disable] = ([(o["text"], o["meta_info"]["finish_reason"]) for o in out],
+                                again["text"])
+            assert stats["overlap_schedule"] is (not disable)
+            assert (stats["overlapped_passes"] > 0) is (not disable)
+            rt.check_integrity()
+    assert results[False] == results[True]
+
+
+def test_overlap_is_on_by_default_only_on_cuda(tiny_models) -> None:
+    from lmnb.runtime.engine import Runtime
+
+    with Runtime(str(tiny_models["llama-mha"]), device="cpu") as rt:
+        assert rt.stats()["overlap_schedule"] is False
