@@ -123,3 +123,17 @@ def test_saved_plain_text_is_the_final_state(tiny_models, tmp_path: Path) -> Non
     assert "4/4" in bar and "100%" in bar, bar
     (dashboard,) = texts[5]  # displayed empty, refreshed two cells later
     assert dashboard.startswith("CacheDashboard") and "cached 0 of 0" not in dashboard, dashboard
+
+
+def test_llava_media_view_final_state() -> None:
+    nb = execute("04_llava.ipynb")
+    (view,) = widgets(nb, "lmnb.widgets.media_reuse_view.MediaReuseView")
+    items = view["items"]
+    assert sorted(i["kind"] for i in items) == ["image", "image", "image", "video"]
+    assert all(i["resident"] and i["thumbnail"].startswith("data:image/png;base64,")
+               for i in items)
+    by_tokens = {i["num_tokens"]: i for i in items}
+    assert (by_tokens[2928]["hits"], by_tokens[2928]["requests"]) == (7, 8)  # the astronaut
+    assert view["summary"]["media_hit_rate"] > 0.8
+    printed = stdout_of(nb, "view.refresh()")
+    assert printed.startswith("MediaReuseView (live): 4 media, 4 resident, 0 evicted")

@@ -201,10 +201,20 @@ def select_choice(scorer: ChoiceScorer, prompt: str, choices: Sequence[str],
 
 
 class RuntimeChoiceScorer:
-    """`ChoiceScorer` over an in-process `lmnb.Runtime`."""
+    """`ChoiceScorer` over an in-process `lmnb.Runtime` (or a client with its `generate`).
 
-    def __init__(self, runtime: Any) -> None:
+    With media (`media={"image_data": [...], "video_data": [...]}` for a prompt with images or
+    videos, and their token ids `media_token_ids`), the sequences that hold those tokens are sent
+    with the media; the runtime expands each media token into its span, so positions past it
+    shift by the spans' length, which `cache_prefix` of the shared prefix measures
+    (`prompt_tokens` minus the ids sent) before any sequence is scored."""
+
+    def __init__(self, runtime: Any, *, media: dict[str, list[Any]] | None = None,
+                 media_token_ids: frozenset[int] = frozenset()) -> None:
         self.runtime = runtime
+        self.media = {key: list(value) for key, value in (media or {}).items() if value}
+        self.media_token_ids = frozenset(media_token_ids)
+        self._shift: int | None = None  # how far the media spans move later positions
 
     def encode(self, text: str) -> list[int]:
         return self.runtime.encode(text)
@@ -219,22 +229,45 @@ class RuntimeChoiceScorer:
             start = tokenizer.eos_token_id
         return [] if start is None else [start]
 
+    def _has_media(self, ids: list[int]) -> bool:
+        return bool(self.media) and any(t in self.media_token_ids for t in ids)
+
+    def _media_kwargs(self, count: int) -> dict[str, Any]:
+        """`image_data=` / `video_data=` for `count` prompts that each hold all the media."""
+        return {key: [list(value) for _ in range(count)] for key, value in self.media.items()}
+
     def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
-        if not input_ids:
-            return []
-        outputs = self.runtime.generate(
-            input_ids=[list(ids) for ids in input_ids], sampling_params={"max_new_tokens": 0},
-            return_logprob=True, logprob_start_len=start)
-        results = []
-        for ids, output in zip(input_ids, outputs, strict=True):
-            pairs = output["meta_info"]["input_token_logprobs"]
-            if [token for _, token in pairs] != list(ids[start:]):
-                raise RuntimeError("the runtime's prompt logprobs do not match the tokens sent")
-            results.append([float(logprob) for logprob, _ in pairs])
-        return results
+        with_media = [i for i, ids in enumerate(input_ids) if self._has_media(ids)]
+        plain = [i for i in range(len(input_ids)) if i not in set(with_media)]
+        results: dict[int, list[float]] = {}
+        for group, shift in ((plain, 0), (with_media, None)):
+            if not group:
+                continue
+            if shift is None:
+                if self._shift is None:  # what cache_prefix measures
+                    self.cache_prefix(input_ids[group[0]][:start])
+                shift = self._shift or 0
+            extra = self._media_kwargs(len(group)) if group is with_media else {}
+            outputs = self.runtime.generate(
+                input_ids=[list(input_ids[i]) for i in group],
+                sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                logprob_start_len=start + shift, **extra)
+            for i, output in zip(group, outputs, strict=True):
+                pairs = output["meta_info"]["input_token_logprobs"]
+                if [token for _, token in pairs] != list(input_ids[i][start:]):
+                    raise RuntimeError("the runtime's prompt logprobs do not match the tokens "
+                                       "sent")
+                results[i] = [float(logprob) for logprob, _ in pairs]
+        return [results[i] for i in range(len(input_ids))]
 
     def cache_prefix(self, input_ids: list[int]) -> None:
-        self.runtime.cache_prefix(input_ids=list(input_ids))
+        if not self._has_media(input_ids):
+            self.runtime.cache_prefix(input_ids=list(input_ids))
+            return
+        out = self.runtime.generate(input_ids=[list(input_ids)],
+                                    sampling_params={"max_new_tokens": 0},
+                                    **self._media_kwargs(1))[0]
+        self._shift = int(out["meta_info"]["prompt_tokens"]) - len(input_ids)
 
 
 class ChoicesMethod(str):

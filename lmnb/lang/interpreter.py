@@ -16,7 +16,14 @@ from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import Any
 
-from lmnb.lang.backends.base import Backend, ChatPrompt, Generation, ProgramAborted
+from lmnb.lang.backends.base import (
+    Backend,
+    ChatPrompt,
+    Generation,
+    MediaInput,
+    MediaUnsupported,
+    ProgramAborted,
+)
 from lmnb.lang.ir import (
     CommitPrefix,
     Expr,
@@ -74,6 +81,8 @@ class StreamExecutor:
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.spans: list[tuple[str, int, int]] = []  # (variable, start, end) of generated text
+        # Images and videos in prompt order, each with where its token starts in `text_`.
+        self.media_: list[tuple[int, MediaInput]] = []
         self.error: BaseException | None = None
         self.fork_point = 0  # length of the text inherited from the parent (forks)
         self._closed = False
@@ -192,6 +201,7 @@ class StreamExecutor:
             branch.fork_point = len(self.text_)
             branch._spec, branch._spec_turn = self._spec, self._spec_turn
             branch.spans = list(self.spans)
+            branch.media_ = list(self.media_)  # the same prepared items: one hash, one KV span
             branch.observer = self.observer
             branches.append(branch)
         self._emit("fork", branches=branches)
@@ -337,12 +347,19 @@ class StreamExecutor:
         partial = "" if self._role is None or at_role_start else self.text_[self._role_start:]
         return ChatPrompt(tuple(dict(m) for m in self.messages_), self._role, partial)
 
+    def _media_kwargs(self, prompt: str) -> dict[str, Any]:
+        """`media=` for a backend call on `prompt` (a prefix of `text_`): the media whose token
+        it holds; nothing when it holds none (text-only backends never see the argument)."""
+        media = tuple(m for start, m in self.media_ if start < len(prompt))
+        return {"media": media} if media else {}
+
     def _call(self, prompt: str, params: GenParams, chat: ChatPrompt | None,
               on_delta: Callable[[str], None] | None = None) -> Generation:
-        if chat is None:
-            return self.backend.generate(prompt, params, on_delta=on_delta, cancel=self.cancel)
+        extra: dict[str, Any] = self._media_kwargs(prompt)
+        if chat is not None:
+            extra["chat"] = chat
         return self.backend.generate(prompt, params, on_delta=on_delta, cancel=self.cancel,
-                                     chat=chat)  # type: ignore[call-arg]
+                                     **extra)
 
     def _speculated(self, params: GenParams) -> Served | None:
         """The gen served from speculated text, making the speculative call if none is live;
@@ -404,7 +421,8 @@ class StreamExecutor:
     @_execute.register
     def _(self, expr: Select) -> None:
         self._spec = None
-        choice, meta = self.backend.select(self.text_, expr.choices, expr.method)
+        choice, meta = self.backend.select(self.text_, expr.choices, expr.method,
+                                           **self._media_kwargs(self.text_))
         start = len(self.text_)
         self._append(choice, expr.name)
         if expr.name is not None:
@@ -431,15 +449,32 @@ class StreamExecutor:
 
     @_execute.register
     def _(self, expr: CommitPrefix) -> None:
-        self.backend.cache_prefix(self.text_)
+        self.backend.cache_prefix(self.text_, **self._media_kwargs(self.text_))
 
     @_execute.register
     def _(self, expr: Image) -> None:
-        raise ProgramError("image() needs a multimodal (LLaVA) backend; this one is text-only")
+        self._add_media("image", expr.source, None)
 
     @_execute.register
     def _(self, expr: Video) -> None:
-        raise ProgramError("video() needs a multimodal (LLaVA) backend; this one is text-only")
+        self._add_media("video", expr.source, expr.num_frames)
+
+    def _add_media(self, kind: str, source: Any, num_frames: int | None) -> None:
+        """Prepares the media once (forks share it) and writes its token where it goes: the
+        chat template's form inside a role (llava-hf's "<image>\\n"), else the bare token."""
+        prepare = getattr(self.backend, "prepare_media", None)
+        try:
+            if prepare is None:
+                raise MediaUnsupported(f"{type(self.backend).__name__} is text-only")
+            media = prepare(kind, source, num_frames=num_frames)
+        except MediaUnsupported as error:
+            raise ProgramError(f"{kind}() needs a multimodal (LLaVA) backend: {error}") from None
+        self._spec = None
+        text = media.token
+        if self._role is not None:
+            text = self.backend.chat_template.media_text(kind, media.token)
+        self.media_.append((len(self.text_) + text.index(media.token), media))
+        self._append(text)
 
     @_execute.register
     def _(self, expr: JoinBranches) -> None:
@@ -456,6 +491,9 @@ class StreamExecutor:
                 self._finish_var(name)
         elif expr.mode == "concat_and_append":
             for branch in expr.branches:
+                shift = len(self.text_) - branch.fork_point
+                self.media_.extend((start + shift, media) for start, media in branch.media_
+                                   if start >= branch.fork_point)
                 self._append(branch.text_[branch.fork_point:])
         else:
             raise ProgramError(f"unknown join mode {expr.mode!r}; use gather_variable or "

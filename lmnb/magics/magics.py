@@ -108,6 +108,15 @@ class LMNB(Magics):
             return None
         return status_view(runtime, describe(runtime))
 
+    def _media(self, args: argparse.Namespace) -> Any:
+        runtime = self.session.runtime
+        if runtime is None:
+            print("lmnb: no runtime loaded; `%lmnb load [MODEL]` loads one")
+            return None
+        from lmnb.widgets import MediaReuseView
+
+        return MediaReuseView(runtime)
+
     def _flush(self, args: argparse.Namespace) -> None:
         runtime = self.session.runtime
         if runtime is None:

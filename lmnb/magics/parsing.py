@@ -61,6 +61,9 @@ def lmnb_parser() -> MagicArgumentParser:
                       help="no prefix reuse (for comparisons)")
     commands.add_parser("status", help="cache hit rate, KV usage, radix tree (a dashboard)",
                         description="Show the runtime's cache and scheduler statistics.")
+    commands.add_parser("media", help="images/videos in the cache: hash, tokens, hits (LLaVA)",
+                        description="Show the runtime's media (MediaReuseView): thumbnails, "
+                        "content hash, tokens, requests and hits, resident or evicted; live.")
     commands.add_parser("flush", help="empty the prefix cache (refused while requests run)",
                         description="Empty the radix prefix cache.")
     commands.add_parser("close", help="stop the runtime and free its memory",

@@ -85,8 +85,12 @@ class KernelBackend:
     def generate(self, prompt: str, params: Any, **kwargs: Any) -> Any:
         return self.session.local_backend().generate(prompt, params, **kwargs)
 
-    def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:
-        return self.session.local_backend().select(prompt, choices, method)
+    def select(self, prompt: str, choices: tuple[str, ...], method: str,
+               **kwargs: Any) -> tuple[str, dict]:
+        return self.session.local_backend().select(prompt, choices, method, **kwargs)
 
-    def cache_prefix(self, prompt: str) -> None:
-        self.session.local_backend().cache_prefix(prompt)
+    def cache_prefix(self, prompt: str, **kwargs: Any) -> None:
+        self.session.local_backend().cache_prefix(prompt, **kwargs)
+
+    def prepare_media(self, kind: str, source: Any, **kwargs: Any) -> Any:
+        return self.session.local_backend().prepare_media(kind, source, **kwargs)

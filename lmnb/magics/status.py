@@ -12,6 +12,7 @@ _ROWS = (
     ("recent cache hit rate", "recent_cache_hit_rate", "{:.1%}"),
     ("prompt tokens", "prompt_tokens", "{:,}"),
     ("cached tokens", "cached_tokens", "{:,}"),
+    ("image/video tokens cached", ("cached_media_tokens", "media_tokens"), "{:,} of {:,}"),
     ("generated tokens", "generated_tokens", "{:,}"),
     ("forward passes", "forward_passes", "{:,}"),
     ("running / waiting", ("running", "waiting"), "{} / {}"),

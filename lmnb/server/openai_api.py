@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.server.errors import APIError
-from lmnb.server.messages import chat_messages
+from lmnb.server.media import chat_media
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
@@ -209,7 +209,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
-        prompt = runtime.apply_chat_template(chat_messages(body.messages), tools=body.tools)
+        messages, images = chat_media(body.messages)
+        prompt = runtime.apply_chat_template(messages, tools=body.tools)
         limits = (body.max_completion_tokens, body.max_tokens, runtime.context_len)
         params = body.sampling_params(next(n for n in limits if n is not None))
         schema = _response_format_schema(body.response_format)
@@ -219,7 +220,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                                param="response_format")
             params["json_schema"] = schema
         stream = await open_stream(runtime, prompt, params, return_logprob=body.logprobs,
-                                   top_logprobs_num=body.top_logprobs or 0)
+                                   top_logprobs_num=body.top_logprobs or 0,
+                                   **({"image_data": images} if images else {}))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": model_name}
         if body.stream:

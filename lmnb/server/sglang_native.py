@@ -19,6 +19,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.server.errors import APIError
+from lmnb.server.media import media_kwargs, media_tokens
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
@@ -47,6 +48,8 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    image_data: Any = None  # per prompt one item or a list: path, data: URL or base64
+    video_data: Any = None
 
 
 def sglang_meta(meta: dict[str, Any], token_text: TokenText | None) -> dict[str, Any]:
@@ -83,7 +86,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         stream = await open_stream(
             runtime, body.text, body.sampling_params, input_ids=body.input_ids,
             return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
-            top_logprobs_num=body.top_logprobs_num)
+            top_logprobs_num=body.top_logprobs_num,
+            **media_kwargs(body.image_data, body.video_data))
         texts = token_text if body.return_text_in_logprobs else None
         if body.stream:
             return StreamingResponse(guarded(_events(stream, batch, texts), sse_error),
@@ -99,6 +103,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 "served_model_name": model_name, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": "default",
                 "has_image_understanding": config.image_token_id is not None,
+                **media_tokens(runtime),
                 "has_audio_understanding": False, "model_type": config.model_type,
                 "architectures": [config.architecture] if config.architecture else None}
 

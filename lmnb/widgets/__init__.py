@@ -1,4 +1,5 @@
-"""Live Jupyter widgets (anywidget): program forks, cache statistics and the radix tree.
+"""Live Jupyter widgets (anywidget): program forks, cache statistics, the radix tree and the
+images/videos whose KV the cache reuses (LLaVA).
 
 Each widget polls or observes on daemon threads, updates at most ~20 times a second, has
 `refresh()` for an update now, `close()`, and a plain-text `repr` for frontends without widgets.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from lmnb.widgets.cache_dashboard import CacheDashboard
 from lmnb.widgets.fork_view import ForkView
+from lmnb.widgets.media_reuse_view import MediaReuseView
 from lmnb.widgets.radix_tree_view import RadixTreeView
 
-__all__ = ["CacheDashboard", "ForkView", "RadixTreeView"]
+__all__ = ["CacheDashboard", "ForkView", "MediaReuseView", "RadixTreeView"]

@@ -1,5 +1,5 @@
-"""`CacheDashboard`: prefix-cache hit rate (achieved vs optimal), per-request reuse, KV pool use
-and evictions of a `Runtime`, updating live."""
+"""`CacheDashboard`: prefix-cache hit rate (achieved vs optimal), per-request reuse, KV pool use,
+evictions and (LLaVA) image/video tokens served from cache of a `Runtime`, updating live."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from lmnb.widgets.saved_text import SavedText
 _GAUGES = ("cache_hit_rate", "recent_cache_hit_rate", "prompt_tokens", "cached_tokens",
            "generated_tokens", "forward_passes", "retractions", "evicted_tokens",
            "eviction_events", "tree_nodes", "tree_tokens", "evictable_tokens", "protected_tokens",
-           "max_total_tokens", "free_tokens", "running", "waiting")
+           "max_total_tokens", "free_tokens", "running", "waiting", "media_tokens",
+           "cached_media_tokens")
+_COUNTED = ("prompt_tokens", "cached_tokens", "media_tokens", "cached_media_tokens")
 
 _SINCE_CREATED = "since this dashboard started"
 _SINCE_RUNTIME = "since the runtime started"
@@ -136,6 +138,8 @@ function render({ model, el }) {
   const reqs = card(cards, "cached / prompt tokens", "lmnb-tokens");
   const evictions = card(cards, "evicted tokens (events)", "lmnb-evictions");
   const queue = card(cards, "running / waiting", "lmnb-queue");
+  const media = card(cards, "image/video tokens cached", "lmnb-media-tokens");
+  media.parentElement.style.display = "none";
   const charts = node("div", "lmnb-charts");
   const hits = chart("hit rate over time: achieved (solid), recent (thin), optimal (dashed)");
   const bars = chart("");
@@ -161,6 +165,9 @@ function render({ model, el }) {
     reqs.textContent = last ? `${last.cached_tokens} / ${last.prompt_tokens}` : "n/a";
     evictions.textContent = `${st.evicted_tokens ?? 0} (${st.eviction_events ?? 0})`;
     queue.textContent = `${st.running ?? 0} / ${st.waiting ?? 0}`;
+    const mediaSeen = last && last.media_tokens > 0;
+    media.parentElement.style.display = mediaSeen ? "" : "none";
+    media.textContent = mediaSeen ? `${last.cached_media_tokens} / ${last.media_tokens}` : "n/a";
     hitChart(hits, series, opt);
     const requests = model.get("requests") || [];
     let barData;
@@ -245,8 +252,9 @@ class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
     (from the runtime's counters).
 
     Traits: `series` (points {t, hit_rate, recent_hit_rate, prompt_tokens, cached_tokens,
-    d_prompt, d_cached, used_tokens, free_tokens, evictable_tokens, protected_tokens,
-    evicted_tokens, eviction_events, running, waiting}), `stats` (the latest `Runtime.stats()`),
+    media_tokens, cached_media_tokens (image/video span tokens among them), d_prompt, d_cached,
+    used_tokens, free_tokens, evictable_tokens, protected_tokens, evicted_tokens,
+    eviction_events, running, waiting}), `stats` (the latest `Runtime.stats()`),
     `optimal` (float or None), `optimal_note`, `requests` ([{prompt, cached}]), `status`,
     `scope` (what the counts cover, in words).
     """
@@ -289,7 +297,7 @@ class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
         """Starts a new series: the hit rate counts requests admitted from now on."""
         with self._lock:
             stats = self._last or {}
-            self._base = {k: stats.get(k, 0) for k in ("prompt_tokens", "cached_tokens")}
+            self._base = {k: stats.get(k, 0) for k in _COUNTED}
             self._start = time.monotonic()
             with self.hold_sync():
                 self.scope = _SINCE_CREATED
@@ -385,11 +393,16 @@ class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
     def _point(self, stats: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
         prompt = stats["prompt_tokens"] - self._base.get("prompt_tokens", 0)
         cached = stats["cached_tokens"] - self._base.get("cached_tokens", 0)
+        # image/video span tokens among those (LLaVA runtimes; 0 for text models)
+        media = stats.get("media_tokens", 0) - self._base.get("media_tokens", 0)
+        cached_media = (stats.get("cached_media_tokens", 0)
+                        - self._base.get("cached_media_tokens", 0))
         return {
             "t": round(time.monotonic() - self._start, 3),
             "hit_rate": cached / prompt if prompt > 0 else 0.0,
             "recent_hit_rate": stats["recent_cache_hit_rate"],
             "prompt_tokens": prompt, "cached_tokens": cached,
+            "media_tokens": media, "cached_media_tokens": cached_media,
             "d_prompt": stats["prompt_tokens"] - previous["prompt_tokens"],
             "d_cached": stats["cached_tokens"] - previous["cached_tokens"],
             "used_tokens": stats["max_total_tokens"] - stats["free_tokens"],
@@ -408,6 +421,9 @@ class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
         if last:
             lines.append(f"  cached {last['cached_tokens']} of {last['prompt_tokens']} prompt "
                          f"tokens {self.scope}; {len(self.requests)} requests recorded")
+            if last.get("media_tokens"):
+                lines.append(f"  image/video tokens: cached {last['cached_media_tokens']} of "
+                             f"{last['media_tokens']}")
         if st:
             lines.append(f"  KV pool {st['max_total_tokens']} tokens: {st['free_tokens']} free, "
                          f"{st['evictable_tokens']} evictable, {st['protected_tokens']} locked; "

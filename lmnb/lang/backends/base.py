@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -13,6 +13,35 @@ from lmnb.lang.ir import GenParams
 
 class ProgramAborted(RuntimeError):
     """The program was interrupted; its requests were aborted."""
+
+
+class MediaUnsupported(RuntimeError):
+    """The backend's model takes no images (or no videos)."""
+
+
+MEDIA_KINDS = ("image", "video")
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    """One image or video of a program's prompt, as its backend prepared it (once: forks and
+    later gens reuse it).
+
+    `token` is the text standing for it in the prompt (the model's image or video token, e.g.
+    `<image>`); `data` is what the backend sends (a preprocessed `MediaItem`, a data URL, ...)."""
+
+    kind: str  # "image" | "video"
+    token: str
+    data: Any
+
+
+def media_data(media: Sequence[MediaInput]) -> dict[str, list[Any]]:
+    """`image_data=` / `video_data=` of one prompt's media (each kind in prompt order), as
+    `Runtime.generate` and SGLang's `/generate` take them."""
+    data: dict[str, list[Any]] = {}
+    for item in media:
+        data.setdefault(f"{item.kind}_data", []).append(item.data)
+    return data
 
 
 @dataclass
@@ -56,4 +85,17 @@ class Backend(Protocol):
 
     def cache_prefix(self, prompt: str) -> None:
         """Hint: `prompt` will be shared by several continuations."""
+        ...
+
+
+@runtime_checkable
+class MediaBackend(Backend, Protocol):
+    """A backend whose model takes images and videos (LLaVA). Its `generate`, `select` and
+    `cache_prefix` also take `media=` (a sequence of `MediaInput`, in prompt order), passed only
+    when the prompt has media; every media's `token` is in the prompt text where it goes."""
+
+    def prepare_media(self, kind: str, source: Any, *,
+                      num_frames: int | None = None) -> MediaInput:
+        """Loads (and hashes, preprocesses) one image or video for this backend's model; raises
+        `MediaUnsupported` when the model takes no such media, `ValueError` for bad media."""
         ...

@@ -5,7 +5,11 @@ of the same name does.
     lmnb.set_default_backend(lmnb.RuntimeEndpoint("http://127.0.0.1:30000"))
 
 The model's tokenizer (for role text and `select` scoring) is loaded from the `model_path` the
-server reports, so the server must run on this machine or share its model folder."""
+server reports, so the server must run on this machine or share its model folder.
+
+Images and videos (a LLaVA server: `has_image_understanding`) are sent as base64 `data:` URLs in
+`image_data` / `video_data`, as SGLang's `/generate` takes them; a video's frame count goes as
+lmnb's `{"video": url, "num_frames": n}`."""
 
 from __future__ import annotations
 
@@ -13,10 +17,16 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from lmnb.lang.backends.base import Generation, ProgramAborted
+from lmnb.lang.backends.base import (
+    Generation,
+    MediaInput,
+    MediaUnsupported,
+    ProgramAborted,
+    media_data,
+)
 from lmnb.lang.backends.runtime_gen import GenTexts, runtime_sampling_params
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
@@ -69,11 +79,37 @@ class RuntimeEndpoint:
                 yield event
 
     # ---- Backend ---------------------------------------------------------------------------------
+    def media_token(self, kind: str) -> str | None:
+        """The text of the model's image/video token (None: it takes no such media): lmnb
+        servers name it in /get_model_info; an SGLang server's image token is `<image>`."""
+        info = self.model_info
+        token = info.get(f"{kind}_token")
+        if token is None and kind == "image" and info.get("has_image_understanding"):
+            token = "<image>"
+        return token
+
+    def prepare_media(self, kind: str, source: Any, *,
+                      num_frames: int | None = None) -> MediaInput:
+        token = self.media_token(kind)
+        if token is None:
+            raise MediaUnsupported(f"the server's model ({self.model_info.get('model_path')}) "
+                                   f"takes no {kind}s")
+        url = data_url(source, kind)
+        data: Any = {"video": url, "num_frames": num_frames} if kind == "video" and num_frames \
+            else url
+        return MediaInput(kind, token, data)
+
+    def media_token_ids(self) -> frozenset[int]:
+        tokens = (self.media_token(kind) for kind in ("image", "video"))
+        return frozenset(self.tokenizer.convert_tokens_to_ids(t) for t in tokens if t)
+
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None) -> Generation:
+                 cancel: threading.Event | None = None,
+                 media: Sequence[MediaInput] = ()) -> Generation:
         values = params.set_values()
-        body: dict[str, Any] = {"text": prompt, "sampling_params": runtime_sampling_params(params)}
+        body: dict[str, Any] = {"text": prompt, "sampling_params": runtime_sampling_params(params),
+                                **media_data(media)}
         for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
             if values.get(key) is not None:
                 body[key] = values[key]
@@ -88,15 +124,20 @@ class RuntimeEndpoint:
                 break
         return gen.generation()
 
-    def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:
+    def select(self, prompt: str, choices: tuple[str, ...], method: str, *,
+               media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
         from lmnb.lang.choices import RuntimeChoiceScorer, select_choice
 
-        result = select_choice(RuntimeChoiceScorer(_ScoringClient(self)), prompt, choices, method)
+        scorer = RuntimeChoiceScorer(_ScoringClient(self), media=media_data(media),
+                                     media_token_ids=self.media_token_ids() if media else
+                                     frozenset())
+        result = select_choice(scorer, prompt, choices, method)
         return result.choice, result.meta_info
 
-    def cache_prefix(self, prompt: str) -> None:
+    def cache_prefix(self, prompt: str, *, media: Sequence[MediaInput] = ()) -> None:
         if prompt:
-            self._request("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+            self._request("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 0},
+                                        **media_data(media)})
 
     # ---- SGLang's backend calls ------------------------------------------------------------------
     def flush_cache(self) -> bool:
@@ -124,17 +165,60 @@ class _ScoringClient:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def generate(self, *, input_ids: list[list[int]], sampling_params: dict[str, Any],
-                 return_logprob: bool, logprob_start_len: int) -> list[dict[str, Any]]:
-        results = self.endpoint._request("/generate", {
-            "input_ids": input_ids, "sampling_params": sampling_params,
-            "return_logprob": return_logprob, "logprob_start_len": logprob_start_len})
+                 return_logprob: bool = False, logprob_start_len: int | None = None,
+                 **media: Any) -> list[dict[str, Any]]:
+        body = {"input_ids": input_ids, "sampling_params": sampling_params,
+                "return_logprob": return_logprob, **media}
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
+        results = self.endpoint._request("/generate", body)
         results = results if isinstance(results, list) else [results]
         for result in results:  # SGLang's [logprob, id, text] triples -> (logprob, id)
             meta = result["meta_info"]
-            meta["input_token_logprobs"] = [(lp, tid) for lp, tid, *_ in
-                                            meta["input_token_logprobs"]]
+            if "input_token_logprobs" in meta:
+                meta["input_token_logprobs"] = [(lp, tid) for lp, tid, *_ in
+                                                meta["input_token_logprobs"]]
         return results
 
     def cache_prefix(self, *, input_ids: list[int]) -> None:
         self.endpoint._request("/generate", {"input_ids": input_ids,
                                              "sampling_params": {"max_new_tokens": 0}})
+
+
+_MIME = {"image": "image/png", "video": "video/mp4"}
+
+
+def data_url(source: Any, kind: str) -> str:
+    """A base64 `data:` URL of an image or video source: a file (read here), bytes, a data URL
+    (kept), a PIL image or a uint8 array (PNG-encoded). URLs are refused: nothing is fetched."""
+    import base64
+    import io
+    import os
+
+    if isinstance(source, str) and source[:5].lower() == "data:":
+        return source
+    if isinstance(source, str) and source[:8].lower().startswith(("http://", "https://")):
+        raise ValueError(f"{kind} URLs are not fetched (lmnb never uses the network): "
+                         f"{source[:80]}; download it and pass the file")
+    if isinstance(source, str | os.PathLike):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ValueError(f"{kind} file not found: {path}")
+        with open(path, "rb") as file:
+            data = file.read()
+    elif isinstance(source, bytes | bytearray | memoryview):
+        data = bytes(source)
+    else:
+        image = source
+        if not hasattr(image, "save"):  # a numpy array
+            from PIL import Image
+
+            try:
+                image = Image.fromarray(source)
+            except Exception as error:
+                raise ValueError(f"unsupported {kind} type {type(source).__name__}: "
+                                 f"{error}") from None
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        data = buffer.getvalue()
+    return f"data:{_MIME[kind]};base64,{base64.b64encode(data).decode()}"

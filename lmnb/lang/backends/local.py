@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmnb.lang.backends.base import Generation, ProgramAborted
+from lmnb.lang.backends.base import (
+    Generation,
+    MediaInput,
+    MediaUnsupported,
+    ProgramAborted,
+    media_data,
+)
 from lmnb.lang.backends.runtime_gen import GenTexts, runtime_sampling_params
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
@@ -37,7 +43,9 @@ def with_token_texts(meta: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
 
 
 class LocalBackend:
-    """Backend over a `Runtime` living in this process (the kernel's)."""
+    """Backend over a `Runtime` living in this process (the kernel's). A LLaVA runtime also takes
+    `image()` / `video()`: each is loaded, hashed and preprocessed once by the runtime's
+    `MediaProcessor`, and the prepared item is sent with every request whose prompt holds it."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
@@ -46,13 +54,34 @@ class LocalBackend:
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
         return runtime_sampling_params(params)
 
+    # ---- media -------------------------------------------------------------------------------
+    def prepare_media(self, kind: str, source: Any, *,
+                      num_frames: int | None = None) -> MediaInput:
+        token = getattr(self.runtime, f"{kind}_token", None)  # None: a text model
+        if token is None:
+            model = getattr(getattr(self.runtime, "model_dir", None), "name", None) or "the model"
+            raise MediaUnsupported(f"{model} takes no {kind}s")
+        processor = self.runtime.media_processor
+        if kind == "image":
+            item = processor.image(source)
+        else:
+            item = processor.video(source, num_frames) if num_frames else processor.video(source)
+        return MediaInput(kind, token, item)
+
+    def media_token_ids(self) -> frozenset[int]:
+        processor = getattr(self.runtime, "media_processor", None)
+        ids = (getattr(processor, f"{kind}_token_id", None) for kind in ("image", "video"))
+        return frozenset(i for i in ids if i is not None)
+
+    # ---- Backend -----------------------------------------------------------------------------
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None) -> Generation:
+                 cancel: threading.Event | None = None,
+                 media: Sequence[MediaInput] = ()) -> Generation:
         chunks = self.runtime.generate(
             prompt, self.sampling_params(params), return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
-            top_logprobs_num=params.top_logprobs_num, stream=True)
+            top_logprobs_num=params.top_logprobs_num, stream=True, **media_data(media))
         gen = GenTexts(params, on_delta)
         try:
             while True:
@@ -73,14 +102,22 @@ class LocalBackend:
             gen.metas = [with_token_texts(meta, self.runtime.tokenizer) for meta in gen.metas]
         return gen.generation()
 
-    def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:
+    def select(self, prompt: str, choices: tuple[str, ...], method: str, *,
+               media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
         from lmnb.lang.choices import RuntimeChoiceScorer, select_choice
 
-        result = select_choice(RuntimeChoiceScorer(self.runtime), prompt, choices, method)
+        scorer = RuntimeChoiceScorer(self.runtime, media=media_data(media),
+                                     media_token_ids=self.media_token_ids() if media else
+                                     frozenset())
+        result = select_choice(scorer, prompt, choices, method)
         return result.choice, result.meta_info
 
-    def cache_prefix(self, prompt: str) -> None:
-        if prompt:
+    def cache_prefix(self, prompt: str, *, media: Sequence[MediaInput] = ()) -> None:
+        if not prompt:
+            return
+        if media:
+            self.runtime.generate(prompt, {"max_new_tokens": 0}, **media_data(media))
+        else:
             self.runtime.cache_prefix(prompt)
 
 

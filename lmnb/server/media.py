@@ -1,0 +1,103 @@
+"""Images and videos in requests, as SGLang's and OpenAI's APIs carry them, for `Runtime.generate`.
+
+SGLang's `/generate` takes `image_data` / `video_data`: one item or a list per prompt (a list of
+those for a batch), each a file path, a `data:` URL or bare base64 (lmnb also takes a video as
+`{"video": ..., "num_frames": n}`). OpenAI's chat API takes `image_url` content parts; only
+`data:` URLs are accepted there (nothing is fetched, and a client does not read server files).
+The runtime's media loader gives the errors (missing file, corrupt data, http URLs)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+from typing import Any
+
+from lmnb.server.errors import APIError
+from lmnb.server.messages import chat_messages, text_content
+
+_MAX_PATH = 4096
+
+
+def media_source(value: Any) -> Any:
+    """One SGLang media item as the runtime's loader takes it: bare base64 decoded to bytes;
+    paths, URLs and `data:` URLs kept; a video dict's `video` converted."""
+    if isinstance(value, dict) and "video" in value:
+        return {**value, "video": media_source(value["video"])}
+    if not isinstance(value, str):
+        return value
+    head = value[:8].lower()
+    if head.startswith(("data:", "http://", "https://", "file://")):
+        return value
+    if len(value) < _MAX_PATH and os.path.exists(value):
+        return value
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return value  # not base64 either: the loader says the file is not found
+
+
+def _map(data: Any) -> Any:
+    if isinstance(data, list):
+        return [_map(item) for item in data]
+    return media_source(data)
+
+
+def media_kwargs(image_data: Any, video_data: Any) -> dict[str, Any]:
+    """`image_data=` / `video_data=` for `Runtime.generate`, given only when set."""
+    kwargs = {}
+    if image_data is not None:
+        kwargs["image_data"] = _map(image_data)
+    if video_data is not None:
+        kwargs["video_data"] = _map(video_data)
+    return kwargs
+
+
+def _image_url(part: dict[str, Any], where: str) -> str:
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url[:5].lower() == "data:":
+        raise APIError(f"{where}: image_url must be a data: URL (base64); lmnb fetches nothing",
+                       param=where)
+    return url
+
+
+def _has_images(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "image_url" for p in content)
+
+
+def chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """OpenAI-style messages for the chat template, and their images' data URLs in prompt
+    order. A message with `image_url` parts keeps its parts (each image as `{"type": "image"}`,
+    llava-hf's form, which the template writes as the image token); others are flattened to
+    text as `chat_messages` does."""
+    if not any(_has_images(m) for m in messages or ()):
+        return chat_messages(messages), []
+    out, images = [], []
+    for i, message in enumerate(messages):
+        if not _has_images(message):
+            out.extend(chat_messages([message]))
+            continue
+        parts = []
+        for j, part in enumerate(message["content"]):
+            where = f"messages.{i}.content.{j}"
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                images.append(_image_url(part, where))
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": text_content([part], where=where)})
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def media_tokens(runtime: Any) -> dict[str, str]:
+    """lmnb's additions to `/get_model_info`: `image_token` / `video_token`, the text of the
+    model's media tokens (what a client writes where an image or video goes)."""
+    tokens = {}
+    for kind in ("image", "video"):
+        token = getattr(runtime, f"{kind}_token", None)
+        if token is not None:
+            tokens[f"{kind}_token"] = token
+    return tokens
