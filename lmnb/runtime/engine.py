@@ -33,6 +33,7 @@ from lmnb.runtime.models.layers.fusion import fused_kernels_available, set_fused
 from lmnb.runtime.output import OutputProcessor, OutputStream
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
+from lmnb.runtime.prompts import IdsInput, PromptInput, prompt_id_lists
 from lmnb.runtime.radix.cache import RadixCache
 from lmnb.runtime.scheduler import (
     CacheManager,
@@ -43,8 +44,6 @@ from lmnb.runtime.scheduler import (
     StopRules,
 )
 
-PromptInput = str | Sequence[str] | None
-IdsInput = Sequence[int] | Sequence[Sequence[int]] | None
 # One prompt: an image (path, PIL image, array, bytes, data: URL, MediaItem) or a list of them;
 # a list of prompts: a list of those (None for a prompt without media).
 MediaInput = Any
@@ -396,7 +395,7 @@ class Runtime:
         "num_frames": n}`; 8 frames by default). Each image/video token of the prompt becomes
         the item's span of tokens; bad media or a count mismatch is an `InvalidRequestError`."""
         self._check_open()
-        token_lists, is_batch = self._token_lists(prompt, input_ids)
+        token_lists, is_batch = prompt_id_lists(prompt, input_ids, self.encode)
         params_list = self._params_list(sampling_params, len(token_lists))
         media = self._media_lists(image_data, video_data, len(token_lists), is_batch)
         prompts = [self._expand(ids, items) for ids, items in zip(token_lists, media,
@@ -437,25 +436,6 @@ class Runtime:
         with self._tokenizer_lock:
             return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def _token_lists(self, prompt: PromptInput, input_ids: IdsInput) -> tuple[list[list[int]],
-                                                                                bool]:
-        if (prompt is None) == (input_ids is None):
-            raise InvalidRequestError("give exactly one of prompt or input_ids")
-        if prompt is not None:
-            if isinstance(prompt, str):
-                return [self.encode(prompt)], False
-            if not prompt:
-                raise InvalidRequestError("empty list of prompts")
-            if not all(isinstance(p, str) for p in prompt):
-                raise InvalidRequestError("prompt must be a string or a list of strings")
-            return [self.encode(p) for p in prompt], True
-        if not input_ids:
-            raise InvalidRequestError("empty input_ids")
-        if all(isinstance(t, int) for t in input_ids):
-            return [list(input_ids)], False
-        if all(isinstance(ids, list | tuple) for ids in input_ids):
-            return [list(ids) for ids in input_ids], True
-        raise InvalidRequestError("input_ids must be a list of ints or a list of lists of ints")
 
     @staticmethod
     def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:

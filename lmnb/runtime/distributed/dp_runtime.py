@@ -37,6 +37,7 @@ from lmnb.runtime.distributed.replica import (
 from lmnb.runtime.distributed.router import Router, RouterConfig
 from lmnb.runtime.models import loader
 from lmnb.runtime.output import OutputStream
+from lmnb.runtime.prompts import prompt_id_lists
 
 REPLICA_BACKENDS = ("process", "ray")
 
@@ -434,7 +435,7 @@ class DataParallelRuntime:
         if image_data is not None or video_data is not None:
             raise InvalidRequestError("a data-parallel runtime does not take images or videos "
                                       "yet; use a single Runtime")
-        token_lists, is_batch = self._token_lists(prompt, input_ids)
+        token_lists, is_batch = prompt_id_lists(prompt, input_ids, self.encode)
         params_list = self._params_list(sampling_params, len(token_lists))
         counts = [SamplingParams.from_dict(dict(p)).n for p in params_list]
         for ids in token_lists:
@@ -511,24 +512,6 @@ class DataParallelRuntime:
                         self.router.finished(replica, len(prompt_ids))
 
     # ---- request checks (as `Runtime`'s, so errors come before anything is sent) ---------------
-    def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise InvalidRequestError("give exactly one of prompt or input_ids")
-        if prompt is not None:
-            if isinstance(prompt, str):
-                return [self.encode(prompt)], False
-            if not prompt:
-                raise InvalidRequestError("empty list of prompts")
-            if not all(isinstance(p, str) for p in prompt):
-                raise InvalidRequestError("prompt must be a string or a list of strings")
-            return [self.encode(p) for p in prompt], True
-        if not input_ids:
-            raise InvalidRequestError("empty input_ids")
-        if all(isinstance(t, int) for t in input_ids):
-            return [list(input_ids)], False
-        if all(isinstance(ids, list | tuple) for ids in input_ids):
-            return [list(ids) for ids in input_ids], True
-        raise InvalidRequestError("input_ids must be a list of ints or a list of lists of ints")
 
     @staticmethod
     def _params_list(sampling_params: Any, count: int) -> list[dict[str, Any]]:
