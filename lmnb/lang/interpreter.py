@@ -12,6 +12,7 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import Any
@@ -28,11 +29,13 @@ from lmnb.lang.ir import (
     RoleEnd,
     Select,
     SetVar,
+    SourceLocation,
     Text,
     VarScopeBegin,
     VarScopeEnd,
     Video,
 )
+from lmnb.lang.reasoning import reasoning_name, split_reasoning
 from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, speculative_params
 
 _POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets through
@@ -40,6 +43,22 @@ _POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets throug
 
 class ProgramError(RuntimeError):
     """An error raised inside a program, re-raised where its result is read."""
+
+
+@contextmanager
+def located(where: SourceLocation | None) -> Iterator[None]:
+    """An error raised inside records `where` (the program line of the gen or select that was
+    running) as `error.lmnb_where`, unless it has one already: the worker thread's traceback
+    does not reach the program's code."""
+    try:
+        yield
+    except BaseException as error:
+        if where is not None and getattr(error, "lmnb_where", None) is None:
+            try:
+                error.lmnb_where = where  # type: ignore[attr-defined]
+            except AttributeError:  # an exception type without a __dict__
+                pass
+        raise
 
 
 @dataclass(frozen=True)
@@ -313,6 +332,10 @@ class StreamExecutor:
 
     @_execute.register
     def _(self, expr: Gen) -> None:
+        with located(expr.where):
+            self._gen(expr)
+
+    def _gen(self, expr: Gen) -> None:
         params = expr.params.merged_over(self.defaults)
         if self._role == "assistant":  # the turn's end stops it too, as in SGLang
             stops, stop_ids = self.backend.chat_template.end_of_turn()
@@ -324,12 +347,13 @@ class StreamExecutor:
             if served is not None:
                 self._streaming = (expr.name, start)
                 self._append(served.text, expr.name)
-                self._finish_gen(expr.name, start, Generation(served.text, served.meta_info))
+                self._finish_gen(expr.name, start, Generation(served.text, served.meta_info),
+                                 expr.reasoning)
                 return
         self._streaming = (expr.name, start)
         generation = self._call(self.text_, params, self._chat_prompt(),
                                 on_delta=lambda delta: self._append(delta, expr.name))
-        self._finish_gen(expr.name, start, generation)
+        self._finish_gen(expr.name, start, generation, expr.reasoning)
 
     def _chat_prompt(self, *, at_role_start: bool = False) -> ChatPrompt | None:
         if not self.chat:
@@ -385,8 +409,12 @@ class StreamExecutor:
         self._spec = served.rest
         return served
 
-    def _finish_gen(self, name: str | None, start: int, generation: Generation) -> None:
+    def _finish_gen(self, name: str | None, start: int, generation: Generation,
+                    reasoning: str | None = None) -> None:
         text = generation.text
+        if reasoning is not None:  # separate_reasoning: the state keeps the answer only
+            text, thought = split_reasoning(text, reasoning)
+            self.variables[reasoning_name(name)] = thought
         first = text[0] if isinstance(text, list) else text
         with self._listeners_lock:  # the final text replaces what was streamed
             streamed = self.text_[start:]
@@ -398,13 +426,20 @@ class StreamExecutor:
                 self.spans.append((name, start, len(self.text_)))
                 self.variables[name] = text
                 self.meta_info[name] = generation.meta_info
+        if reasoning is not None:
+            self._finish_var(reasoning_name(name))
         if name is not None:
             self._finish_var(name)
 
     @_execute.register
     def _(self, expr: Select) -> None:
         self._spec = None
-        choice, meta = self.backend.select(self.text_, expr.choices, expr.method)
+        with located(expr.where):
+            choice, meta = self.backend.select(self.text_, expr.choices, expr.method)
+        if expr.reasoning is not None:
+            choice, thought = split_reasoning(choice, expr.reasoning)
+            self.variables[reasoning_name(expr.name)] = thought
+            self._finish_var(reasoning_name(expr.name))
         start = len(self.text_)
         self._append(choice, expr.name)
         if expr.name is not None:

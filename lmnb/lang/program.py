@@ -267,9 +267,12 @@ class ProgramState(StateWriter):
         return self._executor.text()
 
     def messages(self) -> list[dict[str, str]]:
+        """The roles' messages, each content with its leading whitespace stripped as SGLang's
+        (`executor.messages_` keeps them exact: the chat template of those gives `text()`)."""
         self.sync()
         self._executor.raise_error()
-        return [dict(m) for m in self._executor.messages_]
+        return [{**m, "content": m["content"].lstrip()} if isinstance(m.get("content"), str)
+                else dict(m) for m in self._executor.messages_]
 
     def variables(self) -> dict[str, Any]:
         self.sync()

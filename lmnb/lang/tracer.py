@@ -43,6 +43,7 @@ from lmnb.lang.ir import (
     join_mode,
 )
 from lmnb.lang.program import ProgramStateGroup, StateWriter  # program imports us lazily
+from lmnb.lang.reasoning import reasoning_name
 
 _OPEN, _CLOSE, _SEP = "\ue000", "\ue001", "\ue002"
 _PLACEHOLDER = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
@@ -385,7 +386,9 @@ def _sets(node: Expr, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
 @_sets.register(Gen)
 @_sets.register(Select)
 def _(node: Gen | Select, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
-    return () if node.name is None else (node.name,)
+    if node.name is None:
+        return ()
+    return (node.name,) if node.reasoning is None else (node.name, reasoning_name(node.name))
 
 
 @_sets.register(SetVar)
@@ -416,6 +419,10 @@ def _params(values: dict[str, Any]) -> str:
     return " (" + ", ".join(f"{k}={_show(v)}" for k, v in values.items()) + ")" if values else ""
 
 
+def _reasoning(node: Gen | Select) -> str:
+    return "" if node.reasoning is None else f" [separate_reasoning {node.reasoning}]"
+
+
 def _source(node: Image | Video) -> str:
     return _show(node.source) if isinstance(node.source, str | Expr) else "<data>"
 
@@ -424,8 +431,8 @@ _DESCRIBE: dict[type, Callable[[Any], str]] = {
     Text: lambda n: f"text {_show(n.value)}",
     Argument: lambda n: f"argument {n.name}",
     Variable: lambda n: f"variable {n.name} of state {n.state_id}",
-    Gen: lambda n: f"gen {n.name or '_'}{_params(n.params.set_values())}",
-    Select: lambda n: f"select {n.name or '_'} {_show(n.choices)} ({n.method})",
+    Gen: lambda n: f"gen {n.name or '_'}{_params(n.params.set_values())}{_reasoning(n)}",
+    Select: lambda n: f"select {n.name or '_'} {_show(n.choices)} ({n.method}){_reasoning(n)}",
     RoleBegin: lambda n: f"{n.role} begin",
     RoleEnd: lambda n: f"{n.role} end",
     VarScopeBegin: lambda n: f"var_scope {n.name} begin",
