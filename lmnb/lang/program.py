@@ -14,6 +14,7 @@ import asyncio
 import inspect
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -480,6 +481,7 @@ class Program:
         if not parameters:
             raise TypeError(f"{func.__name__} must take the program state as its first parameter")
         self.arg_names = [p.name for p in parameters[1:]]
+        self._pins: dict[Any, tuple[Backend, Any]] = {}  # pinned prefix per runtime (`pin`)
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
 
@@ -582,11 +584,46 @@ class Program:
             backend.cache_prefix(prefix)
         return prefix
 
+    def pin(self, backend: Any = None) -> str:
+        """SGLang's `pin`: caches the program's constant prefix (as `cache`) and keeps it in the
+        backend's cache until `unpin()`: the runtime's evictions skip it. Once per backend;
+        returns the prefix. A backend that cannot pin (no `pin_prefix`) only caches it."""
+        from lmnb.lang.tracer import constant_prefix
+
+        backend = as_backend(backend)
+        prefix = constant_prefix(self, backend)
+        target = _pin_target(backend)
+        if not prefix or target in self._pins:
+            return prefix
+        pin_prefix = getattr(backend, "pin_prefix", None)
+        if pin_prefix is None:
+            warnings.warn(f"{type(backend).__name__} cannot pin a prefix; {self.__name__}'s "
+                          f"prefix is cached, and may be evicted", stacklevel=2)
+            backend.cache_prefix(prefix)
+            return prefix
+        self._pins[target] = (backend, pin_prefix(prefix))
+        return prefix
+
+    def unpin(self, backend: Any = None) -> bool:
+        """Releases what `pin()` pinned on `backend` (it stays cached, evictable again); False
+        if nothing was pinned there."""
+        entry = self._pins.pop(_pin_target(as_backend(backend)), None)
+        if entry is None:
+            return False
+        pinned_on, pin = entry
+        return bool(pinned_on.unpin_prefix(pin))
+
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<lmnb program {self.__name__}({', '.join(self.arg_names)})>"
+
+
+def _pin_target(backend: Backend) -> Any:
+    """What a pin lives in: the runtime under a backend (a new `LocalBackend` may wrap it each
+    time), else the backend itself."""
+    return getattr(backend, "runtime", backend)
 
 
 def function(func: Callable[..., Any] | None = None, **options: Any) -> Any:

@@ -83,6 +83,13 @@ class LocalBackend:
         if prompt:
             self.runtime.cache_prefix(prompt)
 
+    def pin_prefix(self, prompt: str) -> int:
+        """Caches `prompt` and keeps it cached until `unpin_prefix` (`Runtime.pin_prefix`)."""
+        return self.runtime.pin_prefix(prompt)
+
+    def unpin_prefix(self, pin: int) -> bool:
+        return self.runtime.unpin_prefix(pin)
+
 
     # ---- SGLang's backend calls (`lmnb.flush_cache()`, `lmnb.get_server_info()`) ----------------
     def flush_cache(self) -> bool:
