@@ -19,6 +19,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from lmnb.lang import api
@@ -50,6 +51,10 @@ _ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistan
 _POLL = 0.05  # seconds between checks while run_batch waits, so that Ctrl-C gets through
 
 _default_backend: Backend | None = None
+
+# What a `@function` called inside another program's body does (SGLang's nested call): the
+# caller's run or trace sets this while its body runs, on the body's thread.
+PROGRAM_CALLER: ContextVar[Any] = ContextVar("lmnb_caller", default=None)
 
 
 def set_default_backend(backend: Any) -> None:
@@ -518,6 +523,7 @@ class Program:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         state = ProgramState(executor, run)
+        caller = PROGRAM_CALLER.set(_RunningCaller(backend, defaults, state.run))
         try:
             state.ret_value = self.func(state, **arguments)
         except KeyboardInterrupt:
@@ -531,6 +537,8 @@ class Program:
             executor.close()
             if not stream and raise_body_error:
                 raise
+        finally:
+            PROGRAM_CALLER.reset(caller)
         if not stream:
             state.sync()
         return state
@@ -613,11 +621,44 @@ class Program:
         pinned_on, pin = entry
         return bool(pinned_on.unpin_prefix(pin))
 
-    def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
-        return self.run(*args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`program(...)` is `program.run(...)`. Inside another program's body (SGLang's nested
+        call) it is a program of its own on the caller's backend and sampling defaults, whose
+        state the caller reads (`sub = other(q); s += sub["answer"]`), and it traces and
+        compiles with the caller. Given a state first (`other(s, q)`), its body writes to that
+        state, as a subroutine of the caller."""
+        if args and isinstance(args[0], StateWriter):
+            arguments, sampling = self.split_arguments(args[1:], dict(kwargs))
+            if sampling:
+                raise TypeError(f"{self.__name__}(s, ...) writes to the caller's state: sampling "
+                                f"defaults {sorted(sampling)} belong to the caller's run")
+            return self.func(args[0], **arguments)
+        caller = PROGRAM_CALLER.get()
+        if caller is None or "backend" in kwargs and caller.honours_backend:
+            return self.run(*args, **kwargs)
+        return caller.call(self, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<lmnb program {self.__name__}({', '.join(self.arg_names)})>"
+
+
+class _RunningCaller:
+    """A running program's body: a program it calls runs on its backend, with its sampling
+    defaults under the call's own, in its run (an interrupt aborts both), and has finished
+    when the call returns."""
+
+    honours_backend = True  # `other(..., backend=b)` inside a running body runs on b
+
+    def __init__(self, backend: Backend, defaults: GenParams, run: ProgramRun) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.run = run
+
+    def call(self, program: Program, args: tuple, kwargs: dict[str, Any]) -> ProgramState:
+        stream = bool(kwargs.pop("stream", False))
+        arguments, sampling = program.split_arguments(args, dict(kwargs))
+        defaults = run_defaults({**self.defaults.set_values(), **sampling})
+        return program._execute(self.backend, arguments, defaults, stream, self.run)
 
 
 def _pin_target(backend: Backend) -> Any:
