@@ -232,6 +232,52 @@ def test_errors_point_at_the_cell_line(loaded: InteractiveShell, capsys) -> None
     runtime_of(loaded).check_integrity()
 
 
+def test_runtime_errors_point_at_the_gen_line(loaded: InteractiveShell, capsys) -> None:
+    """An error the runtime raises while a gen runs (on the program's worker thread) points at
+    the cell line of that gen: an invalid regex, a prompt longer than the context."""
+    body = 's += "a"\ns += gen("ok", max_tokens=2)\ns += gen("x", max_tokens=2, regex="[")\n'
+    with pytest.raises(LMProgramError, match="regex") as info:
+        cell(loaded, "", body)
+    assert info.value.lineno == 4 and 'regex="["' in info.value.line
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "<lmprogram cell>, line 4" in rendered and 's += gen("x", max_tokens=2, regex="[")' \
+        in rendered
+
+    loaded.run_cell('%%lmprogram\ns += "word " * 2000\n\ns += gen("y", max_tokens=2)\n')
+    shown = capsys.readouterr().out
+    assert "line 4" in shown and 'gen("y", max_tokens=2)' in shown and "context" in shown
+
+    # A gen of a named program (another cell) that the cell calls: that cell's line.
+    cell(loaded, "bad()", 's += "b"\ns += select("c", ["x", "y"]) + gen("z", regex="(")\n')
+    with pytest.raises(LMProgramError) as info:
+        cell(loaded, "", 's += "a"\nbad(s)\n')
+    assert (info.value.filename, info.value.lineno) == ("<lmprogram bad>", 3)
+    assert 'gen("z", regex="(")' in "\n".join(info.value._render_traceback_())
+    runtime_of(loaded).check_integrity()
+
+
+def test_results_render_as_a_chat(loaded: InteractiveShell) -> None:
+    from lmnb.magics.result import _COLORS
+
+    result = cell(loaded, "", 's += system("Be brief.")\ns += user("Hi")\n'
+                              's += assistant(gen("a", max_tokens=3))\n')
+    page = result._repr_html_()
+    chat, raw = page.split("<details", 1)
+    assert [t.split('"')[0] for t in chat.split('data-role="')[1:]] == \
+        ["system", "user", "assistant"]
+    assert "Be brief." in chat and "&lt;|im_start|&gt;" not in chat  # the turns' content only
+    assert "template text</summary>" in raw and "&lt;|im_start|&gt;system" in raw
+    assert 'title="a"' in chat and 'title="a"' in raw  # the generated span, marked in both
+    colours = {part.split(";")[0] for part in page.split("background:")[1:]}
+    assert colours & set(_COLORS) and not colours & {"#fecaca", "#fbcfe8", "#fed7aa", "red"}
+    assert repr(result).startswith("<lmprogram result: done>\nsystem: Be brief.\nuser: Hi\n"
+                                    "assistant: ")
+
+    plain = cell(loaded, "", 's += "Once upon" + gen("b", max_tokens=2)\n')  # no roles: text
+    assert "<details" not in plain._repr_html_()
+    assert repr(plain).startswith("<lmprogram result: done>\nOnce upon")
+
+
 def test_trace(loaded: InteractiveShell, capsys) -> None:
     loaded.user_ns["topic"] = "cats"
     generated = runtime_of(loaded).stats()["generated_tokens"]

@@ -93,6 +93,7 @@ class StreamExecutor:
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.spans: list[tuple[str, int, int]] = []  # (variable, start, end) of generated text
+        self.turns: list[tuple[str, int, int]] = []  # (role, start, end) of each ended role
         self.error: BaseException | None = None
         self.fork_point = 0  # length of the text inherited from the parent (forks)
         self._closed = False
@@ -211,6 +212,7 @@ class StreamExecutor:
             branch.fork_point = len(self.text_)
             branch._spec, branch._spec_turn = self._spec, self._spec_turn
             branch.spans = list(self.spans)
+            branch.turns = list(self.turns)
             branch.observer = self.observer
             branches.append(branch)
         self._emit("fork", branches=branches)
@@ -230,6 +232,12 @@ class StreamExecutor:
     def streaming(self) -> tuple[str | None, int] | None:
         """(variable, start in `text_`) of the gen streaming now, or None."""
         return self._streaming
+
+    @property
+    def open_role(self) -> tuple[str, int] | None:
+        """(role, start of its content in `text_`) of the role begun and not ended, or None."""
+        role, start = self._role, self._role_start
+        return None if role is None else (role, start)
 
     def _emit(self, kind: str, **data: Any) -> None:
         observer = self.observer
@@ -327,6 +335,7 @@ class StreamExecutor:
             raise ProgramError(f"{expr.role!r} ends but the open role is {self._role!r}")
         self._spec = None
         self.messages_.append({"role": expr.role, "content": self.text_[self._role_start:]})
+        self.turns.append((expr.role, self._role_start, len(self.text_)))
         self._role = None
         self._append(self.backend.chat_template.role_text(expr.role, first=False).suffix)
 
