@@ -645,7 +645,7 @@ class Program:
 class _RunningCaller:
     """A running program's body: a program it calls runs on its backend, with its sampling
     defaults under the call's own, in its run (an interrupt aborts both), and has finished
-    when the call returns."""
+    when the call returns (its error is raised there, as a compiled caller fails with it)."""
 
     honours_backend = True  # `other(..., backend=b)` inside a running body runs on b
 
@@ -658,7 +658,10 @@ class _RunningCaller:
         stream = bool(kwargs.pop("stream", False))
         arguments, sampling = program.split_arguments(args, dict(kwargs))
         defaults = run_defaults({**self.defaults.set_values(), **sampling})
-        return program._execute(self.backend, arguments, defaults, stream, self.run)
+        state = program._execute(self.backend, arguments, defaults, stream, self.run)
+        if not stream:
+            state.executor.raise_error()
+        return state
 
 
 def _pin_target(backend: Backend) -> Any:
