@@ -6,7 +6,6 @@ interrupt) and `%reload_ext` / `%unload_ext` closing the runtime."""
 from __future__ import annotations
 
 import _thread
-import signal
 import sys
 import threading
 import time
@@ -339,7 +338,8 @@ def test_stream(loaded: InteractiveShell, widgets: bool, monkeypatch, capsys) ->
 
 
 @pytest.mark.parametrize("line", ["", "--stream"])
-def test_interrupt_aborts_and_frees_kv(loaded: InteractiveShell, line: str) -> None:
+def test_interrupt_aborts_and_frees_kv(loaded: InteractiveShell, line: str,
+                                       default_sigint) -> None:
     runtime = runtime_of(loaded)
     generated = runtime.stats()["generated_tokens"]
 
@@ -349,15 +349,11 @@ def test_interrupt_aborts_and_frees_kv(loaded: InteractiveShell, line: str) -> N
             time.sleep(0.01)
         _thread.interrupt_main()
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        thread = threading.Thread(target=interrupt_when_running)
-        thread.start()
-        with pytest.raises(KeyboardInterrupt):
-            cell(loaded, line, LONG)
-        thread.join()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    thread = threading.Thread(target=interrupt_when_running)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        cell(loaded, line, LONG)
+    thread.join()
     wait_idle(runtime)
     runtime.check_integrity()
     stats = runtime.stats()
