@@ -16,6 +16,7 @@ from lmnb.lang.api import (
     gen_string,
     image,
     select,
+    separate_reasoning,
     system,
     system_begin,
     system_end,
@@ -44,9 +45,9 @@ __all__ = [
     "Engine", "LocalBackend", "OpenAI", "Program", "ProgramState", "Runtime", "RuntimeEndpoint",
     "__version__", "assistant", "assistant_begin", "assistant_end", "default_backend",
     "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "global_config",
-    "greedy_token_selection", "image", "select", "set_default_backend", "system", "system_begin",
-    "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
-    "user_begin", "user_end", "video",
+    "greedy_token_selection", "image", "select", "separate_reasoning", "set_default_backend",
+    "system", "system_begin", "system_end", "token_length_normalized",
+    "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video",
 ]
 
 if TYPE_CHECKING:

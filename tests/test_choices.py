@@ -67,6 +67,7 @@ def _reference(model, tokenizer, prompt: str, choices: list[str]) -> dict:
         uln.append(sum(diffs) / len(diffs) if diffs else 0.0)
     normalized = [sum(values) / len(values) for values in conditional]
     return {"start": start, "prompt_len": len(prompt_ids), "spans": spans,
+            "texts": [[tokenizer.decode([t]) for t in span] for span in spans],
             "conditional": conditional, "normalized": normalized,
             "unconditional": unconditional, "uln": uln,
             "greedy": _greedy(conditional)}
@@ -98,8 +99,11 @@ def _check_against_reference(result, ref: dict) -> None:
     meta = result.meta_info
     assert meta["scored_from"] == ref["start"]
     assert meta["input_token_ids"] == ref["spans"]
-    for got, expected in zip(meta["input_token_logprobs"], ref["conditional"], strict=True):
-        assert _close(got, expected), (got, expected)
+    for got, expected, ids, texts in zip(meta["input_token_logprobs"], ref["conditional"],
+                                         ref["spans"], ref["texts"], strict=True):
+        assert _close([lp for lp, _, _ in got], expected), (got, expected)  # SGLang's triples
+        assert [(t, text) for _, t, text in got] == list(zip(ids, texts, strict=True))
+    assert meta["output_token_logprobs"] == [[] for _ in ref["spans"]]
     assert _close(meta["normalized_prompt_logprobs"], ref["normalized"])
 
 
@@ -134,7 +138,7 @@ def test_prefix_choice_loses_greedy_ties(runtime):
     prompt, choices = CASES["prefix-choice"]
     result = select_choice(RuntimeChoiceScorer(runtime), prompt, choices, "greedy_token_selection")
     rows = result.meta_info["input_token_logprobs"]
-    assert rows[0][0] == rows[1][0]
+    assert rows[0][0] == rows[1][0]  # the same (logprob, token, text)
     assert result.meta_info["greedy_logprob_matrix"][0][1:] == [-math.inf] * (len(rows[1]) - 1)
     assert result.index == 1
 
@@ -155,7 +159,7 @@ def test_methods_pick_the_argmax_of_their_own_score(case, method, runtime, hf):
     else:
         for got, want in zip(meta["unconditional_token_logprobs"], ref["unconditional"],
                              strict=True):
-            assert _close(got, want), (got, want)
+            assert _close([lp for lp, _, _ in got], want), (got, want)
         assert _close(meta["normalized_unconditional_prompt_logprobs"], ref["uln"])
         expected = _first_argmax(ref["uln"])
     assert result.index == expected
@@ -237,11 +241,13 @@ def test_unconditional_excludes_tokens_without_context():
                                 "unconditional_likelihood_normalized")
     # Without BOS the span's first token has no unconditional logprob: left out of both sums;
     # "b" alone has nothing left and scores 0.
-    assert without_bos.meta_info["unconditional_token_logprobs"] == [[None, -2.0], [None]]
+    assert without_bos.meta_info["unconditional_token_logprobs"] == \
+        [[(None, ord("a"), None), (-2.0, ord("b"), None)], [(None, ord("b"), None)]]
     assert without_bos.meta_info["normalized_unconditional_prompt_logprobs"] == [0.0, 0.0]
     with_bos = _ScriptedScorer(table, bos=True)
     result = select_choice(with_bos, "x", ["ab", "b"], "unconditional_likelihood_normalized")
-    assert result.meta_info["unconditional_token_logprobs"] == [[-1.0, -2.0], [-2.0]]
+    assert [[lp for lp, _, _ in row] for row in
+            result.meta_info["unconditional_token_logprobs"]] == [[-1.0, -2.0], [-2.0]]
     assert with_bos.calls[-1] == ([[0, ord("a"), ord("b")], [0, ord("b")]], 1)
 
 

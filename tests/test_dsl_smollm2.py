@@ -79,7 +79,9 @@ def test_figure2_multi_dimensional_judge(rt):
     text = state.text()
     assert "\nSummary: " + state["summary"] + "\nGrade: " + state["grade"] in text
     assert state.messages()[-1]["role"] == "assistant"
-    assert text == rt.tokenizer.apply_chat_template(state.messages(), tokenize=False)
+    assert text == rt.tokenizer.apply_chat_template(state.executor.messages_, tokenize=False)
+    assert [m["content"] for m in state.messages()] == \
+        [m["content"].lstrip() for m in state.executor.messages_]
     assert rt.stats()["running"] == 0
     rt.check_integrity()
 

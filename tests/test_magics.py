@@ -6,7 +6,6 @@ interrupt) and `%reload_ext` / `%unload_ext` closing the runtime."""
 from __future__ import annotations
 
 import _thread
-import signal
 import sys
 import threading
 import time
@@ -232,6 +231,52 @@ def test_errors_point_at_the_cell_line(loaded: InteractiveShell, capsys) -> None
     runtime_of(loaded).check_integrity()
 
 
+def test_runtime_errors_point_at_the_gen_line(loaded: InteractiveShell, capsys) -> None:
+    """An error the runtime raises while a gen runs (on the program's worker thread) points at
+    the cell line of that gen: an invalid regex, a prompt longer than the context."""
+    body = 's += "a"\ns += gen("ok", max_tokens=2)\ns += gen("x", max_tokens=2, regex="[")\n'
+    with pytest.raises(LMProgramError, match="regex") as info:
+        cell(loaded, "", body)
+    assert info.value.lineno == 4 and 'regex="["' in info.value.line
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "<lmprogram cell>, line 4" in rendered and 's += gen("x", max_tokens=2, regex="[")' \
+        in rendered
+
+    loaded.run_cell('%%lmprogram\ns += "word " * 2000\n\ns += gen("y", max_tokens=2)\n')
+    shown = capsys.readouterr().out
+    assert "line 4" in shown and 'gen("y", max_tokens=2)' in shown and "context" in shown
+
+    # A gen of a named program (another cell) that the cell calls: that cell's line.
+    cell(loaded, "bad()", 's += "b"\ns += select("c", ["x", "y"]) + gen("z", regex="(")\n')
+    with pytest.raises(LMProgramError) as info:
+        cell(loaded, "", 's += "a"\nbad(s)\n')
+    assert (info.value.filename, info.value.lineno) == ("<lmprogram bad>", 3)
+    assert 'gen("z", regex="(")' in "\n".join(info.value._render_traceback_())
+    runtime_of(loaded).check_integrity()
+
+
+def test_results_render_as_a_chat(loaded: InteractiveShell) -> None:
+    from lmnb.magics.result import _COLORS
+
+    result = cell(loaded, "", 's += system("Be brief.")\ns += user("Hi")\n'
+                              's += assistant(gen("a", max_tokens=3))\n')
+    page = result._repr_html_()
+    chat, raw = page.split("<details", 1)
+    assert [t.split('"')[0] for t in chat.split('data-role="')[1:]] == \
+        ["system", "user", "assistant"]
+    assert "Be brief." in chat and "&lt;|im_start|&gt;" not in chat  # the turns' content only
+    assert "template text</summary>" in raw and "&lt;|im_start|&gt;system" in raw
+    assert 'title="a"' in chat and 'title="a"' in raw  # the generated span, marked in both
+    colours = {part.split(";")[0] for part in page.split("background:")[1:]}
+    assert colours & set(_COLORS) and not colours & {"#fecaca", "#fbcfe8", "#fed7aa", "red"}
+    assert repr(result).startswith("<lmprogram result: done>\nsystem: Be brief.\nuser: Hi\n"
+                                    "assistant: ")
+
+    plain = cell(loaded, "", 's += "Once upon" + gen("b", max_tokens=2)\n')  # no roles: text
+    assert "<details" not in plain._repr_html_()
+    assert repr(plain).startswith("<lmprogram result: done>\nOnce upon")
+
+
 def test_trace(loaded: InteractiveShell, capsys) -> None:
     loaded.user_ns["topic"] = "cats"
     generated = runtime_of(loaded).stats()["generated_tokens"]
@@ -293,7 +338,8 @@ def test_stream(loaded: InteractiveShell, widgets: bool, monkeypatch, capsys) ->
 
 
 @pytest.mark.parametrize("line", ["", "--stream"])
-def test_interrupt_aborts_and_frees_kv(loaded: InteractiveShell, line: str) -> None:
+def test_interrupt_aborts_and_frees_kv(loaded: InteractiveShell, line: str,
+                                       default_sigint) -> None:
     runtime = runtime_of(loaded)
     generated = runtime.stats()["generated_tokens"]
 
@@ -303,15 +349,11 @@ def test_interrupt_aborts_and_frees_kv(loaded: InteractiveShell, line: str) -> N
             time.sleep(0.01)
         _thread.interrupt_main()
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        thread = threading.Thread(target=interrupt_when_running)
-        thread.start()
-        with pytest.raises(KeyboardInterrupt):
-            cell(loaded, line, LONG)
-        thread.join()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    thread = threading.Thread(target=interrupt_when_running)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        cell(loaded, line, LONG)
+    thread.join()
     wait_idle(runtime)
     runtime.check_integrity()
     stats = runtime.stats()

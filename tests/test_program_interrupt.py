@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -101,3 +102,23 @@ def test_a_run_aborted_before_a_fork_aborts_the_fork():
     assert isinstance(executor.error, ProgramAborted)
     assert backend.started == []  # aborted before its request was sent
     assert run.executors == (executor,)
+
+
+def test_a_simulated_ctrl_c_is_not_lost_in_a_finalizer(default_sigint):
+    """The tests' SIGINT handler (conftest) re-arms an interrupt that arrives while a `__del__`
+    (or a weakref callback) runs, where Python would swallow the KeyboardInterrupt: it lands
+    once the finalizer has returned."""
+    ran = []
+
+    class Dropped:
+        def __del__(self) -> None:
+            _thread.interrupt_main()  # arrives while the finalizer runs
+            for i in range(1000):  # the interpreter checks for signals in here
+                ran.append(i)
+
+    deadline = time.monotonic() + GUARD_S
+    with pytest.raises(KeyboardInterrupt):
+        Dropped()  # dropped at once: its __del__ runs here
+        while time.monotonic() < deadline:  # ... and the interrupt lands here, in the test
+            pass
+    assert len(ran) == 1000  # the finalizer was not cut short either

@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -571,20 +570,20 @@ def test_closing_stream_in_a_thread_aborts(rt: Runtime) -> None:
     assert_usable(rt)
 
 
-def test_keyboard_interrupt_aborts_blocking_generate(rt: Runtime) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signal handlers can only be set from the main thread")
+def test_keyboard_interrupt_aborts_blocking_generate(rt: Runtime, default_sigint) -> None:
     before = rt.stats()["generated_tokens"]
-    # interrupt_main() does nothing where SIGINT is ignored (e.g. pytest started in background)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(0.3, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            rt.generate(PROMPTS[3], {"max_new_tokens": 400, "ignore_eos": True})
-    finally:
-        timer.cancel()
-        signal.signal(signal.SIGINT, previous)
+
+    def interrupt_when_generating() -> None:  # not after a fixed delay: a loaded machine may
+        deadline = time.monotonic() + GUARD_S  # not have started the request by then
+        while rt.stats()["generated_tokens"] == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _thread.interrupt_main()
+
+    thread = threading.Thread(target=interrupt_when_generating)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        rt.generate(PROMPTS[3], {"max_new_tokens": 400, "ignore_eos": True})
+    thread.join()
     stats = idle(rt)
     assert stats["generated_tokens"] - before < 400
     rt.check_integrity()

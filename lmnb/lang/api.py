@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -20,9 +22,12 @@ from lmnb.lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SourceLocation,
     Video,
     concat,
+    to_expr,
 )
+from lmnb.lang.reasoning import reasoning_format, reasoning_name
 
 CHOICES_METHODS = ("token_length_normalized", "greedy_token_selection",
                    "unconditional_likelihood_normalized")
@@ -30,6 +35,14 @@ CHOICES_METHODS = ("token_length_normalized", "greedy_token_selection",
 DTYPE_REGEXES = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
 DTYPE_STOPS: dict[type, tuple[str, ...]] = {int: (" ", "\n"), float: (" ", "\n")}
 _DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _caller() -> SourceLocation | None:
+    """(file, line) of the code that called into this module (the program's `gen(...)` line)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
 def _schema_text(json_schema: Any) -> str | None:
@@ -100,7 +113,7 @@ def gen(
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, regex=regex,
         json_schema=_schema_text(json_schema))
-    return Gen(name, params)
+    return Gen(name, params, where=_caller())
 
 
 def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
@@ -124,7 +137,28 @@ def select(name: str | None = None, choices: Sequence[str] | None = None,
         raise ValueError(f"select choices must be a list of non-empty strings, got {choices!r}")
     if not isinstance(choices_method, str) or choices_method not in CHOICES_METHODS:
         raise ValueError(f"unknown choices_method {choices_method!r}; use one of {CHOICES_METHODS}")
-    return Select(name, tuple(choices), str(choices_method))
+    return Select(name, tuple(choices), str(choices_method), where=_caller())
+
+
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> Expr:
+    """SGLang's `separate_reasoning(gen("answer"), model_type="deepseek-r1")`: every named gen and
+    select in `expr` keeps only the text after the model's reasoning, and the reasoning goes to
+    the variable NAME + "_reasoning_content" (the state's text keeps the answer only). Model
+    types: `lmnb.lang.reasoning.FORMATS` (deepseek-r1, qwen3, qwen3-thinking, kimi, ...)."""
+    if expr is None:
+        raise TypeError("separate_reasoning needs an expression, e.g. separate_reasoning("
+                        "gen('answer'), model_type='deepseek-r1')")
+    reasoning_format(model_type)  # an unknown model type fails here, at the program's line
+    return _with_reasoning(to_expr(expr), str(model_type))
+
+
+def _with_reasoning(expr: Expr, model_type: str) -> Expr:
+    if isinstance(expr, ExprList):
+        return ExprList(tuple(_with_reasoning(item, model_type) for item in expr.items))
+    if isinstance(expr, Gen | Select):
+        reasoning_name(expr.name)  # the reasoning needs a variable name to go to
+        return dataclasses.replace(expr, reasoning=model_type)
+    return expr
 
 
 def image(source: Any) -> Image:

@@ -59,6 +59,9 @@ class ChoiceScorer(Protocol):
         start-of-text token when it puts nothing there."""
         ...
 
+    # Optional: `token_text(token_id) -> str`, the text of one token, for the meta_info's
+    # SGLang-style `(logprob, token_id, text)` triples (None where a scorer has no tokenizer).
+
 
 @dataclass
 class ChoiceResult:
@@ -139,7 +142,7 @@ def _unconditional_likelihood_normalized(scorer: ChoiceScorer, spans: _Spans,
     for conditional, prior in zip(spans.logprobs, unconditional, strict=True):
         diffs = [c - u for c, u in zip(conditional, prior, strict=True) if u is not None]
         scores.append(_mean(diffs) if diffs else 0.0)
-    meta["unconditional_token_logprobs"] = unconditional
+    meta["unconditional_token_logprobs"] = _triples(scorer, unconditional, spans.token_ids)
     meta["normalized_unconditional_prompt_logprobs"] = scores
     return _argmax(scores)
 
@@ -149,6 +152,15 @@ _METHODS: dict[str, Callable[[ChoiceScorer, _Spans, dict[str, Any]], int]] = {
     "greedy_token_selection": _greedy_token_selection,
     "unconditional_likelihood_normalized": _unconditional_likelihood_normalized,
 }
+
+
+def _triples(scorer: ChoiceScorer, logprobs: list[list[Any]],
+             token_ids: list[list[int]]) -> list[list[tuple[Any, int, str | None]]]:
+    """Per choice, SGLang's `(logprob, token_id, text)` triples."""
+    token_text = getattr(scorer, "token_text", None)
+    return [[(logprob, token, None if token_text is None else token_text(token))
+             for logprob, token in zip(row, ids, strict=True)]
+            for row, ids in zip(logprobs, token_ids, strict=True)]
 
 
 def _check_lengths(values: Sequence[float], expected: int) -> None:
@@ -178,9 +190,12 @@ def _spans(scorer: ChoiceScorer, prompt: str, choices: Sequence[str]) -> _Spans:
 def select_choice(scorer: ChoiceScorer, prompt: str, choices: Sequence[str],
                   method: str = "token_length_normalized") -> ChoiceResult:
     """Picks the choice the model prefers after `prompt`, scored by `method` (one of
-    `METHODS`). `meta_info` holds `normalized_prompt_logprobs` and `input_token_logprobs`
-    (per choice, over the scored span), `input_token_ids`, `scored_from` (the span's first token
-    position), `method`, and the method's own scores."""
+    `METHODS`). `meta_info` has SGLang's fields: `normalized_prompt_logprobs` (per choice),
+    `input_token_logprobs` (per choice, `(logprob, token_id, text)` over the scored span),
+    `output_token_logprobs` (per choice, empty: nothing is generated), and the method's own
+    (`greedy_logprob_matrix`; `unconditional_token_logprobs` and
+    `normalized_unconditional_prompt_logprobs`); and lmnb's `method`, `scored_from` (the span's
+    first token position) and `input_token_ids`."""
     if method not in _METHODS:
         raise ValueError(f"unknown choices method {method!r}; use one of {METHODS}")
     if isinstance(choices, str) or not choices:
@@ -193,7 +208,8 @@ def select_choice(scorer: ChoiceScorer, prompt: str, choices: Sequence[str],
         "method": method,
         "scored_from": spans.start,
         "normalized_prompt_logprobs": [_mean(values) for values in spans.logprobs],
-        "input_token_logprobs": spans.logprobs,
+        "input_token_logprobs": _triples(scorer, spans.logprobs, spans.token_ids),
+        "output_token_logprobs": [[] for _ in choices],
         "input_token_ids": spans.token_ids,
     }
     index = _METHODS[method](scorer, spans, meta)
@@ -218,6 +234,9 @@ class RuntimeChoiceScorer:
 
     def encode(self, text: str) -> list[int]:
         return self.runtime.encode(text)
+
+    def token_text(self, token_id: int) -> str:
+        return self.runtime.tokenizer.decode([token_id])
 
     def unconditional_context(self) -> list[int]:
         ids = self.encode("")

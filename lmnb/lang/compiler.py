@@ -50,7 +50,15 @@ from lmnb.lang.program import (
     run_all,
     run_defaults,
 )
-from lmnb.lang.tracer import Fork, Ref, TracedProgram, refs_of, substitute, trace_program
+from lmnb.lang.tracer import (
+    Call,
+    Fork,
+    Ref,
+    TracedProgram,
+    refs_of,
+    substitute,
+    trace_program,
+)
 
 _POLL = 0.05  # seconds between checks while waiting, so that aborts get through
 
@@ -118,6 +126,24 @@ class _ForkPoint(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class _CallPoint(Expr):
+    """Starts the executor of a called program's state (empty text, the caller's defaults
+    under the call's own)."""
+
+    run: _GraphRun
+    call: Call
+
+
+@dataclass(frozen=True, eq=False)
+class _AwaitCalls(Expr):
+    """The end of a state that called programs: it is done when they are (their errors are
+    its errors)."""
+
+    run: _GraphRun
+    state_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class _JoinAt(Expr):
     run: _GraphRun
     branch_ids: tuple[int, ...]
@@ -148,6 +174,25 @@ class GraphExecutor(StreamExecutor):
     @_execute.register
     def _(self, expr: _ForkPoint) -> None:
         expr.run.start(expr.branch_ids, self.fork(len(expr.branch_ids)))
+
+    @_execute.register
+    def _(self, expr: _CallPoint) -> None:
+        call = expr.call
+        defaults = run_defaults({**self.defaults.set_values(), **dict(call.defaults)})
+        child = GraphExecutor(self.backend, defaults=defaults, stream=self.stream,
+                              num_api_spec_tokens=call.num_api_spec_tokens)
+        child.observer = self.observer
+        self._emit("fork", branches=[child])  # live views show it beside the caller
+        expr.run.start([call.state_id], [child])
+
+    @_execute.register
+    def _(self, expr: _AwaitCalls) -> None:
+        for state_id in expr.state_ids:
+            child = expr.run.executor(state_id, self)
+            child.sync()
+            if child.error is not None:
+                raise ProgramError(f"state {state_id} of the program failed: "
+                                   f"{child.error!r}") from child.error
 
     @_execute.register
     def _(self, expr: _JoinAt) -> None:
@@ -202,6 +247,9 @@ class _GraphRun:
                 exprs.extend(self._translate(step.node, step))
         if state_id == 0 and self.plan.ret.reads:
             exprs.append(_SetReturn(self, self.plan.ret.reads))
+        calls = tuple(step.node.state_id for step in steps if isinstance(step.node, Call))
+        if calls:
+            exprs.append(_AwaitCalls(self, calls))
         return exprs
 
     @singledispatchmethod
@@ -216,6 +264,10 @@ class _GraphRun:
     def _(self, node: Fork, step: _Step) -> list[Expr]:
         commit = [CommitPrefix()] if len(node.branch_ids) > 1 else []
         return [*commit, _ForkPoint(self, node.branch_ids)]
+
+    @_translate.register
+    def _(self, node: Call, step: _Step) -> list[Expr]:
+        return [_CallPoint(self, node)]
 
     @_translate.register
     def _(self, node: Join, step: _Step) -> list[Expr]:

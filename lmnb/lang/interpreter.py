@@ -12,6 +12,7 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import Any
@@ -35,11 +36,13 @@ from lmnb.lang.ir import (
     RoleEnd,
     Select,
     SetVar,
+    SourceLocation,
     Text,
     VarScopeBegin,
     VarScopeEnd,
     Video,
 )
+from lmnb.lang.reasoning import reasoning_name, split_reasoning
 from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, speculative_params
 
 _POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets through
@@ -47,6 +50,22 @@ _POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets throug
 
 class ProgramError(RuntimeError):
     """An error raised inside a program, re-raised where its result is read."""
+
+
+@contextmanager
+def located(where: SourceLocation | None) -> Iterator[None]:
+    """An error raised inside records `where` (the program line of the gen or select that was
+    running) as `error.lmnb_where`, unless it has one already: the worker thread's traceback
+    does not reach the program's code."""
+    try:
+        yield
+    except BaseException as error:
+        if where is not None and getattr(error, "lmnb_where", None) is None:
+            try:
+                error.lmnb_where = where  # type: ignore[attr-defined]
+            except AttributeError:  # an exception type without a __dict__
+                pass
+        raise
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,7 @@ class StreamExecutor:
         self.spans: list[tuple[str, int, int]] = []  # (variable, start, end) of generated text
         # Images and videos in prompt order, each with where its token starts in `text_`.
         self.media_: list[tuple[int, MediaInput]] = []
+        self.turns: list[tuple[str, int, int]] = []  # (role, start, end) of each ended role
         self.error: BaseException | None = None
         self.fork_point = 0  # length of the text inherited from the parent (forks)
         self._closed = False
@@ -202,6 +222,7 @@ class StreamExecutor:
             branch._spec, branch._spec_turn = self._spec, self._spec_turn
             branch.spans = list(self.spans)
             branch.media_ = list(self.media_)  # the same prepared items: one hash, one KV span
+            branch.turns = list(self.turns)
             branch.observer = self.observer
             branches.append(branch)
         self._emit("fork", branches=branches)
@@ -221,6 +242,12 @@ class StreamExecutor:
     def streaming(self) -> tuple[str | None, int] | None:
         """(variable, start in `text_`) of the gen streaming now, or None."""
         return self._streaming
+
+    @property
+    def open_role(self) -> tuple[str, int] | None:
+        """(role, start of its content in `text_`) of the role begun and not ended, or None."""
+        role, start = self._role, self._role_start
+        return None if role is None else (role, start)
 
     def _emit(self, kind: str, **data: Any) -> None:
         observer = self.observer
@@ -318,11 +345,16 @@ class StreamExecutor:
             raise ProgramError(f"{expr.role!r} ends but the open role is {self._role!r}")
         self._spec = None
         self.messages_.append({"role": expr.role, "content": self.text_[self._role_start:]})
+        self.turns.append((expr.role, self._role_start, len(self.text_)))
         self._role = None
         self._append(self.backend.chat_template.role_text(expr.role, first=False).suffix)
 
     @_execute.register
     def _(self, expr: Gen) -> None:
+        with located(expr.where):
+            self._gen(expr)
+
+    def _gen(self, expr: Gen) -> None:
         params = expr.params.merged_over(self.defaults)
         if self._role == "assistant":  # the turn's end stops it too, as in SGLang
             stops, stop_ids = self.backend.chat_template.end_of_turn()
@@ -334,12 +366,13 @@ class StreamExecutor:
             if served is not None:
                 self._streaming = (expr.name, start)
                 self._append(served.text, expr.name)
-                self._finish_gen(expr.name, start, Generation(served.text, served.meta_info))
+                self._finish_gen(expr.name, start, Generation(served.text, served.meta_info),
+                                 expr.reasoning)
                 return
         self._streaming = (expr.name, start)
         generation = self._call(self.text_, params, self._chat_prompt(),
                                 on_delta=lambda delta: self._append(delta, expr.name))
-        self._finish_gen(expr.name, start, generation)
+        self._finish_gen(expr.name, start, generation, expr.reasoning)
 
     def _chat_prompt(self, *, at_role_start: bool = False) -> ChatPrompt | None:
         if not self.chat:
@@ -402,8 +435,12 @@ class StreamExecutor:
         self._spec = served.rest
         return served
 
-    def _finish_gen(self, name: str | None, start: int, generation: Generation) -> None:
+    def _finish_gen(self, name: str | None, start: int, generation: Generation,
+                    reasoning: str | None = None) -> None:
         text = generation.text
+        if reasoning is not None:  # separate_reasoning: the state keeps the answer only
+            text, thought = split_reasoning(text, reasoning)
+            self.variables[reasoning_name(name)] = thought
         first = text[0] if isinstance(text, list) else text
         with self._listeners_lock:  # the final text replaces what was streamed
             streamed = self.text_[start:]
@@ -415,14 +452,21 @@ class StreamExecutor:
                 self.spans.append((name, start, len(self.text_)))
                 self.variables[name] = text
                 self.meta_info[name] = generation.meta_info
+        if reasoning is not None:
+            self._finish_var(reasoning_name(name))
         if name is not None:
             self._finish_var(name)
 
     @_execute.register
     def _(self, expr: Select) -> None:
         self._spec = None
-        choice, meta = self.backend.select(self.text_, expr.choices, expr.method,
-                                           **self._media_kwargs(self.text_))
+        with located(expr.where):
+            choice, meta = self.backend.select(self.text_, expr.choices, expr.method,
+                                               **self._media_kwargs(self.text_))
+        if expr.reasoning is not None:
+            choice, thought = split_reasoning(choice, expr.reasoning)
+            self.variables[reasoning_name(expr.name)] = thought
+            self._finish_var(reasoning_name(expr.name))
         start = len(self.text_)
         self._append(choice, expr.name)
         if expr.name is not None:

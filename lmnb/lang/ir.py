@@ -113,10 +113,19 @@ class GenParams:
 GEN_PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(GenParams))
 
 
+# Where a `gen`/`select` was written: (file name, line) of the program's source, so that an error
+# raised while it runs (on the program's worker thread) can point at that line.
+SourceLocation = tuple[str, int]
+
+
 @dataclass(frozen=True)
 class Gen(Expr):
+    """`reasoning`: a model type whose reasoning is split off the output (`separate_reasoning`)."""
+
     name: str | None
     params: GenParams = field(default_factory=GenParams)
+    reasoning: str | None = None
+    where: SourceLocation | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,8 @@ class Select(Expr):
     name: str | None
     choices: tuple[str, ...]
     method: str = "token_length_normalized"
+    reasoning: str | None = None
+    where: SourceLocation | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@ import asyncio
 import inspect
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from lmnb.lang import api
@@ -49,6 +51,10 @@ _ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistan
 _POLL = 0.05  # seconds between checks while run_batch waits, so that Ctrl-C gets through
 
 _default_backend: Backend | None = None
+
+# What a `@function` called inside another program's body does (SGLang's nested call): the
+# caller's run or trace sets this while its body runs, on the body's thread.
+PROGRAM_CALLER: ContextVar[Any] = ContextVar("lmnb_caller", default=None)
 
 
 def set_default_backend(backend: Any) -> None:
@@ -267,9 +273,12 @@ class ProgramState(StateWriter):
         return self._executor.text()
 
     def messages(self) -> list[dict[str, str]]:
+        """The roles' messages, each content with its leading whitespace stripped as SGLang's
+        (`executor.messages_` keeps them exact: the chat template of those gives `text()`)."""
         self.sync()
         self._executor.raise_error()
-        return [dict(m) for m in self._executor.messages_]
+        return [{**m, "content": m["content"].lstrip()} if isinstance(m.get("content"), str)
+                else dict(m) for m in self._executor.messages_]
 
     def variables(self) -> dict[str, Any]:
         self.sync()
@@ -477,6 +486,7 @@ class Program:
         if not parameters:
             raise TypeError(f"{func.__name__} must take the program state as its first parameter")
         self.arg_names = [p.name for p in parameters[1:]]
+        self._pins: dict[Any, tuple[Backend, Any]] = {}  # pinned prefix per runtime (`pin`)
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
 
@@ -513,6 +523,7 @@ class Program:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         state = ProgramState(executor, run)
+        caller = PROGRAM_CALLER.set(_RunningCaller(backend, defaults, state.run))
         try:
             state.ret_value = self.func(state, **arguments)
         except KeyboardInterrupt:
@@ -526,6 +537,8 @@ class Program:
             executor.close()
             if not stream and raise_body_error:
                 raise
+        finally:
+            PROGRAM_CALLER.reset(caller)
         if not stream:
             state.sync()
         return state
@@ -579,11 +592,82 @@ class Program:
             backend.cache_prefix(prefix)
         return prefix
 
-    def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
-        return self.run(*args, **kwargs)
+    def pin(self, backend: Any = None) -> str:
+        """SGLang's `pin`: caches the program's constant prefix (as `cache`) and keeps it in the
+        backend's cache until `unpin()`: the runtime's evictions skip it. Once per backend;
+        returns the prefix. A backend that cannot pin (no `pin_prefix`) only caches it."""
+        from lmnb.lang.tracer import constant_prefix
+
+        backend = as_backend(backend)
+        prefix = constant_prefix(self, backend)
+        target = _pin_target(backend)
+        if not prefix or target in self._pins:
+            return prefix
+        pin_prefix = getattr(backend, "pin_prefix", None)
+        if pin_prefix is None:
+            warnings.warn(f"{type(backend).__name__} cannot pin a prefix; {self.__name__}'s "
+                          f"prefix is cached, and may be evicted", stacklevel=2)
+            backend.cache_prefix(prefix)
+            return prefix
+        self._pins[target] = (backend, pin_prefix(prefix))
+        return prefix
+
+    def unpin(self, backend: Any = None) -> bool:
+        """Releases what `pin()` pinned on `backend` (it stays cached, evictable again); False
+        if nothing was pinned there."""
+        entry = self._pins.pop(_pin_target(as_backend(backend)), None)
+        if entry is None:
+            return False
+        pinned_on, pin = entry
+        return bool(pinned_on.unpin_prefix(pin))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`program(...)` is `program.run(...)`. Inside another program's body (SGLang's nested
+        call) it is a program of its own on the caller's backend and sampling defaults, whose
+        state the caller reads (`sub = other(q); s += sub["answer"]`), and it traces and
+        compiles with the caller. Given a state first (`other(s, q)`), its body writes to that
+        state, as a subroutine of the caller."""
+        if args and isinstance(args[0], StateWriter):
+            arguments, sampling = self.split_arguments(args[1:], dict(kwargs))
+            if sampling:
+                raise TypeError(f"{self.__name__}(s, ...) writes to the caller's state: sampling "
+                                f"defaults {sorted(sampling)} belong to the caller's run")
+            return self.func(args[0], **arguments)
+        caller = PROGRAM_CALLER.get()
+        if caller is None or "backend" in kwargs and caller.honours_backend:
+            return self.run(*args, **kwargs)
+        return caller.call(self, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<lmnb program {self.__name__}({', '.join(self.arg_names)})>"
+
+
+class _RunningCaller:
+    """A running program's body: a program it calls runs on its backend, with its sampling
+    defaults under the call's own, in its run (an interrupt aborts both), and has finished
+    when the call returns (its error is raised there, as a compiled caller fails with it)."""
+
+    honours_backend = True  # `other(..., backend=b)` inside a running body runs on b
+
+    def __init__(self, backend: Backend, defaults: GenParams, run: ProgramRun) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.run = run
+
+    def call(self, program: Program, args: tuple, kwargs: dict[str, Any]) -> ProgramState:
+        stream = bool(kwargs.pop("stream", False))
+        arguments, sampling = program.split_arguments(args, dict(kwargs))
+        defaults = run_defaults({**self.defaults.set_values(), **sampling})
+        state = program._execute(self.backend, arguments, defaults, stream, self.run)
+        if not stream:
+            state.executor.raise_error()
+        return state
+
+
+def _pin_target(backend: Backend) -> Any:
+    """What a pin lives in: the runtime under a backend (a new `LocalBackend` may wrap it each
+    time), else the backend itself."""
+    return getattr(backend, "runtime", backend)
 
 
 def function(func: Callable[..., Any] | None = None, **options: Any) -> Any:

@@ -42,7 +42,12 @@ from lmnb.lang.ir import (
     Video,
     join_mode,
 )
-from lmnb.lang.program import ProgramStateGroup, StateWriter  # program imports us lazily
+from lmnb.lang.program import (  # program imports us lazily
+    PROGRAM_CALLER,
+    ProgramStateGroup,
+    StateWriter,
+)
+from lmnb.lang.reasoning import reasoning_name
 
 _OPEN, _CLOSE, _SEP = "\ue000", "\ue001", "\ue002"
 _PLACEHOLDER = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
@@ -60,6 +65,17 @@ class Fork(Expr):
 
     fork_id: int
     branch_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    """Tracing: the body called `@function` `program`, whose nodes are state `state_id` (a
+    program of its own: it starts empty, with the caller's sampling defaults under `defaults`)."""
+
+    state_id: int
+    program: str
+    defaults: tuple[tuple[str, Any], ...] = ()
+    num_api_spec_tokens: int | None = None
 
 
 # ---- placeholders: symbolic values inside strings ------------------------------------------------
@@ -304,12 +320,15 @@ class TracedState:
     parent: int | None = None
     fork_id: int | None = None
     index: int | None = None
+    call: str | None = None  # the program called from state `parent` (a nested @function)
     nodes: list[Expr] = field(default_factory=list)
     order: list[int] = field(default_factory=list)  # global sequence number of each node
 
     def label(self) -> str:
         if self.parent is None:
             return f"state {self.state_id}"
+        if self.call is not None:
+            return f"state {self.state_id} ({self.call} called from state {self.parent})"
         return (f"state {self.state_id} (fork #{self.fork_id} branch {self.index} of state "
                 f"{self.parent})")
 
@@ -385,7 +404,9 @@ def _sets(node: Expr, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
 @_sets.register(Gen)
 @_sets.register(Select)
 def _(node: Gen | Select, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
-    return () if node.name is None else (node.name,)
+    if node.name is None:
+        return ()
+    return (node.name,) if node.reasoning is None else (node.name, reasoning_name(node.name))
 
 
 @_sets.register(SetVar)
@@ -416,6 +437,10 @@ def _params(values: dict[str, Any]) -> str:
     return " (" + ", ".join(f"{k}={_show(v)}" for k, v in values.items()) + ")" if values else ""
 
 
+def _reasoning(node: Gen | Select) -> str:
+    return "" if node.reasoning is None else f" [separate_reasoning {node.reasoning}]"
+
+
 def _source(node: Image | Video) -> str:
     return _show(node.source) if isinstance(node.source, str | Expr) else "<data>"
 
@@ -424,8 +449,8 @@ _DESCRIBE: dict[type, Callable[[Any], str]] = {
     Text: lambda n: f"text {_show(n.value)}",
     Argument: lambda n: f"argument {n.name}",
     Variable: lambda n: f"variable {n.name} of state {n.state_id}",
-    Gen: lambda n: f"gen {n.name or '_'}{_params(n.params.set_values())}",
-    Select: lambda n: f"select {n.name or '_'} {_show(n.choices)} ({n.method})",
+    Gen: lambda n: f"gen {n.name or '_'}{_params(n.params.set_values())}{_reasoning(n)}",
+    Select: lambda n: f"select {n.name or '_'} {_show(n.choices)} ({n.method}){_reasoning(n)}",
     RoleBegin: lambda n: f"{n.role} begin",
     RoleEnd: lambda n: f"{n.role} end",
     VarScopeBegin: lambda n: f"var_scope {n.name} begin",
@@ -435,6 +460,7 @@ _DESCRIBE: dict[type, Callable[[Any], str]] = {
     Image: lambda n: f"image {_source(n)}",
     Video: lambda n: f"video {_source(n)} ({n.num_frames} frames)",
     Fork: lambda n: f"fork #{n.fork_id} -> states {', '.join(map(str, n.branch_ids))}",
+    Call: lambda n: f"call {n.program} -> state {n.state_id}{_params(dict(n.defaults))}",
     ForkItem: lambda n: f"fork item: branch {n.index} of fork #{n.fork_id} of state {n.state_id}",
     Join: lambda n: f"join {n.mode} <- states {', '.join(map(str, n.branch_ids))}",
 }
@@ -484,6 +510,7 @@ def _(node: RoleEnd, prefix: _Prefix) -> bool:
 @_constant_piece.register(CommitPrefix)
 @_constant_piece.register(SetVar)
 @_constant_piece.register(Fork)
+@_constant_piece.register(Call)
 def _(node: Expr, prefix: _Prefix) -> bool:
     return True
 
@@ -612,6 +639,34 @@ class TracingState(StateWriter):
         return f"TracingState({self.state_id}, {len(self._state.nodes)} nodes)"
 
 
+class _TracingCaller:
+    """A body being traced: a program it calls is traced too, into a state of its own."""
+
+    honours_backend = False  # the graph does not depend on a backend (SGLang passes one)
+
+    def __init__(self, recorder: _Recorder, state: TracingState) -> None:
+        self.recorder = recorder
+        self.state = state
+
+    def call(self, program: Any, args: tuple, kwargs: dict[str, Any]) -> TracingState:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("backend", "stream")}
+        arguments, sampling = program.split_arguments(args, kwargs)
+        for name, parameter in inspect.signature(program.func).parameters.items():
+            if name in program.arg_names and name not in arguments:
+                if parameter.default is inspect.Parameter.empty:
+                    raise TypeError(f"{program.__name__}() missing required argument {name!r}")
+                arguments[name] = parameter.default
+        child = self.recorder.new_state(parent=self.state.state_id, call=program.__name__)
+        self.state._record(Call(child.state_id, program.__name__, tuple(sorted(sampling.items())),
+                                program.num_api_spec_tokens))
+        caller = PROGRAM_CALLER.set(_TracingCaller(self.recorder, child))
+        try:
+            child.ret_value = program.func(child, **arguments)
+        finally:
+            PROGRAM_CALLER.reset(caller)
+        return child
+
+
 def trace_program(program: Any, kwargs: dict[str, Any], *, partial: bool = False) -> TracedProgram:
     """Runs `program.func` on a recording state. Arguments missing from `kwargs` are symbolic
     (`Argument` nodes); raises `TracingError` on data-dependent control flow — unless `partial`,
@@ -624,12 +679,16 @@ def trace_program(program: Any, kwargs: dict[str, Any], *, partial: bool = False
     arguments = {name: kwargs[name] if name in kwargs else SymbolicArgument(name)
                  for name in names}
     recorder = _Recorder()
+    root = recorder.new_state()
+    caller = PROGRAM_CALLER.set(_TracingCaller(recorder, root))
     try:
-        ret_value = program.func(recorder.new_state(), **arguments)
+        ret_value = program.func(root, **arguments)
     except Exception:
         if not partial:
             raise
         ret_value = None
+    finally:
+        PROGRAM_CALLER.reset(caller)
     return TracedProgram(program.__name__, recorder.states,
                          tuple(name for name in names if name not in kwargs),
                          normalize(ret_value), recorder.sequence)

@@ -20,7 +20,7 @@ from typing import Any
 
 DSL_NAMES = ("gen", "gen_int", "gen_string", "select", "image", "video", "system", "user",
              "assistant", "system_begin", "system_end", "user_begin", "user_end",
-             "assistant_begin", "assistant_end", "function")
+             "assistant_begin", "assistant_end", "separate_reasoning", "function")
 CELL_FUNCTION = "__cell__"
 
 

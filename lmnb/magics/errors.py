@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import linecache
+
 from lmnb.magics.cell import CellSource
 
 
@@ -26,18 +28,35 @@ def _cell_lineno(error: BaseException, filename: str) -> int | None:
     return lineno
 
 
+def _gen_line(error: BaseException) -> tuple[str, int] | None:
+    """(file, line) of the gen or select whose run raised `error` (the interpreter records it:
+    the worker thread's traceback does not reach the program's code)."""
+    where = getattr(error, "lmnb_where", None)
+    return where if isinstance(where, tuple) and len(where) == 2 else None
+
+
 class LMProgramError(Exception):
     """An error raised by a `%%lmprogram` cell; `error` is the original exception, `lineno` the
-    cell line it points at (None when it happened inside the runtime, away from the cell)."""
+    line it points at: of the gen or select that failed in the runtime (invalid regex, prompt
+    too long), else of the cell code that raised; None when neither is known. `filename` is the
+    cell's, or a named program's cell when a gen of a program it called failed."""
 
     def __init__(self, error: BaseException, source: CellSource) -> None:
         self.error = error
         self.cause = _root_cause(error)
         self.source = source
-        self.lineno = _cell_lineno(error, source.filename)
-        if self.lineno is None and self.cause is not error:
-            self.lineno = _cell_lineno(self.cause, source.filename)
-        self.line = source.line(self.lineno)
+        self.filename = source.filename
+        gen_line = _gen_line(self.cause) or _gen_line(error)
+        if gen_line is not None:
+            self.filename, self.lineno = gen_line
+        else:
+            self.lineno = _cell_lineno(error, source.filename)
+            if self.lineno is None and self.cause is not error:
+                self.lineno = _cell_lineno(self.cause, source.filename)
+        if self.filename == source.filename:
+            self.line = source.line(self.lineno)
+        else:
+            self.line = linecache.getline(self.filename, self.lineno or 0).rstrip("\n") or None
         super().__init__(self.summary)
 
     @property
@@ -49,7 +68,7 @@ class LMProgramError(Exception):
     def _render_traceback_(self) -> list[str]:
         if self.lineno is None:
             return [f"  {self.source.filename}, while running the program", self.summary]
-        lines = [f"  {self.source.filename}, line {self.lineno}"]
+        lines = [f"  {self.filename}, line {self.lineno}"]
         if self.line is not None:
             code = self.line.lstrip()
             lines.append(f"    {code}")

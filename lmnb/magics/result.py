@@ -7,25 +7,36 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-_COLORS = ("#fde68a", "#bbf7d0", "#bfdbfe", "#fbcfe8", "#ddd6fe", "#fed7aa")
+# Generated text is marked in calm tints (blues, greens, violets): nothing that reads as an error.
+_COLORS = ("#bfdbfe", "#bbf7d0", "#ddd6fe", "#a5f3fc", "#c7d2fe", "#d9f99d")
 _MAX_VALUE = 200
+_ROLE_STYLE = "font-size:11px;font-weight:600;text-transform:uppercase;opacity:.65"
+_TURN_STYLE = ("margin:4px 0;padding:4px 8px;border-radius:6px;"
+               "border:1px solid var(--jp-border-color2, #e0e0e0)")
+_TURN_TINT = {"user": "background:var(--jp-layout-color2, #f5f5f5)"}
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A state's text, spans, variables and error, read without waiting for it to finish."""
+    """A state's text, spans, variables and error, read without waiting for it to finish;
+    `turns` are its roles as (role, start, end) in `text`, the open one last."""
 
     text: str
     spans: tuple[tuple[str, int, int], ...]
     variables: dict[str, Any]
     error: BaseException | None
     running: bool
+    turns: tuple[tuple[str, int, int], ...] = ()
 
 
 def snapshot(state: Any, running: bool = False) -> Snapshot:
     executor = state.executor  # the non-blocking view; the public readers wait for the program
-    return Snapshot(executor.text_, tuple(executor.spans), dict(executor.variables),
-                    executor.error, running or not executor.idle)
+    text = executor.text_
+    turns = list(executor.turns)
+    if (open_role := executor.open_role) is not None:
+        turns.append((open_role[0], open_role[1], len(text)))
+    return Snapshot(text, tuple(executor.spans), dict(executor.variables), executor.error,
+                    running or not executor.idle, tuple(turns))
 
 
 def _short(value: Any) -> str:
@@ -33,21 +44,47 @@ def _short(value: Any) -> str:
     return text if len(text) <= _MAX_VALUE else text[:_MAX_VALUE - 1] + "…"
 
 
+def _marked(snap: Snapshot, colors: dict[str, str], start: int, end: int) -> str:
+    """`text[start:end]` as HTML, generated spans marked with their variable's colour."""
+    parts, cursor = [], start
+    for name, begin, stop in sorted(snap.spans, key=lambda span: span[1]):
+        begin, stop = max(begin, cursor), min(stop, end, len(snap.text))
+        if stop <= begin:
+            continue  # outside this range, or no longer matching the text
+        parts.append(html.escape(snap.text[cursor:begin]))
+        parts.append(f'<span style="background:{colors[name]};color:#111;border-radius:3px" '
+                     f'title="{html.escape(name)}">{html.escape(snap.text[begin:stop])}</span>')
+        cursor = stop
+    parts.append(html.escape(snap.text[cursor:end]))
+    return "".join(parts)
+
+
+def _status(snap: Snapshot) -> str:
+    if snap.error is not None:
+        return f"failed: {type(snap.error).__name__}: {snap.error}"
+    return "running" if snap.running else "done"
+
+
 def render_html(snap: Snapshot) -> str:
+    """A chat (one labelled box per role) when the program has roles, with the raw template
+    text in a collapsed `<details>`; otherwise the text. Generated spans are marked."""
     colors = {name: _COLORS[i % len(_COLORS)]
               for i, name in enumerate(dict.fromkeys(name for name, _, _ in snap.spans))}
-    parts, cursor = [], 0
-    for name, start, end in sorted(snap.spans, key=lambda span: span[1]):
-        if start < cursor or end > len(snap.text):
-            continue  # a span that no longer matches the text (e.g. a replaced stream)
-        parts.append(html.escape(snap.text[cursor:start]))
-        parts.append(f'<span style="background:{colors[name]};color:#111;border-radius:3px" '
-                     f'title="{html.escape(name)}">{html.escape(snap.text[start:end])}</span>')
-        cursor = end
-    parts.append(html.escape(snap.text[cursor:]))
-    status = "running…" if snap.running else "done"
-    if snap.error is not None:
-        status = f"failed: {html.escape(type(snap.error).__name__)}: {html.escape(str(snap.error))}"
+    status = "running…" if _status(snap) == "running" else html.escape(_status(snap))
+    raw = (f'<pre style="white-space:pre-wrap;margin:4px 0">'
+           f"{_marked(snap, colors, 0, len(snap.text))}</pre>")
+    if snap.turns:
+        turns = "".join(
+            f'<div class="lmnb-turn" data-role="{html.escape(role)}" '
+            f'style="{_TURN_STYLE};{_TURN_TINT.get(role, "")}">'
+            f'<div style="{_ROLE_STYLE}">{html.escape(role)}</div>'
+            f'<div style="white-space:pre-wrap">{_marked(snap, colors, start, end)}</div></div>'
+            for role, start, end in snap.turns)
+        body = (f'<div class="lmnb-chat">{turns}</div><details class="lmnb-raw">'
+                f'<summary style="font-size:smaller;opacity:.7;cursor:pointer">template text'
+                f"</summary>{raw}</details>")
+    else:
+        body = raw
     rows = "".join(
         f'<tr><td style="text-align:left"><code style="background:{colors.get(name, "none")}">'
         f'{html.escape(name)}</code></td><td style="text-align:left"><code>'
@@ -55,15 +92,20 @@ def render_html(snap: Snapshot) -> str:
         for name, value in snap.variables.items())
     table = f'<table style="margin:4px 0">{rows}</table>' if rows else ""
     return (f'<div class="lmnb-result"><div style="font-size:smaller;opacity:.7">lmprogram: '
-            f'{status}</div><pre style="white-space:pre-wrap;margin:4px 0">{"".join(parts)}</pre>'
-            f"{table}</div>")
+            f"{status}</div>{body}{table}</div>")
 
 
 def render_text(snap: Snapshot) -> str:
-    status = "running" if snap.running else "done"
-    if snap.error is not None:
-        status = f"failed: {type(snap.error).__name__}: {snap.error}"
-    lines = [f"<lmprogram result: {status}>", snap.text]
+    """The plain-text view: the chat as `role: content` lines (continuation lines indented)
+    when the program has roles, else the text; then the variables."""
+    lines = [f"<lmprogram result: {_status(snap)}>"]
+    if snap.turns:
+        for role, start, end in snap.turns:
+            content = snap.text[start:end].replace("\n", "\n" + " " * (len(role) + 2))
+            lines.append(f"{role}: {content}")
+        lines.append("")
+    else:
+        lines.append(snap.text)
     lines.extend(f"{name} = {_short(value)}" for name, value in snap.variables.items())
     return "\n".join(lines)
 

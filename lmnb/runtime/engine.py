@@ -31,6 +31,7 @@ from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
 from lmnb.runtime.models.layers.fusion import fused_kernels_available, set_fused_kernels
 from lmnb.runtime.output import OutputProcessor, OutputStream
+from lmnb.runtime.pins import PrefixPins
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
 from lmnb.runtime.prompts import IdsInput, PromptInput, prompt_id_lists
@@ -47,6 +48,7 @@ from lmnb.runtime.scheduler import (
 # One prompt: an image (path, PIL image, array, bytes, data: URL, MediaItem) or a list of them;
 # a list of prompts: a list of those (None for a prompt without media).
 MediaInput = Any
+_PIN_ATTEMPTS = 3
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer: Any, model_dir: Path | None) -> set[int]:
@@ -140,6 +142,7 @@ class Runtime:
         allocator = KVAllocator(self.max_total_tokens, self.device)
         self._cache = (NoReuseCache(allocator) if config.disable_radix_cache
                        else RadixCache(allocator))
+        self._pins = PrefixPins(self._cache)  # touched on the scheduler thread only
         self._outputs = OutputProcessor()
         self._outputs.start()
         scheduler = Scheduler(
@@ -258,6 +261,7 @@ class Runtime:
                 protected_tokens=cache.protected_size(),
                 max_total_tokens=allocator.size, free_tokens=allocator.available(),
                 running=len(scheduler.table.running), waiting=len(scheduler.table.waiting),
+                pinned_prefixes=len(self._pins), pinned_tokens=self._pins.tokens(),
                 **self._runner.media_counters())
             return stats
 
@@ -295,7 +299,8 @@ class Runtime:
         self._scheduler.call(install)
 
     def flush_cache(self) -> bool:
-        """Empties the prefix cache; refused (returns False) while requests are in flight."""
+        """Empties the prefix cache, except pinned prefixes (`pin_prefix`); refused (returns
+        False) while requests are in flight."""
         self._check_open()
         scheduler, cache = self._scheduler.scheduler, self._cache
 
@@ -303,7 +308,8 @@ class Runtime:
             if scheduler.has_work:
                 return False
             cache.evict(cache.evictable_size())
-            cache.reset()
+            if not self._pins:  # a pinned path stays; without pins the tree starts afresh
+                cache.reset()
             return True
 
         return self._scheduler.call(flush)
@@ -366,6 +372,34 @@ class Runtime:
         if isinstance(out, list):
             raise InvalidRequestError("cache_prefix takes one prompt")
         return out["meta_info"]["prompt_tokens"]
+
+    def pin_prefix(self, prompt: str | None = None, *,
+                   input_ids: Sequence[int] | None = None) -> int:
+        """Caches `prompt` (or `input_ids`) like `cache_prefix` and keeps it cached until
+        `unpin_prefix(pin)`: eviction skips it, however full the KV pool gets (its slots count as
+        protected, as a running request's prefix). Returns the pin id. Pinning the same prefix
+        twice holds two pins. Needs the radix cache."""
+        self._check_open()
+        if not self._cache.reuses_kv:
+            raise InvalidRequestError("pin_prefix needs the prefix cache (disable_radix_cache "
+                                      "is set)")
+        token_lists, is_batch = self._token_lists(prompt, input_ids)
+        if is_batch:
+            raise InvalidRequestError("pin_prefix takes one prompt")
+        ids = token_lists[0]
+        for _ in range(_PIN_ATTEMPTS):  # other requests may evict it before the lock is taken
+            self.cache_prefix(input_ids=ids)
+            pin_id = self._scheduler.call(lambda: self._pins.pin(ids))
+            if pin_id is not None:
+                return pin_id
+        raise InvalidRequestError(f"could not pin {len(ids)} tokens: other requests evicted "
+                                  f"them as soon as they were cached (the KV pool is too full)")
+
+    def unpin_prefix(self, pin_id: int) -> bool:
+        """Releases a pin of `pin_prefix`: its tokens stay cached but become evictable. False if
+        no such pin is held."""
+        self._check_open()
+        return self._scheduler.call(lambda: self._pins.unpin(pin_id))
 
     # ---- generation --------------------------------------------------------------------------
     def generate(

@@ -17,10 +17,11 @@ from lmnb.widgets.throttle import Throttle
 Segment = dict[str, Any]  # {"text": str, "var": str | None}
 
 _ESM = r"""
+// A variable's hue, among greens, blues and violets (140-300): never a red that reads as an error.
 const hue = (name) => {
   let h = 0;
-  for (const c of name) h = (h * 31 + c.charCodeAt(0)) % 360;
-  return h;
+  for (const c of name) h = (h * 31 + c.charCodeAt(0)) % 160;
+  return 140 + h;
 };
 
 function node(tag, cls, text) {

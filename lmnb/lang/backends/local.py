@@ -120,6 +120,13 @@ class LocalBackend:
         else:
             self.runtime.cache_prefix(prompt)
 
+    def pin_prefix(self, prompt: str) -> int:
+        """Caches `prompt` and keeps it cached until `unpin_prefix` (`Runtime.pin_prefix`)."""
+        return self.runtime.pin_prefix(prompt)
+
+    def unpin_prefix(self, pin: int) -> bool:
+        return self.runtime.unpin_prefix(pin)
+
 
     # ---- SGLang's backend calls (`lmnb.flush_cache()`, `lmnb.get_server_info()`) ----------------
     def flush_cache(self) -> bool:
