@@ -383,7 +383,7 @@ class Runtime:
         if not self._cache.reuses_kv:
             raise InvalidRequestError("pin_prefix needs the prefix cache (disable_radix_cache "
                                       "is set)")
-        token_lists, is_batch = self._token_lists(prompt, input_ids)
+        token_lists, is_batch = prompt_id_lists(prompt, input_ids, self.encode)
         if is_batch:
             raise InvalidRequestError("pin_prefix takes one prompt")
         ids = token_lists[0]
