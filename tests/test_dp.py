@@ -53,6 +53,17 @@ def test_meta_tree_matches_per_replica_and_forgets_evicted_subtrees() -> None:
     assert tree.node_count() == 0 and tree.replica_tokens(0) == 0
 
 
+def test_a_size_report_older_than_an_insert_does_not_trim_it() -> None:
+    """A replica's cached size is read before a request's KV lands (the poll raced it): the trim
+    to that size takes older coverage only (CI caught the newest prompt trimmed after a flush)."""
+    tree = MetaTree()
+    tree.insert([1, 2, 3], replica=0, stamp=1)
+    tree.insert([7, 8, 9, 10], replica=0, stamp=5)
+    assert tree.trim(0, 0, upto=4) == 3
+    assert tree.match([7, 8, 9, 10]) == {0: 4} and tree.match([1, 2, 3]) == {}
+    assert tree.trim(0, 0) == 4 and tree.replica_tokens(0) == 0
+
+
 def test_meta_tree_eviction_inside_an_edge_splits_it() -> None:
     tree = MetaTree()
     tree.insert(list(range(10)), replica=0, stamp=1)  # one edge in the meta tree

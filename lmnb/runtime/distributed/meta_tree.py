@@ -139,16 +139,18 @@ class MetaTree:
             if not node.replicas and not node.children and node.parent is not None:
                 del node.parent.children[node.key[0]]
 
-    def trim(self, replica: int, max_tokens: int) -> int:
+    def trim(self, replica: int, max_tokens: int, upto: float = math.inf) -> int:
         """Drops `replica`'s least recently stamped leaves until it holds at most `max_tokens`
         (what its LRU would keep, roughly); returns the tokens dropped. Reported evictions keep
-        the tree honest; this bounds what requests that never reached the cache leave behind."""
+        the tree honest; this bounds what requests that never reached the cache leave behind.
+        Leaves stamped after `upto` stay (a report older than them cannot have counted them)."""
         excess = self.replica_tokens(replica) - max_tokens
         if excess <= 0:
             return 0
         held = [n for n in self._walk(self.root) if replica in n.replicas]
         leaves = [(n.replicas[replica], n) for n in held
-                  if not any(replica in c.replicas for c in n.children.values())]
+                  if n.replicas[replica] <= upto
+                  and not any(replica in c.replicas for c in n.children.values())]
         heapq.heapify(leaves)
         dropped = 0
         while dropped < excess and leaves:
@@ -157,6 +159,7 @@ class MetaTree:
             dropped += len(node.key)
             parent = node.parent
             if (parent is not self.root and replica in parent.replicas
+                    and parent.replicas[replica] <= upto
                     and not any(replica in c.replicas for c in parent.children.values())):
                 heapq.heappush(leaves, (parent.replicas[replica], parent))
         self._tokens[replica] -= dropped

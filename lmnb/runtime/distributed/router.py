@@ -159,7 +159,7 @@ class Router:
             elif event["type"] == "evict":
                 self.tree.evicted(event["tokens"], replica, upto)
         if "cached_tokens" in report:
-            self.tree.trim(replica, report["cached_tokens"] + self.inflight_tokens[replica])
+            self.tree.trim(replica, report["cached_tokens"] + self.inflight_tokens[replica], upto)
 
     def forget(self, replica: int) -> None:
         """`replica`'s cache was emptied (a flush the router asked for)."""
