@@ -126,6 +126,13 @@ class EngineConfig:
 
         make_policy(self.schedule_policy)
 
+    def prefill_chunk_size(self, device_type: str) -> int:
+        """Most prompt tokens one EXTEND pass holds: `chunked_prefill_size`, else 8192 on CUDA
+        and 2048 on CPU."""
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return 8192 if device_type == "cuda" else 2048
+
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))

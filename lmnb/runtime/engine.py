@@ -134,8 +134,7 @@ class Runtime:
         self.context_len = self._runner.context_len
         self.max_total_tokens = self._runner.max_total_tokens
         scheduler_config = SchedulerConfig(
-            chunked_prefill_size=config.chunked_prefill_size or (
-                8192 if self.device.type == "cuda" else 2048),
+            chunked_prefill_size=config.prefill_chunk_size(self.device.type),
             check_integrity_each_step=config.check_integrity_each_step,
             overlap_schedule=(self.device.type == "cuda" if config.disable_overlap_schedule is None
                               else not config.disable_overlap_schedule))
@@ -171,26 +170,12 @@ class Runtime:
             workers.command(Command.RUNNER)
         self._runner = ModelRunner(model, self.model_config, config, device=self.device,
                                    dtype=self.dtype, eos_token_ids=self.eos_token_ids, tp=tp)
-        graph_max_bs = self._cuda_graph_max_bs(config)
+        graph_max_bs = self._runner.graph_max_bs
         if graph_max_bs:
             if workers is not None:
                 workers.command(Command.CAPTURE, graph_max_bs)
             self._runner.capture_cuda_graphs(graph_max_bs)
         return self._runner
-
-    def _cuda_graph_max_bs(self, config: EngineConfig) -> int:
-        """Largest decode batch to capture (0: eager decode). On CUDA unless disabled; with the
-        torch-native backend only when asked for (`cuda_graph_max_bs`), since its captured
-        decode gathers K/V padded to the whole context."""
-        backend = self._runner.attn_backend
-        if (self.device.type != "cuda" or config.disable_cuda_graph
-                or not backend.supports_capture):
-            return 0
-        if config.cuda_graph_max_bs is not None:
-            return config.cuda_graph_max_bs
-        if backend.choice is not None and backend.choice.name == "torch_native":
-            return 0
-        return min(self._runner.max_running_requests, 256)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -252,6 +237,7 @@ class Runtime:
                 tp_step_send_seconds=tp.steps.send_seconds if tp else 0.0,
                 cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
                 cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
+                memory=self._runner.memory_report(),
                 fused_kernels=self._fused_kernels,
                 evicted_tokens=getattr(cache, "evicted_tokens", 0),
                 eviction_events=getattr(cache, "eviction_events", 0),

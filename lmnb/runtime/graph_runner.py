@@ -28,6 +28,20 @@ def batch_size_ladder(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def graph_max_bs(*, device_type: str, disable_cuda_graph: bool, cuda_graph_max_bs: int | None,
+                 backend_name: str, supports_capture: bool, max_running_requests: int) -> int:
+    """Largest decode batch to capture (0: eager decode). On CUDA unless disabled; with the
+    torch-native backend only when asked for (`cuda_graph_max_bs`), since its captured decode
+    gathers K/V padded to the whole context."""
+    if device_type != "cuda" or disable_cuda_graph or not supports_capture:
+        return 0
+    if cuda_graph_max_bs is not None:
+        return min(cuda_graph_max_bs, max_running_requests)
+    if backend_name == "torch_native":
+        return 0
+    return min(max_running_requests, 256)
+
+
 class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, *, max_bs: int,
                  device: torch.device) -> None:

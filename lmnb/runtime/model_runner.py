@@ -10,12 +10,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmnb.multimodal.embedding_cache import EmbeddingCache
+from lmnb.runtime import memory_profile
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
-from lmnb.runtime.graph_runner import DecodeGraphRunner
-from lmnb.runtime.kernels.registry import create_attention_backend
+from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
+from lmnb.runtime.kernels.registry import (
+    attention_backend_class,
+    create_attention_backend,
+    select_attention_backend,
+)
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+from lmnb.runtime.memory_profile import MemoryMeter, MemoryPlan, ProfileShape
 from lmnb.runtime.models.layers.linear import head_split
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
 from lmnb.runtime.sampling.row import SamplingRow
@@ -25,8 +31,6 @@ if TYPE_CHECKING:
     from lmnb.runtime.distributed.step import Step
 
 TopLogprobs = list[tuple[float, int]]
-CPU_KV_MEMORY_FRACTION = 0.15  # of the host's available memory, when no size is given on CPU
-CPU_MAX_DEFAULT_TOKENS = 65536
 
 
 @dataclass
@@ -68,6 +72,9 @@ def sampling_rows(extend_lens: Sequence[int],
 class ModelRunner:
     """Sizes and owns the KV pools from the engine and model configs, and runs the model.
 
+    On CUDA, unless `max_total_tokens` is given, a profile run (`memory_profile`) measures the
+    largest passes before the pools exist and `memory_plan` records how the device is shared.
+
     `device` and `dtype` are the resolved ones (the engine config may say 'auto'). With a
     tensor-parallel group `tp`, `model` is this rank's shard and the KV pools hold this rank's KV
     heads, sized alike on every rank (the smallest device decides); rank 0 `launch`es each batch
@@ -88,10 +95,26 @@ class ModelRunner:
         head_dim = model_config.head_dim
         per_token = KVStorage.bytes_per_token(
             num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-        self.max_total_tokens = (engine_config.max_total_tokens
-                                 or self._kv_budget(per_token, engine_config.mem_fraction_static))
+        self._bytes_per_token = per_token
+        self.sampler = Sampler(self.vocab_size, eos_token_ids)
+        backend_name = engine_config.attention_backend or "auto"
+        self.memory_plan: MemoryPlan | None = None
+        if engine_config.max_total_tokens:
+            self.max_total_tokens = engine_config.max_total_tokens
+        else:
+            meter = memory_profile.default_meter(device)
+            if meter is None:
+                self.max_total_tokens = memory_profile.cpu_kv_tokens(
+                    available=_available_memory(device), per_token=per_token,
+                    mem_fraction_static=engine_config.mem_fraction_static)
+            else:
+                self.memory_plan = self._plan_memory(meter, engine_config, backend_name,
+                                                     heads.q_heads, num_kv_heads, per_token)
+                self.max_total_tokens = self.memory_plan.kv_tokens
         if tp is not None:
             self.max_total_tokens = tp.min_over_ranks(self.max_total_tokens)
+            if self.memory_plan is not None:
+                self.memory_plan = self.memory_plan.with_tokens(self.max_total_tokens)
         model_context = model_config.context_length
         self.context_len = min(engine_config.context_length or model_context, model_context,
                                self.max_total_tokens)
@@ -103,10 +126,16 @@ class ModelRunner:
             self.max_total_tokens, num_layers=num_layers, kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=dtype, device=device)
         self.attn_backend = create_attention_backend(
-            engine_config.attention_backend or "auto", device=device,
+            backend_name, device=device,
             num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
-        self.sampler = Sampler(self.vocab_size, eos_token_ids)
+        choice = self.attn_backend.choice
+        self.graph_max_bs = graph_max_bs(  # what the engine captures
+            device_type=device.type, disable_cuda_graph=engine_config.disable_cuda_graph,
+            cuda_graph_max_bs=engine_config.cuda_graph_max_bs,
+            backend_name=choice.name if choice else "custom",
+            supports_capture=self.attn_backend.supports_capture,
+            max_running_requests=self.max_running_requests)
         self._batch_info: SamplingBatchInfo | None = None
         self.graph_runner: DecodeGraphRunner | None = None
         self.media_cache = EmbeddingCache()
@@ -114,27 +143,44 @@ class ModelRunner:
         if tp is not None:
             tp.steps.reserve(self.max_running_requests)
 
-    def _kv_budget(self, per_token: int, mem_fraction_static: float | None) -> int:
-        """KV pool tokens that fit: on CUDA, `mem_fraction_static` (default 0.80) of the device
-        holds weights + KV; on CPU, that fraction (default 15%, at most 65536 tokens unless the
-        fraction is given) of the host's available memory."""
-        available = _available_memory(self.device)
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            # The rest is for activations (torch-native decode gathers the padded K/V of the
-            # whole batch per layer, so it needs room).
-            fraction = 0.80 if mem_fraction_static is None else mem_fraction_static
-            budget = total * fraction - (total - available)
-        else:
-            fraction = (CPU_KV_MEMORY_FRACTION if mem_fraction_static is None
-                        else mem_fraction_static)
-            budget = available * fraction
-        tokens = int(budget // per_token)
-        if self.device.type == "cpu" and mem_fraction_static is None:
-            tokens = min(tokens, CPU_MAX_DEFAULT_TOKENS)
-        if tokens < 2:
-            raise ValueError(f"no memory left for the KV cache (mem_fraction_static={fraction})")
-        return tokens
+    def _plan_memory(self, meter: MemoryMeter, config: EngineConfig, backend_name: str,
+                     q_heads: int, kv_heads: int, per_token: int) -> MemoryPlan:
+        """Profiles the largest passes the engine will run, then sizes the KV pool from what is
+        free (see memory_profile). Sizes not yet known are bounded: 256 running requests unless
+        given, the model's context unless a smaller one is given."""
+        mc = self.model_config
+        max_running = config.max_running_requests or 256
+        choice = select_attention_backend(backend_name, self.device, dtype=self.dtype,
+                                          head_dim=mc.head_dim)
+        shape = ProfileShape(
+            prefill_tokens=config.prefill_chunk_size(self.device.type),
+            max_running_requests=max_running,
+            graph_max_bs=graph_max_bs(
+                device_type=self.device.type, disable_cuda_graph=config.disable_cuda_graph,
+                cuda_graph_max_bs=config.cuda_graph_max_bs, backend_name=choice.name,
+                supports_capture=attention_backend_class(choice.name).supports_capture,
+                max_running_requests=max_running),
+            context_len=min(config.context_length or mc.context_length, mc.context_length))
+        profile = memory_profile.profile_activations(
+            self.model, shape, meter, attention_backend=backend_name, q_heads=q_heads,
+            kv_heads=kv_heads, head_dim=mc.head_dim, num_layers=mc.num_layers, dtype=self.dtype,
+            device=self.device, vocab_size=self.vocab_size, sampler=self.sampler)
+        free, total = meter.device_memory()
+        return memory_profile.plan_kv_pool(
+            total=total, free=free, weights=self.weight_bytes,
+            activations=profile.activation_bytes, graphs=profile.graph_bytes,
+            fixed=profile.fixed_bytes, per_token=per_token,
+            mem_fraction_static=config.mem_fraction_static, profile_seconds=profile.seconds)
+
+    def memory_report(self) -> dict[str, Any]:
+        """How the device's memory is shared out (`stats()['memory']`); without a profile run
+        (CPU, or `max_total_tokens` given) only the weights and the KV pool."""
+        if self.memory_plan is not None:
+            return self.memory_plan.report()
+        gib = memory_profile.GIB
+        return {"weights_gb": round(self.weight_bytes / gib, 3),
+                "kv_gb": round(self.max_total_tokens * self._bytes_per_token / gib, 3),
+                "kv_tokens": self.max_total_tokens}
 
     def capture_cuda_graphs(self, max_bs: int) -> None:
         """Captures decode graphs for batches of up to `max_bs` requests (CUDA only)."""
