@@ -11,6 +11,7 @@ from lmnb.runtime import memory_profile
 from lmnb.runtime.engine import Runtime
 from lmnb.runtime.memory_profile import (
     GIB,
+    SLOT_BOOKKEEPING_BYTES,
     ProfileShape,
     cpu_kv_tokens,
     plan_kv_pool,
@@ -50,7 +51,8 @@ def test_plan_without_fraction_is_what_is_free_less_the_needs() -> None:
                         mem_fraction_static=None)
     margin = safety_margin(80 * GIB)
     assert margin == int(80 * GIB * memory_profile.SAFETY_MARGIN_FRACTION)
-    assert plan.kv_tokens == (60 * GIB - 3 * GIB - GIB - GIB // 2 - margin) // (128 * 1024)
+    budget = 60 * GIB - 3 * GIB - GIB - GIB // 2 - margin
+    assert plan.kv_tokens == budget // (128 * 1024 + SLOT_BOOKKEEPING_BYTES)
     used = plan.weight_bytes + plan.kv_bytes + plan.activation_bytes + plan.graph_bytes \
         + plan.fixed_bytes + plan.margin_bytes
     assert used <= plan.total_bytes
@@ -62,7 +64,8 @@ def test_plan_without_fraction_is_what_is_free_less_the_needs() -> None:
 def test_plan_margin_floor_and_explicit_margin() -> None:
     assert safety_margin(4 * GIB) == memory_profile.MIN_SAFETY_MARGIN
     plan = plan_kv_pool(total=GIB, free=GIB, weights=0, activations=0, graphs=0, fixed=0,
-                        per_token=MIB, mem_fraction_static=None, margin=0)
+                        per_token=MIB - SLOT_BOOKKEEPING_BYTES, mem_fraction_static=None,
+                        margin=0)
     assert plan.kv_tokens == 1024
 
 
@@ -71,7 +74,8 @@ def test_plan_with_fraction_keeps_sglang_meaning() -> None:
     plan = plan_kv_pool(total=total, free=free, weights=16 * GIB, activations=2 * GIB,
                         graphs=GIB, fixed=0, per_token=per_token, mem_fraction_static=0.8)
     # weights + everything else in use (total - free) + KV == 80% of the device
-    assert plan.kv_tokens == (int(total * 0.8) - (total - free)) // per_token
+    assert plan.kv_tokens == (int(total * 0.8) - (total - free)) // (per_token
+                                                                      + SLOT_BOOKKEEPING_BYTES)
     assert plan.mem_fraction_static == 0.8
 
 
@@ -87,7 +91,7 @@ def test_plan_with_fraction_that_eats_the_margin_warns() -> None:
         plan = plan_kv_pool(total=80 * GIB, free=62 * GIB, weights=16 * GIB,
                             activations=6 * GIB, graphs=GIB, fixed=0, per_token=MIB,
                             mem_fraction_static=0.9)
-    assert plan.kv_tokens == (72 * GIB - 18 * GIB) // MIB
+    assert plan.kv_tokens == (72 * GIB - 18 * GIB) // (MIB + SLOT_BOOKKEEPING_BYTES)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plan_kv_pool(total=80 * GIB, free=62 * GIB, weights=16 * GIB, activations=GIB,
@@ -152,6 +156,7 @@ def test_runtime_sized_by_profile_generates_like_one_without(tiny_models, monkey
     assert got == expected
     per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
     assert memory["kv_tokens"] == rt.max_total_tokens \
-        == (520 * MIB - MIB - memory_profile.MIN_SAFETY_MARGIN) // per_token
+        == (520 * MIB - MIB - memory_profile.MIN_SAFETY_MARGIN) // (per_token
+                                                                    + SLOT_BOOKKEEPING_BYTES)
     assert memory["activations_peak_gb"] == round(MIB / GIB, 3)
     assert meter.starts == 2  # no graphs on CPU: prefill and decode

@@ -30,6 +30,9 @@ from lmnb.runtime.sampling import Sampler
 
 SAFETY_MARGIN_FRACTION = 0.04  # of the device's total memory, never planned for
 MIN_SAFETY_MARGIN = 512 << 20
+# Per KV token beside its K/V: the allocator's int64 free list (twice while `free` concatenates)
+# and the prefix cache's int64 slot index.
+SLOT_BOOKKEEPING_BYTES = 24
 CPU_KV_MEMORY_FRACTION = 0.15  # of the host's available memory, when no size is given on CPU
 CPU_MAX_DEFAULT_TOKENS = 65536
 GIB = 1 << 30
@@ -121,7 +124,8 @@ class MemoryPlan:
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv_tokens * self.bytes_per_token
+        """The pool and its slot bookkeeping."""
+        return self.kv_tokens * (self.bytes_per_token + SLOT_BOOKKEEPING_BYTES)
 
     def with_tokens(self, kv_tokens: int) -> MemoryPlan:
         return MemoryPlan(**{**asdict(self), "kv_tokens": kv_tokens})
@@ -151,14 +155,15 @@ def plan_kv_pool(*, total: int, free: int, weights: int, activations: int, graph
     nothing else of this runtime allocated). Without `mem_fraction_static`: what is free less
     `fixed` + `activations` + `graphs` + the margin. With it: weights + KV fill that fraction of
     `total`; a ValueError when what is left cannot hold the measured needs, a warning when it
-    holds them but not the margin. ValueError when fewer than 2 tokens fit."""
+    holds them but not the margin. ValueError when fewer than 2 tokens fit. A token costs
+    `per_token` (its K/V) + SLOT_BOOKKEEPING_BYTES."""
     margin = safety_margin(total) if margin is None else margin
     needs = fixed + activations + graphs
     if mem_fraction_static is None:
         budget = free - needs - margin
     else:
         budget = int(total * mem_fraction_static) - (total - free)
-    tokens = max(budget // per_token, 0)
+    tokens = max(budget // (per_token + SLOT_BOOKKEEPING_BYTES), 0)
     if tokens < 2:
         raise ValueError(
             f"no memory left for the KV cache: {free / GIB:.2f} GB free of {total / GIB:.2f} GB"
@@ -168,7 +173,7 @@ def plan_kv_pool(*, total: int, free: int, weights: int, activations: int, graph
                           f", {margin / GIB:.2f} GB margin")
             + " (a smaller chunked_prefill_size or max_running_requests needs less)")
     if mem_fraction_static is not None:
-        left = free - tokens * per_token
+        left = free - tokens * (per_token + SLOT_BOOKKEEPING_BYTES)
         if left < needs:
             raise ValueError(
                 f"mem_fraction_static={mem_fraction_static} leaves {left / GIB:.2f} GB beside "
