@@ -126,7 +126,7 @@ def test_profile_routine_runs_every_pass_on_cpu(tiny_models) -> None:
     meter = FakeMeter(free=GIB, total=2 * GIB, peak=3 * MIB)
     profile = profile_activations(
         model, ProfileShape(prefill_tokens=40, max_running_requests=6, graph_max_bs=4,
-                            context_len=64), meter,
+                            context_len=16), meter,  # the chunk spans 3 requests
         attention_backend="torch_native", q_heads=config.num_heads,
         kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         num_layers=config.num_layers, dtype=torch.float32, device=torch.device("cpu"),

@@ -13,6 +13,7 @@ device for weights + KV), that fraction, checked against the measured needs.
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -60,6 +61,7 @@ class CudaMeter:
         self._allocated = self._reserved = 0
 
     def device_memory(self) -> tuple[int, int]:
+        gc.collect()  # the temporary pools and backend, should a cycle hold them
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(self.device)
@@ -287,9 +289,16 @@ class _PassRunner:
         self.device = req_pool.req_to_token.device
 
     def extend(self, tokens: int, requests: int, meter: MemoryMeter) -> int:
-        """One EXTEND pass of `tokens` new tokens over `requests` requests (the first takes what
-        the others, one token each, leave), every request sampling."""
-        extend_lens = [tokens - (requests - 1)] + [1] * (requests - 1)
+        """One EXTEND pass of `tokens` new tokens (at most a full context per request) over
+        `requests` requests, every one sampling: the first ones as long as the context allows,
+        the last ones one token each."""
+        context = self.req_pool.max_context_len - 1
+        extend_lens = []
+        remaining = min(tokens, requests * context)
+        for i in range(requests):
+            extend_lens.append(min(context, remaining - (requests - 1 - i)))
+            remaining -= extend_lens[-1]
+        tokens = sum(extend_lens)
         out = torch.arange(1, tokens + 1, dtype=torch.int64, device=self.device)
         table = self.req_pool.req_to_token
         offset = 0
