@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.offline import DUMMY_CONFIGS  # noqa: E402
+from bench.dummy_models import DUMMY_CONFIGS  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
 
 
