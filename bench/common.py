@@ -99,7 +99,7 @@ def format_markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]])
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain-text table; floats get 2 decimals, ints thousands separators."""
     cells = [[format_cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     # First column left-aligned (names), the rest right-aligned (numbers).
     def line(values: Sequence[str]) -> str:
         return "  ".join(v.ljust(w) if i == 0 else v.rjust(w)
