@@ -78,20 +78,28 @@ def environment(device: str | torch.device) -> dict[str, Any]:
     }
 
 
+def format_cell(value: Any) -> str:
+    """A table cell: None is '-', floats get 2 decimals, ints thousands separators."""
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.2f}"
+    return str(value)
+
+
+def format_markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """The same cells as `format_table`, as a GitHub markdown table (numbers right-aligned)."""
+    cells = [[format_cell(v).replace("|", "\\|") for v in row] for row in rows]
+    align = ["---" if i == 0 else "---:" for i in range(len(headers))]
+    return "\n".join("| " + " | ".join(line) + " |" for line in [list(headers), align, *cells])
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain-text table; floats get 2 decimals, ints thousands separators."""
-
-    def cell(value: Any) -> str:
-        if isinstance(value, bool) or value is None:
-            return "-" if value is None else str(value)
-        if isinstance(value, int):
-            return f"{value:,}"
-        if isinstance(value, float):
-            return f"{value:,.2f}"
-        return str(value)
-
-    cells = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    cells = [[format_cell(v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     # First column left-aligned (names), the rest right-aligned (numbers).
     def line(values: Sequence[str]) -> str:
         return "  ".join(v.ljust(w) if i == 0 else v.rjust(w)

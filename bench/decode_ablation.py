@@ -30,8 +30,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
+from bench.dummy_models import DUMMY_CONFIGS  # noqa: E402
 from bench.floor import copy_bandwidth  # noqa: E402
-from bench.offline import DUMMY_CONFIGS  # noqa: E402
 from lmnb.runtime.models import loader  # noqa: E402
 
 PROMPT_LEN = 128

@@ -3,8 +3,10 @@
 # into bench/results/ (copied into $OUT too when that is set, e.g. on the device machine).
 #
 #   bench/gpu_suite.sh                      # decode offline-llama3 offline-llama2 programs
+#                                           # ablation json
 #   bench/gpu_suite.sh decode programs      # some stages
 #   bench/gpu_suite.sh tests                # the GPU tests of the fused kernels (not in "all")
+#   bench/gpu_suite.sh profile-llama3 profile-llama2 gemv   # not in "all" either
 #
 # Stages (rough H100 times, Triton/FlashInfer JIT included on a fresh machine):
 #   decode          batch-1 decode of random Llama-2-7B fp16 (128-token prompt, 256 new tokens),
@@ -14,6 +16,16 @@
 #                   of its own schedule, lmnb vs HF generate on 32 seqs (outputs <= 256) ~2 min
 #   offline-llama2  the same on random Llama-2-7B fp16                                   ~2 min
 #   programs        bench/programs.py with random Llama-2-7B: radix cache on vs off       ~2 min
+#   ablation        bench/engine_ablation.py, random Llama-2-7B fp16: {FlashInfer, Triton} x
+#                   graphs on/off x overlap on/off, batch-1 and batch-64 decode against the
+#                   floor, 64-seq offline workload against its schedule's floor          ~5 min
+#   json            bench/json_decode.py on random Llama-2-7B (vocabulary grown to the
+#                   tokenizer's), 32 requests, jump-forward off vs on                    ~2 min
+#   profile-llama3  bench/profile_offline.py: torch profiler over 3 windows of the 256-seq
+#                   Llama-3-8B bf16 offline run, kernels by category, busy vs wall vs floor
+#                                                                    (not in "all")  ~3 min
+#   profile-llama2  the same on random Llama-2-7B fp16, for the comparison   (not in "all")  ~3 min
+#   gemv            bench/gemv.py --sweep: the batch-1 GEMV kernels     (not in "all")
 # FlashInfer: wheels in .gpu/whl are installed into /tmp/site when present (no network); its JIT
 # output goes to build/flashinfer (ignored and not carried, so a warm machine keeps it between
 # calls that carry .gpu). The tokenizer comes
@@ -42,7 +54,7 @@ fi
 
 stages=("$@")
 if [ ${#stages[@]} -eq 0 ] || [ "${stages[0]}" = all ]; then
-  stages=(decode offline-llama3 offline-llama2 programs)
+  stages=(decode offline-llama3 offline-llama2 programs ablation json)
 fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -83,12 +95,27 @@ for stage in "${stages[@]}"; do
         --tokenizer "$TOKENIZER" --scale 8 \
         --workloads mmlu,hellaswag,tree-of-thought,chat-short,chat-long \
         --output "$RESULTS/programs_llama-2-7b.json" ;;
+    ablation)
+      run_stage ablation $PY bench/engine_ablation.py --dummy-config llama-2-7b \
+        --tokenizer "$TOKENIZER" --output "$RESULTS/engine_ablation.json" ;;
+    json)
+      run_stage json $PY bench/json_decode.py --dummy-config llama-2-7b \
+        --tokenizer "$TOKENIZER" --num-requests 32 --output "$RESULTS/json_decode.json" ;;
+    profile-llama3)
+      run_stage profile-llama3 $PY bench/profile_offline.py --dummy-config llama-3-8b \
+        --tokenizer "$TOKENIZER" --output "$RESULTS/profile_offline_llama-3-8b.json" ;;
+    profile-llama2)
+      run_stage profile-llama2 $PY bench/profile_offline.py --dummy-config llama-2-7b \
+        --tokenizer "$TOKENIZER" --output "$RESULTS/profile_offline_llama-2-7b.json" ;;
+    gemv)
+      run_stage gemv $PY bench/gemv.py --sweep --output "$RESULTS/gemv.json" ;;
     tests)
       run_stage tests $PY -m pytest -q -x tests/test_fused_kernels.py \
         tests/gpu/test_fused_model.py tests/gpu/test_cuda_graphs.py \
         tests/gpu/test_gpu_attention_backends.py ;;
     *)
-      echo "gpu_suite: unknown stage $stage (decode offline-llama3 offline-llama2 programs tests)"
+      echo "gpu_suite: unknown stage $stage (decode offline-llama3 offline-llama2 programs" \
+        "ablation json profile-llama3 profile-llama2 gemv tests)"
       failed+=("$stage") ;;
   esac
 done

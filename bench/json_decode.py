@@ -12,6 +12,13 @@ process, to time the cost that lazy building spreads over requests.
 
     python bench/json_decode.py                          # 16 requests, embedded SmolLM2 on CPU
     python bench/json_decode.py --num-requests 32 --max-new-tokens 200
+    python bench/json_decode.py --dummy-config llama-2-7b --tokenizer .gpu/tokenizer   # GPU
+
+`--dummy-config NAME` runs random weights of a real architecture (its vocabulary grown to the
+tokenizer's): the text is meaningless, but constrained decoding keeps every output inside the
+schema's regex (every string has a maxLength, every number a range), so outputs are valid JSON
+unless `--max-new-tokens` cuts them (its default is higher for random weights, which may spell the
+keys in short tokens when jump-forward is off).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,8 +45,13 @@ from bench.common import (  # noqa: E402
     stopwatch,
     write_json,
 )
+from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
 
 SEED = 0
+MAX_NEW_TOKENS = 256
+# Random weights may spell the ~330 characters of keys in one- or two-character tokens; the
+# schema bounds an output to well under this many characters, so a cut output means a bug.
+DUMMY_MAX_NEW_TOKENS = 1024
 KEYS = {
     "name_of_the_city_described_in_the_document": {"type": "string", "maxLength": 24},
     "name_of_the_country_where_the_city_is_located": {"type": "string", "maxLength": 24},
@@ -101,12 +114,13 @@ def make_prompt(tokenizer: Any, document: str) -> str:
                                          add_generation_prompt=True)
 
 
-def run_mode(model: str | None, *, device: str, jump: bool, prompts: list[str],
+def run_mode(model: str | None, *, options: dict[str, Any], jump: bool, prompts: list[str],
              max_new_tokens: int, regex: str) -> dict[str, Any]:
+    """`options`: Runtime options besides jump-forward (device; a dummy model's loading)."""
     from lmnb.runtime.engine import Runtime
 
     params = {"json_schema": SCHEMA, "temperature": 0.0, "max_new_tokens": max_new_tokens}
-    with Runtime(model, device=device, disable_jump_forward=not jump) as rt:
+    with Runtime(model, disable_jump_forward=not jump, **options) as rt:
         rt.generate(prompts[0], params)  # warm-up: first-use costs, masks of the early states
         rt.flush_cache()
         before = rt.stats()
@@ -134,18 +148,17 @@ def run_mode(model: str | None, *, device: str, jump: bool, prompts: list[str],
         "jump_forward_steps": sum(o["meta_info"]["jump_forward_steps"] for o in outs),
         "valid_json": valid,
         "finish_stop": sum(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs),
+        "finish_length": sum(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs),
         "texts": [o["text"] for o in outs],
     }
 
 
-def time_index_build(model: str | None, regex: str) -> dict[str, Any]:
+def time_index_build(tokenizer_dir: str, vocab_size: int, regex: str) -> dict[str, Any]:
     """Builds the TokenIndex of `regex` over the model's vocabulary; run in a fresh process."""
     from lmnb.runtime.fsm.index import get_token_index, vocab_trie
     from lmnb.runtime.models import loader
 
-    model_dir = loader.resolve_model_dir(model)
-    tokenizer = loader.load_tokenizer(model_dir)
-    vocab_size = loader.load_config(model_dir).vocab_size
+    tokenizer = loader.load_tokenizer(tokenizer_dir)
     start = time.perf_counter()
     vocab_trie(tokenizer)  # per tokenizer, shared by every regex
     trie_seconds = time.perf_counter() - start
@@ -160,25 +173,41 @@ def time_index_build(model: str | None, regex: str) -> dict[str, Any]:
             "regex_compile_seconds": compile_seconds, "build_all_seconds": build_seconds}
 
 
-def _index_in_subprocess(model: str | None) -> dict[str, Any]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--index-only"]
-    if model:
-        command += ["--model", model]
+def _index_in_subprocess(tokenizer_dir: str, vocab_size: int) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--index-only",
+               "--index-tokenizer", tokenizer_dir, "--index-vocab-size", str(vocab_size)]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None,
-                        help="HF folder or GGUF file (default: the embedded SmolLM2)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None,
+                       help="HF folder or GGUF file (default: the embedded SmolLM2)")
+    model.add_argument("--dummy-config", default=None, choices=sorted(DUMMY_CONFIGS),
+                       help="random weights of this architecture (GPU)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder for --dummy-config (default: the embedded "
+                             "SmolLM2's)")
     parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"default {MAX_NEW_TOKENS} ({DUMMY_MAX_NEW_TOKENS} with "
+                             "--dummy-config)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "json_decode.json")
     parser.add_argument("--index-only", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    parser.add_argument("--index-tokenizer", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--index-vocab-size", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tokenizer is not None and args.dummy_config is None:
+        parser.error("--tokenizer goes with --dummy-config (a --model has its own)")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = DUMMY_MAX_NEW_TOKENS if args.dummy_config else MAX_NEW_TOKENS
+    if args.max_new_tokens < 1 or args.num_requests < 1:
+        parser.error("--max-new-tokens and --num-requests must be >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,18 +216,33 @@ def main(argv: list[str] | None = None) -> int:
 
     regex = json_schema_to_regex(SCHEMA)
     if args.index_only:
-        print(json.dumps(time_index_build(args.model, regex)))
+        print(json.dumps(time_index_build(args.index_tokenizer, args.index_vocab_size, regex)))
         return 0
+    with tempfile.TemporaryDirectory(prefix="lmnb-json-") as scratch:
+        return _run(args, regex, scratch)
+
+
+def _run(args: argparse.Namespace, regex: str, scratch: str) -> int:
     from lmnb.runtime.models import loader
 
     device = str(resolve_device(args.device))
-    tokenizer = loader.load_tokenizer(loader.resolve_model_dir(args.model))
+    options: dict[str, Any] = {"device": device}
+    if args.dummy_config:
+        dummy = write_dummy_model(args.dummy_config, scratch, args.tokenizer)
+        model, label = str(dummy.path), dummy.label
+        options.update(dummy.runtime_options())
+        tokenizer_dir, vocab_size = str(dummy.tokenizer_path), dummy.fields["vocab_size"]
+    else:
+        model, label = args.model, args.model or "embedded SmolLM2-135M-Instruct"
+        tokenizer_dir = str(loader.resolve_model_dir(args.model))
+        vocab_size = loader.load_config(loader.resolve_model_dir(args.model)).vocab_size
+    tokenizer = loader.load_tokenizer(tokenizer_dir)
     docs = make_documents(args.num_requests, args.seed)
     prompts = [make_prompt(tokenizer, doc["text"]) for doc in docs]
     print(f"json_decode: {len(prompts)} requests, {len(KEYS)} keys, "
-          f"max_new_tokens {args.max_new_tokens}, device {device}")
-    index = _index_in_subprocess(args.model)
-    results = [run_mode(args.model, device=device, jump=jump, prompts=prompts,
+          f"max_new_tokens {args.max_new_tokens}, device {device}, {label}")
+    index = _index_in_subprocess(tokenizer_dir, vocab_size)
+    results = [run_mode(model, options=options, jump=jump, prompts=prompts,
                         max_new_tokens=args.max_new_tokens, regex=regex)
                for jump in (False, True)]
     off, on = results
@@ -208,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in results]
     print(format_table(["system", "requests", "valid", "seconds", "req/s", "tokens/s",
                         "completion tokens", "forward passes", "jumped tokens"], rows))
+    for r in results:
+        if r["finish_length"]:
+            print(f"warning: jump-forward {'on' if r['jump_forward'] else 'off'}: "
+                  f"{r['finish_length']} outputs cut by --max-new-tokens")
     same = sum(a == b for a, b in zip(on["texts"], off["texts"], strict=True))
     ratios = {
         "throughput_on_over_off": on["requests_per_s"] / off["requests_per_s"],
@@ -225,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "json_decode",
         "environment": environment(device),
-        "config": {"model": args.model or "embedded SmolLM2-135M-Instruct",
+        "config": {"model": label,
                    "num_requests": args.num_requests, "max_new_tokens": args.max_new_tokens,
                    "seed": args.seed, "schema": SCHEMA, "temperature": 0.0},
         "index": index,

@@ -57,6 +57,7 @@ from bench.common import (  # noqa: E402
     stopwatch,
     write_json,
 )
+from bench.dummy_models import DUMMY_CONFIGS  # noqa: E402
 from bench.floor import BatchLog, ModelCost, measure_rates, schedule_floor  # noqa: E402
 from lmnb.runtime.config import ModelConfig  # noqa: E402
 from lmnb.runtime.models import loader  # noqa: E402
@@ -64,41 +65,6 @@ from lmnb.runtime.models import loader  # noqa: E402
 SEED = 0
 MAX_PROMPT_ID = 10000  # nano-vllm draws prompt ids from randint(0, 10000)
 WARMUP_TOKENS = 4
-
-_LLAMA_2_7B = dict(
-    model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
-    intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-    vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
-    hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    initializer_range=0.02, dtype="float16")
-
-# Real architectures' shapes for random-weight runs (--dummy-config NAME).
-DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama-2-7b": _LLAMA_2_7B,
-    "llama-2-13b": {**_LLAMA_2_7B, "hidden_size": 5120, "intermediate_size": 13824,
-                    "num_hidden_layers": 40, "num_attention_heads": 40,
-                    "num_key_value_heads": 40},
-    "llama-3-8b": {**_LLAMA_2_7B, "intermediate_size": 14336, "num_key_value_heads": 8,
-                   "vocab_size": 128256, "max_position_embeddings": 8192,
-                   "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001,
-                   "dtype": "bfloat16"},
-    "mistral-7b": {**_LLAMA_2_7B, "model_type": "mistral",
-                   "architectures": ["MistralForCausalLM"], "intermediate_size": 14336,
-                   "num_key_value_heads": 8, "max_position_embeddings": 32768,
-                   "sliding_window": None, "dtype": "bfloat16"},
-    "qwen2-7b": {**_LLAMA_2_7B, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-                 "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                 "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                 "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-                 "rms_norm_eps": 1e-6, "bos_token_id": 151643, "eos_token_id": 151643,
-                 "dtype": "bfloat16"},
-    "smollm2-135m": {**_LLAMA_2_7B, "hidden_size": 576, "intermediate_size": 1536,
-                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                     "vocab_size": 49152, "max_position_embeddings": 8192,
-                     "rope_theta": 100000.0, "tie_word_embeddings": True,
-                     "dtype": "bfloat16"},
-}
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -221,6 +187,50 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def measure_workload(rt: Any, workload: Workload, *, temperature: float,
+                     rates: dict[str, float] | None, device: torch.device) -> dict[str, Any]:
+    """Runs `workload` in one `generate` call on a warm runtime (after a short warm-up request
+    and a cache flush); its throughput and, with `rates`, the floor of the passes it ran."""
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
+    if longest > rt.context_len:
+        raise SystemExit(f"a sequence needs {longest} tokens; lmnb's context length is "
+                         f"{rt.context_len} (raise --max-total-tokens or shorten the lengths)")
+    params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": temperature}
+              for n in workload.output_lens]
+    torch.manual_seed(SEED)
+    rt.generate(input_ids=workload.prompts[0][:16],
+                sampling_params={**params[0], "max_new_tokens": WARMUP_TOKENS})
+    rt.flush_cache()  # the warm-up prompt must not become a cache hit
+    before = rt.stats()
+    log = BatchLog()
+    rt.set_batch_hook(log)
+    try:
+        with stopwatch(device) as run:
+            outputs = rt.generate(input_ids=workload.prompts, sampling_params=params)
+    finally:
+        rt.set_batch_hook(None)
+    after = rt.stats()
+    produced = [out["meta_info"]["completion_tokens"] for out in outputs]
+    result: dict[str, Any] = {
+        "seqs": len(outputs),
+        "output_tokens": sum(produced),
+        "seconds": run["seconds"],
+        "tokens_per_s": sum(produced) / run["seconds"],
+        "short_seqs": sum(p < n for p, n in zip(produced, workload.output_lens, strict=True)),
+        "forward_passes": after["forward_passes"] - before["forward_passes"],
+        "retractions": after["retractions"] - before["retractions"],
+        "max_total_tokens": rt.max_total_tokens,
+    }
+    if rates is not None:
+        floor = schedule_floor(log, ModelCost.from_config(rt.model_config, rt.dtype), **rates)
+        result["floor"] = floor
+        result["floor_tokens_per_s"] = sum(produced) / floor["seconds"]
+        result["fraction_of_floor"] = floor["seconds"] / run["seconds"]
+        result["fraction_of_floor_issue_definition"] = (
+            floor["seconds_issue_definition"] / run["seconds"])
+    return result
+
+
 def run_lmnb(spec: ModelSpec, workloads: dict[str, Workload], args: argparse.Namespace,
              device: torch.device) -> dict[str, dict[str, Any]]:
     """Runs each workload (in order) on one runtime; per workload its throughput and, with
@@ -236,55 +246,15 @@ def run_lmnb(spec: ModelSpec, workloads: dict[str, Workload], args: argparse.Nam
                      disable_radix_cache=args.disable_radix_cache,
                      **({"schedule_policy": args.schedule_policy} if args.schedule_policy else {}))
     results: dict[str, dict[str, Any]] = {}
-    log = BatchLog()
-    cost = ModelCost.from_config(rt.model_config, spec.dtype)
     try:
         stats = rt.stats()
         engine = {key: stats[key] for key in ("attention_backend", "cuda_graph_batch_sizes",
                                               "cuda_graph_capture_seconds", "fused_kernels")
                   if key in stats}
         for label, workload in workloads.items():
-            longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens,
-                                                     strict=True))
-            if longest > rt.context_len:
-                raise SystemExit(f"a sequence needs {longest} tokens; lmnb's context length is "
-                                 f"{rt.context_len} (raise --max-total-tokens or shorten the "
-                                 "lengths)")
-            params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature}
-                      for n in workload.output_lens]
-            torch.manual_seed(SEED)
-            rt.generate(input_ids=workload.prompts[0][:16],
-                        sampling_params={**params[0], "max_new_tokens": WARMUP_TOKENS})
-            rt.flush_cache()  # the warm-up prompt must not become a cache hit
-            before = rt.stats()
-            log.clear()
-            rt.set_batch_hook(log)
-            with stopwatch(device) as run:
-                outputs = rt.generate(input_ids=workload.prompts, sampling_params=params)
-            rt.set_batch_hook(None)
-            after = rt.stats()
-            produced = [out["meta_info"]["completion_tokens"] for out in outputs]
-            result = {
-                "seqs": len(outputs),
-                "output_tokens": sum(produced),
-                "seconds": run["seconds"],
-                "tokens_per_s": sum(produced) / run["seconds"],
-                "load_seconds": load["seconds"],
-                "short_seqs": sum(p < n for p, n in zip(produced, workload.output_lens,
-                                                        strict=True)),
-                "forward_passes": after["forward_passes"] - before["forward_passes"],
-                "retractions": after["retractions"] - before["retractions"],
-                "max_total_tokens": rt.max_total_tokens,
-                **engine,
-            }
-            if args.rates is not None:
-                floor = schedule_floor(log, cost, **args.rates)
-                result["floor"] = floor
-                result["floor_tokens_per_s"] = sum(produced) / floor["seconds"]
-                result["fraction_of_floor"] = floor["seconds"] / run["seconds"]
-                result["fraction_of_floor_issue_definition"] = (
-                    floor["seconds_issue_definition"] / run["seconds"])
-            results[label] = result
+            result = measure_workload(rt, workload, temperature=args.temperature,
+                                      rates=args.rates, device=device)
+            results[label] = {**result, "load_seconds": load["seconds"], **engine}
     finally:
         rt.close()
         del rt

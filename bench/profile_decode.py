@@ -1,6 +1,6 @@
 """Where a decode step's time goes: torch profiler over one request (1 prefill + N decode steps)
-on random weights of a real architecture; prints kernel launches per step and the host-side
-table (GPU).
+on random weights of a real architecture; prints kernel launches per step, device time by kernel
+category (bench/kernel_profile.py) and the host-side table (GPU).
 
     python bench/profile_decode.py --model-config llama-2-7b --tokenizer <tokenizer folder>
 """
@@ -8,7 +8,6 @@ table (GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +17,14 @@ from torch.profiler import ProfilerActivity, profile
 if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.offline import DUMMY_CONFIGS  # noqa: E402
+from bench.common import format_table  # noqa: E402
+from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
+from bench.kernel_profile import (  # noqa: E402
+    CATEGORY_HEADERS,
+    category_rows,
+    device_events,
+    summarize,
+)
 from lmnb.runtime.engine import Runtime  # noqa: E402
 
 
@@ -31,11 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--disable-fused-kernels", action="store_true")
     args = parser.parse_args(argv)
-    fields = DUMMY_CONFIGS[args.model_config]
     with tempfile.TemporaryDirectory() as scratch:
-        (Path(scratch) / "config.json").write_text(json.dumps(fields))
-        with Runtime(scratch, tokenizer_path=str(args.tokenizer), load_format="dummy",
-                     device="cuda", dtype=fields["dtype"],
+        dummy = write_dummy_model(args.model_config, scratch, args.tokenizer, grow_vocab=False)
+        with Runtime(str(dummy.path), **dummy.runtime_options(), device="cuda",
                      attention_backend=args.attention_backend,
                      disable_cuda_graph=args.disable_cuda_graph,
                      disable_fused_kernels=args.disable_fused_kernels) as rt:
@@ -51,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     passes = args.steps + 1
     print(f"CUDA kernels for 1 prefill + {args.steps} decode steps: {kernels} "
           f"(~{kernels / passes:.0f} per pass)")
+    print(format_table(CATEGORY_HEADERS, category_rows(
+        summarize(device_events(prof), wall_seconds=0.0, passes=passes))))
     print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
 
 

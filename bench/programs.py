@@ -66,7 +66,7 @@ from bench.common import (  # noqa: E402
     stopwatch,
     write_json,
 )
-from bench.offline import DUMMY_CONFIGS  # noqa: E402
+from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
 from lmnb.lang.ir import Expr  # noqa: E402
 from lmnb.lang.program import ProgramState  # noqa: E402
 from lmnb.runtime.radix.optimal import optimal_computed_tokens as prompt_only_optimum  # noqa: E402
@@ -527,23 +527,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _dummy_model(args: argparse.Namespace, scratch: Path) -> tuple[str, dict[str, Any]]:
-    """A folder holding only the config of `--dummy-config` (vocabulary grown to the
-    tokenizer's), and the Runtime options that load random weights with that tokenizer."""
-    import json
-
-    from lmnb.runtime.models import loader
-
-    tokenizer_dir = loader.resolve_model_dir(args.tokenizer)
-    fields = dict(DUMMY_CONFIGS[args.dummy_config])
-    fields["vocab_size"] = max(fields["vocab_size"], len(loader.load_tokenizer(tokenizer_dir)))
-    folder = scratch / args.dummy_config
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(fields))
-    return str(folder), {"tokenizer_path": str(tokenizer_dir), "load_format": "dummy",
-                         "dtype": fields["dtype"]}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", module="transformers")
@@ -558,9 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     model_path = args.model
     if args.dummy_config:
         scratch = tempfile.TemporaryDirectory(prefix="lmnb-programs-")
-        model_path, dummy_options = _dummy_model(args, Path(scratch.name))
-        options.update(dummy_options)
-        model_label = f"dummy {args.dummy_config} (random weights)"
+        dummy = write_dummy_model(args.dummy_config, scratch.name, args.tokenizer)
+        model_path = str(dummy.path)
+        options.update(dummy.runtime_options())
+        model_label = dummy.label
     runtimes = {"on": Runtime(model_path, **options),
                 "off": Runtime(model_path, disable_radix_cache=True, **options)}
     results: dict[str, dict[str, Any]] = {}

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, environment, format_table, resolve_device, write_json  # noqa: E402,I001
-from bench.offline import DUMMY_CONFIGS  # noqa: E402
+from bench.dummy_models import DUMMY_CONFIGS  # noqa: E402
 from lmnb.runtime.config import EngineConfig, ModelConfig  # noqa: E402
 from lmnb.runtime.core import Req, SamplingParams  # noqa: E402
 from lmnb.runtime.memory import KVAllocator  # noqa: E402

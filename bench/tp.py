@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
-from bench.offline import DUMMY_CONFIGS  # noqa: E402
+from bench.dummy_models import DUMMY_CONFIGS  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SEED = 0
