@@ -135,3 +135,20 @@ def test_local_backend_sends_the_runtime_ids(tokenizer) -> None:
     for prompt in prompts:
         backend.cache_prefix(prompt)
     assert [s["input_ids"] for s in recorder.sent] == [recorder.encode(p) for p in prompts]
+
+
+def test_cached_byte_ends_match_the_ids(tokenizer) -> None:
+    """Each cached prompt's token ends (built from a reused prefix plus a new tail) are its
+    ids' byte lengths added up, ending at the text's UTF-8 length."""
+    tokens = PromptTokens(tokenizer)
+    rng = random.Random(2)
+    prompt = text_of(rng, 80)
+    for _ in range(10):
+        prompt += text_of(rng, 10)
+        tokens.encode(prompt)
+    for text, entry in tokens._entries.items():
+        ends, total = [], 0
+        for token in entry.ids:
+            total += tokens._lengths[token]
+            ends.append(total)
+        assert list(entry.ends) == ends and total == len(text.encode("utf-8"))

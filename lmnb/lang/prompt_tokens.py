@@ -108,13 +108,19 @@ class PromptTokens:
         found = self._reusable(text)
         if found is None:
             ids = self._plain(text)
+            ends = list(accumulate(map(self._lengths.__getitem__, ids)))
             self.encoded_chars += len(text)
         else:
             entry, cut, count = found
-            ids = [*entry.ids[:count], *self._plain(text[cut:])]
+            tail = self._plain(text[cut:])
+            ids = [*entry.ids[:count], *tail]
+            tail_ends = accumulate(map(self._lengths.__getitem__, tail),
+                                   initial=entry.ends[count - 1])
+            next(tail_ends)  # the initial value: the prefix's own end
+            ends = [*entry.ends[:count], *tail_ends]
             self.reused_chars += cut
             self.encoded_chars += len(text) - cut
-        self._remember(text, ids)
+        self._remember(text, ids, ends)
         return [*self.prefix_specials, *ids]
 
     def _reusable(self, text: str) -> tuple[_Entry, int, int] | None:
@@ -148,11 +154,10 @@ class PromptTokens:
             return None  # not at a token end after all: stay exact
         return entry, cut, count + 1
 
-    def _remember(self, text: str, ids: list[int]) -> None:
+    def _remember(self, text: str, ids: list[int], ends: list[int]) -> None:
         if len(text) < _MIN_REUSE:
             return
-        lengths = self._lengths
-        entry = _Entry(text, tuple(ids), tuple(accumulate(lengths[i] for i in ids)))
+        entry = _Entry(text, tuple(ids), tuple(ends))
         with self._lock:
             if text in self._entries:
                 self._entries.move_to_end(text)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmnb.lang.backends.base import (
+    CancelEvent,
     Generation,
     MediaInput,
     MediaUnsupported,
@@ -20,6 +21,7 @@ from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
 
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
+_IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safety net only
 
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
@@ -96,20 +98,28 @@ class LocalBackend:
             logprob_start_len=params.logprob_start_len,
             top_logprobs_num=params.top_logprobs_num, stream=True, **self._prompt(prompt, media))
         gen = GenTexts(params, on_delta)
+        wakes = isinstance(cancel, CancelEvent)
+        # Setting the cancel event closes the stream, which wakes the wait below.
+        unregister = cancel.on_set(chunks.close) if wakes else None
+        poll = _IDLE_POLL_S if wakes else _CANCEL_POLL_S
         try:
             while True:
                 if cancel is not None and cancel.is_set():
                     raise ProgramAborted("the program was interrupted")
                 try:
-                    chunk = chunks.get(timeout=_CANCEL_POLL_S)
+                    chunk = chunks.get(timeout=poll)
                 except queue.Empty:
                     continue
                 if chunk is None:
+                    if cancel is not None and cancel.is_set():
+                        raise ProgramAborted("the program was interrupted")
                     break
                 index = chunk.get("index", 0)
                 if gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"]):
                     break
         finally:
+            if unregister is not None:
+                unregister()
             chunks.close()  # aborts whatever is still running
         if params.return_text_in_logprobs:
             gen.metas = [with_token_texts(meta, self.runtime.tokenizer) for meta in gen.metas]
