@@ -19,6 +19,7 @@ from typing import Any
 
 from lmnb.lang.backends.base import (
     Backend,
+    CancelEvent,
     ChatPrompt,
     Generation,
     MediaInput,
@@ -46,6 +47,14 @@ from lmnb.lang.reasoning import reasoning_name, split_reasoning
 from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, speculative_params
 
 _POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets through
+_IDLE_POLL = 0.5  # the same off the main thread, where no KeyboardInterrupt lands
+
+
+def poll_interval() -> float:
+    """How long a wait may block between checks: short on the main thread (a simulated Ctrl-C,
+    `_thread.interrupt_main()`, does not wake a blocked lock), longer on others (hundreds of
+    program threads waking 20 times a second cost the host real time)."""
+    return _POLL if threading.current_thread() is threading.main_thread() else _IDLE_POLL
 
 
 class ProgramError(RuntimeError):
@@ -106,7 +115,7 @@ class StreamExecutor:
         self.error: BaseException | None = None
         self.fork_point = 0  # length of the text inherited from the parent (forks)
         self._closed = False
-        self.cancel = threading.Event()
+        self.cancel = CancelEvent()
         self._role: str | None = None
         self._role_start = 0
         self._streaming: tuple[str | None, int] | None = None  # (variable, start) of a running gen
@@ -132,7 +141,8 @@ class StreamExecutor:
             return
         done = threading.Event()
         self._queue.put(done)
-        while not done.wait(_POLL):
+        poll = poll_interval()
+        while not done.wait(poll):
             if not self.alive:
                 return
 

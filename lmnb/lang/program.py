@@ -113,7 +113,9 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
             execute: Callable[[dict[str, Any], ProgramRun], ProgramState], *,
             num_threads: int | str, progress_bar: bool) -> list[ProgramState]:
     """`run_batch`'s engine: caches the shared `prefix` once, then runs `execute(arguments, run)`
-    on every argument dict on a thread pool (tqdm progress bar), returning the states in order.
+    on every argument dict on a thread pool (tqdm progress bar), returning the states in order,
+    each finished. `execute` may return before its program has finished (its requests then
+    run while the pool starts further programs, so the runtime sees them all in one batch).
 
     If the waiting thread is interrupted (Ctrl-C) or a program's thread fails, programs not yet
     started never start, every started program's requests are aborted, and the error is raised
@@ -127,9 +129,7 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
     with tqdm_bar(total=len(batch), desc=name, disable=not progress_bar) as bar:
 
         def one(arguments: dict[str, Any]) -> ProgramState:
-            state = execute(arguments, runs.new_run())
-            bar.update(1)
-            return state
+            return execute(arguments, runs.new_run())
 
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch")
         try:
@@ -139,7 +139,11 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
                 done, pending = wait(pending, timeout=_POLL, return_when=FIRST_EXCEPTION)
                 for future in done:
                     future.result()  # raises a program thread's error here
-            return [future.result() for future in futures]
+            states = [future.result() for future in futures]
+            for state in states:
+                state.sync()
+                bar.update(1)
+            return states
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             runs.abort()
@@ -482,9 +486,11 @@ class Program:
         self.bound = dict(bound or {})
         # API speculative execution (lmnb.lang.speculation): tokens a gen may run past its stop.
         self.num_api_spec_tokens = num_api_spec_tokens
-        parameters = list(inspect.signature(func).parameters.values())
+        self._signature = inspect.signature(func)
+        parameters = list(self._signature.parameters.values())
         if not parameters:
             raise TypeError(f"{func.__name__} must take the program state as its first parameter")
+        self._state_name = parameters[0].name
         self.arg_names = [p.name for p in parameters[1:]]
         self._pins: dict[Any, tuple[Backend, Any]] = {}  # pinned prefix per runtime (`pin`)
         self.__name__ = func.__name__
@@ -502,11 +508,10 @@ class Program:
         sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in SAMPLING_DEFAULT_KEYS}
         arguments = dict(self.bound)
         try:
-            bound = inspect.signature(self.func).bind_partial(None, *args, **kwargs)
+            bound = self._signature.bind_partial(None, *args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{self.__name__}: {error}") from None
-        arguments.update({k: v for k, v in bound.arguments.items()
-                          if k != next(iter(inspect.signature(self.func).parameters))})
+        arguments.update({k: v for k, v in bound.arguments.items() if k != self._state_name})
         return arguments, sampling
 
     def run(self, *args: Any, backend: Any = None, stream: bool = False,
@@ -519,7 +524,7 @@ class Program:
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
                  stream: bool, run: ProgramRun | None = None, *,
-                 raise_body_error: bool = True) -> ProgramState:
+                 raise_body_error: bool = True, wait: bool = True) -> ProgramState:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         state = ProgramState(executor, run)
@@ -539,7 +544,7 @@ class Program:
                 raise
         finally:
             PROGRAM_CALLER.reset(caller)
-        if not stream:
+        if not stream and wait:
             state.sync()
         return state
 
@@ -557,12 +562,17 @@ class Program:
         from lmnb.lang.global_config import global_config
         from lmnb.lang.tracer import constant_prefix
 
+        # An explicit `num_threads` bounds the programs in flight (SGLang's meaning); "auto"
+        # lets the pool start every program's body without waiting for its requests, so the
+        # runtime batches them all.
+        bounded = num_threads != "auto"
         precache = global_config.enable_precache_with_tracing
         prefix = constant_prefix(self, backend) if precache else ""
         return run_all(self.__name__, backend, prefix, batch,
                        lambda arguments, run: self._execute(backend, arguments, defaults,
                                                             stream=False, run=run,
-                                                            raise_body_error=False),
+                                                            raise_body_error=False,
+                                                            wait=bounded),
                        num_threads=num_threads, progress_bar=progress_bar)
 
     def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:

@@ -11,6 +11,37 @@ from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
 
 
+class CancelEvent(threading.Event):
+    """The `cancel=` a program's executor passes its backend: an Event that also runs callbacks
+    when set, so that a backend blocked on a stream wakes at once instead of polling the flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks_lock = threading.Lock()
+
+    def set(self) -> None:
+        with self._callbacks_lock:
+            callbacks, self._callbacks = self._callbacks, []
+            super().set()
+        for callback in callbacks:
+            callback()
+
+    def on_set(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Runs `callback` when the event is set (now, if it is); returns its removal."""
+        with self._callbacks_lock:
+            if not self.is_set():
+                self._callbacks.append(callback)
+                return lambda: self._remove(callback)
+        callback()
+        return lambda: None
+
+    def _remove(self, callback: Callable[[], None]) -> None:
+        with self._callbacks_lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+
 class ProgramAborted(RuntimeError):
     """The program was interrupted; its requests were aborted."""
 

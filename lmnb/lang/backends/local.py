@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmnb.lang.backends.base import (
+    CancelEvent,
     Generation,
     MediaInput,
     MediaUnsupported,
@@ -17,8 +18,10 @@ from lmnb.lang.backends.base import (
 from lmnb.lang.backends.runtime_gen import GenTexts, runtime_sampling_params
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
+from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
 
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
+_IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safety net only
 
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
@@ -50,6 +53,17 @@ class LocalBackend:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self.chat_template = ChatTemplate(runtime.tokenizer, render=runtime.apply_chat_template)
+        # Prompts go to the runtime as ids, tokenized incrementally (exactly the runtime's ids),
+        # when the runtime tokenizes with its tokenizer's own `encode` (a `Runtime` does).
+        self.prompt_tokens: PromptTokens | None = (
+            prompt_tokens(runtime.tokenizer) if callable(getattr(runtime, "encode", None))
+            else None)
+
+    def _prompt(self, prompt: str, media: Sequence[MediaInput]) -> dict[str, Any]:
+        """`generate`'s prompt arguments: `input_ids=` of a text prompt, else the text."""
+        if self.prompt_tokens is None or media:
+            return {"prompt": prompt, **media_data(media)}
+        return {"input_ids": self.prompt_tokens.encode(prompt)}
 
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
         return runtime_sampling_params(params)
@@ -79,24 +93,33 @@ class LocalBackend:
                  cancel: threading.Event | None = None,
                  media: Sequence[MediaInput] = ()) -> Generation:
         chunks = self.runtime.generate(
-            prompt, self.sampling_params(params), return_logprob=bool(params.return_logprob),
+            sampling_params=self.sampling_params(params),
+            return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
-            top_logprobs_num=params.top_logprobs_num, stream=True, **media_data(media))
+            top_logprobs_num=params.top_logprobs_num, stream=True, **self._prompt(prompt, media))
         gen = GenTexts(params, on_delta)
+        wakes = isinstance(cancel, CancelEvent)
+        # Setting the cancel event closes the stream, which wakes the wait below.
+        unregister = cancel.on_set(chunks.close) if wakes else None
+        poll = _IDLE_POLL_S if wakes else _CANCEL_POLL_S
         try:
             while True:
                 if cancel is not None and cancel.is_set():
                     raise ProgramAborted("the program was interrupted")
                 try:
-                    chunk = chunks.get(timeout=_CANCEL_POLL_S)
+                    chunk = chunks.get(timeout=poll)
                 except queue.Empty:
                     continue
                 if chunk is None:
+                    if cancel is not None and cancel.is_set():
+                        raise ProgramAborted("the program was interrupted")
                     break
                 index = chunk.get("index", 0)
                 if gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"]):
                     break
         finally:
+            if unregister is not None:
+                unregister()
             chunks.close()  # aborts whatever is still running
         if params.return_text_in_logprobs:
             gen.metas = [with_token_texts(meta, self.runtime.tokenizer) for meta in gen.metas]
@@ -117,6 +140,8 @@ class LocalBackend:
             return
         if media:
             self.runtime.generate(prompt, {"max_new_tokens": 0}, **media_data(media))
+        elif self.prompt_tokens is not None:
+            self.runtime.cache_prefix(input_ids=self.prompt_tokens.encode(prompt))
         else:
             self.runtime.cache_prefix(prompt)
 

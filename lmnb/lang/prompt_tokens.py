@@ -1,0 +1,207 @@
+"""`PromptTokens`: a program's prompts tokenized incrementally, with exactly the ids of
+tokenizing each whole prompt.
+
+Programs send prompts that share long prefixes (a few-shot block, a conversation so far, a
+fork's parent). Tokenizing costs time in proportion to the text (the pre-tokenizer's regex
+dominates), so a prompt is encoded as the ids of an earlier prompt's prefix plus the encoding of
+what follows, split at a *safe boundary*: a position whose left character is printable ASCII
+(not a space) and whose right character is a space or a newline.
+
+Why that is exact, for GPT-2 style byte-level BPE (`ByteLevel(use_regex=True)`, no normalizer,
+SmolLM2's tokenizer): BPE merges within pre-tokens; the pre-tokenizer's regex
+(`'s|'t|...| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`) has no look-behind, and
+no alternative matches a non-space character followed by whitespace (whitespace only ever
+*starts* a match, or forms a match of its own), so every match ends at or before such a
+boundary and the matches on each side depend only on that side's text. Added tokens (`<|im_start|>`)
+are cut out before pre-tokenization; none contains whitespace (checked), so none spans a boundary.
+Other tokenizers (SentencePiece's `Metaspace`, Llama-3's split regex, normalizers) are encoded
+whole every time.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from bisect import bisect_left
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+# Prompts sharing their first N characters are candidates for each other, for the longest N
+# of these the prompt has; the most recent few of them are compared.
+_HEADS = (32, 128, 512, 2048)
+_CANDIDATES = 8
+_MIN_REUSE = 64  # shorter shared prefixes are encoded afresh
+_MAX_ENTRIES = 512
+_SCAN = 256  # characters searched back from the shared prefix's end for a safe boundary
+
+
+def _safe_left(char: str) -> bool:
+    return "!" <= char <= "~"
+
+
+def safe_boundary(text: str, position: int) -> bool:
+    """Tokenizing `text` equals tokenizing `text[:position]` and `text[position:]` apart."""
+    return (0 < position < len(text) and text[position] in " \n"
+            and _safe_left(text[position - 1]))
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    text: str
+    ids: tuple[int, ...]  # without the special tokens the tokenizer adds
+    ends: tuple[int, ...]  # byte offset in `text` (UTF-8) where each id ends
+
+
+class PromptTokens:
+    """`encode(text)` equals `tokenizer.encode(text, add_special_tokens=True)`; thread-safe."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.backend = tokenizer.backend_tokenizer
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._buckets: dict[tuple[int, str], OrderedDict[str, _Entry]] = {}
+        self.prefix_specials, self.incremental = self._check(tokenizer)
+        self._lengths: list[int] = self._token_lengths(tokenizer) if self.incremental else []
+        self.reused_chars = 0  # statistics: characters not re-tokenized
+        self.encoded_chars = 0
+
+    def _check(self, tokenizer: Any) -> tuple[list[int], bool]:
+        """(ids the tokenizer puts before a text, whether incremental encoding is exact)."""
+        backend = self.backend
+        sample = "Hello world"
+        plain = backend.encode(sample, add_special_tokens=False).ids
+        full = backend.encode(sample, add_special_tokens=True).ids
+        prefix = full[:len(full) - len(plain)]
+        if full[len(prefix):] != plain:  # a suffix (an EOS) or something else: encode whole
+            return [], False
+        pre = backend.pre_tokenizer
+        byte_level = (type(pre).__name__ == "ByteLevel" and getattr(pre, "use_regex", False)
+                      and not getattr(pre, "add_prefix_space", True))
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        added_ok = all(not any(c.isspace() for c in token.content)
+                       and not (token.lstrip or token.rstrip or token.single_word)
+                       for token in added)
+        return prefix, byte_level and backend.normalizer is None and added_ok
+
+    @staticmethod
+    def _token_lengths(tokenizer: Any) -> list[int]:
+        """UTF-8 bytes of text each id stands for: one per byte-level character; an added
+        token's content as written."""
+        vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
+        lengths = [0] * (max(vocab.values(), default=0) + 1)
+        for token, index in vocab.items():
+            lengths[index] = len(token)
+        for index, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+            if index >= len(lengths):
+                lengths.extend([0] * (index + 1 - len(lengths)))
+            lengths[index] = len(added.content.encode("utf-8"))
+        return lengths
+
+    def _plain(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids if text else []
+
+    def encode(self, text: str) -> list[int]:
+        if not self.incremental:
+            return list(self.backend.encode(text, add_special_tokens=True).ids)
+        found = self._reusable(text)
+        if found is None:
+            ids = self._plain(text)
+            ends = list(accumulate(map(self._lengths.__getitem__, ids)))
+            self.encoded_chars += len(text)
+        else:
+            entry, cut, count = found
+            tail = self._plain(text[cut:])
+            ids = [*entry.ids[:count], *tail]
+            tail_ends = accumulate(map(self._lengths.__getitem__, tail),
+                                   initial=entry.ends[count - 1])
+            next(tail_ends)  # the initial value: the prefix's own end
+            ends = [*entry.ends[:count], *tail_ends]
+            self.reused_chars += cut
+            self.encoded_chars += len(text) - cut
+        self._remember(text, ids, ends)
+        return [*self.prefix_specials, *ids]
+
+    def _reusable(self, text: str) -> tuple[_Entry, int, int] | None:
+        """(entry, cut, count): `text[:cut]` is the entry's text's, tokenized as its first
+        `count` ids, with `cut` a safe boundary of both texts; None when nothing long enough."""
+        candidates: list[_Entry] = []
+        with self._lock:
+            for head in reversed(_HEADS):
+                bucket = self._buckets.get((head, text[:head])) if len(text) >= head else None
+                if bucket:
+                    candidates = list(bucket.values())[-_CANDIDATES:][::-1]
+                    break
+        best: tuple[_Entry, int] | None = None
+        for entry in candidates:
+            shared = _shared_prefix(text, entry.text)
+            if best is None or shared > best[1]:
+                best = (entry, shared)
+            if shared == len(text):
+                break
+        if best is None:
+            return None
+        entry, shared = best
+        for cut in range(shared, max(_MIN_REUSE, shared - _SCAN) - 1, -1):
+            if safe_boundary(text, cut) and safe_boundary(entry.text, cut):
+                break
+        else:
+            return None
+        end = len(text[:cut].encode("utf-8"))
+        count = bisect_left(entry.ends, end)
+        if count >= len(entry.ends) or entry.ends[count] != end:
+            return None  # not at a token end after all: stay exact
+        return entry, cut, count + 1
+
+    def _remember(self, text: str, ids: list[int], ends: list[int]) -> None:
+        if len(text) < _MIN_REUSE:
+            return
+        entry = _Entry(text, tuple(ids), tuple(ends))
+        with self._lock:
+            if text in self._entries:
+                self._entries.move_to_end(text)
+                return
+            self._entries[text] = entry
+            for head in _HEADS:
+                if len(text) >= head:
+                    self._buckets.setdefault((head, text[:head]), OrderedDict())[text] = entry
+            if len(self._entries) > _MAX_ENTRIES:
+                oldest, _ = self._entries.popitem(last=False)
+                for head in _HEADS:
+                    key = (head, oldest[:head])
+                    bucket = self._buckets.get(key)
+                    if bucket is not None:
+                        bucket.pop(oldest, None)
+                        if not bucket:
+                            del self._buckets[key]
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """Length of the common prefix of `a` and `b` (binary search over slice comparisons)."""
+    low, high = 0, min(len(a), len(b))
+    if a.startswith(b) or b.startswith(a):
+        return high
+    while low < high:  # a[:low] == b[:low], a[:high] != b[:high]
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+_per_tokenizer: weakref.WeakKeyDictionary[Any, PromptTokens] = weakref.WeakKeyDictionary()
+_per_tokenizer_lock = threading.Lock()
+
+
+def prompt_tokens(tokenizer: Any) -> PromptTokens | None:
+    """The shared `PromptTokens` of `tokenizer` (one per tokenizer, so every backend over a
+    runtime reuses it); None for a tokenizer without a fast backend."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return None
+    with _per_tokenizer_lock:
+        found = _per_tokenizer.get(tokenizer)
+        if found is None:
+            found = _per_tokenizer[tokenizer] = PromptTokens(tokenizer)
+        return found
