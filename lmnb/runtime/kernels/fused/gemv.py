@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.triton_decode import dot_upcast
+from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
 SKINNY_MAX_ROWS = 16  # rows the dot path pads to (one m16 tensor-core tile)
 
@@ -153,6 +153,15 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
 
 
+@functools.lru_cache(maxsize=1024)
+def interpreter_config(m: int, n: int, k: int) -> SkinnyConfig:
+    """Triton's CPU interpreter runs each program in Python (~10 ms each) but a tile in numpy at
+    once: few, big programs (the GPU configs are tested with explicit `config`s)."""
+    block_k = min(triton.next_power_of_2(max(k, 16)), 256)
+    block_n = min(triton.next_power_of_2(max(n, 16)), (1 << 18) // block_k)
+    return SkinnyConfig(block_n, block_k, 1, 4, 1, m > 1)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous, 1 <= M <= SKINNY_MAX_ROWS), weight [N, K] contiguous (the
@@ -164,7 +173,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert 1 <= m <= SKINNY_MAX_ROWS, f"{m} rows: the skinny kernel takes 1..{SKINNY_MAX_ROWS}"
     assert weight.shape == (n, k) and weight.stride() == (k, 1), "weight must be [N, K] contiguous"
     assert bias is None or bias.shape == (n,)
-    cfg = config or skinny_config(m, n, k, x.dtype)
+    cfg = config or (interpreter_config(m, n, k) if INTERPRETED
+                     else skinny_config(m, n, k, x.dtype))
     if not cfg.use_dot:
         assert m <= 4, "the FMA path takes up to 4 rows"
     block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
