@@ -39,7 +39,7 @@ class SkinnyConfig(NamedTuple):
     use_dot: bool  # tensor-core dot over 16 padded rows; False: FMA path (M <= 4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _skinny_kernel(
     X, W, B, OUT, PARTIAL,
     M, N, K, stride_xm, stride_wn, stride_om, k_span,
