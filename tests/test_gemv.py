@@ -193,7 +193,8 @@ def test_a_fused_tiny_model_decodes_the_same_greedy_tokens(tiny_models, monkeypa
     params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     outputs = {}
     for fused in (True, False):
-        with Runtime(tiny_models["qwen2-bias"], device=device, max_total_tokens=256,
+        with Runtime(tiny_models["qwen2-bias"], device=device, dtype="float32",
+                     max_total_tokens=256,
                      disable_fused_kernels=not fused) as rt:  # CUDA: graphs captured
             assert rt.stats()["fused_kernels"] is fused
             outputs[fused] = [o["output_ids"] for o in rt.generate(prompts, params)]
