@@ -179,7 +179,8 @@ def test_the_switch_sets_every_fusable_layer(tiny_models):
     config = loader.load_model_config(folder)
     model = loader.load_model(folder, config, dtype=torch.float32, device=torch.device("cpu"))
     assert not fused_kernels_enabled(model)  # the torch path unless asked
-    layers = 2 * config.num_layers + 1 + config.num_layers + 1  # norms, activations, rotary
+    # norms, activations, rotary, linears (qkv, o, gate_up, down), logits projection
+    layers = 2 * config.num_layers + 1 + config.num_layers + 1 + 4 * config.num_layers + 1
     assert set_fused_kernels(model, True) == layers
     assert fused_kernels_enabled(model)
     set_fused_kernels(model, False)

@@ -17,6 +17,7 @@ from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.models.layers.activation import GatedActivation
 from lmnb.runtime.models.layers.linear import (
     SHARDED_LAYERS,
+    LogitsProjection,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -143,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_projection = LogitsProjection()  # the skinny kernel at decode when fused
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -159,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch, input_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(hidden, self.lm_head_weight)
+        logits = self.logits_projection(hidden, self.lm_head_weight)
         if self.tp is not None:  # this rank's vocabulary shard -> all of it, on every rank
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmnb.runtime.distributed.group import TPGroup, current_tp
+from lmnb.runtime.models.layers.fusion import Fusable
 from lmnb.runtime.models.layers.weights import WeightSource, copy_weight
 
 if TYPE_CHECKING:
@@ -78,6 +79,38 @@ def _check_even(what: str, total: int, size: int) -> int:
     return total // size
 
 
+SKINNY_MAX_ROWS = 16  # = kernels.fused.gemv.SKINNY_MAX_ROWS (not imported: triton is optional)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           fused: bool) -> torch.Tensor:
+    """F.linear, or with `fused` and at most SKINNY_MAX_ROWS rows (decode) the skinny-GEMM Triton
+    kernel, which streams the weight at close to the HBM read bandwidth (cuBLAS reaches ~80%
+    of it at batch 1). x [..., K], weight [N, K] -> [..., N]."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not fused or not 1 <= rows <= SKINNY_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    from lmnb.runtime.kernels.fused.gemv import skinny_linear
+
+    out = skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class FusableLinear(nn.Linear, Fusable):
+    """nn.Linear whose forward takes the skinny kernel for few rows when fused."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.fused)
+
+
+class LogitsProjection(Fusable):
+    """hidden [tokens, H] @ weight [vocab, H]^T for a weight owned elsewhere (the LM head's or the
+    tied embedding's): the skinny kernel for few rows when fused. No parameters."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, weight, None, self.fused)
+
+
 class Block(NamedTuple):
     """One output block of a merged column-parallel weight: `size` rows from `start` of a
     checkpoint tensor of `full` rows."""
@@ -87,7 +120,7 @@ class Block(NamedTuple):
     size: int
 
 
-class MergedColumnParallelLinear(nn.Linear):
+class MergedColumnParallelLinear(FusableLinear):
     """Several linears of one input fused along the output (q/k/v, gate/up), each block's rows
     split across ranks; checkpoint shard `i` is block `i`. `output_sizes`: this rank's blocks."""
 
@@ -144,7 +177,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         super().__init__(hidden_size, (q, kv, kv), bias=bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(FusableLinear):
     """Input features split across ranks (the output of a column-parallel layer comes in split
     the same way); the partial outputs are summed by an all-reduce, the bias added once."""
 
@@ -158,8 +191,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+            return linear(x, self.weight, self.bias, self.fused)
+        out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.fused)
         return self.tp.all_reduce(out)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:

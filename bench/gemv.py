@@ -1,0 +1,242 @@
+"""Decode-sized linears: torch F.linear (cuBLAS) against the skinny-GEMM Triton kernel (GPU).
+
+For the linear shapes of Llama-2-7B (fp16) and Llama-3-8B (bf16) — qkv, o, gate_up, down and the
+LM head — and a few rows M, each op is timed inside a CUDA graph of CALLS back-to-back calls over
+different copies of the weight (at least ~256 MB of them, so the 50 MB L2 does not keep a
+weight between calls), replayed many times between CUDA events. Reported: us a call, GB/s of
+weight read, and % of the device-to-device copy bandwidth measured in the same run (bytes read +
+written / time of a 1 GiB copy_). Every kernel result is checked against an fp32 reference; a
+wrong one makes the script exit 1.
+
+`--sweep` also times a grid of kernel configs per (shape, M) and records the best beside the
+heuristic's pick, to retune `skinny_config` from one run (several hundred compiles: split it with
+`--models` / `--rows` if one run would exceed the device's time limit).
+
+    python bench/gemv.py                      # heuristic vs cuBLAS, all shapes, M = 1 2 4 8 16
+    python bench/gemv.py --sweep --models llama2-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
+from bench.floor import copy_bandwidth  # noqa: E402
+from lmnb.runtime.kernels.fused.gemv import (  # noqa: E402
+    SKINNY_MAX_ROWS,
+    SkinnyConfig,
+    skinny_config,
+    skinny_linear,
+)
+
+# name -> (dtype, layers, {op: (N, K)})
+MODELS: dict[str, tuple[torch.dtype, int, dict[str, tuple[int, int]]]] = {
+    "llama2-7b": (torch.float16, 32, {"qkv": (12288, 4096), "o": (4096, 4096),
+                                      "gate_up": (22016, 4096), "down": (4096, 11008),
+                                      "lm_head": (32000, 4096)}),
+    "llama3-8b": (torch.bfloat16, 32, {"qkv": (6144, 4096), "o": (4096, 4096),
+                                       "gate_up": (28672, 4096), "down": (4096, 14336),
+                                       "lm_head": (128256, 4096)}),
+}
+CALLS = 20  # calls a graph
+MIN_BYTES = 256 << 20  # weight copies cycled through by the calls of one graph
+TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 2e-2}  # max error / max |reference|
+
+
+def time_per_call(fn, xs: list[torch.Tensor], weights: list[torch.Tensor], replays: int) -> float:
+    """Seconds per call of fn(x, weight) in a CUDA graph of CALLS calls over the weight copies."""
+    for i in range(2):  # compile / pick algorithms outside the capture
+        fn(xs[i % len(xs)], weights[i % len(weights)])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(CALLS):
+            fn(xs[i % len(xs)], weights[i % len(weights)])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / (replays * CALLS))
+    del graph
+    return best
+
+
+def relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float:
+    want = x.float() @ weight.float().t()
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+def sweep_grid(m: int, n: int, k: int, elem: int) -> list[SkinnyConfig]:
+    """Configs worth timing for one shape (the heuristic's pick is added by the caller); kept
+    small: every distinct config is a compile (the dot path's are shared by every M)."""
+    grid: list[SkinnyConfig] = []
+    splits = [s for s in (1, 2) if k // s >= 1024]
+    if m == 1:  # FMA path: tile rows x 8-32 KB of weight
+        for (block_n, tile_kb), warps, split in itertools.product(
+                [(4, 16), (8, 16), (8, 32), (16, 16), (16, 32)], (4, 8), splits):
+            if split == 1 or math.ceil(n / block_n) < 1024:
+                grid.append(SkinnyConfig(block_n, tile_kb * 1024 // elem // block_n, split,
+                                         warps, 1, False))
+    elif m <= 4:  # FMA path over m rows: the [m, BLOCK_N, BLOCK_K] product is in registers
+        for block_n in (8, 16):
+            grid.append(SkinnyConfig(block_n, 8192 // elem // block_n // m, 1, 4, 1, False))
+    for (block_n, block_k), stages, split in itertools.product(
+            [(16, 256), (16, 512), (32, 256), (64, 128)], (3, 5), splits):
+        if block_n * block_k * elem * stages <= 160 << 10:
+            grid.append(SkinnyConfig(block_n, block_k * 2 // elem, split, 4, stages, True))
+    return grid
+
+
+def bench_shape(model: str, op: str, n: int, k: int, m: int, dtype: torch.dtype,
+                copy_bw: float, replays: int, sweep: bool) -> dict[str, Any]:
+    elem = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = n * k * elem
+    copies = max(2, min(CALLS, math.ceil(MIN_BYTES / weight_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype)
+               for _ in range(copies)]
+    xs = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(2)]
+
+    def row(label: str, seconds: float) -> dict[str, Any]:
+        bandwidth = weight_bytes / seconds
+        return {"impl": label, "us": seconds * 1e6, "gb_per_s": bandwidth / 1e9,
+                "pct_copy_bw": 100 * bandwidth / copy_bw}
+
+    errors = {"torch": relative_error(F.linear(xs[0], weights[0]), xs[0], weights[0])}
+    heuristic = skinny_config(m, n, k, dtype)
+    errors["skinny"] = relative_error(skinny_linear(xs[0], weights[0]), xs[0], weights[0])
+    result: dict[str, Any] = {
+        "model": model, "op": op, "m": m, "n": n, "k": k, "dtype": str(dtype),
+        "weight_mb": weight_bytes / 1e6, "copies": copies,
+        "torch": row("torch", time_per_call(F.linear, xs, weights, replays)),
+        "skinny": row("skinny", time_per_call(skinny_linear, xs, weights, replays)),
+        "heuristic": heuristic._asdict(), "errors": errors, "failures": [],
+    }
+    result["skinny"]["speedup"] = result["torch"]["us"] / result["skinny"]["us"]
+    if errors["skinny"] > TOLERANCE[dtype]:
+        result["failures"].append(f"heuristic {heuristic}: relative error {errors['skinny']:.2e}")
+    if sweep:
+        tried = []
+        for config in dict.fromkeys([heuristic, *sweep_grid(m, n, k, elem)]):
+            def call(x, w, config=config):
+                return skinny_linear(x, w, None, config)
+            try:
+                error = relative_error(call(xs[0], weights[0]), xs[0], weights[0])
+                seconds = time_per_call(call, xs, weights, max(replays // 4, 2))
+            except Exception as exc:  # a config that does not compile (e.g. shared memory)
+                tried.append({"config": config._asdict(), "error": repr(exc)[:200]})
+                continue
+            if error > TOLERANCE[dtype]:
+                result["failures"].append(f"{config}: relative error {error:.2e}")
+            tried.append({"config": config._asdict(), **row("sweep", seconds),
+                          "relative_error": error})
+        timed = [t for t in tried if "us" in t]
+        result["sweep"] = sorted(timed, key=lambda t: t["us"])
+        result["sweep_errors"] = [t for t in tried if "us" not in t]
+        result["best"] = result["sweep"][0] if timed else None
+    del weights
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--ops", nargs="+", default=None, help="qkv o gate_up down lm_head")
+    parser.add_argument("--rows", type=int, nargs="+",
+                        default=[r for r in (1, 2, 4, 8, 16) if r <= SKINNY_MAX_ROWS])
+    parser.add_argument("--replays", type=int, default=20, help="graph replays a timing")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of configs")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gemv.py needs CUDA", file=sys.stderr)
+        return 2
+
+    copy_bw = copy_bandwidth(torch.device("cuda"))
+    print(f"device-to-device copy: {copy_bw / 1e12:.3f} TB/s (read + write)")
+    results = []
+    for model in args.models:
+        dtype, layers, ops = MODELS[model]
+        for m in args.rows:
+            for op, (n, k) in ops.items():
+                if args.ops and op not in args.ops:
+                    continue
+                r = bench_shape(model, op, n, k, m, dtype, copy_bw, args.replays, args.sweep)
+                results.append(r)
+                best = r.get("best")
+                print(f"{model} {op:8s} M={m:2d}: torch {r['torch']['us']:8.1f} us "
+                      f"({r['torch']['pct_copy_bw']:5.1f}%)  skinny {r['skinny']['us']:8.1f} us "
+                      f"({r['skinny']['pct_copy_bw']:5.1f}%)"
+                      + (f"  best {best['us']:8.1f} us ({best['pct_copy_bw']:5.1f}%) "
+                         f"{tuple(best['config'].values())}" if best else ""), flush=True)
+
+    table = []
+    for r in results:
+        best = r.get("best")
+        table.append([f"{r['model']} {r['op']}", r["m"], r["weight_mb"], r["torch"]["us"],
+                      r["torch"]["pct_copy_bw"], r["skinny"]["us"], r["skinny"]["pct_copy_bw"],
+                      r["skinny"]["speedup"], tuple(r["heuristic"].values()),
+                      best["pct_copy_bw"] if best else None,
+                      tuple(best["config"].values()) if best else None,
+                      f"{r['errors']['torch']:.1e}/{r['errors']['skinny']:.1e}"])
+    print()
+    print(format_table(["shape", "M", "weight MB", "torch us", "torch %bw", "skinny us",
+                        "skinny %bw", "speedup", "heuristic (bn,bk,split,warps,stages,dot)",
+                        "best %bw", "best config", "rel err torch/skinny"], table))
+
+    # A decode step's linears (layers x (qkv, o, gate_up, down) + LM head) at each M.
+    steps = {}
+    for model in args.models:
+        _, layers, ops = MODELS[model]
+        for m in args.rows:
+            rows = {r["op"]: r for r in results if r["model"] == model and r["m"] == m}
+            if set(rows) != set(ops):
+                continue
+            step = {impl: sum(rows[op][impl]["us"] * (1 if op == "lm_head" else layers)
+                              for op in ops) / 1e3 for impl in ("torch", "skinny")}
+            if all(rows[op].get("best") for op in ops):
+                step["best"] = sum(rows[op]["best"]["us"] * (1 if op == "lm_head" else layers)
+                                   for op in ops) / 1e3
+            steps[f"{model} M={m}"] = step
+            print(f"{model} M={m}: a step's linears " + ", ".join(
+                f"{impl} {ms:.3f} ms" for impl, ms in step.items()))
+
+    failures = [f"{r['model']} {r['op']} M={r['m']}: {f}" for r in results for f in r["failures"]]
+    for failure in failures:
+        print("WRONG:", failure, file=sys.stderr)
+    payload = {"benchmark": "gemv", "copy_bytes_per_s": copy_bw, "calls_per_graph": CALLS,
+               "sweep": args.sweep, "results": results, "step_linears_ms": steps,
+               "failures": failures, "environment": environment("cuda")}
+    name = "gemv_sweep.json" if args.sweep else "gemv.json"
+    path = write_json(args.out or RESULTS_DIR / name, payload)
+    print(f"wrote {path}")
+    if os.environ.get("OUT"):
+        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
