@@ -93,6 +93,10 @@ def sweep_grid(m: int, n: int, k: int, elem: int) -> list[SkinnyConfig]:
     small: every distinct config is a compile (the dot path's are shared by every M)."""
     grid: list[SkinnyConfig] = []
     splits = [s for s in (1, 2) if k // s >= 1024]
+    if m <= 4:  # FMA path, small tiles and many programs, pipelined loads
+        for block_n, block_k, stages in itertools.product((1, 2, 4), (512, 1024, 2048), (2, 4)):
+            if block_n * block_k * m <= 8192:
+                grid.append(SkinnyConfig(block_n, block_k, 1, 4, stages, False))
     if m == 1:  # FMA path: tile rows x 8-32 KB of weight
         for (block_n, tile_kb), warps, split in itertools.product(
                 [(4, 16), (8, 16), (8, 32), (16, 16), (16, 32)], (4, 8), splits):

@@ -86,11 +86,10 @@ def test_reads_strided_rows(device):
 # Llama shapes (M, N, K) -> the heuristic's branch; each config then runs on N and K cut to two
 # blocks a program (and a ragged one more): the interpreter runs each program in Python.
 BRANCHES = {
-    "M=1, N>=8192: 16-row FMA tiles": ((1, 22016, 4096), SkinnyConfig(16, 512, 1, 4, 2, False)),
-    "M=1, N>=2048: 8-row FMA tiles": ((1, 4096, 11008), SkinnyConfig(8, 1024, 1, 4, 2, False)),
-    "M=1, small N: 4-row tiles, split K": ((1, 512, 4096), SkinnyConfig(4, 2048, 2, 4, 2, False)),
-    "M=8: 16x16 dot tiles": ((8, 12288, 4096), SkinnyConfig(16, 256, 1, 4, 4, True)),
-    "M=16, small N: dot, split K": ((16, 1024, 11008), SkinnyConfig(16, 256, 4, 4, 4, True)),
+    "M=1: one-row FMA programs": ((1, 22016, 4096), SkinnyConfig(1, 1024, 1, 4, 4, False)),
+    "M=1, small N: split K": ((1, 128, 8192), SkinnyConfig(1, 1024, 2, 4, 4, False)),
+    "M=8: 32-row dot tiles": ((8, 12288, 4096), SkinnyConfig(32, 256, 1, 4, 5, True)),
+    "M=16, small N: dot, split K": ((16, 1024, 11008), SkinnyConfig(32, 256, 8, 4, 5, True)),
 }
 
 
