@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,28 @@ def tiny_llavas(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("tiny_llava")
     return {variant: make_tiny_llava(root, variant, smollm2_dir) for variant in LLAVA_VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def sgl_runtime(tiny_models) -> Iterator[Any]:
+    """An engine over the tiny GQA Llama, built the SGLang way (`sgl.Engine`, `shutdown()`), one
+    per test module that asks for it (the SGLang-compatibility modules)."""
+    import lmnb as sgl
+
+    runtime = sgl.Engine(tiny_models["llama-gqa"], max_total_tokens=4096)
+    yield runtime
+    runtime.shutdown()
+
+
+@pytest.fixture
+def sgl_backend(sgl_runtime, monkeypatch) -> Any:
+    """`sgl_runtime` as the DSL's default backend (`sgl.set_default_backend`) for one test."""
+    import lmnb as sgl
+    from lmnb.lang import program as program_module
+
+    monkeypatch.setattr(program_module, "_default_backend", None)  # restored afterwards
+    sgl.set_default_backend(sgl_runtime)
+    return sgl_runtime
 
 
 # Code whose exceptions Python swallows ("Exception ignored in ..."): weakref callbacks and

@@ -1,4 +1,5 @@
-"""Tiny random-weight llava-hf folders (LLaVA-1.5, LLaVA-NeXT, LLaVA-NeXT-Video) for tests.
+"""Tiny random-weight llava-hf folders (LLaVA-1.5, LLaVA-NeXT, LLaVA-NeXT-Video) for tests, built
+by `lmnb.multimodal.testing.build_llava` with smaller images than its defaults.
 
 No CLIP weights exist offline: every model here is a random-weight miniature of the real
 architecture, with SmolLM2's real tokenizer plus the added special tokens `<image>` and `<video>`
@@ -28,168 +29,52 @@ the vision tower under `vision_tower.vision_model.*`). HF loads all three.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
+
+from lmnb.multimodal.testing import build_llava
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<image>", "<video>"
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 49152, 49153  # SmolLM2's vocabulary is 49152 tokens
 LLAVA_VARIANTS = ("llava-1.5", "llava-next", "llava-next-video")
 LAYOUTS = ("save_pretrained", "state_dict", "hub")
 
-# ChatML (SmolLM2's own turns) with media placed as llava-hf's templates place them: a message
-# whose content is a list of parts renders its images, then its videos, then its text; a plain
-# string content is copied as is (so a prompt may also carry `<image>` in its text).
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'video') %}"
-    "{{ '<video>\n' }}{% endfor %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{{ part['text'] }}{% endfor %}"
-    "{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=1024, vocab_size=VIDEO_TOKEN_ID + 1,
-             bos_token_id=1, eos_token_id=2, pad_token_id=2)
+             num_key_value_heads=4, max_position_embeddings=1024)
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                projection_dim=32)
 GRID_PINPOINTS = [[24, 48], [48, 24], [48, 48]]
 
-# variant -> (text model_type, text overrides, vision overrides)
+# variant -> (text fields, vision fields)
 _SHAPES = {
-    "llava-1.5": ("llama", {}, {"image_size": 30, "patch_size": 6}),
-    "llava-next": ("mistral", {"num_key_value_heads": 2, "sliding_window": None},
+    "llava-1.5": ({"model_type": "llama"}, {"image_size": 30, "patch_size": 6}),
+    "llava-next": ({"model_type": "mistral", "num_key_value_heads": 2, "sliding_window": None},
                    {"image_size": 24, "patch_size": 6}),
-    "llava-next-video": ("qwen2", {"num_key_value_heads": 2},
+    "llava-next-video": ({"model_type": "qwen2", "num_key_value_heads": 2},
                          {"image_size": 24, "patch_size": 6, "hidden_act": "gelu"}),
 }
 
 
-def _tokenizer(tokenizer_dir: Path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, VIDEO_TOKEN]})
-    assert tokenizer.convert_tokens_to_ids([IMAGE_TOKEN, VIDEO_TOKEN]) == [IMAGE_TOKEN_ID,
-                                                                           VIDEO_TOKEN_ID]
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def _hf_model(variant: str, seed: int, overrides: dict | None = None):
-    from transformers import (
-        AutoConfig,
-        CLIPVisionConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
-        LlavaNextVideoConfig,
-        LlavaNextVideoForConditionalGeneration,
-    )
-
-    text_type, text_overrides, vision_overrides = _SHAPES[variant]
-    text = AutoConfig.for_model(text_type, **{**_TEXT, **text_overrides})
-    vision = CLIPVisionConfig(**{**_VISION, **vision_overrides})
-    common = dict(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
-                  vision_feature_layer=-2, vision_feature_select_strategy="default",
-                  projector_hidden_act="gelu")
-    common.update(overrides or {})
-    grid = vision.image_size // vision.patch_size
-    if variant == "llava-1.5":
-        config = LlavaConfig(**common, image_seq_length=grid * grid)
-        cls = LlavaForConditionalGeneration
-    elif variant == "llava-next":
-        config = LlavaNextConfig(**common, image_grid_pinpoints=GRID_PINPOINTS,
-                                 image_seq_length=grid * grid)
-        cls = LlavaNextForConditionalGeneration
-    else:
-        config = LlavaNextVideoConfig(**common, video_token_id=VIDEO_TOKEN_ID,
-                                      image_grid_pinpoints=GRID_PINPOINTS,
-                                      spatial_pool_mode="average", spatial_pool_stride=2,
-                                      image_seq_length=grid * grid,
-                                      video_seq_length=(grid // 2) ** 2)
-        cls = LlavaNextVideoForConditionalGeneration
-    torch.manual_seed(seed)
-    model = cls(config).to(torch.float32).eval()
-    with torch.no_grad():  # random init is tiny; spread the logits so greedy ties are unlikely
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.08)
-    return model
+def _layout_name(name: str, layout: str) -> str:
+    """A tensor name of the save_pretrained layout in `layout`."""
+    if layout == "hub":
+        return ("vision_tower.vision_model." + name.removeprefix("vision_tower.")
+                if name.startswith("vision_tower.") else name)
+    if name.startswith("language_model.model."):
+        return "model.language_model." + name.removeprefix("language_model.model.")
+    if name.startswith("language_model.lm_head."):
+        return name.removeprefix("language_model.")
+    return "model." + name
 
 
-def _processor(variant: str, model, tokenizer):
-    from transformers import (
-        CLIPImageProcessorPil,
-        LlavaNextImageProcessorPil,
-        LlavaNextProcessor,
-        LlavaProcessor,
-    )
+def _rewrite_layout(folder: Path, layout: str) -> None:
+    from safetensors.torch import load_file, save_file
 
-    vision = model.config.vision_config
-    size, crop = ({"shortest_edge": vision.image_size},
-                  {"height": vision.image_size, "width": vision.image_size})
-    common = dict(tokenizer=tokenizer, patch_size=vision.patch_size,
-                  vision_feature_select_strategy=model.config.vision_feature_select_strategy,
-                  num_additional_image_tokens=1,
-                  chat_template=CHAT_TEMPLATE)
-    if variant == "llava-1.5":
-        return LlavaProcessor(image_processor=CLIPImageProcessorPil(size=size, crop_size=crop),
-                              **common)
-    image_processor = LlavaNextImageProcessorPil(size=size, crop_size=crop,
-                                                 image_grid_pinpoints=GRID_PINPOINTS)
-    return LlavaNextProcessor(image_processor=image_processor, **common)
-
-
-def _save_video_processor(target: Path, model) -> None:
-    """LLaVA-NeXT-Video's processor files, written by hand: without torchvision transformers
-    cannot build its video processor, hence not its `LlavaNextVideoProcessor` either (with
-    torchvision, `AutoProcessor.from_pretrained(folder)` builds both from these files)."""
-    import json
-
-    from transformers.models.llava_next_video.video_processing_llava_next_video import (
-        LlavaNextVideoVideoProcessor,  # constructible without torchvision, not callable
-    )
-
-    vision = model.config.vision_config
-    video_processor = LlavaNextVideoVideoProcessor(
-        size={"shortest_edge": vision.image_size},
-        crop_size={"height": vision.image_size, "width": vision.image_size})
-    video_processor.save_pretrained(target)  # video_preprocessor_config.json
-    config_file = target / "processor_config.json"
-    config = json.loads(config_file.read_text())
-    config.update(processor_class="LlavaNextVideoProcessor", video_token=VIDEO_TOKEN)
-    config_file.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _layout_names(state: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
-    """`state` (transformers 5's in-memory names) renamed into a checkpoint layout."""
-    if layout == "state_dict":
-        return dict(state)
-    renamed = {}
-    for name, tensor in state.items():
-        if name.startswith("model.language_model."):
-            name = "language_model.model." + name.removeprefix("model.language_model.")
-        elif name.startswith("lm_head."):
-            name = "language_model." + name
-        elif name.startswith("model.vision_tower."):
-            rest = name.removeprefix("model.vision_tower.")
-            name = "vision_tower." + ("vision_model." + rest if layout == "hub" else rest)
-        else:
-            name = name.removeprefix("model.")
-        renamed[name] = tensor
-    return renamed
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    save_file({_layout_name(name, layout): tensor for name, tensor in state.items()},
+              str(weights), metadata={"format": "pt"})
 
 
 def make_tiny_llava(root: Path, variant: str, tokenizer_dir: Path, seed: int = 0,
@@ -199,30 +84,16 @@ def make_tiny_llava(root: Path, variant: str, tokenizer_dir: Path, seed: int = 0
     `<variant>[-<layout>]`, the suffix only for a layout other than "save_pretrained") and
     returns it. `overrides`: top-level config fields (e.g. `vision_feature_layer=[-3, -1]`,
     `vision_feature_select_strategy="full"`)."""
-    from safetensors.torch import save_file
-
-    if variant not in LLAVA_VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; choose one of {LLAVA_VARIANTS}")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     name = name or (variant if layout == "save_pretrained" else f"{variant}-{layout}")
-    target = Path(root) / name
-    shutil.rmtree(target, ignore_errors=True)
-    tokenizer = _tokenizer(Path(tokenizer_dir))
-    model = _hf_model(variant, seed, overrides)
-    model.save_pretrained(target)
+    text, vision = _SHAPES[variant]
+    folder = build_llava(Path(root) / name, variant=variant, text={**_TEXT, **text},
+                         vision={**_VISION, **vision}, tokenizer_dir=tokenizer_dir, seed=seed,
+                         grid_pinpoints=GRID_PINPOINTS, overrides=overrides)
     if layout != "save_pretrained":
-        for file in target.glob("model*.safetensors*"):
-            file.unlink()
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        save_file(_layout_names(state, layout), str(target / "model.safetensors"),
-                  metadata={"format": "pt"})
-    processor = _processor(variant, model, tokenizer)
-    processor.save_pretrained(target)
-    processor.image_processor.save_pretrained(target)  # preprocessor_config.json, as on the hub
-    if variant == "llava-next-video":
-        _save_video_processor(target, model)
-    return target
+        _rewrite_layout(folder, layout)
+    return folder
 
 
 def frame_processor(folder: Path):

@@ -2,8 +2,7 @@
 path of their layers, and whole models with the kernels on against the torch path.
 
 Without CUDA the kernels run in Triton's CPU interpreter on CPU tensors (small shapes); with CUDA
-they are compiled and run on the GPU. Triton decides at decoration time, so the variable is set
-before the kernels are imported.
+they are compiled and run on the GPU. tests/triton_modes.py picks the mode.
 """
 
 from __future__ import annotations
@@ -14,36 +13,27 @@ import random
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-pytest.importorskip("numpy")
+# tests.triton_modes sets TRITON_INTERPRET: it is imported before any kernel module.
+from tests.triton_modes import DEVICES, INTERPRET, KERNEL_DEVICE, SAME_TRITON_MODE
 
-from lmnb.runtime.config import EngineConfig, ModelConfig  # noqa: E402
-from lmnb.runtime.core import Batch, ForwardMode  # noqa: E402
-from lmnb.runtime.kernels import triton_decode  # noqa: E402
-from lmnb.runtime.kernels.fused import rms_norm, rotary_qkv, silu_and_mul  # noqa: E402
-from lmnb.runtime.memory import KVAllocator  # noqa: E402
-from lmnb.runtime.model_runner import ModelRunner  # noqa: E402
-from lmnb.runtime.models import loader  # noqa: E402
-from lmnb.runtime.models.layers.activation import GatedActivation  # noqa: E402
-from lmnb.runtime.models.layers.fusion import (  # noqa: E402
+# isort: split
+from lmnb.runtime.config import EngineConfig, ModelConfig
+from lmnb.runtime.core import Batch, ForwardMode
+from lmnb.runtime.kernels.fused import rms_norm, rotary_qkv, silu_and_mul
+from lmnb.runtime.memory import KVAllocator
+from lmnb.runtime.model_runner import ModelRunner
+from lmnb.runtime.models import loader
+from lmnb.runtime.models.layers.activation import GatedActivation
+from lmnb.runtime.models.layers.fusion import (
     fused_kernels_available,
     fused_kernels_enabled,
     set_fused_kernels,
 )
-from lmnb.runtime.models.layers.norm import RMSNorm  # noqa: E402
-from lmnb.runtime.models.layers.rotary import RotaryEmbedding  # noqa: E402
+from lmnb.runtime.models.layers.norm import RMSNorm
+from lmnb.runtime.models.layers.rotary import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(triton_decode.INTERPRETED != INTERPRET,
-                                reason="the kernels were imported in the other Triton mode")
+pytestmark = SAME_TRITON_MODE
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="interpreter off")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        INTERPRET, reason="needs CUDA and compiled Triton")]),
-]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The kernels round where the torch path rounds; what is left is the order of a sum and, for
 # the rotary, torch's cos/sin rounded to the model dtype: about one unit in the last place.
@@ -82,7 +72,7 @@ def test_rms_norm_with_and_without_residual(device, dtype, tokens, hidden):
 
 
 def test_rms_norm_reads_strided_rows():
-    wide = torch.randn(5, 200, device="cuda" if not INTERPRET else "cpu")
+    wide = torch.randn(5, 200, device=KERNEL_DEVICE)
     x = wide[:, :64]  # row stride 200
     weight = torch.rand(64, device=x.device)
     norm = RMSNorm(64, 1e-6).to(x.device)
@@ -193,7 +183,7 @@ def test_the_engine_turns_them_on_for_cuda_unless_disabled(tiny_models):
 
     with pytest.raises(ValueError, match="disable_fused_kernels"):
         EngineConfig(disable_fused_kernels="no")
-    device = "cpu" if INTERPRET else "cuda"
+    device = KERNEL_DEVICE
     folder = tiny_models["llama-gqa"]
     with Runtime(folder, device=device, max_total_tokens=256) as rt:
         assert rt.stats()["fused_kernels"] is (device == "cuda")
@@ -305,10 +295,10 @@ def _whole_model_case(folder, backend: str, device: str, dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama3-rope"])
 def test_whole_model_fused_equals_torch_path(tiny_models, variant):
-    device = "cpu" if INTERPRET else "cuda"
+    device = KERNEL_DEVICE
     _whole_model_case(tiny_models[variant], "torch_native", device, torch.float32)
 
 
 def test_whole_model_fused_through_the_triton_backend(tiny_models):
-    device = "cpu" if INTERPRET else "cuda"
+    device = KERNEL_DEVICE
     _whole_model_case(tiny_models["llama-mha"], "triton", device, torch.float32)

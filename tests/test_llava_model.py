@@ -190,7 +190,7 @@ def test_fixture_folders_are_llava_hf_style(tiny_llavas):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         assert tokenizer.convert_tokens_to_ids(["<image>", "<video>"]) == [49152, 49153]
         config = json.loads((folder / "config.json").read_text())
-        assert config["text_config"]["vocab_size"] == 49154
+        assert config["text_config"]["vocab_size"] == 49216  # 49154 padded to 64s, as llava-hf
 
 
 def test_model_config_reads_the_multimodal_fields(tiny_llavas):

@@ -74,7 +74,8 @@ def test_prefill_logits_match_hf(variant, tiny_models, hf_models):
         assert relative < 1e-4, f"{variant}: relative logit error {relative:.2e}"
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# "mistral" decodes through llama-gqa's path (its config and weights: test_prefill_logits_match_hf).
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "mistral"])
 def test_greedy_matches_hf_generate_alone_and_in_a_batch(variant, tiny_models, hf_models):
     prompts = _prompts(16, seed=2)
     new_tokens = [random.Random(i).randint(4, 24) for i in range(len(prompts))]

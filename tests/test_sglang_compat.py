@@ -5,26 +5,11 @@ tiny random-weight Llama, over the in-process runtime and over the server (`Runt
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 
 import lmnb as sgl
 from lmnb.lang import program as program_module
-
-
-@pytest.fixture(scope="module")
-def rt(tiny_models) -> Iterator[sgl.Runtime]:
-    runtime = sgl.Engine(tiny_models["llama-gqa"], max_total_tokens=4096)
-    yield runtime
-    runtime.shutdown()
-
-
-@pytest.fixture
-def backend(rt, monkeypatch) -> sgl.Runtime:
-    monkeypatch.setattr(program_module, "_default_backend", None)  # restored afterwards
-    sgl.set_default_backend(rt)
-    return rt
 
 
 @sgl.function
@@ -34,14 +19,14 @@ def answer(s, question):
 
 
 # ---- names ---------------------------------------------------------------------------------------
-def test_module_level_names(backend):
+def test_module_level_names(sgl_backend):
     assert sgl.Engine is sgl.Runtime
-    assert isinstance(backend, sgl.Engine)
+    assert isinstance(sgl_backend, sgl.Engine)
     state = answer.run(question="What is 1+1?")
     assert state["answer"]
     assert sgl.flush_cache() is True
     info = sgl.get_server_info()
-    assert info["max_total_num_tokens"] == backend.max_total_tokens
+    assert info["max_total_num_tokens"] == sgl_backend.max_total_tokens
     assert isinstance(info["internal_states"][0], dict)
     assert sgl.global_config.default_backend is program_module.default_backend()
     assert sgl.global_config.enable_precache_with_tracing is True
@@ -59,7 +44,7 @@ def test_regex_constants_are_sglangs():
 
 @pytest.mark.parametrize("method", [sgl.token_length_normalized, sgl.greedy_token_selection,
                                     sgl.unconditional_likelihood_normalized])
-def test_choice_methods_as_objects(backend, method):
+def test_choice_methods_as_objects(sgl_backend, method):
     @sgl.function
     def pick(s):
         s += "The sky is"
@@ -70,18 +55,18 @@ def test_choice_methods_as_objects(backend, method):
     assert state.get_meta_info("colour")["method"] == method
     from lmnb.lang.choices import RuntimeChoiceScorer
 
-    assert method(RuntimeChoiceScorer(backend), "The sky is", [" blue", " green"]).choice \
+    assert method(RuntimeChoiceScorer(sgl_backend), "The sky is", [" blue", " green"]).choice \
         in (" blue", " green")
 
 
-def test_runtime_endpoint_over_the_server(rt, monkeypatch):
+def test_runtime_endpoint_over_the_server(sgl_runtime, monkeypatch):
     from lmnb.server import ServerHandle
 
     monkeypatch.setattr(program_module, "_default_backend", None)
-    with ServerHandle.start(rt) as server:
+    with ServerHandle.start(sgl_runtime) as server:
         sgl.set_default_backend(sgl.RuntimeEndpoint(server.url))
         remote = answer.run(question="What is 1+1?")
-        local = answer.run(question="What is 1+1?", backend=rt)
+        local = answer.run(question="What is 1+1?", backend=sgl_runtime)
         assert remote["answer"] == local["answer"]
         assert remote.get_meta_info("answer")["completion_tokens"] == 6
 
@@ -90,13 +75,13 @@ def test_runtime_endpoint_over_the_server(rt, monkeypatch):
             s += "The sky is"
             s += sgl.select("colour", [" blue", " green", " red"])
 
-        assert pick.run()["colour"] == pick.run(backend=rt)["colour"]
-        assert sgl.get_server_info()["max_total_num_tokens"] == rt.max_total_tokens
+        assert pick.run()["colour"] == pick.run(backend=sgl_runtime)["colour"]
+        assert sgl.get_server_info()["max_total_num_tokens"] == sgl_runtime.max_total_tokens
         assert sgl.flush_cache() is True
 
 
 # ---- gen, select, meta info ----------------------------------------------------------------------
-def test_logprobs_with_text_and_positional_select(backend):
+def test_logprobs_with_text_and_positional_select(sgl_backend):
     @sgl.function
     def scored(s):
         s += "The sky is"
@@ -109,7 +94,7 @@ def test_logprobs_with_text_and_positional_select(backend):
     plain = state.get_meta_info("plain")["output_token_logprobs"]
     assert all(len(entry) == 2 for entry in plain)
     triples = state.get_meta_info("texts")["output_token_logprobs"]
-    tokenizer = backend.get_tokenizer()
+    tokenizer = sgl_backend.get_tokenizer()
     assert [text for _, _, text in triples] == [tokenizer.decode([i]) for _, i, _ in triples]
     assert "".join(text for _, _, text in triples) == state["texts"]
     assert all(len(entry) == 3 for row in state.get_meta_info("texts")["output_top_logprobs"]
@@ -142,7 +127,7 @@ class Recorder:
         pass
 
 
-def test_dtype_regexes_and_stops_as_sglang(rt):
+def test_dtype_regexes_and_stops_as_sglang(sgl_runtime):
     from lmnb.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 
     @sgl.function
@@ -158,14 +143,14 @@ def test_dtype_regexes_and_stops_as_sglang(rt):
         assert sgl.gen("n", dtype=int, regex="[0-9]").params.regex == REGEX_INT
 
     # On the model: an int ends before any whitespace; a bool is True or False.
-    state = typed.run(backend=rt, temperature=1.0, max_new_tokens=8, seed=1)
+    state = typed.run(backend=sgl_runtime, temperature=1.0, max_new_tokens=8, seed=1)
     meta = state.get_meta_info("n")
     assert re.fullmatch(r"[-+]?[0-9]+", state["n"]) or meta["finish_reason"]["type"] == "length"
     assert state["ok"] in ("True", "False")
 
 
 # ---- ProgramState --------------------------------------------------------------------------------
-def test_state_item_assignment_iterators_and_copy(backend):
+def test_state_item_assignment_iterators_and_copy(sgl_backend):
     @sgl.function
     def chat(s, topic):
         s["topic"] = topic
@@ -193,7 +178,7 @@ def test_state_item_assignment_iterators_and_copy(backend):
     assert "".join(chat.run(topic="tea", stream=True).text_iter()) == state.text()
 
 
-def test_an_exception_in_the_body_surfaces_from_run(backend):
+def test_an_exception_in_the_body_surfaces_from_run(sgl_backend):
     @sgl.function
     def failing(s):
         s += "x" + sgl.gen("a", max_tokens=2)
@@ -204,7 +189,7 @@ def test_an_exception_in_the_body_surfaces_from_run(backend):
 
 
 # ---- fork / join, run_batch ----------------------------------------------------------------------
-def test_fork_join_as_sglang(backend):
+def test_fork_join_as_sglang(sgl_backend):
     @sgl.function
     def tips(s):
         s += "Tips:" + sgl.gen("intro", max_tokens=2, temperature=0)
@@ -225,7 +210,7 @@ def test_fork_join_as_sglang(backend):
     assert len(state.text()) > len("Tips:" + state["intro"] + "\nMore:")
 
 
-def test_run_batch_with_positional_tuples(backend, capsys):
+def test_run_batch_with_positional_tuples(sgl_backend, capsys):
     @sgl.function
     def pair(s, a, b):
         s += a + " and " + b + sgl.gen("rest", max_tokens=2, temperature=0)
@@ -238,7 +223,7 @@ def test_run_batch_with_positional_tuples(backend, capsys):
     assert [s["rest"] for s in compiled.run_batch([("salt", "pepper")])] == [states[0]["rest"]]
 
 
-def test_copy_block_traces_and_compiles(backend):
+def test_copy_block_traces_and_compiles(sgl_backend):
     @sgl.function
     def drafts(s, topic):
         s += "Topic: " + topic + "\n"
@@ -252,17 +237,17 @@ def test_copy_block_traces_and_compiles(backend):
     assert compiled.text() == expected.text()
 
 
-def test_trace_compile_and_cache_take_sglangs_arguments(backend):
+def test_trace_compile_and_cache_take_sglangs_arguments(sgl_backend):
     @sgl.function
     def shared(s, question):
         s += "You answer questions about tea.\n" * 4
         s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=2, temperature=0)
 
-    traced = shared.trace(backend=backend)
+    traced = shared.trace(backend=sgl_backend)
     assert traced.last_node is not None and traced.last_node == traced.nodes()[-1]
     prefix = shared.cache()
     assert prefix.startswith("You answer questions about tea.")
-    hits = backend.stats()["cached_tokens"]
-    state = shared.compile(backend=backend).run(question="Green?")
+    hits = sgl_backend.stats()["cached_tokens"]
+    state = shared.compile(backend=sgl_backend).run(question="Green?")
     assert state.get_meta_info("answer")["cached_tokens"] > 0
-    assert backend.stats()["cached_tokens"] > hits
+    assert sgl_backend.stats()["cached_tokens"] > hits

@@ -5,29 +5,12 @@ reasoning outputs are shaped by a regex so that the random model writes them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 import lmnb as sgl
-from lmnb.lang import program as program_module
 
 THINK = r"<think>[a-z]{2,6}</think>[A-Z][a-z]{1,5}"  # qwen3: with the opening tag
 R1 = r"[a-z]{2,6}</think>[A-Z][a-z]{1,5}"  # deepseek-r1: no opening tag
-
-
-@pytest.fixture(scope="module")
-def rt(tiny_models) -> Iterator[sgl.Runtime]:
-    runtime = sgl.Runtime(tiny_models["llama-gqa"], max_total_tokens=4096)
-    yield runtime
-    runtime.shutdown()
-
-
-@pytest.fixture
-def backend(rt, monkeypatch) -> sgl.Runtime:
-    monkeypatch.setattr(program_module, "_default_backend", None)  # restored afterwards
-    sgl.set_default_backend(rt)
-    return rt
 
 
 # ---- separate_reasoning -------------------------------------------------------------------------
@@ -41,7 +24,7 @@ def reasoner(s, question):
         sgl.gen("short", max_tokens=24, regex=R1), model_type="deepseek-r1")
 
 
-def test_separate_reasoning_as_sglang(backend):
+def test_separate_reasoning_as_sglang(sgl_backend):
     state = reasoner.run(question="What colour is the sky?", temperature=0)
     answer, thought = state["answer"], state["answer_reasoning_content"]
     assert thought.isalpha() and thought.islower() and answer[:1].isupper()
@@ -87,7 +70,7 @@ def panel(s, topic):
     s += "\nChair:" + sgl.gen("closing", max_tokens=3)
 
 
-def test_nested_function_runs_traces_and_compiles(backend):
+def test_nested_function_runs_traces_and_compiles(sgl_backend):
     state = panel.run(topic="tea", temperature=0, max_new_tokens=4)  # the called ones' too
     alone = expert_answer.run(topic="tea", temperature=0, max_new_tokens=4)
     assert f"\nExpert 1:{alone['description']}\n" in state.text()
@@ -98,7 +81,7 @@ def test_nested_function_runs_traces_and_compiles(backend):
     assert [s.call for s in traced.states] == [None, "expert_answer", "expert_answer"]
     assert "call expert_answer -> state 1" in str(traced)
     assert traced.last_node == traced.nodes()[-1]
-    compiled = panel.compile(backend=backend).run(topic="tea", temperature=0, max_new_tokens=4)
+    compiled = panel.compile(backend=sgl_backend).run(topic="tea", temperature=0, max_new_tokens=4)
     assert compiled.text() == state.text()
 
     batch = panel.compile().run_batch([{"topic": "tea"}, ("coffee",)], temperature=0,
@@ -107,7 +90,7 @@ def test_nested_function_runs_traces_and_compiles(backend):
     assert batch[1].text() == panel.run(topic="coffee", temperature=0, max_new_tokens=4).text()
 
 
-def test_nested_call_errors_and_subroutines(backend):
+def test_nested_call_errors_and_subroutines(sgl_backend):
     @sgl.function
     def broken(s):
         s += "x" + sgl.gen("y", max_tokens=1, regex="[")  # an invalid regex fails at the runtime
@@ -134,7 +117,7 @@ def test_nested_call_errors_and_subroutines(backend):
 
 
 # ---- messages, select meta_info -----------------------------------------------------------------
-def test_messages_strip_leading_whitespace_as_sglang(backend):
+def test_messages_strip_leading_whitespace_as_sglang(sgl_backend):
     @sgl.function
     def chat(s):
         s += sgl.user("  Hello there")
@@ -143,13 +126,13 @@ def test_messages_strip_leading_whitespace_as_sglang(backend):
     state = chat.run()
     assert state.messages() == [{"role": "user", "content": "Hello there"},
                                 {"role": "assistant", "content": "Hi!"}]
-    assert state.text() == backend.apply_chat_template(state.executor.messages_,
-                                                       add_generation_prompt=False)
+    assert state.text() == sgl_backend.apply_chat_template(state.executor.messages_,
+                                                           add_generation_prompt=False)
 
 
 @pytest.mark.parametrize("method", [sgl.token_length_normalized, sgl.greedy_token_selection,
                                     sgl.unconditional_likelihood_normalized])
-def test_select_meta_info_fields_as_sglang(backend, method):
+def test_select_meta_info_fields_as_sglang(sgl_backend, method):
     @sgl.function
     def pick(s):
         s += "The sky is"
@@ -159,7 +142,7 @@ def test_select_meta_info_fields_as_sglang(backend, method):
     assert {"normalized_prompt_logprobs", "input_token_logprobs",
             "output_token_logprobs"} <= set(meta)
     assert meta["output_token_logprobs"] == [[], []]
-    tokenizer = backend.get_tokenizer()
+    tokenizer = sgl_backend.get_tokenizer()
     for row in meta["input_token_logprobs"]:  # (logprob, token_id, text) per token
         assert all(text == tokenizer.decode([token]) for _, token, text in row)
     assert "".join(text for _, _, text in meta["input_token_logprobs"][1]).endswith("green")

@@ -2,44 +2,34 @@
 
 Without CUDA (or with TRITON_INTERPRET=1 already set) the kernels run in Triton's CPU interpreter
 on CPU tensors, with small shapes; with CUDA they are compiled and run on the GPU, with lengths up
-to 2k. Triton decides at decoration time, so the variable is set before the kernels are imported.
+to 2k. tests/triton_modes.py picks the mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-pytest.importorskip("numpy")
+# tests.triton_modes sets TRITON_INTERPRET: it is imported before any kernel module.
+from tests.triton_modes import DEVICES, INTERPRET, SAME_TRITON_MODE
 
-from lmnb.runtime.core import ForwardMode  # noqa: E402
-from lmnb.runtime.forward_batch import ForwardBatch  # noqa: E402
-from lmnb.runtime.kernels import triton_decode  # noqa: E402
-from lmnb.runtime.kernels.registry import (  # noqa: E402
+# isort: split
+from lmnb.runtime.core import ForwardMode
+from lmnb.runtime.forward_batch import ForwardBatch
+from lmnb.runtime.kernels.registry import (
     attention_backend_class,
     select_attention_backend,
 )
-from lmnb.runtime.kernels.triton_backend import TritonAttention  # noqa: E402
-from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers  # noqa: E402
-from lmnb.runtime.kernels.triton_extend import extend_attention  # noqa: E402
-from lmnb.runtime.memory import KVAllocator, KVStorage, ReqToTokenPool  # noqa: E402
+from lmnb.runtime.kernels.triton_backend import TritonAttention
+from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
+from lmnb.runtime.kernels.triton_extend import extend_attention
+from lmnb.runtime.memory import KVAllocator, KVStorage, ReqToTokenPool
 
-pytestmark = pytest.mark.skipif(triton_decode.INTERPRETED != INTERPRET,
-                                reason="the kernels were imported in the other Triton mode")
+pytestmark = SAME_TRITON_MODE
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="interpreter off")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        INTERPRET, reason="needs CUDA and compiled Triton")]),
-]
 SHAPES = [(4, 4, 64), (8, 2, 128), (8, 1, 64)]  # (heads, kv_heads, head_dim): GQA 1, 4, 8
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 

@@ -76,8 +76,12 @@ def _tokenizer(tokenizer_dir: str | Path | None) -> Any:
 
 def llava_config(variant: str, *, text: dict[str, Any], vision: dict[str, Any],
                  vocab_size: int, image_token_id: int, video_token_id: int,
-                 bos_token_id: int | None, eos_token_id: int | None) -> Any:
-    """The HF config of a LLaVA `variant` with these text and vision (CLIP) fields."""
+                 bos_token_id: int | None, eos_token_id: int | None,
+                 grid_pinpoints: list[list[int]] | None = None,
+                 overrides: dict[str, Any] | None = None) -> Any:
+    """The HF config of a LLaVA `variant` with these text and vision (CLIP) fields, LLaVA-NeXT's
+    anyres `grid_pinpoints` (default GRID_PINPOINTS) and top-level `overrides` (e.g.
+    `vision_feature_layer=[-3, -1]`, `vision_feature_select_strategy="full"`)."""
     from transformers import (
         AutoConfig,
         CLIPVisionConfig,
@@ -96,11 +100,13 @@ def llava_config(variant: str, *, text: dict[str, Any], vision: dict[str, Any],
                   image_token_id=image_token_id, vision_feature_layer=-2,
                   vision_feature_select_strategy="default", projector_hidden_act="gelu",
                   image_seq_length=side * side)
+    common.update(overrides or {})
+    pinpoints = grid_pinpoints or GRID_PINPOINTS
     if variant == "llava-1.5":
         return LlavaConfig(**common)
     if variant == "llava-next":
-        return LlavaNextConfig(**common, image_grid_pinpoints=GRID_PINPOINTS)
-    return LlavaNextVideoConfig(**common, image_grid_pinpoints=GRID_PINPOINTS,
+        return LlavaNextConfig(**common, image_grid_pinpoints=pinpoints)
+    return LlavaNextVideoConfig(**common, image_grid_pinpoints=pinpoints,
                                 video_token_id=video_token_id, spatial_pool_mode="average",
                                 spatial_pool_stride=2, video_seq_length=(side // 2) ** 2)
 
@@ -117,14 +123,14 @@ def _save_processor(target: Path, variant: str, config: Any, tokenizer: Any) -> 
     size = {"shortest_edge": vision.image_size}
     crop = {"height": vision.image_size, "width": vision.image_size}
     common = dict(tokenizer=tokenizer, patch_size=vision.patch_size,
-                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                  chat_template=tokenizer.chat_template)
+                  vision_feature_select_strategy=config.vision_feature_select_strategy,
+                  num_additional_image_tokens=1, chat_template=tokenizer.chat_template)
     if variant == "llava-1.5":
         image_processor = CLIPImageProcessorPil(size=size, crop_size=crop)
         processor = LlavaProcessor(image_processor=image_processor, **common)
     else:
-        image_processor = LlavaNextImageProcessorPil(size=size, crop_size=crop,
-                                                     image_grid_pinpoints=GRID_PINPOINTS)
+        image_processor = LlavaNextImageProcessorPil(
+            size=size, crop_size=crop, image_grid_pinpoints=config.image_grid_pinpoints)
         processor = LlavaNextProcessor(image_processor=image_processor, **common)
     processor.save_pretrained(target)
     image_processor.save_pretrained(target)  # preprocessor_config.json, as on the hub
@@ -147,12 +153,15 @@ def _save_processor(target: Path, variant: str, config: Any, tokenizer: Any) -> 
 def build_llava(target: str | Path, *, variant: str = "llava-next-video",
                 text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None,
                 tokenizer_dir: str | Path | None = None, seed: int = 0,
-                weights: bool = True, dtype: str = "float32") -> Path:
+                weights: bool = True, dtype: str = "float32",
+                grid_pinpoints: list[list[int]] | None = None,
+                overrides: dict[str, Any] | None = None) -> Path:
     """Writes a random-weight llava-hf folder of `variant` ("llava-1.5", "llava-next",
     "llava-next-video") with these text-model and CLIP-tower fields (default: tiny) into
     `target` (replacing it) and returns it. The tokenizer comes from `tokenizer_dir` (default:
     the embedded SmolLM2's) with `<image>` and `<video>` added; the text vocabulary covers it.
-    `weights=False` writes no weights: load with `load_format="dummy"` (GPU benchmarks)."""
+    `weights=False` writes no weights: load with `load_format="dummy"` (GPU benchmarks).
+    `grid_pinpoints`, `overrides`: as `llava_config` takes them."""
     import torch
 
     if variant not in VARIANTS:
@@ -166,7 +175,8 @@ def build_llava(target: str | Path, *, variant: str = "llava-next-video",
     config = llava_config(variant, text=text or TINY_TEXT, vision=vision or TINY_VISION,
                           vocab_size=vocab, image_token_id=image_id, video_token_id=video_id,
                           bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=tokenizer.eos_token_id)
+                          eos_token_id=tokenizer.eos_token_id,
+                          grid_pinpoints=grid_pinpoints, overrides=overrides)
     config.dtype = dtype
     tokenizer.save_pretrained(target)
     if weights:

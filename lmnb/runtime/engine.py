@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lmnb.multimodal.items import MediaItem, MultimodalInputs, pad_token_id
+from lmnb.multimodal.items import MultimodalInputs
 from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
@@ -26,6 +26,7 @@ from lmnb.runtime.fsm.index import get_token_index
 from lmnb.runtime.fsm.json_schema import InvalidSchemaError, json_schema_to_regex
 from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.fsm.regex import InvalidRegexError
+from lmnb.runtime.media_requests import MediaInput, build_media_prompts, check_prompt_ids
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
@@ -45,9 +46,6 @@ from lmnb.runtime.scheduler import (
     StopRules,
 )
 
-# One prompt: an image (path, PIL image, array, bytes, data: URL, MediaItem) or a list of them;
-# a list of prompts: a list of those (None for a prompt without media).
-MediaInput = Any
 _PIN_ATTEMPTS = 3
 
 
@@ -417,9 +415,9 @@ class Runtime:
         self._check_open()
         token_lists, is_batch = prompt_id_lists(prompt, input_ids, self.encode)
         params_list = self._params_list(sampling_params, len(token_lists))
-        media = self._media_lists(image_data, video_data, len(token_lists), is_batch)
-        prompts = [self._expand(ids, items) for ids, items in zip(token_lists, media,
-                                                                  strict=True)]
+        prompts = build_media_prompts(self.media_processor, token_lists, image_data, video_data,
+                                      is_batch=is_batch, vocab_size=self.model_config.vocab_size,
+                                      model_name=self.model_config.architecture or "this model")
         states = [
             self._make_state(ids, params, sample_index=k, return_logprob=return_logprob,
                              logprob_start_len=logprob_start_len,
@@ -475,7 +473,7 @@ class Runtime:
         if not ids:
             raise InvalidRequestError("empty prompt: it has no tokens")
         vocab = self.model_config.vocab_size
-        self._check_ids(ids, mm_inputs)
+        check_prompt_ids(ids, mm_inputs, vocab)
         if len(ids) >= self.context_len:
             media = ""
             if mm_inputs is not None:
@@ -512,62 +510,7 @@ class Runtime:
                 params.seed + sample_index)
         return state
 
-    def _check_ids(self, ids: list[int], mm_inputs: MultimodalInputs | None) -> None:
-        """Text ids in [0, vocab_size); pad ids (>= vocab_size) only inside media spans."""
-        vocab = self.model_config.vocab_size
-        if mm_inputs is not None:
-            ids = list(ids)
-            for item in mm_inputs.items:
-                span = ids[item.offset:item.end]
-                if item.offset < 0 or span != [pad_token_id(item.hash, vocab)] * item.num_tokens:
-                    raise InvalidRequestError(f"a {item.kind} span is not where its item says")
-                ids[item.offset:item.end] = [0] * item.num_tokens
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"input_ids must be ints in [0, {vocab})")
-
     # ---- media ---------------------------------------------------------------------------------
-    def _media_lists(self, image_data: MediaInput, video_data: MediaInput, count: int,
-                     is_batch: bool) -> list[list[MediaItem]]:
-        """Per prompt its media items (images, then videos; each kind in prompt order),
-        loaded and preprocessed here, on the caller's thread."""
-        if image_data is None and video_data is None:
-            return [[] for _ in range(count)]
-        processor = self.media_processor
-        if processor is None:
-            raise InvalidRequestError(f"{self.model_config.architecture or 'this model'} is a "
-                                      "text model: it takes no image_data or video_data")
-        per_prompt: list[list[MediaItem]] = [[] for _ in range(count)]
-        for kind, data in (("image", image_data), ("video", video_data)):
-            if data is None:
-                continue
-            if is_batch:
-                if not isinstance(data, list | tuple) or len(data) != count:
-                    raise InvalidRequestError(
-                        f"{kind}_data for a list of {count} prompts must be a list of {count} "
-                        f"entries (an {kind}, a list of them, or None per prompt)")
-                groups = list(data)
-            else:
-                groups = [data]
-            for items, group in zip(per_prompt, groups, strict=True):
-                if group is None:
-                    continue
-                sources = list(group) if isinstance(group, list | tuple) else [group]
-                items.extend(processor.item(kind, source) for source in sources)
-        return per_prompt
-
-    def _expand(self, ids: list[int], items: list[MediaItem]
-                ) -> tuple[list[int], MultimodalInputs | None]:
-        """The prompt with each image/video token replaced by its item's span of pad ids."""
-        processor = self.media_processor
-        if processor is None:
-            return ids, None
-        media_tokens = {processor.image_token_id, processor.video_token_id} - {None}
-        if not items and not any(t in media_tokens for t in ids):
-            return ids, None
-        self._check_ids(ids, None)
-        expanded = processor.expand(ids, items)
-        return expanded, MultimodalInputs(sorted(items, key=lambda item: item.offset))
-
     @property
     def image_token(self) -> str | None:
         """The text of the prompt token that stands for one image (None: no images)."""

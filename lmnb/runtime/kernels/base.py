@@ -16,6 +16,14 @@ class BackendChoice(NamedTuple):
     reason: str  # why this backend, e.g. why "auto" passed over the faster ones
 
 
+class LayerAttentionInputs(NamedTuple):
+    """What every backend's `forward` attends with, after the new K/V are in the pool."""
+
+    q: torch.Tensor  # [num_tokens, heads, head_dim], a view of forward's q
+    k_buffer: torch.Tensor  # [slots, kv_heads, head_dim], the layer's pool buffers
+    v_buffer: torch.Tensor
+
+
 class AttentionBackend(ABC):
     """Attention over the token-level KV pool (page size 1).
 
@@ -77,6 +85,17 @@ class AttentionBackend(ABC):
         shape = (k.shape[0], self.num_kv_heads, self.head_dim)
         self.kv_storage.set_kv(layer_id, forward_batch.out_cache_loc, k.view(shape),
                                v.view(shape))
+
+    def prepare_layer(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                      layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
+                      ) -> LayerAttentionInputs:
+        """The common start of `forward`: store the new K/V (unless save_kv=False), look up the
+        layer's KV buffers and view q per head."""
+        if save_kv:
+            self.store_kv(k, v, layer_id, forward_batch)
+        storage = self.kv_storage
+        return LayerAttentionInputs(q.view(q.shape[0], self.num_heads, self.head_dim),
+                                    storage.k_buffers[layer_id], storage.v_buffers[layer_id])
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

@@ -103,15 +103,12 @@ class FlashInferAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
                 ) -> torch.Tensor:
-        storage = self.kv_storage
-        num_tokens = q.shape[0]
-        if save_kv:
-            self.store_kv(k, v, layer_id, forward_batch)
-        cache = (storage.k_buffers[layer_id].unsqueeze(1),  # [pages, page_size 1, kv_heads, dim]
-                 storage.v_buffers[layer_id].unsqueeze(1))
-        query = q.view(num_tokens, self.num_heads, self.head_dim).to(storage.dtype)
-        out = self._active.run(query, cache)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim).to(q.dtype)
+        query, k_buffer, v_buffer = self.prepare_layer(q, k, v, layer_id, forward_batch,
+                                                       save_kv=save_kv)
+        cache = (k_buffer.unsqueeze(1),  # [pages, page_size 1, kv_heads, dim]
+                 v_buffer.unsqueeze(1))
+        out = self._active.run(query.to(self.kv_storage.dtype), cache)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim).to(q.dtype)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_capture(self, max_bs: int) -> None:

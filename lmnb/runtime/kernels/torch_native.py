@@ -68,17 +68,13 @@ class TorchNativeAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
                 ) -> torch.Tensor:
-        pool = self.kv_storage
-        num_tokens = q.shape[0]
-        if save_kv:
-            self.store_kv(k, v, layer_id, forward_batch)
-        k_buffer, v_buffer = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        q, k_buffer, v_buffer = self.prepare_layer(q, k, v, layer_id, forward_batch,
+                                                   save_kv=save_kv)
         if forward_batch.mode is ForwardMode.DECODE:
             out = self._decode(q, k_buffer, v_buffer)
         else:
             out = self._extend(q, k_buffer, v_buffer, forward_batch)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, k_buffer: torch.Tensor,
                 v_buffer: torch.Tensor) -> torch.Tensor:

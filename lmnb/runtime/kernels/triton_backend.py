@@ -90,12 +90,8 @@ class TritonAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
                 ) -> torch.Tensor:
-        pool = self.kv_storage
-        num_tokens = q.shape[0]
-        if save_kv:
-            self.store_kv(k, v, layer_id, forward_batch)
-        k_buffer, v_buffer = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        q, k_buffer, v_buffer = self.prepare_layer(q, k, v, layer_id, forward_batch,
+                                                   save_kv=save_kv)
         out = torch.empty_like(q)
         if forward_batch.mode is ForwardMode.DECODE:
             decode_attention(q, k_buffer, v_buffer, out, self._kv_indptr, self._kv_indices,
@@ -105,4 +101,4 @@ class TritonAttention(AttentionBackend):
             extend_attention(q, k_buffer, v_buffer, out, forward_batch.qo_indptr,
                              forward_batch.kv_indptr, forward_batch.kv_indices,
                              max_extend_len=self._max_extend_len, scale=self.scale)
-        return out.view(num_tokens, self.num_heads * self.head_dim)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
