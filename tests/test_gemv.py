@@ -7,42 +7,29 @@ Without CUDA the kernel runs in Triton's CPU interpreter on CPU tensors; with CU
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch.nn import functional as F
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-pytest.importorskip("numpy")
+from tests.triton_modes import DEVICES, KERNEL_DEVICE, SAME_TRITON_MODE
 
-from lmnb.runtime.kernels import triton_decode  # noqa: E402
-from lmnb.runtime.kernels.fused import gemv  # noqa: E402
-from lmnb.runtime.kernels.fused.gemv import (  # noqa: E402
+# isort: split
+from lmnb.runtime.kernels.fused import gemv
+from lmnb.runtime.kernels.fused.gemv import (
     SKINNY_MAX_ROWS,
     SkinnyConfig,
     skinny_config,
     skinny_linear,
 )
-from lmnb.runtime.models.layers import linear as linear_layers  # noqa: E402
-from lmnb.runtime.models.layers.linear import (  # noqa: E402
+from lmnb.runtime.models.layers import linear as linear_layers
+from lmnb.runtime.models.layers.linear import (
     LogitsProjection,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 
-pytestmark = pytest.mark.skipif(triton_decode.INTERPRETED != INTERPRET,
-                                reason="the kernels were imported in the other Triton mode")
-
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="interpreter off")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        INTERPRET, reason="needs CUDA and compiled Triton")]),
-]
+pytestmark = SAME_TRITON_MODE
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -186,7 +173,7 @@ def test_a_fused_tiny_model_decodes_the_same_greedy_tokens(tiny_models, monkeypa
     from lmnb.runtime import engine
     from lmnb.runtime.engine import Runtime
 
-    device = "cpu" if INTERPRET else "cuda"
+    device = KERNEL_DEVICE
     monkeypatch.setattr(engine, "fused_kernels_available", lambda device: True)
     prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
     params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
