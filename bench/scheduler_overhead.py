@@ -92,8 +92,11 @@ class TimedSampler:
 
 
 def scheduler_step_times(model_config: ModelConfig, tokenizer: Any, device: torch.device,
-                         batch_size: int, steps: int) -> dict[str, float]:
-    """Median milliseconds per decode step at `batch_size` (after warm-up)."""
+                         batch_size: int, steps: int, *, temperature: float = 0.0,
+                         overlap: bool = False) -> dict[str, float]:
+    """Median milliseconds per decode step at `batch_size` (after warm-up), of which sampling;
+    the scheduler thread's CPU time per step and the output thread's (its mean busy time per
+    step it handled: detokenizing and delivering, competing for the GIL)."""
     max_tokens = batch_size * (PROMPT_LEN + steps + 16) + 64
     engine_config = EngineConfig(max_total_tokens=max_tokens, max_running_requests=batch_size,
                                  context_length=PROMPT_LEN + steps + 32)
@@ -108,11 +111,13 @@ def scheduler_step_times(model_config: ModelConfig, tokenizer: Any, device: torc
     scheduler = Scheduler(
         runner=runner, cache=CacheManager(RadixCache(allocator), allocator,
                                           runner.req_to_token_pool),
-        policy=make_policy("lpm"), config=SchedulerConfig(chunked_prefill_size=8192),
+        policy=make_policy("lpm"), config=SchedulerConfig(chunked_prefill_size=8192,
+                                                          overlap_schedule=overlap),
         stop_rules=StopRules({2}), sink=outputs, tokenizer=tokenizer)
     states = [ReqState(Req(origin_input_ids=[(7 * i + j) % 30000 + 100 for j in range(PROMPT_LEN)],
                            sampling_params=SamplingParams(max_new_tokens=steps + 8,
-                                                          temperature=0.0, ignore_eos=True)))
+                                                          temperature=temperature,
+                                                          ignore_eos=True)))
               for i in range(batch_size)]
     stream = OutputStream([s.rid for s in states], incremental=True)
     for state in states:
@@ -120,19 +125,24 @@ def scheduler_step_times(model_config: ModelConfig, tokenizer: Any, device: torc
         scheduler.add(state)
     while scheduler.table.waiting:  # prefill
         scheduler.step()
-    times, sampling = [], []
+    times, sampling, cpu = [], [], []
     for _ in range(steps):
         before = sampler.seconds
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         scheduler.step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
         sampling.append(sampler.seconds - before)
     assert len(scheduler.table.running) == batch_size, "every request must still decode"
     stream.close()
     outputs.close()
     skip = min(5, steps // 4)  # warm-up
     return {"step_ms": 1e3 * statistics.median(times[skip:]),
-            "sampling_ms": 1e3 * statistics.median(sampling[skip:])}
+            "sampling_ms": 1e3 * statistics.median(sampling[skip:]),
+            "rest_ms": 1e3 * statistics.median(t - s for t, s in zip(times[skip:], sampling[skip:],
+                                                                      strict=True)),
+            "scheduler_cpu_ms": 1e3 * statistics.median(cpu[skip:]),
+            "output_thread_ms": 1e3 * outputs.busy_seconds / max(outputs.batches_handled, 1)}
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -205,6 +215,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-config", default=None, choices=sorted(DUMMY_CONFIGS),
                         help="also time batch-1 decode of random weights of this architecture")
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="of every request (the offline workload samples at 0.6)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="overlap schedule (the default on CUDA): launch step N+1, then "
+                        "process step N")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="folder with the tokenizer files (default: the embedded SmolLM2)")
     return parser.parse_args(argv)
@@ -226,13 +241,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     per_batch = {}
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-        result = scheduler_step_times(model_config, tokenizer, device, batch_size, args.steps)
+        result = scheduler_step_times(model_config, tokenizer, device, batch_size, args.steps,
+                                      temperature=args.temperature, overlap=args.overlap)
         per_batch[batch_size] = result
         rows.append([batch_size, f"{result['step_ms']:.3f}", f"{result['sampling_ms']:.3f}",
-                     f"{result['step_ms'] - result['sampling_ms']:.3f}"])
+                     f"{result['rest_ms']:.3f}",
+                     f"{result['scheduler_cpu_ms']:.3f}", f"{result['output_thread_ms']:.3f}"])
     print(f"scheduler overhead per decode step (null model, vocab {model_config.vocab_size}, "
-          f"prompt {PROMPT_LEN}) on {device}")
-    print(format_table(["batch", "step ms", "of which sampling ms", "rest ms"], rows))
+          f"prompt {PROMPT_LEN}, temperature {args.temperature}, "
+          f"overlap {'on' if args.overlap else 'off'}) on {device}")
+    print(format_table(["batch", "step ms", "of which sampling ms", "rest ms (per-step median)",
+                        "scheduler thread CPU ms", "output thread ms"], rows))
     results: dict[str, Any] = {"environment": environment(device), "args": vars(args) | {
         "tokenizer": str(args.tokenizer) if args.tokenizer else None},
         "scheduler_overhead": per_batch}

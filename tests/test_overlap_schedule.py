@@ -161,3 +161,19 @@ def test_overlap_is_on_by_default_only_on_cuda(tiny_models) -> None:
 
     with Runtime(str(tiny_models["llama-mha"]), device="cpu") as rt:
         assert rt.stats()["overlap_schedule"] is False
+
+
+def test_penalties_count_every_token_with_overlap(tiny_models) -> None:
+    """The pass launched while one is in flight keeps the batch's sampling state (its device
+    counts include the token not yet appended), so penalties see every output token."""
+    from lmnb.runtime.engine import Runtime
+
+    params = [{"max_new_tokens": 16, "temperature": 0, "frequency_penalty": 1.5},
+              {"max_new_tokens": 16, "temperature": 0, "repetition_penalty": 1.8}]
+    outputs = {}
+    for disable in (True, False):
+        with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
+                     disable_overlap_schedule=disable) as rt:
+            outputs[disable] = [o["output_ids"] for o in rt.generate(
+                ["The cat sat on", "A list of colours: red,"], params)]
+    assert outputs[False] == outputs[True]

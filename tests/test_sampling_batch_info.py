@@ -30,9 +30,11 @@ def test_matches_while_rows_grow_by_the_advanced_tokens() -> None:
     assert not info.matches(reqs[:2])
     assert not info.matches([reqs[1], reqs[0], reqs[2]])
     info.advance(torch.tensor([7, 8, 9]))
-    assert not info.matches(reqs)  # the caller has not appended the tokens yet
-    for req, token in zip(reqs, (7, 8, 9), strict=True):
-        req.output_ids.append(token)
+    assert info.matches(reqs)  # one step behind: the overlap schedule's pass in flight
+    info.advance(torch.tensor([1, 2, 3]))
+    assert not info.matches(reqs)  # two steps behind: tokens were lost
+    for req, first, second in zip(reqs, (7, 8, 9), (1, 2, 3), strict=True):
+        req.output_ids.extend((first, second))
     assert info.matches(reqs)
     reqs[1].output_ids.append(10)  # a token the info never saw (e.g. jump-forward)
     assert not info.matches(reqs)

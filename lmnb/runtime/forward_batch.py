@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmnb.runtime.core import ForwardMode
-from lmnb.runtime.kernels.metadata import build_indptr, build_kv_indices, build_positions
+from lmnb.runtime.kernels.metadata import (
+    build_indptr,
+    build_kv_indices,
+    build_positions,
+    host_int64,
+)
 
 if TYPE_CHECKING:
     from lmnb.runtime.memory import KVStorage, ReqToTokenPool
@@ -63,12 +69,13 @@ class ForwardBatch:
         """
         device = req_to_token.device
         bs = len(req_pool_indices)
-        seq_lens_cpu = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        if len(prefix_lens) != bs or len(extend_lens) != bs:
+            raise ValueError(f"{bs} requests but {len(prefix_lens)} prefix_lens and "
+                             f"{len(extend_lens)} extend_lens")
+        seq_lens_cpu = list(map(operator.add, prefix_lens, extend_lens))
         ids_given = isinstance(input_ids, torch.Tensor)
-        host = torch.tensor([*req_pool_indices, *prefix_lens, *extend_lens,
-                             *([] if ids_given else input_ids)], dtype=torch.int64)
-        if device.type == "cuda":
-            host = host.pin_memory()
+        host = host_int64([*req_pool_indices, *prefix_lens, *extend_lens,
+                           *(() if ids_given else input_ids)], pin=device.type == "cuda")
         packed = host.to(device, non_blocking=True)
         ids = (input_ids.to(device=device, dtype=torch.int64, non_blocking=True) if ids_given
                else packed[3 * bs:])

@@ -9,6 +9,7 @@ from typing import Any
 from lmnb.multimodal.items import MediaItem, MultimodalInputs, pad_token_id
 from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime.core import InvalidRequestError
+from lmnb.runtime.prompts import ids_in_range
 
 # One prompt: an image (path, PIL image, array, bytes, data: URL, MediaItem) or a list of them;
 # a list of prompts: a list of those (None for a prompt without media).
@@ -38,7 +39,7 @@ def check_prompt_ids(ids: list[int], mm_inputs: MultimodalInputs | None, vocab_s
             if item.offset < 0 or span != [pad_token_id(item.hash, vocab_size)] * item.num_tokens:
                 raise InvalidRequestError(f"a {item.kind} span is not where its item says")
             ids[item.offset:item.end] = [0] * item.num_tokens
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+    if not ids_in_range(ids, vocab_size):
         raise InvalidRequestError(f"input_ids must be ints in [0, {vocab_size})")
 
 

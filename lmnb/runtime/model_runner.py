@@ -256,7 +256,9 @@ class ModelRunner:
         self._last_sampled = None
         if sample_rows:
             logits = (graph_logits if graph_logits is not None
-                      else self.model.compute_logits(hidden[last_token_rows]))
+                      else self.model.compute_logits(  # every row (decode): no gather
+                          hidden if last_token_rows == list(range(len(hidden)))
+                          else hidden[last_token_rows]))
             rows = list(rows)
             info = self._sampling_info(rows)
             sampled = self.sampler(logits, info, self._grammar_mask(rows, info))

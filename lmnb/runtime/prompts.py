@@ -11,6 +11,17 @@ PromptInput = str | Sequence[str] | None
 IdsInput = Sequence[int] | Sequence[Sequence[int]] | None
 
 
+def all_ints(values: Sequence[object]) -> bool:
+    """Whether every value is an int (bools included, as `isinstance` says), checked at C speed
+    for the usual plain-int lists; other int subclasses take the per-item check."""
+    return set(map(type, values)) <= {int} or all(isinstance(v, int) for v in values)
+
+
+def ids_in_range(ids: Sequence[object], vocab_size: int) -> bool:
+    """Whether `ids` are ints in [0, vocab_size) (C-speed min/max, no per-token Python)."""
+    return not ids or (all_ints(ids) and min(ids) >= 0 and max(ids) < vocab_size)
+
+
 def prompt_id_lists(prompt: PromptInput, input_ids: IdsInput,
                 encode: Callable[[str], list[int]]) -> tuple[list[list[int]], bool]:
     """(one id list per prompt, whether a list of prompts was given); exactly one of `prompt`
@@ -27,7 +38,7 @@ def prompt_id_lists(prompt: PromptInput, input_ids: IdsInput,
         return [encode(p) for p in prompt], True
     if not input_ids:
         raise InvalidRequestError("empty input_ids")
-    if all(isinstance(t, int) for t in input_ids):
+    if all_ints(input_ids):
         return [list(input_ids)], False
     if all(isinstance(ids, list | tuple) for ids in input_ids):
         return [list(ids) for ids in input_ids], True

@@ -16,6 +16,7 @@ such (garbage) output the text keeps them, as SentencePiece's own decoder does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -50,8 +51,8 @@ def fast_decode(tokenizer: Decoder, skip_special_tokens: bool) -> Callable[[list
     more than the decoding of a few ids."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -86,8 +87,11 @@ class IncrementalDetokenizer:
         """Feed newly generated ids; returns the new text that is safe to stream."""
         if self.finished or len(token_ids) == 0:
             return ""
-        self._ids.extend(int(i) for i in token_ids)
+        self._ids.extend(map(int, token_ids))
         self._pending += self._decode_delta(final=False)
+        if not self.stop:  # nothing to match or hold back
+            pending, self._pending = self._pending, ""
+            return self._emit(pending)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -111,8 +115,9 @@ class IncrementalDetokenizer:
         start, read, end = self._prefix_offset, self._read_offset, len(self._ids)
         if read == end:
             return ""
-        prefix = self._decode(start, read)
-        window = self._decode(start, end)
+        ids, decode = self._ids, self._decode_ids
+        prefix = decode(ids[start:read])
+        window = decode(ids[start:end])
         stalled = end - read > _MAX_PENDING
         if final or not window.endswith(_REPLACEMENT):
             if len(window) > len(prefix) or final or stalled:

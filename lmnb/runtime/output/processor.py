@@ -61,6 +61,8 @@ class OutputProcessor:
         self._requests: dict[Any, _RequestOutput] = {}
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
+        self.busy_seconds = 0.0  # CPU time of this thread in `process` (for benchmarks)
+        self.batches_handled = 0
 
     # ---- called from other threads ---------------------------------------------------------------
     def register(self, stream: OutputStream, rid: Any, *, tokenizer: Decoder,
@@ -124,7 +126,10 @@ class OutputProcessor:
                     item.tokenizer, item.prompt_ids,
                     skip_special_tokens=item.skip_special_tokens, stop=item.stop))
         else:
+            start = time.thread_time()
             self.process(item)
+            self.busy_seconds += time.thread_time() - start
+            self.batches_handled += 1
         return True
 
     def process(self, events: list[TokenEvent]) -> None:

@@ -114,19 +114,23 @@ class SamplingBatchInfo:
 
     def matches(self, rows: Sequence[SamplingRow]) -> bool:
         """Whether this info still describes `rows` (same objects, outputs grown only by the
-        tokens given to `advance`). O(rows) attribute reads, no device work."""
+        tokens given to `advance`, the last of which may not be appended yet: the overlap
+        schedule launches the next pass before processing the one in flight, and the state
+        advanced on the device already counts its tokens). O(rows) attribute reads, no device
+        work."""
         if len(rows) != self.batch_size:
             return False
         steps = self._steps
         for row, mine, outputs, length in zip(rows, self.rows, self._outputs, self._output_lens,
                                               strict=True):
-            if row is not mine or row.output_ids is not outputs or len(outputs) != length + steps:
+            if (row is not mine or row.output_ids is not outputs
+                    or not 0 <= length + steps - len(outputs) <= 1):
                 return False
         return True
 
     def advance(self, next_token_ids: torch.Tensor) -> None:
         """Records one sampled id per row ([bs] device tensor; no sync). The caller appends the
-        same ids to the rows' `output_ids` before the next `matches`."""
+        same ids to the rows' `output_ids` before the `matches` after the next one."""
         if self.penalties is not None:
             self.penalties.advance(next_token_ids)
         if self.min_new_tokens is not None:

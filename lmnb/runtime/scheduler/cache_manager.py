@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lmnb.runtime.core import Req
+from lmnb.runtime.kernels.metadata import host_int64
 from lmnb.runtime.memory import KVAllocator, ReqToTokenPool
 from lmnb.runtime.prefix_cache import MatchResult, PrefixCache
 
@@ -65,14 +66,16 @@ class CacheManager:
         self.table[req.req_pool_idx, req.kv_len:req.kv_len + len(slots)] = slots
         req.kv_len += len(slots)
 
-    def extend_each_by_one(self, reqs: list[Req], slots: torch.Tensor) -> None:
-        """Decode: request i's next token goes to `slots[i]` (one indexed write for the batch;
-        the indices travel from pinned memory, so the copy does not wait for the device)."""
+    def extend_each_by_one(self, reqs: list[Req], slots: torch.Tensor, pool_indices: list[int],
+                           kv_lens: list[int]) -> None:
+        """Decode: request i (row `pool_indices[i]`, `kv_lens[i]` tokens of KV so far) has its
+        next token's KV in `slots[i]` (one indexed write for the batch; the indices travel from
+        pinned memory, so the copy does not wait for the device)."""
         device = self.table.device
-        pinned = device.type == "cuda"
-        where = torch.tensor([[req.req_pool_idx for req in reqs], [req.kv_len for req in reqs]],
-                             dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
-        self.table[where[0], where[1]] = slots
+        where = host_int64([*pool_indices, *kv_lens], pin=device.type == "cuda").to(
+            device, non_blocking=True)
+        n = len(reqs)
+        self.table[where[:n], where[n:]] = slots
         for req in reqs:
             req.kv_len += 1
 

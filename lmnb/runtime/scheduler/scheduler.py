@@ -277,12 +277,13 @@ class Scheduler:
                     follows_previous: bool = False) -> Batch:
         out_cache_loc = self.cache.alloc(sum(extend_lens))
         prefix_lens = [req.kv_len for req in reqs]
+        pool_indices = [req.req_pool_idx for req in reqs]
         input_ids: list[int] = []
         samples: list[bool] = []
         spans: list[InputLogprobSpan | None] = []
         mm_inputs = [] if mode is ForwardMode.DECODE else [req.mm_inputs for req in reqs]
         if mode is ForwardMode.DECODE:
-            self.cache.extend_each_by_one(reqs, out_cache_loc)
+            self.cache.extend_each_by_one(reqs, out_cache_loc, pool_indices, prefix_lens)
             samples = [True] * len(reqs)
             if not follows_previous:
                 input_ids = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
@@ -298,8 +299,7 @@ class Scheduler:
                 samples.append(completes
                                and req.sampling_params.max_new_tokens > len(req.output_ids))
                 spans.append(_input_logprob_span(req, prefix_len, extend_len))
-        return Batch(mode=mode, rids=[req.rid for req in reqs],
-                     req_pool_indices=[req.req_pool_idx for req in reqs],
+        return Batch(mode=mode, rids=[req.rid for req in reqs], req_pool_indices=pool_indices,
                      prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
                      out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans,
                      follows_previous=follows_previous,
@@ -326,6 +326,9 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------
     def _process(self, batch: Batch, reqs: list[Req], output: Any) -> None:
         extend = batch.mode is ForwardMode.EXTEND
+        if not extend:
+            self._process_decode(reqs, output)
+            return
         for i, req in enumerate(reqs):
             state = self.table.states.get(req.rid)
             if state is None or state.req is not req:
@@ -346,6 +349,35 @@ class Scheduler:
                 self._finish(state, finish_length(len(req.output_ids)))
             if extend and req.req_pool_idx is not None:  # still live, not jumped
                 self.cache.cache_unfinished(req)
+
+    def _process_decode(self, reqs: list[Req], output: Any) -> None:
+        """`_process` of a DECODE pass (every request samples; no prompt logprobs), with the
+        common case inline: a request without logprobs, grammar or text stop rules appends its
+        token and checks the token and length rules only."""
+        states, events, rules = self.table.states, self._events, self.stop_rules
+        plain = 0
+        for i, (req, token) in enumerate(zip(reqs, output.next_token_ids, strict=True)):
+            state = states.get(req.rid)
+            if state is None or state.req is not req:
+                continue  # ended while its pass was in flight (overlap): the token is dropped
+            req.forward_passes += 1
+            if (token is None or req.return_logprob or state.grammar is not None
+                    or state.stop_text is not None):
+                if token is not None:
+                    self._append_token(state, token, output.next_token_logprobs[i],
+                                       output.next_top_logprobs[i])
+                elif req.kv_len == req.fill_len:
+                    self._finish(state, finish_length(len(req.output_ids)))
+                continue
+            output_ids = req.output_ids
+            output_ids.append(token)
+            plain += 1
+            reason = rules.by_token_or_length(token, req.sampling_params, len(output_ids))
+            if reason is None:
+                events.append(TokenEvent(req.rid, [token]))
+            else:
+                self._finish(state, reason, new_ids=[token])
+        self.stats.generated_tokens += plain
 
     def _append_token(self, state: ReqState, token: int, logprob: float | None,
                       top: list[tuple[float, int]] | None) -> None:

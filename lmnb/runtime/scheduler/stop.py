@@ -61,6 +61,18 @@ class StopRules:
             return finish_stop(token)
         return None
 
+    def by_token_or_length(self, token: int, params: SamplingParams, output_len: int
+                           ) -> dict[str, Any] | None:
+        """`by_token`, then the length limit: every rule of a request without stop strings,
+        stop regexes or a grammar (`after_text` with neither), in one call."""
+        if output_len > params.min_new_tokens and (
+                (token in self.eos_token_ids and not params.ignore_eos)
+                or token in params.stop_token_ids):
+            return finish_stop(token)
+        if output_len >= params.max_new_tokens:
+            return finish_length(output_len)
+        return None
+
     @staticmethod
     def after_text(stop_text: StopText | None, grammar: Any, params: SamplingParams,
                    output_len: int) -> dict[str, Any] | None:
