@@ -177,3 +177,45 @@ def test_penalties_count_every_token_with_overlap(tiny_models) -> None:
             outputs[disable] = [o["output_ids"] for o in rt.generate(
                 ["The cat sat on", "A list of colours: red,"], params)]
     assert outputs[False] == outputs[True]
+
+
+def test_a_request_ending_by_length_does_not_stall_the_pipeline() -> None:
+    """When requests have their last token in flight, the next pass carries the others
+    (`previous_rows`), so every decode pass after the first follows the one before it."""
+    runner = PipelinedFakeRunner(lambda row: 100 + len(row.output_ids))
+    scheduler = make(chunk=64, runner=runner)
+    scheduler.config.overlap_schedule = True
+    states = [request([10 * k, 1, 2], max_new_tokens=m) for k, m in ((1, 3), (2, 6), (3, 4))]
+    for state in states:
+        scheduler.add(state)
+    run_to_end(scheduler)
+    assert [s.req.output_ids for s in states] == [[100 + i for i in range(m)] for m in (3, 6, 4)]
+    decodes = [b for b in runner.batches if b.mode is ForwardMode.DECODE]
+    assert all(b.follows_previous for b in decodes[1:])
+    rids = [s.rid for s in states]
+    subsets = [(b.rids, b.previous_rows) for b in decodes if b.previous_rows is not None]
+    # the first request's last token is in flight: the pass after carries rows 1 and 2
+    assert subsets[0] == ([rids[1], rids[2]], [1, 2])
+    assert subsets[1] == ([rids[1]], [0])
+    scheduler.check_integrity()
+
+
+def test_runtime_keeps_the_pipeline_across_requests_ending_by_length(tiny_models) -> None:
+    """The same greedy tokens with overlap on and off, and the device-side token gather of the
+    requests that go on picks each request's own token (different lengths, sampled rows)."""
+    from lmnb.runtime.engine import Runtime
+
+    prompts = ["The cat sat on", "A list of colours: red,", "Once upon a time", "1, 2, 3,"]
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (3, 11, 6, 8)]
+    params[2].update(temperature=0.9, seed=7)
+    results, passes = {}, {}
+    for disable in (True, False):
+        with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
+                     disable_overlap_schedule=disable, check_integrity_each_step=True) as rt:
+            results[disable] = [o["output_ids"] for o in rt.generate(prompts, params)]
+            stats = rt.stats()
+            passes[disable] = (stats["forward_passes"], stats["overlapped_passes"])
+    assert results[False] == results[True]
+    assert [len(ids) for ids in results[False]] == [3, 11, 6, 8]
+    total, overlapped = passes[False]
+    assert overlapped == total - 2  # all but the prefill and the first decode pass

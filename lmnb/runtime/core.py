@@ -150,8 +150,9 @@ class Batch:
     the i-th run of `input_ids` and whose KV goes to the same run of `out_cache_loc`. DECODE is
     the case of one token per request. `samples[i]`: request i draws a token after the pass
     (false for a chunk that leaves part of the prompt to prefill). `follows_previous`: a DECODE
-    pass of the same requests, in the same order, as the pass launched just before it, whose
-    sampled tokens (still on the device) are its input ids; `input_ids` is then empty.
+    pass of requests of the pass launched just before it, in the same order, whose sampled
+    tokens (still on the device) are its input ids; `input_ids` is then empty. `previous_rows`:
+    the row of that pass each request continues (None: every row, so the same requests).
     """
 
     mode: ForwardMode
@@ -164,6 +165,7 @@ class Batch:
     samples: list[bool]
     input_logprobs: list[InputLogprobSpan | None] = field(default_factory=list)
     follows_previous: bool = False
+    previous_rows: list[int] | None = None
     # EXTEND: per request (aligned with rids) its media, or None; empty for DECODE. The model
     # runner splices the embeddings of the items overlapping each request's extend range.
     mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)

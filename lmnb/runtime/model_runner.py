@@ -15,6 +15,7 @@ from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
+from lmnb.runtime.kernels.metadata import host_int64
 from lmnb.runtime.kernels.registry import (
     attention_backend_class,
     create_attention_backend,
@@ -244,9 +245,7 @@ class ModelRunner:
     def _launch(self, batch: Batch, rows: Sequence[SamplingRow]) -> PendingStep:
         input_ids: list[int] | torch.Tensor = batch.input_ids
         if batch.follows_previous:
-            if self._last_sampled is None or self._last_sampled.numel() != batch.size:
-                raise RuntimeError("follows_previous without a matching previous decode pass")
-            input_ids = self._last_sampled
+            input_ids = self._previous_tokens(batch)
         forward_batch = self.forward_batch(batch, input_ids)
         if self.tp is not None:
             self.tp.steps.send_forward(batch, forward_batch, self.span_rows(batch))
@@ -266,6 +265,19 @@ class ModelRunner:
             if len(sample_rows) == batch.size:
                 self._last_sampled = sampled.next_token_ids
         return PendingStep(self, batch, hidden, sample_rows, sampled)
+
+    def _previous_tokens(self, batch: Batch) -> torch.Tensor:
+        """The input ids of a `follows_previous` batch: the last launch's sampled tokens (all,
+        or the `previous_rows` of the requests that go on), still on the device."""
+        last, rows = self._last_sampled, batch.previous_rows
+        known = last.numel() if last is not None else -1
+        if rows is None and known == batch.size:
+            return last
+        if (rows is not None and len(rows) == batch.size and rows
+                and 0 <= min(rows) and max(rows) < known):
+            index = host_int64(rows, pin=self.device.type == "cuda")
+            return last.index_select(0, index.to(self.device, non_blocking=True))
+        raise RuntimeError("follows_previous without a matching previous decode pass")
 
     @torch.inference_mode()
     def follow(self, step: Step) -> None:

@@ -27,6 +27,17 @@ def host_int64(values: Sequence[int], *, pin: bool = False) -> torch.Tensor:
     return host.pin_memory() if pin else host
 
 
+def device_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device` without waiting for the device's queued work: on CUDA
+    through pinned memory and a non-blocking copy (`torch.tensor(..., device="cuda")` copies
+    from pageable memory, which waits for the stream, e.g. for a pass in flight)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def build_indptr(lens: torch.Tensor) -> torch.Tensor:
     """[bs] lengths -> [bs + 1] exclusive prefix sums starting at 0."""
     indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmnb.runtime.kernels.metadata import device_tensor
 from lmnb.runtime.sampling.bitmask import num_words
 from lmnb.runtime.sampling.penalties import MinNewTokens, Penalties
 from lmnb.runtime.sampling.row import SamplingRow
@@ -28,7 +29,7 @@ def is_greedy(params: SamplingParams) -> bool:
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return device_tensor(values, torch.float32, device)[:, None]
 
 
 class RowGroup:
@@ -37,7 +38,7 @@ class RowGroup:
 
     def __init__(self, positions: list[int], params: list[SamplingParams], vocab_size: int,
                  batch_size: int, device: torch.device) -> None:
-        self.rows = torch.tensor(positions, dtype=torch.int64, device=device)
+        self.rows = device_tensor(positions, torch.int64, device)
         self.size = len(positions)
         self.whole_batch = self.size == batch_size
         self.temperatures = _column([p.temperature for p in params], device)
@@ -45,7 +46,7 @@ class RowGroup:
         self.min_ps = _column([p.min_p for p in params], device)
         self.any_min_p = any(p.min_p > 0 for p in params)
         ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        self.top_ks = torch.tensor(ks, dtype=torch.int64, device=device)
+        self.top_ks = device_tensor(ks, torch.int64, device)
         self.has_k = self.top_ks < vocab_size
         self.max_k = max(ks)
         self.any_without_k = any(k >= vocab_size for k in ks)

@@ -201,20 +201,34 @@ class Scheduler:
         self._complete(current.batch, current.reqs, output)
 
     def _following_decode(self, current: _InFlight) -> tuple[Batch, list[Req]] | None:
-        """The same requests' next decode pass, if nothing stands in its way."""
+        """The next decode pass of the requests in flight that go on past it, if nothing stands
+        in its way. Requests whose last token is in flight are left out (`previous_rows` picks
+        the others' tokens on the device), so a request ending by length does not stall the
+        pipeline; a subset rebuilds the sampling state from the requests' outputs, which lack
+        the token in flight, so it is only taken when that state does not read them
+        (penalties, min_new_tokens still blocking)."""
         table, reqs = self.table, current.reqs
         if (current.batch.mode is not ForwardMode.DECODE or table.waiting
                 or table.chunked is not None or table.running != reqs
                 or self.cache.room() < len(reqs)):
             return None
-        for req in reqs:
-            state = table.states[req.rid]
-            if (state.grammar is not None
-                    or len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens):
+        keep: list[int] = []
+        for i, req in enumerate(reqs):
+            if table.states[req.rid].grammar is not None:
                 return None
+            if len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
+                keep.append(i)
+        if not keep:
+            return None
+        previous_rows = None
+        if len(keep) < len(reqs):
+            going_on = [reqs[i] for i in keep]
+            if not all(_state_free_sampling(req) for req in going_on):
+                return None
+            reqs, previous_rows = going_on, keep
         self.decode.decayed()
         return self._make_batch(ForwardMode.DECODE, list(reqs), [1] * len(reqs),
-                                follows_previous=True), list(reqs)
+                                follows_previous=True, previous_rows=previous_rows), list(reqs)
 
     def _drain_in_flight(self) -> None:
         """Waits for a pass in flight and drops its results (its requests are being ended)."""
@@ -274,7 +288,8 @@ class Scheduler:
         return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs)), reqs
 
     def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], *,
-                    follows_previous: bool = False) -> Batch:
+                    follows_previous: bool = False,
+                    previous_rows: list[int] | None = None) -> Batch:
         out_cache_loc = self.cache.alloc(sum(extend_lens))
         prefix_lens = [req.kv_len for req in reqs]
         pool_indices = [req.req_pool_idx for req in reqs]
@@ -302,7 +317,7 @@ class Scheduler:
         return Batch(mode=mode, rids=[req.rid for req in reqs], req_pool_indices=pool_indices,
                      prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
                      out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans,
-                     follows_previous=follows_previous,
+                     follows_previous=follows_previous, previous_rows=previous_rows,
                      mm_inputs=mm_inputs)
 
     def _count_admission(self, req: Req) -> None:
@@ -465,6 +480,13 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV slot and request row is accounted for."""
         self.cache.check_integrity(self.table.live(), self.table.waiting)
+
+
+def _state_free_sampling(req: Req) -> bool:
+    """Whether the request's sampling state reads nothing of its output ids after the token
+    in flight is appended (no penalties; min_new_tokens reached by then)."""
+    params = req.sampling_params
+    return not params.has_penalties and params.min_new_tokens <= len(req.output_ids) + 1
 
 
 def _input_logprob_span(req: Req, start: int, extend_len: int) -> InputLogprobSpan | None:
