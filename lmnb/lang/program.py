@@ -114,8 +114,8 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
             num_threads: int | str, progress_bar: bool) -> list[ProgramState]:
     """`run_batch`'s engine: caches the shared `prefix` once, then runs `execute(arguments, run)`
     on every argument dict on a thread pool (tqdm progress bar), returning the states in order,
-    each finished. `execute` may return before its program has finished (its requests then
-    run while the pool starts further programs, so the runtime sees them all in one batch).
+    each finished. "auto" threads: 256 (the runtime's default running batch), or 16 a core when
+    more, so that the runtime batches that many programs' requests at once.
 
     If the waiting thread is interrupted (Ctrl-C) or a program's thread fails, programs not yet
     started never start, every started program's requests are aborted, and the error is raised
@@ -123,13 +123,15 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
     if prefix and len(batch) > 1:
         backend.cache_prefix(prefix)
     if num_threads == "auto":
-        num_threads = max(96, (os.cpu_count() or 1) * 16)
+        num_threads = max(256, (os.cpu_count() or 1) * 16)
     workers = max(1, min(int(num_threads), len(batch)))
     runs = _BatchRuns()
     with tqdm_bar(total=len(batch), desc=name, disable=not progress_bar) as bar:
 
         def one(arguments: dict[str, Any]) -> ProgramState:
-            return execute(arguments, runs.new_run())
+            state = execute(arguments, runs.new_run())
+            bar.update(1)
+            return state
 
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch")
         try:
@@ -139,11 +141,7 @@ def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]
                 done, pending = wait(pending, timeout=_POLL, return_when=FIRST_EXCEPTION)
                 for future in done:
                     future.result()  # raises a program thread's error here
-            states = [future.result() for future in futures]
-            for state in states:
-                state.sync()
-                bar.update(1)
-            return states
+            return [future.result() for future in futures]
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             runs.abort()
@@ -524,7 +522,7 @@ class Program:
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
                  stream: bool, run: ProgramRun | None = None, *,
-                 raise_body_error: bool = True, wait: bool = True) -> ProgramState:
+                 raise_body_error: bool = True) -> ProgramState:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         state = ProgramState(executor, run)
@@ -544,7 +542,7 @@ class Program:
                 raise
         finally:
             PROGRAM_CALLER.reset(caller)
-        if not stream and wait:
+        if not stream:
             state.sync()
         return state
 
@@ -562,17 +560,12 @@ class Program:
         from lmnb.lang.global_config import global_config
         from lmnb.lang.tracer import constant_prefix
 
-        # An explicit `num_threads` bounds the programs in flight (SGLang's meaning); "auto"
-        # lets the pool start every program's body without waiting for its requests, so the
-        # runtime batches them all.
-        bounded = num_threads != "auto"
         precache = global_config.enable_precache_with_tracing
         prefix = constant_prefix(self, backend) if precache else ""
         return run_all(self.__name__, backend, prefix, batch,
                        lambda arguments, run: self._execute(backend, arguments, defaults,
                                                             stream=False, run=run,
-                                                            raise_body_error=False,
-                                                            wait=bounded),
+                                                            raise_body_error=False),
                        num_threads=num_threads, progress_bar=progress_bar)
 
     def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:
