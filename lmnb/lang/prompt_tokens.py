@@ -34,6 +34,7 @@ _HEADS = (32, 128, 512, 2048)
 _CANDIDATES = 8
 _MIN_REUSE = 64  # shorter shared prefixes are encoded afresh
 _MAX_ENTRIES = 512
+_MAX_CHARS = 4 << 20  # of remembered prompt text (with its ids and ends: ~10-40 bytes a char)
 _SCAN = 256  # characters searched back from the shared prefix's end for a safe boundary
 
 
@@ -61,6 +62,7 @@ class PromptTokens:
         self.backend = tokenizer.backend_tokenizer
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._chars = 0  # total length of the remembered texts
         self._buckets: dict[tuple[int, str], OrderedDict[str, _Entry]] = {}
         self.prefix_specials, self.incremental = self._check(tokenizer)
         self._lengths: list[int] = self._token_lengths(tokenizer) if self.incremental else []
@@ -166,8 +168,11 @@ class PromptTokens:
             for head in _HEADS:
                 if len(text) >= head:
                     self._buckets.setdefault((head, text[:head]), OrderedDict())[text] = entry
-            if len(self._entries) > _MAX_ENTRIES:
+            self._chars += len(text)
+            while len(self._entries) > _MAX_ENTRIES or (self._chars > _MAX_CHARS
+                                                        and len(self._entries) > 1):
                 oldest, _ = self._entries.popitem(last=False)
+                self._chars -= len(oldest)
                 for head in _HEADS:
                     key = (head, oldest[:head])
                     bucket = self._buckets.get(key)

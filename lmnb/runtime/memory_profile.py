@@ -30,6 +30,10 @@ from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.sampling import Sampler
 
 SAFETY_MARGIN_FRACTION = 0.04  # of the device's total memory, never planned for
+# torch-native attention gathers every request's padded K/V per layer (and masks a chunk behind
+# a long prefix densely): transient memory that grows with context and batch, beyond what the
+# profile's short passes reach; with it, at least this share of the device stays for activations.
+TORCH_NATIVE_ACTIVATION_FRACTION = 0.15
 MIN_SAFETY_MARGIN = 512 << 20
 # Per KV token beside its K/V: the allocator's int64 free list (twice while `free` concatenates)
 # and the prefix cache's int64 slot index.

@@ -167,9 +167,13 @@ class ModelRunner:
             kv_heads=kv_heads, head_dim=mc.head_dim, num_layers=mc.num_layers, dtype=self.dtype,
             device=self.device, vocab_size=self.vocab_size, sampler=self.sampler)
         free, total = meter.device_memory()
+        activations = profile.activation_bytes
+        if choice.name == "torch_native" and self.device.type == "cuda":
+            activations = max(activations,
+                              int(total * memory_profile.TORCH_NATIVE_ACTIVATION_FRACTION))
         return memory_profile.plan_kv_pool(
             total=total, free=free, weights=self.weight_bytes,
-            activations=profile.activation_bytes, graphs=profile.graph_bytes,
+            activations=activations, graphs=profile.graph_bytes,
             fixed=profile.fixed_bytes, per_token=per_token,
             mem_fraction_static=config.mem_fraction_static, profile_seconds=profile.seconds)
 

@@ -483,10 +483,10 @@ class Scheduler:
 
 
 def _state_free_sampling(req: Req) -> bool:
-    """Whether the request's sampling state reads nothing of its output ids after the token
-    in flight is appended (no penalties; min_new_tokens reached by then)."""
+    """Whether a sampling state rebuilt from the request's output ids, which lack the token in
+    flight, is still right: no penalties, and min_new_tokens reached even without that token."""
     params = req.sampling_params
-    return not params.has_penalties and params.min_new_tokens <= len(req.output_ids) + 1
+    return not params.has_penalties and params.min_new_tokens <= len(req.output_ids)
 
 
 def _input_logprob_span(req: Req, start: int, extend_len: int) -> InputLogprobSpan | None:

@@ -88,7 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     kernel, which streams the weight at close to the HBM read bandwidth (cuBLAS reaches ~80%
     of it at batch 1). x [..., K], weight [N, K] -> [..., N]."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if not fused or not 1 <= rows <= SKINNY_MAX_ROWS:
+    if not fused or not 1 <= rows <= SKINNY_MAX_ROWS or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     from lmnb.runtime.kernels.fused.gemv import skinny_linear
 
