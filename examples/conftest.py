@@ -25,8 +25,8 @@ def _recorder(notebook_file: Any) -> NotebookRecorder:
         kernel, get_message = notebook_file.kernel, notebook_file.get_kernel_message
         execute = kernel.execute_cell_input
 
-        def execute_and_note(source: str, **kwargs: Any) -> str:
-            msg_id = execute(source, **kwargs)
+        def execute_and_note(*args: Any, **kwargs: Any) -> str:
+            msg_id = execute(*args, **kwargs)
             recorder.sent(msg_id, recorder.running_cell)
             return msg_id
 
