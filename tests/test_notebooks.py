@@ -4,6 +4,7 @@ final states of ForkView, CacheDashboard and RadixTreeView are read from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("anywidget")
+
+from tests.notebook_runs import recorded_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +32,13 @@ def execute(name: str) -> Any:
                                      resources={"metadata": {"path": str(EXAMPLES)}})
     client.execute()
     return nb
+
+
+@pytest.fixture
+def example_run() -> Callable[[str], Any]:
+    """The example notebook as `execute` gives it; under --nbval, from nbval's run of it in this
+    session (tests/notebook_runs.py; these tests are ordered after the notebooks)."""
+    return lambda name: recorded_run(EXAMPLES / name) or execute(name)
 
 
 def widgets(nb: Any, anywidget_id: str) -> list[dict[str, Any]]:
@@ -58,8 +68,8 @@ def test_notebook_hygiene(path: Path) -> None:
             assert "nbval-ignore-output" in cell.metadata.get("tags", []), cell.source
 
 
-def test_quickstart_fork_view_final_state() -> None:
-    nb = execute("01_quickstart.ipynb")
+def test_quickstart_fork_view_final_state(example_run) -> None:
+    nb = example_run("01_quickstart.ipynb")
     (view,) = widgets(nb, "lmnb.widgets.fork_view.ForkView")
     assert view["done"] is True
     assert view["root"]["status"] == "done"
@@ -73,8 +83,8 @@ def test_quickstart_fork_view_final_state() -> None:
         assert tips[0] in printed  # the widget shows what the program stored in s["tip"]
 
 
-def test_radix_cache_dashboard_and_tree_final_state() -> None:
-    nb = execute("02_radix_cache.ipynb")
+def test_radix_cache_dashboard_and_tree_final_state(example_run) -> None:
+    nb = example_run("02_radix_cache.ipynb")
     (dashboard,) = widgets(nb, "lmnb.widgets.cache_dashboard.CacheDashboard")
     last = dashboard["series"][-1]
     assert last["prompt_tokens"] > 0 and last["cached_tokens"] > 0
@@ -125,8 +135,8 @@ def test_saved_plain_text_is_the_final_state(tiny_models, tmp_path: Path) -> Non
     assert dashboard.startswith("CacheDashboard") and "cached 0 of 0" not in dashboard, dashboard
 
 
-def test_llava_media_view_final_state() -> None:
-    nb = execute("04_llava.ipynb")
+def test_llava_media_view_final_state(example_run) -> None:
+    nb = example_run("04_llava.ipynb")
     (view,) = widgets(nb, "lmnb.widgets.media_reuse_view.MediaReuseView")
     items = view["items"]
     assert sorted(i["kind"] for i in items) == ["image", "image", "image", "video"]
