@@ -219,3 +219,23 @@ def test_runtime_keeps_the_pipeline_across_requests_ending_by_length(tiny_models
     assert [len(ids) for ids in results[False]] == [3, 11, 6, 8]
     total, overlapped = passes[False]
     assert overlapped == total - 2  # all but the prefill and the first decode pass
+
+
+@pytest.mark.parametrize(("min_new_tokens", "subset"), [(2, True), (3, False)])
+def test_a_subset_pass_waits_while_min_new_tokens_needs_the_token_in_flight(
+        min_new_tokens, subset) -> None:
+    """A subset pass rebuilds the sampling state from output ids that lack the token in flight:
+    it is taken only when min_new_tokens is already reached without that token (here the other
+    request's last token is in flight while this one has 2 outputs)."""
+    runner = PipelinedFakeRunner(lambda row: 100 + len(row.output_ids))
+    scheduler = make(chunk=64, runner=runner)
+    scheduler.config.overlap_schedule = True
+    ends = request([10, 1, 2], max_new_tokens=3)
+    goes_on = request([20, 1, 2], max_new_tokens=6, min_new_tokens=min_new_tokens)
+    scheduler.add(ends)
+    scheduler.add(goes_on)
+    run_to_end(scheduler)
+    assert goes_on.req.output_ids == [100 + i for i in range(6)]
+    first_subset = next((b for b in runner.batches if b.previous_rows is not None), None)
+    assert (first_subset is not None and first_subset.rids == [goes_on.rid]) is subset
+    scheduler.check_integrity()
