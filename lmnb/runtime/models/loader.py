@@ -10,6 +10,7 @@ folder reloads in well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -142,7 +143,8 @@ def _convert_into(gguf: Path, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     tmp.chmod(0o755)
     try:
-        _convert_gguf(gguf.resolve(), tmp)
+        with _quiet_transformers():
+            _convert_gguf(gguf.resolve(), tmp)
         try:
             os.replace(tmp, target)
         except OSError:
@@ -151,6 +153,24 @@ def _convert_into(gguf: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars off (restored after): a GGUF conversion asks for
+    the dtype the model ships in on purpose, and in a notebook its stderr chatter and bars would
+    stand in the first cell's output."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _remove_stale_tmp(target: Path) -> None:
