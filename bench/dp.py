@@ -37,20 +37,17 @@ from bench.offline import (  # noqa: E402
     SEED,
     WARMUP_TOKENS,
     Workload,
-    make_workload,
+    add_workload_args,
+    check_workload_args,
     model_spec,
+    workload_from_args,
 )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp-size", type=int, default=2)
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-input-len", type=int, default=100)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--min-output-len", type=int, default=100)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.6)
+    add_workload_args(parser)
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", default=None, help="local HF folder or .gguf")
     model.add_argument("--dummy-config", choices=sorted(DUMMY_CONFIGS), default=None,
@@ -64,8 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run the router over one replica (transport cost)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "dp.json")
     args = parser.parse_args(argv)
-    args.min_input_len = min(args.min_input_len, args.max_input_len)
-    args.min_output_len = min(args.min_output_len, args.max_output_len)
+    check_workload_args(parser, args)
     if args.dp_size < 2:
         parser.error("--dp-size must be >= 2")
     if args.tokenizer is not None and args.dummy_config is None:
@@ -86,8 +82,7 @@ def _options(spec: Any, args: argparse.Namespace, device: str) -> dict[str, Any]
 def _measure(runtime: Any, workload: Workload, args: argparse.Namespace,
              replicas: int) -> dict[str, Any]:
     """Warm-up (every replica), flush, then the whole workload in one generate call."""
-    params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature}
-              for n in workload.output_lens]
+    params = workload.sampling_params(args.temperature)
     warm = {**params[0], "max_new_tokens": WARMUP_TOKENS}
     runtime.generate(input_ids=[workload.prompts[i][:16] for i in range(replicas)],
                      sampling_params=warm)  # distinct prompts: one per replica
@@ -174,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lmnb-bench-dp-") as scratch:
         spec = model_spec(args, Path(scratch), torch.device("cpu") if device == "cpu"
                           else torch.device("cuda"))
-        workload = make_workload(
-            num_seqs=args.num_seqs, min_input_len=args.min_input_len,
-            max_input_len=args.max_input_len, min_output_len=args.min_output_len,
-            max_output_len=args.max_output_len, vocab_size=spec.config.vocab_size)
+        workload = workload_from_args(args, spec.config.vocab_size)
         print(f"dp: {args.num_seqs} seqs, {workload.prompt_tokens:,} prompt tokens, "
               f"{workload.output_tokens:,} output tokens; {spec.label}, {spec.dtype}, {device}")
         results: dict[str, Any] = {}

@@ -79,6 +79,11 @@ class Workload:
     def output_tokens(self) -> int:
         return sum(self.output_lens)
 
+    def sampling_params(self, temperature: float) -> list[dict[str, Any]]:
+        """Per sequence: exactly its output length (`ignore_eos`) at `temperature`."""
+        return [{"max_new_tokens": n, "ignore_eos": True, "temperature": temperature}
+                for n in self.output_lens]
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -103,8 +108,8 @@ def make_workload(*, num_seqs: int, min_input_len: int, max_input_len: int,
     return Workload(prompts, output_lens)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's options (nano-vllm's defaults); `check_workload_args` after parsing."""
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-input-len", type=int, default=100)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -112,6 +117,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.6,
                         help="0 for greedy (default 0.6, as nano-vllm)")
+
+
+def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    # Defaults of the min lengths give way to a smaller max (e.g. --max-output-len 64).
+    args.min_input_len = min(args.min_input_len, args.max_input_len)
+    args.min_output_len = min(args.min_output_len, args.max_output_len)
+    if args.num_seqs < 1 or args.min_input_len < 1 or args.min_output_len < 1:
+        parser.error("--num-seqs and the lengths must be >= 1")
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+
+
+def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
+    return make_workload(num_seqs=args.num_seqs, min_input_len=args.min_input_len,
+                         max_input_len=args.max_input_len, min_output_len=args.min_output_len,
+                         max_output_len=args.max_output_len, vocab_size=vocab_size)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(parser)
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", default=None,
                        help="local HF folder or .gguf (default: the embedded SmolLM2-135M)")
@@ -141,11 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="skip the floor of the schedule (measured on CUDA only)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "offline.json")
     args = parser.parse_args(argv)
-    # Defaults of the min lengths give way to a smaller max (e.g. --max-output-len 64).
-    args.min_input_len = min(args.min_input_len, args.max_input_len)
-    args.min_output_len = min(args.min_output_len, args.max_output_len)
-    if args.num_seqs < 1 or args.min_input_len < 1 or args.min_output_len < 1:
-        parser.error("--num-seqs and the lengths must be >= 1")
+    check_workload_args(parser, args)
     if args.tokenizer is not None and args.dummy_config is None:
         parser.error("--tokenizer goes with --dummy-config (a --model folder has its own)")
     if args.threads is not None and args.threads < 1:
@@ -156,8 +178,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--hf-num-seqs must be >= 1")
     if args.hf_max_output_len is not None and args.hf_max_output_len < 1:
         parser.error("--hf-max-output-len must be >= 1")
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0")
     return args
 
 
@@ -195,8 +215,7 @@ def measure_workload(rt: Any, workload: Workload, *, temperature: float,
     if longest > rt.context_len:
         raise SystemExit(f"a sequence needs {longest} tokens; lmnb's context length is "
                          f"{rt.context_len} (raise --max-total-tokens or shorten the lengths)")
-    params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": temperature}
-              for n in workload.output_lens]
+    params = workload.sampling_params(temperature)
     torch.manual_seed(SEED)
     rt.generate(input_ids=workload.prompts[0][:16],
                 sampling_params={**params[0], "max_new_tokens": WARMUP_TOKENS})
@@ -361,10 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         if longest > spec.config.max_position_embeddings:
             raise SystemExit(f"max input + output ({longest}) exceeds the model's "
                              f"{spec.config.max_position_embeddings} positions")
-        workload = make_workload(
-            num_seqs=args.num_seqs, min_input_len=args.min_input_len,
-            max_input_len=args.max_input_len, min_output_len=args.min_output_len,
-            max_output_len=args.max_output_len, vocab_size=spec.config.vocab_size)
+        workload = workload_from_args(args, spec.config.vocab_size)
         hf_workload = _hf_workload(args, workload, spec.config.vocab_size)
         separate = hf_workload is not workload and not args.skip_hf
         print(f"offline: {args.num_seqs} seqs, {workload.prompt_tokens:,} prompt tokens, "

@@ -51,7 +51,13 @@ from bench.kernel_profile import (  # noqa: E402
     device_events,
     summarize,
 )
-from bench.offline import SEED, WARMUP_TOKENS, make_workload  # noqa: E402
+from bench.offline import (  # noqa: E402
+    SEED,
+    WARMUP_TOKENS,
+    add_workload_args,
+    check_workload_args,
+    workload_from_args,
+)
 from lmnb.runtime.core import Batch, ForwardMode  # noqa: E402
 
 
@@ -163,12 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--model", default=None, help="a local HF folder instead (CPU checks)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-input-len", type=int, default=100)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--min-output-len", type=int, default=100)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.6)
+    add_workload_args(parser)
     parser.add_argument("--windows", default="10:30,150:40,700:40",
                         help="START:PASSES,...: profile the passes after pass START "
                              "(default: prefill-heavy start, full decode batch, late decode)")
@@ -189,8 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.windows = parse_windows(args.windows)
     except ValueError as error:
         parser.error(f"--windows: {error}")
-    args.min_input_len = min(args.min_input_len, args.max_input_len)
-    args.min_output_len = min(args.min_output_len, args.max_output_len)
+    check_workload_args(parser, args)
     if args.output is None:
         name = args.dummy_config or Path(args.model).name
         args.output = RESULTS_DIR / f"profile_offline_{name}.json"
@@ -225,12 +225,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cost = ModelCost.from_config(rt.model_config, rt.dtype)
             rates = (measure_rates(device, rt.model_config, rt.dtype) if device.type == "cuda"
                      else None)
-            workload = make_workload(
-                num_seqs=args.num_seqs, min_input_len=args.min_input_len,
-                max_input_len=args.max_input_len, min_output_len=args.min_output_len,
-                max_output_len=args.max_output_len, vocab_size=rt.model_config.vocab_size)
-            params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature}
-                      for n in workload.output_lens]
+            workload = workload_from_args(args, rt.model_config.vocab_size)
+            params = workload.sampling_params(args.temperature)
             torch.manual_seed(SEED)
             rt.generate(input_ids=workload.prompts[0][:16],
                         sampling_params={**params[0], "max_new_tokens": WARMUP_TOKENS})
