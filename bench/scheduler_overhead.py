@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
 
 from bench.common import RESULTS_DIR, environment, format_table, resolve_device, write_json  # noqa: E402,I001
 from bench.dummy_models import DUMMY_CONFIGS  # noqa: E402
+from bench.floor import copy_bandwidth  # noqa: E402
 from lmnb.runtime.config import EngineConfig, ModelConfig  # noqa: E402
 from lmnb.runtime.core import Req, SamplingParams  # noqa: E402
 from lmnb.runtime.memory import KVAllocator  # noqa: E402
@@ -143,21 +144,6 @@ def scheduler_step_times(model_config: ModelConfig, tokenizer: Any, device: torc
                                                                       strict=True)),
             "scheduler_cpu_ms": 1e3 * statistics.median(cpu[skip:]),
             "output_thread_ms": 1e3 * outputs.busy_seconds / max(outputs.batches_handled, 1)}
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
-    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    for _ in range(2):
-        target.copy_(source)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    repeats = 10
-    for _ in range(repeats):
-        target.copy_(source)
-    torch.cuda.synchronize(device)
-    return 2 * source.numel() * repeats / (time.perf_counter() - start)
 
 
 DECODE_MODES: dict[str, dict[str, Any]] = {  # label -> Runtime options

@@ -260,7 +260,7 @@ class ModelRunner:
         if sample_rows:
             logits = (graph_logits if graph_logits is not None
                       else self.model.compute_logits(  # every row (decode): no gather
-                          hidden if last_token_rows == list(range(len(hidden)))
+                          hidden if len(last_token_rows) == len(hidden)
                           else hidden[last_token_rows]))
             rows = list(rows)
             info = self._sampling_info(rows)

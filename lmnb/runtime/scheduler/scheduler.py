@@ -340,8 +340,7 @@ class Scheduler:
 
     # ---- results ------------------------------------------------------------------------------
     def _process(self, batch: Batch, reqs: list[Req], output: Any) -> None:
-        extend = batch.mode is ForwardMode.EXTEND
-        if not extend:
+        if batch.mode is not ForwardMode.EXTEND:
             self._process_decode(reqs, output)
             return
         for i, req in enumerate(reqs):
@@ -355,14 +354,13 @@ class Scheduler:
                 req.input_logprobs_done += len(output.input_logprobs[i])
             token = output.next_token_ids[i]
             if token is not None:
-                if extend:
-                    req.status = ReqStatus.RUNNING
-                    self.table.running.append(req)
+                req.status = ReqStatus.RUNNING
+                self.table.running.append(req)
                 self._append_token(state, token, output.next_token_logprobs[i],
                                    output.next_top_logprobs[i])
             elif req.kv_len == req.fill_len:  # prompt done, nothing to generate
                 self._finish(state, finish_length(len(req.output_ids)))
-            if extend and req.req_pool_idx is not None:  # still live, not jumped
+            if req.req_pool_idx is not None:  # still live, not jumped
                 self.cache.cache_unfinished(req)
 
     def _process_decode(self, reqs: list[Req], output: Any) -> None:

@@ -65,10 +65,9 @@ class StopRules:
                            ) -> dict[str, Any] | None:
         """`by_token`, then the length limit: every rule of a request without stop strings,
         stop regexes or a grammar (`after_text` with neither), in one call."""
-        if output_len > params.min_new_tokens and (
-                (token in self.eos_token_ids and not params.ignore_eos)
-                or token in params.stop_token_ids):
-            return finish_stop(token)
+        reason = self.by_token(token, params, output_len)
+        if reason is not None:
+            return reason
         if output_len >= params.max_new_tokens:
             return finish_length(output_len)
         return None
