@@ -17,13 +17,16 @@ value back and CUDA graphs can capture both stages.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 MIN_SPLIT_LEN = 64
+
+if TYPE_CHECKING:
+    from lmnb.runtime.kernels.shared_prefix import SharedPrefixes
 
 
 # Triton decides at decoration time whether a kernel is compiled or interpreted on CPU.
@@ -52,7 +55,7 @@ def _split_len(kv_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, KV_INDPTR, KV_INDICES, PART_O, PART_LSE,
+    Q, K, V, KV_INDPTR, KV_INDICES, KV_SKIP, PART_O, PART_LSE,
     scale,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
@@ -61,7 +64,7 @@ def _decode_partial_kernel(
     stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,6 +72,10 @@ def _decode_partial_kernel(
 
     kv_begin = tl.load(KV_INDPTR + req)
     kv_len = tl.load(KV_INDPTR + req + 1) - kv_begin
+    if HAS_SKIP:  # the first KV_SKIP[req] tokens are a shared prefix attended to elsewhere
+        skip = tl.load(KV_SKIP + req)
+        kv_begin += skip
+        kv_len -= skip
     split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
@@ -114,20 +121,30 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    PART_O, PART_LSE, KV_INDPTR, OUT,
+    PART_O, PART_LSE, KV_INDPTR, KV_SKIP, OUT,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    HAS_SKIP: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
-    split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    used = offs_s < tl.cdiv(kv_len, split_len)  # split 0 always holds a token
+    if HAS_SKIP:  # splits MAX_SPLITS.. hold the shared prefix's partials (shared_prefix.py)
+        skip = tl.load(KV_SKIP + req)
+        kv_len -= skip
+        prefix_split_len = _split_len(skip, PREFIX_SPLITS, PREFIX_BLOCK_N, PREFIX_BLOCK_N)
+        prefix_used = tl.cdiv(skip, prefix_split_len)
+        split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
+        used = (offs_s < tl.cdiv(kv_len, split_len)) | (
+            (offs_s >= MAX_SPLITS) & (offs_s < MAX_SPLITS + prefix_used))
+    else:
+        split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
+        used = offs_s < tl.cdiv(kv_len, split_len)  # split 0 always holds a token
     lse = tl.load(PART_LSE + req * stride_plb + head * stride_plh + offs_s, mask=used,
                   other=float("-inf"))
     parts = tl.load(PART_O + req * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos
@@ -165,13 +182,18 @@ def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor, *, scale: float,
-                     max_kv_splits: int, config: DecodeConfig | None = None) -> torch.Tensor:
+                     max_kv_splits: int, config: DecodeConfig | None = None,
+                     shared: SharedPrefixes | None = None) -> torch.Tensor:
     """out[i] = softmax(q[i] k^T * scale) v over request i's KV slots, per head (GQA-aware).
 
     q, out [bs, heads, head_dim]; k_buffer, v_buffer [slots, kv_heads, head_dim] (last dim
     contiguous); kv_indptr [bs + 1]; every request has at least one KV token. partial_out /
-    partial_lse come from `partial_buffers` with at least bs rows and `max_kv_splits` splits.
+    partial_lse come from `partial_buffers` with at least bs rows and `max_kv_splits` splits
+    (`max_kv_splits + PREFIX_SPLITS` with `shared`: then each group's prefix is read once per
+    tile, see `shared_prefix.py`).
     """
+    from lmnb.runtime.kernels import shared_prefix
+
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -181,8 +203,16 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    kv_skip = kv_indptr if shared is None else shared.kv_skip  # unread without `shared`
+    prefix_splits = 0
+    if shared is not None:
+        prefix_splits = shared_prefix.PREFIX_SPLITS
+        assert partial_out.shape[2] >= max_kv_splits + prefix_splits, "partials too narrow"
+        shared_prefix.shared_prefix_partials(
+            q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.tiles, partial_out,
+            partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
     _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse,
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, kv_skip, partial_out, partial_lse,
         scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -191,16 +221,19 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
-        PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
+        PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype), HAS_SKIP=shared is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     _decode_merge_kernel[(bs, num_heads)](
-        partial_out, partial_lse, kv_indptr, out,
+        partial_out, partial_lse, kv_indptr, kv_skip, out,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits,
-        BLOCK_S=triton.next_power_of_2(max_kv_splits), MIN_SPLIT=config.min_split,
+        BLOCK_S=triton.next_power_of_2(max_kv_splits + prefix_splits),
+        MIN_SPLIT=config.min_split, HAS_SKIP=shared is not None,
+        PREFIX_SPLITS=max(prefix_splits, 1),
+        PREFIX_BLOCK_N=shared_prefix.PREFIX_BLOCK_N,
         num_warps=4, num_stages=1,
     )
     return out

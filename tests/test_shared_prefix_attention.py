@@ -1,0 +1,86 @@
+"""Shared-prefix (cascade) decode attention: a group's prefix read once per tile gives the same
+output as every request reading its whole KV row (interpreted on CPU, compiled on CUDA)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+# tests.triton_modes sets TRITON_INTERPRET: it is imported before any kernel module.
+from tests.triton_modes import DEVICES, SAME_TRITON_MODE
+
+# isort: split
+from lmnb.runtime.kernels.shared_prefix import (
+    PREFIX_SPLITS,
+    SharedPrefixes,
+    members_per_tile,
+    plan_tiles,
+)
+from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
+
+pytestmark = SAME_TRITON_MODE
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _rows(device: str, gen: torch.Generator, rng: random.Random, groups: list[tuple[int, int]],
+          loners: int, num_slots: int) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
+    """KV rows (slot lists) of requests in `groups` = (prefix length, members) sharing their
+    prefix's slots, then `loners` requests of their own; returns rows and (prefix, row ids)."""
+    free = (torch.randperm(num_slots, generator=gen) + 1).tolist()
+    rows: list[list[int]] = []
+    plan: list[tuple[int, list[int]]] = []
+    for prefix_len, members in groups:
+        prefix = [free.pop() for _ in range(prefix_len)]
+        ids = []
+        for _ in range(members):
+            ids.append(len(rows))
+            rows.append(prefix + [free.pop() for _ in range(rng.randint(1, 40))])
+        plan.append((prefix_len, ids))
+    for _ in range(loners):
+        rows.append([free.pop() for _ in range(rng.randint(1, 90))])
+    order = list(range(len(rows)))
+    rng.shuffle(order)  # group members are not adjacent in the batch
+    where = {old: new for new, old in enumerate(order)}
+    return [rows[i] for i in order], [(p, [where[i] for i in ids]) for p, ids in plan]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "dtype"), [
+    (8, 2, 64, torch.float32), (2, 2, 32, torch.bfloat16)])  # GQA 4 (16 members), MHA (64)
+def test_shared_prefix_decode_equals_plain_decode(device, heads, kv_heads, head_dim, dtype):
+    rng, gen = random.Random(heads), torch.Generator().manual_seed(head_dim)
+    members = members_per_tile(heads, kv_heads)
+    # A group larger than one tile, a small one, a prefix under one split, and loners.
+    groups = [(130, members + 3), (70, 2), (5, 3)]
+    rows, plan = _rows(device, gen, rng, groups, loners=3, num_slots=4000)
+    bs = len(rows)
+    kv_indptr = torch.tensor([0, *map(len, rows)], device=device).cumsum(0)
+    kv_indices = torch.tensor([s for row in rows for s in row], device=device)
+    shape = (4001, kv_heads, head_dim)
+    k_buffer, v_buffer = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(2))
+    q = torch.randn(bs, heads, head_dim, generator=gen).to(device, dtype)
+    splits = 3
+
+    expected = torch.empty_like(q)
+    decode_attention(q, k_buffer, v_buffer, expected, kv_indptr, kv_indices,
+                     *partial_buffers(bs, heads, head_dim, splits, q.device),
+                     scale=head_dim**-0.5, max_kv_splits=splits)
+    kv_skip, tiles = plan_tiles(plan, batch_size=bs, members=members)
+    tiles.append([0, 0, *([-1] * members)])  # an empty tile (graphs pad to a fixed count)
+    shared = SharedPrefixes(kv_skip=torch.tensor(kv_skip, device=device),
+                            tiles=torch.tensor(tiles, device=device))
+    out = torch.empty_like(q)
+    decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
+                     *partial_buffers(bs, heads, head_dim, splits + PREFIX_SPLITS, q.device),
+                     scale=head_dim**-0.5, max_kv_splits=splits, shared=shared)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), expected.double(), atol=tol, rtol=tol)
+
+
+def test_plan_tiles_splits_large_groups():
+    kv_skip, tiles = plan_tiles([(100, [4, 0, 2]), (7, [1, 3])], batch_size=6, members=2)
+    assert kv_skip == [100, 7, 100, 7, 100, 0]
+    assert tiles == [[4, 100, 4, 0], [2, 100, 2, -1], [1, 7, 1, 3]]
