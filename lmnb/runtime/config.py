@@ -70,6 +70,8 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # largest decode batch captured in a CUDA graph
     disable_overlap_schedule: bool | None = None  # None: overlap on CUDA only; False forces it on
     disable_fused_kernels: bool = False  # torch ops instead of the fused Triton kernels (CUDA)
+    # decode reads a prefix shared by a group of requests once per group (Triton backend)
+    disable_shared_prefix_decode: bool = False
     random_seed: int | None = None
     tp_size: int = 1  # tensor-parallel ranks: this process and tp_size - 1 spawned workers
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
@@ -108,6 +110,7 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
         for flag in ("disable_radix_cache", "disable_jump_forward", "disable_cuda_graph",
                      "disable_overlap_schedule", "disable_fused_kernels",
+                     "disable_shared_prefix_decode",
                      "check_integrity_each_step"):
             if flag == "disable_overlap_schedule" and self.disable_overlap_schedule is None:
                 continue

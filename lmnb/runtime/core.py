@@ -169,6 +169,9 @@ class Batch:
     # EXTEND: per request (aligned with rids) its media, or None; empty for DECODE. The model
     # runner splices the embeddings of the items overlapping each request's extend range.
     mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)
+    # DECODE: (length, rows) of requests whose KV rows begin with the same cached slots; the
+    # attention backend may read such a prefix once for its group (kernels/shared_prefix.py).
+    shared_prefixes: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def size(self) -> int:

@@ -47,6 +47,7 @@ from lmnb.runtime.scheduler import (
 )
 
 _PIN_ATTEMPTS = 3
+SHARED_PREFIX_MIN_TOKENS = 64  # a decode group's prefix worth reading once (one KV tile)
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer: Any, model_dir: Path | None) -> set[int]:
@@ -134,6 +135,10 @@ class Runtime:
         scheduler_config = SchedulerConfig(
             chunked_prefill_size=config.prefill_chunk_size(self.device.type),
             check_integrity_each_step=config.check_integrity_each_step,
+            shared_prefix_min_tokens=(
+                0 if config.disable_shared_prefix_decode
+                or not self._runner.attn_backend.supports_shared_prefixes
+                else SHARED_PREFIX_MIN_TOKENS),
             overlap_schedule=(self.device.type == "cuda" if config.disable_overlap_schedule is None
                               else not config.disable_overlap_schedule))
         allocator = KVAllocator(self.max_total_tokens, self.device)

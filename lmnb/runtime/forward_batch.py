@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +50,8 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool | None = None
     kv_storage: KVStorage | None = None
     attn_backend: Any = None
+    # DECODE: (length, rows) groups sharing a cached prefix (`Batch.shared_prefixes`)
+    shared_prefixes: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +63,8 @@ class ForwardBatch:
               prefix_lens: list[int], extend_lens: list[int], out_cache_loc: torch.Tensor,
               req_to_token: torch.Tensor, req_to_token_pool: ReqToTokenPool | None = None,
               kv_storage: KVStorage | None = None,
-              attn_backend: Any = None, kv_indices: torch.Tensor | None = None) -> ForwardBatch:
+              attn_backend: Any = None, kv_indices: torch.Tensor | None = None,
+              shared_prefixes: list[tuple[int, list[int]]] | None = None) -> ForwardBatch:
         """All device tensors from host lists with one host-to-device copy; no sync.
 
         `input_ids` may already be a tensor (then it is moved, not packed with the lengths);
@@ -99,4 +102,4 @@ class ForwardBatch:
             prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
             seq_lens_cpu=seq_lens_cpu, num_kv_tokens=num_kv_tokens,
             req_to_token_pool=req_to_token_pool, kv_storage=kv_storage,
-            attn_backend=attn_backend)
+            attn_backend=attn_backend, shared_prefixes=shared_prefixes or [])

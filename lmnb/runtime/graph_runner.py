@@ -55,14 +55,18 @@ class DecodeGraphRunner:
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # keyed by (batch size, shared-prefix variant)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.variants = (False, True) if backend.supports_shared_prefixes else (False,)
         self._pool: Any = None
         start = time.perf_counter()
         backend.init_capture(max_bs)
         with torch.inference_mode():
             for bs in reversed(self.ladder):  # the largest first: smaller ones reuse its memory
-                self._capture(bs)
+                for shared in self.variants:
+                    if bs > 1 or not shared:
+                        self._capture(bs, shared=shared)
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
 
@@ -81,9 +85,10 @@ class DecodeGraphRunner:
             static[:n].copy_(value, non_blocking=True)
             if bs > n:
                 static[n:bs].zero_()
-        self.backend.prepare_for_replay(forward_batch, bs)
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        key = (bs, bool(forward_batch.shared_prefixes) and (bs, True) in self.graphs)
+        self.backend.prepare_for_replay(forward_batch, bs, shared=key[1])
+        self.graphs[key].replay()
+        return self.logits[key][:n]
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         """The ForwardBatch the captured forward sees: only mode, the static token buffers and the
@@ -102,9 +107,9 @@ class DecodeGraphRunner:
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, bs: int) -> None:
+    def _capture(self, bs: int, *, shared: bool) -> None:
         forward_batch = self._static_batch(bs)
-        self.backend.prepare_for_capture(bs)
+        self.backend.prepare_for_capture(bs, shared=shared)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy inits)
@@ -113,6 +118,6 @@ class DecodeGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self.logits[bs] = self._forward(forward_batch)
+            self.logits[bs, shared] = self._forward(forward_batch)
         self._pool = graph.pool()
-        self.graphs[bs] = graph
+        self.graphs[bs, shared] = graph

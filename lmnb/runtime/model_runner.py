@@ -345,7 +345,7 @@ class ModelRunner:
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
             out_cache_loc=batch.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage,
-            attn_backend=self.attn_backend)
+            attn_backend=self.attn_backend, shared_prefixes=batch.shared_prefixes)
         return forward_batch
 
     def _input_embeds(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,14 @@ class PrefixCache(ABC):
     def note_hit(self, handle: CacheHandle) -> None:  # noqa: B027
         """A request was admitted on the prefix ending at `handle` (for hit statistics)."""
 
+    def shared_prefixes(self, handles: Sequence[CacheHandle],
+                        min_tokens: int) -> list[tuple[int, list[int]]]:
+        """Groups of requests (by position in `handles`, each the locked handle of a request's
+        cached prompt) whose KV rows begin with the same cached slots: (shared length, rows),
+        the deepest prefix each request shares with another, of at least `min_tokens` tokens.
+        The default shares nothing."""
+        return []
+
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         """How many leading tokens of `key` are cached now, for observers (widgets): no lock,
         no split, no LRU touch. The default caches nothing."""

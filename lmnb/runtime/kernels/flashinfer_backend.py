@@ -128,7 +128,7 @@ class FlashInferAttention(AttentionBackend):
                                                          device=self.device))
         return wrapper
 
-    def prepare_for_capture(self, bs: int) -> None:
+    def prepare_for_capture(self, bs: int, *, shared: bool = False) -> None:
         wrapper = self._graph_wrapper(bs)
         dummy = torch.zeros(bs, dtype=torch.int64, device=self.device)  # each row: slot 0
         self._plan_decode(wrapper, [1] * bs, dummy)
@@ -138,7 +138,8 @@ class FlashInferAttention(AttentionBackend):
         return (forward_batch.batch_size <= self._max_bs
                 and forward_batch.num_kv_tokens <= self._graph_kv_capacity)
 
-    def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None) -> None:
+    def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None, *,
+                           shared: bool = False) -> None:
         n = forward_batch.batch_size
         bs = n if bs is None else bs
         wrapper = self._graph_wrapper(bs)

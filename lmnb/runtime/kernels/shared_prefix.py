@@ -43,12 +43,33 @@ class SharedPrefixes:
     tiles: torch.Tensor  # [num_tiles, 2 + members_per_tile] int64
 
 
-def plan_tiles(groups: Sequence[tuple[int, Sequence[int]]], *, batch_size: int,
-               members: int) -> tuple[list[int], list[list[int]]]:
+MAX_GRAPH_TILES = 64  # tiles a captured graph launches (empty ones exit at once)
+
+
+def graph_tiles(bs: int) -> int:
+    """Tile rows of the graph of `bs` requests (every group has at least two requests)."""
+    return min(bs // 2 + 1, MAX_GRAPH_TILES)
+
+
+def plan_tiles(groups: Sequence[tuple[int, Sequence[int]]], *, batch_size: int, members: int,
+               max_tiles: int | None = None) -> tuple[list[int], list[list[int]]]:
     """Host side: (kv_skip per request, tile rows) for `groups` = (prefix length, request rows)
-    pairs; requests in no group skip nothing."""
+    pairs; requests in no group skip nothing. With `max_tiles`, the groups that save the most
+    KV reads are kept and the others read their prefix per request."""
     kv_skip = [0] * batch_size
     tiles: list[list[int]] = []
+    if max_tiles is not None:
+        def saved(group: tuple[int, Sequence[int]]) -> int:
+            prefix_len, rows = group
+            return prefix_len * (len(rows) - -(-len(rows) // members))
+
+        kept, room = [], max_tiles
+        for group in sorted(groups, key=saved, reverse=True):
+            need = -(-len(group[1]) // members)
+            if need <= room and saved(group) > 0:
+                kept.append(group)
+                room -= need
+        groups = kept
     for prefix_len, rows in groups:
         for row in rows:
             kv_skip[row] = prefix_len

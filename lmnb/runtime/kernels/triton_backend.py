@@ -14,8 +14,15 @@ import torch
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
-from lmnb.runtime.kernels.metadata import DecodeBuffers
+from lmnb.runtime.kernels.metadata import DecodeBuffers, device_tensor, host_int64
 from lmnb.runtime.kernels.registry import register_attention_backend
+from lmnb.runtime.kernels.shared_prefix import (
+    PREFIX_SPLITS,
+    SharedPrefixes,
+    graph_tiles,
+    members_per_tile,
+    plan_tiles,
+)
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
 from lmnb.runtime.kernels.triton_extend import extend_attention
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
@@ -27,12 +34,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @register_attention_backend("triton")
 class TritonAttention(AttentionBackend):
     supports_capture = True
+    supports_shared_prefixes = True
 
     # DECODE: what `forward` reads; eager tensors of this step or views of the static buffers.
     _kv_indptr: torch.Tensor  # [bs + 1]
     _kv_indices: torch.Tensor  # [>= num_kv_tokens]
     _partial_out: torch.Tensor  # [bs, heads, splits, head_dim] float32 scratch
     _partial_lse: torch.Tensor  # [bs, heads, splits]
+    _shared: SharedPrefixes | None  # prefix groups read once per tile (shared_prefix.py)
     # EXTEND
     _max_extend_len: int
 
@@ -54,13 +63,23 @@ class TritonAttention(AttentionBackend):
             raise ValueError(f"Triton attention: {reason}")
         self.max_kv_splits = max_kv_splits
         self._device = req_to_token_pool.req_to_token.device
+        self._members = members_per_tile(num_heads, num_kv_heads)
+        self._shared = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.mode is ForwardMode.DECODE:
             self._kv_indptr, self._kv_indices = forward_batch.kv_indptr, forward_batch.kv_indices
+            self._shared = None
+            if forward_batch.shared_prefixes:
+                kv_skip, tiles = plan_tiles(forward_batch.shared_prefixes,
+                                            batch_size=forward_batch.batch_size,
+                                            members=self._members)
+                self._shared = SharedPrefixes(
+                    kv_skip=device_tensor(kv_skip, torch.int64, self._device),
+                    tiles=device_tensor(tiles, torch.int64, self._device))
+            splits = self.max_kv_splits + (PREFIX_SPLITS if self._shared else 0)
             self._partial_out, self._partial_lse = partial_buffers(
-                forward_batch.batch_size, self.num_heads, self.head_dim, self.max_kv_splits,
-                self._device)
+                forward_batch.batch_size, self.num_heads, self.head_dim, splits, self._device)
         else:
             self._max_extend_len = max(forward_batch.extend_lens_cpu, default=1)
 
@@ -70,22 +89,41 @@ class TritonAttention(AttentionBackend):
         width = self.req_to_token_pool.req_to_token.shape[1]
         self._buffers = DecodeBuffers(max_bs, kv_capacity or max_bs * width, self._device)
         self._static_partials = partial_buffers(max_bs, self.num_heads, self.head_dim,
-                                                self.max_kv_splits, self._device)
+                                                self.max_kv_splits + PREFIX_SPLITS, self._device)
+        self._static_shared = SharedPrefixes(
+            kv_skip=torch.zeros(max_bs, dtype=torch.int64, device=self._device),
+            tiles=torch.zeros(graph_tiles(max_bs), 2 + self._members, dtype=torch.int64,
+                              device=self._device))
 
     def can_replay(self, forward_batch: ForwardBatch) -> bool:
         return self._buffers.fits(forward_batch.batch_size, forward_batch.num_kv_tokens)
 
-    def prepare_for_capture(self, bs: int) -> None:
+    def prepare_for_capture(self, bs: int, *, shared: bool = False) -> None:
         buffers = self._buffers
         self._kv_indptr, self._kv_indices = buffers.kv_indptr[:bs + 1], buffers.kv_indices
         self._partial_out, self._partial_lse = (t[:bs] for t in self._static_partials)
+        static = self._static_shared
+        self._shared = SharedPrefixes(kv_skip=static.kv_skip[:bs],
+                                      tiles=static.tiles[:graph_tiles(bs)]) if shared else None
 
-    def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None) -> None:
+    def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None, *,
+                           shared: bool = False) -> None:
         bs = forward_batch.batch_size if bs is None else bs
         self._buffers.fill(seq_lens=forward_batch.seq_lens, kv_indptr=forward_batch.kv_indptr,
                            kv_indices=forward_batch.kv_indices,
                            num_kv_tokens=forward_batch.num_kv_tokens, bs=bs)
-        self.prepare_for_capture(bs)
+        self.prepare_for_capture(bs, shared=shared)
+        if shared:  # one copy of the groups' tiles; padding rows skip nothing, empty tiles
+            rows = graph_tiles(bs)
+            kv_skip, tiles = plan_tiles(forward_batch.shared_prefixes, batch_size=bs,
+                                        members=self._members, max_tiles=rows)
+            width = 2 + self._members
+            flat = kv_skip + [v for tile in tiles for v in tile] + [0] * (
+                (rows - len(tiles)) * width)
+            host = host_int64(flat, pin=self._device.type == "cuda")
+            static = self._static_shared
+            static.kv_skip[:bs].copy_(host[:bs], non_blocking=True)
+            static.tiles[:rows].copy_(host[bs:].view(rows, width), non_blocking=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
@@ -96,7 +134,7 @@ class TritonAttention(AttentionBackend):
         if forward_batch.mode is ForwardMode.DECODE:
             decode_attention(q, k_buffer, v_buffer, out, self._kv_indptr, self._kv_indices,
                              self._partial_out, self._partial_lse, scale=self.scale,
-                             max_kv_splits=self.max_kv_splits)
+                             max_kv_splits=self.max_kv_splits, shared=self._shared)
         else:
             extend_attention(q, k_buffer, v_buffer, out, forward_batch.qo_indptr,
                              forward_batch.kv_indptr, forward_batch.kv_indices,

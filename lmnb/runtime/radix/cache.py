@@ -131,6 +131,35 @@ class RadixCache(PrefixCache):
         upper.children[(node.namespace, node.key[0])] = node
         return upper
 
+    def shared_prefixes(self, handles: Sequence[TreeNode | None],
+                        min_tokens: int) -> list[tuple[int, list[int]]]:
+        chains: list[list[TreeNode]] = []
+        sharers: dict[TreeNode, int] = {}
+        for node in handles:
+            chain = []
+            while node is not None and node is not self.root:
+                chain.append(node)  # deepest first
+                sharers[node] = sharers.get(node, 0) + 1
+                node = node.parent
+            chains.append(chain)
+        depths: dict[TreeNode, int] = {}
+
+        def depth(node: TreeNode) -> int:
+            if node not in depths:
+                parent = node.parent
+                depths[node] = len(node.key) + (
+                    depth(parent) if parent is not None and parent is not self.root else 0)
+            return depths[node]
+
+        groups: dict[TreeNode, list[int]] = {}
+        for row, chain in enumerate(chains):
+            for node in chain:
+                if sharers[node] >= 2:
+                    if depth(node) >= min_tokens:
+                        groups.setdefault(node, []).append(row)
+                    break
+        return [(depth(node), rows) for node, rows in groups.items()]
+
     def note_hit(self, node: TreeNode | None) -> None:
         while node is not None and node is not self.root:
             node.hit_count += 1

@@ -52,6 +52,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001  # per decode pass
     in_batch_prefix_min_tokens: int = 32  # defer a request sharing this many uncached tokens
+    shared_prefix_min_tokens: int = 0  # decode groups sharing this many cached tokens (0: off)
     check_integrity_each_step: bool = False
     overlap_schedule: bool = False  # needs a runner with `launch` (OverlapRunner)
 
@@ -112,6 +113,8 @@ class Scheduler:
         self.batch_hook: Callable[[Batch], None] | None = None  # sees every batch that ran
         self._events: list[TokenEvent] = []
         self._in_flight: _InFlight | None = None
+        self._shared_rids: list[int] = []
+        self._shared: list[tuple[int, list[int]]] = []
 
     # ---- requests in and out ------------------------------------------------------------------
     def add(self, state: ReqState) -> None:
@@ -297,7 +300,9 @@ class Scheduler:
         samples: list[bool] = []
         spans: list[InputLogprobSpan | None] = []
         mm_inputs = [] if mode is ForwardMode.DECODE else [req.mm_inputs for req in reqs]
+        shared: list[tuple[int, list[int]]] = []
         if mode is ForwardMode.DECODE:
+            shared = self._shared_prefixes(reqs)
             self.cache.extend_each_by_one(reqs, out_cache_loc, pool_indices, prefix_lens)
             samples = [True] * len(reqs)
             if not follows_previous:
@@ -318,7 +323,19 @@ class Scheduler:
                      prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
                      out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans,
                      follows_previous=follows_previous, previous_rows=previous_rows,
-                     mm_inputs=mm_inputs)
+                     mm_inputs=mm_inputs, shared_prefixes=shared)
+
+    def _shared_prefixes(self, reqs: list[Req]) -> list[tuple[int, list[int]]]:
+        """The decode batch's prefix groups, recomputed only when its requests change."""
+        min_tokens = self.config.shared_prefix_min_tokens
+        if not min_tokens or len(reqs) < 2:
+            return []
+        rids = [req.rid for req in reqs]
+        if rids != self._shared_rids:
+            self._shared_rids = rids
+            self._shared = self.cache.cache.shared_prefixes(
+                [req.cache_handle for req in reqs], min_tokens)
+        return self._shared
 
     def _count_admission(self, req: Req) -> None:
         if not req.admitted:
