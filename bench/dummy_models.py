@@ -42,7 +42,19 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
                      "vocab_size": 49152, "max_position_embeddings": 8192,
                      "rope_theta": 100000.0, "tie_word_embeddings": True,
                      "dtype": "bfloat16"},
+    # Llama-3 shrunk to a CPU-sized check (bench/vs_vllm.py --tiny): its vocabulary, so that the
+    # real Llama-3 tokenizer's ids are all rows of the embedding, and a head size (64) that GPU
+    # attention kernels take, for a quick smoke run there too.
+    "tiny-llama-3": {**_LLAMA_2_7B, "hidden_size": 256, "intermediate_size": 512,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "vocab_size": 128256, "max_position_embeddings": 8192,
+                     "rope_theta": 500000.0, "tie_word_embeddings": True,
+                     "bos_token_id": 128000, "eos_token_id": 128001, "dtype": "float32"},
 }
+
+# The files of an HF tokenizer folder that `copy_tokenizer` copies beside a config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
 @dataclass(frozen=True)
@@ -84,3 +96,24 @@ def write_dummy_model(name: str, root: str | Path, tokenizer: str | Path | None 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(fields))
     return DummyModel(name=name, path=folder, tokenizer_path=Path(tokenizer_dir), fields=fields)
+
+
+def write_self_contained_dummy_model(name: str, root: str | Path,
+                                     tokenizer: str | Path) -> DummyModel:
+    """Writes `root/name/` with the architecture's config.json (its own vocabulary) and copies of
+    the files of the HF tokenizer folder `tokenizer` (a folder with no config.json will do): a
+    folder that serves itself, for engines that take one folder for both (vLLM's
+    `LLM(model=d, tokenizer=d)`), so that every engine reads the same files."""
+    import shutil
+
+    source = Path(tokenizer)
+    files = [file for file in TOKENIZER_FILES if (source / file).is_file()]
+    if not files:
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {source}")
+    fields = dict(DUMMY_CONFIGS[name])
+    folder = Path(root) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(fields))
+    for file in files:
+        shutil.copyfile(source / file, folder / file)
+    return DummyModel(name=name, path=folder, tokenizer_path=folder, fields=fields)

@@ -26,6 +26,16 @@
 #                                                                    (not in "all")  ~3 min
 #   profile-llama2  the same on random Llama-2-7B fp16, for the comparison   (not in "all")  ~3 min
 #   gemv            bench/gemv.py --sweep: the batch-1 GEMV kernels     (not in "all")
+#   vs-vllm-llama3  bench/vs_vllm.py: lmnb vs vLLM 0.26.0 on random Llama-3-8B bf16, every
+#                   workload (offline, shared prefixes as ids and as text, fork, decode b64/b1,
+#                   engine start), each engine in its own process       (not in "all")  ~8 min
+#   vs-vllm-llama2  the same, offline only, on random Llama-2-7B fp16    (not in "all")  ~4 min
+#   vs-vllm         both models in one run (may pass one 10-minute device call) (not in "all")
+#                   The vs-vllm stages need vLLM in $VLLM_SITE (default /tmp/vllm-site: run
+#                   bench/vllm_peer.sh first) and the Llama-3 tokenizer in .gpu/tokenizer-llama3
+#                   (bench/fetch_tokenizers.sh, here); $VS_VLLM_ARGS adds options (e.g.
+#                   "--repeats 5 --lmnb-backend triton --profile", or "--skip-vllm"). vLLM's
+#                   flashinfer-python 0.6.14 comes first on their PYTHONPATH, for lmnb too.
 # FlashInfer: wheels in .gpu/whl are installed into /tmp/site when present (no network); its JIT
 # output goes to build/flashinfer (ignored and not carried, so a warm machine keeps it between
 # calls that carry .gpu). The tokenizer comes
@@ -61,6 +71,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null \
   || echo "flashinfer: not installed"
+
+VLLM_SITE=${VLLM_SITE:-/tmp/vllm-site}
+# bench/vs_vllm.py over some models: vLLM's site folder ahead of /tmp/site (its flashinfer).
+vs_vllm() {
+  local output=$1; shift
+  if [ ! -d "$VLLM_SITE" ]; then
+    echo "vs-vllm: no $VLLM_SITE (run bench/vllm_peer.sh first; VS_VLLM_ARGS=--skip-vllm" \
+      "runs lmnb alone)"
+    [[ " ${VS_VLLM_ARGS:-} " == *" --skip-vllm "* ]] || return 1
+  fi
+  PYTHONPATH=$PWD:$VLLM_SITE:$PYTHONPATH $PY bench/vs_vllm.py --vllm-site "$VLLM_SITE" \
+    --tokenizer-dir "${LLAMA3_TOKENIZER_DIR:-.gpu/tokenizer-llama3}" --output "$output" \
+    "$@" ${VS_VLLM_ARGS:-}
+}
 
 failed=()
 run_stage() {
@@ -109,13 +133,20 @@ for stage in "${stages[@]}"; do
         --tokenizer "$TOKENIZER" --output "$RESULTS/profile_offline_llama-2-7b.json" ;;
     gemv)
       run_stage gemv $PY bench/gemv.py --sweep --output "$RESULTS/gemv.json" ;;
+    vs-vllm-llama3)
+      run_stage vs-vllm-llama3 vs_vllm "$RESULTS/vs_vllm_llama-3-8b.json" --models llama-3-8b ;;
+    vs-vllm-llama2)
+      run_stage vs-vllm-llama2 vs_vllm "$RESULTS/vs_vllm_llama-2-7b.json" --models llama-2-7b ;;
+    vs-vllm)
+      run_stage vs-vllm vs_vllm "$RESULTS/vs_vllm.json" ;;
     tests)
       run_stage tests $PY -m pytest -q -x tests/test_fused_kernels.py \
         tests/gpu/test_fused_model.py tests/gpu/test_cuda_graphs.py \
         tests/gpu/test_gpu_attention_backends.py ;;
     *)
       echo "gpu_suite: unknown stage $stage (decode offline-llama3 offline-llama2 programs" \
-        "ablation json profile-llama3 profile-llama2 gemv tests)"
+        "ablation json profile-llama3 profile-llama2 gemv vs-vllm vs-vllm-llama3" \
+        "vs-vllm-llama2 tests)"
       failed+=("$stage") ;;
   esac
 done
