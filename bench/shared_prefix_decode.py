@@ -48,8 +48,30 @@ def prompts(name: str, vocab: int, scale: float) -> tuple[list[list[int]], int]:
     return out, new
 
 
+def profiled(rt: Any, ids: list[list[int]], params: dict[str, Any], label: str) -> None:
+    """One more run under torch.profiler: kernel time by category, busy vs wall, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.kernel_profile import CATEGORY_HEADERS, category_rows, device_events, summarize
+
+    passes = []
+    rt.set_batch_hook(lambda batch: passes.append(batch.mode.name))
+    rt.flush_cache()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with stopwatch(rt.device) as t:
+            rt.generate(input_ids=ids, sampling_params=params)
+    rt.set_batch_hook(None)
+    summary = summarize(device_events(prof), wall_seconds=t["seconds"], passes=len(passes),
+                        top=12)
+    print(f"\n{label}: wall {t['seconds']:.3f} s, busy {summary['busy_seconds']:.3f} s, "
+          f"passes {passes.count('EXTEND')} extend + {passes.count('DECODE')} decode")
+    print(format_table(CATEGORY_HEADERS, category_rows(summary)))
+    for kernel in summary["top_kernels"]:
+        print(f"  {1e3 * kernel['seconds']:8.1f} ms {kernel['count']:6d}x  {kernel['name'][:90]}")
+
+
 def run(model_dir: Path, options: dict[str, Any], *, disabled: bool, workloads: list[str],
-        repeats: int, vocab: int, scale: float) -> dict[str, float]:
+        repeats: int, vocab: int, scale: float, profile: bool = False) -> dict[str, float]:
     import lmnb
 
     times: dict[str, float] = {}
@@ -65,6 +87,9 @@ def run(model_dir: Path, options: dict[str, Any], *, disabled: bool, workloads: 
                 if attempt:
                     samples.append(t["seconds"])
             times[name] = statistics.median(samples)
+            if profile:
+                profiled(rt, ids, params, f"{name}, shared-prefix decode "
+                                          f"{'off' if disabled else 'on'}")
     return times
 
 
@@ -78,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="prefix lengths x this")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more run of each under torch.profiler, summarised")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "shared_prefix_decode.json")
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",")
@@ -91,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
             model_dir, vocab = dummy.path, dummy.fields["vocab_size"]
             options.update(dummy.runtime_options())
         on = run(model_dir, options, disabled=False, workloads=workloads, repeats=args.repeats,
-                 vocab=vocab, scale=args.scale)
+                 vocab=vocab, scale=args.scale, profile=args.profile)
         off = run(model_dir, options, disabled=True, workloads=workloads, repeats=args.repeats,
-                  vocab=vocab, scale=args.scale)
+                  vocab=vocab, scale=args.scale, profile=args.profile)
     rows = [[name, off[name], on[name], off[name] / on[name]] for name in workloads]
     print(format_table(["workload", "plain decode s", "shared-prefix decode s", "speed-up"], rows))
     write_json(args.output, {"environment": environment(resolve_device(args.device)),

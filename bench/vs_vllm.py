@@ -807,7 +807,7 @@ def print_profile(title: str, summary: dict[str, Any]) -> None:
 def _write(payload: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    if out := os.environ.get("OUT"):
+    if (out := os.environ.get("OUT")) and (Path(out) / path.name).resolve() != path.resolve():
         shutil.copy(path, Path(out) / path.name)
     return path
 
