@@ -796,3 +796,19 @@ def test_evict_frees_parents_once_their_children_are_gone(clock: FakeClock) -> N
     assert cache.evict(5) == 1 and cache.node_count() == 0
     assert cache.evicted_tokens == 6 and cache.eviction_events == 4
     assert conserved(cache, pool) and pool.available() == 30
+
+
+def test_common_prefix_length_matches_a_plain_scan():
+    import random
+
+    from lmnb.runtime.prefix_cache import common_prefix_length
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.choice([0, 1, 7, 64, 65, 500, 1540])
+        a = [rng.randrange(3) for _ in range(n)]
+        b = a[:rng.randint(0, n)] + [rng.randrange(3) for _ in range(rng.randint(0, 300))]
+        pairs = enumerate(zip(a, b, strict=False))
+        expected = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+        assert common_prefix_length(a, b) == expected
+        assert common_prefix_length(b, a) == expected

@@ -19,17 +19,22 @@ class MatchResult(NamedTuple):
     handle: CacheHandle  # lock it before using `indices`; None when nothing can be locked
 
 
-_CHUNK = 64
-
-
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix: slices compared in C, growing while they match and
+    shrinking around the first difference (long shared prompts cost a few slice compares)."""
     n = min(len(a), len(b))
-    i = 0
-    while i + _CHUNK <= n and a[i:i + _CHUNK] == b[i:i + _CHUNK]:  # slice compares run in C
-        i += _CHUNK
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    i, step = 0, 64
+    while i < n:
+        j = min(i + step, n)
+        if a[i:j] == b[i:j]:
+            i, step = j, step * 2
+        elif step > 8:
+            step //= 8
+        else:
+            while i < j and a[i] == b[i]:
+                i += 1
+            return i
+    return n
 
 
 class PrefixCache(ABC):

@@ -85,8 +85,11 @@ class PrefillManager:
             return False
         ids = req.fill_ids
         uncached = len(ids) - cached_len
+        first = ids[cached_len] if uncached > 0 else None
         for other in admitted:
-            if other.extra_key != req.extra_key:
+            other_ids = other.fill_ids if other.output_ids else other.origin_input_ids
+            if (other.extra_key != req.extra_key or len(other_ids) <= cached_len
+                    or other_ids[cached_len] != first):  # shares no uncached token: quick out
                 continue
             shared = common_prefix_length(ids, other.fill_ids) - cached_len
             # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples).
