@@ -43,6 +43,10 @@ def graph_max_bs(*, device_type: str, disable_cuda_graph: bool, cuda_graph_max_b
 
 
 class DecodeGraphRunner:
+    """Captures `model`'s decode over `backend`, the attention backend bound to its layers (the
+    model runner's): the capture/replay hooks set the static metadata the layers' `forward`
+    then reads."""
+
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, *, max_bs: int,
                  device: torch.device) -> None:
         if not backend.supports_capture:
@@ -91,8 +95,8 @@ class DecodeGraphRunner:
         return self.logits[key][:n]
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        """The ForwardBatch the captured forward sees: only mode, the static token buffers and the
-        backend are read (the backend's own static metadata stands for the rest)."""
+        """The ForwardBatch the captured forward sees: only mode and the static token buffers are
+        read (the backend's own static metadata stands for the rest)."""
         zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
         indptr = torch.arange(bs + 1, dtype=torch.int64, device=self.device)
         return ForwardBatch(
@@ -101,7 +105,7 @@ class DecodeGraphRunner:
             req_pool_indices=zeros, prefix_lens=zeros, extend_lens=zeros + 1,
             seq_lens=zeros + 1, qo_indptr=indptr, kv_indptr=indptr, kv_indices=zeros,
             prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, seq_lens_cpu=[1] * bs,
-            num_kv_tokens=bs, attn_backend=self.backend)
+            num_kv_tokens=bs)
 
     def _forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

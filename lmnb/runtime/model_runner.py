@@ -23,6 +23,7 @@ from lmnb.runtime.kernels.registry import (
 )
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.memory_profile import MemoryMeter, MemoryPlan, ProfileShape
+from lmnb.runtime.models.layers.attention import bind_attention_backend
 from lmnb.runtime.models.layers.linear import head_split
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
 from lmnb.runtime.sampling.row import SamplingRow
@@ -72,6 +73,9 @@ def sampling_rows(extend_lens: Sequence[int],
 
 class ModelRunner:
     """Sizes and owns the KV pools from the engine and model configs, and runs the model.
+
+    The attention backend it builds owns the pools and is bound to the model's attention layers
+    (`bind_attention_backend`): a pass hands the model only its `ForwardBatch`.
 
     On CUDA, unless `max_total_tokens` is given, a profile run (`memory_profile`) measures the
     largest passes before the pools exist and `memory_plan` records how the device is shared.
@@ -130,6 +134,7 @@ class ModelRunner:
             backend_name, device=device,
             num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
+        bind_attention_backend(model, self.attn_backend)
         choice = self.attn_backend.choice
         self.graph_max_bs = graph_max_bs(  # what the engine captures
             device_type=device.type, disable_cuda_graph=engine_config.disable_cuda_graph,
@@ -216,6 +221,7 @@ class ModelRunner:
         self.media_cache.clear()
         self.graph_runner = None
         self.kv_storage.release()
+        bind_attention_backend(self.model, None)
         self.model = None
 
     def run(self, batch: Batch, rows: Sequence[SamplingRow]) -> StepOutput:
@@ -292,8 +298,7 @@ class ModelRunner:
             mode=step.mode, input_ids=step.input_ids, req_pool_indices=step.req_pool_indices,
             prefix_lens=step.prefix_lens, extend_lens=step.extend_lens,
             out_cache_loc=step.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
-            req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage,
-            attn_backend=self.attn_backend, kv_indices=step.kv_indices)
+            kv_indices=step.kv_indices)
         hidden, graph_logits = self._forward(forward_batch)
         if graph_logits is not None:
             return
@@ -339,14 +344,12 @@ class ModelRunner:
                       input_ids: list[int] | torch.Tensor | None = None) -> ForwardBatch:
         """The attention-ready view of a batch: device tensors, indptrs and KV indices
         (`input_ids`: instead of `batch.input_ids`, e.g. tokens still on the device)."""
-        forward_batch = ForwardBatch.build(
+        return ForwardBatch.build(
             mode=batch.mode, input_ids=batch.input_ids if input_ids is None else input_ids,
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
             out_cache_loc=batch.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
-            req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage,
-            attn_backend=self.attn_backend, shared_prefixes=batch.shared_prefixes)
-        return forward_batch
+            shared_prefixes=batch.shared_prefixes)
 
     def _input_embeds(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings of an EXTEND pass with media: text rows from `embed_tokens` (pad
