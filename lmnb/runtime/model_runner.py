@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from lmnb.multimodal.embedding_cache import EmbeddingCache
 from lmnb.runtime import memory_profile
 from lmnb.runtime.config import EngineConfig, ModelConfig
-from lmnb.runtime.core import Batch, ForwardMode
+from lmnb.runtime.core import Batch, ForwardMode, StepOutput
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
 from lmnb.runtime.kernels.metadata import host_int64
@@ -25,27 +24,18 @@ from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.memory_profile import MemoryMeter, MemoryPlan, ProfileShape
 from lmnb.runtime.models.layers.attention import bind_attention_backend
 from lmnb.runtime.models.layers.linear import head_split
-from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
+from lmnb.runtime.sampling import (
+    SampleOutput,
+    Sampler,
+    SamplingBatchInfo,
+    all_allowed,
+    stack_bitmasks,
+)
 from lmnb.runtime.sampling.row import SamplingRow
 
 if TYPE_CHECKING:
     from lmnb.runtime.distributed.group import TPGroup
     from lmnb.runtime.distributed.step import Step
-
-TopLogprobs = list[tuple[float, int]]
-
-
-@dataclass
-class StepOutput:
-    """Per request of a batch: the sampled token (None when the request did not sample)."""
-
-    next_token_ids: list[int | None]
-    next_token_logprobs: list[float | None]
-    next_top_logprobs: list[TopLogprobs | None]
-    # prompt logprobs computed in this pass (None for a media pad id)
-    input_logprobs: list[list[tuple[float | None, int]]]
-    input_top_logprobs: list[list[TopLogprobs | None]]
-
 
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
@@ -415,7 +405,7 @@ class PendingStep:
     """A launched pass: `result()` waits for its device work and returns its StepOutput."""
 
     def __init__(self, runner: ModelRunner, batch: Batch, hidden: torch.Tensor | None,
-                 sample_rows: list[int], sampled: Any) -> None:
+                 sample_rows: list[int], sampled: SampleOutput | None) -> None:
         self._runner = runner
         self._batch = batch
         self._hidden = hidden
@@ -433,9 +423,8 @@ class PendingStep:
             raise
 
     def _result(self) -> StepOutput:
-        batch, size = self._batch, self._batch.size
-        out = StepOutput([None] * size, [None] * size, [None] * size,
-                         [[] for _ in range(size)], [[] for _ in range(size)])
+        batch = self._batch
+        out = StepOutput.empty(batch.size)
         if batch.mode is ForwardMode.EXTEND:
             self._runner.fill_input_logprobs(batch, self._hidden, out)
         sampled = self._sampled
