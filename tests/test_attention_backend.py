@@ -14,6 +14,7 @@ import torch
 from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
+from lmnb.runtime.graph_runner import DecodeGraphRunner
 from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.metadata import DecodeBuffers, build_kv_indices, padded_kv_slots
 from lmnb.runtime.kernels.registry import (
@@ -23,7 +24,7 @@ from lmnb.runtime.kernels.registry import (
     select_attention_backend,
 )
 from lmnb.runtime.memory import KVAllocator, KVStorage, ReqToTokenPool
-from lmnb.runtime.models.layers.attention import PooledAttention
+from lmnb.runtime.models.layers.attention import PooledAttention, bound_to
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -329,8 +330,7 @@ def test_model_decode_through_capture_hooks_matches_eager(tiny_models):
                                                      attention_backend="auto"),
                          device=torch.device("cpu"), dtype=torch.float32, eos_token_ids={2})
     # the runner's backend (owning its pools) is bound to every attention layer, once
-    assert {id(m.attn_backend) for m in model.modules()
-            if isinstance(m, PooledAttention)} == {id(runner.attn_backend)}
+    assert bound_to(model, runner.attn_backend)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 30))] for _ in range(3)]
     table = runner.req_to_token_pool.req_to_token
@@ -375,3 +375,5 @@ def test_model_decode_through_capture_hooks_matches_eager(tiny_models):
     torch.testing.assert_close(replayed[:3], eager, atol=1e-5, rtol=1e-5)
     runner.close()  # unbinds: the model keeps no pool alive
     assert all(m.attn_backend is None for m in model.modules() if isinstance(m, PooledAttention))
+    with pytest.raises(ValueError, match="not bound to this backend"):  # before any CUDA call
+        DecodeGraphRunner(model, runner.attn_backend, max_bs=1, device=torch.device("cpu"))

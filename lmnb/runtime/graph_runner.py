@@ -20,6 +20,7 @@ import torch
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
+from lmnb.runtime.models.layers.attention import bound_to
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -51,6 +52,9 @@ class DecodeGraphRunner:
                  device: torch.device) -> None:
         if not backend.supports_capture:
             raise ValueError(f"{type(backend).__name__} does not support CUDA-graph capture")
+        if not bound_to(model, backend):  # the hooks would set metadata the layers never read
+            raise ValueError("the model's attention layers are not bound to this backend "
+                             "(bind_attention_backend)")
         self.model = model
         self.backend = backend
         self.max_bs = max_bs

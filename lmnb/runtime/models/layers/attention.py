@@ -37,3 +37,9 @@ def bind_attention_backend(model: nn.Module | None, backend: AttentionBackend | 
             module.attn_backend = backend
             count += 1
     return count
+
+
+def bound_to(model: nn.Module, backend: AttentionBackend) -> bool:
+    """Whether every `PooledAttention` layer of `model` attends through `backend`."""
+    return all(module.attn_backend is backend for module in model.modules()
+               if isinstance(module, PooledAttention))
