@@ -186,7 +186,6 @@ class Batch:
         return any(mm is not None and mm.items for mm in self.mm_inputs)
 
 
-
 TopLogprobs = list[tuple[float, int]]  # (logprob, token id), best first
 
 
