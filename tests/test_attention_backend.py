@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import weakref
@@ -13,6 +14,7 @@ import torch
 from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
+from lmnb.runtime.graph_runner import DecodeGraphRunner
 from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.metadata import DecodeBuffers, build_kv_indices, padded_kv_slots
 from lmnb.runtime.kernels.registry import (
@@ -22,6 +24,7 @@ from lmnb.runtime.kernels.registry import (
     select_attention_backend,
 )
 from lmnb.runtime.memory import KVAllocator, KVStorage, ReqToTokenPool
+from lmnb.runtime.models.layers.attention import PooledAttention, bound_to
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -42,13 +45,11 @@ class Case:
     v: torch.Tensor
 
     def forward_batch(self) -> ForwardBatch:
-        pool = self.backend.req_to_token_pool
         return ForwardBatch.build(
             mode=self.mode, input_ids=[0] * self.q.shape[0], req_pool_indices=self.pool_indices,
             prefix_lens=self.prefix_lens, extend_lens=self.extend_lens,
-            out_cache_loc=self.out_cache_loc, req_to_token=pool.req_to_token,
-            req_to_token_pool=pool, kv_storage=self.backend.kv_storage,
-            attn_backend=self.backend)
+            out_cache_loc=self.out_cache_loc,
+            req_to_token=self.backend.req_to_token_pool.req_to_token)
 
 
 _ALLOCATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> its slots
@@ -328,11 +329,11 @@ def test_model_decode_through_capture_hooks_matches_eager(tiny_models):
     runner = ModelRunner(model, config, EngineConfig(max_total_tokens=512, max_running_requests=8,
                                                      attention_backend="auto"),
                          device=torch.device("cpu"), dtype=torch.float32, eos_token_ids={2})
+    # the runner's backend (owning its pools) is bound to every attention layer, once
+    assert bound_to(model, runner.attn_backend)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 30))] for _ in range(3)]
-    pools = {"req_to_token": runner.req_to_token_pool.req_to_token,
-             "req_to_token_pool": runner.req_to_token_pool,
-             "kv_storage": runner.kv_storage, "attn_backend": runner.attn_backend}
+    table = runner.req_to_token_pool.req_to_token
     indices = [runner.req_to_token_pool.alloc() for _ in prompts]
     lens = [len(ids) for ids in prompts]
     slots = KVAllocator(512, torch.device("cpu")).alloc(sum(lens) + len(prompts))
@@ -349,12 +350,14 @@ def test_model_decode_through_capture_hooks_matches_eager(tiny_models):
     with torch.inference_mode():
         prefill = ForwardBatch.build(mode=ForwardMode.EXTEND, input_ids=sum(prompts, []),
                                      req_pool_indices=indices, prefix_lens=[0] * 3,
-                                     extend_lens=lens, out_cache_loc=prefill_loc, **pools)
+                                     extend_lens=lens, out_cache_loc=prefill_loc,
+                                     req_to_token=table)
         runner.attn_backend.init_forward_metadata(prefill)
         step(prefill)
         decode = ForwardBatch.build(mode=ForwardMode.DECODE, input_ids=[5, 6, 7],
                                     req_pool_indices=indices, prefix_lens=lens,
-                                    extend_lens=[1] * 3, out_cache_loc=decode_loc, **pools)
+                                    extend_lens=[1] * 3, out_cache_loc=decode_loc,
+                                    req_to_token=table)
         runner.attn_backend.init_forward_metadata(decode)
         eager = step(decode)
 
@@ -363,10 +366,14 @@ def test_model_decode_through_capture_hooks_matches_eager(tiny_models):
         runner.attn_backend.prepare_for_capture(bs)
         runner.attn_backend.prepare_for_replay(decode, bs)
         zero = torch.zeros(1, dtype=torch.int64)
-        padded = ForwardBatch(**{**decode.__dict__, "batch_size": bs,
-                                 "input_ids": torch.cat((decode.input_ids, zero)),
-                                 "positions": torch.cat((decode.positions, zero)),
-                                 "out_cache_loc": torch.cat((decode.out_cache_loc, zero))})
+        padded = dataclasses.replace(decode, batch_size=bs,
+                                     input_ids=torch.cat((decode.input_ids, zero)),
+                                     positions=torch.cat((decode.positions, zero)),
+                                     out_cache_loc=torch.cat((decode.out_cache_loc, zero)))
         replayed = step(padded)
     assert replayed.shape[0] == bs
     torch.testing.assert_close(replayed[:3], eager, atol=1e-5, rtol=1e-5)
+    runner.close()  # unbinds: the model keeps no pool alive
+    assert all(m.attn_backend is None for m in model.modules() if isinstance(m, PooledAttention))
+    with pytest.raises(ValueError, match="not bound to this backend"):  # before any CUDA call
+        DecodeGraphRunner(model, runner.attn_backend, max_bs=1, device=torch.device("cpu"))

@@ -19,6 +19,7 @@ from lmnb.runtime.memory_profile import (
     safety_margin,
 )
 from lmnb.runtime.models import loader
+from lmnb.runtime.models.layers.attention import PooledAttention
 from lmnb.runtime.sampling import Sampler
 
 MIB = 1 << 20
@@ -135,6 +136,9 @@ def test_profile_routine_runs_every_pass_on_cpu(tiny_models) -> None:
     assert profile.activation_bytes == 3 * MIB
     # the pool's measured peak, plus the logits outputs graphs 1 and 2 keep
     assert profile.graph_bytes == 3 * MIB + 4 * config.vocab_size * (1 + 2)
+    # the layers were bound to the temporary pools only for the passes: nothing keeps them alive
+    layers = [m for m in model.modules() if isinstance(m, PooledAttention)]
+    assert len(layers) == config.num_layers and all(m.attn_backend is None for m in layers)
 
 
 def test_runtime_sized_by_profile_generates_like_one_without(tiny_models, monkeypatch) -> None:

@@ -8,9 +8,8 @@ import re
 import pytest
 import torch
 
-from lmnb.runtime.core import ForwardMode, Req, ReqStatus, SamplingParams
+from lmnb.runtime.core import ForwardMode, Req, ReqStatus, SamplingParams, StepOutput
 from lmnb.runtime.memory import KVAllocator, ReqToTokenPool
-from lmnb.runtime.model_runner import StepOutput
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
 from lmnb.runtime.radix.cache import RadixCache
@@ -35,9 +34,7 @@ class FakeRunner:
 
     def run(self, batch, rows):
         self.batches.append(batch)
-        size = batch.size
-        out = StepOutput([None] * size, [None] * size, [None] * size,
-                         [[] for _ in range(size)], [[] for _ in range(size)])
+        out = StepOutput.empty(batch.size)
         sampling = iter(rows)
         for i, samples in enumerate(batch.samples):
             if samples:

@@ -237,15 +237,13 @@ def test_tiny_model_logits_equal_torch_native(device, tiny_models):
         starts = [sum(lens[:i]) + i for i in range(len(lens))]
         for idx, start, n in zip(indices, starts, lens, strict=True):
             table.req_to_token[idx, :n + 1] = slots[start:start + n + 1]
-        pools = dict(req_to_token=table.req_to_token, req_to_token_pool=table,
-                     kv_storage=runner.kv_storage, attn_backend=runner.attn_backend)
         prefill = ForwardBatch.build(
             mode=ForwardMode.EXTEND, input_ids=sum(prompts, []), req_pool_indices=indices,
-            prefix_lens=[0] * 3, extend_lens=lens, **pools,
+            prefix_lens=[0] * 3, extend_lens=lens, req_to_token=table.req_to_token,
             out_cache_loc=torch.cat([slots[s:s + n] for s, n in zip(starts, lens, strict=True)]))
         decode = ForwardBatch.build(
             mode=ForwardMode.DECODE, input_ids=[5, 6, 7], req_pool_indices=indices,
-            prefix_lens=lens, extend_lens=[1] * 3, **pools,
+            prefix_lens=lens, extend_lens=[1] * 3, req_to_token=table.req_to_token,
             out_cache_loc=torch.stack([slots[s + n] for s, n in zip(starts, lens, strict=True)]))
         steps = []
         with torch.inference_mode():

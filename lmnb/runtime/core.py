@@ -1,5 +1,5 @@
-"""Shared vocabulary of the runtime: requests, batches, finish reasons (sampling parameters live
-in `lmnb.params` and are re-exported here)."""
+"""Shared vocabulary of the runtime: requests, batches, a pass's result, finish reasons (sampling
+parameters live in `lmnb.params` and are re-exported here)."""
 
 from __future__ import annotations
 
@@ -185,3 +185,30 @@ class Batch:
     def has_media(self) -> bool:
         return any(mm is not None and mm.items for mm in self.mm_inputs)
 
+
+TopLogprobs = list[tuple[float, int]]  # (logprob, token id), best first
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the model runner gives back for one `Batch`, per request in batch order.
+
+    `next_token_ids[i]`: the token request i sampled, None when it did not sample (a chunk that
+    leaves part of its prompt); its raw logprob in `next_token_logprobs[i]` (0.0 when no request
+    of the batch asked for logprobs) and, when asked, its best alternatives in
+    `next_top_logprobs[i]`. `input_logprobs[i]`: (logprob, token) of the prompt tokens this pass
+    scored for request i (logprob None for a media pad id), empty unless it asked;
+    `input_top_logprobs[i]` aligned with them (None entries without `top_logprobs_num`).
+    """
+
+    next_token_ids: list[int | None]
+    next_token_logprobs: list[float | None]
+    next_top_logprobs: list[TopLogprobs | None]
+    input_logprobs: list[list[tuple[float | None, int]]]
+    input_top_logprobs: list[list[TopLogprobs | None]]
+
+    @classmethod
+    def empty(cls, size: int) -> StepOutput:
+        """Nothing sampled, nothing scored, for a batch of `size` requests."""
+        return cls([None] * size, [None] * size, [None] * size,
+                   [[] for _ in range(size)], [[] for _ in range(size)])

@@ -1,10 +1,13 @@
-"""Per-step tensors handed from the model runner to every attention layer."""
+"""Per-step tensors handed from the model runner to every attention layer.
+
+Only what changes every pass lives here; the long-lived side (the attention backend and the KV
+storage and request-to-token table it owns) is bound to the model's attention layers once
+(`models/layers/attention.py`)."""
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,9 +18,6 @@ from lmnb.runtime.kernels.metadata import (
     build_positions,
     host_int64,
 )
-
-if TYPE_CHECKING:
-    from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 
 @dataclass
@@ -47,9 +47,6 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     num_kv_tokens: int
-    req_to_token_pool: ReqToTokenPool | None = None
-    kv_storage: KVStorage | None = None
-    attn_backend: Any = None
     # DECODE: (length, rows) groups sharing a cached prefix (`Batch.shared_prefixes`)
     shared_prefixes: list[tuple[int, list[int]]] = field(default_factory=list)
 
@@ -61,9 +58,7 @@ class ForwardBatch:
     def build(cls, *, mode: ForwardMode, input_ids: list[int] | torch.Tensor,
               req_pool_indices: list[int],
               prefix_lens: list[int], extend_lens: list[int], out_cache_loc: torch.Tensor,
-              req_to_token: torch.Tensor, req_to_token_pool: ReqToTokenPool | None = None,
-              kv_storage: KVStorage | None = None,
-              attn_backend: Any = None, kv_indices: torch.Tensor | None = None,
+              req_to_token: torch.Tensor, kv_indices: torch.Tensor | None = None,
               shared_prefixes: list[tuple[int, list[int]]] | None = None) -> ForwardBatch:
         """All device tensors from host lists with one host-to-device copy; no sync.
 
@@ -101,5 +96,4 @@ class ForwardBatch:
                 req_to_token, pool_indices, seq_lens, kv_indptr, num_kv_tokens),
             prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
             seq_lens_cpu=seq_lens_cpu, num_kv_tokens=num_kv_tokens,
-            req_to_token_pool=req_to_token_pool, kv_storage=kv_storage,
-            attn_backend=attn_backend, shared_prefixes=shared_prefixes or [])
+            shared_prefixes=shared_prefixes or [])

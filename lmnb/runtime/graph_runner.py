@@ -20,6 +20,7 @@ import torch
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
+from lmnb.runtime.models.layers.attention import bound_to
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -43,10 +44,17 @@ def graph_max_bs(*, device_type: str, disable_cuda_graph: bool, cuda_graph_max_b
 
 
 class DecodeGraphRunner:
+    """Captures `model`'s decode over `backend`, the attention backend bound to its layers (the
+    model runner's): the capture/replay hooks set the static metadata the layers' `forward`
+    then reads."""
+
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, *, max_bs: int,
                  device: torch.device) -> None:
         if not backend.supports_capture:
             raise ValueError(f"{type(backend).__name__} does not support CUDA-graph capture")
+        if not bound_to(model, backend):  # the hooks would set metadata the layers never read
+            raise ValueError("the model's attention layers are not bound to this backend "
+                             "(bind_attention_backend)")
         self.model = model
         self.backend = backend
         self.max_bs = max_bs
@@ -91,8 +99,8 @@ class DecodeGraphRunner:
         return self.logits[key][:n]
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        """The ForwardBatch the captured forward sees: only mode, the static token buffers and the
-        backend are read (the backend's own static metadata stands for the rest)."""
+        """The ForwardBatch the captured forward sees: only mode and the static token buffers are
+        read (the backend's own static metadata stands for the rest)."""
         zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
         indptr = torch.arange(bs + 1, dtype=torch.int64, device=self.device)
         return ForwardBatch(
@@ -101,7 +109,7 @@ class DecodeGraphRunner:
             req_pool_indices=zeros, prefix_lens=zeros, extend_lens=zeros + 1,
             seq_lens=zeros + 1, qo_indptr=indptr, kv_indptr=indptr, kv_indices=zeros,
             prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, seq_lens_cpu=[1] * bs,
-            num_kv_tokens=bs, attn_backend=self.backend)
+            num_kv_tokens=bs)
 
     def _forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

@@ -25,8 +25,10 @@ from lmnb.params import SamplingParams
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import batch_size_ladder
+from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+from lmnb.runtime.models.layers.attention import bind_attention_backend
 from lmnb.runtime.sampling import Sampler
 
 SAFETY_MARGIN_FRACTION = 0.04  # of the device's total memory, never planned for
@@ -246,7 +248,8 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
                         attention_backend: str, q_heads: int, kv_heads: int, head_dim: int,
                         num_layers: int, dtype: torch.dtype, device: torch.device,
                         vocab_size: int, sampler: Sampler) -> ActivationProfile:
-    """Runs the profile passes with temporary pools (freed on return; the model is only run)."""
+    """Runs the profile passes with temporary pools (freed on return: the model's attention
+    layers are bound to them for the passes, then unbound)."""
     start = time.perf_counter()
     base = meter.allocated()
     req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_len + 1, device)
@@ -259,13 +262,18 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
         attention_backend, device=device, num_heads=q_heads, num_kv_heads=kv_heads,
         head_dim=head_dim, req_to_token_pool=req_pool, kv_storage=storage)
     fixed = with_pool - base + meter.allocated() - with_storage
-    run = _PassRunner(model, backend, req_pool, storage, sampler, vocab_size)
-    prefill = run.extend(shape.prefill_tokens, min(shape.max_running_requests,
-                                                    shape.prefill_tokens), meter)
-    decode = run.decode(shape.max_running_requests, meter, sample=True)
-    graph_pool = graph_static = 0
+    run = _PassRunner(model, backend, req_pool, sampler, vocab_size)
+    bind_attention_backend(model, backend)
+    try:
+        prefill = run.extend(shape.prefill_tokens, min(shape.max_running_requests,
+                                                        shape.prefill_tokens), meter)
+        decode = run.decode(shape.max_running_requests, meter, sample=True)
+        graph_pool = (run.decode(shape.graph_max_bs, meter, sample=False)
+                      if shape.graph_max_bs else 0)
+    finally:
+        bind_attention_backend(model, None)
+    graph_static = 0
     if shape.graph_max_bs:
-        graph_pool = run.decode(shape.graph_max_bs, meter, sample=False)
         before = meter.allocated()
         backend.init_capture(shape.graph_max_bs)
         ladder = batch_size_ladder(shape.graph_max_bs)
@@ -282,12 +290,11 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
 class _PassRunner:
     """Builds and runs the profile's passes over the temporary pools."""
 
-    def __init__(self, model: torch.nn.Module, backend: object, req_pool: ReqToTokenPool,
-                 storage: KVStorage, sampler: Sampler, vocab_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
+                 req_pool: ReqToTokenPool, sampler: Sampler, vocab_size: int) -> None:
         self.model = model
         self.backend = backend
         self.req_pool = req_pool
-        self.storage = storage
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.device = req_pool.req_to_token.device
@@ -328,10 +335,8 @@ class _PassRunner:
         fb = ForwardBatch.build(
             mode=mode, input_ids=input_ids, req_pool_indices=list(range(n)),
             prefix_lens=prefix_lens, extend_lens=extend_lens,
-            out_cache_loc=out_cache_loc.contiguous(), req_to_token=self.req_pool.req_to_token,
-            req_to_token_pool=self.req_pool, kv_storage=self.storage,
-            attn_backend=self.backend)
-        self.backend.init_forward_metadata(fb)  # type: ignore[attr-defined]
+            out_cache_loc=out_cache_loc.contiguous(), req_to_token=self.req_pool.req_to_token)
+        self.backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         last_rows = torch.cumsum(fb.extend_lens, 0) - 1
         logits = self.model.compute_logits(hidden[last_rows])

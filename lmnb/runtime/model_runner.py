@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from lmnb.multimodal.embedding_cache import EmbeddingCache
 from lmnb.runtime import memory_profile
 from lmnb.runtime.config import EngineConfig, ModelConfig
-from lmnb.runtime.core import Batch, ForwardMode
+from lmnb.runtime.core import Batch, ForwardMode, StepOutput
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
 from lmnb.runtime.kernels.metadata import host_int64
@@ -23,28 +22,20 @@ from lmnb.runtime.kernels.registry import (
 )
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.memory_profile import MemoryMeter, MemoryPlan, ProfileShape
+from lmnb.runtime.models.layers.attention import bind_attention_backend
 from lmnb.runtime.models.layers.linear import head_split
-from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
+from lmnb.runtime.sampling import (
+    SampleOutput,
+    Sampler,
+    SamplingBatchInfo,
+    all_allowed,
+    stack_bitmasks,
+)
 from lmnb.runtime.sampling.row import SamplingRow
 
 if TYPE_CHECKING:
     from lmnb.runtime.distributed.group import TPGroup
     from lmnb.runtime.distributed.step import Step
-
-TopLogprobs = list[tuple[float, int]]
-
-
-@dataclass
-class StepOutput:
-    """Per request of a batch: the sampled token (None when the request did not sample)."""
-
-    next_token_ids: list[int | None]
-    next_token_logprobs: list[float | None]
-    next_top_logprobs: list[TopLogprobs | None]
-    # prompt logprobs computed in this pass (None for a media pad id)
-    input_logprobs: list[list[tuple[float | None, int]]]
-    input_top_logprobs: list[list[TopLogprobs | None]]
-
 
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
@@ -72,6 +63,9 @@ def sampling_rows(extend_lens: Sequence[int],
 
 class ModelRunner:
     """Sizes and owns the KV pools from the engine and model configs, and runs the model.
+
+    The attention backend it builds owns the pools and is bound to the model's attention layers
+    (`bind_attention_backend`): a pass hands the model only its `ForwardBatch`.
 
     On CUDA, unless `max_total_tokens` is given, a profile run (`memory_profile`) measures the
     largest passes before the pools exist and `memory_plan` records how the device is shared.
@@ -130,6 +124,7 @@ class ModelRunner:
             backend_name, device=device,
             num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
+        bind_attention_backend(model, self.attn_backend)
         choice = self.attn_backend.choice
         self.graph_max_bs = graph_max_bs(  # what the engine captures
             device_type=device.type, disable_cuda_graph=engine_config.disable_cuda_graph,
@@ -216,6 +211,7 @@ class ModelRunner:
         self.media_cache.clear()
         self.graph_runner = None
         self.kv_storage.release()
+        bind_attention_backend(self.model, None)
         self.model = None
 
     def run(self, batch: Batch, rows: Sequence[SamplingRow]) -> StepOutput:
@@ -292,8 +288,7 @@ class ModelRunner:
             mode=step.mode, input_ids=step.input_ids, req_pool_indices=step.req_pool_indices,
             prefix_lens=step.prefix_lens, extend_lens=step.extend_lens,
             out_cache_loc=step.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
-            req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage,
-            attn_backend=self.attn_backend, kv_indices=step.kv_indices)
+            kv_indices=step.kv_indices)
         hidden, graph_logits = self._forward(forward_batch)
         if graph_logits is not None:
             return
@@ -339,14 +334,12 @@ class ModelRunner:
                       input_ids: list[int] | torch.Tensor | None = None) -> ForwardBatch:
         """The attention-ready view of a batch: device tensors, indptrs and KV indices
         (`input_ids`: instead of `batch.input_ids`, e.g. tokens still on the device)."""
-        forward_batch = ForwardBatch.build(
+        return ForwardBatch.build(
             mode=batch.mode, input_ids=batch.input_ids if input_ids is None else input_ids,
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
             out_cache_loc=batch.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
-            req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage,
-            attn_backend=self.attn_backend, shared_prefixes=batch.shared_prefixes)
-        return forward_batch
+            shared_prefixes=batch.shared_prefixes)
 
     def _input_embeds(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings of an EXTEND pass with media: text rows from `embed_tokens` (pad
@@ -412,7 +405,7 @@ class PendingStep:
     """A launched pass: `result()` waits for its device work and returns its StepOutput."""
 
     def __init__(self, runner: ModelRunner, batch: Batch, hidden: torch.Tensor | None,
-                 sample_rows: list[int], sampled: Any) -> None:
+                 sample_rows: list[int], sampled: SampleOutput | None) -> None:
         self._runner = runner
         self._batch = batch
         self._hidden = hidden
@@ -430,9 +423,8 @@ class PendingStep:
             raise
 
     def _result(self) -> StepOutput:
-        batch, size = self._batch, self._batch.size
-        out = StepOutput([None] * size, [None] * size, [None] * size,
-                         [[] for _ in range(size)], [[] for _ in range(size)])
+        batch = self._batch
+        out = StepOutput.empty(batch.size)
         if batch.mode is ForwardMode.EXTEND:
             self._runner.fill_input_logprobs(batch, self._hidden, out)
         sampled = self._sampled

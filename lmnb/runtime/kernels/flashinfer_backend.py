@@ -22,6 +22,7 @@ from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.registry import register_attention_backend
+from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 WORKSPACE_BYTES = 256 << 20
 _HALF = (torch.float16, torch.bfloat16)
@@ -50,8 +51,10 @@ class FlashInferAttention(AttentionBackend):
             return f"head_dim {head_dim} is not one of 64, 128, 256"
         return None
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 req_to_token_pool: ReqToTokenPool, kv_storage: KVStorage) -> None:
+        super().__init__(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         req_to_token_pool=req_to_token_pool, kv_storage=kv_storage)
         try:
             import flashinfer
         except ImportError as error:

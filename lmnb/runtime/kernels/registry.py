@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from lmnb.runtime.kernels.base import AttentionBackend, BackendChoice
+from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 # name -> module defining it; the GPU backends add their lines here when they land.
@@ -73,13 +74,14 @@ def select_attention_backend(name: str, device: torch.device, *,
     return BackendChoice(_FALLBACK, "auto on cuda: " + "; ".join(passed_over))
 
 
-def create_attention_backend(name: str, *, device: torch.device,
-                             **kwargs: object) -> AttentionBackend:
-    """Instantiate the backend `name` ("auto" allowed) with the constructor's keyword arguments."""
-    storage = kwargs.get("kv_storage")
-    choice = select_attention_backend(name, device,
-                                      dtype=getattr(storage, "dtype", None),
-                                      head_dim=kwargs.get("head_dim"))  # type: ignore[arg-type]
-    backend = attention_backend_class(choice.name)(**kwargs)
+def create_attention_backend(name: str, *, device: torch.device, num_heads: int,
+                             num_kv_heads: int, head_dim: int, req_to_token_pool: ReqToTokenPool,
+                             kv_storage: KVStorage) -> AttentionBackend:
+    """Instantiate the backend `name` ("auto" allowed: chosen for the KV's dtype and head_dim)
+    over the pools it will own."""
+    choice = select_attention_backend(name, device, dtype=kv_storage.dtype, head_dim=head_dim)
+    backend = attention_backend_class(choice.name)(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        req_to_token_pool=req_to_token_pool, kv_storage=kv_storage)
     backend.choice = choice
     return backend

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2) over flattened tokens.
 
 Tokens of every request in a batch are concatenated into one `[num_tokens, hidden]` tensor;
-attention finds each request's KV through the `ForwardBatch`.
+attention finds each request's KV through the `ForwardBatch`, in the pools of the attention
+backend bound to the layers (`layers/attention.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from lmnb.runtime.config import ModelConfig
 from lmnb.runtime.distributed.group import current_tp
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.models.layers.activation import GatedActivation
+from lmnb.runtime.models.layers.attention import PooledAttention
 from lmnb.runtime.models.layers.linear import (
     SHARDED_LAYERS,
     LogitsProjection,
@@ -33,7 +35,7 @@ __all__ = ["LlamaForCausalLM", "LlamaModel", "RMSNorm", "RotaryEmbedding",
            "rope_inverse_frequencies"]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(PooledAttention):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -49,7 +51,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        backend = forward_batch.attn_backend
+        backend = self.attn_backend
         qkv = self.qkv_proj(hidden)
         if rotary.fused:  # one kernel: rotate q and k, store k and v in the KV pool
             storage = backend.kv_storage

@@ -18,9 +18,9 @@ last token, room for one more token each); otherwise the pass in flight is proce
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lmnb.runtime.core import (
     Batch,
@@ -28,9 +28,11 @@ from lmnb.runtime.core import (
     InputLogprobSpan,
     Req,
     ReqStatus,
+    StepOutput,
     finish_abort,
     finish_length,
 )
+from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
@@ -41,6 +43,9 @@ from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, request_meta
 from lmnb.runtime.scheduler.stop import StopRules, StopText
+
+if TYPE_CHECKING:
+    from lmnb.runtime.fsm.jump import JumpPlan
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +72,13 @@ class OutputSink(Protocol):
 
 
 class StepRunner(Protocol):
-    def run(self, batch: Batch, rows: list[ReqState]) -> Any:
-        """Forward `batch`, sample for `rows` (the requests with `samples[i]`, in order); returns
-        a StepOutput (per request of the batch: next token or None, logprobs)."""
+    def run(self, batch: Batch, rows: list[ReqState]) -> StepOutput:
+        """Forward `batch`, sample for `rows` (the requests with `samples[i]`, in order); per
+        request of the batch: next token or None, logprobs."""
 
 
 class PendingStep(Protocol):
-    def result(self) -> Any:
+    def result(self) -> StepOutput:
         """Waits for a launched pass; returns what `StepRunner.run` would have."""
 
 
@@ -81,6 +86,12 @@ class OverlapRunner(StepRunner, Protocol):
     def launch(self, batch: Batch, rows: list[ReqState]) -> PendingStep:
         """Enqueues `batch` and returns at once; a `follows_previous` batch takes the tokens
         the previous launch sampled as its input ids."""
+
+
+class JumpPlanner(Protocol):
+    def plan(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
+             forced_text: str) -> JumpPlan | None:
+        """How to append `forced_text` to the output (re-tokenized), or None: decode on."""
 
 
 @dataclass(slots=True)
@@ -93,7 +104,7 @@ class _InFlight:
 class Scheduler:
     def __init__(self, *, runner: StepRunner, cache: CacheManager, policy: SchedulePolicy,
                  config: SchedulerConfig, stop_rules: StopRules, sink: OutputSink,
-                 tokenizer: Any = None, jump_forward: Any = None,
+                 tokenizer: Decoder | None = None, jump_forward: JumpPlanner | None = None,
                  vocab_size: int | None = None) -> None:
         self.runner = runner
         self.cache = cache
@@ -251,7 +262,7 @@ class Scheduler:
                              cache_kv=False)
         self._flush()
 
-    def _complete(self, batch: Batch, reqs: list[Req], output: Any) -> None:
+    def _complete(self, batch: Batch, reqs: list[Req], output: StepOutput) -> None:
         self.stats.forward_passes += 1
         if self.batch_hook is not None:
             self.batch_hook(batch)
@@ -356,7 +367,7 @@ class Scheduler:
             req.input_logprobs_done = 1
 
     # ---- results ------------------------------------------------------------------------------
-    def _process(self, batch: Batch, reqs: list[Req], output: Any) -> None:
+    def _process(self, batch: Batch, reqs: list[Req], output: StepOutput) -> None:
         if batch.mode is not ForwardMode.EXTEND:
             self._process_decode(reqs, output)
             return
@@ -380,7 +391,7 @@ class Scheduler:
             if req.req_pool_idx is not None:  # still live, not jumped
                 self.cache.cache_unfinished(req)
 
-    def _process_decode(self, reqs: list[Req], output: Any) -> None:
+    def _process_decode(self, reqs: list[Req], output: StepOutput) -> None:
         """`_process` of a DECODE pass (every request samples; no prompt logprobs), with the
         common case inline: a request without logprobs, grammar or text stop rules appends its
         token and checks the token and length rules only."""
