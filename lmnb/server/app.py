@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmnb.server import anthropic, ollama, openai_api, replica_api, sglang_native
 from lmnb.server.errors import error_body, install_error_handlers
-from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, max_token_bytes
 from lmnb.server.streams import ServedRuntime
 
 OPEN_PATHS = frozenset({"/health"})
@@ -58,6 +58,7 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     name = served_model_name or default_model_name(runtime)
+    max_token_bytes(runtime.tokenizer)  # the prompt check's bound, once, before serving
     app = FastAPI(title="lmnb", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     for module in (openai_api, sglang_native, anthropic, ollama, replica_api):

@@ -117,22 +117,17 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-class _TokenBound:
-    """The most UTF-8 bytes of text one token of a vocabulary can stand for (an upper bound:
-    a byte-level BPE entry spells each byte with a character of one or two bytes)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.max_token_bytes = max(len(token.encode("utf-8"))
-                                   for token in tokenizer.get_vocab())
+_max_token_bytes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
-_bounds: weakref.WeakKeyDictionary[Any, _TokenBound] = weakref.WeakKeyDictionary()
-
-
-def _token_bound(tokenizer: Any) -> _TokenBound:
-    bound = _bounds.get(tokenizer)
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes of text one token of `tokenizer`'s vocabulary can stand for (an
+    upper bound: a byte-level BPE entry spells each byte with a character of one or two
+    bytes), computed once per tokenizer (`create_app` asks first, before serving)."""
+    bound = _max_token_bytes.get(tokenizer)
     if bound is None:
-        bound = _bounds[tokenizer] = _TokenBound(tokenizer)
+        bound = _max_token_bytes[tokenizer] = max(
+            len(token.encode("utf-8")) for token in tokenizer.get_vocab())
     return bound
 
 
@@ -156,12 +151,12 @@ def check_prompt_size(runtime: ServedRuntime, prompt: str | Sequence[Any] | None
 
 
 def _check_text(runtime: ServedRuntime, text: str, context: int) -> None:
-    max_token_bytes = _token_bound(runtime.tokenizer).max_token_bytes
-    if len(text) > context * max_token_bytes:
+    most = max_token_bytes(runtime.tokenizer)
+    if len(text) > context * most:
         raise InvalidRequestError(
             f"the prompt has {len(text):,} characters, more than {context} tokens of this "
-            f"tokenizer (at most {max_token_bytes} bytes each) can hold; the context length "
-            f"is {context}")
+            f"tokenizer (at most {most} bytes each) can hold; the context length is "
+            f"{context}")
     probe = context * PROBE_CHARS_PER_TOKEN
     if len(text) <= probe:
         return

@@ -75,8 +75,8 @@ class Checkpoint:
     modified_at: str
 
     @classmethod
-    def read(cls, model_dir: Path) -> Checkpoint | None:
-        files = sorted(Path(model_dir).glob("*.safetensors"))
+    def read(cls, model_dir: Path | None) -> Checkpoint | None:
+        files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir else []
         if not files:
             return None
         by_dtype: dict[str, int] = {}
