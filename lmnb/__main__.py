@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every route but /health")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, metavar="N",
+                       help="larger request bodies are refused (HTTP 413) unread; default "
+                            "32 MiB")
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-total-tokens", type=int, default=None)
@@ -50,11 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Runtime(args.model, **options) as runtime:
         if not args.watch_stdin:
             serve(runtime, host=args.host, port=args.port, api_key=args.api_key,
-                  served_model_name=args.served_model_name, log_level=args.log_level)
+                  served_model_name=args.served_model_name,
+                  max_request_bytes=args.max_request_bytes, log_level=args.log_level)
             return 0
         handle = ServerHandle.start(runtime, host=args.host, port=args.port,
                                     api_key=args.api_key,
                                     served_model_name=args.served_model_name,
+                                    max_request_bytes=args.max_request_bytes,
                                     log_level="warning" if args.log_level == "info"
                                     else args.log_level)
         print(f"{READY_PREFIX}{handle.url}", flush=True)

@@ -408,7 +408,8 @@ def test_cli_serves_a_model(tiny_models, monkeypatch):
     assert main(["serve", str(tiny_models["llama-gqa"]), "--port", "0", "--api-key", "k",
                  "--max-total-tokens", "512", "--device", "cpu"]) == 0
     assert calls == [{"host": "127.0.0.1", "port": 0, "api_key": "k",
-                      "served_model_name": None, "log_level": "info"}]
+                      "served_model_name": None, "max_request_bytes": 32 * 2**20,
+                      "log_level": "info"}]
 
 
 # ---- SmolLM2, where the text matters -----------------------------------------------------------

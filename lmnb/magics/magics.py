@@ -136,11 +136,12 @@ class LMNB(Magics):
             print("lmnb: server stopped" if stopped else "lmnb: no server running")
             return None
         try:
-            server = self.session.serve(host=args.host, port=args.port, api_key=args.api_key)
+            server = self.session.serve(host=args.host, port=args.port, api_key=args.api_key,
+                                        max_request_bytes=args.max_request_bytes)
         except ImportError as error:
             raise UsageError(f"%lmnb serve needs the server extra (pip install "
                              f"'lmnb[server]'): {error}") from None
-        except OSError as error:  # the port is taken
+        except (OSError, ValueError) as error:  # the port is taken, a bad option
             raise UsageError(f"%lmnb serve: {error}") from None
         print(f"lmnb: serving {server.runtime.model_dir.name} at {server.url} "
               f"(OpenAI API: {server.url}/v1); `%lmnb serve stop` stops it")

@@ -78,6 +78,8 @@ def lmnb_parser() -> MagicArgumentParser:
     serve.add_argument("--port", type=int, default=0, metavar="N", help="default: a free port")
     serve.add_argument("--api-key", metavar="KEY",
                        help="require `Authorization: Bearer KEY` on every route but /health")
+    serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, metavar="N",
+                       help="larger request bodies are refused (HTTP 413); default 32 MiB")
     commands.add_parser("help", help="show this help", description="Show help for every command.")
     return parser
 

@@ -4,6 +4,7 @@ message_delta, message_stop)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from lmnb.server.limits import check_prompt_size
 from lmnb.server.messages import text_content
 from lmnb.server.streams import ServedRuntime, chunks, collect, guarded, open_stream, sse
 
@@ -40,10 +42,12 @@ def _stop_reason(meta: dict[str, Any], stops: list[str]) -> tuple[str, str | Non
 
 
 def _usage(meta: dict[str, Any], output_tokens: int | None = None) -> dict[str, Any]:
-    return {"input_tokens": meta.get("prompt_tokens", 0),
+    """Anthropic's meaning: `input_tokens` are the prompt tokens not read from the cache."""
+    cached = meta.get("cached_tokens", 0)
+    return {"input_tokens": meta.get("prompt_tokens", 0) - cached,
             "output_tokens": (meta.get("completion_tokens", 0) if output_tokens is None
                               else output_tokens),
-            "cache_read_input_tokens": meta.get("cached_tokens", 0)}
+            "cache_read_input_tokens": cached}
 
 
 def _error_event(error: Exception) -> str:
@@ -113,3 +117,42 @@ async def _events(stream: Any, message: dict[str, Any], stops: list[str]) -> Asy
                                                            output_tokens)}},
                       event="message_delta")
             yield sse({"type": "message_stop"}, event="message_stop")
+
+
+class CountTokensRequest(BaseModel):
+    """`/v1/messages/count_tokens`'s body: a Messages request without the sampling fields."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def count_tokens_router(runtime: ServedRuntime) -> APIRouter:
+    """`POST /v1/messages/count_tokens` -> `{"input_tokens": n}`: the tokens of the prompt
+    that `/v1/messages` builds from the same system, messages and tools (its `usage` splits
+    them into `input_tokens` and `cache_read_input_tokens`)."""
+    router = APIRouter()
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        chat = []
+        if body.system:
+            chat.append({"role": "system", "content": text_content(body.system,
+                                                                   where="system")})
+        chat += [{"role": m.get("role"),
+                  "content": text_content(m.get("content"), where=f"messages.{i}.content")}
+                 for i, m in enumerate(body.messages)]
+        tools = [{"type": "function", "function": {
+            "name": tool.get("name"), "description": tool.get("description", ""),
+            "parameters": tool.get("input_schema", {})}} for tool in body.tools or ()]
+        prompt = runtime.apply_chat_template(chat, tools=tools or None)
+        return {"input_tokens": await asyncio.to_thread(_count_tokens, runtime, prompt)}
+
+    return router
+
+
+def _count_tokens(runtime: ServedRuntime, prompt: str) -> int:
+    check_prompt_size(runtime, prompt)
+    return len(runtime.encode(prompt))

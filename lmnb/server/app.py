@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmnb.server import anthropic, ollama, openai_api, replica_api, sglang_native
 from lmnb.server.errors import error_body, install_error_handlers
+from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, max_token_bytes
 from lmnb.server.streams import ServedRuntime
 
 OPEN_PATHS = frozenset({"/health"})
@@ -49,16 +50,23 @@ def default_model_name(runtime: Any) -> str:
 
 
 def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
-               served_model_name: str | None = None) -> FastAPI:
+               served_model_name: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app over `runtime` (not owned: closing the app leaves the runtime running). With
-    `api_key`, every route but `/health` needs it."""
+    `api_key`, every route but `/health` needs it. A body over `max_request_bytes` is refused
+    (413) before it is read."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     name = served_model_name or default_model_name(runtime)
+    max_token_bytes(runtime.tokenizer)  # the prompt check's bound, once, before serving
     app = FastAPI(title="lmnb", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     for module in (openai_api, sglang_native, anthropic, ollama, replica_api):
         app.include_router(module.make_router(runtime, name))
+    app.include_router(anthropic.count_tokens_router(runtime))
     app.state.runtime = runtime
     app.state.served_model_name = name
-    if api_key:
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:  # added last: it runs first, before any body is read
         app.add_middleware(BearerAuth, api_key=api_key)
     return app

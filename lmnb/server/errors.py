@@ -32,6 +32,26 @@ def error_response(error: APIError) -> JSONResponse:
                                    code=error.code), status_code=error.status)
 
 
+_JSON_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _body_problem(first: dict[str, Any], content_type: str | None) -> APIError | None:
+    """The body as a whole is wrong: not sent as JSON (415), absent, or not an object."""
+    if tuple(first.get("loc", ())) != ("body",):
+        return None
+    value = first.get("input")
+    if isinstance(value, bytes):  # FastAPI parses JSON only when the content type says so
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return APIError(f"the body must be a JSON object sent with Content-Type: "
+                        f"application/json; got {got}", status=415,
+                        code="unsupported_media_type")
+    if first.get("type") == "missing":
+        return APIError("the request has no body; a JSON object is expected")
+    return APIError(f"the body must be a JSON object, got "
+                    f"{_JSON_NAMES.get(type(value), type(value).__name__)}")
+
+
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     """The first problem in words, and the parameter it is about."""
     details = error.errors()
@@ -59,6 +79,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        details = error.errors()
+        problem = details and _body_problem(details[0], request.headers.get("content-type"))
+        if problem:
+            return error_response(problem)
         message, param = _validation_message(error)
         return JSONResponse(error_body(message, param=param), status_code=400)
 

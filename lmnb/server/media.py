@@ -68,13 +68,23 @@ def _has_images(message: Any) -> bool:
         isinstance(p, dict) and p.get("type") == "image_url" for p in content)
 
 
-def chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def chat_media(messages: list[dict[str, Any]], *,
+               takes_images: bool) -> tuple[list[dict[str, Any]], list[str]]:
     """OpenAI-style messages for the chat template, and their images' data URLs in prompt
     order. A message with `image_url` parts keeps its parts (each image as `{"type": "image"}`,
     llava-hf's form, which the template writes as the image token); others are flattened to
-    text as `chat_messages` does."""
+    text as `chat_messages` does. Images for a text-only model (`takes_images` False) are
+    a 400."""
     if not any(_has_images(m) for m in messages or ()):
         return chat_messages(messages), []
+    if not takes_images:
+        i, j = next((i, j) for i, m in enumerate(messages) if _has_images(m)
+                    for j, p in enumerate(m["content"])
+                    if isinstance(p, dict) and p.get("type") == "image_url")
+        where = f"messages.{i}.content.{j}"
+        raise APIError(f"{where}: this model takes no images (it is a text-only model); send "
+                       "text parts only, or serve a vision model (LLaVA)", param=where,
+                       code="images_not_supported")
     out, images = [], []
     for i, message in enumerate(messages):
         if not _has_images(message):

@@ -1,18 +1,25 @@
 """Ollama's API over the runtime: `/api/generate`, `/api/chat` (streamed as NDJSON by
-default, as Ollama does), `/api/tags`."""
+default, as Ollama does), `/api/tags`, `/api/show` (the model's details and GGUF-style
+`model_info`), `/api/ps` (the loaded model and its memory)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import struct
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from lmnb.runtime.config import ModelConfig
 from lmnb.server.errors import APIError
 from lmnb.server.messages import chat_messages
 from lmnb.server.streams import (
@@ -43,10 +50,57 @@ class GenerateRequest(_OllamaRequest):
     prompt: str = ""
     system: str | None = None
     raw: bool = False
+    images: list[str] | None = None
 
 
 class ChatRequest(_OllamaRequest):
     messages: list[dict[str, Any]]
+
+
+class ShowRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    name: str | None = None  # the field's name before Ollama 0.4
+    verbose: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """What the model's safetensors headers say: parameters, the dtype most of them have (as
+    Ollama's `quantization_level`: F32, BF16, F16, ...), bytes on disk, last modified."""
+
+    parameters: int
+    dtype: str
+    file_bytes: int
+    modified_at: str
+
+    @classmethod
+    def read(cls, model_dir: Path | None) -> Checkpoint | None:
+        files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir else []
+        if not files:
+            return None
+        by_dtype: dict[str, int] = {}
+        for file in files:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    dtype = entry["dtype"]
+                    by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(entry["shape"])
+        modified = max(file.stat().st_mtime for file in files)
+        return cls(parameters=sum(by_dtype.values()), dtype=max(by_dtype, key=by_dtype.get),
+                   file_bytes=sum(file.stat().st_size for file in files),
+                   modified_at=_timestamp(datetime.fromtimestamp(modified, timezone.utc)))
+
+
+def parameter_size(count: int) -> str:
+    """Ollama's short form: 8.0B, 134.52M, 900K."""
+    if count >= 10**9:
+        return f"{count / 1e9:.1f}B"
+    if count >= 10**6:
+        return f"{count / 1e6:.2f}M"
+    return f"{count / 1e3:.0f}K" if count >= 10**3 else str(count)
 
 
 def _params(body: _OllamaRequest) -> dict[str, Any]:
@@ -64,8 +118,20 @@ def _params(body: _OllamaRequest) -> dict[str, Any]:
     return params
 
 
+def _timestamp(moment: datetime) -> str:
+    return moment.isoformat().replace("+00:00", "Z")
+
+
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return _timestamp(datetime.now(timezone.utc))
+
+
+def _no_images(runtime: ServedRuntime, where: str) -> APIError:
+    kind = ("this model takes no images (it is a text-only model)"
+            if runtime.model_config.image_token_id is None
+            else "lmnb's Ollama API takes no images; send them as image_url parts to "
+                 "/v1/chat/completions")
+    return APIError(f"{where}: {kind}", param=where, code="images_not_supported")
 
 
 def _final(meta: dict[str, Any], started: float) -> dict[str, Any]:
@@ -102,6 +168,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
+        if body.images:
+            raise _no_images(runtime, "images")
         if body.raw:
             prompt = body.prompt
         else:
@@ -112,15 +180,86 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/chat", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
+        for i, message in enumerate(body.messages):
+            if isinstance(message, dict) and message.get("images"):
+                raise _no_images(runtime, f"messages.{i}.images")
         prompt = runtime.apply_chat_template(chat_messages(body.messages))
         return await run(request, body, prompt, chat=True)
 
+    checkpoint = Checkpoint.read(runtime.model_dir)
+    details = _details(runtime.model_config, checkpoint)
+    modified_at = checkpoint.modified_at if checkpoint else _now()
+
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [{"name": model_name, "model": model_name, "modified_at": _now(),
-                            "size": 0, "digest": "", "details": {"format": "lmnb"}}]}
+        return {"models": [{"name": model_name, "model": model_name, "modified_at": modified_at,
+                            "size": checkpoint.file_bytes if checkpoint else 0, "digest": "",
+                            "details": details}]}
+
+    @router.post("/api/show", response_model=None)
+    async def show(body: ShowRequest) -> Any:
+        name = body.model or body.name
+        if name not in (model_name, f"{model_name}:latest"):
+            return JSONResponse({"error": f"model '{name}' not found"}, status_code=404)
+        template = runtime.tokenizer.chat_template
+        return {"license": "", "modelfile": f"# served by lmnb\nFROM {runtime.model_dir}\n",
+                "parameters": f"num_ctx {runtime.context_len}",
+                "template": template if isinstance(template, str) else "",
+                "details": details, "model_info": _model_info(runtime.model_config, checkpoint),
+                "capabilities": ["completion"], "modified_at": modified_at}
+
+    @router.get("/api/ps")
+    async def ps() -> dict[str, Any]:
+        memory = (await asyncio.to_thread(runtime.stats)).get("memory", {})
+        size = int((memory.get("weights_gb", 0.0) + memory.get("kv_gb", 0.0)) * 2**30)
+        return {"models": [{"name": model_name, "model": model_name, "size": size,
+                            "digest": "", "details": details, "expires_at": _NEVER,
+                            "size_vram": size if _on_gpu(runtime.engine_config.device) else 0,
+                            "context_length": runtime.context_len}]}
 
     return router
+
+
+# The model stays loaded until the runtime closes (Ollama's keep_alive < 0).
+_NEVER = "9999-12-31T23:59:59Z"
+
+
+def _on_gpu(device: str) -> bool:
+    """`EngineConfig.device` ('auto': cuda when available, as the runtime resolves it)."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def _details(config: ModelConfig, checkpoint: Checkpoint | None) -> dict[str, Any]:
+    family = config.text_model_type
+    return {"parent_model": "", "format": "safetensors", "family": family,
+            "families": [family, "clip"] if config.is_multimodal else [family],
+            "parameter_size": parameter_size(checkpoint.parameters) if checkpoint else "",
+            "quantization_level": checkpoint.dtype if checkpoint else ""}
+
+
+def _model_info(config: ModelConfig, checkpoint: Checkpoint | None) -> dict[str, Any]:
+    """The decoder's shape under GGUF's metadata keys, as Ollama reports them."""
+    arch = config.text_model_type
+    info: dict[str, Any] = {"general.architecture": arch}
+    if checkpoint is not None:
+        info["general.parameter_count"] = checkpoint.parameters
+    for key, value in (("context_length", config.context_length),
+                       ("embedding_length", config.hidden_size),
+                       ("block_count", config.num_layers),
+                       ("feed_forward_length", config.intermediate_size),
+                       ("attention.head_count", config.num_heads),
+                       ("attention.head_count_kv", config.num_kv_heads),
+                       ("attention.key_length", config.head_dim),
+                       ("attention.value_length", config.head_dim),
+                       ("attention.layer_norm_rms_epsilon", config.rms_norm_eps),
+                       ("rope.freq_base", config.rope_theta),
+                       ("vocab_size", config.vocab_size)):
+        info[f"{arch}.{key}"] = value
+    return info
 
 
 async def _lines(stream: Any, model: str, piece: Any, started: float) -> AsyncIterator[str]:

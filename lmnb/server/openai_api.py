@@ -118,10 +118,15 @@ def _response_format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None
 
 
 def _usage(results: list[Chunk], n: int) -> dict[str, Any]:
+    """OpenAI's usage: each prompt counted once however many choices (`n`, consecutive in
+    `results`) it has; its cached tokens are those found cached before this request, the
+    fewest any of its choices found (the later ones reuse the first's prefill): never more
+    than `prompt_tokens`."""
     metas = [r["meta_info"] for r in results]
-    prompt = sum(m.get("prompt_tokens", 0) for m in metas[::n])
+    groups = [metas[i:i + n] for i in range(0, len(metas), n)]
+    prompt = sum(group[0].get("prompt_tokens", 0) for group in groups)
     completion = sum(m.get("completion_tokens", 0) for m in metas)
-    cached = sum(m.get("cached_tokens", 0) for m in metas)
+    cached = sum(min(m.get("cached_tokens", 0) for m in group) for group in groups)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -209,7 +214,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
-        messages, images = chat_media(body.messages)
+        messages, images = chat_media(
+            body.messages, takes_images=runtime.model_config.image_token_id is not None)
         prompt = runtime.apply_chat_template(messages, tools=body.tools)
         limits = (body.max_completion_tokens, body.max_tokens, runtime.context_len)
         params = body.sampling_params(next(n for n in limits if n is not None))

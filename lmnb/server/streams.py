@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from lmnb.runtime.output import OutputStream
+from lmnb.server.limits import check_prompt_size
 
 Chunk = dict[str, Any]
 
@@ -40,13 +41,19 @@ async def open_stream(runtime: ServedRuntime, prompt: Any = None, sampling_param
     """`runtime.generate(..., stream=True)` on a worker thread (tokenizing and building a grammar
     must not block the loop). Cancelled while it runs, the stream it returns is closed."""
     loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(None, partial(runtime.generate, prompt, sampling_params,
-                                                stream=True, **kwargs))
+    future = loop.run_in_executor(None, partial(_generate, runtime, prompt, sampling_params,
+                                                kwargs))
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
         future.add_done_callback(_close_result)
         raise
+
+
+def _generate(runtime: ServedRuntime, prompt: Any, sampling_params: Any,
+              kwargs: dict[str, Any]) -> OutputStream:
+    check_prompt_size(runtime, prompt, kwargs.get("input_ids"))  # before tokenizing it all
+    return runtime.generate(prompt, sampling_params, stream=True, **kwargs)
 
 
 def _close_result(future: asyncio.Future) -> None:
