@@ -274,16 +274,22 @@ def test_max_tokens_zero_gives_the_next_tokens_top_logprobs(sgl_backend):
     assert "output_top_logprobs" not in plain["meta_info"]  # no top k asked: nothing sampled
 
     @sgl.function
-    def step_0(s):
+    def cot_decoding(s):  # the shape of SGLang's CoT-decoding example
         s += prompt
+        step_0 = s.fork(1)[0]
         forks = s.fork(2)
-        forks[0] += sgl.gen("top", max_tokens=0, return_logprob=True, top_logprobs_num=3,
-                            return_text_in_logprobs=True)
-        for f, (_, _, text) in zip(forks, forks[0].get_meta_info("top")["output_top_logprobs"][0],
-                                   strict=False):
+        step_0 += sgl.gen("get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=2,
+                          return_text_in_logprobs=True)
+        top = step_0.get_meta_info("get_top_k")["output_top_logprobs"][0]
+        for f, (_, _, text) in zip(forks, top, strict=True):
             f += text + sgl.gen("answer", max_tokens=2, temperature=0)
+        return top, [f.text() for f in forks]
 
-    state = step_0.run()
+    state = cot_decoding.run()
+    top, texts = state.ret_value
+    assert [(i, text) for _, i, text in top] == [(i, text) for _, i, text in row[:2]]
+    assert [t[:len(prompt + text)] for t, (_, _, text) in zip(texts, top, strict=True)] == [
+        prompt + text for _, _, text in top]
     assert state.text() == prompt
     sgl_backend.check_integrity()
 
