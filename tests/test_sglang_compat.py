@@ -251,3 +251,199 @@ def test_trace_compile_and_cache_take_sglangs_arguments(sgl_backend):
     state = shared.compile(backend=sgl_backend).run(question="Green?")
     assert state.get_meta_info("answer")["cached_tokens"] > 0
     assert sgl_backend.stats()["cached_tokens"] > hits
+
+
+# ---- next-token top logprobs, token texts --------------------------------------------------------
+def test_max_tokens_zero_gives_the_next_tokens_top_logprobs(sgl_backend):
+    """SGLang's `gen(max_tokens=0, return_logprob=True, top_logprobs_num=k)` (CoT decoding's
+    first step): one row, the top k of the token that would come next; nothing is generated."""
+    prompt = "The sky is"
+    greedy = sgl_backend.generate(prompt, {"max_new_tokens": 1, "temperature": 0},
+                                  return_logprob=True, top_logprobs_num=3)
+    (expected,) = greedy["meta_info"]["output_top_logprobs"]
+    assert expected[0][1] == greedy["output_ids"][0]
+
+    out = sgl_backend.generate(prompt, {"max_new_tokens": 0}, return_logprob=True,
+                               top_logprobs_num=3, return_text_in_logprobs=True)
+    assert (out["text"], out["output_ids"], out["meta_info"]["completion_tokens"]) == ("", [], 0)
+    (row,) = out["meta_info"]["output_top_logprobs"]
+    tokenizer = sgl_backend.get_tokenizer()
+    assert [(i, text) for _, i, text in row] == [(i, tokenizer.decode([i])) for _, i in expected]
+    assert [lp for lp, _, _ in row] == pytest.approx([lp for lp, _ in expected])
+    plain = sgl_backend.generate(prompt, {"max_new_tokens": 0}, return_logprob=True)
+    assert "output_top_logprobs" not in plain["meta_info"]  # no top k asked: nothing sampled
+
+    @sgl.function
+    def cot_decoding(s):  # the shape of SGLang's CoT-decoding example
+        s += prompt
+        step_0 = s.fork(1)[0]
+        forks = s.fork(2)
+        step_0 += sgl.gen("get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=2,
+                          return_text_in_logprobs=True)
+        top = step_0.get_meta_info("get_top_k")["output_top_logprobs"][0]
+        for f, (_, _, text) in zip(forks, top, strict=True):
+            f += text + sgl.gen("answer", max_tokens=2, temperature=0)
+        return top, [f.text() for f in forks]
+
+    state = cot_decoding.run()
+    top, texts = state.ret_value
+    assert [(i, text) for _, i, text in top] == [(i, text) for _, i, text in row[:2]]
+    assert [t[:len(prompt + text)] for t, (_, _, text) in zip(texts, top, strict=True)] == [
+        prompt + text for _, _, text in top]
+    assert state.text() == prompt
+    sgl_backend.check_integrity()
+
+
+def test_runtime_generate_returns_token_texts(sgl_backend):
+    out = sgl_backend.generate(["The sky is", "Grass is"], {"max_new_tokens": 3, "temperature": 0},
+                               return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+                               return_text_in_logprobs=True)
+    tokenizer = sgl_backend.get_tokenizer()
+    for result in out:
+        meta = result["meta_info"]
+        triples = meta["output_token_logprobs"]
+        assert [i for _, i, _ in triples] == result["output_ids"]
+        assert "".join(text for _, _, text in triples) == result["text"]
+        assert meta["input_token_logprobs"][0][0] is None  # the first prompt token has none
+        assert [t for _, _, t in meta["input_token_logprobs"]] == [
+            tokenizer.decode([i]) for _, i, _ in meta["input_token_logprobs"]]
+        assert all(len(entry) == 3 for row in meta["output_top_logprobs"] for entry in row)
+    pairs = sgl_backend.generate("The sky is", {"max_new_tokens": 3, "temperature": 0},
+                                 return_logprob=True)
+    assert all(len(entry) == 2 for entry in pairs["meta_info"]["output_token_logprobs"])
+
+
+def test_generate_route_takes_sglangs_sampling_params(sgl_runtime):
+    """Every name of SGLang 0.5's `SamplingParams` reaches the runtime: implemented ones work,
+    the others pass with their default and are refused by name (HTTP 400) otherwise."""
+    import httpx
+
+    from lmnb.server import ServerHandle
+
+    frontend_defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                         "no_stop_trim": False, "stream_interval": None, "logit_bias": None,
+                         "custom_params": None, "beam_width": None, "structural_tag": None,
+                         "watermark": None, "stop": [], "stop_token_ids": [], "stop_regex": [],
+                         "regex": None, "json_schema": None, "temperature": None}
+    with ServerHandle.start(sgl_runtime) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        seeded = http.post("/generate", json={"text": "The sky is", "sampling_params": {
+            **frontend_defaults, "max_new_tokens": 4, "sampling_seed": 5}}).json()
+        again = sgl_runtime.generate("The sky is", {"max_new_tokens": 4, "seed": 5})
+        assert seeded["text"] == again["text"]
+        for name, value in (("no_stop_trim", True), ("logit_bias", {"5": 1.0}),
+                            ("spaces_between_special_tokens", False), ("beam_width", 4)):
+            response = http.post("/generate", json={"text": "x", "sampling_params": {
+                "max_new_tokens": 2, name: value}})
+            assert response.status_code == 400, name
+            assert f"unsupported sampling param {name}=" in response.text
+        top = http.post("/generate", json={
+            "text": "The sky is", "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True}).json()
+        (row,) = top["meta_info"]["output_top_logprobs"]
+        tokenizer = sgl_runtime.get_tokenizer()
+        assert [text for _, _, text in row] == [tokenizer.decode([i]) for _, i, _ in row]
+        assert top["text"] == "" and top["meta_info"]["output_token_logprobs"] == []
+    sgl_runtime.check_integrity()
+
+
+# ---- a custom backend in SGLang's shape ----------------------------------------------------------
+def test_a_custom_backend_subclassing_base_backend():
+    import gc
+    import threading
+    import time
+
+    from lmnb.lang.backends.base import BaseBackend, ChoicesDecision
+
+    class Counting(BaseBackend):
+        """Answers with facts about its prompt; records the hooks called."""
+
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+            self.next_piece = threading.Semaphore(0)  # the test lets each streamed piece after
+
+        def get_model_name(self):
+            return "counting"
+
+        def begin_program(self, s):
+            self.calls.append(("begin", s))
+
+        def end_program(self, s):
+            self.calls.append(("end", s))
+
+        def fork_program(self, src, dst, position_ids_offset=None):
+            self.calls.append(("fork", len(dst), src.text_))
+
+        def commit_lazy_operations(self, s):
+            self.calls.append(("commit", s.text_))
+
+        def cache_prefix(self, prefix_str):
+            self.calls.append(("cache", prefix_str))
+
+        def generate(self, s, sampling_params):
+            words = len(s.text_.split())
+            self.calls.append(("generate", sampling_params.max_new_tokens,
+                               sampling_params.stop, sampling_params.temperature))
+            return f" {words} words", {"words": words, "finish_reason": {"type": "stop"}}
+
+        def generate_stream(self, s, sampling_params):
+            for i, piece in enumerate((" one", " two", " three")[:sampling_params.max_new_tokens]):
+                if i:
+                    assert self.next_piece.acquire(timeout=30)
+                yield piece, {"piece": piece}
+
+        def select(self, s, choices, temperature, choices_method=None):
+            best = max(choices, key=lambda c: (len(c), c))
+            return ChoicesDecision(best, {"method": str(choices_method), "prompt": s.text_})
+
+    @sgl.function
+    def program(s, topic):
+        s += "Tell me about " + topic + "."
+        s += sgl.gen("count", max_tokens=7, stop="\n", temperature=0.5)
+        s += " Pick:" + sgl.select("pick", ["x", "yyy", "zz"],
+                                   choices_method=sgl.greedy_token_selection)
+        forks = s.fork(2)
+        forks += sgl.gen("branch", max_tokens=2)
+        forks.join()
+
+    backend = Counting()
+    state = program.run(topic="cats", backend=backend)
+    assert state["count"] == " 4 words"
+    assert state.get_meta_info("count")["words"] == 4
+    assert state["pick"] == "yyy"
+    assert state.get_meta_info("pick") == {"method": "greedy_token_selection",
+                                           "prompt": "Tell me about cats. 4 words Pick:"}
+    assert state["branch"] == [" 7 words", " 7 words"]
+    assert state.text() == "Tell me about cats. 4 words Pick:yyy"
+    kinds = [call[0] for call in backend.calls]
+    assert ("generate", 7, ["\n"], 0.5) in backend.calls
+    assert ("commit", state.text()) in backend.calls and ("fork", 2, state.text()) in backend.calls
+    assert kinds.count("begin") == 3  # the program's executor and its two branches
+
+    @sgl.function
+    def story(s):
+        s += "Once" + sgl.gen("story", max_tokens=3)
+
+    streamed = story.run(backend=backend, stream=True)
+    pieces = streamed.text_iter("story")
+    assert next(pieces) == " one"
+    backend.next_piece.release()
+    assert next(pieces) == " two"
+    backend.next_piece.release()
+    assert list(pieces) == [" three"]
+    assert streamed["story"] == " one two three"
+    assert streamed.get_meta_info("story") == {"piece": " three"}
+
+    backend.calls.clear()
+    states = program.run_batch([{"topic": "owls"}, {"topic": "bats"}], backend=backend)
+    assert [s["count"] for s in states] == [" 4 words"] * 2
+    assert backend.calls[0] == ("cache", "Tell me about ")
+
+    executor = state.executor
+    del state, states
+    gc.collect()
+    deadline = time.monotonic() + 30  # bounds a failing test only
+    while ("end", executor) not in backend.calls:
+        assert time.monotonic() < deadline, "end_program was not called"
+        time.sleep(0.02)

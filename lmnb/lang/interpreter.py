@@ -19,12 +19,16 @@ from typing import Any
 
 from lmnb.lang.backends.base import (
     Backend,
+    BaseBackend,
     CancelEvent,
     ChatPrompt,
     Generation,
     MediaInput,
     MediaUnsupported,
     ProgramAborted,
+    end_program,
+    sglang_generate,
+    sglang_select,
 )
 from lmnb.lang.ir import (
     CommitPrefix,
@@ -126,6 +130,10 @@ class StreamExecutor:
         self._listeners: list[tuple[str | None, queue.SimpleQueue]] = []
         self._listeners_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        # A custom backend in SGLang's shape gets its hooks called with this executor.
+        self.sglang_backend = backend if isinstance(backend, BaseBackend) else None
+        if self.sglang_backend is not None:
+            self.sglang_backend.begin_program(self)
         self._worker = threading.Thread(target=self._run, name="lmnb-program", daemon=True)
         self._worker.start()
 
@@ -235,6 +243,8 @@ class StreamExecutor:
             branch.turns = list(self.turns)
             branch.observer = self.observer
             branches.append(branch)
+        if self.sglang_backend is not None:
+            self.sglang_backend.fork_program(self, list(branches))
         self._emit("fork", branches=branches)
         return branches
 
@@ -287,6 +297,8 @@ class StreamExecutor:
                 if expr is _END:
                     self._closed = True
                     self._drain_after_close()
+                    if self.sglang_backend is not None:
+                        end_program(self.sglang_backend, self)
                     return
                 if isinstance(expr, threading.Event):
                     expr.set()
@@ -398,6 +410,9 @@ class StreamExecutor:
 
     def _call(self, prompt: str, params: GenParams, chat: ChatPrompt | None,
               on_delta: Callable[[str], None] | None = None) -> Generation:
+        if self.sglang_backend is not None:  # its hooks read the prompt from this executor
+            return sglang_generate(self.sglang_backend, self, params, on_delta=on_delta,
+                                   cancel=self.cancel)
         extra: dict[str, Any] = self._media_kwargs(prompt)
         if chat is not None:
             extra["chat"] = chat
@@ -471,8 +486,12 @@ class StreamExecutor:
     def _(self, expr: Select) -> None:
         self._spec = None
         with located(expr.where):
-            choice, meta = self.backend.select(self.text_, expr.choices, expr.method,
-                                               **self._media_kwargs(self.text_))
+            if self.sglang_backend is not None:
+                choice, meta = sglang_select(self.sglang_backend, self, expr.choices,
+                                             expr.method)
+            else:
+                choice, meta = self.backend.select(self.text_, expr.choices, expr.method,
+                                                   **self._media_kwargs(self.text_))
         if expr.reasoning is not None:
             choice, thought = split_reasoning(choice, expr.reasoning)
             self.variables[reasoning_name(expr.name)] = thought
@@ -503,7 +522,10 @@ class StreamExecutor:
 
     @_execute.register
     def _(self, expr: CommitPrefix) -> None:
-        self.backend.cache_prefix(self.text_, **self._media_kwargs(self.text_))
+        if self.sglang_backend is not None:
+            self.sglang_backend.commit_lazy_operations(self)
+        else:
+            self.backend.cache_prefix(self.text_, **self._media_kwargs(self.text_))
 
     @_execute.register
     def _(self, expr: Image) -> None:

@@ -5,16 +5,17 @@
 
 Each state (the root and every fork branch) gets a list of nodes in program order; every node also
 gets a global sequence number, so that a read of another state's variable knows how far that state
-had got. Symbolic values (`Argument`, `Variable`) flow through `+`, f-strings and `str()` (inside
-strings they become placeholder tokens that the compiler substitutes); using them for Python control
-flow (`if`, `==`, `len`, iteration, ...) raises `TracingError`.
+had got. Symbolic values (`Argument`, `Variable`) flow through `s += ...` and `+`; using them for
+Python control flow (`if`, `==`, `len`, iteration, ...) raises `TracingError`, and turning them into
+Python strings (f-strings, `str()`, `format()`) raises `SymbolicTextError`, a `TypeError` as in
+SGLang: a string cannot carry a value not known yet, and string operations on a stand-in would
+trace a wrong graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import singledispatch
@@ -49,14 +50,16 @@ from lmnb.lang.program import (  # program imports us lazily
 )
 from lmnb.lang.reasoning import reasoning_name
 
-_OPEN, _CLOSE, _SEP = "\ue000", "\ue001", "\ue002"
-_PLACEHOLDER = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
-
 Ref = Argument | Variable
 
 
 class TracingError(RuntimeError):
     """The program cannot be traced: its Python control flow depends on values not known yet."""
+
+
+class SymbolicTextError(TracingError, TypeError):
+    """A symbolic value was turned into a Python string (f-string, `str()`, `format()`) while
+    tracing; a `TypeError`, as SGLang raises for an argument inside an f-string."""
 
 
 @dataclass(frozen=True)
@@ -78,141 +81,69 @@ class Call(Expr):
     num_api_spec_tokens: int | None = None
 
 
-# ---- placeholders: symbolic values inside strings ------------------------------------------------
-def placeholder(ref: Ref, conversion: str = "", spec: str = "") -> str:
-    """`"\\ue000arg:name\\ue001"` or `"\\ue000var:state:name\\ue001"`, with the f-string's
-    conversion and format spec if any."""
-    body = f"arg:{ref.name}" if isinstance(ref, Argument) else f"var:{ref.state_id}:{ref.name}"
-    if conversion or spec:
-        body += f"{_SEP}{conversion}{_SEP}{spec}"
-    return f"{_OPEN}{body}{_CLOSE}"
-
-
-def _parse(body: str) -> tuple[Ref, str, str]:
-    ref_text, _, rest = body.partition(_SEP)
-    conversion, _, spec = rest.partition(_SEP)
-    kind, _, name = ref_text.partition(":")
-    if kind == "arg":
-        return Argument(name), conversion, spec
-    state, _, name = name.partition(":")
-    return Variable(name, int(state)), conversion, spec
-
-
-def format_value(value: Any, conversion: str, spec: str) -> str:
-    if conversion == "r":
-        value = repr(value)
-    elif conversion == "a":
-        value = ascii(value)
-    return format(value, spec)
-
-
-def substitute_text(text: str, lookup: Callable[[Ref], Any]) -> str:
-    """`text` with each placeholder replaced by its value, formatted as the f-string asked."""
-    if _OPEN not in text:
-        return text
-
-    def replace(match: re.Match) -> str:
-        ref, conversion, spec = _parse(match.group(1))
-        return format_value(lookup(ref), conversion, spec)
-
-    return _PLACEHOLDER.sub(replace, text)
-
-
-def text_refs(text: str) -> list[Ref]:
-    return [_parse(m.group(1))[0] for m in _PLACEHOLDER.finditer(text)] if _OPEN in text else []
-
-
-def constant_head(text: str) -> tuple[str, bool]:
-    """The part of `text` before its first placeholder, and whether the whole text is constant."""
-    index = text.find(_OPEN)
-    return (text, True) if index < 0 else (text[:index], False)
-
-
 def _ref_label(ref: Ref) -> str:
     return ref.name if isinstance(ref, Argument) else f"s{ref.state_id}.{ref.name}"
 
 
-def readable(text: str) -> str:
-    """`text` with placeholders shown as `{name}` / `{s0.name}`."""
-    def show(match: re.Match) -> str:
-        ref, conversion, spec = _parse(match.group(1))
-        return ("{" + _ref_label(ref) + (f"!{conversion}" if conversion else "")
-                + (f":{spec}" if spec else "") + "}")
-
-    return _PLACEHOLDER.sub(show, text)
-
-
 # ---- walking values that may hold symbolic references --------------------------------------------
-@dataclass(frozen=True)
-class _Visitor:
-    on_ref: Callable[[Ref], Any]
-    on_text: Callable[[str], Any]
+OnRef = Callable[[Ref], Any]
 
 
 @singledispatch
-def _walk(value: Any, visitor: _Visitor) -> Any:
+def _walk(value: Any, on_ref: OnRef) -> Any:
     return value
-
-
-@_walk.register
-def _(value: str, visitor: _Visitor) -> Any:
-    return visitor.on_text(value)
 
 
 @_walk.register(Argument)
 @_walk.register(Variable)
-def _(value: Ref, visitor: _Visitor) -> Any:
-    return visitor.on_ref(value)
+def _(value: Ref, on_ref: OnRef) -> Any:
+    return on_ref(value)
 
 
 @_walk.register(tuple)
 @_walk.register(list)
-def _(value: tuple | list, visitor: _Visitor) -> Any:
-    items = [_walk(item, visitor) for item in value]
+def _(value: tuple | list, on_ref: OnRef) -> Any:
+    items = [_walk(item, on_ref) for item in value]
     if all(new is old for new, old in zip(items, value, strict=True)):
         return value
     return type(value)(items)
 
 
 @_walk.register
-def _(value: dict, visitor: _Visitor) -> Any:
-    items = {key: _walk(item, visitor) for key, item in value.items()}
+def _(value: dict, on_ref: OnRef) -> Any:
+    items = {key: _walk(item, on_ref) for key, item in value.items()}
     return value if all(items[k] is value[k] for k in value) else items
 
 
 @_walk.register(Expr)
 @_walk.register(GenParams)
-def _(value: Any, visitor: _Visitor) -> Any:
+def _(value: Any, on_ref: OnRef) -> Any:
     if not dataclasses.is_dataclass(value):
         return value
     changes = {}
     for f in dataclasses.fields(value):
         old = getattr(value, f.name)
-        new = _walk(old, visitor)
+        new = _walk(old, on_ref)
         if new is not old:
             changes[f.name] = new
     return dataclasses.replace(value, **changes) if changes else value
 
 
 def substitute(value: Any, lookup: Callable[[Ref], Any]) -> Any:
-    """`value` with every `Argument`/`Variable` (and placeholder in strings) replaced by its value;
-    unchanged parts keep their identity."""
-    return _walk(value, _Visitor(lookup, lambda text: substitute_text(text, lookup)))
+    """`value` with every `Argument`/`Variable` replaced by its value; unchanged parts keep their
+    identity."""
+    return _walk(value, lookup)
 
 
 def refs_of(value: Any) -> list[Ref]:
-    """Every `Argument`/`Variable` in `value`, placeholders included, in order."""
+    """Every `Argument`/`Variable` in `value`, in order."""
     found: list[Ref] = []
 
     def on_ref(ref: Ref) -> Ref:
         found.append(_plain(ref))
         return ref
 
-    def on_text(text: str) -> str:
-        found.extend(text_refs(text))
-        return text
-
-    _walk(value, _Visitor(on_ref, on_text))
+    _walk(value, on_ref)
     return found
 
 
@@ -222,7 +153,7 @@ def _plain(ref: Ref) -> Ref:
 
 def normalize(value: Any) -> Any:
     """`value` with the tracer's symbolic proxies replaced by plain IR nodes."""
-    return _walk(value, _Visitor(_plain, lambda text: text))
+    return _walk(value, _plain)
 
 
 # ---- symbolic values -----------------------------------------------------------------------------
@@ -238,17 +169,25 @@ class _Symbolic:
     def _control(self, use: str) -> NoReturn:
         raise TracingError(
             f"data-dependent control flow: {self._label()} is {use}, but its value is not known "
-            f"while tracing. Compiled programs may only pass such values on (s += ..., +, "
-            f"f-strings, str()); run the program with .run() to branch on them")
+            f"while tracing. Compiled programs may only pass such values on (s += ..., +); run "
+            f"the program with .run() to branch on them")
+
+    def _as_text(self, use: str) -> NoReturn:
+        name = self.name  # type: ignore[attr-defined]
+        example = name if isinstance(self, Argument) else f"s[{name!r}]"
+        raise SymbolicTextError(
+            f"cannot put {self._label()} inside {use} while tracing: its value is not known yet "
+            f"(SGLang raises this TypeError too); concatenate it instead: "
+            f"s += \"...\" + {example}")
 
     def __str__(self) -> str:
-        return placeholder(self)  # type: ignore[arg-type]
-
-    def __repr__(self) -> str:
-        return placeholder(self, conversion="r")  # type: ignore[arg-type]
+        self._as_text("str()")
 
     def __format__(self, spec: str) -> str:
-        return placeholder(self, spec=spec)  # type: ignore[arg-type]
+        self._as_text("an f-string or format()")
+
+    def __repr__(self) -> str:
+        return f"<symbolic {self._label()}>"
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Expr):
@@ -426,8 +365,6 @@ def _(node: Join, of: Callable[[int], tuple[str, ...]]) -> tuple[str, ...]:
 def _show(value: Any) -> str:
     if isinstance(value, Argument | Variable):
         return "{" + _ref_label(value) + "}"
-    if isinstance(value, str):
-        return repr(readable(value))
     if isinstance(value, tuple | list):
         return "[" + ", ".join(_show(v) for v in value) + "]"
     return repr(value)
@@ -487,9 +424,8 @@ def _constant_piece(node: Expr, prefix: _Prefix) -> bool:
 
 @_constant_piece.register
 def _(node: Text, prefix: _Prefix) -> bool:
-    head, whole = constant_head(node.value)
-    prefix.text += head
-    return whole
+    prefix.text += node.value
+    return True
 
 
 @_constant_piece.register

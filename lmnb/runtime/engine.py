@@ -402,6 +402,7 @@ class Runtime:
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool = False,
         stream: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """Generates for one prompt (returns a dict) or a list (returns a list of dicts; with
@@ -409,6 +410,11 @@ class Runtime:
         incremental dicts (`text` and `output_ids` are what is new; the last one per request has
         `meta_info["finish_reason"]`), consumed by a thread (`for`, `get(timeout)`) or an asyncio
         task (`async for`); leaving the loop early or `close()` aborts the requests.
+
+        With `return_logprob`, `meta_info` lists `(logprob, token_id)` pairs, or SGLang's
+        `(logprob, token_id, text)` triples with `return_text_in_logprobs`; with
+        `max_new_tokens` 0 and `top_logprobs_num` k, `output_top_logprobs` has one row: the top k
+        of the token that would come next (SGLang's).
 
         Multimodal models (SGLang's engine arguments): `image_data` is, for one prompt, an image
         or a list of images in the order of the prompt's image tokens (a path, `PIL.Image`,
@@ -439,7 +445,8 @@ class Runtime:
             self._outputs.register(output, state.rid, tokenizer=self.tokenizer,
                                    prompt_ids=state.origin_input_ids,  # pad ids decode to ''
                                    skip_special_tokens=params.skip_special_tokens,
-                                   stop=params.stop, stop_regex=params.stop_regex)
+                                   stop=params.stop, stop_regex=params.stop_regex,
+                                   token_texts=return_logprob and return_text_in_logprobs)
         for state in states:
             self._scheduler.submit(state)
         if stream:

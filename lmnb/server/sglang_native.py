@@ -4,7 +4,9 @@
 `/generate` streams like SGLang's default: every event carries the text and ids so far
 (cumulative), `meta_info` with the counts so far, `index` for batch requests, then
 `data: [DONE]`. Logprobs are `[logprob, token_id, text or None]` triples (text with
-`return_text_in_logprobs`)."""
+`return_text_in_logprobs`); `max_new_tokens` 0 with `top_logprobs_num` k gives one
+`output_top_logprobs` row, the next token's top k. `sampling_params` takes every name of SGLang
+0.5's (`lmnb.params`): unimplemented ones only with their defaults, else a 400 naming them."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from lmnb.runtime.output.logprob_text import with_token_texts
 from lmnb.server.errors import APIError
 from lmnb.server.media import media_kwargs, media_tokens
 from lmnb.server.streams import (
@@ -32,9 +35,6 @@ from lmnb.server.streams import (
     sse,
     sse_error,
 )
-
-_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
-_TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
 
 
 class GenerateRequest(BaseModel):
@@ -53,20 +53,13 @@ class GenerateRequest(BaseModel):
 
 
 def sglang_meta(meta: dict[str, Any], token_text: TokenText | None) -> dict[str, Any]:
-    """The runtime's meta_info with logprobs as SGLang's triples."""
+    """The runtime's meta_info with logprobs as SGLang's triples (text None unless
+    `token_text` is given)."""
+    return with_token_texts(meta, token_text or _no_text)
 
-    def triple(pair: Any) -> list[Any]:
-        logprob, token_id = pair
-        return [logprob, token_id, token_text(token_id) if token_text else None]
 
-    out = dict(meta)
-    for key in _LOGPROB_KEYS:
-        if key in out:
-            out[key] = [triple(p) for p in out[key]]
-    for key in _TOP_KEYS:
-        if key in out:
-            out[key] = [None if row is None else [triple(p) for p in row] for row in out[key]]
-    return out
+def _no_text(token_id: int) -> None:
+    return None
 
 
 def _jsonable(value: Any) -> Any:

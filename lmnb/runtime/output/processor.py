@@ -13,6 +13,7 @@ from typing import Any
 
 from lmnb.runtime.output.detokenizer import Decoder, IncrementalDetokenizer
 from lmnb.runtime.output.events import TokenEvent
+from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.output.stop import first_stop_regex_match
 from lmnb.runtime.output.stream import Chunk, OutputStream
 
@@ -27,6 +28,7 @@ class _Registration:
     stop: tuple[str, ...]
     stop_regex: tuple[str, ...]
     created_at: float
+    token_texts: bool
 
 
 @dataclass(slots=True)
@@ -41,6 +43,7 @@ class _RequestOutput:
     pieces: list[str] = field(default_factory=list)  # text delivered (or, whole, to deliver)
     skip: int = 0  # characters of the detokenizer's coming text that were already delivered
     stop_regex: list[re.Pattern] = field(default_factory=list)
+    token_texts: TokenTexts | None = None  # logprobs as (logprob, id, text) triples
 
 
 def _stopped_on_id(reason: dict[str, Any] | None, ids: list[int]) -> bool:
@@ -59,6 +62,7 @@ class OutputProcessor:
     def __init__(self, *, name: str = "lmnb-output") -> None:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._requests: dict[Any, _RequestOutput] = {}
+        self._token_texts: dict[int, TokenTexts] = {}  # per tokenizer (by id), for logprob texts
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
         self.busy_seconds = 0.0  # CPU time of this thread in `process` (for benchmarks)
@@ -67,14 +71,16 @@ class OutputProcessor:
     # ---- called from other threads ---------------------------------------------------------------
     def register(self, stream: OutputStream, rid: Any, *, tokenizer: Decoder,
                  prompt_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), stop_regex: Sequence[str] = ()) -> None:
+                 stop: Sequence[str] = (), stop_regex: Sequence[str] = (),
+                 token_texts: bool = False) -> None:
         """Announces request `rid` (one of `stream.rids`); call before the scheduler may emit for
-        it: registrations and events share one FIFO."""
+        it: registrations and events share one FIFO. `token_texts`: logprobs in `meta_info` as
+        `(logprob, id, text)` triples (SGLang's `return_text_in_logprobs`)."""
         if rid not in stream.index:
             raise ValueError(f"request {rid!r} is not one of the stream's {stream.rids}")
         self._inbox.put(_Registration(rid, stream, tokenizer, list(prompt_ids),
                                       skip_special_tokens, tuple(stop), tuple(stop_regex),
-                                      time.perf_counter()))
+                                      time.perf_counter(), token_texts))
 
     def put(self, events: list[TokenEvent]) -> None:
         """The scheduler's one call per step (cheap: a queue put)."""
@@ -122,6 +128,7 @@ class OutputProcessor:
             self._requests[item.rid] = _RequestOutput(
                 stream=item.stream, prompt_ids=item.prompt_ids, created_at=item.created_at,
                 stop_regex=[re.compile(p) for p in item.stop_regex],
+                token_texts=self._texts_of(item.tokenizer) if item.token_texts else None,
                 detokenizer=IncrementalDetokenizer(
                     item.tokenizer, item.prompt_ids,
                     skip_special_tokens=item.skip_special_tokens, stop=item.stop))
@@ -180,7 +187,8 @@ class OutputProcessor:
             meta["completion_tokens"] = len(state.output_ids)
             meta["e2e_latency"] = time.perf_counter() - state.created_at
         if event.meta:
-            meta.update(event.meta)
+            meta.update(event.meta if state.token_texts is None
+                        else with_token_texts(event.meta, state.token_texts))
         if stream.incremental:
             chunk = {"text": delta, "output_ids": list(event.new_token_ids), "meta_info": meta}
         else:
@@ -189,6 +197,12 @@ class OutputProcessor:
         if stream.tagged:
             chunk["index"] = stream.index[event.rid]
         return chunk
+
+    def _texts_of(self, tokenizer: Decoder) -> TokenTexts:
+        texts = self._token_texts.get(id(tokenizer))
+        if texts is None:
+            texts = self._token_texts[id(tokenizer)] = TokenTexts(tokenizer)
+        return texts
 
     @staticmethod
     def _cut_at_stop_regex(state: _RequestOutput, delta: str) -> str:

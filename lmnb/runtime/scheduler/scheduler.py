@@ -327,8 +327,7 @@ class Scheduler:
                 self.cache.extend(req, out_cache_loc[start:start + extend_len])
                 start += extend_len
                 completes = req.kv_len == req.fill_len
-                samples.append(completes
-                               and req.sampling_params.max_new_tokens > len(req.output_ids))
+                samples.append(completes and _samples_after_fill(req))
                 spans.append(_input_logprob_span(req, prefix_len, extend_len))
         return Batch(mode=mode, rids=[req.rid for req in reqs], req_pool_indices=pool_indices,
                      prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
@@ -381,7 +380,11 @@ class Scheduler:
                 state.logprobs.input_top.extend(output.input_top_logprobs[i])
                 req.input_logprobs_done += len(output.input_logprobs[i])
             token = output.next_token_ids[i]
-            if token is not None:
+            if token is not None and req.sampling_params.max_new_tokens == 0:
+                # Only the next token's top logprobs were asked for: the token is not output.
+                state.logprobs.output_top.append(output.next_top_logprobs[i] or [])
+                self._finish(state, finish_length(0))
+            elif token is not None:
                 req.status = ReqStatus.RUNNING
                 self.table.running.append(req)
                 self._append_token(state, token, output.next_token_logprobs[i],
@@ -506,6 +509,14 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV slot and request row is accounted for."""
         self.cache.check_integrity(self.table.live(), self.table.waiting)
+
+
+def _samples_after_fill(req: Req) -> bool:
+    """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
+    generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
+    params = req.sampling_params
+    return (params.max_new_tokens > len(req.output_ids)
+            or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
 
 
 def _state_free_sampling(req: Req) -> bool:

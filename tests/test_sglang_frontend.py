@@ -1,0 +1,108 @@
+"""SGLang's own frontend (the `sglang` package: `sgl.RuntimeEndpoint`, `@sgl.function`, gen,
+select, regex, fork, stream, run_batch) against `lmnb serve` on 127.0.0.1, with a tiny
+random-weight Llama. Greedy results must equal what lmnb's DSL gets from the same runtime in
+process. The package is installed without its dependencies (`make venv`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import lmnb
+
+sgl = pytest.importorskip("sglang", reason="SGLang's frontend: `make venv` installs it")
+
+
+@pytest.fixture(scope="module")
+def endpoint(sgl_runtime) -> Iterator[Any]:
+    """SGLang's `RuntimeEndpoint` over an lmnb server, as SGLang's default backend."""
+    from lmnb.server import ServerHandle
+
+    with ServerHandle.start(sgl_runtime) as server:
+        backend = sgl.RuntimeEndpoint(server.url)
+        sgl.set_default_backend(backend)
+        yield backend
+        sgl.set_default_backend(None)
+
+
+def qa_program(dsl: ModuleType) -> Any:
+    """One program, written once, for SGLang's DSL and lmnb's."""
+
+    @dsl.function
+    def qa(s, question):
+        s += "Question: " + question + "\nAnswer:"
+        s += dsl.gen("answer", max_tokens=6, temperature=0)
+        s += "\nNumber:" + dsl.gen("number", max_tokens=4, regex=r" [0-9]{1,3}", temperature=0)
+
+    return qa
+
+
+def test_gen_regex_stream_and_run_batch_match_lmnb(endpoint, sgl_runtime) -> None:
+    questions = ["What is 2 + 3?", "Name a colour.", "Why is the sky blue?"]
+    remote, local = qa_program(sgl), qa_program(lmnb)
+    state = remote.run(question=questions[0])
+    expected = local.run(question=questions[0], backend=sgl_runtime)
+    assert state["answer"] == expected["answer"] and state["number"] == expected["number"]
+    assert re.fullmatch(r" [0-9]{1,3}", state["number"])
+    meta = state.get_meta_info("answer")
+    assert meta["completion_tokens"] == 6 and meta["finish_reason"]["type"] == "length"
+
+    streamed = remote.run(question=questions[0], stream=True)
+    pieces = list(streamed.text_iter("answer"))
+    assert "".join(pieces) == expected["answer"]
+
+    batch = remote.run_batch([{"question": q} for q in questions], num_threads=3)
+    expected = [local.run(question=q, backend=sgl_runtime) for q in questions]
+    assert [s["answer"] for s in batch] == [e["answer"] for e in expected]
+    assert [s["number"] for s in batch] == [e["number"] for e in expected]
+
+
+def test_select_and_fork(endpoint, sgl_runtime) -> None:
+    @sgl.function
+    def tips(s, topic):
+        s += "Tips about " + topic + ". Tool:"
+        s += sgl.select("tool", choices=[" calculator", " search engine", " none"])
+        s += "\n"
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"Tip {i + 1}:"
+            f += sgl.gen("tip", max_tokens=4, temperature=0, stop="\n")
+        for i in range(2):
+            s += f"Tip {i + 1}:" + forks[i]["tip"] + "\n"
+
+    state = tips.run(topic="cooking")
+    assert state["tool"] in (" calculator", " search engine", " none")
+    assert len(state.get_meta_info("tool")["normalized_prompt_logprobs"]) == 3
+    prefix = f"Tips about cooking. Tool:{state['tool']}\n"
+    for i in range(2):
+        prompt = prefix + f"Tip {i + 1}:"
+        out = sgl_runtime.generate(prompt, {"max_new_tokens": 4, "temperature": 0,
+                                            "stop": "\n"})
+        assert state.text().count(f"Tip {i + 1}:{out['text']}\n") == 1
+
+
+def test_next_token_top_logprobs_with_max_tokens_zero(endpoint, sgl_runtime) -> None:
+    """CoT decoding's first step (SGLang's example): max_tokens=0 gives the next token's top k."""
+
+    @sgl.function
+    def step_0(s, question):
+        s += "Question: " + question + "\nAnswer:"
+        s += sgl.gen("get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=3,
+                     return_text_in_logprobs=True)
+
+    state = step_0.run(question="What is 2 + 3?")
+    assert state["get_top_k"] == ""
+    (top,) = state.get_meta_info("get_top_k")["output_top_logprobs"]
+    prompt = "Question: What is 2 + 3?\nAnswer:"
+    greedy = sgl_runtime.generate(prompt, {"max_new_tokens": 1, "temperature": 0},
+                                  return_logprob=True, top_logprobs_num=3)
+    (expected,) = greedy["meta_info"]["output_top_logprobs"]
+    assert [token_id for _, token_id, _ in top] == [token_id for _, token_id in expected]
+    assert [logprob for logprob, _, _ in top] == pytest.approx([lp for lp, _ in expected])
+    tokenizer = sgl_runtime.tokenizer
+    assert [text for _, _, text in top] == [tokenizer.decode([i]) for _, i, _ in top]
+    assert greedy["output_ids"][0] == top[0][1]
