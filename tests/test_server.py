@@ -440,6 +440,25 @@ def test_smollm2_chat_json_and_greedy_agreement(smollm2_server):
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
+@pytest.mark.slow
+def test_smollm2_forced_tool_call_has_the_right_arguments(smollm2_server):
+    """Constrained decoding keeps the call valid; the real model fills in the right city."""
+    runtime, handle = smollm2_server
+    client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="unused", max_retries=0)
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}
+    out = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[weather], tool_choice="required", parallel_tool_calls=False, temperature=0,
+        max_tokens=40)
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Paris"})
+
+
 def test_runtime_closed_mid_stream_ends_the_stream(tiny_models):
     runtime = Runtime(tiny_models["llama-gqa"], max_total_tokens=2048)
     with ServerHandle.start(runtime) as handle, httpx.Client(base_url=handle.url,

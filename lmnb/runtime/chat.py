@@ -2,16 +2,50 @@
 
 The text is what `Runtime.generate(prompt)` should be given: when the tokenizer adds BOS while
 encoding, a BOS that the template writes at the start is dropped, so it is not doubled.
+
+Tools: OpenAI-shaped `tools` ([{"type": "function", "function": {name, description,
+parameters}}]) and messages carrying them (an assistant's `tool_calls`, `tool` messages) go to a
+template that renders tools as they are (the call arguments parsed from their JSON text, as
+templates expect a mapping). A template that ignores tools (SmolLM2's) gets lmnb's default,
+Hermes-style format instead: the tools as JSON in the system prompt, each call written as
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, tool results in a user turn
+within `<tool_response>` tags.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from lmnb.runtime.core import InvalidRequestError
 
 _ROLES = ("system", "user", "assistant", "tool")
+
+# The default tool-call format (a template without tools of its own): what the system prompt asks
+# for, how history renders, and what the server constrains and parses.
+TOOL_CALL_OPEN = "<tool_call>\n"
+TOOL_CALL_CLOSE = "\n</tool_call>"
+TOOL_CALL_SEPARATOR = "\n"
+_RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
+_TOOLS_PROMPT = """\
+You can call functions to help with the request. Their signatures, as JSON, are within \
+<tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To call a function, write a JSON object with its name and its arguments within \
+<tool_call></tool_call> tags, one call per pair of tags:
+<tool_call>
+{{"name": <function name>, "arguments": <the arguments as a JSON object>}}
+</tool_call>
+The results come back within <tool_response></tool_response> tags."""
+
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "lmnb_probe_tool_3f9c", "description": "",
+    "parameters": {"type": "object", "properties": {}}}}
+_renders_tools: dict[str, bool] = {}  # chat template text -> whether it writes the tools
 
 
 def _check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -36,19 +70,138 @@ def strip_added_bos(tokenizer: Any, text: str) -> str:
     return text[len(bos):] if adds_bos else text
 
 
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template writes the `tools` it is given (cached per
+    template text)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return False
+    known = _renders_tools.get(template)
+    if known is None:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                 tools=[_PROBE_TOOL], tokenize=False,
+                                                 add_generation_prompt=True)
+            known = _PROBE_TOOL["function"]["name"] in text
+        except Exception:  # a template that fails on tools has no tool support
+            known = False
+        _renders_tools[template] = known
+    return known
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """One call in the default format."""
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE
+
+
+def _calls_of(message: dict[str, Any], i: int) -> list[tuple[str, dict[str, Any]]]:
+    """(name, arguments) of an assistant message's `tool_calls` (OpenAI's shape, arguments a
+    JSON text or a mapping)."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"message {i}: tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise InvalidRequestError(f"message {i}: tool_calls[{j}] needs function.name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as error:
+                raise InvalidRequestError(f"message {i}: tool_calls[{j}].function.arguments is "
+                                          f"not valid JSON: {error}") from None
+        if not isinstance(arguments, dict):
+            raise InvalidRequestError(f"message {i}: tool_calls[{j}].function.arguments must "
+                                      "be a JSON object")
+        out.append((name, arguments))
+    return out
+
+
+def _with_parsed_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template with tool support: call arguments as mappings."""
+    out = []
+    for i, message in enumerate(messages):
+        if message.get("tool_calls"):
+            calls = _calls_of(message, i)
+            message = {**message, "tool_calls": [
+                {**call, "function": {**call["function"], "arguments": arguments}}
+                for call, (_, arguments) in zip(message["tool_calls"], calls, strict=True)]}
+        out.append(message)
+    return out
+
+
+def _content_text(message: dict[str, Any], i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise InvalidRequestError(f"message {i}: content must be text in a conversation with "
+                                  "tool calls")
+    return content
+
+
+def _in_default_format(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls and results as text of the default format; consecutive `tool` messages
+    become one user turn."""
+    out: list[dict[str, Any]] = []
+    responses = False  # whether out[-1] is a turn of tool results
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "tool":
+            response = _RESPONSE_OPEN + _content_text(message, i) + _RESPONSE_CLOSE
+            if responses:
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
+        elif role == "assistant" and message.get("tool_calls"):
+            calls = TOOL_CALL_SEPARATOR.join(tool_call_text(name, arguments)
+                                             for name, arguments in _calls_of(message, i))
+            content = _content_text(message, i)
+            out.append({"role": "assistant", "content": (content + "\n" if content else "")
+                        + calls})
+        else:
+            out.append({k: v for k, v in message.items() if k != "tool_calls"})
+        responses = role == "tool"
+    return out
+
+
+def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+                       ) -> list[dict[str, Any]]:
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    prompt = _TOOLS_PROMPT.format(tools=listing)
+    first = messages[0]
+    if first["role"] == "system" and isinstance(first.get("content"), str):
+        return [{**first, "content": first["content"] + "\n\n" + prompt}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
 def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
                         add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text of `messages` ([{"role": ..., "content": ...}, ...]) in the tokenizer's
     template; with `add_generation_prompt`, followed by the opening of an assistant turn.
+    `tools` and tool calls in the messages are rendered as the module docstring says.
     Raises `InvalidRequestError` when the tokenizer has no template or the template rejects
     the messages (e.g. roles that do not alternate)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("the tokenizer has no chat template; format the prompt "
                                   "yourself or load a model whose tokenizer has one")
     checked = _check_messages(messages)
+    has_calls = any(m["role"] == "tool" or m.get("tool_calls") for m in checked)
+    if tools or has_calls:
+        if renders_tools(tokenizer):
+            checked = _with_parsed_arguments(checked)
+        else:
+            checked = _in_default_format(checked)
+            if tools:
+                checked = _with_tools_prompt(checked, tools)
+            tools = None
     try:
-        text = tokenizer.apply_chat_template(checked, tools=tools, tokenize=False,
+        text = tokenizer.apply_chat_template(checked, tools=tools or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as error:  # jinja's TemplateError (raise_exception in templates) and kin
         raise InvalidRequestError(f"the chat template rejected the messages: {error}") from None

@@ -1,12 +1,15 @@
 """Anthropic's Messages API over the runtime: `/v1/messages`, whole or as its server-sent
 events (message_start, content_block_start, ping, content_block_delta..., content_block_stop,
-message_delta, message_stop)."""
+message_delta, message_stop). With `tools`, calls come as `tool_use` blocks (streamed as
+`input_json_delta`s) and `stop_reason: "tool_use"`."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,8 +17,25 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.server.limits import check_prompt_size
-from lmnb.server.messages import text_content
-from lmnb.server.streams import ServedRuntime, chunks, collect, guarded, open_stream, sse
+from lmnb.server.messages import anthropic_chat
+from lmnb.server.streams import (
+    ServedRuntime,
+    chunks,
+    closed_on_disconnect,
+    collect,
+    guarded,
+    open_stream,
+    sse,
+)
+from lmnb.server.tool_run import ChoiceResult, ToolRun
+from lmnb.server.tools import (
+    ArgumentsDelta,
+    CallStream,
+    ToolPlan,
+    anthropic_tool_choice,
+    anthropic_tools,
+    tool_plan,
+)
 
 
 class MessagesRequest(BaseModel):
@@ -29,6 +49,8 @@ class MessagesRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
 
 
 def _stop_reason(meta: dict[str, Any], stops: list[str]) -> tuple[str, str | None]:
@@ -60,22 +82,25 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/v1/messages", response_model=None)
     async def messages(body: MessagesRequest, request: Request) -> Any:
-        chat = []
-        if body.system:
-            chat.append({"role": "system", "content": text_content(body.system,
-                                                                   where="system")})
-        chat += [{"role": m.get("role"),
-                  "content": text_content(m.get("content"), where=f"messages.{i}.content")}
-                 for i, m in enumerate(body.messages)]
-        prompt = runtime.apply_chat_template(chat)
+        prompt, plan = _prompt(runtime, body.system, body.messages, body.tools,
+                               body.tool_choice)
         stops = body.stop_sequences or []
         params: dict[str, Any] = {"max_new_tokens": body.max_tokens, "stop": stops}
         for key in ("temperature", "top_p", "top_k"):
             if getattr(body, key) is not None:
                 params[key] = getattr(body, key)
-        stream = await open_stream(runtime, prompt, params)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                    "model": body.model or model_name}
+        if plan is not None:
+            run = ToolRun(runtime, plan, prompt, params)
+            if body.stream:
+                return StreamingResponse(guarded(_tool_events(run, message, stops),
+                                                 _error_event),
+                                         media_type="text/event-stream")
+            async with closed_on_disconnect(request, run):
+                (tool_result,) = await run.results()
+            return {**message, **_tool_message(tool_result, stops)}
+        stream = await open_stream(runtime, prompt, params)
         if body.stream:
             return StreamingResponse(guarded(_events(stream, message, stops), _error_event),
                                      media_type="text/event-stream")
@@ -119,6 +144,83 @@ async def _events(stream: Any, message: dict[str, Any], stops: list[str]) -> Asy
             yield sse({"type": "message_stop"}, event="message_stop")
 
 
+def _tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_stop(meta: dict[str, Any], calls: int, stops: list[str]) -> tuple[str, str | None]:
+    stop_reason, stop_sequence = _stop_reason(meta, stops)
+    return ("tool_use", None) if calls and stop_reason != "max_tokens" else (stop_reason,
+                                                                             stop_sequence)
+
+
+def _tool_message(result: ChoiceResult, stops: list[str]) -> dict[str, Any]:
+    """Content blocks (text, then a `tool_use` per whole call), stop reason and usage."""
+    calls = [c for c in result.calls if c.complete]
+    content: list[dict[str, Any]] = []
+    if result.text or not calls:
+        content.append({"type": "text", "text": result.text})
+    content += [{"type": "tool_use", "id": _tool_use_id(), "name": c.name,
+                 "input": json.loads(c.arguments)} for c in calls]
+    stop_reason, stop_sequence = _tool_stop(result.meta, len(calls), stops)
+    return {"content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": _usage(result.meta)}
+
+
+async def _tool_events(run: ToolRun, message: dict[str, Any], stops: list[str]
+                       ) -> AsyncIterator[str]:
+    """`_events` with tools: blocks open as their content comes (a text block for text, a
+    `tool_use` block per call with its arguments as `input_json_delta`s)."""
+    calls = CallStream(run.plan.format)
+    block, kind = -1, ""  # the open block's index and type ("" when none is open)
+
+    def start(new_kind: str, content_block: dict[str, Any]) -> list[str]:
+        nonlocal block, kind
+        events = [sse({"type": "content_block_stop", "index": block},
+                      event="content_block_stop")] if kind else []
+        block, kind = block + 1, new_kind
+        return events + [sse({"type": "content_block_start", "index": block,
+                              "content_block": content_block}, event="content_block_start")]
+
+    def delta(body: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": block, "delta": body},
+                   event="content_block_delta")
+
+    started = False
+    async with aclosing(run.pieces()) as pieces:
+        async for piece in pieces:
+            if not started:
+                started = True
+                yield sse({"type": "message_start", "message": {
+                    **message, "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": _usage(piece.meta, 0)}}, event="message_start")
+                yield sse({"type": "ping"}, event="ping")
+            if piece.text:
+                if kind != "text":
+                    for event in start("text", {"type": "text", "text": ""}):
+                        yield event
+                yield delta({"type": "text_delta", "text": piece.text})
+            for call in calls.feed(piece.calls):
+                if isinstance(call, ArgumentsDelta):
+                    yield delta({"type": "input_json_delta", "partial_json": call.text})
+                    continue
+                for event in start("tool_use", {"type": "tool_use", "id": _tool_use_id(),
+                                                "name": call.name, "input": {}}):
+                    yield event
+            if piece.done:
+                if not kind:
+                    for event in start("text", {"type": "text", "text": ""}):
+                        yield event
+                yield sse({"type": "content_block_stop", "index": block},
+                          event="content_block_stop")
+                stop_reason, stop_sequence = _tool_stop(piece.meta, len(calls.calls), stops)
+                yield sse({"type": "message_delta",
+                           "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                           "usage": {"output_tokens": piece.meta.get("completion_tokens", 0)}},
+                          event="message_delta")
+                yield sse({"type": "message_stop"}, event="message_stop")
+
+
 class CountTokensRequest(BaseModel):
     """`/v1/messages/count_tokens`'s body: a Messages request without the sampling fields."""
 
@@ -127,6 +229,17 @@ class CountTokensRequest(BaseModel):
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+def _prompt(runtime: ServedRuntime, system: str | list[dict[str, Any]] | None,
+            messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            tool_choice: dict[str, Any] | None) -> tuple[str, ToolPlan | None]:
+    """The prompt `/v1/messages` generates from (and `count_tokens` counts), and its tool plan."""
+    chat = anthropic_chat(system, messages)
+    parsed = anthropic_tools(tools)
+    plan = tool_plan(parsed, anthropic_tool_choice(tool_choice, parsed), runtime.tokenizer)
+    return runtime.apply_chat_template(chat, tools=plan.prompt_tools() if plan else None), plan
 
 
 def count_tokens_router(runtime: ServedRuntime) -> APIRouter:
@@ -137,17 +250,7 @@ def count_tokens_router(runtime: ServedRuntime) -> APIRouter:
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
-        chat = []
-        if body.system:
-            chat.append({"role": "system", "content": text_content(body.system,
-                                                                   where="system")})
-        chat += [{"role": m.get("role"),
-                  "content": text_content(m.get("content"), where=f"messages.{i}.content")}
-                 for i, m in enumerate(body.messages)]
-        tools = [{"type": "function", "function": {
-            "name": tool.get("name"), "description": tool.get("description", ""),
-            "parameters": tool.get("input_schema", {})}} for tool in body.tools or ()]
-        prompt = runtime.apply_chat_template(chat, tools=tools or None)
+        prompt, _ = _prompt(runtime, body.system, body.messages, body.tools, body.tool_choice)
         return {"input_tokens": await asyncio.to_thread(_count_tokens, runtime, prompt)}
 
     return router

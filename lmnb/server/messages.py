@@ -1,8 +1,9 @@
 """Chat messages from any of the served APIs to the `{role, content: str}` dicts the runtime's
-chat template takes."""
+chat template takes (with OpenAI's `tool_calls` and `tool` messages where calls are made)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from lmnb.server.errors import APIError
@@ -36,3 +37,39 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         raise APIError("messages must be a non-empty list", param="messages")
     return [{**m, "content": text_content(m.get("content"), where=f"messages.{i}.content")}
             for i, m in enumerate(messages)]
+
+
+def anthropic_chat(system: str | list[dict[str, Any]] | None,
+                   messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Anthropic Messages as OpenAI-shaped chat messages: `system` first, an assistant's
+    `tool_use` blocks as its `tool_calls`, a user's `tool_result` blocks as `tool` messages
+    (before the rest of that user turn)."""
+    chat: list[dict[str, Any]] = []
+    if system:
+        chat.append({"role": "system", "content": text_content(system, where="system")})
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        where = f"messages.{i}.content"
+        if not isinstance(content, list):
+            chat.append({"role": role, "content": text_content(content, where=where)})
+            continue
+        parts, calls, results = [], [], []
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "tool_use" and role == "assistant":
+                calls.append({"id": block.get("id"), "type": "function", "function": {
+                    "name": block.get("name"),
+                    "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+            elif kind == "tool_result" and role == "user":
+                results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                                "content": text_content(block.get("content"),
+                                                        where=f"{where}.{j}.content")})
+            else:
+                parts.append(block)
+        text = text_content(parts, where=where)
+        chat.extend(results)
+        if calls:
+            chat.append({"role": role, "content": text, "tool_calls": calls})
+        elif text or not results:
+            chat.append({"role": role, "content": text})
+    return chat

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -21,12 +22,21 @@ from lmnb.server.streams import (
     TokenText,
     chunk_index,
     chunks,
+    closed_on_disconnect,
     collect,
     finish_type,
     guarded,
     open_stream,
     sse,
     sse_error,
+)
+from lmnb.server.tool_run import ChoiceResult, ToolRun
+from lmnb.server.tools import (
+    ArgumentsDelta,
+    CallStream,
+    openai_tool_choice,
+    openai_tools,
+    tool_plan,
 )
 
 # A JSON object of any shape (`response_format: json_object`).
@@ -102,6 +112,8 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _response_format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
@@ -216,7 +228,11 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     async def chat(body: ChatRequest, request: Request) -> Any:
         messages, images = chat_media(
             body.messages, takes_images=runtime.model_config.image_token_id is not None)
-        prompt = runtime.apply_chat_template(messages, tools=body.tools)
+        tools = openai_tools(body.tools)
+        tool_choice = openai_tool_choice(body.tool_choice, body.parallel_tool_calls, tools)
+        plan = tool_plan(tools, tool_choice, runtime.tokenizer)
+        prompt = runtime.apply_chat_template(messages,
+                                             tools=plan.prompt_tools() if plan else None)
         limits = (body.max_completion_tokens, body.max_tokens, runtime.context_len)
         params = body.sampling_params(next(n for n in limits if n is not None))
         schema = _response_format_schema(body.response_format)
@@ -225,11 +241,28 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 raise APIError("give either response_format or regex / json_schema",
                                param="response_format")
             params["json_schema"] = schema
-        stream = await open_stream(runtime, prompt, params, return_logprob=body.logprobs,
-                                   top_logprobs_num=body.top_logprobs or 0,
-                                   **({"image_data": images} if images else {}))
+        generate_kwargs: dict[str, Any] = {"return_logprob": body.logprobs,
+                                           "top_logprobs_num": body.top_logprobs or 0}
+        if images:
+            generate_kwargs["image_data"] = images
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": model_name}
+        if plan is not None:
+            if "regex" in params or "json_schema" in params:
+                raise APIError("response_format, regex and json_schema cannot be combined with "
+                               "tools unless tool_choice is 'none'", param="tool_choice")
+            run = ToolRun(runtime, plan, prompt, params, **generate_kwargs)
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return _sse_response(_tool_chat_events(run, head, body.n, include_usage,
+                                                       body.logprobs, token_text))
+            async with closed_on_disconnect(request, run):
+                tool_results = await run.results()
+            choices = [_tool_choice_body(i, r, body.logprobs, token_text)
+                       for i, r in enumerate(tool_results)]
+            return {**head, "object": "chat.completion", "choices": choices,
+                    "usage": _usage([{"meta_info": r.meta} for r in tool_results], body.n)}
+        stream = await open_stream(runtime, prompt, params, **generate_kwargs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse_response(_chat_events(stream, head, body.n, include_usage,
@@ -244,6 +277,29 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 "usage": _usage(results, body.n)}
 
     return router
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_finish(meta: dict[str, Any], calls: int) -> str | None:
+    """`tool_calls` when the choice made calls and was not cut by max_tokens."""
+    finish = finish_type(meta)
+    return "tool_calls" if calls and finish != "length" else finish
+
+
+def _tool_choice_body(index: int, result: ChoiceResult, logprobs: bool,
+                      token_text: TokenText) -> dict[str, Any]:
+    calls = [{"id": _call_id(), "type": "function",
+              "function": {"name": c.name, "arguments": c.arguments}} for c in result.calls]
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": result.text if result.text or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": index, "message": message,
+            "logprobs": _chat_logprobs(result.meta, token_text) if logprobs else None,
+            "finish_reason": _tool_finish(result.meta, len(calls))}
 
 
 def _completion_prompt(prompt: Any) -> tuple[Any, Any]:
@@ -312,6 +368,45 @@ async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage:
                 "index": index, "delta": {},
                 "logprobs": _chat_logprobs(meta, token_text) if logprobs else None,
                 "finish_reason": finish_type(meta)}]})
+    if include_usage:
+        results = [finals[i] for i in sorted(finals)]
+        yield sse({**head, "choices": [], "usage": _usage(results, n)})
+    yield sse("[DONE]")
+
+
+async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, include_usage: bool,
+                            logprobs: bool, token_text: TokenText) -> AsyncIterator[str]:
+    """`_chat_events` with calls: a call's first delta has its index, id, type and name (empty
+    arguments), the next ones argument fragments."""
+    head = {**head, "object": "chat.completion.chunk"}
+    calls: dict[int, CallStream] = {}
+    finals: dict[int, Chunk] = {}
+
+    def delta(index: int, body: dict[str, Any], finish: str | None = None,
+              meta: dict[str, Any] | None = None) -> str:
+        return sse({**head, "choices": [{
+            "index": index, "delta": body, "finish_reason": finish,
+            "logprobs": _chat_logprobs(meta, token_text) if logprobs and meta else None}]})
+
+    async with aclosing(run.pieces()) as pieces:
+        async for piece in pieces:
+            index = piece.index
+            if index not in calls:
+                calls[index] = CallStream(run.plan.format)
+                yield delta(index, {"role": "assistant", "content": ""})
+            if piece.text:
+                yield delta(index, {"content": piece.text})
+            for event in calls[index].feed(piece.calls):
+                if isinstance(event, ArgumentsDelta):
+                    call = {"index": event.index, "function": {"arguments": event.text}}
+                else:
+                    call = {"index": event.index, "id": _call_id(), "type": "function",
+                            "function": {"name": event.name, "arguments": ""}}
+                yield delta(index, {"tool_calls": [call]})
+            if piece.done:
+                finals[index] = {"meta_info": piece.meta}
+                yield delta(index, {}, _tool_finish(piece.meta, len(calls[index].calls)),
+                            piece.meta)
     if include_usage:
         results = [finals[i] for i in sorted(finals)]
         yield sse({**head, "choices": [], "usage": _usage(results, n)})

@@ -61,8 +61,12 @@ def _close_result(future: asyncio.Future) -> None:
         future.result().close()
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
 @contextlib.asynccontextmanager
-async def closed_on_disconnect(request: Request, stream: OutputStream) -> AsyncIterator[None]:
+async def closed_on_disconnect(request: Request, stream: Closable) -> AsyncIterator[None]:
     """While the block runs, a client disconnect closes `stream` (aborting its requests); the
     stream is closed when the block ends in any way."""
 

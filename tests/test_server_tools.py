@@ -1,0 +1,390 @@
+"""Tool calling on the server, driven by the real clients (`openai`, `anthropic`, LangChain's
+`ChatOpenAI.bind_tools`): calls are generated under their functions' schemas, so they are valid
+even from the random-weight tiny model. `auto` needs the model to start a call by itself, which
+random weights never do: a scripted runtime (the real one, whose first phase is made to write a
+given text) stands in for a model that does."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from lmnb.runtime.chat import apply_chat_template
+from lmnb.runtime.engine import Runtime
+from lmnb.server import ServerHandle
+from lmnb.server.tools import (
+    HERMES,
+    LLAMA3_JSON,
+    CallStream,
+    Tool,
+    ToolChoice,
+    ToolPlan,
+    call_format,
+    parse_calls,
+)
+from tests.test_server import wait_idle
+
+KEY = "sk-tools"
+WEATHER_PARAMS = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"]}
+TIME_PARAMS = {"type": "object", "properties": {
+    "zone": {"type": "integer", "minimum": -12, "maximum": 12}}, "required": ["zone"]}
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"The {name[4:]}.",
+                                           "parameters": schema}}
+         for name, schema in PARAMS.items()]
+ASK = [{"role": "user", "content": "Weather and time in Paris?"}]
+
+# A template with tools of its own, in Llama-3's JSON call format.
+LLAMA3_STYLE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nAnswer a call as {\"name\": function name, "
+    "\"parameters\": its arguments}.\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", "
+    "\"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}{% else %}"
+    "{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def valid_call(name: str, arguments: str | dict) -> dict:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    jsonschema.validate(args, PARAMS[name])
+    return args
+
+
+class ScriptedRuntime:
+    """`rt` behind another tokenizer (chat template) and with a scripted `auto` first phase: a
+    request that stops on `marker` is constrained to `script` (a regex)."""
+
+    def __init__(self, rt: Runtime, *, tokenizer: Any, marker: str, script: str) -> None:
+        self.rt, self.tokenizer, self.marker, self.script = rt, tokenizer, marker, script
+        self.context_len, self.max_total_tokens = rt.context_len, rt.max_total_tokens
+        self.model_config, self.engine_config = rt.model_config, rt.engine_config
+        self.model_dir = rt.model_dir
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, **kwargs: Any) -> Any:
+        params = dict(sampling_params or {})
+        if self.marker in params.get("stop", ()) and "regex" not in params:
+            params["regex"] = self.script
+        return self.rt.generate(prompt, params, **kwargs)
+
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, *,
+                            tools: Any = None) -> str:
+        return apply_chat_template(self.tokenizer, messages,
+                                   add_generation_prompt=add_generation_prompt, tools=tools)
+
+    def encode(self, text: str) -> list[int]:
+        return self.rt.encode(text)
+
+    def stats(self) -> dict[str, Any]:
+        return self.rt.stats()
+
+    def flush_cache(self) -> bool:
+        return self.rt.flush_cache()
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_models) -> Iterator[Runtime]:
+    runtime = Runtime(tiny_models["llama-gqa"], max_total_tokens=8192,
+                      check_integrity_each_step=True)
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(scope="module")
+def server(rt) -> Iterator[ServerHandle]:
+    with ServerHandle.start(rt, api_key=KEY, served_model_name="tiny") as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def scripted_client(runtime: ScriptedRuntime) -> tuple[ServerHandle, openai.OpenAI]:
+    handle = ServerHandle.start(runtime, served_model_name="tiny")
+    return handle, openai.OpenAI(base_url=f"{handle.url}/v1", api_key="x", max_retries=0)
+
+
+def streamed(events: list) -> tuple[str, list[dict], str | None]:
+    """(content, calls {id, name, arguments}, finish reason) from chat completion chunks."""
+    content, calls, finish = "", [], None
+    for event in events:
+        if not event.choices:
+            continue
+        choice = event.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or ():
+            if call.index == len(calls):
+                assert call.id and call.function.name and call.type == "function"
+                calls.append({"id": call.id, "name": call.function.name, "arguments": ""})
+            else:
+                assert call.id is None and call.function.name is None
+            calls[call.index]["arguments"] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+# ---- OpenAI ------------------------------------------------------------------------------------
+def test_required_named_and_parallel_calls_are_valid(client):
+    out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                         tool_choice="required", max_tokens=200, n=16,
+                                         temperature=1.0, seed=2)
+    counts = []
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            valid_call(call.function.name, call.function.arguments)
+        counts.append(len(choice.message.tool_calls))
+    assert max(counts) > 1  # parallel calls happen (seeded sampling)
+    assert {c.function.name for ch in out.choices for c in ch.message.tool_calls} == set(PARAMS)
+    single = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=120, n=6, temperature=1.5, seed=2,
+        parallel_tool_calls=False, tool_choice={"type": "function",
+                                                "function": {"name": "get_time"}})
+    for choice in single.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_time"
+        valid_call("get_time", call.function.arguments)
+
+
+def test_streamed_calls_equal_the_whole_response(client):
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                  max_tokens=120, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    events = list(client.chat.completions.create(**kwargs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    content, calls, finish = streamed(events)
+    assert events[0].choices[0].delta.role == "assistant"
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert events[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_auto_and_none_without_a_call_give_text(client, rt):
+    for choice in ("auto", "none"):
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                             tool_choice=choice, max_tokens=8, temperature=0)
+        message = out.choices[0].message
+        assert message.tool_calls is None and message.content
+        assert out.choices[0].finish_reason in ("stop", "length")
+    # `none` leaves the tools out of the prompt; `auto` prompts with them
+    assert out.usage.prompt_tokens == len(rt.encode(rt.apply_chat_template(ASK)))
+
+
+def test_tool_result_round_trip(client, rt):
+    first = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                           tool_choice="required", max_tokens=120,
+                                           temperature=0, parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "22 C, sunny"}]
+    prompt = rt.apply_chat_template(history, tools=TOOLS)
+    assert "<tool_response>\n22 C, sunny\n</tool_response>" in prompt
+    assert f'"name": "{call.function.name}", "arguments": {call.function.arguments}' in prompt
+    again = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                           max_tokens=6, temperature=0)
+    assert again.choices[0].message.content and again.choices[0].message.tool_calls is None
+    assert again.usage.prompt_tokens == len(rt.encode(prompt))
+    # the call's turn renders as it was generated: the whole first exchange is a cache hit
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+
+
+def test_auto_continues_a_started_call_under_the_schema(rt):
+    runtime = ScriptedRuntime(rt, tokenizer=rt.tokenizer, marker=HERMES.marker,
+                              script=r"Let me look\.\n<tool_call>")
+    handle, client = scripted_client(runtime)
+    with handle:
+        kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0)
+        whole = client.chat.completions.create(**kwargs)
+        choice = whole.choices[0]
+        assert choice.message.content == "Let me look.\n"
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            valid_call(call.function.name, call.function.arguments)
+        content, calls, finish = streamed(list(client.chat.completions.create(
+            **kwargs, stream=True)))
+        assert content == choice.message.content and finish == "tool_calls"
+        assert [c["arguments"] for c in calls] == [
+            c.function.arguments for c in choice.message.tool_calls]
+        # both phases' tokens count; the second phase's prompt was a cache hit
+        assert whole.usage.completion_tokens > len(rt.encode("Let me look.\n<tool_call>"))
+
+
+def test_llama3_json_format_from_the_template(rt):
+    tokenizer = copy.copy(rt.tokenizer)
+    tokenizer.chat_template = LLAMA3_STYLE_TEMPLATE
+    assert call_format(tokenizer) == LLAMA3_JSON and call_format(rt.tokenizer) == HERMES
+    runtime = ScriptedRuntime(rt, tokenizer=tokenizer, marker="{", script=r"\{")
+    handle, client = scripted_client(runtime)
+    with handle:
+        kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0)
+        auto = client.chat.completions.create(**kwargs)
+        forced = client.chat.completions.create(**kwargs, tool_choice="required")
+        for out in (auto, forced):
+            assert out.choices[0].finish_reason == "tool_calls"
+            for call in out.choices[0].message.tool_calls:
+                valid_call(call.function.name, call.function.arguments)
+        # text before "{": not a call, the output goes on as text
+        runtime.script = r"Hi \{"
+        text = client.chat.completions.create(**{**kwargs, "max_tokens": 10})
+        assert text.choices[0].message.content.startswith("Hi {")
+        assert text.choices[0].message.tool_calls is None
+
+
+def test_langchain_bind_tools(server):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_time(zone: int) -> str:
+        """The time in a zone."""
+        return "noon"
+
+    llm = ChatOpenAI(model="tiny", base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
+                     max_tokens=60, temperature=0)
+    bound = llm.bind_tools([get_time], tool_choice="any")
+    message = bound.invoke("What time is it in zone 2?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_time"
+    for call in message.tool_calls:
+        assert isinstance(call["args"]["zone"], int)
+    chunks = list(bound.stream("What time is it in zone 2?"))
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged += chunk
+    assert [c["args"] for c in merged.tool_calls] == [c["args"] for c in message.tool_calls]
+
+
+# ---- Anthropic ---------------------------------------------------------------------------------
+def test_anthropic_tool_use_and_result(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    tools = [{"name": name, "description": f"The {name[4:]}.", "input_schema": schema}
+             for name, schema in PARAMS.items()]
+    kwargs = dict(model="tiny", max_tokens=120, extra_body={"temperature": 0}, tools=tools,
+                  messages=[{"role": "user", "content": "Weather in Paris?"}])
+    out = client.messages.create(**kwargs, tool_choice={"type": "tool", "name": "get_weather"})
+    assert out.stop_reason == "tool_use"
+    uses = [b for b in out.content if b.type == "tool_use"]
+    assert uses and all(b.name == "get_weather" for b in uses)
+    for block in uses:
+        valid_call(block.name, block.input)
+    with client.messages.stream(**kwargs, tool_choice={"type": "tool",
+                                                       "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+        (b.name, b.input) for b in uses]
+    assert final.stop_reason == "tool_use"
+    anyone = client.messages.create(**kwargs, tool_choice={"type": "any",
+                                                            "disable_parallel_tool_use": True})
+    (use,) = [b for b in anyone.content if b.type == "tool_use"]
+    valid_call(use.name, use.input)
+    reply = client.messages.create(**{**kwargs, "max_tokens": 6, "messages": [
+        *kwargs["messages"], {"role": "assistant", "content": out.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                      "content": "22 C"}]}]})
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    assert reply.content[0].type == "text" and reply.content[0].text
+    none = client.messages.create(**kwargs, tool_choice={"type": "none"})
+    assert [b.type for b in none.content] == ["text"]
+
+
+def test_disconnect_mid_call_frees_kv(rt):
+    """A client gone while continuations generate calls aborts them: they would run for over
+    `items` decode steps (up to the tiny model's context), the client leaves after ~5."""
+    runtime = ScriptedRuntime(rt, tokenizer=rt.tokenizer, marker=HERMES.marker,
+                              script=r"<tool_call>")
+    samples, items = 3, 150
+    digits = {"type": "function", "function": {"name": "digits", "parameters": {
+        "type": "object", "properties": {"d": {"type": "array", "minItems": items, "items": {
+            "type": "integer", "minimum": 0, "maximum": 9}}}, "required": ["d"]}}}
+    before = wait_idle(rt)["generated_tokens"]
+    body = {"model": "tiny", "messages": ASK, "tools": [digits], "max_tokens": 4 * items,
+            "stream": True, "n": samples}
+    with ServerHandle.start(runtime) as handle, httpx.Client(base_url=handle.url,
+                                                             timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if '"tool_calls"' in line:
+                    break
+    stats = wait_idle(rt)
+    assert stats["generated_tokens"] - before < items / 3
+    rt.check_integrity()
+
+
+# ---- bad requests ------------------------------------------------------------------------------
+def test_bad_tool_requests_are_400(server, client, rt):
+    bad = [({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice"),
+           ({"tool_choice": "required"}, "tool_choice"),
+           ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+           ({"tools": [{"type": "function", "function": {"name": "f",
+                                                         "parameters": {"type": "string"}}}]},
+            "tools"),
+           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+               "type": "object", "properties": {"x": {"not": {}}}}}}]}, "tools"),
+           ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+           ({"tools": TOOLS, "tool_choice": "required",
+             "response_format": {"type": "json_object"}}, "tool_choice")]
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **extra)
+        assert error.value.body["param"] == param, extra
+    history = [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
+    with pytest.raises(openai.BadRequestError, match="not valid JSON"):
+        client.chat.completions.create(model="tiny", messages=history, max_tokens=4)
+    with httpx.Client(base_url=server.url, headers={"x-api-key": KEY}, timeout=60) as http:
+        response = http.post("/v1/messages", json={
+            "model": "tiny", "max_tokens": 4, "messages": ASK,
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
+    assert response.status_code == 400 and "web_search" in response.json()["error"]["message"]
+    assert client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                          tool_choice="required", max_tokens=60).choices
+    rt.check_integrity()
+
+
+# ---- the pieces, without a model ---------------------------------------------------------------
+def test_plans_parse_and_stream_what_their_regexes_match():
+    tools = (Tool("get_weather", "", WEATHER_PARAMS), Tool("get_time", "", TIME_PARAMS))
+    for fmt, region in (
+            (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"zone": -3}}\n</tool_call>'
+                     '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+                     '"unit": "c"}}\n</tool_call>'),
+            (LLAMA3_JSON, '{"name": "get_time", "parameters": {"zone": -3}}; {"name": '
+                          '"get_weather", "parameters": {"city": "Oslo", "unit": "c"}}')):
+        plan = ToolPlan(tools, ToolChoice("required"), fmt)
+        assert re.fullmatch(plan.calls_regex, region)
+        assert re.fullmatch(plan.rest_regex, region[len(fmt.marker):])
+        single = ToolPlan(tools, ToolChoice("required", "get_time", parallel=False), fmt)
+        first = region[:region.index("}}") + 2 + len(fmt.close)]
+        assert re.fullmatch(single.calls_regex, first)
+        assert not re.fullmatch(single.calls_regex, region)
+        calls = parse_calls(region, fmt)
+        assert [(c.name, json.loads(c.arguments), c.complete) for c in calls] == [
+            ("get_time", {"zone": -3}, True),
+            ("get_weather", {"city": "Oslo", "unit": "c"}, True)]
+        stream, names, arguments = CallStream(fmt), [], ["", ""]
+        for i in range(0, len(region), 3):  # any chunking gives the same calls
+            for event in stream.feed(region[i:i + 3]):
+                if hasattr(event, "name"):
+                    names.append(event.name)
+                else:
+                    arguments[event.index] += event.text
+        assert names == ["get_time", "get_weather"]
+        assert arguments == [c.arguments for c in calls]
+        cut = parse_calls(region[:region.index('"unit"')], fmt)
+        assert cut[-1].name == "get_weather" and not cut[-1].complete
