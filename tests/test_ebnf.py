@@ -160,6 +160,7 @@ def test_xgrammar_masks_equal_the_fsm_masks(rt):
     ours = factory.make(params)
     theirs = factory.xgrammar().matcher("regex", REGEX)
     assert isinstance(ours, RequestGrammar) and isinstance(theirs, XGrammarMatcher)
+    assert isinstance(factory.make(SamplingParams(ebnf=YES_NO)), XGrammarMatcher)  # always
     stops = frozenset(rt.eos_token_ids)
     vocab = rt.model_config.vocab_size
     for token in [*rt.tokenizer.encode("123-abc?", add_special_tokens=False), None]:
@@ -173,6 +174,21 @@ def test_xgrammar_masks_equal_the_fsm_masks(rt):
     assert theirs.is_final and not theirs.is_dead
     theirs.advance(rt.tokenizer.encode("x", add_special_tokens=False)[0])
     assert theirs.is_dead and not theirs.is_final
+
+
+def test_xgrammar_masks_leave_out_special_tokens_and_stop_only_when_complete(rt):
+    """xgrammar reads `<|im_start|>` as its literal text; lmnb never lets a special token in."""
+    factory = GrammarFactory(rt.tokenizer, vocab_size=rt.model_config.vocab_size,
+                             eos_token_ids=rt.eos_token_ids)
+    grammar = factory.make(SamplingParams(ebnf=r'root ::= [^.]* "."'))
+    specials = sorted(set(rt.tokenizer.all_special_ids))
+    stops = frozenset(rt.eos_token_ids)
+    vocab = rt.model_config.vocab_size
+    allowed = unpack_bitmask(grammar.bitmask(stops)[None], vocab)[0]
+    assert not allowed[specials].any() and allowed.sum() > vocab // 2
+    grammar.advance(rt.tokenizer.convert_tokens_to_ids("."))
+    allowed = unpack_bitmask(grammar.bitmask(stops)[None], vocab)[0]
+    assert allowed[sorted(stops)].all() and grammar.is_final
 
 
 def test_grammar_backend_option():

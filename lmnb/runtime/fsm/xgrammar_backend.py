@@ -37,6 +37,7 @@ from lmnb.runtime.sampling.bitmask import num_words, pack_mask, with_bits
 
 KINDS = ("regex", "json_schema", "ebnf")
 MAX_CACHED_GRAMMARS = 128
+MAX_CACHED_BYTES = 256 << 20  # a JSON schema's compiled grammar is ~2.5 MB for a 49k vocabulary
 # "[12:00:00] /project/cpp/grammar_parser.cc:820: " and "Check failed: (x) is false: " prefixes
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:.]+\]\s*\S+:\d+:\s*|Check failed: \(.*?\) is false:\s*")
 
@@ -67,18 +68,21 @@ class XGrammarCompiler:
         self.regular = pack_mask(regular)  # [words]: tokens that spell text (no specials)
         regular[[i for i, data in enumerate(table) if data and min(data) < 0x20]] = False
         self.json_regular = pack_mask(regular)  # ... and hold no control character
-        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # (kind, text) -> (compiled grammar, its bytes), least recently used first
+        self._compiled: OrderedDict[tuple[str, str], tuple[xgrammar.CompiledGrammar, int]] = (
+            OrderedDict())
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
-    def compile(self, kind: str, text: str) -> Any:
+    def compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         """The CompiledGrammar of an `ebnf` grammar (root rule `root`), a `regex` or a
-        `json_schema` (JSON text); the last MAX_CACHED_GRAMMARS are kept. Raises
-        InvalidGrammarError naming the problem."""
+        `json_schema` (JSON text); the most recently used are kept, at most MAX_CACHED_GRAMMARS
+        and MAX_CACHED_BYTES. Raises InvalidGrammarError naming the problem."""
         key = (kind, text)
         with self._lock:
             if (hit := self._compiled.get(key)) is not None:
                 self._compiled.move_to_end(key)
-                return hit
+                return hit[0]
         try:
             if kind == "ebnf":
                 compiled = self._compiler.compile_grammar(text)
@@ -91,10 +95,15 @@ class XGrammarCompiler:
                 raise ValueError(f"unknown grammar kind {kind!r}; one of {KINDS}")
         except (RuntimeError, json.JSONDecodeError) as error:
             raise InvalidGrammarError(f"invalid {kind}: {_reason(error)}") from None
+        size = compiled.memory_size_bytes
         with self._lock:
-            self._compiled[key] = compiled
-            while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+            if key not in self._compiled:
+                self._compiled[key] = (compiled, size)
+                self._cached_bytes += size
+            while len(self._compiled) > 1 and (len(self._compiled) > MAX_CACHED_GRAMMARS
+                                               or self._cached_bytes > MAX_CACHED_BYTES):
+                _, (_, dropped) = self._compiled.popitem(last=False)
+                self._cached_bytes -= dropped
         return compiled
 
     def matcher(self, kind: str, text: str) -> XGrammarMatcher:
@@ -107,7 +116,8 @@ class XGrammarMatcher:
     """One request's xgrammar `GrammarMatcher` behind the `Grammar` seam (see the module
     docstring). Used by one thread at a time (the request's scheduler)."""
 
-    def __init__(self, compiled: Any, *, regular: torch.Tensor, vocab_size: int) -> None:
+    def __init__(self, compiled: xgrammar.CompiledGrammar, *, regular: torch.Tensor,
+                 vocab_size: int) -> None:
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self._regular = regular
         self._buffer = torch.zeros((1, num_words(vocab_size)), dtype=torch.int32)
