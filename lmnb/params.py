@@ -64,6 +64,7 @@ class SamplingParams:
     seed: int | None = None
     regex: str | None = None
     json_schema: str | dict | None = None
+    ebnf: str | None = None  # an EBNF grammar (xgrammar's GBNF dialect); its `root` is the output
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +106,11 @@ class SamplingParams:
              "stop_token_ids must be a list of ints")
         need(self.seed is None or isinstance(self.seed, int),
              f"seed must be an int, got {self.seed!r}")
+        need(self.ebnf is None or (isinstance(self.ebnf, str) and bool(self.ebnf.strip())),
+             f"ebnf must be a non-empty grammar string, got {self.ebnf!r}")
+        constraints = [n for n in ("regex", "json_schema", "ebnf") if getattr(self, n) is not None]
+        need(len(constraints) <= 1,
+             f"give at most one of regex, json_schema and ebnf, got {' and '.join(constraints)}")
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -223,6 +229,7 @@ PARAM_HELP: dict[str, str] = {
     "seed": "random seed of this request's sampling (sample i uses seed + i)",
     "regex": "the output must match this regex",
     "json_schema": "the output must be JSON valid under this schema",
+    "ebnf": "the output must be in this EBNF grammar's language (root rule `root`)",
     "return_logprob": "return the log-probabilities of prompt and output tokens",
     "logprob_start_len": "first prompt position whose logprob is returned; -1 is none",
     "top_logprobs_num": "also return this many most likely tokens at each position",

@@ -255,7 +255,7 @@ def test_local_backend_sends_every_sampling_parameter() -> None:
               "top_k": 3, "min_p": 0.1, "frequency_penalty": 0.2, "presence_penalty": 0.3,
               "seed": 11, "ignore_eos": True, "return_logprob": True, "logprob_start_len": 1,
               "top_logprobs_num": 2, "return_text_in_logprobs": True, "regex": "[a-z]+",
-              "json_schema": None}
+              "json_schema": None, "ebnf": None}
     assert set(values) == set(GEN_PARAM_NAMES)  # a new gen argument needs a line here
     sampling = LocalBackend(FakeRuntime([])).sampling_params(GenParams(**values))
     expected = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()

@@ -81,15 +81,17 @@ def gen(
     regex: str | None = None,
     json_schema: Any = None,
     seed: int | None = None,
+    ebnf: str | None = None,
 ) -> Expr:
     """Generates text into variable `name`. Unset arguments inherit the run's defaults; the
     sampling arguments are `lmnb.params`'s (`max_tokens`, `min_tokens` are SGLang's names for
     `max_new_tokens`, `min_new_tokens`; `seed` makes sampling reproducible). With `choices`, it
     is a `select`; `dtype` (int, float, bool, str) constrains the output as SGLang does
     (`lmnb.lang.ir.REGEX_*`; int and float also stop at a space or newline); `stop_regex`
-    (one or a list) cuts the output before the first match. With `return_logprob`, logprobs in
-    `meta_info` are `(logprob, token_id)` pairs, or `(logprob, token_id, text)` with
-    `return_text_in_logprobs` (SGLang's triples)."""
+    (one or a list) cuts the output before the first match; `regex`, `json_schema` or `ebnf` (a
+    grammar whose `root` rule is the output, as SGLang's) constrain the output. With
+    `return_logprob`, logprobs in `meta_info` are `(logprob, token_id)` pairs, or
+    `(logprob, token_id, text)` with `return_text_in_logprobs` (SGLang's triples)."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
     if dtype is not None:
@@ -102,8 +104,13 @@ def gen(
         regex = DTYPE_REGEXES[kind]
         if kind in DTYPE_STOPS:
             stop = (*([stop] if isinstance(stop, str) else stop or ()), *DTYPE_STOPS[kind])
-    if regex is not None and json_schema is not None:
-        raise ValueError("give either regex or json_schema, not both")
+    constraints = [n for n, v in (("regex", regex), ("json_schema", json_schema),
+                                  ("ebnf", ebnf)) if v is not None]
+    if len(constraints) > 1:
+        raise ValueError(f"give at most one of regex, json_schema and ebnf, got "
+                         f"{' and '.join(constraints)}")
+    if ebnf is not None and not isinstance(ebnf, str):
+        raise TypeError(f"ebnf must be a grammar string, got {type(ebnf).__name__}")
     params = GenParams(
         max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop,
         stop_token_ids=stop_token_ids, stop_regex=stop_regex, temperature=temperature,
@@ -112,7 +119,7 @@ def gen(
         return_logprob=return_logprob,
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, regex=regex,
-        json_schema=_schema_text(json_schema))
+        json_schema=_schema_text(json_schema), ebnf=ebnf)
     return Gen(name, params, where=_caller())
 
 

@@ -84,6 +84,7 @@ class GenParams:
     return_text_in_logprobs: bool | None = None
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "stop_regex"):

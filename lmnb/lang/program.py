@@ -43,7 +43,8 @@ from lmnb.params import default_sampling_params
 
 # `run`/`run_batch` keywords that set every gen's default: the gen arguments except those that
 # only make sense per gen (a sample count, an output constraint).
-SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES if k not in ("n", "regex", "json_schema"))
+SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES
+                              if k not in ("n", "regex", "json_schema", "ebnf"))
 # The runtime's own scalar defaults; stop lists stay unset (the chat template may add its own).
 RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
                             if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})

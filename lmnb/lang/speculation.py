@@ -34,7 +34,7 @@ def can_serve(params: GenParams) -> bool:
     stop strings that can be found in text (no constraints, token stops, n>1, logprobs)."""
     return (
         (params.n or 1) == 1
-        and params.regex is None and params.json_schema is None
+        and params.regex is None and params.json_schema is None and params.ebnf is None
         and not params.stop_regex and not params.stop_token_ids
         and not params.return_logprob and not params.ignore_eos
         and not params.min_new_tokens

@@ -19,6 +19,7 @@ DTYPE_NAMES: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 LOAD_FORMATS = ("auto", "dummy")
+GRAMMAR_BACKENDS = ("lmnb", "xgrammar")
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
 
@@ -65,6 +66,7 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     disable_jump_forward: bool = False
+    grammar_backend: str = "lmnb"  # regex/JSON schema: 'lmnb' (compressed FSM) | 'xgrammar'
     attention_backend: str | None = None  # None: the default backend for the device
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # largest decode batch captured in a CUDA graph
@@ -121,6 +123,19 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be a backend name or None, "
                              f"got {self.attention_backend!r}")
         self._check_policy()
+        self._check_grammar_backend()
+
+    def _check_grammar_backend(self) -> None:
+        """'lmnb' or 'xgrammar' (EBNF grammars always go through xgrammar); 'xgrammar' needs the
+        package (looked up, not imported)."""
+        from importlib.util import find_spec
+
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"unknown grammar_backend {self.grammar_backend!r}; choose one of: "
+                             f"{', '.join(GRAMMAR_BACKENDS)}")
+        if self.grammar_backend == "xgrammar" and find_spec("xgrammar") is None:
+            raise ValueError("grammar_backend='xgrammar' needs the xgrammar package "
+                             "(pip install xgrammar)")
 
     def _check_policy(self) -> None:
         if not isinstance(self.schedule_policy, str):

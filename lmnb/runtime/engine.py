@@ -21,11 +21,9 @@ from lmnb.runtime.distributed.events import CacheEventLog
 from lmnb.runtime.distributed.group import TPError
 from lmnb.runtime.distributed.step import Command
 from lmnb.runtime.distributed.tp_worker import TPWorkers
-from lmnb.runtime.fsm.grammar import RequestGrammar
-from lmnb.runtime.fsm.index import get_token_index
-from lmnb.runtime.fsm.json_schema import InvalidSchemaError, json_schema_to_regex
+from lmnb.runtime.fsm.factory import GrammarFactory
 from lmnb.runtime.fsm.jump import JumpForward
-from lmnb.runtime.fsm.regex import InvalidRegexError
+from lmnb.runtime.fsm.protocol import Grammar
 from lmnb.runtime.media_requests import MediaInput, build_media_prompts, check_prompt_ids
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
@@ -157,6 +155,9 @@ class Runtime:
             vocab_size=self.model_config.vocab_size)
         self._scheduler = SchedulerThread(scheduler)
         self._tokenizer_lock = threading.Lock()
+        self._grammars = GrammarFactory(self.tokenizer, vocab_size=self.model_config.vocab_size,
+                                        eos_token_ids=self.eos_token_ids,
+                                        backend=config.grammar_backend)
         self._cache_events: CacheEventLog | None = None
         self._closed = False
 
@@ -515,8 +516,7 @@ class Runtime:
                   top_logprobs_num=top if return_logprob else 0, sample_index=sample_index,
                   mm_inputs=mm_inputs)
         state = ReqState(req, created_at=time.perf_counter())
-        if params.regex is not None or params.json_schema is not None:
-            state.grammar = self._grammar(params)
+        state.grammar = self._grammar(params)
         if params.seed is not None:
             state.generator = torch.Generator(device=self.device).manual_seed(
                 params.seed + sample_index)
@@ -541,18 +541,10 @@ class Runtime:
         with self._tokenizer_lock:
             return self.tokenizer.convert_ids_to_tokens(token_id)
 
-    def _grammar(self, params: SamplingParams) -> RequestGrammar:
-        if params.regex is not None and params.json_schema is not None:
-            raise InvalidRequestError("give either regex or json_schema, not both")
-        try:
-            pattern = params.regex
-            if pattern is None:
-                pattern = json_schema_to_regex(params.json_schema)
-            index = get_token_index(pattern, self.tokenizer,
-                                    vocab_size=self.model_config.vocab_size)
-        except (InvalidRegexError, InvalidSchemaError) as error:
-            raise InvalidRequestError(str(error)) from None
-        return RequestGrammar(index, pattern)
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """The request's regex / JSON-schema / EBNF constraint (None without one), through
+        `grammar_backend`; InvalidRequestError names a bad one."""
+        return self._grammars.make(params)
 
     @property
     def weight_bytes(self) -> int:

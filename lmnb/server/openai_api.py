@@ -79,6 +79,7 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool | None = None
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
+    ebnf: str | None = None
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         if self.logit_bias:
@@ -92,7 +93,8 @@ class _Sampling(BaseModel):
                             ("min_new_tokens", self.min_tokens), ("ignore_eos", self.ignore_eos),
                             ("stop_token_ids", self.stop_token_ids),
                             ("skip_special_tokens", self.skip_special_tokens),
-                            ("regex", self.regex), ("json_schema", self.json_schema)):
+                            ("regex", self.regex), ("json_schema", self.json_schema),
+                            ("ebnf", self.ebnf)):
             if value is not None:
                 params[ours] = value
         return params
@@ -237,8 +239,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         params = body.sampling_params(next(n for n in limits if n is not None))
         schema = _response_format_schema(body.response_format)
         if schema is not None:
-            if body.regex is not None or body.json_schema is not None:
-                raise APIError("give either response_format or regex / json_schema",
+            if body.regex is not None or body.json_schema is not None or body.ebnf is not None:
+                raise APIError("give either response_format or regex / json_schema / ebnf",
                                param="response_format")
             params["json_schema"] = schema
         generate_kwargs: dict[str, Any] = {"return_logprob": body.logprobs,

@@ -36,7 +36,8 @@ _STANDARD = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_
 # Extensions that SGLang- and vLLM-compatible servers accept in the body; sent only when a gen
 # sets them away from the default, so that plain OpenAI endpoints never see them.
 _EXTRA = {"top_k": "top_k", "min_p": "min_p", "min_new_tokens": "min_tokens",
-          "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "regex": "regex"}
+          "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "regex": "regex",
+          "ebnf": "ebnf"}
 _DEFAULTS = default_sampling_params()
 _FINISH = {"stop": "stop", "length": "length"}
 

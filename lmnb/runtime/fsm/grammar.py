@@ -1,4 +1,5 @@
-"""A request's place in its constraint: the token mask to sample from and the state to advance."""
+"""lmnb's `Grammar` (see protocol.py): a request's place in its compressed FSM, the token mask to
+sample from and the state to advance."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from collections.abc import Iterable
 import torch
 
 from lmnb.runtime.fsm.index import TokenIndex
-from lmnb.runtime.sampling.bitmask import pack_mask
+from lmnb.runtime.sampling.bitmask import with_bits
 
 
-class RequestGrammar:
+class RequestGrammar:  # implements protocol.Grammar
     """Walks one request through a shared `TokenIndex`. Stop tokens (EOS) are allowed only in
     accepting states; a dead end (no token continues and the text is incomplete) allows them too,
     so that the request ends instead of the batch failing."""
@@ -24,7 +25,7 @@ class RequestGrammar:
     def mask(self, stop_ids: Iterable[int]) -> torch.Tensor:
         """Bool [vocab] of the tokens allowed next."""
         allowed = self.index.allowed(self.state)
-        if self._stops_allowed(allowed):
+        if self._stops_allowed():
             allowed = allowed.clone()
             for token in stop_ids:
                 if 0 <= token < allowed.numel():
@@ -37,16 +38,16 @@ class RequestGrammar:
         stops = frozenset(stop_ids)
         key = (self.state, str(device), stops)
         if (packed := self._bitmasks.get(key)) is None:
-            if self._stops_allowed(self.index.allowed(self.state)):
-                packed = pack_mask(self.mask(stops)).to(device)
+            if self._stops_allowed():
+                packed = with_bits(self.index.bitmask(self.state), stops).to(device)
             else:
                 packed = self.index.bitmask(self.state, device)
             self._bitmasks[key] = packed
         return packed
 
-    def _stops_allowed(self, allowed: torch.Tensor) -> bool:
+    def _stops_allowed(self) -> bool:
         """Stop ids are allowed in accepting states and at dead ends."""
-        return self.index.is_accepting(self.state) or not bool(allowed.any())
+        return self.index.is_accepting(self.state) or not self.index.can_continue(self.state)
 
     def advance(self, token_id: int) -> None:
         self.state = self.index.next_state(self.state, token_id)

@@ -153,6 +153,15 @@ class TokenIndex:
         data = self.table[token_id] if 0 <= token_id < len(self.table) else None
         return -1 if data is None or state < 0 else self.fsm.walk(state, data)
 
+    def can_continue(self, state: int) -> bool:
+        """Some token is allowed from `state` (memoized with its mask; False for -1)."""
+        if not 0 <= state < self.fsm.num_states:
+            return False
+        if (successors := self._successors.get(state)) is None:
+            self._compute([state])
+            successors = self._successors[state]
+        return bool(successors)
+
     def forced_bytes(self, state: int) -> bytes:
         """The bytes every continuation from `state` starts with (see CompressedFSM)."""
         return self.compressed.forced_bytes(state)

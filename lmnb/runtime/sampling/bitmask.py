@@ -2,10 +2,13 @@
 
 A [rows, words] bitmask is 32x smaller than a bool mask, so a grammar state's mask can live on
 the device, cached, and a batch's mask is one stack of cached rows. `apply_bitmask_` is the single
-op that applies it to logits (the place for a fused kernel later).
+op that applies it to logits (the place for a fused kernel later). The layout is xgrammar's too:
+its `fill_next_token_bitmask` writes such rows directly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -52,6 +55,18 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     in place; returns `logits`."""
     allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
     return logits.masked_fill_(~allowed, float("-inf"))
+
+
+def with_bits(row: torch.Tensor, token_ids: Iterable[int]) -> torch.Tensor:
+    """A copy of the packed row [words] (on the CPU) with the bits of `token_ids` set; ids past
+    the row are ignored."""
+    out = row.clone()
+    for token in token_ids:
+        word, bit = divmod(token, BITS)
+        if 0 <= word < out.numel():
+            value = int(out[word]) | (1 << bit)
+            out[word] = value - (1 << 32) if value >= 1 << 31 else value  # the same bits in int32
+    return out
 
 
 def all_allowed(words: int, device: torch.device | str) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 if TYPE_CHECKING:
     from lmnb.runtime.core import SamplingParams
-    from lmnb.runtime.fsm.grammar import RequestGrammar
+    from lmnb.runtime.fsm.protocol import Grammar
 
 
 class SamplingRow(Protocol):
@@ -18,6 +18,6 @@ class SamplingRow(Protocol):
     origin_input_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None
-    grammar: RequestGrammar | None
+    grammar: Grammar | None
     return_logprob: bool
     top_logprobs_num: int

@@ -4,11 +4,14 @@ its stop checker and the logprobs it has accumulated. Not plain data; never leav
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmnb.runtime.core import Req, SamplingParams
+
+if TYPE_CHECKING:
+    from lmnb.runtime.fsm.protocol import Grammar
 
 Logprob = tuple[float | None, int]
 TopLogprobs = list[tuple[float, int]]
@@ -29,7 +32,7 @@ class ReqState:
     top_logprobs_num)."""
 
     req: Req
-    grammar: Any = None  # RequestGrammar of a regex / JSON-schema constrained request
+    grammar: Grammar | None = None  # of a regex / JSON-schema / EBNF constrained request
     generator: torch.Generator | None = None
     stop_text: Any = None  # StopText watching stop strings / stop_regex, if the request has any
     logprobs: RequestLogprobs = field(default_factory=RequestLogprobs)
