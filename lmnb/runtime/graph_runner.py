@@ -22,10 +22,13 @@ from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.models.layers.attention import bound_to
 
+SHARED_MIN_BS = 8  # smallest batch captured in the shared-prefix variant too
+
 
 def batch_size_ladder(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to `max_bs` (which is always included)."""
-    sizes = [bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
+    """1, 2, 4, 8, every 8 up to 128, every 16 after (a padded row costs little), and `max_bs`."""
+    sizes = ([bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, min(max_bs, 129), 8))
+             + list(range(144, max_bs, 16)) + [max_bs])
     return sorted(set(sizes))
 
 
@@ -73,7 +76,7 @@ class DecodeGraphRunner:
         with torch.inference_mode():
             for bs in reversed(self.ladder):  # the largest first: smaller ones reuse its memory
                 for shared in self.variants:
-                    if bs > 1 or not shared:
+                    if bs >= SHARED_MIN_BS or not shared:
                         self._capture(bs, shared=shared)
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
@@ -120,8 +123,9 @@ class DecodeGraphRunner:
         self.backend.prepare_for_capture(bs, shared=shared)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        first = not any(key[1] == shared for key in self.graphs)
         with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy inits)
-            for _ in range(2):
+            for _ in range(2 if first else 1):
                 self._forward(forward_batch)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

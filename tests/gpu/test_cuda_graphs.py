@@ -26,6 +26,8 @@ def test_ladder() -> None:
     assert batch_size_ladder(1) == [1]
     assert batch_size_ladder(20) == [1, 2, 4, 8, 16, 20]
     assert batch_size_ladder(64)[-3:] == [48, 56, 64]
+    assert batch_size_ladder(256)[-4:] == [208, 224, 240, 256]
+    assert batch_size_ladder(130) == [1, 2, 4, *range(8, 129, 8), 130]
 
 
 @pytest.mark.parametrize(("dtype", "backend"), [("float32", "torch_native"),

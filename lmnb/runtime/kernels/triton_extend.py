@@ -5,9 +5,11 @@ then the new tokens) is the slots kv_indices[kv_indptr[i] : kv_indptr[i + 1]]. T
 K/V are read from the pool, so the caller writes them there first (the backend does, with
 `KVStorage.set_kv`): prefix and new tokens are read the same way, through kv_indices.
 
-One program per (request, query head, block of BLOCK_M new tokens), online softmax over blocks of
-BLOCK_N KV tokens: first the prefix (no causal mask), then the new tokens with the mask
-col <= prefix_len + row; blocks past the row block's causal edge are never loaded.
+One program per (request, KV head, block of BLOCK_M rows), a row being one (new token, query head
+of that KV head) pair, tokens major: the GQA group's query heads share each K/V tile they load
+(read once per group instead of once per head, and short extends fill the tile). Online softmax
+over blocks of BLOCK_N KV tokens: first the prefix (no causal mask), then the new tokens with the
+mask col <= prefix_len + token; blocks past the row block's causal edge are never loaded.
 """
 
 from __future__ import annotations
@@ -58,23 +60,24 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     req = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     block = tl.program_id(2)
 
     q_begin = tl.load(QO_INDPTR + req)
     extend_len = tl.load(QO_INDPTR + req + 1) - q_begin
-    if block * BLOCK_M < extend_len:
+    if block * BLOCK_M < extend_len * GROUP:
         kv_begin = tl.load(KV_INDPTR + req)
         seq_len = tl.load(KV_INDPTR + req + 1) - kv_begin
         prefix_len = seq_len - extend_len
-        kv_head = head // GROUP
 
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        packed = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = packed // GROUP  # [BLOCK_M] new token of each row
+        heads = kv_head * GROUP + packed % GROUP
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         mask_m = rows < extend_len
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(Q + (q_begin + rows)[:, None] * stride_qt + head * stride_qh
+        q = tl.load(Q + (q_begin + rows)[:, None] * stride_qt + heads[:, None] * stride_qh
                     + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
         last = prefix_len + rows  # [BLOCK_M] the last KV position each row may see
@@ -91,15 +94,16 @@ def _extend_kernel(
         # The new tokens, causally; blocks past the row block's last row are never loaded.
         # Column prefix_len (the first new token) is visible to every row, so each row's
         # running max is finite and fully masked columns add exp(-inf) = 0.
-        kv_end = tl.minimum(seq_len, prefix_len + (block + 1) * BLOCK_M)
+        kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
         for n in range(prefix_len, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 True, PRECISION, UPCAST)
         out = acc / l_i[:, None]
-        tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + heads[:, None] * stride_oh
+                 + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_d[None, :])
 
 
 class ExtendConfig(NamedTuple):
@@ -134,7 +138,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
-    grid = (bs, num_heads, triton.cdiv(max(max_extend_len, 1), config.block_m))
+    grid = (bs, num_heads // group, triton.cdiv(max(max_extend_len, 1) * group, config.block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices,
         scale,
