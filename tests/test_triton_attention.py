@@ -288,3 +288,25 @@ def test_cuda_graph_of_decode_replays_eager_results():
             static[:n] = fresh
         graph.replay()
         torch.testing.assert_close(static_out[:n], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_long_splits_of_busy_batches_match_float64(device):
+    """Large batches split a request's KV less (decode_config's min_split): same output."""
+    from lmnb.runtime.kernels.triton_decode import DecodeConfig, decode_config
+
+    assert decode_config(128, torch.bfloat16, batch_size=256, num_kv_heads=8).min_split > \
+        decode_config(128, torch.bfloat16, batch_size=1, num_kv_heads=8).min_split
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = [1, 70, 130, 300]
+    kv_indptr, kv_indices = _ragged(seq_lens, device, gen)
+    k_buffer, v_buffer = _pool(sum(seq_lens), 2, 64, torch.float32, device)
+    q = torch.randn(len(seq_lens), 8, 64, device=device)
+    out = torch.empty_like(q)
+    decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
+                     *partial_buffers(len(seq_lens), 8, 64, 4, q.device), scale=64**-0.5,
+                     max_kv_splits=4, config=DecodeConfig(64, 256, 2, 2))
+    for i, n in enumerate(seq_lens):
+        slots = kv_indices[kv_indptr[i]:kv_indptr[i] + n]
+        expected = _reference(q[i:i + 1], k_buffer, v_buffer, slots, n - 1)
+        torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-4, rtol=1e-4)

@@ -163,12 +163,22 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads)."""
+# (request, KV head) programs above which splitting a request's KV buys no parallelism, only
+# partial writes and a merge: the split length then grows (fewer, longer splits).
+_BUSY_PROGRAMS = (128, 512)
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
+                  num_kv_heads: int = 1) -> DecodeConfig:
+    """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads), the
+    shortest split by how many (request, KV head) programs the batch has already."""
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 512
+    programs = batch_size * num_kv_heads
+    min_split = (MIN_SPLIT_LEN if programs < _BUSY_PROGRAMS[0]
+                 else 4 * MIN_SPLIT_LEN if programs < _BUSY_PROGRAMS[1] else 16 * MIN_SPLIT_LEN)
     # H100, triton 3.6, fp16 head_dim 128, in a CUDA graph: 2 warps beat 4 by up to 1.6x at
     # batch 1 (2k MHA 26 vs 36 us, 8k GQA 28 vs 46 us) and match it at batch 32.
-    return DecodeConfig(32 if wide else 64, MIN_SPLIT_LEN, 2, 2)
+    return DecodeConfig(32 if wide else 64, min_split, 2, 2)
 
 
 def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
@@ -198,7 +208,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    config = config or decode_config(head_dim, k_buffer.dtype)
+    config = config or decode_config(head_dim, k_buffer.dtype, batch_size=bs,
+                                     num_kv_heads=num_kv_heads)
     block_h = max(16, triton.next_power_of_2(group))
     precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
