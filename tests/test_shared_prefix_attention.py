@@ -13,10 +13,12 @@ from tests.triton_modes import DEVICES, SAME_TRITON_MODE
 
 # isort: split
 from lmnb.runtime.kernels.shared_prefix import (
+    ITEM_HEAD,
+    PART_MIN_TOKENS,
     PREFIX_SPLITS,
     SharedPrefixes,
     members_per_tile,
-    plan_tiles,
+    plan_items,
 )
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
 
@@ -56,12 +58,13 @@ def test_shared_prefix_decode_equals_plain_decode(device, heads, kv_heads, head_
     rng, gen = random.Random(heads), torch.Generator().manual_seed(head_dim)
     members = members_per_tile(heads, kv_heads)
     # A group larger than one tile, a small one, a prefix under one split, and loners.
-    groups = [(130, members + 3), (70, 2), (5, 3)]
-    rows, plan = _rows(device, gen, rng, groups, loners=3, num_slots=4000)
+    # Parts of PART_MIN_TOKENS: the long prefix is cut in two.
+    groups = [(2 * PART_MIN_TOKENS + 30, members + 3), (70, 2), (5, 3)]
+    rows, plan = _rows(device, gen, rng, groups, loners=3, num_slots=5000)
     bs = len(rows)
     kv_indptr = torch.tensor([0, *map(len, rows)], device=device).cumsum(0)
     kv_indices = torch.tensor([s for row in rows for s in row], device=device)
-    shape = (4001, kv_heads, head_dim)
+    shape = (5001, kv_heads, head_dim)
     k_buffer, v_buffer = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(2))
     q = torch.randn(bs, heads, head_dim, generator=gen).to(device, dtype)
     splits = 3
@@ -70,10 +73,11 @@ def test_shared_prefix_decode_equals_plain_decode(device, heads, kv_heads, head_
     decode_attention(q, k_buffer, v_buffer, expected, kv_indptr, kv_indices,
                      *partial_buffers(bs, heads, head_dim, splits, q.device),
                      scale=head_dim**-0.5, max_kv_splits=splits)
-    kv_skip, tiles = plan_tiles(plan, batch_size=bs, members=members)
-    tiles.append([0, 0, *([-1] * members)])  # an empty tile (graphs pad to a fixed count)
-    shared = SharedPrefixes(kv_skip=torch.tensor(kv_skip, device=device),
-                            tiles=torch.tensor(tiles, device=device))
+    prefix_plan = plan_items(plan, batch_size=bs, members=members, max_items=64)
+    flat = prefix_plan.flat(len(prefix_plan.items) + 1, members)  # + an empty item (graphs)
+    flat = torch.tensor(flat, device=device)
+    shared = SharedPrefixes(kv_skip=flat[:bs], prefix_parts=flat[bs:2 * bs],
+                            items=flat[2 * bs:].view(-1, ITEM_HEAD + members))
     out = torch.empty_like(q)
     decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
                      *partial_buffers(bs, heads, head_dim, splits + PREFIX_SPLITS, q.device),
@@ -82,17 +86,22 @@ def test_shared_prefix_decode_equals_plain_decode(device, heads, kv_heads, head_
     torch.testing.assert_close(out.double(), expected.double(), atol=tol, rtol=tol)
 
 
-def test_plan_tiles_splits_large_groups():
-    kv_skip, tiles = plan_tiles([(100, [4, 0, 2]), (7, [1, 3])], batch_size=6, members=2)
-    assert kv_skip == [100, 7, 100, 7, 100, 0]
-    assert tiles == [[4, 100, 4, 0], [2, 100, 2, -1], [1, 7, 1, 3]]
+def test_plan_items_cuts_prefixes_into_parts_and_tiles():
+    n = PART_MIN_TOKENS
+    plan = plan_items([(2 * n, [4, 0, 2]), (7, [1, 3])], batch_size=6, members=2, max_items=16)
+    assert plan.kv_skip == [2 * n, 7, 2 * n, 7, 2 * n, 0]
+    assert plan.prefix_parts == [2, 1, 2, 1, 2, 0]
+    assert plan.items == [[4, 0, n, 0, 4, 0], [4, n, 2 * n, 1, 4, 0],
+                          [2, 0, n, 0, 2, -1], [2, n, 2 * n, 1, 2, -1], [1, 0, 7, 0, 1, 3]]
+    assert len(plan.flat(8, 2)) == 12 + 8 * 6
 
 
-def test_plan_tiles_keeps_the_groups_that_save_most_within_max_tiles():
+def test_plan_items_keeps_the_groups_that_save_most():
     groups = [(100, [0, 1]), (1000, [2, 3, 4]), (50, [5, 6])]
-    kv_skip, tiles = plan_tiles(groups, batch_size=8, members=4, max_tiles=2)
-    assert kv_skip == [100, 100, 1000, 1000, 1000, 0, 0, 0]
-    assert [t[1] for t in tiles] == [1000, 100]
+    plan = plan_items(groups, batch_size=8, members=4, max_items=2)
+    assert plan.kv_skip == [100, 100, 1000, 1000, 1000, 0, 0, 0]
+    assert [item[2] for item in plan.items] == [1000, 100]
+    assert max(plan.prefix_parts) <= PREFIX_SPLITS
 
 
 @pytest.mark.parametrize("device", DEVICES)

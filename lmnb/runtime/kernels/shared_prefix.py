@@ -2,17 +2,19 @@
 
 Requests whose KV rows begin with the same slots (a radix-tree prefix they all hit: few-shot
 prompts, forks of one document) are grouped. A *tile* is one group's prefix and up to
-`members_per_tile` of its requests; its program stacks those requests' query heads of one KV
-head (members x GQA group rows, tensor-core sized) and streams the prefix KV once, instead of once
-per request. Each request's own suffix goes through the ordinary split-K decode kernel with its
-first `kv_skip[i]` tokens skipped, and the merge kernel folds both sets of partials:
+`members_per_tile` of its requests; the prefix is cut into parts, and each *work item* (one row
+of `items`) is one tile's part: its program stacks the tile members' query heads of one KV head
+(members x GQA group rows, tensor-core sized) and streams that part of the prefix KV once,
+instead of once per request. Each request's own suffix goes through the ordinary split-K decode
+kernel with its first `kv_skip[i]` tokens skipped, and the merge kernel folds both sets:
 
-    partial_out [bs, heads, max_kv_splits + prefix_splits, head_dim]
+    partial_out [bs, heads, max_kv_splits + PREFIX_SPLITS, head_dim]
                  splits 0 .. max_kv_splits-1: the request's suffix (triton_decode.py)
-                 splits max_kv_splits ..     : its group's prefix (this file)
-    tiles       [num_tiles, 2 + members_per_tile] int64:
-                 (leader request row, prefix length, member request rows..., -1 padding)
-                 a tile of prefix length 0 is empty (graphs keep a fixed number of tiles)
+                 splits max_kv_splits + part : part `part` of its group's prefix (this file)
+    items       [num_items, 4 + members_per_tile] int64:
+                 (leader request row, first token, end token, part, member rows..., -1 padding)
+                 an item with end <= first is empty (graphs keep a fixed number of rows)
+    kv_skip, prefix_parts [bs] int64: the prefix length and part count of request i's group
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.triton_decode import _split_len, dot_operand, dot_upcast
+from lmnb.runtime.kernels.triton_decode import dot_operand, dot_upcast
 
-PREFIX_SPLITS = 8  # splits of a tile's prefix (long prefixes and few tiles keep SMs busy)
+PREFIX_SPLITS = 8  # most parts a prefix is cut into
+PART_MIN_TOKENS = 256  # shorter parts cost more in partial writes than they add in parallelism
 PREFIX_BLOCK_N = 64
 BLOCK_M = 64  # query rows of a tile program: members x padded GQA group
+GRAPH_ITEMS = 128  # work items a captured graph launches (empty ones exit at once)
+ITEM_HEAD = 4  # leader, first, end, part
 
 
 def members_per_tile(num_heads: int, num_kv_heads: int) -> int:
@@ -39,78 +44,89 @@ def members_per_tile(num_heads: int, num_kv_heads: int) -> int:
 class SharedPrefixes:
     """Device metadata of one decode pass's prefix groups (see the module docstring)."""
 
-    kv_skip: torch.Tensor  # [bs] int64: leading KV tokens of request i attended in its tile
-    tiles: torch.Tensor  # [num_tiles, 2 + members_per_tile] int64
+    kv_skip: torch.Tensor  # [bs] int64: leading KV tokens of request i read by its group
+    prefix_parts: torch.Tensor  # [bs] int64: parts its group's prefix was cut into
+    items: torch.Tensor  # [num_items, ITEM_HEAD + members_per_tile] int64
 
 
-MAX_GRAPH_TILES = 64  # tiles a captured graph launches (empty ones exit at once)
+@dataclass(frozen=True, slots=True)
+class PrefixPlan:
+    """Host side of `SharedPrefixes` (plain lists)."""
+
+    kv_skip: list[int]
+    prefix_parts: list[int]
+    items: list[list[int]]
+
+    def flat(self, num_items: int, members: int) -> list[int]:
+        """kv_skip, prefix_parts, then the items padded with empty ones to `num_items` rows."""
+        width = ITEM_HEAD + members
+        return (self.kv_skip + self.prefix_parts + [v for item in self.items for v in item]
+                + [0] * ((num_items - len(self.items)) * width))
 
 
-def graph_tiles(bs: int) -> int:
-    """Tile rows of the graph of `bs` requests (every group has at least two requests)."""
-    return min(bs // 2 + 1, MAX_GRAPH_TILES)
+def plan_items(groups: Sequence[tuple[int, Sequence[int]]], *, batch_size: int, members: int,
+               max_items: int) -> PrefixPlan:
+    """The work items of `groups` = (prefix length, request rows) pairs, at most `max_items`:
+    each group's tiles, each tile's prefix cut into parts of >= PART_MIN_TOKENS tokens while the
+    items fit. When even one part per tile does not fit, the groups that save the most KV reads
+    are kept and the others read their prefix per request (they skip nothing)."""
+    def tiles_of(group: tuple[int, Sequence[int]]) -> int:
+        return -(-len(group[1]) // members)
 
+    def saved(group: tuple[int, Sequence[int]]) -> int:
+        return group[0] * (len(group[1]) - tiles_of(group))
 
-def plan_tiles(groups: Sequence[tuple[int, Sequence[int]]], *, batch_size: int, members: int,
-               max_tiles: int | None = None) -> tuple[list[int], list[list[int]]]:
-    """Host side: (kv_skip per request, tile rows) for `groups` = (prefix length, request rows)
-    pairs; requests in no group skip nothing. With `max_tiles`, the groups that save the most
-    KV reads are kept and the others read their prefix per request."""
-    kv_skip = [0] * batch_size
-    tiles: list[list[int]] = []
-    if max_tiles is not None:
-        def saved(group: tuple[int, Sequence[int]]) -> int:
-            prefix_len, rows = group
-            return prefix_len * (len(rows) - -(-len(rows) // members))
-
-        kept, room = [], max_tiles
-        for group in sorted(groups, key=saved, reverse=True):
-            need = -(-len(group[1]) // members)
-            if need <= room and saved(group) > 0:
-                kept.append(group)
-                room -= need
-        groups = kept
-    for prefix_len, rows in groups:
+    kept, room = [], max_items
+    for group in sorted(groups, key=saved, reverse=True):
+        if tiles_of(group) <= room and saved(group) > 0:
+            kept.append(group)
+            room -= tiles_of(group)
+    num_tiles = sum(map(tiles_of, kept))
+    kv_skip, prefix_parts = [0] * batch_size, [0] * batch_size
+    items: list[list[int]] = []
+    for prefix_len, rows in kept:
+        parts = max(1, min(PREFIX_SPLITS, max_items // max(num_tiles, 1),
+                           prefix_len // PART_MIN_TOKENS))
+        step = -(-prefix_len // parts)
         for row in rows:
-            kv_skip[row] = prefix_len
-        for start in range(0, len(rows), members):
-            chunk = list(rows[start:start + members])
-            tiles.append([chunk[0], prefix_len, *chunk, *([-1] * (members - len(chunk)))])
-    return kv_skip, tiles
+            kv_skip[row], prefix_parts[row] = prefix_len, parts
+        for first in range(0, len(rows), members):
+            chunk = list(rows[first:first + members])
+            padded = chunk + [-1] * (members - len(chunk))
+            items += [[chunk[0], part * step, min((part + 1) * step, prefix_len), part, *padded]
+                      for part in range(parts)]
+    return PrefixPlan(kv_skip, prefix_parts, items)
 
 
 @triton.jit
 def _shared_prefix_kernel(
-    Q, K, V, KV_INDPTR, KV_INDICES, TILES, PART_O, PART_LSE,
+    Q, K, V, KV_INDPTR, KV_INDICES, ITEMS, PART_O, PART_LSE,
     scale,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
-    stride_tile,
+    stride_item,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, MEMBERS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_OFFSET: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_OFFSET: tl.constexpr, HEAD: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    item = ITEMS + tl.program_id(0) * stride_item
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    prefix_len = tl.load(TILES + tile * stride_tile + 1)
-    split_len = _split_len(prefix_len, PREFIX_SPLITS, MIN_SPLIT, BLOCK_N)
-    start = split * split_len
-    end = tl.minimum(start + split_len, prefix_len)
+    start = tl.load(item + 1)
+    end = tl.load(item + 2)
     if end > start:
-        leader = tl.load(TILES + tile * stride_tile)
+        leader = tl.load(item)
+        part = tl.load(item + 3)
         kv_begin = tl.load(KV_INDPTR + leader)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         member_slot = offs_m // GROUP_P2
         in_group = offs_m % GROUP_P2
-        member = tl.load(TILES + tile * stride_tile + 2 + member_slot,
-                         mask=member_slot < MEMBERS, other=-1)
+        member = tl.load(item + HEAD + member_slot, mask=member_slot < MEMBERS, other=-1)
         valid = (member >= 0) & (in_group < GROUP)
         member = tl.where(valid, member, 0)
         heads = kv_head * GROUP + in_group
@@ -140,7 +156,7 @@ def _shared_prefix_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        slot = SPLIT_OFFSET + split
+        slot = SPLIT_OFFSET + part
         tl.store(PART_O + member[:, None] * stride_pob + heads[:, None] * stride_poh
                  + slot * stride_pos + offs_d[None, :], out,
                  mask=valid[:, None] & mask_d[None, :])
@@ -150,28 +166,28 @@ def _shared_prefix_kernel(
 
 def shared_prefix_partials(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                           tiles: torch.Tensor, partial_out: torch.Tensor,
+                           items: torch.Tensor, partial_out: torch.Tensor,
                            partial_lse: torch.Tensor, *, scale: float, split_offset: int,
                            precision: str) -> None:
-    """Writes each tile member's prefix partials into splits `split_offset ..` of the partial
-    buffers (the prefix is the first `tiles[t, 1]` slots of the leader's KV row)."""
+    """Writes each item's members' partials over its part of the prefix (slots first..end of
+    the leader's KV row) into split `split_offset + part` of the partial buffers."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
-    members = tiles.shape[1] - 2
-    assert members == members_per_tile(num_heads, num_kv_heads), "tiles of another model shape"
-    _shared_prefix_kernel[(tiles.shape[0], num_kv_heads, PREFIX_SPLITS)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, tiles, partial_out, partial_lse,
+    members = items.shape[1] - ITEM_HEAD
+    assert members == members_per_tile(num_heads, num_kv_heads), "items of another model shape"
+    _shared_prefix_kernel[(items.shape[0], num_kv_heads)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, items, partial_out, partial_lse,
         scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        tiles.stride(0),
+        items.stride(0),
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), MEMBERS=members,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
-        BLOCK_N=PREFIX_BLOCK_N, SPLIT_OFFSET=split_offset, PREFIX_SPLITS=PREFIX_SPLITS,
-        MIN_SPLIT=PREFIX_BLOCK_N, PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
+        BLOCK_N=PREFIX_BLOCK_N, SPLIT_OFFSET=split_offset, HEAD=ITEM_HEAD,
+        PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
         num_warps=4, num_stages=2,
     )

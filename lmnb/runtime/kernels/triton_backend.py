@@ -17,11 +17,12 @@ from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.metadata import DecodeBuffers, device_tensor, host_int64
 from lmnb.runtime.kernels.registry import register_attention_backend
 from lmnb.runtime.kernels.shared_prefix import (
+    GRAPH_ITEMS,
+    ITEM_HEAD,
     PREFIX_SPLITS,
     SharedPrefixes,
-    graph_tiles,
     members_per_tile,
-    plan_tiles,
+    plan_items,
 )
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
 from lmnb.runtime.kernels.triton_extend import extend_attention
@@ -71,12 +72,14 @@ class TritonAttention(AttentionBackend):
             self._kv_indptr, self._kv_indices = forward_batch.kv_indptr, forward_batch.kv_indices
             self._shared = None
             if forward_batch.shared_prefixes:
-                kv_skip, tiles = plan_tiles(forward_batch.shared_prefixes,
-                                            batch_size=forward_batch.batch_size,
-                                            members=self._members)
-                self._shared = SharedPrefixes(
-                    kv_skip=device_tensor(kv_skip, torch.int64, self._device),
-                    tiles=device_tensor(tiles, torch.int64, self._device))
+                plan = plan_items(forward_batch.shared_prefixes,
+                                  batch_size=forward_batch.batch_size, members=self._members,
+                                  max_items=GRAPH_ITEMS)
+                if plan.items:
+                    self._shared = SharedPrefixes(
+                        kv_skip=device_tensor(plan.kv_skip, torch.int64, self._device),
+                        prefix_parts=device_tensor(plan.prefix_parts, torch.int64, self._device),
+                        items=device_tensor(plan.items, torch.int64, self._device))
             splits = self.max_kv_splits + (PREFIX_SPLITS if self._shared else 0)
             self._partial_out, self._partial_lse = partial_buffers(
                 forward_batch.batch_size, self.num_heads, self.head_dim, splits, self._device)
@@ -90,10 +93,10 @@ class TritonAttention(AttentionBackend):
         self._buffers = DecodeBuffers(max_bs, kv_capacity or max_bs * width, self._device)
         self._static_partials = partial_buffers(max_bs, self.num_heads, self.head_dim,
                                                 self.max_kv_splits + PREFIX_SPLITS, self._device)
-        self._static_shared = SharedPrefixes(
-            kv_skip=torch.zeros(max_bs, dtype=torch.int64, device=self._device),
-            tiles=torch.zeros(graph_tiles(max_bs), 2 + self._members, dtype=torch.int64,
-                              device=self._device))
+        # kv_skip, prefix_parts, items: one buffer, filled by one copy a replay
+        width = ITEM_HEAD + self._members
+        self._static_shared_flat = torch.zeros(2 * max_bs + GRAPH_ITEMS * width,
+                                               dtype=torch.int64, device=self._device)
 
     def can_replay(self, forward_batch: ForwardBatch) -> bool:
         return self._buffers.fits(forward_batch.batch_size, forward_batch.num_kv_tokens)
@@ -102,9 +105,7 @@ class TritonAttention(AttentionBackend):
         buffers = self._buffers
         self._kv_indptr, self._kv_indices = buffers.kv_indptr[:bs + 1], buffers.kv_indices
         self._partial_out, self._partial_lse = (t[:bs] for t in self._static_partials)
-        static = self._static_shared
-        self._shared = SharedPrefixes(kv_skip=static.kv_skip[:bs],
-                                      tiles=static.tiles[:graph_tiles(bs)]) if shared else None
+        self._shared = self._static_view(bs) if shared else None
 
     def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None, *,
                            shared: bool = False) -> None:
@@ -113,17 +114,19 @@ class TritonAttention(AttentionBackend):
                            kv_indices=forward_batch.kv_indices,
                            num_kv_tokens=forward_batch.num_kv_tokens, bs=bs)
         self.prepare_for_capture(bs, shared=shared)
-        if shared:  # one copy of the groups' tiles; padding rows skip nothing, empty tiles
-            rows = graph_tiles(bs)
-            kv_skip, tiles = plan_tiles(forward_batch.shared_prefixes, batch_size=bs,
-                                        members=self._members, max_tiles=rows)
-            width = 2 + self._members
-            flat = kv_skip + [v for tile in tiles for v in tile] + [0] * (
-                (rows - len(tiles)) * width)
-            host = host_int64(flat, pin=self._device.type == "cuda")
-            static = self._static_shared
-            static.kv_skip[:bs].copy_(host[:bs], non_blocking=True)
-            static.tiles[:rows].copy_(host[bs:].view(rows, width), non_blocking=True)
+        if shared:  # one copy of the groups' items; padding rows skip nothing, empty items
+            plan = plan_items(forward_batch.shared_prefixes, batch_size=bs,
+                              members=self._members, max_items=GRAPH_ITEMS)
+            flat = plan.flat(GRAPH_ITEMS, self._members)
+            self._static_shared_flat[:len(flat)].copy_(
+                host_int64(flat, pin=self._device.type == "cuda"), non_blocking=True)
+
+    def _static_view(self, bs: int) -> SharedPrefixes:
+        """The graph of `bs` rows' views of the static buffer (laid out as `PrefixPlan.flat`)."""
+        flat = self._static_shared_flat
+        items = flat[2 * bs:2 * bs + GRAPH_ITEMS * (ITEM_HEAD + self._members)]
+        return SharedPrefixes(kv_skip=flat[:bs], prefix_parts=flat[bs:2 * bs],
+                              items=items.view(GRAPH_ITEMS, ITEM_HEAD + self._members))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True

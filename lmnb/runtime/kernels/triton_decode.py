@@ -121,13 +121,13 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    PART_O, PART_LSE, KV_INDPTR, KV_SKIP, OUT,
+    PART_O, PART_LSE, KV_INDPTR, KV_SKIP, PREFIX_PARTS, OUT,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    HAS_SKIP: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -135,10 +135,8 @@ def _decode_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     if HAS_SKIP:  # splits MAX_SPLITS.. hold the shared prefix's partials (shared_prefix.py)
-        skip = tl.load(KV_SKIP + req)
-        kv_len -= skip
-        prefix_split_len = _split_len(skip, PREFIX_SPLITS, PREFIX_BLOCK_N, PREFIX_BLOCK_N)
-        prefix_used = tl.cdiv(skip, prefix_split_len)
+        kv_len -= tl.load(KV_SKIP + req)
+        prefix_used = tl.load(PREFIX_PARTS + req)
         split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
         used = (offs_s < tl.cdiv(kv_len, split_len)) | (
             (offs_s >= MAX_SPLITS) & (offs_s < MAX_SPLITS + prefix_used))
@@ -214,13 +212,15 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
-    kv_skip = kv_indptr if shared is None else shared.kv_skip  # unread without `shared`
+    # unread without `shared`
+    kv_skip, prefix_parts = (kv_indptr, kv_indptr) if shared is None else (shared.kv_skip,
+                                                                          shared.prefix_parts)
     prefix_splits = 0
     if shared is not None:
         prefix_splits = shared_prefix.PREFIX_SPLITS
         assert partial_out.shape[2] >= max_kv_splits + prefix_splits, "partials too narrow"
         shared_prefix.shared_prefix_partials(
-            q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.tiles, partial_out,
+            q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.items, partial_out,
             partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
     _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, kv_skip, partial_out, partial_lse,
@@ -236,15 +236,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     _decode_merge_kernel[(bs, num_heads)](
-        partial_out, partial_lse, kv_indptr, kv_skip, out,
+        partial_out, partial_lse, kv_indptr, kv_skip, prefix_parts, out,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits,
         BLOCK_S=triton.next_power_of_2(max_kv_splits + prefix_splits),
         MIN_SPLIT=config.min_split, HAS_SKIP=shared is not None,
-        PREFIX_SPLITS=max(prefix_splits, 1),
-        PREFIX_BLOCK_N=shared_prefix.PREFIX_BLOCK_N,
         num_warps=4, num_stages=1,
     )
     return out
