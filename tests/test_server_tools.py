@@ -304,7 +304,7 @@ def test_anthropic_tool_use_and_result(server):
 
 def test_disconnect_mid_call_frees_kv(rt):
     """A client gone while continuations generate calls aborts them: they would run for over
-    `items` decode steps (up to the tiny model's context), the client leaves after ~5."""
+    `items` decode steps each (up to the tiny model's context), the client leaves after ~5."""
     runtime = ScriptedRuntime(rt, tokenizer=rt.tokenizer, marker=HERMES.marker,
                               script=r"<tool_call>")
     samples, items = 3, 150
@@ -321,7 +321,9 @@ def test_disconnect_mid_call_frees_kv(rt):
                 if '"tool_calls"' in line:
                     break
     stats = wait_idle(rt)
-    assert stats["generated_tokens"] - before < items / 3
+    # Each sample would write over `items` tokens; aborted, they stop short however loaded the
+    # machine is (2 cores under the whole suite: ~190 tokens in all before the abort landed).
+    assert stats["generated_tokens"] - before < samples * items
     rt.check_integrity()
 
 
