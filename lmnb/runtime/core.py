@@ -45,6 +45,12 @@ class ReqStatus(enum.Enum):
 _req_ids = itertools.count()
 
 
+def next_rid() -> int:
+    """A new request id (`Req.rid`'s default), for callers that announce ids before they
+    build their requests."""
+    return next(_req_ids)
+
+
 @dataclass(eq=False, slots=True)
 class Req:
     """One generation request as the scheduler sees it: plain data (ids, lengths, parameters,
@@ -60,7 +66,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    rid: int = field(default_factory=lambda: next(_req_ids))
+    rid: int = field(default_factory=next_rid)
     sample_index: int = 0  # which of the n samples of its prompt
     extra_key: Hashable = None  # prefix-cache namespace: equal tokens in other namespaces differ
     # Images / videos whose spans of pad ids (>= vocab_size) sit in `origin_input_ids`.

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from lmnb.multimodal.items import MultimodalInputs
 from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
-from lmnb.runtime.core import Batch, InvalidRequestError, Req, SamplingParams
+from lmnb.runtime.core import Batch, InvalidRequestError, Req, SamplingParams, next_rid
 from lmnb.runtime.distributed.events import CacheEventLog
 from lmnb.runtime.distributed.group import TPError
 from lmnb.runtime.distributed.step import Command
@@ -33,7 +35,14 @@ from lmnb.runtime.output import OutputProcessor, OutputStream
 from lmnb.runtime.pins import PrefixPins
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
-from lmnb.runtime.prompts import IdsInput, PromptInput, prompt_id_lists
+from lmnb.runtime.prompts import (
+    FIRST_CHUNK,
+    IdsInput,
+    PromptInput,
+    encode_many,
+    prompt_id_lists,
+    split_prompts,
+)
 from lmnb.runtime.radix.cache import RadixCache
 from lmnb.runtime.scheduler import (
     CacheManager,
@@ -425,31 +434,48 @@ class Runtime:
         "num_frames": n}`; 8 frames by default). Each image/video token of the prompt becomes
         the item's span of tokens; bad media or a count mismatch is an `InvalidRequestError`."""
         self._check_open()
-        token_lists, is_batch = prompt_id_lists(prompt, input_ids, self.encode)
-        params_list = self._params_list(sampling_params, len(token_lists))
-        prompts = build_media_prompts(self.media_processor, token_lists, image_data, video_data,
-                                      is_batch=is_batch, vocab_size=self.model_config.vocab_size,
-                                      model_name=self.model_config.architecture or "this model")
-        states = [
-            self._make_state(ids, params, sample_index=k, return_logprob=return_logprob,
-                             logprob_start_len=logprob_start_len,
-                             top_logprobs_num=top_logprobs_num, mm_inputs=mm)
-            for (ids, mm), params in zip(prompts, params_list, strict=True)
-            for k in range(params.n)
-        ]
-        single = not is_batch and len(states) == 1
-        output = OutputStream([state.rid for state in states], incremental=stream,
-                              tagged=stream and not single, on_close=self._abort_rids,
-                              poll=self._check_open)
-        for state in states:
-            params = state.sampling_params
-            self._outputs.register(output, state.rid, tokenizer=self.tokenizer,
-                                   prompt_ids=state.origin_input_ids,  # pad ids decode to ''
-                                   skip_special_tokens=params.skip_special_tokens,
-                                   stop=params.stop, stop_regex=params.stop_regex,
-                                   token_texts=return_logprob and return_text_in_logprobs)
-        for state in states:
-            self._scheduler.submit(state)
+        prompts = split_prompts(prompt, input_ids)
+        params_list = self._params_list(sampling_params, len(prompts))
+        logprob_start, top_logprobs = self._logprob_options(return_logprob, logprob_start_len,
+                                                            top_logprobs_num)
+        first_state = list(accumulate((params.n for params in params_list), initial=0))
+        rids = [next_rid() for _ in range(first_state[-1])]  # announced before any submit
+        single = not prompts.is_batch and len(rids) == 1
+        output = OutputStream(rids, incremental=stream, tagged=stream and not single,
+                              on_close=self._abort_rids, poll=self._check_open)
+        media = image_data is not None or video_data is not None
+        try:
+            # Texts: the first chunk is encoded and submitted at once (the scheduler starts
+            # prefilling it) while later, larger chunks are encoded; media: all in one chunk.
+            for start, token_lists in prompts.chunks(
+                    self._encode_many, first=len(prompts) if media else FIRST_CHUNK):
+                chunk = build_media_prompts(
+                    self.media_processor, token_lists, image_data, video_data,
+                    is_batch=prompts.is_batch, vocab_size=self.model_config.vocab_size,
+                    model_name=self.model_config.architecture or "this model")
+                states: list[ReqState] = []
+                for index, (ids, mm) in enumerate(chunk, start):
+                    params = self._check_prompt(ids, params_list[index], mm_inputs=mm,
+                                                from_tokenizer=prompts.encoded,
+                                                logprob_start=logprob_start)
+                    states.extend(
+                        self._make_state(ids, params, rid=rids[first_state[index] + k],
+                                         sample_index=k, return_logprob=return_logprob,
+                                         logprob_start_len=logprob_start,
+                                         top_logprobs_num=top_logprobs, mm_inputs=mm)
+                        for k in range(params.n))
+                for state in states:
+                    params = state.sampling_params
+                    self._outputs.register(output, state.rid, tokenizer=self.tokenizer,
+                                           prompt_ids=state.origin_input_ids,  # pads decode ''
+                                           skip_special_tokens=params.skip_special_tokens,
+                                           stop=params.stop, stop_regex=params.stop_regex,
+                                           token_texts=return_logprob
+                                           and return_text_in_logprobs)
+                self._scheduler.submit_many(states)
+        except BaseException:  # a bad prompt in a later chunk, Ctrl-C: abort what was submitted
+            output.close()
+            raise
         if stream:
             return output
         with output:  # an interrupt (Ctrl-C) closes it, which aborts the requests
@@ -467,9 +493,23 @@ class Runtime:
         with self._tokenizer_lock:
             return self.tokenizer.encode(text, add_special_tokens=True)
 
+    def _encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, in one batch call of a fast tokenizer."""
+        with self._tokenizer_lock:
+            return encode_many(self.tokenizer, texts)
+
+    @functools.cached_property
+    def _tokenizer_ids_fit(self) -> bool:
+        """Every id the tokenizer can produce is below the model's vocab_size (then its
+        encodings need no range check)."""
+        with self._tokenizer_lock:
+            vocab = self.tokenizer.get_vocab()
+        return max(vocab.values(), default=0) < self.model_config.vocab_size
 
     @staticmethod
     def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
+        """One `SamplingParams` per prompt; one dict for all is parsed once and shared (the
+        runtime never mutates a request's parameters)."""
         if isinstance(sampling_params, list | tuple):
             if len(sampling_params) != count:
                 raise InvalidRequestError(
@@ -477,16 +517,27 @@ class Runtime:
             return [SamplingParams.from_dict(dict(p) if isinstance(p, dict) else p)
                     for p in sampling_params]
         params = dict(sampling_params) if isinstance(sampling_params, dict) else sampling_params
-        return [SamplingParams.from_dict(params) for _ in range(count)]
+        return [SamplingParams.from_dict(params)] * count
 
-    def _make_state(self, ids: list[int], params: SamplingParams, *, sample_index: int,
-                    return_logprob: bool, logprob_start_len: int | None,
-                    top_logprobs_num: int | None,
-                    mm_inputs: MultimodalInputs | None = None) -> ReqState:
+    def _logprob_options(self, return_logprob: bool, logprob_start_len: int | None,
+                         top_logprobs_num: int | None) -> tuple[int, int]:
+        """(logprob_start_len, top_logprobs_num) as requests carry them, checked."""
+        start = -1 if logprob_start_len is None else logprob_start_len
+        top = top_logprobs_num or 0
+        vocab = self.model_config.vocab_size
+        if top < 0 or top > vocab:
+            raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}], got {top}")
+        return (start, top) if return_logprob else (-1, 0)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams, *,
+                      mm_inputs: MultimodalInputs | None, from_tokenizer: bool,
+                      logprob_start: int) -> SamplingParams:
+        """Raises `InvalidRequestError` for a prompt that cannot be served; returns `params`
+        with max_new_tokens cut to the room the context length leaves."""
         if not ids:
             raise InvalidRequestError("empty prompt: it has no tokens")
-        vocab = self.model_config.vocab_size
-        check_prompt_ids(ids, mm_inputs, vocab)
+        if mm_inputs is not None or not (from_tokenizer and self._tokenizer_ids_fit):
+            check_prompt_ids(ids, mm_inputs, self.model_config.vocab_size)
         if len(ids) >= self.context_len:
             media = ""
             if mm_inputs is not None:
@@ -498,23 +549,25 @@ class Runtime:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens{media}; the context length is "
                 f"{self.context_len}")
-        start = -1 if logprob_start_len is None else logprob_start_len
-        if return_logprob and start >= len(ids):
+        if logprob_start >= len(ids):
             raise InvalidRequestError(
-                f"logprob_start_len {start} is past the prompt's {len(ids)} tokens")
-        top = top_logprobs_num or 0
-        if top < 0 or top > vocab:
-            raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}], got {top}")
+                f"logprob_start_len {logprob_start} is past the prompt's {len(ids)} tokens")
         room = self.context_len - len(ids)
         if params.max_new_tokens > room:
             params = SamplingParams.from_dict({
                 **{f: getattr(params, f) for f in params.__slots__},
                 "max_new_tokens": min(params.max_new_tokens, room),
                 "min_new_tokens": min(params.min_new_tokens, room)})
+        return params
+
+    def _make_state(self, ids: list[int], params: SamplingParams, *, rid: int,
+                    sample_index: int, return_logprob: bool, logprob_start_len: int,
+                    top_logprobs_num: int,
+                    mm_inputs: MultimodalInputs | None = None) -> ReqState:
+        """The request of a prompt that passed `_check_prompt` (with the params it returned)."""
         req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
-                  logprob_start_len=start if return_logprob else -1,
-                  top_logprobs_num=top if return_logprob else 0, sample_index=sample_index,
-                  mm_inputs=mm_inputs)
+                  logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                  rid=rid, sample_index=sample_index, mm_inputs=mm_inputs)
         state = ReqState(req, created_at=time.perf_counter())
         state.grammar = self._grammar(params)
         if params.seed is not None:
