@@ -458,7 +458,8 @@ class Runtime:
                                            prompt_ids=state.origin_input_ids,  # pads decode ''
                                            skip_special_tokens=params.skip_special_tokens,
                                            stop=params.stop, stop_regex=params.stop_regex)
-                self._scheduler.submit_many(states)
+                for state in states:
+                    self._scheduler.submit(state)
         except BaseException:  # a bad prompt in a later chunk, Ctrl-C: abort what was submitted
             output.close()
             raise
