@@ -8,10 +8,10 @@ flushed before every run and the two paths alternate, so both start cold; the fa
 `--repeats` runs counts. What the text path may cost over the ids path is tokenization and
 whatever delays the first submission; the target is a ratio text / ids within 1.10.
 
-Also reported: the caller thread's CPU seconds per path (what `generate` spends before the
-scheduler's thread takes over, plus collecting the results), and the tokenizer alone on the same
-prompts (one `encode` per prompt versus one batch call). `--profile` prints a cProfile of the
-caller thread during one text run, timed by its CPU time (waiting does not count).
+Also reported per path: the median run, the caller thread's CPU seconds, the seconds until
+every request is submitted (`generate(..., stream=True)` returns then), forward passes; and the
+tokenizer alone on the same prompts (one `encode` per prompt versus one batch call).
+`--profile` prints a cProfile of the submit side of one more text run.
 
     python bench/text_path.py                                   # 8 x 1,400 words x 32, G=16
     python bench/text_path.py --prefixes 2 --words 300 --questions 16 --max-new-tokens 4
@@ -26,10 +26,12 @@ import io
 import json
 import pstats
 import random
+import statistics
 import sys
 import tempfile
 import time
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,17 +129,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _timed(rt: Any, device: Any, **request: Any) -> tuple[float, float]:
-    """(wall seconds, caller-thread CPU seconds) of one `generate` on a flushed cache."""
+@dataclass(frozen=True)
+class Run:
+    seconds: float  # the whole generate call, on a flushed cache
+    caller_cpu_seconds: float  # CPU time of the calling thread during it
+    submit_seconds: float  # generate(stream=True) until it returns: every request submitted
+    forward_passes: int
+
+
+def _run(rt: Any, device: Any, request: dict[str, Any]) -> Run:
+    """One measured `generate` on a flushed cache, then the same with `stream=True` timed until
+    it returns (all requests submitted; the stream is drained untimed)."""
     if not rt.flush_cache():
         raise RuntimeError("flush_cache refused: requests still in flight")
+    passes = rt.stats()["forward_passes"]
     cpu = time.thread_time()
     with stopwatch(device) as run:
         outputs = rt.generate(**request)
     cpu = time.thread_time() - cpu
+    passes = rt.stats()["forward_passes"] - passes
     if not all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outputs):
         raise RuntimeError("a request ended early (ignore_eos is set)")
-    return run["seconds"], cpu
+    rt.flush_cache()
+    start = time.perf_counter()
+    stream = rt.generate(**request, stream=True)
+    submit = time.perf_counter() - start
+    for _ in stream:
+        pass
+    return Run(run["seconds"], cpu, submit, passes)
 
 
 def _tokenizer_alone(tokenizer: Any, prompts: list[str]) -> dict[str, float]:
@@ -151,6 +170,22 @@ def _tokenizer_alone(tokenizer: Any, prompts: list[str]) -> dict[str, float]:
     return {"encode_one_by_one_s": one_by_one, "encode_batch_s": batch}
 
 
+def _submit_profile(rt: Any, prompts: list[str], params: dict[str, Any], top: int) -> str:
+    """cProfile (wall clock) of `generate(prompts, stream=True)` until every request is
+    submitted, the rows of lmnb's request building and the tokenizer (from Python 3.12 cProfile
+    sees every thread; the scheduler's rows are left out)."""
+    rt.flush_cache()
+    profile = cProfile.Profile()
+    stream = profile.runcall(rt.generate, prompts, params, stream=True)
+    for _ in stream:
+        pass
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out).strip_dirs().sort_stats("tottime")
+    stats.print_stats(r"engine.py|prompts.py|media_requests|params.py|processor.py|stream.py|"
+                      r"loop.py|tokeniz", top)
+    return out.getvalue()
+
+
 def run(args: argparse.Namespace, rt: Any, device: Any) -> dict[str, Any]:
     prompts = make_prompts(prefixes=args.prefixes, words=args.words, questions=args.questions)
     ids = [rt.encode(text) for text in prompts]
@@ -158,31 +193,30 @@ def run(args: argparse.Namespace, rt: Any, device: Any) -> dict[str, Any]:
     rt.generate(prompts[0][:64], {**params, "max_new_tokens": 2})  # warm-up
     paths = {"ids": {"input_ids": ids, "sampling_params": params},
              "text": {"prompt": prompts, "sampling_params": params}}
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+    runs: dict[str, list[Run]] = {name: [] for name in paths}
     for repeat in range(args.repeats):
         order = list(paths) if repeat % 2 == 0 else list(reversed(paths))
         for name in order:
-            runs[name].append(_timed(rt, device, **paths[name]))
-    best = {name: min(times) for name, times in runs.items()}
+            runs[name].append(_run(rt, device, paths[name]))
+    best = {name: min(times, key=lambda r: r.seconds) for name, times in runs.items()}
     result: dict[str, Any] = {
         "prompts": len(prompts),
         "prompt_tokens_mean": sum(map(len, ids)) / len(ids),
         "max_new_tokens": args.max_new_tokens,
-        **{f"{name}_seconds": best[name][0] for name in paths},
-        **{f"{name}_caller_cpu_seconds": best[name][1] for name in paths},
-        "runs": {name: [list(r) for r in times] for name, times in runs.items()},
-        "ratio_text_over_ids": best["text"][0] / best["ids"][0],
+        **{f"{name}_seconds": best[name].seconds for name in paths},
+        **{f"{name}_median_seconds": statistics.median(r.seconds for r in runs[name])
+           for name in paths},
+        **{f"{name}_caller_cpu_seconds": best[name].caller_cpu_seconds for name in paths},
+        **{f"{name}_submit_seconds": statistics.median(r.submit_seconds for r in runs[name])
+           for name in paths},
+        **{f"{name}_forward_passes": best[name].forward_passes for name in paths},
+        "runs": {name: [asdict(r) for r in times] for name, times in runs.items()},
+        "ratio_text_over_ids": best["text"].seconds / best["ids"].seconds,
         "target_ratio": TARGET_RATIO,
         **_tokenizer_alone(rt.tokenizer, prompts),
     }
     if args.profile:
-        rt.flush_cache()
-        profile = cProfile.Profile(time.thread_time)
-        profile.runcall(rt.generate, prompts, params)
-        stream = io.StringIO()
-        pstats.Stats(profile, stream=stream).strip_dirs().sort_stats("tottime").print_stats(
-            args.top)
-        result["profile_tottime"] = stream.getvalue()
+        result["submit_profile"] = _submit_profile(rt, prompts, params, args.top)
     return result
 
 
@@ -219,14 +253,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{args.words} words x {args.questions} questions, ~{result['prompt_tokens_mean']:.0f} "
           f"tokens), {args.max_new_tokens} greedy tokens each")
     print(format_table(
-        ["path", "seconds", "caller cpu s"],
-        [[name, result[f"{name}_seconds"], result[f"{name}_caller_cpu_seconds"]]
-         for name in ("ids", "text")]))
+        ["path", "seconds", "median s", "caller cpu s", "submit s", "passes"],
+        [[name, *(result[f"{name}_{key}"] for key in (
+            "seconds", "median_seconds", "caller_cpu_seconds", "submit_seconds",
+            "forward_passes"))] for name in ("ids", "text")]))
     print(f"tokenizer alone: one by one {result['encode_one_by_one_s']:.3f} s, batch "
           f"{result['encode_batch_s']:.3f} s")
     print(f"text / ids: {result['ratio_text_over_ids']:.3f} (target <= {TARGET_RATIO})")
-    if "profile_tottime" in result:
-        print(result["profile_tottime"])
+    if "submit_profile" in result:
+        print(result["submit_profile"])
     print(f"wrote {write_json(args.output, result)}")
     return result
 

@@ -472,7 +472,8 @@ class Runtime:
                                            stop=params.stop, stop_regex=params.stop_regex,
                                            token_texts=return_logprob
                                            and return_text_in_logprobs)
-                self._scheduler.submit_many(states)
+                for state in states:
+                    self._scheduler.submit(state)
         except BaseException:  # a bad prompt in a later chunk, Ctrl-C: abort what was submitted
             output.close()
             raise

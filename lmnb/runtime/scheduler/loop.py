@@ -30,11 +30,6 @@ class SchedulerThread:
     def submit(self, state: ReqState) -> None:
         self._inbox.put(("add", state))
 
-    def submit_many(self, states: list[ReqState]) -> None:
-        """Submits `states` as one message: the scheduler sees all of them or none of them
-        when it next plans a pass."""
-        self._inbox.put(("add_many", states))
-
     def abort(self, rid: int, message: str = "aborted") -> None:
         self._inbox.put(("abort", (rid, message)))
 
@@ -84,10 +79,9 @@ class SchedulerThread:
                 return
             if kind == "call":
                 payload[1].set_exception(RuntimeError("the runtime is closed"))
-            elif kind in ("add", "add_many"):
-                for state in payload if kind == "add_many" else [payload]:
-                    self.scheduler.add(state)
-                    self.scheduler.abort(state.rid, "the runtime was closed")
+            elif kind == "add":
+                self.scheduler.add(payload)
+                self.scheduler.abort(payload.rid, "the runtime was closed")
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -104,9 +98,6 @@ class SchedulerThread:
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
             self.scheduler.add(payload)
-        elif kind == "add_many":
-            for state in payload:
-                self.scheduler.add(state)
         elif kind == "abort":
             self.scheduler.abort(*payload)
         elif kind == "call":
