@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.triton_decode import dot_operand, dot_upcast
+from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_upcast
 
 PREFIX_SPLITS = 8  # most parts a prefix is cut into
 PART_MIN_TOKENS = 256  # shorter parts cost more in partial writes than they add in parallelism
@@ -138,23 +138,10 @@ def _shared_prefix_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for n in range(start, end, BLOCK_N):
-            cols = n + offs_n
-            mask_n = cols < end
-            slots = tl.load(KV_INDICES + kv_begin + cols, mask=mask_n, other=0)
-            k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            k = dot_operand(k, UPCAST)
-            qk = tl.dot(q, k, input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = dot_operand(v, UPCAST)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(
+                q, K, V, KV_INDICES + kv_begin, n, end, end, m_i, l_i, acc, scale, kv_head,
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
+                False, PRECISION, UPCAST)
         out = acc / l_i[:, None]
         slot = SPLIT_OFFSET + part
         tl.store(PART_O + member[:, None] * stride_pob + heads[:, None] * stride_poh

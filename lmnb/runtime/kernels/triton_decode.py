@@ -47,6 +47,32 @@ def dot_operand(x, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
+                  stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
+                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
+    slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]."""
+    cols = n + offs_n
+    mask_n = cols < end
+    slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
+    k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
+    if CAUSAL:
+        qk = tl.where(mask_n[None, :] & (cols[None, :] <= last[:, None]), qk, float("-inf"))
+    else:
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = dot_operand(v, UPCAST)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _split_len(kv_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
                BLOCK_N: tl.constexpr):
     split_len = tl.maximum(tl.cdiv(kv_len, MAX_SPLITS), MIN_SPLIT)
@@ -95,23 +121,10 @@ def _decode_partial_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         for n in range(start, end, BLOCK_N):
-            cols = n + offs_n
-            mask_n = cols < end
-            slots = tl.load(KV_INDICES + kv_begin + cols, mask=mask_n, other=0)
-            k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            k = dot_operand(k, UPCAST)
-            qk = tl.dot(q, k, input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = dot_operand(v, UPCAST)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(
+                q, K, V, KV_INDICES + kv_begin, n, end, end, m_i, l_i, acc, scale, kv_head,
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
+                False, PRECISION, UPCAST)
         out = acc / l_i[:, None]
         tl.store(PART_O + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos
                  + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])

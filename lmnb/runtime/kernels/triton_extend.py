@@ -20,32 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.triton_decode import dot_operand, dot_upcast
-
-
-@triton.jit
-def _attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
-                  stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One online-softmax step over KV columns n : n + BLOCK_N (those < end)."""
-    cols = n + offs_n
-    mask_n = cols < end
-    slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
-    k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-    qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
-    if CAUSAL:
-        qk = tl.where(mask_n[None, :] & (cols[None, :] <= last[:, None]), qk, float("-inf"))
-    else:
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(qk - m_new[:, None])
-    v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = dot_operand(v, UPCAST)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_upcast
 
 
 @triton.jit
@@ -87,7 +62,7 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         # The cached prefix: every row sees all of it, only the length bound masks.
         for n in range(0, prefix_len, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
+            m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, prefix_len, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 False, PRECISION, UPCAST)
@@ -96,7 +71,7 @@ def _extend_kernel(
         # running max is finite and fully masked columns add exp(-inf) = 0.
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
         for n in range(prefix_len, kv_end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
+            m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 True, PRECISION, UPCAST)
