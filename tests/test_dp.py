@@ -206,8 +206,10 @@ def _texts_and_ids(results: list[dict]) -> list[tuple[str, list[int]]]:
 
 def test_dp_runtime_is_what_runtime_dp_size_builds(dp) -> None:
     from lmnb.runtime.distributed.dp_runtime import DataParallelRuntime
+    from lmnb.runtime.surface import EngineSurface
 
     assert isinstance(dp, DataParallelRuntime) and dp.engine_config.dp_size == 2
+    assert isinstance(dp, EngineSurface)
     assert dp.context_len > 1000 and dp.max_total_tokens == 2 * OPTIONS["max_total_tokens"]
     stats = dp.stats()
     assert stats["dp_size"] == 2 and [r["alive"] for r in stats["replicas"]] == [True, True]

@@ -85,6 +85,12 @@ def assert_usable(rt: Runtime) -> None:
 
 # ---- result shapes -------------------------------------------------------------------------
 
+def test_runtime_is_an_engine_surface(rt: Runtime) -> None:
+    from lmnb.runtime.surface import EngineSurface
+
+    assert isinstance(rt, EngineSurface)
+
+
 def test_single_prompt_result(rt: Runtime) -> None:
     prompt = "A prompt used by this test only:"
     out = rt.generate(prompt, GREEDY)

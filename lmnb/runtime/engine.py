@@ -16,6 +16,7 @@ import torch
 
 from lmnb.multimodal.items import MultimodalInputs
 from lmnb.multimodal.processor import MediaProcessor
+from lmnb.runtime import request_checks
 from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, InvalidRequestError, Req, SamplingParams, next_rid
@@ -26,7 +27,7 @@ from lmnb.runtime.distributed.tp_worker import TPWorkers
 from lmnb.runtime.fsm.factory import GrammarFactory
 from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.fsm.protocol import Grammar
-from lmnb.runtime.media_requests import MediaInput, build_media_prompts, check_prompt_ids
+from lmnb.runtime.media_requests import MediaInput, build_media_prompts
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
@@ -435,9 +436,10 @@ class Runtime:
         the item's span of tokens; bad media or a count mismatch is an `InvalidRequestError`."""
         self._check_open()
         prompts = split_prompts(prompt, input_ids)
-        params_list = self._params_list(sampling_params, len(prompts))
-        logprob_start, top_logprobs = self._logprob_options(return_logprob, logprob_start_len,
-                                                            top_logprobs_num)
+        params_list = request_checks.params_list(sampling_params, len(prompts))
+        logprob_start, top_logprobs = request_checks.logprob_options(
+            return_logprob, logprob_start_len, top_logprobs_num,
+            vocab_size=self.model_config.vocab_size)
         first_state = list(accumulate((params.n for params in params_list), initial=0))
         rids = [next_rid() for _ in range(first_state[-1])]  # announced before any submit
         single = not prompts.is_batch and len(rids) == 1
@@ -455,9 +457,10 @@ class Runtime:
                     model_name=self.model_config.architecture or "this model")
                 states: list[ReqState] = []
                 for index, (ids, mm) in enumerate(chunk, start):
-                    params = self._check_prompt(ids, params_list[index], mm_inputs=mm,
-                                                from_tokenizer=prompts.encoded,
-                                                logprob_start=logprob_start)
+                    params = request_checks.check_prompt(
+                        ids, params_list[index], context_len=self.context_len,
+                        vocab_size=self.model_config.vocab_size, logprob_start=logprob_start,
+                        mm_inputs=mm, ids_trusted=prompts.encoded and self._tokenizer_ids_fit)
                     states.extend(
                         self._make_state(ids, params, rid=rids[first_state[index] + k],
                                          sample_index=k, return_logprob=return_logprob,
@@ -507,65 +510,12 @@ class Runtime:
             vocab = self.tokenizer.get_vocab()
         return max(vocab.values(), default=0) < self.model_config.vocab_size
 
-    @staticmethod
-    def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
-        """One `SamplingParams` per prompt; one dict for all is parsed once and shared (the
-        runtime never mutates a request's parameters)."""
-        if isinstance(sampling_params, list | tuple):
-            if len(sampling_params) != count:
-                raise InvalidRequestError(
-                    f"{len(sampling_params)} sampling_params for {count} prompts")
-            return [SamplingParams.from_dict(dict(p) if isinstance(p, dict) else p)
-                    for p in sampling_params]
-        params = dict(sampling_params) if isinstance(sampling_params, dict) else sampling_params
-        return [SamplingParams.from_dict(params)] * count
-
-    def _logprob_options(self, return_logprob: bool, logprob_start_len: int | None,
-                         top_logprobs_num: int | None) -> tuple[int, int]:
-        """(logprob_start_len, top_logprobs_num) as requests carry them, checked."""
-        start = -1 if logprob_start_len is None else logprob_start_len
-        top = top_logprobs_num or 0
-        vocab = self.model_config.vocab_size
-        if top < 0 or top > vocab:
-            raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}], got {top}")
-        return (start, top) if return_logprob else (-1, 0)
-
-    def _check_prompt(self, ids: list[int], params: SamplingParams, *,
-                      mm_inputs: MultimodalInputs | None, from_tokenizer: bool,
-                      logprob_start: int) -> SamplingParams:
-        """Raises `InvalidRequestError` for a prompt that cannot be served; returns `params`
-        with max_new_tokens cut to the room the context length leaves."""
-        if not ids:
-            raise InvalidRequestError("empty prompt: it has no tokens")
-        if mm_inputs is not None or not (from_tokenizer and self._tokenizer_ids_fit):
-            check_prompt_ids(ids, mm_inputs, self.model_config.vocab_size)
-        if len(ids) >= self.context_len:
-            media = ""
-            if mm_inputs is not None:
-                counts = ", ".join(f"{sum(i.kind == k for i in mm_inputs.items)} {k}(s)"
-                                   for k in ("image", "video")
-                                   if any(i.kind == k for i in mm_inputs.items))
-                media = (f" ({sum(i.num_tokens for i in mm_inputs.items)} of them for {counts};"
-                         " fewer or smaller media, or fewer frames, would fit)")
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens{media}; the context length is "
-                f"{self.context_len}")
-        if logprob_start >= len(ids):
-            raise InvalidRequestError(
-                f"logprob_start_len {logprob_start} is past the prompt's {len(ids)} tokens")
-        room = self.context_len - len(ids)
-        if params.max_new_tokens > room:
-            params = SamplingParams.from_dict({
-                **{f: getattr(params, f) for f in params.__slots__},
-                "max_new_tokens": min(params.max_new_tokens, room),
-                "min_new_tokens": min(params.min_new_tokens, room)})
-        return params
-
     def _make_state(self, ids: list[int], params: SamplingParams, *, rid: int,
                     sample_index: int, return_logprob: bool, logprob_start_len: int,
                     top_logprobs_num: int,
                     mm_inputs: MultimodalInputs | None = None) -> ReqState:
-        """The request of a prompt that passed `_check_prompt` (with the params it returned)."""
+        """The request of a prompt that passed `request_checks.check_prompt` (with the params it
+        returned)."""
         req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                   logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                   rid=rid, sample_index=sample_index, mm_inputs=mm_inputs)

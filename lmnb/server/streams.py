@@ -13,27 +13,13 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from lmnb.runtime.output import OutputStream
+from lmnb.runtime.surface import EngineSurface
 from lmnb.server.limits import check_prompt_size
 
 Chunk = dict[str, Any]
 
 
-class ServedRuntime(Protocol):
-    """What the server uses of `lmnb.Runtime`."""
-
-    tokenizer: Any
-    context_len: int
-    max_total_tokens: int
-    model_config: Any
-    engine_config: Any
-    model_dir: Any
-
-    def generate(self, prompt: Any = None, sampling_params: Any = None, **kwargs: Any) -> Any: ...
-    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, *,
-                            tools: Any = None) -> str: ...
-    def encode(self, text: str) -> list[int]: ...
-    def stats(self) -> dict[str, Any]: ...
-    def flush_cache(self) -> bool: ...
+ServedRuntime = EngineSurface  # what the server uses of `lmnb.Runtime` (or a DP runtime)
 
 
 async def open_stream(runtime: ServedRuntime, prompt: Any = None, sampling_params: Any = None,

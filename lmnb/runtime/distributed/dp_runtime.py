@@ -26,7 +26,8 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmnb.params import InvalidRequestError, SamplingParams
+from lmnb.params import InvalidRequestError
+from lmnb.runtime import request_checks
 from lmnb.runtime.chat import apply_chat_template
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.distributed.replica import (
@@ -35,9 +36,12 @@ from lmnb.runtime.distributed.replica import (
     ReplicaDiedError,
 )
 from lmnb.runtime.distributed.router import Router, RouterConfig
+from lmnb.runtime.media_requests import MediaInput
 from lmnb.runtime.models import loader
 from lmnb.runtime.output import OutputStream
-from lmnb.runtime.prompts import prompt_id_lists
+from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
+from lmnb.runtime.prompts import IdsInput, PromptInput, prompt_id_lists
+from lmnb.runtime.request_checks import SamplingInput
 
 REPLICA_BACKENDS = ("process", "ray")
 
@@ -418,16 +422,17 @@ class DataParallelRuntime:
 
     def generate(
         self,
-        prompt: str | Sequence[str] | None = None,
-        sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+        prompt: PromptInput = None,
+        sampling_params: SamplingInput = None,
         *,
-        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        input_ids: IdsInput = None,
+        image_data: MediaInput = None,
+        video_data: MediaInput = None,
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool = False,
         stream: bool = False,
-        image_data: Any = None,
-        video_data: Any = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """As `Runtime.generate`; each prompt (with its `n` samples) goes to the replica the
         router picks, and `meta_info["dp_rank"]` says which. Media inputs are not routed yet."""
@@ -436,10 +441,17 @@ class DataParallelRuntime:
             raise InvalidRequestError("a data-parallel runtime does not take images or videos "
                                       "yet; use a single Runtime")
         token_lists, is_batch = prompt_id_lists(prompt, input_ids, self.encode)
-        params_list = self._params_list(sampling_params, len(token_lists))
-        counts = [SamplingParams.from_dict(dict(p)).n for p in params_list]
-        for ids in token_lists:
-            self._check_prompt(ids)
+        # the checks of `Runtime.generate`, so that errors come before anything is sent
+        params_list = request_checks.params_dicts(sampling_params, len(token_lists))
+        parsed = request_checks.params_list(params_list, len(token_lists))
+        logprob_start, _ = request_checks.logprob_options(
+            return_logprob, logprob_start_len, top_logprobs_num,
+            vocab_size=self.model_config.vocab_size)
+        for ids, params in zip(token_lists, parsed, strict=True):
+            request_checks.check_prompt(ids, params, context_len=self.context_len,
+                                        vocab_size=self.model_config.vocab_size,
+                                        logprob_start=logprob_start)
+        counts = [params.n for params in parsed]
         with self._lock:
             choices = [self.router.route(ids, weight=count)
                        for ids, count in zip(token_lists, counts, strict=True)]
@@ -450,6 +462,8 @@ class DataParallelRuntime:
                               on_close=lambda _unfinished: self._cancel(calls),
                               poll=self._check_open)
         first = list(itertools.accumulate([0, *counts]))
+        token_texts = (TokenTexts(self.tokenizer) if return_logprob and return_text_in_logprobs
+                       else None)  # logprobs as (logprob, id, text) triples
         for replica in sorted(set(choices)):
             prompts = [p for p, c in enumerate(choices) if c == replica]
             request = {"input_ids": [token_lists[p] for p in prompts],
@@ -459,7 +473,8 @@ class DataParallelRuntime:
                        "top_logprobs_num": top_logprobs_num}
             outputs = [(rids[first[p] + k], token_lists[p]) for p in prompts
                        for k in range(counts[p])]
-            call = self._loop.spawn(self._serve(replica, request, stream, outputs, output))
+            call = self._loop.spawn(self._serve(replica, request, stream, outputs, output,
+                                                token_texts=token_texts))
             calls.append(call)
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)
@@ -475,7 +490,8 @@ class DataParallelRuntime:
             call.cancel()
 
     async def _serve(self, replica: int, request: dict[str, Any], stream: bool,
-                     outputs: list[tuple[int, list[int]]], output: OutputStream) -> None:
+                     outputs: list[tuple[int, list[int]]], output: OutputStream, *,
+                     token_texts: TokenTexts | None = None) -> None:
         """Relays one replica's part of a generate call into `output`; keeps loads and the meta
         tree current."""
         produced: dict[int, list[int]] = {}
@@ -485,6 +501,8 @@ class DataParallelRuntime:
                 index = chunk["index"]
                 rid, prompt_ids = outputs[index]
                 meta = {**chunk["meta_info"], "id": str(rid), "dp_rank": replica}
+                if token_texts is not None:
+                    meta = with_token_texts(meta, token_texts)
                 out = {"text": chunk["text"], "output_ids": chunk["output_ids"],
                        "meta_info": meta}
                 if output.tagged:
@@ -510,31 +528,6 @@ class DataParallelRuntime:
                 for index, (_, prompt_ids) in enumerate(outputs):
                     if index not in done:
                         self.router.finished(replica, len(prompt_ids))
-
-    # ---- request checks (as `Runtime`'s, so errors come before anything is sent) ---------------
-
-    @staticmethod
-    def _params_list(sampling_params: Any, count: int) -> list[dict[str, Any]]:
-        if isinstance(sampling_params, list | tuple):
-            if len(sampling_params) != count:
-                raise InvalidRequestError(
-                    f"{len(sampling_params)} sampling_params for {count} prompts")
-            params = [dict(p or {}) for p in sampling_params]
-        else:
-            params = [dict(sampling_params or {}) for _ in range(count)]
-        for p in params:
-            SamplingParams.from_dict(dict(p))  # invalid ones fail here, before routing
-        return params
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidRequestError("empty prompt: it has no tokens")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"input_ids must be ints in [0, {vocab})")
-        if len(ids) >= self.context_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; the context length is {self.context_len}")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{sum(self.router.alive)} alive"

@@ -1,0 +1,88 @@
+"""The checks of a generate call that the in-process `Runtime` and the `DataParallelRuntime`
+share: per-prompt sampling parameters, the logprob options, and each prompt against the
+vocabulary and the context length. Both raise the same `InvalidRequestError`s, before any work
+is submitted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lmnb.multimodal.items import MultimodalInputs
+from lmnb.params import InvalidRequestError, SamplingParams
+from lmnb.runtime.media_requests import check_prompt_ids
+
+SamplingInput = dict[str, Any] | Sequence[dict[str, Any]] | None
+
+
+def _check_count(sampling_params: SamplingInput, count: int) -> bool:
+    """Whether `sampling_params` is a per-prompt list (then one entry per prompt)."""
+    if not isinstance(sampling_params, list | tuple):
+        return False
+    if len(sampling_params) != count:
+        raise InvalidRequestError(f"{len(sampling_params)} sampling_params for {count} prompts")
+    return True
+
+
+def params_list(sampling_params: SamplingInput, count: int) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt; one dict for all is parsed once and shared (the
+    runtime never mutates a request's parameters)."""
+    if _check_count(sampling_params, count):
+        return [SamplingParams.from_dict(dict(p) if isinstance(p, dict) else p)
+                for p in sampling_params]  # type: ignore[union-attr]
+    params = dict(sampling_params) if isinstance(sampling_params, dict) else sampling_params
+    return [SamplingParams.from_dict(params)] * count  # type: ignore[arg-type]
+
+
+def params_dicts(sampling_params: SamplingInput, count: int) -> list[dict[str, Any]]:
+    """One dict per prompt (a copy; None is `{}`), as a request to another process carries
+    them; not yet parsed (`params_list` of the result checks them)."""
+    if _check_count(sampling_params, count):
+        return [dict(p or {}) for p in sampling_params]  # type: ignore[union-attr]
+    return [dict(sampling_params or {}) for _ in range(count)]  # type: ignore[arg-type]
+
+
+def logprob_options(return_logprob: bool, logprob_start_len: int | None,
+                    top_logprobs_num: int | None, *, vocab_size: int) -> tuple[int, int]:
+    """(logprob_start_len, top_logprobs_num) as requests carry them, checked."""
+    start = -1 if logprob_start_len is None else logprob_start_len
+    top = top_logprobs_num or 0
+    if top < 0 or top > vocab_size:
+        raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab_size}], got {top}")
+    return (start, top) if return_logprob else (-1, 0)
+
+
+def _media_note(mm_inputs: MultimodalInputs) -> str:
+    """How much of a too-long prompt its media take."""
+    items = mm_inputs.items
+    counts = ", ".join(f"{sum(i.kind == k for i in items)} {k}(s)"
+                       for k in ("image", "video") if any(i.kind == k for i in items))
+    return (f" ({sum(i.num_tokens for i in items)} of them for {counts};"
+            " fewer or smaller media, or fewer frames, would fit)")
+
+
+def check_prompt(ids: list[int], params: SamplingParams, *, context_len: int, vocab_size: int,
+                 logprob_start: int, mm_inputs: MultimodalInputs | None = None,
+                 ids_trusted: bool = False) -> SamplingParams:
+    """Raises `InvalidRequestError` for a prompt that cannot be served; returns `params` with
+    max_new_tokens (and min_new_tokens) cut to the room the context length leaves.
+    `ids_trusted`: the ids come from a tokenizer whose ids all fit the vocabulary (no range
+    check needed); `logprob_start` as `logprob_options` returns it."""
+    if not ids:
+        raise InvalidRequestError("empty prompt: it has no tokens")
+    if mm_inputs is not None or not ids_trusted:
+        check_prompt_ids(ids, mm_inputs, vocab_size)
+    if len(ids) >= context_len:
+        media = "" if mm_inputs is None else _media_note(mm_inputs)
+        raise InvalidRequestError(
+            f"the prompt has {len(ids)} tokens{media}; the context length is {context_len}")
+    if logprob_start >= len(ids):
+        raise InvalidRequestError(
+            f"logprob_start_len {logprob_start} is past the prompt's {len(ids)} tokens")
+    room = context_len - len(ids)
+    if params.max_new_tokens > room:
+        params = SamplingParams.from_dict({
+            **{f: getattr(params, f) for f in params.__slots__},
+            "max_new_tokens": min(params.max_new_tokens, room),
+            "min_new_tokens": min(params.min_new_tokens, room)})
+    return params
