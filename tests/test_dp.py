@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -231,6 +232,32 @@ def test_dp_outputs_equal_one_runtime(dp, single) -> None:
         assert [t for _, t in got_lp] == [t for _, t in ref_lp]
         assert [lp for lp, _ in got_lp] == pytest.approx([lp for lp, _ in ref_lp], abs=1e-4)
         assert len(a["meta_info"]["output_top_logprobs"][0]) == 2
+
+
+def test_dp_rejects_bad_requests_as_one_runtime_and_gives_logprob_texts(dp, single) -> None:
+    from lmnb.params import InvalidRequestError
+
+    bad = [dict(prompt=["a", "b"], sampling_params=[GREEDY]),
+           dict(input_ids=[1, 10**9]),
+           dict(input_ids=[1] * 5000),
+           dict(prompt="a", return_logprob=True, top_logprobs_num=10**9),
+           dict(input_ids=[1, 2], return_logprob=True, logprob_start_len=2)]
+    for kwargs in bad:
+        with pytest.raises(InvalidRequestError) as expected:
+            single.generate(**kwargs)
+        with pytest.raises(InvalidRequestError, match=re.escape(str(expected.value))):
+            dp.generate(**kwargs)
+    params = {**GREEDY, "max_new_tokens": 3}
+    got = dp.generate(PROMPTS[0], params, return_logprob=True, top_logprobs_num=2,
+                      return_text_in_logprobs=True)["meta_info"]
+    ref = single.generate(PROMPTS[0], params, return_logprob=True, top_logprobs_num=2,
+                          return_text_in_logprobs=True)["meta_info"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert len(got[key]) == 3
+    assert [t[1:] for t in got["output_token_logprobs"]] == \
+        [t[1:] for t in ref["output_token_logprobs"]]
+    assert [[t[1:] for t in row] for row in got["output_top_logprobs"]] == \
+        [[t[1:] for t in row] for row in ref["output_top_logprobs"]]
 
 
 def test_dp_streams_like_one_runtime(dp, single) -> None:
