@@ -139,6 +139,19 @@ class SamplingParams:
         except TypeError as error:
             raise InvalidRequestError(f"invalid sampling params: {error}") from None
 
+    @classmethod
+    def merged(cls, defaults: Mapping[str, Any],
+               overrides: Mapping[str, Any] | None = None) -> SamplingParams:
+        """A request's parameters from partial settings (SamplingParams' names): `overrides`
+        over `defaults` by `merged_params`, the rest at their defaults; validated (and tuples
+        taken for lists) as by `from_dict`."""
+        return cls.from_dict(merged_params(defaults, overrides or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field in a new dict (lists copied): `Runtime.generate`'s `sampling_params`."""
+        values = {name: getattr(self, name) for name in SAMPLING_PARAM_NAMES}
+        return {name: list(v) if isinstance(v, list) else v for name, v in values.items()}
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
@@ -197,6 +210,14 @@ def _check_unsupported(name: str, value: Any, accepted: tuple[Any, ...]) -> None
                                   f"implement {name}; leave it out or give {shown}")
 
 
+def merged_params(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """THE merge of partial parameter settings (a run's defaults, a gen's arguments): the set
+    values of `defaults` with the set values of `overrides` on top. None (or absent) is unset."""
+    merged = {name: value for name, value in defaults.items() if value is not None}
+    merged.update((name, value) for name, value in overrides.items() if value is not None)
+    return merged
+
+
 def default_sampling_params() -> dict[str, Any]:
     """Every sampling parameter's default, in a new dict (its lists are new too)."""
     defaults = SamplingParams()
@@ -208,6 +229,16 @@ LOGPROB_DEFAULTS: Mapping[str, Any] = MappingProxyType(
     {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
      "return_text_in_logprobs": False})
 LOGPROB_PARAM_NAMES: tuple[str, ...] = tuple(LOGPROB_DEFAULTS)
+
+# THE table of the DSL's names: each `gen(...)` keyword (SGLang frontend's names) and the
+# parameter it sets (SamplingParams' name, or a logprob option's). Only these two differ.
+GEN_ARGUMENTS: Mapping[str, str] = MappingProxyType({
+    "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+    **{name: name for name in (
+        "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+        "frequency_penalty", "presence_penalty", "seed", "ignore_eos", "regex", "json_schema",
+        "ebnf", *LOGPROB_PARAM_NAMES)},
+})
 
 # One line per parameter (sampling and logprob options), for help texts.
 PARAM_HELP: dict[str, str] = {

@@ -38,6 +38,7 @@ from lmnb.lang.backends.local import LocalBackend
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.interpreter import ProgramError
 from lmnb.lang.ir import GenParams
+from lmnb.params import SamplingParams
 from lmnb.runtime.core import InvalidRequestError
 
 PROMPT = "def fibonacci(n):"  # the tiny model's greedy output has several distinct tokens
@@ -206,9 +207,9 @@ def test_local_backend_maps_params_to_sampling_params(rt):
     sampling = LocalBackend(rt).sampling_params(GenParams(
         max_new_tokens=6, min_new_tokens=3, ignore_eos=True, stop=("a",), stop_token_ids=(7,),
         temperature=0.0, n=2, regex="[0-9]+"))
-    assert sampling == {"max_new_tokens": 6, "min_new_tokens": 3, "ignore_eos": True,
-                        "stop": ["a"], "stop_token_ids": [7], "temperature": 0.0, "n": 2,
-                        "regex": "[0-9]+"}
+    assert sampling == SamplingParams(
+        max_new_tokens=6, min_new_tokens=3, ignore_eos=True, stop=["a"], stop_token_ids=[7],
+        temperature=0.0, n=2, regex="[0-9]+").to_dict()
 
 
 def test_stop_string(rt):

@@ -3,6 +3,7 @@ importable without torch, and the DSL's use of it (gen arguments, run defaults, 
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from dataclasses import fields
@@ -17,6 +18,7 @@ from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
 from lmnb.lang.program import RUN_DEFAULTS, SAMPLING_DEFAULT_KEYS
 from lmnb.params import (
     ACCEPTED_SAMPLING_PARAM_NAMES,
+    GEN_ARGUMENTS,
     LOGPROB_DEFAULTS,
     LOGPROB_PARAM_NAMES,
     PARAM_HELP,
@@ -24,6 +26,7 @@ from lmnb.params import (
     InvalidRequestError,
     SamplingParams,
     default_sampling_params,
+    merged_params,
     param_help,
 )
 
@@ -258,10 +261,57 @@ def test_local_backend_sends_every_sampling_parameter() -> None:
               "json_schema": None, "ebnf": None}
     assert set(values) == set(GEN_PARAM_NAMES)  # a new gen argument needs a line here
     sampling = LocalBackend(FakeRuntime([])).sampling_params(GenParams(**values))
-    expected = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()
-                if k in SAMPLING_PARAM_NAMES and v is not None}
+    expected = {**default_sampling_params(),
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()
+                   if k in SAMPLING_PARAM_NAMES and v is not None}}
     assert sampling == expected
-    SamplingParams.from_dict(sampling)
+    assert SamplingParams.from_dict(sampling).to_dict() == sampling
+
+
+def test_gen_arguments_table_covers_every_gen_param() -> None:
+    assert set(GEN_ARGUMENTS.values()) == set(GEN_PARAM_NAMES)
+    assert len(set(GEN_ARGUMENTS.values())) == len(GEN_ARGUMENTS)  # one keyword per parameter
+    keywords = set(inspect.signature(gen).parameters) - {"name", "dtype", "choices",
+                                                         "choices_method"}
+    assert set(GEN_ARGUMENTS) == keywords
+    assert gen("a", max_tokens=3, min_tokens=1).params == GenParams(  # type: ignore[attr-defined]
+        max_new_tokens=3, min_new_tokens=1)
+    with pytest.raises(TypeError, match="unknown arguments \\['max_new_tokens'\\]"):
+        GenParams.from_arguments({"max_new_tokens": 3})
+
+
+def test_merged_params_is_overrides_over_defaults_with_none_unset() -> None:
+    defaults = {"temperature": 0.5, "top_k": 4, "stop": ("a",), "seed": None}
+    overrides = {"temperature": None, "top_k": 2, "seed": 7, "max_new_tokens": 3}
+    assert merged_params(defaults, overrides) == {"temperature": 0.5, "top_k": 2, "stop": ("a",),
+                                                   "seed": 7, "max_new_tokens": 3}
+    merged = SamplingParams.merged(defaults, overrides)
+    assert merged == SamplingParams(temperature=0.5, top_k=2, stop=["a"], seed=7,
+                                    max_new_tokens=3)
+    assert SamplingParams.merged({}) == SamplingParams()
+    with pytest.raises(InvalidRequestError, match="top_p must be in \\(0, 1\\], got 3"):
+        SamplingParams.merged({"top_p": 0.5}, {"top_p": 3})
+
+
+def test_one_gens_parameters_reach_runtime_generate_as_the_merged_sampling_params() -> None:
+    runtime = FakeRuntime(["ok"])
+
+    @lmnb.function
+    def one(s):
+        s += "Q: " + gen("a", max_tokens=5, stop="X", seed=3, top_k=None,
+                         return_logprob=True, top_logprobs_num=2)
+
+    one.run(backend=LocalBackend(runtime), temperature=0.25, top_k=4, stop_regex="z+")
+    (call,) = runtime.calls
+    gen_values = {"max_new_tokens": 5, "stop": ["X"], "seed": 3}
+    run_values = {"temperature": 0.25, "top_k": 4, "stop_regex": ["z+"]}
+    assert call["sampling_params"] == SamplingParams.merged(run_values, gen_values).to_dict()
+    assert call["sampling_params"] == {**default_sampling_params(), **run_values, **gen_values}
+    assert (call["return_logprob"], call["top_logprobs_num"]) == (True, 2)
+    error = one.run(backend=LocalBackend(runtime), top_k=-3).error()
+    assert isinstance(error, InvalidRequestError)
+    assert "top_k must be -1 (all) or >= 1, got -3" in str(error)
+    assert len(runtime.calls) == 1  # refused before any request
 
 
 def test_a_list_of_stop_regexes_cuts_at_the_first_match_of_any() -> None:

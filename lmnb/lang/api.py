@@ -85,11 +85,12 @@ def gen(
 ) -> Expr:
     """Generates text into variable `name`. Unset arguments inherit the run's defaults; the
     sampling arguments are `lmnb.params`'s (`max_tokens`, `min_tokens` are SGLang's names for
-    `max_new_tokens`, `min_new_tokens`; `seed` makes sampling reproducible). With `choices`, it
-    is a `select`; `dtype` (int, float, bool, str) constrains the output as SGLang does
-    (`lmnb.lang.ir.REGEX_*`; int and float also stop at a space or newline); `stop_regex`
-    (one or a list) cuts the output before the first match; `regex`, `json_schema` or `ebnf` (a
-    grammar whose `root` rule is the output, as SGLang's) constrain the output. With
+    `max_new_tokens`, `min_new_tokens`: `lmnb.params.GEN_ARGUMENTS`; `seed` makes sampling
+    reproducible). With `choices`, it is a `select`; `dtype` (int, float, bool, str) constrains
+    the output as SGLang does (`lmnb.lang.ir.REGEX_*`; int and float also stop at a space or
+    newline); `stop_regex` (one or a list) cuts the output before the first match; `regex`,
+    `json_schema` or `ebnf` (a grammar whose `root` rule is the output, as SGLang's) constrain
+    the output. With
     `return_logprob`, logprobs in `meta_info` are `(logprob, token_id)` pairs, or
     `(logprob, token_id, text)` with `return_text_in_logprobs` (SGLang's triples)."""
     if choices is not None:
@@ -111,15 +112,14 @@ def gen(
                          f"{' and '.join(constraints)}")
     if ebnf is not None and not isinstance(ebnf, str):
         raise TypeError(f"ebnf must be a grammar string, got {type(ebnf).__name__}")
-    params = GenParams(
-        max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop,
+    params = GenParams.from_arguments(dict(
+        max_tokens=max_tokens, min_tokens=min_tokens, n=n, stop=stop,
         stop_token_ids=stop_token_ids, stop_regex=stop_regex, temperature=temperature,
         top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, seed=seed, ignore_eos=ignore_eos,
-        return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-        return_text_in_logprobs=return_text_in_logprobs, regex=regex,
-        json_schema=_schema_text(json_schema), ebnf=ebnf)
+        return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+        top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
+        regex=regex, json_schema=_schema_text(json_schema), ebnf=ebnf))
     return Gen(name, params, where=_caller())
 
 

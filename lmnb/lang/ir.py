@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lmnb.params import stop_regex_patterns
+from lmnb.params import (
+    GEN_ARGUMENTS,
+    SAMPLING_PARAM_NAMES,
+    SamplingParams,
+    merged_params,
+    stop_regex_patterns,
+)
 
 # `gen(dtype=...)`'s constraints, as SGLang's (`sglang.lang.ir`): int and float may end in spaces
 # or newlines, which the automatic stop (" ", "\n") then cuts; str is a quoted run of word
@@ -58,7 +64,9 @@ class ExprList(Expr):
 
 @dataclass(frozen=True)
 class GenParams:
-    """Arguments of one `gen`, named as in `lmnb.params`; None means "inherit the run's default".
+    """The parameters one `gen` (or a run's defaults) sets: a partial of `SamplingParams` plus
+    the logprob options, under their `lmnb.params` names (`GEN_ARGUMENTS` maps `gen`'s keywords
+    to them); None means unset ("inherit the run's default").
 
     Hashable: `stop`, `stop_token_ids` and `stop_regex` are kept as tuples (one value or a list
     is accepted). Values may be tracing placeholders (`Argument`, `Variable`) until bound.
@@ -98,17 +106,32 @@ class GenParams:
                 value = tuple(stop_regex_patterns(value)) or None  # checked early, at `gen`
             object.__setattr__(self, name, value)
 
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> GenParams:
+        """The parameters of `gen`'s keyword `arguments` (its names: `max_tokens`, ...), renamed
+        by `lmnb.params.GEN_ARGUMENTS`."""
+        unknown = sorted(set(arguments) - set(GEN_ARGUMENTS))
+        if unknown:
+            raise TypeError(f"gen got unknown arguments {unknown}; known: {sorted(GEN_ARGUMENTS)}")
+        return cls(**{GEN_ARGUMENTS[name]: value for name, value in arguments.items()})
+
     def merged_over(self, defaults: GenParams) -> GenParams:
-        """These arguments, with the unset ones taken from `defaults`."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in values.items():
-            if value is None:
-                values[name] = getattr(defaults, name)
-        return GenParams(**values)
+        """These arguments, with the unset ones taken from `defaults` (`merged_params`)."""
+        return GenParams(**merged_params(defaults.set_values(), self.set_values()))
 
     def set_values(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if getattr(self, f.name) is not None}
+
+    def sampling_values(self) -> dict[str, Any]:
+        """The set sampling parameters, as a request's dict has them (tuples as lists)."""
+        return {name: list(value) if isinstance(value, tuple) else value
+                for name, value in self.set_values().items() if name in SAMPLING_PARAM_NAMES}
+
+    def sampling_params(self) -> SamplingParams:
+        """The request's `SamplingParams` of these (merged) parameters; the unset ones at
+        SamplingParams' defaults. Raises `InvalidRequestError` naming a bad value."""
+        return SamplingParams.merged(self.sampling_values())
 
 
 GEN_PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(GenParams))

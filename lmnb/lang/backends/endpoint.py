@@ -27,7 +27,7 @@ from lmnb.lang.backends.base import (
     ProgramAborted,
     media_data,
 )
-from lmnb.lang.backends.runtime_gen import GenTexts, runtime_sampling_params
+from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
 
@@ -108,7 +108,7 @@ class RuntimeEndpoint:
                  cancel: threading.Event | None = None,
                  media: Sequence[MediaInput] = ()) -> Generation:
         values = params.set_values()
-        body: dict[str, Any] = {"text": prompt, "sampling_params": runtime_sampling_params(params),
+        body: dict[str, Any] = {"text": prompt, "sampling_params": params.sampling_values(),
                                 **media_data(media)}
         for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
             if values.get(key) is not None:

@@ -15,7 +15,7 @@ from lmnb.lang.backends.base import (
     ProgramAborted,
     media_data,
 )
-from lmnb.lang.backends.runtime_gen import GenTexts, runtime_sampling_params
+from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
@@ -66,7 +66,9 @@ class LocalBackend:
         return {"input_ids": self.prompt_tokens.encode(prompt)}
 
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
-        return runtime_sampling_params(params)
+        """`Runtime.generate`'s `sampling_params` of a gen's merged `params`: every field of
+        their `SamplingParams` (checked here, so a bad value fails before any request)."""
+        return params.sampling_params().to_dict()
 
     # ---- media -------------------------------------------------------------------------------
     def prepare_media(self, kind: str, source: Any, *,

@@ -163,7 +163,7 @@ class OpenAI:
         return Generation([reply.text for reply in replies], metas)
 
     def _request(self, params: GenParams) -> dict[str, Any]:
-        values = params.set_values()
+        values = params.sampling_values()  # the merged gen's set sampling parameters
         kwargs: dict[str, Any] = {"model": self.model}
         for key, name in _STANDARD.items():
             if key in values and not (key == "n" and values[key] == 1):
@@ -177,10 +177,8 @@ class OpenAI:
                     kwargs["top_logprobs"] = params.top_logprobs_num
             else:
                 kwargs["logprobs"] = params.top_logprobs_num or 0
-        extra = {name: list(values[key]) if isinstance(values[key], tuple) else values[key]
-                 for key, name in _EXTRA.items()
-                 if key in values and values[key] != _DEFAULTS.get(key)
-                 and values[key] not in ((), [])}
+        extra = {name: values[key] for key, name in _EXTRA.items()
+                 if key in values and values[key] != _DEFAULTS.get(key) and values[key] != []}
         if extra:
             kwargs["extra_body"] = extra
         return kwargs

@@ -1,5 +1,6 @@
-"""A `gen` against an lmnb (or SGLang) runtime, in process or over its native API: the sampling
-parameters it sends, and its samples' text as the stream brings it. The runtime ends a request
+"""A `gen` against an lmnb (or SGLang) runtime, in process or over its native API: its samples'
+text as the stream brings it (the parameters it sends are `GenParams.sampling_params()`, or
+`sampling_values()` over HTTP). The runtime ends a request
 on a `stop_regex` match; text streamed before the match completed is cut here."""
 
 from __future__ import annotations
@@ -9,18 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lmnb.lang.backends.base import Generation
-from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
-from lmnb.params import SAMPLING_PARAM_NAMES
+from lmnb.lang.ir import GenParams
 from lmnb.runtime.output.stop import first_stop_regex_match
-
-_SAMPLING_KEYS = tuple(k for k in GEN_PARAM_NAMES if k in SAMPLING_PARAM_NAMES)
-
-
-def runtime_sampling_params(params: GenParams) -> dict[str, Any]:
-    """The `sampling_params` of `params`' set values (tuples as lists, as JSON has them)."""
-    values = params.set_values()
-    return {key: list(values[key]) if isinstance(values[key], tuple) else values[key]
-            for key in _SAMPLING_KEYS if key in values}
 
 
 class GenTexts:
