@@ -310,3 +310,73 @@ def test_decode_long_splits_of_busy_batches_match_float64(device):
         slots = kv_indices[kv_indptr[i]:kv_indptr[i] + n]
         expected = _reference(q[i:i + 1], k_buffer, v_buffer, slots, n - 1)
         torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-4, rtol=1e-4)
+
+
+# ---- code generation for a real GPU, without one -------------------------------------------
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmnb.runtime.kernels import shared_prefix, triton_decode, triton_extend
+
+def compile(fn, signature, constants, warps=4):
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+dt = "bf16"
+i64 = "*i64"
+for skip in (True, False):
+    compile(triton_decode._decode_partial_kernel,
+            {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
+             "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
+             **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                                   "stride_vh", "stride_pob", "stride_poh", "stride_pos",
+                                   "stride_plb", "stride_plh")}},
+            {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
+             "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
+             "HAS_SKIP": skip}, warps=2)
+    compile(triton_decode._decode_merge_kernel,
+            {"PART_O": "*fp32", "PART_LSE": "*fp32", "KV_INDPTR": i64, "KV_SKIP": i64,
+             "PREFIX_PARTS": i64, "OUT": "*" + dt,
+             **{n: "i32" for n in ("stride_pob", "stride_poh", "stride_pos", "stride_plb",
+                                   "stride_plh", "stride_ot", "stride_oh")}},
+            {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "MAX_SPLITS": 16, "BLOCK_S": 32,
+             "MIN_SPLIT": 64, "HAS_SKIP": skip})
+compile(shared_prefix._shared_prefix_kernel,
+        {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
+         "ITEMS": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
+         **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                               "stride_vh", "stride_pob", "stride_poh", "stride_pos",
+                               "stride_plb", "stride_plh", "stride_item")}},
+        {"GROUP": 4, "GROUP_P2": 4, "MEMBERS": 16, "HEAD_DIM": 128, "BLOCK_D": 128,
+         "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_OFFSET": 16, "HEAD": 4, "PRECISION": "tf32",
+         "UPCAST": False})
+compile(triton_extend._extend_kernel,
+        {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "OUT": "*" + dt, "QO_INDPTR": i64,
+         "KV_INDPTR": i64, "KV_INDICES": i64, "scale": "fp32",
+         **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                               "stride_vh", "stride_ot", "stride_oh")}},
+        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 32,
+         "PRECISION": "tf32", "UPCAST": False})
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the other tests compile the kernels")
+def test_attention_kernels_compile_for_a_hopper_gpu():
+    """The interpreter does not run Triton's code generation: compile the decode (with and
+    without a shared prefix), merge, shared-prefix and extend kernels for sm_90 ahead of time
+    (no GPU needed) in a process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
