@@ -13,7 +13,6 @@ from tests.triton_modes import DEVICES, SAME_TRITON_MODE
 
 # isort: split
 from lmnb.runtime.kernels.shared_prefix import (
-    ITEM_HEAD,
     PART_MIN_TOKENS,
     PREFIX_SPLITS,
     SharedPrefixes,
@@ -74,10 +73,10 @@ def test_shared_prefix_decode_equals_plain_decode(device, heads, kv_heads, head_
                      *partial_buffers(bs, heads, head_dim, splits, q.device),
                      scale=head_dim**-0.5, max_kv_splits=splits)
     prefix_plan = plan_items(plan, batch_size=bs, members=members, max_items=64)
-    flat = prefix_plan.flat(len(prefix_plan.items) + 1, members)  # + an empty item (graphs)
-    flat = torch.tensor(flat, device=device)
-    shared = SharedPrefixes(kv_skip=flat[:bs], prefix_parts=flat[bs:2 * bs],
-                            items=flat[2 * bs:].view(-1, ITEM_HEAD + members))
+    num_items = len(prefix_plan.items) + 1  # + an empty item (graphs pad to a fixed count)
+    shared = SharedPrefixes.view(torch.tensor(prefix_plan.flat(num_items, members),
+                                              device=device),
+                                 batch_size=bs, num_items=num_items, members=members)
     out = torch.empty_like(q)
     decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
                      *partial_buffers(bs, heads, head_dim, splits + PREFIX_SPLITS, q.device),

@@ -48,6 +48,14 @@ class SharedPrefixes:
     prefix_parts: torch.Tensor  # [bs] int64: parts its group's prefix was cut into
     items: torch.Tensor  # [num_items, ITEM_HEAD + members_per_tile] int64
 
+    @classmethod
+    def view(cls, flat: torch.Tensor, *, batch_size: int, num_items: int,
+             members: int) -> SharedPrefixes:
+        """Views of a buffer laid out as `PrefixPlan.flat` (one host-to-device copy fills it)."""
+        bs, width = batch_size, ITEM_HEAD + members
+        return cls(kv_skip=flat[:bs], prefix_parts=flat[bs:2 * bs],
+                   items=flat[2 * bs:2 * bs + num_items * width].view(num_items, width))
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixPlan:

@@ -76,10 +76,12 @@ class TritonAttention(AttentionBackend):
                                   batch_size=forward_batch.batch_size, members=self._members,
                                   max_items=GRAPH_ITEMS)
                 if plan.items:
-                    self._shared = SharedPrefixes(
-                        kv_skip=device_tensor(plan.kv_skip, torch.int64, self._device),
-                        prefix_parts=device_tensor(plan.prefix_parts, torch.int64, self._device),
-                        items=device_tensor(plan.items, torch.int64, self._device))
+                    num_items = len(plan.items)
+                    self._shared = SharedPrefixes.view(
+                        device_tensor(plan.flat(num_items, self._members), torch.int64,
+                                      self._device),
+                        batch_size=forward_batch.batch_size, num_items=num_items,
+                        members=self._members)
             splits = self.max_kv_splits + (PREFIX_SPLITS if self._shared else 0)
             self._partial_out, self._partial_lse = partial_buffers(
                 forward_batch.batch_size, self.num_heads, self.head_dim, splits, self._device)
@@ -105,7 +107,9 @@ class TritonAttention(AttentionBackend):
         buffers = self._buffers
         self._kv_indptr, self._kv_indices = buffers.kv_indptr[:bs + 1], buffers.kv_indices
         self._partial_out, self._partial_lse = (t[:bs] for t in self._static_partials)
-        self._shared = self._static_view(bs) if shared else None
+        self._shared = SharedPrefixes.view(self._static_shared_flat, batch_size=bs,
+                                           num_items=GRAPH_ITEMS,
+                                           members=self._members) if shared else None
 
     def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None, *,
                            shared: bool = False) -> None:
@@ -120,13 +124,6 @@ class TritonAttention(AttentionBackend):
             flat = plan.flat(GRAPH_ITEMS, self._members)
             self._static_shared_flat[:len(flat)].copy_(
                 host_int64(flat, pin=self._device.type == "cuda"), non_blocking=True)
-
-    def _static_view(self, bs: int) -> SharedPrefixes:
-        """The graph of `bs` rows' views of the static buffer (laid out as `PrefixPlan.flat`)."""
-        flat = self._static_shared_flat
-        items = flat[2 * bs:2 * bs + GRAPH_ITEMS * (ITEM_HEAD + self._members)]
-        return SharedPrefixes(kv_skip=flat[:bs], prefix_parts=flat[bs:2 * bs],
-                              items=items.view(GRAPH_ITEMS, ITEM_HEAD + self._members))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True

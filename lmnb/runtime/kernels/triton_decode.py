@@ -147,15 +147,13 @@ def _decode_merge_kernel(
     kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    if HAS_SKIP:  # splits MAX_SPLITS.. hold the shared prefix's partials (shared_prefix.py)
+    if HAS_SKIP:
         kv_len -= tl.load(KV_SKIP + req)
+    split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
+    used = offs_s < tl.cdiv(kv_len, split_len)  # split 0 always holds a token
+    if HAS_SKIP:  # splits MAX_SPLITS.. hold the shared prefix's partials (shared_prefix.py)
         prefix_used = tl.load(PREFIX_PARTS + req)
-        split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
-        used = (offs_s < tl.cdiv(kv_len, split_len)) | (
-            (offs_s >= MAX_SPLITS) & (offs_s < MAX_SPLITS + prefix_used))
-    else:
-        split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
-        used = offs_s < tl.cdiv(kv_len, split_len)  # split 0 always holds a token
+        used = used | ((offs_s >= MAX_SPLITS) & (offs_s < MAX_SPLITS + prefix_used))
     lse = tl.load(PART_LSE + req * stride_plb + head * stride_plh + offs_s, mask=used,
                   other=float("-inf"))
     parts = tl.load(PART_O + req * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos
