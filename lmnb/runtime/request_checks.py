@@ -82,7 +82,7 @@ def check_prompt(ids: list[int], params: SamplingParams, *, context_len: int, vo
     room = context_len - len(ids)
     if params.max_new_tokens > room:
         params = SamplingParams.from_dict({
-            **{f: getattr(params, f) for f in params.__slots__},
+            **params.to_dict(),
             "max_new_tokens": min(params.max_new_tokens, room),
             "min_new_tokens": min(params.min_new_tokens, room)})
     return params
