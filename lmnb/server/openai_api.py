@@ -14,12 +14,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from lmnb.runtime.output.logprob_text import TokenTexts
 from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
-    TokenText,
     chunk_index,
     chunks,
     closed_on_disconnect,
@@ -146,7 +146,7 @@ def _usage(results: list[Chunk], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _chat_logprobs(meta: dict[str, Any], token_text: TokenText) -> dict[str, Any]:
+def _chat_logprobs(meta: dict[str, Any], token_text: TokenTexts) -> dict[str, Any]:
     """`{"content": [{token, logprob, bytes, top_logprobs}]}` from SGLang-style meta_info lists
     (a token forced by jump-forward has no logprob: reported as 0.0, probability 1 under the
     constraint)."""
@@ -165,7 +165,7 @@ def _chat_logprobs(meta: dict[str, Any], token_text: TokenText) -> dict[str, Any
     return {"content": content}
 
 
-def _completion_logprobs(meta: dict[str, Any], token_text: TokenText) -> dict[str, Any]:
+def _completion_logprobs(meta: dict[str, Any], token_text: TokenTexts) -> dict[str, Any]:
     tokens, logprobs, offsets, top = [], [], [], []
     offset = 0
     tops = meta.get("output_top_logprobs") or []
@@ -182,7 +182,7 @@ def _completion_logprobs(meta: dict[str, Any], token_text: TokenText) -> dict[st
 
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
-    token_text = TokenText(runtime.tokenizer)
+    token_text = TokenTexts(runtime.tokenizer)
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "lmnb",
             "root": model_name, "max_model_len": runtime.context_len}
@@ -292,7 +292,7 @@ def _tool_finish(meta: dict[str, Any], calls: int) -> str | None:
 
 
 def _tool_choice_body(index: int, result: ChoiceResult, logprobs: bool,
-                      token_text: TokenText) -> dict[str, Any]:
+                      token_text: TokenTexts) -> dict[str, Any]:
     calls = [{"id": _call_id(), "type": "function",
               "function": {"name": c.name, "arguments": c.arguments}} for c in result.calls]
     message: dict[str, Any] = {"role": "assistant",
@@ -324,7 +324,7 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
-                             logprobs: bool, token_text: TokenText) -> AsyncIterator[str]:
+                             logprobs: bool, token_text: TokenTexts) -> AsyncIterator[str]:
     finals: dict[int, Chunk] = {}
     async for chunk in chunks(stream):
         meta = chunk["meta_info"]
@@ -346,7 +346,7 @@ async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_
 
 
 async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
-                       logprobs: bool, token_text: TokenText) -> AsyncIterator[str]:
+                       logprobs: bool, token_text: TokenTexts) -> AsyncIterator[str]:
     """Per choice: a first delta with the role, content deltas, and a last chunk with the
     finish reason (carrying every token's logprobs: the runtime reports them at the end)."""
     head = {**head, "object": "chat.completion.chunk"}
@@ -377,7 +377,7 @@ async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage:
 
 
 async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, include_usage: bool,
-                            logprobs: bool, token_text: TokenText) -> AsyncIterator[str]:
+                            logprobs: bool, token_text: TokenTexts) -> AsyncIterator[str]:
     """`_chat_events` with calls: a call's first delta has its index, id, type and name (empty
     arguments), the next ones argument fragments."""
     head = {**head, "object": "chat.completion.chunk"}

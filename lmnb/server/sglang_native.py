@@ -20,13 +20,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from lmnb.runtime.output.logprob_text import with_token_texts
+from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.server.errors import APIError
 from lmnb.server.media import media_kwargs, media_tokens
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
-    TokenText,
     chunk_index,
     chunks,
     collect,
@@ -52,7 +51,7 @@ class GenerateRequest(BaseModel):
     video_data: Any = None
 
 
-def sglang_meta(meta: dict[str, Any], token_text: TokenText | None) -> dict[str, Any]:
+def sglang_meta(meta: dict[str, Any], token_text: TokenTexts | None) -> dict[str, Any]:
     """The runtime's meta_info with logprobs as SGLang's triples (text None unless
     `token_text` is given)."""
     return with_token_texts(meta, token_text or _no_text)
@@ -68,7 +67,7 @@ def _jsonable(value: Any) -> Any:
 
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
-    token_text = TokenText(runtime.tokenizer)
+    token_text = TokenTexts(runtime.tokenizer)
 
     @router.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
@@ -134,7 +133,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     return router
 
 
-async def _events(stream: Any, batch: bool, token_text: TokenText | None) -> AsyncIterator[str]:
+async def _events(stream: Any, batch: bool, token_text: TokenTexts | None) -> AsyncIterator[str]:
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
     async for chunk in chunks(stream):

@@ -101,21 +101,6 @@ def sse(data: Any, event: str | None = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
 
 
-class TokenText:
-    """Token id -> text for logprob listings (cached: the same ids recur)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._decode: Callable[[list[int]], str] = partial(tokenizer.decode,
-                                                           skip_special_tokens=False)
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._decode([token_id])
-        return text
-
-
 async def guarded(events: AsyncIterator[str],
                   on_error: Callable[[Exception], str]) -> AsyncIterator[str]:
     """`events`, ending with `on_error(error)`'s text when the runtime fails mid-stream (the

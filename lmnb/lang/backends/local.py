@@ -19,30 +19,10 @@ from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
+from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
 _IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safety net only
-
-
-_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
-_TOP_LOGPROB_KEYS = ("input_top_logprobs", "output_top_logprobs")
-
-
-def with_token_texts(meta: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-    """`meta` with its `(logprob, token_id)` pairs as `(logprob, token_id, text)` triples."""
-
-    def triple(pair: Any) -> tuple[Any, int, str]:
-        logprob, token_id = pair[0], pair[1]
-        return logprob, token_id, tokenizer.decode([token_id])
-
-    out = dict(meta)
-    for key in _LOGPROB_KEYS:
-        if out.get(key) is not None:
-            out[key] = [triple(p) for p in out[key]]
-    for key in _TOP_LOGPROB_KEYS:
-        if out.get(key) is not None:
-            out[key] = [None if row is None else [triple(p) for p in row] for row in out[key]]
-    return out
 
 
 class LocalBackend:
@@ -124,7 +104,8 @@ class LocalBackend:
                 unregister()
             chunks.close()  # aborts whatever is still running
         if params.return_text_in_logprobs:
-            gen.metas = [with_token_texts(meta, self.runtime.tokenizer) for meta in gen.metas]
+            texts = TokenTexts(self.runtime.tokenizer)
+            gen.metas = [with_token_texts(meta, texts) for meta in gen.metas]
         return gen.generation()
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str, *,
