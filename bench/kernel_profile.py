@@ -74,6 +74,22 @@ def device_events(prof: Any) -> list[KernelEvent]:
             for e in device]
 
 
+def idle_gaps(events: Sequence[KernelEvent], top: int = 12) -> list[dict[str, Any]]:
+    """The `top` longest stretches with no kernel running: where they start (ms after the first
+    kernel), how long they last and the kernels on either side."""
+    ordered = sorted(events, key=lambda e: e.start_us)
+    gaps: list[dict[str, Any]] = []
+    end, before = float("-inf"), None
+    origin = ordered[0].start_us if ordered else 0.0
+    for event in ordered:
+        if before is not None and event.start_us > end:
+            gaps.append({"at_ms": (end - origin) / 1e3, "ms": (event.start_us - end) / 1e3,
+                         "after": before.name[:60], "before": event.name[:60]})
+        if event.end_us > end:
+            end, before = event.end_us, event
+    return sorted(gaps, key=lambda g: -g["ms"])[:top]
+
+
 def summarize(events: Sequence[KernelEvent], *, wall_seconds: float, passes: int,
               top: int = 20) -> dict[str, Any]:
     """Per category: seconds, kernel count, ms per pass and share of kernel time; GPU busy time
@@ -109,6 +125,7 @@ def summarize(events: Sequence[KernelEvent], *, wall_seconds: float, passes: int
         "kernels_per_pass": len(events) / per_pass,
         "categories": by_category,
         "top_kernels": sorted(by_name.values(), key=lambda e: -e["seconds"])[:top],
+        "idle_gaps": idle_gaps(events),
     }
 
 
