@@ -62,6 +62,11 @@ class PrefixCache(ABC):
     def match_all(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         """Longest cached prefix of the whole `key` (re-matching what was just inserted)."""
 
+    def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> CacheHandle:
+        """The handle of the whole `key`, just inserted (`match_all(key).handle` without
+        gathering the indices)."""
+        return self.match_all(key, extra_key).handle
+
     @abstractmethod
     def insert(self, key: Sequence[int], indices: torch.Tensor, extra_key: Hashable = None) -> int:
         """Offers `key` -> `indices`; returns how many leading tokens were cached already. The
@@ -123,6 +128,9 @@ class NoReuseCache(PrefixCache):
     def insert(self, key: Sequence[int], indices: torch.Tensor, extra_key: Hashable = None) -> int:
         self.allocator.free(indices.clone())
         return 0
+
+    def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> CacheHandle:
+        return None
 
     def lock(self, handle: CacheHandle) -> None:
         pass

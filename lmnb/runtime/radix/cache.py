@@ -104,6 +104,21 @@ class RadixCache(PrefixCache):
         indices = torch.cat(values) if values else self.root.value
         return MatchResult(indices, node)
 
+    def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> TreeNode:
+        node, done, key = self.root, 0, list(key)
+        now = time.monotonic()
+        while done < len(key):
+            child = node.children.get((extra_key, key[done]))
+            if child is None:
+                break
+            matched = common_prefix_length(child.key, key[done:])
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.last_access = now
+            done += matched
+            node = child
+        return node
+
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         node, done, key = self.root, 0, list(key)
         while done < len(key):

@@ -66,6 +66,27 @@ class CacheManager:
         self.table[req.req_pool_idx, req.kv_len:req.kv_len + len(slots)] = slots
         req.kv_len += len(slots)
 
+    def extend_all(self, reqs: list[Req], extend_lens: list[int], slots: torch.Tensor) -> None:
+        """`extend` of every request of an EXTEND pass in one indexed write: request i's next
+        `extend_lens[i]` tokens have their KV in its run of `slots` (in batch order)."""
+        if len(reqs) == 1:
+            self.extend(reqs[0], slots)
+            return
+        device = self.table.device
+        lens = torch.tensor(extend_lens, dtype=torch.int64)
+        starts = torch.tensor([req.kv_len for req in reqs], dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.tensor([req.req_pool_idx for req in reqs],
+                                                    dtype=torch.int64), lens)
+        first_of_run = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        cols = torch.repeat_interleave(starts, lens) + torch.arange(len(rows)) - first_of_run
+        where = torch.stack((rows, cols))
+        if device.type == "cuda":
+            where = where.pin_memory()
+        where = where.to(device, non_blocking=True)
+        self.table[where[0], where[1]] = slots
+        for req, n in zip(reqs, extend_lens, strict=True):
+            req.kv_len += n
+
     def extend_each_by_one(self, reqs: list[Req], slots: torch.Tensor, pool_indices: list[int],
                            kv_lens: list[int]) -> None:
         """Decode: request i (row `pool_indices[i]`, `kv_lens[i]` tokens of KV so far) has its
@@ -87,21 +108,25 @@ class CacheManager:
             return
         key = req.fill_slice(0, req.kv_len)
         row = self.table[req.req_pool_idx]
-        slots = row[:req.kv_len].clone()
-        already = self.cache.insert(key, slots, req.extra_key)
-        self.allocator.free(slots[req.prefix_len:max(already, req.prefix_len)])
-        match = self.cache.match_all(key, req.extra_key)
-        row[req.prefix_len:len(match.indices)] = match.indices[req.prefix_len:]
-        self.cache.lock(match.handle)
+        already = self.cache.insert(key, row[:req.kv_len], req.extra_key)
+        if already > req.prefix_len:  # cached meanwhile by another request: use those slots
+            self.allocator.free(row[req.prefix_len:already].clone())
+            match = self.cache.match_all(key, req.extra_key)
+            row[req.prefix_len:len(match.indices)] = match.indices[req.prefix_len:]
+            handle, prefix_len = match.handle, len(match.indices)
+        else:  # the row's slots are what the cache now holds for `key`
+            handle, prefix_len = self.cache.handle_of(key, req.extra_key), req.kv_len
+        self.cache.lock(handle)
         self.cache.unlock(req.cache_handle)
-        req.cache_handle = match.handle
-        req.prefix_len = len(match.indices)
+        req.cache_handle = handle
+        req.prefix_len = prefix_len
 
     def cache_finished(self, req: Req) -> None:
         """A request that is done (finished, retracted or jumping) hands its KV to the cache."""
-        slots = self.table[req.req_pool_idx, :req.kv_len].clone()
+        slots = self.table[req.req_pool_idx, :req.kv_len]
         already = self.cache.insert(req.fill_slice(0, req.kv_len), slots, req.extra_key)
-        self.allocator.free(slots[req.prefix_len:max(already, req.prefix_len)])
+        if already > req.prefix_len:  # a copy: the row is reused by the next request
+            self.allocator.free(slots[req.prefix_len:already].clone())
         self.cache.unlock(req.cache_handle)
         self._release_row(req)
 

@@ -320,12 +320,11 @@ class Scheduler:
                 input_ids = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
                              for req in reqs]
         else:
-            start = 0
             for req, extend_len in zip(reqs, extend_lens, strict=True):
-                prefix_len = req.kv_len
-                input_ids.extend(req.fill_slice(prefix_len, prefix_len + extend_len))
-                self.cache.extend(req, out_cache_loc[start:start + extend_len])
-                start += extend_len
+                input_ids.extend(req.fill_slice(req.kv_len, req.kv_len + extend_len))
+            self.cache.extend_all(reqs, extend_lens, out_cache_loc)
+            for req, extend_len in zip(reqs, extend_lens, strict=True):
+                prefix_len = req.kv_len - extend_len
                 completes = req.kv_len == req.fill_len
                 samples.append(completes and _samples_after_fill(req))
                 spans.append(_input_logprob_span(req, prefix_len, extend_len))
