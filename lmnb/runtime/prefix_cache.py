@@ -4,8 +4,8 @@ nothing. It never sees a request: the scheduler's cache manager turns requests i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -14,9 +14,30 @@ from lmnb.runtime.memory import KVAllocator
 CacheHandle = Any  # opaque to callers: pass it back to lock/unlock/note_hit
 
 
-class MatchResult(NamedTuple):
-    indices: torch.Tensor  # [matched] KV slots of the matched prefix, in order
-    handle: CacheHandle  # lock it before using `indices`; None when nothing can be locked
+class MatchResult:
+    """A matched prefix: its length, the handle to lock before using its KV slots, and the slots
+    themselves, gathered from the matched nodes' runs on first use (ranking or deferring a
+    request needs only the length: no device work)."""
+
+    __slots__ = ("parts", "handle", "length", "_indices")
+
+    def __init__(self, parts: Sequence[torch.Tensor], handle: CacheHandle) -> None:
+        self.parts = tuple(parts)  # [n_i] KV slots of each matched run, in order
+        self.handle = handle
+        self.length = sum(len(part) for part in self.parts)
+        self._indices: torch.Tensor | None = None
+
+    @property
+    def indices(self) -> torch.Tensor:
+        """[length] KV slots of the matched prefix, in order."""
+        if self._indices is None:
+            self._indices = (self.parts[0] if len(self.parts) == 1
+                             else torch.cat(self.parts))
+        return self._indices
+
+    def __iter__(self) -> Iterator[Any]:
+        """`indices, handle = match`."""
+        return iter((self.indices, self.handle))
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -117,7 +138,8 @@ class NoReuseCache(PrefixCache):
     reuses_kv = False
 
     def _empty(self) -> MatchResult:
-        return MatchResult(torch.empty(0, dtype=torch.int64, device=self.allocator.device), None)
+        return MatchResult((torch.empty(0, dtype=torch.int64, device=self.allocator.device),),
+                           None)
 
     def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         return self._empty()

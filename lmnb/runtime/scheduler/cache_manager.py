@@ -25,6 +25,9 @@ class CacheManager:
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.table = req_to_token_pool.req_to_token
+        # (row, matched prefix) of requests bound since the last table write: their prefix slots
+        # are written together with the pass's own (`extend_all`), before any read of a row
+        self._unwritten: dict[int, MatchResult] = {}
 
     # ---- sizes ---------------------------------------------------------------------------------
     def room(self) -> int:
@@ -46,13 +49,36 @@ class CacheManager:
         req.req_pool_idx = self.req_to_token_pool.alloc()
         self.cache.lock(match.handle)
         req.cache_handle = match.handle
-        req.prefix_len = req.kv_len = len(match.indices)
-        self.table[req.req_pool_idx, :req.prefix_len] = match.indices
+        req.prefix_len = req.kv_len = match.length
+        if match.length:
+            self._unwritten[req.req_pool_idx] = match
 
     def unbind(self, req: Req) -> None:
         """Undoes `bind` before any slot of its own was allocated."""
         self.cache.unlock(req.cache_handle)
         self._release_row(req)
+
+    def write_bound_prefixes(self) -> None:
+        """Writes the matched prefixes of the requests bound since the last call into their
+        rows: one gather of the matched runs and one indexed write."""
+        if not self._unwritten:
+            return
+        unwritten, self._unwritten = self._unwritten, {}
+        lens = [match.length for match in unwritten.values()]
+        rows = torch.repeat_interleave(torch.tensor(list(unwritten), dtype=torch.int64),
+                                       torch.tensor(lens, dtype=torch.int64))
+        cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
+        slots = torch.cat([part for match in unwritten.values() for part in match.parts])
+        self._write(rows, cols, slots)
+
+    def _write(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """table[rows[i], cols[i]] = slots[i]; rows and cols on the host (one pinned copy)."""
+        device = self.table.device
+        where = torch.stack((rows, cols))
+        if device.type == "cuda":
+            where = where.pin_memory()
+        where = where.to(device, non_blocking=True)
+        self.table[where[0], where[1]] = slots
 
     # ---- allocation ----------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor:
@@ -63,27 +89,21 @@ class CacheManager:
 
     def extend(self, req: Req, slots: torch.Tensor) -> None:
         """`slots` hold the KV of `req`'s next `len(slots)` tokens from now on."""
+        self.write_bound_prefixes()
         self.table[req.req_pool_idx, req.kv_len:req.kv_len + len(slots)] = slots
         req.kv_len += len(slots)
 
     def extend_all(self, reqs: list[Req], extend_lens: list[int], slots: torch.Tensor) -> None:
         """`extend` of every request of an EXTEND pass in one indexed write: request i's next
         `extend_lens[i]` tokens have their KV in its run of `slots` (in batch order)."""
-        if len(reqs) == 1:
-            self.extend(reqs[0], slots)
-            return
-        device = self.table.device
+        self.write_bound_prefixes()
         lens = torch.tensor(extend_lens, dtype=torch.int64)
         starts = torch.tensor([req.kv_len for req in reqs], dtype=torch.int64)
         rows = torch.repeat_interleave(torch.tensor([req.req_pool_idx for req in reqs],
                                                     dtype=torch.int64), lens)
         first_of_run = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         cols = torch.repeat_interleave(starts, lens) + torch.arange(len(rows)) - first_of_run
-        where = torch.stack((rows, cols))
-        if device.type == "cuda":
-            where = where.pin_memory()
-        where = where.to(device, non_blocking=True)
-        self.table[where[0], where[1]] = slots
+        self._write(rows, cols, slots)
         for req, n in zip(reqs, extend_lens, strict=True):
             req.kv_len += n
 
@@ -92,6 +112,7 @@ class CacheManager:
         """Decode: request i (row `pool_indices[i]`, `kv_lens[i]` tokens of KV so far) has its
         next token's KV in `slots[i]` (one indexed write for the batch; the indices travel from
         pinned memory, so the copy does not wait for the device)."""
+        self.write_bound_prefixes()
         device = self.table.device
         where = host_int64([*pool_indices, *kv_lens], pin=device.type == "cuda").to(
             device, non_blocking=True)
@@ -106,6 +127,7 @@ class CacheManager:
         them can hit while this one runs) and the request's lock moves down to them."""
         if not self.cache.reuses_kv:
             return
+        self.write_bound_prefixes()
         key = req.fill_slice(0, req.kv_len)
         row = self.table[req.req_pool_idx]
         already = self.cache.insert(key, row[:req.kv_len], req.extra_key)
@@ -123,6 +145,7 @@ class CacheManager:
 
     def cache_finished(self, req: Req) -> None:
         """A request that is done (finished, retracted or jumping) hands its KV to the cache."""
+        self.write_bound_prefixes()
         slots = self.table[req.req_pool_idx, :req.kv_len]
         already = self.cache.insert(req.fill_slice(0, req.kv_len), slots, req.extra_key)
         if already > req.prefix_len:  # a copy: the row is reused by the next request
@@ -137,6 +160,7 @@ class CacheManager:
         self._release_row(req)
 
     def _release_row(self, req: Req) -> None:
+        self._unwritten.pop(req.req_pool_idx, None)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.cache_handle = None
