@@ -6,6 +6,8 @@ The only place that reads and writes a request's KV fields (`req_pool_idx`, `kv_
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from lmnb.runtime.core import Req
@@ -60,25 +62,29 @@ class CacheManager:
 
     def write_bound_prefixes(self) -> None:
         """Writes the matched prefixes of the requests bound since the last call into their
-        rows: one gather of the matched runs and one indexed write."""
+        rows, with one gather of the matched runs."""
         if not self._unwritten:
             return
         unwritten, self._unwritten = self._unwritten, {}
-        lens = [match.length for match in unwritten.values()]
-        rows = torch.repeat_interleave(torch.tensor(list(unwritten), dtype=torch.int64),
-                                       torch.tensor(lens, dtype=torch.int64))
-        cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
         slots = torch.cat([part for match in unwritten.values() for part in match.parts])
-        self._write(rows, cols, slots)
+        self._write_runs(list(unwritten), [0] * len(unwritten),
+                         [match.length for match in unwritten.values()], slots)
 
-    def _write(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
-        """table[rows[i], cols[i]] = slots[i]; rows and cols on the host (one pinned copy)."""
-        device = self.table.device
-        where = torch.stack((rows, cols))
-        if device.type == "cuda":
-            where = where.pin_memory()
-        where = where.to(device, non_blocking=True)
-        self.table[where[0], where[1]] = slots
+    def _write_runs(self, rows: list[int], starts: list[int], lens: list[int],
+                    slots: torch.Tensor) -> None:
+        """table[rows[i], starts[i] : starts[i] + lens[i]] = run i of `slots` (runs in order).
+        Only the runs' (row, start, length, offset) travel to the device (pinned, not waiting
+        for it); the per-token indices are expanded there."""
+        device, n = self.table.device, len(rows)
+        offsets = list(itertools.accumulate(lens, initial=0))
+        total = offsets.pop()
+        meta = host_int64([*rows, *starts, *offsets, *lens], pin=device.type == "cuda").to(
+            device, non_blocking=True).view(4, n)
+        run_of = torch.repeat_interleave(torch.arange(n, device=device), meta[3],
+                                         output_size=total)
+        cols = (meta[1] - meta[2])[run_of] + torch.arange(total, device=device)
+        flat = meta[0][run_of] * self.table.stride(0) + cols
+        self.table.view(-1)[flat] = slots
 
     # ---- allocation ----------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor:
@@ -97,13 +103,8 @@ class CacheManager:
         """`extend` of every request of an EXTEND pass in one indexed write: request i's next
         `extend_lens[i]` tokens have their KV in its run of `slots` (in batch order)."""
         self.write_bound_prefixes()
-        lens = torch.tensor(extend_lens, dtype=torch.int64)
-        starts = torch.tensor([req.kv_len for req in reqs], dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.tensor([req.req_pool_idx for req in reqs],
-                                                    dtype=torch.int64), lens)
-        first_of_run = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        cols = torch.repeat_interleave(starts, lens) + torch.arange(len(rows)) - first_of_run
-        self._write(rows, cols, slots)
+        self._write_runs([req.req_pool_idx for req in reqs], [req.kv_len for req in reqs],
+                         list(extend_lens), slots)
         for req, n in zip(reqs, extend_lens, strict=True):
             req.kv_len += n
 
