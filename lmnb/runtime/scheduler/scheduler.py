@@ -34,6 +34,8 @@ from lmnb.runtime.core import (
 )
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
+from lmnb.runtime.output.stop import StopRules
+from lmnb.runtime.output.stop_text import StopText
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
@@ -42,7 +44,6 @@ from lmnb.runtime.scheduler.prefill import PrefillManager
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, request_meta
-from lmnb.runtime.scheduler.stop import StopRules, StopText
 
 if TYPE_CHECKING:
     from lmnb.runtime.fsm.jump import JumpPlan
