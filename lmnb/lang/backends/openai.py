@@ -97,7 +97,8 @@ class _Reply:
 
 
 class OpenAI:
-    """Backend over an OpenAI-compatible endpoint through the official `openai` client.
+    """Backend (`lmnb.lang.backends.base.Backend`) over an OpenAI-compatible endpoint through the
+    official `openai` client.
 
     `is_chat_model`: None guesses from the name (`COMPLETION_MODELS` are completion models).
     `client`: an `openai.OpenAI` to use as it is (tests give one over an in-process transport);
@@ -126,6 +127,7 @@ class OpenAI:
     # Output logprobs come with token texts (`meta_info["output_token_logprobs"]` entries are
     # `(logprob, None, text)`), which API speculation uses to size each served gen.
     reports_token_texts = True
+    is_chat_model: bool
 
     def __repr__(self) -> str:
         kind = "chat" if self.is_chat_model else "completion"

@@ -22,6 +22,9 @@ class KVAllocator:
     def available(self) -> int:
         return len(self._free)
 
+    def stats(self) -> dict[str, int]:
+        return {"max_total_tokens": self.size, "free_tokens": self.available()}
+
     def alloc(self, n: int) -> torch.Tensor:
         """[n] int64 slots on the pool's device."""
         if n > len(self._free):

@@ -142,7 +142,18 @@ class StopRules:
 
 
 def by_length(params: SamplingParams, output_len: int) -> dict[str, Any] | None:
-    """The length limit: `max_new_tokens` (already cut to the context's room at admission)."""
+    """The length limit: `max_new_tokens` (cut to the context's room by `within_context`)."""
     if output_len >= params.max_new_tokens:
         return finish_length(output_len)
     return None
+
+
+def within_context(params: SamplingParams, *, prompt_len: int,
+                   context_len: int) -> SamplingParams:
+    """`params` with max_new_tokens (and min_new_tokens) cut to the room that a prompt of
+    `prompt_len` tokens leaves in the context (`params` itself when it fits)."""
+    room = context_len - prompt_len
+    if params.max_new_tokens <= room:
+        return params
+    return SamplingParams.from_dict({**params.to_dict(), "max_new_tokens": room,
+                                     "min_new_tokens": min(params.min_new_tokens, room)})

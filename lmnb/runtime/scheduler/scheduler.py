@@ -156,6 +156,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.table.states) or self._in_flight is not None
 
+    def report(self) -> dict[str, Any]:
+        """The scheduler's part of `Runtime.stats()`: its counters (hit rates, passes,
+        retractions, ...), the overlap mode and the requests running and waiting."""
+        return {**self.stats.counters(), "overlap_schedule": self.config.overlap_schedule,
+                "running": len(self.table.running), "waiting": len(self.table.waiting)}
+
     @property
     def pass_in_flight(self) -> bool:
         """A launched pass awaits processing (overlap)."""
