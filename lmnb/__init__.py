@@ -30,14 +30,9 @@ from lmnb.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from lmnb.lang.default_backend import default_backend, set_default_backend
 from lmnb.lang.global_config import global_config
-from lmnb.lang.program import (
-    Program,
-    ProgramState,
-    default_backend,
-    function,
-    set_default_backend,
-)
+from lmnb.lang.program import Program, ProgramState, function
 
 __version__ = "0.1.0"
 
