@@ -93,6 +93,9 @@ class FakeBackend:
     """Replies `reply` in 3 streamed pieces over `delay` seconds; records every call. With a
     `gate`, each call streams its first piece, sets `first_piece`, then waits for the gate."""
 
+    is_chat_model = False
+    reports_token_texts = False
+
     def __init__(self, reply: str = "abcdef", delay: float = 0.0, tokenizer: Any = None,
                  error: BaseException | None = None, gate: threading.Event | None = None) -> None:
         self.chat_template = ChatTemplate(tokenizer)

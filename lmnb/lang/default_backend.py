@@ -9,6 +9,7 @@ from lmnb.lang.backends.base import Backend
 
 _default_backend: Backend | None = None
 
+
 def set_default_backend(backend: Any) -> None:
     """Programs run here unless `run(backend=...)` says otherwise; a `Runtime` is accepted;
     None clears it."""

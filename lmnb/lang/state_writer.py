@@ -28,7 +28,6 @@ _ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistan
 PROGRAM_CALLER: ContextVar[Any] = ContextVar("lmnb_caller", default=None)
 
 
-
 class StateWriter:
     """The writing half of `s`, shared by running and tracing states: `+=`, `set_var`,
     `var_scope`, and the roles as calls (`s.user("hi")`) or blocks (`with s.user(): ...`).
