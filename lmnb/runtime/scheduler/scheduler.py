@@ -34,7 +34,7 @@ from lmnb.runtime.core import (
 )
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
-from lmnb.runtime.output.stop import StopRules
+from lmnb.runtime.output.stop import StopRules, by_length
 from lmnb.runtime.output.stop_text import StopText
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
@@ -237,8 +237,8 @@ class Scheduler:
         for i, req in enumerate(reqs):
             if table.states[req.rid].grammar is not None:
                 return None
-            if len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
-                keep.append(i)
+            if by_length(req.sampling_params, len(req.output_ids) + 1) is None:
+                keep.append(i)  # goes on past the token in flight
         if not keep:
             return None
         previous_rows = None
@@ -522,7 +522,7 @@ def _samples_after_fill(req: Req) -> bool:
     """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
     generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
     params = req.sampling_params
-    return (params.max_new_tokens > len(req.output_ids)
+    return (by_length(params, len(req.output_ids)) is None
             or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
 
 
