@@ -56,4 +56,5 @@ class PrefixPins:
         return sum(pin.tokens for pin in self._pins.values())
 
     def stats(self) -> dict[str, int]:
+        """`pinned_prefixes` and the tokens they hold (`pinned_tokens`)."""
         return {"pinned_prefixes": len(self._pins), "pinned_tokens": self.tokens()}

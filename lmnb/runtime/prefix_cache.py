@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import torch
 
@@ -40,6 +40,17 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class CacheStats(TypedDict):
+    """A prefix cache's part of `Runtime.stats()`."""
+
+    evicted_tokens: int
+    eviction_events: int
+    tree_nodes: int
+    tree_tokens: int  # evictable + protected
+    evictable_tokens: int
+    protected_tokens: int  # locked by running requests or pins
+
+
 class PrefixCache(ABC):
     """KV of earlier requests kept for reuse, sharing the one slot allocator with running
     requests.
@@ -68,7 +79,7 @@ class PrefixCache(ABC):
         """The cache's tree as plain data for observers (`RadixCache.snapshot`); empty here."""
         return []
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> CacheStats:
         """This cache's part of `Runtime.stats()` (tokens and evictions)."""
         evictable, protected = self.evictable_size(), self.protected_size()
         return {"evicted_tokens": self.evicted_tokens, "eviction_events": self.eviction_events,

@@ -23,6 +23,7 @@ class KVAllocator:
         return len(self._free)
 
     def stats(self) -> dict[str, int]:
+        """`max_total_tokens` (slots) and `free_tokens` (in no cache and no request)."""
         return {"max_total_tokens": self.size, "free_tokens": self.available()}
 
     def alloc(self, n: int) -> torch.Tensor:
