@@ -803,11 +803,15 @@ def print_profile(title: str, summary: dict[str, Any]) -> None:
     if others:
         print("  'other': " + "; ".join(f"{k['name'][:50]} {1e3 * k['seconds']:.1f} ms"
                                         for k in others))
-    gaps = summary.get("idle_gaps", [])
+    gaps = summary.get("idle_gaps")
     if gaps:
-        print(f"  span of kernels {1e3 * summary['span_seconds']:.1f} ms; longest idle gaps: "
-              + "; ".join(f"{g['ms']:.1f} ms at {g['at_ms']:.0f} ({g['after'][:28]} -> "
-                          f"{g['before'][:28]})" for g in gaps))
+        print(f"  span of kernels {1e3 * summary['span_seconds']:.1f} ms; idle by gap length: "
+              + ", ".join(f"{k} {v:.1f} ms ({gaps['count_by_length'][k]})"
+                          for k, v in gaps["ms_by_length"].items()))
+        print("  longest: " + "; ".join(f"{g['ms']:.1f} ms at {g['at_ms']:.0f} "
+                                        f"({g['after'][:28]} -> {g['before'][:28]})"
+                                        for g in gaps["longest"][:8]))
+        print("  by pair: " + "; ".join(f"{pair} {ms:.1f} ms" for pair, ms in gaps["top_pairs"]))
     if not summary["kernel_seconds"]:
         print("  (no device events: on a CPU the profiler does not see the ops of lmnb's "
               "scheduler thread; CUDA kernels are recorded from every thread)")

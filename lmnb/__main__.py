@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from lmnb.runtime.distributed.replica import READY_PREFIX
-    from lmnb.runtime.engine import Runtime
+    from lmnb.runtime.launch import Runtime
     from lmnb.server import serve
     from lmnb.server.serving import ServerHandle
 

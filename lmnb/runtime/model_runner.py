@@ -200,6 +200,18 @@ class ModelRunner:
         return {"vision_tower_runs": cache.runs, "media_embedding_hits": cache.hits,
                 "media_embedding_cache_bytes": cache.bytes}
 
+    def stats(self) -> dict[str, Any]:
+        """This runner's part of `Runtime.stats()`: attention backend, decode graphs, memory,
+        tensor-parallel steps sent, media counters."""
+        graphs, tp, choice = self.graph_runner, self.tp, self.attn_backend.choice
+        return {
+            "attention_backend": choice.name if choice else "custom",
+            "tp_steps_sent": tp.steps.forwards_sent if tp else 0,
+            "tp_step_send_seconds": tp.steps.send_seconds if tp else 0.0,
+            "cuda_graph_batch_sizes": list(graphs.ladder) if graphs else [],
+            "cuda_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
+            "memory": self.memory_report(), **self.media_counters()}
+
     def release_graphs(self) -> None:
         """Drops the decode CUDA graphs (before a tensor-parallel communicator they captured
         goes away)."""

@@ -54,3 +54,7 @@ class PrefixPins:
     def tokens(self) -> int:
         """Tokens held by the pins (a run pinned twice counts twice)."""
         return sum(pin.tokens for pin in self._pins.values())
+
+    def stats(self) -> dict[str, int]:
+        """`pinned_prefixes` and the tokens they hold (`pinned_tokens`)."""
+        return {"pinned_prefixes": len(self._pins), "pinned_tokens": self.tokens()}

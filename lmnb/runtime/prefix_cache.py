@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from lmnb.runtime.memory import KVAllocator
+
+if TYPE_CHECKING:
+    from lmnb.runtime.radix.cache import EvictionListener
 
 CacheHandle = Any  # opaque to callers: pass it back to lock/unlock/note_hit
 
@@ -58,6 +61,17 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class CacheStats(TypedDict):
+    """A prefix cache's part of `Runtime.stats()`."""
+
+    evicted_tokens: int
+    eviction_events: int
+    tree_nodes: int
+    tree_tokens: int  # evictable + protected
+    evictable_tokens: int
+    protected_tokens: int  # locked by running requests or pins
+
+
 class PrefixCache(ABC):
     """KV of earlier requests kept for reuse, sharing the one slot allocator with running
     requests.
@@ -71,9 +85,27 @@ class PrefixCache(ABC):
     """
 
     reuses_kv = True
+    evicted_tokens = 0  # counted by caches that evict
+    eviction_events = 0
+    eviction_listener: EvictionListener | None = None  # told of evictions, if the cache evicts
 
     def __init__(self, allocator: KVAllocator) -> None:
         self.allocator = allocator
+
+    def node_count(self) -> int:
+        """Entries (tree nodes) cached now; 0 for caches without a tree."""
+        return 0
+
+    def snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
+        """The cache's tree as plain data for observers (`RadixCache.snapshot`); empty here."""
+        return []
+
+    def stats(self) -> CacheStats:
+        """This cache's part of `Runtime.stats()` (tokens and evictions)."""
+        evictable, protected = self.evictable_size(), self.protected_size()
+        return {"evicted_tokens": self.evicted_tokens, "eviction_events": self.eviction_events,
+                "tree_nodes": self.node_count(), "tree_tokens": evictable + protected,
+                "evictable_tokens": evictable, "protected_tokens": protected}
 
     @abstractmethod
     def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:

@@ -26,6 +26,10 @@ class KVAllocator:
     def available(self) -> int:
         return len(self._free) + self._queued_len
 
+    def stats(self) -> dict[str, int]:
+        """`max_total_tokens` (slots) and `free_tokens` (in no cache and no request)."""
+        return {"max_total_tokens": self.size, "free_tokens": self.available()}
+
     def alloc(self, n: int) -> torch.Tensor:
         """[n] int64 slots on the pool's device."""
         if n > len(self._free):
