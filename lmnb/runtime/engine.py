@@ -108,7 +108,8 @@ class Runtime:
         self.engine_config = config
         self.device = _resolve_device(config.device)
         self.model_dir = loader.resolve_model_dir(config.model_path)
-        self.model_config = ModelConfig.from_hf(loader.load_config(self.model_dir))
+        self.model_config = ModelConfig.from_hf(loader.load_config(self.model_dir)).quantized(
+            config.quantization)
         self.dtype = loader.resolve_dtype(config.dtype, self.model_config.dtype, self.device)
         self._tp_workers: TPWorkers | None = None
         if config.tp_size > 1:  # the workers boot while this process loads the tokenizer
