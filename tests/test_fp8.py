@@ -333,3 +333,65 @@ def test_decode_and_extend_read_an_fp8_pool(device, dtype):
         expected = _reference(q[rows], k_buffer.float(), v_buffer.float(), slots,
                               n - extend_lens[i])
         torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol)
+
+
+# ---- code generation for a real GPU, without one -------------------------------------------
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmnb.runtime.kernels import triton_decode
+from lmnb.runtime.kernels.fused import gemv, rope
+
+def compile(fn, signature, constants, warps=4):
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+f8, dt, i64 = "*fp8e4nv", "*bf16", "*i64"
+for use_dot, block_m in ((False, 1), (True, 16)):
+    compile(gemv._skinny_kernel,
+            {"X": dt, "W": f8, "B": dt, "OUT": dt, "PARTIAL": "*fp32", "W_SCALE": "*fp32",
+             **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om",
+                                   "k_span")}},
+            {"HAS_BIAS": False, "SPLIT_K": 1, "EVEN_K": True, "BLOCK_M": block_m,
+             "BLOCK_N": 32 if use_dot else 1, "BLOCK_K": 512 if use_dot else 256,
+             "USE_DOT": use_dot, "DOT_PRECISION": "tf32", "DOT_UPCAST": False,
+             "HAS_SCALE": True})
+compile(triton_decode._decode_partial_kernel,
+        {"Q": dt, "K": f8, "V": f8, "KV_INDPTR": i64, "KV_INDICES": i64,
+         "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
+         **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                               "stride_vh", "stride_pob", "stride_poh", "stride_pos",
+                               "stride_plb", "stride_plh")}},
+        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
+         "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
+         "HAS_SKIP": False, "KV_FP8": True}, warps=2)
+compile(rope._rotary_qkv_kernel,
+        {"QKV": dt, "Q_OUT": dt, "K_OUT": f8, "V_OUT": f8, "POS": i64, "SLOTS": i64,
+         "COS": "*fp32", "SIN": "*fp32",
+         **{n: "i32" for n in ("stride_qkv", "stride_cos", "stride_sin", "stride_q_out",
+                               "stride_k_row", "stride_k_head", "stride_v_row",
+                               "stride_v_head", "num_heads", "num_kv_heads")}},
+        {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
+         "STORE_KV": True})
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU tests/gpu/test_fp8_cuda.py compiles them")
+def test_fp8_kernels_compile_for_a_hopper_gpu():
+    """The FP8 variants (skinny GEMM over FP8 weights, decode over an FP8 pool — extend shares its
+    `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a process without
+    TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
