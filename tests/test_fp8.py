@@ -395,3 +395,19 @@ def test_fp8_kernels_compile_for_a_hopper_gpu():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_runtime_with_fp8_weights_and_kv_cache_on_the_cpu(tiny_models):
+    """The options through the engine: a warning names the CPU's reference path; generation,
+    prefix reuse from the FP8 pool and KV accounting work."""
+    from lmnb.runtime.engine import Runtime
+
+    with pytest.warns(UserWarning, match="quantization='fp8' on cpu"):
+        rt = Runtime(tiny_models["llama-gqa"], quantization="fp8", kv_cache_dtype="fp8_e4m3",
+                     max_total_tokens=512, check_integrity_each_step=True)
+    with rt:
+        params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+        first = rt.generate("The capital of France is", params)
+        again = rt.generate("The capital of France is", params)  # from the FP8 prefix cache
+        assert len(first["output_ids"]) == 6 and again["output_ids"] == first["output_ids"]
+        rt.check_integrity()
