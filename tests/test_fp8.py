@@ -411,3 +411,23 @@ def test_runtime_with_fp8_weights_and_kv_cache_on_the_cpu(tiny_models):
         again = rt.generate("The capital of France is", params)  # from the FP8 prefix cache
         assert len(first["output_ids"]) == 6 and again["output_ids"] == first["output_ids"]
         rt.check_integrity()
+
+
+def test_llava_quantizes_its_language_model_only(tiny_llavas):
+    """LLaVA: the decoder's linears FP8; the vision tower and the projector keep the model's
+    dtype, and media still embed."""
+    from lmnb.multimodal.items import MediaItem
+
+    folder = tiny_llavas["llava-1.5"]
+    config = loader.load_model_config(folder).quantized("fp8")
+    with pytest.warns(UserWarning, match="reference path"):
+        model = _load(folder, config)
+    decoder = model.language_model.model.layers[0]
+    assert decoder.self_attn.qkv_proj.weight.dtype == FP8
+    assert decoder.mlp.down_proj.weight_scale is not None
+    assert model.multi_modal_projector.linear_1.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.vision_tower.parameters())
+    size = config.multimodal.vision.image_size
+    item = MediaItem(kind="image", hash=1, pixel_values=torch.zeros(3, size, size),
+                     num_tokens=model.num_media_tokens("image"))
+    assert model.embed_media([item])[0].shape == (item.num_tokens, config.hidden_size)
