@@ -204,7 +204,7 @@ def test_registered_as_triton_and_cpu_auto_stays_torch_native():
     assert TritonAttention.supports_capture
     assert select_attention_backend("auto", torch.device("cpu")).name == "torch_native"
     assert TritonAttention.unsupported(dtype=torch.bfloat16, head_dim=80) is None
-    assert "float8" in TritonAttention.unsupported(dtype=torch.float8_e4m3fn, head_dim=128)
+    assert "float8" in TritonAttention.unsupported(dtype=torch.float8_e5m2, head_dim=128)
     on_cuda = select_attention_backend("auto", torch.device("cuda"), dtype=torch.float32,
                                        head_dim=64)  # FlashInfer takes no fp32 KV
     assert on_cuda.name == "triton"

@@ -7,7 +7,8 @@
 `fp8_linear` picks one of three paths by rows M and device:
     M <= 16 and fused   the skinny Triton GEMM reading FP8 weights, dequantized in registers
                         (activations stay 16-bit: W8A16, what batch-1 decode needs)
-    CUDA                `torch._scaled_mm` (FP8 tensor cores, W8A8) with row-wise scales
+    CUDA                `torch._scaled_mm` (FP8 tensor cores, W8A8) with row-wise scales, the
+                        activations quantized by one Triton kernel when fused
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
                         float32), slow; the loader warns that the CPU runs FP8 this way
 """
@@ -64,8 +65,13 @@ def scaled_mm_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    x_q, x_scale = quantize_tokens(x)
+               bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    if fused:  # one Triton kernel instead of five torch ops
+        from lmnb.runtime.kernels.fused.fp8_quant import per_token_quant
+
+        x_q, x_scale = per_token_quant(x)
+    else:
+        x_q, x_scale = quantize_tokens(x)
     # Row-wise scales need a bfloat16 output; weight.t() is the column-major [K, N] it wants.
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale,
                            scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
@@ -86,7 +92,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
         out = skinny_linear(x2.contiguous(), weight, bias, weight_scale=weight_scale)
     elif x.is_cuda and rows > 0 and k % 16 == 0 and n % 16 == 0:
-        out = _scaled_mm(x2.contiguous(), weight, weight_scale, bias)
+        out = _scaled_mm(x2.contiguous(), weight, weight_scale, bias, fused)
     elif x.is_cuda:  # shapes _scaled_mm refuses (tiny test models): dequantized weights
         out = F.linear(x2, dequantize_rows(weight, weight_scale, x.dtype), bias)
     else:
