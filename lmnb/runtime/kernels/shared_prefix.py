@@ -30,7 +30,7 @@ from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_up
 
 PREFIX_SPLITS = 8  # most parts a prefix is cut into
 PART_MIN_TOKENS = 256  # shorter parts cost more in partial writes than they add in parallelism
-PREFIX_BLOCK_N = 64
+PREFIX_BLOCK_N = 32  # H100 sweep (bench/decode_kernel.py --shared): 32 x 4 warps x 2 stages best
 PREFIX_NUM_WARPS = 4
 PREFIX_NUM_STAGES = 2
 BLOCK_M = 64  # query rows of a tile program: members x padded GQA group
