@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lmnb.lang.backends.awaiting import in_thread
 from lmnb.lang.backends.base import (
     CancelEvent,
     Generation,
@@ -70,15 +71,50 @@ class LocalBackend:
         return frozenset(i for i in ids if i is not None)
 
     # ---- Backend -----------------------------------------------------------------------------
-    def generate(self, prompt: str, params: GenParams, *,
-                 on_delta: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None,
-                 media: Sequence[MediaInput] = ()) -> Generation:
-        chunks = self.runtime.generate(
+    def _submit(self, prompt: str, params: GenParams, media: Sequence[MediaInput]) -> Any:
+        """Submits one gen's request(s); their `OutputStream`, consumed by a thread or a task."""
+        return self.runtime.generate(
             sampling_params=self.sampling_params(params),
             return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
             top_logprobs_num=params.top_logprobs_num, stream=True, **self._prompt(prompt, media))
+
+    def _generation(self, gen: GenTexts, params: GenParams) -> Generation:
+        if params.return_text_in_logprobs:
+            texts = TokenTexts(self.runtime.tokenizer)
+            gen.metas = [with_token_texts(meta, texts) for meta in gen.metas]
+        return gen.generation()
+
+    async def agenerate(self, prompt: str, params: GenParams, *,
+                        on_delta: Callable[[str], None] | None = None,
+                        cancel: threading.Event | None = None,
+                        media: Sequence[MediaInput] = ()) -> Generation:
+        """`generate` as a coroutine (the program loop's): the request goes straight into the
+        runtime and its output stream is awaited; setting `cancel` (a `CancelEvent`) closes the
+        stream, which aborts the request and wakes the await."""
+        chunks = self._submit(prompt, params, media)
+        gen = GenTexts(params, on_delta)
+        unregister = cancel.on_set(chunks.close) if isinstance(cancel, CancelEvent) else None
+        try:
+            async for chunk in chunks:
+                if cancel is not None and cancel.is_set():
+                    break
+                index = chunk.get("index", 0)
+                if gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"]):
+                    break
+            if cancel is not None and cancel.is_set():
+                raise ProgramAborted("the program was interrupted")
+        finally:
+            if unregister is not None:
+                unregister()
+            chunks.close()  # aborts whatever is still running
+        return self._generation(gen, params)
+
+    def generate(self, prompt: str, params: GenParams, *,
+                 on_delta: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None,
+                 media: Sequence[MediaInput] = ()) -> Generation:
+        chunks = self._submit(prompt, params, media)
         gen = GenTexts(params, on_delta)
         wakes = isinstance(cancel, CancelEvent)
         # Setting the cancel event closes the stream, which wakes the wait below.
@@ -103,10 +139,26 @@ class LocalBackend:
             if unregister is not None:
                 unregister()
             chunks.close()  # aborts whatever is still running
-        if params.return_text_in_logprobs:
-            texts = TokenTexts(self.runtime.tokenizer)
-            gen.metas = [with_token_texts(meta, texts) for meta in gen.metas]
-        return gen.generation()
+        return self._generation(gen, params)
+
+    async def aselect(self, prompt: str, choices: tuple[str, ...], method: str, *,
+                      media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
+        """`select` on a pool thread: scoring makes several blocking runtime calls in turn."""
+        return await in_thread(self.select, prompt, choices, method, media=media)
+
+    async def acache_prefix(self, prompt: str, *, media: Sequence[MediaInput] = ()) -> None:
+        """`cache_prefix` as a coroutine: a prefill-only request, its stream awaited."""
+        if not prompt:
+            return
+        if media:
+            stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True,
+                                           **media_data(media))
+        elif self.prompt_tokens is not None:
+            stream = self.runtime.generate(input_ids=self.prompt_tokens.encode(prompt),
+                                           sampling_params={"max_new_tokens": 0}, stream=True)
+        else:
+            stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True)
+        await stream.aresults()
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str, *,
                media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
