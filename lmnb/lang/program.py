@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -211,12 +211,14 @@ class BatchJob:
     def _completed(self, num_threads: int | str,
                    progress_bar: bool) -> Iterator[tuple[int, ProgramState]]:
         finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        bar_scope = tqdm_bar(total=len(self.batch), desc=self.name, disable=not progress_bar)
+        bar_scope = (tqdm_bar(total=len(self.batch), desc=self.name) if progress_bar
+                     else nullcontext())
         bar = bar_scope.__enter__()
 
         def deliver(index: int, state: ProgramState) -> None:
             finished.put((index, state))
-            bar.update(1)
+            if bar is not None:
+                bar.update(1)
 
         try:
             batch_run, future = self._start(num_threads, deliver)
