@@ -163,7 +163,7 @@ class GraphExecutor(StreamExecutor):
 
     @_execute.register
     async def _(self, expr: _Resolve) -> None:
-        await self._execute(to_expr(await expr.run.aresolve(expr.expr, expr.reads, self)))
+        await self._run(to_expr(await expr.run.aresolve(expr.expr, expr.reads, self)))
 
     @_execute.register
     async def _(self, expr: _SetReturn) -> None:
@@ -195,7 +195,7 @@ class GraphExecutor(StreamExecutor):
     @_execute.register
     async def _(self, expr: _JoinAt) -> None:
         branches = tuple([await expr.run.executor(i, self) for i in expr.branch_ids])
-        await self._execute(JoinBranches(branches, expr.mode))
+        await self._run(JoinBranches(branches, expr.mode))
 
     def _fail(self, error: BaseException) -> None:
         super()._fail(error)

@@ -10,6 +10,7 @@ and is raised to every later reader.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -116,6 +117,31 @@ class _Listener:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         return self.items.popleft()
+
+
+@functools.cache
+def _dispatcher(cls: type) -> Callable[[type], Callable[..., Coroutine[Any, Any, None]]]:
+    """The `_execute` handler lookup of an executor class (its singledispatch registry, read
+    once: the bound `singledispatchmethod` is rebuilt on every attribute access)."""
+    for klass in cls.__mro__:
+        method = vars(klass).get("_execute")
+        if isinstance(method, singledispatchmethod):
+            return method.dispatcher.dispatch
+    raise TypeError(f"{cls.__name__} has no _execute")
+
+
+@functools.lru_cache(maxsize=1024)
+def _merged(params: GenParams, defaults: GenParams) -> GenParams:
+    return params.merged_over(defaults)
+
+
+def merged_params(params: GenParams, defaults: GenParams) -> GenParams:
+    """`params.merged_over(defaults)`, computed once per distinct pair (a batch's programs
+    write the same gens)."""
+    try:
+        return _merged(params, defaults)
+    except TypeError:  # a value that cannot be hashed (a dict, a list)
+        return params.merged_over(defaults)
 
 
 class StreamExecutor:
@@ -361,7 +387,7 @@ class StreamExecutor:
         try:
             if self.cancel.is_set():
                 raise ProgramAborted("the program was interrupted")
-            await self._execute(item)
+            await self._run(item)
         except BaseException as error:  # kept and raised to the state's readers
             self._fail(error)
 
@@ -405,6 +431,10 @@ class StreamExecutor:
             self._notify(var, text)
         self._emit("text", delta=text, var=var)
 
+    def _run(self, expr: Expr) -> Coroutine[Any, Any, None]:
+        """`_execute(expr)`, its handler found by one cached lookup."""
+        return _dispatcher(type(self))(type(expr))(self, expr)
+
     @singledispatchmethod
     async def _execute(self, expr: Expr) -> None:
         raise TypeError(f"cannot execute {type(expr).__name__} here")
@@ -412,7 +442,7 @@ class StreamExecutor:
     @_execute.register
     async def _(self, expr: ExprList) -> None:
         for item in expr.items:
-            await self._execute(item)
+            await self._run(item)
 
     @_execute.register
     async def _(self, expr: Text) -> None:
@@ -449,7 +479,7 @@ class StreamExecutor:
             await self._gen(expr)
 
     async def _gen(self, expr: Gen) -> None:
-        params = expr.params.merged_over(self.defaults)
+        params = merged_params(expr.params, self.defaults)
         if self._role == "assistant":  # the turn's end stops it too, as in SGLang
             stops, stop_ids = self.backend.chat_template.end_of_turn()
             params = replace(params, stop=(*(params.stop or ()), *stops) or None,

@@ -42,6 +42,9 @@ def _awaited_calls(cls: type) -> frozenset[str]:
     """The calls of a backend class that are awaited (`generate` for `agenerate`, ...): all of an
     `AsyncBackend`'s, except those whose blocking form a subclass overrides (a subclass of
     `LocalBackend` that wraps `generate` is called through its `generate`)."""
+    if not all(callable(getattr(cls, name, None))
+               for name in ("agenerate", "aselect", "acache_prefix")):
+        return frozenset()
     calls = set()
     for name in ("generate", "select", "cache_prefix"):
         sync, coroutine = _owner(cls, name), _owner(cls, "a" + name)
@@ -52,9 +55,8 @@ def _awaited_calls(cls: type) -> frozenset[str]:
 
 
 def awaited_calls(backend: object) -> frozenset[str]:
-    """Which of `backend`'s calls the program loop awaits; the others run on a pool thread."""
-    if not isinstance(backend, AsyncBackend):
-        return frozenset()
+    """Which of `backend`'s calls the program loop awaits (those of an `AsyncBackend`); the
+    others run on a pool thread."""
     return _awaited_calls(type(backend))
 
 

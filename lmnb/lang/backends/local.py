@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -26,6 +27,11 @@ _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, ev
 _IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safety net only
 
 
+@functools.lru_cache(maxsize=1024)
+def _sampling_dict(params: GenParams) -> dict[str, Any]:
+    return params.sampling_params().to_dict()
+
+
 class LocalBackend:
     """Backend over a `Runtime` living in this process (the kernel's). A LLaVA runtime also takes
     `image()` / `video()`: each is loaded, hashed and preprocessed once by the runtime's
@@ -48,8 +54,12 @@ class LocalBackend:
 
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
         """`Runtime.generate`'s `sampling_params` of a gen's merged `params`: every field of
-        their `SamplingParams` (checked here, so a bad value fails before any request)."""
-        return params.sampling_params().to_dict()
+        their `SamplingParams` (checked here, so a bad value fails before any request). The
+        runtime copies the dict; it is computed once per distinct `params`."""
+        try:
+            return _sampling_dict(params)
+        except TypeError:  # a value that cannot be hashed (a dict, a list)
+            return params.sampling_params().to_dict()
 
     # ---- media -------------------------------------------------------------------------------
     def prepare_media(self, kind: str, source: Any, *,
@@ -158,7 +168,8 @@ class LocalBackend:
                                            sampling_params={"max_new_tokens": 0}, stream=True)
         else:
             stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True)
-        await stream.aresults()
+        async for _ in stream:  # a runtime's wrapper may stream without `aresults`
+            pass
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str, *,
                media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
