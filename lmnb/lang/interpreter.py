@@ -135,7 +135,7 @@ def _merged(params: GenParams, defaults: GenParams) -> GenParams:
     return params.merged_over(defaults)
 
 
-def merged_params(params: GenParams, defaults: GenParams) -> GenParams:
+def merged_over_defaults(params: GenParams, defaults: GenParams) -> GenParams:
     """`params.merged_over(defaults)`, computed once per distinct pair (a batch's programs
     write the same gens)."""
     try:
@@ -479,7 +479,7 @@ class StreamExecutor:
             await self._gen(expr)
 
     async def _gen(self, expr: Gen) -> None:
-        params = merged_params(expr.params, self.defaults)
+        params = merged_over_defaults(expr.params, self.defaults)
         if self._role == "assistant":  # the turn's end stops it too, as in SGLang
             stops, stop_ids = self.backend.chat_template.end_of_turn()
             params = replace(params, stop=(*(params.stop or ()), *stops) or None,
