@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
-        label: str = "") -> dict[str, Any]:
+        model_label: str = "") -> dict[str, Any]:
     job = programs.mmlu(random.Random(programs.SEED), args.scale)  # the data, built once
 
     def dsl_job() -> Callable[[Any], int]:
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
             dsl_job()(backend_type(runtime))
         profile = {"cumulative": top_table(profiles, "cumulative", args.top),
                    "tottime": top_table(profiles, "tottime", args.top)}
-    print(f"dsl_overhead: MMLU 5-shot, {count} programs ({len(recorded)} gens), {label} on "
+    print(f"dsl_overhead: MMLU 5-shot, {count} programs ({len(recorded)} gens), {model_label} on "
           f"{runtime.device}, radix cache {'off' if args.disable_radix_cache else 'on'}")
     print(format_table(
         ["path", "programs", "seconds", "cpu s", "prog/s", "cpu ms/prog", "engine thr ms",
@@ -279,12 +279,12 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     print(f"DSL CPU per program (one gen) / raw text generate per request: {dsl / floor:.2f}x "
           f"(target <= 1.1x); wall time: {wall:.2f}x")
     for sort, table in profile.items():
-        print(f"\n---- DSL run, profile by {sort} (threads the run started + main) ----")
+        print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
     payload = {
         "benchmark": "dsl_overhead",
         "config": {"workload": "mmlu", "scale": args.scale, "programs": count,
-                   "repeats": args.repeats, "model": label,
+                   "repeats": args.repeats, "model": model_label,
                    "radix_cache": not args.disable_radix_cache},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
