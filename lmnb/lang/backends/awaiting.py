@@ -42,8 +42,7 @@ def _awaited_calls(cls: type) -> frozenset[str]:
     """The calls of a backend class that are awaited (`generate` for `agenerate`, ...): all of an
     `AsyncBackend`'s, except those whose blocking form a subclass overrides (a subclass of
     `LocalBackend` that wraps `generate` is called through its `generate`)."""
-    if not all(callable(getattr(cls, name, None))
-               for name in ("agenerate", "aselect", "acache_prefix")):
+    if not issubclass(cls, AsyncBackend):
         return frozenset()
     calls = set()
     for name in ("generate", "select", "cache_prefix"):
