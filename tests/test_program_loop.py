@@ -243,3 +243,32 @@ def test_arun_and_run_batch_iter_leave_the_callers_loop_free(rt):
     assert text == expected["Hi"]
     assert sorted(texts) == sorted([expected["Yes"], expected["No"]])
     assert ticks > 0
+
+
+def test_one_wake_up_of_the_loop_per_burst_of_deliveries():
+    """The output thread delivers to every stream of a step; the loop awaiting them all is
+    woken once (one self-pipe write), not once per stream."""
+    from lmnb.runtime.output.stream import OutputStream
+
+    streams = [OutputStream([rid]) for rid in range(100)]
+    calls = []
+
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), threadsafe(*a))[1]
+        readers = [asyncio.ensure_future(stream.aresults()) for stream in streams]
+        await asyncio.sleep(0)  # every reader awaits its stream now
+
+        def deliver() -> None:
+            for rid, stream in enumerate(streams):
+                stream.deliver([{"text": f"t{rid}", "output_ids": [rid], "meta_info": {
+                    "id": str(rid), "finish_reason": {"type": "stop"}}}])
+
+        producer = threading.Thread(target=deliver)
+        producer.start()
+        producer.join()  # the loop is held meanwhile: the burst ends before it runs again
+        return [result[0]["text"] for result in await asyncio.gather(*readers)]
+
+    assert asyncio.run(main()) == [f"t{rid}" for rid in range(100)]
+    assert len(calls) == 1
