@@ -82,12 +82,13 @@ def echo(s, word):
 def test_two_thousand_programs_run_at_once_on_one_loop():
     size = 2000
     backend = BarrierBackend(size)
-    threads = threading.active_count()
+    program_loop()
+    threads = {thread.ident for thread in threading.enumerate()}
     states = echo.run_batch([{"word": f"w{i}"} for i in range(size)], backend=backend)
     assert backend.most == size  # every gen was in flight at the same time
     assert [s["said"] for s in states] == [f"w{i}"[::-1] for i in range(size)]
     assert all(s["pick"] == "no" for s in states)
-    assert threading.active_count() <= threads + 1, [t.name for t in threading.enumerate()]
+    assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
 
 
 def test_programs_and_forks_take_no_thread():
@@ -124,16 +125,19 @@ def wait_idle(rt: lmnb.Runtime) -> None:
 def test_no_thread_is_left_after_a_thousand_runs(rt):
     @lmnb.function
     def one(s, i):
-        s += f"Number {i}:" + gen("n", max_tokens=1, temperature=0)
+        s += "Number " + str(i) + ":" + gen("n", max_tokens=1, temperature=0)
+        s += " is " + s["n"]
 
-    backend = LocalBackend(rt)
-    one.run(0, backend=backend)  # the program loop exists
-    threads = threading.active_count()
-    for i in range(1000):
-        assert one.run(i, backend=backend)["n"] is not None
-    states = one.run_batch([{"i": i} for i in range(100)], backend=backend)
+    fake, local = BarrierBackend(1), LocalBackend(rt)
+    one.run(0, backend=local)  # the program loop exists
+    threads = {thread.ident for thread in threading.enumerate()}
+    for i in range(1000):  # the interpreter's machinery, on a backend that costs nothing
+        assert one.run(i, backend=fake)["n"] == f"{i}:"[::-1]
+    for i in range(50):  # and over the runtime's output streams
+        assert isinstance(one.run(i, backend=local)["n"], str)
+    states = one.run_batch([{"i": i} for i in range(100)], backend=local)
     assert all(isinstance(s["n"], str) for s in states)
-    assert threading.active_count() == threads
+    assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
 
 
 class HoldingBackend(LocalBackend):
