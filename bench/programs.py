@@ -198,6 +198,9 @@ class RecordedStream:
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self._aiter()
 
+    async def aresults(self) -> list[dict[str, Any]]:
+        return self.chunks.merge([chunk async for chunk in self])
+
     async def _aiter(self) -> AsyncIterator[dict[str, Any]]:
         try:
             async for chunk in self.chunks:

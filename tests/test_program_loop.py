@@ -276,3 +276,21 @@ def test_one_wake_up_of_the_loop_per_burst_of_deliveries():
 
     assert asyncio.run(main()) == [f"t{rid}" for rid in range(100)]
     assert len(calls) == 1
+
+
+def test_selects_are_scored_on_the_loop_without_threads(rt):
+    @lmnb.function
+    def pick(s, q):
+        s += q + " The answer is" + select("a", choices=[" yes", " no", " maybe"])
+
+    backend = LocalBackend(rt)
+    pick.run("Warm up.", backend=backend)
+    threads = {thread.ident for thread in threading.enumerate()}
+    questions = [f"Question {i}: is {i} even?" for i in range(12)]
+    states = pick.run_batch([{"q": q} for q in questions], backend=backend)
+    assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
+    for q, state in zip(questions, states, strict=True):  # as the blocking scorer scores them
+        _, meta = backend.select(q + " The answer is", (" yes", " no", " maybe"),
+                                 "token_length_normalized")
+        assert state.get_meta_info("a")["normalized_prompt_logprobs"] == pytest.approx(
+            meta["normalized_prompt_logprobs"], abs=1e-4)

@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmnb.lang.backends.awaiting import in_thread
 from lmnb.lang.backends.base import (
     CancelEvent,
     Generation,
@@ -19,6 +18,7 @@ from lmnb.lang.backends.base import (
 )
 from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.chat_template import ChatTemplate
+from lmnb.lang.event_loop import block_on, run_body
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
@@ -33,6 +33,34 @@ _IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safe
 @functools.lru_cache(maxsize=1024)
 def _sampling_dict(params: GenParams) -> dict[str, Any]:
     return params.sampling_params().to_dict()
+
+
+class AwaitedRuntime:
+    """A runtime as the choice scorer calls it (`encode`, `tokenizer`, a blocking `generate`,
+    `cache_prefix`), from a greenlet on the program loop: each `generate` is submitted as a
+    stream and awaited there (`block_on` suspends the greenlet), so no thread waits on it."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.tokenizer = runtime.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.runtime.encode(text)
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, *,
+                 input_ids: Any = None, **options: Any) -> Any:
+        stream = self.runtime.generate(prompt, sampling_params, input_ids=input_ids,
+                                       stream=True, **options)
+        results = block_on(stream.aresults())
+        batch = isinstance(prompt, list) or (
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
+        return results if batch or len(results) != 1 else results[0]
+
+    def cache_prefix(self, prompt: str | None = None, *,
+                     input_ids: Sequence[int] | None = None) -> int:
+        out = self.generate(prompt, {"max_new_tokens": 0},
+                            input_ids=None if input_ids is None else list(input_ids))
+        return out["meta_info"]["prompt_tokens"]
 
 
 class LocalBackend:
@@ -160,8 +188,10 @@ class LocalBackend:
 
     async def aselect(self, prompt: str, choices: tuple[str, ...], method: str, *,
                       media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
-        """`select` on a pool thread: scoring makes several blocking runtime calls in turn."""
-        return await in_thread(self.select, prompt, choices, method, media=media)
+        """`select` on the program loop: the scoring (several runtime calls in turn) runs as a
+        greenlet whose calls are submitted as streams and awaited (`AwaitedRuntime`)."""
+        return await run_body(self._select, AwaitedRuntime(self.runtime), prompt, choices,
+                              method, media)
 
     async def acache_prefix(self, prompt: str, *, media: Sequence[MediaInput] = ()) -> None:
         """`cache_prefix` as a coroutine: a prefill-only request, its stream awaited."""
@@ -180,9 +210,13 @@ class LocalBackend:
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str, *,
                media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
+        return self._select(self.runtime, prompt, choices, method, media)
+
+    def _select(self, runtime: Any, prompt: str, choices: tuple[str, ...], method: str,
+                media: Sequence[MediaInput]) -> tuple[str, dict]:
         from lmnb.lang.choices import RuntimeChoiceScorer, select_choice
 
-        scorer = RuntimeChoiceScorer(self.runtime, media=media_data(media),
+        scorer = RuntimeChoiceScorer(runtime, media=media_data(media),
                                      media_token_ids=self.media_token_ids() if media else
                                      frozenset())
         result = select_choice(scorer, prompt, choices, method)

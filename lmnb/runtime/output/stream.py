@@ -221,15 +221,16 @@ class OutputStream:
         """Blocks until every request ends; one whole result per request, in `rids` order
         (texts and ids concatenated; give whole ids with `incremental=False`, since a
         jump-forward re-tokenizes ids already streamed)."""
-        return self._merge(list(self))
+        return self.merge(list(self))
 
     async def aresults(self) -> list[Chunk]:
         try:
-            return self._merge([chunk async for chunk in self])
+            return self.merge([chunk async for chunk in self])
         finally:
             self.close()
 
-    def _merge(self, chunks: list[Chunk]) -> list[Chunk]:
+    def merge(self, chunks: list[Chunk]) -> list[Chunk]:
+        """One whole result per request of this stream's `chunks`, in `rids` order."""
         texts: list[list[str]] = [[] for _ in self.rids]
         ids: list[list[int]] = [[] for _ in self.rids]
         metas: list[dict[str, Any]] = [{} for _ in self.rids]
