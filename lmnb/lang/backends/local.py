@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from lmnb.lang.backends.base import (
 )
 from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.chat_template import ChatTemplate
+from lmnb.lang.event_loop import block_on, run_body
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
@@ -26,6 +28,39 @@ if TYPE_CHECKING:
 
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
 _IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safety net only
+
+
+@functools.lru_cache(maxsize=1024)
+def _sampling_dict(params: GenParams) -> dict[str, Any]:
+    return params.sampling_params().to_dict()
+
+
+class AwaitedRuntime:
+    """A runtime as the choice scorer calls it (`encode`, `tokenizer`, a blocking `generate`,
+    `cache_prefix`), from a greenlet on the program loop: each `generate` is submitted as a
+    stream and awaited there (`block_on` suspends the greenlet), so no thread waits on it."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.tokenizer = runtime.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.runtime.encode(text)
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, *,
+                 input_ids: Any = None, **options: Any) -> Any:
+        stream = self.runtime.generate(prompt, sampling_params, input_ids=input_ids,
+                                       stream=True, **options)
+        results = block_on(stream.aresults())
+        batch = isinstance(prompt, list) or (
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
+        return results if batch or len(results) != 1 else results[0]
+
+    def cache_prefix(self, prompt: str | None = None, *,
+                     input_ids: Sequence[int] | None = None) -> int:
+        out = self.generate(prompt, {"max_new_tokens": 0},
+                            input_ids=None if input_ids is None else list(input_ids))
+        return out["meta_info"]["prompt_tokens"]
 
 
 class LocalBackend:
@@ -53,8 +88,12 @@ class LocalBackend:
 
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
         """`Runtime.generate`'s `sampling_params` of a gen's merged `params`: every field of
-        their `SamplingParams` (checked here, so a bad value fails before any request)."""
-        return params.sampling_params().to_dict()
+        their `SamplingParams` (checked here, so a bad value fails before any request). The
+        runtime copies the dict; it is computed once per distinct `params`."""
+        try:
+            return _sampling_dict(params)
+        except TypeError:  # a value that cannot be hashed (a dict, a list)
+            return params.sampling_params().to_dict()
 
     # ---- media -------------------------------------------------------------------------------
     def prepare_media(self, kind: str, source: Any, *,
@@ -77,15 +116,50 @@ class LocalBackend:
         return frozenset(i for i in ids if i is not None)
 
     # ---- Backend -----------------------------------------------------------------------------
-    def generate(self, prompt: str, params: GenParams, *,
-                 on_delta: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None,
-                 media: Sequence[MediaInput] = ()) -> Generation:
-        chunks = self.runtime.generate(
+    def _submit(self, prompt: str, params: GenParams, media: Sequence[MediaInput]) -> Any:
+        """Submits one gen's request(s); their `OutputStream`, consumed by a thread or a task."""
+        return self.runtime.generate(
             sampling_params=self.sampling_params(params),
             return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
             top_logprobs_num=params.top_logprobs_num, stream=True, **self._prompt(prompt, media))
+
+    def _generation(self, gen: GenTexts, params: GenParams) -> Generation:
+        if params.return_text_in_logprobs:
+            texts = TokenTexts(self.runtime.tokenizer)
+            gen.metas = [with_token_texts(meta, texts) for meta in gen.metas]
+        return gen.generation()
+
+    async def agenerate(self, prompt: str, params: GenParams, *,
+                        on_delta: Callable[[str], None] | None = None,
+                        cancel: threading.Event | None = None,
+                        media: Sequence[MediaInput] = ()) -> Generation:
+        """`generate` as a coroutine (the program loop's): the request goes straight into the
+        runtime and its output stream is awaited; setting `cancel` (a `CancelEvent`) closes the
+        stream, which aborts the request and wakes the await."""
+        chunks = self._submit(prompt, params, media)
+        gen = GenTexts(params, on_delta)
+        unregister = cancel.on_set(chunks.close) if isinstance(cancel, CancelEvent) else None
+        try:
+            async for chunk in chunks:
+                if cancel is not None and cancel.is_set():
+                    break
+                index = chunk.get("index", 0)
+                if gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"]):
+                    break
+            if cancel is not None and cancel.is_set():
+                raise ProgramAborted("the program was interrupted")
+        finally:
+            if unregister is not None:
+                unregister()
+            chunks.close()  # aborts whatever is still running
+        return self._generation(gen, params)
+
+    def generate(self, prompt: str, params: GenParams, *,
+                 on_delta: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None,
+                 media: Sequence[MediaInput] = ()) -> Generation:
+        chunks = self._submit(prompt, params, media)
         gen = GenTexts(params, on_delta)
         wakes = isinstance(cancel, CancelEvent)
         # Setting the cancel event closes the stream, which wakes the wait below.
@@ -110,16 +184,39 @@ class LocalBackend:
             if unregister is not None:
                 unregister()
             chunks.close()  # aborts whatever is still running
-        if params.return_text_in_logprobs:
-            texts = TokenTexts(self.runtime.tokenizer)
-            gen.metas = [with_token_texts(meta, texts) for meta in gen.metas]
-        return gen.generation()
+        return self._generation(gen, params)
+
+    async def aselect(self, prompt: str, choices: tuple[str, ...], method: str, *,
+                      media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
+        """`select` on the program loop: the scoring (several runtime calls in turn) runs as a
+        greenlet whose calls are submitted as streams and awaited (`AwaitedRuntime`)."""
+        return await run_body(self._select, AwaitedRuntime(self.runtime), prompt, choices,
+                              method, media)
+
+    async def acache_prefix(self, prompt: str, *, media: Sequence[MediaInput] = ()) -> None:
+        """`cache_prefix` as a coroutine: a prefill-only request, its stream awaited."""
+        if not prompt:
+            return
+        if media:
+            stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True,
+                                           **media_data(media))
+        elif self.prompt_tokens is not None:
+            stream = self.runtime.generate(input_ids=self.prompt_tokens.encode(prompt),
+                                           sampling_params={"max_new_tokens": 0}, stream=True)
+        else:
+            stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True)
+        async for _ in stream:  # a runtime's wrapper may stream without `aresults`
+            pass
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str, *,
                media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
+        return self._select(self.runtime, prompt, choices, method, media)
+
+    def _select(self, runtime: Any, prompt: str, choices: tuple[str, ...], method: str,
+                media: Sequence[MediaInput]) -> tuple[str, dict]:
         from lmnb.lang.choices import RuntimeChoiceScorer, select_choice
 
-        scorer = RuntimeChoiceScorer(self.runtime, media=media_data(media),
+        scorer = RuntimeChoiceScorer(runtime, media=media_data(media),
                                      media_token_ids=self.media_token_ids() if media else
                                      frozenset())
         result = select_choice(scorer, prompt, choices, method)
