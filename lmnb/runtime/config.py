@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lmnb.runtime.speculative.config import SpeculativeConfig
+
 # Accepted dtype spellings -> canonical names (the attribute names in `torch`).
 DTYPE_NAMES: dict[str, str] = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -78,6 +80,16 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks: this process and tp_size - 1 spawned workers
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
     check_integrity_each_step: bool = False  # KV slot accounting after every step (tests)
+    # Speculative decoding (SGLang's names; see speculative/config.py): None | 'NGRAM'
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None  # verify positions: last token + drafts
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"  # 'BFS' (most recent) | 'PROB' (most frequent)
+    speculative_ngram_max_trie_depth: int = 18  # longest context suffix matched
+    speculative_ngram_capacity: int = 10_000_000  # tokens of recent requests kept
+    speculative_max_batch_size: int = 8  # lmnb: larger decode batches do not speculate
+    speculative_min_accept_rate: float = 0.15  # lmnb: below it a request pauses speculation
 
     def __post_init__(self) -> None:
         for path_field in ("model_path", "tokenizer_path"):
@@ -124,6 +136,22 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         self._check_policy()
         self._check_grammar_backend()
+        speculative = self.speculative()
+        if speculative is not None and self.tp_size > 1:
+            raise ValueError("speculative_algorithm is not supported with tp_size > 1")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The validated speculative-decoding options; None without `speculative_algorithm`."""
+        return SpeculativeConfig.from_options(
+            algorithm=self.speculative_algorithm,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            min_bfs_breadth=self.speculative_ngram_min_bfs_breadth,
+            max_bfs_breadth=self.speculative_ngram_max_bfs_breadth,
+            match_type=self.speculative_ngram_match_type,
+            max_trie_depth=self.speculative_ngram_max_trie_depth,
+            capacity=self.speculative_ngram_capacity,
+            max_batch_size=self.speculative_max_batch_size,
+            min_accept_rate=self.speculative_min_accept_rate)
 
     def _check_grammar_backend(self) -> None:
         """'lmnb' or 'xgrammar' (EBNF grammars always go through xgrammar); 'xgrammar' needs the

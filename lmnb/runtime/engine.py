@@ -53,6 +53,7 @@ from lmnb.runtime.scheduler import (
     SchedulerThread,
     StopRules,
 )
+from lmnb.runtime.speculative.speculator import NgramSpeculator
 
 _PIN_ATTEMPTS = 3
 SHARED_PREFIX_MIN_TOKENS = 64  # a decode group's prefix worth reading once (one KV tile)
@@ -155,6 +156,9 @@ class Runtime:
         self._pins = PrefixPins(self._cache)  # touched on the scheduler thread only
         self._outputs = OutputProcessor()
         self._outputs.start()
+        speculative = config.speculative()
+        self._speculator = (NgramSpeculator(speculative, self.eos_token_ids)
+                            if speculative is not None else None)
         scheduler = Scheduler(
             runner=self._runner,
             cache=CacheManager(self._cache, allocator, self._runner.req_to_token_pool),
@@ -162,7 +166,8 @@ class Runtime:
             stop_rules=StopRules(self.eos_token_ids), sink=self._outputs,
             tokenizer=self.tokenizer,
             jump_forward=None if config.disable_jump_forward else JumpForward(self.tokenizer),
-            vocab_size=self.model_config.vocab_size)
+            vocab_size=self.model_config.vocab_size, speculator=self._speculator,
+            verifier=self._runner if self._speculator is not None else None)
         self._scheduler = SchedulerThread(scheduler)
         self._tokenizer_lock = threading.Lock()
         self._grammars = GrammarFactory(self.tokenizer, vocab_size=self.model_config.vocab_size,
@@ -262,6 +267,7 @@ class Runtime:
                 max_total_tokens=allocator.size, free_tokens=allocator.available(),
                 running=len(scheduler.table.running), waiting=len(scheduler.table.waiting),
                 pinned_prefixes=len(self._pins), pinned_tokens=self._pins.tokens(),
+                speculative=self._speculator.report() if self._speculator else None,
                 **self._runner.media_counters())
             return stats
 
@@ -308,6 +314,8 @@ class Runtime:
             if scheduler.has_work:
                 return False
             cache.evict(cache.evictable_size())
+            if self._speculator is not None:
+                self._speculator.reset()
             if not self._pins:  # a pinned path stays; without pins the tree starts afresh
                 cache.reset()
             return True

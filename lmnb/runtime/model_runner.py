@@ -11,7 +11,7 @@ import torch
 from lmnb.multimodal.embedding_cache import EmbeddingCache
 from lmnb.runtime import memory_profile
 from lmnb.runtime.config import EngineConfig, ModelConfig
-from lmnb.runtime.core import Batch, ForwardMode, StepOutput
+from lmnb.runtime.core import Batch, ForwardMode, StepOutput, VerifyOutput
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
 from lmnb.runtime.kernels.metadata import host_int64
@@ -32,6 +32,7 @@ from lmnb.runtime.sampling import (
     stack_bitmasks,
 )
 from lmnb.runtime.sampling.row import SamplingRow
+from lmnb.runtime.speculative.verify import draft_bitmasks, expanded_rows, verify_drafts
 
 if TYPE_CHECKING:
     from lmnb.runtime.distributed.group import TPGroup
@@ -265,6 +266,23 @@ class ModelRunner:
             if len(sample_rows) == batch.size:
                 self._last_sampled = sampled.next_token_ids
         return PendingStep(self, batch, hidden, sample_rows, sampled)
+
+    @torch.inference_mode()
+    def verify(self, batch: Batch, rows: Sequence[SamplingRow]) -> VerifyOutput:
+        """A speculative verify pass (`batch.drafts`; `rows`: every request's sampling state):
+        one eager EXTEND forward over each request's last token and drafts (CUDA graphs capture
+        decode passes only), the target's logits at every position, and per request the tokens
+        it keeps (`speculative.verify`)."""
+        if self.tp is not None:
+            raise RuntimeError("speculative verify passes do not run tensor-parallel")
+        hidden, _ = self._forward(self.forward_batch(batch), batch)
+        logits = self.model.compute_logits(hidden)
+        rows = list(rows)
+        info = self.sampler.batch_info(expanded_rows(rows, batch.drafts), self.device)
+        self._batch_info = None  # outputs grew by several tokens: rebuilt for the next decode
+        self._last_sampled = None
+        return verify_drafts(self.sampler, logits, info,
+                             draft_bitmasks(rows, batch.drafts, info, self.device), batch.drafts)
 
     def _previous_tokens(self, batch: Batch) -> torch.Tensor:
         """The input ids of a `follows_previous` batch: the last launch's sampled tokens (all,

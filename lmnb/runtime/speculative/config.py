@@ -1,0 +1,79 @@
+"""`SpeculativeConfig`: the speculative-decoding options of `EngineConfig` (SGLang's names),
+validated; no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ALGORITHMS = ("NGRAM",)
+MATCH_TYPES = ("BFS", "PROB")
+DEFAULT_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """`num_draft_tokens` counts, as in SGLang, the verify pass's positions: the request's last
+    token plus `num_draft_tokens - 1` draft tokens. lmnb drafts a chain (one continuation), so the
+    BFS breadths only bound nothing wider than 1; they are validated and kept for SGLang command
+    lines. `max_batch_size` and `min_accept_rate` are lmnb's: decode batches with more requests,
+    and requests whose recent drafts are accepted less often, decode without speculation."""
+
+    algorithm: str = "NGRAM"
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    ngram_min_bfs_breadth: int = 1
+    ngram_max_bfs_breadth: int = 10
+    ngram_match_type: str = "BFS"
+    ngram_max_trie_depth: int = 18
+    ngram_capacity: int = 10_000_000
+    max_batch_size: int = 8
+    min_accept_rate: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            extra = (" (STANDALONE, a draft model, is not implemented yet)"
+                     if self.algorithm == "STANDALONE" else "")
+            raise ValueError(f"unknown speculative_algorithm {self.algorithm!r}; choose one of: "
+                             f"{', '.join(ALGORITHMS)}{extra}")
+        _at_least("speculative_num_draft_tokens", self.num_draft_tokens, 2)
+        _at_least("speculative_ngram_min_bfs_breadth", self.ngram_min_bfs_breadth, 1)
+        _at_least("speculative_ngram_max_bfs_breadth", self.ngram_max_bfs_breadth,
+                  self.ngram_min_bfs_breadth)
+        _at_least("speculative_ngram_max_trie_depth", self.ngram_max_trie_depth, 1)
+        _at_least("speculative_ngram_capacity", self.ngram_capacity, 1)
+        _at_least("speculative_max_batch_size", self.max_batch_size, 1)
+        if self.ngram_match_type not in MATCH_TYPES:
+            raise ValueError(f"speculative_ngram_match_type must be one of "
+                             f"{', '.join(MATCH_TYPES)}, got {self.ngram_match_type!r}")
+        rate = self.min_accept_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"speculative_min_accept_rate must be in [0, 1], got {rate!r}")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Draft tokens per verify pass (the last token is verified with them)."""
+        return self.num_draft_tokens - 1
+
+    @classmethod
+    def from_options(cls, *, algorithm: Any, num_draft_tokens: Any, min_bfs_breadth: Any,
+                     max_bfs_breadth: Any, match_type: Any, max_trie_depth: Any, capacity: Any,
+                     max_batch_size: Any, min_accept_rate: Any) -> SpeculativeConfig | None:
+        """From `EngineConfig`'s fields; None when `algorithm` is None (no speculation)."""
+        if algorithm is None:
+            return None
+        if not isinstance(algorithm, str):
+            raise ValueError(f"speculative_algorithm must be a name or None, got {algorithm!r}")
+        return cls(algorithm=algorithm.upper(),
+                   num_draft_tokens=(DEFAULT_NUM_DRAFT_TOKENS if num_draft_tokens is None
+                                     else num_draft_tokens),
+                   ngram_min_bfs_breadth=min_bfs_breadth, ngram_max_bfs_breadth=max_bfs_breadth,
+                   ngram_match_type=match_type, ngram_max_trie_depth=max_trie_depth,
+                   ngram_capacity=capacity, max_batch_size=max_batch_size,
+                   min_accept_rate=min_accept_rate)
+
+
+def _at_least(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

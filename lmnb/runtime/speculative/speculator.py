@@ -1,0 +1,205 @@
+"""`NgramSpeculator`: the scheduler's speculative-decoding partner. Per decode step it proposes
+each running request's draft chain (or none), learns from each verify pass, keeps the n-gram
+index of every live request (its prompt and output) and of recent finished ones, and reports.
+
+A request drafts only when its sampling state along the chain is the one at its first position
+(no penalties, `min_new_tokens` reached), when its grammar (if any) can be forked, and when its
+`RequestGate` is open; a batch larger than `max_batch_size` does not speculate at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmnb.runtime.core import Req
+from lmnb.runtime.fsm.protocol import Grammar
+from lmnb.runtime.scheduler.request_state import ReqState
+from lmnb.runtime.speculative.config import SpeculativeConfig
+from lmnb.runtime.speculative.gate import RequestGate
+from lmnb.runtime.speculative.ngram import NgramCorpus, TokenSequence
+
+MIN_MATCH = 2  # context tokens a continuation must match (one token alone rarely predicts)
+
+
+@dataclass(slots=True)
+class _Track:
+    """One live request's index and gate."""
+
+    sequence: TokenSequence
+    output_ref: list[int]  # the request's output list when indexed (jump-forward replaces it)
+    indexed_output: int
+    gate: RequestGate = field(default_factory=RequestGate)
+
+
+class NgramSpeculator:
+    def __init__(self, config: SpeculativeConfig, eos_token_ids: Iterable[int]) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.corpus = NgramCorpus(config.ngram_capacity)
+        self._tracks: dict[int, _Track] = {}
+        self.verify_passes = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.pauses = 0
+        self.large_batch_steps = 0  # decode steps that did not speculate: batch too large
+        self.state = "idle"
+
+    # ---- proposing ----------------------------------------------------------------------------
+    def propose(self, states: Sequence[ReqState], room: int) -> list[list[int]] | None:
+        """Per request (in order) its draft tokens, at most `room` in all; None when no request
+        has any (the step is a plain decode)."""
+        if len(states) > self.config.max_batch_size:
+            self.large_batch_steps += 1
+            self.state = (f"off: batch of {len(states)} > speculative_max_batch_size "
+                          f"{self.config.max_batch_size}")
+            return None
+        drafts: list[list[int]] = []
+        for state in states:
+            d = self._draft(state, room) if room > 0 else []
+            room -= len(d)
+            drafts.append(d)
+        if not any(drafts):
+            self.state = "on: no drafts this step"
+            return None
+        self.state = "on: verifying"
+        return drafts
+
+    def may_draft(self, states: Iterable[ReqState]) -> bool:
+        """Whether some request might draft at its next step (the overlap schedule must then
+        stop: drafts need the token in flight). `states` after their token in flight."""
+        states = list(states)
+        if len(states) > self.config.max_batch_size:
+            return False
+        return any(self._eligible(state) and self._gate(state.req).open(
+            len(state.req.output_ids) + 1) for state in states)
+
+    def _eligible(self, state: ReqState) -> bool:
+        params = state.sampling_params
+        return not params.has_penalties and params.min_new_tokens <= len(state.req.output_ids)
+
+    def _draft(self, state: ReqState, room: int) -> list[int]:
+        req = state.req
+        k = min(self.config.max_draft_tokens, room,
+                req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+        if k <= 0 or not self._eligible(state):
+            return []
+        track = self._track(req)
+        output_len = len(req.output_ids)
+        if not track.gate.open(output_len):
+            return []
+        fork = None
+        if state.grammar is not None and (fork := state.grammar.fork()) is None:
+            return []
+        drafts = self._find(track.sequence, k)
+        if fork is not None and drafts:
+            stops = self.eos_token_ids.union(req.sampling_params.stop_token_ids)
+            drafts = passing_prefix(fork, drafts, stops)
+        if not drafts:
+            track.gate.missed(output_len)
+        return drafts
+
+    def _find(self, sequence: TokenSequence, k: int) -> list[int]:
+        config = self.config
+        options = dict(k=k, max_depth=config.ngram_max_trie_depth, min_depth=MIN_MATCH,
+                       prefer_frequent=config.ngram_match_type == "PROB")
+        own = sequence.find(sequence.tokens, periodic=True, **options)
+        if own is not None and own.depth >= config.ngram_max_trie_depth:
+            return own.tokens
+        other = self.corpus.find(sequence.tokens[-config.ngram_max_trie_depth:], **options)
+        if other is not None and (own is None or other.depth > own.depth):
+            return other.tokens
+        return own.tokens if own is not None else []
+
+    def _track(self, req: Req) -> _Track:
+        """The request's index, brought up to date with its output."""
+        track = self._tracks.get(req.rid)
+        if track is None or track.output_ref is not req.output_ids:
+            gate = track.gate if track is not None else RequestGate()
+            track = _Track(TokenSequence(req.text_prompt_ids), req.output_ids, 0, gate)
+            self._tracks[req.rid] = track
+        if track.indexed_output < len(req.output_ids):
+            track.sequence.extend(req.output_ids[track.indexed_output:])
+            track.indexed_output = len(req.output_ids)
+        return track
+
+    def _gate(self, req: Req) -> RequestGate:
+        track = self._tracks.get(req.rid)
+        return track.gate if track is not None else RequestGate()
+
+    # ---- learning -----------------------------------------------------------------------------
+    def verified(self, req: Req, *, drafted: int, accepted: int) -> None:
+        """After a verify pass, before its tokens are appended to `req.output_ids`."""
+        if not drafted:
+            return
+        self.verify_passes += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        req.spec_verify_ct += 1
+        req.spec_draft_tokens += drafted
+        req.spec_accepted_tokens += accepted
+        if self._gate(req).verified(drafted=drafted, accepted=accepted,
+                                    output_len=len(req.output_ids) + accepted + 1,
+                                    min_rate=self.config.min_accept_rate):
+            self.pauses += 1
+
+    def finished(self, req: Req, *, keep: bool) -> None:
+        """A request ended: its tokens join the corpus of recent requests when `keep`."""
+        track = self._tracks.pop(req.rid, None)
+        if not keep:
+            return
+        if track is not None and track.output_ref is req.output_ids:
+            track.sequence.extend(req.output_ids[track.indexed_output:])
+            self.corpus.add(track.sequence.tokens)
+        else:
+            self.corpus.add([*req.text_prompt_ids, *req.output_ids])
+
+    def reset(self) -> None:
+        """Forgets the recent requests (`flush_cache`)."""
+        self.corpus.clear()
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """`stats()["speculative"]`."""
+        passes = self.verify_passes
+        return {
+            "algorithm": self.config.algorithm,
+            "num_draft_tokens": self.config.num_draft_tokens,
+            "state": self.state,
+            "verify_passes": passes,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accept_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            # tokens a verify pass yields: the accepted drafts and the target's own token
+            "mean_accept_length": (self.accepted_tokens + passes) / passes if passes else 0.0,
+            "pauses": self.pauses,
+            "paused_requests": sum(1 for t in self._tracks.values()
+                                   if t.gate.resume_at > t.indexed_output + 1),
+            "large_batch_steps": self.large_batch_steps,
+            "corpus_tokens": self.corpus.tokens,
+        }
+
+
+def passing_prefix(grammar: Grammar, drafts: Sequence[int], stop_ids: frozenset[int]
+                   ) -> list[int]:
+    """The longest prefix of `drafts` the constraint allows (walking `grammar`, a fork), cut
+    after a stop id or where the constraint completes or dies (the request would end there)."""
+    kept: list[int] = []
+    for token in drafts:
+        if not _allows(grammar.bitmask(stop_ids, "cpu"), token):
+            break
+        kept.append(token)
+        if token in stop_ids:
+            break
+        grammar.advance(token)
+        if grammar.is_final or grammar.is_dead:
+            break
+    return kept
+
+
+def _allows(bitmask: torch.Tensor, token: int) -> bool:
+    word, bit = divmod(token, 32)
+    return 0 <= word < bitmask.numel() and bool((int(bitmask[word]) >> bit) & 1)
