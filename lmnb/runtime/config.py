@@ -90,6 +90,7 @@ class EngineConfig:
     speculative_ngram_capacity: int = 10_000_000  # tokens of recent requests kept
     speculative_max_batch_size: int = 8  # lmnb: larger decode batches do not speculate
     speculative_min_accept_rate: float = 0.15  # lmnb: below it a request pauses speculation
+    speculative_draft_policy: str = "adaptive"  # lmnb: 'adaptive' (cost model) | 'always'
 
     def __post_init__(self) -> None:
         for path_field in ("model_path", "tokenizer_path"):
@@ -151,7 +152,8 @@ class EngineConfig:
             max_trie_depth=self.speculative_ngram_max_trie_depth,
             capacity=self.speculative_ngram_capacity,
             max_batch_size=self.speculative_max_batch_size,
-            min_accept_rate=self.speculative_min_accept_rate)
+            min_accept_rate=self.speculative_min_accept_rate,
+            draft_policy=self.speculative_draft_policy)
 
     def _check_grammar_backend(self) -> None:
         """'lmnb' or 'xgrammar' (EBNF grammars always go through xgrammar); 'xgrammar' needs the

@@ -18,6 +18,7 @@ last token, room for one more token each); otherwise the pass in flight is proce
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -98,6 +99,9 @@ class Speculator(Protocol):
 
     def finished(self, req: Req, *, keep: bool) -> None:
         """`req` ended; `keep`: its tokens may serve later requests' drafts."""
+
+    def timed(self, batch: Batch, seconds: float) -> None:
+        """A pass run synchronously took `seconds` (what verify passes cost next to decodes)."""
 
 
 class PendingStep(Protocol):
@@ -199,22 +203,20 @@ class Scheduler:
             return False
         batch, reqs = scheduled
         rows = self._rows(batch, reqs)
-        if batch.is_verify and self.verifier is not None:
-            try:
-                verified = self.verifier.verify(batch, rows)
-            except Exception as error:
-                self._fail(reqs, error)
-                return True
-            self._complete(batch, reqs, verified)
-            return True
         if self._may_pipeline(batch, rows):
             self._launch(batch, reqs, rows)
             return True
+        start = time.perf_counter()
         try:
-            output = self.runner.run(batch, rows)
+            if batch.is_verify and self.verifier is not None:
+                output: StepOutput | VerifyOutput = self.verifier.verify(batch, rows)
+            else:
+                output = self.runner.run(batch, rows)
         except Exception as error:
             self._fail(reqs, error)
             return True
+        if self.speculator is not None:
+            self.speculator.timed(batch, time.perf_counter() - start)
         self._complete(batch, reqs, output)
         return True
 

@@ -8,6 +8,7 @@ from typing import Any
 
 ALGORITHMS = ("NGRAM",)
 MATCH_TYPES = ("BFS", "PROB")
+DRAFT_POLICIES = ("adaptive", "always")
 DEFAULT_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM
 
 
@@ -17,7 +18,10 @@ class SpeculativeConfig:
     token plus `num_draft_tokens - 1` draft tokens. lmnb drafts a chain (one continuation), so the
     BFS breadths only bound nothing wider than 1; they are validated and kept for SGLang command
     lines. `max_batch_size` and `min_accept_rate` are lmnb's: decode batches with more requests,
-    and requests whose recent drafts are accepted less often, decode without speculation."""
+    and requests whose recent drafts are accepted less often, decode without speculation;
+    `draft_policy` "adaptive" sizes each chain by the request's recent acceptance and the measured
+    cost of verify passes (so its drafts depend on timing), "always" drafts the longest chain the
+    n-gram index gives (deterministic; ablations and tests)."""
 
     algorithm: str = "NGRAM"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
@@ -28,6 +32,7 @@ class SpeculativeConfig:
     ngram_capacity: int = 10_000_000
     max_batch_size: int = 8
     min_accept_rate: float = 0.15
+    draft_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -45,6 +50,9 @@ class SpeculativeConfig:
         if self.ngram_match_type not in MATCH_TYPES:
             raise ValueError(f"speculative_ngram_match_type must be one of "
                              f"{', '.join(MATCH_TYPES)}, got {self.ngram_match_type!r}")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"speculative_draft_policy must be one of "
+                             f"{', '.join(DRAFT_POLICIES)}, got {self.draft_policy!r}")
         rate = self.min_accept_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
             raise ValueError(f"speculative_min_accept_rate must be in [0, 1], got {rate!r}")
@@ -57,7 +65,8 @@ class SpeculativeConfig:
     @classmethod
     def from_options(cls, *, algorithm: Any, num_draft_tokens: Any, min_bfs_breadth: Any,
                      max_bfs_breadth: Any, match_type: Any, max_trie_depth: Any, capacity: Any,
-                     max_batch_size: Any, min_accept_rate: Any) -> SpeculativeConfig | None:
+                     max_batch_size: Any, min_accept_rate: Any,
+                     draft_policy: Any) -> SpeculativeConfig | None:
         """From `EngineConfig`'s fields; None when `algorithm` is None (no speculation)."""
         if algorithm is None:
             return None
@@ -69,7 +78,7 @@ class SpeculativeConfig:
                    ngram_min_bfs_breadth=min_bfs_breadth, ngram_max_bfs_breadth=max_bfs_breadth,
                    ngram_match_type=match_type, ngram_max_trie_depth=max_trie_depth,
                    ngram_capacity=capacity, max_batch_size=max_batch_size,
-                   min_accept_rate=min_accept_rate)
+                   min_accept_rate=min_accept_rate, draft_policy=draft_policy)
 
 
 def _at_least(name: str, value: Any, minimum: int) -> None:

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from lmnb.runtime.core import Req
+from lmnb.runtime.core import Batch, ForwardMode, Req
 from lmnb.runtime.fsm.protocol import Grammar
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.speculative.config import SpeculativeConfig
-from lmnb.runtime.speculative.gate import RequestGate
+from lmnb.runtime.speculative.cost import PassCost
+from lmnb.runtime.speculative.gate import RequestGate, best_draft_length
 from lmnb.runtime.speculative.ngram import NgramCorpus, TokenSequence
 
 MIN_MATCH = 2  # context tokens a continuation must match (one token alone rarely predicts)
@@ -40,6 +41,7 @@ class NgramSpeculator:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.corpus = NgramCorpus(config.ngram_capacity)
+        self.cost = PassCost()
         self._tracks: dict[int, _Track] = {}
         self.verify_passes = 0
         self.draft_tokens = 0
@@ -89,7 +91,15 @@ class NgramSpeculator:
             return []
         track = self._track(req)
         output_len = len(req.output_ids)
-        if not track.gate.open(output_len):
+        gate = track.gate
+        if not gate.open(output_len):
+            return []
+        if self.config.draft_policy == "adaptive" and not gate.probe:
+            fixed, per_draft = self.cost.model()
+            k = best_draft_length(gate.alpha, fixed=fixed, per_draft=per_draft, longest=k)
+        if k == 0:  # drafts would not pay at this acceptance: a pause, then a fresh start
+            gate.pause_now(output_len)
+            self.pauses += 1
             return []
         fork = None
         if state.grammar is not None and (fork := state.grammar.fork()) is None:
@@ -131,6 +141,13 @@ class NgramSpeculator:
         return track.gate if track is not None else RequestGate()
 
     # ---- learning -----------------------------------------------------------------------------
+    def timed(self, batch: Batch, seconds: float) -> None:
+        """A synchronous decode or verify pass took `seconds` (the cost model's input)."""
+        if batch.is_verify:
+            self.cost.verified(seconds, sum(batch.extend_lens) - batch.size)
+        elif batch.mode is ForwardMode.DECODE:
+            self.cost.decoded(seconds)
+
     def verified(self, req: Req, *, drafted: int, accepted: int) -> None:
         """After a verify pass, before its tokens are appended to `req.output_ids`."""
         if not drafted:
@@ -179,6 +196,8 @@ class NgramSpeculator:
             "paused_requests": sum(1 for t in self._tracks.values()
                                    if t.gate.resume_at > t.indexed_output + 1),
             "large_batch_steps": self.large_batch_steps,
+            "verify_cost_model": dict(zip(("fixed", "per_draft"), self.cost.model(),
+                                          strict=True)),
             "corpus_tokens": self.corpus.tokens,
         }
 
