@@ -253,3 +253,15 @@ def test_speculative_options_are_validated() -> None:
     config = EngineConfig(speculative_algorithm="ngram").speculative()
     assert config is not None and config.max_draft_tokens == 11  # SGLang's default of 12
     assert EngineConfig().speculative() is None
+
+
+def test_cache_dashboard_shows_the_acceptance_rate(runtimes) -> None:
+    pytest.importorskip("anywidget")
+    from lmnb.widgets.cache_dashboard import CacheDashboard
+
+    _, spec = runtimes
+    spec.generate(COPY_PROMPTS[0], GREEDY)
+    dash = CacheDashboard(spec, interval_s=None, since_runtime_start=True)
+    assert dash.stats["speculative"]["accepted_tokens"] > 0
+    assert "draft tokens accepted" in repr(dash)
+    dash.close()
