@@ -54,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_total_tokens is not None:
         options["max_total_tokens"] = args.max_total_tokens
     for name in ("speculative_algorithm", "speculative_num_draft_tokens"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
+        if vars(args)[name] is not None:
+            options[name] = vars(args)[name]
     options.update(args.engine_options or {})
     with Runtime(args.model, **options) as runtime:
         if not args.watch_stdin:
