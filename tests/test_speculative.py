@@ -224,13 +224,17 @@ def test_sampling_with_speculation_stays_in_the_support_and_frees_kv(runtimes) -
     assert stats["free_tokens"] + stats["tree_tokens"] == stats["max_total_tokens"]
 
 
-def test_overlap_schedule_and_batch_limit_compose(tiny_models, runtimes) -> None:
+def test_overlap_schedule_batch_limit_and_decode_form_verify_compose(tiny_models,
+                                                                    runtimes) -> None:
+    """Overlap forced on the CPU, at most 2 requests speculate, and verify passes run as
+    decode batches (one row per position: the form CUDA graphs replay)."""
     base, _ = runtimes
     prompts = COPY_PROMPTS + RANDOM_PROMPTS[:1]
     want = base.generate(prompts, GREEDY)
     with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
                  max_total_tokens=4096, check_integrity_each_step=True,
-                 disable_overlap_schedule=False, speculative_max_batch_size=2, **SPEC) as rt:
+                 disable_overlap_schedule=False, speculative_max_batch_size=2,
+                 speculative_verify_mode="decode", **SPEC) as rt:
         got = rt.generate(prompts, GREEDY)
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
         one = rt.generate(COPY_PROMPTS[2], GREEDY)
@@ -248,6 +252,8 @@ def test_speculative_options_are_validated() -> None:
         EngineConfig(speculative_algorithm="NGRAM", speculative_ngram_match_type="DFS")
     with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
         EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1)
+    with pytest.raises(ValueError, match="speculative_verify_mode"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_verify_mode="tree")
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(speculative_algorithm="NGRAM", tp_size=2)
     config = EngineConfig(speculative_algorithm="ngram").speculative()

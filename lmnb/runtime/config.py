@@ -91,6 +91,7 @@ class EngineConfig:
     speculative_max_batch_size: int = 8  # lmnb: larger decode batches do not speculate
     speculative_min_accept_rate: float = 0.15  # lmnb: below it a request pauses speculation
     speculative_draft_policy: str = "adaptive"  # lmnb: 'adaptive' (cost model) | 'always'
+    speculative_verify_mode: str = "auto"  # lmnb: 'auto' | 'extend' | 'decode' (graph-able)
 
     def __post_init__(self) -> None:
         for path_field in ("model_path", "tokenizer_path"):
@@ -153,7 +154,8 @@ class EngineConfig:
             capacity=self.speculative_ngram_capacity,
             max_batch_size=self.speculative_max_batch_size,
             min_accept_rate=self.speculative_min_accept_rate,
-            draft_policy=self.speculative_draft_policy)
+            draft_policy=self.speculative_draft_policy,
+            verify_mode=self.speculative_verify_mode)
 
     def _check_grammar_backend(self) -> None:
         """'lmnb' or 'xgrammar' (EBNF grammars always go through xgrammar); 'xgrammar' needs the

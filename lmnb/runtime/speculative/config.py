@@ -9,6 +9,7 @@ from typing import Any
 ALGORITHMS = ("NGRAM",)
 MATCH_TYPES = ("BFS", "PROB")
 DRAFT_POLICIES = ("adaptive", "always")
+VERIFY_MODES = ("auto", "extend", "decode")
 DEFAULT_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM
 
 
@@ -21,7 +22,11 @@ class SpeculativeConfig:
     and requests whose recent drafts are accepted less often, decode without speculation;
     `draft_policy` "adaptive" sizes each chain by the request's recent acceptance and the measured
     cost of verify passes (so its drafts depend on timing), "always" drafts the longest chain the
-    n-gram index gives (deterministic; ablations and tests)."""
+    n-gram index gives (deterministic; ablations and tests). `verify_mode`: a verify pass runs as
+    one EXTEND over each request's positions ("extend"), or as a DECODE batch with one row per
+    position, all rows of a request reading its KV row up to their own position ("decode": the
+    decode CUDA graphs and shared-prefix decode serve it); "auto" is "decode" when decode graphs
+    are captured."""
 
     algorithm: str = "NGRAM"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
@@ -33,6 +38,7 @@ class SpeculativeConfig:
     max_batch_size: int = 8
     min_accept_rate: float = 0.15
     draft_policy: str = "adaptive"
+    verify_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -53,6 +59,9 @@ class SpeculativeConfig:
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"speculative_draft_policy must be one of "
                              f"{', '.join(DRAFT_POLICIES)}, got {self.draft_policy!r}")
+        if self.verify_mode not in VERIFY_MODES:
+            raise ValueError(f"speculative_verify_mode must be one of "
+                             f"{', '.join(VERIFY_MODES)}, got {self.verify_mode!r}")
         rate = self.min_accept_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
             raise ValueError(f"speculative_min_accept_rate must be in [0, 1], got {rate!r}")
@@ -66,7 +75,7 @@ class SpeculativeConfig:
     def from_options(cls, *, algorithm: Any, num_draft_tokens: Any, min_bfs_breadth: Any,
                      max_bfs_breadth: Any, match_type: Any, max_trie_depth: Any, capacity: Any,
                      max_batch_size: Any, min_accept_rate: Any,
-                     draft_policy: Any) -> SpeculativeConfig | None:
+                     draft_policy: Any, verify_mode: Any) -> SpeculativeConfig | None:
         """From `EngineConfig`'s fields; None when `algorithm` is None (no speculation)."""
         if algorithm is None:
             return None
@@ -78,7 +87,8 @@ class SpeculativeConfig:
                    ngram_min_bfs_breadth=min_bfs_breadth, ngram_max_bfs_breadth=max_bfs_breadth,
                    ngram_match_type=match_type, ngram_max_trie_depth=max_trie_depth,
                    ngram_capacity=capacity, max_batch_size=max_batch_size,
-                   min_accept_rate=min_accept_rate, draft_policy=draft_policy)
+                   min_accept_rate=min_accept_rate, draft_policy=draft_policy,
+                   verify_mode=verify_mode)
 
 
 def _at_least(name: str, value: Any, minimum: int) -> None:

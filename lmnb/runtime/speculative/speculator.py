@@ -80,8 +80,14 @@ class NgramSpeculator:
             len(state.req.output_ids) + 1) for state in states)
 
     def _eligible(self, state: ReqState) -> bool:
+        """Its sampling state is the same at every chain position; a seeded sampled request
+        drafts only under the deterministic policy (adaptive drafts follow timings, and its
+        random stream would follow them: the same seed would give other texts)."""
         params = state.sampling_params
-        return not params.has_penalties and params.min_new_tokens <= len(state.req.output_ids)
+        if params.has_penalties or params.min_new_tokens > len(state.req.output_ids):
+            return False
+        return (params.seed is None or params.is_greedy
+                or self.config.draft_policy == "always")
 
     def _draft(self, state: ReqState, room: int) -> list[int]:
         req = state.req
