@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-draft-tokens", type=int, default=None,
                         help="speculative_num_draft_tokens (default: SGLang's 12)")
+    parser.add_argument("--verify-mode", default="auto", choices=["auto", "extend", "decode"],
+                        help="speculative_verify_mode (auto: decode form under CUDA graphs)")
     parser.add_argument("--tasks", nargs="*", default=list(TASKS))
     parser.add_argument("--out", default=str(RESULTS_DIR / "speculative.json"))
     args = parser.parse_args(argv)
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     options: dict[str, Any] = {"device": str(device), "max_total_tokens": 8192}
     off = Runtime(**options)
     on = Runtime(**options, speculative_algorithm="NGRAM",
-                 speculative_num_draft_tokens=args.num_draft_tokens)
+                 speculative_num_draft_tokens=args.num_draft_tokens,
+                 speculative_verify_mode=args.verify_mode)
     rows, results = [], []
     try:
         for runtime in (off, on):  # warm-up
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "speculative", "environment": environment(device),
         "model": "SmolLM2-135M-Instruct (embedded)", "batch_size": 1,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "num_draft_tokens": stats["num_draft_tokens"], "results": results,
+        "num_draft_tokens": stats["num_draft_tokens"], "verify_mode": args.verify_mode,
+        "results": results,
         "speculative_stats": stats})
     print(f"wrote {path}")
     return 0 if all(r["identical"] for r in results) else 1

@@ -226,13 +226,13 @@ def test_sampling_with_speculation_stays_in_the_support_and_frees_kv(runtimes) -
 
 def test_overlap_schedule_batch_limit_and_decode_form_verify_compose(tiny_models,
                                                                     runtimes) -> None:
-    """Overlap forced on the CPU, at most 2 requests speculate, and verify passes run as
-    decode batches (one row per position: the form CUDA graphs replay)."""
+    """Overlap forced on the CPU, chunked prefill, at most 2 requests speculate, and verify
+    passes run as decode batches (one row per position: the form CUDA graphs replay)."""
     base, _ = runtimes
     prompts = COPY_PROMPTS + RANDOM_PROMPTS[:1]
     want = base.generate(prompts, GREEDY)
     with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
-                 max_total_tokens=4096, check_integrity_each_step=True,
+                 max_total_tokens=4096, check_integrity_each_step=True, chunked_prefill_size=16,
                  disable_overlap_schedule=False, speculative_max_batch_size=2,
                  speculative_verify_mode="decode", **SPEC) as rt:
         got = rt.generate(prompts, GREEDY)
