@@ -53,7 +53,7 @@ from lmnb.runtime.scheduler import (
     SchedulerThread,
     StopRules,
 )
-from lmnb.runtime.speculative.speculator import NgramSpeculator
+from lmnb.runtime.speculative.speculator import NgramSource, Speculator
 
 _PIN_ATTEMPTS = 3
 SHARED_PREFIX_MIN_TOKENS = 64  # a decode group's prefix worth reading once (one KV tile)
@@ -157,8 +157,9 @@ class Runtime:
         self._outputs = OutputProcessor()
         self._outputs.start()
         speculative = config.speculative()
-        self._speculator = (NgramSpeculator(speculative, self.eos_token_ids)
-                            if speculative is not None else None)
+        self._speculator = (
+            Speculator(speculative, NgramSource(speculative), self.eos_token_ids)
+            if speculative is not None else None)
         scheduler = Scheduler(
             runner=self._runner,
             cache=CacheManager(self._cache, allocator, self._runner.req_to_token_pool),

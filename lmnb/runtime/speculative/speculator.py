@@ -1,6 +1,7 @@
-"""`NgramSpeculator`: the scheduler's speculative-decoding partner. Per decode step it proposes
-each running request's draft chain (or none), learns from each verify pass, keeps the n-gram
-index of every live request (its prompt and output) and of recent finished ones, and reports.
+"""`Speculator`: the scheduler's speculative-decoding partner. Per decode step it decides how many
+draft tokens each running request may take, asks its `DraftSource` for them (an n-gram index:
+`NgramSource`; a draft model: `draft_model.DraftModelSource`), cuts them where the request's
+grammar refuses, learns from each verify pass and reports.
 
 A request drafts only when its sampling state along the chain is the one at its first position
 (no penalties, `min_new_tokens` reached), when its grammar (if any) can be forked, and when its
@@ -9,9 +10,10 @@ A request drafts only when its sampling state along the chain is the one at its 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -27,22 +29,43 @@ MIN_MATCH = 2  # context tokens a continuation must match (one token alone rarel
 
 
 @dataclass(slots=True)
-class _Track:
-    """One live request's index and gate."""
+class DraftAsk:
+    """A request that may take up to `k` draft tokens this step."""
 
-    sequence: TokenSequence
-    output_ref: list[int]  # the request's output list when indexed (jump-forward replaces it)
-    indexed_output: int
-    gate: RequestGate = field(default_factory=RequestGate)
+    state: ReqState
+    k: int
 
 
-class NgramSpeculator:
-    def __init__(self, config: SpeculativeConfig, eos_token_ids: Iterable[int]) -> None:
+class DraftSource(Protocol):
+    """Where draft tokens come from."""
+
+    def draft(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+        """Per ask (in order) at most `ask.k` tokens continuing its request's tokens (prompt and
+        output); an empty list when it has none."""
+
+    def verified(self, req: Req, *, accepted: int) -> None:
+        """`req`'s last drafts were verified, `accepted` of them kept (before the kept tokens
+        are appended)."""
+
+    def finished(self, req: Req, *, keep: bool) -> None:
+        """`req` ended (`keep`: its tokens may serve other requests)."""
+
+    def reset(self) -> None:
+        """Forgets what other requests taught it (`flush_cache`)."""
+
+    def report(self) -> dict[str, Any]:
+        ...
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, source: DraftSource,
+                 eos_token_ids: Iterable[int]) -> None:
         self.config = config
+        self.source = source
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.corpus = NgramCorpus(config.ngram_capacity)
         self.cost = PassCost()
-        self._tracks: dict[int, _Track] = {}
+        self._gates: dict[int, RequestGate] = {}
+        self._draft_seconds = 0.0  # the last proposal's drafting time (a draft model's passes)
         self.verify_passes = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
@@ -59,11 +82,23 @@ class NgramSpeculator:
             self.state = (f"off: batch of {len(states)} > speculative_max_batch_size "
                           f"{self.config.max_batch_size}")
             return None
-        drafts: list[list[int]] = []
-        for state in states:
-            d = self._draft(state, room) if room > 0 else []
-            room -= len(d)
-            drafts.append(d)
+        asks: list[DraftAsk] = []
+        where: list[int] = []
+        for i, state in enumerate(states):
+            k = self._budget(state, room)
+            if k > 0:
+                room -= k
+                asks.append(DraftAsk(state, k))
+                where.append(i)
+        drafts: list[list[int]] = [[] for _ in states]
+        if asks:
+            start = time.perf_counter()
+            found = self.source.draft(asks)
+            self._draft_seconds = time.perf_counter() - start
+            for i, ask, tokens in zip(where, asks, found, strict=True):
+                drafts[i] = self._allowed(ask.state, tokens[:ask.k])
+                if not drafts[i]:
+                    self._gate(ask.state.req).missed(len(ask.state.req.output_ids))
         if not any(drafts):
             self.state = "on: no drafts this step"
             return None
@@ -89,34 +124,116 @@ class NgramSpeculator:
         return (params.seed is None or params.is_greedy
                 or self.config.draft_policy == "always")
 
-    def _draft(self, state: ReqState, room: int) -> list[int]:
+    def _budget(self, state: ReqState, room: int) -> int:
+        """Draft tokens this request may take now (0: none)."""
         req = state.req
         k = min(self.config.max_draft_tokens, room,
                 req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
         if k <= 0 or not self._eligible(state):
-            return []
-        track = self._track(req)
+            return 0
+        if state.grammar is not None and state.grammar.fork() is None:
+            return 0
         output_len = len(req.output_ids)
-        gate = track.gate
+        gate = self._gate(req)
         if not gate.open(output_len):
-            return []
+            return 0
         if self.config.draft_policy == "adaptive" and not gate.probe:
             fixed, per_draft = self.cost.model()
             k = best_draft_length(gate.alpha, fixed=fixed, per_draft=per_draft, longest=k)
-        if k == 0:  # drafts would not pay at this acceptance: a pause, then a fresh start
-            gate.pause_now(output_len)
+            if k == 0:  # drafts would not pay at this acceptance: a pause, then a fresh start
+                gate.pause_now(output_len)
+                self.pauses += 1
+        return k
+
+    def _allowed(self, state: ReqState, drafts: list[int]) -> list[int]:
+        if state.grammar is None or not drafts:
+            return drafts
+        fork = state.grammar.fork()
+        if fork is None:
+            return []
+        stops = self.eos_token_ids.union(state.sampling_params.stop_token_ids)
+        return passing_prefix(fork, drafts, stops)
+
+    def _gate(self, req: Req) -> RequestGate:
+        gate = self._gates.get(req.rid)
+        if gate is None:
+            gate = self._gates[req.rid] = RequestGate()
+        return gate
+
+    # ---- learning -----------------------------------------------------------------------------
+    def timed(self, batch: Batch, seconds: float) -> None:
+        """A synchronous decode or verify pass took `seconds` (the cost model's input; a verify
+        pass is charged its drafting time too)."""
+        if batch.is_verify:
+            self.cost.verified(seconds + self._draft_seconds,
+                               sum(batch.extend_lens) - batch.size)
+        elif batch.mode is ForwardMode.DECODE:
+            self.cost.decoded(seconds)
+
+    def verified(self, req: Req, *, drafted: int, accepted: int) -> None:
+        """After a verify pass, before its tokens are appended to `req.output_ids`."""
+        if not drafted:
+            return
+        self.source.verified(req, accepted=accepted)
+        self.verify_passes += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        req.spec_verify_ct += 1
+        req.spec_draft_tokens += drafted
+        req.spec_accepted_tokens += accepted
+        if self._gate(req).verified(drafted=drafted, accepted=accepted,
+                                    output_len=len(req.output_ids) + accepted + 1,
+                                    min_rate=self.config.min_accept_rate):
             self.pauses += 1
-            return []
-        fork = None
-        if state.grammar is not None and (fork := state.grammar.fork()) is None:
-            return []
-        drafts = self._find(track.sequence, k)
-        if fork is not None and drafts:
-            stops = self.eos_token_ids.union(req.sampling_params.stop_token_ids)
-            drafts = passing_prefix(fork, drafts, stops)
-        if not drafts:
-            track.gate.missed(output_len)
-        return drafts
+
+    def finished(self, req: Req, *, keep: bool) -> None:
+        self._gates.pop(req.rid, None)
+        self.source.finished(req, keep=keep)
+
+    def reset(self) -> None:
+        self.source.reset()
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """`stats()["speculative"]`."""
+        passes = self.verify_passes
+        fixed, per_draft = self.cost.model()
+        return {
+            "algorithm": self.config.algorithm,
+            "num_draft_tokens": self.config.num_draft_tokens,
+            "state": self.state,
+            "verify_passes": passes,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accept_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            # tokens a verify pass yields: the accepted drafts and the target's own token
+            "mean_accept_length": (self.accepted_tokens + passes) / passes if passes else 0.0,
+            "pauses": self.pauses,
+            "large_batch_steps": self.large_batch_steps,
+            "verify_cost_model": {"fixed": fixed, "per_draft": per_draft},
+            **self.source.report(),
+        }
+
+
+@dataclass(slots=True)
+class _Track:
+    """One live request's n-gram index."""
+
+    sequence: TokenSequence
+    output_ref: list[int]  # the request's output list when indexed (jump-forward replaces it)
+    indexed_output: int
+
+
+class NgramSource:
+    """NGRAM drafts: the request's own prompt and output first, then recent requests."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.corpus = NgramCorpus(config.ngram_capacity)
+        self._tracks: dict[int, _Track] = {}
+
+    def draft(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+        return [self._find(self._track(ask.state.req).sequence, ask.k) for ask in asks]
 
     def _find(self, sequence: TokenSequence, k: int) -> list[int]:
         config = self.config
@@ -134,43 +251,17 @@ class NgramSpeculator:
         """The request's index, brought up to date with its output."""
         track = self._tracks.get(req.rid)
         if track is None or track.output_ref is not req.output_ids:
-            gate = track.gate if track is not None else RequestGate()
-            track = _Track(TokenSequence(req.text_prompt_ids), req.output_ids, 0, gate)
+            track = _Track(TokenSequence(req.text_prompt_ids), req.output_ids, 0)
             self._tracks[req.rid] = track
         if track.indexed_output < len(req.output_ids):
             track.sequence.extend(req.output_ids[track.indexed_output:])
             track.indexed_output = len(req.output_ids)
         return track
 
-    def _gate(self, req: Req) -> RequestGate:
-        track = self._tracks.get(req.rid)
-        return track.gate if track is not None else RequestGate()
-
-    # ---- learning -----------------------------------------------------------------------------
-    def timed(self, batch: Batch, seconds: float) -> None:
-        """A synchronous decode or verify pass took `seconds` (the cost model's input)."""
-        if batch.is_verify:
-            self.cost.verified(seconds, sum(batch.extend_lens) - batch.size)
-        elif batch.mode is ForwardMode.DECODE:
-            self.cost.decoded(seconds)
-
-    def verified(self, req: Req, *, drafted: int, accepted: int) -> None:
-        """After a verify pass, before its tokens are appended to `req.output_ids`."""
-        if not drafted:
-            return
-        self.verify_passes += 1
-        self.draft_tokens += drafted
-        self.accepted_tokens += accepted
-        req.spec_verify_ct += 1
-        req.spec_draft_tokens += drafted
-        req.spec_accepted_tokens += accepted
-        if self._gate(req).verified(drafted=drafted, accepted=accepted,
-                                    output_len=len(req.output_ids) + accepted + 1,
-                                    min_rate=self.config.min_accept_rate):
-            self.pauses += 1
+    def verified(self, req: Req, *, accepted: int) -> None:
+        pass
 
     def finished(self, req: Req, *, keep: bool) -> None:
-        """A request ended: its tokens join the corpus of recent requests when `keep`."""
         track = self._tracks.pop(req.rid, None)
         if not keep:
             return
@@ -181,31 +272,10 @@ class NgramSpeculator:
             self.corpus.add([*req.text_prompt_ids, *req.output_ids])
 
     def reset(self) -> None:
-        """Forgets the recent requests (`flush_cache`)."""
         self.corpus.clear()
 
-    # ---- reporting ----------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        """`stats()["speculative"]`."""
-        passes = self.verify_passes
-        return {
-            "algorithm": self.config.algorithm,
-            "num_draft_tokens": self.config.num_draft_tokens,
-            "state": self.state,
-            "verify_passes": passes,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "accept_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
-            # tokens a verify pass yields: the accepted drafts and the target's own token
-            "mean_accept_length": (self.accepted_tokens + passes) / passes if passes else 0.0,
-            "pauses": self.pauses,
-            "paused_requests": sum(1 for t in self._tracks.values()
-                                   if t.gate.resume_at > t.indexed_output + 1),
-            "large_batch_steps": self.large_batch_steps,
-            "verify_cost_model": dict(zip(("fixed", "per_draft"), self.cost.model(),
-                                          strict=True)),
-            "corpus_tokens": self.corpus.tokens,
-        }
+        return {"corpus_tokens": self.corpus.tokens}
 
 
 def passing_prefix(grammar: Grammar, drafts: Sequence[int], stop_ids: frozenset[int]
