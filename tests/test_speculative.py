@@ -246,8 +246,16 @@ def test_overlap_schedule_batch_limit_and_decode_form_verify_compose(tiny_models
 
 
 def test_speculative_options_are_validated() -> None:
-    with pytest.raises(ValueError, match="STANDALONE"):
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
         EngineConfig(speculative_algorithm="STANDALONE")
+    with pytest.raises(ValueError, match="speculative_num_steps"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=3)
+    with pytest.raises(ValueError, match="speculative_num_steps \\+ 1"):
+        EngineConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path="x",
+                     speculative_num_steps=3, speculative_num_draft_tokens=8)
+    standalone = EngineConfig(speculative_algorithm="STANDALONE",
+                              speculative_draft_model_path="x", speculative_num_steps=3)
+    assert standalone.speculative().max_draft_tokens == 3
     with pytest.raises(ValueError, match="speculative_ngram_match_type"):
         EngineConfig(speculative_algorithm="NGRAM", speculative_ngram_match_type="DFS")
     with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
@@ -271,3 +279,29 @@ def test_cache_dashboard_shows_the_acceptance_rate(runtimes) -> None:
     assert dash.stats["speculative"]["accepted_tokens"] > 0
     assert "draft tokens accepted" in repr(dash)
     dash.close()
+
+
+@pytest.mark.parametrize("draft", ["llama-gqa", "llama-mha"])
+def test_standalone_draft_model_keeps_greedy_outputs(tiny_models, runtimes, draft) -> None:
+    """STANDALONE with the target itself as the draft (every draft accepted) and with another
+    model (drafts rejected): the outputs of plain decoding, draft KV accounted every step."""
+    base, _ = runtimes
+    prompts = [COPY_PROMPTS[0], RANDOM_PROMPTS[0], COPY_PROMPTS[2]]
+    params = [GREEDY, {**GREEDY, "stop": ["7"]},
+              {**GREEDY, "regex": r'\{"a": [0-9]{1,3}, "b": [0-9]{1,3}, "c": [0-9]{1,3}\}'}]
+    want = base.generate(prompts, params)
+    with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
+                 max_total_tokens=4096, check_integrity_each_step=True,
+                 speculative_algorithm="STANDALONE",
+                 speculative_draft_model_path=str(tiny_models[draft]), speculative_num_steps=3,
+                 speculative_draft_policy="always", speculative_min_accept_rate=0.0) as rt:
+        got = rt.generate(prompts, params)
+        sampled = rt.generate(COPY_PROMPTS[1], {"temperature": 0.9, "max_new_tokens": 16,
+                                                "ignore_eos": True})
+        stats = rt.stats()["speculative"]
+        rt.check_integrity()
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert sampled["meta_info"]["completion_tokens"] == 16
+    assert stats["draft_passes"] > 0 and stats["draft_kv_tokens"] == 0
+    if draft == "llama-gqa":  # unconstrained greedy requests accept every draft
+        assert [o["meta_info"]["spec_accept_rate"] for o in got[:2]] == [1.0, 1.0]

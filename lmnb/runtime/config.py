@@ -80,9 +80,12 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks: this process and tp_size - 1 spawned workers
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
     check_integrity_each_step: bool = False  # KV slot accounting after every step (tests)
-    # Speculative decoding (SGLang's names; see speculative/config.py): None | 'NGRAM'
+    # Speculative decoding (SGLang's names; see speculative/config.py): None | 'NGRAM' |
+    # 'STANDALONE' (a draft model)
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None  # verify positions: last token + drafts
+    speculative_draft_model_path: str | None = None  # STANDALONE's draft model
+    speculative_num_steps: int | None = None  # STANDALONE: draft passes per verify pass
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_max_bfs_breadth: int = 10
     speculative_ngram_match_type: str = "BFS"  # 'BFS' (most recent) | 'PROB' (most frequent)
@@ -147,6 +150,10 @@ class EngineConfig:
         return SpeculativeConfig.from_options(
             algorithm=self.speculative_algorithm,
             num_draft_tokens=self.speculative_num_draft_tokens,
+            num_steps=self.speculative_num_steps,
+            draft_model_path=(os.fspath(self.speculative_draft_model_path)
+                              if isinstance(self.speculative_draft_model_path, os.PathLike)
+                              else self.speculative_draft_model_path),
             min_bfs_breadth=self.speculative_ngram_min_bfs_breadth,
             max_bfs_breadth=self.speculative_ngram_max_bfs_breadth,
             match_type=self.speculative_ngram_match_type,

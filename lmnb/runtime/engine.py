@@ -53,7 +53,7 @@ from lmnb.runtime.scheduler import (
     SchedulerThread,
     StopRules,
 )
-from lmnb.runtime.speculative.speculator import NgramSource, Speculator
+from lmnb.runtime.speculative.factory import make_speculator
 
 _PIN_ATTEMPTS = 3
 SHARED_PREFIX_MIN_TOKENS = 64  # a decode group's prefix worth reading once (one KV tile)
@@ -158,7 +158,8 @@ class Runtime:
         self._outputs.start()
         speculative = config.speculative()
         self._speculator = (
-            Speculator(speculative, NgramSource(speculative), self.eos_token_ids)
+            make_speculator(speculative, engine_config=config, target=self._runner,
+                            eos_token_ids=self.eos_token_ids)
             if speculative is not None else None)
         scheduler = Scheduler(
             runner=self._runner,
@@ -205,6 +206,8 @@ class Runtime:
         self._closed = True
         self._scheduler.stop()
         self._outputs.close()
+        if self._speculator is not None:
+            self._speculator.close()
         if self._tp_workers is not None:
             self._runner.release_graphs()  # graphs that captured collectives go first
             self._tp_workers.close()

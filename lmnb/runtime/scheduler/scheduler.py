@@ -103,6 +103,9 @@ class Speculator(Protocol):
     def timed(self, batch: Batch, seconds: float) -> None:
         """A pass run synchronously took `seconds` (what verify passes cost next to decodes)."""
 
+    def check(self) -> None:
+        """Raises AssertionError unless the speculator's own KV (a draft model's) adds up."""
+
 
 class PendingStep(Protocol):
     def result(self) -> StepOutput:
@@ -606,6 +609,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV slot and request row is accounted for."""
         self.cache.check_integrity(self.table.live(), self.table.waiting)
+        if self.speculator is not None:
+            self.speculator.check()
 
 
 def _samples_after_fill(req: Req) -> bool:

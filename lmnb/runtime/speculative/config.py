@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ALGORITHMS = ("NGRAM",)
+ALGORITHMS = ("NGRAM", "STANDALONE")
+DEFAULT_NUM_STEPS = 4  # STANDALONE: draft model passes (draft tokens) per verify pass
 MATCH_TYPES = ("BFS", "PROB")
 DRAFT_POLICIES = ("adaptive", "always")
 VERIFY_MODES = ("auto", "extend", "decode")
@@ -30,6 +31,7 @@ class SpeculativeConfig:
 
     algorithm: str = "NGRAM"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    draft_model_path: str | None = None  # STANDALONE: the draft model (same tokenizer)
     ngram_min_bfs_breadth: int = 1
     ngram_max_bfs_breadth: int = 10
     ngram_match_type: str = "BFS"
@@ -42,10 +44,11 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
-            extra = (" (STANDALONE, a draft model, is not implemented yet)"
-                     if self.algorithm == "STANDALONE" else "")
             raise ValueError(f"unknown speculative_algorithm {self.algorithm!r}; choose one of: "
-                             f"{', '.join(ALGORITHMS)}{extra}")
+                             f"{', '.join(ALGORITHMS)}")
+        if (self.algorithm == "STANDALONE") != (self.draft_model_path is not None):
+            raise ValueError("speculative_draft_model_path is needed with (and only with) "
+                             "speculative_algorithm='STANDALONE'")
         _at_least("speculative_num_draft_tokens", self.num_draft_tokens, 2)
         _at_least("speculative_ngram_min_bfs_breadth", self.ngram_min_bfs_breadth, 1)
         _at_least("speculative_ngram_max_bfs_breadth", self.ngram_max_bfs_breadth,
@@ -72,7 +75,8 @@ class SpeculativeConfig:
         return self.num_draft_tokens - 1
 
     @classmethod
-    def from_options(cls, *, algorithm: Any, num_draft_tokens: Any, min_bfs_breadth: Any,
+    def from_options(cls, *, algorithm: Any, num_draft_tokens: Any, num_steps: Any,
+                     draft_model_path: Any, min_bfs_breadth: Any,
                      max_bfs_breadth: Any, match_type: Any, max_trie_depth: Any, capacity: Any,
                      max_batch_size: Any, min_accept_rate: Any,
                      draft_policy: Any, verify_mode: Any) -> SpeculativeConfig | None:
@@ -81,9 +85,26 @@ class SpeculativeConfig:
             return None
         if not isinstance(algorithm, str):
             raise ValueError(f"speculative_algorithm must be a name or None, got {algorithm!r}")
-        return cls(algorithm=algorithm.upper(),
+        algorithm = algorithm.upper()
+        if algorithm == "STANDALONE":  # a chain: num_draft_tokens = num_steps + 1 (SGLang)
+            if num_steps is not None:
+                _at_least("speculative_num_steps", num_steps, 1)
+                if num_draft_tokens not in (None, num_steps + 1):
+                    raise ValueError(
+                        f"speculative_num_draft_tokens must be speculative_num_steps + 1 = "
+                        f"{num_steps + 1} (a chain), got {num_draft_tokens}")
+                num_draft_tokens = num_steps + 1
+            elif num_draft_tokens is None:
+                num_draft_tokens = DEFAULT_NUM_STEPS + 1
+        elif num_steps is not None:
+            raise ValueError("speculative_num_steps applies to STANDALONE (a draft model)")
+        if draft_model_path is not None and not isinstance(draft_model_path, str):
+            raise ValueError(f"speculative_draft_model_path must be a path, "
+                             f"got {draft_model_path!r}")
+        return cls(algorithm=algorithm,
                    num_draft_tokens=(DEFAULT_NUM_DRAFT_TOKENS if num_draft_tokens is None
                                      else num_draft_tokens),
+                   draft_model_path=draft_model_path,
                    ngram_min_bfs_breadth=min_bfs_breadth, ngram_max_bfs_breadth=max_bfs_breadth,
                    ngram_match_type=match_type, ngram_max_trie_depth=max_trie_depth,
                    ngram_capacity=capacity, max_batch_size=max_batch_size,

@@ -53,6 +53,12 @@ class DraftSource(Protocol):
     def reset(self) -> None:
         """Forgets what other requests taught it (`flush_cache`)."""
 
+    def check(self) -> None:
+        """Raises AssertionError unless its own KV (a draft model's) is accounted for."""
+
+    def close(self) -> None:
+        """Frees what it holds (a draft model and its KV)."""
+
     def report(self) -> dict[str, Any]:
         ...
 
@@ -193,6 +199,12 @@ class Speculator:
     def reset(self) -> None:
         self.source.reset()
 
+    def check(self) -> None:
+        self.source.check()
+
+    def close(self) -> None:
+        self.source.close()
+
     # ---- reporting ----------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """`stats()["speculative"]`."""
@@ -272,6 +284,13 @@ class NgramSource:
             self.corpus.add([*req.text_prompt_ids, *req.output_ids])
 
     def reset(self) -> None:
+        self.corpus.clear()
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._tracks.clear()
         self.corpus.clear()
 
     def report(self) -> dict[str, Any]:
