@@ -13,6 +13,7 @@ rate, and whether the greedy texts are identical.
 
     python bench/speculative.py                    # CPU
     python bench/speculative.py --device cuda      # GPU (SmolLM2 weights from the user cache)
+    python bench/speculative.py --standalone-self  # STANDALONE, the draft is the target
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="speculative_num_draft_tokens (default: SGLang's 12)")
     parser.add_argument("--verify-mode", default="auto", choices=["auto", "extend", "decode"],
                         help="speculative_verify_mode (auto: decode form under CUDA graphs)")
+    parser.add_argument("--standalone-self", action="store_true",
+                        help="STANDALONE with the target itself as the draft model (every draft "
+                             "accepted): the draft-model pipeline's overhead against its bound")
+    parser.add_argument("--num-steps", type=int, default=4,
+                        help="speculative_num_steps with --standalone-self")
     parser.add_argument("--tasks", nargs="*", default=list(TASKS))
     parser.add_argument("--out", default=str(RESULTS_DIR / "speculative.json"))
     args = parser.parse_args(argv)
@@ -93,9 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     options: dict[str, Any] = {"device": str(device), "max_total_tokens": 8192}
     off = Runtime(**options)
-    on = Runtime(**options, speculative_algorithm="NGRAM",
-                 speculative_num_draft_tokens=args.num_draft_tokens,
-                 speculative_verify_mode=args.verify_mode)
+    if args.standalone_self:
+        from lmnb.runtime.models.loader import resolve_model_dir
+
+        on = Runtime(**options, speculative_algorithm="STANDALONE",
+                     speculative_draft_model_path=str(resolve_model_dir(None)),
+                     speculative_num_steps=args.num_steps, speculative_draft_policy="always",
+                     speculative_verify_mode=args.verify_mode)
+    else:
+        on = Runtime(**options, speculative_algorithm="NGRAM",
+                     speculative_num_draft_tokens=args.num_draft_tokens,
+                     speculative_verify_mode=args.verify_mode)
     rows, results = [], []
     try:
         for runtime in (off, on):  # warm-up
@@ -106,9 +120,14 @@ def main(argv: list[str] | None = None) -> int:
             best = {"off": float("inf"), "on": float("inf")}
             best_cpu = dict(best)
             outs: dict[str, dict[str, Any]] = {}
+            last_seconds = 0.0
             for _ in range(args.repeats):
                 for label, runtime in (("off", off), ("on", on)):
+                    if label == "on":
+                        before = dict(on.stats()["speculative"]["seconds"])
                     out, seconds, cpu_seconds = run_once(runtime, prompt, args.max_new_tokens)
+                    if label == "on":
+                        last_seconds = seconds
                     best[label] = min(best[label], seconds)
                     best_cpu[label] = min(best_cpu[label], cpu_seconds)
                     outs[label] = out
@@ -131,6 +150,20 @@ def main(argv: list[str] | None = None) -> int:
             result["speedup"] = result["tok_s_on"] / result["tok_s_off"]
             result["cpu_time_speedup"] = (best_cpu["off"] / tokens) / (
                 best_cpu["on"] / meta["completion_tokens"])
+            if args.standalone_self and verify:
+                # Per step: k draft passes (the draft is the target: each at least a decode)
+                # and one verify pass. The bound is the accepted length over that cost in
+                # decode passes (decode time: the off run's per token); the efficiency is the
+                # share of the on run spent in those passes (the rest: the pipeline's own work).
+                spent = on.stats()["speculative"]["seconds"]
+                spent = {key: spent[key] - before[key] for key in spent}
+                decode = best["off"] / tokens
+                steps = verify
+                result["bound_speedup"] = result["mean_accept_length"] / (
+                    args.num_steps + spent["verify"] / steps / decode)
+                result["step_cost_in_decodes"] = (spent["draft"] + spent["verify"]) / steps / decode
+                result["share_in_passes"] = (spent["draft"] + spent["verify"]
+                                                 + spent["decode"]) / last_seconds
             results.append(result)
             rows.append([name, tokens, result["tok_s_off"], result["tok_s_on"],
                          result["speedup"], result["cpu_time_speedup"], verify,
@@ -145,15 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         print(f"{result['task']}: x{result['speedup']:.2f} wall, "
               f"x{result['cpu_time_speedup']:.2f} process CPU time")
+        if "bound_speedup" in result:
+            print(f"  STANDALONE (draft = target): bound x{result['bound_speedup']:.2f} "
+                  f"(accepted length over k draft passes + the measured verify pass), "
+                  f"share of the run in model passes {result['share_in_passes']:.2f}")
     path = write_json(args.out, {
         "benchmark": "speculative", "environment": environment(device),
         "model": "SmolLM2-135M-Instruct (embedded)", "batch_size": 1,
+        "algorithm": "STANDALONE (draft = target)" if args.standalone_self else "NGRAM",
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "num_draft_tokens": stats["num_draft_tokens"], "verify_mode": args.verify_mode,
         "results": results,
         "speculative_stats": stats})
     print(f"wrote {path}")
-    return 0 if all(r["identical"] for r in results) else 1
+    return 0 if all(r["identical"] for r in results) else 1  # greedy: the same text
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class Speculator:
         self.accepted_tokens = 0
         self.pauses = 0
         self.large_batch_steps = 0  # decode steps that did not speculate: batch too large
+        self.seconds = {"draft": 0.0, "verify": 0.0, "decode": 0.0}  # synchronous passes
         self.state = "idle"
 
     # ---- proposing ----------------------------------------------------------------------------
@@ -101,6 +102,7 @@ class Speculator:
             start = time.perf_counter()
             found = self.source.draft(asks)
             self._draft_seconds = time.perf_counter() - start
+            self.seconds["draft"] += self._draft_seconds
             for i, ask, tokens in zip(where, asks, found, strict=True):
                 drafts[i] = self._allowed(ask.state, tokens[:ask.k])
                 if not drafts[i]:
@@ -171,9 +173,11 @@ class Speculator:
         """A synchronous decode or verify pass took `seconds` (the cost model's input; a verify
         pass is charged its drafting time too)."""
         if batch.is_verify:
+            self.seconds["verify"] += seconds
             self.cost.verified(seconds + self._draft_seconds,
                                sum(batch.extend_lens) - batch.size)
         elif batch.mode is ForwardMode.DECODE:
+            self.seconds["decode"] += seconds
             self.cost.decoded(seconds)
 
     def verified(self, req: Req, *, drafted: int, accepted: int) -> None:
@@ -223,6 +227,7 @@ class Speculator:
             "pauses": self.pauses,
             "large_batch_steps": self.large_batch_steps,
             "verify_cost_model": {"fixed": fixed, "per_draft": per_draft},
+            "seconds": dict(self.seconds),
             **self.source.report(),
         }
 
