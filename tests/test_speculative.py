@@ -264,6 +264,11 @@ def test_speculative_options_are_validated() -> None:
         EngineConfig(speculative_algorithm="NGRAM", speculative_verify_mode="tree")
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(speculative_algorithm="NGRAM", tp_size=2)
+    from lmnb.__main__ import build_parser
+
+    args = build_parser().parse_args(["serve", "--speculative-algorithm", "NGRAM",
+                                      "--speculative-num-draft-tokens", "6"])
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("NGRAM", 6)
     config = EngineConfig(speculative_algorithm="ngram").speculative()
     assert config is not None and config.max_draft_tokens == 11  # SGLang's default of 12
     assert EngineConfig().speculative() is None

@@ -40,3 +40,20 @@ def test_ngram_greedy_matches_plain_decode_on_cuda(tiny_models, backend: str) ->
     assert got_one["text"] == want_one["text"]
     assert stats["speculative"]["accepted_tokens"] > 0
     assert stats["cuda_graph_batch_sizes"] and stats["overlap_schedule"]
+
+
+def test_standalone_draft_model_on_cuda(tiny_models) -> None:
+    """STANDALONE with the target as its own draft (decode graphs for both models): every
+    draft accepted, the outputs of plain decoding."""
+    options = dict(device="cuda", dtype="float32", max_total_tokens=8192, context_length=512,
+                   check_integrity_each_step=True, cuda_graph_max_bs=8)
+    path = str(tiny_models["llama-gqa"])
+    with Runtime(path, **options) as rt:
+        want = rt.generate(COPY + RANDOM, GREEDY)
+    with Runtime(path, **options, speculative_algorithm="STANDALONE",
+                 speculative_draft_model_path=path, speculative_num_steps=4,
+                 speculative_draft_policy="always") as rt:
+        got = rt.generate(COPY + RANDOM, GREEDY)
+        stats = rt.stats()["speculative"]
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert stats["accept_rate"] == 1.0 and stats["draft_kv_tokens"] == 0

@@ -29,9 +29,10 @@ def make_speculator(spec: SpeculativeConfig, *, engine_config: EngineConfig,
 
 def _draft_model(spec: SpeculativeConfig, *, engine_config: EngineConfig, target: ModelRunner,
                  eos_token_ids: set[int]) -> DraftModelSource:
-    """The draft model on the target's device and dtype, with as many KV slots and request rows
-    as the target (loaded after the target: on a GPU, leave it room with
-    `mem_fraction_static`)."""
+    """The draft model on the target's device and dtype, with the target's request rows and KV
+    slots for the requests that may speculate at once (`max_batch_size` + 1 whole contexts, at
+    most the target's pool); loaded after the target: on a GPU, leave it room with
+    `mem_fraction_static`."""
     assert spec.draft_model_path is not None
     model_dir = loader.resolve_model_dir(spec.draft_model_path)
     model_config = ModelConfig.from_hf(loader.load_config(model_dir))
@@ -42,7 +43,9 @@ def _draft_model(spec: SpeculativeConfig, *, engine_config: EngineConfig, target
     model = loader.load_model(model_dir, model_config, dtype=dtype, device=device,
                               dummy=engine_config.load_format == "dummy")
     config = dataclasses.replace(
-        engine_config, model_path=str(model_dir), max_total_tokens=target.max_total_tokens,
+        engine_config, model_path=str(model_dir),
+        max_total_tokens=min(target.max_total_tokens,
+                             (spec.max_batch_size + 1) * target.context_len),
         max_running_requests=target.max_running_requests, context_length=target.context_len,
         speculative_algorithm=None, speculative_draft_model_path=None,
         speculative_num_steps=None, speculative_num_draft_tokens=None, tp_size=1, dp_size=1)
