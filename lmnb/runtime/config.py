@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from lmnb.runtime.quantization import (
+    QUANTIZATION_METHODS,
+    Fp8Config,
+    UnsupportedQuantizationError,
+    checkpoint_quantization,
+    kv_cache_dtype_name,
+    resolve_quantization,
+)
 from lmnb.runtime.speculative.config import SpeculativeConfig
 
 # Accepted dtype spellings -> canonical names (the attribute names in `torch`).
@@ -95,6 +103,9 @@ class EngineConfig:
     speculative_min_accept_rate: float = 0.15  # lmnb: below it a request pauses speculation
     speculative_draft_policy: str = "adaptive"  # lmnb: 'adaptive' (cost model) | 'always'
     speculative_verify_mode: str = "auto"  # lmnb: 'auto' | 'extend' | 'decode' (graph-able)
+    # FP8 (see runtime/quantization.py): None | 'fp8' | 'compressed-tensors'
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # 'auto' (the model's) | 'fp8_e4m3' | 'bf16' | 'bfloat16'
 
     def __post_init__(self) -> None:
         for path_field in ("model_path", "tokenizer_path"):
@@ -141,6 +152,11 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         self._check_policy()
         self._check_grammar_backend()
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise UnsupportedQuantizationError(
+                f"unknown quantization {self.quantization!r}; choose one of: "
+                f"{', '.join(QUANTIZATION_METHODS)}")
+        kv_cache_dtype_name(self.kv_cache_dtype)
         speculative = self.speculative()
         if speculative is not None and self.tp_size > 1:
             raise ValueError("speculative_algorithm is not supported with tp_size > 1")
@@ -383,6 +399,7 @@ class ModelConfig:
     text_model_type: str = ""  # the decoder's model_type ('' = model_type)
     video_token_id: int | None = None  # LLaVA-NeXT-Video
     multimodal: MultimodalConfig | None = None  # vision tower, projector, anyres, pooling
+    quantization: Fp8Config | None = None  # FP8 decoder linears (the checkpoint's, or asked for)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -401,6 +418,11 @@ class ModelConfig:
     @property
     def is_multimodal(self) -> bool:
         return self.text_model_type != self.model_type
+
+    def quantized(self, option: str | None) -> ModelConfig:
+        """This config with the quantization `Runtime(quantization=option)` gives it (see
+        `quantization.resolve_quantization`)."""
+        return replace(self, quantization=resolve_quantization(option, self.quantization))
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -470,4 +492,5 @@ class ModelConfig:
             image_token_id=image_token,
             video_token_id=multimodal.video_token_id if multimodal else None,
             multimodal=multimodal,
+            quantization=checkpoint_quantization(getattr(hf_config, "quantization_config", None)),
         )

@@ -36,6 +36,8 @@ from lmnb.runtime.core import (
 )
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
+from lmnb.runtime.output.stop import StopRules, by_length
+from lmnb.runtime.output.stop_text import StopText
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
@@ -44,7 +46,6 @@ from lmnb.runtime.scheduler.prefill import PrefillManager
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, request_meta
-from lmnb.runtime.scheduler.stop import StopRules, StopText
 
 if TYPE_CHECKING:
     from lmnb.runtime.fsm.jump import JumpPlan
@@ -105,6 +106,15 @@ class Speculator(Protocol):
 
     def check(self) -> None:
         """Raises AssertionError unless the speculator's own KV (a draft model's) adds up."""
+
+    def reset(self) -> None:
+        """Forgets what finished requests taught it (`Runtime.flush_cache`)."""
+
+    def close(self) -> None:
+        """Frees what it holds (a draft model); after the scheduler stopped."""
+
+    def report(self) -> dict[str, Any]:
+        """Its part of `Runtime.stats()` (`stats()["speculative"]`)."""
 
 
 class PendingStep(Protocol):
@@ -190,6 +200,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.table.states) or self._in_flight is not None
 
+    def report(self) -> dict[str, Any]:
+        """The scheduler's part of `Runtime.stats()`: its counters (hit rates, passes,
+        retractions, ...), the overlap mode and the requests running and waiting."""
+        return {**self.stats.counters(), "overlap_schedule": self.config.overlap_schedule,
+                "running": len(self.table.running), "waiting": len(self.table.waiting),
+                "speculative": self.speculator.report() if self.speculator else None}
+
     @property
     def pass_in_flight(self) -> bool:
         """A launched pass awaits processing (overlap)."""
@@ -271,8 +288,8 @@ class Scheduler:
         for i, req in enumerate(reqs):
             if table.states[req.rid].grammar is not None:
                 return None
-            if len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
-                keep.append(i)
+            if by_length(req.sampling_params, len(req.output_ids) + 1) is None:
+                keep.append(i)  # goes on past the token in flight
         if not keep:
             return None
         if self.speculator is not None and self.speculator.may_draft(
@@ -359,12 +376,10 @@ class Scheduler:
         out_cache_loc = self.cache.alloc(sum(extend_lens))
         prefix_lens = [req.kv_len for req in reqs]
         input_ids: list[int] = []
-        start = 0
-        for req, d, extend_len in zip(reqs, drafts, extend_lens, strict=True):
+        for req, d in zip(reqs, drafts, strict=True):
             input_ids.append(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1])
             input_ids.extend(d)
-            self.cache.extend(req, out_cache_loc[start:start + extend_len])
-            start += extend_len
+        self.cache.extend_all(reqs, extend_lens, out_cache_loc)
         n = len(reqs)
         return Batch(mode=ForwardMode.EXTEND, rids=[req.rid for req in reqs],
                      req_pool_indices=[req.req_pool_idx for req in reqs],
@@ -391,12 +406,11 @@ class Scheduler:
                 input_ids = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
                              for req in reqs]
         else:
-            start = 0
             for req, extend_len in zip(reqs, extend_lens, strict=True):
-                prefix_len = req.kv_len
-                input_ids.extend(req.fill_slice(prefix_len, prefix_len + extend_len))
-                self.cache.extend(req, out_cache_loc[start:start + extend_len])
-                start += extend_len
+                input_ids.extend(req.fill_slice(req.kv_len, req.kv_len + extend_len))
+            self.cache.extend_all(reqs, extend_lens, out_cache_loc)
+            for req, extend_len in zip(reqs, extend_lens, strict=True):
+                prefix_len = req.kv_len - extend_len
                 completes = req.kv_len == req.fill_len
                 samples.append(completes and _samples_after_fill(req))
                 spans.append(_input_logprob_span(req, prefix_len, extend_len))
@@ -617,7 +631,7 @@ def _samples_after_fill(req: Req) -> bool:
     """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
     generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
     params = req.sampling_params
-    return (params.max_new_tokens > len(req.output_ids)
+    return (by_length(params, len(req.output_ids)) is None
             or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
 
 
