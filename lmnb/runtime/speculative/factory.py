@@ -11,6 +11,7 @@ from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
+from lmnb.runtime.models.layers.fusion import fused_kernels_available, set_fused_kernels
 from lmnb.runtime.speculative.config import SpeculativeConfig
 from lmnb.runtime.speculative.draft_model import DraftModelSource
 from lmnb.runtime.speculative.speculator import DraftSource, NgramSource, Speculator
@@ -42,13 +43,16 @@ def _draft_model(spec: SpeculativeConfig, *, engine_config: EngineConfig, target
     device, dtype = target.device, target.dtype
     model = loader.load_model(model_dir, model_config, dtype=dtype, device=device,
                               dummy=engine_config.load_format == "dummy")
+    if not engine_config.disable_fused_kernels and fused_kernels_available(device):
+        set_fused_kernels(model, True)
     config = dataclasses.replace(
         engine_config, model_path=str(model_dir),
         max_total_tokens=min(target.max_total_tokens,
                              (spec.max_batch_size + 1) * target.context_len),
         max_running_requests=target.max_running_requests, context_length=target.context_len,
         speculative_algorithm=None, speculative_draft_model_path=None,
-        speculative_num_steps=None, speculative_num_draft_tokens=None, tp_size=1, dp_size=1)
+        speculative_num_steps=None, speculative_num_draft_tokens=None, tp_size=1, dp_size=1,
+        quantization=None)  # the draft's own checkpoint, unquantized
     runner = ModelRunner(model, model_config, config, device=device, dtype=dtype,
                          eos_token_ids=eos_token_ids)
     if runner.graph_max_bs:
