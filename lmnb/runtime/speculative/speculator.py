@@ -78,6 +78,7 @@ class Speculator:
         self.pauses = 0
         self.large_batch_steps = 0  # decode steps that did not speculate: batch too large
         self.seconds = {"draft": 0.0, "verify": 0.0, "decode": 0.0}  # synchronous passes
+        self.passes = {"draft": 0, "verify": 0, "decode": 0}  # (draft: proposals drafted)
         self.state = "idle"
 
     # ---- proposing ----------------------------------------------------------------------------
@@ -103,6 +104,7 @@ class Speculator:
             found = self.source.draft(asks)
             self._draft_seconds = time.perf_counter() - start
             self.seconds["draft"] += self._draft_seconds
+            self.passes["draft"] += 1
             for i, ask, tokens in zip(where, asks, found, strict=True):
                 drafts[i] = self._allowed(ask.state, tokens[:ask.k])
                 if not drafts[i]:
@@ -174,10 +176,12 @@ class Speculator:
         pass is charged its drafting time too)."""
         if batch.is_verify:
             self.seconds["verify"] += seconds
+            self.passes["verify"] += 1
             self.cost.verified(seconds + self._draft_seconds,
                                sum(batch.extend_lens) - batch.size)
         elif batch.mode is ForwardMode.DECODE:
             self.seconds["decode"] += seconds
+            self.passes["decode"] += 1
             self.cost.decoded(seconds)
 
     def verified(self, req: Req, *, drafted: int, accepted: int) -> None:
@@ -227,7 +231,7 @@ class Speculator:
             "pauses": self.pauses,
             "large_batch_steps": self.large_batch_steps,
             "verify_cost_model": {"fixed": fixed, "per_draft": per_draft},
-            "seconds": dict(self.seconds),
+            "seconds": dict(self.seconds), "timed_passes": dict(self.passes),
             **self.source.report(),
         }
 
