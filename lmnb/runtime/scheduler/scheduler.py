@@ -87,7 +87,7 @@ class VerifyRunner(Protocol):
 
 
 class Speculator(Protocol):
-    """Proposes draft tokens and learns from verify passes (`speculative.NgramSpeculator`)."""
+    """Proposes draft tokens and learns from verify passes (`speculative.Speculator`)."""
 
     def propose(self, states: Sequence[ReqState], room: int) -> list[list[int]] | None:
         """Per request its drafts (at most `room` tokens in all), or None: a plain decode."""
