@@ -214,8 +214,14 @@ def test_regex_drafts_pass_the_fsm_and_jump_forward_still_applies(runtimes) -> N
 def test_sampling_with_speculation_stays_in_the_support_and_frees_kv(runtimes) -> None:
     _, spec = runtimes
     outs = spec.generate([COPY_PROMPTS[0]] * 4, {"temperature": 0.8, "top_k": 5,
-                                                 "max_new_tokens": 32, "seed": 3})
-    assert all(o["meta_info"]["completion_tokens"] > 0 for o in outs)
+                                                 "max_new_tokens": 32, "seed": 3},
+                         return_logprob=True, top_logprobs_num=5)
+    assert sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs) > 0
+    for out in outs:  # accepted drafts and resampled tokens alike lie in the top-k support
+        meta = out["meta_info"]
+        for (_, token), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"],
+                                   strict=True):
+            assert token in {t for _, t in top}
     stream = spec.generate(COPY_PROMPTS[1], {**GREEDY, "max_new_tokens": 200}, stream=True)
     next(stream)
     stream.close()  # aborts mid-generation
