@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 COPY = ["apple banana cherry apple banana cherry apple banana cherry apple banana",
-        '{"a": 1, "b": 2, "c": 3}\n{"a": 1, "b": 2, "c": 3}\n{"a": 1,']
+        '{"a": 1, "b": 2, "c": 3}\n{"a": 1, "b": 2, "c": 3}\n{"a": 1,',
+        # over 64 tokens: its verify rows read the prefix once (shared-prefix decode)
+        " ".join(["red green blue yellow"] * 20)]
 _rng = random.Random(5)
 RANDOM = [" ".join(str(_rng.randint(0, 9999)) for _ in range(24)) for _ in range(2)]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 64}
