@@ -30,6 +30,7 @@ from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache, PrefixCache
 from lmnb.runtime.radix.cache import RadixCache
 from lmnb.runtime.scheduler import CacheManager, Scheduler, SchedulerConfig, SchedulerThread
+from lmnb.runtime.speculative.factory import make_speculator
 
 SHARED_PREFIX_MIN_TOKENS = 64  # a decode group's prefix worth reading once (one KV tile)
 
@@ -162,6 +163,10 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
     allocator = KVAllocator(runner.max_total_tokens, device)
     cache: PrefixCache = (NoReuseCache(allocator) if config.disable_radix_cache
                           else RadixCache(allocator))
+    speculative = config.speculative()
+    speculator = (make_speculator(speculative, engine_config=config, target=runner,
+                                  eos_token_ids=model.eos_token_ids)
+                  if speculative is not None else None)
     outputs = OutputProcessor()
     outputs.start()
     scheduler = Scheduler(
@@ -169,7 +174,8 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
         policy=make_policy(config.schedule_policy), config=scheduler_config,
         stop_rules=StopRules(model.eos_token_ids), sink=outputs, tokenizer=model.tokenizer,
         jump_forward=None if config.disable_jump_forward else JumpForward(model.tokenizer),
-        vocab_size=model.model_config.vocab_size)
+        vocab_size=model.model_config.vocab_size, speculator=speculator,
+        verifier=runner if speculator is not None else None)
     thread = SchedulerThread(scheduler)
     grammars = GrammarFactory(model.tokenizer, vocab_size=model.model_config.vocab_size,
                               eos_token_ids=model.eos_token_ids, backend=config.grammar_backend)

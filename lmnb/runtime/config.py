@@ -20,6 +20,7 @@ from lmnb.runtime.quantization import (
     kv_cache_dtype_name,
     resolve_quantization,
 )
+from lmnb.runtime.speculative.config import SpeculativeConfig
 
 # Accepted dtype spellings -> canonical names (the attribute names in `torch`).
 DTYPE_NAMES: dict[str, str] = {
@@ -87,6 +88,21 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks: this process and tp_size - 1 spawned workers
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
     check_integrity_each_step: bool = False  # KV slot accounting after every step (tests)
+    # Speculative decoding (SGLang's names; see speculative/config.py): None | 'NGRAM' |
+    # 'STANDALONE' (a draft model)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None  # verify positions: last token + drafts
+    speculative_draft_model_path: str | None = None  # STANDALONE's draft model
+    speculative_num_steps: int | None = None  # STANDALONE: draft passes per verify pass
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"  # 'BFS' (most recent) | 'PROB' (most frequent)
+    speculative_ngram_max_trie_depth: int = 18  # longest context suffix matched
+    speculative_ngram_capacity: int = 10_000_000  # tokens of recent requests kept
+    speculative_max_batch_size: int = 8  # lmnb: larger decode batches do not speculate
+    speculative_min_accept_rate: float = 0.15  # lmnb: below it a request pauses speculation
+    speculative_draft_policy: str = "adaptive"  # lmnb: 'adaptive' (cost model) | 'always'
+    speculative_verify_mode: str = "auto"  # lmnb: 'auto' | 'extend' | 'decode' (graph-able)
     # FP8 (see runtime/quantization.py): None | 'fp8' | 'compressed-tensors'
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # 'auto' (the model's) | 'fp8_e4m3' | 'bf16' | 'bfloat16'
@@ -141,6 +157,28 @@ class EngineConfig:
                 f"unknown quantization {self.quantization!r}; choose one of: "
                 f"{', '.join(QUANTIZATION_METHODS)}")
         kv_cache_dtype_name(self.kv_cache_dtype)
+        speculative = self.speculative()
+        if speculative is not None and self.tp_size > 1:
+            raise ValueError("speculative_algorithm is not supported with tp_size > 1")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The validated speculative-decoding options; None without `speculative_algorithm`."""
+        return SpeculativeConfig.from_options(
+            algorithm=self.speculative_algorithm,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            num_steps=self.speculative_num_steps,
+            draft_model_path=(os.fspath(self.speculative_draft_model_path)
+                              if isinstance(self.speculative_draft_model_path, os.PathLike)
+                              else self.speculative_draft_model_path),
+            min_bfs_breadth=self.speculative_ngram_min_bfs_breadth,
+            max_bfs_breadth=self.speculative_ngram_max_bfs_breadth,
+            match_type=self.speculative_ngram_match_type,
+            max_trie_depth=self.speculative_ngram_max_trie_depth,
+            capacity=self.speculative_ngram_capacity,
+            max_batch_size=self.speculative_max_batch_size,
+            min_accept_rate=self.speculative_min_accept_rate,
+            draft_policy=self.speculative_draft_policy,
+            verify_mode=self.speculative_verify_mode)
 
     def _check_grammar_backend(self) -> None:
         """'lmnb' or 'xgrammar' (EBNF grammars always go through xgrammar); 'xgrammar' needs the

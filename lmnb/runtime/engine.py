@@ -84,6 +84,8 @@ class Runtime:
         self._closed = True
         self._scheduler.stop()
         self._outputs.close()
+        if (speculator := self._scheduler.scheduler.speculator) is not None:
+            speculator.close()  # a draft model's runner
         if self._tp_workers is not None:
             self._runner.release_graphs()  # graphs that captured collectives go first
             self._tp_workers.close()
@@ -170,6 +172,8 @@ class Runtime:
             if scheduler.has_work:
                 return False
             cache.evict(cache.evictable_size())
+            if scheduler.speculator is not None:
+                scheduler.speculator.reset()  # recent requests' n-grams
             if not self._pins:  # a pinned path stays; without pins the tree starts afresh
                 cache.reset()
             return True

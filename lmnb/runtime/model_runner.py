@@ -11,7 +11,7 @@ import torch
 from lmnb.multimodal.embedding_cache import EmbeddingCache
 from lmnb.runtime import memory_profile
 from lmnb.runtime.config import EngineConfig, ModelConfig
-from lmnb.runtime.core import Batch, ForwardMode, StepOutput
+from lmnb.runtime.core import Batch, ForwardMode, StepOutput, VerifyOutput
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
 from lmnb.runtime.kernels.metadata import host_int64
@@ -32,10 +32,14 @@ from lmnb.runtime.sampling import (
     stack_bitmasks,
 )
 from lmnb.runtime.sampling.row import SamplingRow
+from lmnb.runtime.speculative.verify import draft_bitmasks, expanded_rows, verify_drafts
 
 if TYPE_CHECKING:
     from lmnb.runtime.distributed.group import TPGroup
     from lmnb.runtime.distributed.step import Step
+
+VERIFY_SHARED_PREFIX_MIN_TOKENS = 64  # a verify pass's prefix worth reading once (one KV tile)
+
 
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
@@ -137,6 +141,10 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         self.media_cache = EmbeddingCache()
         self._last_sampled: torch.Tensor | None = None  # [bs] ids the last launch sampled
+        speculative = engine_config.speculative()
+        self._verify_mode = speculative.verify_mode if speculative is not None else "extend"
+        self._shared_prefix_decode = (not engine_config.disable_shared_prefix_decode
+                                      and self.attn_backend.supports_shared_prefixes)
         if tp is not None:
             tp.steps.reserve(self.max_running_requests)
 
@@ -279,6 +287,56 @@ class ModelRunner:
             if len(sample_rows) == batch.size:
                 self._last_sampled = sampled.next_token_ids
         return PendingStep(self, batch, hidden, sample_rows, sampled)
+
+    @torch.inference_mode()
+    def verify(self, batch: Batch, rows: Sequence[SamplingRow]) -> VerifyOutput:
+        """A speculative verify pass (`batch.drafts`; `rows`: every request's sampling state):
+        one eager EXTEND forward over each request's last token and drafts (CUDA graphs capture
+        decode passes only), the target's logits at every position, and per request the tokens
+        it keeps (`speculative.verify`)."""
+        if self.tp is not None:
+            raise RuntimeError("speculative verify passes do not run tensor-parallel")
+        logits = self._verify_logits(batch)
+        rows = list(rows)
+        info = self.sampler.batch_info(expanded_rows(rows, batch.drafts), self.device)
+        self._batch_info = None  # outputs grew by several tokens: rebuilt for the next decode
+        self._last_sampled = None
+        return verify_drafts(self.sampler, logits, info,
+                             draft_bitmasks(rows, batch.drafts, info, self.device), batch.drafts)
+
+    def _verify_logits(self, batch: Batch) -> torch.Tensor:
+        """[positions, vocab] logits of a verify pass: as a decode batch (a CUDA graph replay
+        when one fits, else eagerly) or as one EXTEND (see `SpeculativeConfig.verify_mode`)."""
+        mode = self._verify_mode
+        if mode == "auto":
+            mode = "decode" if self.graph_runner is not None else "extend"
+        if mode == "decode":
+            forward_batch = self._verify_as_decode(batch)
+            hidden, graph_logits = self._forward(forward_batch)
+            if graph_logits is not None:
+                return graph_logits
+            return self.model.compute_logits(hidden)
+        hidden, _ = self._forward(self.forward_batch(batch), batch)
+        return self.model.compute_logits(hidden)
+
+    def _verify_as_decode(self, batch: Batch) -> ForwardBatch:
+        """A verify batch as a DECODE batch: position j of request i is a row reading request
+        i's KV row up to j (its slots are in the row already: the pass writes every row's KV
+        before attending); a request's rows share its prefix (read once per group when the
+        backend can)."""
+        pools: list[int] = []
+        prefix: list[int] = []
+        shared: list[tuple[int, list[int]]] = []
+        for pool, start, n in zip(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
+                                  strict=True):
+            if n > 1 and start >= VERIFY_SHARED_PREFIX_MIN_TOKENS and self._shared_prefix_decode:
+                shared.append((start, list(range(len(pools), len(pools) + n))))
+            pools.extend([pool] * n)
+            prefix.extend(range(start, start + n))
+        return ForwardBatch.build(
+            mode=ForwardMode.DECODE, input_ids=batch.input_ids, req_pool_indices=pools,
+            prefix_lens=prefix, extend_lens=[1] * len(pools), out_cache_loc=batch.out_cache_loc,
+            req_to_token=self.req_to_token_pool.req_to_token, shared_prefixes=shared)
 
     def _previous_tokens(self, batch: Batch) -> torch.Tensor:
         """The input ids of a `follows_previous` batch: the last launch's sampled tokens (all,

@@ -122,6 +122,24 @@ class CacheManager:
         for req in reqs:
             req.kv_len += 1
 
+    # ---- speculative verify passes -------------------------------------------------------------
+    def hold_tail(self, req: Req, kv_len: int, keep: int) -> torch.Tensor:
+        """After a verify pass: `req`'s KV is cut back to its first `kv_len` tokens; of the slots
+        past them the first `keep` (accepted drafts) are returned, held by the caller, who gives
+        each back with `regain` or `free_slots`; the rest (rejected drafts) are freed."""
+        tail = self.table[req.req_pool_idx, kv_len:req.kv_len].clone()
+        self.allocator.free(tail[keep:])
+        req.kv_len = kv_len
+        return tail[:keep]
+
+    def regain(self, req: Req) -> None:
+        """The next held slot (still in `req`'s row, right after its KV) is the request's."""
+        req.kv_len += 1
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Held slots no request will own."""
+        self.allocator.free(slots)
+
     # ---- handing KV back -----------------------------------------------------------------------
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill pass: the computed tokens go into the cache at once (requests sharing

@@ -18,6 +18,7 @@ last token, room for one more token each); otherwise the pass in flight is proce
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,6 +30,7 @@ from lmnb.runtime.core import (
     Req,
     ReqStatus,
     StepOutput,
+    VerifyOutput,
     finish_abort,
     finish_length,
 )
@@ -78,6 +80,43 @@ class StepRunner(Protocol):
         request of the batch: next token or None, logprobs."""
 
 
+class VerifyRunner(Protocol):
+    def verify(self, batch: Batch, rows: list[ReqState]) -> VerifyOutput:
+        """Forward a verify `batch` (`batch.drafts`) and decide, per request of `rows` (all of
+        the batch, in order), the tokens it keeps."""
+
+
+class Speculator(Protocol):
+    """Proposes draft tokens and learns from verify passes (`speculative.Speculator`)."""
+
+    def propose(self, states: Sequence[ReqState], room: int) -> list[list[int]] | None:
+        """Per request its drafts (at most `room` tokens in all), or None: a plain decode."""
+
+    def may_draft(self, states: Sequence[ReqState]) -> bool:
+        """Whether a request might draft at its next step (the overlap pipeline then stops)."""
+
+    def verified(self, req: Req, *, drafted: int, accepted: int) -> None:
+        """After a verify pass, before the kept tokens are appended."""
+
+    def finished(self, req: Req, *, keep: bool) -> None:
+        """`req` ended; `keep`: its tokens may serve later requests' drafts."""
+
+    def timed(self, batch: Batch, seconds: float) -> None:
+        """A pass run synchronously took `seconds` (what verify passes cost next to decodes)."""
+
+    def check(self) -> None:
+        """Raises AssertionError unless the speculator's own KV (a draft model's) adds up."""
+
+    def reset(self) -> None:
+        """Forgets what finished requests taught it (`Runtime.flush_cache`)."""
+
+    def close(self) -> None:
+        """Frees what it holds (a draft model); after the scheduler stopped."""
+
+    def report(self) -> dict[str, Any]:
+        """Its part of `Runtime.stats()` (`stats()["speculative"]`)."""
+
+
 class PendingStep(Protocol):
     def result(self) -> StepOutput:
         """Waits for a launched pass; returns what `StepRunner.run` would have."""
@@ -106,7 +145,10 @@ class Scheduler:
     def __init__(self, *, runner: StepRunner, cache: CacheManager, policy: SchedulePolicy,
                  config: SchedulerConfig, stop_rules: StopRules, sink: OutputSink,
                  tokenizer: Decoder | None = None, jump_forward: JumpPlanner | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, speculator: Speculator | None = None,
+                 verifier: VerifyRunner | None = None) -> None:
+        if (speculator is None) != (verifier is None):
+            raise ValueError("a speculator needs a verifier (the runner's verify pass)")
         self.runner = runner
         self.cache = cache
         self.config = config
@@ -114,6 +156,8 @@ class Scheduler:
         self.sink = sink
         self.tokenizer = tokenizer
         self.jump_forward = jump_forward
+        self.speculator = speculator
+        self.verifier = verifier
         self.table = RequestTable()
         self.prefill = PrefillManager(cache, policy, budget=config.chunked_prefill_size,
                                       in_batch_prefix_min_tokens=config.in_batch_prefix_min_tokens)
@@ -160,7 +204,8 @@ class Scheduler:
         """The scheduler's part of `Runtime.stats()`: its counters (hit rates, passes,
         retractions, ...), the overlap mode and the requests running and waiting."""
         return {**self.stats.counters(), "overlap_schedule": self.config.overlap_schedule,
-                "running": len(self.table.running), "waiting": len(self.table.waiting)}
+                "running": len(self.table.running), "waiting": len(self.table.waiting),
+                "speculative": self.speculator.report() if self.speculator else None}
 
     @property
     def pass_in_flight(self) -> bool:
@@ -181,11 +226,17 @@ class Scheduler:
         if self._may_pipeline(batch, rows):
             self._launch(batch, reqs, rows)
             return True
+        start = time.perf_counter()
         try:
-            output = self.runner.run(batch, rows)
+            if batch.is_verify and self.verifier is not None:
+                output: StepOutput | VerifyOutput = self.verifier.verify(batch, rows)
+            else:
+                output = self.runner.run(batch, rows)
         except Exception as error:
             self._fail(reqs, error)
             return True
+        if self.speculator is not None:
+            self.speculator.timed(batch, time.perf_counter() - start)
         self._complete(batch, reqs, output)
         return True
 
@@ -241,6 +292,9 @@ class Scheduler:
                 keep.append(i)  # goes on past the token in flight
         if not keep:
             return None
+        if self.speculator is not None and self.speculator.may_draft(
+                [table.states[reqs[i].rid] for i in keep]):
+            return None  # drafts need the token in flight: process it first
         previous_rows = None
         if len(keep) < len(reqs):
             going_on = [reqs[i] for i in keep]
@@ -269,7 +323,8 @@ class Scheduler:
                              cache_kv=False)
         self._flush()
 
-    def _complete(self, batch: Batch, reqs: list[Req], output: StepOutput) -> None:
+    def _complete(self, batch: Batch, reqs: list[Req], output: StepOutput | VerifyOutput
+                  ) -> None:
         self.stats.forward_passes += 1
         if self.batch_hook is not None:
             self.batch_hook(batch)
@@ -306,7 +361,31 @@ class Scheduler:
             self.table.requeue_front(req)
         self.decode.decayed()
         reqs = list(running)
+        if self.speculator is not None:
+            drafts = self.speculator.propose(
+                [self.table.states[req.rid] for req in reqs],
+                room=self.cache.allocator.available() - len(reqs))  # never evicts for drafts
+            if drafts is not None:
+                return self._make_verify_batch(reqs, drafts), reqs
         return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs)), reqs
+
+    def _make_verify_batch(self, reqs: list[Req], drafts: list[list[int]]) -> Batch:
+        """An EXTEND pass over each request's last token and its drafts (a request without
+        drafts extends by its last token alone: a decode step)."""
+        extend_lens = [1 + len(d) for d in drafts]
+        out_cache_loc = self.cache.alloc(sum(extend_lens))
+        prefix_lens = [req.kv_len for req in reqs]
+        input_ids: list[int] = []
+        for req, d in zip(reqs, drafts, strict=True):
+            input_ids.append(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1])
+            input_ids.extend(d)
+        self.cache.extend_all(reqs, extend_lens, out_cache_loc)
+        n = len(reqs)
+        return Batch(mode=ForwardMode.EXTEND, rids=[req.rid for req in reqs],
+                     req_pool_indices=[req.req_pool_idx for req in reqs],
+                     prefix_lens=prefix_lens, extend_lens=extend_lens, input_ids=input_ids,
+                     out_cache_loc=out_cache_loc, samples=[True] * n, input_logprobs=[None] * n,
+                     mm_inputs=[None] * n, drafts=drafts)
 
     def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], *,
                     follows_previous: bool = False,
@@ -372,7 +451,11 @@ class Scheduler:
             req.input_logprobs_done = 1
 
     # ---- results ------------------------------------------------------------------------------
-    def _process(self, batch: Batch, reqs: list[Req], output: StepOutput) -> None:
+    def _process(self, batch: Batch, reqs: list[Req], output: StepOutput | VerifyOutput
+                 ) -> None:
+        if isinstance(output, VerifyOutput):
+            self._process_verify(batch, reqs, output)
+            return
         if batch.mode is not ForwardMode.EXTEND:
             self._process_decode(reqs, output)
             return
@@ -399,6 +482,29 @@ class Scheduler:
                 self._finish(state, finish_length(len(req.output_ids)))
             if req.req_pool_idx is not None:  # still live, not jumped
                 self.cache.cache_unfinished(req)
+
+    def _process_verify(self, batch: Batch, reqs: list[Req], output: VerifyOutput) -> None:
+        """A verify pass: each request keeps the KV of its last token and accepted drafts (the
+        rejected drafts' slots go back at once) and appends its kept tokens one by one through
+        every rule; ending (or jumping forward) mid-chain gives back the KV past that token, so
+        the prefix cache only ever receives accepted tokens."""
+        for i, req in enumerate(reqs):
+            state = self.table.states.get(req.rid)
+            if state is None or state.req is not req:
+                continue
+            req.forward_passes += 1
+            drafted, tokens = len(batch.drafts[i]), output.tokens[i]
+            accepted = len(tokens) - 1
+            self.speculator.verified(req, drafted=drafted, accepted=accepted)
+            held = self.cache.hold_tail(req, req.kv_len - drafted, keep=accepted)
+            for m, token in enumerate(tokens):
+                self._append_token(state, token, output.logprobs[i][m],
+                                   output.top_logprobs[i][m])
+                if req.req_pool_idx is None:  # ended or jumped at this token
+                    self.cache.free_slots(held[m:])
+                    break
+                if m < accepted:
+                    self.cache.regain(req)
 
     def _process_decode(self, reqs: list[Req], output: StepOutput) -> None:
         """`_process` of a DECODE pass (every request samples; no prompt logprobs), with the
@@ -503,6 +609,8 @@ class Scheduler:
                 self.cache.free(req)
         req.finished_reason = reason
         req.status = ReqStatus.FINISHED
+        if self.speculator is not None:
+            self.speculator.finished(req, keep=cache_kv)
         self.table.remove(req)
         self._events.append(TokenEvent(req.rid, new_ids or [], reason, request_meta(state)))
 
@@ -515,6 +623,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV slot and request row is accounted for."""
         self.cache.check_integrity(self.table.live(), self.table.waiting)
+        if self.speculator is not None:
+            self.speculator.check()
 
 
 def _samples_after_fill(req: Req) -> bool:
