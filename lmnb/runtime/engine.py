@@ -27,6 +27,8 @@ from lmnb.runtime.distributed.tp_worker import TPWorkers
 from lmnb.runtime.fsm.factory import GrammarFactory
 from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.fsm.protocol import Grammar
+from lmnb.runtime.hicache import TieredRadixCache, make_tiered_cache
+from lmnb.runtime.hicache.identity import model_key, parameter_fingerprint
 from lmnb.runtime.media_requests import MediaInput, build_media_prompts
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
@@ -151,7 +153,9 @@ class Runtime:
                               else not config.disable_overlap_schedule))
         allocator = KVAllocator(self.max_total_tokens, self.device)
         self._cache = (NoReuseCache(allocator) if config.disable_radix_cache
-                       else RadixCache(allocator))
+                       else make_tiered_cache(config, allocator, self._runner.kv_storage,
+                                              model_key=self._model_key)
+                       if config.enable_hierarchical_cache else RadixCache(allocator))
         self._pins = PrefixPins(self._cache)  # touched on the scheduler thread only
         self._outputs = OutputProcessor()
         self._outputs.start()
@@ -191,6 +195,14 @@ class Runtime:
             self._runner.capture_cuda_graphs(graph_max_bs)
         return self._runner
 
+    def _model_key(self) -> str:
+        """What the disk tier's pages are keyed by (`hicache/identity.py`)."""
+        return model_key(
+            model_dir=self.model_dir, model_config=self.model_config, dtype=self.dtype,
+            load_format=self.engine_config.load_format,
+            tokenizer_vocab=self.tokenizer.get_vocab(), kv=self._runner.kv_storage,
+            parameters=parameter_fingerprint(self._runner.model.named_parameters()))
+
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
         """Stops the scheduler (aborting what is in flight) and frees the model and KV memory."""
@@ -199,6 +211,8 @@ class Runtime:
         self._closed = True
         self._scheduler.stop()
         self._outputs.close()
+        if isinstance(self._cache, TieredRadixCache):
+            self._cache.close()  # queued disk pages are written first
         if self._tp_workers is not None:
             self._runner.release_graphs()  # graphs that captured collectives go first
             self._tp_workers.close()
@@ -263,6 +277,8 @@ class Runtime:
                 running=len(scheduler.table.running), waiting=len(scheduler.table.waiting),
                 pinned_prefixes=len(self._pins), pinned_tokens=self._pins.tokens(),
                 **self._runner.media_counters())
+            if isinstance(cache, TieredRadixCache):
+                stats.update(cache.tier_stats())
             return stats
 
         return self._scheduler.call(read)

@@ -85,6 +85,15 @@ class PrefixCache(ABC):
         The default shares nothing."""
         return []
 
+    def load_back(self, key: Sequence[int], extra_key: Hashable = None, *, room: int) -> int:
+        """Brings KV of `key`'s prefix kept in slower tiers (host memory, disk) into device
+        slots, at most `room` of them, so that `match_prefix(key)` matches it; returns how many
+        tokens were loaded. The default keeps no other tier."""
+        return 0
+
+    def check(self) -> None:  # noqa: B027
+        """Asserts the cache's own invariants (tests, `check_integrity`); the default has none."""
+
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         """How many leading tokens of `key` are cached now, for observers (widgets): no lock,
         no split, no LRU touch. The default caches nothing."""

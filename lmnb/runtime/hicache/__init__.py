@@ -1,0 +1,41 @@
+"""The radix cache's lower tiers (`enable_hierarchical_cache`): KV evicted from the device kept in
+host memory (`host_pool`), pages of KV on disk across restarts (`disk`), and the tree that knows
+where each node's KV lives (`tiered_cache`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from lmnb.runtime.config import EngineConfig
+from lmnb.runtime.hicache.disk import PAGE_TOKENS, DiskTier
+from lmnb.runtime.hicache.host_pool import HostKVPool
+from lmnb.runtime.hicache.tiered_cache import TieredRadixCache
+from lmnb.runtime.memory import KVAllocator, KVStorage
+
+GB = 1 << 30
+DEFAULT_STORAGE_DIR = Path("~/.cache/lmnb/hicache")
+
+__all__ = ["PAGE_TOKENS", "DiskTier", "HostKVPool", "TieredRadixCache", "make_tiered_cache"]
+
+
+def host_pool_tokens(config: EngineConfig, device_tokens: int, bytes_per_token: int) -> int:
+    """`hicache_size` GB of host memory, else `hicache_ratio` times the device pool."""
+    if config.hicache_size > 0:
+        return max(config.hicache_size * GB // bytes_per_token, 1)
+    return max(int(config.hicache_ratio * device_tokens), 1)
+
+
+def make_tiered_cache(config: EngineConfig, allocator: KVAllocator, kv: KVStorage, *,
+                      model_key: Callable[[], str]) -> TieredRadixCache:
+    """The cache `enable_hierarchical_cache` asks for; `model_key` is called only when a disk
+    tier is configured."""
+    host = HostKVPool(host_pool_tokens(config, allocator.size, HostKVPool.bytes_per_token(kv)),
+                      kv)
+    disk = None
+    if config.hicache_storage_backend == "file":
+        root = Path(config.hicache_storage_dir or DEFAULT_STORAGE_DIR).expanduser()
+        disk = DiskTier(root, model_key(), kv, max_bytes=int(config.hicache_storage_size * GB))
+    return TieredRadixCache(allocator, host,
+                            write_through=config.hicache_write_policy == "write_through",
+                            disk=disk)
