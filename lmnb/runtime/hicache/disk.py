@@ -1,6 +1,6 @@
 """The disk tier: pages of KV in files that outlive the process (`hicache_storage_backend="file"`).
 
-A page is `PAGE_TOKENS` consecutive tokens of a token-id prefix, aligned at 0. Its name chains
+A page is `page_tokens` (64) consecutive tokens of a token-id prefix, aligned at 0. Its name chains
 the model's identity and every token before it:
 
     h[-1] = model key        h[i] = sha256(h[i-1] + token ids of page i)       file: <dir>/<h[i]>.kv
@@ -10,7 +10,7 @@ layout) asking for the same tokens. A file is
 
     MAGIC | u32 header length | header (JSON: model, hash, tokens, shape, dtype) | payload | u32 crc
 
-with the payload [2 (K, V), layers, PAGE_TOKENS, kv_heads, head_dim]. Anything that does not
+with the payload [2 (K, V), layers, page_tokens, kv_heads, head_dim]. Anything that does not
 check out (crc, header, length) is a miss and the file is removed: never wrong KV. Files are
 written to a temporary name and renamed (atomic: other processes sharing the directory see
 whole files or none); a read refreshes the file's mtime, and when the directory holds more than
@@ -44,11 +44,12 @@ MAGIC = b"LMNBKV01"
 SUFFIX = ".kv"
 
 
-def page_hashes(model_key: str, tokens: Sequence[int], pages: int) -> list[str]:
+def page_hashes(model_key: str, tokens: Sequence[int], pages: int,
+                page_tokens: int = PAGE_TOKENS) -> list[str]:
     """The chained names of the first `pages` full pages of `tokens`."""
     hashes, previous = [], model_key
     for page in range(pages):
-        chunk = array("q", tokens[page * PAGE_TOKENS:(page + 1) * PAGE_TOKENS]).tobytes()
+        chunk = array("q", tokens[page * page_tokens:(page + 1) * page_tokens]).tobytes()
         previous = hashlib.sha256(previous.encode() + chunk).hexdigest()
         hashes.append(previous)
     return hashes
@@ -70,14 +71,16 @@ def scatter_kv(kv: KVStorage, slots: torch.Tensor, data: torch.Tensor) -> None:
 
 
 class DiskTier:
-    def __init__(self, root: Path, model_key: str, kv: KVStorage, *, max_bytes: int) -> None:
+    def __init__(self, root: Path, model_key: str, kv: KVStorage, *, max_bytes: int,
+                 page_tokens: int = PAGE_TOKENS) -> None:
         self.root = root
         self.model_key = model_key
         self.dir = root / model_key[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.kv = kv
         self.max_bytes = max_bytes
-        self.page_shape = (2, kv.num_layers, PAGE_TOKENS, kv.kv_heads, kv.head_dim)
+        self.page_tokens = page_tokens
+        self.page_shape = (2, kv.num_layers, page_tokens, kv.kv_heads, kv.head_dim)
         self.dtype_name = str(kv.dtype).removeprefix("torch.")
         self._known: set[str] = set()  # pages this process wrote or read (not written again)
         self._queue: queue.Queue[tuple[str, list[int], torch.Tensor] | None] = queue.Queue()
@@ -97,20 +100,20 @@ class DiskTier:
     def offer(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
         """Queues the full pages of `tokens` (KV in device rows `slots`) not written yet; the KV
         is copied out before this returns. Returns how many pages were queued."""
-        pages = len(tokens) // PAGE_TOKENS
+        size = self.page_tokens
+        pages = len(tokens) // size
         if not pages:
             return 0
-        hashes = page_hashes(self.model_key, tokens, pages)
+        hashes = page_hashes(self.model_key, tokens, pages, self.page_tokens)
         new = [i for i, h in enumerate(hashes) if h not in self._known]
         if not new:
             return 0
-        rows = torch.cat([slots[i * PAGE_TOKENS:(i + 1) * PAGE_TOKENS] for i in new])
+        rows = torch.cat([slots[i * size:(i + 1) * size] for i in new])
         data = gather_kv(self.kv, rows)
         for n, page in enumerate(new):
             self._known.add(hashes[page])
-            chunk = data[:, :, n * PAGE_TOKENS:(n + 1) * PAGE_TOKENS].contiguous()
-            self._queue.put((hashes[page],
-                             list(tokens[page * PAGE_TOKENS:(page + 1) * PAGE_TOKENS]), chunk))
+            chunk = data[:, :, n * size:(n + 1) * size].contiguous()
+            self._queue.put((hashes[page], list(tokens[page * size:(page + 1) * size]), chunk))
         return len(new)
 
     def _write_loop(self) -> None:
@@ -194,20 +197,21 @@ class DiskTier:
     def load(self, tokens: Sequence[int], start: int, max_tokens: int) -> torch.Tensor | None:
         """KV [2, layers, n, kv_heads, head_dim] (CPU) of tokens[start:start + n] from the pages
         on disk that continue the prefix `tokens[:start]`, n <= max_tokens; None if none."""
-        first = start // PAGE_TOKENS
-        pages = min(len(tokens), start + max_tokens) // PAGE_TOKENS
+        size = self.page_tokens
+        first = start // size
+        pages = min(len(tokens), start + max_tokens) // size
         if pages <= first:
             return None
-        hashes = page_hashes(self.model_key, tokens, pages)
+        hashes = page_hashes(self.model_key, tokens, pages, self.page_tokens)
         found = []
         for page in range(first, pages):
-            data = self._read(hashes[page], tokens[page * PAGE_TOKENS:(page + 1) * PAGE_TOKENS])
+            data = self._read(hashes[page], tokens[page * size:(page + 1) * size])
             if data is None:
                 break
             found.append(data)
         if not found:
             return None
-        data = torch.cat(found, dim=2)[:, :, start - first * PAGE_TOKENS:]
+        data = torch.cat(found, dim=2)[:, :, start - first * size:]
         return data if data.shape[2] else None
 
     def _read(self, page_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:

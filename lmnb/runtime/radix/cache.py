@@ -269,7 +269,7 @@ class RadixCache(PrefixCache):
         """The tree as plain data, parents first; `key_preview` holds leading token ids."""
         rows = [{"id": self.root.id, "parent": None, "tokens": 0, "key_preview": [],
                  "lock_ref": 0, "last_access": self.root.last_access, "hit_count": 0,
-                 "namespace": None}]
+                 "namespace": None, "tier": "device"}]
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -277,7 +277,8 @@ class RadixCache(PrefixCache):
                 rows.append({"id": child.id, "parent": node.id, "tokens": len(child.key),
                              "key_preview": child.key[:preview_tokens],
                              "lock_ref": child.lock_ref, "last_access": child.last_access,
-                             "hit_count": child.hit_count, "namespace": child.namespace})
+                             "hit_count": child.hit_count, "namespace": child.namespace,
+                             "tier": "device"})
                 stack.append(child)
         return rows
 
