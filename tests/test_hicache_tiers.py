@@ -265,3 +265,21 @@ def test_hicache_option_combinations() -> None:
         EngineConfig(hicache_storage_backend="file")
     with pytest.raises(ValueError, match="mutually exclusive"):
         EngineConfig(enable_hierarchical_cache=True, disable_radix_cache=True)
+
+
+def test_model_identity_tells_weights_dtype_and_layout_apart() -> None:
+    from lmnb.runtime.hicache.identity import model_key, parameter_fingerprint
+
+    kv, _ = _filled()
+
+    def key(seed: int, dtype: torch.dtype = torch.float32, kv_storage: KVStorage = kv) -> str:
+        torch.manual_seed(seed)
+        layer = torch.nn.Linear(4, 4)
+        return model_key(model_dir=None, model_config={"layers": 2}, dtype=dtype,
+                         load_format="auto", tokenizer_vocab={"a": 0}, kv=kv_storage,
+                         parameters=parameter_fingerprint(layer.named_parameters()))
+
+    other_layout = KVStorage(4, num_layers=2, kv_heads=2, head_dim=1, dtype=torch.float32,
+                             device=CPU)
+    assert key(0) == key(0)
+    assert len({key(0), key(1), key(0, torch.bfloat16), key(0, kv_storage=other_layout)}) == 4
