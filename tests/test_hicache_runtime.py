@@ -31,19 +31,29 @@ def _ids(runtime: Runtime, prompts: list[list[int]]) -> list[list[int]]:
     return [r["output_ids"] for r in results]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_models) -> dict[str, Any]:
+def computed(model: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Everything computed: no prefix reuse at all."""
     _, prompts, fillers = _prompts()
-    with Runtime(tiny_models["llama-gqa"], disable_radix_cache=True, **OPTIONS) as runtime:
+    with Runtime(model, disable_radix_cache=True, **options) as runtime:
         return {"prompts": _ids(runtime, prompts), "fillers": _ids(runtime, fillers)}
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_models) -> dict[str, Any]:
+    return computed(tiny_models["llama-gqa"], OPTIONS)
+
+
 def test_outputs_identical_across_tiers(tiny_models, reference, tmp_path: Path) -> None:
+    check_tiers(tiny_models["llama-gqa"], OPTIONS, reference, tmp_path)
+
+
+def check_tiers(model: Path, base: dict[str, Any], reference: dict[str, Any],
+                storage: Path) -> None:
+    """Computed, device hits (batch, n=2 forks), host hits after fillers pushed the prompts out
+    of the pool, then disk hits in a new Runtime: the reference tokens every time."""
     shared, prompts, fillers = _prompts()
-    options = dict(OPTIONS, enable_hierarchical_cache=True, hicache_ratio=2.0,
-                   hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
-    model = tiny_models["llama-gqa"]
+    options = dict(base, enable_hierarchical_cache=True, hicache_ratio=2.0,
+                   hicache_storage_backend="file", hicache_storage_dir=str(storage))
     with Runtime(model, **options) as runtime:
         # computed (one at a time), then a device hit (batch + n=2 forks of one prompt)
         assert [_ids(runtime, [p])[0] for p in prompts] == reference["prompts"]

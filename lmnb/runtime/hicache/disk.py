@@ -55,19 +55,27 @@ def page_hashes(model_key: str, tokens: Sequence[int], pages: int,
     return hashes
 
 
+COPY_CHUNK = 1024  # tokens per device-side temporary of the copies below
+
+
 def gather_kv(kv: KVStorage, slots: torch.Tensor) -> torch.Tensor:
     """[2, layers, n, kv_heads, head_dim] on the CPU: the KV in device rows `slots`."""
-    stacked = torch.stack([torch.stack([buf[slots] for buf in bufs])
-                           for bufs in (kv.k_buffers, kv.v_buffers)])
-    return stacked.cpu()
+    out = torch.empty((2, kv.num_layers, len(slots), kv.kv_heads, kv.head_dim), dtype=kv.dtype)
+    for begin in range(0, len(slots), COPY_CHUNK):
+        part = slots[begin:begin + COPY_CHUNK]
+        out[:, :, begin:begin + len(part)] = torch.stack(
+            [torch.stack([buf[part] for buf in bufs]) for bufs in (kv.k_buffers, kv.v_buffers)])
+    return out
 
 
 def scatter_kv(kv: KVStorage, slots: torch.Tensor, data: torch.Tensor) -> None:
-    """Writes `data` [2, layers, n, kv_heads, head_dim] into device rows `slots`."""
-    data = data.to(kv.device, non_blocking=kv.device.type == "cuda")
-    for layer in range(kv.num_layers):
-        kv.k_buffers[layer][slots] = data[0, layer]
-        kv.v_buffers[layer][slots] = data[1, layer]
+    """Writes `data` [2, layers, n, kv_heads, head_dim] (CPU) into device rows `slots`."""
+    for begin in range(0, len(slots), COPY_CHUNK):
+        part = slots[begin:begin + COPY_CHUNK]
+        chunk = data[:, :, begin:begin + len(part)].to(kv.device)
+        for layer in range(kv.num_layers):
+            kv.k_buffers[layer][part] = chunk[0, layer]
+            kv.v_buffers[layer][part] = chunk[1, layer]
 
 
 class DiskTier:

@@ -4,9 +4,9 @@ slot allocator, and the copies between it and the device pool (`KVStorage`).
     k[l], v[l]  [size + 1, kv_heads, head_dim]   host row = host slot (row 0 unused), layer first
 
 On CUDA every copy runs on one side stream: it first waits for the work already queued on the
-compute stream (the rows it reads or overwrites are final there), and the compute stream then
-waits for its event, so a forward queued afterwards sees the loaded rows and never overwrites a
-row before it was saved. Host rows read by the CPU (the disk tier) wait for `synchronize()`.
+compute stream (the rows it reads or overwrites are final there). The compute stream waits for a
+load's event at once (a forward queued afterwards reads the loaded rows), and for the saves'
+event at `fence()`, which the cache calls before device rows that were saved can be reused.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class HostKVPool:
         self.v = [buffer() for _ in range(device_kv.num_layers)]
         self._stream = torch.cuda.Stream(device_kv.device) if cuda else None
         self._done: torch.cuda.Event | None = None
+        self._saved: torch.cuda.Event | None = None  # the last save the compute stream may race
 
     @staticmethod
     def bytes_per_token(device_kv: KVStorage) -> int:
@@ -59,7 +60,7 @@ class HostKVPool:
         return self.allocator.available()
 
     @contextmanager
-    def _copying(self) -> Iterator[None]:
+    def _copying(self, *, wait: bool) -> Iterator[None]:
         if self._stream is None:
             yield
             return
@@ -69,13 +70,25 @@ class HostKVPool:
             yield
             self._done = torch.cuda.Event()
             self._done.record(self._stream)
-        compute.wait_event(self._done)
+        if wait:
+            compute.wait_event(self._done)
+        else:
+            self._saved = self._done
+
+    def fence(self) -> None:
+        """The compute stream waits for the saves issued so far (before their device rows are
+        reused)."""
+        if self._saved is not None:
+            torch.cuda.current_stream(self.device_kv.device).wait_event(self._saved)
+            self._saved = None
 
     def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Device rows `device_slots` -> host rows `host_slots` (same length), every layer."""
         runs = host_runs(host_slots)
         device = self.device_kv
-        with self._copying():
+        if self._stream is not None:  # read on the side stream after its owner may drop it
+            device_slots.record_stream(self._stream)
+        with self._copying(wait=False):
             for layer in range(device.num_layers):
                 for src, dst in ((device.k_buffers[layer], self.k[layer]),
                                  (device.v_buffers[layer], self.v[layer])):
@@ -89,19 +102,13 @@ class HostKVPool:
         runs = host_runs(host_slots)
         device = self.device_kv
         target = device_slots.to(device.device)
-        with self._copying():
+        with self._copying(wait=True):
             for layer in range(device.num_layers):
                 for src, dst in ((self.k[layer], device.k_buffers[layer]),
                                  (self.v[layer], device.v_buffers[layer])):
                     for begin, first, n in runs:
                         rows = src[first:first + n].to(device.device, non_blocking=True)
                         dst[target[begin:begin + n]] = rows
-
-    def read(self, host_slots: torch.Tensor) -> torch.Tensor:
-        """[2, layers, n, kv_heads, head_dim] on the CPU (K then V) of host rows `host_slots`."""
-        self.synchronize()
-        return torch.stack([torch.stack([buf[host_slots] for buf in bufs])
-                            for bufs in (self.k, self.v)])
 
     def synchronize(self) -> None:
         if self._done is not None:

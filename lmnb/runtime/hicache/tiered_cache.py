@@ -238,6 +238,8 @@ class TieredRadixCache(RadixCache):
             if self._device_leaf(parent):
                 heapq.heappush(leaves, parent)
         self.evicted_tokens += freed
+        if freed:
+            self.host_pool.fence()  # freed rows that were saved are not overwritten too soon
         return freed
 
     def _save(self, node: TreeNode) -> None:
