@@ -118,11 +118,10 @@ def measure_ttft(model_dir: Path, options: dict[str, Any], sizes: Sizes, tokens:
 
 
 def multi_turn(model_dir: Path, options: dict[str, Any], sizes: Sizes, *, hicache: bool,
-               host_ratio: float, device: Any) -> dict[str, Any]:
+               host_ratio: float, device: Any, vocab: int) -> dict[str, Any]:
     import lmnb
 
-    tokens = Tokens(0, seed=1)
-    tokens.vocab = TOKENS_VOCAB
+    tokens = Tokens(vocab, seed=1)
     contexts = [tokens(sizes.turn_tokens) for _ in range(sizes.conversations)]
     params = {"max_new_tokens": sizes.answer, "temperature": 0, "ignore_eos": True}
     extra = dict(enable_hierarchical_cache=True, hicache_ratio=host_ratio) if hicache else {}
@@ -145,11 +144,7 @@ def multi_turn(model_dir: Path, options: dict[str, Any], sizes: Sizes, *, hicach
             "final_context_tokens": sum(map(len, contexts))}
 
 
-TOKENS_VOCAB = 32000
-
-
 def main(argv: list[str] | None = None) -> None:
-    global TOKENS_VOCAB
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dummy-config", choices=sorted(DUMMY_CONFIGS), default="llama-3-8b")
     parser.add_argument("--tokenizer", default=None)
@@ -173,9 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         dummy = write_dummy_model(name, scratch, args.tokenizer)
         options.update(dummy.runtime_options())
-        TOKENS_VOCAB = min(dummy.fields["vocab_size"], 32000)
+        vocab = min(dummy.fields["vocab_size"], 32000)  # ids every tokenizer here decodes
         if "ttft" not in skip:
-            report["ttft"] = measure_ttft(dummy.path, options, sizes, Tokens(TOKENS_VOCAB),
+            report["ttft"] = measure_ttft(dummy.path, options, sizes, Tokens(vocab),
                                           Path(scratch) / "kv")
             m = report["ttft"]["median_seconds"]
             print(f"\nTTFT of a {sizes.prefix}-token prefix (median of {sizes.repeats}):")
@@ -185,9 +180,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"host hit <= 0.3x recompute: {report['ttft']['host_over_recompute'] <= 0.3}")
         if "multi-turn" not in skip:
             off = multi_turn(dummy.path, options, sizes, hicache=False,
-                             host_ratio=args.host_ratio, device=device)
+                             host_ratio=args.host_ratio, device=device, vocab=vocab)
             on = multi_turn(dummy.path, options, sizes, hicache=True,
-                            host_ratio=args.host_ratio, device=device)
+                            host_ratio=args.host_ratio, device=device, vocab=vocab)
             ratio = on["tokens_per_second"] / off["tokens_per_second"]
             report["multi_turn"] = {"without_host_tier": off, "with_host_tier": on,
                                     "speedup": ratio,

@@ -55,17 +55,50 @@ def page_hashes(model_key: str, tokens: Sequence[int], pages: int,
     return hashes
 
 
-COPY_CHUNK = 1024  # tokens per device-side temporary of the copies below
+COPY_CHUNK = 1024  # tokens per device-side temporary of the copies below (pages divide it)
 
 
-def gather_kv(kv: KVStorage, slots: torch.Tensor) -> torch.Tensor:
-    """[2, layers, n, kv_heads, head_dim] on the CPU: the KV in device rows `slots`."""
-    out = torch.empty((2, kv.num_layers, len(slots), kv.kv_heads, kv.head_dim), dtype=kv.dtype)
-    for begin in range(0, len(slots), COPY_CHUNK):
-        part = slots[begin:begin + COPY_CHUNK]
-        out[:, :, begin:begin + len(part)] = torch.stack(
-            [torch.stack([buf[part] for buf in bufs]) for bufs in (kv.k_buffers, kv.v_buffers)])
-    return out
+class PageCopies:
+    """KV rows copied out of the device pool for the writer thread: on CUDA the rows are
+    gathered on the compute stream (before anything can overwrite them) and copied to pinned
+    host memory on a side stream that the compute stream never waits for; `ready()` (writer
+    thread) waits for those copies."""
+
+    def __init__(self, kv: KVStorage, stream: torch.cuda.Stream | None) -> None:
+        self.kv = kv
+        self.stream = stream
+        self.chunks: list[torch.Tensor] = []  # [2, layers, <= COPY_CHUNK, kv_heads, head_dim]
+        self.event: torch.cuda.Event | None = None
+
+    def gather(self, slots: torch.Tensor) -> PageCopies:
+        kv = self.kv
+        for begin in range(0, len(slots), COPY_CHUNK):
+            part = slots[begin:begin + COPY_CHUNK]
+            rows = torch.stack([torch.stack([buf[part] for buf in bufs])
+                                for bufs in (kv.k_buffers, kv.v_buffers)])
+            if self.stream is None:
+                self.chunks.append(rows)
+                continue
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream(kv.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(rows, non_blocking=True)
+            rows.record_stream(self.stream)  # not reused before the copy read it
+            self.chunks.append(host)
+        if self.stream is not None:
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+        return self
+
+    def tokens(self, begin: int, end: int) -> torch.Tensor:
+        """A view of rows begin..end (within one chunk)."""
+        chunk = begin // COPY_CHUNK
+        offset = chunk * COPY_CHUNK
+        return self.chunks[chunk][:, :, begin - offset:end - offset]
+
+    def ready(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 def scatter_kv(kv: KVStorage, slots: torch.Tensor, data: torch.Tensor) -> None:
@@ -87,11 +120,14 @@ class DiskTier:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.kv = kv
         self.max_bytes = max_bytes
+        if page_tokens < 1 or COPY_CHUNK % page_tokens:
+            raise ValueError(f"page_tokens must divide {COPY_CHUNK}, got {page_tokens}")
         self.page_tokens = page_tokens
         self.page_shape = (2, kv.num_layers, page_tokens, kv.kv_heads, kv.head_dim)
         self.dtype_name = str(kv.dtype).removeprefix("torch.")
         self._known: set[str] = set()  # pages this process wrote or read (not written again)
-        self._queue: queue.Queue[tuple[str, list[int], torch.Tensor] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, list[int], PageCopies, int] | None] = queue.Queue()
+        self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
         self._lock = threading.Lock()  # the counters below, written by both threads
         self._bytes = self._scan_total()
         self.written_pages = 0
@@ -107,7 +143,7 @@ class DiskTier:
     # ---- writing -------------------------------------------------------------------------------
     def offer(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
         """Queues the full pages of `tokens` (KV in device rows `slots`) not written yet; the KV
-        is copied out before this returns. Returns how many pages were queued."""
+        is read before later device work can overwrite it. Returns how many pages were queued."""
         size = self.page_tokens
         pages = len(tokens) // size
         if not pages:
@@ -117,11 +153,11 @@ class DiskTier:
         if not new:
             return 0
         rows = torch.cat([slots[i * size:(i + 1) * size] for i in new])
-        data = gather_kv(self.kv, rows)
+        copies = PageCopies(self.kv, self._stream).gather(rows)
         for n, page in enumerate(new):
             self._known.add(hashes[page])
-            chunk = data[:, :, n * size:(n + 1) * size].contiguous()
-            self._queue.put((hashes[page], list(tokens[page * size:(page + 1) * size]), chunk))
+            self._queue.put((hashes[page], list(tokens[page * size:(page + 1) * size]), copies,
+                             n * size))
         return len(new)
 
     def _write_loop(self) -> None:
@@ -136,7 +172,9 @@ class DiskTier:
             finally:
                 self._queue.task_done()
 
-    def _write(self, page_hash: str, tokens: list[int], data: torch.Tensor) -> None:
+    def _write(self, page_hash: str, tokens: list[int], copies: PageCopies, at: int) -> None:
+        copies.ready()
+        data = copies.tokens(at, at + self.page_tokens).contiguous()
         header = json.dumps({"model": self.model_key, "hash": page_hash, "tokens": tokens,
                              "shape": list(self.page_shape), "dtype": self.dtype_name}).encode()
         payload = data.view(torch.uint8).numpy().tobytes()
