@@ -283,3 +283,13 @@ def test_model_identity_tells_weights_dtype_and_layout_apart() -> None:
                              device=CPU)
     assert key(0) == key(0)
     assert len({key(0), key(1), key(0, torch.bfloat16), key(0, kv_storage=other_layout)}) == 4
+
+
+def test_a_host_pool_larger_than_the_host_is_refused() -> None:
+    from lmnb.runtime.config import EngineConfig
+    from lmnb.runtime.hicache import make_tiered_cache
+
+    kv, allocator = _filled()
+    config = EngineConfig(enable_hierarchical_cache=True, hicache_size=1 << 20)  # 1 PB
+    with pytest.raises(ValueError, match="hicache_size"):
+        make_tiered_cache(config, allocator, kv, model_key=lambda: "unused")

@@ -26,12 +26,31 @@ def host_pool_tokens(config: EngineConfig, device_tokens: int, bytes_per_token: 
     return max(int(config.hicache_ratio * device_tokens), 1)
 
 
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def make_tiered_cache(config: EngineConfig, allocator: KVAllocator, kv: KVStorage, *,
                       model_key: Callable[[], str]) -> TieredRadixCache:
     """The cache `enable_hierarchical_cache` asks for; `model_key` is called only when a disk
     tier is configured."""
-    host = HostKVPool(host_pool_tokens(config, allocator.size, HostKVPool.bytes_per_token(kv)),
-                      kv)
+    per_token = HostKVPool.bytes_per_token(kv)
+    tokens = host_pool_tokens(config, allocator.size, per_token)
+    available = available_host_bytes()
+    if available is not None and tokens * per_token > 0.9 * available:
+        raise ValueError(
+            f"the hierarchical cache's host pool ({tokens:,} tokens, "
+            f"{tokens * per_token / GB:.1f} GB) does not fit in the {available / GB:.1f} GB of "
+            f"available host memory; lower hicache_ratio or set hicache_size (GB)")
+    host = HostKVPool(tokens, kv)
     disk = None
     if config.hicache_storage_backend == "file":
         root = Path(config.hicache_storage_dir or DEFAULT_STORAGE_DIR).expanduser()
