@@ -332,7 +332,8 @@ class Runtime:
 
     def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
         """The radix tree as plain data (node id, parent, token count, text preview, lock_ref,
-        last access, hit count), parents first; empty without a radix cache."""
+        last access, hit count, tier: where its KV lives, 'device', 'host' or 'device+host'),
+        parents first; empty without a radix cache."""
         self._check_open()
         if not isinstance(self._cache, RadixCache):
             return []
