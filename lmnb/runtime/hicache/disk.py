@@ -31,6 +31,7 @@ import uuid
 import zlib
 from array import array
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -135,6 +136,8 @@ class DiskTier:
         self.missed_pages = 0
         self.corrupt_pages = 0
         self.removed_pages = 0
+        self._readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                           thread_name_prefix="lmnb-hicache-read")
         self._writer = threading.Thread(target=self._write_loop, name="lmnb-hicache-disk",
                                         daemon=True)
         self._writer.start()
@@ -249,9 +252,18 @@ class DiskTier:
         if pages <= first:
             return None
         hashes = page_hashes(self.model_key, tokens, pages, self.page_tokens)
+        present = first
+        while present < pages and (self.dir / f"{hashes[present]}{SUFFIX}").exists():
+            present += 1
+        if present == first:
+            with self._lock:
+                self.missed_pages += 1
+            return None
+        # Reads and checksums release the GIL: the pages are read side by side.
+        reads = self._readers.map(lambda page: self._read(
+            hashes[page], tokens[page * size:(page + 1) * size]), range(first, present))
         found = []
-        for page in range(first, pages):
-            data = self._read(hashes[page], tokens[page * size:(page + 1) * size])
+        for data in reads:
             if data is None:
                 break
             found.append(data)
@@ -323,6 +335,7 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
+        self._readers.shutdown(wait=True)
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(timeout=60)
