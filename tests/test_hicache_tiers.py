@@ -177,21 +177,21 @@ def test_host_pool_evicts_its_least_recently_used_leaves() -> None:
     cache.check()
 
 
-def test_locked_path_survives_load_back_eviction() -> None:
+def test_loads_stay_within_room_and_never_move_locked_kv() -> None:
     kv, allocator = _filled(size=12)
     cache = TieredRadixCache(allocator, HostKVPool(32, kv), write_through=True)
     _request(cache, kv, [5] * 10)
-    cache.evict(12)
-    held = cache.match_prefix([7] * 2)  # nothing; lock a fresh device path instead
+    cache.evict(12)  # [5] * 10 now lives on the host only
     _request(cache, kv, [6] * 8)
     held = cache.match_prefix([6] * 9)
-    cache.lock(held.handle)
-    # 8 locked + 10 to load do not fit in 12 slots: nothing is loaded, nothing locked moves
-    assert cache.load_back([5] * 11, room=4) == 0
-    assert cache.load_back([5] * 11, room=100) == 0
+    cache.lock(held.handle)  # 8 of the 12 slots locked
+    assert cache.load_back([5] * 11, room=3) == 3  # the part that fits the room
+    assert cache.load_back([5] * 11, room=100) == 1  # the free slot; nothing locked moves
     assert len(cache.match_prefix([6] * 9).indices) == 8
+    cache.check()
     cache.unlock(held.handle)
-    assert cache.load_back([5] * 11, room=100) == 10
+    assert cache.load_back([5] * 11, room=100) == 6  # the rest, evicting the unlocked path
+    assert _request(cache, kv, [5] * 11) == 10
     cache.check()
 
 

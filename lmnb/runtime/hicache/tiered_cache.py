@@ -89,15 +89,14 @@ class TieredRadixCache(RadixCache):
         if len(key) <= 1 or room <= 0:
             return 0
         key = list(key[:len(key) - 1])
-        anchor, on_host, done = self._host_path(key, extra_key)
+        anchor, on_host = self._host_path(key, extra_key)
         loaded = self._load_host(anchor, on_host, room)
         if self.disk is None or extra_key is not None or loaded < sum(len(n.key) for n in on_host):
             return loaded
         return loaded + self._load_disk(key, room - loaded)
 
-    def _host_path(self, key: list[int], extra_key: Hashable) -> tuple[TreeNode, list[TreeNode],
-                                                                        int]:
-        """(last device node, the host-only nodes after it, tokens matched) along `key`."""
+    def _host_path(self, key: list[int], extra_key: Hashable) -> tuple[TreeNode, list[TreeNode]]:
+        """(last device node, the host-only nodes after it) along `key`."""
         node, anchor, on_host, done = self.root, self.root, [], 0
         while done < len(key):
             child = node.children.get((extra_key, key[done]))
@@ -114,23 +113,35 @@ class TieredRadixCache(RadixCache):
                 anchor = child
             done += matched
             node = child
-        return anchor, on_host, done
+        return anchor, on_host
+
+    def _budget(self, room: int) -> int:
+        """Slots a load may take now: `room`, and no more than free plus evictable."""
+        return min(room, self.allocator.available() + self._evictable)
 
     def _load_host(self, anchor: TreeNode, on_host: list[TreeNode], room: int) -> int:
-        take, total = [], 0
-        for node in on_host:
-            if total + len(node.key) > room:
-                break
-            take.append(node)
-            total += len(node.key)
-        if not take:
+        if not on_host:
             return 0
         self.lock(anchor)  # the path's device part stays while others are evicted for room
-        self._loading.update(take)
         try:
-            slots = self._alloc(total)
+            budget = self._budget(room)
+            take, total = [], 0
+            for node in on_host:
+                if total + len(node.key) > budget:
+                    if budget > total:  # the part that fits
+                        take.append(self._split(node, budget - total))
+                        total = budget
+                    break
+                take.append(node)
+                total += len(node.key)
+            if not take:
+                return 0
+            self._loading.update(take)
+            try:
+                slots = self._alloc(total)
+            finally:
+                self._loading.difference_update(take)
         finally:
-            self._loading.difference_update(take)
             self.unlock(anchor)
         if slots is None:
             return 0
@@ -149,17 +160,17 @@ class TieredRadixCache(RadixCache):
         assert self.disk is not None
         prefix = self._match(list(key), None)
         start = len(prefix.indices)
-        data = self.disk.load(key, start, room) if start < len(key) else None
-        if data is None:
+        if start >= len(key):
             return 0
-        n = data.shape[2]
         self.lock(prefix.handle)
         try:
-            slots = self._alloc(n)
+            data = self.disk.load(key, start, self._budget(room))
+            slots = None if data is None else self._alloc(data.shape[2])
         finally:
             self.unlock(prefix.handle)
         if slots is None:
             return 0
+        n = len(slots)
         scatter_kv(self.host_pool.device_kv, slots, data)
         already = self.insert(key[:start + n], torch.cat((prefix.indices, slots)))
         self.allocator.free(slots[:max(already - start, 0)])  # duplicates stay ours (none expected)
