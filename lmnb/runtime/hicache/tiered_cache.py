@@ -283,6 +283,14 @@ class TieredRadixCache(RadixCache):
             self._remove(node)
             if parent is not self.root and self._host_leaf(parent):
                 heapq.heappush(leaves, parent)
+        if freed < num_tokens:  # then host copies of device nodes: nothing is lost with them
+            copies = sorted(n for n in self._nodes() if n.value is not None and n.host is not None)
+            for node in copies:
+                if freed >= num_tokens:
+                    break
+                self.host_pool.allocator.free(node.host)
+                node.host = None
+                freed += len(node.key)
         self.host_evicted_tokens += freed
         return freed
 
