@@ -296,11 +296,17 @@ def test_model_identity_tells_weights_dtype_and_layout_apart() -> None:
     assert len({key(0), key(1), key(0, torch.bfloat16), key(0, kv_storage=other_layout)}) == 4
 
 
-def test_a_host_pool_larger_than_the_host_is_refused() -> None:
+def test_host_pool_size_from_options_and_available_memory() -> None:
     from lmnb.runtime.config import EngineConfig
-    from lmnb.runtime.hicache import make_tiered_cache
+    from lmnb.runtime.hicache import GB, host_pool_tokens
 
-    kv, allocator = _filled()
-    config = EngineConfig(enable_hierarchical_cache=True, hicache_size=1 << 20)  # 1 PB
+    def tokens(available: int | None, **options: float) -> int:
+        config = EngineConfig(enable_hierarchical_cache=True, **options)
+        return host_pool_tokens(config, device_tokens=1000, bytes_per_token=1024,
+                                available=available)
+
+    assert tokens(None) == 2000 and tokens(None, hicache_ratio=0.5) == 500
+    assert tokens(100 * GB, hicache_size=1) == GB // 1024
     with pytest.raises(ValueError, match="hicache_size"):
-        make_tiered_cache(config, allocator, kv, model_key=lambda: "unused")
+        tokens(GB, hicache_size=1)  # one GB asked, one available: refused
+    assert tokens(1024 * 100, hicache_ratio=4.0) == 50  # half of what is available

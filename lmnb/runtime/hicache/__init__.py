@@ -4,6 +4,7 @@ where each node's KV lives (`tiered_cache`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,16 +15,32 @@ from lmnb.runtime.hicache.tiered_cache import TieredRadixCache
 from lmnb.runtime.memory import KVAllocator, KVStorage
 
 GB = 1 << 30
+HOST_SHARE = 0.5  # of the available host memory a ratio-sized host pool may take at most
+logger = logging.getLogger(__name__)
 DEFAULT_STORAGE_DIR = Path("~/.cache/lmnb/hicache")
 
 __all__ = ["PAGE_TOKENS", "DiskTier", "HostKVPool", "TieredRadixCache", "make_tiered_cache"]
 
 
-def host_pool_tokens(config: EngineConfig, device_tokens: int, bytes_per_token: int) -> int:
-    """`hicache_size` GB of host memory, else `hicache_ratio` times the device pool."""
+def host_pool_tokens(config: EngineConfig, *, device_tokens: int, bytes_per_token: int,
+                     available: int | None) -> int:
+    """`hicache_size` GB of host memory (refused beyond the `available` bytes), else
+    `hicache_ratio` times the device pool, capped at a share of what is available."""
     if config.hicache_size > 0:
-        return max(config.hicache_size * GB // bytes_per_token, 1)
-    return max(int(config.hicache_ratio * device_tokens), 1)
+        tokens = max(config.hicache_size * GB // bytes_per_token, 1)
+        if available is not None and tokens * bytes_per_token > 0.9 * available:
+            raise ValueError(f"hicache_size={config.hicache_size} GB does not fit in the "
+                             f"{available / GB:.1f} GB of available host memory")
+        return tokens
+    tokens = max(int(config.hicache_ratio * device_tokens), 1)
+    if available is not None and tokens * bytes_per_token > HOST_SHARE * available:
+        capped = max(int(HOST_SHARE * available) // bytes_per_token, 1)
+        logger.warning("hicache: hicache_ratio=%s asks for %.1f GB of host memory; %.1f GB "
+                       "available: the host pool gets %.1f GB (set hicache_size to choose)",
+                       config.hicache_ratio, tokens * bytes_per_token / GB, available / GB,
+                       capped * bytes_per_token / GB)
+        return capped
+    return tokens
 
 
 def available_host_bytes() -> int | None:
@@ -42,14 +59,9 @@ def make_tiered_cache(config: EngineConfig, allocator: KVAllocator, kv: KVStorag
                       model_key: Callable[[], str]) -> TieredRadixCache:
     """The cache `enable_hierarchical_cache` asks for; `model_key` is called only when a disk
     tier is configured."""
-    per_token = HostKVPool.bytes_per_token(kv)
-    tokens = host_pool_tokens(config, allocator.size, per_token)
-    available = available_host_bytes()
-    if available is not None and tokens * per_token > 0.9 * available:
-        raise ValueError(
-            f"the hierarchical cache's host pool ({tokens:,} tokens, "
-            f"{tokens * per_token / GB:.1f} GB) does not fit in the {available / GB:.1f} GB of "
-            f"available host memory; lower hicache_ratio or set hicache_size (GB)")
+    tokens = host_pool_tokens(config, device_tokens=allocator.size,
+                              bytes_per_token=HostKVPool.bytes_per_token(kv),
+                              available=available_host_bytes())
     host = HostKVPool(tokens, kv)
     disk = None
     if config.hicache_storage_backend == "file":
