@@ -310,3 +310,35 @@ def test_host_pool_size_from_options_and_available_memory() -> None:
     with pytest.raises(ValueError, match="hicache_size"):
         tokens(GB, hicache_size=1)  # one GB asked, one available: refused
     assert tokens(1024 * 100, hicache_ratio=4.0) == 50  # half of what is available
+
+
+def test_processes_sharing_the_directory_see_whole_pages(tmp_path: Path) -> None:
+    """Two writers (as two processes would) write the same pages at once, a reader reads
+    meanwhile: every page read checks out, no temporary file is left."""
+    import threading
+
+    key = [3, 1, 4, 1, 5, 9, 2, 6] * 8
+    writers = []
+    for _ in range(2):
+        kv, allocator = _filled(size=80)
+        disk = DiskTier(tmp_path, "model-a", kv, max_bytes=1 << 20, page_tokens=PAGE)
+        writers.append((TieredRadixCache(allocator, HostKVPool(8, kv), write_through=False,
+                                         disk=disk), kv, disk))
+    threads = [threading.Thread(target=_request, args=(cache, kv, key))
+               for cache, kv, _ in writers]
+    for thread in threads:
+        thread.start()
+    reader_kv, _ = _filled()
+    reader = DiskTier(tmp_path, "model-a", reader_kv, max_bytes=1 << 20, page_tokens=PAGE)
+    for _ in range(20):
+        data = reader.load(key, 0, len(key))
+        if data is not None:
+            assert torch.equal(data, expected_rows(key, 0, data.shape[2]))
+    for thread in threads:
+        thread.join()
+    for _, _, disk in writers:
+        disk.close()
+    assert reader.corrupt_pages == 0
+    assert torch.equal(reader.load(key, 0, len(key) - 1), expected_rows(key, 0, len(key) - 4))
+    assert not list(tmp_path.rglob("*.tmp"))
+    reader.close()

@@ -27,6 +27,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import uuid
 import zlib
 from array import array
@@ -56,7 +57,7 @@ def page_hashes(model_key: str, tokens: Sequence[int], pages: int,
     return hashes
 
 
-COPY_CHUNK = 1024  # tokens per device-side temporary of the copies below (pages divide it)
+COPY_CHUNK = 256  # tokens per device-side temporary of the copies below (pages divide it)
 
 
 class PageCopies:
@@ -131,6 +132,7 @@ class DiskTier:
         self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
         self._lock = threading.Lock()  # the counters below, written by both threads
         self._bytes = self._scan_total()
+        self._remove_stale_temps()
         self.written_pages = 0
         self.loaded_pages = 0
         self.missed_pages = 0
@@ -204,6 +206,16 @@ class DiskTier:
             except FileNotFoundError:  # another process removed it meanwhile
                 continue
         return entries
+
+    def _remove_stale_temps(self, age_s: float = 3600.0) -> None:
+        """Temporary files a writer left behind when its process died mid-write."""
+        now = time.time()
+        for entry in os.scandir(self.dir):
+            try:
+                if entry.name.endswith(".tmp") and now - entry.stat().st_mtime > age_s:
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
 
     def _scan_total(self) -> int:
         total = 0
