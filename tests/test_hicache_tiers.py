@@ -1,6 +1,7 @@
-"""The tiered radix cache (runtime/hicache/) against a reference: every token position's KV is a
-function of its prefix, so any KV a match hands out — kept on the device, brought back from the
-host pool, or read from disk pages after a "restart" — can be checked row by row."""
+"""The tiered radix cache (radix/tiered.py over runtime/hicache/) against a reference: every
+token position's KV is a function of its prefix, so any KV a match hands out — kept on the
+device, brought back from the host pool, or read from disk pages after a "restart" — can be
+checked row by row."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmnb.runtime.hicache import DiskTier, HostKVPool, TieredRadixCache
-from lmnb.runtime.hicache.disk import page_hashes
+from lmnb.runtime.hicache.disk import DiskTier, page_hashes
+from lmnb.runtime.hicache.host_pool import HostKVPool
 from lmnb.runtime.memory import KVAllocator, KVStorage
+from lmnb.runtime.radix.tiered import TieredRadixCache
 
 CPU = torch.device("cpu")
 DEVICE_SLOTS, HOST_SLOTS, PAGE = 24, 16, 4
@@ -298,7 +300,7 @@ def test_model_identity_tells_weights_dtype_and_layout_apart() -> None:
 
 def test_host_pool_size_from_options_and_available_memory() -> None:
     from lmnb.runtime.config import EngineConfig
-    from lmnb.runtime.hicache import GB, host_pool_tokens
+    from lmnb.runtime.hicache.factory import GB, host_pool_tokens
 
     def tokens(available: int | None, **options: float) -> int:
         config = EngineConfig(enable_hierarchical_cache=True, **options)

@@ -27,7 +27,7 @@ from lmnb.runtime.distributed.tp_worker import TPWorkers
 from lmnb.runtime.fsm.factory import GrammarFactory
 from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.fsm.protocol import Grammar
-from lmnb.runtime.hicache import TieredRadixCache, make_tiered_cache
+from lmnb.runtime.hicache.factory import make_tiered_cache
 from lmnb.runtime.hicache.identity import model_key, parameter_fingerprint
 from lmnb.runtime.media_requests import MediaInput, build_media_prompts
 from lmnb.runtime.memory import KVAllocator
@@ -47,6 +47,7 @@ from lmnb.runtime.prompts import (
     split_prompts,
 )
 from lmnb.runtime.radix.cache import RadixCache
+from lmnb.runtime.radix.tiered import TieredRadixCache
 from lmnb.runtime.scheduler import (
     CacheManager,
     ReqState,

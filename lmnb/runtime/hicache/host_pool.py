@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from lmnb.runtime.memory import KVAllocator, KVStorage
+from lmnb.runtime.memory import KVStorage, OutOfSlotsError
 
 
 def host_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -33,11 +33,41 @@ def host_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
+class HostSlots:
+    """Host slots `1..size`, handed out in increasing order: freed nodes' slots merge back into
+    long runs, so that a node's rows are a few contiguous copies."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.clear()
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > len(self._free):
+            raise OutOfSlotsError(f"need {n} host KV slots, {len(self._free)} free")
+        if not self._sorted:
+            self._free = self._free.sort().values
+            self._sorted = True
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free = torch.cat((self._free, slots.to(torch.int64)))
+            self._sorted = False
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._sorted = True
+
+
 class HostKVPool:
     def __init__(self, size: int, device_kv: KVStorage) -> None:
         self.size = size
         self.device_kv = device_kv
-        self.allocator = KVAllocator(size, torch.device("cpu"))
+        self.allocator = HostSlots(size)
         cuda = device_kv.device.type == "cuda"
         shape = (size + 1, device_kv.kv_heads, device_kv.head_dim)
 

@@ -1,4 +1,4 @@
-"""RadixCache with a host tier (and an optional disk tier): `enable_hierarchical_cache`.
+"""RadixCache with a host tier (and an optional disk tier, `hicache/`): `enable_hierarchical_cache`.
 
 A node's KV lives on the device (`value`), in the host pool (`host`), or both:
 
