@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-total-tokens", type=int, default=None)
+    serve.add_argument("--quantization", default=None, help="fp8 | compressed-tensors")
+    serve.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 | bf16")
     serve.add_argument("--engine-options", type=json.loads, default=None, metavar="JSON",
                        help="more Runtime options as a JSON object (SGLang's names)")
     serve.add_argument("--watch-stdin", action="store_true",
@@ -42,11 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from lmnb.runtime.distributed.replica import READY_PREFIX
-    from lmnb.runtime.engine import Runtime
+    from lmnb.runtime.launch import Runtime
     from lmnb.server import serve
     from lmnb.server.serving import ServerHandle
 
-    options = {"device": args.device, "dtype": args.dtype}
+    options = {"device": args.device, "dtype": args.dtype, "quantization": args.quantization,
+               "kv_cache_dtype": args.kv_cache_dtype}
     if args.max_total_tokens is not None:
         options["max_total_tokens"] = args.max_total_tokens
     options.update(args.engine_options or {})

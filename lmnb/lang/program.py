@@ -18,27 +18,24 @@ import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
-from lmnb.lang import api
 from lmnb.lang.backends.base import Backend
+from lmnb.lang.default_backend import as_backend as as_backend
+from lmnb.lang.default_backend import default_backend as default_backend
+from lmnb.lang.default_backend import set_default_backend as set_default_backend
 from lmnb.lang.interpreter import JoinBranches, Observer, StreamExecutor
 from lmnb.lang.ir import (
     GEN_PARAM_NAMES,
     CommitPrefix,
     Expr,
     GenParams,
-    RoleBegin,
-    RoleEnd,
-    SetVar,
-    VarScopeBegin,
-    VarScopeEnd,
     join_mode,
-    to_expr,
 )
 from lmnb.lang.progress import progress_bar as tqdm_bar
+from lmnb.lang.state_writer import PROGRAM_CALLER as PROGRAM_CALLER
+from lmnb.lang.state_writer import ProgramStateGroup as ProgramStateGroup
+from lmnb.lang.state_writer import StateWriter as StateWriter
 from lmnb.params import default_sampling_params
 
 # `run`/`run_batch` keywords that set every gen's default: the gen arguments except those that
@@ -48,41 +45,7 @@ SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES
 # The runtime's own scalar defaults; stop lists stay unset (the chat template may add its own).
 RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
                             if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})
-_ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistant}
 _POLL = 0.05  # seconds between checks while run_batch waits, so that Ctrl-C gets through
-
-_default_backend: Backend | None = None
-
-# What a `@function` called inside another program's body does (SGLang's nested call): the
-# caller's run or trace sets this while its body runs, on the body's thread.
-PROGRAM_CALLER: ContextVar[Any] = ContextVar("lmnb_caller", default=None)
-
-
-def set_default_backend(backend: Any) -> None:
-    """Programs run here unless `run(backend=...)` says otherwise; a `Runtime` is accepted;
-    None clears it."""
-    global _default_backend
-    _default_backend = None if backend is None else as_backend(backend)
-
-
-def default_backend() -> Backend | None:
-    """The default backend (after `%lmnb load`, the kernel's; its `.runtime` is the Runtime)."""
-    return _default_backend
-
-
-def as_backend(backend: Any) -> Backend:
-    if backend is None:
-        if _default_backend is None:
-            raise RuntimeError("no backend: call lmnb.set_default_backend(lmnb.Runtime()) or pass "
-                               "backend=... to run()")
-        return _default_backend
-    if hasattr(backend, "generate") and hasattr(backend, "tokenizer") \
-            and not hasattr(backend, "chat_template"):
-        from lmnb.lang.backends.local import LocalBackend
-
-        return LocalBackend(backend)
-    return backend
-
 
 def batch_defaults(sampling: dict[str, Any]) -> GenParams:
     """`run_batch`'s keyword arguments: sampling defaults only."""
@@ -174,54 +137,6 @@ class _BatchRuns:
             runs = list(self._runs)
         for run in runs:
             run.abort()
-
-
-class StateWriter:
-    """The writing half of `s`, shared by running and tracing states: `+=`, `set_var`,
-    `var_scope`, and the roles as calls (`s.user("hi")`) or blocks (`with s.user(): ...`).
-    Subclasses define `_submit(expr)`."""
-
-    def _submit(self, expr: Expr) -> None:
-        raise NotImplementedError
-
-    def __iadd__(self, other: Any) -> Any:
-        self._submit(to_expr(other))
-        return self
-
-    def set_var(self, name: str, value: Any) -> None:
-        self._submit(SetVar(name, value))
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        """`s["x"] = value`, as SGLang: the same as `s.set_var("x", value)`."""
-        self.set_var(name, value)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        self._submit(VarScopeBegin(name))
-        yield
-        self._submit(VarScopeEnd(name))
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self._submit(RoleBegin(role))
-        yield
-        self._submit(RoleEnd(role))
-
-    def _role(self, role: str, content: Any) -> Any:
-        if content is not None:
-            self._submit(_ROLE_EXPRS[role](content))
-            return None
-        return self._role_scope(role)
-
-    def system(self, content: Any = None) -> Any:
-        """`s.system("...")` appends a system message; `with s.system():` opens one."""
-        return self._role("system", content)
-
-    def user(self, content: Any = None) -> Any:
-        return self._role("user", content)
-
-    def assistant(self, content: Any = None) -> Any:
-        return self._role("assistant", content)
 
 
 class ProgramState(StateWriter):
@@ -367,47 +282,6 @@ class ProgramState(StateWriter):
         """SGLang's form, `ProgramState(<text>)`; the text so far while the program runs (a
         repr never waits)."""
         return f"ProgramState({self._executor.text_})"
-
-
-class ProgramStateGroup:
-    """The branches of `s.fork(n)`: `forks += expr` (all), a list (one each), or a callable of the
-    branch index. Serves tracing states too (they share the `+=` / `join` API)."""
-
-    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
-        self.states = states
-        self.parent = parent
-
-    def __iter__(self) -> Iterator[ProgramState]:
-        return iter(self.states)
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, index: int) -> ProgramState:
-        return self.states[index]
-
-    def __setitem__(self, index: int, state: ProgramState) -> None:
-        """Completes `forks[i] += expr` (Python stores the item back after `+=`)."""
-        if state is not self.states[index]:
-            raise TypeError("fork branches cannot be replaced; use forks[i] += expr")
-
-    def __iadd__(self, other: Any) -> ProgramStateGroup:
-        if callable(other) and not isinstance(other, Expr):
-            for i, state in enumerate(self.states):
-                state += other(i)
-        elif isinstance(other, list | tuple):
-            if len(other) != len(self.states):
-                raise ValueError(f"{len(other)} expressions for {len(self.states)} branches")
-            for state, expr in zip(self.states, other, strict=True):
-                state += expr
-        else:
-            expr = to_expr(other)
-            for state in self.states:
-                state += expr
-        return self
-
-    def join(self, mode: str = "gather_variable") -> None:
-        self.parent.join(self, mode)
 
 
 class ProgramRun:

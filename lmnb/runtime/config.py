@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from lmnb.runtime.quantization import (
+    QUANTIZATION_METHODS,
+    Fp8Config,
+    UnsupportedQuantizationError,
+    checkpoint_quantization,
+    kv_cache_dtype_name,
+    resolve_quantization,
+)
 
 # Accepted dtype spellings -> canonical names (the attribute names in `torch`).
 DTYPE_NAMES: dict[str, str] = {
@@ -80,6 +89,9 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks: this process and tp_size - 1 spawned workers
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
     check_integrity_each_step: bool = False  # KV slot accounting after every step (tests)
+    # FP8 (see runtime/quantization.py): None | 'fp8' | 'compressed-tensors'
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # 'auto' (the model's) | 'fp8_e4m3' | 'bf16' | 'bfloat16'
     # Hierarchical cache (runtime/hicache/): evicted KV kept in host memory, optionally on disk.
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # host pool tokens per device pool token
@@ -134,6 +146,11 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         self._check_policy()
         self._check_grammar_backend()
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise UnsupportedQuantizationError(
+                f"unknown quantization {self.quantization!r}; choose one of: "
+                f"{', '.join(QUANTIZATION_METHODS)}")
+        kv_cache_dtype_name(self.kv_cache_dtype)
         self._check_hicache()
 
     def _check_hicache(self) -> None:
@@ -386,6 +403,7 @@ class ModelConfig:
     text_model_type: str = ""  # the decoder's model_type ('' = model_type)
     video_token_id: int | None = None  # LLaVA-NeXT-Video
     multimodal: MultimodalConfig | None = None  # vision tower, projector, anyres, pooling
+    quantization: Fp8Config | None = None  # FP8 decoder linears (the checkpoint's, or asked for)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -404,6 +422,11 @@ class ModelConfig:
     @property
     def is_multimodal(self) -> bool:
         return self.text_model_type != self.model_type
+
+    def quantized(self, option: str | None) -> ModelConfig:
+        """This config with the quantization `Runtime(quantization=option)` gives it (see
+        `quantization.resolve_quantization`)."""
+        return replace(self, quantization=resolve_quantization(option, self.quantization))
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -473,4 +496,5 @@ class ModelConfig:
             image_token_id=image_token,
             video_token_id=multimodal.video_token_id if multimodal else None,
             multimodal=multimodal,
+            quantization=checkpoint_quantization(getattr(hf_config, "quantization_config", None)),
         )

@@ -17,17 +17,10 @@ from lmnb.multimodal.items import MultimodalInputs
 from lmnb.params import InvalidRequestError as InvalidRequestError
 from lmnb.params import SamplingParams as SamplingParams
 
-
-def finish_length(length: int) -> dict[str, Any]:
-    return {"type": "length", "length": length}
-
-
-def finish_stop(matched: int | str) -> dict[str, Any]:
-    return {"type": "stop", "matched": matched}
-
-
-def finish_abort(message: str) -> dict[str, Any]:
-    return {"type": "abort", "message": message}
+# Finish reasons are made by the stop rules (`output/stop.py`); re-exported for the scheduler.
+from lmnb.runtime.output.stop import finish_abort as finish_abort
+from lmnb.runtime.output.stop import finish_length as finish_length
+from lmnb.runtime.output.stop import finish_stop as finish_stop
 
 
 class ForwardMode(enum.Enum):

@@ -20,7 +20,7 @@ from lmnb.runtime.kernels.registry import (
     create_attention_backend,
     select_attention_backend,
 )
-from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+from lmnb.runtime.memory import KVStorage, ReqToTokenPool, kv_cache_dtype
 from lmnb.runtime.memory_profile import MemoryMeter, MemoryPlan, ProfileShape
 from lmnb.runtime.models.layers.attention import bind_attention_backend
 from lmnb.runtime.models.layers.linear import head_split
@@ -88,8 +88,9 @@ class ModelRunner:
                            rank=tp.rank if tp else 0, size=tp.size if tp else 1)
         num_layers, num_kv_heads = model_config.num_layers, heads.kv_heads
         head_dim = model_config.head_dim
+        self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
         per_token = KVStorage.bytes_per_token(
-            num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+            num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.kv_dtype)
         self._bytes_per_token = per_token
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
         backend_name = engine_config.attention_backend or "auto"
@@ -119,7 +120,7 @@ class ModelRunner:
                                                 device)
         self.kv_storage = KVStorage(
             self.max_total_tokens, num_layers=num_layers, kv_heads=num_kv_heads,
-            head_dim=head_dim, dtype=dtype, device=device)
+            head_dim=head_dim, dtype=self.kv_dtype, device=device, compute_dtype=dtype)
         self.attn_backend = create_attention_backend(
             backend_name, device=device,
             num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -146,7 +147,7 @@ class ModelRunner:
         given, the model's context unless a smaller one is given."""
         mc = self.model_config
         max_running = config.max_running_requests or 256
-        choice = select_attention_backend(backend_name, self.device, dtype=self.dtype,
+        choice = select_attention_backend(backend_name, self.device, dtype=self.kv_dtype,
                                           head_dim=mc.head_dim)
         shape = ProfileShape(
             prefill_tokens=config.prefill_chunk_size(self.device.type),
@@ -160,7 +161,8 @@ class ModelRunner:
         profile = memory_profile.profile_activations(
             self.model, shape, meter, attention_backend=backend_name, q_heads=q_heads,
             kv_heads=kv_heads, head_dim=mc.head_dim, num_layers=mc.num_layers, dtype=self.dtype,
-            device=self.device, vocab_size=self.vocab_size, sampler=self.sampler)
+            kv_dtype=self.kv_dtype, device=self.device, vocab_size=self.vocab_size,
+            sampler=self.sampler)
         free, total = meter.device_memory()
         activations = profile.activation_bytes
         if choice.name == "torch_native" and self.device.type == "cuda":
@@ -199,6 +201,18 @@ class ModelRunner:
         cache = self.media_cache
         return {"vision_tower_runs": cache.runs, "media_embedding_hits": cache.hits,
                 "media_embedding_cache_bytes": cache.bytes}
+
+    def stats(self) -> dict[str, Any]:
+        """This runner's part of `Runtime.stats()`: attention backend, decode graphs, memory,
+        tensor-parallel steps sent, media counters."""
+        graphs, tp, choice = self.graph_runner, self.tp, self.attn_backend.choice
+        return {
+            "attention_backend": choice.name if choice else "custom",
+            "tp_steps_sent": tp.steps.forwards_sent if tp else 0,
+            "tp_step_send_seconds": tp.steps.send_seconds if tp else 0.0,
+            "cuda_graph_batch_sizes": list(graphs.ladder) if graphs else [],
+            "cuda_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
+            "memory": self.memory_report(), **self.media_counters()}
 
     def release_graphs(self) -> None:
         """Drops the decode CUDA graphs (before a tensor-parallel communicator they captured

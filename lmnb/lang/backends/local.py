@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import (
     CancelEvent,
@@ -21,6 +21,9 @@ from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
+if TYPE_CHECKING:
+    from lmnb.runtime.surface import EngineSurface
+
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
 _IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safety net only
 
@@ -30,7 +33,10 @@ class LocalBackend:
     `image()` / `video()`: each is loaded, hashed and preprocessed once by the runtime's
     `MediaProcessor`, and the prepared item is sent with every request whose prompt holds it."""
 
-    def __init__(self, runtime: Any) -> None:
+    is_chat_model = False  # programs send text; roles are rendered with the model's template
+    reports_token_texts = False
+
+    def __init__(self, runtime: EngineSurface) -> None:
         self.runtime = runtime
         self.chat_template = ChatTemplate(runtime.tokenizer, render=runtime.apply_chat_template)
         # Prompts go to the runtime as ids, tokenized incrementally (exactly the runtime's ids),
@@ -53,11 +59,10 @@ class LocalBackend:
     # ---- media -------------------------------------------------------------------------------
     def prepare_media(self, kind: str, source: Any, *,
                       num_frames: int | None = None) -> MediaInput:
-        token = getattr(self.runtime, f"{kind}_token", None)  # None: a text model
-        if token is None:
-            model = getattr(getattr(self.runtime, "model_dir", None), "name", None) or "the model"
-            raise MediaUnsupported(f"{model} takes no {kind}s")
+        token = self.runtime.image_token if kind == "image" else self.runtime.video_token
         processor = self.runtime.media_processor
+        if token is None or processor is None:  # a text model
+            raise MediaUnsupported(f"{self.runtime.model_dir.name} takes no {kind}s")
         if kind == "image":
             item = processor.image(source)
         else:
@@ -65,8 +70,10 @@ class LocalBackend:
         return MediaInput(kind, token, item)
 
     def media_token_ids(self) -> frozenset[int]:
-        processor = getattr(self.runtime, "media_processor", None)
-        ids = (getattr(processor, f"{kind}_token_id", None) for kind in ("image", "video"))
+        processor = self.runtime.media_processor
+        if processor is None:
+            return frozenset()
+        ids = (processor.image_token_id, processor.video_token_id)
         return frozenset(i for i in ids if i is not None)
 
     # ---- Backend -----------------------------------------------------------------------------
@@ -150,7 +157,7 @@ class LocalBackend:
 
         runtime = self.runtime
         return {**dataclasses.asdict(runtime.engine_config), "version": __version__,
-                "model_path": str(getattr(runtime, "model_dir", "")),
-                "max_total_num_tokens": getattr(runtime, "max_total_tokens", None),
-                "context_length": getattr(runtime, "context_len", None),
+                "model_path": str(runtime.model_dir),
+                "max_total_num_tokens": runtime.max_total_tokens,
+                "context_length": runtime.context_len,
                 "internal_states": [runtime.stats()]}

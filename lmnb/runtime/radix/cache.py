@@ -80,7 +80,7 @@ class RadixCache(PrefixCache):
     # ---- matching --------------------------------------------------------------------------------
     def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         if len(key) <= 1:
-            return MatchResult(self.root.value, self.root)
+            return MatchResult((self.root.value,), self.root)
         return self._match(list(key[:len(key) - 1]), extra_key)
 
     def match_all(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
@@ -102,8 +102,22 @@ class RadixCache(PrefixCache):
             values.append(child.value)
             node = child
             key = key[matched:]
-        indices = torch.cat(values) if values else self.root.value
-        return MatchResult(indices, node)
+        return MatchResult(values or (self.root.value,), node)
+
+    def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> TreeNode:
+        node, done, key = self.root, 0, list(key)
+        now = time.monotonic()
+        while done < len(key):
+            child = node.children.get((extra_key, key[done]))
+            if child is None:
+                break
+            matched = common_prefix_length(child.key, key[done:])
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.last_access = now
+            done += matched
+            node = child
+        return node
 
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         node, done, key = self.root, 0, list(key)

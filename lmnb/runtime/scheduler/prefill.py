@@ -54,7 +54,7 @@ class PrefillManager:
             if budget <= 0 or not self.cache.has_request_slot():
                 break
             match = self.cache.match(req, load_room=room())
-            prefix_len = len(match.indices)
+            prefix_len = match.length
             if self._defer_for_shared_prefix(req, prefix_len, plan.reqs):
                 continue
             self.cache.bind(req, match)  # locked: the prefix no longer counts as evictable room

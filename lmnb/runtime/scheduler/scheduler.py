@@ -34,6 +34,8 @@ from lmnb.runtime.core import (
 )
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
+from lmnb.runtime.output.stop import StopRules, by_length
+from lmnb.runtime.output.stop_text import StopText
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
@@ -42,7 +44,6 @@ from lmnb.runtime.scheduler.prefill import PrefillManager
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, request_meta
-from lmnb.runtime.scheduler.stop import StopRules, StopText
 
 if TYPE_CHECKING:
     from lmnb.runtime.fsm.jump import JumpPlan
@@ -155,6 +156,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.table.states) or self._in_flight is not None
 
+    def report(self) -> dict[str, Any]:
+        """The scheduler's part of `Runtime.stats()`: its counters (hit rates, passes,
+        retractions, ...), the overlap mode and the requests running and waiting."""
+        return {**self.stats.counters(), "overlap_schedule": self.config.overlap_schedule,
+                "running": len(self.table.running), "waiting": len(self.table.waiting)}
+
     @property
     def pass_in_flight(self) -> bool:
         """A launched pass awaits processing (overlap)."""
@@ -230,8 +237,8 @@ class Scheduler:
         for i, req in enumerate(reqs):
             if table.states[req.rid].grammar is not None:
                 return None
-            if len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
-                keep.append(i)
+            if by_length(req.sampling_params, len(req.output_ids) + 1) is None:
+                keep.append(i)  # goes on past the token in flight
         if not keep:
             return None
         previous_rows = None
@@ -320,12 +327,11 @@ class Scheduler:
                 input_ids = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
                              for req in reqs]
         else:
-            start = 0
             for req, extend_len in zip(reqs, extend_lens, strict=True):
-                prefix_len = req.kv_len
-                input_ids.extend(req.fill_slice(prefix_len, prefix_len + extend_len))
-                self.cache.extend(req, out_cache_loc[start:start + extend_len])
-                start += extend_len
+                input_ids.extend(req.fill_slice(req.kv_len, req.kv_len + extend_len))
+            self.cache.extend_all(reqs, extend_lens, out_cache_loc)
+            for req, extend_len in zip(reqs, extend_lens, strict=True):
+                prefix_len = req.kv_len - extend_len
                 completes = req.kv_len == req.fill_len
                 samples.append(completes and _samples_after_fill(req))
                 spans.append(_input_logprob_span(req, prefix_len, extend_len))
@@ -515,7 +521,7 @@ def _samples_after_fill(req: Req) -> bool:
     """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
     generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
     params = req.sampling_params
-    return (params.max_new_tokens > len(req.output_ids)
+    return (by_length(params, len(req.output_ids)) is None
             or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
 
 
