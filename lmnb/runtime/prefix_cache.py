@@ -152,6 +152,10 @@ class PrefixCache(ABC):
     def check(self) -> None:  # noqa: B027
         """Asserts the cache's own invariants (tests, `check_integrity`); the default has none."""
 
+    def close(self) -> None:  # noqa: B027
+        """Lets go of what the cache holds beyond the device pool (host memory, writer
+        threads) when its runtime closes; the default holds nothing."""
+
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         """How many leading tokens of `key` are cached now, for observers (widgets): no lock,
         no split, no LRU touch. The default caches nothing."""

@@ -354,8 +354,8 @@ class DiskTier:
         atexit.unregister(self.close)
 
     def stats(self) -> dict[str, int]:
+        """bytes (in the directory, every model), written/loaded/corrupt/removed pages."""
         with self._lock:
-            return {"disk_bytes": self._bytes, "disk_written_pages": self.written_pages,
-                    "disk_loaded_pages": self.loaded_pages,
-                    "disk_corrupt_pages": self.corrupt_pages,
-                    "disk_removed_pages": self.removed_pages}
+            return {"bytes": self._bytes, "written_pages": self.written_pages,
+                    "loaded_pages": self.loaded_pages, "corrupt_pages": self.corrupt_pages,
+                    "removed_pages": self.removed_pages}

@@ -27,8 +27,26 @@ import torch
 from lmnb.runtime.hicache.disk import DiskTier, scatter_kv
 from lmnb.runtime.hicache.host_pool import HostKVPool
 from lmnb.runtime.memory import KVAllocator
-from lmnb.runtime.prefix_cache import MatchResult, common_prefix_length
+from lmnb.runtime.prefix_cache import CacheStats, MatchResult, common_prefix_length
 from lmnb.runtime.radix.cache import RadixCache, TreeNode
+
+
+class TieredCacheStats(CacheStats, total=False):
+    """`CacheStats` plus each tier's tokens and hits (the disk's only with a disk tier)."""
+
+    hicache_device_tokens: int  # on the device (some also on the host)
+    hicache_host_tokens: int  # in the host pool (some also on the device)
+    hicache_host_only_tokens: int
+    hicache_host_capacity: int
+    hicache_host_loaded_tokens: int  # hits brought back from the host pool
+    hicache_host_saved_tokens: int
+    hicache_host_evicted_tokens: int
+    hicache_disk_loaded_tokens: int  # hits read from disk pages
+    hicache_disk_bytes: int
+    hicache_disk_written_pages: int
+    hicache_disk_loaded_pages: int
+    hicache_disk_corrupt_pages: int
+    hicache_disk_removed_pages: int
 
 
 def _tier(node: TreeNode) -> str:
@@ -79,8 +97,7 @@ class TieredRadixCache(RadixCache):
             values.append(child.value)
             node = child
             key = key[matched:]
-        indices = torch.cat(values) if values else self.root.value
-        return MatchResult(indices, node)
+        return MatchResult(values or (self.root.value,), node)
 
     # ---- loading back --------------------------------------------------------------------------
     def load_back(self, key: Sequence[int], extra_key: Hashable = None, *, room: int) -> int:
@@ -313,7 +330,7 @@ class TieredRadixCache(RadixCache):
     def host_size(self) -> int:
         return self.host_pool.size - self.host_pool.available()
 
-    def tier_stats(self) -> dict[str, int]:
+    def stats(self) -> TieredCacheStats:
         device_only = host_only = both = 0
         for node in self._nodes():
             tier = _tier(node)
@@ -323,15 +340,22 @@ class TieredRadixCache(RadixCache):
                 host_only += len(node.key)
             else:
                 both += len(node.key)
-        stats = {"hicache_device_tokens": device_only + both,
-                 "hicache_host_tokens": host_only + both, "hicache_host_only_tokens": host_only,
-                 "hicache_host_capacity": self.host_pool.size,
-                 "hicache_host_loaded_tokens": self.host_loaded_tokens,
-                 "hicache_host_saved_tokens": self.host_saved_tokens,
-                 "hicache_host_evicted_tokens": self.host_evicted_tokens,
-                 "hicache_disk_loaded_tokens": self.disk_loaded_tokens}
+        stats: TieredCacheStats = {
+            **super().stats(),
+            "hicache_device_tokens": device_only + both,
+            "hicache_host_tokens": host_only + both, "hicache_host_only_tokens": host_only,
+            "hicache_host_capacity": self.host_pool.size,
+            "hicache_host_loaded_tokens": self.host_loaded_tokens,
+            "hicache_host_saved_tokens": self.host_saved_tokens,
+            "hicache_host_evicted_tokens": self.host_evicted_tokens,
+            "hicache_disk_loaded_tokens": self.disk_loaded_tokens}
         if self.disk is not None:
-            stats.update({f"hicache_{k}": v for k, v in self.disk.stats().items()})
+            disk = self.disk.stats()
+            stats.update(hicache_disk_bytes=disk["bytes"],
+                         hicache_disk_written_pages=disk["written_pages"],
+                         hicache_disk_loaded_pages=disk["loaded_pages"],
+                         hicache_disk_corrupt_pages=disk["corrupt_pages"],
+                         hicache_disk_removed_pages=disk["removed_pages"])
         return stats
 
     def snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
