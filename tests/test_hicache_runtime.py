@@ -13,6 +13,13 @@ import pytest
 from lmnb import Runtime
 from lmnb.magics.status import StatusSummary
 
+try:
+    from lmnb.widgets import CacheDashboard
+
+    WIDGETS = True
+except ImportError:  # the notebook extra is not installed
+    WIDGETS = False
+
 OPTIONS = dict(max_total_tokens=320, chunked_prefill_size=48, check_integrity_each_step=True,
                device="cpu", dtype="float32")
 GREEDY = dict(max_new_tokens=6, temperature=0)
@@ -73,6 +80,11 @@ def check_tiers(model: Path, base: dict[str, Any], reference: dict[str, Any],
         assert min(r["meta_info"]["cached_tokens"] for r in results) >= len(shared)
         rows = dict(StatusSummary("tiny", stats).rows())
         assert "host tier" in rows and "disk tier" in rows
+        if WIDGETS:
+            dashboard = CacheDashboard(runtime, interval_s=None)
+            assert "tiers: device" in repr(dashboard)
+            assert dashboard.stats["hicache_host_loaded_tokens"] >= len(shared)
+            dashboard.close()
         runtime.check_integrity()
     with Runtime(model, **options) as runtime:  # a new runtime: the disk pages only
         results = runtime.generate(input_ids=prompts[:1], sampling_params=GREEDY)
