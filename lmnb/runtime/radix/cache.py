@@ -39,7 +39,7 @@ class TreeNode:
         self.children: dict[tuple[Hashable, int], TreeNode] = {}
         self.key: list[int] = []
         self.value: torch.Tensor | None = None  # device slots; None: not on the device
-        self.host: torch.Tensor | None = None  # host slots of a tiered cache (hicache/)
+        self.host: torch.Tensor | None = None  # host slots of a tiered cache (radix/tiered.py)
         self.lock_ref = 0
         self.last_access = time.monotonic()
         self.hit_count = 0

@@ -366,6 +366,7 @@ class TieredRadixCache(RadixCache):
         return rows
 
     def check(self) -> None:
+        assert not self._loading, "a load's host nodes are still marked"
         evictable = protected = host_used = 0
         host_slots = []
         for node in self._nodes():
