@@ -6,10 +6,11 @@ up to 4x the GPU KV pool, with the host tier and without.
     python bench/hicache.py --smoke                                                # CPU check
 
 TTFT: `generate` of prefix + a 32-token question with max_new_tokens=1 (wall clock, scheduling
-included). Each repeat uses a prefix never seen before: computed (recompute), then pushed out of
-the device pool by a filler prompt (into the host tier), then hit from the host, then hit on the
-device. Disk: a first Runtime computes other prefixes (writing their pages), is closed, and a
-second Runtime on the same model and directory hits them (the files are in the OS page cache).
+included; 8,000 + 32 + 1 tokens fit Llama-3's 8,192 positions). Each repeat uses a prefix never
+seen before: computed (recompute), then pushed out of the device pool by filler prompts (into the
+host tier), then hit from the host, then hit on the device. Disk: a first Runtime computes other
+prefixes (writing their pages), is closed, and a second Runtime on the same model and directory
+hits them (the files are in the OS page cache).
 
 Multi-turn: conversations x turns; each turn adds user tokens to the conversation's context and
 generates an answer; a round sends every conversation's next turn as one batch, so a context
@@ -53,7 +54,7 @@ class Sizes:
     chunk: int | None  # chunked_prefill_size (None: the device's default)
 
 
-FULL = Sizes(prefix=8192, repeats=3, pool=16384, conversations=16, turns=4, turn_tokens=1024,
+FULL = Sizes(prefix=8000, repeats=3, pool=16384, conversations=16, turns=4, turn_tokens=1024,
              answer=32, chunk=None)
 SMOKE = Sizes(prefix=512, repeats=2, pool=512, conversations=8, turns=4, turn_tokens=60,
               answer=4, chunk=256)
@@ -76,6 +77,15 @@ def ttft(rt: Any, ids: list[int], device: Any) -> float:
     return t["seconds"]
 
 
+def push_out(rt: Any, tokens: Tokens, pool: int) -> None:
+    """Prompts never seen before, one after the other, adding up to the whole pool: what was
+    cached before them (the oldest) leaves the device pool."""
+    longest = rt.context_len - 64
+    count = -(-pool // longest)
+    for _ in range(count):
+        rt.generate(input_ids=tokens(pool // count), sampling_params={"max_new_tokens": 1})
+
+
 def measure_ttft(model_dir: Path, options: dict[str, Any], sizes: Sizes, tokens: Tokens,
                  storage: Path) -> dict[str, Any]:
     import lmnb
@@ -91,7 +101,7 @@ def measure_ttft(model_dir: Path, options: dict[str, Any], sizes: Sizes, tokens:
         for _ in range(sizes.repeats):
             context = tokens(prefix)
             times["recompute"].append(ttft(rt, context + tokens(QUESTION), device))
-            rt.generate(input_ids=tokens(pool - 8), sampling_params={"max_new_tokens": 1})
+            push_out(rt, tokens, pool)
             before = rt.stats()["hicache_host_loaded_tokens"]
             times["host"].append(ttft(rt, context + tokens(QUESTION), device))
             loaded_host.append(rt.stats()["hicache_host_loaded_tokens"] - before)
