@@ -344,3 +344,20 @@ def test_processes_sharing_the_directory_see_whole_pages(tmp_path: Path) -> None
     assert torch.equal(reader.load(key, 0, len(key) - 1), expected_rows(key, 0, len(key) - 4))
     assert not list(tmp_path.rglob("*.tmp"))
     reader.close()
+
+
+def test_pages_wait_for_a_writer_that_is_behind(tmp_path: Path) -> None:
+    """Past `max_queued_bytes` of pages waiting for the writer, pages are not queued (nor
+    remembered): a later insert offers them again."""
+    kv, allocator = _filled()
+    disk = DiskTier(tmp_path, "model-a", kv, max_bytes=1 << 20, page_tokens=PAGE,
+                    max_queued_bytes=0)
+    cache = TieredRadixCache(allocator, HostKVPool(32, kv), write_through=False, disk=disk)
+    key = list(range(9))
+    _request(cache, kv, key)
+    disk.flush()
+    assert disk.written_pages == 0
+    disk.max_queued_bytes = 1 << 20
+    assert disk.offer(key, cache.match_all(key).indices) == 2
+    disk.close()
+    assert disk.written_pages == 2

@@ -115,18 +115,22 @@ def scatter_kv(kv: KVStorage, slots: torch.Tensor, data: torch.Tensor) -> None:
 
 class DiskTier:
     def __init__(self, root: Path, model_key: str, kv: KVStorage, *, max_bytes: int,
-                 page_tokens: int = PAGE_TOKENS) -> None:
+                 page_tokens: int = PAGE_TOKENS, max_queued_bytes: int = 1 << 30) -> None:
         self.root = root
         self.model_key = model_key
         self.dir = root / model_key[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.kv = kv
         self.max_bytes = max_bytes
+        self.max_queued_bytes = max_queued_bytes  # pages copied out, waiting for the writer
+        self._queued_bytes = 0
         if page_tokens < 1 or COPY_CHUNK % page_tokens:
             raise ValueError(f"page_tokens must divide {COPY_CHUNK}, got {page_tokens}")
         self.page_tokens = page_tokens
         self.page_shape = (2, kv.num_layers, page_tokens, kv.kv_heads, kv.head_dim)
         self.dtype_name = str(kv.dtype).removeprefix("torch.")
+        self._page_bytes = (2 * kv.num_layers * page_tokens * kv.kv_heads * kv.head_dim
+                            * torch.empty((), dtype=kv.dtype).element_size())
         self._known: set[str] = set()  # pages this process wrote or read (not written again)
         self._queue: queue.Queue[tuple[str, list[int], PageCopies, int] | None] = queue.Queue()
         self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
@@ -155,8 +159,12 @@ class DiskTier:
             return 0
         hashes = page_hashes(self.model_key, tokens, pages, self.page_tokens)
         new = [i for i, h in enumerate(hashes) if h not in self._known]
+        room = (self.max_queued_bytes - self._queued_bytes) // self.page_bytes()
+        new = new[:max(room, 0)]  # the writer is behind: the rest may be offered again later
         if not new:
             return 0
+        with self._lock:
+            self._queued_bytes += len(new) * self.page_bytes()
         rows = torch.cat([slots[i * size:(i + 1) * size] for i in new])
         copies = PageCopies(self.kv, self._stream).gather(rows)
         for n, page in enumerate(new):
@@ -175,6 +183,9 @@ class DiskTier:
             except Exception:  # a full disk or a removed directory: the page is just not kept
                 logger.exception("hicache: writing a KV page failed")
             finally:
+                if item is not None:
+                    with self._lock:
+                        self._queued_bytes -= self.page_bytes()
                 self._queue.task_done()
 
     def _write(self, page_hash: str, tokens: list[int], copies: PageCopies, at: int) -> None:
@@ -336,10 +347,7 @@ class DiskTier:
             self.page_shape).clone()
 
     def page_bytes(self) -> int:
-        count = 1
-        for size in self.page_shape:
-            count *= size
-        return count * torch.empty((), dtype=self.kv.dtype).element_size()
+        return self._page_bytes
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def flush(self) -> None:
