@@ -25,6 +25,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
+from lmnb.runtime.hicache.disk import PAGE_TOKENS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,12 @@ def push_out(rt: Any, tokens: Tokens, pool: int) -> None:
         rt.generate(input_ids=tokens(pool // count), sampling_params={"max_new_tokens": 1})
 
 
+def wait_for_pages(rt: Any, pages: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while rt.stats()["hicache_disk_written_pages"] < pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def measure_ttft(model_dir: Path, options: dict[str, Any], sizes: Sizes, tokens: Tokens,
                  storage: Path) -> dict[str, Any]:
     import lmnb
@@ -111,8 +119,9 @@ def measure_ttft(model_dir: Path, options: dict[str, Any], sizes: Sizes, tokens:
                         hicache_storage_dir=str(storage))
     contexts = [tokens(prefix) for _ in range(sizes.repeats)]
     with lmnb.Runtime(model_dir, **disk_options) as rt:
-        for context in contexts:
+        for done, context in enumerate(contexts, start=1):
             rt.generate(input_ids=context + tokens(QUESTION), sampling_params={"max_new_tokens": 1})
+            wait_for_pages(rt, done * (prefix // PAGE_TOKENS))  # none dropped for a slow disk
     with lmnb.Runtime(model_dir, **disk_options) as rt:
         ttft(rt, tokens(QUESTION), device)
         for context in contexts:
