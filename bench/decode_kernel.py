@@ -112,6 +112,87 @@ def triton_runs(batch: Batch, sweep: bool) -> list[tuple[str, Callable[[], Any],
     return runs
 
 
+class SharedBatch:
+    """`groups` x `members` requests: each group's members share a `prefix`-token KV run and
+    have `suffix` tokens of their own (a fork's or a few-shot batch's decode step)."""
+
+    def __init__(self, *, groups: int, members: int, prefix: int, suffix: int, heads: int,
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        from lmnb.runtime.kernels import shared_prefix as sp
+
+        bs = groups * members
+        slots = groups * prefix + bs * suffix + 1
+        self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
+        self.k = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        rows, cursor = [], 1
+        for _ in range(groups):
+            shared = torch.arange(cursor, cursor + prefix)
+            cursor += prefix
+            for _ in range(members):
+                rows.append(torch.cat((shared, torch.arange(cursor, cursor + suffix))))
+                cursor += suffix
+        self.kv_indices = torch.cat(rows).to(device=device, dtype=torch.int32)
+        self.lens = [prefix + suffix] * bs
+        self.kv_indptr = torch.tensor([0, *itertools.accumulate(self.lens)], dtype=torch.int32,
+                                      device=device)
+        self.q = torch.randn(bs, heads, head_dim, dtype=dtype, device=device)
+        self.scale = head_dim ** -0.5
+        members_per_tile = sp.members_per_tile(heads, kv_heads)
+        plan = sp.plan_items([(prefix, list(range(g * members, (g + 1) * members)))
+                              for g in range(groups)], batch_size=bs, members=members_per_tile,
+                             max_items=sp.GRAPH_ITEMS)
+        flat = torch.tensor(plan.flat(sp.GRAPH_ITEMS, members_per_tile), dtype=torch.int64,
+                            device=device)
+        self.shared = sp.SharedPrefixes.view(flat, batch_size=bs, num_items=sp.GRAPH_ITEMS,
+                                             members=members_per_tile)
+        # bytes each approach must read: every row's KV, or each prefix once plus the suffixes
+        per_token = 2 * kv_heads * head_dim * self.k.element_size()
+        self.kv_bytes_plain = sum(self.lens) * per_token
+        self.kv_bytes = (groups * prefix + bs * suffix) * per_token
+
+
+def shared_runs(batch: SharedBatch, sweep: bool) -> list[tuple[str, Callable[[], Any], dict]]:
+    from lmnb.runtime.kernels import shared_prefix as sp
+    from lmnb.runtime.kernels import triton_decode as td
+
+    out = torch.empty_like(batch.q)
+    bs, splits = len(batch.lens), 16
+    part_o, part_lse = td.partial_buffers(bs, batch.heads, batch.head_dim,
+                                          splits + sp.PREFIX_SPLITS, batch.q.device)
+    default = td.decode_config(batch.head_dim, batch.dtype, batch_size=bs,
+                               num_kv_heads=batch.kv_heads)
+
+    def launcher(config: td.DecodeConfig, shared: Any, prefix: tuple[int, int, int]
+                 ) -> Callable[[], Any]:
+        def run() -> torch.Tensor:
+            saved = sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES
+            sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES = prefix
+            try:
+                return td.decode_attention(batch.q, batch.k, batch.v, out, batch.kv_indptr,
+                                           batch.kv_indices, part_o, part_lse,
+                                           scale=batch.scale, max_kv_splits=splits,
+                                           config=config, shared=shared)
+            finally:
+                sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES = saved
+        return run
+
+    base_prefix = (sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES)
+    runs = [("plain (no sharing)", launcher(default, None, base_prefix), {}),
+            ("shared default", launcher(default, batch.shared, base_prefix), {})]
+    if sweep:
+        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
+            runs.append((f"shared prefix n{block_n} w{warps} s{stages}",
+                         launcher(default, batch.shared, (block_n, warps, stages)),
+                         {"prefix": [block_n, warps, stages]}))
+        for block_n, warps, stages, min_split in itertools.product(
+                (32, 64, 128), (1, 2, 4), (1, 2), (64, default.min_split)):
+            config = td.DecodeConfig(block_n, min_split, warps, stages)
+            runs.append((f"shared suffix {block_n} w{warps} s{stages} m{min_split}",
+                         launcher(config, batch.shared, base_prefix), config._asdict()))
+    return runs
+
+
 def flashinfer_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
     try:
         import flashinfer
@@ -194,11 +275,34 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--scatter", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time a grid of Triton configs")
+    parser.add_argument("--shared", default=None, metavar="GROUPS:MEMBERS:PREFIX:SUFFIX",
+                        help="a shared-prefix decode step instead (e.g. 64:4:600:64 fork-heavy, "
+                             "8:32:1500:48 few-shot): plain vs shared-prefix kernels")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="bench/results/decode_kernel.json")
     args = parser.parse_args()
     device = torch.device(args.device)
     heads, kv_heads, head_dim, dtype = MODELS[args.model]
+    if args.shared:
+        groups, members, prefix, suffix = map(int, args.shared.split(":"))
+        shared = SharedBatch(groups=groups, members=members, prefix=prefix, suffix=suffix,
+                             heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                             device=device)
+        rows = []
+        for name, run, _config in shared_runs(shared, args.sweep):
+            try:
+                ms = time_kernel(run)
+            except Exception as failure:  # noqa: BLE001
+                print(f"{name}: {type(failure).__name__}: {failure}")
+                continue
+            rows.append([name, f"{ms * 1000:.1f}", f"{shared.kv_bytes / ms / 1e6:.0f}",
+                         f"{shared.kv_bytes_plain / ms / 1e6:.0f}"])
+        rows.sort(key=lambda r: float(r[1]))
+        print(f"{args.model} shared {args.shared}: KV {shared.kv_bytes / 1e6:.0f} MB per layer "
+              f"read once per group, {shared.kv_bytes_plain / 1e6:.0f} MB per request")
+        print(format_table(["kernels", "us", "GB/s (shared)", "GB/s (plain-equivalent)"],
+                           rows[:30]))
+        return
     rng = random.Random(args.seed)
     lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.batch)]
     batch = Batch(lens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,

@@ -132,6 +132,8 @@ def summarize(events: Sequence[KernelEvent], *, wall_seconds: float, passes: int
         "kernel_seconds": kernel_seconds,
         "busy_seconds": busy,
         "span_seconds": span,
+        # the first kernel's start, from the profiler's (just before the profiled call's)
+        "first_kernel_seconds": min(e.start_us for e in events) / 1e6 if events else 0.0,
         "busy_fraction_of_wall": busy / wall_seconds if wall_seconds else None,
         "wall_ms_per_pass": 1e3 * wall_seconds / per_pass,
         "busy_ms_per_pass": 1e3 * busy / per_pass,

@@ -805,7 +805,8 @@ def print_profile(title: str, summary: dict[str, Any]) -> None:
                                         for k in others))
     gaps = summary.get("idle_gaps")
     if gaps:
-        print(f"  span of kernels {1e3 * summary['span_seconds']:.1f} ms; idle by gap length: "
+        print(f"  first kernel at {1e3 * summary.get('first_kernel_seconds', 0):.1f} ms, span of "
+              f"kernels {1e3 * summary['span_seconds']:.1f} ms; idle by gap length: "
               + ", ".join(f"{k} {v:.1f} ms ({gaps['count_by_length'][k]})"
                           for k, v in gaps["ms_by_length"].items()))
         print("  longest: " + "; ".join(f"{g['ms']:.1f} ms at {g['at_ms']:.0f} "

@@ -258,15 +258,17 @@ def test_tiny_model_fp8_logits_are_close_to_fp32(tiny_models, fp8_checkpoints):
     assert quantized.model.layers[0].mlp.down_proj.weight.dtype == FP8
     got = _passes(_runner(quantized, config), prompts, next_ids)
     again = _passes(_runner(prequantized, config), prompts, next_ids)
-    set_fused_kernels(quantized, True)
-    fused = _passes(_runner(quantized, config), prompts, next_ids)
-    for w, g, a, f in zip(want, got, again, fused, strict=True):
+    for w, g, a in zip(want, got, again, strict=True):
         # random weights and activations: each dot product's relative error is about each
         # element's (e4m3: ~4% RMS), two layers of W8A8 give ~8% (a broken scale: > 100%)
         assert 0 < (g - w).norm() / w.norm() < 0.15
-        assert 0 < (f - w).norm() / w.norm() < 0.15
         assert torch.equal(a, g)  # the checkpoint holds exactly what quantizing at load makes
-    assert not torch.equal(fused[1], got[1])  # decode took the skinny kernel (W8A16)
+    if INTERPRET:  # CPU tensors reach Triton only through its interpreter
+        set_fused_kernels(quantized, True)
+        fused = _passes(_runner(quantized, config), prompts, next_ids)
+        for w, f in zip(want, fused, strict=True):
+            assert 0 < (f - w).norm() / w.norm() < 0.15
+        assert not torch.equal(fused[1], got[1])  # decode took the skinny kernel (W8A16)
 
 
 # ---- kernels in the interpreter ------------------------------------------------------------
@@ -428,8 +430,9 @@ def test_runtime_with_fp8_weights_and_kv_cache_on_the_cpu(tiny_models):
     from lmnb.runtime.engine import Runtime
 
     with pytest.warns(UserWarning, match="quantization='fp8' on cpu"):
-        rt = Runtime(tiny_models["llama-gqa"], quantization="fp8", kv_cache_dtype="fp8_e4m3",
-                     max_total_tokens=512, check_integrity_each_step=True)
+        rt = Runtime(tiny_models["llama-gqa"], device="cpu", quantization="fp8",
+                     kv_cache_dtype="fp8_e4m3", max_total_tokens=512,
+                     check_integrity_each_step=True)
     with rt:
         params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
         first = rt.generate("The capital of France is", params)
