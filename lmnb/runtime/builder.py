@@ -19,6 +19,8 @@ from lmnb.runtime.distributed.step import Command
 from lmnb.runtime.distributed.tp_worker import TPWorkers
 from lmnb.runtime.fsm.factory import GrammarFactory
 from lmnb.runtime.fsm.jump import JumpForward
+from lmnb.runtime.hicache.factory import make_tiered_cache
+from lmnb.runtime.hicache.identity import model_key, parameter_fingerprint
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
@@ -148,6 +150,15 @@ def _build_runner(config: EngineConfig, *, workers: TPWorkers | None, device: to
     return runner, fused
 
 
+def _model_key(config: EngineConfig, model: ModelParts) -> str:
+    """What the disk tier's pages are keyed by (`hicache/identity.py`)."""
+    return model_key(
+        model_dir=model.model_dir, model_config=model.model_config, dtype=model.dtype,
+        load_format=config.load_format, tokenizer_vocab=model.tokenizer.get_vocab(),
+        kv=model.runner.kv_storage,
+        parameters=parameter_fingerprint(model.runner.model.named_parameters()))
+
+
 def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
     """The prefix cache, the output thread and the scheduler thread (both started)."""
     runner, device = model.runner, model.device
@@ -161,8 +172,11 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
         overlap_schedule=(device.type == "cuda" if config.disable_overlap_schedule is None
                           else not config.disable_overlap_schedule))
     allocator = KVAllocator(runner.max_total_tokens, device)
-    cache: PrefixCache = (NoReuseCache(allocator) if config.disable_radix_cache
-                          else RadixCache(allocator))
+    cache: PrefixCache = (
+        NoReuseCache(allocator) if config.disable_radix_cache
+        else make_tiered_cache(config, allocator, runner.kv_storage,
+                               model_key=lambda: _model_key(config, model))
+        if config.enable_hierarchical_cache else RadixCache(allocator))
     speculative = config.speculative()
     speculator = (make_speculator(speculative, engine_config=config, target=runner,
                                   eos_token_ids=model.eos_token_ids)

@@ -30,6 +30,8 @@ DTYPE_NAMES: dict[str, str] = {
 }
 LOAD_FORMATS = ("auto", "dummy")
 GRAMMAR_BACKENDS = ("lmnb", "xgrammar")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+HICACHE_STORAGE_BACKENDS = ("file",)
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
 
@@ -106,6 +108,14 @@ class EngineConfig:
     # FP8 (see runtime/quantization.py): None | 'fp8' | 'compressed-tensors'
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # 'auto' (the model's) | 'fp8_e4m3' | 'bf16' | 'bfloat16'
+    # Hierarchical cache (runtime/hicache/): evicted KV kept in host memory, optionally on disk.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pool tokens per device pool token
+    hicache_size: int = 0  # host pool in GB; overrides hicache_ratio when > 0
+    hicache_write_policy: str = "write_through"  # 'write_through' (on insert) | 'write_back'
+    hicache_storage_backend: str | None = None  # 'file': KV pages on disk, across restarts
+    hicache_storage_dir: str | None = None  # None: ~/.cache/lmnb/hicache
+    hicache_storage_size: float = 16.0  # GB the storage directory may hold (oldest pages go)
 
     def __post_init__(self) -> None:
         for path_field in ("model_path", "tokenizer_path"):
@@ -160,6 +170,7 @@ class EngineConfig:
         speculative = self.speculative()
         if speculative is not None and self.tp_size > 1:
             raise ValueError("speculative_algorithm is not supported with tp_size > 1")
+        self._check_hicache()
 
     def speculative(self) -> SpeculativeConfig | None:
         """The validated speculative-decoding options; None without `speculative_algorithm`."""
@@ -179,6 +190,38 @@ class EngineConfig:
             min_accept_rate=self.speculative_min_accept_rate,
             draft_policy=self.speculative_draft_policy,
             verify_mode=self.speculative_verify_mode)
+
+
+    def _check_hicache(self) -> None:
+        if not isinstance(self.enable_hierarchical_cache, bool):
+            raise ValueError(f"enable_hierarchical_cache must be True or False, "
+                             f"got {self.enable_hierarchical_cache!r}")
+        _check_int("hicache_size", self.hicache_size, minimum=0, optional=False)
+        for name in ("hicache_ratio", "hicache_storage_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"unknown hicache_write_policy {self.hicache_write_policy!r}; "
+                             f"choose one of: {', '.join(HICACHE_WRITE_POLICIES)}")
+        backend = self.hicache_storage_backend
+        if backend is not None and backend not in HICACHE_STORAGE_BACKENDS:
+            raise ValueError(f"unknown hicache_storage_backend {backend!r}; choose one of: "
+                             f"{', '.join(HICACHE_STORAGE_BACKENDS)} (or None)")
+        if self.hicache_storage_dir is not None:
+            if not isinstance(self.hicache_storage_dir, str | os.PathLike):
+                raise ValueError(f"hicache_storage_dir must be a path or None, "
+                                 f"got {self.hicache_storage_dir!r}")
+            object.__setattr__(self, "hicache_storage_dir", os.fspath(self.hicache_storage_dir))
+        if not self.enable_hierarchical_cache:
+            if backend is not None:
+                raise ValueError("hicache_storage_backend needs enable_hierarchical_cache=True")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache and disable_radix_cache are mutually "
+                             "exclusive")
+        if self.tp_size > 1:
+            raise ValueError("enable_hierarchical_cache does not support tp_size > 1 yet")
 
     def _check_grammar_backend(self) -> None:
         """'lmnb' or 'xgrammar' (EBNF grammars always go through xgrammar); 'xgrammar' needs the

@@ -86,6 +86,7 @@ class Runtime:
         self._outputs.close()
         if (speculator := self._scheduler.scheduler.speculator) is not None:
             speculator.close()  # a draft model's runner
+        self._cache.close()  # a tiered cache writes its queued disk pages first
         if self._tp_workers is not None:
             self._runner.release_graphs()  # graphs that captured collectives go first
             self._tp_workers.close()
@@ -182,7 +183,8 @@ class Runtime:
 
     def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
         """The radix tree as plain data (node id, parent, token count, text preview, lock_ref,
-        last access, hit count), parents first; empty without a radix cache."""
+        last access, hit count, tier: where its KV lives, 'device', 'host' or 'device+host'),
+        parents first; empty without a radix cache."""
         self._check_open()
         if not self._cache.reuses_kv:
             return []

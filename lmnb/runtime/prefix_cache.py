@@ -143,6 +143,19 @@ class PrefixCache(ABC):
         The default shares nothing."""
         return []
 
+    def load_back(self, key: Sequence[int], extra_key: Hashable = None, *, room: int) -> int:
+        """Brings KV of `key`'s prefix kept in slower tiers (host memory, disk) into device
+        slots, at most `room` of them, so that `match_prefix(key)` matches it; returns how many
+        tokens were loaded. The default keeps no other tier."""
+        return 0
+
+    def check(self) -> None:  # noqa: B027
+        """Asserts the cache's own invariants (tests, `check_integrity`); the default has none."""
+
+    def close(self) -> None:  # noqa: B027
+        """Lets go of what the cache holds beyond the device pool (host memory, writer
+        threads) when its runtime closes; the default holds nothing."""
+
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         """How many leading tokens of `key` are cached now, for observers (widgets): no lock,
         no split, no LRU touch. The default caches nothing."""

@@ -40,10 +40,14 @@ class CacheManager:
         return self.req_to_token_pool.available() > 0
 
     # ---- binding a request to its prefix -------------------------------------------------------
-    def match(self, req: Req) -> MatchResult:
+    def match(self, req: Req, *, load_room: int = 0) -> MatchResult:
+        """`req`'s cached prefix, after up to `load_room` tokens of it were brought back from a
+        tiered cache's host memory or disk."""
         key = req.fill_ids
         if req.wants_input_logprobs:  # scored positions must be computed
             key = key[:max(req.input_logprobs_needed_from, 1)]
+        if load_room > 0:
+            self.cache.load_back(key, req.extra_key, room=load_room)
         return self.cache.match_prefix(key, req.extra_key)
 
     def bind(self, req: Req, match: MatchResult) -> None:
@@ -187,7 +191,12 @@ class CacheManager:
 
     # ---- accounting ----------------------------------------------------------------------------
     def check_integrity(self, live: list[Req], waiting: list[Req]) -> None:
-        """KV slots are conserved: free + evictable + protected + owned by requests == total."""
+        """KV slots are conserved: free + evictable + protected + owned by requests == total;
+        the cache's own invariants hold (`PrefixCache.check`)."""
+        try:
+            self.cache.check()
+        except AssertionError as error:
+            raise IntegrityError(f"prefix cache: {error}") from error
         owned = sum(req.owned_kv_len for req in live)
         free = self.allocator.available()
         evictable = self.cache.evictable_size()

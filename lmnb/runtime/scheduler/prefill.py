@@ -53,7 +53,7 @@ class PrefillManager:
         for req in self.policy.order(waiting, self.cache.cache, clock):
             if budget <= 0 or not self.cache.has_request_slot():
                 break
-            match = self.cache.match(req)
+            match = self.cache.match(req, load_room=room())
             prefix_len = match.length
             if self._defer_for_shared_prefix(req, prefix_len, plan.reqs):
                 continue
