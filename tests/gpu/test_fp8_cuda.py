@@ -85,12 +85,15 @@ def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
     for extra in ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"},
                   {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}):
         with Runtime(folder, **options, **extra) as rt:
-            got = rt.generate(input_ids=prompts, sampling_params=greedy)
+            got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
+                              top_logprobs_num=5)
             rt.check_integrity()
             if "kv_cache_dtype" in extra:  # about twice the tokens in the same memory
                 assert rt.max_total_tokens > 1.8 * bf16_tokens
-        first = sum(g["output_ids"][0] == e["output_ids"][0]
-                    for g, e in zip(got, expected, strict=True))
-        # a random tiny model has many near-ties (on the H100: 13 of 20 for fp8 weights); broken
-        # scales or a misread KV cache agree on next to none
-        assert first >= 0.5 * len(prompts), (extra, first)
+        # a random tiny model has many near-ties, so the argmax flips often (on the H100 13 of
+        # 20 first tokens agree for fp8 weights, 9 of 20 with the FP8 KV cache too); bf16's
+        # choice stays among the five likeliest, where broken scales or a misread KV cache
+        # would put it among 49,152 at random
+        in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
+                      for g, e in zip(got, expected, strict=True))
+        assert in_top5 >= 0.9 * len(prompts), (extra, in_top5)
