@@ -155,72 +155,75 @@ class BatchJob:
     def states(self, *, num_threads: int | str = "auto",
                progress_bar: bool = False) -> list[ProgramState]:
         states: list[Any] = [None] * len(self.batch)
-        for index, state in self._completed(num_threads, progress_bar):
-            states[index] = state
+        results = self._completed(num_threads, progress_bar)
+        try:
+            for index, state in results:
+                states[index] = state
+        finally:
+            results.close()  # an interrupt between two states aborts the batch at once
         return states
 
     def completed(self, *, num_threads: int | str = "auto",
                   progress_bar: bool = False) -> Iterator[ProgramState]:
-        """Started at once; the states in the order they finish."""
+        """The states in the order they finish (the batch starts at the first `next`)."""
         return (state for _, state in self._completed(num_threads, progress_bar))
 
-    def _start(self, num_threads: int | str,
-               deliver: Callable[[int, ProgramState], None]) -> tuple[_BatchRun, Future[None]]:
+    def _start(self, batch_run: _BatchRun) -> Future[None]:
         if self.prefix and len(self.batch) > 1:
             self.backend.cache_prefix(self.prefix)
-        batch_run = _BatchRun(self.execute, self.batch,
-                              limit=_program_limit(num_threads, len(self.batch)),
-                              deliver=deliver)
-        return batch_run, asyncio.run_coroutine_threadsafe(batch_run.main(), program_loop())
+        return asyncio.run_coroutine_threadsafe(batch_run.main(), program_loop())
 
     def _completed(self, num_threads: int | str,
                    progress_bar: bool) -> Iterator[tuple[int, ProgramState]]:
+        """A generator: nothing starts before its first `next`, and from then on one
+        try/finally covers the start too, so an interrupt landing anywhere after the first
+        program may have started (e.g. while the batch is being set up on a loaded machine)
+        aborts the batch."""
         finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        bar_scope = (tqdm_bar(total=len(self.batch), desc=self.name) if progress_bar
-                     else nullcontext())
-        bar = bar_scope.__enter__()
+        with (tqdm_bar(total=len(self.batch), desc=self.name) if progress_bar
+              else nullcontext()) as bar:
+            def deliver(index: int, state: ProgramState) -> None:
+                finished.put((index, state))
+                if bar is not None:
+                    bar.update(1)
 
-        def deliver(index: int, state: ProgramState) -> None:
-            finished.put((index, state))
-            if bar is not None:
-                bar.update(1)
-
-        try:
-            batch_run, future = self._start(num_threads, deliver)
-        except BaseException:
-            bar_scope.__exit__(None, None, None)
-            raise
-        future.add_done_callback(lambda _: finished.put(_DONE))
-
-        def results() -> Iterator[tuple[int, ProgramState]]:
+            batch_run = _BatchRun(self.execute, self.batch,
+                                  limit=_program_limit(num_threads, len(self.batch)),
+                                  deliver=deliver)
+            future: Future[None] | None = None
             try:
+                future = self._start(batch_run)
+                future.add_done_callback(lambda _: finished.put(_DONE))
                 while (item := wait_queue(finished)) is not _DONE:
                     yield item
                 future.result()  # raises what stopped the batch
             finally:
-                if not future.done() or future.exception() is not None:  # left early or failed
-                    batch_run.abort()
-                    future.cancel()
-                bar_scope.__exit__(None, None, None)
-
-        return results()
+                if future is None or not future.done() or future.exception() is not None:
+                    batch_run.abort()  # left early, failed or interrupted
+                    if future is not None:
+                        future.cancel()
 
     async def aiter_completed(self, *, num_threads: int | str = "auto"
                               ) -> AsyncIterator[ProgramState]:
         loop = asyncio.get_running_loop()
         finished: asyncio.Queue[Any] = asyncio.Queue()
-        batch_run, future = await asyncio.to_thread(
-            self._start, num_threads,
-            lambda _, state: loop.call_soon_threadsafe(finished.put_nowait, state))
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(finished.put_nowait, _DONE))
+        batch_run = _BatchRun(self.execute, self.batch,
+                              limit=_program_limit(num_threads, len(self.batch)),
+                              deliver=lambda _, state: loop.call_soon_threadsafe(
+                                  finished.put_nowait, state))
+        future: Future[None] | None = None
         try:
+            future = await asyncio.to_thread(self._start, batch_run)
+            future.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(finished.put_nowait, _DONE))
             while (state := await finished.get()) is not _DONE:
                 yield state
             await asyncio.wrap_future(future)  # raises what stopped the batch
         finally:
-            if not future.done() or future.exception() is not None:
+            if future is None or not future.done() or future.exception() is not None:
                 batch_run.abort()
-                future.cancel()
+                if future is not None:
+                    future.cancel()
 
 
 class _BatchRuns:
