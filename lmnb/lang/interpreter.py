@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import singledispatchmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import (
     Backend,
@@ -49,6 +49,9 @@ from lmnb.lang.ir import (
 )
 from lmnb.lang.reasoning import reasoning_name, split_reasoning
 from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, speculative_params
+
+if TYPE_CHECKING:
+    from lmnb.lang.token_trace import TokenTrace
 
 _POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets through
 _IDLE_POLL = 0.5  # the same off the main thread, where no KeyboardInterrupt lands
@@ -117,6 +120,7 @@ class StreamExecutor:
         self.media_: list[tuple[int, MediaInput]] = []
         self.turns: list[tuple[str, int, int]] = []  # (role, start, end) of each ended role
         self.error: BaseException | None = None
+        self.token_trace: TokenTrace | None = None  # a traced run's tokens (token_trace.py)
         self.fork_point = 0  # length of the text inherited from the parent (forks)
         self._closed = False
         self.cancel = CancelEvent()
@@ -242,6 +246,7 @@ class StreamExecutor:
             branch.media_ = list(self.media_)  # the same prepared items: one hash, one KV span
             branch.turns = list(self.turns)
             branch.observer = self.observer
+            branch.token_trace = None if self.token_trace is None else self.token_trace.fork()
             branches.append(branch)
         if self.sglang_backend is not None:
             self.sglang_backend.fork_program(self, list(branches))
@@ -416,6 +421,8 @@ class StreamExecutor:
         extra: dict[str, Any] = self._media_kwargs(prompt)
         if chat is not None:
             extra["chat"] = chat
+        if self.token_trace is not None:
+            extra["trace"] = self.token_trace
         return self.backend.generate(prompt, params, on_delta=on_delta, cancel=self.cancel,
                                      **extra)
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang import api
 from lmnb.lang.backends.base import Backend
@@ -40,6 +40,9 @@ from lmnb.lang.ir import (
 )
 from lmnb.lang.progress import progress_bar as tqdm_bar
 from lmnb.params import default_sampling_params
+
+if TYPE_CHECKING:
+    from lmnb.lang.token_trace import TokenTrace
 
 # `run`/`run_batch` keywords that set every gen's default: the gen arguments except those that
 # only make sense per gen (a sample count, an output constraint).
@@ -350,6 +353,19 @@ class ProgramState(StateWriter):
     def abort(self) -> None:
         self._run.abort()
 
+    @property
+    def token_trace(self) -> TokenTrace | None:
+        """This state's recorded tokens when its run was traced (`run(..., token_view=True)`,
+        `%%lmprogram --tokens`), else None."""
+        return self._executor.token_trace
+
+    def token_view(self, **options: Any) -> Any:
+        """A `lmnb.widgets.TokenView` of this state's run (its forks one row each), live while
+        it runs; the run must have been traced (`run(..., token_view=True)`)."""
+        from lmnb.widgets.token_view import TokenView
+
+        return TokenView(self, **options)
+
     def observe(self, observer: Observer | None) -> None:
         """Calls `observer(kind, executor, data)` on this run's events (text deltas, finished
         variables, forks, errors) from the program's worker threads; used by live widgets."""
@@ -514,18 +530,25 @@ class Program:
         return arguments, sampling
 
     def run(self, *args: Any, backend: Any = None, stream: bool = False,
-            **kwargs: Any) -> ProgramState:
+            token_view: bool = False, **kwargs: Any) -> ProgramState:
         """Runs the program; returns its state once done (at once with `stream=True`).
         Keyword arguments named like sampling parameters (temperature, max_new_tokens, ...) are
-        the defaults of every `gen` that leaves them unset."""
+        the defaults of every `gen` that leaves them unset. `token_view=True` records every
+        token of its gens with its origin and logprobs, for `state.token_view()` (an
+        in-process runtime's backend only)."""
         arguments, sampling = self.split_arguments(args, kwargs)
-        return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream)
+        return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream,
+                             token_view=token_view)
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
                  stream: bool, run: ProgramRun | None = None, *,
-                 raise_body_error: bool = True) -> ProgramState:
+                 raise_body_error: bool = True, token_view: bool = False) -> ProgramState:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
+        if token_view:
+            from lmnb.lang.token_trace import start_trace
+
+            executor.token_trace = start_trace(backend)
         state = ProgramState(executor, run)
         caller = PROGRAM_CALLER.set(_RunningCaller(backend, defaults, state.run))
         try:

@@ -29,10 +29,12 @@ from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.fsm.protocol import Grammar
 from lmnb.runtime.media_requests import MediaInput, build_media_prompts
 from lmnb.runtime.memory import KVAllocator
+from lmnb.runtime.memory.device import device_memory
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
 from lmnb.runtime.models.layers.fusion import fused_kernels_available, set_fused_kernels
 from lmnb.runtime.output import OutputProcessor, OutputStream
+from lmnb.runtime.output.token_origins import OutputOrigins
 from lmnb.runtime.pins import PrefixPins
 from lmnb.runtime.policy import make_policy
 from lmnb.runtime.prefix_cache import NoReuseCache
@@ -252,6 +254,7 @@ class Runtime:
                 cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
                 cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
                 memory=self._runner.memory_report(),
+                device_memory=device_memory(self.device),
                 fused_kernels=self._fused_kernels,
                 evicted_tokens=getattr(cache, "evicted_tokens", 0),
                 eviction_events=getattr(cache, "eviction_events", 0),
@@ -415,6 +418,7 @@ class Runtime:
         top_logprobs_num: int | None = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
+        return_token_origins: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """Generates for one prompt (returns a dict) or a list (returns a list of dicts; with
         `n > 1`, `n` consecutive dicts per prompt). With `stream=True`, an `OutputStream` of
@@ -427,6 +431,11 @@ class Runtime:
         `max_new_tokens` 0 and `top_logprobs_num` k, `output_top_logprobs` has one row: the top k
         of the token that would come next (SGLang's).
 
+        `return_token_origins` (implies `return_logprob`) adds where each token came from:
+        `prompt_token_origins` and `output_token_origins` spans (cached / computed prompt,
+        generated / jump_forward / speculated output; `lmnb.runtime.output.token_origins`), also
+        in each streamed chunk with that chunk's logprobs.
+
         Multimodal models (SGLang's engine arguments): `image_data` is, for one prompt, an image
         or a list of images in the order of the prompt's image tokens (a path, `PIL.Image`,
         uint8 array, bytes, `data:` URL or a `MediaItem`); for a list of prompts, a list of
@@ -435,6 +444,7 @@ class Runtime:
         "num_frames": n}`; 8 frames by default). Each image/video token of the prompt becomes
         the item's span of tokens; bad media or a count mismatch is an `InvalidRequestError`."""
         self._check_open()
+        return_logprob = return_logprob or return_token_origins
         prompts = split_prompts(prompt, input_ids)
         params_list = request_checks.params_list(sampling_params, len(prompts))
         logprob_start, top_logprobs = request_checks.logprob_options(
@@ -465,7 +475,8 @@ class Runtime:
                         self._make_state(ids, params, rid=rids[first_state[index] + k],
                                          sample_index=k, return_logprob=return_logprob,
                                          logprob_start_len=logprob_start,
-                                         top_logprobs_num=top_logprobs, mm_inputs=mm)
+                                         top_logprobs_num=top_logprobs, mm_inputs=mm,
+                                         token_origins=return_token_origins)
                         for k in range(params.n))
                 for state in states:
                     params = state.sampling_params
@@ -513,13 +524,15 @@ class Runtime:
     def _make_state(self, ids: list[int], params: SamplingParams, *, rid: int,
                     sample_index: int, return_logprob: bool, logprob_start_len: int,
                     top_logprobs_num: int,
-                    mm_inputs: MultimodalInputs | None = None) -> ReqState:
+                    mm_inputs: MultimodalInputs | None = None,
+                    token_origins: bool = False) -> ReqState:
         """The request of a prompt that passed `request_checks.check_prompt` (with the params it
         returned)."""
         req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                   logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                   rid=rid, sample_index=sample_index, mm_inputs=mm_inputs)
-        state = ReqState(req, created_at=time.perf_counter())
+        state = ReqState(req, created_at=time.perf_counter(),
+                         origins=OutputOrigins() if token_origins else None)
         state.grammar = self._grammar(params)
         if params.seed is not None:
             state.generator = torch.Generator(device=self.device).manual_seed(

@@ -19,6 +19,7 @@ from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
+from lmnb.lang.token_trace import TokenTrace, traced_top_k
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
@@ -73,12 +74,20 @@ class LocalBackend:
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None,
-                 media: Sequence[MediaInput] = ()) -> Generation:
+                 media: Sequence[MediaInput] = (),
+                 trace: TokenTrace | None = None) -> Generation:
+        """`Backend.generate`; with `trace` (a traced program), the request's tokens, origins
+        and logprobs go to a new record of it."""
+        prompt_args = self._prompt(prompt, media)
+        record = (trace.request(prompt_args["input_ids"], len(prompt))
+                  if trace is not None and "input_ids" in prompt_args else None)
         chunks = self.runtime.generate(
             sampling_params=self.sampling_params(params),
             return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
-            top_logprobs_num=params.top_logprobs_num, stream=True, **self._prompt(prompt, media))
+            top_logprobs_num=traced_top_k(params.top_logprobs_num, record is not None),
+            stream=True, **({"return_token_origins": True} if record is not None else {}),
+            **prompt_args)
         gen = GenTexts(params, on_delta)
         wakes = isinstance(cancel, CancelEvent)
         # Setting the cancel event closes the stream, which wakes the wait below.
@@ -97,9 +106,14 @@ class LocalBackend:
                         raise ProgramAborted("the program was interrupted")
                     break
                 index = chunk.get("index", 0)
-                if gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"]):
+                complete = gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"])
+                if record is not None and index == 0:
+                    record.update(chunk, len(gen.texts[0]))
+                if complete:
                     break
         finally:
+            if record is not None and not record.done:
+                record.close()
             if unregister is not None:
                 unregister()
             chunks.close()  # aborts whatever is still running

@@ -18,6 +18,7 @@ last token, room for one more token each); otherwise the pass in flight is proce
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -34,6 +35,7 @@ from lmnb.runtime.core import (
 )
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
+from lmnb.runtime.output.token_origins import GENERATED, JUMP_FORWARD
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
@@ -41,7 +43,7 @@ from lmnb.runtime.scheduler.media_log import MediaLog
 from lmnb.runtime.scheduler.prefill import PrefillManager
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
-from lmnb.runtime.scheduler.stats import SchedulerStats, request_meta
+from lmnb.runtime.scheduler.stats import SchedulerStats, live_meta, request_meta
 from lmnb.runtime.scheduler.stop import StopRules, StopText
 
 if TYPE_CHECKING:
@@ -428,6 +430,12 @@ class Scheduler:
         req, params = state.req, state.sampling_params
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
+        if not state.first_token_at:
+            state.first_token_at = time.perf_counter()
+            self.stats.first_tokens += 1
+            self.stats.first_token_seconds += state.first_token_at - state.created_at
+        if state.origins is not None:
+            state.origins.add(GENERATED)
         if req.return_logprob:
             state.logprobs.output_token.append((logprob, token))
             if req.top_logprobs_num:
@@ -445,7 +453,8 @@ class Scheduler:
         if reason is not None:
             self._finish(state, reason, new_ids=[token])
             return
-        self._events.append(TokenEvent(req.rid, [token]))
+        meta = None if state.origins is None else live_meta(state, len(req.output_ids) - 1)
+        self._events.append(TokenEvent(req.rid, [token], meta=meta))
         if state.grammar is not None and self.jump_forward is not None:
             self._jump_forward(state)
 
@@ -469,13 +478,21 @@ class Scheduler:
                                      + [(None, token) for token in plan.appended])
             if req.top_logprobs_num:
                 logprobs.output_top = logprobs.output_top[:plan.keep] + [[] for _ in plan.appended]
+        if state.origins is not None:
+            # re-tokenized old text counts as generated; tokens of forced text only as jumped
+            forced_from = plan.keep if plan.forced_from is None else plan.forced_from
+            state.origins.truncate(plan.keep)
+            state.origins.add(GENERATED, forced_from - plan.keep)
+            state.origins.add(JUMP_FORWARD, len(plan.new_output_ids) - forced_from)
         state.grammar.advance_text(forced)
         req.jumps += 1
         self.stats.jump_forward_tokens += len(plan.appended)
+        state.jumped_tokens += len(plan.appended)
         if state.stop_text is not None:
             state.stop_text = StopText(self.tokenizer, req.text_prompt_ids, req.sampling_params)
             state.stop_text.add(list(req.output_ids))
-        event = TokenEvent(req.rid, list(plan.appended), replace_output_ids=list(req.output_ids))
+        event = TokenEvent(req.rid, list(plan.appended), replace_output_ids=list(req.output_ids),
+                           meta=None if state.origins is None else live_meta(state, plan.keep))
         reason = self.stop_rules.after_text(state.stop_text, state.grammar, req.sampling_params,
                                             len(req.output_ids))
         if reason is not None:

@@ -1,0 +1,264 @@
+"""`TokenTrace`: every token of a program's requests with where it came from, for `TokenView`.
+
+A program run with the trace on (`Program.run(..., token_view=True)`, `%%lmprogram --tokens`)
+gives each executor a `TokenTrace`; its backend (`LocalBackend`) asks the runtime for token
+origins and logprobs on every gen (`return_token_origins`) and feeds each streamed chunk into
+the gen's `GenRecord`. A fork's trace starts with its parent's records.
+
+An executor's tokens (`TokenTrace.cells()`) are its gens' requests laid end to end: each
+request's prompt ids replace the tokens from the first id where they differ (a later prompt
+re-tokenizes the text before it; usually it only appends the new literal text), the prompt's
+new ids are `cached` or `computed` as the runtime served them, then come its output ids
+(`generated`, `jump_forward`, `speculated`) with their logprobs. Tokens of earlier gens keep
+their origin when a later prompt holds them again (served from the cache, but generated).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmnb.runtime.output.token_origins import (
+    CACHED,
+    COMPUTED,
+    GENERATED,
+    JUMP_FORWARD,
+    ORIGINS,
+)
+
+TRACE_TOP_K = 5  # alternatives per generated token a traced gen asks for (at least)
+ORIGIN_INDEX = {name: i for i, name in enumerate(ORIGINS)}
+
+TopK = list[tuple[float, int]]
+# One token of a row: [id, origin index, logprob or None, top-k or None]
+Cell = list[Any]
+
+
+def traced_top_k(top_logprobs_num: int | None, traced: bool) -> int | None:
+    """The `top_logprobs_num` a gen's request asks for: at least `TRACE_TOP_K` when traced."""
+    return max(top_logprobs_num or 0, TRACE_TOP_K) if traced else top_logprobs_num
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i][0] != b[i]:
+            return i
+    return n
+
+
+class TraceLog:
+    """What the traces of one program run share: a lock, a change counter with a listener (a
+    view's throttle), the clock of the run and the decoder of token texts."""
+
+    def __init__(self, token_text: Callable[[int], str]) -> None:
+        self.lock = threading.Lock()
+        self.token_text = token_text
+        self.version = 0
+        self.started_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.listener: Callable[[], None] | None = None
+
+    def changed(self, *, tokens: bool = False) -> None:
+        """Called under no lock after a record changed."""
+        if tokens:
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        self.version += 1
+        listener = self.listener
+        if listener is not None:
+            listener()
+
+
+@dataclass
+class GenRecord:
+    """One traced request (a gen's first sample): its prompt ids and what the runtime reported.
+    Updated from the backend's thread; read under `log.lock`."""
+
+    log: TraceLog
+    prompt_ids: list[int]
+    prompt_chars: int  # length of the prompt text (where the gen's text starts)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tops: list[TopK | None] = field(default_factory=list)
+    output_origins: list[Any] = field(default_factory=list)  # (origin, start, end) spans
+    cached_tokens: int = 0
+    text_chars: int = 0  # length of the gen's text so far
+    meta: dict[str, Any] | None = None  # the final meta_info
+    done: bool = False
+
+    def update(self, chunk: dict[str, Any], text_chars: int) -> None:
+        """One streamed chunk of the request (`return_token_origins` meta_info); `text_chars`:
+        the gen's text length after it."""
+        meta = chunk["meta_info"]
+        new_ids = chunk["output_ids"]
+        with self.log.lock:
+            at = meta.get("output_ids_from", len(self.output_ids))
+            del self.output_ids[at:], self.logprobs[at:], self.tops[at:]
+            self.output_ids.extend(new_ids)
+            new_logprobs = meta.get("new_token_logprobs") or [(None,)] * len(new_ids)
+            self.logprobs.extend(pair[0] for pair in new_logprobs)
+            new_tops = meta.get("new_top_logprobs")
+            self.tops.extend(new_tops if new_tops is not None else [None] * len(new_ids))
+            if "output_token_origins" in meta:
+                self.output_origins = meta["output_token_origins"]
+            if "cached_tokens" in meta:
+                self.cached_tokens = meta["cached_tokens"]
+            self.text_chars = text_chars
+            if meta.get("finish_reason") is not None:
+                self._finish(meta)
+        self.log.changed(tokens=bool(new_ids))
+
+    def _finish(self, meta: dict[str, Any]) -> None:
+        self.meta = meta
+        ids = self.output_ids
+        reason = meta["finish_reason"]
+        matched = reason.get("matched") if isinstance(reason, dict) else None
+        if (isinstance(matched, int) and not isinstance(matched, bool) and ids
+                and ids[-1] == matched):
+            ids.pop()  # a stop id is not part of the text
+        n = len(ids)
+        if "output_token_logprobs" in meta:
+            self.logprobs = [p[0] for p in meta["output_token_logprobs"][:n]]
+        if "output_top_logprobs" in meta:
+            self.tops = [row or None for row in meta["output_top_logprobs"][:n]]
+        del self.logprobs[n:], self.tops[n:]
+        self.output_origins = meta.get("output_token_origins", self.output_origins)
+        self.cached_tokens = meta.get("cached_tokens", self.cached_tokens)
+        self.done = True
+
+    def close(self) -> None:
+        """The gen ended without a last chunk (aborted, failed)."""
+        with self.log.lock:
+            self.done = True
+        self.log.changed()
+
+    def origin_at(self, position: int) -> str:
+        for origin, start, end in self.output_origins:
+            if start <= position < end:
+                return origin
+        return GENERATED  # streamed ahead of its spans
+
+    def cells(self) -> list[Cell]:
+        """The output as cells (under `log.lock`)."""
+        out: list[Cell] = []
+        spans = self.output_origins
+        n = len(self.output_ids)
+        covered = 0
+        for origin, start, end in spans:
+            index = ORIGIN_INDEX[origin]
+            for i in range(start, min(end, n)):
+                out.append([self.output_ids[i], index, self.logprobs[i], self.tops[i]])
+            covered = max(covered, min(end, n))
+        for i in range(covered, n):  # ahead of the spans
+            out.append([self.output_ids[i], ORIGIN_INDEX[GENERATED], self.logprobs[i],
+                        self.tops[i]])
+        return out
+
+
+class TokenTrace:
+    """The traced gens of one executor, in order (a fork's begin with its parent's)."""
+
+    def __init__(self, log: TraceLog, records: list[GenRecord] | None = None,
+                 inherited: list[int] | None = None, *, runtime: Any = None) -> None:
+        self.log = log
+        self.runtime = runtime  # the runtime the gens ran on (its stats feed the metrics bar)
+        self.records: list[GenRecord] = records or []
+        self.inherited_ids: list[int] = inherited or []  # the parent's token ids at the fork
+        self._done_cells: list[Cell] = []  # cells of the first `_done_count` records
+        self._done_count = 0
+
+    def request(self, prompt_ids: Sequence[int], prompt_chars: int) -> GenRecord:
+        """A gen's request is about to be sent with these prompt ids."""
+        record = GenRecord(self.log, list(prompt_ids), prompt_chars)
+        with self.log.lock:
+            self.records.append(record)
+        self.log.changed()
+        return record
+
+    def fork(self) -> TokenTrace:
+        """The trace of a branch forked now."""
+        with self.log.lock:
+            ids = [cell[0] for cell in self._cells()]
+            return TokenTrace(self.log, list(self.records), ids, runtime=self.runtime)
+
+    def cells(self) -> list[Cell]:
+        """The executor's tokens so far: [id, origin index, logprob, top-k] each."""
+        with self.log.lock:
+            return self._cells()
+
+    def covered_chars(self) -> int:
+        """Characters of the executor's text that the last traced gen's prompt and output span
+        (text after them was written since, or is the program's last literal text)."""
+        with self.log.lock:
+            if not self.records:
+                return 0
+            last = self.records[-1]
+            return last.prompt_chars + last.text_chars
+
+    def _cells(self) -> list[Cell]:
+        records = self.records
+        # Finished records never change again: their cells are kept.
+        while self._done_count < len(records) and records[self._done_count].done:
+            _lay(self._done_cells, records[self._done_count])
+            self._done_count += 1
+        cells = list(self._done_cells)
+        for record in records[self._done_count:]:
+            _lay(cells, record)
+        return cells
+
+
+def _lay(cells: list[Cell], record: GenRecord) -> None:
+    """Appends `record`'s request to `cells`: its prompt from the first id that differs, then
+    its output."""
+    prompt = record.prompt_ids
+    keep = _common_prefix(cells, prompt)
+    del cells[keep:]
+    cached, computed = ORIGIN_INDEX[CACHED], ORIGIN_INDEX[COMPUTED]
+    for position in range(keep, len(prompt)):
+        origin = cached if position < record.cached_tokens else computed
+        cells.append([prompt[position], origin, None, None])
+    cells.extend(record.cells())
+
+
+def trace_totals(traces: Sequence[TokenTrace]) -> dict[str, Any]:
+    """Sums over every traced request of a run (each counted once, forks share records)."""
+    seen: dict[int, GenRecord] = {}
+    for trace in traces:
+        for record in trace.records:
+            seen.setdefault(id(record), record)
+    log = traces[0].log if traces else None
+    totals = {"requests": len(seen), "prompt_tokens": 0, "cached_tokens": 0,
+              "output_tokens": 0, "jump_forward_tokens": 0, "forward_passes": 0}
+    if log is None:
+        return totals
+    with log.lock:
+        for record in seen.values():
+            totals["prompt_tokens"] += len(record.prompt_ids)
+            totals["cached_tokens"] += record.cached_tokens
+            totals["output_tokens"] += len(record.output_ids)
+            totals["jump_forward_tokens"] += sum(
+                min(end, len(record.output_ids)) - start
+                for origin, start, end in record.output_origins if origin == JUMP_FORWARD
+                and start < len(record.output_ids))
+            if record.meta is not None:
+                totals["forward_passes"] += record.meta.get("forward_passes", 0)
+    return totals
+
+
+def start_trace(backend: Any) -> TokenTrace:
+    """The root trace of a run on `backend`, which must run on an in-process runtime (the
+    trace reads its token ids and the runtime's token origins)."""
+    from lmnb.lang.backends.local import LocalBackend
+    from lmnb.runtime.output.logprob_text import TokenTexts
+
+    if not isinstance(backend, LocalBackend):
+        raise ValueError(f"token_view needs a program run on an in-process runtime "
+                         f"(LocalBackend); {type(backend).__name__} does not report tokens")
+    return TokenTrace(TraceLog(TokenTexts(backend.runtime.tokenizer)), runtime=backend.runtime)
