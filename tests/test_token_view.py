@@ -80,6 +80,7 @@ def test_token_view_counts_match_meta_info(backend: LocalBackend) -> None:
     text = repr(view)
     assert text.startswith("TokenView: 3 rows, done") and "metrics: time to first token" in text
     metrics = program_metrics(state, runtime_stats(state))
+    assert metrics is not None
     prompt = sum(m["prompt_tokens"] for m in metas)
     assert metrics.cache_hit_share == pytest.approx(
         sum(m["cached_tokens"] for m in metas) / prompt)
@@ -96,7 +97,7 @@ def test_untraced_runs_have_metrics_but_no_token_view(backend: LocalBackend) -> 
     with pytest.raises(ValueError, match="token_view=True"):
         state.token_view()
     metrics = program_metrics(state)
-    assert metrics.forward_passes > 0 and metrics.ttft_s > 0
+    assert metrics is not None and metrics.forward_passes > 0 and metrics.ttft_s > 0
     assert metrics.jump_forward_share is not None and metrics.kv_total_tokens is None
     assert "jump-forward" in metrics_text(metrics)
     with pytest.raises(ValueError, match="in-process runtime"):

@@ -93,23 +93,25 @@ def traced_metrics(traces: list[TokenTrace], stats: Mapping[str, Any] | None,
                    forward_passes=totals["forward_passes"], **_runtime_fields(stats))
 
 
-def program_metrics(state: ProgramState, stats: Mapping[str, Any] | None = None) -> Metrics:
+def program_metrics(state: ProgramState,
+                    stats: Mapping[str, Any] | None = None) -> Metrics | None:
     """A program run's metrics: from its token trace when traced, else from its named gens'
-    meta_info (time to first token of the first gen, tokens/s over the gens' latencies)."""
+    meta_info (time to first token of the first gen, tokens/s over the gens' latencies); None
+    when it ran no gen it reports on."""
     traces = [e.token_trace for e in state.run.executors if e.token_trace is not None]
     if traces:
         return traced_metrics(traces, stats)
     metas = list(_metas(state))
     if not metas:
-        return Metrics(**_runtime_fields(stats))
+        return None
     first = next((m["first_token_latency"] for m in metas if "first_token_latency" in m), None)
     prompt = sum(m.get("prompt_tokens", 0) for m in metas)
     output = sum(m.get("completion_tokens", 0) for m in metas)
     latency = sum(m.get("e2e_latency", 0.0) for m in metas)
-    jumped = [m["jump_forward_tokens"] for m in metas if "jump_forward_tokens" in m]
+    jumped = sum(m.get("jump_forward_tokens", 0) for m in metas)  # none without a grammar
     return Metrics(ttft_s=first, tokens_per_s=_ratio(output, latency),
                    cache_hit_share=_ratio(sum(m.get("cached_tokens", 0) for m in metas), prompt),
-                   jump_forward_share=_ratio(sum(jumped), output) if jumped else None,
+                   jump_forward_share=_ratio(jumped, output),
                    forward_passes=sum(m.get("forward_passes", 0) for m in metas),
                    **_runtime_fields(stats))
 

@@ -55,7 +55,7 @@ function node(tag, cls, text) {
 // Generated tokens: the lower the probability, the stronger the green.
 const genColor = (lp) => {
   const p = Math.exp(lp);
-  return `hsl(142, 70%, ${(58 + 34 * p).toFixed(1)}%)`;
+  return `hsl(142, 70%, ${(56 + 30 * p).toFixed(1)}%)`;
 };
 
 function tip(tok, origins) {
@@ -194,7 +194,7 @@ _CSS = r"""
 
 def generated_color(logprob: float) -> str:
     """The tint of a generated token of this logprob (the ESM's `genColor`)."""
-    return f"hsl(142, 70%, {58 + 34 * math.exp(logprob):.1f}%)"
+    return f"hsl(142, 70%, {56 + 30 * math.exp(logprob):.1f}%)"
 
 
 def token_title(token: Token) -> str:
