@@ -14,7 +14,7 @@ pytest.importorskip("anywidget")
 
 import lmnb  # noqa: E402
 from lmnb.lang.backends.local import LocalBackend  # noqa: E402
-from lmnb.lang.token_trace import start_trace  # noqa: E402
+from lmnb.lang.token_trace import TokenTrace, TraceLog, start_trace  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
 from lmnb.runtime.output.token_origins import count_origin  # noqa: E402
 from lmnb.widgets.metrics import metrics_text, program_metrics, runtime_stats  # noqa: E402
@@ -130,3 +130,26 @@ def test_lmprogram_tokens_cell(tiny_models) -> None:
         if "lmnb" in ip.extension_manager.loaded:
             ip.run_line_magic("unload_ext", "lmnb")
         InteractiveShell.clear_instance()
+
+
+def test_a_retokenized_boundary_keeps_the_earlier_tokens() -> None:
+    """A later prompt that re-tokenizes the end of the text before it: the earlier cells stay up
+    to the last boundary both tokenizations share; the prompt's ids from there are new."""
+    texts = {1: "ab", 2: "c", 3: "abc", 4: " d", 7: "ab", 8: "c d", 9: "x"}
+    log = TraceLog(texts.__getitem__)
+    trace = TokenTrace(log)
+
+    def gen(prompt: list[int], output: list[int], cached: int) -> None:
+        record = trace.request(prompt, prompt_chars=0)
+        record.update({"output_ids": output, "meta_info": {
+            "finish_reason": {"type": "length"}, "cached_tokens": cached,
+            "output_token_origins": [("generated", 0, len(output))],
+            "output_token_logprobs": [(-0.5, t) for t in output]}}, text_chars=0)
+
+    gen([9], [1, 2], cached=0)  # "x" + generated "ab" "c"
+    gen([9, 3, 4, 9], [], cached=3)  # the text as "abc", then " d" (cached) "x": cells stay
+    assert [(c[0], c[1]) for c in trace.cells()] == [(9, 1), (1, 2), (2, 2), (4, 0), (9, 1)]
+    trace = TokenTrace(log)
+    gen([9], [1, 2], cached=0)
+    gen([9, 7, 8], [], cached=0)  # "c" merged into "c d": "ab" stays generated
+    assert [(c[0], c[1]) for c in trace.cells()] == [(9, 1), (1, 2), (8, 1)]

@@ -5,12 +5,14 @@ gives each executor a `TokenTrace`; its backend (`LocalBackend`) asks the runtim
 origins and logprobs on every gen (`return_token_origins`) and feeds each streamed chunk into
 the gen's `GenRecord`. A fork's trace starts with its parent's records.
 
-An executor's tokens (`TokenTrace.cells()`) are its gens' requests laid end to end: each
-request's prompt ids replace the tokens from the first id where they differ (a later prompt
-re-tokenizes the text before it; usually it only appends the new literal text), the prompt's
-new ids are `cached` or `computed` as the runtime served them, then come its output ids
-(`generated`, `jump_forward`, `speculated`) with their logprobs. Tokens of earlier gens keep
-their origin when a later prompt holds them again (served from the cache, but generated).
+An executor's tokens (`TokenTrace.cells()`) are its gens' requests laid end to end: a later
+request's prompt holds the text before it (usually as the same ids) and the new literal text;
+the tokens shown so far keep their origin (an earlier gen's output stays `generated` though the
+cache served it to this request), and only the prompt's ids after that text are new cells,
+`cached` or `computed` as the runtime served them. Where the prompt re-tokenized the end of the
+earlier text (a sampled word merged with the literal text after it), the cut is the last byte
+offset where both tokenizations have a boundary. Then come the request's output ids
+(`generated`, `jump_forward`, `speculated`) with their logprobs.
 """
 
 from __future__ import annotations
@@ -54,9 +56,12 @@ class TraceLog:
     """What the traces of one program run share: a lock, a change counter with a listener (a
     view's throttle), the clock of the run and the decoder of token texts."""
 
-    def __init__(self, token_text: Callable[[int], str]) -> None:
+    def __init__(self, token_text: Callable[[int], str],
+                 token_bytes: Callable[[int], int] | None = None) -> None:
         self.lock = threading.Lock()
         self.token_text = token_text
+        # UTF-8 bytes of text a token id stands for (aligns re-tokenized prompts)
+        self.token_bytes = token_bytes or (lambda token: len(token_text(token).encode()))
         self.version = 0
         self.started_at = time.perf_counter()
         self.first_token_at: float | None = None
@@ -206,22 +211,37 @@ class TokenTrace:
         records = self.records
         # Finished records never change again: their cells are kept.
         while self._done_count < len(records) and records[self._done_count].done:
-            _lay(self._done_cells, records[self._done_count])
+            _lay(self._done_cells, records[self._done_count], self.log.token_bytes)
             self._done_count += 1
         cells = list(self._done_cells)
         for record in records[self._done_count:]:
-            _lay(cells, record)
+            _lay(cells, record, self.log.token_bytes)
         return cells
 
 
-def _lay(cells: list[Cell], record: GenRecord) -> None:
-    """Appends `record`'s request to `cells`: its prompt from the first id that differs, then
-    its output."""
+def _lay(cells: list[Cell], record: GenRecord, token_bytes: Callable[[int], int]) -> None:
+    """Appends `record`'s request to `cells`: the prompt's ids after the text `cells` hold, then
+    its output. Where the prompt re-tokenized the end of that text (a generated word merged
+    with the literal text after it), the cells are kept up to the last byte offset where both
+    tokenizations have a boundary, and the prompt's ids from there on are new cells."""
     prompt = record.prompt_ids
     keep = _common_prefix(cells, prompt)
-    del cells[keep:]
+    old_ends: dict[int, int] = {}  # byte offset (from `keep`) -> cells ending there
+    at = 0
+    for count, cell in enumerate(cells[keep:], start=1):
+        at += token_bytes(cell[0])
+        old_ends[at] = count
+    end, old_count, new_count = at, 0, 0
+    at = 0
+    for count, token in enumerate(prompt[keep:], start=1):
+        at += token_bytes(token)
+        if at > end:
+            break
+        if at in old_ends:
+            old_count, new_count = old_ends[at], count
+    del cells[keep + old_count:]
     cached, computed = ORIGIN_INDEX[CACHED], ORIGIN_INDEX[COMPUTED]
-    for position in range(keep, len(prompt)):
+    for position in range(keep + new_count, len(prompt)):
         origin = cached if position < record.cached_tokens else computed
         cells.append([prompt[position], origin, None, None])
     cells.extend(record.cells())
@@ -261,4 +281,24 @@ def start_trace(backend: Any) -> TokenTrace:
     if not isinstance(backend, LocalBackend):
         raise ValueError(f"token_view needs a program run on an in-process runtime "
                          f"(LocalBackend); {type(backend).__name__} does not report tokens")
-    return TokenTrace(TraceLog(TokenTexts(backend.runtime.tokenizer)), runtime=backend.runtime)
+    tokenizer = backend.runtime.tokenizer
+    texts = TokenTexts(tokenizer)
+    return TokenTrace(TraceLog(texts, token_byte_counter(tokenizer, texts)),
+                      runtime=backend.runtime)
+
+
+def token_byte_counter(tokenizer: Any, text: Callable[[int], str]) -> Callable[[int], int]:
+    """Token id -> the UTF-8 bytes it adds to the text: from the tokenizer's byte table (exact
+    for pieces of a character), its text for special tokens and unknown schemes."""
+    from lmnb.runtime.fsm.token_bytes import token_byte_table
+
+    try:
+        table = token_byte_table(tokenizer)
+    except ValueError:  # neither byte-level BPE nor SentencePiece with byte fallback
+        table = []
+
+    def count(token: int) -> int:
+        data = table[token] if 0 <= token < len(table) else None
+        return len(data) if data is not None else len(text(token).encode())
+
+    return count

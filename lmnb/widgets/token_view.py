@@ -279,6 +279,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
         self._closed = False
         self._version = -1
         self._next_at = 0.0  # monotonic time before which a live flush is skipped
+        self._memo: dict[int, dict[int, tuple[list[Any], Token]]] = {}  # per row: id(cell) ->
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent building and setting the rows (benchmarks)
         self._throttle = Throttle(self._flush, hz=hz)
@@ -308,7 +309,15 @@ class TokenView(SavedText, anywidget.AnyWidget):
             inherited = trace.inherited_ids
             while start < min(len(inherited), len(cells)) and cells[start][0] == inherited[start]:
                 start += 1
-            tokens = [self._token(cell) for cell in cells[start:]]
+            # finished gens' cells are the same objects from one update to the next
+            memo, kept = self._memo.get(executor.id, {}), {}
+            tokens = []
+            for cell in cells[start:]:
+                hit = memo.get(id(cell))
+                token = hit[1] if hit is not None and hit[0] is cell else self._token(cell)
+                kept[id(cell)] = (cell, token)
+                tokens.append(token)
+            self._memo[executor.id] = kept
             for token in tokens:
                 counts[ORIGINS[token[1]]] += 1
             text = executor.text_
