@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
+from lmnb.widgets.token_view import MAX_FLUSH_SHARE  # noqa: E402
 
 TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
             intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -95,7 +96,8 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     tokenizer_dir = loader.resolve_model_dir(args.tokenizer)
-    context = args.gens * (args.tokens_per_gen + 16) + 64
+    # random tokens re-tokenize into more ids: room for the prompts to grow past the outputs
+    context = 2 * args.gens * (args.tokens_per_gen + 16) + 256
     with tempfile.TemporaryDirectory(prefix="lmnb-token-view-") as scratch:
         folder = Path(scratch) / "tiny"
         folder.mkdir()
@@ -139,7 +141,7 @@ def main() -> None:
     path = write_json(args.out, {
         "benchmark": "token_view", "environment": environment("cpu"), "args": vars(args),
         "model": TINY, "runs": runs, "median_seconds": median, "best_seconds": best,
-        "view_update_share": flush_share,
+        "view_update_share": flush_share, "view_update_budget": MAX_FLUSH_SHARE,
         "view_overhead": view_overhead, "feature_overhead": feature_overhead,
         "budget": BUDGET, "view_flushes": flushes, "view_flush_seconds": flush_seconds})
     print(f"wrote {path}")

@@ -53,7 +53,7 @@ def _common_prefix(a: Sequence[Any], b: Sequence[int]) -> int:
 
 
 class TraceLog:
-    """What the traces of one program run share: a lock, a change counter with a listener (a
+    """What the traces of one program run share: a lock, a change counter with listeners (a
     view's throttle), the clock of the run and the decoder of token texts."""
 
     def __init__(self, token_text: Callable[[int], str],
@@ -66,7 +66,7 @@ class TraceLog:
         self.started_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self.listener: Callable[[], None] | None = None
+        self.listeners: list[Callable[[], None]] = []  # views of the run (told of changes)
 
     def changed(self, *, tokens: bool = False) -> None:
         """Called under no lock after a record changed."""
@@ -76,8 +76,7 @@ class TraceLog:
                 self.first_token_at = now
             self.last_token_at = now
         self.version += 1
-        listener = self.listener
-        if listener is not None:
+        for listener in list(self.listeners):
             listener()
 
 
@@ -97,6 +96,10 @@ class GenRecord:
     text_chars: int = 0  # length of the gen's text so far
     meta: dict[str, Any] | None = None  # the final meta_info
     done: bool = False
+    # The output as cells, kept up to date: a cell's list is the same object from one read to
+    # the next until its position is streamed again (views memoize by identity).
+    _cells: list[Cell] = field(default_factory=list)
+    _prompt_cells: tuple[tuple[int, int], list[Cell]] | None = None  # ((start, cached), cells)
 
     def update(self, chunk: dict[str, Any], text_chars: int) -> None:
         """One streamed chunk of the request (`return_token_origins` meta_info); `text_chars`:
@@ -118,7 +121,18 @@ class GenRecord:
             self.text_chars = text_chars
             if meta.get("finish_reason") is not None:
                 self._finish(meta)
+                at = 0  # logprobs and spans are the final ones now
+            self._relay(at)
         self.log.changed(tokens=bool(new_ids))
+
+    def _relay(self, at: int) -> None:
+        """Rebuilds the cells from output position `at` on (the positions before keep their
+        origin: a jump only changes the tail it re-tokenized)."""
+        del self._cells[at:]
+        index = {origin: ORIGIN_INDEX[origin] for origin in ORIGIN_INDEX}
+        for i in range(at, len(self.output_ids)):
+            self._cells.append([self.output_ids[i], index[self.origin_at(i)], self.logprobs[i],
+                                self.tops[i]])
 
     def _finish(self, meta: dict[str, Any]) -> None:
         self.meta = meta
@@ -145,26 +159,25 @@ class GenRecord:
         self.log.changed()
 
     def origin_at(self, position: int) -> str:
-        for origin, start, end in self.output_origins:
+        for origin, start, end in reversed(self.output_origins):  # live: the last span
             if start <= position < end:
                 return origin
         return GENERATED  # streamed ahead of its spans
 
     def cells(self) -> list[Cell]:
-        """The output as cells (under `log.lock`)."""
-        out: list[Cell] = []
-        spans = self.output_origins
-        n = len(self.output_ids)
-        covered = 0
-        for origin, start, end in spans:
-            index = ORIGIN_INDEX[origin]
-            for i in range(start, min(end, n)):
-                out.append([self.output_ids[i], index, self.logprobs[i], self.tops[i]])
-            covered = max(covered, min(end, n))
-        for i in range(covered, n):  # ahead of the spans
-            out.append([self.output_ids[i], ORIGIN_INDEX[GENERATED], self.logprobs[i],
-                        self.tops[i]])
-        return out
+        """The output as cells (under `log.lock`; not to be changed)."""
+        return self._cells
+
+    def prompt_cells(self, start: int) -> list[Cell]:
+        """The prompt's cells from position `start` on, `cached` or `computed` (kept while
+        `start` and the cached count stay; under `log.lock`; not to be changed)."""
+        key = (start, self.cached_tokens)
+        if self._prompt_cells is None or self._prompt_cells[0] != key:
+            cached, computed = ORIGIN_INDEX[CACHED], ORIGIN_INDEX[COMPUTED]
+            self._prompt_cells = (key, [
+                [self.prompt_ids[p], cached if p < self.cached_tokens else computed, None, None]
+                for p in range(start, len(self.prompt_ids))])
+        return self._prompt_cells[1]
 
 
 class TokenTrace:
@@ -190,11 +203,17 @@ class TokenTrace:
     def fork(self) -> TokenTrace:
         """The trace of a branch forked now."""
         with self.log.lock:
-            ids = [cell[0] for cell in self._cells()]
+            ids = [cell[0] for cell in self._cells()[0]]
             return TokenTrace(self.log, list(self.records), ids, runtime=self.runtime)
 
     def cells(self) -> list[Cell]:
         """The executor's tokens so far: [id, origin index, logprob, top-k] each."""
+        with self.log.lock:
+            return self._cells()[0]
+
+    def cells_split(self) -> tuple[list[Cell], int]:
+        """(cells, stable): the first `stable` cells are those of finished gens, which no later
+        chunk changes (until the next gen's prompt re-tokenizes their end)."""
         with self.log.lock:
             return self._cells()
 
@@ -207,19 +226,20 @@ class TokenTrace:
             last = self.records[-1]
             return last.prompt_chars + last.text_chars
 
-    def _cells(self) -> list[Cell]:
+    def _cells(self) -> tuple[list[Cell], int]:
         records = self.records
         # Finished records never change again: their cells are kept.
         while self._done_count < len(records) and records[self._done_count].done:
             _lay(self._done_cells, records[self._done_count], self.log.token_bytes)
             self._done_count += 1
         cells = list(self._done_cells)
+        stable = len(cells)
         for record in records[self._done_count:]:
-            _lay(cells, record, self.log.token_bytes)
-        return cells
+            stable = min(stable, _lay(cells, record, self.log.token_bytes))
+        return cells, stable
 
 
-def _lay(cells: list[Cell], record: GenRecord, token_bytes: Callable[[int], int]) -> None:
+def _lay(cells: list[Cell], record: GenRecord, token_bytes: Callable[[int], int]) -> int:
     """Appends `record`'s request to `cells`: the prompt's ids after the text `cells` hold, then
     its output. Where the prompt re-tokenized the end of that text (a generated word merged
     with the literal text after it), the cells are kept up to the last byte offset where both
@@ -240,11 +260,9 @@ def _lay(cells: list[Cell], record: GenRecord, token_bytes: Callable[[int], int]
         if at in old_ends:
             old_count, new_count = old_ends[at], count
     del cells[keep + old_count:]
-    cached, computed = ORIGIN_INDEX[CACHED], ORIGIN_INDEX[COMPUTED]
-    for position in range(keep + new_count, len(prompt)):
-        origin = cached if position < record.cached_tokens else computed
-        cells.append([prompt[position], origin, None, None])
+    cells.extend(record.prompt_cells(keep + new_count))
     cells.extend(record.cells())
+    return keep + old_count  # the cells before this index were there already
 
 
 def trace_totals(traces: Sequence[TokenTrace]) -> dict[str, Any]:

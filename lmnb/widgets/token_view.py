@@ -42,7 +42,7 @@ COLORS = {"computed": "#e5e7eb", "cached": "#bfdbfe", "generated": "#bbf7d0",
           "jump_forward": "#fde68a", "speculated": "#ddd6fe"}
 LABELS = {"computed": "prompt, computed", "cached": "prompt, from cache",
           "generated": "generated", "jump_forward": "jump-forward", "speculated": "speculated"}
-MAX_FLUSH_SHARE = 0.03  # a live view spends at most ~3% of the wall clock updating itself
+MAX_FLUSH_SHARE = 0.02  # a live view spends at most ~2% of the wall clock updating itself
 
 _ESM = r"""
 function node(tag, cls, text) {
@@ -83,12 +83,12 @@ function tokenSpan(tok, origins) {
 
 const same = (a, b) => a && b && a[0] === b[0] && a[1] === b[1] && a[2] === b[2];
 
-function fillRow(view, row, origins) {
+function fillRow(view, row, live, origins) {
   view.p.dataset.id = String(row.id);
   view.p.dataset.status = row.status;
   view.label.textContent = row.label;
   view.status.textContent = row.status;
-  const tokens = row.tokens || [];
+  const tokens = (row.tokens || []).concat(live[String(row.id)] || []);
   const old = view.tokens;
   let i = 0;  // redraw from the first token that changed (live updates append)
   while (i < tokens.length && i < old.length && same(tokens[i], old[i])) i++;
@@ -142,22 +142,29 @@ function render({ model, el }) {
       legend.append(item);
     }
     const seen = new Set();
+    const live = model.get("live") || {};
     for (const row of model.get("rows") || []) {
       seen.add(row.id);
       let view = views.get(row.id);
       if (!view) { view = rowView(); views.set(row.id, view); }
       rows.append(view.p);
-      fillRow(view, row, origins);
+      fillRow(view, row, live, origins);
     }
     for (const [id, view] of views) {
       if (!seen.has(id)) { view.p.remove(); views.delete(id); }
     }
   };
-  const names = ["change:rows", "change:metrics_html", "change:done", "change:title",
-                 "change:counts"];
-  for (const name of names) model.on(name, draw);
+  const names = ["change:rows", "change:live", "change:metrics_html", "change:done",
+                 "change:title", "change:counts"];
+  let pending = false;  // one redraw per frame, however many traits an update changed
+  const schedule = () => {
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => { pending = false; draw(); });
+  };
+  for (const name of names) model.on(name, schedule);
   draw();
-  return () => { for (const name of names) model.off(name, draw); };
+  return () => { for (const name of names) model.off(name, schedule); };
 }
 
 export default { render };
@@ -209,12 +216,12 @@ def token_title(token: Token) -> str:
     return "\n".join(lines)
 
 
-def rows_html(rows: list[dict[str, Any]]) -> str:
+def rows_html(rows: list[dict[str, Any]], live: dict[str, list[Token]]) -> str:
     """The rows as static HTML: a span per token with its tint and its hover text."""
     parts = []
     for row in rows:
         spans = []
-        for token in row["tokens"]:
+        for token in row["tokens"] + live.get(str(row["id"]), []):
             origin = ORIGINS[token[1]]
             color = (generated_color(token[2]) if origin == "generated" and token[2] is not None
                      else COLORS[origin])
@@ -246,17 +253,20 @@ class TokenView(SavedText, anywidget.AnyWidget):
     """Every token of a traced program run (`Program.run(..., token_view=True)`,
     `%%lmprogram --tokens`, `state.token_view()`), coloured by origin, with a metrics bar.
 
-    `rows`: one per executor with a trace, in creation order: {id, label, status, tokens, tail};
-    a token is [text, origin index into `origins`, logprob or None, top-k [[text, logprob]]];
-    `tail` is the executor's text after its last traced gen. `counts`: tokens shown per origin.
+    `rows`: one per executor with a trace, in creation order: {id, label, status, tokens, tail}
+    with the tokens of its finished gens (resent only when those change), `live`: per row id the
+    tokens of its running gen (`tokens(row)`: both). A token is [text, origin index into
+    `origins`, logprob or None, top-k [[text, logprob]]]; `tail` is the executor's text after its
+    last traced gen. `counts`: tokens shown per origin.
     Updates at most `hz` times a second, and less often when the rows grow large (the update
-    itself is kept under ~3% of the wall clock).
+    itself is kept under ~2% of the wall clock).
     """
 
     _esm = _ESM
     _css = _CSS
     title = traitlets.Unicode("").tag(sync=True)
     rows = traitlets.List(traitlets.Dict()).tag(sync=True)
+    live = traitlets.Dict().tag(sync=True)
     counts = traitlets.Dict().tag(sync=True)
     metrics = traitlets.Dict().tag(sync=True)
     metrics_html = traitlets.Unicode("").tag(sync=True)
@@ -280,10 +290,11 @@ class TokenView(SavedText, anywidget.AnyWidget):
         self._version = -1
         self._next_at = 0.0  # monotonic time before which a live flush is skipped
         self._memo: dict[int, dict[int, tuple[list[Any], Token]]] = {}  # per row: id(cell) ->
+        self._stable_keys: dict[int, tuple[int, int, int]] = {}  # per row: its finished part
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent building and setting the rows (benchmarks)
         self._throttle = Throttle(self._flush, hz=hz)
-        self._log.listener = self._throttle.request
+        self._log.listeners.append(self._throttle.request)
         self.refresh()
         self._throttle.request()
 
@@ -300,35 +311,62 @@ class TokenView(SavedText, anywidget.AnyWidget):
         return [text(token_id), origin, None if logprob is None else round(logprob, 3),
                 alternatives]
 
-    def _rows(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        rows = []
-        counts = dict.fromkeys(ORIGINS, 0)
+    def _convert(self, row_id: int, cells: list[list[Any]]) -> list[Token]:
+        """The cells as tokens; a cell met in the last update (the same object) is not
+        converted again."""
+        memo, kept = self._memo.get(row_id, {}), {}
+        tokens = []
+        for cell in cells:
+            hit = memo.get(id(cell))
+            token = hit[1] if hit is not None and hit[0] is cell else self._token(cell)
+            kept[id(cell)] = (cell, token)
+            tokens.append(token)
+        self._memo[row_id] = kept
+        return tokens
+
+    def _read(self) -> tuple[list[dict[str, Any]], dict[str, list[Token]], bool]:
+        """(rows, live, rows changed): each row's tokens of finished gens (resent only when they
+        change) and, in `live`, those of its running gen."""
+        rows, live = [], {}
+        changed = False
+        previous = {row["id"]: row for row in self.rows}
         for index, (executor, trace) in enumerate(self._traces()):
-            cells = trace.cells()
+            cells, stable = trace.cells_split()
             start = 0
             inherited = trace.inherited_ids
             while start < min(len(inherited), len(cells)) and cells[start][0] == inherited[start]:
                 start += 1
-            # finished gens' cells are the same objects from one update to the next
-            memo, kept = self._memo.get(executor.id, {}), {}
-            tokens = []
-            for cell in cells[start:]:
-                hit = memo.get(id(cell))
-                token = hit[1] if hit is not None and hit[0] is cell else self._token(cell)
-                kept[id(cell)] = (cell, token)
-                tokens.append(token)
-            self._memo[executor.id] = kept
-            for token in tokens:
-                counts[ORIGINS[token[1]]] += 1
+            stable = max(stable, start)
+            key = (start, stable, id(cells[stable - 1]) if stable else 0)
             text = executor.text_
             covered = trace.covered_chars()
             tail = text[covered:] if trace.records and covered < len(text) else ""
             if not trace.records:
                 tail = text[executor.fork_point:]
-            rows.append({"id": executor.id, "label": "root" if index == 0 else f"fork {index}",
-                         "status": _status(executor), "tokens": tokens, "tail": tail,
-                         "start": start})
-        return rows, counts
+            row = {"id": executor.id, "label": "root" if index == 0 else f"fork {index}",
+                   "status": _status(executor), "tail": tail}
+            old = previous.get(executor.id)
+            if old is not None and self._stable_keys.get(executor.id) == key:
+                row["tokens"] = old["tokens"]
+            else:
+                row["tokens"] = self._convert(executor.id, cells[start:stable])
+                self._stable_keys[executor.id] = key
+            changed = changed or old is None or any(old[k] is not row[k] and old[k] != row[k]
+                                                    for k in row)
+            live[str(executor.id)] = self._convert(-1 - executor.id, cells[stable:])
+            rows.append(row)
+        return rows, live, changed or len(rows) != len(self.rows)
+
+    def tokens(self, row: dict[str, Any]) -> list[Token]:
+        """All the tokens a row shows: those of finished gens, then the running gen's."""
+        return row["tokens"] + self.live.get(str(row["id"]), [])
+
+    def _counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(ORIGINS, 0)
+        for row in self.rows:
+            for token in self.tokens(row):
+                counts[ORIGINS[token[1]]] += 1
+        return counts
 
     # ---- updates ---------------------------------------------------------------------------
     def _flush(self) -> bool:
@@ -347,12 +385,14 @@ class TokenView(SavedText, anywidget.AnyWidget):
             traces = self._traces()
             done = all(_status(executor) != "running" for executor, _ in traces)
             if version != self._version or done != self.done:
-                rows, counts = self._rows()
+                rows, live, rows_changed = self._read()
                 stats = runtime_stats(self._state) if done else None
                 metrics = traced_metrics([t for _, t in traces], stats)
                 with self.hold_sync():
-                    self.rows = rows
-                    self.counts = counts
+                    if rows_changed:
+                        self.rows = rows
+                    self.live = live
+                    self.counts = self._counts()
                     self.metrics = metrics.as_dict()
                     self.metrics_html = metrics_html(metrics)
                     self.done = done
@@ -372,7 +412,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
         title = f"<b>{html.escape(self.title)}</b>" if self.title else ""
         return (f'<div class="lmnb-tokenview-static">{title}{self.metrics_html}'
                 f'<div style="font-size:12px;margin:2px 0 6px">{legend}</div>'
-                f"{rows_html(self.rows)}</div>")
+                f"{rows_html(self.rows, self.live)}</div>")
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         bundle = super()._repr_mimebundle_(**kwargs)
@@ -384,8 +424,8 @@ class TokenView(SavedText, anywidget.AnyWidget):
         self._closed = True
         if self._throttle is not None:
             self._throttle.stop()
-            if self._log.listener == self._throttle.request:
-                self._log.listener = None
+            if self._throttle.request in self._log.listeners:
+                self._log.listeners.remove(self._throttle.request)
         super().close()
 
     def __repr__(self) -> str:
@@ -395,7 +435,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
         if self.metrics:
             lines.append("  " + metrics_text(Metrics(**self.metrics)))
         for row in self.rows:
-            text = "".join(token[0] for token in row["tokens"]) + row["tail"]
+            text = "".join(token[0] for token in self.tokens(row)) + row["tail"]
             if len(text) > 300:
                 text = "…" + text[-299:]
             lines.append(f"  {row['label']} ({row['status']}): {text!r}")
