@@ -66,7 +66,7 @@ def run_once(program: Any, backend: Any, mode: str) -> dict[str, Any]:
     if mode == "view":
         view = TokenView(state, hz=10.0)
         # the widget's comm would serialize every update of its rows
-        view.observe(lambda change: json.dumps(change["new"]), names=["rows"])
+        view.observe(lambda change: json.dumps(change["new"]), names=["rows", "live"])
     state.sync()
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {"seconds": seconds, "tokens": sum(

@@ -4,6 +4,7 @@ the static HTML, the metrics bar, `%%lmprogram --tokens`, and the refusals."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -67,11 +68,13 @@ def test_token_view_counts_match_meta_info(backend: LocalBackend) -> None:
     assert view.counts["generated"] == generated == sum(
         m["completion_tokens"] for m in metas) - jumped
     root, *forks = view.rows
-    assert root["tail"] == "\nDone." and all(len(f["tokens"]) == 6 for f in forks)
-    assert "".join(t[0] for t in root["tokens"]) + root["tail"] == state.text()
+    assert root["tail"] == "\nDone." and all(len(view.tokens(f)) == 6 for f in forks)
+    assert "".join(t[0] for t in view.tokens(root)) + root["tail"] == state.text()
+    assert json.loads(root["tokens"]) == view.tokens(root)  # what the frontend gets
     for fork, executor in zip(forks, state.run.executors[1:], strict=True):
-        assert "".join(t[0] for t in fork["tokens"]) == executor.variables["why"]
-        assert all(t[2] is not None and len(t[3]) == 5 for t in fork["tokens"])  # logprob, top 5
+        tokens = view.tokens(fork)
+        assert "".join(t[0] for t in tokens) == executor.variables["why"]
+        assert all(t[2] is not None and len(t[3]) == 5 for t in tokens)  # logprob, top 5
     # the saved notebook's HTML shows the same tokens, with their hover texts
     page = view._repr_mimebundle_()[0]["text/html"]
     for origin, count in view.counts.items():
@@ -153,3 +156,20 @@ def test_a_retokenized_boundary_keeps_the_earlier_tokens() -> None:
     gen([9], [1, 2], cached=0)
     gen([9, 7, 8], [], cached=0)  # "c" merged into "c d": "ab" stays generated
     assert [(c[0], c[1]) for c in trace.cells()] == [(9, 1), (1, 2), (8, 1)]
+
+
+def test_metrics_bar_of_a_runtime(backend: LocalBackend) -> None:
+    from lmnb.widgets.metrics_bar import MetricsBar
+
+    runtime = backend.runtime
+    runtime.generate("Count: ", {"regex": "[0-9]{2}, [0-9]{2}", "max_new_tokens": 8})
+    stats = runtime.stats()
+    bar = MetricsBar(runtime, interval_s=None)
+    assert bar.metrics["forward_passes"] == stats["forward_passes"] > 0
+    assert bar.metrics["ttft_s"] == pytest.approx(stats["mean_first_token_latency"])
+    assert bar.metrics["jump_forward_share"] == pytest.approx(
+        stats["jump_forward_tokens"] / (stats["generated_tokens"] + stats["jump_forward_tokens"]))
+    assert bar.metrics["kv_total_tokens"] == 2048 and bar.metrics["gpu_allocated_gb"] is None
+    assert 'data-metric="kv_pool"' in bar._repr_mimebundle_()[0]["text/html"]
+    assert repr(bar).startswith("MetricsBar (live): metrics: time to first token")
+    bar.close()

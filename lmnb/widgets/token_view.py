@@ -11,6 +11,7 @@ the final state where no widget can render (nbconvert, GitHub).
 from __future__ import annotations
 
 import html
+import json
 import math
 import threading
 import time
@@ -88,7 +89,12 @@ function fillRow(view, row, live, origins) {
   view.p.dataset.status = row.status;
   view.label.textContent = row.label;
   view.status.textContent = row.status;
-  const tokens = (row.tokens || []).concat(live[String(row.id)] || []);
+  // tokens travel as JSON text (one string per row: the widget comm need not walk them)
+  if (row.tokens !== view.stableText) {
+    view.stableText = row.tokens;
+    view.stable = JSON.parse(row.tokens || "[]");
+  }
+  const tokens = view.stable.concat(JSON.parse(live[String(row.id)] || "[]"));
   const old = view.tokens;
   let i = 0;  // redraw from the first token that changed (live updates append)
   while (i < tokens.length && i < old.length && same(tokens[i], old[i])) i++;
@@ -110,7 +116,7 @@ function rowView() {
   const tail = node("span", "lmnb-tv-tail");
   text.append(box, tail);
   p.append(head, text);
-  return { p, label, status, box, tail, tokens: [] };
+  return { p, label, status, box, tail, tokens: [], stable: [], stableText: null };
 }
 
 function render({ model, el }) {
@@ -216,12 +222,13 @@ def token_title(token: Token) -> str:
     return "\n".join(lines)
 
 
-def rows_html(rows: list[dict[str, Any]], live: dict[str, list[Token]]) -> str:
-    """The rows as static HTML: a span per token with its tint and its hover text."""
+def rows_html(rows: list[tuple[dict[str, Any], list[Token]]]) -> str:
+    """The rows (each with its tokens) as static HTML: a span per token with its tint and its
+    hover text."""
     parts = []
-    for row in rows:
+    for row, tokens in rows:
         spans = []
-        for token in row["tokens"] + live.get(str(row["id"]), []):
+        for token in tokens:
             origin = ORIGINS[token[1]]
             color = (generated_color(token[2]) if origin == "generated" and token[2] is not None
                      else COLORS[origin])
@@ -254,8 +261,9 @@ class TokenView(SavedText, anywidget.AnyWidget):
     `%%lmprogram --tokens`, `state.token_view()`), coloured by origin, with a metrics bar.
 
     `rows`: one per executor with a trace, in creation order: {id, label, status, tokens, tail}
-    with the tokens of its finished gens (resent only when those change), `live`: per row id the
-    tokens of its running gen (`tokens(row)`: both). A token is [text, origin index into
+    with the tokens of its finished gens as JSON text (resent only when those change; text, so
+    that the comm does not walk thousands of lists), `live`: per row id the tokens of its
+    running gen, as JSON text (`tokens(row)`: both, as lists). A token is [text, origin index into
     `origins`, logprob or None, top-k [[text, logprob]]]; `tail` is the executor's text after its
     last traced gen. `counts`: tokens shown per origin.
     Updates at most `hz` times a second, and less often when the rows grow large (the update
@@ -266,7 +274,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
     _css = _CSS
     title = traitlets.Unicode("").tag(sync=True)
     rows = traitlets.List(traitlets.Dict()).tag(sync=True)
-    live = traitlets.Dict().tag(sync=True)
+    live = traitlets.Dict(traitlets.Unicode()).tag(sync=True)
     counts = traitlets.Dict().tag(sync=True)
     metrics = traitlets.Dict().tag(sync=True)
     metrics_html = traitlets.Unicode("").tag(sync=True)
@@ -291,6 +299,8 @@ class TokenView(SavedText, anywidget.AnyWidget):
         self._next_at = 0.0  # monotonic time before which a live flush is skipped
         self._memo: dict[int, dict[int, tuple[list[Any], Token]]] = {}  # per row: id(cell) ->
         self._stable_keys: dict[int, tuple[int, int, int]] = {}  # per row: its finished part
+        self._stable_tokens: dict[int, list[Token]] = {}  # per row, as `rows` has them in JSON
+        self._live_tokens: dict[int, list[Token]] = {}
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent building and setting the rows (benchmarks)
         self._throttle = Throttle(self._flush, hz=hz)
@@ -349,17 +359,20 @@ class TokenView(SavedText, anywidget.AnyWidget):
             if old is not None and self._stable_keys.get(executor.id) == key:
                 row["tokens"] = old["tokens"]
             else:
-                row["tokens"] = self._convert(executor.id, cells[start:stable])
+                self._stable_tokens[executor.id] = tokens = self._convert(
+                    executor.id, cells[start:stable])
+                row["tokens"] = json.dumps(tokens)
                 self._stable_keys[executor.id] = key
-            changed = changed or old is None or any(old[k] is not row[k] and old[k] != row[k]
-                                                    for k in row)
-            live[str(executor.id)] = self._convert(-1 - executor.id, cells[stable:])
+            changed = changed or old is None or any(old[k] != row[k] for k in row)
+            self._live_tokens[executor.id] = tokens = self._convert(-1 - executor.id,
+                                                                    cells[stable:])
+            live[str(executor.id)] = json.dumps(tokens)
             rows.append(row)
         return rows, live, changed or len(rows) != len(self.rows)
 
     def tokens(self, row: dict[str, Any]) -> list[Token]:
         """All the tokens a row shows: those of finished gens, then the running gen's."""
-        return row["tokens"] + self.live.get(str(row["id"]), [])
+        return self._stable_tokens.get(row["id"], []) + self._live_tokens.get(row["id"], [])
 
     def _counts(self) -> dict[str, int]:
         counts = dict.fromkeys(ORIGINS, 0)
@@ -412,7 +425,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
         title = f"<b>{html.escape(self.title)}</b>" if self.title else ""
         return (f'<div class="lmnb-tokenview-static">{title}{self.metrics_html}'
                 f'<div style="font-size:12px;margin:2px 0 6px">{legend}</div>'
-                f"{rows_html(self.rows, self.live)}</div>")
+                f"{rows_html([(row, self.tokens(row)) for row in self.rows])}</div>")
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         bundle = super()._repr_mimebundle_(**kwargs)
