@@ -71,10 +71,10 @@ def run_once(program: Any, backend: Any, mode: str) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {"seconds": seconds, "tokens": sum(
         meta["completion_tokens"] for meta in state.executor.meta_info.values())}
-    if view is not None:
+    if view is not None:  # its updates while the program ran; then its final state
+        out.update(flushes=view.flushes, flush_seconds=view.flush_seconds)
         view.refresh()
-        out.update(flushes=view.flushes, flush_seconds=view.flush_seconds,
-                   shown_generated=view.counts["generated"])
+        out["shown_generated"] = view.counts["generated"]
         view.close()
     return out
 

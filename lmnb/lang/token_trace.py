@@ -191,6 +191,8 @@ class TokenTrace:
         self.inherited_ids: list[int] = inherited or []  # the parent's token ids at the fork
         self._done_cells: list[Cell] = []  # cells of the first `_done_count` records
         self._done_count = 0
+        # where the running gen's prompt joins `_done_cells`: ((record, done count), alignment)
+        self._running: tuple[tuple[int, int], tuple[int, int]] | None = None
 
     def request(self, prompt_ids: Sequence[int], prompt_chars: int) -> GenRecord:
         """A gen's request is about to be sent with these prompt ids."""
@@ -230,21 +232,41 @@ class TokenTrace:
         records = self.records
         # Finished records never change again: their cells are kept.
         while self._done_count < len(records) and records[self._done_count].done:
-            _lay(self._done_cells, records[self._done_count], self.log.token_bytes)
+            record = records[self._done_count]
+            _lay(self._done_cells, record,
+                 _align(self._done_cells, record.prompt_ids, self.log.token_bytes))
             self._done_count += 1
         cells = list(self._done_cells)
         stable = len(cells)
-        for record in records[self._done_count:]:
-            stable = min(stable, _lay(cells, record, self.log.token_bytes))
+        for i, record in enumerate(records[self._done_count:]):
+            if i == 0:  # laid on the finished cells: its alignment holds until one more ends
+                key = (id(record), self._done_count)
+                if self._running is None or self._running[0] != key:
+                    self._running = (key, _align(cells, record.prompt_ids,
+                                                 self.log.token_bytes))
+                alignment = self._running[1]
+            else:
+                alignment = _align(cells, record.prompt_ids, self.log.token_bytes)
+            stable = min(stable, _lay(cells, record, alignment))
         return cells, stable
 
 
-def _lay(cells: list[Cell], record: GenRecord, token_bytes: Callable[[int], int]) -> int:
-    """Appends `record`'s request to `cells`: the prompt's ids after the text `cells` hold, then
-    its output. Where the prompt re-tokenized the end of that text (a generated word merged
-    with the literal text after it), the cells are kept up to the last byte offset where both
-    tokenizations have a boundary, and the prompt's ids from there on are new cells."""
-    prompt = record.prompt_ids
+def _lay(cells: list[Cell], record: GenRecord, alignment: tuple[int, int]) -> int:
+    """Appends `record`'s request to `cells` (`alignment` from `_align`): the prompt's ids
+    after the text `cells` hold, then its output; returns the index before which the cells were
+    there already."""
+    cut, new_from = alignment
+    del cells[cut:]
+    cells.extend(record.prompt_cells(new_from))
+    cells.extend(record.cells())
+    return cut
+
+
+def _align(cells: list[Cell], prompt: list[int],
+           token_bytes: Callable[[int], int]) -> tuple[int, int]:
+    """(cut, new_from): keep `cells[:cut]`, add the prompt's ids from `new_from` on. Where the
+    prompt re-tokenized the end of the cells' text (a generated word merged with the literal
+    text after it), the cut is the last byte offset where both tokenizations have a boundary."""
     keep = _common_prefix(cells, prompt)
     old_ends: dict[int, int] = {}  # byte offset (from `keep`) -> cells ending there
     at = 0
@@ -259,10 +281,7 @@ def _lay(cells: list[Cell], record: GenRecord, token_bytes: Callable[[int], int]
             break
         if at in old_ends:
             old_count, new_count = old_ends[at], count
-    del cells[keep + old_count:]
-    cells.extend(record.prompt_cells(keep + new_count))
-    cells.extend(record.cells())
-    return keep + old_count  # the cells before this index were there already
+    return keep + old_count, keep + new_count
 
 
 def trace_totals(traces: Sequence[TokenTrace]) -> dict[str, Any]:

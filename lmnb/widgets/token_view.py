@@ -248,6 +248,14 @@ def rows_html(rows: list[tuple[dict[str, Any], list[Token]]]) -> str:
     return "".join(parts)
 
 
+def _count(tokens: list[Token]) -> list[int]:
+    """How many of `tokens` have each origin (by index)."""
+    counts = [0] * len(ORIGINS)
+    for token in tokens:
+        counts[token[1]] += 1
+    return counts
+
+
 def _status(executor: StreamExecutor) -> str:
     if isinstance(executor.error, ProgramAborted):
         return "aborted"
@@ -301,6 +309,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
         self._stable_keys: dict[int, tuple[int, int, int]] = {}  # per row: its finished part
         self._stable_tokens: dict[int, list[Token]] = {}  # per row, as `rows` has them in JSON
         self._live_tokens: dict[int, list[Token]] = {}
+        self._stable_counts: dict[int, list[int]] = {}  # per row: its finished tokens by origin
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent building and setting the rows (benchmarks)
         self._throttle = Throttle(self._flush, hz=hz)
@@ -361,6 +370,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
             else:
                 self._stable_tokens[executor.id] = tokens = self._convert(
                     executor.id, cells[start:stable])
+                self._stable_counts[executor.id] = _count(tokens)
                 row["tokens"] = json.dumps(tokens)
                 self._stable_keys[executor.id] = key
             changed = changed or old is None or any(old[k] != row[k] for k in row)
@@ -375,11 +385,14 @@ class TokenView(SavedText, anywidget.AnyWidget):
         return self._stable_tokens.get(row["id"], []) + self._live_tokens.get(row["id"], [])
 
     def _counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(ORIGINS, 0)
+        """Tokens shown per origin (the finished parts' counts are kept)."""
+        total = [0] * len(ORIGINS)
         for row in self.rows:
-            for token in self.tokens(row):
-                counts[ORIGINS[token[1]]] += 1
-        return counts
+            for counts in (self._stable_counts.get(row["id"]),
+                           _count(self._live_tokens.get(row["id"], []))):
+                for i, n in enumerate(counts or ()):
+                    total[i] += n
+        return dict(zip(ORIGINS, total, strict=True))
 
     # ---- updates ---------------------------------------------------------------------------
     def _flush(self) -> bool:
