@@ -52,6 +52,12 @@ export LMNB_TOKENIZER_DIR=$TOKENIZER
 mkdir -p "$RESULTS"
 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# lmnb's own pure dependencies the GPU image lacks (greenlet): wheels for its Python in .gpu/deps
+if compgen -G ".gpu/deps/*.whl" >/dev/null && ! $PY -c "import greenlet" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/deps .gpu/deps/*.whl \
+    || echo "gpu_suite: could not install the wheels in .gpu/deps"
+  export PYTHONPATH=$PYTHONPATH:/tmp/deps
+fi
 if compgen -G ".gpu/whl/flashinfer_python-*.whl" >/dev/null; then
   if ! PYTHONPATH=/tmp/site:$PYTHONPATH $PY -c "import flashinfer" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl \

@@ -74,6 +74,36 @@ def device_events(prof: Any) -> list[KernelEvent]:
             for e in device]
 
 
+def idle_gaps(events: Sequence[KernelEvent], top: int = 12) -> dict[str, Any]:
+    """Stretches with no kernel running: the `top` longest (where they start, ms after the first
+    kernel, and the kernels on either side), their total by length bucket, and the kernel pairs
+    (the one before -> the one after) whose gaps add up to the most idle time."""
+    ordered = sorted(events, key=lambda e: e.start_us)
+    gaps: list[dict[str, Any]] = []
+    end, before = float("-inf"), None
+    origin = ordered[0].start_us if ordered else 0.0
+    for event in ordered:
+        if before is not None and event.start_us > end:
+            gaps.append({"at_ms": (end - origin) / 1e3, "ms": (event.start_us - end) / 1e3,
+                         "after": before.name[:60], "before": event.name[:60]})
+        if event.end_us > end:
+            end, before = event.end_us, event
+    buckets = {"<0.01 ms": 0.0, "0.01-0.1 ms": 0.0, "0.1-1 ms": 0.0, ">=1 ms": 0.0}
+    counts = dict.fromkeys(buckets, 0)
+    pairs: dict[str, float] = {}
+    for gap in gaps:
+        ms = gap["ms"]
+        bucket = ("<0.01 ms" if ms < 0.01 else "0.01-0.1 ms" if ms < 0.1
+                  else "0.1-1 ms" if ms < 1 else ">=1 ms")
+        buckets[bucket] += ms
+        counts[bucket] += 1
+        pair = f"{gap['after'][:40]} -> {gap['before'][:40]}"
+        pairs[pair] = pairs.get(pair, 0.0) + ms
+    return {"longest": sorted(gaps, key=lambda g: -g["ms"])[:top],
+            "ms_by_length": buckets, "count_by_length": counts,
+            "top_pairs": sorted(pairs.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def summarize(events: Sequence[KernelEvent], *, wall_seconds: float, passes: int,
               top: int = 20) -> dict[str, Any]:
     """Per category: seconds, kernel count, ms per pass and share of kernel time; GPU busy time
@@ -102,6 +132,8 @@ def summarize(events: Sequence[KernelEvent], *, wall_seconds: float, passes: int
         "kernel_seconds": kernel_seconds,
         "busy_seconds": busy,
         "span_seconds": span,
+        # the first kernel's start, from the profiler's (just before the profiled call's)
+        "first_kernel_seconds": min(e.start_us for e in events) / 1e6 if events else 0.0,
         "busy_fraction_of_wall": busy / wall_seconds if wall_seconds else None,
         "wall_ms_per_pass": 1e3 * wall_seconds / per_pass,
         "busy_ms_per_pass": 1e3 * busy / per_pass,
@@ -109,6 +141,7 @@ def summarize(events: Sequence[KernelEvent], *, wall_seconds: float, passes: int
         "kernels_per_pass": len(events) / per_pass,
         "categories": by_category,
         "top_kernels": sorted(by_name.values(), key=lambda e: -e["seconds"])[:top],
+        "idle_gaps": idle_gaps(events),
     }
 
 

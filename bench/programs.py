@@ -50,7 +50,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,8 +167,8 @@ class RecordingRuntime:
 
 
 class RecordedStream:
-    """A runtime's `OutputStream` (`get(timeout)`, iteration, `close()`) that records each
-    request when its final chunk passes through."""
+    """A runtime's `OutputStream` (`get(timeout)`, iteration, `async for`, `close()`) that
+    records each request when its final chunk passes through."""
 
     def __init__(self, chunks: Any, sent: list[list[int]],
                  record: Callable[[list[int], list[int], dict[str, Any]], None]) -> None:
@@ -191,6 +191,19 @@ class RecordedStream:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
             for chunk in self.chunks:
+                yield self._see(chunk)
+        finally:
+            self.chunks.close()
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self._aiter()
+
+    async def aresults(self) -> list[dict[str, Any]]:
+        return self.chunks.merge([chunk async for chunk in self])
+
+    async def _aiter(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for chunk in self.chunks:
                 yield self._see(chunk)
         finally:
             self.chunks.close()

@@ -436,7 +436,7 @@ def measure_decode(engine: Engine, work: DecodeSteps, repeats: int,
     return result
 
 
-def lmnb_profiler(engine: LmnbEngine, top: int = 10) -> Profiler:
+def lmnb_profiler(engine: LmnbEngine, top: int = 30) -> Profiler:
     """Runs a call under torch.profiler: device kernel time by category (bench/kernel_profile)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -799,6 +799,20 @@ def print_profile(title: str, summary: dict[str, Any]) -> None:
           f"{1e3 * summary['wall_seconds']:.1f} ms, device busy {1e3 * summary['busy_seconds']:.1f}"
           f" ms (one extra profiled run, not timed)")
     print(format_table(CATEGORY_HEADERS, category_rows(summary)))
+    others = [k for k in summary["top_kernels"] if k["category"] == "other"]
+    if others:
+        print("  'other': " + "; ".join(f"{k['name'][:50]} {1e3 * k['seconds']:.1f} ms"
+                                        for k in others))
+    gaps = summary.get("idle_gaps")
+    if gaps:
+        print(f"  first kernel at {1e3 * summary.get('first_kernel_seconds', 0):.1f} ms, span of "
+              f"kernels {1e3 * summary['span_seconds']:.1f} ms; idle by gap length: "
+              + ", ".join(f"{k} {v:.1f} ms ({gaps['count_by_length'][k]})"
+                          for k, v in gaps["ms_by_length"].items()))
+        print("  longest: " + "; ".join(f"{g['ms']:.1f} ms at {g['at_ms']:.0f} "
+                                        f"({g['after'][:28]} -> {g['before'][:28]})"
+                                        for g in gaps["longest"][:8]))
+        print("  by pair: " + "; ".join(f"{pair} {ms:.1f} ms" for pair, ms in gaps["top_pairs"]))
     if not summary["kernel_seconds"]:
         print("  (no device events: on a CPU the profiler does not see the ops of lmnb's "
               "scheduler thread; CUDA kernels are recorded from every thread)")

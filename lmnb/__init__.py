@@ -30,14 +30,9 @@ from lmnb.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from lmnb.lang.default_backend import default_backend, set_default_backend
 from lmnb.lang.global_config import global_config
-from lmnb.lang.program import (
-    Program,
-    ProgramState,
-    default_backend,
-    function,
-    set_default_backend,
-)
+from lmnb.lang.program import Program, ProgramState, function
 
 __version__ = "0.1.0"
 
@@ -54,8 +49,8 @@ if TYPE_CHECKING:
     from lmnb.lang.backends.endpoint import RuntimeEndpoint
     from lmnb.lang.backends.local import LocalBackend
     from lmnb.lang.backends.openai import OpenAI
-    from lmnb.runtime.engine import Runtime
-    from lmnb.runtime.engine import Runtime as Engine
+    from lmnb.runtime.launch import Runtime
+    from lmnb.runtime.launch import Runtime as Engine
 
 
 def _backend_call(name: str, backend: Any) -> Any:
@@ -96,7 +91,7 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 def __getattr__(name: str) -> Any:
     if name in ("Runtime", "Engine"):  # Engine: SGLang's name for the in-process runtime
-        from lmnb.runtime.engine import Runtime
+        from lmnb.runtime.launch import Runtime
 
         return Runtime
     if name == "RuntimeEndpoint":

@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-total-tokens", type=int, default=None)
+    serve.add_argument("--speculative-algorithm", default=None, choices=["NGRAM"],
+                       help="speculative decoding: NGRAM drafts from the prompt and output")
+    serve.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+                       help="verify positions per step (the last token + N - 1 drafts)")
+    serve.add_argument("--quantization", default=None, help="fp8 | compressed-tensors")
+    serve.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 | bf16")
     serve.add_argument("--engine-options", type=json.loads, default=None, metavar="JSON",
                        help="more Runtime options as a JSON object (SGLang's names)")
     serve.add_argument("--watch-stdin", action="store_true",
@@ -42,13 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from lmnb.runtime.distributed.replica import READY_PREFIX
-    from lmnb.runtime.engine import Runtime
+    from lmnb.runtime.launch import Runtime
     from lmnb.server import serve
     from lmnb.server.serving import ServerHandle
 
-    options = {"device": args.device, "dtype": args.dtype}
+    options = {"device": args.device, "dtype": args.dtype, "quantization": args.quantization,
+               "kv_cache_dtype": args.kv_cache_dtype}
     if args.max_total_tokens is not None:
         options["max_total_tokens"] = args.max_total_tokens
+    for name in ("speculative_algorithm", "speculative_num_draft_tokens"):
+        if vars(args)[name] is not None:
+            options[name] = vars(args)[name]
     options.update(args.engine_options or {})
     with Runtime(args.model, **options) as runtime:
         if not args.watch_stdin:

@@ -94,9 +94,9 @@ def sgl_runtime(tiny_models) -> Iterator[Any]:
 def sgl_backend(sgl_runtime, monkeypatch) -> Any:
     """`sgl_runtime` as the DSL's default backend (`sgl.set_default_backend`) for one test."""
     import lmnb as sgl
-    from lmnb.lang import program as program_module
+    from lmnb.lang import default_backend as default_backend_module
 
-    monkeypatch.setattr(program_module, "_default_backend", None)  # restored afterwards
+    monkeypatch.setattr(default_backend_module, "_default_backend", None)  # restored afterwards
     sgl.set_default_backend(sgl_runtime)
     return sgl_runtime
 

@@ -163,7 +163,7 @@ def model(tiny_models, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def single(model):
-    from lmnb.runtime.engine import Runtime
+    from lmnb.runtime import Runtime
 
     with Runtime(model, **OPTIONS) as runtime:
         yield runtime
@@ -172,7 +172,7 @@ def single(model):
 @pytest.fixture(scope="module")
 def dp_holder(model):
     """One DP=2 runtime for the module; a test that killed a replica gets a fresh one after."""
-    from lmnb.runtime.engine import Runtime
+    from lmnb.runtime import Runtime
 
     holder: dict = {}
 
@@ -406,7 +406,7 @@ def local_ray():
 
 
 def test_ray_replicas_serve_the_same_outputs(local_ray, model, single) -> None:
-    from lmnb.runtime.engine import Runtime
+    from lmnb.runtime import Runtime
 
     expected = single.generate(PROMPTS, GREEDY)
     with Runtime(model, dp_size=2, replica_backend="ray", **OPTIONS) as dp:

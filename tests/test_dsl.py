@@ -31,7 +31,7 @@ from lmnb import (
     user_begin,
     user_end,
 )
-from lmnb.lang import program as program_module
+from lmnb.lang import default_backend as default_backend_module
 from lmnb.lang.api import DTYPE_REGEXES
 from lmnb.lang.backends.base import Backend, Generation, ProgramAborted
 from lmnb.lang.backends.local import LocalBackend
@@ -55,7 +55,7 @@ def rt(tiny_models) -> Iterator[lmnb.Runtime]:
 
 @pytest.fixture
 def no_default_backend(monkeypatch) -> None:
-    monkeypatch.setattr(program_module, "_default_backend", None)  # restored afterwards
+    monkeypatch.setattr(default_backend_module, "_default_backend", None)  # restored afterwards
 
 
 def greedy(rt: lmnb.Runtime, prompt: str, max_new_tokens: int, **params: Any) -> dict:
@@ -92,6 +92,9 @@ class Call:
 class FakeBackend:
     """Replies `reply` in 3 streamed pieces over `delay` seconds; records every call. With a
     `gate`, each call streams its first piece, sets `first_piece`, then waits for the gate."""
+
+    is_chat_model = False
+    reports_token_texts = False
 
     def __init__(self, reply: str = "abcdef", delay: float = 0.0, tokenizer: Any = None,
                  error: BaseException | None = None, gate: threading.Event | None = None) -> None:
@@ -632,7 +635,7 @@ def test_backend_per_call_default_and_none(rt, no_default_backend):
         hello.run()
     assert hello.run(backend=rt).get_meta_info("a")["completion_tokens"] == 2
     lmnb.set_default_backend(rt)  # a Runtime is accepted directly
-    assert isinstance(program_module._default_backend, LocalBackend)
+    assert isinstance(default_backend_module._default_backend, LocalBackend)
     assert hello.run(temperature=0)["a"] == greedy(rt, PROMPT, 2)["text"]
     fake = FakeBackend(reply="zz")
     assert hello.run(backend=fake)["a"] == "zz"  # per call wins over the default

@@ -170,11 +170,11 @@ def test_a_fused_tiny_model_decodes_the_same_greedy_tokens(tiny_models, monkeypa
                                                             skinny_calls):
     """fp32, a batch of three requests through the decode path: fused kernels (the skinny
     linears and LM head included) against the torch path."""
-    from lmnb.runtime import engine
+    from lmnb.runtime import builder
     from lmnb.runtime.engine import Runtime
 
     device = KERNEL_DEVICE
-    monkeypatch.setattr(engine, "fused_kernels_available", lambda device: True)
+    monkeypatch.setattr(builder, "fused_kernels_available", lambda device: True)
     prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
     params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     outputs = {}

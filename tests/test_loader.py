@@ -65,6 +65,7 @@ def _recorder_config(**kw: object) -> SimpleNamespace:
         model_type="lmnb_test_recorder",
         hidden_size=256,
         initializer_range=0.05,
+        quantization=None,
     )
     return SimpleNamespace(**{**base, **kw})
 

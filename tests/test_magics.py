@@ -373,7 +373,7 @@ def test_reload_and_unload_close_the_runtime(loaded: InteractiveShell, model: Pa
     loaded.run_line_magic("unload_ext", "lmnb")
     assert not runtime._scheduler._thread.is_alive()
     assert loaded.find_line_magic("lmnb") is None and loaded.find_cell_magic("lmprogram") is None
-    assert program_module._default_backend is None
+    assert program_module.default_backend() is None
     assert not any(type(c).__name__ == "LMNB" for c in loaded.configurables)
 
 

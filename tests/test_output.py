@@ -13,7 +13,7 @@ import pytest
 
 from lmnb.params import SamplingParams
 from lmnb.runtime.output import OutputProcessor, OutputStream, TokenEvent
-from lmnb.runtime.scheduler.stop import StopText
+from lmnb.runtime.output.stop_text import StopText
 from tests import test_detokenizer
 from tests.test_detokenizer import TEXTS, _byte_ids, _encode, _expected
 

@@ -239,7 +239,8 @@ class FakeRuntime:
 
 
 class FakeStream:
-    """The part of `OutputStream` a backend uses: `get` (None at the end) and `close`."""
+    """The part of `OutputStream` a backend uses: `get` (None at the end) or `async for` (the
+    program loop's), and `close`."""
 
     def __init__(self, runtime: FakeRuntime, chunks: list[dict[str, Any]]) -> None:
         self.runtime = runtime
@@ -247,6 +248,14 @@ class FakeStream:
 
     def get(self, timeout: float | None = None) -> dict[str, Any] | None:
         return self.chunks.pop(0) if self.chunks else None
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if not self.chunks:
+            raise StopAsyncIteration
+        return self.chunks.pop(0)
 
     def close(self) -> None:
         self.runtime.closed = True

@@ -61,9 +61,9 @@ def test_pin_needs_the_radix_cache(tiny_models):
 
 
 def test_program_pin_and_unpin_as_sglang(rt, monkeypatch):
-    from lmnb.lang import program as program_module
+    from lmnb.lang import default_backend as default_backend_module
 
-    monkeypatch.setattr(program_module, "_default_backend", None)
+    monkeypatch.setattr(default_backend_module, "_default_backend", None)
     sgl.set_default_backend(rt)
 
     @sgl.function

@@ -30,6 +30,9 @@ class BlockingBackend:
     """`generate` blocks until its request is cancelled, then until the test `release`s it.
     When `expected` calls have arrived, it interrupts the main thread."""
 
+    is_chat_model = False
+    reports_token_texts = False
+
     def __init__(self, expected: int) -> None:
         self.chat_template = ChatTemplate(None)
         self.expected = expected

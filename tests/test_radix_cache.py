@@ -98,7 +98,7 @@ def attached(cache: RadixCache, node: TreeNode) -> bool:
 
 
 def free_slots(pool: KVAllocator) -> list[int]:
-    return pool._free.tolist()
+    return pool.free_slots().tolist()
 
 
 def conserved(cache: RadixCache, pool: KVAllocator, owned: int = 0) -> bool:

@@ -9,7 +9,9 @@ import re
 import pytest
 
 import lmnb as sgl
+from lmnb.lang import default_backend as default_backend_module
 from lmnb.lang import program as program_module
+from lmnb.lang.backends.base import Backend
 
 
 @sgl.function
@@ -62,9 +64,11 @@ def test_choice_methods_as_objects(sgl_backend, method):
 def test_runtime_endpoint_over_the_server(sgl_runtime, monkeypatch):
     from lmnb.server import ServerHandle
 
-    monkeypatch.setattr(program_module, "_default_backend", None)
+    monkeypatch.setattr(default_backend_module, "_default_backend", None)
     with ServerHandle.start(sgl_runtime) as server:
-        sgl.set_default_backend(sgl.RuntimeEndpoint(server.url))
+        endpoint: Backend = sgl.RuntimeEndpoint(server.url)
+        assert isinstance(endpoint, Backend)
+        sgl.set_default_backend(endpoint)
         remote = answer.run(question="What is 1+1?")
         local = answer.run(question="What is 1+1?", backend=sgl_runtime)
         assert remote["answer"] == local["answer"]

@@ -4,8 +4,10 @@ the static HTML, the metrics bar, `%%lmprogram --tokens`, and the refusals."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +17,7 @@ pytest.importorskip("anywidget")
 
 import lmnb  # noqa: E402
 from lmnb.lang.backends.local import LocalBackend  # noqa: E402
-from lmnb.lang.token_trace import TokenTrace, TraceLog, start_trace  # noqa: E402
+from lmnb.lang.token_trace import ORIGIN_INDEX, TokenTrace, TraceLog, start_trace  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
 from lmnb.runtime.output.token_origins import count_origin  # noqa: E402
 from lmnb.widgets.metrics import metrics_text, program_metrics, runtime_stats  # noqa: E402
@@ -92,6 +94,37 @@ def test_token_view_counts_match_meta_info(backend: LocalBackend) -> None:
     assert metrics.forward_passes == sum(m["forward_passes"] for m in metas)
     assert metrics.kv_total_tokens == 2048 and metrics.ttft_s > 0 and metrics.tokens_per_s > 0
     view.close()
+
+
+def test_traced_runs_through_arun_and_a_blocking_backend(backend: LocalBackend) -> None:
+    """The trace is fed whether the gens are awaited on the program loop (`arun`, and `run`
+    through `LocalBackend.agenerate`) or run on a pool thread (a subclass's blocking
+    `generate`): the same tokens with the same origins."""
+
+    threads: list[str] = []
+
+    class Blocking(LocalBackend):
+        def generate(self, prompt: str, params: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return super().generate(prompt, params, **kwargs)
+
+    async def awaited() -> Any:
+        return await answer_and_explain.arun(backend=backend, token_view=True, temperature=0)
+
+    rows = []
+    for state in (asyncio.run(awaited()),
+                  answer_and_explain.run(backend=Blocking(backend.runtime), token_view=True,
+                                         temperature=0)):
+        state.run.settle()
+        traces = [e.token_trace for e in state.run.executors]
+        assert len(traces) == 3 and all(t is not None for t in traces)
+        # ids and output origins (the prompt's cached share differs from run to run)
+        rows.append([[(c[0], c[1]) for c in t.cells()
+                     if c[1] >= ORIGIN_INDEX["generated"]] for t in traces])
+        answer = state.get_meta_info("answer")
+        assert count_origin(answer["output_token_origins"], "jump_forward") > 0
+    assert rows[0] == rows[1] and all(rows[0])
+    assert len(threads) == 3 and threading.main_thread().name not in threads
 
 
 def test_untraced_runs_have_metrics_but_no_token_view(backend: LocalBackend) -> None:

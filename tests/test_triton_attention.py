@@ -204,7 +204,7 @@ def test_registered_as_triton_and_cpu_auto_stays_torch_native():
     assert TritonAttention.supports_capture
     assert select_attention_backend("auto", torch.device("cpu")).name == "torch_native"
     assert TritonAttention.unsupported(dtype=torch.bfloat16, head_dim=80) is None
-    assert "float8" in TritonAttention.unsupported(dtype=torch.float8_e4m3fn, head_dim=128)
+    assert "float8" in TritonAttention.unsupported(dtype=torch.float8_e5m2, head_dim=128)
     on_cuda = select_attention_backend("auto", torch.device("cuda"), dtype=torch.float32,
                                        head_dim=64)  # FlashInfer takes no fp32 KV
     assert on_cuda.name == "triton"
@@ -336,7 +336,7 @@ for skip in (True, False):
                                    "stride_plb", "stride_plh")}},
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
              "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
-             "HAS_SKIP": skip}, warps=2)
+             "HAS_SKIP": skip, "KV_FP8": False}, warps=2)
     compile(triton_decode._decode_merge_kernel,
             {"PART_O": "*fp32", "PART_LSE": "*fp32", "KV_INDPTR": i64, "KV_SKIP": i64,
              "PREFIX_PARTS": i64, "OUT": "*" + dt,
@@ -359,7 +359,7 @@ compile(triton_extend._extend_kernel,
          **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                "stride_vh", "stride_ot", "stride_oh")}},
         {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 32,
-         "PRECISION": "tf32", "UPCAST": False})
+         "PRECISION": "tf32", "UPCAST": False, "KV_FP8": False})
 print("compiled")
 """
 

@@ -18,12 +18,12 @@ read them (`s["a"]`); a fork point forks the executor there and submits each bra
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-import threading
 import weakref
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import singledispatchmethod
 from typing import Any
@@ -41,13 +41,13 @@ from lmnb.lang.ir import (
     to_expr,
 )
 from lmnb.lang.program import (
+    BatchJob,
     Program,
     ProgramRun,
     ProgramState,
     as_backend,
     batch_defaults,
     call_arguments,
-    run_all,
     run_defaults,
 )
 from lmnb.lang.tracer import (
@@ -59,8 +59,6 @@ from lmnb.lang.tracer import (
     substitute,
     trace_program,
 )
-
-_POLL = 0.05  # seconds between checks while waiting, so that aborts get through
 
 Read = tuple[int, int, str]  # (state, position, variable): its value after `position` nodes
 
@@ -156,27 +154,27 @@ class GraphExecutor(StreamExecutor):
     graph: _GraphRun | None = None
 
     @singledispatchmethod
-    def _execute(self, expr: Expr) -> None:
-        super()._execute(expr)
+    async def _execute(self, expr: Expr) -> None:
+        await super()._execute(expr)
 
     @_execute.register
-    def _(self, expr: _Capture) -> None:
+    async def _(self, expr: _Capture) -> None:
         expr.run.captured(expr.state_id, expr.position, dict(self.variables))
 
     @_execute.register
-    def _(self, expr: _Resolve) -> None:
-        self._execute(to_expr(expr.run.resolve(expr.expr, expr.reads, self)))
+    async def _(self, expr: _Resolve) -> None:
+        await self._run(to_expr(await expr.run.aresolve(expr.expr, expr.reads, self)))
 
     @_execute.register
-    def _(self, expr: _SetReturn) -> None:
-        expr.run.set_return(expr.run.resolve(expr.run.plan.ret.node, expr.reads, self))
+    async def _(self, expr: _SetReturn) -> None:
+        expr.run.set_return(await expr.run.aresolve(expr.run.plan.ret.node, expr.reads, self))
 
     @_execute.register
-    def _(self, expr: _ForkPoint) -> None:
+    async def _(self, expr: _ForkPoint) -> None:
         expr.run.start(expr.branch_ids, self.fork(len(expr.branch_ids)))
 
     @_execute.register
-    def _(self, expr: _CallPoint) -> None:
+    async def _(self, expr: _CallPoint) -> None:
         call = expr.call
         defaults = run_defaults({**self.defaults.set_values(), **dict(call.defaults)})
         child = GraphExecutor(self.backend, defaults=defaults, stream=self.stream,
@@ -186,18 +184,23 @@ class GraphExecutor(StreamExecutor):
         expr.run.start([call.state_id], [child])
 
     @_execute.register
-    def _(self, expr: _AwaitCalls) -> None:
+    async def _(self, expr: _AwaitCalls) -> None:
         for state_id in expr.state_ids:
-            child = expr.run.executor(state_id, self)
-            child.sync()
+            child = await expr.run.executor(state_id, self)
+            await child.drained()
             if child.error is not None:
                 raise ProgramError(f"state {state_id} of the program failed: "
                                    f"{child.error!r}") from child.error
 
     @_execute.register
-    def _(self, expr: _JoinAt) -> None:
-        branches = tuple(expr.run.executor(i, self) for i in expr.branch_ids)
-        self._execute(JoinBranches(branches, expr.mode))
+    async def _(self, expr: _JoinAt) -> None:
+        branches = tuple([await expr.run.executor(i, self) for i in expr.branch_ids])
+        await self._run(JoinBranches(branches, expr.mode))
+
+    def _fail(self, error: BaseException) -> None:
+        super()._fail(error)
+        if self.graph is not None:
+            self.graph.changed()
 
     def abort(self) -> None:
         if self.graph is None:
@@ -209,8 +212,33 @@ class GraphExecutor(StreamExecutor):
 # ---- one run of the graph ------------------------------------------------------------------------
 class _Box:
     def __init__(self) -> None:
-        self.ready = threading.Event()
+        self.ready = _Flag()
         self.values: dict[str, Any] = {}
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _Flag:
+    """Set once, on the program loop; awaited there (with the waiter's cancel and the setting
+    state's failure as the other ways out)."""
+
+    def __init__(self) -> None:
+        self.is_set = False
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def set(self) -> None:
+        self.is_set = True
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            _resolve(waiter)
+
+    def waiter(self) -> asyncio.Future[None]:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return waiter
 
 
 class _GraphRun:
@@ -220,8 +248,9 @@ class _GraphRun:
         self.plan = plan
         self.arguments = arguments
         self.executors: dict[int, GraphExecutor] = {}
-        self._created = defaultdict(threading.Event)
+        self._created: defaultdict[int, _Flag] = defaultdict(_Flag)
         self._boxes = {key: _Box() for key in plan.captures}
+        self._changes: list[asyncio.Future[None]] = []  # waits to wake when a state starts/fails
         self._state = weakref.ref(state)
 
     # ---- starting states -----------------------------------------------------------------
@@ -231,6 +260,7 @@ class _GraphRun:
             executor.graph = self  # type: ignore[attr-defined]
             self.executors[state_id] = executor  # type: ignore[assignment]
             self._created[state_id].set()
+        self.changed()
         for state_id, executor in zip(state_ids, executors, strict=True):
             for expr in self._exprs(state_id):
                 executor.submit(expr)
@@ -279,15 +309,22 @@ class _GraphRun:
         box.values = variables
         box.ready.set()
 
-    def resolve(self, value: Any, reads: tuple[Read, ...], waiter: StreamExecutor) -> Any:
+    def resolve(self, value: Any) -> Any:
+        """`value` with its arguments substituted (it reads no variable)."""
+        return self._substituted(value, {})
+
+    async def aresolve(self, value: Any, reads: tuple[Read, ...], waiter: StreamExecutor) -> Any:
         """`value` with arguments and variables substituted; waits for the variables."""
         values: dict[tuple[int, str], Any] = {}
         for state_id, position, name in reads:
             box = self._boxes[(state_id, position)]
-            self._wait(box.ready, state_id, waiter)
+            await self._wait(box.ready, state_id, waiter)
             if name not in box.values:
                 raise KeyError(f"the program set no variable {name!r}")
             values[(state_id, name)] = box.values[name]
+        return self._substituted(value, values)
+
+    def _substituted(self, value: Any, values: dict[tuple[int, str], Any]) -> Any:
 
         def lookup(ref: Ref) -> Any:
             if isinstance(ref, Argument):
@@ -296,19 +333,33 @@ class _GraphRun:
 
         return substitute(value, lookup)
 
-    def executor(self, state_id: int, waiter: StreamExecutor) -> GraphExecutor:
-        self._wait(self._created[state_id], self.plan.parents[state_id], waiter)
+    async def executor(self, state_id: int, waiter: StreamExecutor) -> GraphExecutor:
+        await self._wait(self._created[state_id], self.plan.parents[state_id], waiter)
         return self.executors[state_id]
 
-    def _wait(self, event: threading.Event, state_id: int | None,
-              waiter: StreamExecutor) -> None:
-        """Waits for `event`, set by state `state_id`'s executor; fails if that state fails."""
-        while not event.wait(_POLL):
+    async def _wait(self, flag: _Flag, state_id: int | None, waiter: StreamExecutor) -> None:
+        """Waits for `flag`, set by state `state_id`'s executor (or a parent's, which makes it);
+        fails if the waiter is aborted or that state fails first."""
+        loop = asyncio.get_running_loop()
+        while not flag.is_set:
             if waiter.cancel.is_set():
                 raise ProgramAborted("the program was interrupted")
             error = self._failure(state_id)
             if error is not None:
                 raise ProgramError(f"state {state_id} of the program failed: {error!r}") from error
+            woken = flag.waiter()
+            self._changes.append(woken)
+            remove = waiter.cancel.on_set(lambda w=woken: loop.call_soon_threadsafe(_resolve, w))
+            try:
+                await woken
+            finally:
+                remove()
+
+    def changed(self) -> None:
+        """A state of the run started or failed: waits re-check their way out."""
+        changes, self._changes = self._changes, []
+        for waiter in changes:
+            _resolve(waiter)
 
     def _failure(self, state_id: int | None) -> BaseException | None:
         while state_id is not None:
@@ -372,7 +423,7 @@ class CompiledProgram:
         state = ProgramState(root, run)
         run = _GraphRun(self._plan, arguments, state)
         if not self._plan.ret.reads:
-            state.ret_value = run.resolve(self._plan.ret.node, (), root)
+            state.ret_value = run.resolve(self._plan.ret.node)
         run.start([0], [root])
         if not stream:
             state.sync()
@@ -380,19 +431,31 @@ class CompiledProgram:
 
     def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
                   backend: Any = None, num_threads: int | str = "auto",
-                  progress_bar: bool = False, **sampling: Any) -> list[ProgramState]:
+                  progress_bar: bool = False, as_completed: bool = False,
+                  **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
         """Runs the graph once per kwargs dict, concurrently, after caching the constant prefix
-        (as `Program.run_batch`)."""
+        (as `Program.run_batch`, `as_completed` included)."""
+        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
+        if as_completed:
+            return job.completed(num_threads=num_threads, progress_bar=progress_bar)
+        return job.states(num_threads=num_threads, progress_bar=progress_bar)
+
+    def run_batch_iter(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
+                       backend: Any = None, num_threads: int | str = "auto",
+                       **sampling: Any) -> AsyncIterator[ProgramState]:
+        """As `Program.run_batch_iter`."""
+        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
+        return job.aiter_completed(num_threads=num_threads)
+
+    def batch_job(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
+                  backend: Any, sampling: dict[str, Any]) -> BatchJob:
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
         batch = [self._arguments(*call_arguments(item))[0] for item in batch_kwargs]
-        if not batch:
-            return []
-        return run_all(self.__name__, backend, self.traced.constant_text(backend.chat_template),
-                       batch,
-                       lambda arguments, run: self._execute(backend, arguments, defaults,
-                                                            stream=False, run=run),
-                       num_threads=num_threads, progress_bar=progress_bar)
+        return BatchJob(self.__name__, backend, self.traced.constant_text(backend.chat_template),
+                        batch,
+                        lambda arguments, run: self._execute(backend, arguments, defaults,
+                                                             stream=False, run=run))
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmnb.lang.backends.base import Backend
+from lmnb.lang.default_backend import default_backend, set_default_backend
+
 
 class GlobalConfig:
     def __init__(self) -> None:
@@ -18,15 +21,11 @@ class GlobalConfig:
         self.enable_parallel_encoding = True
 
     @property
-    def default_backend(self) -> Any:
-        from lmnb.lang.program import default_backend
-
+    def default_backend(self) -> Backend | None:
         return default_backend()
 
     @default_backend.setter
     def default_backend(self, backend: Any) -> None:
-        from lmnb.lang.program import set_default_backend
-
         set_default_backend(backend)
 
     def __repr__(self) -> str:

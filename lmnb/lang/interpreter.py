@@ -1,22 +1,27 @@
-"""`StreamExecutor`: runs one program state's expressions, in order, on a worker thread.
+"""`StreamExecutor`: runs one program state's expressions, in order, as a task on the program
+loop (`lmnb.lang.event_loop`; no thread of its own).
 
-`submit` never blocks; readers (`get_var`, `text`) wait for what they need. The first error stops
-the stream, is kept, and is raised to every later reader.
+`submit` never blocks (from any thread); readers (`get_var`, `text`) wait for what they need:
+`block_on` from a thread or a body greenlet, or the coroutines (`drained`, `var_ready`) on the
+loop. The executor's fields change only on the loop. The first error stops the stream, is kept,
+and is raised to every later reader.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import logging
-import queue
 import threading
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import TYPE_CHECKING, Any
 
+from lmnb.lang.backends.awaiting import awaited_calls, in_thread, on_loop_thread
 from lmnb.lang.backends.base import (
     Backend,
     BaseBackend,
@@ -30,6 +35,7 @@ from lmnb.lang.backends.base import (
     sglang_generate,
     sglang_select,
 )
+from lmnb.lang.event_loop import block_on, call_soon, on_loop, program_loop
 from lmnb.lang.ir import (
     CommitPrefix,
     Expr,
@@ -53,16 +59,6 @@ from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, spe
 if TYPE_CHECKING:
     from lmnb.lang.token_trace import TokenTrace
 
-_POLL = 0.05  # seconds between checks while waiting, so that Ctrl-C gets through
-_IDLE_POLL = 0.5  # the same off the main thread, where no KeyboardInterrupt lands
-
-
-def poll_interval() -> float:
-    """How long a wait may block between checks: short on the main thread (a simulated Ctrl-C,
-    `_thread.interrupt_main()`, does not wake a blocked lock), longer on others (hundreds of
-    program threads waking 20 times a second cost the host real time)."""
-    return _POLL if threading.current_thread() is threading.main_thread() else _IDLE_POLL
-
 
 class ProgramError(RuntimeError):
     """An error raised inside a program, re-raised where its result is read."""
@@ -71,8 +67,8 @@ class ProgramError(RuntimeError):
 @contextmanager
 def located(where: SourceLocation | None) -> Iterator[None]:
     """An error raised inside records `where` (the program line of the gen or select that was
-    running) as `error.lmnb_where`, unless it has one already: the worker thread's traceback
-    does not reach the program's code."""
+    running) as `error.lmnb_where`, unless it has one already: the loop's traceback does
+    not reach the program's code."""
     try:
         yield
     except BaseException as error:
@@ -92,12 +88,63 @@ class JoinBranches(Expr):
     mode: str
 
 
-_END = object()
+_CLOSE = object()  # a state's last item (`close`): later ones are dropped
+_END = object()  # a text listener's last item
+_FAILED = object()  # ... when the program failed
 _executor_ids = itertools.count()
 
 # observer(kind, executor, data): kind is "text" (data: delta, var), "variable" (name), "fork"
-# (branches), or "error" (error). Called on the executor's worker thread; must not block.
+# (branches), or "error" (error). Called on the program loop (a fork: where it forks); must not
+# block.
 Observer = Callable[[str, "StreamExecutor", dict[str, Any]], None]
+
+
+class _Listener:
+    """One `iter_text` reader: the text deltas of variable `var` (None: of the whole state), then
+    `_END` or `_FAILED`. Filled on the loop; its one reader pops from any thread (a deque's
+    appends and pops are atomic) and awaits `get` on the loop when it is empty."""
+
+    def __init__(self, var: str | None) -> None:
+        self.var = var
+        self.items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.items.popleft()
+
+
+@functools.cache
+def _dispatcher(cls: type) -> Callable[[type], Callable[..., Coroutine[Any, Any, None]]]:
+    """The `_execute` handler lookup of an executor class (its singledispatch registry, read
+    once: the bound `singledispatchmethod` is rebuilt on every attribute access)."""
+    for klass in cls.__mro__:
+        method = vars(klass).get("_execute")
+        if isinstance(method, singledispatchmethod):
+            return method.dispatcher.dispatch
+    raise TypeError(f"{cls.__name__} has no _execute")
+
+
+@functools.lru_cache(maxsize=1024)
+def _merged(params: GenParams, defaults: GenParams) -> GenParams:
+    return params.merged_over(defaults)
+
+
+def merged_over_defaults(params: GenParams, defaults: GenParams) -> GenParams:
+    """`params.merged_over(defaults)`, computed once per distinct pair (a batch's programs
+    write the same gens)."""
+    try:
+        return _merged(params, defaults)
+    except TypeError:  # a value that cannot be hashed (a dict, a list)
+        return params.merged_over(defaults)
 
 
 class StreamExecutor:
@@ -122,7 +169,6 @@ class StreamExecutor:
         self.error: BaseException | None = None
         self.token_trace: TokenTrace | None = None  # a traced run's tokens (token_trace.py)
         self.fork_point = 0  # length of the text inherited from the parent (forks)
-        self._closed = False
         self.cancel = CancelEvent()
         self._role: str | None = None
         self._role_start = 0
@@ -130,37 +176,61 @@ class StreamExecutor:
         self._scopes: dict[str, int] = {}
         self._spec: Speculation | None = None  # API speculation: what the model should write next
         self._spec_turn: int | None = None  # chat: the turn (its start) speculated already
-        self._var_events: dict[str, threading.Event] = defaultdict(threading.Event)
-        self._listeners: list[tuple[str | None, queue.SimpleQueue]] = []
-        self._listeners_lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
+        self._finished: set[str] = set()  # variables whose value is final
+        self._listeners: list[_Listener] = []
+        self._waiters: list[asyncio.Future[None]] = []  # loop-side waits, woken on any progress
+        # The queue: items appended from any thread, run in order by one task at a time.
+        self._lock = threading.RLock()  # RLock: a finalizer may `close()` on the loop thread
+        self._items: deque[Any] = deque()
+        self._submitted = 0  # items submitted (the end included)
+        self._done = 0  # items run, or dropped after an error or the end
+        self._draining = False  # a task runs the queue
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False  # the end has run
+        self._loop = program_loop()
+        self._awaited = awaited_calls(backend)  # the backend calls awaited on the loop
         # A custom backend in SGLang's shape gets its hooks called with this executor.
         self.sglang_backend = backend if isinstance(backend, BaseBackend) else None
         if self.sglang_backend is not None:
             self.sglang_backend.begin_program(self)
-        self._worker = threading.Thread(target=self._run, name="lmnb-program", daemon=True)
-        self._worker.start()
 
     # ---- caller side -----------------------------------------------------------------------
     def submit(self, expr: Expr) -> None:
         if self._closed:
             raise ProgramError("this program state is closed")
-        self._queue.put(expr)
+        self._push(expr)
+
+    def close(self) -> None:
+        """Ends the state once what was submitted has run (later submits are dropped)."""
+        self._push(_CLOSE)
+
+    def _push(self, item: Any) -> None:
+        with self._lock:
+            self._items.append(item)
+            self._submitted += 1
+            if self._draining:
+                return
+            self._draining = True
+        call_soon(self._start)
+
+    def _start(self) -> None:
+        self._task = self._loop.create_task(self._drain())
+
+    def drained(self) -> Coroutine[Any, Any, None]:
+        """Awaitable on the loop: everything submitted until now has run."""
+        target = self._submitted
+        return self._until(lambda: self._done >= target)
+
+    def var_ready(self, name: str) -> Coroutine[Any, Any, None]:
+        """Awaitable on the loop: variable `name` is final, or the program failed, or everything
+        submitted has run."""
+        return self._until(lambda: name in self._finished or self.error is not None
+                           or self._done >= self._submitted)
 
     def sync(self) -> None:
         """Waits until everything submitted so far has run."""
-        if not self.alive:
-            return
-        done = threading.Event()
-        self._queue.put(done)
-        poll = poll_interval()
-        while not done.wait(poll):
-            if not self.alive:
-                return
-
-    def close(self) -> None:
-        """Stops the worker once its queue is drained."""
-        self._queue.put(_END)
+        if self._done < self._submitted:
+            block_on(self.drained())
 
     def abort(self) -> None:
         """Interrupts the running request (freeing its KV) and drops what is queued."""
@@ -171,15 +241,11 @@ class StreamExecutor:
             raise ProgramError(f"the program failed: {self.error!r}") from self.error
 
     def get_var(self, name: str) -> Any:
-        event = self._var_events[name]
-        while not event.wait(_POLL):
-            if self.error is not None:
-                break
-            if not self._queue.unfinished_tasks and not event.is_set():
-                if name in self.variables:
-                    break
-                raise KeyError(f"the program set no variable {name!r}")
+        if name not in self._finished and self.error is None and not self.idle:
+            block_on(self.var_ready(name))
         self.raise_error()
+        if name not in self.variables:
+            raise KeyError(f"the program set no variable {name!r}")
         return self.variables[name]
 
     def text(self) -> str:
@@ -188,44 +254,59 @@ class StreamExecutor:
         return self.text_
 
     def iter_text(self, var: str | None = None) -> Iterator[str]:
-        """Text as it is produced: of variable `var`, or of the whole state."""
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        with self._listeners_lock:
-            streaming = self._streaming
-            if var is None:
-                already, finished = self.text_, False
-            elif var in self.variables:
-                already, finished = self.variables[var], True
-            elif streaming is not None and streaming[0] == var:
-                already, finished = self.text_[streaming[1]:], False
-            else:
-                already, finished = "", False
-            self._listeners.append((var, events))
+        """Text as it is produced: of variable `var`, or of the whole state (until everything
+        submitted has run)."""
+        listener = block_on(self._listen(var))
         try:
-            if isinstance(already, str) and already:
-                yield already
-            if finished:
-                return
             while True:
-                try:
-                    item = events.get(timeout=_POLL)
-                except queue.Empty:
-                    if self.error is not None:
-                        self.raise_error()
-                    if not self._queue.unfinished_tasks:  # all done: hand out what is left
-                        while not events.empty():
-                            item = events.get()
-                            if item is _END:
-                                return
-                            yield item
-                        return
-                    continue
+                item = listener.items.popleft() if listener.items else block_on(listener.get())
                 if item is _END:
                     return
+                if item is _FAILED:
+                    self.raise_error()
                 yield item
         finally:
-            with self._listeners_lock:
-                self._listeners.remove((var, events))
+            call_soon(self._unlisten, listener)
+
+    async def aiter_text(self, var: str | None = None) -> AsyncIterator[str]:
+        """`iter_text` for any event loop (the kernel's included)."""
+        listener = await on_loop(self._listen(var))
+        try:
+            while True:
+                item = listener.items.popleft() if listener.items else \
+                    await on_loop(listener.get())
+                if item is _END:
+                    return
+                if item is _FAILED:
+                    self.raise_error()
+                yield item
+        finally:
+            call_soon(self._unlisten, listener)
+
+    async def _listen(self, var: str | None) -> _Listener:
+        listener = _Listener(var)
+        streaming = self._streaming
+        if var is None:
+            already, finished = self.text_, False
+        elif var in self.variables:
+            already, finished = self.variables[var], True
+        elif streaming is not None and streaming[0] == var:
+            already, finished = self.text_[streaming[1]:], False
+        else:
+            already, finished = "", False
+        if isinstance(already, str) and already:
+            listener.put(already)
+        if self.error is not None:
+            listener.put(_FAILED)
+        elif finished or self.idle:
+            listener.put(_END)
+        else:
+            self._listeners.append(listener)
+        return listener
+
+    def _unlisten(self, listener: _Listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def fork(self, count: int) -> list[StreamExecutor]:
         """New executors that continue from this one's current state (call after `sync`)."""
@@ -236,8 +317,7 @@ class StreamExecutor:
             branch.text_ = self.text_
             branch.messages_ = [dict(m) for m in self.messages_]
             branch.variables = dict(self.variables)
-            for name in branch.variables:
-                branch._var_events[name].set()
+            branch._finished = set(self.variables)
             branch.meta_info = dict(self.meta_info)
             branch._role, branch._role_start = self._role, self._role_start
             branch.fork_point = len(self.text_)
@@ -256,12 +336,12 @@ class StreamExecutor:
     @property
     def idle(self) -> bool:
         """Nothing submitted is waiting or running."""
-        return self._closed or not self._queue.unfinished_tasks
+        return self._closed or self._done >= self._submitted
 
     @property
     def alive(self) -> bool:
-        """The worker thread still runs (it stops once closed and drained)."""
-        return self._worker.is_alive()
+        """The state still takes or runs expressions (until it is closed and drained)."""
+        return not self._closed or self._done < self._submitted
 
     @property
     def streaming(self) -> tuple[str | None, int] | None:
@@ -283,72 +363,94 @@ class StreamExecutor:
         except Exception:  # a broken display must not break the program
             logging.getLogger(__name__).exception("program observer failed")
 
-    def _drain_after_close(self) -> None:
-        """Settles what arrives after the end marker (sync markers of late readers)."""
+    # ---- loop side -------------------------------------------------------------------------
+    async def _drain(self) -> None:
         while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-            self._queue.task_done()
+            with self._lock:
+                if not self._items:
+                    self._draining = False
+                    break
+                item = self._items.popleft()
+            await self._run_item(item)
+            self._done += 1
+            if self._waiters:
+                self._wake()
+        if self._listeners and self.idle:
+            listeners, self._listeners = self._listeners, []
+            for listener in listeners:
+                listener.put(_END)
 
-    # ---- worker side -----------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            expr = self._queue.get()
-            try:
-                if expr is _END:
-                    self._closed = True
-                    self._drain_after_close()
-                    if self.sglang_backend is not None:
-                        end_program(self.sglang_backend, self)
-                    return
-                if isinstance(expr, threading.Event):
-                    expr.set()
-                elif self.error is None:
-                    if self.cancel.is_set():
-                        raise ProgramAborted("the program was interrupted")
-                    self._execute(expr)
-            except BaseException as error:
-                self.error = error
-                for event in list(self._var_events.values()):
-                    event.set()
-                self._emit("error", error=error)
-            finally:
-                self._queue.task_done()
+    async def _run_item(self, item: Any) -> None:
+        if item is _CLOSE:
+            if not self._closed:
+                self._closed = True
+                if self.sglang_backend is not None:
+                    end_program(self.sglang_backend, self)
+            return
+        if self._closed or self.error is not None:
+            return
+        try:
+            if self.cancel.is_set():
+                raise ProgramAborted("the program was interrupted")
+            await self._run(item)
+        except BaseException as error:  # kept and raised to the state's readers
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener.put(_FAILED)
+        self._wake()
+        self._emit("error", error=error)
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            await waiter
 
     def _notify(self, var: str | None, delta: str) -> None:
-        for wanted, events in self._listeners:  # callers hold _listeners_lock
-            if wanted is None or wanted == var:
-                events.put(delta)
+        for listener in self._listeners:
+            if listener.var is None or listener.var == var:
+                listener.put(delta)
 
     def _finish_var(self, name: str) -> None:
-        with self._listeners_lock:
-            for wanted, events in self._listeners:
-                if wanted == name:
-                    events.put(_END)
-        self._var_events[name].set()
+        self._finished.add(name)
+        for listener in [lst for lst in self._listeners if lst.var == name]:
+            self._listeners.remove(listener)
+            listener.put(_END)
+        if self._waiters:
+            self._wake()
         self._emit("variable", name=name)
 
     def _append(self, text: str, var: str | None = None) -> None:
-        with self._listeners_lock:  # listeners joining now see the text in `text_` or as a delta
-            self.text_ += text
+        self.text_ += text
+        if self._listeners:
             self._notify(var, text)
         self._emit("text", delta=text, var=var)
 
+    def _run(self, expr: Expr) -> Coroutine[Any, Any, None]:
+        """`_execute(expr)`, its handler found by one cached lookup."""
+        return _dispatcher(type(self))(type(expr))(self, expr)
+
     @singledispatchmethod
-    def _execute(self, expr: Expr) -> None:
+    async def _execute(self, expr: Expr) -> None:
         raise TypeError(f"cannot execute {type(expr).__name__} here")
 
     @_execute.register
-    def _(self, expr: ExprList) -> None:
+    async def _(self, expr: ExprList) -> None:
         for item in expr.items:
-            self._execute(item)
+            await self._run(item)
 
     @_execute.register
-    def _(self, expr: Text) -> None:
+    async def _(self, expr: Text) -> None:
         if self.chat and self._role is None and expr.value:
             raise ProgramError(f"a chat model takes messages: text outside a role "
                                f"({expr.value[:40]!r}) cannot be sent; put it in system(), user() "
@@ -358,7 +460,7 @@ class StreamExecutor:
         self._append(expr.value)
 
     @_execute.register
-    def _(self, expr: RoleBegin) -> None:
+    async def _(self, expr: RoleBegin) -> None:
         self._spec = None
         if self._role is not None:
             raise ProgramError(f"{expr.role!r} begins inside the open {self._role!r} role")
@@ -367,7 +469,7 @@ class StreamExecutor:
         self._role, self._role_start = expr.role, len(self.text_)
 
     @_execute.register
-    def _(self, expr: RoleEnd) -> None:
+    async def _(self, expr: RoleEnd) -> None:
         if self._role != expr.role:
             raise ProgramError(f"{expr.role!r} ends but the open role is {self._role!r}")
         self._spec = None
@@ -377,19 +479,19 @@ class StreamExecutor:
         self._append(self.backend.chat_template.role_text(expr.role, first=False).suffix)
 
     @_execute.register
-    def _(self, expr: Gen) -> None:
+    async def _(self, expr: Gen) -> None:
         with located(expr.where):
-            self._gen(expr)
+            await self._gen(expr)
 
-    def _gen(self, expr: Gen) -> None:
-        params = expr.params.merged_over(self.defaults)
+    async def _gen(self, expr: Gen) -> None:
+        params = merged_over_defaults(expr.params, self.defaults)
         if self._role == "assistant":  # the turn's end stops it too, as in SGLang
             stops, stop_ids = self.backend.chat_template.end_of_turn()
             params = replace(params, stop=(*(params.stop or ()), *stops) or None,
                              stop_token_ids=(*(params.stop_token_ids or ()), *stop_ids) or None)
         start = len(self.text_)
         if self.num_api_spec_tokens and can_serve(params):
-            served = self._speculated(params)
+            served = await self._speculated(params)
             if served is not None:
                 self._streaming = (expr.name, start)
                 self._append(served.text, expr.name)
@@ -397,8 +499,8 @@ class StreamExecutor:
                                  expr.reasoning)
                 return
         self._streaming = (expr.name, start)
-        generation = self._call(self.text_, params, self._chat_prompt(),
-                                on_delta=lambda delta: self._append(delta, expr.name))
+        generation = await self._call(self.text_, params, self._chat_prompt(),
+                                      on_delta=lambda delta: self._append(delta, expr.name))
         self._finish_gen(expr.name, start, generation, expr.reasoning)
 
     def _chat_prompt(self, *, at_role_start: bool = False) -> ChatPrompt | None:
@@ -410,23 +512,30 @@ class StreamExecutor:
     def _media_kwargs(self, prompt: str) -> dict[str, Any]:
         """`media=` for a backend call on `prompt` (a prefix of `text_`): the media whose token
         it holds; nothing when it holds none (text-only backends never see the argument)."""
+        if not self.media_:
+            return {}
         media = tuple(m for start, m in self.media_ if start < len(prompt))
         return {"media": media} if media else {}
 
-    def _call(self, prompt: str, params: GenParams, chat: ChatPrompt | None,
-              on_delta: Callable[[str], None] | None = None) -> Generation:
+    async def _call(self, prompt: str, params: GenParams, chat: ChatPrompt | None,
+                    on_delta: Callable[[str], None] | None = None) -> Generation:
+        """One generate call: awaited on the loop (an `AsyncBackend`), or on a pool thread
+        whose streamed deltas come back to the loop."""
         if self.sglang_backend is not None:  # its hooks read the prompt from this executor
-            return sglang_generate(self.sglang_backend, self, params, on_delta=on_delta,
-                                   cancel=self.cancel)
+            return await in_thread(sglang_generate, self.sglang_backend, self, params,
+                                   on_delta=on_loop_thread(on_delta), cancel=self.cancel)
         extra: dict[str, Any] = self._media_kwargs(prompt)
         if chat is not None:
             extra["chat"] = chat
         if self.token_trace is not None:
             extra["trace"] = self.token_trace
-        return self.backend.generate(prompt, params, on_delta=on_delta, cancel=self.cancel,
-                                     **extra)
+        if "generate" in self._awaited:
+            return await self.backend.agenerate(  # type: ignore[attr-defined]
+                prompt, params, on_delta=on_delta, cancel=self.cancel, **extra)
+        return await in_thread(self.backend.generate, prompt, params,
+                               on_delta=on_loop_thread(on_delta), cancel=self.cancel, **extra)
 
-    def _speculated(self, params: GenParams) -> Served | None:
+    async def _speculated(self, params: GenParams) -> Served | None:
         """The gen served from speculated text, making the speculative call if none is live;
         None when it needs a real call."""
         spec, self._spec = self._spec, None
@@ -450,11 +559,11 @@ class StreamExecutor:
             if self._role != "assistant" or self._spec_turn == self._role_start:
                 return None
             self._spec_turn = self._role_start
-            generation = self._call(self.text_[:self._role_start], call_params,
-                                    self._chat_prompt(at_role_start=True))
+            generation = await self._call(self.text_[:self._role_start], call_params,
+                                          self._chat_prompt(at_role_start=True))
             partial = self.text_[self._role_start:]
         else:
-            generation = self._call(self.text_, call_params, None)
+            generation = await self._call(self.text_, call_params, None)
             partial = ""
         if not isinstance(generation.text, str) or not isinstance(generation.meta_info, dict):
             return None
@@ -474,31 +583,34 @@ class StreamExecutor:
             text, thought = split_reasoning(text, reasoning)
             self.variables[reasoning_name(name)] = thought
         first = text[0] if isinstance(text, list) else text
-        with self._listeners_lock:  # the final text replaces what was streamed
-            streamed = self.text_[start:]
-            self.text_ = self.text_[:start] + first
-            self._streaming = None
-            if first.startswith(streamed) and len(first) > len(streamed):
-                self._notify(name, first[len(streamed):])
-            if name is not None:
-                self.spans.append((name, start, len(self.text_)))
-                self.variables[name] = text
-                self.meta_info[name] = generation.meta_info
+        # The final text replaces what was streamed.
+        streamed = self.text_[start:]
+        self.text_ = self.text_[:start] + first
+        self._streaming = None
+        if first.startswith(streamed) and len(first) > len(streamed) and self._listeners:
+            self._notify(name, first[len(streamed):])
+        if name is not None:
+            self.spans.append((name, start, len(self.text_)))
+            self.variables[name] = text
+            self.meta_info[name] = generation.meta_info
         if reasoning is not None:
             self._finish_var(reasoning_name(name))
         if name is not None:
             self._finish_var(name)
 
     @_execute.register
-    def _(self, expr: Select) -> None:
+    async def _(self, expr: Select) -> None:
         self._spec = None
         with located(expr.where):
             if self.sglang_backend is not None:
-                choice, meta = sglang_select(self.sglang_backend, self, expr.choices,
-                                             expr.method)
+                choice, meta = await in_thread(sglang_select, self.sglang_backend, self,
+                                               expr.choices, expr.method)
+            elif "select" in self._awaited:
+                choice, meta = await self.backend.aselect(  # type: ignore[attr-defined]
+                    self.text_, expr.choices, expr.method, **self._media_kwargs(self.text_))
             else:
-                choice, meta = self.backend.select(self.text_, expr.choices, expr.method,
-                                                   **self._media_kwargs(self.text_))
+                choice, meta = await in_thread(self.backend.select, self.text_, expr.choices,
+                                               expr.method, **self._media_kwargs(self.text_))
         if expr.reasoning is not None:
             choice, thought = split_reasoning(choice, expr.reasoning)
             self.variables[reasoning_name(expr.name)] = thought
@@ -512,44 +624,49 @@ class StreamExecutor:
             self._finish_var(expr.name)
 
     @_execute.register
-    def _(self, expr: VarScopeBegin) -> None:
+    async def _(self, expr: VarScopeBegin) -> None:
         self._scopes[expr.name] = len(self.text_)
 
     @_execute.register
-    def _(self, expr: VarScopeEnd) -> None:
+    async def _(self, expr: VarScopeEnd) -> None:
         if expr.name not in self._scopes:
             raise ProgramError(f"var_scope {expr.name!r} ends without beginning")
         self.variables[expr.name] = self.text_[self._scopes.pop(expr.name):]
         self._finish_var(expr.name)
 
     @_execute.register
-    def _(self, expr: SetVar) -> None:
+    async def _(self, expr: SetVar) -> None:
         self.variables[expr.name] = expr.value
         self._finish_var(expr.name)
 
     @_execute.register
-    def _(self, expr: CommitPrefix) -> None:
+    async def _(self, expr: CommitPrefix) -> None:
         if self.sglang_backend is not None:
-            self.sglang_backend.commit_lazy_operations(self)
+            await in_thread(self.sglang_backend.commit_lazy_operations, self)
+        elif "cache_prefix" in self._awaited:
+            await self.backend.acache_prefix(  # type: ignore[attr-defined]
+                self.text_, **self._media_kwargs(self.text_))
         else:
-            self.backend.cache_prefix(self.text_, **self._media_kwargs(self.text_))
+            await in_thread(self.backend.cache_prefix, self.text_,
+                            **self._media_kwargs(self.text_))
 
     @_execute.register
-    def _(self, expr: Image) -> None:
-        self._add_media("image", expr.source, None)
+    async def _(self, expr: Image) -> None:
+        await self._add_media("image", expr.source, None)
 
     @_execute.register
-    def _(self, expr: Video) -> None:
-        self._add_media("video", expr.source, expr.num_frames)
+    async def _(self, expr: Video) -> None:
+        await self._add_media("video", expr.source, expr.num_frames)
 
-    def _add_media(self, kind: str, source: Any, num_frames: int | None) -> None:
-        """Prepares the media once (forks share it) and writes its token where it goes: the
-        chat template's form inside a role (llava-hf's "<image>\\n"), else the bare token."""
+    async def _add_media(self, kind: str, source: Any, num_frames: int | None) -> None:
+        """Prepares the media once (forks share it; on a pool thread: loading and preprocessing
+        take time) and writes its token where it goes: the chat template's form inside a role
+        (llava-hf's "<image>\\n"), else the bare token."""
         prepare = getattr(self.backend, "prepare_media", None)
         try:
             if prepare is None:
                 raise MediaUnsupported(f"{type(self.backend).__name__} is text-only")
-            media = prepare(kind, source, num_frames=num_frames)
+            media = await in_thread(prepare, kind, source, num_frames=num_frames)
         except MediaUnsupported as error:
             raise ProgramError(f"{kind}() needs a multimodal (LLaVA) backend: {error}") from None
         self._spec = None
@@ -560,10 +677,10 @@ class StreamExecutor:
         self._append(text)
 
     @_execute.register
-    def _(self, expr: JoinBranches) -> None:
+    async def _(self, expr: JoinBranches) -> None:
         self._spec = None
         for branch in expr.branches:
-            branch.sync()
+            await branch.drained()
             branch.raise_error()
         if expr.mode == "gather_variable":
             # As SGLang: a variable the parent has already is kept as it is.
@@ -581,4 +698,3 @@ class StreamExecutor:
         else:
             raise ProgramError(f"unknown join mode {expr.mode!r}; use gather_variable or "
                                f"concat_and_append")
-

@@ -12,33 +12,33 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
+import queue
 import threading
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from contextvars import ContextVar
+from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmnb.lang import api
 from lmnb.lang.backends.base import Backend
+from lmnb.lang.default_backend import as_backend as as_backend
+from lmnb.lang.default_backend import default_backend as default_backend
+from lmnb.lang.default_backend import set_default_backend as set_default_backend
+from lmnb.lang.event_loop import on_loop, program_loop, run_body, wait_queue
 from lmnb.lang.interpreter import JoinBranches, Observer, StreamExecutor
 from lmnb.lang.ir import (
     GEN_PARAM_NAMES,
     CommitPrefix,
     Expr,
     GenParams,
-    RoleBegin,
-    RoleEnd,
-    SetVar,
-    VarScopeBegin,
-    VarScopeEnd,
     join_mode,
-    to_expr,
 )
 from lmnb.lang.progress import progress_bar as tqdm_bar
+from lmnb.lang.state_writer import PROGRAM_CALLER as PROGRAM_CALLER
+from lmnb.lang.state_writer import ProgramStateGroup as ProgramStateGroup
+from lmnb.lang.state_writer import StateWriter as StateWriter
 from lmnb.params import default_sampling_params
 
 if TYPE_CHECKING:
@@ -51,40 +51,6 @@ SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES
 # The runtime's own scalar defaults; stop lists stay unset (the chat template may add its own).
 RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
                             if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})
-_ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistant}
-_POLL = 0.05  # seconds between checks while run_batch waits, so that Ctrl-C gets through
-
-_default_backend: Backend | None = None
-
-# What a `@function` called inside another program's body does (SGLang's nested call): the
-# caller's run or trace sets this while its body runs, on the body's thread.
-PROGRAM_CALLER: ContextVar[Any] = ContextVar("lmnb_caller", default=None)
-
-
-def set_default_backend(backend: Any) -> None:
-    """Programs run here unless `run(backend=...)` says otherwise; a `Runtime` is accepted;
-    None clears it."""
-    global _default_backend
-    _default_backend = None if backend is None else as_backend(backend)
-
-
-def default_backend() -> Backend | None:
-    """The default backend (after `%lmnb load`, the kernel's; its `.runtime` is the Runtime)."""
-    return _default_backend
-
-
-def as_backend(backend: Any) -> Backend:
-    if backend is None:
-        if _default_backend is None:
-            raise RuntimeError("no backend: call lmnb.set_default_backend(lmnb.Runtime()) or pass "
-                               "backend=... to run()")
-        return _default_backend
-    if hasattr(backend, "generate") and hasattr(backend, "tokenizer") \
-            and not hasattr(backend, "chat_template"):
-        from lmnb.lang.backends.local import LocalBackend
-
-        return LocalBackend(backend)
-    return backend
 
 
 def batch_defaults(sampling: dict[str, Any]) -> GenParams:
@@ -113,45 +79,151 @@ def run_defaults(sampling: dict[str, Any]) -> GenParams:
     return GenParams(**values).merged_over(RUN_DEFAULTS)
 
 
-def run_all(name: str, backend: Backend, prefix: str, batch: list[dict[str, Any]],
-            execute: Callable[[dict[str, Any], ProgramRun], ProgramState], *,
-            num_threads: int | str, progress_bar: bool) -> list[ProgramState]:
-    """`run_batch`'s engine: caches the shared `prefix` once, then runs `execute(arguments, run)`
-    on every argument dict on a thread pool (tqdm progress bar), returning the states in order,
-    each finished. "auto" threads: 256 (the runtime's default running batch), or 16 a core when
-    more, so that the runtime batches that many programs' requests at once.
-
-    If the waiting thread is interrupted (Ctrl-C) or a program's thread fails, programs not yet
-    started never start, every started program's requests are aborted, and the error is raised
-    at once: the threads settle on their own."""
-    if prefix and len(batch) > 1:
-        backend.cache_prefix(prefix)
+def _program_limit(num_threads: int | str, size: int) -> int | None:
+    """How many programs of a batch run at once: `num_threads` (SGLang's name), or all of them
+    ("auto": they are tasks, and the runtime batches every request it is given)."""
     if num_threads == "auto":
-        num_threads = max(256, (os.cpu_count() or 1) * 16)
-    workers = max(1, min(int(num_threads), len(batch)))
-    runs = _BatchRuns()
-    with tqdm_bar(total=len(batch), desc=name, disable=not progress_bar) as bar:
+        return None
+    return max(1, min(int(num_threads), size))
 
-        def one(arguments: dict[str, Any]) -> ProgramState:
-            state = execute(arguments, runs.new_run())
-            bar.update(1)
-            return state
 
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmnb-batch")
+class _BatchRun:
+    """The programs of one `run_batch`, as tasks on the program loop: each body runs as a
+    greenlet there (`run_body`; a body that reads its state is suspended, not a thread), at most
+    `limit` programs at once, and `deliver(index, state)` is called on the loop as each one
+    finishes. `abort()` (any thread) aborts every started program's requests; programs not
+    started never start."""
+
+    def __init__(self, execute: Callable[[dict[str, Any], ProgramRun], ProgramState],
+                 batch: list[dict[str, Any]], *, limit: int | None,
+                 deliver: Callable[[int, ProgramState], None]) -> None:
+        self.execute = execute
+        self.batch = batch
+        self.limit = limit
+        self.deliver = deliver
+        self.runs = _BatchRuns()
+
+    async def main(self) -> None:
+        semaphore = asyncio.Semaphore(self.limit) if self.limit is not None else None
+        tasks = [asyncio.ensure_future(self._one(index, arguments, semaphore))
+                 for index, arguments in enumerate(self.batch)]
         try:
-            futures = [pool.submit(one, arguments) for arguments in batch]
-            pending = set(futures)
-            while pending:  # short waits: a blocked lock wait would not see a simulated Ctrl-C
-                done, pending = wait(pending, timeout=_POLL, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    future.result()  # raises a program thread's error here
-            return [future.result() for future in futures]
+            for task in asyncio.as_completed(tasks):
+                await task  # a program's own error is in its state; this is any other
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            runs.abort()
+            self.abort()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # retrieved: nothing logged
             raise
+
+    async def _one(self, index: int, arguments: dict[str, Any],
+                   semaphore: asyncio.Semaphore | None) -> None:
+        if semaphore is not None:
+            async with semaphore:
+                await self._run(index, arguments)
+        else:
+            await self._run(index, arguments)
+
+    async def _run(self, index: int, arguments: dict[str, Any]) -> None:
+        if self.runs.aborted:
+            return
+        state = await run_body(self.execute, arguments, self.runs.new_run())
+        self.deliver(index, state)
+
+    def abort(self) -> None:
+        self.runs.abort()
+
+
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """One `run_batch`: `execute(arguments, run)` for every argument dict of `batch`, as tasks on
+    the program loop, after caching the programs' shared `prefix` once.
+
+    `states()` blocks and returns the states in order; `completed()` yields them as they finish;
+    `aiter_completed()` does so for an event loop (the kernel's). If the wait is interrupted
+    (Ctrl-C), the iteration is left early, or a program fails outside its state, programs not yet
+    started never start, every started program's requests are aborted, and the error (if any) is
+    raised at once: the programs settle on their own."""
+
+    name: str
+    backend: Backend
+    prefix: str
+    batch: list[dict[str, Any]]
+    execute: Callable[[dict[str, Any], ProgramRun], ProgramState]
+
+    def states(self, *, num_threads: int | str = "auto",
+               progress_bar: bool = False) -> list[ProgramState]:
+        states: list[Any] = [None] * len(self.batch)
+        for index, state in self._completed(num_threads, progress_bar):
+            states[index] = state
+        return states
+
+    def completed(self, *, num_threads: int | str = "auto",
+                  progress_bar: bool = False) -> Iterator[ProgramState]:
+        """Started at once; the states in the order they finish."""
+        return (state for _, state in self._completed(num_threads, progress_bar))
+
+    def _start(self, num_threads: int | str,
+               deliver: Callable[[int, ProgramState], None]) -> tuple[_BatchRun, Future[None]]:
+        if self.prefix and len(self.batch) > 1:
+            self.backend.cache_prefix(self.prefix)
+        batch_run = _BatchRun(self.execute, self.batch,
+                              limit=_program_limit(num_threads, len(self.batch)),
+                              deliver=deliver)
+        return batch_run, asyncio.run_coroutine_threadsafe(batch_run.main(), program_loop())
+
+    def _completed(self, num_threads: int | str,
+                   progress_bar: bool) -> Iterator[tuple[int, ProgramState]]:
+        finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        bar_scope = (tqdm_bar(total=len(self.batch), desc=self.name) if progress_bar
+                     else nullcontext())
+        bar = bar_scope.__enter__()
+
+        def deliver(index: int, state: ProgramState) -> None:
+            finished.put((index, state))
+            if bar is not None:
+                bar.update(1)
+
+        try:
+            batch_run, future = self._start(num_threads, deliver)
+        except BaseException:
+            bar_scope.__exit__(None, None, None)
+            raise
+        future.add_done_callback(lambda _: finished.put(_DONE))
+
+        def results() -> Iterator[tuple[int, ProgramState]]:
+            try:
+                while (item := wait_queue(finished)) is not _DONE:
+                    yield item
+                future.result()  # raises what stopped the batch
+            finally:
+                if not future.done() or future.exception() is not None:  # left early or failed
+                    batch_run.abort()
+                    future.cancel()
+                bar_scope.__exit__(None, None, None)
+
+        return results()
+
+    async def aiter_completed(self, *, num_threads: int | str = "auto"
+                              ) -> AsyncIterator[ProgramState]:
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Queue[Any] = asyncio.Queue()
+        batch_run, future = await asyncio.to_thread(
+            self._start, num_threads,
+            lambda _, state: loop.call_soon_threadsafe(finished.put_nowait, state))
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(finished.put_nowait, _DONE))
+        try:
+            while (state := await finished.get()) is not _DONE:
+                yield state
+            await asyncio.wrap_future(future)  # raises what stopped the batch
         finally:
-            pool.shutdown(wait=False)
+            if not future.done() or future.exception() is not None:
+                batch_run.abort()
+                future.cancel()
 
 
 class _BatchRuns:
@@ -161,6 +233,10 @@ class _BatchRuns:
         self._lock = threading.Lock()
         self._runs: list[ProgramRun] = []
         self._aborted = False
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
 
     def new_run(self) -> ProgramRun:
         run = ProgramRun()
@@ -177,54 +253,6 @@ class _BatchRuns:
             runs = list(self._runs)
         for run in runs:
             run.abort()
-
-
-class StateWriter:
-    """The writing half of `s`, shared by running and tracing states: `+=`, `set_var`,
-    `var_scope`, and the roles as calls (`s.user("hi")`) or blocks (`with s.user(): ...`).
-    Subclasses define `_submit(expr)`."""
-
-    def _submit(self, expr: Expr) -> None:
-        raise NotImplementedError
-
-    def __iadd__(self, other: Any) -> Any:
-        self._submit(to_expr(other))
-        return self
-
-    def set_var(self, name: str, value: Any) -> None:
-        self._submit(SetVar(name, value))
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        """`s["x"] = value`, as SGLang: the same as `s.set_var("x", value)`."""
-        self.set_var(name, value)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        self._submit(VarScopeBegin(name))
-        yield
-        self._submit(VarScopeEnd(name))
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self._submit(RoleBegin(role))
-        yield
-        self._submit(RoleEnd(role))
-
-    def _role(self, role: str, content: Any) -> Any:
-        if content is not None:
-            self._submit(_ROLE_EXPRS[role](content))
-            return None
-        return self._role_scope(role)
-
-    def system(self, content: Any = None) -> Any:
-        """`s.system("...")` appends a system message; `with s.system():` opens one."""
-        return self._role("system", content)
-
-    def user(self, content: Any = None) -> Any:
-        return self._role("user", content)
-
-    def assistant(self, content: Any = None) -> Any:
-        return self._role("assistant", content)
 
 
 class ProgramState(StateWriter):
@@ -300,12 +328,10 @@ class ProgramState(StateWriter):
         """Streams the text of variable `var_name` (or of the whole state) as it is generated."""
         return self._executor.iter_text(var_name)
 
-    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
-        """`text_iter` for asyncio: `async for chunk in state.text_async_iter("answer")`."""
-        chunks = self._executor.iter_text(var_name)
-        done = object()
-        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
-            yield chunk
+    def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+        """`text_iter` for asyncio: `async for chunk in state.text_async_iter("answer")`, from
+        any event loop."""
+        return self._executor.aiter_text(var_name)
 
     def error(self) -> BaseException | None:
         self.sync()
@@ -368,7 +394,7 @@ class ProgramState(StateWriter):
 
     def observe(self, observer: Observer | None) -> None:
         """Calls `observer(kind, executor, data)` on this run's events (text deltas, finished
-        variables, forks, errors) from the program's worker threads; used by live widgets."""
+        variables, forks, errors) from the program loop; used by live widgets."""
         self._run.observe(observer)
 
     @property
@@ -383,47 +409,6 @@ class ProgramState(StateWriter):
         """SGLang's form, `ProgramState(<text>)`; the text so far while the program runs (a
         repr never waits)."""
         return f"ProgramState({self._executor.text_})"
-
-
-class ProgramStateGroup:
-    """The branches of `s.fork(n)`: `forks += expr` (all), a list (one each), or a callable of the
-    branch index. Serves tracing states too (they share the `+=` / `join` API)."""
-
-    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
-        self.states = states
-        self.parent = parent
-
-    def __iter__(self) -> Iterator[ProgramState]:
-        return iter(self.states)
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, index: int) -> ProgramState:
-        return self.states[index]
-
-    def __setitem__(self, index: int, state: ProgramState) -> None:
-        """Completes `forks[i] += expr` (Python stores the item back after `+=`)."""
-        if state is not self.states[index]:
-            raise TypeError("fork branches cannot be replaced; use forks[i] += expr")
-
-    def __iadd__(self, other: Any) -> ProgramStateGroup:
-        if callable(other) and not isinstance(other, Expr):
-            for i, state in enumerate(self.states):
-                state += other(i)
-        elif isinstance(other, list | tuple):
-            if len(other) != len(self.states):
-                raise ValueError(f"{len(other)} expressions for {len(self.states)} branches")
-            for state, expr in zip(self.states, other, strict=True):
-                state += expr
-        else:
-            expr = to_expr(other)
-            for state in self.states:
-                state += expr
-        return self
-
-    def join(self, mode: str = "gather_variable") -> None:
-        self.parent.join(self, mode)
 
 
 class ProgramRun:
@@ -572,25 +557,59 @@ class Program:
 
     def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
                   backend: Any = None, num_threads: int | str = "auto",
-                  progress_bar: bool = False, **sampling: Any) -> list[ProgramState]:
+                  progress_bar: bool = False, as_completed: bool = False,
+                  **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
         """Runs the program once per kwargs dict (or tuple of positional arguments),
-        concurrently. The programs' common constant prefix is sent to the backend's cache
-        first, so every run hits it."""
+        concurrently: every program is a task on one event loop (`num_threads` limits how many
+        run at once; "auto": all). The programs' common constant prefix is sent to the
+        backend's cache first, so every run hits it. Returns the states in order, or with
+        `as_completed=True` an iterator of them in the order they finish (leaving it early
+        aborts the rest)."""
+        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
+        if as_completed:
+            return job.completed(num_threads=num_threads, progress_bar=progress_bar)
+        return job.states(num_threads=num_threads, progress_bar=progress_bar)
+
+    def run_batch_iter(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
+                       backend: Any = None, num_threads: int | str = "auto",
+                       **sampling: Any) -> AsyncIterator[ProgramState]:
+        """`run_batch` for asyncio: `async for state in program.run_batch_iter(batch)` yields
+        each state as it finishes, from any event loop (a cell's top-level `async for`); the
+        programs run on the program loop. Leaving the loop early aborts the rest."""
+        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
+        return job.aiter_completed(num_threads=num_threads)
+
+    async def arun(self, *args: Any, backend: Any = None, token_view: bool = False,
+                   **kwargs: Any) -> ProgramState:
+        """`run` for asyncio: `state = await program.arun(...)` (a cell's top-level await). The
+        body runs on the program loop (a greenlet: its reads suspend it), so the awaiting loop
+        is never blocked; cancelling the await aborts the program's requests. `token_view` as
+        in `run`."""
+        arguments, sampling = self.split_arguments(args, kwargs)
+        backend = as_backend(backend)
+        run = ProgramRun()
+        try:
+            return await on_loop(run_body(self._execute, backend, arguments,
+                                          run_defaults(sampling), False, run,
+                                          token_view=token_view))
+        except asyncio.CancelledError:
+            run.abort()
+            raise
+
+    def batch_job(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
+                  backend: Any, sampling: dict[str, Any]) -> BatchJob:
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
         batch = [self.split_arguments(*call_arguments(item))[0] for item in batch_kwargs]
-        if not batch:
-            return []
         from lmnb.lang.global_config import global_config
         from lmnb.lang.tracer import constant_prefix
 
-        precache = global_config.enable_precache_with_tracing
+        precache = global_config.enable_precache_with_tracing and len(batch) > 1
         prefix = constant_prefix(self, backend) if precache else ""
-        return run_all(self.__name__, backend, prefix, batch,
-                       lambda arguments, run: self._execute(backend, arguments, defaults,
-                                                            stream=False, run=run,
-                                                            raise_body_error=False),
-                       num_threads=num_threads, progress_bar=progress_bar)
+        return BatchJob(self.__name__, backend, prefix, batch,
+                        lambda arguments, run: self._execute(backend, arguments, defaults,
+                                                             stream=False, run=run,
+                                                             raise_body_error=False))
 
     def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:
         """The program as an IR graph; unbound arguments stay symbolic. The graph does not

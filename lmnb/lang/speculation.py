@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lmnb.lang.ir import GenParams
+from lmnb.runtime.output.stop import StopStrings, finish_stop
 
 # Parameters a speculative call and the gens served from it must agree on, except these: the
 # stop strings and token budget are the gen's own, checked against the speculated text instead;
@@ -127,7 +128,7 @@ class Speculation:
 
     def runs_out(self, params: GenParams) -> bool:
         """The speculated text ends (by the call's budget) before any of the gen's stops."""
-        return not self.ended and not any(stop in self.text for stop in params.stop or ())
+        return not self.ended and StopStrings.of(params.stop).first(self.text) is None
 
     def serve(self, params: GenParams) -> Served | None:
         """The gen's text cut from the speculation, or None when it cannot be proven equal to
@@ -135,15 +136,13 @@ class Speculation:
         if not can_serve(params) or _key(params) != self.params or params.max_new_tokens is None:
             return None
         text = self.text
-        hits = [(text.find(stop), stop) for stop in params.stop or () if stop]
-        hits = [(pos, stop) for pos, stop in hits if pos >= 0]
-        if hits:
-            pos, stop = min(hits)
+        hit = StopStrings.of(params.stop).first(text)  # where a real call's text would stop
+        if hit is not None:
+            pos, stop = hit
             end = self.pos + pos
             if self._tokens(end + len(stop)) > params.max_new_tokens:
                 return None  # a real call would run out of tokens before its stop
-            reason: dict[str, Any] = {"type": "stop", "matched": stop}
-            return Served(text[:pos], {"finish_reason": reason, "speculative": True},
+            return Served(text[:pos], {"finish_reason": finish_stop(stop), "speculative": True},
                           replace(self, pos=end))
         tokens = self._tokens(len(self.output))
         if self.ended and tokens <= params.max_new_tokens:

@@ -43,12 +43,8 @@ from lmnb.lang.ir import (
     Video,
     join_mode,
 )
-from lmnb.lang.program import (  # program imports us lazily
-    PROGRAM_CALLER,
-    ProgramStateGroup,
-    StateWriter,
-)
 from lmnb.lang.reasoning import reasoning_name
+from lmnb.lang.state_writer import PROGRAM_CALLER, ProgramStateGroup, StateWriter
 
 Ref = Argument | Variable
 

@@ -41,7 +41,7 @@ def load_runtime(model: str | None, *, progress: bool = True,
     from GGUF and cached on first use). `on_found` runs once the model's files are found, before
     its weights load (e.g. to close the runtime it replaces)."""
     from lmnb.lang.progress import progress_bar
-    from lmnb.runtime.engine import Runtime
+    from lmnb.runtime.launch import Runtime
     from lmnb.runtime.models.loader import resolve_model_dir
 
     label = EMBEDDED_NAME if model is None else Path(model).name

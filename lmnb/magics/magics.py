@@ -95,6 +95,13 @@ class LMNB(Magics):
             options["schedule_policy"] = args.schedule_policy
         if args.disable_radix_cache:
             options["disable_radix_cache"] = True
+        if args.enable_hierarchical_cache or args.hicache_storage_dir:
+            options["enable_hierarchical_cache"] = True
+        if args.hicache_ratio is not None:
+            options["hicache_ratio"] = args.hicache_ratio
+        if args.hicache_storage_dir:
+            options.update(hicache_storage_backend="file",
+                           hicache_storage_dir=args.hicache_storage_dir)
         try:
             runtime = self.session.load(model, **options)
         except FileNotFoundError as error:  # a path that names no model: no long traceback

@@ -59,6 +59,13 @@ def lmnb_parser() -> MagicArgumentParser:
     load.add_argument("--schedule-policy", metavar="POLICY", help="lpm (default), fcfs, ...")
     load.add_argument("--disable-radix-cache", action="store_true",
                       help="no prefix reuse (for comparisons)")
+    load.add_argument("--enable-hierarchical-cache", action="store_true",
+                      help="keep KV evicted from the device in host memory")
+    load.add_argument("--hicache-ratio", type=float, metavar="R",
+                      help="host tier size as a multiple of the KV pool (default 2)")
+    load.add_argument("--hicache-storage-dir", metavar="DIR",
+                      help="also keep KV pages on disk in DIR, across kernel restarts "
+                      "(implies --enable-hierarchical-cache)")
     commands.add_parser("status", help="cache hit rate, KV usage, radix tree (a dashboard)",
                         description="Show the runtime's cache and scheduler statistics.")
     commands.add_parser("media", help="images/videos in the cache: hash, tokens, hits (LLaVA)",

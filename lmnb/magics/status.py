@@ -23,6 +23,11 @@ _ROWS = (
     ("evictable / locked tokens", ("evictable_tokens", "protected_tokens"), "{:,} / {:,}"),
     ("evicted tokens", "evicted_tokens", "{:,}"),
     ("retractions", "retractions", "{:,}"),
+    ("device tier", "hicache_device_tokens", "{:,} tokens"),
+    ("host tier", ("hicache_host_tokens", "hicache_host_capacity", "hicache_host_loaded_tokens"),
+     "{:,} of {:,} tokens, {:,} hit"),
+    ("disk tier", ("hicache_disk_bytes", "hicache_disk_loaded_tokens"),
+     "{:,} bytes, {:,} tokens hit"),
 )
 
 

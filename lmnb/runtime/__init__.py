@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["Runtime"]
 
 if TYPE_CHECKING:
-    from lmnb.runtime.engine import Runtime
+    from lmnb.runtime.launch import Runtime
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Runtime":
-        from lmnb.runtime.engine import Runtime
+    if name == "Runtime":  # the engine, or a data-parallel runtime (`dp_size`)
+        from lmnb.runtime.launch import Runtime
 
         return Runtime
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from lmnb.runtime.quantization import (
+    QUANTIZATION_METHODS,
+    Fp8Config,
+    UnsupportedQuantizationError,
+    checkpoint_quantization,
+    kv_cache_dtype_name,
+    resolve_quantization,
+)
+from lmnb.runtime.speculative.config import SpeculativeConfig
 
 # Accepted dtype spellings -> canonical names (the attribute names in `torch`).
 DTYPE_NAMES: dict[str, str] = {
@@ -20,6 +30,8 @@ DTYPE_NAMES: dict[str, str] = {
 }
 LOAD_FORMATS = ("auto", "dummy")
 GRAMMAR_BACKENDS = ("lmnb", "xgrammar")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+HICACHE_STORAGE_BACKENDS = ("file",)
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
 
@@ -78,6 +90,32 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks: this process and tp_size - 1 spawned workers
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
     check_integrity_each_step: bool = False  # KV slot accounting after every step (tests)
+    # Speculative decoding (SGLang's names; see speculative/config.py): None | 'NGRAM' |
+    # 'STANDALONE' (a draft model)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None  # verify positions: last token + drafts
+    speculative_draft_model_path: str | None = None  # STANDALONE's draft model
+    speculative_num_steps: int | None = None  # STANDALONE: draft passes per verify pass
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"  # 'BFS' (most recent) | 'PROB' (most frequent)
+    speculative_ngram_max_trie_depth: int = 18  # longest context suffix matched
+    speculative_ngram_capacity: int = 10_000_000  # tokens of recent requests kept
+    speculative_max_batch_size: int = 8  # lmnb: larger decode batches do not speculate
+    speculative_min_accept_rate: float = 0.15  # lmnb: below it a request pauses speculation
+    speculative_draft_policy: str = "adaptive"  # lmnb: 'adaptive' (cost model) | 'always'
+    speculative_verify_mode: str = "auto"  # lmnb: 'auto' | 'extend' | 'decode' (graph-able)
+    # FP8 (see runtime/quantization.py): None | 'fp8' | 'compressed-tensors'
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # 'auto' (the model's) | 'fp8_e4m3' | 'bf16' | 'bfloat16'
+    # Hierarchical cache (runtime/hicache/): evicted KV kept in host memory, optionally on disk.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pool tokens per device pool token
+    hicache_size: int = 0  # host pool in GB; overrides hicache_ratio when > 0
+    hicache_write_policy: str = "write_through"  # 'write_through' (on insert) | 'write_back'
+    hicache_storage_backend: str | None = None  # 'file': KV pages on disk, across restarts
+    hicache_storage_dir: str | None = None  # None: ~/.cache/lmnb/hicache
+    hicache_storage_size: float = 16.0  # GB the storage directory may hold (oldest pages go)
 
     def __post_init__(self) -> None:
         for path_field in ("model_path", "tokenizer_path"):
@@ -124,6 +162,66 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         self._check_policy()
         self._check_grammar_backend()
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise UnsupportedQuantizationError(
+                f"unknown quantization {self.quantization!r}; choose one of: "
+                f"{', '.join(QUANTIZATION_METHODS)}")
+        kv_cache_dtype_name(self.kv_cache_dtype)
+        speculative = self.speculative()
+        if speculative is not None and self.tp_size > 1:
+            raise ValueError("speculative_algorithm is not supported with tp_size > 1")
+        self._check_hicache()
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The validated speculative-decoding options; None without `speculative_algorithm`."""
+        return SpeculativeConfig.from_options(
+            algorithm=self.speculative_algorithm,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            num_steps=self.speculative_num_steps,
+            draft_model_path=(os.fspath(self.speculative_draft_model_path)
+                              if isinstance(self.speculative_draft_model_path, os.PathLike)
+                              else self.speculative_draft_model_path),
+            min_bfs_breadth=self.speculative_ngram_min_bfs_breadth,
+            max_bfs_breadth=self.speculative_ngram_max_bfs_breadth,
+            match_type=self.speculative_ngram_match_type,
+            max_trie_depth=self.speculative_ngram_max_trie_depth,
+            capacity=self.speculative_ngram_capacity,
+            max_batch_size=self.speculative_max_batch_size,
+            min_accept_rate=self.speculative_min_accept_rate,
+            draft_policy=self.speculative_draft_policy,
+            verify_mode=self.speculative_verify_mode)
+
+
+    def _check_hicache(self) -> None:
+        if not isinstance(self.enable_hierarchical_cache, bool):
+            raise ValueError(f"enable_hierarchical_cache must be True or False, "
+                             f"got {self.enable_hierarchical_cache!r}")
+        _check_int("hicache_size", self.hicache_size, minimum=0, optional=False)
+        for name in ("hicache_ratio", "hicache_storage_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"unknown hicache_write_policy {self.hicache_write_policy!r}; "
+                             f"choose one of: {', '.join(HICACHE_WRITE_POLICIES)}")
+        backend = self.hicache_storage_backend
+        if backend is not None and backend not in HICACHE_STORAGE_BACKENDS:
+            raise ValueError(f"unknown hicache_storage_backend {backend!r}; choose one of: "
+                             f"{', '.join(HICACHE_STORAGE_BACKENDS)} (or None)")
+        if self.hicache_storage_dir is not None:
+            if not isinstance(self.hicache_storage_dir, str | os.PathLike):
+                raise ValueError(f"hicache_storage_dir must be a path or None, "
+                                 f"got {self.hicache_storage_dir!r}")
+            object.__setattr__(self, "hicache_storage_dir", os.fspath(self.hicache_storage_dir))
+        if not self.enable_hierarchical_cache:
+            if backend is not None:
+                raise ValueError("hicache_storage_backend needs enable_hierarchical_cache=True")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache and disable_radix_cache are mutually "
+                             "exclusive")
+        if self.tp_size > 1:
+            raise ValueError("enable_hierarchical_cache does not support tp_size > 1 yet")
 
     def _check_grammar_backend(self) -> None:
         """'lmnb' or 'xgrammar' (EBNF grammars always go through xgrammar); 'xgrammar' needs the
@@ -344,6 +442,7 @@ class ModelConfig:
     text_model_type: str = ""  # the decoder's model_type ('' = model_type)
     video_token_id: int | None = None  # LLaVA-NeXT-Video
     multimodal: MultimodalConfig | None = None  # vision tower, projector, anyres, pooling
+    quantization: Fp8Config | None = None  # FP8 decoder linears (the checkpoint's, or asked for)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -362,6 +461,11 @@ class ModelConfig:
     @property
     def is_multimodal(self) -> bool:
         return self.text_model_type != self.model_type
+
+    def quantized(self, option: str | None) -> ModelConfig:
+        """This config with the quantization `Runtime(quantization=option)` gives it (see
+        `quantization.resolve_quantization`)."""
+        return replace(self, quantization=resolve_quantization(option, self.quantization))
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -431,4 +535,5 @@ class ModelConfig:
             image_token_id=image_token,
             video_token_id=multimodal.video_token_id if multimodal else None,
             multimodal=multimodal,
+            quantization=checkpoint_quantization(getattr(hf_config, "quantization_config", None)),
         )

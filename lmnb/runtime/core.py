@@ -17,17 +17,10 @@ from lmnb.multimodal.items import MultimodalInputs
 from lmnb.params import InvalidRequestError as InvalidRequestError
 from lmnb.params import SamplingParams as SamplingParams
 
-
-def finish_length(length: int) -> dict[str, Any]:
-    return {"type": "length", "length": length}
-
-
-def finish_stop(matched: int | str) -> dict[str, Any]:
-    return {"type": "stop", "matched": matched}
-
-
-def finish_abort(message: str) -> dict[str, Any]:
-    return {"type": "abort", "message": message}
+# Finish reasons are made by the stop rules (`output/stop.py`); re-exported for the scheduler.
+from lmnb.runtime.output.stop import finish_abort as finish_abort
+from lmnb.runtime.output.stop import finish_length as finish_length
+from lmnb.runtime.output.stop import finish_stop as finish_stop
 
 
 class ForwardMode(enum.Enum):
@@ -88,6 +81,9 @@ class Req:
     arrival_pass: int = 0  # scheduler forward-pass count when it arrived (for aging)
     admitted: bool = False  # admitted once already (retracted or jumped requests come back)
     jumps: int = 0  # jump-forward steps taken
+    spec_verify_ct: int = 0  # speculative verify passes (SGLang's name)
+    spec_draft_tokens: int = 0  # draft tokens proposed to them
+    spec_accepted_tokens: int = 0  # of those accepted
 
     @property
     def fill_ids(self) -> list[int]:
@@ -178,6 +174,13 @@ class Batch:
     # DECODE: (length, rows) of requests whose KV rows begin with the same cached slots; the
     # attention backend may read such a prefix once for its group (kernels/shared_prefix.py).
     shared_prefixes: list[tuple[int, list[int]]] = field(default_factory=list)
+    # A speculative verify pass (an EXTEND over each running request's last token and its drafts,
+    # `extend_lens[i] == 1 + len(drafts[i])`): per request its draft tokens; empty otherwise.
+    drafts: list[list[int]] = field(default_factory=list)
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.drafts)
 
     @property
     def size(self) -> int:
@@ -218,3 +221,19 @@ class StepOutput:
         """Nothing sampled, nothing scored, for a batch of `size` requests."""
         return cls([None] * size, [None] * size, [None] * size,
                    [[] for _ in range(size)], [[] for _ in range(size)])
+
+
+@dataclass(slots=True)
+class VerifyOutput:
+    """What the model runner gives back for a verify `Batch`, per request in batch order: the
+    tokens it keeps (`tokens[i]`: its accepted drafts, then the token the target drew at the first
+    rejected draft, or after the last one), their raw logprobs (0.0 when no request of the batch
+    asked) and, when asked, their top logprobs."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top_logprobs: list[list[TopLogprobs | None]]
+
+    def accepted(self, i: int) -> int:
+        """Draft tokens request i accepted."""
+        return len(self.tokens[i]) - 1

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,29 +14,17 @@ from typing import Any
 import torch
 
 from lmnb.multimodal.items import MultimodalInputs
-from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime import request_checks
+from lmnb.runtime.builder import build_model, build_serving
 from lmnb.runtime.chat import apply_chat_template
-from lmnb.runtime.config import EngineConfig, ModelConfig
+from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.core import Batch, InvalidRequestError, Req, SamplingParams, next_rid
 from lmnb.runtime.distributed.events import CacheEventLog
 from lmnb.runtime.distributed.group import TPError
-from lmnb.runtime.distributed.step import Command
-from lmnb.runtime.distributed.tp_worker import TPWorkers
-from lmnb.runtime.fsm.factory import GrammarFactory
-from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.fsm.protocol import Grammar
 from lmnb.runtime.media_requests import MediaInput, build_media_prompts
-from lmnb.runtime.memory import KVAllocator
-from lmnb.runtime.memory.device import device_memory
-from lmnb.runtime.model_runner import ModelRunner
-from lmnb.runtime.models import loader
-from lmnb.runtime.models.layers.fusion import fused_kernels_available, set_fused_kernels
-from lmnb.runtime.output import OutputProcessor, OutputStream
+from lmnb.runtime.output import OutputStream
 from lmnb.runtime.output.token_origins import OutputOrigins
-from lmnb.runtime.pins import PrefixPins
-from lmnb.runtime.policy import make_policy
-from lmnb.runtime.prefix_cache import NoReuseCache
 from lmnb.runtime.prompts import (
     FIRST_CHUNK,
     IdsInput,
@@ -46,40 +33,9 @@ from lmnb.runtime.prompts import (
     prompt_id_lists,
     split_prompts,
 )
-from lmnb.runtime.radix.cache import RadixCache
-from lmnb.runtime.scheduler import (
-    CacheManager,
-    ReqState,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerThread,
-    StopRules,
-)
+from lmnb.runtime.scheduler import ReqState
 
 _PIN_ATTEMPTS = 3
-SHARED_PREFIX_MIN_TOKENS = 64  # a decode group's prefix worth reading once (one KV tile)
-
-
-def _eos_token_ids(model_config: ModelConfig, tokenizer: Any, model_dir: Path | None) -> set[int]:
-    ids: set[int] = set(model_config.eos_token_ids)
-
-    def add(value: Any) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-
-    add(tokenizer.eos_token_id)
-    generation_config = model_dir / "generation_config.json" if model_dir else None
-    if generation_config is not None and generation_config.exists():
-        add(json.loads(generation_config.read_text()).get("eos_token_id"))
-    return ids
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 class Runtime:
@@ -92,106 +48,34 @@ class Runtime:
     `tp_size=N` shards the model over N ranks: this process is rank 0 (scheduler, sampling) and
     starts N - 1 worker processes (`distributed/tp_worker.py`; CPU: gloo, CUDA: NCCL with rank r
     on cuda:r), which `close()` stops and which exit by themselves if this process dies.
+    `lmnb.Runtime(path, dp_size=N)` (`launch.py`) is a `DataParallelRuntime` of N of these.
     """
-
-    def __new__(cls, model_path: str | Path | None = None, **options: Any) -> Any:
-        """`Runtime(path, dp_size=N)` with N > 1 is a `DataParallelRuntime`: N replicas behind
-        a cache-aware router, with the same generate/stats/close surface."""
-        if cls is Runtime and options.get("dp_size", 1) not in (1, None):
-            from lmnb.runtime.distributed.dp_runtime import DataParallelRuntime
-
-            return DataParallelRuntime(model_path, **options)
-        return super().__new__(cls)
 
     def __init__(self, model_path: str | Path | None = None, **options: Any) -> None:
         """`options` are `EngineConfig`'s fields (SGLang's names); an unknown one is a
         TypeError that lists the known ones, a bad value a ValueError."""
         config = EngineConfig.from_options(model_path=model_path, **options)
+        if config.dp_size > 1:
+            raise ValueError(f"dp_size={config.dp_size}: one engine serves one replica; "
+                             f"lmnb.Runtime(..., dp_size={config.dp_size}) builds a "
+                             f"DataParallelRuntime of {config.dp_size}")
         self.engine_config = config
-        self.device = _resolve_device(config.device)
-        self.model_dir = loader.resolve_model_dir(config.model_path)
-        self.model_config = ModelConfig.from_hf(loader.load_config(self.model_dir))
-        self.dtype = loader.resolve_dtype(config.dtype, self.model_config.dtype, self.device)
-        self._tp_workers: TPWorkers | None = None
-        if config.tp_size > 1:  # the workers boot while this process loads the tokenizer
-            loader.check_tensor_parallel(self.model_config, config.tp_size)
-            self._tp_workers = TPWorkers(
-                size=config.tp_size, device=self.device, model_dir=self.model_dir,
-                model_config=self.model_config, engine_config=config, dtype=self.dtype)
-        try:
-            self.tokenizer = loader.load_tokenizer(
-                loader.resolve_model_dir(config.tokenizer_path) if config.tokenizer_path
-                else self.model_dir)
-            self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer,
-                                                self.model_dir)
-            # Images/videos: None for a text model.
-            self.media_processor = (
-                MediaProcessor.from_model_dir(self.model_dir, self.model_config)
-                if self.model_config.is_multimodal else None)
-            self._runner = self._build_runner(config)
-        except BaseException as error:
-            if self._tp_workers is None:
-                raise
-            try:
-                if not isinstance(error, TPError):
-                    self._tp_workers.check()  # a dead worker is the clearer error
-            except TPError as worker_error:
-                raise worker_error from error
-            finally:
-                self._tp_workers.close(graceful=False)
-            raise
+        model = build_model(config)
+        self.device, self.model_dir, self.dtype = model.device, model.model_dir, model.dtype
+        self.model_config, self.tokenizer = model.model_config, model.tokenizer
+        self.eos_token_ids = model.eos_token_ids
+        self.media_processor = model.media_processor  # images/videos: None for a text model
+        self._tp_workers, self._runner = model.tp_workers, model.runner
+        self._fused_kernels = model.fused_kernels
         self.context_len = self._runner.context_len
         self.max_total_tokens = self._runner.max_total_tokens
-        scheduler_config = SchedulerConfig(
-            chunked_prefill_size=config.prefill_chunk_size(self.device.type),
-            check_integrity_each_step=config.check_integrity_each_step,
-            shared_prefix_min_tokens=(
-                0 if config.disable_shared_prefix_decode
-                or not self._runner.attn_backend.supports_shared_prefixes
-                else SHARED_PREFIX_MIN_TOKENS),
-            overlap_schedule=(self.device.type == "cuda" if config.disable_overlap_schedule is None
-                              else not config.disable_overlap_schedule))
-        allocator = KVAllocator(self.max_total_tokens, self.device)
-        self._cache = (NoReuseCache(allocator) if config.disable_radix_cache
-                       else RadixCache(allocator))
-        self._pins = PrefixPins(self._cache)  # touched on the scheduler thread only
-        self._outputs = OutputProcessor()
-        self._outputs.start()
-        scheduler = Scheduler(
-            runner=self._runner,
-            cache=CacheManager(self._cache, allocator, self._runner.req_to_token_pool),
-            policy=make_policy(config.schedule_policy), config=scheduler_config,
-            stop_rules=StopRules(self.eos_token_ids), sink=self._outputs,
-            tokenizer=self.tokenizer,
-            jump_forward=None if config.disable_jump_forward else JumpForward(self.tokenizer),
-            vocab_size=self.model_config.vocab_size)
-        self._scheduler = SchedulerThread(scheduler)
+        serving = build_serving(config, model)
+        self._allocator, self._cache, self._pins = serving.allocator, serving.cache, serving.pins
+        self._outputs, self._scheduler = serving.outputs, serving.scheduler
+        self._grammars = serving.grammars
         self._tokenizer_lock = threading.Lock()
-        self._grammars = GrammarFactory(self.tokenizer, vocab_size=self.model_config.vocab_size,
-                                        eos_token_ids=self.eos_token_ids,
-                                        backend=config.grammar_backend)
         self._cache_events: CacheEventLog | None = None
         self._closed = False
-
-    def _build_runner(self, config: EngineConfig) -> ModelRunner:
-        """Rank 0's shard, KV pools and decode graphs (the workers build theirs alongside)."""
-        workers = self._tp_workers
-        tp = workers.group if workers is not None else None
-        model = loader.load_model(self.model_dir, self.model_config, dtype=self.dtype,
-                                  device=self.device, dummy=config.load_format == "dummy", tp=tp)
-        fused = not config.disable_fused_kernels and fused_kernels_available(self.device)
-        self._fused_kernels = fused and set_fused_kernels(model, fused) > 0  # workers: alike
-        if workers is not None:
-            workers.connect()  # the workers have loaded their shards meanwhile
-            workers.command(Command.RUNNER)
-        self._runner = ModelRunner(model, self.model_config, config, device=self.device,
-                                   dtype=self.dtype, eos_token_ids=self.eos_token_ids, tp=tp)
-        graph_max_bs = self._runner.graph_max_bs
-        if graph_max_bs:
-            if workers is not None:
-                workers.command(Command.CAPTURE, graph_max_bs)
-            self._runner.capture_cuda_graphs(graph_max_bs)
-        return self._runner
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -201,6 +85,9 @@ class Runtime:
         self._closed = True
         self._scheduler.stop()
         self._outputs.close()
+        if (speculator := self._scheduler.scheduler.speculator) is not None:
+            speculator.close()  # a draft model's runner
+        self._cache.close()  # a tiered cache writes its queued disk pages first
         if self._tp_workers is not None:
             self._runner.release_graphs()  # graphs that captured collectives go first
             self._tp_workers.close()
@@ -234,39 +121,16 @@ class Runtime:
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: hit rate (cumulative and over the recent window), forward passes,
-        retractions, evictions, radix tree size, KV pool usage."""
+        retractions, evictions, radix tree size, KV pool usage, pins, attention backend, decode
+        graphs, memory; each collaborator reports its own part (read between steps)."""
         self._check_open()
-        scheduler, cache = self._scheduler.scheduler, self._cache
-
-        tp = self._runner.tp
+        scheduler = self._scheduler.scheduler
 
         def read() -> dict[str, Any]:
-            stats = scheduler.stats.counters()
-            allocator = scheduler.cache.allocator
-            graphs = self._runner.graph_runner
-            choice = self._runner.attn_backend.choice
-            stats.update(
-                attention_backend=choice.name if choice else "custom",
-                overlap_schedule=scheduler.config.overlap_schedule,
-                tp_size=self.engine_config.tp_size,
-                tp_steps_sent=tp.steps.forwards_sent if tp else 0,
-                tp_step_send_seconds=tp.steps.send_seconds if tp else 0.0,
-                cuda_graph_batch_sizes=list(graphs.ladder) if graphs else [],
-                cuda_graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
-                memory=self._runner.memory_report(),
-                device_memory=device_memory(self.device),
-                fused_kernels=self._fused_kernels,
-                evicted_tokens=getattr(cache, "evicted_tokens", 0),
-                eviction_events=getattr(cache, "eviction_events", 0),
-                tree_nodes=cache.node_count() if isinstance(cache, RadixCache) else 0,
-                tree_tokens=cache.evictable_size() + cache.protected_size(),
-                evictable_tokens=cache.evictable_size(),
-                protected_tokens=cache.protected_size(),
-                max_total_tokens=allocator.size, free_tokens=allocator.available(),
-                running=len(scheduler.table.running), waiting=len(scheduler.table.waiting),
-                pinned_prefixes=len(self._pins), pinned_tokens=self._pins.tokens(),
-                **self._runner.media_counters())
-            return stats
+            return {**scheduler.report(), **self._runner.stats(), **self._cache.stats(),
+                    **self._allocator.stats(), **self._pins.stats(),
+                    "tp_size": self.engine_config.tp_size,
+                    "fused_kernels": self._fused_kernels}
 
         return self._scheduler.call(read)
 
@@ -280,8 +144,7 @@ class Runtime:
         def read() -> dict[str, Any]:  # on the scheduler thread: between steps
             if self._cache_events is None:
                 self._cache_events = CacheEventLog()
-                if isinstance(cache, RadixCache):
-                    cache.eviction_listener = self._cache_events
+                cache.eviction_listener = self._cache_events  # a cache that evicts tells it
             report = self._cache_events.since(since)
             report["cached_tokens"] = cache.evictable_size() + cache.protected_size()
             return report
@@ -311,6 +174,8 @@ class Runtime:
             if scheduler.has_work:
                 return False
             cache.evict(cache.evictable_size())
+            if scheduler.speculator is not None:
+                scheduler.speculator.reset()  # recent requests' n-grams
             if not self._pins:  # a pinned path stays; without pins the tree starts afresh
                 cache.reset()
             return True
@@ -319,9 +184,10 @@ class Runtime:
 
     def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
         """The radix tree as plain data (node id, parent, token count, text preview, lock_ref,
-        last access, hit count), parents first; empty without a radix cache."""
+        last access, hit count, tier: where its KV lives, 'device', 'host' or 'device+host'),
+        parents first; empty without a radix cache."""
         self._check_open()
-        if not isinstance(self._cache, RadixCache):
+        if not self._cache.reuses_kv:
             return []
         media = self._scheduler.scheduler.media
         rows, pads = self._scheduler.call(

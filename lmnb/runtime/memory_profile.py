@@ -247,7 +247,8 @@ def _heavy_rows(n: int, vocab_size: int) -> list[_ProfileRow]:
 def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: MemoryMeter, *,
                         attention_backend: str, q_heads: int, kv_heads: int, head_dim: int,
                         num_layers: int, dtype: torch.dtype, device: torch.device,
-                        vocab_size: int, sampler: Sampler) -> ActivationProfile:
+                        vocab_size: int, sampler: Sampler,
+                        kv_dtype: torch.dtype | None = None) -> ActivationProfile:
     """Runs the profile passes with temporary pools (freed on return: the model's attention
     layers are bound to them for the passes, then unbound)."""
     start = time.perf_counter()
@@ -255,8 +256,8 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
     req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_len + 1, device)
     with_pool = meter.allocated()
     storage = KVStorage(shape.prefill_tokens + 2 * shape.max_running_requests,
-                        num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                        device=device)
+                        num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
+                        dtype=kv_dtype or dtype, device=device, compute_dtype=dtype)
     with_storage = meter.allocated()
     backend = create_attention_backend(
         attention_backend, device=device, num_heads=q_heads, num_kv_heads=kv_heads,

@@ -11,7 +11,7 @@ import torch
 from lmnb.multimodal.embedding_cache import EmbeddingCache
 from lmnb.runtime import memory_profile
 from lmnb.runtime.config import EngineConfig, ModelConfig
-from lmnb.runtime.core import Batch, ForwardMode, StepOutput
+from lmnb.runtime.core import Batch, ForwardMode, StepOutput, VerifyOutput
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
 from lmnb.runtime.kernels.metadata import host_int64
@@ -20,7 +20,8 @@ from lmnb.runtime.kernels.registry import (
     create_attention_backend,
     select_attention_backend,
 )
-from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+from lmnb.runtime.memory import KVStorage, ReqToTokenPool, kv_cache_dtype
+from lmnb.runtime.memory.device import device_memory
 from lmnb.runtime.memory_profile import MemoryMeter, MemoryPlan, ProfileShape
 from lmnb.runtime.models.layers.attention import bind_attention_backend
 from lmnb.runtime.models.layers.linear import head_split
@@ -32,10 +33,14 @@ from lmnb.runtime.sampling import (
     stack_bitmasks,
 )
 from lmnb.runtime.sampling.row import SamplingRow
+from lmnb.runtime.speculative.verify import draft_bitmasks, expanded_rows, verify_drafts
 
 if TYPE_CHECKING:
     from lmnb.runtime.distributed.group import TPGroup
     from lmnb.runtime.distributed.step import Step
+
+VERIFY_SHARED_PREFIX_MIN_TOKENS = 64  # a verify pass's prefix worth reading once (one KV tile)
+
 
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
@@ -88,8 +93,9 @@ class ModelRunner:
                            rank=tp.rank if tp else 0, size=tp.size if tp else 1)
         num_layers, num_kv_heads = model_config.num_layers, heads.kv_heads
         head_dim = model_config.head_dim
+        self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
         per_token = KVStorage.bytes_per_token(
-            num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+            num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.kv_dtype)
         self._bytes_per_token = per_token
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
         backend_name = engine_config.attention_backend or "auto"
@@ -119,7 +125,7 @@ class ModelRunner:
                                                 device)
         self.kv_storage = KVStorage(
             self.max_total_tokens, num_layers=num_layers, kv_heads=num_kv_heads,
-            head_dim=head_dim, dtype=dtype, device=device)
+            head_dim=head_dim, dtype=self.kv_dtype, device=device, compute_dtype=dtype)
         self.attn_backend = create_attention_backend(
             backend_name, device=device,
             num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -136,6 +142,10 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         self.media_cache = EmbeddingCache()
         self._last_sampled: torch.Tensor | None = None  # [bs] ids the last launch sampled
+        speculative = engine_config.speculative()
+        self._verify_mode = speculative.verify_mode if speculative is not None else "extend"
+        self._shared_prefix_decode = (not engine_config.disable_shared_prefix_decode
+                                      and self.attn_backend.supports_shared_prefixes)
         if tp is not None:
             tp.steps.reserve(self.max_running_requests)
 
@@ -146,7 +156,7 @@ class ModelRunner:
         given, the model's context unless a smaller one is given."""
         mc = self.model_config
         max_running = config.max_running_requests or 256
-        choice = select_attention_backend(backend_name, self.device, dtype=self.dtype,
+        choice = select_attention_backend(backend_name, self.device, dtype=self.kv_dtype,
                                           head_dim=mc.head_dim)
         shape = ProfileShape(
             prefill_tokens=config.prefill_chunk_size(self.device.type),
@@ -160,7 +170,8 @@ class ModelRunner:
         profile = memory_profile.profile_activations(
             self.model, shape, meter, attention_backend=backend_name, q_heads=q_heads,
             kv_heads=kv_heads, head_dim=mc.head_dim, num_layers=mc.num_layers, dtype=self.dtype,
-            device=self.device, vocab_size=self.vocab_size, sampler=self.sampler)
+            kv_dtype=self.kv_dtype, device=self.device, vocab_size=self.vocab_size,
+            sampler=self.sampler)
         free, total = meter.device_memory()
         activations = profile.activation_bytes
         if choice.name == "torch_native" and self.device.type == "cuda":
@@ -199,6 +210,20 @@ class ModelRunner:
         cache = self.media_cache
         return {"vision_tower_runs": cache.runs, "media_embedding_hits": cache.hits,
                 "media_embedding_cache_bytes": cache.bytes}
+
+    def stats(self) -> dict[str, Any]:
+        """This runner's part of `Runtime.stats()`: attention backend, decode graphs, memory (the
+        plan's, and the device's now: `device_memory`), tensor-parallel steps sent, media
+        counters."""
+        graphs, tp, choice = self.graph_runner, self.tp, self.attn_backend.choice
+        return {
+            "attention_backend": choice.name if choice else "custom",
+            "tp_steps_sent": tp.steps.forwards_sent if tp else 0,
+            "tp_step_send_seconds": tp.steps.send_seconds if tp else 0.0,
+            "cuda_graph_batch_sizes": list(graphs.ladder) if graphs else [],
+            "cuda_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
+            "memory": self.memory_report(), "device_memory": device_memory(self.device),
+            **self.media_counters()}
 
     def release_graphs(self) -> None:
         """Drops the decode CUDA graphs (before a tensor-parallel communicator they captured
@@ -265,6 +290,56 @@ class ModelRunner:
             if len(sample_rows) == batch.size:
                 self._last_sampled = sampled.next_token_ids
         return PendingStep(self, batch, hidden, sample_rows, sampled)
+
+    @torch.inference_mode()
+    def verify(self, batch: Batch, rows: Sequence[SamplingRow]) -> VerifyOutput:
+        """A speculative verify pass (`batch.drafts`; `rows`: every request's sampling state):
+        one eager EXTEND forward over each request's last token and drafts (CUDA graphs capture
+        decode passes only), the target's logits at every position, and per request the tokens
+        it keeps (`speculative.verify`)."""
+        if self.tp is not None:
+            raise RuntimeError("speculative verify passes do not run tensor-parallel")
+        logits = self._verify_logits(batch)
+        rows = list(rows)
+        info = self.sampler.batch_info(expanded_rows(rows, batch.drafts), self.device)
+        self._batch_info = None  # outputs grew by several tokens: rebuilt for the next decode
+        self._last_sampled = None
+        return verify_drafts(self.sampler, logits, info,
+                             draft_bitmasks(rows, batch.drafts, info, self.device), batch.drafts)
+
+    def _verify_logits(self, batch: Batch) -> torch.Tensor:
+        """[positions, vocab] logits of a verify pass: as a decode batch (a CUDA graph replay
+        when one fits, else eagerly) or as one EXTEND (see `SpeculativeConfig.verify_mode`)."""
+        mode = self._verify_mode
+        if mode == "auto":
+            mode = "decode" if self.graph_runner is not None else "extend"
+        if mode == "decode":
+            forward_batch = self._verify_as_decode(batch)
+            hidden, graph_logits = self._forward(forward_batch)
+            if graph_logits is not None:
+                return graph_logits
+            return self.model.compute_logits(hidden)
+        hidden, _ = self._forward(self.forward_batch(batch), batch)
+        return self.model.compute_logits(hidden)
+
+    def _verify_as_decode(self, batch: Batch) -> ForwardBatch:
+        """A verify batch as a DECODE batch: position j of request i is a row reading request
+        i's KV row up to j (its slots are in the row already: the pass writes every row's KV
+        before attending); a request's rows share its prefix (read once per group when the
+        backend can)."""
+        pools: list[int] = []
+        prefix: list[int] = []
+        shared: list[tuple[int, list[int]]] = []
+        for pool, start, n in zip(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
+                                  strict=True):
+            if n > 1 and start >= VERIFY_SHARED_PREFIX_MIN_TOKENS and self._shared_prefix_decode:
+                shared.append((start, list(range(len(pools), len(pools) + n))))
+            pools.extend([pool] * n)
+            prefix.extend(range(start, start + n))
+        return ForwardBatch.build(
+            mode=ForwardMode.DECODE, input_ids=batch.input_ids, req_pool_indices=pools,
+            prefix_lens=prefix, extend_lens=[1] * len(pools), out_cache_loc=batch.out_cache_loc,
+            req_to_token=self.req_to_token_pool.req_to_token, shared_prefixes=shared)
 
     def _previous_tokens(self, batch: Batch) -> torch.Tensor:
         """The input ids of a `follows_previous` batch: the last launch's sampled tokens (all,

@@ -32,7 +32,7 @@ class PrefixPins:
         """Locks the cached run `input_ids`; its pin id, or None when the cache does not hold
         all of it (evicted since it was cached: the caller caches it again and retries)."""
         match = self.cache.match_all(list(input_ids))
-        if len(match.indices) < len(input_ids):
+        if match.length < len(input_ids):
             return None
         self.cache.lock(match.handle)
         pin_id = next(self._ids)
@@ -54,3 +54,7 @@ class PrefixPins:
     def tokens(self) -> int:
         """Tokens held by the pins (a run pinned twice counts twice)."""
         return sum(pin.tokens for pin in self._pins.values())
+
+    def stats(self) -> dict[str, int]:
+        """`pinned_prefixes` and the tokens they hold (`pinned_tokens`)."""
+        return {"pinned_prefixes": len(self._pins), "pinned_tokens": self.tokens()}

@@ -31,7 +31,7 @@ class SchedulePolicy:
 
 
 def _matched_lengths(waiting: list[Req], cache: PrefixCache) -> dict[int, int]:
-    return {req.rid: len(cache.match_prefix(req.fill_ids, req.extra_key).indices)
+    return {req.rid: cache.match_prefix(req.fill_ids, req.extra_key).length
             for req in waiting}
 
 

@@ -4,19 +4,43 @@ nothing. It never sees a request: the scheduler's cache manager turns requests i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from lmnb.runtime.memory import KVAllocator
 
+if TYPE_CHECKING:
+    from lmnb.runtime.radix.cache import EvictionListener
+
 CacheHandle = Any  # opaque to callers: pass it back to lock/unlock/note_hit
 
 
-class MatchResult(NamedTuple):
-    indices: torch.Tensor  # [matched] KV slots of the matched prefix, in order
-    handle: CacheHandle  # lock it before using `indices`; None when nothing can be locked
+class MatchResult:
+    """A matched prefix: its length, the handle to lock before using its KV slots, and the slots
+    themselves, gathered from the matched nodes' runs on first use (ranking or deferring a
+    request needs only the length: no device work)."""
+
+    __slots__ = ("parts", "handle", "length", "_indices")
+
+    def __init__(self, parts: Sequence[torch.Tensor], handle: CacheHandle) -> None:
+        self.parts = tuple(parts)  # [n_i] KV slots of each matched run, in order
+        self.handle = handle
+        self.length = sum(len(part) for part in self.parts)
+        self._indices: torch.Tensor | None = None
+
+    @property
+    def indices(self) -> torch.Tensor:
+        """[length] KV slots of the matched prefix, in order."""
+        if self._indices is None:
+            self._indices = (self.parts[0] if len(self.parts) == 1
+                             else torch.cat(self.parts))
+        return self._indices
+
+    def __iter__(self) -> Iterator[Any]:
+        """`indices, handle = match`."""
+        return iter((self.indices, self.handle))
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -37,6 +61,17 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class CacheStats(TypedDict):
+    """A prefix cache's part of `Runtime.stats()`."""
+
+    evicted_tokens: int
+    eviction_events: int
+    tree_nodes: int
+    tree_tokens: int  # evictable + protected
+    evictable_tokens: int
+    protected_tokens: int  # locked by running requests or pins
+
+
 class PrefixCache(ABC):
     """KV of earlier requests kept for reuse, sharing the one slot allocator with running
     requests.
@@ -50,9 +85,27 @@ class PrefixCache(ABC):
     """
 
     reuses_kv = True
+    evicted_tokens = 0  # counted by caches that evict
+    eviction_events = 0
+    eviction_listener: EvictionListener | None = None  # told of evictions, if the cache evicts
 
     def __init__(self, allocator: KVAllocator) -> None:
         self.allocator = allocator
+
+    def node_count(self) -> int:
+        """Entries (tree nodes) cached now; 0 for caches without a tree."""
+        return 0
+
+    def snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
+        """The cache's tree as plain data for observers (`RadixCache.snapshot`); empty here."""
+        return []
+
+    def stats(self) -> CacheStats:
+        """This cache's part of `Runtime.stats()` (tokens and evictions)."""
+        evictable, protected = self.evictable_size(), self.protected_size()
+        return {"evicted_tokens": self.evicted_tokens, "eviction_events": self.eviction_events,
+                "tree_nodes": self.node_count(), "tree_tokens": evictable + protected,
+                "evictable_tokens": evictable, "protected_tokens": protected}
 
     @abstractmethod
     def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
@@ -61,6 +114,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def match_all(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         """Longest cached prefix of the whole `key` (re-matching what was just inserted)."""
+
+    def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> CacheHandle:
+        """The handle of the whole `key`, just inserted (`match_all(key).handle` without
+        gathering the indices)."""
+        return self.match_all(key, extra_key).handle
 
     @abstractmethod
     def insert(self, key: Sequence[int], indices: torch.Tensor, extra_key: Hashable = None) -> int:
@@ -84,6 +142,19 @@ class PrefixCache(ABC):
         the deepest prefix each request shares with another, of at least `min_tokens` tokens.
         The default shares nothing."""
         return []
+
+    def load_back(self, key: Sequence[int], extra_key: Hashable = None, *, room: int) -> int:
+        """Brings KV of `key`'s prefix kept in slower tiers (host memory, disk) into device
+        slots, at most `room` of them, so that `match_prefix(key)` matches it; returns how many
+        tokens were loaded. The default keeps no other tier."""
+        return 0
+
+    def check(self) -> None:  # noqa: B027
+        """Asserts the cache's own invariants (tests, `check_integrity`); the default has none."""
+
+    def close(self) -> None:  # noqa: B027
+        """Lets go of what the cache holds beyond the device pool (host memory, writer
+        threads) when its runtime closes; the default holds nothing."""
 
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         """How many leading tokens of `key` are cached now, for observers (widgets): no lock,
@@ -112,7 +183,8 @@ class NoReuseCache(PrefixCache):
     reuses_kv = False
 
     def _empty(self) -> MatchResult:
-        return MatchResult(torch.empty(0, dtype=torch.int64, device=self.allocator.device), None)
+        return MatchResult((torch.empty(0, dtype=torch.int64, device=self.allocator.device),),
+                           None)
 
     def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         return self._empty()
@@ -123,6 +195,9 @@ class NoReuseCache(PrefixCache):
     def insert(self, key: Sequence[int], indices: torch.Tensor, extra_key: Hashable = None) -> int:
         self.allocator.free(indices.clone())
         return 0
+
+    def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> CacheHandle:
+        return None
 
     def lock(self, handle: CacheHandle) -> None:
         pass

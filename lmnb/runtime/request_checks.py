@@ -11,6 +11,7 @@ from typing import Any
 from lmnb.multimodal.items import MultimodalInputs
 from lmnb.params import InvalidRequestError, SamplingParams
 from lmnb.runtime.media_requests import check_prompt_ids
+from lmnb.runtime.output.stop import within_context
 
 SamplingInput = dict[str, Any] | Sequence[dict[str, Any]] | None
 
@@ -79,10 +80,4 @@ def check_prompt(ids: list[int], params: SamplingParams, *, context_len: int, vo
     if logprob_start >= len(ids):
         raise InvalidRequestError(
             f"logprob_start_len {logprob_start} is past the prompt's {len(ids)} tokens")
-    room = context_len - len(ids)
-    if params.max_new_tokens > room:
-        params = SamplingParams.from_dict({
-            **params.to_dict(),
-            "max_new_tokens": min(params.max_new_tokens, room),
-            "min_new_tokens": min(params.min_new_tokens, room)})
-    return params
+    return within_context(params, prompt_len=len(ids), context_len=context_len)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.media_requests import MediaInput
 from lmnb.runtime.output import OutputStream
@@ -29,6 +30,7 @@ class EngineSurface(Protocol):
     model_dir: Path
     context_len: int  # a prompt plus its output stays below it
     max_total_tokens: int  # KV pool size (summed over data-parallel replicas)
+    media_processor: MediaProcessor | None  # None: the runtime takes no images or videos
 
     @property
     def closed(self) -> bool: ...
@@ -36,6 +38,16 @@ class EngineSurface(Protocol):
     @property
     def failed(self) -> bool:
         """Broken for good: every later call raises (create a new runtime)."""
+        ...
+
+    @property
+    def image_token(self) -> str | None:
+        """The prompt text that stands for one image (None: it takes no images)."""
+        ...
+
+    @property
+    def video_token(self) -> str | None:
+        """The prompt text that stands for one video (None: it takes no videos)."""
         ...
 
     def generate(self, prompt: PromptInput = None, sampling_params: SamplingInput = None, *,

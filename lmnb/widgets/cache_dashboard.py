@@ -18,7 +18,9 @@ _GAUGES = ("cache_hit_rate", "recent_cache_hit_rate", "prompt_tokens", "cached_t
            "generated_tokens", "forward_passes", "retractions", "evicted_tokens",
            "eviction_events", "tree_nodes", "tree_tokens", "evictable_tokens", "protected_tokens",
            "max_total_tokens", "free_tokens", "running", "waiting", "media_tokens",
-           "cached_media_tokens")
+           "cached_media_tokens", "speculative", "hicache_device_tokens", "hicache_host_tokens",
+           "hicache_host_capacity", "hicache_host_loaded_tokens", "hicache_disk_loaded_tokens",
+           "hicache_disk_bytes")
 _COUNTED = ("prompt_tokens", "cached_tokens", "media_tokens", "cached_media_tokens")
 
 _SINCE_CREATED = "since this dashboard started"
@@ -140,6 +142,11 @@ function render({ model, el }) {
   const queue = card(cards, "running / waiting", "lmnb-queue");
   const media = card(cards, "image/video tokens cached", "lmnb-media-tokens");
   media.parentElement.style.display = "none";
+  const spec = card(cards, "speculative drafts accepted", "lmnb-spec");
+  spec.parentElement.style.display = "none";
+  const tiers = card(cards, "tiers: device / host / disk (tokens hit from host, disk)",
+    "lmnb-tiers");
+  tiers.parentElement.style.display = "none";
   const charts = node("div", "lmnb-charts");
   const hits = chart("hit rate over time: achieved (solid), recent (thin), optimal (dashed)");
   const bars = chart("");
@@ -168,6 +175,17 @@ function render({ model, el }) {
     const mediaSeen = last && last.media_tokens > 0;
     media.parentElement.style.display = mediaSeen ? "" : "none";
     media.textContent = mediaSeen ? `${last.cached_media_tokens} / ${last.media_tokens}` : "n/a";
+    const sp = st.speculative;
+    spec.parentElement.style.display = sp ? "" : "none";
+    if (sp) {
+      spec.textContent = `${pct(sp.accept_rate)}, ${sp.mean_accept_length.toFixed(2)} tok/pass`;
+      spec.title = `${sp.algorithm}: ${sp.verify_passes} verify passes; ${sp.state}`;
+    }
+    const tiered = st.hicache_host_capacity !== undefined;
+    tiers.parentElement.style.display = tiered ? "" : "none";
+    tiers.textContent = tiered ? `${st.hicache_device_tokens} / ${st.hicache_host_tokens} / ` +
+      `${((st.hicache_disk_bytes ?? 0) / 2 ** 20).toFixed(1)} MiB ` +
+      `(${st.hicache_host_loaded_tokens}, ${st.hicache_disk_loaded_tokens})` : "n/a";
     hitChart(hits, series, opt);
     const requests = model.get("requests") || [];
     let barData;
@@ -235,6 +253,15 @@ _CSS = r"""
 
 def _meta_info(request: Mapping[str, Any]) -> Mapping[str, Any]:
     return request.get("meta_info", request)
+
+
+def _tiers_line(st: Mapping[str, Any]) -> str:
+    disk = (f"; disk {st['hicache_disk_bytes'] / 2**20:.1f} MiB"
+            if "hicache_disk_bytes" in st else "")
+    return (f"  tiers: device {st['hicache_device_tokens']} tokens, host "
+            f"{st['hicache_host_tokens']} of {st['hicache_host_capacity']}{disk}; hits loaded "
+            f"from host {st['hicache_host_loaded_tokens']}, from disk "
+            f"{st['hicache_disk_loaded_tokens']} tokens")
 
 
 class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
@@ -429,4 +456,11 @@ class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
                          f"{st['evictable_tokens']} evictable, {st['protected_tokens']} locked; "
                          f"evicted {st['evicted_tokens']} tokens in {st['eviction_events']} "
                          f"events; running {st['running']}, waiting {st['waiting']}")
+            if "hicache_host_capacity" in st:
+                lines.append(_tiers_line(st))
+        if st and st.get("speculative"):
+            sp = st["speculative"]
+            lines.append(f"  speculative ({sp['algorithm']}): {100 * sp['accept_rate']:.1f}% of "
+                         f"draft tokens accepted, {sp['mean_accept_length']:.2f} tokens per "
+                         f"verify pass over {sp['verify_passes']} passes; {sp['state']}")
         return "\n".join(lines)

@@ -14,7 +14,7 @@ from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
 from lmnb.widgets.saved_text import SavedText
 
 STATES = ("root", "new", "hit", "locked", "evictable", "evicted")
-_TRACKED = ("parent", "tokens", "lock_ref", "hit_count")  # a change here is a new refresh
+_TRACKED = ("parent", "tokens", "lock_ref", "hit_count", "tier")  # a change here is a new refresh
 
 _ESM = r"""
 const SVG = "http://www.w3.org/2000/svg";
@@ -73,7 +73,7 @@ function draw(model, canvas, info) {
     const head = n.state === "root" ? "root" : `${n.tokens} tok \u00b7 ${n.state}`;
     g.append(svg("text", { x: 6, y: 12, class: "lmnb-node-head" }, head));
     g.append(svg("text", { x: 6, y: 25, class: "lmnb-node-text" }, short(n.text, 24)));
-    g.append(svg("title", {}, `node ${n.id}: ${n.tokens} tokens, ${n.state}, ` +
+    g.append(svg("title", {}, `node ${n.id}: ${n.tokens} tokens, ${n.state}, ${n.tier}, ` +
       `lock_ref ${n.lock_ref}, hits ${n.hit_count}\n${n.text || ""}`));
     s.append(g);
   }
@@ -273,7 +273,7 @@ class RadixTreeView(SavedText, PollingWidget, anywidget.AnyWidget):
     @staticmethod
     def _same(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> bool:
         return a.keys() == b.keys() and all(
-            a[i][k] == b[i][k] for i in a for k in _TRACKED)
+            a[i].get(k) == b[i].get(k) for i in a for k in _TRACKED)
 
     def _draw(self, rows: list[dict[str, Any]], current: dict[int, dict[str, Any]]) -> None:
         before = self._previous
@@ -296,6 +296,7 @@ class RadixTreeView(SavedText, PollingWidget, anywidget.AnyWidget):
         nodes = [{"id": n["id"], "parent": n["parent"], "tokens": n["tokens"], "text": n["text"],
                   "lock_ref": n["lock_ref"], "hit_count": n["hit_count"],
                   "namespace": _plain(n.get("namespace")), "state": n["state"],
+                  "tier": n.get("tier", "device"),
                   "locked": n["locked"], "depth": layout[n["id"]][0], "y": layout[n["id"]][1]}
                  for n in kept]
         self._refreshes += 1

@@ -99,9 +99,20 @@ class ChatPrompt:
 
 @runtime_checkable
 class Backend(Protocol):
+    """What the interpreter calls for a program's gens and selects. `LocalBackend` (a `Runtime`
+    in this process), `RuntimeEndpoint` (a server's SGLang-native API) and `OpenAI` (an
+    OpenAI-compatible endpoint) implement it; SGLang-style custom backends subclass `BaseBackend`
+    instead. Implementations may take more keyword arguments, each with a default (`media=` of a
+    `MediaBackend`, `chat=` when `is_chat_model`)."""
+
     # Role text from the model's own template; a backend over a Runtime renders it with
     # `Runtime.apply_chat_template`, so roles and chat prompts agree.
     chat_template: ChatTemplate
+    # The endpoint takes messages: `generate` is also given `chat=ChatPrompt(...)`.
+    is_chat_model: bool
+    # `meta_info["output_token_logprobs"]` entries carry token texts, `(logprob, id, text)`,
+    # which API speculation uses to size each served gen.
+    reports_token_texts: bool
 
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
@@ -228,6 +239,9 @@ class BaseBackend:
     executor ends. `get_chat_template()` gives the role text (`lmnb.lang.chat_template`'s
     `ChatTemplate`; plain "User: " ... by default). Images and videos are not passed.
     """
+
+    is_chat_model = False  # a subclass over a chat endpoint sets it: gens get role messages
+    reports_token_texts = False
 
     def __init__(self) -> None:
         self.support_concate_and_append = False

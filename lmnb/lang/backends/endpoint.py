@@ -33,7 +33,11 @@ from lmnb.lang.ir import GenParams
 
 
 class RuntimeEndpoint:
-    """Backend over a server's SGLang-native API."""
+    """Backend over a server's SGLang-native API (a `Backend`; a `MediaBackend` when the
+    server's model takes images or videos)."""
+
+    is_chat_model = False  # programs send text; roles are rendered with the model's template
+    reports_token_texts = False
 
     def __init__(self, base_url: str, api_key: str | None = None, *,
                  timeout: float = 600.0) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import (
     CancelEvent,
@@ -17,13 +18,50 @@ from lmnb.lang.backends.base import (
 )
 from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.chat_template import ChatTemplate
+from lmnb.lang.event_loop import block_on, run_body
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
-from lmnb.lang.token_trace import TokenTrace, traced_top_k
+from lmnb.lang.token_trace import GenRecord, TokenTrace, traced_top_k
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
+
+if TYPE_CHECKING:
+    from lmnb.runtime.surface import EngineSurface
 
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
 _IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safety net only
+
+
+@functools.lru_cache(maxsize=1024)
+def _sampling_dict(params: GenParams) -> dict[str, Any]:
+    return params.sampling_params().to_dict()
+
+
+class AwaitedRuntime:
+    """A runtime as the choice scorer calls it (`encode`, `tokenizer`, a blocking `generate`,
+    `cache_prefix`), from a greenlet on the program loop: each `generate` is submitted as a
+    stream and awaited there (`block_on` suspends the greenlet), so no thread waits on it."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.tokenizer = runtime.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.runtime.encode(text)
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, *,
+                 input_ids: Any = None, **options: Any) -> Any:
+        stream = self.runtime.generate(prompt, sampling_params, input_ids=input_ids,
+                                       stream=True, **options)
+        results = block_on(stream.aresults())
+        batch = isinstance(prompt, list) or (
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
+        return results if batch or len(results) != 1 else results[0]
+
+    def cache_prefix(self, prompt: str | None = None, *,
+                     input_ids: Sequence[int] | None = None) -> int:
+        out = self.generate(prompt, {"max_new_tokens": 0},
+                            input_ids=None if input_ids is None else list(input_ids))
+        return out["meta_info"]["prompt_tokens"]
 
 
 class LocalBackend:
@@ -31,7 +69,10 @@ class LocalBackend:
     `image()` / `video()`: each is loaded, hashed and preprocessed once by the runtime's
     `MediaProcessor`, and the prepared item is sent with every request whose prompt holds it."""
 
-    def __init__(self, runtime: Any) -> None:
+    is_chat_model = False  # programs send text; roles are rendered with the model's template
+    reports_token_texts = False
+
+    def __init__(self, runtime: EngineSurface) -> None:
         self.runtime = runtime
         self.chat_template = ChatTemplate(runtime.tokenizer, render=runtime.apply_chat_template)
         # Prompts go to the runtime as ids, tokenized incrementally (exactly the runtime's ids),
@@ -48,17 +89,20 @@ class LocalBackend:
 
     def sampling_params(self, params: GenParams) -> dict[str, Any]:
         """`Runtime.generate`'s `sampling_params` of a gen's merged `params`: every field of
-        their `SamplingParams` (checked here, so a bad value fails before any request)."""
-        return params.sampling_params().to_dict()
+        their `SamplingParams` (checked here, so a bad value fails before any request). The
+        runtime copies the dict; it is computed once per distinct `params`."""
+        try:
+            return _sampling_dict(params)
+        except TypeError:  # a value that cannot be hashed (a dict, a list)
+            return params.sampling_params().to_dict()
 
     # ---- media -------------------------------------------------------------------------------
     def prepare_media(self, kind: str, source: Any, *,
                       num_frames: int | None = None) -> MediaInput:
-        token = getattr(self.runtime, f"{kind}_token", None)  # None: a text model
-        if token is None:
-            model = getattr(getattr(self.runtime, "model_dir", None), "name", None) or "the model"
-            raise MediaUnsupported(f"{model} takes no {kind}s")
+        token = self.runtime.image_token if kind == "image" else self.runtime.video_token
         processor = self.runtime.media_processor
+        if token is None or processor is None:  # a text model
+            raise MediaUnsupported(f"{self.runtime.model_dir.name} takes no {kind}s")
         if kind == "image":
             item = processor.image(source)
         else:
@@ -66,18 +110,18 @@ class LocalBackend:
         return MediaInput(kind, token, item)
 
     def media_token_ids(self) -> frozenset[int]:
-        processor = getattr(self.runtime, "media_processor", None)
-        ids = (getattr(processor, f"{kind}_token_id", None) for kind in ("image", "video"))
+        processor = self.runtime.media_processor
+        if processor is None:
+            return frozenset()
+        ids = (processor.image_token_id, processor.video_token_id)
         return frozenset(i for i in ids if i is not None)
 
     # ---- Backend -----------------------------------------------------------------------------
-    def generate(self, prompt: str, params: GenParams, *,
-                 on_delta: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None,
-                 media: Sequence[MediaInput] = (),
-                 trace: TokenTrace | None = None) -> Generation:
-        """`Backend.generate`; with `trace` (a traced program), the request's tokens, origins
-        and logprobs go to a new record of it."""
+    def _submit(self, prompt: str, params: GenParams, media: Sequence[MediaInput],
+                trace: TokenTrace | None) -> tuple[Any, GenRecord | None]:
+        """Submits one gen's request(s); their `OutputStream`, consumed by a thread or a task,
+        and with `trace` (a traced program) the new record of it that the first sample's
+        tokens, origins and logprobs go to."""
         prompt_args = self._prompt(prompt, media)
         record = (trace.request(prompt_args["input_ids"], len(prompt))
                   if trace is not None and "input_ids" in prompt_args else None)
@@ -88,6 +132,59 @@ class LocalBackend:
             top_logprobs_num=traced_top_k(params.top_logprobs_num, record is not None),
             stream=True, **({"return_token_origins": True} if record is not None else {}),
             **prompt_args)
+        return chunks, record
+
+    def _generation(self, gen: GenTexts, params: GenParams) -> Generation:
+        if params.return_text_in_logprobs:
+            texts = TokenTexts(self.runtime.tokenizer)
+            gen.metas = [with_token_texts(meta, texts) for meta in gen.metas]
+        return gen.generation()
+
+    @staticmethod
+    def _take(gen: GenTexts, record: GenRecord | None, chunk: dict[str, Any]) -> bool:
+        """One streamed chunk into the gen's texts (and the trace's record); True once every
+        sample is complete."""
+        index = chunk.get("index", 0)
+        complete = gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"])
+        if record is not None and index == 0:
+            record.update(chunk, len(gen.texts[0]))
+        return complete
+
+    async def agenerate(self, prompt: str, params: GenParams, *,
+                        on_delta: Callable[[str], None] | None = None,
+                        cancel: threading.Event | None = None,
+                        media: Sequence[MediaInput] = (),
+                        trace: TokenTrace | None = None) -> Generation:
+        """`generate` as a coroutine (the program loop's): the request goes straight into the
+        runtime and its output stream is awaited; setting `cancel` (a `CancelEvent`) closes the
+        stream, which aborts the request and wakes the await. `trace` as in `generate`."""
+        chunks, record = self._submit(prompt, params, media, trace)
+        gen = GenTexts(params, on_delta)
+        unregister = cancel.on_set(chunks.close) if isinstance(cancel, CancelEvent) else None
+        try:
+            async for chunk in chunks:
+                if cancel is not None and cancel.is_set():
+                    break
+                if self._take(gen, record, chunk):
+                    break
+            if cancel is not None and cancel.is_set():
+                raise ProgramAborted("the program was interrupted")
+        finally:
+            if record is not None and not record.done:
+                record.close()
+            if unregister is not None:
+                unregister()
+            chunks.close()  # aborts whatever is still running
+        return self._generation(gen, params)
+
+    def generate(self, prompt: str, params: GenParams, *,
+                 on_delta: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None,
+                 media: Sequence[MediaInput] = (),
+                 trace: TokenTrace | None = None) -> Generation:
+        """`Backend.generate`; with `trace` (a traced program), the request's tokens, origins
+        and logprobs go to a new record of it."""
+        chunks, record = self._submit(prompt, params, media, trace)
         gen = GenTexts(params, on_delta)
         wakes = isinstance(cancel, CancelEvent)
         # Setting the cancel event closes the stream, which wakes the wait below.
@@ -105,11 +202,7 @@ class LocalBackend:
                     if cancel is not None and cancel.is_set():
                         raise ProgramAborted("the program was interrupted")
                     break
-                index = chunk.get("index", 0)
-                complete = gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"])
-                if record is not None and index == 0:
-                    record.update(chunk, len(gen.texts[0]))
-                if complete:
+                if self._take(gen, record, chunk):
                     break
         finally:
             if record is not None and not record.done:
@@ -117,16 +210,39 @@ class LocalBackend:
             if unregister is not None:
                 unregister()
             chunks.close()  # aborts whatever is still running
-        if params.return_text_in_logprobs:
-            texts = TokenTexts(self.runtime.tokenizer)
-            gen.metas = [with_token_texts(meta, texts) for meta in gen.metas]
-        return gen.generation()
+        return self._generation(gen, params)
+
+    async def aselect(self, prompt: str, choices: tuple[str, ...], method: str, *,
+                      media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
+        """`select` on the program loop: the scoring (several runtime calls in turn) runs as a
+        greenlet whose calls are submitted as streams and awaited (`AwaitedRuntime`)."""
+        return await run_body(self._select, AwaitedRuntime(self.runtime), prompt, choices,
+                              method, media)
+
+    async def acache_prefix(self, prompt: str, *, media: Sequence[MediaInput] = ()) -> None:
+        """`cache_prefix` as a coroutine: a prefill-only request, its stream awaited."""
+        if not prompt:
+            return
+        if media:
+            stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True,
+                                           **media_data(media))
+        elif self.prompt_tokens is not None:
+            stream = self.runtime.generate(input_ids=self.prompt_tokens.encode(prompt),
+                                           sampling_params={"max_new_tokens": 0}, stream=True)
+        else:
+            stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True)
+        async for _ in stream:  # a runtime's wrapper may stream without `aresults`
+            pass
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str, *,
                media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
+        return self._select(self.runtime, prompt, choices, method, media)
+
+    def _select(self, runtime: Any, prompt: str, choices: tuple[str, ...], method: str,
+                media: Sequence[MediaInput]) -> tuple[str, dict]:
         from lmnb.lang.choices import RuntimeChoiceScorer, select_choice
 
-        scorer = RuntimeChoiceScorer(self.runtime, media=media_data(media),
+        scorer = RuntimeChoiceScorer(runtime, media=media_data(media),
                                      media_token_ids=self.media_token_ids() if media else
                                      frozenset())
         result = select_choice(scorer, prompt, choices, method)
@@ -164,7 +280,7 @@ class LocalBackend:
 
         runtime = self.runtime
         return {**dataclasses.asdict(runtime.engine_config), "version": __version__,
-                "model_path": str(getattr(runtime, "model_dir", "")),
-                "max_total_num_tokens": getattr(runtime, "max_total_tokens", None),
-                "context_length": getattr(runtime, "context_len", None),
+                "model_path": str(runtime.model_dir),
+                "max_total_num_tokens": runtime.max_total_tokens,
+                "context_length": runtime.context_len,
                 "internal_states": [runtime.stats()]}

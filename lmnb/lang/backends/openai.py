@@ -18,7 +18,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from lmnb.lang.backends.base import ChatPrompt, Generation, ProgramAborted
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
 from lmnb.params import default_sampling_params
+from lmnb.runtime.output.stop import compile_stop_regex, first_stop_regex_match
 
 # Known completion (non-chat) models of the OpenAI API; any other name is taken as a chat model.
 COMPLETION_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
@@ -96,7 +97,8 @@ class _Reply:
 
 
 class OpenAI:
-    """Backend over an OpenAI-compatible endpoint through the official `openai` client.
+    """Backend (`lmnb.lang.backends.base.Backend`) over an OpenAI-compatible endpoint through the
+    official `openai` client.
 
     `is_chat_model`: None guesses from the name (`COMPLETION_MODELS` are completion models).
     `client`: an `openai.OpenAI` to use as it is (tests give one over an in-process transport);
@@ -125,6 +127,7 @@ class OpenAI:
     # Output logprobs come with token texts (`meta_info["output_token_logprobs"]` entries are
     # `(logprob, None, text)`), which API speculation uses to size each served gen.
     reports_token_texts = True
+    is_chat_model: bool
 
     def __repr__(self) -> str:
         kind = "chat" if self.is_chat_model else "completion"
@@ -151,7 +154,7 @@ class OpenAI:
             create = self.client.completions.create
             if params.json_schema is not None:  # SGLang's completion field
                 kwargs.setdefault("extra_body", {})["json_schema"] = params.json_schema
-        stop_regex = [re.compile(p) for p in params.stop_regex or ()]
+        stop_regex = compile_stop_regex(params.stop_regex)
         if n == 1:
             reply, usage = self._stream(create, kwargs, on_delta, cancel, stop_regex)
             replies = [reply]
@@ -367,12 +370,11 @@ def _matched_stop(choice: Any) -> str | int | None:
     return extra.get("matched_stop", extra.get("stop_reason"))
 
 
-def _cut(reply: _Reply, stop_regex: Iterable[re.Pattern]) -> bool:
+def _cut(reply: _Reply, stop_regex: Sequence[re.Pattern]) -> bool:
     """Ends `reply` at the first `stop_regex` match (client-side); True if it did."""
-    matches = [m for m in (p.search(reply.text) for p in stop_regex) if m]
-    if not matches:
+    match = first_stop_regex_match(stop_regex, reply.text)
+    if match is None:
         return False
-    match = min(matches, key=lambda m: m.start())
     reply.text, reply.finish_reason, reply.matched = reply.text[:match.start()], "stop", \
         match.group()
     return True

@@ -5,13 +5,12 @@ on a `stop_regex` match; text streamed before the match completed is cut here.""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 from lmnb.lang.backends.base import Generation
 from lmnb.lang.ir import GenParams
-from lmnb.runtime.output.stop import first_stop_regex_match
+from lmnb.runtime.output.stop import compile_stop_regex, first_stop_regex_match
 
 
 class GenTexts:
@@ -20,7 +19,7 @@ class GenTexts:
 
     def __init__(self, params: GenParams, on_delta: Callable[[str], None] | None) -> None:
         self.n = params.n or 1
-        self.stop_regex = [re.compile(p) for p in params.stop_regex or ()]
+        self.stop_regex = compile_stop_regex(params.stop_regex)
         self.on_delta = on_delta
         self.texts = [""] * self.n
         self.metas: list[dict[str, Any]] = [{} for _ in range(self.n)]

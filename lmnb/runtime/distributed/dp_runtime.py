@@ -26,6 +26,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmnb.multimodal.processor import MediaProcessor
 from lmnb.params import InvalidRequestError
 from lmnb.runtime import request_checks
 from lmnb.runtime.chat import apply_chat_template
@@ -108,6 +109,7 @@ class DataParallelRuntime:
         self.tokenizer = loader.load_tokenizer(
             loader.resolve_model_dir(config.tokenizer_path) if config.tokenizer_path
             else self.model_dir)
+        self.media_processor: MediaProcessor | None = None  # media are not routed yet
         self.event_poll_interval = event_poll_interval
         self._ray_runtime_env = ray_runtime_env
         router_config = router if isinstance(router, RouterConfig) else RouterConfig(
@@ -393,6 +395,15 @@ class DataParallelRuntime:
     def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
         """Empty: the radix trees live in the replicas (see `stats()["router"]`)."""
         return []
+
+    # ---- media (not routed yet) ------------------------------------------------------------------
+    @property
+    def image_token(self) -> str | None:
+        return None
+
+    @property
+    def video_token(self) -> str | None:
+        return None
 
     # ---- tokenizer -------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

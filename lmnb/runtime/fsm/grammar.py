@@ -49,6 +49,13 @@ class RequestGrammar:  # implements protocol.Grammar
         """Stop ids are allowed in accepting states and at dead ends."""
         return self.index.is_accepting(self.state) or not self.index.can_continue(self.state)
 
+    def fork(self) -> RequestGrammar:
+        """A copy at the same state, sharing the index and the bitmask cache."""
+        twin = RequestGrammar.__new__(RequestGrammar)
+        twin.index, twin.pattern, twin.state = self.index, self.pattern, self.state
+        twin._bitmasks = self._bitmasks
+        return twin
+
     def advance(self, token_id: int) -> None:
         self.state = self.index.next_state(self.state, token_id)
 

@@ -43,6 +43,11 @@ class Grammar(Protocol):
     def is_dead(self) -> bool:
         ...
 
+    def fork(self) -> Grammar | None:
+        """An independent copy at the same place (to walk speculative draft tokens without
+        moving this one), or None when the backend cannot copy a matcher."""
+        ...
+
     def forced_text(self) -> str:
         """Whole characters every continuation starts with ('' when the model has a choice):
         what jump-forward may append at once."""

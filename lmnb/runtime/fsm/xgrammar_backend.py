@@ -151,6 +151,10 @@ class XGrammarMatcher:
         self._allowed = None
         self._bitmasks.clear()
 
+    def fork(self) -> None:
+        """xgrammar's matchers cannot be copied: no speculative drafts under them."""
+        return None
+
     def advance(self, token_id: int) -> None:
         self._stepped(not self._dead and self._matcher.accept_token(token_id))
 

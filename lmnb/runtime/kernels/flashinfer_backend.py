@@ -25,7 +25,7 @@ from lmnb.runtime.kernels.registry import register_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 WORKSPACE_BYTES = 256 << 20
-_HALF = (torch.float16, torch.bfloat16)
+_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def _host_int32(values: list[int], pinned: bool) -> torch.Tensor:
@@ -45,8 +45,8 @@ class FlashInferAttention(AttentionBackend):
 
     @classmethod
     def unsupported(cls, *, dtype: torch.dtype, head_dim: int) -> str | None:
-        if dtype not in _HALF:
-            return f"its kernels take fp16/bf16 KV, not {dtype}"
+        if dtype not in _KV_DTYPES:
+            return f"its kernels take fp16/bf16/fp8_e4m3 KV, not {dtype}"
         if head_dim not in (64, 128, 256):
             return f"head_dim {head_dim} is not one of 64, 128, 256"
         return None
@@ -66,6 +66,11 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"FlashInfer attention: {reason}")
         self._flashinfer = flashinfer
         self.device = storage.device
+        # q in the model's dtype; an FP8 pool (scale 1.0) is dequantized by the kernels
+        self._q_dtype = storage.compute_dtype if storage.is_fp8 else storage.dtype
+        if self._q_dtype not in _KV_DTYPES[:2]:
+            raise ValueError(f"FlashInfer attention: queries must be fp16/bf16, not "
+                             f"{self._q_dtype}")
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode = self._decode_wrapper()
@@ -84,7 +89,7 @@ class FlashInferAttention(AttentionBackend):
         pinned = self.device.type == "cuda"
         wrapper.plan(_host_int32(_indptr(kv_lens), pinned), kv_indices.to(torch.int32),
                      _host_int32([1] * len(kv_lens), pinned), self.num_heads, self.num_kv_heads,
-                     self.head_dim, 1, q_data_type=self.kv_storage.dtype,
+                     self.head_dim, 1, q_data_type=self._q_dtype,
                      kv_data_type=self.kv_storage.dtype, sm_scale=self.scale)
 
     # ---- eager ---------------------------------------------------------------------------------
@@ -99,7 +104,7 @@ class FlashInferAttention(AttentionBackend):
             _host_int32(_indptr(forward_batch.extend_lens_cpu), pinned),
             _host_int32(_indptr(lens), pinned), forward_batch.kv_indices.to(torch.int32),
             _host_int32([1] * len(lens), pinned), self.num_heads, self.num_kv_heads,
-            self.head_dim, 1, causal=True, q_data_type=self.kv_storage.dtype,
+            self.head_dim, 1, causal=True, q_data_type=self._q_dtype,
             kv_data_type=self.kv_storage.dtype, sm_scale=self.scale)
         self._active = self._prefill
 
@@ -110,7 +115,7 @@ class FlashInferAttention(AttentionBackend):
                                                        save_kv=save_kv)
         cache = (k_buffer.unsqueeze(1),  # [pages, page_size 1, kv_heads, dim]
                  v_buffer.unsqueeze(1))
-        out = self._active.run(query.to(self.kv_storage.dtype), cache)
+        out = self._active.run(query.to(self._q_dtype), cache)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim).to(q.dtype)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------

@@ -30,7 +30,9 @@ from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_up
 
 PREFIX_SPLITS = 8  # most parts a prefix is cut into
 PART_MIN_TOKENS = 256  # shorter parts cost more in partial writes than they add in parallelism
-PREFIX_BLOCK_N = 64
+PREFIX_BLOCK_N = 32  # H100 sweep (bench/decode_kernel.py --shared): 32 x 4 warps x 2 stages best
+PREFIX_NUM_WARPS = 4
+PREFIX_NUM_STAGES = 2
 BLOCK_M = 64  # query rows of a tile program: members x padded GQA group
 GRAPH_ITEMS = 128  # work items a captured graph launches (empty ones exit at once)
 ITEM_HEAD = 4  # leader, first, end, part
@@ -184,5 +186,5 @@ def shared_prefix_partials(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
         BLOCK_N=PREFIX_BLOCK_N, SPLIT_OFFSET=split_offset, HEAD=ITEM_HEAD,
         PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=PREFIX_NUM_WARPS, num_stages=PREFIX_NUM_STAGES,
     )

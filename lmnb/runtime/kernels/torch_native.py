@@ -77,10 +77,14 @@ class TorchNativeAttention(AttentionBackend):
             out = self._extend(q, k_buffer, v_buffer, forward_batch)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
+    def _readable(self, kv: torch.Tensor) -> torch.Tensor:
+        """Gathered K or V as SDPA takes them: an FP8 pool's (scale 1.0) in the model's dtype."""
+        return kv.to(self.kv_storage.compute_dtype) if self.kv_storage.is_fp8 else kv
+
     def _decode(self, q: torch.Tensor, k_buffer: torch.Tensor,
                 v_buffer: torch.Tensor) -> torch.Tensor:
-        keys = k_buffer[self._slots].transpose(1, 2)  # [bs, kv_heads, max_kv_len, dim]
-        values = v_buffer[self._slots].transpose(1, 2)
+        keys = self._readable(k_buffer[self._slots].transpose(1, 2))  # [bs, kv_heads, len, dim]
+        values = self._readable(v_buffer[self._slots].transpose(1, 2))
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=self._mask, scale=self.scale,
             enable_gqa=True)  # [bs, heads, 1, dim]
@@ -96,8 +100,8 @@ class TorchNativeAttention(AttentionBackend):
                                                          strict=True)):
             end = start + extend_len
             slots = kv_indices[self._kv_starts[i]:self._kv_starts[i + 1]]
-            keys = k_buffer[slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq, dim]
-            values = v_buffer[slots].transpose(0, 1).unsqueeze(0)
+            keys = self._readable(k_buffer[slots].transpose(0, 1).unsqueeze(0))  # [1, kvh, seq, d]
+            values = self._readable(v_buffer[slots].transpose(0, 1).unsqueeze(0))
             query = q[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)
             if prefix_len == 0:
                 mask, causal = None, True

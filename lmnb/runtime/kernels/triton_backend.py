@@ -29,7 +29,7 @@ from lmnb.runtime.kernels.triton_extend import extend_attention
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 DEFAULT_MAX_KV_SPLITS = 16
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
 @register_attention_backend("triton")
@@ -49,7 +49,7 @@ class TritonAttention(AttentionBackend):
     @classmethod
     def unsupported(cls, *, dtype: torch.dtype, head_dim: int) -> str | None:
         if dtype not in _DTYPES:
-            return f"its kernels take fp16/bf16/fp32 KV, not {dtype}"
+            return f"its kernels take fp16/bf16/fp32/fp8_e4m3 KV, not {dtype}"
         return None  # any head_dim: tiles are padded to a power of two
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -66,6 +66,8 @@ class TritonAttention(AttentionBackend):
         self._device = req_to_token_pool.req_to_token.device
         self._members = members_per_tile(num_heads, num_kv_heads)
         self._shared = None
+        if kv_storage.is_fp8:  # the shared-prefix kernel reads 16/32-bit KV only
+            self.supports_shared_prefixes = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.mode is ForwardMode.DECODE:

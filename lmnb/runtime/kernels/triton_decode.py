@@ -12,6 +12,9 @@ value back and CUDA graphs can capture both stages.
 
     partial_out  [bs, heads, max_kv_splits, head_dim]  float32
     partial_lse  [bs, heads, max_kv_splits]            float32
+
+FP8 KV (`KV_FP8`, float8_e4m3fn pools with scale 1.0): K/V tiles are converted in registers to q's
+dtype, which stays the model's (q is not rounded to the pool's dtype).
 """
 
 from __future__ import annotations
@@ -49,14 +52,18 @@ def dot_operand(x, UPCAST: tl.constexpr):
 @triton.jit
 def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
                   stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                  KV_FP8: tl.constexpr = False):
     """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
-    slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]."""
+    slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]. KV_FP8: K/V are FP8,
+    dequantized to q's dtype."""
     cols = n + offs_n
     mask_n = cols < end
     slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
     k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    if KV_FP8:
+        k = k.to(q.dtype)
     qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
     if CAUSAL:
         qk = tl.where(mask_n[None, :] & (cols[None, :] <= last[:, None]), qk, float("-inf"))
@@ -67,6 +74,8 @@ def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
     p = tl.exp(qk - m_new[:, None])
     v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                 mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    if KV_FP8:
+        v = v.to(q.dtype)
     v = dot_operand(v, UPCAST)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
@@ -91,6 +100,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,7 +126,10 @@ def _decode_partial_kernel(
     if end > start:
         q = tl.load(Q + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
+        if KV_FP8:
+            q = dot_operand(q, UPCAST)
+        else:
+            q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -124,7 +137,7 @@ def _decode_partial_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, end, end, m_i, l_i, acc, scale, kv_head,
                 stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                False, PRECISION, UPCAST)
+                False, PRECISION, UPCAST, KV_FP8)
         out = acc / l_i[:, None]
         tl.store(PART_O + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos
                  + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
@@ -220,7 +233,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     config = config or decode_config(head_dim, k_buffer.dtype, batch_size=bs,
                                      num_kv_heads=num_kv_heads)
     block_h = max(16, triton.next_power_of_2(group))
-    precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
+    kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
+    compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
+    assert shared is None or not kv_fp8, "shared-prefix decode reads 16/32-bit KV only"
+    precision = "ieee" if compute == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
     # unread without `shared`
@@ -243,8 +259,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
-        PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype), HAS_SKIP=shared is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
+        KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     _decode_merge_kernel[(bs, num_heads)](
         partial_out, partial_lse, kv_indptr, kv_skip, prefix_parts, out,

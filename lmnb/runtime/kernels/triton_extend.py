@@ -33,6 +33,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -54,7 +55,10 @@ def _extend_kernel(
         mask_d = offs_d < HEAD_DIM
         q = tl.load(Q + (q_begin + rows)[:, None] * stride_qt + heads[:, None] * stride_qh
                     + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
+        if KV_FP8:  # FP8 pool: K/V dequantized to q's dtype in attend_block
+            q = dot_operand(q, UPCAST)
+        else:
+            q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
         last = prefix_len + rows  # [BLOCK_M] the last KV position each row may see
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -65,7 +69,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, prefix_len, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                False, PRECISION, UPCAST)
+                False, PRECISION, UPCAST, KV_FP8)
         # The new tokens, causally; blocks past the row block's last row are never loaded.
         # Column prefix_len (the first new token) is visible to every row, so each row's
         # running max is finite and fully masked columns add exp(-inf) = 0.
@@ -74,7 +78,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                True, PRECISION, UPCAST)
+                True, PRECISION, UPCAST, KV_FP8)
         out = acc / l_i[:, None]
         tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -110,7 +114,9 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     group = num_heads // k_buffer.shape[1]
     block_d = triton.next_power_of_2(head_dim)
     config = config or extend_config(head_dim, k_buffer.dtype)
-    precision = "ieee" if k_buffer.dtype == torch.float32 else "tf32"
+    kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
+    compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
+    precision = "ieee" if compute == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
     grid = (bs, num_heads // group, triton.cdiv(max(max_extend_len, 1) * group, config.block_m))
@@ -122,7 +128,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
+        BLOCK_N=config.block_n, PRECISION=precision, UPCAST=dot_upcast(compute), KV_FP8=kv_fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

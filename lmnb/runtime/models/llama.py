@@ -17,8 +17,10 @@ from lmnb.runtime.distributed.group import current_tp
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.models.layers.activation import GatedActivation
 from lmnb.runtime.models.layers.attention import PooledAttention
+from lmnb.runtime.models.layers.fp8 import FP8
 from lmnb.runtime.models.layers.linear import (
     SHARDED_LAYERS,
+    FusableLinear,
     LogitsProjection,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -42,12 +44,13 @@ class LlamaAttention(PooledAttention):
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim=config.head_dim,
                                           num_heads=config.num_heads,
-                                          num_kv_heads=config.num_kv_heads, bias=config.qkv_bias)
+                                          num_kv_heads=config.num_kv_heads, bias=config.qkv_bias,
+                                          quant=config.quantization)
         # Heads of this tensor-parallel rank (all of them without parallelism).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.split_sizes = self.qkv_proj.output_sizes
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size,
-                                        bias=config.o_bias)
+                                        bias=config.o_bias, quant=config.quantization)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -72,9 +75,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = config.mlp_bias
         self.gate_up_proj = MergedColumnParallelLinear.even(
-            config.hidden_size, (config.intermediate_size,) * 2, bias=bias)
+            config.hidden_size, (config.intermediate_size,) * 2, bias=bias,
+            quant=config.quantization)
         self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's share
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           quant=config.quantization)
         self.act_fn = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,9 +175,11 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """HF-named checkpoint tensors (or lazy `CheckpointSlice`s: a tensor-parallel rank reads
-        only its slices) into the parameters; every parameter must be filled."""
+        only its slices) into the parameters; every parameter must be filled. FP8 layers also
+        take `weight_scale` (required beside an FP8 weight) and `input_scale` (unused)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        needed: set[str] = set()  # scales of FP8 checkpoint weights
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -183,20 +190,31 @@ class LlamaForCausalLM(nn.Module):
                 if f".{hf_name}." in name:
                     target, shard = name.replace(hf_name, fused_name), shard_id
                     break
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             module_name, _, param_name = target.rpartition(".")
+            if target not in params and not self._is_fp8_scale(module_name, param_name):
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             module = self.get_submodule(module_name)
+            if param_name == "weight" and tensor.dtype == FP8:
+                needed.add(f"{module_name}.weight_scale#{shard}")
             with torch.no_grad():
                 if isinstance(module, SHARDED_LAYERS):
                     module.load(param_name, tensor, shard, name)
                 else:
                     copy_weight(params[target], tensor, name)
             loaded.add(f"{target}#{shard}")
-        expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
+        expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)} | needed
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _is_fp8_scale(self, module_name: str, param_name: str) -> bool:
+        if param_name not in ("weight_scale", "input_scale"):
+            return False
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return False
+        return isinstance(module, FusableLinear) and module.weight_scale is not None
 
     def _shards_of(self, name: str) -> tuple[int | None, ...]:
         module = self.get_submodule(name.rpartition(".")[0])

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from lmnb.runtime.config import ModelConfig, canonical_dtype
 from lmnb.runtime.distributed.group import TPGroup, building_with
 from lmnb.runtime.models import registry
+from lmnb.runtime.models.layers.fp8 import is_fp8
 from lmnb.runtime.models.layers.linear import SHARDED_LAYERS, check_tp_model
 from lmnb.runtime.models.layers.weights import CheckpointSlice
 
@@ -354,31 +356,54 @@ class _SkipRandomInit(TorchFunctionMode):
 
 
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating parameters module by module; buffers (e.g. RoPE tables) keep their dtype."""
+    """Cast floating parameters module by module; buffers (e.g. RoPE tables, FP8 scales) and FP8
+    weights keep their dtype."""
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            if param.is_floating_point() and param.dtype != dtype:
+            if param.is_floating_point() and param.dtype != dtype and not is_fp8(param.dtype):
                 param.data = param.data.to(dtype)
 
 
 @torch.no_grad()
 def _init_dummy_weights(model: torch.nn.Module, std: float, device: torch.device,
-                        sharded: bool = False) -> None:
+                        sharded: bool = False, dtype: torch.dtype | None = None) -> None:
     """sharded=True (tensor parallelism): each sharded parameter is drawn at its full size and
-    sliced, so every rank of every tensor-parallel size holds a slice of the same model."""
+    sliced, so every rank of every tensor-parallel size holds a slice of the same model. FP8
+    weights are drawn in `dtype` (the model's) and quantized as they load: the FP8 model is the
+    quantized 16-bit one."""
     generator = torch.Generator(device=device).manual_seed(0)
     for module in model.modules():
         is_norm = "norm" in type(module).__name__.lower()
         for name, param in module.named_parameters(recurse=False):
+            quantized = is_fp8(param.dtype)
             if is_norm and name == "weight":
                 param.fill_(1.0)
             elif is_norm or name.endswith("bias"):
                 param.zero_()
-            elif sharded and isinstance(module, SHARDED_LAYERS):
-                full = torch.empty(module.full_shape(name), dtype=param.dtype, device=device)
+            elif (sharded or quantized) and isinstance(module, SHARDED_LAYERS):
+                full = torch.empty(module.full_shape(name),
+                                   dtype=dtype if quantized and dtype else param.dtype,
+                                   device=device)
                 module.load(name, full.normal_(0.0, std, generator=generator), None, name)
             else:
                 param.normal_(0.0, std, generator=generator)
+
+
+def check_fp8_device(config: ModelConfig, device: torch.device) -> None:
+    """FP8 weights need CUDA compute capability 8.9+ (FP8 tensor cores) or run the reference on
+    the CPU, which a warning says: no silent change of precision, no silent slowness."""
+    if config.quantization is None:
+        return
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"quantization='fp8' needs FP8 tensor cores (compute capability "
+                             f"8.9+, e.g. H100, L40S); this GPU has {capability[0]}."
+                             f"{capability[1]}")
+        return
+    warnings.warn(f"quantization='fp8' on {device.type}: no FP8 GEMMs there; the FP8 weights "
+                  "are multiplied by the reference path (per-token FP8 activations, float32 "
+                  "arithmetic): the FP8 model's numbers, slowly", stacklevel=3)
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
@@ -412,13 +437,15 @@ def load_model(
     sharded = tp is not None and tp.size > 1
     if sharded and not getattr(cls, "supports_tp", False):
         raise ValueError(f"{cls.__name__} does not support tensor parallelism (tp_size > 1)")
+    check_fp8_device(config, device)
     with torch.device(device), _SkipRandomInit(), building_with(tp):
         model = cls(config)
     _cast_parameters(model, dtype)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if dummy:
-        _init_dummy_weights(model, config.initializer_range, device, sharded=sharded)
+        _init_dummy_weights(model, config.initializer_range, device, sharded=sharded,
+                            dtype=dtype)
     else:
         with torch.no_grad():
             model.load_weights(iter_safetensors(Path(model_dir), lazy=sharded))

@@ -20,6 +20,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from lmnb.runtime.output.stop import StopStrings
+
 _REPLACEMENT = "\ufffd"
 _PROMPT_TAIL = 5
 # Ids that may stay undecoded (an incomplete UTF-8 character never takes more than 4 bytes); past
@@ -63,9 +65,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode_ids = fast_decode(tokenizer, skip_special_tokens)
-        self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
-        self._stop_prefixes = {s[:k] for s in self.stop for k in range(1, len(s))}
-        self._max_hold = max((len(s) - 1 for s in self.stop), default=0)
+        self._stops = StopStrings.of(stop)
+        self.stop: tuple[str, ...] = self._stops.strings
         self._ids = prompt_tail(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -141,28 +142,17 @@ class IncrementalDetokenizer:
     def _release(self, *, final: bool) -> str:
         pending = self._pending
         if self.stop and pending:
-            # The match completed first wins (then the one starting first): the result does not
-            # depend on how the ids were chunked.
-            best, which = (len(pending) + 1, 0), None
-            for s in self.stop:
-                i = pending.find(s)
-                if i != -1 and (i + len(s), i) < best:
-                    best, which = (i + len(s), i), s
-            if which is not None:
-                at = best[1]
-                self.matched_stop = which
+            hit = self._stops.first(pending)
+            if hit is not None:
+                self.matched_stop = hit[1]
                 self.finished = True
                 self._pending = ""
-                return self._emit(pending[:at])
+                return self._emit(pending[:hit[0]])
         if final:
             self.finished = True
             self._pending = ""
             return self._emit(pending)
-        hold = 0
-        for k in range(min(self._max_hold, len(pending)), 0, -1):
-            if pending[-k:] in self._stop_prefixes:
-                hold = k
-                break
+        hold = self._stops.held(pending) if self.stop else 0
         self._pending = pending[len(pending) - hold:] if hold else ""
         return self._emit(pending[:len(pending) - hold])
 

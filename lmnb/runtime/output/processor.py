@@ -14,7 +14,11 @@ from typing import Any
 from lmnb.runtime.output.detokenizer import Decoder, IncrementalDetokenizer
 from lmnb.runtime.output.events import TokenEvent
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
-from lmnb.runtime.output.stop import first_stop_regex_match
+from lmnb.runtime.output.stop import (
+    compile_stop_regex,
+    first_stop_regex_match,
+    stopped_on_token,
+)
 from lmnb.runtime.output.stream import Chunk, OutputStream
 
 
@@ -44,13 +48,6 @@ class _RequestOutput:
     skip: int = 0  # characters of the detokenizer's coming text that were already delivered
     stop_regex: list[re.Pattern] = field(default_factory=list)
     token_texts: TokenTexts | None = None  # logprobs as (logprob, id, text) triples
-
-
-def _stopped_on_id(reason: dict[str, Any] | None, ids: list[int]) -> bool:
-    if reason is None or reason.get("type") != "stop" or not ids:
-        return False
-    matched = reason.get("matched")
-    return isinstance(matched, int) and not isinstance(matched, bool) and ids[-1] == matched
 
 
 class OutputProcessor:
@@ -127,7 +124,7 @@ class OutputProcessor:
         if isinstance(item, _Registration):
             self._requests[item.rid] = _RequestOutput(
                 stream=item.stream, prompt_ids=item.prompt_ids, created_at=item.created_at,
-                stop_regex=[re.compile(p) for p in item.stop_regex],
+                stop_regex=compile_stop_regex(item.stop_regex),
                 token_texts=self._texts_of(item.tokenizer) if item.token_texts else None,
                 detokenizer=IncrementalDetokenizer(
                     item.tokenizer, item.prompt_ids,
@@ -166,7 +163,7 @@ class OutputProcessor:
         else:
             ids = event.new_token_ids
             state.output_ids.extend(ids)
-            delta = detokenizer.add(ids[:-1] if _stopped_on_id(reason, ids) else ids)
+            delta = detokenizer.add(ids[:-1] if stopped_on_token(reason, ids) else ids)
         if reason is not None:
             delta += detokenizer.finish()
             del self._requests[event.rid]

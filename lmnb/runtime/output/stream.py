@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
@@ -19,6 +20,49 @@ _END = object()
 def _wake(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+class _LoopWaker:
+    """Wakes futures of one event loop from other threads with one `call_soon_threadsafe` per
+    burst: the output thread delivers to every stream of a step, and the loop (the program loop
+    awaiting hundreds of streams) is woken once, not once per stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[asyncio.Future] = []
+
+    def wake(self, future: asyncio.Future) -> None:
+        with self._lock:
+            self._pending.append(future)
+            if len(self._pending) > 1:  # a flush is already scheduled
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            with self._lock:
+                self._pending.clear()
+
+    def _flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            _wake(future)
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = \
+    weakref.WeakKeyDictionary()
+_wakers_lock = threading.Lock()
+
+
+def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+    waker = _wakers.get(loop)
+    if waker is None:
+        with _wakers_lock:
+            waker = _wakers.get(loop)
+            if waker is None:
+                waker = _wakers[loop] = _LoopWaker(loop)
+    return waker
 
 
 class OutputStream:
@@ -51,7 +95,7 @@ class OutputStream:
         self._remaining = len(self.rids)  # consumer side: last chunks not yet taken
         self._error: BaseException | None = None
         self._closed = False
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._waiter: tuple[_LoopWaker, asyncio.Future] | None = None
         self._iterator: Iterator[Chunk] | None = None
 
     # ---- producer (output thread) ------------------------------------------------------------
@@ -78,14 +122,10 @@ class OutputStream:
         self._wake(waiter)
 
     @staticmethod
-    def _wake(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None) -> None:
-        if waiter is None:
-            return
-        loop, future = waiter
-        try:
-            loop.call_soon_threadsafe(_wake, future)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+    def _wake(waiter: tuple[_LoopWaker, asyncio.Future] | None) -> None:
+        if waiter is not None:
+            waker, future = waiter
+            waker.wake(future)
 
     # ---- consumer ------------------------------------------------------------------------------
     @property
@@ -165,7 +205,7 @@ class OutputStream:
                 if item is _EMPTY:
                     loop = asyncio.get_running_loop()
                     future = loop.create_future()
-                    self._waiter = (loop, future)
+                    self._waiter = (_waker(loop), future)
             if item is _END:
                 self.close()
                 raise StopAsyncIteration
@@ -181,15 +221,16 @@ class OutputStream:
         """Blocks until every request ends; one whole result per request, in `rids` order
         (texts and ids concatenated; give whole ids with `incremental=False`, since a
         jump-forward re-tokenizes ids already streamed)."""
-        return self._merge(list(self))
+        return self.merge(list(self))
 
     async def aresults(self) -> list[Chunk]:
         try:
-            return self._merge([chunk async for chunk in self])
+            return self.merge([chunk async for chunk in self])
         finally:
             self.close()
 
-    def _merge(self, chunks: list[Chunk]) -> list[Chunk]:
+    def merge(self, chunks: list[Chunk]) -> list[Chunk]:
+        """One whole result per request of this stream's `chunks`, in `rids` order."""
         texts: list[list[str]] = [[] for _ in self.rids]
         ids: list[list[int]] = [[] for _ in self.rids]
         metas: list[dict[str, Any]] = [{} for _ in self.rids]

@@ -89,9 +89,9 @@ def count_origin(spans: list[Span] | list[list[Any]], origin: str) -> int:
 
 
 def accept_speculated(origins: OutputOrigins | None, count: int) -> None:
-    """The hook of speculative decoding: call when `count` draft tokens were accepted and
-    appended to a request's output (after `OutputOrigins.add` of the verified token's own
-    `generated` origin, if the verify pass samples one). A no-op for requests that did not ask
-    for origins."""
+    """The hook of speculative decoding: `count` accepted draft tokens were appended to a
+    request's output (the scheduler's verify pass calls it per accepted draft as it appends it;
+    the target's own token after the chain is `generated`). A no-op for requests that did not
+    ask for origins."""
     if origins is not None:
         origins.add(SPECULATED, count)

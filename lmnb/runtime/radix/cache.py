@@ -30,7 +30,7 @@ class EvictionListener(Protocol):
 
 
 class TreeNode:
-    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access",
+    __slots__ = ("id", "parent", "children", "key", "value", "host", "lock_ref", "last_access",
                  "hit_count", "namespace")
 
     def __init__(self, node_id: int, namespace: Hashable = None) -> None:
@@ -38,7 +38,8 @@ class TreeNode:
         self.parent: TreeNode | None = None
         self.children: dict[tuple[Hashable, int], TreeNode] = {}
         self.key: list[int] = []
-        self.value: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None  # device slots; None: not on the device
+        self.host: torch.Tensor | None = None  # host slots of a tiered cache (radix/tiered.py)
         self.lock_ref = 0
         self.last_access = time.monotonic()
         self.hit_count = 0
@@ -79,7 +80,7 @@ class RadixCache(PrefixCache):
     # ---- matching --------------------------------------------------------------------------------
     def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         if len(key) <= 1:
-            return MatchResult(self.root.value, self.root)
+            return MatchResult((self.root.value,), self.root)
         return self._match(list(key[:len(key) - 1]), extra_key)
 
     def match_all(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
@@ -101,8 +102,22 @@ class RadixCache(PrefixCache):
             values.append(child.value)
             node = child
             key = key[matched:]
-        indices = torch.cat(values) if values else self.root.value
-        return MatchResult(indices, node)
+        return MatchResult(values or (self.root.value,), node)
+
+    def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> TreeNode:
+        node, done, key = self.root, 0, list(key)
+        now = time.monotonic()
+        while done < len(key):
+            child = node.children.get((extra_key, key[done]))
+            if child is None:
+                break
+            matched = common_prefix_length(child.key, key[done:])
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.last_access = now
+            done += matched
+            node = child
+        return node
 
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         node, done, key = self.root, 0, list(key)
@@ -121,12 +136,16 @@ class RadixCache(PrefixCache):
         """Cuts `node`'s edge after `at` tokens; returns the new upper node."""
         upper = TreeNode(next(self._ids), node.namespace)
         upper.parent = node.parent
-        upper.key, upper.value = node.key[:at], node.value[:at]
+        upper.key = node.key[:at]
+        upper.value = None if node.value is None else node.value[:at]
+        upper.host = None if node.host is None else node.host[:at]
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
         node.parent.children[(node.namespace, upper.key[0])] = upper
-        node.key, node.value = node.key[at:], node.value[at:]
+        node.key = node.key[at:]
+        node.value = None if node.value is None else node.value[at:]
+        node.host = None if node.host is None else node.host[at:]
         node.parent = upper
         upper.children[(node.namespace, node.key[0])] = node
         return upper
@@ -264,7 +283,7 @@ class RadixCache(PrefixCache):
         """The tree as plain data, parents first; `key_preview` holds leading token ids."""
         rows = [{"id": self.root.id, "parent": None, "tokens": 0, "key_preview": [],
                  "lock_ref": 0, "last_access": self.root.last_access, "hit_count": 0,
-                 "namespace": None}]
+                 "namespace": None, "tier": "device"}]
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -272,7 +291,8 @@ class RadixCache(PrefixCache):
                 rows.append({"id": child.id, "parent": node.id, "tokens": len(child.key),
                              "key_preview": child.key[:preview_tokens],
                              "lock_ref": child.lock_ref, "last_access": child.last_access,
-                             "hit_count": child.hit_count, "namespace": child.namespace})
+                             "hit_count": child.hit_count, "namespace": child.namespace,
+                             "tier": "device"})
                 stack.append(child)
         return rows
 

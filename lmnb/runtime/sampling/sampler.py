@@ -81,8 +81,17 @@ class Sampler:
             SampleOutput(fake, logprobs=None, top_values=None, top_ids=None,
                          top_logprobs_nums=info.top_logprobs_nums,
                          label=info.label).synchronize()
+        return self.probabilities(work, info, ids)
+
+    def probabilities(self, work: torch.Tensor, info: SamplingBatchInfo,
+                      greedy_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[bs, vocab] normalised probabilities each row of `work` (`adjusted_logits`) is drawn
+        from; greedy rows are one-hot at their first maximal logit (`greedy_ids` when known).
+        No host sync; a row that cannot be sampled has no meaningful distribution."""
+        if greedy_ids is None:
+            greedy_ids = work.argmax(dim=-1)
         probs = torch.zeros_like(work)
-        probs[torch.arange(len(ids), device=work.device), ids] = 1.0
+        probs[torch.arange(len(greedy_ids), device=work.device), greedy_ids] = 1.0
         for support in _supports(work, info):
             normalised = support.probs / support.probs.sum(dim=-1, keepdim=True)
             if support.ids is None:

@@ -6,6 +6,8 @@ The only place that reads and writes a request's KV fields (`req_pool_idx`, `kv_
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from lmnb.runtime.core import Req
@@ -25,6 +27,9 @@ class CacheManager:
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.table = req_to_token_pool.req_to_token
+        # (row, matched prefix) of requests bound since the last table write: their prefix slots
+        # are written together with the pass's own (`extend_all`), before any read of a row
+        self._unwritten: dict[int, MatchResult] = {}
 
     # ---- sizes ---------------------------------------------------------------------------------
     def room(self) -> int:
@@ -35,10 +40,14 @@ class CacheManager:
         return self.req_to_token_pool.available() > 0
 
     # ---- binding a request to its prefix -------------------------------------------------------
-    def match(self, req: Req) -> MatchResult:
+    def match(self, req: Req, *, load_room: int = 0) -> MatchResult:
+        """`req`'s cached prefix, after up to `load_room` tokens of it were brought back from a
+        tiered cache's host memory or disk."""
         key = req.fill_ids
         if req.wants_input_logprobs:  # scored positions must be computed
             key = key[:max(req.input_logprobs_needed_from, 1)]
+        if load_room > 0:
+            self.cache.load_back(key, req.extra_key, room=load_room)
         return self.cache.match_prefix(key, req.extra_key)
 
     def bind(self, req: Req, match: MatchResult) -> None:
@@ -46,13 +55,40 @@ class CacheManager:
         req.req_pool_idx = self.req_to_token_pool.alloc()
         self.cache.lock(match.handle)
         req.cache_handle = match.handle
-        req.prefix_len = req.kv_len = len(match.indices)
-        self.table[req.req_pool_idx, :req.prefix_len] = match.indices
+        req.prefix_len = req.kv_len = match.length
+        if match.length:
+            self._unwritten[req.req_pool_idx] = match
 
     def unbind(self, req: Req) -> None:
         """Undoes `bind` before any slot of its own was allocated."""
         self.cache.unlock(req.cache_handle)
         self._release_row(req)
+
+    def write_bound_prefixes(self) -> None:
+        """Writes the matched prefixes of the requests bound since the last call into their
+        rows, with one gather of the matched runs."""
+        if not self._unwritten:
+            return
+        unwritten, self._unwritten = self._unwritten, {}
+        slots = torch.cat([part for match in unwritten.values() for part in match.parts])
+        self._write_runs(list(unwritten), [0] * len(unwritten),
+                         [match.length for match in unwritten.values()], slots)
+
+    def _write_runs(self, rows: list[int], starts: list[int], lens: list[int],
+                    slots: torch.Tensor) -> None:
+        """table[rows[i], starts[i] : starts[i] + lens[i]] = run i of `slots` (runs in order).
+        Only the runs' (row, start, length, offset) travel to the device (pinned, not waiting
+        for it); the per-token indices are expanded there."""
+        device, n = self.table.device, len(rows)
+        offsets = list(itertools.accumulate(lens, initial=0))
+        total = offsets.pop()
+        meta = host_int64([*rows, *starts, *offsets, *lens], pin=device.type == "cuda").to(
+            device, non_blocking=True).view(4, n)
+        run_of = torch.repeat_interleave(torch.arange(n, device=device), meta[3],
+                                         output_size=total)
+        cols = (meta[1] - meta[2])[run_of] + torch.arange(total, device=device)
+        flat = meta[0][run_of] * self.table.stride(0) + cols
+        self.table.view(-1)[flat] = slots
 
     # ---- allocation ----------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor:
@@ -63,14 +99,25 @@ class CacheManager:
 
     def extend(self, req: Req, slots: torch.Tensor) -> None:
         """`slots` hold the KV of `req`'s next `len(slots)` tokens from now on."""
+        self.write_bound_prefixes()
         self.table[req.req_pool_idx, req.kv_len:req.kv_len + len(slots)] = slots
         req.kv_len += len(slots)
+
+    def extend_all(self, reqs: list[Req], extend_lens: list[int], slots: torch.Tensor) -> None:
+        """`extend` of every request of an EXTEND pass in one indexed write: request i's next
+        `extend_lens[i]` tokens have their KV in its run of `slots` (in batch order)."""
+        self.write_bound_prefixes()
+        self._write_runs([req.req_pool_idx for req in reqs], [req.kv_len for req in reqs],
+                         list(extend_lens), slots)
+        for req, n in zip(reqs, extend_lens, strict=True):
+            req.kv_len += n
 
     def extend_each_by_one(self, reqs: list[Req], slots: torch.Tensor, pool_indices: list[int],
                            kv_lens: list[int]) -> None:
         """Decode: request i (row `pool_indices[i]`, `kv_lens[i]` tokens of KV so far) has its
         next token's KV in `slots[i]` (one indexed write for the batch; the indices travel from
         pinned memory, so the copy does not wait for the device)."""
+        self.write_bound_prefixes()
         device = self.table.device
         where = host_int64([*pool_indices, *kv_lens], pin=device.type == "cuda").to(
             device, non_blocking=True)
@@ -79,29 +126,53 @@ class CacheManager:
         for req in reqs:
             req.kv_len += 1
 
+    # ---- speculative verify passes -------------------------------------------------------------
+    def hold_tail(self, req: Req, kv_len: int, keep: int) -> torch.Tensor:
+        """After a verify pass: `req`'s KV is cut back to its first `kv_len` tokens; of the slots
+        past them the first `keep` (accepted drafts) are returned, held by the caller, who gives
+        each back with `regain` or `free_slots`; the rest (rejected drafts) are freed."""
+        tail = self.table[req.req_pool_idx, kv_len:req.kv_len].clone()
+        self.allocator.free(tail[keep:])
+        req.kv_len = kv_len
+        return tail[:keep]
+
+    def regain(self, req: Req) -> None:
+        """The next held slot (still in `req`'s row, right after its KV) is the request's."""
+        req.kv_len += 1
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Held slots no request will own."""
+        self.allocator.free(slots)
+
     # ---- handing KV back -----------------------------------------------------------------------
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill pass: the computed tokens go into the cache at once (requests sharing
         them can hit while this one runs) and the request's lock moves down to them."""
         if not self.cache.reuses_kv:
             return
+        self.write_bound_prefixes()
         key = req.fill_slice(0, req.kv_len)
         row = self.table[req.req_pool_idx]
-        slots = row[:req.kv_len].clone()
-        already = self.cache.insert(key, slots, req.extra_key)
-        self.allocator.free(slots[req.prefix_len:max(already, req.prefix_len)])
-        match = self.cache.match_all(key, req.extra_key)
-        row[req.prefix_len:len(match.indices)] = match.indices[req.prefix_len:]
-        self.cache.lock(match.handle)
+        already = self.cache.insert(key, row[:req.kv_len], req.extra_key)
+        if already > req.prefix_len:  # cached meanwhile by another request: use those slots
+            self.allocator.free(row[req.prefix_len:already].clone())
+            match = self.cache.match_all(key, req.extra_key)
+            row[req.prefix_len:len(match.indices)] = match.indices[req.prefix_len:]
+            handle, prefix_len = match.handle, len(match.indices)
+        else:  # the row's slots are what the cache now holds for `key`
+            handle, prefix_len = self.cache.handle_of(key, req.extra_key), req.kv_len
+        self.cache.lock(handle)
         self.cache.unlock(req.cache_handle)
-        req.cache_handle = match.handle
-        req.prefix_len = len(match.indices)
+        req.cache_handle = handle
+        req.prefix_len = prefix_len
 
     def cache_finished(self, req: Req) -> None:
         """A request that is done (finished, retracted or jumping) hands its KV to the cache."""
-        slots = self.table[req.req_pool_idx, :req.kv_len].clone()
+        self.write_bound_prefixes()
+        slots = self.table[req.req_pool_idx, :req.kv_len]
         already = self.cache.insert(req.fill_slice(0, req.kv_len), slots, req.extra_key)
-        self.allocator.free(slots[req.prefix_len:max(already, req.prefix_len)])
+        if already > req.prefix_len:  # a copy: the row is reused by the next request
+            self.allocator.free(slots[req.prefix_len:already].clone())
         self.cache.unlock(req.cache_handle)
         self._release_row(req)
 
@@ -112,6 +183,7 @@ class CacheManager:
         self._release_row(req)
 
     def _release_row(self, req: Req) -> None:
+        self._unwritten.pop(req.req_pool_idx, None)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.cache_handle = None
@@ -119,7 +191,12 @@ class CacheManager:
 
     # ---- accounting ----------------------------------------------------------------------------
     def check_integrity(self, live: list[Req], waiting: list[Req]) -> None:
-        """KV slots are conserved: free + evictable + protected + owned by requests == total."""
+        """KV slots are conserved: free + evictable + protected + owned by requests == total;
+        the cache's own invariants hold (`PrefixCache.check`)."""
+        try:
+            self.cache.check()
+        except AssertionError as error:
+            raise IntegrityError(f"prefix cache: {error}") from error
         owned = sum(req.owned_kv_len for req in live)
         free = self.allocator.available()
         evictable = self.cache.evictable_size()

@@ -53,8 +53,8 @@ class PrefillManager:
         for req in self.policy.order(waiting, self.cache.cache, clock):
             if budget <= 0 or not self.cache.has_request_slot():
                 break
-            match = self.cache.match(req)
-            prefix_len = len(match.indices)
+            match = self.cache.match(req, load_room=room())
+            prefix_len = match.length
             if self._defer_for_shared_prefix(req, prefix_len, plan.reqs):
                 continue
             self.cache.bind(req, match)  # locked: the prefix no longer counts as evictable room

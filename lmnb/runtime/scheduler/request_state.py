@@ -4,7 +4,7 @@ its stop checker and the logprobs it has accumulated. Not plain data; never leav
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +13,7 @@ from lmnb.runtime.output.token_origins import OutputOrigins
 
 if TYPE_CHECKING:
     from lmnb.runtime.fsm.protocol import Grammar
+    from lmnb.runtime.output.stop_text import StopText
 
 Logprob = tuple[float | None, int]
 TopLogprobs = list[tuple[float, int]]
@@ -35,7 +36,7 @@ class ReqState:
     req: Req
     grammar: Grammar | None = None  # of a regex / JSON-schema / EBNF constrained request
     generator: torch.Generator | None = None
-    stop_text: Any = None  # StopText watching stop strings / stop_regex, if the request has any
+    stop_text: StopText | None = None  # watches stop strings / stop_regex, if the request has any
     logprobs: RequestLogprobs = field(default_factory=RequestLogprobs)
     created_at: float = 0.0
     jumped_tokens: int = 0  # ids appended by jump-forward steps (re-tokenized ones included)

@@ -30,12 +30,15 @@ from lmnb.runtime.core import (
     Req,
     ReqStatus,
     StepOutput,
+    VerifyOutput,
     finish_abort,
     finish_length,
 )
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
-from lmnb.runtime.output.token_origins import GENERATED, JUMP_FORWARD
+from lmnb.runtime.output.stop import StopRules, by_length
+from lmnb.runtime.output.stop_text import StopText
+from lmnb.runtime.output.token_origins import GENERATED, JUMP_FORWARD, accept_speculated
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
@@ -44,7 +47,6 @@ from lmnb.runtime.scheduler.prefill import PrefillManager
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, live_meta, request_meta
-from lmnb.runtime.scheduler.stop import StopRules, StopText
 
 if TYPE_CHECKING:
     from lmnb.runtime.fsm.jump import JumpPlan
@@ -79,6 +81,43 @@ class StepRunner(Protocol):
         request of the batch: next token or None, logprobs."""
 
 
+class VerifyRunner(Protocol):
+    def verify(self, batch: Batch, rows: list[ReqState]) -> VerifyOutput:
+        """Forward a verify `batch` (`batch.drafts`) and decide, per request of `rows` (all of
+        the batch, in order), the tokens it keeps."""
+
+
+class Speculator(Protocol):
+    """Proposes draft tokens and learns from verify passes (`speculative.Speculator`)."""
+
+    def propose(self, states: Sequence[ReqState], room: int) -> list[list[int]] | None:
+        """Per request its drafts (at most `room` tokens in all), or None: a plain decode."""
+
+    def may_draft(self, states: Sequence[ReqState]) -> bool:
+        """Whether a request might draft at its next step (the overlap pipeline then stops)."""
+
+    def verified(self, req: Req, *, drafted: int, accepted: int) -> None:
+        """After a verify pass, before the kept tokens are appended."""
+
+    def finished(self, req: Req, *, keep: bool) -> None:
+        """`req` ended; `keep`: its tokens may serve later requests' drafts."""
+
+    def timed(self, batch: Batch, seconds: float) -> None:
+        """A pass run synchronously took `seconds` (what verify passes cost next to decodes)."""
+
+    def check(self) -> None:
+        """Raises AssertionError unless the speculator's own KV (a draft model's) adds up."""
+
+    def reset(self) -> None:
+        """Forgets what finished requests taught it (`Runtime.flush_cache`)."""
+
+    def close(self) -> None:
+        """Frees what it holds (a draft model); after the scheduler stopped."""
+
+    def report(self) -> dict[str, Any]:
+        """Its part of `Runtime.stats()` (`stats()["speculative"]`)."""
+
+
 class PendingStep(Protocol):
     def result(self) -> StepOutput:
         """Waits for a launched pass; returns what `StepRunner.run` would have."""
@@ -107,7 +146,10 @@ class Scheduler:
     def __init__(self, *, runner: StepRunner, cache: CacheManager, policy: SchedulePolicy,
                  config: SchedulerConfig, stop_rules: StopRules, sink: OutputSink,
                  tokenizer: Decoder | None = None, jump_forward: JumpPlanner | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, speculator: Speculator | None = None,
+                 verifier: VerifyRunner | None = None) -> None:
+        if (speculator is None) != (verifier is None):
+            raise ValueError("a speculator needs a verifier (the runner's verify pass)")
         self.runner = runner
         self.cache = cache
         self.config = config
@@ -115,6 +157,8 @@ class Scheduler:
         self.sink = sink
         self.tokenizer = tokenizer
         self.jump_forward = jump_forward
+        self.speculator = speculator
+        self.verifier = verifier
         self.table = RequestTable()
         self.prefill = PrefillManager(cache, policy, budget=config.chunked_prefill_size,
                                       in_batch_prefix_min_tokens=config.in_batch_prefix_min_tokens)
@@ -157,6 +201,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.table.states) or self._in_flight is not None
 
+    def report(self) -> dict[str, Any]:
+        """The scheduler's part of `Runtime.stats()`: its counters (hit rates, passes,
+        retractions, ...), the overlap mode and the requests running and waiting."""
+        return {**self.stats.counters(), "overlap_schedule": self.config.overlap_schedule,
+                "running": len(self.table.running), "waiting": len(self.table.waiting),
+                "speculative": self.speculator.report() if self.speculator else None}
+
     @property
     def pass_in_flight(self) -> bool:
         """A launched pass awaits processing (overlap)."""
@@ -176,11 +227,17 @@ class Scheduler:
         if self._may_pipeline(batch, rows):
             self._launch(batch, reqs, rows)
             return True
+        start = time.perf_counter()
         try:
-            output = self.runner.run(batch, rows)
+            if batch.is_verify and self.verifier is not None:
+                output: StepOutput | VerifyOutput = self.verifier.verify(batch, rows)
+            else:
+                output = self.runner.run(batch, rows)
         except Exception as error:
             self._fail(reqs, error)
             return True
+        if self.speculator is not None:
+            self.speculator.timed(batch, time.perf_counter() - start)
         self._complete(batch, reqs, output)
         return True
 
@@ -232,10 +289,13 @@ class Scheduler:
         for i, req in enumerate(reqs):
             if table.states[req.rid].grammar is not None:
                 return None
-            if len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
-                keep.append(i)
+            if by_length(req.sampling_params, len(req.output_ids) + 1) is None:
+                keep.append(i)  # goes on past the token in flight
         if not keep:
             return None
+        if self.speculator is not None and self.speculator.may_draft(
+                [table.states[reqs[i].rid] for i in keep]):
+            return None  # drafts need the token in flight: process it first
         previous_rows = None
         if len(keep) < len(reqs):
             going_on = [reqs[i] for i in keep]
@@ -264,7 +324,8 @@ class Scheduler:
                              cache_kv=False)
         self._flush()
 
-    def _complete(self, batch: Batch, reqs: list[Req], output: StepOutput) -> None:
+    def _complete(self, batch: Batch, reqs: list[Req], output: StepOutput | VerifyOutput
+                  ) -> None:
         self.stats.forward_passes += 1
         if self.batch_hook is not None:
             self.batch_hook(batch)
@@ -301,7 +362,31 @@ class Scheduler:
             self.table.requeue_front(req)
         self.decode.decayed()
         reqs = list(running)
+        if self.speculator is not None:
+            drafts = self.speculator.propose(
+                [self.table.states[req.rid] for req in reqs],
+                room=self.cache.allocator.available() - len(reqs))  # never evicts for drafts
+            if drafts is not None:
+                return self._make_verify_batch(reqs, drafts), reqs
         return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs)), reqs
+
+    def _make_verify_batch(self, reqs: list[Req], drafts: list[list[int]]) -> Batch:
+        """An EXTEND pass over each request's last token and its drafts (a request without
+        drafts extends by its last token alone: a decode step)."""
+        extend_lens = [1 + len(d) for d in drafts]
+        out_cache_loc = self.cache.alloc(sum(extend_lens))
+        prefix_lens = [req.kv_len for req in reqs]
+        input_ids: list[int] = []
+        for req, d in zip(reqs, drafts, strict=True):
+            input_ids.append(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1])
+            input_ids.extend(d)
+        self.cache.extend_all(reqs, extend_lens, out_cache_loc)
+        n = len(reqs)
+        return Batch(mode=ForwardMode.EXTEND, rids=[req.rid for req in reqs],
+                     req_pool_indices=[req.req_pool_idx for req in reqs],
+                     prefix_lens=prefix_lens, extend_lens=extend_lens, input_ids=input_ids,
+                     out_cache_loc=out_cache_loc, samples=[True] * n, input_logprobs=[None] * n,
+                     mm_inputs=[None] * n, drafts=drafts)
 
     def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], *,
                     follows_previous: bool = False,
@@ -322,12 +407,11 @@ class Scheduler:
                 input_ids = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
                              for req in reqs]
         else:
-            start = 0
             for req, extend_len in zip(reqs, extend_lens, strict=True):
-                prefix_len = req.kv_len
-                input_ids.extend(req.fill_slice(prefix_len, prefix_len + extend_len))
-                self.cache.extend(req, out_cache_loc[start:start + extend_len])
-                start += extend_len
+                input_ids.extend(req.fill_slice(req.kv_len, req.kv_len + extend_len))
+            self.cache.extend_all(reqs, extend_lens, out_cache_loc)
+            for req, extend_len in zip(reqs, extend_lens, strict=True):
+                prefix_len = req.kv_len - extend_len
                 completes = req.kv_len == req.fill_len
                 samples.append(completes and _samples_after_fill(req))
                 spans.append(_input_logprob_span(req, prefix_len, extend_len))
@@ -368,7 +452,11 @@ class Scheduler:
             req.input_logprobs_done = 1
 
     # ---- results ------------------------------------------------------------------------------
-    def _process(self, batch: Batch, reqs: list[Req], output: StepOutput) -> None:
+    def _process(self, batch: Batch, reqs: list[Req], output: StepOutput | VerifyOutput
+                 ) -> None:
+        if isinstance(output, VerifyOutput):
+            self._process_verify(batch, reqs, output)
+            return
         if batch.mode is not ForwardMode.EXTEND:
             self._process_decode(reqs, output)
             return
@@ -395,6 +483,29 @@ class Scheduler:
                 self._finish(state, finish_length(len(req.output_ids)))
             if req.req_pool_idx is not None:  # still live, not jumped
                 self.cache.cache_unfinished(req)
+
+    def _process_verify(self, batch: Batch, reqs: list[Req], output: VerifyOutput) -> None:
+        """A verify pass: each request keeps the KV of its last token and accepted drafts (the
+        rejected drafts' slots go back at once) and appends its kept tokens one by one through
+        every rule; ending (or jumping forward) mid-chain gives back the KV past that token, so
+        the prefix cache only ever receives accepted tokens."""
+        for i, req in enumerate(reqs):
+            state = self.table.states.get(req.rid)
+            if state is None or state.req is not req:
+                continue
+            req.forward_passes += 1
+            drafted, tokens = len(batch.drafts[i]), output.tokens[i]
+            accepted = len(tokens) - 1
+            self.speculator.verified(req, drafted=drafted, accepted=accepted)
+            held = self.cache.hold_tail(req, req.kv_len - drafted, keep=accepted)
+            for m, token in enumerate(tokens):
+                self._append_token(state, token, output.logprobs[i][m],
+                                   output.top_logprobs[i][m], speculated=m < accepted)
+                if req.req_pool_idx is None:  # ended or jumped at this token
+                    self.cache.free_slots(held[m:])
+                    break
+                if m < accepted:
+                    self.cache.regain(req)
 
     def _process_decode(self, reqs: list[Req], output: StepOutput) -> None:
         """`_process` of a DECODE pass (every request samples; no prompt logprobs), with the
@@ -426,7 +537,9 @@ class Scheduler:
         self.stats.generated_tokens += plain
 
     def _append_token(self, state: ReqState, token: int, logprob: float | None,
-                      top: list[tuple[float, int]] | None) -> None:
+                      top: list[tuple[float, int]] | None, *, speculated: bool = False) -> None:
+        """Appends one output token through every rule; `speculated`: an accepted draft token
+        of a verify pass (not sampled by this step)."""
         req, params = state.req, state.sampling_params
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
@@ -434,7 +547,9 @@ class Scheduler:
             state.first_token_at = time.perf_counter()
             self.stats.first_tokens += 1
             self.stats.first_token_seconds += state.first_token_at - state.created_at
-        if state.origins is not None:
+        if speculated:
+            accept_speculated(state.origins, 1)
+        elif state.origins is not None:
             state.origins.add(GENERATED)
         if req.return_logprob:
             state.logprobs.output_token.append((logprob, token))
@@ -514,6 +629,8 @@ class Scheduler:
                 self.cache.free(req)
         req.finished_reason = reason
         req.status = ReqStatus.FINISHED
+        if self.speculator is not None:
+            self.speculator.finished(req, keep=cache_kv)
         self.table.remove(req)
         self._events.append(TokenEvent(req.rid, new_ids or [], reason, request_meta(state)))
 
@@ -526,13 +643,15 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV slot and request row is accounted for."""
         self.cache.check_integrity(self.table.live(), self.table.waiting)
+        if self.speculator is not None:
+            self.speculator.check()
 
 
 def _samples_after_fill(req: Req) -> bool:
     """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
     generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
     params = req.sampling_params
-    return (params.max_new_tokens > len(req.output_ids)
+    return (by_length(params, len(req.output_ids)) is None
             or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
 
 

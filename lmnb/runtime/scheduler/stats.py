@@ -55,6 +55,13 @@ def request_meta(state: ReqState) -> dict[str, Any]:
     if state.grammar is not None:
         meta["jump_forward_steps"] = req.jumps
         meta["jump_forward_tokens"] = state.jumped_tokens
+    if req.spec_verify_ct:  # SGLang's names; lengths count the target's own token per pass
+        meta["spec_verify_ct"] = req.spec_verify_ct
+        meta["spec_accept_token_num"] = req.spec_accepted_tokens
+        meta["spec_draft_token_num"] = req.spec_draft_tokens
+        meta["spec_accept_rate"] = req.spec_accepted_tokens / max(req.spec_draft_tokens, 1)
+        meta["spec_accept_length"] = (req.spec_accepted_tokens + req.spec_verify_ct) \
+            / req.spec_verify_ct
     if req.return_logprob:
         logprobs = state.logprobs
         meta["output_token_logprobs"] = list(logprobs.output_token)

@@ -4,7 +4,9 @@
 - `silu_and_mul`: SiLU(gate) * up over the two halves of the gate_up projection.
 - `rotary_qkv`: neox rotary embedding of q and k straight from the qkv projection, writing q to a
   contiguous tensor and, optionally, the rotated k and v straight into the KV pool's slots.
-- `skinny_linear`: x [M <= 16, K] @ weight [N, K]^T, the linear layers and LM head of decode.
+- `skinny_linear`: x [M <= 16, K] @ weight [N, K]^T, the linear layers and LM head of decode
+  (16-bit or FP8 weights).
+- `per_token_quant`: activations to FP8 with one scale per row, before `torch._scaled_mm`.
 
 Each rounds where the torch path (`lmnb/runtime/models/layers/`, the CPU path and the reference)
 rounds, so the two agree up to the order of a sum. They run compiled on CUDA and in Triton's
@@ -12,8 +14,9 @@ interpreter on CPU tensors (`TRITON_INTERPRET=1`), which the tests use; triton 3
 """
 
 from lmnb.runtime.kernels.fused.activation import silu_and_mul
+from lmnb.runtime.kernels.fused.fp8_quant import per_token_quant
 from lmnb.runtime.kernels.fused.gemv import skinny_linear
 from lmnb.runtime.kernels.fused.rmsnorm import rms_norm
 from lmnb.runtime.kernels.fused.rope import rotary_qkv
 
-__all__ = ["rms_norm", "rotary_qkv", "silu_and_mul", "skinny_linear"]
+__all__ = ["per_token_quant", "rms_norm", "rotary_qkv", "silu_and_mul", "skinny_linear"]

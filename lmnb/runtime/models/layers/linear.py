@@ -10,6 +10,13 @@ parameters and the same single op in `forward`).
                      embedding all-reduces (rows outside the shard give zeros), the logits are
                      gathered side by side (`TPGroup.gather_vocab`)
 
+FP8 (`quant` given, see runtime/quantization.py): the three linears hold `weight` as
+float8_e4m3fn and a float32 `weight_scale` buffer [rows] (one scale per output row, sliced with its
+rows: column-parallel shards take their rows' scales, row-parallel shards all of them). A 16/32-bit
+checkpoint tensor is quantized as it loads (a row-parallel shard's scales then cover its columns,
+as in SGLang and vLLM, which quantize each rank's shard); an FP8 one is copied as it is, and its
+`weight_scale` (per channel, or per tensor: spread over the block's rows) loads beside it.
+
 Every sharded parameter is loaded through its layer's `load(param_name, source, shard)` from the
 full checkpoint tensor (or a lazy `CheckpointSlice`, so a rank reads only its slice), and
 `full_shape(param_name)` is its shape without parallelism (random weights are drawn full, then
@@ -27,11 +34,17 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmnb.runtime.distributed.group import TPGroup, current_tp
+from lmnb.runtime.models.layers import fp8
 from lmnb.runtime.models.layers.fusion import Fusable
-from lmnb.runtime.models.layers.weights import WeightSource, copy_weight
+from lmnb.runtime.models.layers.weights import (
+    WeightSource,
+    copy_weight,
+    materialize,
+)
 
 if TYPE_CHECKING:
     from lmnb.runtime.config import ModelConfig
+    from lmnb.runtime.quantization import Fp8Config
 
 
 class HeadSplit(NamedTuple):
@@ -79,14 +92,17 @@ def _check_even(what: str, total: int, size: int) -> int:
     return total // size
 
 
-SKINNY_MAX_ROWS = 16  # = kernels.fused.gemv.SKINNY_MAX_ROWS (not imported: triton is optional)
+SKINNY_MAX_ROWS = fp8.SKINNY_MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           fused: bool) -> torch.Tensor:
+           fused: bool, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or with `fused` and at most SKINNY_MAX_ROWS rows (decode) the skinny-GEMM Triton
     kernel, which streams the weight at close to the HBM read bandwidth (cuBLAS reaches ~80%
-    of it at batch 1). x [..., K], weight [N, K] -> [..., N]."""
+    of it at batch 1). x [..., K], weight [N, K] -> [..., N]. With `weight_scale` the weight is
+    FP8 (`fp8.fp8_linear`)."""
+    if weight_scale is not None:
+        return fp8.fp8_linear(x, weight, weight_scale, bias, fused=fused)
     rows = x.numel() // max(x.shape[-1], 1)
     if not fused or not 1 <= rows <= SKINNY_MAX_ROWS or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
@@ -97,10 +113,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class FusableLinear(nn.Linear, Fusable):
-    """nn.Linear whose forward takes the skinny kernel for few rows when fused."""
+    """nn.Linear whose forward takes the skinny kernel for few rows when fused; FP8 after
+    `use_fp8` (`weight_scale` is then its [out_features] float32 scales, else None)."""
+
+    weight_scale: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("weight_scale", None)
+
+    def use_fp8(self, quant: Fp8Config | None) -> None:
+        """Store the weight as FP8 with per-row scales (a no-op without `quant`)."""
+        if quant is None:
+            return
+        self.weight = nn.Parameter(torch.zeros(self.weight.shape, dtype=fp8.FP8,
+                                               device=self.weight.device), requires_grad=False)
+        self.register_buffer("weight_scale", torch.ones(self.out_features, dtype=torch.float32,
+                                                        device=self.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.fused)
+        return linear(x, self.weight, self.bias, self.fused, self.weight_scale)
+
+    def load_rows(self, param_name: str, rows: slice, source: WeightSource, name: str) -> None:
+        """Checkpoint tensor `source` (already this rank's part) into rows `rows` of a parameter:
+        the weight (16/32-bit: quantized here when the layer is FP8), its `weight_scale` ([n],
+        [n, 1] or one per-tensor value) or `input_scale` (checked, unused: activations are
+        quantized per token)."""
+        start, length = rows.start, rows.stop - rows.start
+        if param_name == "input_scale" and self.weight_scale is not None:
+            if math.prod(source.shape) != 1:
+                raise ValueError(f"{name}: input_scale of shape {tuple(source.shape)}, expected "
+                                 "one per-tensor value")
+            return
+        if param_name == "weight_scale" and self.weight_scale is not None:
+            target = self.weight_scale.narrow(0, start, length)
+            if math.prod(source.shape) == 1:
+                target.fill_(float(materialize(source).reshape(-1)[0]))
+            else:
+                copy_weight(target, materialize(source).reshape(-1), name)
+            return
+        param = getattr(self, param_name)
+        target = param.narrow(0, start, length)
+        if param_name != "weight" or self.weight_scale is None:
+            copy_weight(target, source, name)
+        elif source.dtype == fp8.FP8:
+            copy_weight(target, source, name)
+        else:
+            if tuple(target.shape) != tuple(source.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)} != model shape "
+                                 f"{tuple(target.shape)}")
+            quantized, scale = fp8.quantize_rows(
+                materialize(source).to(device=target.device))
+            target.copy_(quantized)
+            self.weight_scale.narrow(0, start, length).copy_(scale)
 
 
 class LogitsProjection(Fusable):
@@ -109,6 +174,9 @@ class LogitsProjection(Fusable):
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear(hidden, weight, None, self.fused)
+
+
+_SCALES = ("weight_scale", "input_scale")
 
 
 class Block(NamedTuple):
@@ -124,21 +192,23 @@ class MergedColumnParallelLinear(FusableLinear):
     """Several linears of one input fused along the output (q/k/v, gate/up), each block's rows
     split across ranks; checkpoint shard `i` is block `i`. `output_sizes`: this rank's blocks."""
 
-    def __init__(self, in_features: int, blocks: Sequence[Block], *, bias: bool) -> None:
+    def __init__(self, in_features: int, blocks: Sequence[Block], *, bias: bool,
+                 quant: Fp8Config | None = None) -> None:
         self.blocks = tuple(blocks)
         self.output_sizes = tuple(b.size for b in self.blocks)
         super().__init__(in_features, sum(self.output_sizes), bias=bias)
         self.tp = current_tp()
+        self.use_fp8(quant)
 
     @classmethod
     def even(cls, in_features: int, output_sizes: Sequence[int], *,
-             bias: bool) -> MergedColumnParallelLinear:
+             bias: bool, quant: Fp8Config | None = None) -> MergedColumnParallelLinear:
         rank, size = _rank_size(current_tp())
         blocks = []
         for i, full in enumerate(output_sizes):
             share = _check_even(f"output block {i}", full, size)
             blocks.append(Block(full, rank * share, share))
-        return cls(in_features, blocks, bias=bias)
+        return cls(in_features, blocks, bias=bias, quant=quant)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         rows = sum(b.full for b in self.blocks)
@@ -148,19 +218,24 @@ class MergedColumnParallelLinear(FusableLinear):
         return tuple(range(len(self.blocks)))
 
     def load(self, param_name: str, source: WeightSource, shard: int | None, name: str) -> None:
+        per_tensor = param_name in _SCALES and math.prod(source.shape) == 1
         if shard is None:  # already fused in the checkpoint (or drawn full): split it
             offset = 0
             for i, block in enumerate(self.blocks):
-                self.load(param_name, source.narrow(0, offset, block.full), i, name)
+                self.load(param_name, source if per_tensor else
+                          source.narrow(0, offset, block.full), i, name)
                 offset += block.full
             return
         block = self.blocks[shard]
-        param = getattr(self, param_name)
+        start = sum(self.output_sizes[:shard])
+        rows = slice(start, start + block.size)
+        if per_tensor:
+            self.load_rows(param_name, rows, source, name)
+            return
         if source.shape[0] != block.full:
             raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)}, expected "
                              f"{block.full} rows")
-        target = param.narrow(0, sum(self.output_sizes[:shard]), block.size)
-        copy_weight(target, source.narrow(0, block.start, block.size), name)
+        self.load_rows(param_name, rows, source.narrow(0, block.start, block.size), name)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -168,31 +243,34 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     `num_kv_heads`: on this rank)."""
 
     def __init__(self, hidden_size: int, *, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool) -> None:
+                 bias: bool, quant: Fp8Config | None = None) -> None:
         rank, size = _rank_size(current_tp())
         split = head_split(num_heads, num_kv_heads, rank=rank, size=size)
         self.num_heads, self.num_kv_heads = split.q_heads, split.kv_heads
         q = Block(num_heads * head_dim, split.q_start * head_dim, split.q_heads * head_dim)
         kv = Block(num_kv_heads * head_dim, split.kv_start * head_dim, split.kv_heads * head_dim)
-        super().__init__(hidden_size, (q, kv, kv), bias=bias)
+        super().__init__(hidden_size, (q, kv, kv), bias=bias, quant=quant)
 
 
 class RowParallelLinear(FusableLinear):
     """Input features split across ranks (the output of a column-parallel layer comes in split
     the same way); the partial outputs are summed by an all-reduce, the bias added once."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, *, bias: bool,
+                 quant: Fp8Config | None = None) -> None:
         self.tp = current_tp()
         rank, size = _rank_size(self.tp)
         share = _check_even("the input features", in_features, size)
         self.full_in_features = in_features
         self.in_start = rank * share
         super().__init__(share, out_features, bias=bias)
+        self.use_fp8(quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return linear(x, self.weight, self.bias, self.fused)
-        out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.fused)
+            return linear(x, self.weight, self.bias, self.fused, self.weight_scale)
+        out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.fused,
+                     self.weight_scale)
         return self.tp.all_reduce(out)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
@@ -204,13 +282,13 @@ class RowParallelLinear(FusableLinear):
         return (None,)
 
     def load(self, param_name: str, source: WeightSource, shard: int | None, name: str) -> None:
-        param = getattr(self, param_name)
         if param_name == "weight":
             if tuple(source.shape) != self.full_shape("weight"):
                 raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)} != model shape "
                                  f"{self.full_shape('weight')}")
             source = source.narrow(1, self.in_start, self.in_features)
-        copy_weight(param, source, name)
+        # scales are per output row: every rank keeps all of them
+        self.load_rows(param_name, slice(0, self.out_features), source, name)
 
 
 class VocabParallelEmbedding(nn.Module):

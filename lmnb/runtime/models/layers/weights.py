@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 
-WeightSource = Any  # torch.Tensor | CheckpointSlice: both have `shape` and `narrow`
+WeightSource = Any  # torch.Tensor | CheckpointSlice: both have `shape`, `dtype` and `narrow`
+
+
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                       "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                       "F64": torch.float64}
 
 
 class CheckpointSlice:
@@ -17,6 +22,12 @@ class CheckpointSlice:
     def __init__(self, handle: Any) -> None:
         self._handle = handle
         self.shape = torch.Size(handle.get_shape())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored dtype (what tells FP8 checkpoint tensors apart; other kinds read as
+        float32)."""
+        return _SAFETENSORS_DTYPES.get(self._handle.get_dtype(), torch.float32)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = (slice(None),) * dim + (slice(start, start + length),)

@@ -1,0 +1,335 @@
+"""Decode attention alone at the offline workload's shapes: lmnb's Triton split-K kernel over a
+sweep of launch configurations, FlashInfer's paged decode (page size 1, as lmnb's FlashInfer
+backend calls it, and 16) and, when vLLM's wheel is importable, its FlashAttention-3 over a block
+table of 16-token pages, each as achieved KV bandwidth (bytes of K and V read / kernel time).
+
+    python bench/decode_kernel.py --device cuda --model llama3 --batch 256
+    python bench/decode_kernel.py --device cuda --model llama2 --sweep
+
+The batch's context lengths are drawn uniformly from [--min-len, --max-len] (seeded); each
+request's KV slots are one contiguous run of the pool, the runs in shuffled order (a pool some
+time into a run), or every slot scattered with `--scatter`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import environment, format_table, write_json
+
+MODELS = {  # (query heads, KV heads, head_dim, dtype)
+    "llama3": (32, 8, 128, torch.bfloat16),
+    "llama2": (32, 32, 128, torch.float16),
+}
+
+
+class Batch:
+    def __init__(self, *, lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, scatter: bool, device: torch.device, seed: int) -> None:
+        rng = random.Random(seed)
+        self.lens = lens
+        self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
+        total = sum(lens)
+        slots = total + 16 * len(lens) + 16
+        self.k = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        order = list(range(len(lens)))
+        rng.shuffle(order)
+        starts = [0] * len(lens)
+        cursor = 1  # slot 0 is the padding slot
+        for i in order:
+            starts[i] = cursor
+            cursor += lens[i]
+        indices = torch.cat([torch.arange(starts[i], starts[i] + n) for i, n in enumerate(lens)])
+        if scatter:
+            perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)) + 1
+            indices = perm
+        self.kv_indices = indices.to(device=device, dtype=torch.int32)
+        self.kv_indptr = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
+                                      device=device)
+        self.q = torch.randn(len(lens), heads, head_dim, dtype=dtype, device=device)
+        self.scale = head_dim ** -0.5
+        self.kv_bytes = 2 * total * kv_heads * head_dim * self.k.element_size()
+
+    def reference(self, rows: int = 4) -> torch.Tensor:
+        """Attention of the first `rows` requests in float32."""
+        outs = []
+        group = self.heads // self.kv_heads
+        for i in range(rows):
+            idx = self.kv_indices[self.kv_indptr[i]:self.kv_indptr[i + 1]].long()
+            k = self.k[idx].float().repeat_interleave(group, 1)  # [n, heads, d]
+            v = self.v[idx].float().repeat_interleave(group, 1)
+            scores = torch.einsum("hd,nhd->hn", self.q[i].float(), k) * self.scale
+            outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+        return torch.stack(outs)
+
+
+def time_kernel(run: Callable[[], Any]) -> float:
+    """Median milliseconds of `run` (a CUDA graph of 10 calls, the L2 not flushed: the KV of a
+    batch this size is far larger than it)."""
+    import triton.testing
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            run()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / 10
+
+
+def triton_runs(batch: Batch, sweep: bool) -> list[tuple[str, Callable[[], Any], dict]]:
+    from lmnb.runtime.kernels import triton_decode as td
+
+    out = torch.empty_like(batch.q)
+    default = td.decode_config(batch.head_dim, batch.dtype, batch_size=len(batch.lens),
+                               num_kv_heads=batch.kv_heads)
+    configs = [("default", default)]
+    if sweep:
+        for block_n, warps, stages, min_split in itertools.product(
+                (32, 64, 128), (2, 4, 8), (1, 2, 3), (default.min_split, 4096)):
+            configs.append((f"n{block_n} w{warps} s{stages} m{min_split}",
+                            td.DecodeConfig(block_n, min_split, warps, stages)))
+    runs = []
+    splits = 16
+    for name, config in configs:
+        part_o, part_lse = td.partial_buffers(len(batch.lens), batch.heads, batch.head_dim,
+                                              splits, batch.q.device)
+
+        def run(config: td.DecodeConfig = config, part_o: torch.Tensor = part_o,
+                part_lse: torch.Tensor = part_lse) -> torch.Tensor:
+            return td.decode_attention(batch.q, batch.k, batch.v, out, batch.kv_indptr,
+                                       batch.kv_indices, part_o, part_lse, scale=batch.scale,
+                                       max_kv_splits=splits, config=config)
+        runs.append((f"triton {name}", run, config._asdict()))
+    return runs
+
+
+class SharedBatch:
+    """`groups` x `members` requests: each group's members share a `prefix`-token KV run and
+    have `suffix` tokens of their own (a fork's or a few-shot batch's decode step)."""
+
+    def __init__(self, *, groups: int, members: int, prefix: int, suffix: int, heads: int,
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        from lmnb.runtime.kernels import shared_prefix as sp
+
+        bs = groups * members
+        slots = groups * prefix + bs * suffix + 1
+        self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
+        self.k = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        rows, cursor = [], 1
+        for _ in range(groups):
+            shared = torch.arange(cursor, cursor + prefix)
+            cursor += prefix
+            for _ in range(members):
+                rows.append(torch.cat((shared, torch.arange(cursor, cursor + suffix))))
+                cursor += suffix
+        self.kv_indices = torch.cat(rows).to(device=device, dtype=torch.int32)
+        self.lens = [prefix + suffix] * bs
+        self.kv_indptr = torch.tensor([0, *itertools.accumulate(self.lens)], dtype=torch.int32,
+                                      device=device)
+        self.q = torch.randn(bs, heads, head_dim, dtype=dtype, device=device)
+        self.scale = head_dim ** -0.5
+        members_per_tile = sp.members_per_tile(heads, kv_heads)
+        plan = sp.plan_items([(prefix, list(range(g * members, (g + 1) * members)))
+                              for g in range(groups)], batch_size=bs, members=members_per_tile,
+                             max_items=sp.GRAPH_ITEMS)
+        flat = torch.tensor(plan.flat(sp.GRAPH_ITEMS, members_per_tile), dtype=torch.int64,
+                            device=device)
+        self.shared = sp.SharedPrefixes.view(flat, batch_size=bs, num_items=sp.GRAPH_ITEMS,
+                                             members=members_per_tile)
+        # bytes each approach must read: every row's KV, or each prefix once plus the suffixes
+        per_token = 2 * kv_heads * head_dim * self.k.element_size()
+        self.kv_bytes_plain = sum(self.lens) * per_token
+        self.kv_bytes = (groups * prefix + bs * suffix) * per_token
+
+
+def shared_runs(batch: SharedBatch, sweep: bool) -> list[tuple[str, Callable[[], Any], dict]]:
+    from lmnb.runtime.kernels import shared_prefix as sp
+    from lmnb.runtime.kernels import triton_decode as td
+
+    out = torch.empty_like(batch.q)
+    bs, splits = len(batch.lens), 16
+    part_o, part_lse = td.partial_buffers(bs, batch.heads, batch.head_dim,
+                                          splits + sp.PREFIX_SPLITS, batch.q.device)
+    default = td.decode_config(batch.head_dim, batch.dtype, batch_size=bs,
+                               num_kv_heads=batch.kv_heads)
+
+    def launcher(config: td.DecodeConfig, shared: Any, prefix: tuple[int, int, int]
+                 ) -> Callable[[], Any]:
+        def run() -> torch.Tensor:
+            saved = sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES
+            sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES = prefix
+            try:
+                return td.decode_attention(batch.q, batch.k, batch.v, out, batch.kv_indptr,
+                                           batch.kv_indices, part_o, part_lse,
+                                           scale=batch.scale, max_kv_splits=splits,
+                                           config=config, shared=shared)
+            finally:
+                sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES = saved
+        return run
+
+    base_prefix = (sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES)
+    runs = [("plain (no sharing)", launcher(default, None, base_prefix), {}),
+            ("shared default", launcher(default, batch.shared, base_prefix), {})]
+    if sweep:
+        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
+            runs.append((f"shared prefix n{block_n} w{warps} s{stages}",
+                         launcher(default, batch.shared, (block_n, warps, stages)),
+                         {"prefix": [block_n, warps, stages]}))
+        for block_n, warps, stages, min_split in itertools.product(
+                (32, 64, 128), (1, 2, 4), (1, 2), (64, default.min_split)):
+            config = td.DecodeConfig(block_n, min_split, warps, stages)
+            runs.append((f"shared suffix {block_n} w{warps} s{stages} m{min_split}",
+                         launcher(config, batch.shared, base_prefix), config._asdict()))
+    return runs
+
+
+def flashinfer_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
+    try:
+        import flashinfer
+    except ImportError:
+        return []
+    runs = []
+    device = batch.q.device
+    # page size 1 over the pool as it is (lmnb's FlashInfer backend)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD")
+    wrapper.plan(batch.kv_indptr, batch.kv_indices,
+                 torch.ones(len(batch.lens), dtype=torch.int32, device=device), batch.heads,
+                 batch.kv_heads, batch.head_dim, 1, q_data_type=batch.dtype,
+                 kv_data_type=batch.dtype, sm_scale=batch.scale)
+    cache = (batch.k.unsqueeze(1), batch.v.unsqueeze(1))
+    runs.append(("flashinfer page 1", lambda: wrapper.run(batch.q, cache), {}))
+    # page size 16 (a copy of the KV into whole pages)
+    page = 16
+    pages_per = [(n + page - 1) // page for n in batch.lens]
+    npages = sum(pages_per)
+    k16 = torch.randn(npages, page, batch.kv_heads, batch.head_dim, dtype=batch.dtype,
+                      device=device)
+    v16 = torch.randn_like(k16)
+    perm = torch.randperm(npages, device=device).to(torch.int32)
+    indptr16 = torch.tensor([0, *itertools.accumulate(pages_per)], dtype=torch.int32,
+                            device=device)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(batch.lens, pages_per, strict=True)],
+                        dtype=torch.int32, device=device)
+    wrapper16 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD")
+    wrapper16.plan(indptr16, perm, last, batch.heads, batch.kv_heads, batch.head_dim, page,
+                   q_data_type=batch.dtype, kv_data_type=batch.dtype, sm_scale=batch.scale)
+    runs.append(("flashinfer page 16", lambda: wrapper16.run(batch.q, (k16, v16)), {}))
+    return runs
+
+
+def fa3_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - vLLM is an optional peer here
+        return []
+    device = batch.q.device
+    page = 16
+    pages_per = [(n + page - 1) // page for n in batch.lens]
+    npages = sum(pages_per)
+    k16 = torch.randn(npages, page, batch.kv_heads, batch.head_dim, dtype=batch.dtype,
+                      device=device)
+    v16 = torch.randn_like(k16)
+    perm = torch.randperm(npages, device=device).to(torch.int32)
+    width = max(pages_per)
+    table = torch.zeros(len(batch.lens), width, dtype=torch.int32, device=device)
+    cursor = 0
+    for i, p in enumerate(pages_per):
+        table[i, :p] = perm[cursor:cursor + p]
+        cursor += p
+    seqused = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    cu_q = torch.arange(len(batch.lens) + 1, dtype=torch.int32, device=device)
+    runs = []
+    for version in (3, 2):
+        def run(version: int = version) -> torch.Tensor:
+            return flash_attn_varlen_func(
+                q=batch.q, k=k16, v=v16, max_seqlen_q=1, cu_seqlens_q=cu_q,
+                max_seqlen_k=max(batch.lens), seqused_k=seqused, block_table=table,
+                softmax_scale=batch.scale, causal=True, fa_version=version)
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001
+            print(f"vLLM FA{version}: {error}")
+            continue
+        runs.append((f"vllm fa{version} page 16", run, {}))
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--scatter", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time a grid of Triton configs")
+    parser.add_argument("--shared", default=None, metavar="GROUPS:MEMBERS:PREFIX:SUFFIX",
+                        help="a shared-prefix decode step instead (e.g. 64:4:600:64 fork-heavy, "
+                             "8:32:1500:48 few-shot): plain vs shared-prefix kernels")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="bench/results/decode_kernel.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    heads, kv_heads, head_dim, dtype = MODELS[args.model]
+    if args.shared:
+        groups, members, prefix, suffix = map(int, args.shared.split(":"))
+        shared = SharedBatch(groups=groups, members=members, prefix=prefix, suffix=suffix,
+                             heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                             device=device)
+        rows = []
+        for name, run, _config in shared_runs(shared, args.sweep):
+            try:
+                ms = time_kernel(run)
+            except Exception as failure:  # noqa: BLE001
+                print(f"{name}: {type(failure).__name__}: {failure}")
+                continue
+            rows.append([name, f"{ms * 1000:.1f}", f"{shared.kv_bytes / ms / 1e6:.0f}",
+                         f"{shared.kv_bytes_plain / ms / 1e6:.0f}"])
+        rows.sort(key=lambda r: float(r[1]))
+        print(f"{args.model} shared {args.shared}: KV {shared.kv_bytes / 1e6:.0f} MB per layer "
+              f"read once per group, {shared.kv_bytes_plain / 1e6:.0f} MB per request")
+        print(format_table(["kernels", "us", "GB/s (shared)", "GB/s (plain-equivalent)"],
+                           rows[:30]))
+        return
+    rng = random.Random(args.seed)
+    lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.batch)]
+    batch = Batch(lens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                  scatter=args.scatter, device=device, seed=args.seed)
+    reference = batch.reference()
+    rows = []
+    results = []
+    for name, run, config in (triton_runs(batch, args.sweep) + flashinfer_runs(batch)
+                              + fa3_runs(batch)):
+        try:
+            got = run()
+            error = float((got[:4].float() - reference).abs().max()) if got is not None else None
+            ms = time_kernel(run)
+        except Exception as failure:  # noqa: BLE001 - a config that does not compile is a row
+            print(f"{name}: {type(failure).__name__}: {failure}")
+            continue
+        gbps = batch.kv_bytes / ms / 1e6
+        rows.append([name, f"{ms * 1000:.1f}", f"{gbps:.0f}", f"{error:.1e}" if error else "-"])
+        results.append({"name": name, "us": ms * 1000, "kv_gb_per_s": gbps,
+                        "max_abs_error": error, "config": config})
+    rows.sort(key=lambda r: float(r[1]))
+    print(f"{args.model} batch {args.batch}, lens {args.min_len}-{args.max_len} "
+          f"(mean {sum(lens) / len(lens):.0f}), KV {batch.kv_bytes / 1e6:.0f} MB per layer")
+    print(format_table(["kernel", "us", "KV GB/s", "max err"], rows[:40]))
+    write_json(Path(args.json), {"args": vars(args), "environment": environment(device),
+                                 "kv_bytes": batch.kv_bytes, "results": results})
+
+
+if __name__ == "__main__":
+    main()

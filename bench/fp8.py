@@ -1,0 +1,229 @@
+"""FP8 weights and FP8 KV cache against bf16, in one run (issue 23's table).
+
+Variants (one `Runtime` each, built one after the other and closed between):
+  bf16          the model as it ships (bf16)
+  fp8           quantization="fp8": linears quantized at load (per-channel scales)
+  fp8-kv        kv_cache_dtype="fp8_e4m3" on bf16 weights
+  fp8+fp8-kv    both
+
+Parts (`--parts`, default all):
+  decode    random Llama-3-8B (`--model`), one 128-id prompt, ms per decode step as
+            (T(16 + 256 new tokens) - T(16)) / 256 (medians of `--repeats` runs), tok/s, and the
+            floor: the runtime's weight bytes (`Runtime.weight_bytes`) / copy bandwidth measured
+            in this run; FP8's speed-up over bf16 and its fraction of its own floor
+  offline   nano-vllm's offline workload (bench/offline.py: 256 seqs, in/out lengths 100-1024,
+            seed 0, temperature 0.6), one generate call: output tok/s and the KV pool's tokens
+  quality   real weights (the embedded SmolLM2-135M-Instruct, or `--quality-model`), real text
+            (bench/data/opticks.txt, Newton's Opticks, public domain): the first
+            `--quality-tokens` tokens as one prompt, prompt logprobs of every position: each
+            variant's next-token top-1 agreement with bf16 and its perplexity against bf16's
+
+JSON to bench/results/fp8.json (and $OUT/fp8.json when $OUT is set). On the GPU machine:
+    python bench/fp8.py                                  # all parts, about 6 minutes on an H100
+    python bench/fp8.py --parts quality --quality-model /tmp/smollm2
+CPU check (tiny sizes and a tiny random Llama-3 shape; the reference FP8 path):
+    python bench/fp8.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    REPO_ROOT,
+    RESULTS_DIR,
+    environment,
+    format_table,
+    stopwatch,
+    write_json,
+)
+from bench.dummy_models import write_dummy_model  # noqa: E402
+from bench.floor import copy_bandwidth  # noqa: E402
+from bench.offline import make_workload, measure_workload  # noqa: E402
+from lmnb.runtime.engine import Runtime  # noqa: E402
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {},
+    "fp8": {"quantization": "fp8"},
+    "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+}
+TEXT = REPO_ROOT / "bench" / "data" / "opticks.txt"
+PARTS = ("decode", "offline", "quality")
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def decode_step_ms(rt: Runtime, *, steps: int, repeats: int, device: torch.device) -> float:
+    """ms per batch-1 decode step: (T(16 + steps) - T(16)) / steps, medians of `repeats`."""
+    prompt = list(range(1000, 1128))
+
+    def timed(new_tokens: int) -> float:
+        times = []
+        for _ in range(repeats):
+            rt.flush_cache()
+            with stopwatch(device) as t:
+                rt.generate(input_ids=prompt, sampling_params={
+                    "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
+            times.append(t["seconds"])
+        return statistics.median(times)
+
+    timed(16)  # warm-up
+    return (timed(16 + steps) - timed(16)) / steps * 1e3
+
+
+def quality_logprobs(rt: Runtime, ids: list[int]) -> tuple[list[int], list[float]]:
+    """Per position t >= 1: the top-1 next-token id predicted for it, and the logprob of the
+    text's token there."""
+    out = rt.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                      return_logprob=True, top_logprobs_num=1, logprob_start_len=0)
+    meta = out["meta_info"]
+    top1 = [meta["input_top_logprobs"][t][0][1] for t in range(1, len(ids))]
+    logprobs = [meta["input_token_logprobs"][t][0] for t in range(1, len(ids))]
+    return top1, logprobs
+
+
+def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    model = None if args.quality_model is None else str(args.quality_model)
+    text = TEXT.read_text().split("\n", 2)[2]  # without the provenance line
+    results: dict[str, Any] = {"text": f"{TEXT.name}: Newton, Opticks (public domain)"}
+    reference: tuple[list[int], list[float]] | None = None
+    for name, options in VARIANTS.items():
+        with Runtime(model, device=str(device), dtype=args.dtype, **options,
+                     context_length=args.quality_tokens + 8,
+                     chunked_prefill_size=args.quality_tokens + 8) as rt:
+            ids = rt.tokenizer.encode(text)[:args.quality_tokens]
+            top1, logprobs = quality_logprobs(rt, ids)
+        ppl = math.exp(-sum(logprobs) / len(logprobs))
+        row: dict[str, Any] = {"positions": len(top1), "perplexity": ppl}
+        if reference is None:
+            reference = (top1, logprobs)
+        else:
+            agree = sum(a == b for a, b in zip(top1, reference[0], strict=True)) / len(top1)
+            ref_ppl = math.exp(-sum(reference[1]) / len(reference[1]))
+            row |= {"top1_agreement": agree, "perplexity_vs_bf16": ppl / ref_ppl - 1}
+        results[name] = row
+        _free()
+    return results
+
+
+def run_speed(args: argparse.Namespace, device: torch.device,
+              parts: set[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as root:
+        spec = write_dummy_model(args.model, root, args.tokenizer, grow_vocab=False)
+        bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+        workload = make_workload(num_seqs=args.num_seqs, min_input_len=100,
+                                 max_input_len=args.max_len, min_output_len=100,
+                                 max_output_len=args.max_len,
+                                 vocab_size=spec.fields["vocab_size"])
+        results: dict[str, Any] = {"model": spec.label, "copy_bandwidth_gbs":
+                                   bandwidth and bandwidth / 1e9}
+        for name, options in VARIANTS.items():
+            row: dict[str, Any] = {}
+            with Runtime(str(spec.path), device=str(device),
+                         **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
+                row["weight_gb"] = rt.weight_bytes / 1e9
+                row["kv_tokens"] = rt.max_total_tokens
+                if "decode" in parts:
+                    ms = decode_step_ms(rt, steps=args.steps, repeats=args.repeats, device=device)
+                    row |= {"decode_ms_per_step": ms, "decode_tok_s": 1e3 / ms}
+                    if bandwidth:
+                        floor_ms = rt.weight_bytes / bandwidth * 1e3
+                        row |= {"floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms}
+                if "offline" in parts:
+                    measured = measure_workload(rt, workload, temperature=0.6, rates=None,
+                                                device=device)
+                    row |= {"offline_tok_s": measured["tokens_per_s"],
+                            "offline_seconds": measured["seconds"],
+                            "offline_retractions": measured["retractions"]}
+            results[name] = row
+            _free()
+        return results
+
+
+def _ratios(speed: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    base = speed.get("bf16", {})
+    for name in VARIANTS:
+        row = speed.get(name, {})
+        if "decode_tok_s" in row and "decode_tok_s" in base:
+            out[f"decode {name}/bf16"] = row["decode_tok_s"] / base["decode_tok_s"]
+        if "offline_tok_s" in row and "offline_tok_s" in base:
+            out[f"offline {name}/bf16"] = row["offline_tok_s"] / base["offline_tok_s"]
+        if "kv_tokens" in row and "kv_tokens" in base:
+            out[f"kv tokens {name}/bf16"] = row["kv_tokens"] / base["kv_tokens"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--model", default="llama-3-8b", help="bench/dummy_models.py name")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="tokenizer folder for the random model (default: SmolLM2's)")
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--quality-model", type=Path, default=None,
+                        help="HF folder of SmolLM2-135M-Instruct (default: the embedded one)")
+    parser.add_argument("--quality-tokens", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized check of the script")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {PARTS}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.runtime_options = {}
+    if args.tiny:
+        args.model, args.steps, args.repeats, args.num_seqs, args.max_len = (
+            "tiny-llama-3", 4, 1, 4, 110)
+        args.quality_tokens, args.dtype = 64, "float32"
+        args.runtime_options = {"max_total_tokens": 2048, "dtype": "float32"}
+    results: dict[str, Any] = {"environment": environment(device)}
+    speed = run_speed(args, device, parts) if parts & {"decode", "offline"} else {}
+    if speed:
+        results["speed"] = speed
+        rows = [[name, *(speed[name].get(key) for key in (
+            "weight_gb", "decode_ms_per_step", "decode_tok_s", "fraction_of_floor",
+            "offline_tok_s", "kv_tokens"))] for name in VARIANTS]
+        print(f"{speed['model']}, copy bandwidth {speed['copy_bandwidth_gbs']} GB/s")
+        print(format_table(["variant", "weights GB", "b1 ms/step", "b1 tok/s", "of floor",
+                            "offline tok/s", "KV tokens"], rows))
+        results["ratios"] = _ratios(speed)
+        for key, value in results["ratios"].items():
+            print(f"{key}: {value:.3f}")
+    if "quality" in parts:
+        quality = run_quality(args, device)
+        results["quality"] = quality
+        print(f"quality on {quality['text']}")
+        print(format_table(["variant", "positions", "perplexity", "vs bf16", "top-1 agreement"],
+                           [[name, quality[name]["positions"], quality[name]["perplexity"],
+                             quality[name].get("perplexity_vs_bf16"),
+                             quality[name].get("top1_agreement")] for name in VARIANTS]))
+    path = write_json(RESULTS_DIR / ("fp8_tiny.json" if args.tiny else "fp8.json"), results)
+    if os.environ.get("OUT"):
+        write_json(Path(os.environ["OUT"]) / path.name, results)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""What bounds speculative decoding on a GPU: the cost of a verify pass of k draft tokens against a
+decode step (batch 1), and batch-64 throughput with NGRAM speculation on vs off (it must turn
+itself off there: >= 0.97x).
+
+Random weights of a real architecture (`--dummy-config`, default Llama-3-8B bf16). A Runtime
+without speculation gives the batch-1 decode step ((t(N) - t(1)) / (N - 1)) and the batch's
+throughput. For each k, a Runtime with `speculative_algorithm="NGRAM"`,
+`speculative_num_draft_tokens=k+1` and the deterministic draft policy generates the same greedy
+request twice: the second run drafts the first run's output from the corpus of recent requests,
+so every verify pass carries k drafts; the runtime's own pass timings
+(`stats()["speculative"]["seconds"]`) give the verify pass. Reported: verify / decode, the
+accepted length (below k + 1 only where verify and decode logits differ in the last bits), and
+the speedups these give (tokens per pass over the pass's cost in decode steps).
+
+    python bench/speculative_cost.py --device cuda                     # Llama-3-8B, H100
+    python bench/speculative_cost.py --dummy-config smollm2-135m --ks 2 4 --batch 4 \\
+        --max-new-tokens 24 --device cpu                                 # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    environment,
+    format_table,
+    resolve_device,
+    stopwatch,
+    write_json,
+)
+from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
+
+
+def _prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, min(vocab, 32000)) for _ in range(n)]
+
+
+def _params(max_new_tokens: int) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+
+
+def _timed(rt: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int]:
+    """(seconds, completion tokens) of one generate call over `prompts`."""
+    with stopwatch(rt.device) as timing:
+        outs = rt.generate(input_ids=prompts, sampling_params=_params(max_new_tokens))
+    return timing["seconds"], sum(o["meta_info"]["completion_tokens"] for o in outs)
+
+
+def baseline(model: str, options: dict[str, Any], prompt: list[int], batch: list[list[int]],
+             max_new_tokens: int) -> dict[str, Any]:
+    """Without speculation: the batch-1 decode step ((t(N) - t(1)) / (N - 1): prefill and
+    start-up cancel) and the batch's throughput."""
+    from lmnb.runtime.engine import Runtime
+
+    with Runtime(model, **options) as rt:
+        _timed(rt, [prompt[:16]], 8)  # warm-up
+        one, _ = _timed(rt, [prompt], 1)
+        many, _ = _timed(rt, [prompt], max_new_tokens)
+        seconds, tokens = _timed(rt, batch, max_new_tokens)
+    return {"decode_ms": 1000 * (many - one) / (max_new_tokens - 1),
+            "batch_tok_s": tokens / seconds}
+
+
+def verify_cost(model: str, options: dict[str, Any], k: int, prompt: list[int],
+                max_new_tokens: int, decode_ms: float) -> dict[str, Any]:
+    """The verify pass of k drafts: the request again after a first run, its drafts from the
+    first run's output (the corpus of recent requests), so every pass carries k drafts."""
+    from lmnb.runtime.engine import Runtime
+
+    with Runtime(model, **options, speculative_algorithm="NGRAM",
+                 speculative_num_draft_tokens=k + 1, speculative_draft_policy="always",
+                 speculative_min_accept_rate=0.0) as rt:
+        _timed(rt, [prompt[:16]], 8)  # warm-up
+        rt.flush_cache()
+        _timed(rt, [prompt], max_new_tokens)
+        before = rt.stats()["speculative"]
+        with stopwatch(rt.device):
+            out = rt.generate(input_ids=prompt, sampling_params=_params(max_new_tokens))
+        after = rt.stats()["speculative"]
+    passes = after["timed_passes"]["verify"] - before["timed_passes"]["verify"]
+    verify_ms = 1000 * (after["seconds"]["verify"] - before["seconds"]["verify"]) / max(passes, 1)
+    accept_length = out["meta_info"].get("spec_accept_length", 0.0)
+    return {"k": k, "verify_ms": verify_ms, "verify_over_decode": verify_ms / decode_ms,
+            "accept_length": accept_length, "verify_passes": passes,
+            # tokens per pass over the pass's cost in decode steps: what drafts this good buy
+            "speedup_at_this_acceptance": accept_length * decode_ms / verify_ms,
+            "speedup_if_all_accepted": (k + 1) * decode_ms / verify_ms}
+
+
+def batch_on(model: str, options: dict[str, Any], batch: list[list[int]],
+             max_new_tokens: int) -> dict[str, Any]:
+    from lmnb.runtime.engine import Runtime
+
+    with Runtime(model, **options, speculative_algorithm="NGRAM") as rt:
+        _timed(rt, batch[:2], 8)
+        rt.flush_cache()
+        seconds, tokens = _timed(rt, batch, max_new_tokens)
+        return {"batch_tok_s": tokens / seconds, "speculative": rt.stats()["speculative"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dummy-config", default="llama-3-8b", choices=sorted(DUMMY_CONFIGS))
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder (default: the embedded SmolLM2's)")
+    parser.add_argument("--ks", type=int, nargs="*", default=[2, 4, 8, 12, 16])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--out", default=str(RESULTS_DIR / "speculative_cost.json"))
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    with tempfile.TemporaryDirectory() as scratch:
+        dummy = write_dummy_model(args.dummy_config, scratch, args.tokenizer)
+        options = {"device": str(device), **dummy.runtime_options(),
+                   "max_total_tokens": max(16384, args.batch * (args.prompt_len
+                                                                + args.max_new_tokens + 32))}
+        vocab = dummy.fields["vocab_size"]
+        prompt = _prompt_ids(args.prompt_len, 0, vocab)
+        batch = [_prompt_ids(args.prompt_len, seed, vocab) for seed in range(1, args.batch + 1)]
+        model = str(dummy.path)
+        off = baseline(model, options, prompt, batch, args.max_new_tokens)
+        costs = [verify_cost(model, options, k, prompt, args.max_new_tokens, off["decode_ms"])
+                 for k in args.ks]
+        on = batch_on(model, options, batch, args.max_new_tokens)
+    ratio = on["batch_tok_s"] / off["batch_tok_s"]
+    print(f"batch-1 decode step: {off['decode_ms']:.2f} ms")
+    print(format_table(["k", "verify ms", "verify/decode", "accept len", "x at this acceptance",
+                        "x if all accepted"],
+                       [[c["k"], c["verify_ms"], c["verify_over_decode"], c["accept_length"],
+                         c["speedup_at_this_acceptance"], c["speedup_if_all_accepted"]]
+                        for c in costs]))
+    print(f"batch {args.batch}: {off['batch_tok_s']:.1f} tok/s off, {on['batch_tok_s']:.1f} "
+          f"on: x{ratio:.3f} (speculation: {on['speculative']['state']})")
+    path = write_json(args.out, {"benchmark": "speculative_cost",
+                                 "environment": environment(device), "model": dummy.label,
+                                 "prompt_len": args.prompt_len,
+                                 "max_new_tokens": args.max_new_tokens,
+                                 "decode_ms": off["decode_ms"], "verify_costs": costs,
+                                 "batch": args.batch, "batch_tok_s_off": off["batch_tok_s"],
+                                 "batch_tok_s_on": on["batch_tok_s"], "batch_ratio": ratio,
+                                 "batch_speculative": on["speculative"]})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

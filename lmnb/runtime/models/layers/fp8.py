@@ -1,0 +1,100 @@
+"""FP8 (e4m3) weights with per-output-channel scales, and the GEMMs over them.
+
+    weight        [N, K] float8_e4m3fn    w ~= weight * weight_scale[:, None]
+    weight_scale  [N]    float32          amax of the row / 448 (or the checkpoint's)
+    activations   per token, at run time: x ~= x_q * x_scale[:, None], x_scale = amax(row) / 448
+
+`fp8_linear` picks one of three paths by rows M and device:
+    M <= 16 and fused   the skinny Triton GEMM reading FP8 weights, dequantized in registers
+                        (activations stay 16-bit: W8A16, what batch-1 decode needs)
+    CUDA                `torch._scaled_mm` (FP8 tensor cores, W8A8) with row-wise scales, the
+                        activations quantized by one Triton kernel when fused
+    otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
+                        float32), slow; the loader warns that the CPU runs FP8 this way
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+_MIN_SCALE = 1e-12  # all-zero rows: any positive scale gives zero back
+SKINNY_MAX_ROWS = 16  # = kernels.fused.gemv.SKINNY_MAX_ROWS (not imported: triton is optional)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] 16/32-bit -> (FP8 [N, K], float32 scales [N]), one scale per row (output channel)."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=-1) / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 [N, K] and scales [N] -> [N, K] in `dtype`."""
+    return (weight.float() * scale.float()[:, None]).to(dtype)
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (FP8 [M, K], float32 scales [M, 1]): per-token dynamic quantization."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def to_fp8_saturated(x: torch.Tensor) -> torch.Tensor:
+    """x clamped to the FP8 range, then cast (torch's cast may give NaN past the range)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def scaled_mm_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """What the `_scaled_mm` path computes, in float32 on any device: per-token FP8 activations
+    times FP8 weights, accumulated in float32, both scales applied to the sum. x [M, K]."""
+    x_q, x_scale = quantize_tokens(x)
+    out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    if fused:  # one Triton kernel instead of five torch ops
+        from lmnb.runtime.kernels.fused.fp8_quant import per_token_quant
+
+        x_q, x_scale = per_token_quant(x)
+    else:
+        x_q, x_scale = quantize_tokens(x)
+    # Row-wise scales need a bfloat16 output; weight.t() is the column-major [K, N] it wants.
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale,
+                           scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, *, fused: bool) -> torch.Tensor:
+    """x [..., K] @ dequant(weight [N, K])^T + bias -> [..., N] in x's dtype (paths above)."""
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    n = weight.shape[0]
+    x2 = x.reshape(rows, k)
+    if fused and 1 <= rows <= SKINNY_MAX_ROWS:
+        from lmnb.runtime.kernels.fused.gemv import skinny_linear
+
+        out = skinny_linear(x2.contiguous(), weight, bias, weight_scale=weight_scale)
+    elif x.is_cuda and rows > 0 and k % 16 == 0 and n % 16 == 0:
+        out = _scaled_mm(x2.contiguous(), weight, weight_scale, bias, fused)
+    elif x.is_cuda:  # shapes _scaled_mm refuses (tiny test models): dequantized weights
+        out = F.linear(x2, dequantize_rows(weight, weight_scale, x.dtype), bias)
+    else:
+        out = scaled_mm_reference(x2, weight, weight_scale, bias)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,116 @@
+"""FP8 options (no torch): `quantization` and `kv_cache_dtype` under SGLang's names, and the
+`quantization_config` of pre-quantized `compressed-tensors` checkpoints.
+
+    quantization=None           the checkpoint as it is (a compressed-tensors FP8 checkpoint is
+                                recognised from its config.json, as SGLang does)
+    quantization="fp8"          16/32-bit weights quantized at load to float8_e4m3fn, one scale
+                                per output channel; an FP8 checkpoint is loaded as it is
+    quantization="compressed-tensors"   the checkpoint must be an FP8 compressed-tensors one
+
+    kv_cache_dtype="auto"       the KV pool in the model's dtype
+    kv_cache_dtype="fp8_e4m3"   the KV pool in float8_e4m3fn (per-tensor scale 1.0, SGLang's
+                                default when no scales are given): half the bytes per token
+    kv_cache_dtype="bf16"/"bfloat16"    bfloat16 whatever the model's dtype
+
+What FP8 covers: the decoder's linear layers (q/k/v, o, gate/up, down), in every Llama-family model
+and LLaVA's language model; embeddings, the LM head, norms and the vision tower keep the model's
+dtype. Activations are quantized per token at run time (dynamic), so a checkpoint's static
+`input_scale` tensors are checked and not used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+KV_CACHE_DTYPES = {"auto": "auto", "fp8_e4m3": "float8_e4m3fn", "bf16": "bfloat16",
+                   "bfloat16": "bfloat16"}
+
+
+class UnsupportedQuantizationError(ValueError):
+    """A checkpoint's `quantization_config` or a quantization option lmnb cannot serve."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Config:
+    """FP8 (e4m3) weights of the decoder's linears with per-output-channel scales in memory.
+
+    `prequantized`: the checkpoint holds FP8 weights and their `weight_scale` (compressed-tensors;
+    per channel or per tensor, which becomes per channel); else 16/32-bit weights are quantized
+    while they load. `ignored`: the checkpoint's `ignore` list (modules it left unquantized)."""
+
+    prequantized: bool = False
+    weight_strategy: str = "channel"  # the checkpoint's: 'channel' | 'tensor'
+    static_input_scale: bool = False  # the checkpoint has `input_scale` tensors (not used)
+    ignored: tuple[str, ...] = ()
+
+
+def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
+    """The `Fp8Config` of a config.json's `quantization_config` (None: none there);
+    UnsupportedQuantizationError for any other method or scheme."""
+    if quantization_config is None:
+        return None
+    if not isinstance(quantization_config, dict):  # transformers may give a config object
+        to_dict = getattr(quantization_config, "to_dict", None)
+        quantization_config = to_dict() if callable(to_dict) else vars(quantization_config)
+    method = str(quantization_config.get("quant_method", "")).replace("_", "-")
+    if method != "compressed-tensors":
+        raise UnsupportedQuantizationError(
+            f"checkpoint quantization {method or quantization_config!r} is not supported; lmnb "
+            "loads FP8 compressed-tensors checkpoints or quantizes 16-bit ones itself "
+            "(quantization='fp8')")
+    groups = quantization_config.get("config_groups") or {}
+    if not groups:
+        raise UnsupportedQuantizationError("compressed-tensors quantization_config has no "
+                                           "config_groups")
+    strategies, static = set(), False
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors group {name!r}: weights {weights!r} are not FP8 (8-bit "
+                "float); only FP8 schemes are supported")
+        strategy = weights.get("strategy")
+        if strategy not in ("channel", "tensor"):
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors group {name!r}: weight strategy {strategy!r}; supported: "
+                "'channel', 'tensor'")
+        if weights.get("dynamic"):
+            raise UnsupportedQuantizationError(f"compressed-tensors group {name!r}: dynamic "
+                                               "weight quantization is not supported")
+        strategies.add(strategy)
+        inputs = group.get("input_activations") or {}
+        if inputs and (inputs.get("type") != "float" or inputs.get("num_bits") != 8):
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors group {name!r}: input activations {inputs!r} are not FP8")
+        static = static or bool(inputs) and not inputs.get("dynamic", False)
+    ignored = tuple(str(n) for n in quantization_config.get("ignore") or ())
+    return Fp8Config(prequantized=True,
+                     weight_strategy="tensor" if "tensor" in strategies else "channel",
+                     static_input_scale=static, ignored=ignored)
+
+
+def resolve_quantization(option: str | None, checkpoint: Fp8Config | None) -> Fp8Config | None:
+    """What the model is built with, from `Runtime(quantization=...)` and the checkpoint's own."""
+    if option is None:
+        return checkpoint
+    if option not in QUANTIZATION_METHODS:
+        raise UnsupportedQuantizationError(
+            f"unknown quantization {option!r}; choose one of: {', '.join(QUANTIZATION_METHODS)}")
+    if checkpoint is not None:
+        return checkpoint
+    if option == "compressed-tensors":
+        raise UnsupportedQuantizationError(
+            "quantization='compressed-tensors' needs a checkpoint whose config.json has a "
+            "compressed-tensors quantization_config; use quantization='fp8' to quantize a 16-bit "
+            "checkpoint at load")
+    return Fp8Config()
+
+
+def kv_cache_dtype_name(option: str) -> str:
+    """'auto' or the torch dtype name of the KV pool for `kv_cache_dtype`."""
+    if option not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {option!r} is not supported; choose one of: "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[option]

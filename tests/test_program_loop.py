@@ -1,0 +1,296 @@
+"""Programs as tasks on one event loop (`lmnb.lang.event_loop`): thousands at once without a thread
+each, no thread left behind, Ctrl-C in the middle of `run_batch` on a real runtime, and the
+asyncio forms (`arun`, `run_batch_iter`, `run_batch(as_completed=True)`).
+
+Deterministic: the backends below hold programs on asyncio futures that only the test's own
+events resolve; timeouts only bound a failing test."""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import lmnb
+from lmnb import gen, select
+from lmnb.lang.backends.base import CancelEvent, Generation, ProgramAborted
+from lmnb.lang.backends.local import LocalBackend
+from lmnb.lang.chat_template import ChatTemplate
+from lmnb.lang.event_loop import program_loop
+from lmnb.lang.ir import GenParams
+
+GUARD_S = 60.0  # only reached when the behaviour under test is broken
+
+
+class BarrierBackend:
+    """An `AsyncBackend` whose gens all wait until `count` of them are in flight at once: the
+    programs can only finish if that many run concurrently. The text is the prompt's last
+    word, reversed."""
+
+    def __init__(self, count: int) -> None:
+        self.chat_template = ChatTemplate(None)
+        self.count = count
+        self.in_flight = 0
+        self.most = 0
+        self._all_in: asyncio.Event | None = None
+
+    async def agenerate(self, prompt: str, params: GenParams, *,
+                        on_delta: Callable[[str], None] | None = None,
+                        cancel: threading.Event | None = None, **extra: Any) -> Generation:
+        if self._all_in is None:
+            self._all_in = asyncio.Event()
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        if self.in_flight >= self.count:
+            self._all_in.set()
+        await asyncio.wait_for(self._all_in.wait(), GUARD_S)
+        self.in_flight -= 1
+        text = prompt.split()[-1][::-1]
+        if on_delta is not None:
+            on_delta(text)
+        return Generation(text, {"finish_reason": {"type": "stop"}})
+
+    async def aselect(self, prompt: str, choices: tuple[str, ...], method: str,
+                      **extra: Any) -> tuple[str, dict]:
+        return choices[-1], {}
+
+    async def acache_prefix(self, prompt: str, **extra: Any) -> None:
+        pass
+
+    def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        raise AssertionError("the program loop awaits agenerate")
+
+    def select(self, *args: Any, **kwargs: Any) -> tuple[str, dict]:
+        raise AssertionError("the program loop awaits aselect")
+
+    def cache_prefix(self, prompt: str) -> None:
+        pass
+
+
+@lmnb.function
+def echo(s, word):
+    s += "say " + word + gen("said", max_tokens=1)
+    if s["said"] == word[::-1]:  # a read: the body is suspended, not a thread
+        s += select("pick", choices=["yes", "no"])
+
+
+def test_two_thousand_programs_run_at_once_on_one_loop():
+    size = 2000
+    backend = BarrierBackend(size)
+    program_loop()
+    threads = {thread.ident for thread in threading.enumerate()}
+    states = echo.run_batch([{"word": f"w{i}"} for i in range(size)], backend=backend)
+    assert backend.most == size  # every gen was in flight at the same time
+    assert [s["said"] for s in states] == [f"w{i}"[::-1] for i in range(size)]
+    assert all(s["pick"] == "no" for s in states)
+    assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
+
+
+def test_programs_and_forks_take_no_thread():
+    @lmnb.function
+    def branches(s):
+        s += "a b"
+        forks = s.fork(3)
+        forks += gen("x", max_tokens=1)
+        forks.join()
+
+    backend = BarrierBackend(3)
+    program_loop()
+    before = {t.ident for t in threading.enumerate()}
+    state = branches.run(backend=backend)
+    assert state["x"] == ["b", "b", "b"]
+    assert {t.ident for t in threading.enumerate()} <= before
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_models) -> Iterator[lmnb.Runtime]:
+    runtime = lmnb.Runtime(tiny_models["llama-gqa"], max_total_tokens=4096)
+    yield runtime
+    runtime.close()
+
+
+def wait_idle(rt: lmnb.Runtime) -> None:
+    deadline = time.monotonic() + GUARD_S
+    while (stats := rt.stats())["running"] or stats["waiting"]:
+        assert time.monotonic() < deadline, f"requests still live: {stats}"
+        time.sleep(0.02)
+    rt.check_integrity()
+
+
+def test_no_thread_is_left_after_a_thousand_runs(rt):
+    @lmnb.function
+    def one(s, i):
+        s += "Number " + str(i) + ":" + gen("n", max_tokens=1, temperature=0)
+        s += " is " + s["n"]
+
+    fake, local = BarrierBackend(1), LocalBackend(rt)
+    one.run(0, backend=local)  # the program loop exists
+    threads = {thread.ident for thread in threading.enumerate()}
+    for i in range(1000):  # the interpreter's machinery, on a backend that costs nothing
+        assert one.run(i, backend=fake)["n"] == f"{i}:"[::-1]
+    for i in range(50):  # and over the runtime's output streams
+        assert isinstance(one.run(i, backend=local)["n"], str)
+    states = one.run_batch([{"i": i} for i in range(100)], backend=local)
+    assert all(isinstance(s["n"], str) for s in states)
+    assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
+
+
+class HoldingBackend(LocalBackend):
+    """Sends each gen to the runtime; once `expected` of them stream text, interrupts the main
+    thread. A gen never returns before its program is cancelled: `run_batch` cannot end before
+    the interrupt lands."""
+
+    def __init__(self, runtime: lmnb.Runtime, expected: int) -> None:
+        super().__init__(runtime)
+        self.expected = expected
+        self.streaming = 0
+        self.cancels: list[threading.Event] = []
+
+    async def agenerate(self, prompt: str, params: GenParams, *,
+                        on_delta: Callable[[str], None] | None = None,
+                        cancel: threading.Event | None = None, **extra: Any) -> Generation:
+        assert isinstance(cancel, CancelEvent)
+        self.cancels.append(cancel)
+        loop = asyncio.get_running_loop()
+        cancelled = loop.create_future()
+        cancel.on_set(lambda: loop.call_soon_threadsafe(
+            lambda: cancelled.done() or cancelled.set_result(None)))
+        first = True
+
+        def delta(text: str) -> None:
+            nonlocal first
+            if first:
+                first = False
+                self.streaming += 1
+                if self.streaming == self.expected:
+                    _thread.interrupt_main()
+
+        await super().agenerate(prompt, params, on_delta=delta, cancel=cancel, **extra)
+        await asyncio.wait_for(cancelled, GUARD_S)
+        raise ProgramAborted("cancelled")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ctrl_c_in_the_middle_of_run_batch_aborts_every_request(rt, compiled, default_sigint):
+    @lmnb.function
+    def long(s, i):
+        s += "Story " + i + ":" + gen("story", max_tokens=400, ignore_eos=True)
+
+    backend = HoldingBackend(rt, expected=4)
+    program = long.compile() if compiled else long
+    with pytest.raises(KeyboardInterrupt):
+        program.run_batch([{"i": str(i)} for i in range(8)], backend=backend, num_threads=4)
+    assert len(backend.cancels) == 4  # the 4 programs not started never start
+    assert all(cancel.is_set() for cancel in backend.cancels)
+    wait_idle(rt)
+    assert rt.stats()["protected_tokens"] == 0
+    assert rt.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_as_completed_yields_states_as_they_finish(rt):
+    @lmnb.function
+    def count(s, n):
+        s += "Count:" + gen("x", max_tokens=n, ignore_eos=True, temperature=0)
+
+    backend = LocalBackend(rt)
+    order = [state["x"] for state in count.run_batch(
+        [{"n": 24}, {"n": 1}], backend=backend, as_completed=True)]
+    tokens = [len(rt.tokenizer.encode(text, add_special_tokens=False)) for text in order]
+    assert tokens[0] < tokens[1]  # the one-token program came back first
+
+
+def test_leaving_as_completed_early_aborts_the_rest(rt):
+    @lmnb.function
+    def count(s, n):
+        s += "Count:" + gen("x", max_tokens=n, ignore_eos=True, temperature=0)
+
+    backend = LocalBackend(rt)
+    states = count.run_batch([{"n": 1}, {"n": 400}], backend=backend, as_completed=True)
+    first = next(states)
+    assert first.error() is None
+    states.close()
+    wait_idle(rt)
+    assert rt.stats()["protected_tokens"] == 0
+
+
+def test_arun_and_run_batch_iter_leave_the_callers_loop_free(rt):
+    @lmnb.function
+    def answer(s, q):
+        s += q + gen("a", max_tokens=2, temperature=0)
+        s += " / " + s["a"]
+
+    backend = LocalBackend(rt)
+    expected = {q: answer.run(q, backend=backend).text() for q in ("Hi", "Yes", "No")}
+
+    async def main() -> tuple[str, list[str], int]:
+        ticks = 0
+
+        async def tick() -> None:  # runs only while the loop is free
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        state = await answer.arun("Hi", backend=backend)
+        texts = [s.text() async for s in answer.run_batch_iter(
+            [{"q": "Yes"}, {"q": "No"}], backend=backend)]
+        ticker.cancel()
+        return state.text(), texts, ticks
+
+    text, texts, ticks = asyncio.run(main())
+    assert text == expected["Hi"]
+    assert sorted(texts) == sorted([expected["Yes"], expected["No"]])
+    assert ticks > 0
+
+
+def test_one_wake_up_of_the_loop_per_burst_of_deliveries():
+    """The output thread delivers to every stream of a step; the loop awaiting them all is
+    woken once (one self-pipe write), not once per stream."""
+    from lmnb.runtime.output.stream import OutputStream
+
+    streams = [OutputStream([rid]) for rid in range(100)]
+    calls = []
+
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), threadsafe(*a))[1]
+        readers = [asyncio.ensure_future(stream.aresults()) for stream in streams]
+        await asyncio.sleep(0)  # every reader awaits its stream now
+
+        def deliver() -> None:
+            for rid, stream in enumerate(streams):
+                stream.deliver([{"text": f"t{rid}", "output_ids": [rid], "meta_info": {
+                    "id": str(rid), "finish_reason": {"type": "stop"}}}])
+
+        producer = threading.Thread(target=deliver)
+        producer.start()
+        producer.join()  # the loop is held meanwhile: the burst ends before it runs again
+        return [result[0]["text"] for result in await asyncio.gather(*readers)]
+
+    assert asyncio.run(main()) == [f"t{rid}" for rid in range(100)]
+    assert len(calls) == 1
+
+
+def test_selects_are_scored_on_the_loop_without_threads(rt):
+    @lmnb.function
+    def pick(s, q):
+        s += q + " The answer is" + select("a", choices=[" yes", " no", " maybe"])
+
+    backend = LocalBackend(rt)
+    pick.run("Warm up.", backend=backend)
+    threads = {thread.ident for thread in threading.enumerate()}
+    questions = [f"Question {i}: is {i} even?" for i in range(12)]
+    states = pick.run_batch([{"q": q} for q in questions], backend=backend)
+    assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
+    for q, state in zip(questions, states, strict=True):  # as the blocking scorer scores them
+        _, meta = backend.select(q + " The answer is", (" yes", " no", " maybe"),
+                                 "token_length_normalized")
+        assert state.get_meta_info("a")["normalized_prompt_logprobs"] == pytest.approx(
+            meta["normalized_prompt_logprobs"], abs=1e-4)
