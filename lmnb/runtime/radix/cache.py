@@ -105,7 +105,13 @@ class RadixCache(PrefixCache):
         return MatchResult(values or (self.root.value,), node)
 
     def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> TreeNode:
-        node, done, key = self.root, 0, list(key)
+        return self._descend(list(key), extra_key)[0]
+
+    def _descend(self, key: list[int], extra_key: Hashable) -> tuple[TreeNode, int]:
+        """Follows `key` down from the root as far as it is cached, splitting the last edge where
+        the key ends or departs from it and touching the nodes passed; returns the deepest node
+        reached and how many tokens of `key` lead to it."""
+        node, done = self.root, 0
         now = time.monotonic()
         while done < len(key):
             child = node.children.get((extra_key, key[done]))
@@ -117,7 +123,7 @@ class RadixCache(PrefixCache):
             child.last_access = now
             done += matched
             node = child
-        return node
+        return node, done
 
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
         node, done, key = self.root, 0, list(key)
@@ -188,27 +194,15 @@ class RadixCache(PrefixCache):
     def insert(self, key: Sequence[int], value: torch.Tensor, extra_key: Hashable = None) -> int:
         """Adds `key` -> `value` slots; returns how many leading tokens were already cached (their
         slots in `value` are duplicates that stay the caller's)."""
-        node = self.root
         key = list(key)
-        now = time.monotonic()
-        done = 0
-        while done < len(key):
-            child = node.children.get((extra_key, key[done]))
-            if child is None:
-                leaf = TreeNode(next(self._ids), extra_key)
-                leaf.parent = node
-                leaf.key = key[done:]
-                leaf.value = value[done:].clone()
-                leaf.last_access = now
-                node.children[(extra_key, key[done])] = leaf
-                self._evictable += len(leaf.key)
-                return done
-            matched = common_prefix_length(child.key, key[done:])
-            if matched < len(child.key):
-                child = self._split(child, matched)
-            child.last_access = now
-            done += matched
-            node = child
+        node, done = self._descend(key, extra_key)
+        if done < len(key):
+            leaf = TreeNode(next(self._ids), extra_key)
+            leaf.parent = node
+            leaf.key = key[done:]
+            leaf.value = value[done:].clone()
+            node.children[(extra_key, key[done])] = leaf
+            self._evictable += len(leaf.key)
         return done
 
     # ---- locks -----------------------------------------------------------------------------------
