@@ -68,6 +68,28 @@ def test_notebook_hygiene(path: Path) -> None:
             assert "nbval-ignore-output" in cell.metadata.get("tags", []), cell.source
 
 
+def test_quickstart_token_view_final_state(example_run) -> None:
+    """The TokenView's saved state and its static HTML (what nbconvert and GitHub show) count
+    the tokens that the next cell prints from the requests' meta_info."""
+    import re
+
+    nb = example_run("01_quickstart.ipynb")
+    (view,) = widgets(nb, "lmnb.widgets.token_view.TokenView")
+    assert view["done"] is True and [r["label"] for r in view["rows"]] == ["root", "fork 1",
+                                                                         "fork 2"]
+    printed = stdout_of(nb, "from lmnb.runtime.output.token_origins import count_origin")
+    match = re.search(r"prompt: (\d+) cached, (\d+) computed\noutput: (\d+) generated, "
+                      r"(\d+) jump-forward", printed)
+    assert match, printed
+    expected = dict(zip(("cached", "computed", "generated", "jump_forward"),
+                        map(int, match.groups()), strict=True))
+    assert {k: view["counts"][k] for k in expected} == expected
+    (cell,) = [c for c in nb.cells if c.source.startswith("%%lmprogram coach")]
+    page = [o["data"]["text/html"] for o in cell.outputs if "text/html" in o.get("data", {})][-1]
+    for origin, count in expected.items():
+        assert page.count(f'class="lmnb-tv-tok lmnb-tv-{origin}"') == count
+
+
 def test_quickstart_fork_view_final_state(example_run) -> None:
     nb = example_run("01_quickstart.ipynb")
     (view,) = widgets(nb, "lmnb.widgets.fork_view.ForkView")

@@ -275,6 +275,18 @@ def test_native_generate_shapes(http, rt):
     assert plain["meta_info"]["output_token_logprobs"][0][2] is None
 
 
+def test_native_generate_token_origins(http):
+    """lmnb's `return_token_origins` on SGLang's route: spans over the prompt and the output."""
+    params = {"temperature": 0, "max_new_tokens": 6, "regex": "[0-9]{2}, [0-9]{2}"}
+    meta = http.post("/generate", json={"text": "Numbers:", "sampling_params": params,
+                                        "return_token_origins": True}).json()["meta_info"]
+    assert meta["prompt_token_origins"][-1][2] == meta["prompt_tokens"]
+    assert meta["output_token_origins"][-1][2] == meta["completion_tokens"]
+    assert {origin for origin, _, _ in meta["output_token_origins"]} <= {
+        "generated", "jump_forward"}
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]  # implied logprobs
+
+
 def test_native_generate_stream_is_cumulative(http):
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     whole = http.post("/generate", json={"text": "Hi", "sampling_params": params}).json()

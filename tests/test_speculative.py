@@ -13,9 +13,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+import lmnb
+from lmnb.lang.backends.local import LocalBackend
+from lmnb.lang.token_trace import ORIGIN_INDEX
 from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.core import SamplingParams
 from lmnb.runtime.engine import Runtime
+from lmnb.runtime.output.token_origins import GENERATED, SPECULATED, count_origin
 from lmnb.runtime.sampling import Sampler
 from lmnb.runtime.sampling.rejection import NO_DRAFT, accept_or_resample
 from lmnb.runtime.speculative.gate import best_draft_length
@@ -157,6 +161,36 @@ def test_greedy_outputs_are_identical_and_drafts_are_accepted(runtimes) -> None:
         (meta["spec_accept_token_num"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"])
     stats = spec.stats()["speculative"]
     assert stats["verify_passes"] > 0 and stats["accepted_tokens"] > 0
+    spec.check_integrity()
+
+
+def test_accepted_drafts_are_reported_as_speculated_tokens(runtimes) -> None:
+    base, spec = runtimes
+    want = base.generate(COPY_PROMPTS[0], GREEDY)["output_ids"]
+    out = spec.generate(COPY_PROMPTS[0], GREEDY, return_token_origins=True)
+    meta = out["meta_info"]
+    spans = meta["output_token_origins"]
+    speculated = count_origin(spans, SPECULATED)
+    # a chain cut by max_new_tokens appends fewer than the verify pass accepted
+    assert 0 < speculated <= meta["spec_accept_token_num"]
+    assert speculated + count_origin(spans, GENERATED) == meta["completion_tokens"]
+    assert out["output_ids"] == want
+    streamed = list(spec.generate(COPY_PROMPTS[0], GREEDY, return_token_origins=True,
+                                  stream=True))
+    assert any(count_origin(c["meta_info"].get("output_token_origins", []), SPECULATED)
+               for c in streamed[:-1])  # live chunks already say so
+    # a traced program (its gen awaited on the program loop) shows them as speculated cells
+
+    @lmnb.function
+    def copy(s):
+        s += COPY_PROMPTS[0]
+        s += lmnb.gen("out", max_tokens=GREEDY["max_new_tokens"], temperature=0)
+
+    state = copy.run(backend=LocalBackend(spec), token_view=True)
+    gen_meta = state.get_meta_info("out")
+    cells = state.token_trace.cells()
+    traced = sum(1 for cell in cells if cell[1] == ORIGIN_INDEX[SPECULATED])
+    assert traced == count_origin(gen_meta["output_token_origins"], SPECULATED) > 0
     spec.check_integrity()
 
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import singledispatchmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.awaiting import awaited_calls, in_thread, on_loop_thread
 from lmnb.lang.backends.base import (
@@ -55,6 +55,9 @@ from lmnb.lang.ir import (
 )
 from lmnb.lang.reasoning import reasoning_name, split_reasoning
 from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, speculative_params
+
+if TYPE_CHECKING:
+    from lmnb.lang.token_trace import TokenTrace
 
 
 class ProgramError(RuntimeError):
@@ -164,6 +167,7 @@ class StreamExecutor:
         self.media_: list[tuple[int, MediaInput]] = []
         self.turns: list[tuple[str, int, int]] = []  # (role, start, end) of each ended role
         self.error: BaseException | None = None
+        self.token_trace: TokenTrace | None = None  # a traced run's tokens (token_trace.py)
         self.fork_point = 0  # length of the text inherited from the parent (forks)
         self.cancel = CancelEvent()
         self._role: str | None = None
@@ -322,6 +326,7 @@ class StreamExecutor:
             branch.media_ = list(self.media_)  # the same prepared items: one hash, one KV span
             branch.turns = list(self.turns)
             branch.observer = self.observer
+            branch.token_trace = None if self.token_trace is None else self.token_trace.fork()
             branches.append(branch)
         if self.sglang_backend is not None:
             self.sglang_backend.fork_program(self, list(branches))
@@ -522,6 +527,8 @@ class StreamExecutor:
         extra: dict[str, Any] = self._media_kwargs(prompt)
         if chat is not None:
             extra["chat"] = chat
+        if self.token_trace is not None:
+            extra["trace"] = self.token_trace
         if "generate" in self._awaited:
             return await self.backend.agenerate(  # type: ignore[attr-defined]
                 prompt, params, on_delta=on_delta, cancel=self.cancel, **extra)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import Backend
 from lmnb.lang.default_backend import as_backend as as_backend
@@ -40,6 +40,9 @@ from lmnb.lang.state_writer import PROGRAM_CALLER as PROGRAM_CALLER
 from lmnb.lang.state_writer import ProgramStateGroup as ProgramStateGroup
 from lmnb.lang.state_writer import StateWriter as StateWriter
 from lmnb.params import default_sampling_params
+
+if TYPE_CHECKING:
+    from lmnb.lang.token_trace import TokenTrace
 
 # `run`/`run_batch` keywords that set every gen's default: the gen arguments except those that
 # only make sense per gen (a sample count, an output constraint).
@@ -379,6 +382,19 @@ class ProgramState(StateWriter):
     def abort(self) -> None:
         self._run.abort()
 
+    @property
+    def token_trace(self) -> TokenTrace | None:
+        """This state's recorded tokens when its run was traced (`run(..., token_view=True)`,
+        `%%lmprogram --tokens`), else None."""
+        return self._executor.token_trace
+
+    def token_view(self, **options: Any) -> Any:
+        """A `lmnb.widgets.TokenView` of this state's run (its forks one row each), live while
+        it runs; the run must have been traced (`run(..., token_view=True)`)."""
+        from lmnb.widgets.token_view import TokenView
+
+        return TokenView(self, **options)
+
     def observe(self, observer: Observer | None) -> None:
         """Calls `observer(kind, executor, data)` on this run's events (text deltas, finished
         variables, forks, errors) from the program loop; used by live widgets."""
@@ -502,18 +518,25 @@ class Program:
         return arguments, sampling
 
     def run(self, *args: Any, backend: Any = None, stream: bool = False,
-            **kwargs: Any) -> ProgramState:
+            token_view: bool = False, **kwargs: Any) -> ProgramState:
         """Runs the program; returns its state once done (at once with `stream=True`).
         Keyword arguments named like sampling parameters (temperature, max_new_tokens, ...) are
-        the defaults of every `gen` that leaves them unset."""
+        the defaults of every `gen` that leaves them unset. `token_view=True` records every
+        token of its gens with its origin and logprobs, for `state.token_view()` (an
+        in-process runtime's backend only)."""
         arguments, sampling = self.split_arguments(args, kwargs)
-        return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream)
+        return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream,
+                             token_view=token_view)
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
                  stream: bool, run: ProgramRun | None = None, *,
-                 raise_body_error: bool = True) -> ProgramState:
+                 raise_body_error: bool = True, token_view: bool = False) -> ProgramState:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
+        if token_view:
+            from lmnb.lang.token_trace import start_trace
+
+            executor.token_trace = start_trace(backend)
         state = ProgramState(executor, run)
         caller = PROGRAM_CALLER.set(_RunningCaller(backend, defaults, state.run))
         try:
@@ -559,16 +582,19 @@ class Program:
         job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
         return job.aiter_completed(num_threads=num_threads)
 
-    async def arun(self, *args: Any, backend: Any = None, **kwargs: Any) -> ProgramState:
+    async def arun(self, *args: Any, backend: Any = None, token_view: bool = False,
+                   **kwargs: Any) -> ProgramState:
         """`run` for asyncio: `state = await program.arun(...)` (a cell's top-level await). The
         body runs on the program loop (a greenlet: its reads suspend it), so the awaiting loop
-        is never blocked; cancelling the await aborts the program's requests."""
+        is never blocked; cancelling the await aborts the program's requests. `token_view` as
+        in `run`."""
         arguments, sampling = self.split_arguments(args, kwargs)
         backend = as_backend(backend)
         run = ProgramRun()
         try:
             return await on_loop(run_body(self._execute, backend, arguments,
-                                          run_defaults(sampling), False, run))
+                                          run_defaults(sampling), False, run,
+                                          token_view=token_view))
         except asyncio.CancelledError:
             run.abort()
             raise

@@ -26,6 +26,7 @@ from lmnb.magics.parsing import (
 )
 from lmnb.magics.session import KernelSession
 from lmnb.magics.status import status_view
+from lmnb.magics.token_run import run_with_tokens
 from lmnb.params import PARAM_HELP, default_sampling_params
 
 
@@ -208,7 +209,12 @@ class LMNB(Magics):
         backend = self.session.local_backend()
         sampling = self._sampling(options)
         stream = self.stream if options.stream is None else options.stream
-        if options.bg:
+        if options.tokens:
+            result = run_with_tokens(func, backend, {**sampling, "token_view": True},
+                                     background=options.bg)
+            if not options.bg and (error := result.state.error()) is not None:
+                raise LMProgramError(error, source) from error
+        elif options.bg:
             result = run_background(func, backend, sampling, live=stream)
         else:
             if stream:

@@ -127,6 +127,10 @@ them; names assigned in the cell stay local to it. Ctrl-C aborts the program's r
                         help="print the traced graph of the program instead of running it")
     parser.add_argument("--bg", action="store_true",
                         help="run in the background: the result is a handle at once")
+    parser.add_argument("--tokens", action="store_true",
+                        help="show every token live, coloured by origin (prompt computed or "
+                             "cached, generated, jump-forward), logprobs on hover, and a "
+                             "metrics bar (lmnb.widgets.TokenView)")
     return parser
 
 

@@ -156,8 +156,31 @@ class ProgramResult:
             raise
         return self
 
+    def _metrics(self, snap: Snapshot) -> Any | None:
+        """The run's metrics once it is over (None while it runs, or without lmnb.widgets)."""
+        if snap.running:
+            return None
+        try:
+            from lmnb.widgets.metrics import program_metrics, runtime_stats
+        except ImportError:
+            return None
+        return program_metrics(self.state, runtime_stats(self.state))
+
     def _repr_html_(self) -> str:
-        return render_html(snapshot(self.state, self._body_running))
+        snap = snapshot(self.state, self._body_running)
+        page = render_html(snap)
+        if (metrics := self._metrics(snap)) is not None:
+            from lmnb.widgets.metrics import metrics_html
+
+            page = page.replace('<div class="lmnb-result">',
+                                f'<div class="lmnb-result">{metrics_html(metrics)}', 1)
+        return page
 
     def __repr__(self) -> str:
-        return render_text(snapshot(self.state, self._body_running))
+        snap = snapshot(self.state, self._body_running)
+        text = render_text(snap)
+        if (metrics := self._metrics(snap)) is not None:
+            from lmnb.widgets.metrics import metrics_text
+
+            text += "\n" + metrics_text(metrics)
+        return text

@@ -1,6 +1,6 @@
-"""`%lmnb status`: the CacheDashboard widget when `lmnb.widgets` provides it (counting from the
-runtime's start, then live), else a summary of `runtime.stats()` as an HTML table (and plain
-text)."""
+"""`%lmnb status`: a live metrics bar and the CacheDashboard widget when `lmnb.widgets` provides
+them (counting from the runtime's start, then live), else a summary of `runtime.stats()` as an
+HTML table (and plain text)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ _ROWS = (
     ("cached tokens", "cached_tokens", "{:,}"),
     ("image/video tokens cached", ("cached_media_tokens", "media_tokens"), "{:,} of {:,}"),
     ("generated tokens", "generated_tokens", "{:,}"),
+    ("jump-forward tokens", "jump_forward_tokens", "{:,}"),
+    ("mean time to first token", "mean_first_token_latency", "{:.3f} s"),
     ("forward passes", "forward_passes", "{:,}"),
     ("running / waiting", ("running", "waiting"), "{} / {}"),
     ("free KV tokens", ("free_tokens", "max_total_tokens"), "{:,} of {:,}"),
@@ -38,7 +40,7 @@ class StatusSummary:
         rows = []
         for label, keys, fmt in _ROWS:
             keys = keys if isinstance(keys, tuple) else (keys,)
-            if all(key in self.stats for key in keys):
+            if all(self.stats.get(key) is not None for key in keys):
                 rows.append((label, fmt.format(*(self.stats[key] for key in keys))))
         return rows
 
@@ -57,8 +59,13 @@ class StatusSummary:
 
 
 def status_view(runtime: Any, title: str) -> Any:
+    """The dashboard, after a live metrics bar it displays first (widgets installed)."""
     try:
         from lmnb.widgets import CacheDashboard
+        from lmnb.widgets.metrics_bar import MetricsBar
     except ImportError:
         return StatusSummary(title, runtime.stats())
+    from IPython.display import display
+
+    display(MetricsBar(runtime))
     return CacheDashboard(runtime, since_runtime_start=True)

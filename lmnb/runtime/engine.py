@@ -24,6 +24,7 @@ from lmnb.runtime.distributed.group import TPError
 from lmnb.runtime.fsm.protocol import Grammar
 from lmnb.runtime.media_requests import MediaInput, build_media_prompts
 from lmnb.runtime.output import OutputStream
+from lmnb.runtime.output.token_origins import OutputOrigins
 from lmnb.runtime.prompts import (
     FIRST_CHUNK,
     IdsInput,
@@ -283,6 +284,7 @@ class Runtime:
         top_logprobs_num: int | None = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
+        return_token_origins: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """Generates for one prompt (returns a dict) or a list (returns a list of dicts; with
         `n > 1`, `n` consecutive dicts per prompt). With `stream=True`, an `OutputStream` of
@@ -295,6 +297,11 @@ class Runtime:
         `max_new_tokens` 0 and `top_logprobs_num` k, `output_top_logprobs` has one row: the top k
         of the token that would come next (SGLang's).
 
+        `return_token_origins` (implies `return_logprob`) adds where each token came from:
+        `prompt_token_origins` and `output_token_origins` spans (cached / computed prompt,
+        generated / jump_forward / speculated output; `lmnb.runtime.output.token_origins`), also
+        in each streamed chunk with that chunk's logprobs.
+
         Multimodal models (SGLang's engine arguments): `image_data` is, for one prompt, an image
         or a list of images in the order of the prompt's image tokens (a path, `PIL.Image`,
         uint8 array, bytes, `data:` URL or a `MediaItem`); for a list of prompts, a list of
@@ -303,6 +310,7 @@ class Runtime:
         "num_frames": n}`; 8 frames by default). Each image/video token of the prompt becomes
         the item's span of tokens; bad media or a count mismatch is an `InvalidRequestError`."""
         self._check_open()
+        return_logprob = return_logprob or return_token_origins
         prompts = split_prompts(prompt, input_ids)
         params_list = request_checks.params_list(sampling_params, len(prompts))
         logprob_start, top_logprobs = request_checks.logprob_options(
@@ -333,7 +341,8 @@ class Runtime:
                         self._make_state(ids, params, rid=rids[first_state[index] + k],
                                          sample_index=k, return_logprob=return_logprob,
                                          logprob_start_len=logprob_start,
-                                         top_logprobs_num=top_logprobs, mm_inputs=mm)
+                                         top_logprobs_num=top_logprobs, mm_inputs=mm,
+                                         token_origins=return_token_origins)
                         for k in range(params.n))
                 for state in states:
                     params = state.sampling_params
@@ -381,13 +390,15 @@ class Runtime:
     def _make_state(self, ids: list[int], params: SamplingParams, *, rid: int,
                     sample_index: int, return_logprob: bool, logprob_start_len: int,
                     top_logprobs_num: int,
-                    mm_inputs: MultimodalInputs | None = None) -> ReqState:
+                    mm_inputs: MultimodalInputs | None = None,
+                    token_origins: bool = False) -> ReqState:
         """The request of a prompt that passed `request_checks.check_prompt` (with the params it
         returned)."""
         req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                   logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                   rid=rid, sample_index=sample_index, mm_inputs=mm_inputs)
-        state = ReqState(req, created_at=time.perf_counter())
+        state = ReqState(req, created_at=time.perf_counter(),
+                         origins=OutputOrigins() if token_origins else None)
         state.grammar = self._grammar(params)
         if params.seed is not None:
             state.generator = torch.Generator(device=self.device).manual_seed(

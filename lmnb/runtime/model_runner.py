@@ -21,6 +21,7 @@ from lmnb.runtime.kernels.registry import (
     select_attention_backend,
 )
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool, kv_cache_dtype
+from lmnb.runtime.memory.device import device_memory
 from lmnb.runtime.memory_profile import MemoryMeter, MemoryPlan, ProfileShape
 from lmnb.runtime.models.layers.attention import bind_attention_backend
 from lmnb.runtime.models.layers.linear import head_split
@@ -211,8 +212,9 @@ class ModelRunner:
                 "media_embedding_cache_bytes": cache.bytes}
 
     def stats(self) -> dict[str, Any]:
-        """This runner's part of `Runtime.stats()`: attention backend, decode graphs, memory,
-        tensor-parallel steps sent, media counters."""
+        """This runner's part of `Runtime.stats()`: attention backend, decode graphs, memory (the
+        plan's, and the device's now: `device_memory`), tensor-parallel steps sent, media
+        counters."""
         graphs, tp, choice = self.graph_runner, self.tp, self.attn_backend.choice
         return {
             "attention_backend": choice.name if choice else "custom",
@@ -220,7 +222,8 @@ class ModelRunner:
             "tp_step_send_seconds": tp.steps.send_seconds if tp else 0.0,
             "cuda_graph_batch_sizes": list(graphs.ladder) if graphs else [],
             "cuda_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
-            "memory": self.memory_report(), **self.media_counters()}
+            "memory": self.memory_report(), "device_memory": device_memory(self.device),
+            **self.media_counters()}
 
     def release_graphs(self) -> None:
         """Drops the decode CUDA graphs (before a tensor-parallel communicator they captured

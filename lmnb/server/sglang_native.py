@@ -46,6 +46,7 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool = False
+    return_token_origins: bool = False  # lmnb's: where each token came from (token_origins.py)
     rid: str | list[str] | None = None
     image_data: Any = None  # per prompt one item or a list: path, data: URL or base64
     video_data: Any = None
@@ -79,6 +80,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             runtime, body.text, body.sampling_params, input_ids=body.input_ids,
             return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
             top_logprobs_num=body.top_logprobs_num,
+            **({"return_token_origins": True} if body.return_token_origins else {}),
             **media_kwargs(body.image_data, body.video_data))
         texts = token_text if body.return_text_in_logprobs else None
         if body.stream:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -268,23 +269,69 @@ FORKS_DONE = """() => {
 }"""
 
 
-def test_quickstart_fork_view_live(browser, lab: Lab) -> None:
+@pytest.fixture(scope="module")
+def quickstart(browser, lab: Lab) -> Iterator[object]:
+    """01_quickstart run once in the page, for the tests of its widgets."""
     page = run_notebook(browser, lab, "01_quickstart.ipynb", FORKS_DONE)
     try:
-        view = page.locator(".lmnb-forkview")
-        assert view.count() == 1 and view.get_attribute("data-done") == "true"
-        branches = view.locator(".lmnb-branch")
-        assert branches.count() == 3
-        assert [branches.nth(i).get_attribute("data-status") for i in range(3)] == ["done"] * 3
-        tips = [t.strip() for t in view.locator('mark.lmnb-var[data-var="tip"]').all_inner_texts()]
-        assert len(tips) == 3 and all(tips)
-        printed = page.locator(".jp-OutputArea-output").filter(has_text="sleep:").inner_text()
-        assert all(tip in printed for tip in tips)  # the widget shows what s["tip"] holds
-        assert "Paris" in page.locator(".lmnb-result").first.inner_text()
-        screenshot(page, view, "01_quickstart-forkview.png")
+        yield page
     finally:
         page.close()
         lab.shutdown_kernels()
+
+
+def test_quickstart_fork_view_live(quickstart) -> None:
+    page = quickstart
+    view = page.locator(".lmnb-forkview")
+    assert view.count() == 1 and view.get_attribute("data-done") == "true"
+    branches = view.locator(".lmnb-branch")
+    assert branches.count() == 3
+    assert [branches.nth(i).get_attribute("data-status") for i in range(3)] == ["done"] * 3
+    tips = [t.strip() for t in view.locator('mark.lmnb-var[data-var="tip"]').all_inner_texts()]
+    assert len(tips) == 3 and all(tips)
+    printed = page.locator(".jp-OutputArea-output").filter(has_text="sleep:").inner_text()
+    assert all(tip in printed for tip in tips)  # the widget shows what s["tip"] holds
+    assert "Paris" in page.locator(".lmnb-result").first.inner_text()
+    screenshot(page, view, "01_quickstart-forkview.png")
+
+
+TOKENS_DONE = """() => {
+  const view = document.querySelector('.lmnb-tokenview[data-done="true"]');
+  return view && view.querySelectorAll('.lmnb-tv-row').length === 3;
+}"""
+
+
+def test_quickstart_token_view_live(quickstart) -> None:
+    """`%%lmprogram --tokens` of a program with a cached system prompt, a regex gen with
+    jump-forward tokens and two forks: the token spans of each colour, counted in the page, are
+    the counts of the requests' meta_info that the next cell prints."""
+    page = quickstart
+    page.wait_for_function(TOKENS_DONE, timeout=UI_S * 1000, polling=250)
+    view = page.locator(".lmnb-tokenview")
+    assert view.count() == 1
+    rows = view.locator(".lmnb-tv-row")
+    assert [rows.nth(i).get_attribute("data-status") for i in range(3)] == ["done"] * 3
+    printed = page.locator(".jp-OutputArea-output").filter(has_text="jump-forward").last
+    text = printed.inner_text()
+    match = re.search(r"prompt: (\d+) cached, (\d+) computed\s+output: (\d+) generated, "
+                      r"(\d+) jump-forward", text)
+    assert match, text
+    cached, computed, generated, jumped = map(int, match.groups())
+    assert cached > 0 and jumped > 0 and generated > 0
+    count = {origin: view.locator(f".lmnb-tv-row .lmnb-tv-{origin}").count()
+             for origin in ("cached", "computed", "generated", "jump_forward", "speculated")}
+    assert count == {"cached": cached, "computed": computed, "generated": generated,
+                     "jump_forward": jumped, "speculated": 0}, (count, text)
+    # generated tokens carry their logprob and alternatives for the hover
+    token = rows.nth(1).locator(".lmnb-tv-generated").first
+    title = token.get_attribute("title")
+    assert "logprob" in title and "top alternatives:" in title, title
+    token.hover()
+    legend = view.locator('.lmnb-tv-key[data-origin="jump_forward"]').inner_text()
+    assert legend.endswith(f" {jumped}"), legend
+    metrics = view.locator(".lmnb-metrics .lmnb-metric")
+    assert metrics.count() >= 6, view.inner_text()
+    screenshot(page, view, "01_quickstart-tokenview.png")
 
 
 DASHBOARD_DONE = """() => {

@@ -21,6 +21,7 @@ from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.event_loop import block_on, run_body
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
+from lmnb.lang.token_trace import GenRecord, TokenTrace, traced_top_k
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
 if TYPE_CHECKING:
@@ -116,13 +117,22 @@ class LocalBackend:
         return frozenset(i for i in ids if i is not None)
 
     # ---- Backend -----------------------------------------------------------------------------
-    def _submit(self, prompt: str, params: GenParams, media: Sequence[MediaInput]) -> Any:
-        """Submits one gen's request(s); their `OutputStream`, consumed by a thread or a task."""
-        return self.runtime.generate(
+    def _submit(self, prompt: str, params: GenParams, media: Sequence[MediaInput],
+                trace: TokenTrace | None) -> tuple[Any, GenRecord | None]:
+        """Submits one gen's request(s); their `OutputStream`, consumed by a thread or a task,
+        and with `trace` (a traced program) the new record of it that the first sample's
+        tokens, origins and logprobs go to."""
+        prompt_args = self._prompt(prompt, media)
+        record = (trace.request(prompt_args["input_ids"], len(prompt))
+                  if trace is not None and "input_ids" in prompt_args else None)
+        chunks = self.runtime.generate(
             sampling_params=self.sampling_params(params),
             return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
-            top_logprobs_num=params.top_logprobs_num, stream=True, **self._prompt(prompt, media))
+            top_logprobs_num=traced_top_k(params.top_logprobs_num, record is not None),
+            stream=True, **({"return_token_origins": True} if record is not None else {}),
+            **prompt_args)
+        return chunks, record
 
     def _generation(self, gen: GenTexts, params: GenParams) -> Generation:
         if params.return_text_in_logprobs:
@@ -130,26 +140,38 @@ class LocalBackend:
             gen.metas = [with_token_texts(meta, texts) for meta in gen.metas]
         return gen.generation()
 
+    @staticmethod
+    def _take(gen: GenTexts, record: GenRecord | None, chunk: dict[str, Any]) -> bool:
+        """One streamed chunk into the gen's texts (and the trace's record); True once every
+        sample is complete."""
+        index = chunk.get("index", 0)
+        complete = gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"])
+        if record is not None and index == 0:
+            record.update(chunk, len(gen.texts[0]))
+        return complete
+
     async def agenerate(self, prompt: str, params: GenParams, *,
                         on_delta: Callable[[str], None] | None = None,
                         cancel: threading.Event | None = None,
-                        media: Sequence[MediaInput] = ()) -> Generation:
+                        media: Sequence[MediaInput] = (),
+                        trace: TokenTrace | None = None) -> Generation:
         """`generate` as a coroutine (the program loop's): the request goes straight into the
         runtime and its output stream is awaited; setting `cancel` (a `CancelEvent`) closes the
-        stream, which aborts the request and wakes the await."""
-        chunks = self._submit(prompt, params, media)
+        stream, which aborts the request and wakes the await. `trace` as in `generate`."""
+        chunks, record = self._submit(prompt, params, media, trace)
         gen = GenTexts(params, on_delta)
         unregister = cancel.on_set(chunks.close) if isinstance(cancel, CancelEvent) else None
         try:
             async for chunk in chunks:
                 if cancel is not None and cancel.is_set():
                     break
-                index = chunk.get("index", 0)
-                if gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"]):
+                if self._take(gen, record, chunk):
                     break
             if cancel is not None and cancel.is_set():
                 raise ProgramAborted("the program was interrupted")
         finally:
+            if record is not None and not record.done:
+                record.close()
             if unregister is not None:
                 unregister()
             chunks.close()  # aborts whatever is still running
@@ -158,8 +180,11 @@ class LocalBackend:
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None,
-                 media: Sequence[MediaInput] = ()) -> Generation:
-        chunks = self._submit(prompt, params, media)
+                 media: Sequence[MediaInput] = (),
+                 trace: TokenTrace | None = None) -> Generation:
+        """`Backend.generate`; with `trace` (a traced program), the request's tokens, origins
+        and logprobs go to a new record of it."""
+        chunks, record = self._submit(prompt, params, media, trace)
         gen = GenTexts(params, on_delta)
         wakes = isinstance(cancel, CancelEvent)
         # Setting the cancel event closes the stream, which wakes the wait below.
@@ -177,10 +202,11 @@ class LocalBackend:
                     if cancel is not None and cancel.is_set():
                         raise ProgramAborted("the program was interrupted")
                     break
-                index = chunk.get("index", 0)
-                if gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"]):
+                if self._take(gen, record, chunk):
                     break
         finally:
+            if record is not None and not record.done:
+                record.close()
             if unregister is not None:
                 unregister()
             chunks.close()  # aborts whatever is still running

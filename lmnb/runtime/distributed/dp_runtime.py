@@ -444,10 +444,12 @@ class DataParallelRuntime:
         top_logprobs_num: int | None = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
+        return_token_origins: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """As `Runtime.generate`; each prompt (with its `n` samples) goes to the replica the
         router picks, and `meta_info["dp_rank"]` says which. Media inputs are not routed yet."""
         self._check_open()
+        return_logprob = return_logprob or return_token_origins
         if image_data is not None or video_data is not None:
             raise InvalidRequestError("a data-parallel runtime does not take images or videos "
                                       "yet; use a single Runtime")
@@ -481,7 +483,8 @@ class DataParallelRuntime:
                        "sampling_params": [params_list[p] for p in prompts],
                        "return_logprob": return_logprob,
                        "logprob_start_len": logprob_start_len,
-                       "top_logprobs_num": top_logprobs_num}
+                       "top_logprobs_num": top_logprobs_num,
+                       "return_token_origins": return_token_origins}
             outputs = [(rids[first[p] + k], token_lists[p]) for p in prompts
                        for k in range(counts[p])]
             call = self._loop.spawn(self._serve(replica, request, stream, outputs, output,

@@ -41,7 +41,8 @@ class ReplicaActor:
             sampling_params=request["sampling_params"],
             return_logprob=request.get("return_logprob", False),
             logprob_start_len=request.get("logprob_start_len"),
-            top_logprobs_num=request.get("top_logprobs_num"), stream=True)
+            top_logprobs_num=request.get("top_logprobs_num"),
+            return_token_origins=request.get("return_token_origins", False), stream=True)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[Chunk]:
         """Incremental chunks, tagged with `index` (a Ray streaming generator)."""

@@ -61,6 +61,9 @@ class JumpPlan:
 
     new_output_ids: list[int]
     keep: int
+    # The first of the new ids made only of forced text (those before it spell old output
+    # text, re-tokenized); None: not known, every appended id counts as forced.
+    forced_from: int | None = None
 
     @property
     def appended(self) -> list[int]:
@@ -114,4 +117,15 @@ class JumpForward:
             if a != b:
                 break
             keep += 1
-        return JumpPlan(new_output_ids=new_output, keep=keep)
+        return JumpPlan(new_output_ids=new_output, keep=keep,
+                        forced_from=self._forced_from(new_output, keep, len(old)))
+
+    def _forced_from(self, new_output: list[int], keep: int, old_bytes: int) -> int:
+        """The index of the first new output id at or after `keep` that starts at or past
+        byte `old_bytes` (where the forced text begins)."""
+        at = 0
+        for i, token in enumerate(new_output):
+            if i >= keep and at >= old_bytes:
+                return i
+            at += len(self.table[token])
+        return len(new_output)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmnb.runtime.core import Req, SamplingParams
+from lmnb.runtime.output.token_origins import OutputOrigins
 
 if TYPE_CHECKING:
     from lmnb.runtime.fsm.protocol import Grammar
@@ -38,6 +39,9 @@ class ReqState:
     stop_text: StopText | None = None  # watches stop strings / stop_regex, if the request has any
     logprobs: RequestLogprobs = field(default_factory=RequestLogprobs)
     created_at: float = 0.0
+    jumped_tokens: int = 0  # ids appended by jump-forward steps (re-tokenized ones included)
+    first_token_at: float = 0.0  # perf_counter() when its first output token was appended
+    origins: OutputOrigins | None = None  # per output token, when asked (return_token_origins)
 
     @property
     def rid(self) -> int:

@@ -38,6 +38,7 @@ from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
 from lmnb.runtime.output.stop import StopRules, by_length
 from lmnb.runtime.output.stop_text import StopText
+from lmnb.runtime.output.token_origins import GENERATED, JUMP_FORWARD, accept_speculated
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
@@ -45,7 +46,7 @@ from lmnb.runtime.scheduler.media_log import MediaLog
 from lmnb.runtime.scheduler.prefill import PrefillManager
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
-from lmnb.runtime.scheduler.stats import SchedulerStats, request_meta
+from lmnb.runtime.scheduler.stats import SchedulerStats, live_meta, request_meta
 
 if TYPE_CHECKING:
     from lmnb.runtime.fsm.jump import JumpPlan
@@ -499,7 +500,7 @@ class Scheduler:
             held = self.cache.hold_tail(req, req.kv_len - drafted, keep=accepted)
             for m, token in enumerate(tokens):
                 self._append_token(state, token, output.logprobs[i][m],
-                                   output.top_logprobs[i][m])
+                                   output.top_logprobs[i][m], speculated=m < accepted)
                 if req.req_pool_idx is None:  # ended or jumped at this token
                     self.cache.free_slots(held[m:])
                     break
@@ -536,10 +537,20 @@ class Scheduler:
         self.stats.generated_tokens += plain
 
     def _append_token(self, state: ReqState, token: int, logprob: float | None,
-                      top: list[tuple[float, int]] | None) -> None:
+                      top: list[tuple[float, int]] | None, *, speculated: bool = False) -> None:
+        """Appends one output token through every rule; `speculated`: an accepted draft token
+        of a verify pass (not sampled by this step)."""
         req, params = state.req, state.sampling_params
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
+        if not state.first_token_at:
+            state.first_token_at = time.perf_counter()
+            self.stats.first_tokens += 1
+            self.stats.first_token_seconds += state.first_token_at - state.created_at
+        if speculated:
+            accept_speculated(state.origins, 1)
+        elif state.origins is not None:
+            state.origins.add(GENERATED)
         if req.return_logprob:
             state.logprobs.output_token.append((logprob, token))
             if req.top_logprobs_num:
@@ -557,7 +568,8 @@ class Scheduler:
         if reason is not None:
             self._finish(state, reason, new_ids=[token])
             return
-        self._events.append(TokenEvent(req.rid, [token]))
+        meta = None if state.origins is None else live_meta(state, len(req.output_ids) - 1)
+        self._events.append(TokenEvent(req.rid, [token], meta=meta))
         if state.grammar is not None and self.jump_forward is not None:
             self._jump_forward(state)
 
@@ -581,13 +593,21 @@ class Scheduler:
                                      + [(None, token) for token in plan.appended])
             if req.top_logprobs_num:
                 logprobs.output_top = logprobs.output_top[:plan.keep] + [[] for _ in plan.appended]
+        if state.origins is not None:
+            # re-tokenized old text counts as generated; tokens of forced text only as jumped
+            forced_from = plan.keep if plan.forced_from is None else plan.forced_from
+            state.origins.truncate(plan.keep)
+            state.origins.add(GENERATED, forced_from - plan.keep)
+            state.origins.add(JUMP_FORWARD, len(plan.new_output_ids) - forced_from)
         state.grammar.advance_text(forced)
         req.jumps += 1
         self.stats.jump_forward_tokens += len(plan.appended)
+        state.jumped_tokens += len(plan.appended)
         if state.stop_text is not None:
             state.stop_text = StopText(self.tokenizer, req.text_prompt_ids, req.sampling_params)
             state.stop_text.add(list(req.output_ids))
-        event = TokenEvent(req.rid, list(plan.appended), replace_output_ids=list(req.output_ids))
+        event = TokenEvent(req.rid, list(plan.appended), replace_output_ids=list(req.output_ids),
+                           meta=None if state.origins is None else live_meta(state, plan.keep))
         reason = self.stop_rules.after_text(state.stop_text, state.grammar, req.sampling_params,
                                             len(req.output_ids))
         if reason is not None:

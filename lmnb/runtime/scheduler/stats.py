@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lmnb.runtime.output.token_origins import prompt_spans
 from lmnb.runtime.scheduler.request_state import ReqState
 
 
@@ -21,12 +22,16 @@ class SchedulerStats:
     jump_forward_tokens: int = 0
     media_tokens: int = 0  # prompt tokens inside image/video spans
     cached_media_tokens: int = 0  # of them served from the prefix cache
+    first_tokens: int = 0  # requests that produced a first output token
+    first_token_seconds: float = 0.0  # summed time from their arrival to that token
     recent_hits: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=64))
 
     def counters(self) -> dict[str, Any]:
         counters = asdict(self)
         recent = counters.pop("recent_hits")
         counters["cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens, 1)
+        counters["mean_first_token_latency"] = (self.first_token_seconds / self.first_tokens
+                                                if self.first_tokens else None)
         counters["recent_cache_hit_rate"] = (sum(c for c, _ in recent)
                                              / max(sum(p for _, p in recent), 1))
         return counters
@@ -45,8 +50,11 @@ def request_meta(state: ReqState) -> dict[str, Any]:
         "retractions": req.retractions,
         "e2e_latency": time.perf_counter() - state.created_at,
     }
+    if state.first_token_at:
+        meta["first_token_latency"] = state.first_token_at - state.created_at
     if state.grammar is not None:
         meta["jump_forward_steps"] = req.jumps
+        meta["jump_forward_tokens"] = state.jumped_tokens
     if req.spec_verify_ct:  # SGLang's names; lengths count the target's own token per pass
         meta["spec_verify_ct"] = req.spec_verify_ct
         meta["spec_accept_token_num"] = req.spec_accepted_tokens
@@ -63,4 +71,21 @@ def request_meta(state: ReqState) -> dict[str, Any]:
             meta["output_top_logprobs"] = list(logprobs.output_top)
             if req.logprob_start_len >= 0:
                 meta["input_top_logprobs"] = list(logprobs.input_top)
+    if state.origins is not None:
+        meta["prompt_token_origins"] = prompt_spans(len(req.origin_input_ids), req.cached_tokens)
+        meta["output_token_origins"] = state.origins.spans()
+    return meta
+
+
+def live_meta(state: ReqState, start: int) -> dict[str, Any]:
+    """A running request's step `meta_info` when it asked for token origins: the output's
+    spans so far, its cached prompt tokens, where this step's ids go (`output_ids_from`), and
+    their logprobs."""
+    logprobs = state.logprobs
+    meta: dict[str, Any] = {"output_token_origins": state.origins.spans(),
+                            "cached_tokens": state.req.cached_tokens,
+                            "output_ids_from": start,
+                            "new_token_logprobs": logprobs.output_token[start:]}
+    if state.req.top_logprobs_num:
+        meta["new_top_logprobs"] = logprobs.output_top[start:]
     return meta

@@ -1,0 +1,208 @@
+"""`TokenView` over a traced program on a tiny runtime: a cached prefix, a regex gen with
+jump-forward tokens and two forks, the counts of each colour against the requests' meta_info,
+the static HTML, the metrics bar, `%%lmprogram --tokens`, and the refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("anywidget")
+
+import lmnb  # noqa: E402
+from lmnb.lang.backends.local import LocalBackend  # noqa: E402
+from lmnb.lang.token_trace import ORIGIN_INDEX, TokenTrace, TraceLog, start_trace  # noqa: E402
+from lmnb.runtime.engine import Runtime  # noqa: E402
+from lmnb.runtime.output.token_origins import count_origin  # noqa: E402
+from lmnb.widgets.metrics import metrics_text, program_metrics, runtime_stats  # noqa: E402
+
+PREFIX = "You are a careful assistant. Answer every question in one short sentence.\n"
+
+
+@lmnb.function
+def answer_and_explain(s):
+    s += PREFIX + "Q: Is the sky blue?\nA:"
+    s += lmnb.gen("answer", regex=r" The answer is (yes|no)\.", max_tokens=16)
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += lmnb.gen("why", max_tokens=6, temperature=1.0, seed=i, ignore_eos=True)
+    s += "\nDone."
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_models) -> Iterator[LocalBackend]:
+    with Runtime(tiny_models["llama-gqa"], device="cpu", max_total_tokens=2048,
+                 check_integrity_each_step=True) as runtime:
+        yield LocalBackend(runtime)
+
+
+def _metas(state: Any) -> list[dict[str, Any]]:
+    """Each request's final meta_info once (forks copy their parent's)."""
+    seen: dict[int, dict[str, Any]] = {}
+    for executor in state.run.executors:
+        for meta in executor.meta_info.values():
+            seen.setdefault(id(meta), meta)
+    return list(seen.values())
+
+
+def test_token_view_counts_match_meta_info(backend: LocalBackend) -> None:
+    backend.runtime.cache_prefix(PREFIX)
+    state = answer_and_explain.run(backend=backend, token_view=True, temperature=0)
+    state.run.settle()  # the forks too (a run waits for its root state only)
+    view = state.token_view(title="tokens")
+    view.refresh()
+    assert view.done and [row["label"] for row in view.rows] == ["root", "fork 1", "fork 2"]
+    answer = state.get_meta_info("answer")
+    metas = _metas(state)
+    assert len(metas) == 3
+    # the prefix cached before the run; the forks' prompts are the root's tokens exactly
+    assert view.counts["cached"] == answer["cached_tokens"] > 0
+    assert view.counts["computed"] == answer["prompt_tokens"] - answer["cached_tokens"]
+    jumped = sum(count_origin(m["output_token_origins"], "jump_forward") for m in metas)
+    generated = sum(count_origin(m["output_token_origins"], "generated") for m in metas)
+    assert view.counts["jump_forward"] == jumped > 0
+    assert view.counts["generated"] == generated == sum(
+        m["completion_tokens"] for m in metas) - jumped
+    root, *forks = view.rows
+    assert root["tail"] == "\nDone." and all(len(view.tokens(f)) == 6 for f in forks)
+    assert "".join(t[0] for t in view.tokens(root)) + root["tail"] == state.text()
+    assert json.loads(root["tokens"]) == view.tokens(root)  # what the frontend gets
+    for fork, executor in zip(forks, state.run.executors[1:], strict=True):
+        tokens = view.tokens(fork)
+        assert "".join(t[0] for t in tokens) == executor.variables["why"]
+        assert all(t[2] is not None and len(t[3]) == 5 for t in tokens)  # logprob, top 5
+    # the saved notebook's HTML shows the same tokens, with their hover texts
+    page = view._repr_mimebundle_()[0]["text/html"]
+    for origin, count in view.counts.items():
+        assert len(re.findall(rf'class="lmnb-tv-tok lmnb-tv-{origin}"', page)) == count
+    assert 'data-metric="cache_hit"' in page and "top alternatives:" in page
+    text = repr(view)
+    assert text.startswith("TokenView: 3 rows, done") and "metrics: time to first token" in text
+    metrics = program_metrics(state, runtime_stats(state))
+    assert metrics is not None
+    prompt = sum(m["prompt_tokens"] for m in metas)
+    assert metrics.cache_hit_share == pytest.approx(
+        sum(m["cached_tokens"] for m in metas) / prompt)
+    assert metrics.jump_forward_share == pytest.approx(
+        jumped / sum(m["completion_tokens"] for m in metas))
+    assert metrics.forward_passes == sum(m["forward_passes"] for m in metas)
+    assert metrics.kv_total_tokens == 2048 and metrics.ttft_s > 0 and metrics.tokens_per_s > 0
+    view.close()
+
+
+def test_traced_runs_through_arun_and_a_blocking_backend(backend: LocalBackend) -> None:
+    """The trace is fed whether the gens are awaited on the program loop (`arun`, and `run`
+    through `LocalBackend.agenerate`) or run on a pool thread (a subclass's blocking
+    `generate`): the same tokens with the same origins."""
+
+    threads: list[str] = []
+
+    class Blocking(LocalBackend):
+        def generate(self, prompt: str, params: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return super().generate(prompt, params, **kwargs)
+
+    async def awaited() -> Any:
+        return await answer_and_explain.arun(backend=backend, token_view=True, temperature=0)
+
+    rows = []
+    for state in (asyncio.run(awaited()),
+                  answer_and_explain.run(backend=Blocking(backend.runtime), token_view=True,
+                                         temperature=0)):
+        state.run.settle()
+        traces = [e.token_trace for e in state.run.executors]
+        assert len(traces) == 3 and all(t is not None for t in traces)
+        # ids and output origins (the prompt's cached share differs from run to run)
+        rows.append([[(c[0], c[1]) for c in t.cells()
+                     if c[1] >= ORIGIN_INDEX["generated"]] for t in traces])
+        answer = state.get_meta_info("answer")
+        assert count_origin(answer["output_token_origins"], "jump_forward") > 0
+    assert rows[0] == rows[1] and all(rows[0])
+    assert len(threads) == 3 and threading.main_thread().name not in threads
+
+
+def test_untraced_runs_have_metrics_but_no_token_view(backend: LocalBackend) -> None:
+    state = answer_and_explain.run(backend=backend, temperature=0)
+    state.run.settle()
+    with pytest.raises(ValueError, match="token_view=True"):
+        state.token_view()
+    metrics = program_metrics(state)
+    assert metrics is not None and metrics.forward_passes > 0 and metrics.ttft_s > 0
+    assert metrics.jump_forward_share is not None and metrics.kv_total_tokens is None
+    assert "jump-forward" in metrics_text(metrics)
+    with pytest.raises(ValueError, match="in-process runtime"):
+        start_trace(object())
+
+
+def test_lmprogram_tokens_cell(tiny_models) -> None:
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    ip = InteractiveShell.instance(config=config)
+    try:
+        ip.run_line_magic("load_ext", "lmnb")
+        ip.run_line_magic("config", "LMNB.progress = False")
+        ip.run_line_magic("lmnb", f"load {tiny_models['llama-gqa']} --max-total-tokens 1024")
+        shown: list[Any] = []
+        ip.display_pub.publish = lambda data, **kwargs: shown.append(data)
+        result = ip.run_cell_magic("lmprogram", "--tokens --temperature 0",
+                                   's += "Count: " + gen("n", regex="[0-9]{3}", max_tokens=4)')
+        views = [d for d in shown if "text/html" in d and "lmnb-tokenview-static" in
+                 d["text/html"]]
+        assert views, shown
+        assert re.fullmatch("[0-9]{3}", result["n"])
+        assert views[-1]["text/html"].count("lmnb-tv-generated") == 3
+        assert "metrics: time to first token" in repr(result)
+        assert 'class="lmnb-metrics"' in result._repr_html_()
+    finally:
+        if "lmnb" in ip.extension_manager.loaded:
+            ip.run_line_magic("unload_ext", "lmnb")
+        InteractiveShell.clear_instance()
+
+
+def test_a_retokenized_boundary_keeps_the_earlier_tokens() -> None:
+    """A later prompt that re-tokenizes the end of the text before it: the earlier cells stay up
+    to the last boundary both tokenizations share; the prompt's ids from there are new."""
+    texts = {1: "ab", 2: "c", 3: "abc", 4: " d", 7: "ab", 8: "c d", 9: "x"}
+    log = TraceLog(texts.__getitem__)
+    trace = TokenTrace(log)
+
+    def gen(prompt: list[int], output: list[int], cached: int) -> None:
+        record = trace.request(prompt, prompt_chars=0)
+        record.update({"output_ids": output, "meta_info": {
+            "finish_reason": {"type": "length"}, "cached_tokens": cached,
+            "output_token_origins": [("generated", 0, len(output))],
+            "output_token_logprobs": [(-0.5, t) for t in output]}}, text_chars=0)
+
+    gen([9], [1, 2], cached=0)  # "x" + generated "ab" "c"
+    gen([9, 3, 4, 9], [], cached=3)  # the text as "abc", then " d" (cached) "x": cells stay
+    assert [(c[0], c[1]) for c in trace.cells()] == [(9, 1), (1, 2), (2, 2), (4, 0), (9, 1)]
+    trace = TokenTrace(log)
+    gen([9], [1, 2], cached=0)
+    gen([9, 7, 8], [], cached=0)  # "c" merged into "c d": "ab" stays generated
+    assert [(c[0], c[1]) for c in trace.cells()] == [(9, 1), (1, 2), (8, 1)]
+
+
+def test_metrics_bar_of_a_runtime(backend: LocalBackend) -> None:
+    from lmnb.widgets.metrics_bar import MetricsBar
+
+    runtime = backend.runtime
+    runtime.generate("Count: ", {"regex": "[0-9]{2}, [0-9]{2}", "max_new_tokens": 8})
+    stats = runtime.stats()
+    bar = MetricsBar(runtime, interval_s=None)
+    assert bar.metrics["forward_passes"] == stats["forward_passes"] > 0
+    assert bar.metrics["ttft_s"] == pytest.approx(stats["mean_first_token_latency"])
+    assert bar.metrics["jump_forward_share"] == pytest.approx(
+        stats["jump_forward_tokens"] / (stats["generated_tokens"] + stats["jump_forward_tokens"]))
+    assert bar.metrics["kv_total_tokens"] == 2048 and bar.metrics["gpu_allocated_gb"] is None
+    assert 'data-metric="kv_pool"' in bar._repr_mimebundle_()[0]["text/html"]
+    assert repr(bar).startswith("MetricsBar (live): metrics: time to first token")
+    bar.close()
