@@ -3,16 +3,15 @@ decode step (batch 1), and batch-64 throughput with NGRAM speculation on vs off 
 itself off there: >= 0.97x).
 
 Random weights of a real architecture (`--dummy-config`, default Llama-3-8B bf16). A Runtime
-without speculation gives the batch-1 decode step ((t(N) - t(1)) / (N - 1)). For each k, a Runtime with `speculative_algorithm="NGRAM"`,
-`speculative_num_draft_tokens=k+1` and the deterministic draft policy generates the same greedy
-request twice: the second run drafts the first run's output from the corpus of recent requests,
-so every verify pass carries k drafts; the runtime's own pass timings
-(`stats()["speculative"]["seconds"]`) give the verify pass. Reported: verify / decode, the
-accepted length (below k + 1 only where verify and decode logits differ in the last bits), and
-the speedups these give (tokens per pass over the pass's cost in decode steps). The batch's
-throughput: fresh Runtimes without and with NGRAM configured, alternated `--batch-repeats` times
-with the same warm-up (best of each), with the passes each ran and how many the overlap schedule
-launched ahead.
+without speculation gives the batch-1 decode step ((t(N) - t(1)) / (N - 1)). For each k, a Runtime
+with `speculative_algorithm="NGRAM"`, `speculative_num_draft_tokens=k+1` and the deterministic
+draft policy generates the same greedy request twice: the second run drafts the first run's output
+from the corpus of recent requests, so every verify pass carries k drafts; the runtime's own pass
+timings (`stats()["speculative"]["seconds"]`) give the verify pass. Reported: verify / decode, the
+accepted length (below k + 1 only where verify and decode logits differ in the last bits), and the
+speedups these give (tokens per pass over the pass's cost in decode steps). The batch's throughput:
+fresh Runtimes without and with NGRAM configured, alternated `--batch-repeats` times with the same
+warm-up (best of each), with the passes each ran and how many the overlap schedule launched ahead.
 
     python bench/speculative_cost.py --device cuda                     # Llama-3-8B, H100
     python bench/speculative_cost.py --dummy-config smollm2-135m --ks 2 4 --batch 4 \\
