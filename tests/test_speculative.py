@@ -20,7 +20,7 @@ from lmnb.runtime.engine import Runtime
 from lmnb.runtime.sampling import Sampler
 from lmnb.runtime.sampling.rejection import NO_DRAFT, accept_or_resample
 from lmnb.runtime.speculative.gate import best_draft_length
-from lmnb.runtime.speculative.ngram import NgramCorpus, TokenSequence
+from lmnb.runtime.speculative.ngram import MAX_CORPUS_SEQUENCES, NgramCorpus, TokenSequence
 from lmnb.runtime.speculative.speculator import NgramSource, Speculator
 from lmnb.runtime.speculative.verify import expanded_rows, verify_drafts
 
@@ -74,11 +74,19 @@ def test_ngram_prob_prefers_the_frequent_continuation_and_loops_continue() -> No
 def test_corpus_keeps_recent_requests_within_capacity() -> None:
     corpus = NgramCorpus(capacity=10)
     corpus.add([1, 2, 3, 4, 5, 6])
+    assert corpus.indexed == 0  # indexed at its first search
     found = corpus.find([9, 2, 3], k=3, max_depth=4, min_depth=2, prefer_frequent=False)
-    assert found is not None and found.tokens == [4, 5, 6]
+    assert found is not None and found.tokens == [4, 5, 6] and corpus.indexed == 1
     corpus.add([7, 7, 8, 8, 9, 9])  # 12 tokens > 10: the oldest sequence goes
     assert corpus.tokens == 6
     assert corpus.find([9, 2, 3], k=3, max_depth=4, min_depth=2, prefer_frequent=False) is None
+    many = NgramCorpus(capacity=1000)
+    for i in range(MAX_CORPUS_SEQUENCES + 1):
+        many.add([100 + i, 1, 2, 3])
+    match = many.find([0, 1, 2], k=1, max_depth=4, min_depth=2, prefer_frequent=False)
+    assert match is not None and match.tokens == [3] and many.indexed == MAX_CORPUS_SEQUENCES
+    many.add([5, 5])  # the 16th newest is no longer searched: its index goes
+    assert many.indexed == MAX_CORPUS_SEQUENCES - 1 and many.tokens == 4 * 17 + 2
 
 
 def test_draft_length_weighs_acceptance_against_verify_cost() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 MAX_CANDIDATES = 32  # most recent occurrences of the context's last pair scanned per sequence
 MAX_CORPUS_SEQUENCES = 16  # recent requests searched per proposal
@@ -108,7 +109,7 @@ class NgramCorpus:
     at most `capacity` tokens (SGLang's `speculative_ngram_capacity`). A sequence is kept as a
     plain list and indexed at its first search: a runtime that does not speculate (large
     batches, paused requests) pays no per-token work for the requests that finish, and only the
-    `MAX_CORPUS_SEQUENCES` newest are ever indexed."""
+    `MAX_CORPUS_SEQUENCES` newest (the ones searched) hold an index."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -119,10 +120,15 @@ class NgramCorpus:
         tokens = list(tokens[-self.capacity:])
         if len(tokens) < 2:
             return
-        self._sequences.appendleft(tokens)
+        sequences = self._sequences
+        sequences.appendleft(tokens)
         self._tokens += len(tokens)
+        if len(sequences) > MAX_CORPUS_SEQUENCES:  # no longer searched: its index goes
+            older = sequences[MAX_CORPUS_SEQUENCES]
+            if isinstance(older, TokenSequence):
+                sequences[MAX_CORPUS_SEQUENCES] = older.tokens
         while self._tokens > self.capacity:
-            self._tokens -= len(self._sequences.pop())
+            self._tokens -= len(sequences.pop())
 
     def find(self, context: Sequence[int], *, k: int, max_depth: int, min_depth: int,
              prefer_frequent: bool) -> Match | None:
@@ -140,8 +146,9 @@ class NgramCorpus:
 
     @property
     def indexed(self) -> int:
-        """Sequences indexed so far (the others are plain token lists)."""
-        return sum(isinstance(sequence, TokenSequence) for sequence in self._sequences)
+        """Sequences holding an index (the others are plain token lists)."""
+        return sum(isinstance(sequence, TokenSequence)
+                   for sequence in islice(self._sequences, MAX_CORPUS_SEQUENCES))
 
     def clear(self) -> None:
         self._sequences.clear()
