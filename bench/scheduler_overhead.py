@@ -42,6 +42,7 @@ from lmnb.runtime.models import loader  # noqa: E402
 from lmnb.runtime.output import OutputProcessor, OutputStream  # noqa: E402
 from lmnb.runtime.policy import make_policy  # noqa: E402
 from lmnb.runtime.radix.cache import RadixCache  # noqa: E402
+from lmnb.runtime.speculative.factory import make_speculator  # noqa: E402
 from lmnb.runtime.scheduler import (  # noqa: E402
     CacheManager,
     ReqState,
@@ -94,19 +95,27 @@ class TimedSampler:
 
 def scheduler_step_times(model_config: ModelConfig, tokenizer: Any, device: torch.device,
                          batch_size: int, steps: int, *, temperature: float = 0.0,
-                         overlap: bool = False) -> dict[str, float]:
+                         overlap: bool = False, speculative: str | None = None
+                         ) -> dict[str, float]:
     """Median milliseconds per decode step at `batch_size` (after warm-up), of which sampling;
     the scheduler thread's CPU time per step and the output thread's (its mean busy time per
-    step it handled: detokenizing and delivering, competing for the GIL)."""
+    step it handled: detokenizing and delivering, competing for the GIL). `speculative`: the
+    scheduler gets that algorithm's speculator (NGRAM; it drafts only at batches up to
+    `speculative_max_batch_size`, and the null model's rows repeat one token each, so its
+    drafts are always accepted)."""
     max_tokens = batch_size * (PROMPT_LEN + steps + 16) + 64
     engine_config = EngineConfig(max_total_tokens=max_tokens, max_running_requests=batch_size,
-                                 context_length=PROMPT_LEN + steps + 32)
+                                 context_length=PROMPT_LEN + steps + 32,
+                                 speculative_algorithm=speculative)
     model = NullModel(model_config.hidden_size, model_config.vocab_size, batch_size, device)
     runner = ModelRunner(model, model_config, engine_config, device=device, dtype=torch.float16
                          if device.type == "cuda" else torch.float32, eos_token_ids={2})
     sampler = TimedSampler(runner.sampler)
     runner.sampler = sampler
     allocator = KVAllocator(runner.max_total_tokens, device)
+    spec = engine_config.speculative()
+    speculator = (make_speculator(spec, engine_config=engine_config, target=runner,
+                                  eos_token_ids={2}) if spec is not None else None)
     outputs = OutputProcessor()
     outputs.start()
     scheduler = Scheduler(
@@ -114,7 +123,8 @@ def scheduler_step_times(model_config: ModelConfig, tokenizer: Any, device: torc
                                           runner.req_to_token_pool),
         policy=make_policy("lpm"), config=SchedulerConfig(chunked_prefill_size=8192,
                                                           overlap_schedule=overlap),
-        stop_rules=StopRules({2}), sink=outputs, tokenizer=tokenizer)
+        stop_rules=StopRules({2}), sink=outputs, tokenizer=tokenizer, speculator=speculator,
+        verifier=runner if speculator is not None else None)
     states = [ReqState(Req(origin_input_ids=[(7 * i + j) % 30000 + 100 for j in range(PROMPT_LEN)],
                            sampling_params=SamplingParams(max_new_tokens=steps + 8,
                                                           temperature=temperature,
@@ -127,6 +137,7 @@ def scheduler_step_times(model_config: ModelConfig, tokenizer: Any, device: torc
     while scheduler.table.waiting:  # prefill
         scheduler.step()
     times, sampling, cpu = [], [], []
+    overlapped = scheduler.stats.overlapped_passes
     for _ in range(steps):
         before = sampler.seconds
         start, start_cpu = time.perf_counter(), time.thread_time()
@@ -143,7 +154,8 @@ def scheduler_step_times(model_config: ModelConfig, tokenizer: Any, device: torc
             "rest_ms": 1e3 * statistics.median(t - s for t, s in zip(times[skip:], sampling[skip:],
                                                                       strict=True)),
             "scheduler_cpu_ms": 1e3 * statistics.median(cpu[skip:]),
-            "output_thread_ms": 1e3 * outputs.busy_seconds / max(outputs.batches_handled, 1)}
+            "output_thread_ms": 1e3 * outputs.busy_seconds / max(outputs.batches_handled, 1),
+            "overlapped_steps": scheduler.stats.overlapped_passes - overlapped}
 
 
 DECODE_MODES: dict[str, dict[str, Any]] = {  # label -> Runtime options
@@ -206,6 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap", action="store_true",
                         help="overlap schedule (the default on CUDA): launch step N+1, then "
                         "process step N")
+    parser.add_argument("--speculative", default=None, choices=["NGRAM"],
+                        help="configure this speculative algorithm (inactive above "
+                        "speculative_max_batch_size 8: what it costs a large batch)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="folder with the tokenizer files (default: the embedded SmolLM2)")
     return parser.parse_args(argv)
@@ -228,14 +243,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_batch = {}
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         result = scheduler_step_times(model_config, tokenizer, device, batch_size, args.steps,
-                                      temperature=args.temperature, overlap=args.overlap)
+                                      temperature=args.temperature, overlap=args.overlap,
+                                      speculative=args.speculative)
         per_batch[batch_size] = result
         rows.append([batch_size, f"{result['step_ms']:.3f}", f"{result['sampling_ms']:.3f}",
                      f"{result['rest_ms']:.3f}",
                      f"{result['scheduler_cpu_ms']:.3f}", f"{result['output_thread_ms']:.3f}"])
     print(f"scheduler overhead per decode step (null model, vocab {model_config.vocab_size}, "
           f"prompt {PROMPT_LEN}, temperature {args.temperature}, "
-          f"overlap {'on' if args.overlap else 'off'}) on {device}")
+          f"overlap {'on' if args.overlap else 'off'}, speculative {args.speculative}) "
+          f"on {device}")
     print(format_table(["batch", "step ms", "of which sampling ms", "rest ms (per-step median)",
                         "scheduler thread CPU ms", "output thread ms"], rows))
     results: dict[str, Any] = {"environment": environment(device), "args": vars(args) | {

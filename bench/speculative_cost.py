@@ -3,14 +3,15 @@ decode step (batch 1), and batch-64 throughput with NGRAM speculation on vs off 
 itself off there: >= 0.97x).
 
 Random weights of a real architecture (`--dummy-config`, default Llama-3-8B bf16). A Runtime
-without speculation gives the batch-1 decode step ((t(N) - t(1)) / (N - 1)) and the batch's
-throughput. For each k, a Runtime with `speculative_algorithm="NGRAM"`,
-`speculative_num_draft_tokens=k+1` and the deterministic draft policy generates the same greedy
-request twice: the second run drafts the first run's output from the corpus of recent requests,
-so every verify pass carries k drafts; the runtime's own pass timings
-(`stats()["speculative"]["seconds"]`) give the verify pass. Reported: verify / decode, the
-accepted length (below k + 1 only where verify and decode logits differ in the last bits), and
-the speedups these give (tokens per pass over the pass's cost in decode steps).
+without speculation gives the batch-1 decode step ((t(N) - t(1)) / (N - 1)). For each k, a Runtime
+with `speculative_algorithm="NGRAM"`, `speculative_num_draft_tokens=k+1` and the deterministic
+draft policy generates the same greedy request twice: the second run drafts the first run's output
+from the corpus of recent requests, so every verify pass carries k drafts; the runtime's own pass
+timings (`stats()["speculative"]["seconds"]`) give the verify pass. Reported: verify / decode, the
+accepted length (below k + 1 only where verify and decode logits differ in the last bits), and the
+speedups these give (tokens per pass over the pass's cost in decode steps). The batch's throughput:
+fresh Runtimes without and with NGRAM configured, alternated `--batch-repeats` times with the same
+warm-up (best of each), with the passes each ran and how many the overlap schedule launched ahead.
 
     python bench/speculative_cost.py --device cuda                     # Llama-3-8B, H100
     python bench/speculative_cost.py --dummy-config smollm2-135m --ks 2 4 --batch 4 \\
@@ -57,19 +58,17 @@ def _timed(rt: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[floa
     return timing["seconds"], sum(o["meta_info"]["completion_tokens"] for o in outs)
 
 
-def baseline(model: str, options: dict[str, Any], prompt: list[int], batch: list[list[int]],
+def baseline(model: str, options: dict[str, Any], prompt: list[int],
              max_new_tokens: int) -> dict[str, Any]:
     """Without speculation: the batch-1 decode step ((t(N) - t(1)) / (N - 1): prefill and
-    start-up cancel) and the batch's throughput."""
+    start-up cancel)."""
     from lmnb.runtime.engine import Runtime
 
     with Runtime(model, **options) as rt:
         _timed(rt, [prompt[:16]], 8)  # warm-up
         one, _ = _timed(rt, [prompt], 1)
         many, _ = _timed(rt, [prompt], max_new_tokens)
-        seconds, tokens = _timed(rt, batch, max_new_tokens)
-    return {"decode_ms": 1000 * (many - one) / (max_new_tokens - 1),
-            "batch_tok_s": tokens / seconds}
+    return {"decode_ms": 1000 * (many - one) / (max_new_tokens - 1)}
 
 
 def verify_cost(model: str, options: dict[str, Any], k: int, prompt: list[int],
@@ -98,15 +97,31 @@ def verify_cost(model: str, options: dict[str, Any], k: int, prompt: list[int],
             "speedup_if_all_accepted": (k + 1) * decode_ms / verify_ms}
 
 
-def batch_on(model: str, options: dict[str, Any], batch: list[list[int]],
-             max_new_tokens: int) -> dict[str, Any]:
+def batch_throughput(model: str, options: dict[str, Any], batch: list[list[int]],
+                     max_new_tokens: int, *, speculative: bool) -> dict[str, Any]:
+    """The batch's throughput in a fresh Runtime, with or without NGRAM configured, the same
+    warm-up either way; the passes it ran and how many the overlap schedule launched ahead (at
+    a batch over `speculative_max_batch_size` both runtimes should run the same passes)."""
+    import gc
+
+    import torch
+
     from lmnb.runtime.engine import Runtime
 
-    with Runtime(model, **options, speculative_algorithm="NGRAM") as rt:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    extra = {"speculative_algorithm": "NGRAM"} if speculative else {}
+    with Runtime(model, **options, **extra) as rt:
         _timed(rt, batch[:2], 8)
         rt.flush_cache()
+        before = rt.stats()
         seconds, tokens = _timed(rt, batch, max_new_tokens)
-        return {"batch_tok_s": tokens / seconds, "speculative": rt.stats()["speculative"]}
+        after = rt.stats()
+    return {"batch_tok_s": tokens / seconds, "seconds": seconds,
+            "forward_passes": after["forward_passes"] - before["forward_passes"],
+            "overlapped_passes": after["overlapped_passes"] - before["overlapped_passes"],
+            "speculative": after["speculative"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch-repeats", type=int, default=2,
+                        help="off/on runtimes alternated this many times (best of each)")
     parser.add_argument("--out", default=str(RESULTS_DIR / "speculative_cost.json"))
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
@@ -131,27 +148,39 @@ def main(argv: list[str] | None = None) -> int:
         prompt = _prompt_ids(args.prompt_len, 0, vocab)
         batch = [_prompt_ids(args.prompt_len, seed, vocab) for seed in range(1, args.batch + 1)]
         model = str(dummy.path)
-        off = baseline(model, options, prompt, batch, args.max_new_tokens)
+        off = baseline(model, options, prompt, args.max_new_tokens)
         costs = [verify_cost(model, options, k, prompt, args.max_new_tokens, off["decode_ms"])
                  for k in args.ks]
-        on = batch_on(model, options, batch, args.max_new_tokens)
-    ratio = on["batch_tok_s"] / off["batch_tok_s"]
+        runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        for _ in range(args.batch_repeats):
+            for label in runs:
+                runs[label].append(batch_throughput(model, options, batch, args.max_new_tokens,
+                                                    speculative=label == "on"))
+    best = {label: max(results, key=lambda r: r["batch_tok_s"])
+            for label, results in runs.items()}
+    ratio = best["on"]["batch_tok_s"] / best["off"]["batch_tok_s"]
     print(f"batch-1 decode step: {off['decode_ms']:.2f} ms")
     print(format_table(["k", "verify ms", "verify/decode", "accept len", "x at this acceptance",
                         "x if all accepted"],
                        [[c["k"], c["verify_ms"], c["verify_over_decode"], c["accept_length"],
                          c["speedup_at_this_acceptance"], c["speedup_if_all_accepted"]]
                         for c in costs]))
-    print(f"batch {args.batch}: {off['batch_tok_s']:.1f} tok/s off, {on['batch_tok_s']:.1f} "
-          f"on: x{ratio:.3f} (speculation: {on['speculative']['state']})")
+    for label, results in runs.items():
+        print(f"batch {args.batch}, NGRAM {label}: "
+              + ", ".join(f"{r['batch_tok_s']:.1f} tok/s ({r['overlapped_passes']} of "
+                          f"{r['forward_passes']} passes overlapped)" for r in results))
+    print(f"batch {args.batch}: {best['off']['batch_tok_s']:.1f} tok/s off, "
+          f"{best['on']['batch_tok_s']:.1f} on (best of {args.batch_repeats}): x{ratio:.3f} "
+          f"(speculation: {best['on']['speculative']['state']})")
     path = write_json(args.out, {"benchmark": "speculative_cost",
                                  "environment": environment(device), "model": dummy.label,
                                  "prompt_len": args.prompt_len,
                                  "max_new_tokens": args.max_new_tokens,
                                  "decode_ms": off["decode_ms"], "verify_costs": costs,
-                                 "batch": args.batch, "batch_tok_s_off": off["batch_tok_s"],
-                                 "batch_tok_s_on": on["batch_tok_s"], "batch_ratio": ratio,
-                                 "batch_speculative": on["speculative"]})
+                                 "batch": args.batch,
+                                 "batch_tok_s_off": best["off"]["batch_tok_s"],
+                                 "batch_tok_s_on": best["on"]["batch_tok_s"],
+                                 "batch_ratio": ratio, "batch_runs": runs})
     print(f"wrote {path}")
     return 0
 

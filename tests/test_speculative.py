@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 from dataclasses import dataclass, field
 
 import pytest
@@ -23,7 +24,8 @@ from lmnb.runtime.output.token_origins import GENERATED, SPECULATED, count_origi
 from lmnb.runtime.sampling import Sampler
 from lmnb.runtime.sampling.rejection import NO_DRAFT, accept_or_resample
 from lmnb.runtime.speculative.gate import best_draft_length
-from lmnb.runtime.speculative.ngram import NgramCorpus, TokenSequence
+from lmnb.runtime.speculative.ngram import MAX_CORPUS_SEQUENCES, NgramCorpus, TokenSequence
+from lmnb.runtime.speculative.speculator import NgramSource, Speculator
 from lmnb.runtime.speculative.verify import expanded_rows, verify_drafts
 
 COPY_PROMPTS = [
@@ -76,11 +78,19 @@ def test_ngram_prob_prefers_the_frequent_continuation_and_loops_continue() -> No
 def test_corpus_keeps_recent_requests_within_capacity() -> None:
     corpus = NgramCorpus(capacity=10)
     corpus.add([1, 2, 3, 4, 5, 6])
+    assert corpus.indexed == 0  # indexed at its first search
     found = corpus.find([9, 2, 3], k=3, max_depth=4, min_depth=2, prefer_frequent=False)
-    assert found is not None and found.tokens == [4, 5, 6]
+    assert found is not None and found.tokens == [4, 5, 6] and corpus.indexed == 1
     corpus.add([7, 7, 8, 8, 9, 9])  # 12 tokens > 10: the oldest sequence goes
     assert corpus.tokens == 6
     assert corpus.find([9, 2, 3], k=3, max_depth=4, min_depth=2, prefer_frequent=False) is None
+    many = NgramCorpus(capacity=1000)
+    for i in range(MAX_CORPUS_SEQUENCES + 1):
+        many.add([100 + i, 1, 2, 3])
+    match = many.find([0, 1, 2], k=1, max_depth=4, min_depth=2, prefer_frequent=False)
+    assert match is not None and match.tokens == [3] and many.indexed == MAX_CORPUS_SEQUENCES
+    many.add([5, 5])  # the 16th newest is no longer searched: its index goes
+    assert many.indexed == MAX_CORPUS_SEQUENCES - 1 and many.tokens == 4 * 17 + 2
 
 
 def test_draft_length_weighs_acceptance_against_verify_cost() -> None:
@@ -283,6 +293,60 @@ def test_overlap_schedule_batch_limit_and_decode_form_verify_compose(tiny_models
     assert stats["overlap_schedule"] and stats["overlapped_passes"] > 0
     assert stats["speculative"]["large_batch_steps"] > 0
     assert stats["speculative"]["verify_passes"] > 0
+
+
+def test_a_batch_over_the_limit_keeps_the_pipeline_and_does_no_speculative_work(
+        tiny_models, runtimes, monkeypatch) -> None:
+    """Above `speculative_max_batch_size` a runtime with NGRAM configured runs like one without:
+    every decode pass but the first is overlapped, nothing is drafted, no gate is made and no
+    token is indexed (finished requests join the corpus unindexed); a request alone afterwards
+    drafts from them (indexed then, in one go) with the same greedy output."""
+    base, _ = runtimes
+    prompts = RANDOM_PROMPTS + COPY_PROMPTS[:2]
+    params = {**GREEDY, "max_new_tokens": 12}
+    want = base.generate(prompts, params)
+    calls = {"draft": 0, "gate": 0, "indexed": 0}
+
+    def counted(name, fn):
+        def wrapper(self, *args, **kwargs):
+            calls[name] += len(args[0]) if name == "indexed" else 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(NgramSource, "draft", counted("draft", NgramSource.draft))
+    monkeypatch.setattr(Speculator, "_gate", counted("gate", Speculator._gate))
+    monkeypatch.setattr(TokenSequence, "extend", counted("indexed", TokenSequence.extend))
+    with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
+                 max_total_tokens=4096, disable_overlap_schedule=False,
+                 speculative_max_batch_size=len(prompts) - 1, **SPEC) as rt:
+        before = rt.stats()
+        # The scheduler waits between steps until all requests are in: one batch of 4 from
+        # the first step (no early step with fewer requests, which would speculate).
+        gate, holding = threading.Event(), threading.Event()
+        hold = threading.Thread(target=rt._scheduler.call,
+                                args=(lambda: (holding.set(), gate.wait(30)),))
+        hold.start()
+        assert holding.wait(30)
+        try:
+            stream = rt.generate(prompts, params, stream=True)
+        finally:
+            gate.set()
+            hold.join()
+        got = stream.results()
+        after = rt.stats()
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        assert calls == {"draft": 0, "gate": 0, "indexed": 0}
+        passes = after["forward_passes"] - before["forward_passes"]  # 1 prefill + 11 decodes
+        assert passes == 12
+        assert after["overlapped_passes"] - before["overlapped_passes"] == passes - 2
+        spec = after["speculative"]
+        assert spec["state"].startswith("off: batch of 4") and spec["verify_passes"] == 0
+        assert spec["corpus_tokens"] > 0 and spec["corpus_indexed_sequences"] == 0
+        base_one = base.generate(COPY_PROMPTS[1], GREEDY)
+        one = rt.generate(COPY_PROMPTS[1], GREEDY)  # batch 1: drafts again
+        assert one["output_ids"] == base_one["output_ids"]
+        assert calls["draft"] > 0 and one["meta_info"]["spec_accept_token_num"] > 0
+        assert rt.stats()["speculative"]["corpus_indexed_sequences"] == len(prompts)
 
 
 def test_speculative_options_are_validated() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 MAX_CANDIDATES = 32  # most recent occurrences of the context's last pair scanned per sequence
 MAX_CORPUS_SEQUENCES = 16  # recent requests searched per proposal
@@ -105,33 +106,49 @@ def _match_depth(seq: list[int], j: int, context: Sequence[int], max_depth: int)
 
 class NgramCorpus:
     """Token sequences of recently finished requests (prompt + output), newest first, holding
-    at most `capacity` tokens (SGLang's `speculative_ngram_capacity`)."""
+    at most `capacity` tokens (SGLang's `speculative_ngram_capacity`). A sequence is kept as a
+    plain list and indexed at its first search: a runtime that does not speculate (large
+    batches, paused requests) pays no per-token work for the requests that finish, and only the
+    `MAX_CORPUS_SEQUENCES` newest (the ones searched) hold an index."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._sequences: deque[TokenSequence] = deque()
+        self._sequences: deque[list[int] | TokenSequence] = deque()
         self._tokens = 0
 
     def add(self, tokens: Sequence[int]) -> None:
-        tokens = list(tokens)[-self.capacity:]
+        tokens = list(tokens[-self.capacity:])
         if len(tokens) < 2:
             return
-        self._sequences.appendleft(TokenSequence(tokens))
+        sequences = self._sequences
+        sequences.appendleft(tokens)
         self._tokens += len(tokens)
+        if len(sequences) > MAX_CORPUS_SEQUENCES:  # no longer searched: its index goes
+            older = sequences[MAX_CORPUS_SEQUENCES]
+            if isinstance(older, TokenSequence):
+                sequences[MAX_CORPUS_SEQUENCES] = older.tokens
         while self._tokens > self.capacity:
-            self._tokens -= len(self._sequences.pop())
+            self._tokens -= len(sequences.pop())
 
     def find(self, context: Sequence[int], *, k: int, max_depth: int, min_depth: int,
              prefer_frequent: bool) -> Match | None:
         best: Match | None = None
-        for i, sequence in enumerate(self._sequences):
-            if i >= MAX_CORPUS_SEQUENCES:
-                break
+        sequences = self._sequences
+        for i in range(min(len(sequences), MAX_CORPUS_SEQUENCES)):
+            sequence = sequences[i]
+            if not isinstance(sequence, TokenSequence):
+                sequence = sequences[i] = TokenSequence(sequence)
             match = sequence.find(context, k=k, max_depth=max_depth, min_depth=min_depth,
                                   prefer_frequent=prefer_frequent)
             if match is not None and (best is None or match.depth > best.depth):
                 best = match
         return best
+
+    @property
+    def indexed(self) -> int:
+        """Sequences holding an index (the others are plain token lists)."""
+        return sum(isinstance(sequence, TokenSequence)
+                   for sequence in islice(self._sequences, MAX_CORPUS_SEQUENCES))
 
     def clear(self) -> None:
         self._sequences.clear()

@@ -283,13 +283,8 @@ class NgramSource:
         pass
 
     def finished(self, req: Req, *, keep: bool) -> None:
-        track = self._tracks.pop(req.rid, None)
-        if not keep:
-            return
-        if track is not None and track.output_ref is req.output_ids:
-            track.sequence.extend(req.output_ids[track.indexed_output:])
-            self.corpus.add(track.sequence.tokens)
-        else:
+        self._tracks.pop(req.rid, None)
+        if keep:  # indexed when a proposal first searches it
             self.corpus.add([*req.text_prompt_ids, *req.output_ids])
 
     def reset(self) -> None:
@@ -303,7 +298,8 @@ class NgramSource:
         self.corpus.clear()
 
     def report(self) -> dict[str, Any]:
-        return {"corpus_tokens": self.corpus.tokens}
+        return {"corpus_tokens": self.corpus.tokens,
+                "corpus_indexed_sequences": self.corpus.indexed}
 
 
 def passing_prefix(grammar: Grammar, drafts: Sequence[int], stop_ids: frozenset[int]
