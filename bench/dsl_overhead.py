@@ -17,6 +17,7 @@ cumulative and by own time.
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
+    python bench/dsl_overhead.py --no-profile --switch-interval 1e-6   # the GPU's arrival order
     python bench/dsl_overhead.py --dummy-config llama-3-8b --device cuda --scale 22 --no-profile
 """
 
@@ -186,6 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dummy-config", default=None, choices=sorted(DUMMY_CONFIGS),
                         help="random weights of a real architecture (bench/dummy_models.py)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval (s): a tiny one lets the scheduler thread "
+                        "take requests as they arrive, as on a GPU (default: Python's 5 ms)")
     parser.add_argument("--max-total-tokens", type=int, default=400_000)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "dsl_overhead.json")
     return parser.parse_args(argv)
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.model and args.dummy_config:
         raise SystemExit("--model and --dummy-config exclude each other")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
