@@ -4,10 +4,12 @@
 clock starts) runs through `run_batch` on a `LocalBackend`: every program is a task on the program
 loop, its gen submitted straight into the runtime. Beside it, the same prompts go straight to
 `Runtime.generate` in one batch, as token ids and as text: the runtime's own host cost per
-request, the floor of the DSL path. By default the model is a 1-layer, 64-wide random Llama with
-SmolLM2's tokenizer on the CPU, which costs nearly nothing: what remains is the host's work
-(interpreter, backend, tokenizer, request submission, scheduler, output streams). On a GPU, give a
-real architecture with random weights (`--dummy-config llama-3-8b --device cuda`) or a model
+request, the floor of the DSL path; and the DSL path once more with each gen sent to the
+scheduler as its program submits it ("unbatched submits": no `batched_submits` hold), to show
+what holding a loop iteration's gens buys. By default the model is a 1-layer, 64-wide random
+Llama with SmolLM2's tokenizer on the CPU, which costs nearly nothing: what remains is the host's
+work (interpreter, backend, tokenizer, request submission, scheduler, output streams). On a GPU,
+give a real architecture with random weights (`--dummy-config llama-3-8b --device cuda`) or a model
 folder (`--model`): the wall-time ratio is then the one that users see.
 
 Reported per path: programs (requests) per second, CPU seconds per program (this process, every
@@ -37,7 +39,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,20 @@ class BatchSizes:
     def summary(self) -> dict[str, Any]:
         return {"forward_passes": self.passes, "largest_batch": self.largest,
                 "mean_batch": self.requests / max(self.passes, 1)}
+
+
+class UnbatchedSubmits:
+    """A runtime whose `batched_submits` holds nothing: each gen of the program loop reaches the
+    scheduler as soon as its program submits it (the DSL path before batched submissions)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    def batched_submits(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 def _on_program_loop(action: Callable[[], Any]) -> None:
@@ -253,6 +269,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         "dsl run_batch": lambda: dsl_job()(backend_type(runtime)),
         "dsl run_batch (programs.py recorder)": lambda: dsl_job()(backend_type(
             programs.RecordingRuntime(runtime))),
+        "dsl run_batch, unbatched submits": lambda: dsl_job()(backend_type(
+            UnbatchedSubmits(runtime))),
         "raw generate, ids": lambda: runtime.generate(input_ids=recorded,
                                                       sampling_params=params),
         "raw generate, text": lambda: runtime.generate(texts, params),
