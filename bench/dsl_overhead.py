@@ -4,10 +4,12 @@
 clock starts) runs through `run_batch` on a `LocalBackend`: every program is a task on the program
 loop, its gen submitted straight into the runtime. Beside it, the same prompts go straight to
 `Runtime.generate` in one batch, as token ids and as text: the runtime's own host cost per
-request, the floor of the DSL path. By default the model is a 1-layer, 64-wide random Llama with
-SmolLM2's tokenizer on the CPU, which costs nearly nothing: what remains is the host's work
-(interpreter, backend, tokenizer, request submission, scheduler, output streams). On a GPU, give a
-real architecture with random weights (`--dummy-config llama-3-8b --device cuda`) or a model
+request, the floor of the DSL path; and the DSL path once more with each gen sent to the
+scheduler as its program submits it ("unbatched submits": no `batched_submits` hold), to show
+what holding a loop iteration's gens buys. By default the model is a 1-layer, 64-wide random
+Llama with SmolLM2's tokenizer on the CPU, which costs nearly nothing: what remains is the host's
+work (interpreter, backend, tokenizer, request submission, scheduler, output streams). On a GPU,
+give a real architecture with random weights (`--dummy-config llama-3-8b --device cuda`) or a model
 folder (`--model`): the wall-time ratio is then the one that users see.
 
 Reported per path: programs (requests) per second, CPU seconds per program (this process, every
@@ -17,6 +19,7 @@ cumulative and by own time.
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
+    python bench/dsl_overhead.py --no-profile --switch-interval 1e-6   # the GPU's arrival order
     python bench/dsl_overhead.py --dummy-config llama-3-8b --device cuda --scale 22 --no-profile
 """
 
@@ -36,7 +39,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,20 @@ class BatchSizes:
     def summary(self) -> dict[str, Any]:
         return {"forward_passes": self.passes, "largest_batch": self.largest,
                 "mean_batch": self.requests / max(self.passes, 1)}
+
+
+class UnbatchedSubmits:
+    """A runtime whose `batched_submits` holds nothing: each gen of the program loop reaches the
+    scheduler as soon as its program submits it (the DSL path before batched submissions)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    def batched_submits(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 def _on_program_loop(action: Callable[[], Any]) -> None:
@@ -186,6 +203,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dummy-config", default=None, choices=sorted(DUMMY_CONFIGS),
                         help="random weights of a real architecture (bench/dummy_models.py)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval (s): a tiny one lets the scheduler thread "
+                        "take requests as they arrive, as on a GPU (default: Python's 5 ms)")
     parser.add_argument("--max-total-tokens", type=int, default=400_000)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "dsl_overhead.json")
     return parser.parse_args(argv)
@@ -195,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.model and args.dummy_config:
         raise SystemExit("--model and --dummy-config exclude each other")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -247,6 +269,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         "dsl run_batch": lambda: dsl_job()(backend_type(runtime)),
         "dsl run_batch (programs.py recorder)": lambda: dsl_job()(backend_type(
             programs.RecordingRuntime(runtime))),
+        "dsl run_batch, unbatched submits": lambda: dsl_job()(backend_type(
+            UnbatchedSubmits(runtime))),
         "raw generate, ids": lambda: runtime.generate(input_ids=recorded,
                                                       sampling_params=params),
         "raw generate, text": lambda: runtime.generate(texts, params),

@@ -51,6 +51,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,9 @@ class RecordingRuntime:
 
     def stats(self) -> dict[str, Any]:
         return self.runtime.stats()
+
+    def batched_submits(self) -> AbstractContextManager[None]:
+        return self.runtime.batched_submits()
 
     def cache_prefix(self, prompt: str | None = None, *,
                      input_ids: Sequence[int] | None = None) -> int:

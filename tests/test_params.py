@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import fields
 from typing import Any
 
@@ -225,6 +226,9 @@ class FakeRuntime:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
         raise NotImplementedError("no chat template")
+
+    def batched_submits(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def generate(self, prompt: str, sampling_params: dict[str, Any], **kwargs: Any
                  ) -> FakeStream:

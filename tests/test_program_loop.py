@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -138,6 +139,29 @@ def test_no_thread_is_left_after_a_thousand_runs(rt):
     states = one.run_batch([{"i": i} for i in range(100)], backend=local)
     assert all(isinstance(s["n"], str) for s in states)
     assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
+
+
+def test_run_batch_sends_all_its_gens_to_the_first_prefill_pass(rt):
+    """The gens submitted in one iteration of the program loop reach the scheduler in one
+    message (`batched_submits`): the first pass prefills every program, as one `generate` of a
+    list would, rather than the few whose gens arrived first. A tiny GIL switch interval lets
+    the scheduler thread run between any two submissions (as on a GPU, where it waits less)."""
+    @lmnb.function
+    def ask(s, word):
+        s += word + " means" + gen("a", max_tokens=2, temperature=0)
+
+    wait_idle(rt)
+    passes: list[tuple[str, int]] = []
+    rt.set_batch_hook(lambda batch: passes.append((batch.mode.name, batch.size)))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        states = ask.run_batch([{"word": f"w{i}"} for i in range(32)], backend=LocalBackend(rt))
+    finally:
+        sys.setswitchinterval(interval)
+        rt.set_batch_hook(None)
+    assert all(isinstance(state["a"], str) for state in states)
+    assert passes[0] == ("EXTEND", 32), passes
 
 
 class HoldingBackend(LocalBackend):

@@ -468,6 +468,35 @@ def test_breaking_out_of_stream_aborts(rt: Runtime) -> None:
     assert_usable(rt)
 
 
+def test_batched_submits_send_the_blocks_streams_together(rt: Runtime) -> None:
+    before = idle(rt)
+    passes: list[tuple[str, int]] = []
+    rt.set_batch_hook(lambda batch: passes.append((batch.mode.name, batch.size)))
+    params = {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0.0}
+    try:
+        with rt.batched_submits():
+            streams = [rt.generate(p, params, stream=True) for p in PROMPTS[:4]]
+            dropped = rt.generate(PROMPTS[4], {"max_new_tokens": 400, "ignore_eos": True},
+                                  stream=True)
+            dropped.close()  # its abort precedes its request: it is sent again behind it
+            inside = rt.stats()
+            assert inside["running"] == inside["waiting"] == 0  # nothing sent yet
+            blocking = rt.generate(PROMPTS[5], params)  # a blocking call is never held
+            assert len(blocking["output_ids"]) == 3
+            held_passes = len(passes)
+        outputs = [[chunk for chunk in stream] for stream in streams]
+        stats = idle(rt)
+    finally:
+        rt.set_batch_hook(None)
+    assert passes[held_passes][0] == "EXTEND" and passes[held_passes][1] >= 4, passes
+    for prompt, chunks in zip(PROMPTS[:4], outputs, strict=True):
+        whole = rt.generate(prompt, params)
+        assert [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
+    assert stats["generated_tokens"] - before["generated_tokens"] < 5 * 3 + 100  # dropped: aborted
+    assert_no_kv_held(stats)
+    assert_usable(rt)
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 BAD_REQUESTS = {

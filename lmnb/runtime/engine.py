@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from lmnb.runtime.prompts import (
     split_prompts,
 )
 from lmnb.runtime.scheduler import ReqState
+from lmnb.runtime.scheduler.held import HeldSubmissions
 
 _PIN_ATTEMPTS = 3
 
@@ -73,6 +75,7 @@ class Runtime:
         self._allocator, self._cache, self._pins = serving.allocator, serving.cache, serving.pins
         self._outputs, self._scheduler = serving.outputs, serving.scheduler
         self._grammars = serving.grammars
+        self._held = HeldSubmissions(self._scheduler)
         self._tokenizer_lock = threading.Lock()
         self._cache_events: CacheEventLog | None = None
         self._closed = False
@@ -352,8 +355,10 @@ class Runtime:
                                            stop=params.stop, stop_regex=params.stop_regex,
                                            token_texts=return_logprob
                                            and return_text_in_logprobs)
-                for state in states:
-                    self._scheduler.submit(state)
+                if stream:
+                    self._held.submit(output, states)
+                else:  # its caller waits for it here: never held
+                    self._scheduler.submit_many(states)
         except BaseException:  # a bad prompt in a later chunk, Ctrl-C: abort what was submitted
             output.close()
             raise
@@ -362,6 +367,15 @@ class Runtime:
         with output:  # an interrupt (Ctrl-C) closes it, which aborts the requests
             results = output.results()
         return results[0] if single else results
+
+    @contextmanager
+    def batched_submits(self) -> Iterator[None]:
+        """The requests of every `generate(stream=True)` this thread makes inside the block
+        reach the scheduler together when the (outermost) block ends, in one message: its next
+        pass is planned with all of them, as for one `generate` of a list. Blocking `generate`
+        calls are sent at once. The DSL's program loop holds the gens of one loop iteration."""
+        with self._held.hold():
+            yield
 
     def _abort_rids(self, rids: list[int]) -> None:
         if not self._closed:

@@ -7,6 +7,7 @@ it. Extras of one runtime alone (`Runtime.pin_prefix`, `media_snapshot`, `cache_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -58,6 +59,11 @@ class EngineSurface(Protocol):
                  stream: bool = False, return_token_origins: bool = False) -> GenerateResult:
         """A dict for one prompt, a list for a list (n per prompt), an `OutputStream` with
         `stream=True` (see `Runtime.generate`)."""
+        ...
+
+    def batched_submits(self) -> AbstractContextManager[None]:
+        """A block in which this thread's streamed `generate` calls are sent together at its end
+        (see `Runtime.batched_submits`)."""
         ...
 
     def cache_prefix(self, prompt: str | None = None, *,

@@ -22,7 +22,8 @@ import dataclasses
 import itertools
 import os
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -497,6 +498,12 @@ class DataParallelRuntime:
         with output:  # an interrupt (Ctrl-C) closes it, which cancels the replicas' requests
             results = output.results()
         return results[0] if single else results
+
+    @contextmanager
+    def batched_submits(self) -> Iterator[None]:
+        """`Runtime.batched_submits`'s block: holds nothing here. Each `generate` is one HTTP
+        call per replica, served by the replica's own runtime as it arrives."""
+        yield
 
     @staticmethod
     def _cancel(calls: list[concurrent.futures.Future]) -> None:

@@ -1,5 +1,7 @@
 """The scheduler's thread: a thin loop around `Scheduler.step()`. Other threads talk to it only
-through an inbox (submit, abort by id, call a function between steps, stop)."""
+through an inbox (submit, abort by id, call a function between steps, stop). Before each step it
+drains the whole inbox, so requests submitted together (`submit_many`: one message) are planned
+together."""
 
 from __future__ import annotations
 
@@ -29,6 +31,12 @@ class SchedulerThread:
     # ---- other threads -------------------------------------------------------------------------
     def submit(self, state: ReqState) -> None:
         self._inbox.put(("add", state))
+
+    def submit_many(self, states: list[ReqState]) -> None:
+        """Submits `states` as one message: the scheduler sees all of them or none before it
+        plans a pass."""
+        if states:
+            self._inbox.put(("add_many", states))
 
     def abort(self, rid: int, message: str = "aborted") -> None:
         self._inbox.put(("abort", (rid, message)))
@@ -79,9 +87,10 @@ class SchedulerThread:
                 return
             if kind == "call":
                 payload[1].set_exception(RuntimeError("the runtime is closed"))
-            elif kind == "add":
-                self.scheduler.add(payload)
-                self.scheduler.abort(payload.rid, "the runtime was closed")
+            elif kind in ("add", "add_many"):
+                for state in payload if kind == "add_many" else [payload]:
+                    self.scheduler.add(state)
+                    self.scheduler.abort(state.rid, "the runtime was closed")
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -98,6 +107,9 @@ class SchedulerThread:
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
             self.scheduler.add(payload)
+        elif kind == "add_many":
+            for state in payload:
+                self.scheduler.add(state)
         elif kind == "abort":
             self.scheduler.abort(*payload)
         elif kind == "call":

@@ -1,0 +1,51 @@
+"""`HeldSubmissions`: streamed requests that one thread submits inside a `hold()` block reach the
+scheduler together when the block ends, as one inbox message, so that the scheduler plans its
+next pass with all of them (the DSL's program loop holds its submissions for one iteration: the
+gens of a `run_batch` then share prefill passes as one `generate` of a list does)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from lmnb.runtime.output import OutputStream
+from lmnb.runtime.scheduler.loop import SchedulerThread
+from lmnb.runtime.scheduler.request_state import ReqState
+
+
+class HeldSubmissions(threading.local):
+    """Per thread: a depth of nested `hold()` blocks and the requests they hold, with their
+    streams."""
+
+    def __init__(self, scheduler: SchedulerThread) -> None:
+        self.scheduler = scheduler
+        self.depth = 0
+        self.held: list[tuple[OutputStream, list[ReqState]]] = []
+
+    def submit(self, output: OutputStream, states: list[ReqState]) -> None:
+        """Sends `states` (of `output`) now, or at the end of this thread's outermost block."""
+        if self.depth:
+            self.held.append((output, states))
+        else:
+            self.scheduler.submit_many(states)
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth and self.held:
+                self._release()
+
+    def _release(self) -> None:
+        held, self.held = self.held, []
+        self.scheduler.submit_many([state for _, states in held for state in states])
+        # A stream closed while its requests were held sent its abort before them: again now,
+        # behind them (a duplicate abort of a finished request is a no-op).
+        for output, states in held:
+            if output.closed:
+                for state in states:
+                    self.scheduler.abort(state.rid, "interrupted")
