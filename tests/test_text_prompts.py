@@ -112,20 +112,20 @@ def test_text_batch_matches_ids_with_per_prompt_params(rt):
 
 def test_chunks_are_submitted_while_later_ones_are_encoded(rt, monkeypatch):
     events: list[list[Any]] = []  # [kind, count], consecutive submits counted in one
-    encode, submit = rt._encode_many, rt._scheduler.submit
+    encode, submit_many = rt._encode_many, rt._scheduler.submit_many
 
     def recording_encode(texts: Sequence[str]) -> list[list[int]]:
         events.append(["encode", len(texts)])
         return encode(texts)
 
-    def recording_submit(state: Any) -> None:
+    def recording_submit_many(states: list[Any]) -> None:  # a chunk's requests: one message
         if events[-1][0] != "submit":
             events.append(["submit", 0])
-        events[-1][1] += 1
-        submit(state)
+        events[-1][1] += len(states)
+        submit_many(states)
 
     monkeypatch.setattr(rt, "_encode_many", recording_encode)
-    monkeypatch.setattr(rt._scheduler, "submit", recording_submit)
+    monkeypatch.setattr(rt._scheduler, "submit_many", recording_submit_many)
     outputs = rt.generate([f"Question {i}?" for i in range(60)], GREEDY)
     assert len(outputs) == 60
     bounds = list(chunk_bounds(60))
@@ -145,11 +145,11 @@ def test_a_bad_prompt_aborts_the_submitted_chunks(rt, bad_index, monkeypatch):
     texts = [f"Some question number {i}, answered at length." for i in range(60)]
     texts[bad_index] = ""  # SmolLM2's tokenizer adds no BOS: no tokens at all
     submitted: list[Any] = []
-    submit = rt._scheduler.submit
+    submit_many = rt._scheduler.submit_many
 
-    def recording_submit(state: Any) -> None:
-        submitted.append(state)
-        submit(state)
+    def recording_submit_many(states: list[Any]) -> None:
+        submitted.extend(states)
+        submit_many(states)
 
     # The scheduler thread waits between steps while generate runs: what generate submitted
     # and aborted is handled in order afterwards, before any step (no race with finishing).
@@ -160,7 +160,7 @@ def test_a_bad_prompt_aborts_the_submitted_chunks(rt, bad_index, monkeypatch):
     assert holding.wait(30)
     try:
         with monkeypatch.context() as patch:
-            patch.setattr(rt._scheduler, "submit", recording_submit)
+            patch.setattr(rt._scheduler, "submit_many", recording_submit_many)
             with pytest.raises(InvalidRequestError, match="empty prompt"):
                 rt.generate(texts, GREEDY)
     finally:
