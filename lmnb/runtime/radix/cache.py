@@ -93,7 +93,7 @@ class RadixCache(PrefixCache):
         node.last_access = now
         while key:
             child = node.children.get((extra_key, key[0]))
-            if child is None:
+            if child is None or child.value is None:  # no KV on the device from here on
                 break
             matched = common_prefix_length(child.key, key)
             if matched < len(child.key):

@@ -27,7 +27,7 @@ import torch
 from lmnb.runtime.hicache.disk import DiskTier, scatter_kv
 from lmnb.runtime.hicache.host_pool import HostKVPool
 from lmnb.runtime.memory import KVAllocator
-from lmnb.runtime.prefix_cache import CacheStats, MatchResult, common_prefix_length
+from lmnb.runtime.prefix_cache import CacheStats, common_prefix_length
 from lmnb.runtime.radix.cache import RadixCache, TreeNode
 
 
@@ -79,25 +79,6 @@ class TieredRadixCache(RadixCache):
             super().reset()
         finally:
             self._back_up = True
-
-    # ---- matching: the device part of the tree -------------------------------------------------
-    def _match(self, key: list[int], extra_key: Hashable) -> MatchResult:
-        node = self.root
-        values = []
-        now = time.monotonic()
-        node.last_access = now
-        while key:
-            child = node.children.get((extra_key, key[0]))
-            if child is None or child.value is None:
-                break
-            matched = common_prefix_length(child.key, key)
-            if matched < len(child.key):
-                child = self._split(child, matched)
-            child.last_access = now
-            values.append(child.value)
-            node = child
-            key = key[matched:]
-        return MatchResult(values or (self.root.value,), node)
 
     # ---- loading back --------------------------------------------------------------------------
     def load_back(self, key: Sequence[int], extra_key: Hashable = None, *, room: int) -> int:

@@ -97,15 +97,9 @@ class CacheManager:
             self.cache.evict(short)
         return self.allocator.alloc(n)
 
-    def extend(self, req: Req, slots: torch.Tensor) -> None:
-        """`slots` hold the KV of `req`'s next `len(slots)` tokens from now on."""
-        self.write_bound_prefixes()
-        self.table[req.req_pool_idx, req.kv_len:req.kv_len + len(slots)] = slots
-        req.kv_len += len(slots)
-
     def extend_all(self, reqs: list[Req], extend_lens: list[int], slots: torch.Tensor) -> None:
-        """`extend` of every request of an EXTEND pass in one indexed write: request i's next
-        `extend_lens[i]` tokens have their KV in its run of `slots` (in batch order)."""
+        """An EXTEND pass's KV rows in one indexed write: request i's next `extend_lens[i]`
+        tokens have their KV in its run of `slots` (in batch order)."""
         self.write_bound_prefixes()
         self._write_runs([req.req_pool_idx for req in reqs], [req.kv_len for req in reqs],
                          list(extend_lens), slots)
