@@ -18,7 +18,7 @@ import itertools
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -193,6 +193,24 @@ def shared_runs(batch: SharedBatch, sweep: bool) -> list[tuple[str, Callable[[],
     return runs
 
 
+class Paged(NamedTuple):
+    """A batch's KV in whole `page`-token pages (random contents, pages in shuffled order)."""
+
+    pages_per: list[int]  # pages of each request
+    k: torch.Tensor  # [pages, page, kv_heads, head_dim]
+    v: torch.Tensor
+    order: torch.Tensor  # [pages] int32: the page ids, request by request
+
+
+def paged(batch: Batch, page: int) -> Paged:
+    pages_per = [(n + page - 1) // page for n in batch.lens]
+    npages = sum(pages_per)
+    k = torch.randn(npages, page, batch.kv_heads, batch.head_dim, dtype=batch.dtype,
+                    device=batch.q.device)
+    order = torch.randperm(npages, device=batch.q.device).to(torch.int32)
+    return Paged(pages_per, k, torch.randn_like(k), order)
+
+
 def flashinfer_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
     try:
         import flashinfer
@@ -211,21 +229,17 @@ def flashinfer_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
     runs.append(("flashinfer page 1", lambda: wrapper.run(batch.q, cache), {}))
     # page size 16 (a copy of the KV into whole pages)
     page = 16
-    pages_per = [(n + page - 1) // page for n in batch.lens]
-    npages = sum(pages_per)
-    k16 = torch.randn(npages, page, batch.kv_heads, batch.head_dim, dtype=batch.dtype,
-                      device=device)
-    v16 = torch.randn_like(k16)
-    perm = torch.randperm(npages, device=device).to(torch.int32)
-    indptr16 = torch.tensor([0, *itertools.accumulate(pages_per)], dtype=torch.int32,
+    pages = paged(batch, page)
+    indptr16 = torch.tensor([0, *itertools.accumulate(pages.pages_per)], dtype=torch.int32,
                             device=device)
-    last = torch.tensor([n - (p - 1) * page for n, p in zip(batch.lens, pages_per, strict=True)],
+    last = torch.tensor([n - (p - 1) * page
+                         for n, p in zip(batch.lens, pages.pages_per, strict=True)],
                         dtype=torch.int32, device=device)
     wrapper16 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD")
-    wrapper16.plan(indptr16, perm, last, batch.heads, batch.kv_heads, batch.head_dim, page,
+    wrapper16.plan(indptr16, pages.order, last, batch.heads, batch.kv_heads, batch.head_dim, page,
                    q_data_type=batch.dtype, kv_data_type=batch.dtype, sm_scale=batch.scale)
-    runs.append(("flashinfer page 16", lambda: wrapper16.run(batch.q, (k16, v16)), {}))
+    runs.append(("flashinfer page 16", lambda: wrapper16.run(batch.q, (pages.k, pages.v)), {}))
     return runs
 
 
@@ -235,18 +249,11 @@ def fa3_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
     except Exception:  # noqa: BLE001 - vLLM is an optional peer here
         return []
     device = batch.q.device
-    page = 16
-    pages_per = [(n + page - 1) // page for n in batch.lens]
-    npages = sum(pages_per)
-    k16 = torch.randn(npages, page, batch.kv_heads, batch.head_dim, dtype=batch.dtype,
-                      device=device)
-    v16 = torch.randn_like(k16)
-    perm = torch.randperm(npages, device=device).to(torch.int32)
-    width = max(pages_per)
-    table = torch.zeros(len(batch.lens), width, dtype=torch.int32, device=device)
+    pages = paged(batch, 16)
+    table = torch.zeros(len(batch.lens), max(pages.pages_per), dtype=torch.int32, device=device)
     cursor = 0
-    for i, p in enumerate(pages_per):
-        table[i, :p] = perm[cursor:cursor + p]
+    for i, p in enumerate(pages.pages_per):
+        table[i, :p] = pages.order[cursor:cursor + p]
         cursor += p
     seqused = torch.tensor(batch.lens, dtype=torch.int32, device=device)
     cu_q = torch.arange(len(batch.lens) + 1, dtype=torch.int32, device=device)
@@ -254,7 +261,7 @@ def fa3_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
     for version in (3, 2):
         def run(version: int = version) -> torch.Tensor:
             return flash_attn_varlen_func(
-                q=batch.q, k=k16, v=v16, max_seqlen_q=1, cu_seqlens_q=cu_q,
+                q=batch.q, k=pages.k, v=pages.v, max_seqlen_q=1, cu_seqlens_q=cu_q,
                 max_seqlen_k=max(batch.lens), seqused_k=seqused, block_table=table,
                 softmax_scale=batch.scale, causal=True, fa_version=version)
         try:
