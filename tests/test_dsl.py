@@ -40,6 +40,7 @@ from lmnb.lang.interpreter import ProgramError
 from lmnb.lang.ir import GenParams
 from lmnb.params import SamplingParams
 from lmnb.runtime.core import InvalidRequestError
+from tests.idle import wait_idle
 
 PROMPT = "def fibonacci(n):"  # the tiny model's greedy output has several distinct tokens
 CONTEXT = "Shared context: " + " ".join(f"item{k}" for k in range(60)) + "\n"
@@ -60,14 +61,6 @@ def no_default_backend(monkeypatch) -> None:
 
 def greedy(rt: lmnb.Runtime, prompt: str, max_new_tokens: int, **params: Any) -> dict:
     return rt.generate(prompt, {"max_new_tokens": max_new_tokens, "temperature": 0, **params})
-
-
-def wait_idle(rt: lmnb.Runtime, timeout: float = GUARD_S) -> None:
-    deadline = time.monotonic() + timeout
-    while (stats := rt.stats())["running"] or stats["waiting"]:
-        assert time.monotonic() < deadline, f"requests still live: {stats}"
-        time.sleep(0.02)
-    rt.check_integrity()
 
 
 def assert_usable(rt: lmnb.Runtime) -> None:
@@ -286,7 +279,7 @@ def test_stop_regex_trims_before_the_first_match(rt, as_list):
     assert state.get_meta_info("a")["finish_reason"] == {"type": "stop",
                                                           "matched": full[p:p + 2]}
     assert state.text() == PROMPT + full[:p]
-    wait_idle(rt)  # the rest of the request was aborted
+    wait_idle(rt, check_integrity=True)  # the rest of the request was aborted
 
 
 def test_gen_int_and_gen_string_send_regexes(rt):
@@ -470,7 +463,7 @@ def branches(s, width: int):
 
 
 def test_fork_group_and_gather(rt):
-    wait_idle(rt)
+    wait_idle(rt, check_integrity=True)
     assert rt.flush_cache()
     stats = rt.stats()
     state = branches.run(width=3, backend=rt, temperature=0)
@@ -594,7 +587,7 @@ def test_run_batch_in_order_with_the_prefix_cached_first(rt, capfd):
         from lmnb.lang.tracer import constant_prefix  # noqa: F401
     except ImportError:
         pytest.skip("run_batch needs lmnb.lang.tracer.constant_prefix, not written yet")
-    wait_idle(rt)
+    wait_idle(rt, check_integrity=True)
     assert rt.flush_cache()
     questions = [f"What is {k} + {k}?" for k in range(16)]
     states = batch_qa.run_batch([{"question": q} for q in questions], backend=rt,
@@ -705,7 +698,7 @@ def test_abort_frees_the_runtime_request(rt):
     assert isinstance(state.error(), ProgramAborted)
     with pytest.raises(ProgramError):
         state["after"]
-    wait_idle(rt)
+    wait_idle(rt, check_integrity=True)
     assert rt.stats()["protected_tokens"] == 0
     assert_usable(rt)
 
@@ -746,7 +739,8 @@ def test_keyboard_interrupt_aborts_a_blocking_run(rt, default_sigint):
         long.run(backend=backend)
     assert backend.interrupted.is_set() and backend.cancelled
     assert isinstance(states[0].error(), ProgramAborted)
-    wait_idle(rt)  # the runtime's request is aborted (or done): its KV is released
+    # the runtime's request is aborted (or done): its KV is released
+    wait_idle(rt, check_integrity=True)
     assert rt.stats()["protected_tokens"] == 0
     assert_usable(rt)
 

@@ -23,6 +23,7 @@ from lmnb.lang import program as program_module
 from lmnb.magics import LMProgramError, ProgramResult
 from lmnb.magics.live import LiveView
 from lmnb.magics.status import StatusSummary
+from tests.idle import wait_idle
 
 LONG = 's += "Count: " + gen("long", max_tokens=400, ignore_eos=True)\n'
 GUARD_S = 60.0  # bounds a failing (hung) test only; no assertion depends on speed
@@ -59,13 +60,6 @@ def runtime_of(ip: InteractiveShell) -> Any:
 
 def schedulers() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "lmnb-scheduler" and t.is_alive()}
-
-
-def wait_idle(runtime: Any, timeout: float = GUARD_S) -> None:
-    deadline = time.monotonic() + timeout
-    while (stats := runtime.stats())["running"] or stats["waiting"]:
-        assert time.monotonic() < deadline, f"requests still live: {stats}"
-        time.sleep(0.02)
 
 
 def cell(ip: InteractiveShell, line: str, body: str) -> Any:

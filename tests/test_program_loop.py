@@ -11,7 +11,6 @@ import _thread
 import asyncio
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ from lmnb.lang.backends.local import LocalBackend
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.event_loop import program_loop
 from lmnb.lang.ir import GenParams
+from tests.idle import wait_idle
 
 GUARD_S = 60.0  # only reached when the behaviour under test is broken
 
@@ -115,14 +115,6 @@ def rt(tiny_models) -> Iterator[lmnb.Runtime]:
     runtime.close()
 
 
-def wait_idle(rt: lmnb.Runtime) -> None:
-    deadline = time.monotonic() + GUARD_S
-    while (stats := rt.stats())["running"] or stats["waiting"]:
-        assert time.monotonic() < deadline, f"requests still live: {stats}"
-        time.sleep(0.02)
-    rt.check_integrity()
-
-
 def test_no_thread_is_left_after_a_thousand_runs(rt):
     @lmnb.function
     def one(s, i):
@@ -150,7 +142,7 @@ def test_run_batch_sends_all_its_gens_to_the_first_prefill_pass(rt):
     def ask(s, word):
         s += word + " means" + gen("a", max_tokens=2, temperature=0)
 
-    wait_idle(rt)
+    wait_idle(rt, check_integrity=True)
     passes: list[tuple[str, int]] = []
     rt.set_batch_hook(lambda batch: passes.append((batch.mode.name, batch.size)))
     interval = sys.getswitchinterval()
@@ -211,7 +203,7 @@ def test_ctrl_c_in_the_middle_of_run_batch_aborts_every_request(rt, compiled, de
         program.run_batch([{"i": str(i)} for i in range(8)], backend=backend, num_threads=4)
     assert len(backend.cancels) == 4  # the 4 programs not started never start
     assert all(cancel.is_set() for cancel in backend.cancels)
-    wait_idle(rt)
+    wait_idle(rt, check_integrity=True)
     assert rt.stats()["protected_tokens"] == 0
     assert rt.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
@@ -238,7 +230,7 @@ def test_leaving_as_completed_early_aborts_the_rest(rt):
     first = next(states)
     assert first.error() is None
     states.close()
-    wait_idle(rt)
+    wait_idle(rt, check_integrity=True)
     assert rt.stats()["protected_tokens"] == 0
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 
 from lmnb.runtime.engine import Runtime
 from lmnb.server import ServerHandle
+from tests import idle
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -47,15 +47,9 @@ def http(server) -> Iterator[httpx.Client]:
         yield c
 
 
-def wait_idle(rt: Runtime, timeout: float = 30.0) -> dict:
-    """Polls (bounded) until nothing runs, waits or holds a lock in the cache."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = rt.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0 and stats["protected_tokens"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"runtime not idle: {stats}"
-        time.sleep(0.02)
+def wait_idle(rt: Runtime) -> dict:
+    """Idle with no cache lock held (tests/idle.py), within 30 s."""
+    return idle.wait_idle(rt, 30.0, unlocked=True)
 
 
 def sse_data(lines: Iterator[str]) -> list:

@@ -31,7 +31,7 @@ from lmnb.server.tools import (
     call_format,
     parse_calls,
 )
-from tests.test_server import wait_idle
+from tests.idle import wait_idle
 
 KEY = "sk-tools"
 WEATHER_PARAMS = {"type": "object", "properties": {
@@ -311,7 +311,7 @@ def test_disconnect_mid_call_frees_kv(rt):
     digits = {"type": "function", "function": {"name": "digits", "parameters": {
         "type": "object", "properties": {"d": {"type": "array", "minItems": items, "items": {
             "type": "integer", "minimum": 0, "maximum": 9}}}, "required": ["d"]}}}
-    before = wait_idle(rt)["generated_tokens"]
+    before = wait_idle(rt, 30.0, unlocked=True)["generated_tokens"]
     body = {"model": "tiny", "messages": ASK, "tools": [digits], "max_tokens": 4 * items,
             "stream": True, "n": samples}
     with ServerHandle.start(runtime) as handle, httpx.Client(base_url=handle.url,
@@ -320,7 +320,7 @@ def test_disconnect_mid_call_frees_kv(rt):
             for line in response.iter_lines():
                 if '"tool_calls"' in line:
                     break
-    stats = wait_idle(rt)
+    stats = wait_idle(rt, 30.0, unlocked=True)
     # Each sample would write over `items` tokens; aborted, they stop short however loaded the
     # machine is (2 cores under the whole suite: ~190 tokens in all before the abort landed).
     assert stats["generated_tokens"] - before < samples * items
