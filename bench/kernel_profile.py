@@ -124,8 +124,8 @@ def summarize(events: Sequence[KernelEvent], *, wall_seconds: float, passes: int
         entry["ms_per_pass"] = 1e3 * entry["seconds"] / per_pass
         entry["share"] = entry["seconds"] / kernel_seconds if kernel_seconds else 0.0
     busy = busy_us(events) / 1e6
-    span = ((max(e.end_us for e in events) - min(e.start_us for e in events)) / 1e6
-            if events else 0.0)
+    first_us = min(e.start_us for e in events) if events else 0.0
+    span = (max(e.end_us for e in events) - first_us) / 1e6 if events else 0.0
     return {
         "passes": passes,
         "wall_seconds": wall_seconds,
@@ -133,7 +133,7 @@ def summarize(events: Sequence[KernelEvent], *, wall_seconds: float, passes: int
         "busy_seconds": busy,
         "span_seconds": span,
         # the first kernel's start, from the profiler's (just before the profiled call's)
-        "first_kernel_seconds": min(e.start_us for e in events) / 1e6 if events else 0.0,
+        "first_kernel_seconds": first_us / 1e6,
         "busy_fraction_of_wall": busy / wall_seconds if wall_seconds else None,
         "wall_ms_per_pass": 1e3 * wall_seconds / per_pass,
         "busy_ms_per_pass": 1e3 * busy / per_pass,

@@ -172,6 +172,17 @@ class LocalBackend:
             record.update(chunk, len(gen.texts[0]))
         return complete
 
+    @staticmethod
+    def _end(chunks: Any, record: GenRecord | None,
+             unregister: Callable[[], None] | None) -> None:
+        """A gen's stream is done with (finished, failed or cancelled): its trace record closes,
+        the cancel hook goes, and the stream closes, aborting whatever still runs."""
+        if record is not None and not record.done:
+            record.close()
+        if unregister is not None:
+            unregister()
+        chunks.close()
+
     async def agenerate(self, prompt: str, params: GenParams, *,
                         on_delta: Callable[[str], None] | None = None,
                         cancel: threading.Event | None = None,
@@ -193,11 +204,7 @@ class LocalBackend:
             if cancel is not None and cancel.is_set():
                 raise ProgramAborted("the program was interrupted")
         finally:
-            if record is not None and not record.done:
-                record.close()
-            if unregister is not None:
-                unregister()
-            chunks.close()  # aborts whatever is still running
+            self._end(chunks, record, unregister)
         return self._generation(gen, params)
 
     def generate(self, prompt: str, params: GenParams, *,
@@ -228,11 +235,7 @@ class LocalBackend:
                 if self._take(gen, record, chunk):
                     break
         finally:
-            if record is not None and not record.done:
-                record.close()
-            if unregister is not None:
-                unregister()
-            chunks.close()  # aborts whatever is still running
+            self._end(chunks, record, unregister)
         return self._generation(gen, params)
 
     async def aselect(self, prompt: str, choices: tuple[str, ...], method: str, *,
