@@ -5,6 +5,8 @@ the kernel messages of that run and replays them through nbclient's own message 
 (`NotebookClient.process_message`: the messages of each cell until its idle status, as
 `NotebookClient.execute` polls them), so tests/test_notebooks.py reads the notebook (outputs
 and saved widget state) that an nbclient run would have produced, without a second execution.
+Widget messages that arrive after their cell is done (a live widget's poller thread) still update
+the saved widget state.
 examples/conftest.py attaches the recorder and orders the readers after the notebooks."""
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ class NotebookRecorder:
 
     def received(self, msg: dict[str, Any]) -> None:
         index = self.cell_of_request.get(msg["parent_header"].get("msg_id"))
-        if index is None or index in self.idle:
+        if index is None:
+            return
+        if index in self.idle:
+            # A widget's poller thread, started by a cell that is done, keeps sending state
+            # changes under that cell's request: they are the notebook's widget state (what a
+            # live frontend shows and saves), and a later `refresh()` that finds the state
+            # already sent sends nothing.
+            if msg["msg_type"].startswith("comm"):
+                self.client.handle_comm_msg(self.nb.cells[index].outputs, msg, index)
             return
         try:
             self.client.process_message(msg, self.nb.cells[index], index)
