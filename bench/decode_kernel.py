@@ -94,7 +94,7 @@ def triton_runs(batch: Batch, sweep: bool) -> list[tuple[str, Callable[[], Any],
     configs = [("default", default)]
     if sweep:
         for block_n, warps, stages, min_split in itertools.product(
-                (32, 64, 128), (2, 4, 8), (1, 2, 3), (default.min_split, 4096)):
+                (32, 64), (2, 4), (2, 3), (64, 128, 256, 512, 1024)):
             configs.append((f"n{block_n} w{warps} s{stages} m{min_split}",
                             td.DecodeConfig(block_n, min_split, warps, stages)))
     runs = []
