@@ -98,7 +98,6 @@ def test_arguments_and_per_model_workloads() -> None:
     for bad in (["--repeats", "0"], ["--workloads", "offline,nope"], ["--models", "gpt-9"],
                 ["--engine", "lmnb"], ["--engine", "lmnb", "--models", "llama-3-8b",
                                        "--skip-vllm"],
-                ["--engine", "vllm", "--models", "llama-3-8b", "--profile"],
                 ["--json-out", "x.json"], ["--gpu-memory-utilization", "1.5"]):
         with pytest.raises(SystemExit):
             vs_vllm.parse_args(bad)
