@@ -117,7 +117,7 @@ def test_children_command_lines_and_environment(tmp_path: Path) -> None:
         child = vs_vllm.parse_args(command[2:])  # what the child process parses
         assert (child.engine, child.models, child.model_dir) == (engine, ["llama-3-8b"], tmp_path)
         assert child.workloads == ["offline", "fork"] and child.repeats == 2
-        assert child.profile == (engine == "lmnb")
+        assert child.profile
         assert child.lmnb_backend == ("triton" if engine == "lmnb" else None)
 
     site = tmp_path / "site"
