@@ -330,10 +330,11 @@ i64 = "*i64"
 for skip in (True, False):
     compile(triton_decode._decode_partial_kernel,
             {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
-             "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
+             "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*" + dt,
+             "scale": "fp32",
              **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                    "stride_vh", "stride_pob", "stride_poh", "stride_pos",
-                                   "stride_plb", "stride_plh")}},
+                                   "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
              "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
              "HAS_SKIP": skip, "KV_FP8": False}, warps=2)
