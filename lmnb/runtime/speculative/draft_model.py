@@ -137,9 +137,13 @@ class DraftModelSource:
                       input_logprobs=[None] * size,
                       mm_inputs=[] if mode is ForwardMode.DECODE else [None] * size)
         self.passes += 1
-        if mode is ForwardMode.EXTEND and self.runner.rows_replay(batch):
-            self.row_passes += 1  # a catch-up as decode rows: a decode graph replays it
-            logits = self.runner.position_logits(batch, last_rows(lens), as_rows=True)
+        if mode is ForwardMode.DECODE or self.runner.rows_replay(batch):
+            # decode rows (a decode graph replays them where they fit one): the argmax of each
+            # request's last row, without the sampler's per-pass state
+            if mode is ForwardMode.EXTEND:
+                self.row_passes += 1
+            logits = self.runner.position_logits(
+                batch, None if mode is ForwardMode.DECODE else last_rows(lens), as_rows=True)
             return logits[:, :self.runner.vocab_size].argmax(dim=-1).tolist()
         out = self.runner.run(batch, [_GreedyRow() for _ in tracks])
         return [int(token) for token in out.next_token_ids]
