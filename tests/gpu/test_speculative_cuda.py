@@ -87,3 +87,20 @@ def test_standalone_draft_model_on_cuda(tiny_models) -> None:
     assert stats["accept_rate"] > 0.9 and stats["draft_kv_tokens"] == 0
     assert stats["draft_row_passes"] > 0  # catch-up passes replayed the draft's decode graphs
     assert all_stats["verify_graph_replays"] == stats["timed_passes"]["verify"] > 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch_native"])
+def test_verify_rows_replay_captured_graphs_and_match_extend(tiny_models, backend: str) -> None:
+    """Verify passes of 1, 3 and 8 requests x up to 11 drafts (speculative_num_draft_tokens 12)
+    as decode rows: decode graphs capped at 8 requests reach the 96 rows, every pass replays a
+    captured graph (the shared-prefix variant where a prefix is long, Triton), its logits are the
+    eager EXTEND's, and nothing before the replay waits for the device."""
+    from tests.test_verify_rows import NUM_DRAFT_TOKENS, check_verify_rows, verify_rows_runner
+
+    runner = verify_rows_runner(tiny_models["llama-gqa"], device=torch.device("cuda"),
+                                attention_backend=backend, max_batch=8)
+    assert runner.graph_max_bs == 8 * NUM_DRAFT_TOKENS
+    runner.capture_cuda_graphs(runner.graph_max_bs)
+    assert runner.graph_runner is not None and runner.graph_runner.ladder[-1] == 96
+    assert check_verify_rows(runner, max_batch=8, no_sync=True) == 3
+    runner.close()
