@@ -13,7 +13,9 @@ graph; the runtime counts the passes that did) and "extend" (eager: one EXTEND f
 verify / decode, the accepted length (below k + 1 only where verify and decode logits differ in the
 last bits), and the speedups these give (tokens per pass over the pass's cost in decode steps).
 A verify pass runs synchronously (nothing overlaps its host work) while decode steps overlap the
-next step's host work. `--batch 0` skips the batch run. The batch's throughput:
+next step's host work. The batch-1 runtimes capture decode graphs up to the widest verify pass
+(`cuda_graph_max_bs` = max k + 1, `speculative_max_batch_size` 1: quick to build).
+`--batch 0` skips the batch run. The batch's throughput:
 fresh Runtimes without and with NGRAM configured, alternated `--batch-repeats` times with the same
 warm-up (best of each), with the passes each ran and how many the overlap schedule launched ahead.
 
@@ -91,7 +93,8 @@ def verify_cost(model: str, options: dict[str, Any], k: int, prompt: list[int],
 
     with Runtime(model, **options, speculative_algorithm="NGRAM",
                  speculative_num_draft_tokens=k + 1, speculative_draft_policy="always",
-                 speculative_min_accept_rate=0.0, speculative_verify_mode=verify_mode) as rt:
+                 speculative_min_accept_rate=0.0, speculative_verify_mode=verify_mode,
+                 speculative_max_batch_size=1) as rt:
         _timed(rt, [prompt[:16]], 8)  # warm-up
         rt.flush_cache()
         _timed(rt, [prompt], max_new_tokens)
@@ -170,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         widths = [k + 1 for k in args.ks]
         others = [_prompt_ids(args.prompt_len, 1000 + seed, vocab)
                   for seed in range(max(widths, default=1) - 1)]
-        off = baseline(model, options, [prompt, *others], args.max_new_tokens, widths)
-        costs = [verify_cost(model, options, k, prompt, args.max_new_tokens, off["decode_ms"],
-                             verify_mode=mode)
+        # batch-1 runtimes: decode graphs up to the widest verify pass (fast to capture)
+        table_options = {**options, "cuda_graph_max_bs": max(widths, default=1)}
+        off = baseline(model, table_options, [prompt, *others], args.max_new_tokens, widths)
+        costs = [verify_cost(model, table_options, k, prompt, args.max_new_tokens,
+                             off["decode_ms"], verify_mode=mode)
                  for k in args.ks for mode in args.verify_modes]
         runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         for _ in range(args.batch_repeats if args.batch else 0):
