@@ -424,8 +424,8 @@ def test_verify_and_draft_rows_through_the_padded_graph_path(tiny_models, runtim
     """The CUDA-graph path on the CPU: a graph runner that captures nothing and runs each padded
     static batch eagerly through the backend's replay hooks (`capture=False`), rows up to 16.
     NGRAM verify passes as decode rows padded to the ladder (one request: <= 6 rows -> 8; three:
-    over 16 rows -> one eager EXTEND), and STANDALONE's catch-up passes as rows: the outputs of
-    plain decoding."""
+    up to 18 rows, one eager EXTEND past 16), and STANDALONE's catch-up passes as rows: the
+    outputs of plain decoding."""
     import functools
 
     from lmnb.runtime import model_runner
