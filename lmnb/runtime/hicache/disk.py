@@ -258,6 +258,11 @@ class DiskTier:
             self.removed_pages += removed
 
     # ---- reading -------------------------------------------------------------------------------
+    def has_page(self, tokens: Sequence[int], page: int) -> bool:
+        """Whether page `page` of `tokens` has a file (one stat: no read, no check)."""
+        name = page_hashes(self.model_key, tokens, page + 1, self.page_tokens)[page]
+        return (self.dir / f"{name}{SUFFIX}").exists()
+
     def load(self, tokens: Sequence[int], start: int, max_tokens: int, *,
              pin: bool = False) -> torch.Tensor | None:
         """KV [2, layers, n, kv_heads, head_dim] (CPU; `pin`: in pinned memory) of

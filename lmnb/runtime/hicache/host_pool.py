@@ -82,6 +82,7 @@ class HostKVPool:
         self._stream = torch.cuda.Stream(device_kv.device) if cuda else None  # saves
         self._ticket = 0  # saves issued
         self._saves: deque[tuple[int, torch.cuda.Event]] = deque()  # not known done yet
+        self.fence_waits = 0  # fences that found their saves still running
 
     @staticmethod
     def bytes_per_token(device_kv: KVStorage) -> int:
@@ -99,6 +100,7 @@ class HostKVPool:
         while self._saves and self._saves[0][0] <= ticket:
             last = self._saves.popleft()[1]
         if last is not None and not last.query():
+            self.fence_waits += 1
             torch.cuda.current_stream(self.device_kv.device).wait_event(last)
 
     def done_ticket(self) -> int:

@@ -1,8 +1,9 @@
 """Host -> device KV loads overlapped with the forward, layer by layer (`KVStorage.pending`).
 
 A load (host rows -> freshly allocated device rows) is queued while the scheduler plans a pass;
-nothing is copied yet. The first reader of the device pool issues every queued load at once,
-interleaved by layer, on a side stream:
+nothing is copied yet. The first reader of the device pool makes the queued loads one group and
+issues its copies on a side stream, interleaved by layer, a few layers ahead of the one it waits
+for (the issuing's host time is spread over the forward's):
 
     load stream:   [layer 0 of loads A, B] e0  [layer 1 of A, B] e1  ...  [layer L-1] e(L-1)
     compute:       embed ... wait e0, attention 0 ... wait e1, attention 1 ...
@@ -32,6 +33,7 @@ from lmnb.runtime.memory import KVStorage
 # Per layer: the host (k, v) rows of a load, in the order of its device slots; each a contiguous
 # [n_i, kv_heads, head_dim] view (pinned on CUDA).
 HostRows = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
+LOOKAHEAD = 2  # layers whose copies are issued ahead of the one the forward waits for
 
 
 @dataclass(slots=True)
@@ -47,10 +49,12 @@ class _Group:
 
     loads: list[_Load]
     waited: list[bool]
-    events: list[torch.cuda.Event] = field(default_factory=list)  # per layer (CUDA)
+    issued: int = 0  # layers whose copies are on the load stream (CUDA)
+    slots: torch.Tensor | None = None  # every load's device slots, in order (CUDA)
+    stage: tuple[torch.Tensor, torch.Tensor] | None = None  # device K, V rows of one layer
+    events: list[torch.cuda.Event] = field(default_factory=list)  # per issued layer
     start: torch.cuda.Event | None = None
     arrivals: dict[int, torch.cuda.Event] = field(default_factory=dict)  # layer -> compute event
-    seconds: float = 0.0  # CPU: time spent copying
 
 
 @dataclass(slots=True)
@@ -86,8 +90,8 @@ class LayerLoads:
 
     def settle(self) -> None:
         """Every load so far is complete for the compute stream (CPU: done)."""
-        self._issue()
-        for group in list(self._groups):
+        self._group()
+        for group in self._groups:
             for layer, waited in enumerate(group.waited):
                 if not waited:
                     self._wait(group, layer)
@@ -95,13 +99,16 @@ class LayerLoads:
         self.kv.pending = None
 
     def before_host_reuse(self, stream: torch.cuda.Stream | None) -> None:
-        """Host rows are about to be overwritten (on `stream`): queued loads read theirs first."""
+        """Host rows are about to be overwritten (on `stream`): the loads so far read theirs
+        first."""
         if not self.busy:
             return
         if self.stream is None:
             self.settle()
             return
-        self._issue()
+        self._group()
+        for group in self._groups:
+            self._issue(group, self.kv.num_layers - 1)
         if stream is not None:
             stream.wait_stream(self.stream)
 
@@ -109,7 +116,7 @@ class LayerLoads:
     def wait_layer(self, layer: int) -> None:
         if self.stream is not None and torch.cuda.is_current_stream_capturing():
             return  # graph capture: no loads are pending then, and none may be recorded
-        self._issue()
+        self._group()
         for group in self._groups:
             if not group.waited[layer]:
                 self._wait(group, layer)
@@ -118,45 +125,50 @@ class LayerLoads:
             self.kv.pending = None
 
     # ---- copies --------------------------------------------------------------------------------
-    def _issue(self) -> None:
+    def _group(self) -> None:
+        """The queued loads become one group (copied together, layer by layer)."""
         if not self._queued:
             return
         loads, self._queued = self._queued, []
         if len(self._timed) > 64:
             self.read_counters()  # their events are long done
-        layers = self.kv.num_layers
-        group = _Group(loads, [False] * layers)
-        self._groups.append(group)
+        self._groups.append(_Group(loads, [False] * self.kv.num_layers))
         self.counters.loads += 1
         self.counters.tokens += sum(load.tokens for load in loads)
-        if self.stream is None:
-            return  # CPU: copied layer by layer in `_wait`
+
+    def _issue(self, group: _Group, through: int) -> None:
+        """CUDA: puts the group's copies of layers up to `through` on the load stream."""
+        assert self.stream is not None
+        if group.issued > through:
+            return
         device = self.kv.device
-        compute = torch.cuda.current_stream(device)
-        self.stream.wait_stream(compute)  # the rows' earlier users (freed, saved) came first
         with torch.cuda.stream(self.stream):
-            group.start = torch.cuda.Event(enable_timing=True)
-            group.start.record(self.stream)
-            for load in loads:
-                load.slots.record_stream(self.stream)
-            slots = torch.cat([load.slots for load in loads])
-            total = len(slots)
-            shape = (total, self.kv.kv_heads, self.kv.head_dim)
-            stage_k = torch.empty(shape, dtype=self.kv.dtype, device=device)
-            stage_v = torch.empty(shape, dtype=self.kv.dtype, device=device)
-            for layer in range(layers):
+            if group.slots is None:
+                # after the rows' earlier users (freed, saved) on the compute stream
+                self.stream.wait_stream(torch.cuda.current_stream(device))
+                group.start = torch.cuda.Event(enable_timing=True)
+                group.start.record(self.stream)
+                for load in group.loads:
+                    load.slots.record_stream(self.stream)
+                group.slots = torch.cat([load.slots for load in group.loads])
+                shape = (len(group.slots), self.kv.kv_heads, self.kv.head_dim)
+                group.stage = (torch.empty(shape, dtype=self.kv.dtype, device=device),
+                               torch.empty(shape, dtype=self.kv.dtype, device=device))
+            stage_k, stage_v = group.stage
+            for layer in range(group.issued, through + 1):
                 offset = 0
-                for load in loads:
+                for load in group.loads:
                     for k, v in load.rows(layer):
                         n = len(k)
                         stage_k[offset:offset + n].copy_(k, non_blocking=True)
                         stage_v[offset:offset + n].copy_(v, non_blocking=True)
                         offset += n
-                self.kv.k_buffers[layer][slots] = stage_k
-                self.kv.v_buffers[layer][slots] = stage_v
+                self.kv.k_buffers[layer][group.slots] = stage_k
+                self.kv.v_buffers[layer][group.slots] = stage_v
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self.stream)
                 group.events.append(event)
+        group.issued = through + 1
 
     def _copy_layer(self, group: _Group, layer: int) -> None:
         """CPU: layer `layer` of the group's loads, now."""
@@ -170,7 +182,6 @@ class LayerLoads:
                 v_buffer[part] = v
                 offset += len(k)
         elapsed = time.perf_counter() - begin
-        group.seconds += elapsed
         self.counters.load_seconds += elapsed
         self.counters.waited_seconds += elapsed  # nothing overlaps on the CPU
 
@@ -179,13 +190,15 @@ class LayerLoads:
         if self.stream is None:
             self._copy_layer(group, layer)
             return
+        self._issue(group, min(layer + LOOKAHEAD, self.kv.num_layers - 1))
         compute = torch.cuda.current_stream(self.kv.device)
         arrival = torch.cuda.Event(enable_timing=True)
         arrival.record(compute)
         group.arrivals[layer] = arrival
         compute.wait_event(group.events[layer])
         if all(group.waited):
-            group.loads = []  # the copies are queued before every later use of their sources
+            group.loads = []  # their copies are queued before every later use of their sources
+            group.stage = None  # stream-ordered: reused only after the copies
             self._timed.append(group)
 
     # ---- timing --------------------------------------------------------------------------------

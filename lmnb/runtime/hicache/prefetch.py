@@ -1,6 +1,7 @@
 """Disk pages read ahead, off the scheduler thread: when a request arrives, an I/O thread reads
 the pages of its prompt that continue what the tree holds (device or host) into host memory
-(pinned on CUDA); when the request is admitted, the scheduler only queues their host -> device
+(pinned on CUDA; whether there is anything to read is one stat of the first page, on the
+scheduler thread); when the request is admitted, the scheduler only queues their host -> device
 copy (`loads.LayerLoads`), overlapped with the forward like a host hit.
 
 Policy (documented in the README): a request whose read is still running waits in the queue
@@ -40,7 +41,8 @@ class DiskPrefetcher:
         self.max_tokens = max_tokens
         self.pin = disk.kv.device.type == "cuda"
         self._reads: OrderedDict[tuple[int, ...], _Read] = OrderedDict()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmnb-hicache-io")
+        # a few reads side by side: a short one does not queue behind a long one
+        self._worker = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmnb-hicache-io")
         self.started = 0
         self.waited_seconds = 0.0  # the scheduler waiting for reads (nothing else to run)
         self.abandoned = 0
@@ -60,6 +62,8 @@ class DiskPrefetcher:
         first = covered // size * size
         if ident in self._reads or len(ident) <= first:
             return
+        if not self.disk.has_page(ident, first // size):
+            return  # nothing to read (most prompts): the request does not wait at all
         need = len(ident) - first
         if not self._make_room(need):
             return

@@ -51,6 +51,7 @@ class TieredCacheStats(CacheStats, total=False):
     hicache_loads: int  # passes whose host -> device copies overlapped their forward
     hicache_load_seconds: float  # the copies' span (CUDA; CPU: copy time)
     hicache_load_wait_seconds: float  # of which the forward waited for (not overlapped)
+    hicache_save_fence_waits: int  # evictions that waited for a save of the rows they free
     hicache_prefetch_reads: int  # disk reads started ahead of their request's admission
     hicache_prefetch_wait_seconds: float  # the idle scheduler waiting for such reads
     hicache_disk_bytes: int
@@ -378,7 +379,8 @@ class TieredRadixCache(RadixCache):
             "hicache_disk_loaded_tokens": self.disk_loaded_tokens}
         loads = self.host_pool.loads.read_counters()
         stats.update(hicache_loads=loads.loads, hicache_load_seconds=loads.load_seconds,
-                     hicache_load_wait_seconds=loads.waited_seconds)
+                     hicache_load_wait_seconds=loads.waited_seconds,
+                     hicache_save_fence_waits=self.host_pool.fence_waits)
         if self.prefetcher is not None:
             stats.update(hicache_prefetch_reads=self.prefetcher.started,
                          hicache_prefetch_wait_seconds=self.prefetcher.waited_seconds)
