@@ -82,11 +82,13 @@ def test_a_save_reusing_host_rows_lets_queued_loads_read_them_first() -> None:
 
 class FailingOnce:
     """A runner that fails the `fail_at`-th pass (the pass reads no KV: a load queued for it is
-    never waited for) and samples 100, 101, ... otherwise."""
+    never waited for) and samples 100 otherwise; with `kv` it writes each new token's KV as its
+    token id (+ layer)."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, kv: KVStorage | None = None) -> None:
         self.passes = 0
         self.fail_at = fail_at
+        self.kv = kv
         self.batches = []
 
     def run(self, batch, rows):
@@ -94,6 +96,11 @@ class FailingOnce:
         self.batches.append(batch)
         if self.passes == self.fail_at:
             raise RuntimeError("the device failed")
+        if self.kv is not None:
+            ids = torch.tensor(batch.input_ids, dtype=torch.float32).view(-1, 1, 1)
+            for layer in range(self.kv.num_layers):
+                self.kv.k_buffers[layer][batch.out_cache_loc] = ids + layer
+                self.kv.v_buffers[layer][batch.out_cache_loc] = -ids - layer
         out = StepOutput.empty(batch.size)
         for i, samples in enumerate(batch.samples):
             if samples:
@@ -126,11 +133,20 @@ def _run(scheduler: Scheduler) -> None:
     raise AssertionError("the scheduler did not finish")
 
 
+def _assert_rows(kv: KVStorage, slots: torch.Tensor, tokens: list[int]) -> None:
+    """Rows `slots` hold the KV `FailingOnce` wrote for `tokens` (read as attention does)."""
+    ids = torch.tensor(tokens, dtype=torch.float32)
+    for layer in range(kv.num_layers):
+        kv.ready(layer)
+        assert torch.equal(kv.k_buffers[layer][slots][:, 0, 0], ids + layer)
+        assert torch.equal(kv.v_buffers[layer][slots][:, 0, 1], -ids - layer)
+
+
 def test_request_ended_with_its_load_queued_frees_everything() -> None:
     kv = _storage(size=48)
     allocator = KVAllocator(48, CPU)
     cache = TieredRadixCache(allocator, HostKVPool(96, kv), write_through=True)
-    runner = FailingOnce(fail_at=3)
+    runner = FailingOnce(fail_at=3, kv=kv)
     scheduler = _scheduler(cache, runner)
     prefix = list(range(10, 40))
     for prompt in (prefix + [1], list(range(50, 90))):  # the second pushes the first out
@@ -143,6 +159,7 @@ def test_request_ended_with_its_load_queued_frees_everything() -> None:
     assert doomed.req.finished_reason["type"] == "abort"
     assert cache.host_loaded_tokens >= 30 and cache.host_pool.loads.busy
     scheduler.check_integrity()
+    _assert_rows(kv, cache.match_prefix(prefix + [9]).indices, prefix)
     assert cache.evict(48) > 0  # the loaded rows are freed: the load is settled first
     assert not cache.host_pool.loads.busy
     assert allocator.available() == 48
@@ -204,3 +221,68 @@ def test_a_request_whose_pages_are_read_waits_while_others_run(tmp_path: Path) -
     assert stats["hicache_prefetch_reads"] == 1 and stats["hicache_loads"] == 1
     scheduler.check_integrity()
     cache.close()
+
+
+class FakeStream:
+    """Stands in for a CUDA stream on the CPU: work runs at once; waits are recorded."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait_stream(self, other) -> None:
+        self.waits += 1
+
+    def wait_event(self, event) -> None:
+        self.waits += 1
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.recorded
+
+    def synchronize(self) -> None:
+        assert self.recorded
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        assert self.recorded and other.recorded
+        return 1.0
+
+
+def test_the_stream_path_keeps_its_books(monkeypatch) -> None:
+    """The CUDA branches (streams and events faked, copies at once) through a scheduler whose
+    pass fails with its load in flight, then succeeds: the same slots and data as the CPU path."""
+    import contextlib
+
+    compute = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    kv = _storage(size=48)
+    pool = HostKVPool(96, kv)
+    pool.loads.stream, pool._stream = FakeStream(), FakeStream()
+    allocator = KVAllocator(48, CPU)
+    cache = TieredRadixCache(allocator, pool, write_through=True)
+    scheduler = _scheduler(cache, FailingOnce(fail_at=3, kv=kv))
+    prefix = list(range(10, 40))
+    for prompt in (prefix + [1], list(range(50, 90)), prefix + [2, 3]):
+        scheduler.add(_request(prompt))
+        _run(scheduler)
+    assert pool.loads.busy and kv.pending is pool.loads
+    scheduler.check_integrity()
+    match = cache.match_prefix(prefix + [9])
+    assert match.length == 30
+    _assert_rows(kv, match.indices, prefix)
+    assert kv.pending is None and compute.waits >= kv.num_layers
+    counters = pool.loads.read_counters()
+    assert counters.loads == 1 and counters.load_seconds > 0 and counters.waited_seconds > 0
+    assert cache.evict(48) == 30 and allocator.available() == 48
+    scheduler.check_integrity()
+    pool.release()

@@ -142,10 +142,10 @@ class LayerLoads:
         if group.issued > through:
             return
         device = self.kv.device
+        compute = torch.cuda.current_stream(device)
         with torch.cuda.stream(self.stream):
             if group.slots is None:
-                # after the rows' earlier users (freed, saved) on the compute stream
-                self.stream.wait_stream(torch.cuda.current_stream(device))
+                self.stream.wait_stream(compute)  # after the rows' earlier users (freed, saved)
                 group.start = torch.cuda.Event(enable_timing=True)
                 group.start.record(self.stream)
                 for load in group.loads:
