@@ -194,7 +194,9 @@ class TieredRadixCache(RadixCache):
             return 0
         self.host_pool.loads.add(lambda layer: [(data[0, layer, :n], data[1, layer, :n])], slots)
         already = self.insert(key[:start + n], torch.cat((prefix.indices, slots)))
-        self.allocator.free(slots[:max(already - start, 0)])  # duplicates stay ours (none expected)
+        if already > start:  # duplicates stay ours (none expected): their load lands first
+            self._settle()
+            self.allocator.free(slots[:already - start])
         self._pending.add(self._descend(key[:start + n], None)[0])
         self.disk_loaded_tokens += n
         return n
