@@ -98,6 +98,12 @@ class TieredCacheMachine(RuleBasedStateMachine):
             cache.unlock(match.handle)
 
     @rule(key=keys)
+    def load_unread(self, key: list[int]) -> None:
+        """A load queued for a pass that never reads it (its request ended first): later
+        evictions, saves and requests must still see the right KV."""
+        self.cache.load_back(key, room=self.allocator.available() + self.cache.evictable_size())
+
+    @rule(key=keys)
     def lock(self, key: list[int]) -> None:
         match = self.cache.match_prefix(key)
         self.cache.lock(match.handle)

@@ -404,6 +404,7 @@ class TieredRadixCache(RadixCache):
 
     def check(self) -> None:
         assert not self._loading, "a load's host nodes are still marked"
+        assert all(node.value is not None for node in self._pending), "a loading node left"
         evictable = protected = host_used = 0
         host_slots = []
         for node in self._nodes():
