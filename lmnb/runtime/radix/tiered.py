@@ -313,7 +313,7 @@ class TieredRadixCache(RadixCache):
         self.host_saved_tokens += n
         if len(self._saves) > 4096:  # drop the tickets of saves known to be done
             done = pool.done_ticket()
-            self._saves = {n: t for n, t in self._saves.items() if t > done}
+            self._saves = {kept: t for kept, t in self._saves.items() if t > done}
 
     def _host_leaf(self, node: TreeNode) -> bool:
         return (node.value is None and node.host is not None and not node.children
