@@ -66,11 +66,11 @@ def race_weights(weights: torch.Tensor, seeds: torch.Tensor,
 
 @triton.jit
 def _hash32_tl(x):
-    """`_hash32` on int64 lanes holding 32-bit values."""
+    """`_hash32` on uint32 lanes (literals >= 2^31 are uint32 in Triton, so products wrap)."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x * 0x846CA68B
     return x ^ (x >> 16)
 
 
@@ -81,13 +81,13 @@ def _race_logits_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, OUT, vocab, stride,
     row = tl.load(ROWS + i).to(tl.int64)
     inv_t = 1.0 / tl.load(TEMPS + i)
     floor = tl.load(FLOORS + i)  # logits below it are out of the support (min-p); -inf: none
-    seed = tl.load(SEEDS + i).to(tl.int64)
+    seed = tl.load(SEEDS + i).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(LOGITS + row * stride + cols, mask=cols < vocab, other=float("-inf"))
-        h = _hash32_tl(_hash32_tl(((cols.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF) ^ seed))
+        h = _hash32_tl(_hash32_tl((cols.to(tl.uint32) * 0x9E3779B9) ^ seed))
         uniform = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         score = tl.where(x >= floor, x * inv_t - tl.log(-tl.log(uniform)), float("-inf"))
         better = score > best
