@@ -1,0 +1,211 @@
+"""Skinny GEMM over FP8 weights: out [M, N] = x [M, K] @ (weight [N, K] * scale[:, None])^T
+(+ bias) for M <= 16 rows (decode), x in 16/32 bits (W8A16), the weight float8_e4m3fn with one
+float32 scale per output row.
+
+A batch-1 linear streams its weight once, so the kernel's speed is the HBM read bandwidth it
+reaches; FP8 halves the bytes but keeps the element count, which changes what limits a kernel
+tuned for 16-bit weights (`gemv.py`):
+
+- Register layouts. A 16-byte vector is 16 FP8 weights but only 8 bf16 activations, so Triton
+  gives the two loads different layouts and moves the weight through shared memory (two
+  barriers) every iteration. Here both are read VEC (8) elements a thread: 8-byte weight loads,
+  16-byte activation loads, one layout, no shuffle; BLOCK_N rows a program reuse each
+  activation load (L1/L2 traffic for x: 2 / BLOCK_N bytes per weight byte).
+- Conversion. e4m3 -> bf16 costs Triton two conversion instructions an element (through f16);
+  e4m3 -> f16 (one instruction per pair, exact) -> f32 (an FMA-pipe add) is cheaper, and the
+  FMA path accumulates in f32 anyway. The dot path needs bf16 (or f16) operands: x's dtype.
+- Split K fills the SMs where N / BLOCK_N programs are few (N = 4096 at 2-4 rows a program):
+  program (n, s) writes fp32 partials [SPLIT_K, M, N], `gemv._split_k_reduce_kernel` sums them.
+- The scale multiplies each output once, after the K loop (it factors out of the K sum).
+
+Paths (`Fp8GemvConfig.use_dot`):
+    FMA  (M == 1): acc[BLOCK_N, BLOCK_K] += w * x in f32 registers, summed over K at the end.
+    dot  (M <= 16): out^T tile [BLOCK_N, 16] = dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16]): the
+         weight is the dot's left operand (converted in registers), x padded to 16 rows.
+
+The launch config is a deterministic function of (M, N, K) (`fp8_gemv_config`: a table swept on
+an H100 with `python bench/gemv.py --fp8 --sweep`, and a rule for other shapes); no autotuning,
+no host sync, fixed allocations: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
+from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
+
+FMA_VEC = 8  # FMA path: elements a thread loads at once (8 B of weight, 16 B of activations)
+DOT_VEC = 16  # dot path (both through shared memory): 16-byte asynchronous copies of the weight
+
+
+class Fp8GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool  # tensor-core dot over 16 padded rows; False: FMA path (M == 1 only)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
+def _fp8_gemv_kernel(
+    X, W, W_SCALE, B, OUT, PARTIAL,
+    M, N, K, stride_xm, stride_wn, stride_om, k_span,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # VEC_K contiguous elements a thread: the weight's and x's loads then share one layout
+    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), VEC_K), VEC_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * k_span
+    k_end = tl.minimum(k_start + k_span, K)
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            mask_k = (k + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if USE_DOT:
+            if DOT_UPCAST:  # the interpreter, or fp32 activations
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc,
+                             input_precision="ieee")
+            else:  # e4m3 -> f16 -> f32 -> x's dtype: exact, fewer conversion instructions
+                wx = w.to(tl.float16).to(tl.float32).to(X.dtype.element_ty)
+                acc = tl.dot(wx, tl.trans(x), acc)
+        else:
+            acc2 += w.to(tl.float16).to(tl.float32) * x.to(tl.float32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if USE_DOT:
+        acc = acc * scale[:, None]  # [BLOCK_N, BLOCK_M]: out^T
+    else:
+        acc = (tl.sum(acc2, axis=1) * scale)[:, None]  # [BLOCK_N, 1]
+
+    mask = mask_n[:, None] & mask_m[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        part_ptrs = PARTIAL + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+        tl.store(part_ptrs, acc, mask=mask)
+
+
+MIN_PROGRAMS = 264  # two programs an SM of an H100 (132 SMs) at least, else split K
+
+# (M, N, K) -> config: the best of `python bench/gemv.py --fp8 --sweep` on an H100 for Llama-3-8B's
+# FP8 linears (qkv, o, gate_up, down; M = 1 and the dot path's M = 2..16 share an entry by their
+# padded rows). Shapes not listed take the rule in `fp8_gemv_config`.
+TUNED: dict[tuple[int, int, int], Fp8GemvConfig] = {}
+
+
+def _tuned_key(m: int, n: int, k: int) -> tuple[int, int, int]:
+    return (1 if m == 1 else SKINNY_MAX_ROWS, n, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def fp8_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
+    """The launch config for m rows against an FP8 weight [n, k]; deterministic, no benchmarking.
+
+    The table `TUNED` first; otherwise:
+    - M == 1: FMA path, 4 weight rows a program (x loaded once for 4 rows), 1024 columns a step
+      (8 a thread over 4 warps: 4 KB of weight in flight a program), no software pipelining
+      (the loop is load-then-FMA; occupancy hides the latency as in the 16-bit kernel).
+    - M >= 2: the dot path, 64-row weight tiles (a warpgroup MMA's rows) of 256 columns, 3
+      stages of asynchronous copies.
+    - SPLIT_K (a power of two, each slice >= 512 columns and >= BLOCK_K) while there are fewer
+      than MIN_PROGRAMS programs.
+    """
+    hit = TUNED.get(_tuned_key(m, n, k))
+    if hit is not None:
+        return hit
+    k_pow2 = triton.next_power_of_2(max(k, 16))
+    if m == 1:
+        block_n, block_k = 4, min(1024, max(k_pow2, FMA_VEC * 32))
+        use_dot, num_warps, num_stages = False, 4, 1
+    else:
+        block_n, block_k = 64, min(256, max(k_pow2, 32))
+        use_dot, num_warps, num_stages = True, 4, 3
+    blocks = triton.cdiv(n, block_n)
+    split_k = 1
+    while (blocks * split_k < MIN_PROGRAMS
+           and k // (2 * split_k) >= max(512, block_k) and split_k < 16):
+        split_k *= 2
+    return Fp8GemvConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
+
+
+@functools.lru_cache(maxsize=1024)
+def interpreter_config(m: int, n: int, k: int) -> Fp8GemvConfig:
+    """Triton's CPU interpreter runs each program in Python but a tile in numpy at once: few,
+    big programs (the GPU configs are tested with explicit `config`s)."""
+    block_k = min(triton.next_power_of_2(max(k, 16)), 256)
+    block_n = min(triton.next_power_of_2(max(n, 16)), (1 << 18) // block_k)
+    return Fp8GemvConfig(block_n, block_k, 1, 4, 1, m > 1)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None,
+             config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous, 1 <= M <= SKINNY_MAX_ROWS; fp32/fp16/bf16), weight [N, K]
+    float8_e4m3fn contiguous, weight_scale [N] float32 (row n stands for weight[n] * scale[n]),
+    bias [N] or None -> [M, N] in x's dtype (fp32 accumulation). `config` overrides the table
+    (benchmark sweeps)."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [rows, K] with rows contiguous"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= SKINNY_MAX_ROWS, f"{m} rows: the skinny kernel takes 1..{SKINNY_MAX_ROWS}"
+    assert weight.dtype == torch.float8_e4m3fn, f"weight dtype {weight.dtype}: e4m3 expected"
+    assert weight.shape == (n, k) and weight.stride() == (k, 1), "weight must be [N, K] contiguous"
+    assert weight_scale.shape == (n,) and weight_scale.dtype == torch.float32
+    assert bias is None or bias.shape == (n,)
+    cfg = config or (interpreter_config(m, n, k) if INTERPRETED else fp8_gemv_config(m, n, k))
+    assert cfg.use_dot or m == 1, "the FMA path takes one row"
+    vec = DOT_VEC if cfg.use_dot else FMA_VEC
+    assert cfg.block_k % vec == 0, f"block_k {cfg.block_k}: a multiple of {vec}"
+    block_m = 16 if cfg.use_dot else 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partial = (out if cfg.split_k == 1 else
+               torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
+    b = bias if bias is not None else out  # unused without HAS_BIAS
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _fp8_gemv_kernel[grid](
+        x, weight, weight_scale, b, out, partial,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_span,
+        HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+        EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC_K=vec,
+        USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, b, out, m, n, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4,
+        )
+    return out
