@@ -101,7 +101,7 @@ def test_configs_keep_the_fma_layout_and_fill_the_gpu(m, shape):
         assert stage * cfg.num_stages <= 227 << 10 and cfg.block_n >= 16
     else:
         assert cfg.block_k % (gemv_fp8.FMA_VEC * 32 * cfg.num_warps) == 0
-        assert cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 64  # fp32 accumulators
+        assert cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 64  # weights a thread holds
     for key, tuned in gemv_fp8.TUNED.items():
         assert key[0] in (1, SKINNY_MAX_ROWS) and tuned.use_dot == (key[0] > 1)
 

@@ -8,7 +8,7 @@ tuned for 16-bit weights (`gemv.py`):
 
 - Register layouts. A 16-byte vector is 16 FP8 weights but only 8 bf16 activations, so Triton
   gives the two loads different layouts and moves the weight through shared memory (two
-  barriers) every iteration. Here both are read VEC (8) elements a thread: 8-byte weight loads,
+  barriers) every iteration. Here both are read FMA_VEC (8) elements a thread: 8-byte weight loads,
   16-byte activation loads, one layout, no shuffle; BLOCK_N rows a program reuse each
   activation load (L1/L2 traffic for x: 2 / BLOCK_N bytes per weight byte).
 - Conversion. e4m3 -> bf16 costs Triton two conversion instructions an element (through f16);
@@ -19,7 +19,8 @@ tuned for 16-bit weights (`gemv.py`):
 - The scale multiplies each output once, after the K loop (it factors out of the K sum).
 
 Paths (`Fp8GemvConfig.use_dot`):
-    FMA  (M == 1): acc[BLOCK_N, BLOCK_K] += w * x in f32 registers, summed over K at the end.
+    FMA  (M == 1): acc[BLOCK_N, BLOCK_K / 8] += sum of 8 products w * x a thread, in f32
+         registers, summed across threads once after the K loop.
     dot  (M <= 16): out^T tile [BLOCK_N, 16] = dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16]): the
          weight is the dot's left operand (converted in registers), x padded to 16 rows.
 
@@ -76,8 +77,8 @@ def _fp8_gemv_kernel(
 
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:  # one partial sum a thread and row: each step's VEC_K products summed in registers
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K // VEC_K), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
@@ -95,7 +96,8 @@ def _fp8_gemv_kernel(
                 wx = w.to(tl.float16).to(tl.float32).to(X.dtype.element_ty)
                 acc = tl.dot(wx, tl.trans(x), acc)
         else:
-            acc2 += w.to(tl.float16).to(tl.float32) * x.to(tl.float32)
+            prod = w.to(tl.float16).to(tl.float32) * x.to(tl.float32)
+            acc2 += tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -132,9 +134,11 @@ def fp8_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     """The launch config for m rows against an FP8 weight [n, k]; deterministic, no benchmarking.
 
     The table `TUNED` first; otherwise:
-    - M == 1: FMA path, 4 weight rows a program (x loaded once for 4 rows), 1024 columns a step
-      (8 a thread over 4 warps: 4 KB of weight in flight a program), no software pipelining
-      (the loop is load-then-FMA; occupancy hides the latency as in the 16-bit kernel).
+    - M == 1: FMA path, 1024 columns a step (8 a thread over 4 warps; 39 registers at 4 rows:
+      12 programs an SM), 4 weight rows a program (x loaded once for 4 rows; 2 where N < 8192,
+      so that N = 4096 still makes 2048 programs), no software pipelining: the loop is
+      load-then-FMA and the resident programs' loads hide the latency, as in the 16-bit kernel
+      (N / 132 rows an SM at once, 1 KB each in flight).
     - M >= 2: the dot path, 64-row weight tiles (a warpgroup MMA's rows) of 256 columns, 3
       stages of asynchronous copies.
     - SPLIT_K (a power of two, each slice >= 512 columns and >= BLOCK_K) while there are fewer
@@ -145,7 +149,7 @@ def fp8_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
         return hit
     k_pow2 = triton.next_power_of_2(max(k, 16))
     if m == 1:
-        block_n, block_k = 4, min(1024, max(k_pow2, FMA_VEC * 32))
+        block_n, block_k = 4 if n >= 8192 else 2, min(1024, max(k_pow2, FMA_VEC * 32))
         use_dot, num_warps, num_stages = False, 4, 1
     else:
         block_n, block_k = 64, min(256, max(k_pow2, 32))
