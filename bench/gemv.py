@@ -185,31 +185,75 @@ def bench_shape(model: str, op: str, n: int, k: int, m: int, dtype: torch.dtype,
     return result
 
 
+# FMA path (M == 1): (rows, columns, warps); BLOCK_K spans all warps at FMA_VEC elements a
+# thread (else the weight goes through shared memory every step)
+FMA_BLOCKS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (1, 2048, 4), (2, 2048, 4),
+              (1, 2048, 8), (2, 2048, 8), (4, 2048, 8), (2, 512, 2), (4, 512, 2), (8, 512, 2)]
+# dot path: (rows, columns, stages), 4 warps; 16-32 rows also at M = 1
+DOT_BLOCKS = [(16, 512, 3), (32, 256, 4), (64, 128, 4), (64, 256, 3), (128, 128, 4)]
+
+
 def fp8_sweep_grid(m: int, n: int, k: int) -> list[Fp8GemvConfig]:
-    """Configs worth timing for one FP8 shape (the table's / rule's pick is added by the caller).
-    FMA (M == 1): BLOCK_K spans all warps at FMA_VEC elements a thread (else the weight goes
-    through shared memory every step), at most 64 fp32 accumulators a thread. Dot: weight tiles
-    of 16-128 rows, stages within shared memory. Split K where the programs are few."""
+    """Configs worth timing for one FP8 shape (the table's / rule's pick is added by the caller):
+    the FMA blocks without and with prefetch (where a thread then holds <= 64 weights), the dot
+    blocks; split K where the programs are fewer than 16 an SM."""
     def splits(blocks: int, block_k: int) -> list[int]:
         return [s for s in (1, 2, 4, 8, 16) if k // s >= block_k and (
             s == 1 or SMS <= blocks * s <= 16 * SMS and blocks < 16 * SMS)]
 
     grid: list[Fp8GemvConfig] = []
     if m == 1:
-        for block_n, block_k, warps in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096),
-                                                         (2, 4, 8)):
-            if (block_k % (FMA_VEC * 32 * warps) or block_n * block_k // (32 * warps) > 64
-                    or block_k // (FMA_VEC * 32 * warps) > 2):
+        for (block_n, block_k, warps), stages in itertools.product(FMA_BLOCKS, (1, 2)):
+            assert block_k % (FMA_VEC * 32 * warps) == 0
+            if stages * block_n * block_k // (32 * warps) > 64:
                 continue
             for split in splits(math.ceil(n / block_n), block_k):
-                grid.append(Fp8GemvConfig(block_n, block_k, split, warps, 1, False))
-    for block_n, block_k, stages in [(16, 512, 3), (32, 256, 4), (32, 512, 3), (64, 128, 4),
-                                     (64, 256, 3), (64, 256, 4), (128, 128, 4), (128, 256, 3)]:
+                grid.append(Fp8GemvConfig(block_n, block_k, split, warps, stages, False))
+    for block_n, block_k, stages in DOT_BLOCKS:
         if m == 1 and block_n > 32:
             continue
         for split in splits(math.ceil(n / block_n), block_k):
             grid.append(Fp8GemvConfig(block_n, block_k, split, 4, stages, True))
     return grid
+
+
+def _compile_configs(jobs: list[tuple[int, int, int, Fp8GemvConfig]]) -> int:
+    """Worker process: run each (m, n, k, config) once on dummy tensors, filling Triton's cache
+    for the timing process. Returns how many ran."""
+    done = 0
+    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for m, n, k, config in jobs:
+        try:
+            if (n, k) not in weights:
+                weights = {(n, k): (torch.zeros(n, k, device="cuda", dtype=torch.uint8).view(
+                    torch.float8_e4m3fn), torch.ones(n, device="cuda"))}
+            fp8_gemv(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), *weights[n, k],
+                     None, config)
+            torch.cuda.synchronize()
+            done += 1
+        except Exception:  # the timing process meets (and records) the error again
+            pass
+    return done
+
+
+def precompile(jobs: list[tuple[int, int, int, Fp8GemvConfig]], workers: int) -> None:
+    """Compile the sweep's kernels in `workers` processes at once (Triton's cache is shared):
+    compiling, not timing, is what a sweep spends its minutes on."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+
+    start = time.perf_counter()
+    chunks = [sorted(jobs[i::workers], key=lambda job: job[:3]) for i in range(workers)]
+    try:
+        with concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            compiled = sum(pool.map(_compile_configs, chunks))
+    except Exception as exc:  # the timing loop compiles what is missing
+        print(f"precompile failed ({exc!r}); compiling one config at a time", flush=True)
+        return
+    print(f"compiled {compiled} of {len(jobs)} kernel configs in {workers} processes: "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
 
 
 def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: int,
@@ -273,6 +317,11 @@ def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
     _, layers, shapes = MODELS[FP8_MODEL]
     ops = args.ops or [*FP8_OPS, "lm_head"]
     rows = args.rows if args.rows_given else [1, SKINNY_MAX_ROWS]
+    if args.sweep and args.jobs > 1:
+        jobs = [(m, *shapes[op], config) for m in rows for op in ops
+                for config in dict.fromkeys([fp8_gemv_config(m, *shapes[op]),
+                                             *fp8_sweep_grid(m, *shapes[op])])]
+        precompile(jobs, args.jobs)
     results = []
     for m in rows:
         for op in ops:
@@ -358,6 +407,8 @@ def main() -> int:
     parser.add_argument("--fp8", action="store_true",
                         help="Llama-3-8B's linears with FP8 weights (gemv_fp8) beside bf16")
     parser.add_argument("--device", default="cuda", choices=["cuda"])
+    parser.add_argument("--jobs", type=int, default=8,
+                        help="--fp8 --sweep: processes compiling the kernels first (1: none)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/)")
     args = parser.parse_args()
     args.rows_given = args.rows is not None

@@ -361,10 +361,10 @@ gemv_args = {"X": dt, "W": f8, "W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL"
 for use_dot in (False, True):  # aligned as the launcher's arguments are at Llama shapes
     kernel = compile(gemv_fp8._fp8_gemv_kernel, gemv_args,
                      {"HAS_BIAS": False, "SPLIT_K": 1, "EVEN_K": True,
-                      "BLOCK_M": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 4,
+                      "BLOCK_M": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 2,
                       "BLOCK_K": 256 if use_dot else 1024,
                       "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC,
-                      "USE_DOT": use_dot, "DOT_UPCAST": False},
+                      "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot},
                      aligned=[name for name in gemv_args if name != "M"])
     loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
     if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop

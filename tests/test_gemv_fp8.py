@@ -64,6 +64,8 @@ CONFIGS = {
     "FMA, 4 rows a program": ((1, 11, 2100), Fp8GemvConfig(4, 1024, 1, 4, 1, False)),
     "FMA, 1 row, split K": ((1, 3, 3000), Fp8GemvConfig(1, 1024, 2, 4, 1, False)),
     "FMA, 8 rows, 8 warps, split K 4": ((1, 13, 5000), Fp8GemvConfig(8, 2048, 4, 8, 1, False)),
+    "FMA, prefetch, 2 rows": ((1, 5, 2500), Fp8GemvConfig(2, 1024, 1, 4, 2, False)),
+    "FMA, prefetch, 2 warps, split K": ((1, 9, 3000), Fp8GemvConfig(4, 512, 2, 2, 2, False)),
     "dot, 64-row tiles": ((5, 70, 520), Fp8GemvConfig(64, 256, 1, 4, 3, True)),
     "dot, 32-row tiles, split K": ((16, 40, 1100), Fp8GemvConfig(32, 256, 2, 4, 4, True)),
     "dot at one row": ((1, 20, 300), Fp8GemvConfig(16, 128, 1, 4, 3, True)),

@@ -50,8 +50,33 @@ class Fp8GemvConfig(NamedTuple):
     block_k: int
     split_k: int
     num_warps: int
-    num_stages: int
+    num_stages: int  # dot: Triton's cp.async stages; FMA: 2 = prefetch the next step, 1 = not
     use_dot: bool  # tensor-core dot over 16 padded rows; False: FMA path (M == 1 only)
+
+
+@triton.jit
+def _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] and x tile [BLOCK_M, BLOCK_K] at column k; nothing
+    is read at or past k_end (a prefetch past the last step reads nothing)."""
+    if EVEN_K:
+        inside = (tl.zeros((1, 1), dtype=tl.int32) + k) < k_end  # [1, 1]: the interpreter's too
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & inside, other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & inside, other=0.0)
+    else:
+        mask_k = (k + offs_k) < k_end
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
+def _fma_step(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K / VEC_K] += each thread's VEC_K products w * x (one x row), summed
+    in registers; e4m3 -> f16 -> f32 is exact and cheaper than through bf16."""
+    prod = w.to(tl.float16).to(tl.float32) * x.to(tl.float32)
+    return acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
@@ -60,7 +85,7 @@ def _fp8_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_span,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -75,31 +100,36 @@ def _fp8_gemv_kernel(
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
 
-    if USE_DOT:
+    if USE_DOT:  # software-pipelined by Triton (cp.async stages)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:  # one partial sum a thread and row: each step's VEC_K products summed in registers
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K // VEC_K), dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        else:
-            mask_k = (k + offs_k) < k_end
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if USE_DOT:
+        for k in range(k_start, k_end, BLOCK_K):
+            w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
             if DOT_UPCAST:  # the interpreter, or fp32 activations
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc,
                              input_precision="ieee")
             else:  # e4m3 -> f16 -> f32 -> x's dtype: exact, fewer conversion instructions
                 wx = w.to(tl.float16).to(tl.float32).to(X.dtype.element_ty)
                 acc = tl.dot(wx, tl.trans(x), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    else:  # one partial sum a thread and row
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K // VEC_K), dtype=tl.float32)
+        if PREFETCH:  # the next step's loads are issued before this step's FMAs
+            w_next, x_next = _load_step(w_ptrs, x_ptrs, k_start, k_end, offs_k, mask_n, mask_m,
+                                        EVEN_K)
+            for k in range(k_start, k_end, BLOCK_K):
+                w, x = w_next, x_next
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+                w_next, x_next = _load_step(w_ptrs, x_ptrs, k + BLOCK_K, k_end, offs_k, mask_n,
+                                            mask_m, EVEN_K)
+                acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K)
         else:
-            prod = w.to(tl.float16).to(tl.float32) * x.to(tl.float32)
-            acc2 += tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+            for k in range(k_start, k_end, BLOCK_K):
+                w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
+                acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K)
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
     scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if USE_DOT:
         acc = acc * scale[:, None]  # [BLOCK_N, BLOCK_M]: out^T
@@ -134,11 +164,10 @@ def fp8_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     """The launch config for m rows against an FP8 weight [n, k]; deterministic, no benchmarking.
 
     The table `TUNED` first; otherwise:
-    - M == 1: FMA path, 1024 columns a step (8 a thread over 4 warps; 39 registers at 4 rows:
-      12 programs an SM), 4 weight rows a program (x loaded once for 4 rows; 2 where N < 8192,
-      so that N = 4096 still makes 2048 programs), no software pipelining: the loop is
-      load-then-FMA and the resident programs' loads hide the latency, as in the 16-bit kernel
-      (N / 132 rows an SM at once, 1 KB each in flight).
+    - M == 1: FMA path, 2 weight rows a program (x loaded once for both; N = 4096 makes 2048
+      programs, 15.5 an SM, all resident at once), 1024 columns a step (8 a thread over 4
+      warps), the next step's loads issued before this step's FMAs (40 registers: 12 programs
+      an SM; 2 KB of weight in flight a program).
     - M >= 2: the dot path, 64-row weight tiles (a warpgroup MMA's rows) of 256 columns, 3
       stages of asynchronous copies.
     - SPLIT_K (a power of two, each slice >= 512 columns and >= BLOCK_K) while there are fewer
@@ -149,8 +178,8 @@ def fp8_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
         return hit
     k_pow2 = triton.next_power_of_2(max(k, 16))
     if m == 1:
-        block_n, block_k = 4 if n >= 8192 else 2, min(1024, max(k_pow2, FMA_VEC * 32))
-        use_dot, num_warps, num_stages = False, 4, 1
+        block_n, block_k = 2, min(1024, max(k_pow2, FMA_VEC * 32))
+        use_dot, num_warps, num_stages = False, 4, 2
     else:
         block_n, block_k = 64, min(256, max(k_pow2, 32))
         use_dot, num_warps, num_stages = True, 4, 3
@@ -204,6 +233,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC_K=vec,
         USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
+        PREFETCH=not cfg.use_dot and cfg.num_stages > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
