@@ -355,21 +355,26 @@ def compile(fn, signature, constants, warps=4, aligned=()):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 f8, dt, i64 = "*fp8e4nv", "*bf16", "*i64"
-gemv_args = {"X": dt, "W": f8, "W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
+gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
              **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om",
                                    "k_span")}}
 for use_dot in (False, True):  # aligned as the launcher's arguments are at Llama shapes
-    kernel = compile(gemv_fp8._fp8_gemv_kernel, gemv_args,
+    packed = not use_dot  # FMA path: 4 weights an int32, 4 bf16 activations an int64
+    args = {"X": "*i64" if packed else dt, "W": "*i32" if packed else f8, **gemv_args}
+    kernel = compile(gemv_fp8._fp8_gemv_kernel, args,
                      {"HAS_BIAS": False, "SPLIT_K": 1, "EVEN_K": True,
                       "BLOCK_M": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 2,
-                      "BLOCK_K": 256 if use_dot else 1024,
-                      "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC,
-                      "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot},
-                     aligned=[name for name in gemv_args if name != "M"])
+                      "BLOCK_K": 256 if use_dot else 1024 // 4,
+                      "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC // 4,
+                      "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot,
+                      "PACKED": packed, "X_BF16": True, "ASM_CVT": True},
+                     aligned=[name for name in args if name != "M"])
     loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
     if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop
         assert "convert_layout" not in loop and "local_alloc" not in loop, loop
-        assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in kernel.asm["ptx"]
+        ptx = kernel.asm["ptx"]
+        assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in ptx
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == 8  # 2 rows x 8 weights a step, a pair each
 compile(triton_decode._decode_partial_kernel,
         {"Q": dt, "K": f8, "V": f8, "KV_INDPTR": i64, "KV_INDICES": i64,
          "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": dt, "scale": "fp32",

@@ -41,8 +41,8 @@ def _check(x, w, scale, bias, config: Fp8GemvConfig | None = None) -> None:
         want += bias.double()
         magnitude += bias.double().abs()
     assert got.dtype == x.dtype and got.shape == want.shape
-    # float32 sums: ~1e-7 relative to the magnitude; bf16 adds the output's rounding (an ulp:
-    # the interpreter truncates)
+    # float32 sums: ~1e-7 relative to the magnitude; 16-bit x adds the output's rounding (an
+    # ulp: the interpreter truncates)
     bound = 1e-5 * magnitude + (0 if x.dtype == torch.float32 else 2**-7 * want.abs())
     error = (got.double() - want).abs()
     assert (error <= bound).all(), f"max error {error.max():.3g}, {(error / bound).max():.3g}x"
@@ -73,9 +73,11 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gpu_configs(device, dtype, name):
+    """16-bit x with K a multiple of 4: the FMA path reads 4 weights an int32, 4 activations an
+    int64 (fp32 x: element by element)."""
     (m, n, k), config = CONFIGS[name]
     x, w, scale, bias = _inputs(m, n, k, dtype, device, seed=1)
     _check(x, w, scale, bias, config)

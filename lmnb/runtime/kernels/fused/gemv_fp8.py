@@ -72,11 +72,72 @@ def _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K: tl.cons
 
 
 @triton.jit
-def _fma_step(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K / VEC_K] += each thread's VEC_K products w * x (one x row), summed
-    in registers; e4m3 -> f16 -> f32 is exact and cheaper than through bf16."""
-    prod = w.to(tl.float16).to(tl.float32) * x.to(tl.float32)
-    return acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
+def _e4m3x4_to_f32(w, ASM: tl.constexpr):
+    """int32 of four e4m3 weights (little-endian) -> four f32 tensors of w's shape, exact.
+    ASM (compiled for NVIDIA): two `cvt.rn.f16x2.e4m3x2` straight from the register's halves and
+    four f16 -> f32 (Triton's own cast of an FP8 tensor extracts each byte and repacks pairs
+    first: twice the instructions); else shifts and Triton's cast (the interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi, h0, h1, h2, h3;
+            .reg .b32 p01, p23;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 p01, lo;
+            cvt.rn.f16x2.e4m3x2 p23, hi;
+            mov.b32 {h0, h1}, p01;
+            mov.b32 {h2, h3}, p23;
+            cvt.f32.f16 $0, h0;
+            cvt.f32.f16 $1, h1;
+            cvt.f32.f16 $2, h2;
+            cvt.f32.f16 $3, h3;
+            }""",
+            constraints="=f,=f,=f,=f,r", args=[w],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        w0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return w0, w1, w2, w3
+
+
+@triton.jit
+def _half(bits):
+    """The low 16 bits of an int32 as an f16 -> f32."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _x16x4_to_f32(x, X_BF16: tl.constexpr):
+    """int64 of four 16-bit activations (little-endian) -> four f32 tensors of x's shape: bf16
+    by shifts and masks, f16 through a cast."""
+    lo = x.to(tl.int32)
+    hi = (x >> 32).to(tl.int32)
+    if X_BF16:
+        return ((lo << 16).to(tl.float32, bitcast=True),
+                (lo & -65536).to(tl.float32, bitcast=True),
+                (hi << 16).to(tl.float32, bitcast=True),
+                (hi & -65536).to(tl.float32, bitcast=True))
+    else:
+        return _half(lo), _half(lo >> 16), _half(hi), _half(hi >> 16)
+
+
+@triton.jit
+def _fma_step(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
+              PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """One step of the FMA path (one x row), f32 accumulation.
+    PACKED: w [BLOCK_N, BLOCK_K] int32 (4 weights each), x [1, BLOCK_K] int64 (4 16-bit
+    activations each), acc [BLOCK_N, BLOCK_K] += the 4 products (a chain of FMAs).
+    Else: FP8 and 16/32-bit elements, e4m3 -> f16 -> f32 (exact), acc [BLOCK_N, BLOCK_K / VEC_K]
+    += each thread's VEC_K products, summed in registers."""
+    if PACKED:
+        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        x0, x1, x2, x3 = _x16x4_to_f32(x, X_BF16)
+        return acc + w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+    else:
+        prod = w.to(tl.float16).to(tl.float32) * x.to(tl.float32)
+        return acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
@@ -86,6 +147,7 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+    PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -112,8 +174,8 @@ def _fp8_gemv_kernel(
                 acc = tl.dot(wx, tl.trans(x), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-    else:  # one partial sum a thread and row
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K // VEC_K), dtype=tl.float32)
+    else:  # a few partial sums a thread and row
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K if PACKED else BLOCK_K // VEC_K), dtype=tl.float32)
         if PREFETCH:  # the next step's loads are issued before this step's FMAs
             w_next, x_next = _load_step(w_ptrs, x_ptrs, k_start, k_end, offs_k, mask_n, mask_m,
                                         EVEN_K)
@@ -123,11 +185,11 @@ def _fp8_gemv_kernel(
                 x_ptrs += BLOCK_K
                 w_next, x_next = _load_step(w_ptrs, x_ptrs, k + BLOCK_K, k_end, offs_k, mask_n,
                                             mask_m, EVEN_K)
-                acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K)
+                acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
         else:
             for k in range(k_start, k_end, BLOCK_K):
                 w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
-                acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K)
+                acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
                 w_ptrs += BLOCK_K
                 x_ptrs += BLOCK_K
     scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -225,16 +287,23 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     partial = (out if cfg.split_k == 1 else
                torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
     b = bias if bias is not None else out  # unused without HAS_BIAS
+    # FMA path over 16-bit x: weights read as int32 (4 a value), x as int64 (4 a value), all
+    # sizes along K in those units
+    packed = (not cfg.use_dot and x.dtype in (torch.float16, torch.bfloat16) and k % 4 == 0
+              and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0 and weight.data_ptr() % 4 == 0)
+    q = 4 if packed else 1
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _fp8_gemv_kernel[grid](
-        x, weight, weight_scale, b, out, partial,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_span,
+        x.view(torch.int64) if packed else x, weight.view(torch.int32) if packed else weight,
+        weight_scale, b, out, partial,
+        m, n, k // q, x.stride(0) // q, weight.stride(0) // q, out.stride(0), k_span // q,
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC_K=vec,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k // q, VEC_K=vec // q,
         USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
         PREFETCH=not cfg.use_dot and cfg.num_stages > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
     )
     if cfg.split_k > 1:
         block = 1024
