@@ -22,6 +22,8 @@ JSON to bench/results/fp8.json (and $OUT/fp8.json when $OUT is set). On the GPU 
     python bench/fp8.py                                  # all parts, about 6 minutes on an H100
     python bench/fp8.py --parts quality --quality-model /tmp/smollm2
     python bench/fp8.py --parts decode --variants bf16,fp8   # batch-1 decode only (~2 minutes)
+    python bench/fp8.py --parts decode --variants bf16,fp8 \
+        --fp8-gemv-table bench/results/gemv_fp8_sweep.json    # with a sweep's best FP8 configs
 CPU check (tiny sizes and a tiny random Llama-3 shape; the reference FP8 path):
     python bench/fp8.py --tiny
 """
@@ -192,6 +194,9 @@ def main() -> None:
     parser.add_argument("--quality-tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized check of the script")
+    parser.add_argument("--fp8-gemv-table", type=Path, default=None,
+                        help="a `bench/gemv.py --fp8 --sweep` JSON: its best configs replace "
+                             "gemv_fp8's table for this run")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
@@ -207,6 +212,15 @@ def main() -> None:
         args.quality_tokens, args.dtype = 64, "float32"
         args.runtime_options = {"max_total_tokens": 2048, "dtype": "float32"}
     results: dict[str, Any] = {"environment": environment(device)}
+    if args.fp8_gemv_table is not None:
+        from bench.gemv import tuned_from_sweep
+        from lmnb.runtime.kernels.fused import gemv_fp8
+
+        gemv_fp8.TUNED.update(tuned_from_sweep(args.fp8_gemv_table))
+        gemv_fp8.fp8_gemv_config.cache_clear()
+        results["fp8_gemv_table"] = {str(key): tuple(config)
+                                     for key, config in gemv_fp8.TUNED.items()}
+        print(f"gemv_fp8 configs from {args.fp8_gemv_table}: {results['fp8_gemv_table']}")
     speed = run_speed(args, device, parts) if parts & {"decode", "offline"} else {}
     if speed:
         results["speed"] = speed

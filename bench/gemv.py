@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import shutil
@@ -311,6 +312,14 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
     del weights
     torch.cuda.empty_cache()
     return result
+
+
+def tuned_from_sweep(path: str | Path) -> dict[tuple[int, int, int], Fp8GemvConfig]:
+    """The best config per (M, N, K) of a `--fp8 --sweep` JSON, as `gemv_fp8.TUNED` entries."""
+    payload = json.loads(Path(path).read_text())
+    assert payload.get("benchmark") == "gemv_fp8" and payload.get("sweep"), f"{path}: no sweep"
+    return {(r["m"], r["n"], r["k"]): Fp8GemvConfig(**r["best"]["config"])
+            for r in payload["results"] if r.get("best") and r["m"] in (1, SKINNY_MAX_ROWS)}
 
 
 def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
