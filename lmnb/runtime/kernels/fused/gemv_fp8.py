@@ -29,9 +29,9 @@ Paths (`Fp8GemvConfig.use_dot`):
     dot  (M <= 16): out^T tile [BLOCK_N, 16] = dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16]): the
          weight is the dot's left operand (converted in registers), x padded to 16 rows.
 
-The launch config is a deterministic function of (M, N, K) (`fp8_gemv_config`: a table swept on
-an H100 with `python bench/gemv.py --fp8 --sweep`, and a rule for other shapes); no autotuning,
-no host sync, fixed allocations: CUDA-graph capturable.
+The launch config is a deterministic function of (M, N, K) (`fp8_gemv_config`: the `TUNED` table
+that `python bench/gemv.py --fp8 --sweep` prints, else a rule); no autotuning, no host sync,
+fixed allocations: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -216,9 +216,10 @@ def _fp8_gemv_kernel(
 
 MIN_PROGRAMS = 264  # two programs an SM of an H100 (132 SMs) at least, else split K
 
-# (M, N, K) -> config: the best of `python bench/gemv.py --fp8 --sweep` on an H100 for Llama-3-8B's
-# FP8 linears (qkv, o, gate_up, down; M = 1 and the dot path's M = 2..16 share an entry by their
-# padded rows). Shapes not listed take the rule in `fp8_gemv_config`.
+# (M, N, K) -> config, the lines `python bench/gemv.py --fp8 --sweep` prints (its best on the
+# GPU for Llama-3-8B's FP8 linears; M = 1, and 16 for every M of the dot path). Empty until a
+# sweep on the target GPU fills it; shapes not listed take the rule in `fp8_gemv_config`
+# (`bench/fp8.py --fp8-gemv-table` loads a sweep's JSON into it for one run).
 TUNED: dict[tuple[int, int, int], Fp8GemvConfig] = {}
 
 
