@@ -99,7 +99,7 @@ def test_configs_keep_the_fma_layout_and_fill_the_gpu(m, shape):
     cfg = fp8_gemv_config(m, n, k)
     assert cfg.use_dot == (m > 1)
     programs = -(-n // cfg.block_n) * cfg.split_k
-    assert programs >= 132 and k // cfg.split_k >= cfg.block_k
+    assert programs >= 128 and k // cfg.split_k >= cfg.block_k  # about one an SM at least
     if cfg.use_dot:
         stage = cfg.block_n * cfg.block_k + 16 * cfg.block_k * 2
         assert stage * cfg.num_stages <= 227 << 10 and cfg.block_n >= 16
