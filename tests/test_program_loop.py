@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import random
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -133,27 +134,49 @@ def test_no_thread_is_left_after_a_thousand_runs(rt):
     assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
 
 
-def test_run_batch_sends_all_its_gens_to_the_first_prefill_pass(rt):
-    """The gens submitted in one iteration of the program loop reach the scheduler in one
-    message (`batched_submits`): the first pass prefills every program, as one `generate` of a
-    list would, rather than the few whose gens arrived first. A tiny GIL switch interval lets
-    the scheduler thread run between any two submissions (as on a GPU, where it waits less)."""
+def test_run_batch_fills_the_first_prefill_pass_as_a_raw_generate_does(rt):
+    """The programs of a `run_batch` reach the scheduler as the prompts of one `generate` of a
+    list do: the first ones together, in one message (their gens are held for a turn of the
+    program loop and sent in chunks, `SubmitChunks`), so the first pass is as full as the raw
+    paths'. The prompts are long enough that the pass's token budget (2048 on the CPU) binds
+    before the first chunk of 8 is used up: a count that does not depend on timing. A tiny GIL
+    switch interval lets the scheduler thread run between any two submissions (as on a GPU):
+    gens sent one by one would give a first pass of one request."""
+    rng = random.Random(7)
+    words = "time year people way day man thing woman life child world school state".split()
+    prompts = [f"Text {i}: " + " ".join(rng.choice(words) for _ in range(300))
+               for i in range(10)]
+    assert all(280 <= len(rt.encode(p)) <= 400 for p in prompts)  # 6-7 of them fill a pass
+    params = {"max_new_tokens": 2, "temperature": 0.0}
+
     @lmnb.function
-    def ask(s, word):
-        s += word + " means" + gen("a", max_tokens=2, temperature=0)
+    def continue_text(s, text):
+        s += text + gen("a", max_tokens=2, temperature=0)
+
+    def first_pass(work: Callable[[], Any]) -> tuple[int, int]:
+        assert rt.flush_cache()
+        passes: list[tuple[int, int]] = []
+        rt.set_batch_hook(lambda batch: passes.append((batch.size, sum(batch.extend_lens)))
+                          if batch.mode.name == "EXTEND" else None)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            work()
+        finally:
+            sys.setswitchinterval(interval)
+            rt.set_batch_hook(None)
+        return passes[0]
 
     wait_idle(rt, check_integrity=True)
-    passes: list[tuple[str, int]] = []
-    rt.set_batch_hook(lambda batch: passes.append((batch.mode.name, batch.size)))
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        states = ask.run_batch([{"word": f"w{i}"} for i in range(32)], backend=LocalBackend(rt))
-    finally:
-        sys.setswitchinterval(interval)
-        rt.set_batch_hook(None)
+    ids = [rt.encode(p) for p in prompts]
+    raw_text = first_pass(lambda: rt.generate(prompts, params))
+    raw_ids = first_pass(lambda: rt.generate(input_ids=ids, sampling_params=params))
+    states: list[Any] = []
+    dsl = first_pass(lambda: states.extend(continue_text.run_batch(
+        [{"text": p} for p in prompts], backend=LocalBackend(rt))))
     assert all(isinstance(state["a"], str) for state in states)
-    assert passes[0] == ("EXTEND", 32), passes
+    assert raw_text[0] > 1 and raw_text[1] == 2048  # the budget bound the pass
+    assert dsl == raw_text == raw_ids
 
 
 class HoldingBackend(LocalBackend):

@@ -35,7 +35,7 @@ from lmnb.lang.backends.base import (
     sglang_generate,
     sglang_select,
 )
-from lmnb.lang.event_loop import block_on, call_soon, on_loop, program_loop
+from lmnb.lang.event_loop import block_on, call_soon, on_loop, on_program_loop, program_loop
 from lmnb.lang.ir import (
     CommitPrefix,
     Expr,
@@ -211,7 +211,10 @@ class StreamExecutor:
             if self._draining:
                 return
             self._draining = True
-        call_soon(self._start)
+        if on_program_loop():  # a body on the loop: the task starts at the loop's next turn
+            self._start()
+        else:
+            call_soon(self._start)
 
     def _start(self) -> None:
         self._task = self._loop.create_task(self._drain())

@@ -40,6 +40,7 @@ from lmnb.lang.state_writer import PROGRAM_CALLER as PROGRAM_CALLER
 from lmnb.lang.state_writer import ProgramStateGroup as ProgramStateGroup
 from lmnb.lang.state_writer import StateWriter as StateWriter
 from lmnb.params import default_sampling_params
+from lmnb.runtime.prompts import chunk_bounds
 
 if TYPE_CHECKING:
     from lmnb.lang.token_trace import TokenTrace
@@ -87,6 +88,9 @@ def _program_limit(num_threads: int | str, size: int) -> int | None:
     return max(1, min(int(num_threads), size))
 
 
+_WAVE_TURNS = 2  # turns of the loop between two waves of a batch's programs
+
+
 class _BatchRun:
     """The programs of one `run_batch`, as tasks on the program loop: each body runs as a
     greenlet there (`run_body`; a body that reads its state is suspended, not a thread), at most
@@ -105,9 +109,18 @@ class _BatchRun:
 
     async def main(self) -> None:
         semaphore = asyncio.Semaphore(self.limit) if self.limit is not None else None
-        tasks = [asyncio.ensure_future(self._one(index, arguments, semaphore))
-                 for index, arguments in enumerate(self.batch)]
+        tasks: list[asyncio.Future[None]] = []
         try:
+            # Programs start in growing waves, as `Runtime.generate` sends a list of prompts in
+            # growing chunks: the first wave's gens reach the scheduler after two turns of the
+            # loop (bodies, then their executors), and the engine prefills them while the later
+            # waves' bodies run.
+            for start, end in chunk_bounds(len(self.batch)):
+                tasks += [asyncio.ensure_future(self._one(index, self.batch[index], semaphore))
+                          for index in range(start, end)]
+                if end < len(self.batch):
+                    for _ in range(_WAVE_TURNS):
+                        await asyncio.sleep(0)
             for task in asyncio.as_completed(tasks):
                 await task  # a program's own error is in its state; this is any other
         except BaseException:
