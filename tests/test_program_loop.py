@@ -21,21 +21,21 @@ import lmnb
 from lmnb import gen, select
 from lmnb.lang.backends.base import CancelEvent, Generation, ProgramAborted
 from lmnb.lang.backends.local import LocalBackend
-from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.event_loop import program_loop
 from lmnb.lang.ir import GenParams
+from tests.fake_backend import TextOnlyFake
 from tests.idle import wait_idle
 
 GUARD_S = 60.0  # only reached when the behaviour under test is broken
 
 
-class BarrierBackend:
+class BarrierBackend(TextOnlyFake):
     """An `AsyncBackend` whose gens all wait until `count` of them are in flight at once: the
     programs can only finish if that many run concurrently. The text is the prompt's last
     word, reversed."""
 
     def __init__(self, count: int) -> None:
-        self.chat_template = ChatTemplate(None)
+        super().__init__()
         self.count = count
         self.in_flight = 0
         self.most = 0
@@ -69,9 +69,6 @@ class BarrierBackend:
 
     def select(self, *args: Any, **kwargs: Any) -> tuple[str, dict]:
         raise AssertionError("the program loop awaits aselect")
-
-    def cache_prefix(self, prompt: str) -> None:
-        pass
 
 
 @lmnb.function

@@ -157,7 +157,7 @@ class StreamExecutor:
         self.stream = stream
         self.num_api_spec_tokens = num_api_spec_tokens
         # Backends of chat models are given the conversation as messages (`ChatPrompt`).
-        self.chat = bool(getattr(backend, "is_chat_model", False))
+        self.chat = backend.is_chat_model
         self.text_ = ""
         self.messages_: list[dict[str, str]] = []
         self.variables: dict[str, Any] = {}
@@ -555,7 +555,7 @@ class StreamExecutor:
             return None
         call_params = speculative_params(
             params, self.num_api_spec_tokens or 0,
-            token_texts=bool(getattr(self.backend, "reports_token_texts", False)))
+            token_texts=self.backend.reports_token_texts)
         if self.chat:
             # A chat reply starts at its turn's start: speculate from there and match the
             # turn's text so far as literal text. Once per turn: a retry would repeat itself.
@@ -665,11 +665,9 @@ class StreamExecutor:
         """Prepares the media once (forks share it; on a pool thread: loading and preprocessing
         take time) and writes its token where it goes: the chat template's form inside a role
         (llava-hf's "<image>\\n"), else the bare token."""
-        prepare = getattr(self.backend, "prepare_media", None)
         try:
-            if prepare is None:
-                raise MediaUnsupported(f"{type(self.backend).__name__} is text-only")
-            media = await in_thread(prepare, kind, source, num_frames=num_frames)
+            media = await in_thread(self.backend.prepare_media, kind, source,
+                                    num_frames=num_frames)
         except MediaUnsupported as error:
             raise ProgramError(f"{kind}() needs a multimodal (LLaVA) backend: {error}") from None
         self._spec = None
