@@ -22,7 +22,13 @@ from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.event_loop import block_on, run_body
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
-from lmnb.lang.token_trace import GenRecord, TokenTrace, traced_top_k
+from lmnb.lang.token_trace import (
+    GenRecord,
+    TokenTrace,
+    TraceLog,
+    token_byte_counter,
+    traced_top_k,
+)
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
 if TYPE_CHECKING:
@@ -295,3 +301,15 @@ class LocalBackend:
                 "max_total_num_tokens": runtime.max_total_tokens,
                 "context_length": runtime.context_len,
                 "internal_states": [runtime.stats()]}
+
+
+def start_trace(backend: Any) -> TokenTrace:
+    """The root trace of a run on `backend`, which must run on an in-process runtime (the
+    trace reads its token ids and the runtime's token origins)."""
+    if not isinstance(backend, LocalBackend):
+        raise ValueError(f"token_view needs a program run on an in-process runtime "
+                         f"(LocalBackend); {type(backend).__name__} does not report tokens")
+    tokenizer = backend.runtime.tokenizer
+    texts = TokenTexts(tokenizer)
+    return TokenTrace(TraceLog(texts, token_byte_counter(tokenizer, texts)),
+                      runtime=backend.runtime)
