@@ -3,6 +3,7 @@ how a call's arguments become the program's."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from lmnb.lang.ir import GEN_PARAM_NAMES, GenParams
@@ -41,3 +42,17 @@ def run_defaults(sampling: dict[str, Any]) -> GenParams:
         elif values.get(key) is not None:
             values[key] = tuple(values[key])
     return GenParams(**values).merged_over(RUN_DEFAULTS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _merged(params: GenParams, defaults: GenParams) -> GenParams:
+    return params.merged_over(defaults)
+
+
+def merged_over_defaults(params: GenParams, defaults: GenParams) -> GenParams:
+    """`params.merged_over(defaults)`, computed once per distinct pair (a batch's programs
+    write the same gens)."""
+    try:
+        return _merged(params, defaults)
+    except TypeError:  # a value that cannot be hashed (a dict, a list)
+        return params.merged_over(defaults)
