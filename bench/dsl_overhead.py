@@ -264,6 +264,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sys.setswitchinterval (s): a tiny one lets the scheduler thread "
                         "take requests as they arrive, as on a GPU (default: Python's 5 ms)")
     parser.add_argument("--max-total-tokens", type=int, default=400_000)
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() once the runtime is up (as vLLM's engine does): full "
+                        "collections then skip the model's objects (compare gc_full_seconds)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "dsl_overhead.json")
     return parser.parse_args(argv)
 
@@ -302,6 +305,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             options.update(tokenizer_path=str(tokenizer_dir), load_format="dummy",
                            dtype="float32", context_length=4096)
         runtime = Runtime(model, **options)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     try:
         return run(args, runtime, LocalBackend, label)
     finally:
@@ -382,7 +388,7 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         "benchmark": "dsl_overhead",
         "config": {"workload": "mmlu", "scale": args.scale, "programs": count,
                    "repeats": args.repeats, "model": model_label,
-                   "radix_cache": not args.disable_radix_cache},
+                   "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
         "dsl_over_raw_text_wall": wall,
