@@ -82,7 +82,8 @@ class PassLog:
                 "requests_per_extend_pass": [size for _, size, _ in extends],
                 "tokens_per_extend_pass": [tokens for _, _, tokens in extends],
                 "first_pass_end_s": self.passes[0][0] if self.passes else None,
-                "last_extend_end_s": extends[-1][0] if extends else None}
+                "last_extend_end_s": extends[-1][0] if extends else None,
+                "last_pass_end_s": self.passes[-1][0] if self.passes else None}
 
 
 class GcPauses:
@@ -223,13 +224,14 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> di
             "engine_threads_cpu_ms_per_program": 1e3 * engine / count,
             "other_cpu_ms_per_program": 1e3 * (cpu - engine) / count,
             "gc_collections": pauses.counts, "gc_full_seconds": pauses.full_seconds,
-            **passes.summary()}
+            **passes.summary(), "after_last_pass_s": seconds - (passes.summary()[
+                "last_pass_end_s"] or 0.0)}
 
 
 SCHEDULE_PATHS = ("dsl run_batch", "raw generate, text", "raw generate, ids")
 SCHEDULE_KEYS = ("forward_passes", "extend_passes", "requests_per_extend_pass",
                  "tokens_per_extend_pass", "first_pass_end_s", "last_extend_end_s",
-                 "gc_collections", "gc_full_seconds")
+                 "last_pass_end_s", "after_last_pass_s", "gc_collections", "gc_full_seconds")
 
 
 def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -375,10 +377,10 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     schedule = pass_comparison(results)
     print("\nHow the requests reached the scheduler (the run above of each path):")
     print(format_table(
-        ["path", "passes", "extend", "first pass ends s", "last extend ends s", "gc full s",
-         "requests per extend pass", "tokens per extend pass"],
+        ["path", "passes", "extend", "first pass ends s", "last extend ends s",
+         "after last pass s", "gc full s", "requests per extend pass", "tokens per extend pass"],
         [(label, r["forward_passes"], r["extend_passes"], r["first_pass_end_s"],
-          r["last_extend_end_s"], r["gc_full_seconds"],
+          r["last_extend_end_s"], r["after_last_pass_s"], r["gc_full_seconds"],
           " ".join(map(str, r["requests_per_extend_pass"])),
           " ".join(map(str, r["tokens_per_extend_pass"]))) for label, r in schedule.items()]))
     for sort, table in profile.items():

@@ -34,18 +34,20 @@ _WAVE_TURNS = 2  # turns of the loop between two waves of a batch's programs
 class _BatchRun:
     """The programs of one `run_batch`, as tasks on the program loop: each body runs as a
     greenlet there (`run_body`; a body that reads its state is suspended, not a thread), at most
-    `limit` programs at once, and `deliver(index, state)` is called on the loop as each one
-    finishes. `abort()` (any thread) aborts every started program's requests; programs not
-    started never start."""
+    `limit` programs at once, and `deliver([(index, state), ...])` is called on the loop once per
+    turn with the programs that finished in it (hundreds of programs finishing on one output
+    step wake their reader once). `abort()` (any thread) aborts every started program's
+    requests; programs not started never start."""
 
     def __init__(self, execute: Callable[[dict[str, Any], ProgramRun], ProgramState],
                  batch: list[dict[str, Any]], *, limit: int | None,
-                 deliver: Callable[[int, ProgramState], None]) -> None:
+                 deliver: Callable[[list[tuple[int, ProgramState]]], None]) -> None:
         self.execute = execute
         self.batch = batch
         self.limit = limit
         self.deliver = deliver
         self.runs = _BatchRuns()
+        self._finished: list[tuple[int, ProgramState]] = []  # this turn's, not yet delivered
 
     async def main(self) -> None:
         semaphore = asyncio.Semaphore(self.limit) if self.limit is not None else None
@@ -82,7 +84,13 @@ class _BatchRun:
         if self.runs.aborted:
             return
         state = await run_body(self.execute, arguments, self.runs.new_run())
-        self.deliver(index, state)
+        self._finished.append((index, state))
+        if len(self._finished) == 1:
+            asyncio.get_running_loop().call_soon(self._deliver)
+
+    def _deliver(self) -> None:
+        finished, self._finished = self._finished, []
+        self.deliver(finished)
 
     def abort(self) -> None:
         self.runs.abort()
@@ -138,10 +146,10 @@ class BatchJob:
         finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
         with (tqdm_bar(total=len(self.batch), desc=self.name) if progress_bar
               else nullcontext()) as bar:
-            def deliver(index: int, state: ProgramState) -> None:
-                finished.put((index, state))
+            def deliver(states: list[tuple[int, ProgramState]]) -> None:
+                finished.put(states)
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(len(states))
 
             batch_run = _BatchRun(self.execute, self.batch,
                                   limit=_program_limit(num_threads, len(self.batch)),
@@ -150,8 +158,8 @@ class BatchJob:
             try:
                 future = self._start(batch_run)
                 future.add_done_callback(lambda _: finished.put(_DONE))
-                while (item := wait_queue(finished)) is not _DONE:
-                    yield item
+                while (states := wait_queue(finished)) is not _DONE:
+                    yield from states
                 future.result()  # raises what stopped the batch
             finally:
                 if future is None or not future.done() or future.exception() is not None:
@@ -165,15 +173,16 @@ class BatchJob:
         finished: asyncio.Queue[Any] = asyncio.Queue()
         batch_run = _BatchRun(self.execute, self.batch,
                               limit=_program_limit(num_threads, len(self.batch)),
-                              deliver=lambda _, state: loop.call_soon_threadsafe(
-                                  finished.put_nowait, state))
+                              deliver=lambda states: loop.call_soon_threadsafe(
+                                  finished.put_nowait, states))
         future: Future[None] | None = None
         try:
             future = await asyncio.to_thread(self._start, batch_run)
             future.add_done_callback(
                 lambda _: loop.call_soon_threadsafe(finished.put_nowait, _DONE))
-            while (state := await finished.get()) is not _DONE:
-                yield state
+            while (states := await finished.get()) is not _DONE:
+                for _, state in states:
+                    yield state
             await asyncio.wrap_future(future)  # raises what stopped the batch
         finally:
             if future is None or not future.done() or future.exception() is not None:
