@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import contextlib
 import random
 import sys
 import threading
@@ -21,6 +22,7 @@ import lmnb
 from lmnb import gen, select
 from lmnb.lang.backends.base import CancelEvent, Generation, ProgramAborted
 from lmnb.lang.backends.local import LocalBackend
+from lmnb.lang.backends.submit_chunks import SubmitChunks
 from lmnb.lang.event_loop import program_loop
 from lmnb.lang.ir import GenParams
 from tests.fake_backend import TextOnlyFake
@@ -174,6 +176,39 @@ def test_run_batch_fills_the_first_prefill_pass_as_a_raw_generate_does(rt):
     assert all(isinstance(state["a"], str) for state in states)
     assert raw_text[0] > 1 and raw_text[1] == 2048  # the budget bound the pass
     assert dsl == raw_text == raw_ids
+
+
+def test_submit_chunks_grow_within_a_turn_of_the_loop():
+    """`SubmitChunks` sends a turn's submissions as `Runtime.generate` chunks a list of prompts:
+    8, 16, 32, ... and the rest when the turn ends; the next turn starts at 8 again."""
+    sent: list[int] = []
+    held: list[int] = []
+
+    @contextlib.contextmanager
+    def hold() -> Iterator[None]:
+        held.append(0)
+        try:
+            yield
+        finally:
+            sent.append(held.pop())
+
+    chunks = SubmitChunks(hold)
+
+    def submit(count: int) -> None:
+        for _ in range(count):
+            with chunks.submitting():
+                held[-1] += 1
+
+    async def turns() -> None:
+        submit(100)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert sent == [8, 16, 32, 44]
+        submit(3)
+        await asyncio.sleep(0)
+
+    asyncio.run(turns())
+    assert sent == [8, 16, 32, 44, 3]
 
 
 class HoldingBackend(LocalBackend):
