@@ -13,9 +13,13 @@ give a real architecture with random weights (`--dummy-config llama-3-8b --devic
 folder (`--model`): the wall-time ratio is then the one that users see.
 
 Reported per path: programs (requests) per second, CPU seconds per program (this process, every
-thread), requests per forward pass; the DSL's CPU and wall time over the raw text path's; and a
-cProfile of the DSL run (the main thread, the program loop, threads started during it), top N by
-cumulative and by own time.
+thread), requests per forward pass; the DSL's CPU and wall time over the raw text path's; how the
+requests reached the scheduler (`pass_comparison`: forward and extend passes, requests and tokens
+per extend pass, when the first pass and the last extend pass ended, the time after the last pass,
+garbage-collection pauses), for the DSL path beside both raw paths; and a cProfile of the DSL run
+(the main thread, the program loop, threads started during it), top N by cumulative and by own
+time. `--gc-freeze` freezes the startup heap first (full collections then skip the model's
+objects), to tell GC pauses from the DSL's own cost.
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
