@@ -50,6 +50,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import lmnb  # noqa: E402
 from bench import programs  # noqa: E402
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
@@ -59,6 +60,33 @@ NEARLY_FREE = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidde
                    num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1,
                    eos_token_id=2, rms_norm_eps=1e-5, dtype="float32")
 GEN_TOKENS = 4  # what programs.py's MMLU program decodes per question
+PREFIX_GEN_TOKENS = 16  # the shared-prefix workload's answer
+
+
+@lmnb.function
+def shared_prefix_question(s: Any, prefix: str, question: str) -> None:
+    s += prefix + question + lmnb.gen("answer", max_tokens=PREFIX_GEN_TOKENS,
+                                      min_tokens=PREFIX_GEN_TOKENS)
+
+
+def shared_prefix(rng: random.Random, prefixes: int, questions: int) -> Callable[[Any], int]:
+    """Issue 21's headline workload (bench/vs_vllm.py's shape): `prefixes` few-shot prefixes of
+    1,400 words, `questions` short questions under each, one 16-token gen per program."""
+    items = []
+    for p in range(prefixes):
+        prefix = f"Task {p}. " + " ".join(rng.choice(programs.WORDS) for _ in range(1400)) + "\n"
+        items += [{"prefix": prefix, "question": "Q: " + " ".join(
+            rng.choice(programs.WORDS) for _ in range(12)) + "?\nA:"} for _ in range(questions)]
+
+    def job(backend: Any) -> int:
+        states = shared_prefix_question.run_batch(items, backend=backend, progress_bar=False,
+                                                  temperature=0.0)
+        for state in states:
+            if (error := state.error()) is not None:
+                raise error
+        return len(states)
+
+    return job
 PROGRAM_THREADS = ("lmnb-programs",)  # the DSL's (the program loop), not the engine's
 
 
@@ -253,6 +281,12 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("mmlu", "shared-prefix"), default="mmlu",
+                        help="programs.py's MMLU (one 4-token gen), or 8 prefixes of 1,400 "
+                        "words x 32 questions (one 16-token gen)")
+    parser.add_argument("--prefixes", type=int, default=8, help="shared-prefix: prefixes")
+    parser.add_argument("--questions", type=int, default=32,
+                        help="shared-prefix: questions per prefix")
     parser.add_argument("--scale", type=float, default=25.0,
                         help="programs.py's MMLU scale: 12 programs per unit (default 300)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per path; the fastest counts")
@@ -322,7 +356,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         model_label: str = "") -> dict[str, Any]:
-    job = programs.mmlu(random.Random(programs.SEED), args.scale)  # the data, built once
+    rng = random.Random(programs.SEED)  # the data, built once
+    if args.workload == "mmlu":
+        job, gen_tokens = programs.mmlu(rng, args.scale), GEN_TOKENS
+    else:
+        job, gen_tokens = shared_prefix(rng, args.prefixes, args.questions), PREFIX_GEN_TOKENS
 
     def dsl_job() -> Callable[[Any], int]:
         return job
@@ -333,7 +371,7 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     count = dsl_job()(backend_type(recorder))
     recorded = [r.input_ids for r in recorder.requests if r.meta_info["completion_tokens"]]
     texts = [runtime.tokenizer.decode(ids, skip_special_tokens=True) for ids in recorded]
-    params = {"max_new_tokens": GEN_TOKENS, "min_new_tokens": GEN_TOKENS, "temperature": 0.0}
+    params = {"max_new_tokens": gen_tokens, "min_new_tokens": gen_tokens, "temperature": 0.0}
     paths: dict[str, Callable[[], Any]] = {
         "dsl run_batch": lambda: dsl_job()(backend_type(runtime)),
         "dsl run_batch (programs.py recorder)": lambda: dsl_job()(backend_type(
@@ -360,8 +398,9 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
             dsl_job()(backend_type(runtime))
         profile = {"cumulative": top_table(profiles, "cumulative", args.top),
                    "tottime": top_table(profiles, "tottime", args.top)}
-    print(f"dsl_overhead: MMLU 5-shot, {count} programs ({len(recorded)} gens), {model_label} on "
-          f"{runtime.device}, radix cache {'off' if args.disable_radix_cache else 'on'}")
+    print(f"dsl_overhead: {args.workload}, {count} programs ({len(recorded)} gens), "
+          f"{model_label} on {runtime.device}, radix cache "
+          f"{'off' if args.disable_radix_cache else 'on'}")
     print(format_table(
         ["path", "programs", "seconds", "cpu s", "prog/s", "cpu ms/prog", "engine thr ms",
          "other ms", "fwd passes", "mean batch", "max batch"],
@@ -392,7 +431,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         print(table)
     payload = {
         "benchmark": "dsl_overhead",
-        "config": {"workload": "mmlu", "scale": args.scale, "programs": count,
+        "config": {"workload": args.workload, "scale": args.scale, "programs": count,
+                   "gen_tokens": gen_tokens,
                    "repeats": args.repeats, "model": model_label,
                    "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze},
         "results": results,
