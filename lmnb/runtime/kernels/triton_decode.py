@@ -6,7 +6,8 @@ with an online softmax and store the chunk's normalised output and log-sum-exp. 
 program per (request, query head) and merges the splits. A request whose KV is one split (most of
 a busy batch's, see `decode_config`) gets its output from stage 1, and stage 2 skips it.
 
-The split count is a launch constant (`max_kv_splits`): a request of kv_len tokens uses
+The split count is a launch constant (`max_kv_splits`, capped by the config's `max_splits`, which
+shrinks as the batch grows): a request of kv_len tokens uses
 cdiv(kv_len, split_len) of them, split_len = max(cdiv(kv_len, max_kv_splits), MIN_SPLIT_LEN)
 rounded up to BLOCK_N, computed inside both kernels from kv_indptr, so no launch reads a device
 value back and CUDA graphs can capture both stages.
@@ -194,6 +195,7 @@ class DecodeConfig(NamedTuple):
     min_split: int  # fewest KV tokens a split is given (short contexts use fewer splits)
     num_warps: int
     num_stages: int
+    max_splits: int = 16  # the launch's split dimension at most (empty programs cost too)
 
 
 # (request, KV head) programs above which splitting a request's KV buys no parallelism, only
@@ -207,11 +209,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
     shortest split by how many (request, KV head) programs the batch has already."""
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 512
     programs = batch_size * num_kv_heads
-    min_split = (MIN_SPLIT_LEN if programs < _BUSY_PROGRAMS[0]
-                 else 4 * MIN_SPLIT_LEN if programs < _BUSY_PROGRAMS[1] else 16 * MIN_SPLIT_LEN)
+    level = (programs >= _BUSY_PROGRAMS[0]) + (programs >= _BUSY_PROGRAMS[1])
     # H100, triton 3.6, fp16 head_dim 128, in a CUDA graph: 2 warps beat 4 by up to 1.6x at
-    # batch 1 (2k MHA 26 vs 36 us, 8k GQA 28 vs 46 us) and match it at batch 32.
-    return DecodeConfig(32 if wide else 64, min_split, 2, 2)
+    # batch 1 (2k MHA 26 vs 36 us, 8k GQA 28 vs 46 us) and match it at batch 32. The split
+    # dimension shrinks with the batch: at batch 256 (contexts 100-2,048) a grid of 2 splits
+    # beats 16 by 2% (Llama-3) and 3% (Llama-2): the empty programs of a wide grid are not free.
+    return DecodeConfig(32 if wide else 64, (MIN_SPLIT_LEN, 4 * MIN_SPLIT_LEN,
+                                             16 * MIN_SPLIT_LEN)[level], 2, 2, (16, 4, 2)[level])
 
 
 def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
@@ -254,7 +258,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     kv_skip, prefix_parts = (kv_indptr, kv_indptr) if shared is None else (shared.kv_skip,
                                                                           shared.prefix_parts)
     prefix_splits = 0
-    if shared is not None:
+    if shared is None:  # (with `shared`, its partials sit at offset max_kv_splits: kept there)
+        max_kv_splits = min(max_kv_splits, config.max_splits)
+    else:
         prefix_splits = shared_prefix.PREFIX_SPLITS
         assert partial_out.shape[2] >= max_kv_splits + prefix_splits, "partials too narrow"
         shared_prefix.shared_prefix_partials(
