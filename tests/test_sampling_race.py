@@ -82,3 +82,18 @@ def test_race_kernel_compiles_for_a_hopper_gpu() -> None:
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_noise_is_finite_at_the_extremes_of_the_hash() -> None:
+    """The largest and smallest hash values give finite noise (a uniform of 1.0 would give +inf,
+    and a masked token's -inf + inf = NaN, which argmax picks)."""
+    columns = torch.arange(1 << 16)[None, :]
+    seeds = torch.arange(64)[:, None] * 2654435761 % race.SEED_BOUND
+    noise = race.gumbel_noise(seeds, columns)
+    assert bool(torch.isfinite(noise).all())
+    logits = torch.full((1, 8), float("-inf"))
+    logits[0, 5] = 0.0
+    for seed in range(200):
+        assert int(race.race_logits(logits, torch.tensor([0]), torch.ones(1, 1),
+                                    torch.full((1, 1), float("-inf")),
+                                    torch.tensor([seed]))[0]) == 5

@@ -50,7 +50,9 @@ def gumbel_noise(seeds: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise for token ids `columns` of rows with `seeds` ([rows, 1] and [rows, n]
     or [1, n]): the same values as the Triton kernel's."""
     x = _hash32(((columns.to(torch.int64) * _GOLDEN) & _MASK32) ^ seeds.to(torch.int64))
-    uniform = ((_hash32(x) >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    # 23 bits: (n + 0.5) / 2^23 stays below 1 in float32 (24 bits would round the top to 1.0,
+    # whose noise is +inf: a masked token's -inf + inf is NaN, and argmax takes NaN)
+    uniform = ((_hash32(x) >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(-torch.log(uniform))
 
 
@@ -88,7 +90,7 @@ def _race_logits_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, OUT, vocab, stride,
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(LOGITS + row * stride + cols, mask=cols < vocab, other=float("-inf"))
         h = _hash32_tl(_hash32_tl((cols.to(tl.uint32) * 0x9E3779B9) ^ seed))
-        uniform = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
         score = tl.where(x >= floor, x * inv_t - tl.log(-tl.log(uniform)), float("-inf"))
         better = score > best
         best = tl.where(better, score, best)
