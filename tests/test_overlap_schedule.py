@@ -141,17 +141,28 @@ def test_runtime_with_overlap_forced_on_cpu_matches_the_synchronous_runtime(tiny
     prompts = ["The cat sat on", "A list of colours: red,", "The cat sat on the mat and"]
     params = [{"max_new_tokens": n, "temperature": 0} for n in (9, 14, 5)]
     params[1]["stop"] = [" green"]
+    # shared prefixes over several chunked prefill passes, pipelined with overlap
+    story = ("Once upon a time in a small village by the sea there lived an old fisherman "
+             "who every morning walked down to the harbour with his dog and his nets. ")
+    shared = [story + question for question in ("Who lived there?", "Where did he walk?",
+                                                "What did he carry?", "Was there a dog?")]
     results = {}
     for disable in (True, False):
         with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
-                     disable_overlap_schedule=disable, check_integrity_each_step=True) as rt:
+                     disable_overlap_schedule=disable, check_integrity_each_step=True,
+                     chunked_prefill_size=24) as rt:
             out = rt.generate(prompts, params)
             again = rt.generate(prompts[0], {"max_new_tokens": 12, "temperature": 0})
+            fanned = rt.generate(shared, {"max_new_tokens": 6, "temperature": 0})
             stats = rt.stats()
             results[disable] = ([(o["text"], o["meta_info"]["finish_reason"]) for o in out],
-                                again["text"])
+                                again["text"],
+                                [(o["output_ids"], o["meta_info"]["cached_tokens"])
+                                 for o in fanned])
+            assert sum(o["meta_info"]["cached_tokens"] > 0 for o in fanned) >= 3
             assert stats["overlap_schedule"] is (not disable)
             assert (stats["overlapped_passes"] > 0) is (not disable)
+            assert (stats["overlapped_prefill_passes"] > 0) is (not disable)
             rt.check_integrity()
     assert results[False] == results[True]
 

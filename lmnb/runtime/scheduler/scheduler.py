@@ -271,7 +271,10 @@ class Scheduler:
         following = self._following_decode(current) or self._following_extend(current)
         if following is not None:
             batch, reqs = following
-            self.stats.overlapped_passes += 1
+            if batch.mode is ForwardMode.DECODE:
+                self.stats.overlapped_passes += 1
+            else:
+                self.stats.overlapped_prefill_passes += 1
             self._launch(batch, reqs, self._rows(batch, reqs))
         try:
             output = current.pending.result()

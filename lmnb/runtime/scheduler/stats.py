@@ -15,6 +15,7 @@ from lmnb.runtime.scheduler.request_state import ReqState
 class SchedulerStats:
     forward_passes: int = 0
     overlapped_passes: int = 0  # decode passes launched before the previous one was processed
+    overlapped_prefill_passes: int = 0  # the same of prefill passes
     retractions: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
