@@ -7,10 +7,11 @@ are processed (so the host's output work hides behind the device's).
   nothing from the one in flight: that pass's prompts went into the prefix cache when it was
   launched (`CacheManager.cache_pass`: its KV slots are written in stream order before any later
   pass reads them), so waiting requests sharing them are admitted on them; its requests that go
-  on to decode (`going_on`) count in the KV reserve of the admission.
+  on to decode (`going_on`) count in the KV reserve of the admission;
+- behind the last EXTEND pass: the first decode pass (`decode_after_prefill`) of the running
+  requests (input ids known) and of the pass's requests (their first tokens, on the device).
 
-The first decode pass after the last extend pass waits for it (its input ids are that pass's
-first tokens), as does any pass after one whose requests have grammar or drafts to consider.
+A pass after one whose requests have grammar, penalties or drafts to consider waits for it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class InFlight:
         """An EXTEND pass of prompts (not a speculative verify pass)."""
         return self.batch.mode is ForwardMode.EXTEND and not self.batch.is_verify
 
+    @property
+    def prefill_to_follow(self) -> bool:
+        """A prefill pass another may be launched behind: none of its requests scores prompt
+        tokens (those logits are computed when its results are read, which would then come
+        after the next pass's forward: tensor-parallel ranks run collectives in launch order)."""
+        return self.is_prefill and all(span is None for span in self.batch.input_logprobs)
+
 
 def going_on(current: InFlight) -> list[Req]:
     """The requests of an EXTEND pass in flight that sample after it (they decode next)."""
@@ -48,7 +56,36 @@ def going_on(current: InFlight) -> list[Req]:
 
 def may_follow_extend(current: InFlight, table: RequestTable) -> bool:
     """Whether an EXTEND pass may be planned and launched while `current` is in flight."""
-    return current.is_prefill and (bool(table.waiting) or table.chunked is not None)
+    return current.prefill_to_follow and (bool(table.waiting) or table.chunked is not None)
+
+
+def decode_after_prefill(current: InFlight, table: RequestTable, *, room: int
+                         ) -> tuple[list[Req], list[int] | None] | None:
+    """The decode pass behind a prefill pass in flight when nothing is left to prefill: the
+    running requests, then the pass's requests that go on past the token it samples, and per
+    request its row among the pass's sampled tokens (-1: a running request, whose input id is
+    known; None: every sampled row, in order). None when a sampling state would need that
+    token (penalties, min_new_tokens), a grammar must advance first, or KV room is short
+    (retraction decides first)."""
+    if not current.prefill_to_follow or table.waiting or table.chunked is not None:
+        return None
+    going: list[Req] = []
+    rows: list[int] = []
+    sampled = 0
+    for req, samples in zip(current.reqs, current.batch.samples, strict=True):
+        if not samples:
+            continue
+        if by_length(req.sampling_params, len(req.output_ids) + 1) is None:
+            going.append(req)
+            rows.append(sampled)
+        sampled += 1
+    reqs = [*table.running, *going]
+    if (not going or room < len(reqs) or not all(_state_free_sampling(req) for req in going)
+            or any(table.states[req.rid].grammar is not None for req in reqs)):
+        return None
+    if not table.running and len(rows) == sampled:
+        return reqs, None
+    return reqs, [-1] * len(table.running) + rows
 
 
 def decode_followers(current: InFlight, table: RequestTable, *, room: int

@@ -46,6 +46,7 @@ from lmnb.runtime.scheduler.media_log import MediaLog
 from lmnb.runtime.scheduler.overlap import (
     InFlight,
     PendingStep,
+    decode_after_prefill,
     decode_followers,
     going_on,
     may_follow_extend,
@@ -268,13 +269,14 @@ class Scheduler:
     def _step_pipelined(self) -> None:
         """Launch the next pass (when it may follow), then process the one in flight."""
         current, self._in_flight = self._in_flight, None
-        following = self._following_decode(current) or self._following_extend(current)
+        following = (self._following_decode(current) or self._following_extend(current)
+                     or self._decode_after_prefill(current))
         if following is not None:
             batch, reqs = following
-            if batch.mode is ForwardMode.DECODE:
-                self.stats.overlapped_passes += 1
-            else:
+            if current.is_prefill:
                 self.stats.overlapped_prefill_passes += 1
+            else:
+                self.stats.overlapped_passes += 1
             self._launch(batch, reqs, self._rows(batch, reqs))
         try:
             output = current.pending.result()
@@ -292,6 +294,17 @@ class Scheduler:
         if not (self.config.overlap_extend and may_follow_extend(current, self.table)):
             return None
         return self._schedule_extend(also_running=going_on(current))
+
+    def _decode_after_prefill(self, current: InFlight) -> tuple[Batch, list[Req]] | None:
+        """With a speculator, the first decode step after prefill is its to plan (`propose`)."""
+        following = (decode_after_prefill(current, self.table, room=self.cache.room())
+                     if self.config.overlap_extend and self.speculator is None else None)
+        if following is None:
+            return None
+        reqs, previous_rows = following
+        self.decode.decayed()
+        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs),
+                                follows_previous=True, previous_rows=previous_rows), reqs
 
     def _following_decode(self, current: InFlight) -> tuple[Batch, list[Req]] | None:
         """The next decode pass of the requests in flight that go on past it, if nothing stands
@@ -411,7 +424,7 @@ class Scheduler:
             shared = self._shared_prefixes(reqs)
             self.cache.extend_each_by_one(reqs, out_cache_loc, pool_indices, prefix_lens)
             samples = [True] * len(reqs)
-            if not follows_previous:
+            if not follows_previous or (previous_rows and min(previous_rows) < 0):
                 input_ids = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
                              for req in reqs]
         else:
