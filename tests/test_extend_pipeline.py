@@ -6,6 +6,8 @@ every step."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -63,17 +65,32 @@ def run(prefixes: int, sharers: int, *, overlap: bool, count_ops: bool = False):
     steps = 0
     while True:
         launched = len(runner.batches) if not overlap else len(runner.launches)
-        with OpCounter() as counter:
+        counter = OpCounter()
+        with counter if count_ops else contextlib.nullcontext():
             if not scheduler.step():
                 break
         extended = (runner.launches[launched:] if overlap else
                     [(b.mode, 0) for b in runner.batches[launched:]])
+        assert_rows_read_the_tree(scheduler)
         if count_ops and any(mode is ForwardMode.EXTEND for mode, _ in extended):
             ops_per_extend_step.append(counter.ops)
         steps += 1
         assert steps < 500
     scheduler.check_integrity()
     return scheduler, states, ops_per_extend_step
+
+
+def assert_rows_read_the_tree(scheduler) -> None:
+    """Every live request's KV row holds the slots the radix tree holds for its tokens (its
+    prompt went into the tree at launch; runs another request cached first are re-pointed)."""
+    manager = scheduler.cache
+    for req in scheduler.table.live():
+        if req.prefix_len != req.kv_len:
+            continue  # a running request's decoded tokens are its own until it ends
+        key = req.fill_slice(0, req.kv_len)
+        match = manager.cache.match_all(key, req.extra_key)
+        assert match.length == req.kv_len
+        assert manager.table[req.req_pool_idx, :req.kv_len].tolist() == match.indices.tolist()
 
 
 class OpCounter(TorchDispatchMode):
@@ -179,3 +196,24 @@ def test_abort_while_an_extend_pass_is_in_flight(which) -> None:
     scheduler.check_integrity()
     cache = scheduler.cache
     assert cache.allocator.available() + cache.cache.evictable_size() == cache.allocator.size
+
+
+def test_no_pass_is_launched_behind_one_scoring_prompt_tokens() -> None:
+    """Prompt logprobs are computed when a pass's results are read: a pass launched behind it
+    would run first (tensor-parallel ranks follow launches in order), so it waits."""
+    runner = RecordingRunner(token_for)
+    scheduler = make(pool=4096, chunk=64, max_reqs=8, runner=runner)
+    scheduler.config.overlap_schedule = True
+    scored = request(list(range(1000, 1040)), max_new_tokens=2)
+    scored.req.return_logprob, scored.req.logprob_start_len = True, 0
+    later = request(list(range(2000, 2040)), max_new_tokens=2)
+    scheduler.add(scored)
+    scheduler.step()  # its prefill pass, in flight
+    scheduler.add(later)
+    while scheduler.step():
+        pass
+    first, second = runner.launched[:2]
+    assert first.rids == [scored.rid] and runner.launches[1][1] == 0  # after it was read
+    assert second.rids == [later.rid]
+    assert first.input_logprobs[0] is not None and second.input_logprobs == [None]
+    scheduler.check_integrity()
