@@ -36,7 +36,7 @@ from lmnb.runtime.core import (
 )
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
-from lmnb.runtime.output.stop import StopRules, by_length
+from lmnb.runtime.output.stop import StopRules
 from lmnb.runtime.output.stop_text import StopText
 from lmnb.runtime.output.token_origins import GENERATED, JUMP_FORWARD, accept_speculated
 from lmnb.runtime.policy import SchedulePolicy
@@ -51,7 +51,7 @@ from lmnb.runtime.scheduler.overlap import (
     going_on,
     may_follow_extend,
 )
-from lmnb.runtime.scheduler.prefill import PrefillManager
+from lmnb.runtime.scheduler.prefill import PrefillManager, input_logprob_span, samples_after_fill
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, live_meta, request_meta
@@ -434,8 +434,8 @@ class Scheduler:
             for req, extend_len in zip(reqs, extend_lens, strict=True):
                 prefix_len = req.kv_len - extend_len
                 completes = req.kv_len == req.fill_len
-                samples.append(completes and _samples_after_fill(req))
-                spans.append(_input_logprob_span(req, prefix_len, extend_len))
+                samples.append(completes and samples_after_fill(req))
+                spans.append(input_logprob_span(req, prefix_len, extend_len))
         return Batch(mode=mode, rids=[req.rid for req in reqs], req_pool_indices=pool_indices,
                      prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
                      out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans,
@@ -669,22 +669,3 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.check()
 
-
-def _samples_after_fill(req: Req) -> bool:
-    """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
-    generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
-    params = req.sampling_params
-    return (by_length(params, len(req.output_ids)) is None
-            or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
-
-
-def _input_logprob_span(req: Req, start: int, extend_len: int) -> InputLogprobSpan | None:
-    """Prompt logprobs this chunk can score: the token at position t by the logits at t - 1."""
-    if not req.wants_input_logprobs:
-        return None
-    first_target = max(req.input_logprobs_needed_from, 1, start + 1)
-    last_target = min(start + extend_len, len(req.origin_input_ids) - 1)
-    if first_target > last_target:
-        return None
-    return InputLogprobSpan(first_target, req.origin_input_ids[first_target:last_target + 1],
-                            req.top_logprobs_num)
