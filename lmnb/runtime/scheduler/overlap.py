@@ -3,11 +3,12 @@ are processed (so the host's output work hides behind the device's).
 
 - behind a DECODE pass: the next decode pass of its requests (`decode_followers`): their input
   ids are the tokens still on the device; requests whose last token is in flight are left out;
-- behind an EXTEND pass: the next EXTEND pass (`may_follow_extend`), whose admission needs
-  nothing from the one in flight: that pass's prompts went into the prefix cache when it was
-  launched (`CacheManager.cache_pass`: its KV slots are written in stream order before any later
-  pass reads them), so waiting requests sharing them are admitted on them; its requests that go
-  on to decode (`going_on`) count in the KV reserve of the admission;
+- behind an EXTEND pass, or a DECODE pass when requests wait: the next EXTEND pass
+  (`may_follow_extend`), whose admission needs nothing from the one in flight: a prefill
+  pass's prompts went into the prefix cache when it was launched (`CacheManager.cache_pass`:
+  its KV slots are written in stream order before any later pass reads them), so waiting
+  requests sharing them are admitted on them; its requests that go on to decode (`going_on`)
+  count in the KV reserve of the admission;
 - behind the last EXTEND pass: the first decode pass (`decode_after_prefill`) of the running
   requests (input ids known) and of the pass's requests (their first tokens, on the device).
 
@@ -55,8 +56,10 @@ def going_on(current: InFlight) -> list[Req]:
 
 
 def may_follow_extend(current: InFlight, table: RequestTable) -> bool:
-    """Whether an EXTEND pass may be planned and launched while `current` is in flight."""
-    return current.prefill_to_follow and (bool(table.waiting) or table.chunked is not None)
+    """Whether an EXTEND pass may be planned and launched while `current` is in flight (a
+    decode pass's requests are running: their reserve counts as is, one token early)."""
+    followable = current.prefill_to_follow or current.batch.mode is ForwardMode.DECODE
+    return followable and (bool(table.waiting) or table.chunked is not None)
 
 
 def decode_after_prefill(current: InFlight, table: RequestTable, *, room: int

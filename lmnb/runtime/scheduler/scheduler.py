@@ -293,7 +293,7 @@ class Scheduler:
     def _following_extend(self, current: InFlight) -> tuple[Batch, list[Req]] | None:
         if not (self.config.overlap_extend and may_follow_extend(current, self.table)):
             return None
-        return self._schedule_extend(also_running=going_on(current))
+        return self._schedule_extend(also_running=going_on(current) if current.is_prefill else ())
 
     def _decode_after_prefill(self, current: InFlight) -> tuple[Batch, list[Req]] | None:
         """With a speculator, the first decode step after prefill is its to plan (`propose`)."""
