@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch
+from torch.overrides import TorchFunctionMode
 
 from lmnb.runtime.core import ForwardMode
 from tests.test_overlap_schedule import PipelinedFakeRunner
@@ -93,15 +94,22 @@ def assert_rows_read_the_tree(scheduler) -> None:
         assert manager.table[req.req_pool_idx, :req.kv_len].tolist() == match.indices.tolist()
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts tensor operations that are not views (each would be a kernel on a device)."""
+class OpCounter(TorchFunctionMode):
+    """Counts tensor operations that would be kernels on a device: every torch function but
+    views and metadata (indexing without tensor indices, `view`, sizes, properties)."""
+
+    METADATA = frozenset({"__len__", "view", "stride", "numel", "size", "dim", "__get__"})
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__getitem__":
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            self.ops += any(isinstance(i, torch.Tensor) for i in index)
+        elif name not in self.METADATA:
             self.ops += 1
         return func(*args, **(kwargs or {}))
 
