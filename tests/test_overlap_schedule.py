@@ -68,8 +68,15 @@ def test_pipelined_decode_gives_the_synchronous_outputs(arrivals_at) -> None:
     pipelined, got = run_workload(True, arrivals_at=arrivals_at)
     assert got == expected
     follows = [b for b in pipelined.runner.batches if b.follows_previous]
-    assert follows and pipelined.stats.overlapped_passes == len(follows)
-    assert all(b.mode is ForwardMode.DECODE and b.input_ids == [] for b in follows)
+    stats = pipelined.stats
+    # decode passes follow decode passes, and prefill passes (the first decode pass, and the
+    # first after the late request's prefill); the late request's prefill follows a decode pass
+    late_prefill = 0 if arrivals_at is None else 1
+    assert follows and (stats.overlapped_passes + stats.overlapped_prefill_passes
+                        == len(follows) + late_prefill)
+    assert stats.overlapped_prefill_passes == (1 if arrivals_at is None else 2)
+    assert all(b.mode is ForwardMode.DECODE for b in follows)
+    assert all(b.input_ids == [] for b in follows if -1 not in (b.previous_rows or []))
     assert not any(b.follows_previous for b in sync.runner.batches)
     assert pipelined.cache.allocator.available() + pipelined.cache.cache.evictable_size() \
         == pipelined.cache.allocator.size
@@ -141,17 +148,32 @@ def test_runtime_with_overlap_forced_on_cpu_matches_the_synchronous_runtime(tiny
     prompts = ["The cat sat on", "A list of colours: red,", "The cat sat on the mat and"]
     params = [{"max_new_tokens": n, "temperature": 0} for n in (9, 14, 5)]
     params[1]["stop"] = [" green"]
+    # shared prefixes over several chunked prefill passes, pipelined with overlap
+    story = ("Once upon a time in a small village by the sea there lived an old fisherman "
+             "who every morning walked down to the harbour with his dog and his nets. ")
+    shared = [story + question for question in ("Who lived there?", "Where did he walk?",
+                                                "What did he carry?", "Was there a dog?")]
     results = {}
     for disable in (True, False):
         with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
-                     disable_overlap_schedule=disable, check_integrity_each_step=True) as rt:
+                     disable_overlap_schedule=disable, check_integrity_each_step=True,
+                     chunked_prefill_size=24) as rt:
             out = rt.generate(prompts, params)
             again = rt.generate(prompts[0], {"max_new_tokens": 12, "temperature": 0})
+            mixed: list = []  # decode passes taking input ids from the prefill pass in flight
+            rt.set_batch_hook(lambda b, mixed=mixed: mixed.append(-1 in (b.previous_rows or [])))
+            fanned = rt.generate(shared, {"max_new_tokens": 6, "temperature": 0})
+            rt.set_batch_hook(None)
+            assert any(mixed) is (not disable)
             stats = rt.stats()
             results[disable] = ([(o["text"], o["meta_info"]["finish_reason"]) for o in out],
-                                again["text"])
+                                again["text"],
+                                [(o["output_ids"], o["meta_info"]["cached_tokens"])
+                                 for o in fanned])
+            assert sum(o["meta_info"]["cached_tokens"] > 0 for o in fanned) >= 3
             assert stats["overlap_schedule"] is (not disable)
             assert (stats["overlapped_passes"] > 0) is (not disable)
+            assert (stats["overlapped_prefill_passes"] > 0) is (not disable)
             rt.check_integrity()
     assert results[False] == results[True]
 

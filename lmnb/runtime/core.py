@@ -154,7 +154,9 @@ class Batch:
     (false for a chunk that leaves part of the prompt to prefill). `follows_previous`: a DECODE
     pass of requests of the pass launched just before it, in the same order, whose sampled
     tokens (still on the device) are its input ids; `input_ids` is then empty. `previous_rows`:
-    the row of that pass each request continues (None: every row, so the same requests).
+    the row of that pass's sampled tokens each request continues (None: every row, so the same
+    requests); -1 for a request whose input id is its entry of `input_ids` (then one per
+    request: the decode pass right after a prefill pass also carries the running requests).
     """
 
     mode: ForwardMode

@@ -299,8 +299,7 @@ class ModelRunner:
             info = self._sampling_info(rows)
             sampled = self.sampler(logits, info, self._grammar_mask(rows, info))
             info.advance(sampled.next_token_ids)
-            if len(sample_rows) == batch.size:
-                self._last_sampled = sampled.next_token_ids
+            self._last_sampled = sampled.next_token_ids  # one per sampling row, in order
         return PendingStep(self, batch, hidden, sample_rows, sampled)
 
     @torch.inference_mode()
@@ -370,16 +369,23 @@ class ModelRunner:
 
     def _previous_tokens(self, batch: Batch) -> torch.Tensor:
         """The input ids of a `follows_previous` batch: the last launch's sampled tokens (all,
-        or the `previous_rows` of the requests that go on), still on the device."""
+        or the `previous_rows` of the requests that go on), still on the device; rows -1 take
+        their id from `batch.input_ids`."""
         last, rows = self._last_sampled, batch.previous_rows
         known = last.numel() if last is not None else -1
         if rows is None and known == batch.size:
             return last
-        if (rows is not None and len(rows) == batch.size and rows
-                and 0 <= min(rows) and max(rows) < known):
-            index = host_int64(rows, pin=self.device.type == "cuda")
+        if rows is None or len(rows) != batch.size or not rows or max(rows) >= known:
+            raise RuntimeError("follows_previous without a matching previous pass")
+        pin = self.device.type == "cuda"
+        if min(rows) >= 0:
+            index = host_int64(rows, pin=pin)
             return last.index_select(0, index.to(self.device, non_blocking=True))
-        raise RuntimeError("follows_previous without a matching previous decode pass")
+        if min(rows) < -1 or len(batch.input_ids) != batch.size:
+            raise RuntimeError("follows_previous: rows -1 need their input ids")
+        both = host_int64([*rows, *batch.input_ids], pin=pin).to(self.device, non_blocking=True)
+        index, given = both[:batch.size], both[batch.size:]
+        return torch.where(index >= 0, last.index_select(0, index.clamp(min=0)), given)
 
     @torch.inference_mode()
     def follow(self, step: Step) -> None:

@@ -127,6 +127,18 @@ class PrefixCache(ABC):
         cache owns `indices[returned:]` from now on (it may free them at once); the leading
         duplicates stay the caller's to free or keep."""
 
+    def insert_tail(self, key: Sequence[int], start: int, slots: torch.Tensor,
+                    extra_key: Hashable = None) -> tuple[int, CacheHandle]:
+        """Offers `key` whose first `start` tokens are cached and locked by the caller, with
+        `slots` [len(key) - start] the KV slots of the rest; returns (how many leading tokens
+        of `key` were cached already, >= `start`; the handle of the whole key). As with
+        `insert`, the cache owns `slots` past the returned length. The cache may keep views of
+        `slots`: the caller hands over a tensor nobody writes again. The default gathers the
+        prefix and goes through `insert` (caches with their own `insert` rules inherit it)."""
+        prefix = self.match_all(key[:start], extra_key).indices if start else slots[:0]
+        already = self.insert(key, torch.cat((prefix, slots)), extra_key)
+        return already, self.handle_of(key, extra_key)
+
     @abstractmethod
     def lock(self, handle: CacheHandle) -> None: ...
 

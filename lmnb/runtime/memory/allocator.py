@@ -41,7 +41,9 @@ class KVAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._queued.append(slots.to(device=self.device, dtype=torch.int64))
+            if slots.device != self.device or slots.dtype != torch.int64:
+                slots = slots.to(device=self.device, dtype=torch.int64)
+            self._queued.append(slots)
             self._queued_len += slots.numel()
 
     def free_slots(self) -> torch.Tensor:

@@ -213,6 +213,24 @@ class RadixCache(PrefixCache):
         tiered cache's path nodes without device KV take `value`'s slots here."""
         return done
 
+    def insert_tail(self, key: Sequence[int], start: int, slots: torch.Tensor,
+                    extra_key: Hashable = None) -> tuple[int, TreeNode]:
+        """As `PrefixCache.insert_tail`, with no device work: the new leaf keeps a view of
+        `slots` (one tensor per pass, copied once by the caller, serves all its leaves)."""
+        key = list(key)
+        node, done = self._descend(key, extra_key)
+        if done < start:
+            raise ValueError(f"insert_tail: only {done} of the {start} leading tokens are cached")
+        if done < len(key):
+            leaf = TreeNode(next(self._ids), extra_key)
+            leaf.parent = node
+            leaf.key = key[done:]
+            leaf.value = slots[done - start:]
+            node.children[(extra_key, key[done])] = leaf
+            self._evictable += len(leaf.key)
+            node = leaf
+        return done, node
+
     # ---- locks -----------------------------------------------------------------------------------
     def lock(self, node: TreeNode | None) -> None:
         while node is not None and node is not self.root:

@@ -33,7 +33,7 @@ from lmnb.runtime.hicache.disk import DiskTier
 from lmnb.runtime.hicache.host_pool import HostKVPool
 from lmnb.runtime.hicache.prefetch import DiskPrefetcher
 from lmnb.runtime.memory import KVAllocator
-from lmnb.runtime.prefix_cache import CacheStats, common_prefix_length
+from lmnb.runtime.prefix_cache import CacheStats, PrefixCache, common_prefix_length
 from lmnb.runtime.radix.cache import RadixCache, TreeNode
 
 
@@ -68,6 +68,8 @@ def _tier(node: TreeNode) -> str:
 
 
 class TieredRadixCache(RadixCache):
+    insert_tail = PrefixCache.insert_tail  # through `insert`: host-only nodes take the slots
+
     def __init__(self, allocator: KVAllocator, host: HostKVPool, *, write_through: bool,
                  disk: DiskTier | None = None) -> None:
         self.host_pool = host

@@ -85,19 +85,25 @@ class CacheManager:
     def write_bound_prefixes(self) -> None:
         """Writes the matched prefixes of the requests bound since the last call into their
         rows, with one gather of the matched runs."""
-        if not self._unwritten:
-            return
+        if self._unwritten:
+            self._write_runs(*self._bound_runs())
+
+    def _bound_runs(self) -> tuple[list[int], list[int], list[int], list[torch.Tensor]]:
+        """(rows, starts, lengths, slot parts) of the prefixes bound since the last write."""
         unwritten, self._unwritten = self._unwritten, {}
-        slots = torch.cat([part for match in unwritten.values() for part in match.parts])
-        self._write_runs(list(unwritten), [0] * len(unwritten),
-                         [match.length for match in unwritten.values()], slots)
+        return (list(unwritten), [0] * len(unwritten),
+                [match.length for match in unwritten.values()],
+                [part for match in unwritten.values() for part in match.parts])
 
     def _write_runs(self, rows: list[int], starts: list[int], lens: list[int],
-                    slots: torch.Tensor) -> None:
-        """table[rows[i], starts[i] : starts[i] + lens[i]] = run i of `slots` (runs in order).
-        Only the runs' (row, start, length, offset) travel to the device (pinned, not waiting
-        for it); the per-token indices are expanded there."""
+                    parts: list[torch.Tensor]) -> None:
+        """table[rows[i], starts[i] : starts[i] + lens[i]] = run i of the concatenated `parts`
+        (runs in order). Only the runs' (row, start, length, offset) travel to the device
+        (pinned, not waiting for it); the per-token indices are expanded there."""
         device, n = self.table.device, len(rows)
+        if not n:
+            return
+        slots = parts[0] if len(parts) == 1 else torch.cat(parts)
         offsets = list(itertools.accumulate(lens, initial=0))
         total = offsets.pop()
         meta = host_int64([*rows, *starts, *offsets, *lens], pin=device.type == "cuda").to(
@@ -116,11 +122,13 @@ class CacheManager:
         return self.allocator.alloc(n)
 
     def extend_all(self, reqs: list[Req], extend_lens: list[int], slots: torch.Tensor) -> None:
-        """An EXTEND pass's KV rows in one indexed write: request i's next `extend_lens[i]`
-        tokens have their KV in its run of `slots` (in batch order)."""
-        self.write_bound_prefixes()
-        self._write_runs([req.req_pool_idx for req in reqs], [req.kv_len for req in reqs],
-                         list(extend_lens), slots)
+        """An EXTEND pass's KV rows in one indexed write (with the prefixes bound for it):
+        request i's next `extend_lens[i]` tokens have their KV in its run of `slots` (in batch
+        order)."""
+        rows, starts, lens, parts = self._bound_runs() if self._unwritten else ([], [], [], [])
+        self._write_runs([*rows, *(req.req_pool_idx for req in reqs)],
+                         [*starts, *(req.kv_len for req in reqs)], [*lens, *extend_lens],
+                         [*parts, slots])
         for req, n in zip(reqs, extend_lens, strict=True):
             req.kv_len += n
 
@@ -157,6 +165,43 @@ class CacheManager:
         self.allocator.free(slots)
 
     # ---- handing KV back -----------------------------------------------------------------------
+    def cache_pass(self, reqs: list[Req], extend_lens: list[int], slots: torch.Tensor) -> None:
+        """Once a prefill pass is launched (or run): each request's tokens so far go into the
+        cache (requests of later passes hit them; the pass writes their KV before any later
+        pass reads it, in stream order) and its lock moves down to them. The pass's `slots`
+        (request i's run of `extend_lens[i]`, in batch order) are copied once; the cache's new
+        leaves are views of the copy. A run another request of the pass cached first is read
+        from the cache's slots, this request's copy freed (rare: shared runs are deferred)."""
+        if not self.cache.reuses_kv:
+            return
+        self.write_bound_prefixes()
+        frozen = slots.clone()  # the allocator's slots are views of its free list
+        offset = 0
+        fix_rows: list[int] = []
+        fix_starts: list[int] = []
+        fix_lens: list[int] = []
+        fix_parts: list[torch.Tensor] = []
+        for req, n in zip(reqs, extend_lens, strict=True):
+            start, run = req.kv_len - n, frozen[offset:offset + n]
+            offset += n
+            if start != req.prefix_len:  # KV of its own before this pass (not a prompt's)
+                self.cache_unfinished(req)
+                continue
+            key = req.fill_slice(0, req.kv_len)
+            already, handle = self.cache.insert_tail(key, start, run, req.extra_key)
+            if already > start:  # the row reads the cached copy of key[start:already]
+                self.allocator.free(run[:already - start])
+                fix_rows.append(req.req_pool_idx)
+                fix_starts.append(start)
+                fix_lens.append(already - start)
+                fix_parts += _tail(self.cache.match_all(key[:already], req.extra_key).parts,
+                                   start)
+            self.cache.lock(handle)
+            self.cache.unlock(req.cache_handle)
+            req.cache_handle = handle
+            req.prefix_len = req.kv_len
+        self._write_runs(fix_rows, fix_starts, fix_lens, fix_parts)
+
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill pass: the computed tokens go into the cache at once (requests sharing
         them can hit while this one runs) and the request's lock moves down to them."""
@@ -187,6 +232,11 @@ class CacheManager:
             self.allocator.free(slots[req.prefix_len:already].clone())
         self.cache.unlock(req.cache_handle)
         self._release_row(req)
+
+    def drop_evictable(self) -> None:
+        """Evicts every unlocked cached entry (after a failed prefill pass whose prompts were
+        cached at launch: their KV was never written)."""
+        self.cache.evict(self.cache.evictable_size())
 
     def free(self, req: Req) -> None:
         """An aborted request: its own KV is freed, its prefix unlocked."""
@@ -223,3 +273,15 @@ class CacheManager:
             raise IntegrityError(f"request slots leaked: {used_rows} in use, {len(live)} live")
         if any(req.req_pool_idx is not None for req in waiting):
             raise IntegrityError("a waiting request still holds KV")
+
+
+def _tail(parts: tuple[torch.Tensor, ...], start: int) -> list[torch.Tensor]:
+    """Views of the runs `parts` (in order) past their first `start` slots."""
+    out = []
+    for part in parts:
+        if start >= len(part):
+            start -= len(part)
+            continue
+        out.append(part[start:])
+        start = 0
+    return out

@@ -1,11 +1,13 @@
 """Prefill admission: which waiting requests join the next EXTEND pass, under a token budget
-(`chunked_prefill_size`) and the KV room left after the running requests' reserve."""
+(`chunked_prefill_size`) and the KV room left after the running requests' reserve; what each
+request's part of the pass samples and scores (`samples_after_fill`, `input_logprob_span`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmnb.runtime.core import Req
+from lmnb.runtime.core import InputLogprobSpan, Req
+from lmnb.runtime.output.stop import by_length
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.prefix_cache import common_prefix_length
 from lmnb.runtime.scheduler.cache_manager import CacheManager
@@ -102,3 +104,23 @@ class PrefillManager:
             if shared >= threshold or (shared > 0 and shared >= uncached - 1):
                 return True
         return False
+
+
+def samples_after_fill(req: Req) -> bool:
+    """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
+    generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
+    params = req.sampling_params
+    return (by_length(params, len(req.output_ids)) is None
+            or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
+
+
+def input_logprob_span(req: Req, start: int, extend_len: int) -> InputLogprobSpan | None:
+    """Prompt logprobs this chunk can score: the token at position t by the logits at t - 1."""
+    if not req.wants_input_logprobs:
+        return None
+    first_target = max(req.input_logprobs_needed_from, 1, start + 1)
+    last_target = min(start + extend_len, len(req.origin_input_ids) - 1)
+    if first_target > last_target:
+        return None
+    return InputLogprobSpan(first_target, req.origin_input_ids[first_target:last_target + 1],
+                            req.top_logprobs_num)

@@ -1,5 +1,6 @@
 """Where every request of the scheduler is: exactly one of `waiting` (no KV), `chunked` (part of
-its prompt prefilled), `running` (decoding); its `ReqState` is found by id."""
+its prompt prefilled), `prefilling` (its prompt's last part is in a pass not processed yet),
+`running` (decoding); its `ReqState` is found by id."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ class RequestTable:
         self.waiting: list[Req] = []
         self.chunked: Req | None = None
         self.running: list[Req] = []
+        self.prefilling: dict[int, Req] = {}  # by id
 
     def __len__(self) -> int:
         return len(self.states)
@@ -29,7 +31,8 @@ class RequestTable:
 
     def live(self) -> list[Req]:
         """Requests holding KV."""
-        return [*self.running, *([self.chunked] if self.chunked is not None else [])]
+        return [*self.running, *([self.chunked] if self.chunked is not None else []),
+                *self.prefilling.values()]
 
     def all(self) -> list[Req]:
         return [*self.waiting, *self.live()]
@@ -42,6 +45,7 @@ class RequestTable:
             self.running.remove(req)
         if self.chunked is req:
             self.chunked = None
+        self.prefilling.pop(req.rid, None)
 
     def remove(self, req: Req) -> None:
         self.detach(req)

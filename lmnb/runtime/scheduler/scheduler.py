@@ -5,14 +5,14 @@ one batch of `TokenEvent`s to the sink.
 `step()` is synchronous and touches no thread: tests call it directly; `SchedulerThread` is the
 loop that calls it in the engine.
 
-Overlap (`overlap_schedule`, with a runner that can `launch`): a decode pass is launched and left
-in flight; the next `step()` builds and launches the following decode pass of the same requests
-(its input ids are the tokens still on the device) *before* it waits for and processes the one in
-flight, so the host's scheduling and output work hides behind the device's. A request that ends
-in the pass being processed was already in the next one: that pass's token for it is dropped (its
-KV slot holds the KV of its last real token and is cached with it). The pipeline runs only while
-nothing else needs the scheduler's attention (no waiting requests, no grammar, no request at its
-last token, room for one more token each); otherwise the pass in flight is processed first.
+Overlap (`overlap_schedule`, with a runner that can `launch`): a pass is launched and left in
+flight; the next `step()` builds and launches the following pass (`overlap.py`: the next decode
+pass of the same requests, whose input ids are the tokens still on the device, or the next
+prefill pass) *before* it waits for and processes the one in flight, so the host's scheduling and
+output work hides behind the device's. A request that ends in the pass being processed was
+already in the next one: that pass's token for it is dropped (its KV slot holds the KV of its
+last real token and is cached with it). A prefill pass's prompts go into the prefix cache when it
+is launched (or run), so the next pass's admission does not wait for its results.
 """
 
 from __future__ import annotations
@@ -36,14 +36,22 @@ from lmnb.runtime.core import (
 )
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
-from lmnb.runtime.output.stop import StopRules, by_length
+from lmnb.runtime.output.stop import StopRules
 from lmnb.runtime.output.stop_text import StopText
 from lmnb.runtime.output.token_origins import GENERATED, JUMP_FORWARD, accept_speculated
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import DecodeManager
 from lmnb.runtime.scheduler.media_log import MediaLog
-from lmnb.runtime.scheduler.prefill import PrefillManager
+from lmnb.runtime.scheduler.overlap import (
+    InFlight,
+    PendingStep,
+    decode_after_prefill,
+    decode_followers,
+    going_on,
+    may_follow_extend,
+)
+from lmnb.runtime.scheduler.prefill import PrefillManager, input_logprob_span, samples_after_fill
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, live_meta, request_meta
@@ -64,6 +72,7 @@ class SchedulerConfig:
     shared_prefix_min_tokens: int = 0  # decode groups sharing this many cached tokens (0: off)
     check_integrity_each_step: bool = False
     overlap_schedule: bool = False  # needs a runner with `launch` (OverlapRunner)
+    overlap_extend: bool = True  # with overlap_schedule: prefill passes too (off: ablation)
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:
@@ -118,11 +127,6 @@ class Speculator(Protocol):
         """Its part of `Runtime.stats()` (`stats()["speculative"]`)."""
 
 
-class PendingStep(Protocol):
-    def result(self) -> StepOutput:
-        """Waits for a launched pass; returns what `StepRunner.run` would have."""
-
-
 class OverlapRunner(StepRunner, Protocol):
     def launch(self, batch: Batch, rows: list[ReqState]) -> PendingStep:
         """Enqueues `batch` and returns at once; a `follows_previous` batch takes the tokens
@@ -133,13 +137,6 @@ class JumpPlanner(Protocol):
     def plan(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
              forced_text: str) -> JumpPlan | None:
         """How to append `forced_text` to the output (re-tokenized), or None: decode on."""
-
-
-@dataclass(slots=True)
-class _InFlight:
-    batch: Batch
-    reqs: list[Req]
-    pending: PendingStep
 
 
 class Scheduler:
@@ -169,7 +166,7 @@ class Scheduler:
         self.media = MediaLog(vocab_size if vocab_size is not None else 1 << 31)
         self.batch_hook: Callable[[Batch], None] | None = None  # sees every batch that ran
         self._events: list[TokenEvent] = []
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self._shared_rids: list[int] = []
         self._shared: list[tuple[int, list[int]]] = []
 
@@ -240,6 +237,7 @@ class Scheduler:
             return True
         if self.speculator is not None:
             self.speculator.timed(batch, time.perf_counter() - start)
+        self._cache_prompts(batch, reqs)
         self._complete(batch, reqs, output)
         return True
 
@@ -248,8 +246,11 @@ class Scheduler:
                 if s]
 
     def _may_pipeline(self, batch: Batch, rows: list[ReqState]) -> bool:
-        return (self.config.overlap_schedule and batch.mode is ForwardMode.DECODE
-                and all(row.grammar is None for row in rows))
+        if not self.config.overlap_schedule:
+            return False
+        if batch.mode is ForwardMode.DECODE:
+            return all(row.grammar is None for row in rows)
+        return self.config.overlap_extend and not batch.is_verify
 
     def _launch(self, batch: Batch, reqs: list[Req], rows: list[ReqState]) -> None:
         try:
@@ -257,56 +258,67 @@ class Scheduler:
         except Exception as error:
             self._fail(reqs, error)
             return
-        self._in_flight = _InFlight(batch, reqs, pending)
+        self._in_flight = InFlight(batch, reqs, pending)
+        self._cache_prompts(batch, reqs)  # while the device works on the pass
+
+    def _cache_prompts(self, batch: Batch, reqs: list[Req]) -> None:
+        """A prefill pass's prompts (so far) into the prefix cache, once it is launched."""
+        if batch.mode is ForwardMode.EXTEND and not batch.is_verify:
+            self.cache.cache_pass(reqs, batch.extend_lens, batch.out_cache_loc)
 
     def _step_pipelined(self) -> None:
-        """Launch the next decode pass (when it may follow), then process the one in flight."""
+        """Launch the next pass (when it may follow), then process the one in flight."""
         current, self._in_flight = self._in_flight, None
-        following = self._following_decode(current)
+        following = (self._following_decode(current) or self._following_extend(current)
+                     or self._decode_after_prefill(current))
         if following is not None:
             batch, reqs = following
-            self.stats.overlapped_passes += 1
+            if current.is_prefill:
+                self.stats.overlapped_prefill_passes += 1
+            else:
+                self.stats.overlapped_passes += 1
             self._launch(batch, reqs, self._rows(batch, reqs))
         try:
             output = current.pending.result()
         except Exception as error:
-            self._drain_in_flight()  # the next pass read this one's tokens: it is void too
-            self._fail(current.reqs, error)
+            # the next pass read this one's tokens or KV: it is void too
+            voided = self._in_flight.reqs if self._in_flight is not None else []
+            self._drain_in_flight()
+            self._fail([*current.reqs, *voided], error)
+            if current.is_prefill:  # its prompts were cached at launch: their KV is void
+                self.cache.drop_evictable()
             return
         self._complete(current.batch, current.reqs, output)
 
-    def _following_decode(self, current: _InFlight) -> tuple[Batch, list[Req]] | None:
-        """The next decode pass of the requests in flight that go on past it, if nothing stands
-        in its way. Requests whose last token is in flight are left out (`previous_rows` picks
-        the others' tokens on the device), so a request ending by length does not stall the
-        pipeline; a subset rebuilds the sampling state from the requests' outputs, which lack
-        the token in flight, so it is only taken when that state does not read them
-        (penalties, min_new_tokens still blocking)."""
-        table, reqs = self.table, current.reqs
-        if (current.batch.mode is not ForwardMode.DECODE or table.waiting
-                or table.chunked is not None or table.running != reqs
-                or self.cache.room() < len(reqs)):
+    def _following_extend(self, current: InFlight) -> tuple[Batch, list[Req]] | None:
+        if not (self.config.overlap_extend and may_follow_extend(current, self.table)):
             return None
-        keep: list[int] = []
-        for i, req in enumerate(reqs):
-            if table.states[req.rid].grammar is not None:
-                return None
-            if by_length(req.sampling_params, len(req.output_ids) + 1) is None:
-                keep.append(i)  # goes on past the token in flight
-        if not keep:
+        return self._schedule_extend(also_running=going_on(current) if current.is_prefill else ())
+
+    def _decode_after_prefill(self, current: InFlight) -> tuple[Batch, list[Req]] | None:
+        """With a speculator, the first decode step after prefill is its to plan (`propose`)."""
+        following = (decode_after_prefill(current, self.table, room=self.cache.room())
+                     if self.config.overlap_extend and self.speculator is None else None)
+        if following is None:
             return None
-        if self.speculator is not None and self.speculator.may_draft(
-                [table.states[reqs[i].rid] for i in keep]):
-            return None  # drafts need the token in flight: process it first
-        previous_rows = None
-        if len(keep) < len(reqs):
-            going_on = [reqs[i] for i in keep]
-            if not all(_state_free_sampling(req) for req in going_on):
-                return None
-            reqs, previous_rows = going_on, keep
+        reqs, previous_rows = following
         self.decode.decayed()
-        return self._make_batch(ForwardMode.DECODE, list(reqs), [1] * len(reqs),
-                                follows_previous=True, previous_rows=previous_rows), list(reqs)
+        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs),
+                                follows_previous=True, previous_rows=previous_rows), reqs
+
+    def _following_decode(self, current: InFlight) -> tuple[Batch, list[Req]] | None:
+        """The next decode pass of the requests in flight that go on past it, if nothing stands
+        in its way (`overlap.decode_followers`; drafts need the token in flight)."""
+        followers = decode_followers(current, self.table, room=self.cache.room())
+        if followers is None:
+            return None
+        reqs, previous_rows = followers
+        if self.speculator is not None and self.speculator.may_draft(
+                [self.table.states[req.rid] for req in reqs]):
+            return None
+        self.decode.decayed()
+        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs),
+                                follows_previous=True, previous_rows=previous_rows), reqs
 
     def _drain_in_flight(self) -> None:
         """Waits for a pass in flight and drops its results (its requests are being ended)."""
@@ -336,22 +348,29 @@ class Scheduler:
         if self.config.check_integrity_each_step:
             self.check_integrity()
 
-    def _schedule_extend(self) -> tuple[Batch, list[Req]] | None:
+    def _schedule_extend(self, also_running: Sequence[Req] = ()
+                         ) -> tuple[Batch, list[Req]] | None:
+        """The next prefill pass; `also_running`: requests of a pass in flight that will
+        decode (their KV reserve counts)."""
         table = self.table
         if not table.waiting and table.chunked is None:
             return None
+        running = [*table.running, *also_running]
         plan = self.prefill.plan(
-            table.waiting, table.chunked, reserved=self.decode.reserved(table.running),
-            any_running=bool(table.running), new_token_ratio=self.decode.new_token_ratio,
+            table.waiting, table.chunked, reserved=self.decode.reserved(running),
+            any_running=bool(running), new_token_ratio=self.decode.new_token_ratio,
             clock=self.stats.forward_passes)
         if plan is None:
             return None
+        admitted = set(map(id, plan.admitted))
+        table.waiting[:] = [req for req in table.waiting if id(req) not in admitted]
         for req in plan.admitted:
-            table.waiting.remove(req)
             self._count_admission(req)
         table.chunked = plan.chunked
         for req in plan.reqs:
             req.status = ReqStatus.PREFILLING
+            if req is not plan.chunked:
+                table.prefilling[req.rid] = req
         return self._make_batch(ForwardMode.EXTEND, plan.reqs, plan.extend_lens), plan.reqs
 
     def _schedule_decode(self) -> tuple[Batch, list[Req]] | None:
@@ -405,7 +424,7 @@ class Scheduler:
             shared = self._shared_prefixes(reqs)
             self.cache.extend_each_by_one(reqs, out_cache_loc, pool_indices, prefix_lens)
             samples = [True] * len(reqs)
-            if not follows_previous:
+            if not follows_previous or (previous_rows and min(previous_rows) < 0):
                 input_ids = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
                              for req in reqs]
         else:
@@ -415,8 +434,8 @@ class Scheduler:
             for req, extend_len in zip(reqs, extend_lens, strict=True):
                 prefix_len = req.kv_len - extend_len
                 completes = req.kv_len == req.fill_len
-                samples.append(completes and _samples_after_fill(req))
-                spans.append(_input_logprob_span(req, prefix_len, extend_len))
+                samples.append(completes and samples_after_fill(req))
+                spans.append(input_logprob_span(req, prefix_len, extend_len))
         return Batch(mode=mode, rids=[req.rid for req in reqs], req_pool_indices=pool_indices,
                      prefix_lens=prefix_lens, extend_lens=list(extend_lens), input_ids=input_ids,
                      out_cache_loc=out_cache_loc, samples=samples, input_logprobs=spans,
@@ -462,11 +481,15 @@ class Scheduler:
         if batch.mode is not ForwardMode.EXTEND:
             self._process_decode(reqs, output)
             return
+        seq_lens = batch.seq_lens
         for i, req in enumerate(reqs):
             state = self.table.states.get(req.rid)
             if state is None or state.req is not req:
                 continue  # ended while its pass was in flight (overlap): the token is dropped
             req.forward_passes += 1
+            filled = seq_lens[i] == req.fill_len  # else a chunk: it goes on (maybe in flight)
+            if filled:
+                self.table.prefilling.pop(req.rid, None)
             if output.input_logprobs[i]:
                 state.logprobs.input_token.extend(output.input_logprobs[i])
                 state.logprobs.input_top.extend(output.input_top_logprobs[i])
@@ -481,10 +504,8 @@ class Scheduler:
                 self.table.running.append(req)
                 self._append_token(state, token, output.next_token_logprobs[i],
                                    output.next_top_logprobs[i])
-            elif req.kv_len == req.fill_len:  # prompt done, nothing to generate
+            elif filled:  # prompt done, nothing to generate
                 self._finish(state, finish_length(len(req.output_ids)))
-            if req.req_pool_idx is not None:  # still live, not jumped
-                self.cache.cache_unfinished(req)
 
     def _process_verify(self, batch: Batch, reqs: list[Req], output: VerifyOutput) -> None:
         """A verify pass: each request keeps the KV of its last token and accepted drafts (the
@@ -648,29 +669,3 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.check()
 
-
-def _samples_after_fill(req: Req) -> bool:
-    """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
-    generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
-    params = req.sampling_params
-    return (by_length(params, len(req.output_ids)) is None
-            or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
-
-
-def _state_free_sampling(req: Req) -> bool:
-    """Whether a sampling state rebuilt from the request's output ids, which lack the token in
-    flight, is still right: no penalties, and min_new_tokens reached even without that token."""
-    params = req.sampling_params
-    return not params.has_penalties and params.min_new_tokens <= len(req.output_ids)
-
-
-def _input_logprob_span(req: Req, start: int, extend_len: int) -> InputLogprobSpan | None:
-    """Prompt logprobs this chunk can score: the token at position t by the logits at t - 1."""
-    if not req.wants_input_logprobs:
-        return None
-    first_target = max(req.input_logprobs_needed_from, 1, start + 1)
-    last_target = min(start + extend_len, len(req.origin_input_ids) - 1)
-    if first_target > last_target:
-        return None
-    return InputLogprobSpan(first_target, req.origin_input_ids[first_target:last_target + 1],
-                            req.top_logprobs_num)

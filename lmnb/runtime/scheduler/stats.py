@@ -14,7 +14,8 @@ from lmnb.runtime.scheduler.request_state import ReqState
 @dataclass(slots=True)
 class SchedulerStats:
     forward_passes: int = 0
-    overlapped_passes: int = 0  # decode passes launched before the previous one was processed
+    overlapped_passes: int = 0  # decode passes launched before the decode pass before was processed
+    overlapped_prefill_passes: int = 0  # passes launched before the prefill pass before was
     retractions: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
