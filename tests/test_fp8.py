@@ -271,6 +271,42 @@ def test_tiny_model_fp8_logits_are_close_to_fp32(tiny_models, fp8_checkpoints):
         assert not torch.equal(fused[1], got[1])  # decode took the skinny kernel (W8A16)
 
 
+def _greedy(runner, prompt: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens, each from a decode step (one row: the FMA path) after a prefill."""
+    ids = list(prompt)
+    for _ in range(steps):
+        _, decode = _passes(runner, [ids[:-1]], [ids[-1]])
+        ids.append(int(decode[-1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach Triton through its interpreter")
+def test_fused_gate_up_activation_keeps_greedy_tokens(tiny_models, monkeypatch):
+    """FP8 tiny model (fp32), fused kernels on: decode's gate_up with SiLU-and-mul in the GEMM's
+    epilogue (one row: the FMA path; the dot path in tests/test_gemv_fp8.py) against the two
+    kernels apart: the same greedy tokens; the fused op is what decode ran."""
+    folder = tiny_models["llama-gqa"]
+    config = loader.load_model_config(folder)
+    with pytest.warns(UserWarning, match="reference path"):
+        model = _load(folder, config.quantized("fp8"))
+    set_fused_kernels(model, True)
+    runner = _runner(model, config)
+    calls: list[int] = []
+    fused_op = fp8.fp8_silu_linear
+
+    def counting(x, *args):
+        calls.append(x.numel() // x.shape[-1])
+        return fused_op(x, *args)
+
+    monkeypatch.setattr(fp8, "fp8_silu_linear", counting)
+    fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
+    assert 1 in calls
+    monkeypatch.setattr(MergedColumnParallelLinear, "forward_gated",
+                        lambda self, x, act: act(self(x)))
+    calls.clear()
+    assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
+    assert not calls
+
 # ---- kernels in the interpreter ------------------------------------------------------------
 
 pytestmark = SAME_TRITON_MODE

@@ -136,3 +136,34 @@ def test_fp8_linear_takes_it_for_few_rows_when_fused(device, monkeypatch):
         assert out.shape == (1, rows, 24)
     fp8.fp8_linear(x[:2], w, scale, bias, fused=False)
     assert calls == [1, 3, SKINNY_MAX_ROWS]
+
+
+# gate_up's weight [gate (I rows) | up (I rows)] with SiLU-and-mul in the epilogue: (M, I, K)
+GATED = {
+    "FMA (the interpreter's config)": ((1, 37, 203), None),
+    "FMA, 4 rows = 2 pairs a program": ((1, 11, 2100), Fp8GemvConfig(4, 1024, 1, 4, 1, False)),
+    "FMA, 1 row made a pair, split K": ((1, 9, 3000), Fp8GemvConfig(1, 1024, 2, 4, 2, False)),
+    "dot, 64-row tiles": ((5, 35, 520), Fp8GemvConfig(64, 256, 1, 4, 3, True)),
+    "dot, split K": ((16, 40, 1100), Fp8GemvConfig(32, 256, 2, 4, 4, True)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("name", "dtype"), [(name, torch.bfloat16) for name in GATED]
+                         + [("dot, split K", torch.float32)])
+def test_gated_is_silu_and_mul_of_the_gemm(device, dtype, name):
+    """`gated=True` gives what `silu_and_mul(fp8_gemv(...))` gives (two launches), rounded at
+    the same places: equal for 16-bit x, up to a sum's order in float32; bias on gate and up;
+    ragged I against the pairs a program holds."""
+    from lmnb.runtime.kernels.fused import silu_and_mul
+
+    (m, i, k), config = GATED[name]
+    x, w, scale, bias = _inputs(m, 2 * i, k, dtype, device, seed=3)
+    for b in (None, bias):
+        got = fp8_gemv(x, w, scale, b, config, gated=True)
+        want = silu_and_mul(fp8_gemv(x, w, scale, b, config))
+        assert got.shape == (m, i) and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        else:
+            assert torch.equal(got, want)

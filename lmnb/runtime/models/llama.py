@@ -83,7 +83,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_gated(x, self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.fused.activation import silu_mul
 from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
 from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
@@ -152,16 +153,24 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr,
+    PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr, GATED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:  # N outputs, 2N weight rows (gate | up): rows 2i, 2i + 1 = gate, up of output i
+        half = tl.arange(0, BLOCK_N) // 2
+        cols = pid_n * (BLOCK_N // 2) + half
+        offs_n = cols + (tl.arange(0, BLOCK_N) % 2) * N  # weight rows
+        mask_n = cols < N
+        rows_w = 2 * N
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        rows_w = N
     # VEC_K contiguous elements a thread: the weight's and x's loads then share one layout
     offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), VEC_K), VEC_K)
     mask_m = offs_m < M
-    mask_n = offs_n < N
     k_start = pid_k * k_span
     k_end = tl.minimum(k_start + k_span, K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
@@ -207,10 +216,20 @@ def _fp8_gemv_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
-    else:
-        part_ptrs = PARTIAL + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+        if GATED:  # [BLOCK_N, BLOCK_M] -> gate, up [BLOCK_N / 2, BLOCK_M] -> silu(gate) * up
+            dtype = OUT.dtype.element_ty
+            pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32),
+                                          (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1))
+            gate, up = tl.split(pairs)
+            out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            out_ptrs = OUT + offs_m[None, :] * stride_om + out_cols[:, None]
+            tl.store(out_ptrs, silu_mul(gate, up, dtype).to(dtype),
+                     mask=(out_cols < N)[:, None] & mask_m[None, :])
+        else:
+            out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+    else:  # fp32 partials [SPLIT_K, M, rows of the weight]
+        part_ptrs = PARTIAL + (pid_k * M + offs_m[None, :]) * rows_w + offs_n[:, None]
         tl.store(part_ptrs, acc, mask=mask)
 
 
@@ -281,14 +300,19 @@ def interpreter_config(m: int, n: int, k: int) -> Fp8GemvConfig:
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None,
-             config: Fp8GemvConfig | None = None) -> torch.Tensor:
+             config: Fp8GemvConfig | None = None, *, gated: bool = False) -> torch.Tensor:
     """x [M, K] (rows contiguous, 1 <= M <= SKINNY_MAX_ROWS; fp32/fp16/bf16), weight [N, K]
     float8_e4m3fn contiguous, weight_scale [N] float32 (row n stands for weight[n] * scale[n]),
     bias [N] or None -> [M, N] in x's dtype (fp32 accumulation). `config` overrides the table
-    (benchmark sweeps)."""
+    (benchmark sweeps).
+
+    `gated`: the weight is gate_up's [gate (N/2 rows) | up (N/2 rows)] -> silu(gate) * up
+    [M, N/2], the activation in the epilogue (`silu_and_mul(fp8_gemv(...))` in one launch,
+    rounded at the same places); a program's BLOCK_N rows are BLOCK_N / 2 (gate, up) pairs."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [rows, K] with rows contiguous"
     m, k = x.shape
     n = weight.shape[0]
+    assert not gated or n % 2 == 0, f"gated: {n} weight rows, gate | up expected"
     assert 1 <= m <= SKINNY_MAX_ROWS, f"{m} rows: the skinny kernel takes 1..{SKINNY_MAX_ROWS}"
     assert weight.dtype == torch.float8_e4m3fn, f"weight dtype {weight.dtype}: e4m3 expected"
     assert weight.shape == (n, k) and weight.stride() == (k, 1), "weight must be [N, K] contiguous"
@@ -296,10 +320,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     assert bias is None or bias.shape == (n,)
     cfg = config or (interpreter_config(m, n, k) if INTERPRETED else fp8_gemv_config(m, n, k))
     assert cfg.use_dot or m == 1, "the FMA path takes one row"
+    if gated and cfg.block_n % 2:  # whole (gate, up) pairs a program
+        cfg = cfg._replace(block_n=cfg.block_n + 1)
+    n_out = n // 2 if gated else n
     vec = DOT_VEC if cfg.use_dot else FMA_VEC
     assert cfg.block_k % vec == 0, f"block_k {cfg.block_k}: a multiple of {vec}"
     block_m = 16 if cfg.use_dot else 1
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial = (out if cfg.split_k == 1 else
                torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
@@ -313,19 +340,20 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     _fp8_gemv_kernel[grid](
         x.view(torch.int64) if packed else x, weight.view(torch.int32) if packed else weight,
         weight_scale, b, out, partial,
-        m, n, k // q, x.stride(0) // q, weight.stride(0) // q, out.stride(0), k_span // q,
+        m, n_out, k // q, x.stride(0) // q, weight.stride(0) // q, out.stride(0), k_span // q,
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k // q, VEC_K=vec // q,
         USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
         PREFETCH=not cfg.use_dot and cfg.num_stages > 1,
-        PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED,
+        PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
     )
     if cfg.split_k > 1:
         block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            partial, b, out, m, n, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4,
+        _split_k_reduce_kernel[(triton.cdiv(m * n_out, block),)](
+            partial, b, out, m, n_out, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, GATED=gated,
+            num_warps=4,
         )
     return out

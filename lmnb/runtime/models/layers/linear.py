@@ -35,6 +35,7 @@ from torch.nn import functional as F
 
 from lmnb.runtime.distributed.group import TPGroup, current_tp
 from lmnb.runtime.models.layers import fp8
+from lmnb.runtime.models.layers.activation import GatedActivation
 from lmnb.runtime.models.layers.fusion import Fusable
 from lmnb.runtime.models.layers.weights import (
     WeightSource,
@@ -209,6 +210,16 @@ class MergedColumnParallelLinear(FusableLinear):
             share = _check_even(f"output block {i}", full, size)
             blocks.append(Block(full, rank * share, share))
         return cls(in_features, blocks, bias=bias, quant=quant)
+
+    def forward_gated(self, x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
+        """act(gate) * up over this layer's two equal output blocks (gate_up) -> [..., I]: one
+        kernel (the activation in the GEMM's epilogue) where decode takes the fused FP8 skinny
+        path with SiLU, else `act(self(x))`."""
+        if (self.fused and act.fused and act.hidden_act == "silu"
+                and self.weight_scale is not None and len(self.output_sizes) == 2
+                and self.output_sizes[0] == self.output_sizes[1] and fp8.skinny_rows(x)):
+            return fp8.fp8_silu_linear(x, self.weight, self.weight_scale, self.bias)
+        return act(self(x))
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         rows = sum(b.full for b in self.blocks)
