@@ -38,6 +38,29 @@ def test_scaled_mm_path_is_the_reference_math(dtype, m):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (2 * 1792, 4096), (2 * 37, 1000)])
+def test_compiled_gated_fp8_gemv_is_silu_and_mul_of_it(dtype, m, n, k):
+    """gate_up with SiLU-and-mul in the epilogue (Llama-3-8B's, a tensor-parallel shard's,
+    a ragged one) against the GEMM and `silu_and_mul` apart, rounded at the same places (equal
+    but for an MMA's order of a sum); with split K through the gated reduce."""
+    from lmnb.runtime.kernels.fused import silu_and_mul
+    from lmnb.runtime.kernels.fused.gemv_fp8 import Fp8GemvConfig, fp8_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(n + m + 1)
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype) if m % 2 else None
+    split = Fp8GemvConfig(2, 512, 2, 2, 1, False) if m == 1 else Fp8GemvConfig(
+        32, 256, 2, 4, 4, True)
+    for config in (None, split):
+        got = fp8_gemv(x, w, scale, bias, config, gated=True)
+        want = silu_and_mul(fp8_gemv(x, w, scale, bias, config))
+        assert got.shape == (m, n // 2)
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 7, 16])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
                                       (1024, 4096), (40, 96), (1000, 1000)])
