@@ -281,28 +281,29 @@ def _greedy(runner, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach Triton through its interpreter")
-def test_fused_gate_up_activation_keeps_greedy_tokens(tiny_models, monkeypatch):
-    """FP8 tiny model (fp32), fused kernels on: decode's gate_up with SiLU-and-mul in the GEMM's
-    epilogue (one row: the FMA path; the dot path in tests/test_gemv_fp8.py) against the two
-    kernels apart: the same greedy tokens; the fused op is what decode ran."""
+def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
+    """FP8 tiny model (fp32), fused kernels on: decode's RMSNorms in the qkv and gate_up GEMMs'
+    prologues and SiLU-and-mul in gate_up's epilogue (one row: the FMA path; the dot path in
+    tests/test_gemv_fp8.py) against the same skinny GEMMs with the norms and the activation
+    apart: the same greedy tokens; the fused ops are what decode ran (2 a layer)."""
     folder = tiny_models["llama-gqa"]
     config = loader.load_model_config(folder)
     with pytest.warns(UserWarning, match="reference path"):
         model = _load(folder, config.quantized("fp8"))
     set_fused_kernels(model, True)
     runner = _runner(model, config)
-    calls: list[int] = []
-    fused_op = fp8.fp8_silu_linear
+    calls: list[tuple[int, bool]] = []
+    fused_op = fp8.fp8_norm_linear
 
-    def counting(x, *args):
-        calls.append(x.numel() // x.shape[-1])
-        return fused_op(x, *args)
+    def counting(x, *args, gated):
+        calls.append((x.numel() // x.shape[-1], gated))
+        return fused_op(x, *args, gated=gated)
 
-    monkeypatch.setattr(fp8, "fp8_silu_linear", counting)
+    monkeypatch.setattr(fp8, "fp8_norm_linear", counting)
     fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
-    assert 1 in calls
-    monkeypatch.setattr(MergedColumnParallelLinear, "forward_gated",
-                        lambda self, x, act: act(self(x)))
+    layers = config.num_layers
+    assert calls.count((1, False)) == calls.count((1, True)) == 2 * layers  # 2 decode steps
+    monkeypatch.setattr(MergedColumnParallelLinear, "_fp8_skinny", lambda self, x: False)
     calls.clear()
     assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
     assert not calls

@@ -167,3 +167,40 @@ def test_gated_is_silu_and_mul_of_the_gemm(device, dtype, name):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         else:
             assert torch.equal(got, want)
+
+
+# RMSNorm (+ the residual add) in the prologue: (M, N, K) -> config; K multiple of 4 or not
+# (16-bit x: packed or element by element), split K overridden (the norm needs all of K)
+NORMED = {
+    "FMA, packed": ((1, 12, 2100), Fp8GemvConfig(4, 1024, 1, 4, 1, False)),
+    "FMA, element by element, split K asked": ((1, 10, 1001), Fp8GemvConfig(2, 512, 2, 2, 2,
+                                                                            False)),
+    "dot": ((5, 70, 520), Fp8GemvConfig(64, 256, 1, 4, 3, True)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("name", "dtype"), [(name, torch.bfloat16) for name in NORMED]
+                         + [("dot", torch.float32), ("FMA, packed", torch.float16)])
+def test_norm_prologue_is_rms_norm_then_the_gemm(device, dtype, name):
+    """`fp8_norm_gemv` against `rms_norm` then `fp8_gemv` (gated and not, with and without the
+    residual): the residual stream exactly; the output up to the separate norm's two roundings
+    of its output (float32: a sum's order)."""
+    from lmnb.runtime.kernels.fused import rms_norm, silu_and_mul
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, fp8_norm_gemv
+
+    (m, n, k), config = NORMED[name]
+    x, w, scale, bias = _inputs(m, n, k, dtype, device, seed=4)
+    gen = torch.Generator().manual_seed(k)
+    residual = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    g = (torch.rand(k, generator=gen) + 0.5).to(device=device, dtype=dtype)
+    for res, gated in ((None, False), (residual, True), (residual, False)):
+        normed, stream = (rms_norm(x, g, 1e-5), x) if res is None else rms_norm(x, g, 1e-5, res)
+        want = fp8_gemv(normed, w, scale, bias, config)
+        want = silu_and_mul(want) if gated else want
+        got, got_stream = fp8_norm_gemv(x, RmsNormInput(res, g, 1e-5), w, scale, bias, config,
+                                        gated=gated)
+        assert torch.equal(got_stream, stream) and got.shape == want.shape
+        tol = 1e-5 if dtype == torch.float32 else 3 * 2**-8
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol,
+                                   atol=tol * want.abs().max().item())

@@ -146,14 +146,74 @@ def _fma_step(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl
         return acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
 
 
+@triton.jit
+def _load_x(x_ptrs, k, k_end, offs_k, mask_m, EVEN_K: tl.constexpr):
+    """x's tile [BLOCK_M, BLOCK_K] at column k, as `_load_step` reads it (the residual too)."""
+    if EVEN_K:
+        inside = (tl.zeros((1, 1), dtype=tl.int32) + k) < k_end
+        return tl.load(x_ptrs, mask=mask_m[:, None] & inside, other=0.0)
+    else:
+        return tl.load(x_ptrs, mask=mask_m[:, None] & ((k + offs_k) < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_k(ptrs, k, k_end, offs_k, EVEN_K: tl.constexpr):
+    """A [1, BLOCK_K] vector (the norm's weight) at column k; nothing at or past k_end."""
+    if EVEN_K:
+        inside = (tl.zeros((1, 1), dtype=tl.int32) + k) < k_end
+        return tl.load(ptrs, mask=inside, other=0.0)
+    else:
+        return tl.load(ptrs, mask=((k + offs_k) < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _normed_x(x, r, g, res_out_ptrs, store, HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
+    """One element group of the RMSNorm prologue, float32: s = x + r rounded to DTYPE (the
+    residual stream, stored where `store`), -> (s, s * g); the caller sums s^2 for rstd."""
+    s = x
+    if HAS_RES:
+        s = (x + r).to(DTYPE).to(tl.float32)
+        tl.store(res_out_ptrs, s.to(DTYPE), mask=store)
+    return s, s * g
+
+
+@triton.jit
+def _norm_fma_step(acc, ss, w, x, r, g, res_out_ptrs, store, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, VEC_K: tl.constexpr, PACKED: tl.constexpr,
+                   X_BF16: tl.constexpr, ASM: tl.constexpr, HAS_RES: tl.constexpr,
+                   DTYPE: tl.constexpr):
+    """`_fma_step` over rmsnorm's input: x (+ r) -> s, ss += s^2, acc += w * (s * g): the
+    norm's rstd multiplies the sums once, after the K loop. r, g: x's layout (PACKED: int64s
+    of 4); res_out_ptrs: where s goes, element by element (PACKED: the 4 values of an int64 at
+    +0..3)."""
+    if PACKED:
+        x0, x1, x2, x3 = _x16x4_to_f32(x, X_BF16)
+        r0, r1, r2, r3 = _x16x4_to_f32(r, X_BF16)
+        g0, g1, g2, g3 = _x16x4_to_f32(g, X_BF16)
+        s0, h0 = _normed_x(x0, r0, g0, res_out_ptrs, store, HAS_RES, DTYPE)
+        s1, h1 = _normed_x(x1, r1, g1, res_out_ptrs + 1, store, HAS_RES, DTYPE)
+        s2, h2 = _normed_x(x2, r2, g2, res_out_ptrs + 2, store, HAS_RES, DTYPE)
+        s3, h3 = _normed_x(x3, r3, g3, res_out_ptrs + 3, store, HAS_RES, DTYPE)
+        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        ss += s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
+        return acc + w0 * h0 + w1 * h1 + w2 * h2 + w3 * h3, ss
+    else:
+        sx, h = _normed_x(x.to(tl.float32), r.to(tl.float32), g.to(tl.float32), res_out_ptrs,
+                          store, HAS_RES, DTYPE)
+        prod = w.to(tl.float16).to(tl.float32) * h
+        acc = acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
+        return acc, ss + sx * sx
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _fp8_gemv_kernel(
-    X, W, W_SCALE, B, OUT, PARTIAL,
-    M, N, K, stride_xm, stride_wn, stride_om, k_span,
+    X, W, W_SCALE, B, OUT, PARTIAL, RES, NORM_W, RES_OUT,
+    M, N, K, stride_xm, stride_wn, stride_om, k_span, hidden, eps,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -175,11 +235,31 @@ def _fp8_gemv_kernel(
     k_end = tl.minimum(k_start + k_span, K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    if NORM:  # RMSNorm prologue (SPLIT_K == 1): residual and norm weight in x's layout
+        x_offs = offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+        r_ptrs = RES + x_offs
+        g_ptrs = NORM_W + (k_start + offs_k)[None, :]
+        # the residual stream x + r is written once, by the first program, element by element
+        res_out_ptrs = RES_OUT + x_offs * (4 if PACKED else 1)
+        store_row = mask_m[:, None] & ((tl.zeros((1, 1), dtype=tl.int32) + pid_n) == 0)
 
     if USE_DOT:  # software-pipelined by Triton (cp.async stages)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if NORM:
+            ss_rows = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
             w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
+            if NORM:  # x (+ r) -> s (the residual stream), the dot's operand s * g
+                r = _load_x(r_ptrs, k, k_end, offs_k, mask_m, EVEN_K)
+                store = store_row & ((k + offs_k) < k_end)[None, :]
+                sx, h = _normed_x(x.to(tl.float32), r.to(tl.float32),
+                                  _load_k(g_ptrs, k, k_end, offs_k, EVEN_K).to(tl.float32),
+                                  res_out_ptrs, store, HAS_RES, RES_OUT.dtype.element_ty)
+                ss_rows += tl.sum(sx * sx, axis=1)
+                x = h if DOT_UPCAST else h.to(X.dtype.element_ty)
+                r_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                res_out_ptrs += BLOCK_K
             if DOT_UPCAST:  # the interpreter, or fp32 activations
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc,
                              input_precision="ieee")
@@ -190,7 +270,22 @@ def _fp8_gemv_kernel(
             x_ptrs += BLOCK_K
     else:  # a few partial sums a thread and row
         acc2 = tl.zeros((BLOCK_N, BLOCK_K if PACKED else BLOCK_K // VEC_K), dtype=tl.float32)
-        if PREFETCH:  # the next step's loads are issued before this step's FMAs
+        ss = tl.zeros((1, BLOCK_K), dtype=tl.float32)  # NORM: s^2 a lane
+        if NORM:  # r and g are read as the step runs (L1 hits), not prefetched
+            for k in range(k_start, k_end, BLOCK_K):
+                w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
+                r = _load_x(r_ptrs, k, k_end, offs_k, mask_m, EVEN_K)
+                g = _load_k(g_ptrs, k, k_end, offs_k, EVEN_K)
+                store = store_row & ((k + offs_k) < k_end)[None, :]
+                acc2, ss = _norm_fma_step(acc2, ss, w, x, r, g, res_out_ptrs, store, BLOCK_N,
+                                          BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT, HAS_RES,
+                                          RES_OUT.dtype.element_ty)
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+                r_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                res_out_ptrs += BLOCK_K * (4 if PACKED else 1)
+        elif PREFETCH:  # the next step's loads are issued before this step's FMAs
             w_next, x_next = _load_step(w_ptrs, x_ptrs, k_start, k_end, offs_k, mask_n, mask_m,
                                         EVEN_K)
             for k in range(k_start, k_end, BLOCK_K):
@@ -209,8 +304,12 @@ def _fp8_gemv_kernel(
     scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if USE_DOT:
         acc = acc * scale[:, None]  # [BLOCK_N, BLOCK_M]: out^T
+        if NORM:
+            acc = acc * tl.rsqrt(ss_rows / hidden + eps)[None, :]
     else:
         acc = (tl.sum(acc2, axis=1) * scale)[:, None]  # [BLOCK_N, 1]
+        if NORM:
+            acc = acc * tl.rsqrt(tl.sum(ss) / hidden + eps)
 
     mask = mask_n[:, None] & mask_m[None, :]
     if SPLIT_K == 1:
@@ -298,6 +397,15 @@ def interpreter_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     return Fp8GemvConfig(block_n, block_k, 1, 4, 1, m > 1)
 
 
+class RmsNormInput(NamedTuple):
+    """The RMSNorm in front of a GEMM (`fp8_norm_gemv`): the GEMM reads
+    weight * rmsnorm(x + residual) (residual None: of x)."""
+
+    residual: torch.Tensor | None  # [M, K] like x
+    weight: torch.Tensor  # [K], x's dtype
+    eps: float
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None,
              config: Fp8GemvConfig | None = None, *, gated: bool = False) -> torch.Tensor:
@@ -309,6 +417,32 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     `gated`: the weight is gate_up's [gate (N/2 rows) | up (N/2 rows)] -> silu(gate) * up
     [M, N/2], the activation in the epilogue (`silu_and_mul(fp8_gemv(...))` in one launch,
     rounded at the same places); a program's BLOCK_N rows are BLOCK_N / 2 (gate, up) pairs."""
+    return _launch(x, weight, weight_scale, bias, config, gated=gated, norm=None)[0]
+
+
+def fp8_norm_gemv(x: torch.Tensor, norm: RmsNormInput, weight: torch.Tensor,
+                  weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: Fp8GemvConfig | None = None, *, gated: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_gemv(rms_norm(x, norm.weight, norm.eps, norm.residual), ...)` in one launch ->
+    (out, the residual stream x + residual: a new tensor, or x itself without a residual).
+
+    Each program walks all of K (no split K) and so reads the whole row: it sums s^2 of
+    s = x + residual as it goes, multiplies the weight by s * norm.weight and its sums by
+    rsqrt(mean(s^2) + eps) at the end; the first program writes s. The normed input is never
+    rounded to x's dtype (the separate norm rounds it twice): equal in float32 up to the order
+    of a sum, within bf16's rounding otherwise."""
+    assert norm.weight.shape == (x.shape[-1],) and norm.weight.dtype == x.dtype, \
+        "the norm's weight: [K] in x's dtype"
+    assert norm.residual is None or (norm.residual.shape == x.shape
+                                     and norm.residual.dtype == x.dtype)
+    out, residual = _launch(x, weight, weight_scale, bias, config, gated=gated, norm=norm)
+    return out, residual
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+            bias: torch.Tensor | None, config: Fp8GemvConfig | None, *, gated: bool,
+            norm: RmsNormInput | None) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [rows, K] with rows contiguous"
     m, k = x.shape
     n = weight.shape[0]
@@ -322,6 +456,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     assert cfg.use_dot or m == 1, "the FMA path takes one row"
     if gated and cfg.block_n % 2:  # whole (gate, up) pairs a program
         cfg = cfg._replace(block_n=cfg.block_n + 1)
+    if norm is not None and cfg.split_k > 1:  # the norm's sum of squares needs all of K
+        cfg = cfg._replace(split_k=1)
     n_out = n // 2 if gated else n
     vec = DOT_VEC if cfg.use_dot else FMA_VEC
     assert cfg.block_k % vec == 0, f"block_k {cfg.block_k}: a multiple of {vec}"
@@ -331,22 +467,37 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     partial = (out if cfg.split_k == 1 else
                torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
     b = bias if bias is not None else out  # unused without HAS_BIAS
+    res = norm.residual if norm is not None and norm.residual is not None else None
+    if res is not None:
+        res = res.contiguous()
+        x = x.contiguous()
+    res_out = x if res is None else torch.empty_like(x)
     # FMA path over 16-bit x: weights read as int32 (4 a value), x as int64 (4 a value), all
-    # sizes along K in those units
+    # sizes along K in those units (the norm's residual and weight too)
     packed = (not cfg.use_dot and x.dtype in (torch.float16, torch.bfloat16) and k % 4 == 0
-              and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0 and weight.data_ptr() % 4 == 0)
+              and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0 and weight.data_ptr() % 4 == 0
+              and all(t.data_ptr() % 8 == 0 for t in (
+                  () if norm is None else (norm.weight, *(() if res is None else (res,))))))
     q = 4 if packed else 1
+
+    def packed_view(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int64) if packed else t
+
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _fp8_gemv_kernel[grid](
-        x.view(torch.int64) if packed else x, weight.view(torch.int32) if packed else weight,
+        packed_view(x), weight.view(torch.int32) if packed else weight,
         weight_scale, b, out, partial,
+        packed_view(res if res is not None else x),
+        packed_view(norm.weight) if norm is not None else x, res_out,
         m, n_out, k // q, x.stride(0) // q, weight.stride(0) // q, out.stride(0), k_span // q,
+        k, norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k // q, VEC_K=vec // q,
         USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
         PREFETCH=not cfg.use_dot and cfg.num_stages > 1,
         PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED, GATED=gated,
+        NORM=norm is not None, HAS_RES=res is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
     )
     if cfg.split_k > 1:
@@ -356,4 +507,4 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, GATED=gated,
             num_warps=4,
         )
-    return out
+    return out, res_out

@@ -13,9 +13,11 @@
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
                         float32), slow; the loader warns that the CPU runs FP8 this way
 
-`fp8_silu_linear` is the skinny path of gate_up followed by SiLU-and-mul, one kernel (the
-activation in the GEMM's epilogue): one launch less per layer at decode, where a launch costs
-about what streaming 8 MB of weights does.
+Decode's fusions (skinny rows only; at batch 1 a launch costs about what streaming 6 MB of
+FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
+    `fp8_silu_linear`   gate_up with SiLU-and-mul in the GEMM's epilogue
+    `fp8_norm_linear`   RMSNorm (+ the residual add) in the GEMM's prologue: qkv after
+                        input_layernorm, gate_up (+ SiLU) after post_attention_layernorm
 """
 
 from __future__ import annotations
@@ -100,6 +102,25 @@ def fp8_silu_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     k = x.shape[-1]
     out = fp8_gemv(x.reshape(-1, k).contiguous(), weight, weight_scale, bias, gated=True)
     return out.view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def fp8_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, *, gated: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x + residual) -> the FP8 linear (-> silu(gate) * up when `gated`), x [..., K]
+    (`skinny_rows`), one kernel -> (out [..., N or N/2], x + residual: the residual stream;
+    x itself without a residual). `gemv_fp8.fp8_norm_gemv`."""
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, fp8_norm_gemv
+
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    res = None if residual is None else residual.reshape(-1, k)
+    out, stream = fp8_norm_gemv(rows, RmsNormInput(res, norm_weight, eps), weight, weight_scale,
+                                bias, gated=gated)
+    n = weight.shape[0] // (2 if gated else 1)
+    return (out.view(*x.shape[:-1], n),
+            x if residual is None else stream.view(x.shape))
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -37,6 +37,7 @@ from lmnb.runtime.distributed.group import TPGroup, current_tp
 from lmnb.runtime.models.layers import fp8
 from lmnb.runtime.models.layers.activation import GatedActivation
 from lmnb.runtime.models.layers.fusion import Fusable
+from lmnb.runtime.models.layers.norm import RMSNorm
 from lmnb.runtime.models.layers.weights import (
     WeightSource,
     copy_weight,
@@ -211,15 +212,38 @@ class MergedColumnParallelLinear(FusableLinear):
             blocks.append(Block(full, rank * share, share))
         return cls(in_features, blocks, bias=bias, quant=quant)
 
+    def _fp8_skinny(self, x: torch.Tensor) -> bool:
+        """Whether x takes the fused FP8 skinny path (decode), where the fusions below run."""
+        return self.fused and self.weight_scale is not None and fp8.skinny_rows(x)
+
+    def _fuses(self, act: GatedActivation) -> bool:
+        return (act.fused and act.hidden_act == "silu" and len(self.output_sizes) == 2
+                and self.output_sizes[0] == self.output_sizes[1])
+
     def forward_gated(self, x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
         """act(gate) * up over this layer's two equal output blocks (gate_up) -> [..., I]: one
         kernel (the activation in the GEMM's epilogue) where decode takes the fused FP8 skinny
         path with SiLU, else `act(self(x))`."""
-        if (self.fused and act.fused and act.hidden_act == "silu"
-                and self.weight_scale is not None and len(self.output_sizes) == 2
-                and self.output_sizes[0] == self.output_sizes[1] and fp8.skinny_rows(x)):
+        if self._fp8_skinny(x) and self._fuses(act):
             return fp8.fp8_silu_linear(x, self.weight, self.weight_scale, self.bias)
         return act(self(x))
+
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                       act: GatedActivation | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm` in front of this layer (and `act` behind it: `forward_gated`) ->
+        (out, the residual stream: x + residual, or x without a residual), as the pre-norm
+        decoder passes them along. One kernel where decode takes the fused FP8 skinny path
+        (the norm in the GEMM's prologue); else the norm's and the layer's own paths."""
+        if (self._fp8_skinny(x) and norm.fused and norm.weight.dtype == x.dtype
+                and (act is None or self._fuses(act))):
+            return fp8.fp8_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                       self.weight_scale, self.bias, gated=act is not None)
+        if residual is None:
+            normed, residual = norm(x), x
+        else:
+            normed, residual = norm(x, residual)
+        return (self(normed) if act is None else self.forward_gated(normed, act)), residual
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         rows = sum(b.full for b in self.blocks)
