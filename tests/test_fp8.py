@@ -394,19 +394,24 @@ def compile(fn, signature, constants, warps=4, aligned=()):
 f8, dt, i64 = "*fp8e4nv", "*bf16", "*i64"
 gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
              **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om",
-                                   "k_span")}}
-# aligned as the launcher's arguments are at Llama shapes; gated: gate_up with SiLU-and-mul
-for use_dot, gated in ((False, False), (True, False), (False, True)):
+                                   "k_span", "hidden", "stride_x16")}, "eps": "fp32"}
+# aligned as the launcher's arguments are at Llama shapes; gated: gate_up with SiLU-and-mul;
+# norm: RMSNorm + the residual add in the prologue (qkv, and gate_up with gated)
+for use_dot, gated, norm in ((False, False, False), (True, False, False), (False, True, False),
+                             (False, False, True), (False, True, True), (True, True, True)):
     packed = not use_dot  # FMA path: 4 weights an int32, 4 bf16 activations an int64
-    args = {"X": "*i64" if packed else dt, "W": "*i32" if packed else f8, **gemv_args}
+    vec = "*i64" if packed else dt
+    args = {"X": vec, "W": "*i32" if packed else f8, "RES": vec, "NORM_W": vec, "X16": dt,
+            "RES16": dt, "RES_OUT": dt, **gemv_args}
     kernel = compile(gemv_fp8._fp8_gemv_kernel, args,
                      {"HAS_BIAS": False, "SPLIT_K": 1, "EVEN_K": True,
                       "BLOCK_M": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 2,
                       "BLOCK_K": 256 if use_dot else 1024 // 4,
                       "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC // 4,
                       "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot,
-                      "PACKED": packed, "X_BF16": True, "ASM_CVT": True, "GATED": gated},
-                     aligned=[name for name in args if name != "M"])
+                      "PACKED": packed, "X_BF16": True, "ASM_CVT": True, "GATED": gated,
+                      "NORM": norm, "HAS_RES": norm},
+                     aligned=[name for name in args if name not in ("M", "eps")])
     loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
     if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop
         assert "convert_layout" not in loop and "local_alloc" not in loop, loop
@@ -414,6 +419,7 @@ for use_dot, gated in ((False, False), (True, False), (False, True)):
         assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in ptx
         assert ptx.count("cvt.rn.f16x2.e4m3x2") == 8  # 2 rows x 8 weights a step, a pair each
         assert ("ex2.approx" in ptx) == gated  # silu's exp in the epilogue
+        assert ("rsqrt" in ptx) == norm
 compile(gemv._split_k_reduce_kernel,
         {"PARTIAL": "*fp32", "B": dt, "OUT": dt, "M": "i32", "N": "i32", "stride_om": "i32"},
         {"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024, "GATED": True})
@@ -444,8 +450,8 @@ print("compiled")
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU tests/gpu/test_fp8_cuda.py compiles them")
 def test_fp8_kernels_compile_for_a_hopper_gpu():
-    """The FP8 variants (skinny GEMM over FP8 weights, also with gate_up's SiLU-and-mul fused and
-    its split-K reduce, decode over an FP8 pool — extend shares its
+    """The FP8 variants (skinny GEMM over FP8 weights, also with gate_up's SiLU-and-mul and the
+    RMSNorm fused, and its split-K reduce, decode over an FP8 pool — extend shares its
     `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a process without
     TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared memory (8-byte
     weight loads in the activations' layout)."""

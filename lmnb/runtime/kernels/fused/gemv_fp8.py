@@ -47,6 +47,7 @@ from lmnb.runtime.kernels.fused.activation import silu_mul
 from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
 from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
+STREAM_BLOCK: tl.constexpr = tl.constexpr(1024)  # the residual stream's store: columns a step
 FMA_VEC = 8  # FMA path: elements a thread loads at once (8 B of weight, 16 B of activations)
 DOT_VEC = 16  # dot path (both through shared memory): 16-byte asynchronous copies of the weight
 
@@ -167,39 +168,37 @@ def _load_k(ptrs, k, k_end, offs_k, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _normed_x(x, r, g, res_out_ptrs, store, HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
+def _normed_x(x, r, g, HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
     """One element group of the RMSNorm prologue, float32: s = x + r rounded to DTYPE (the
-    residual stream, stored where `store`), -> (s, s * g); the caller sums s^2 for rstd."""
+    residual stream) -> (s, s * g); the caller sums s^2 for rstd."""
     s = x
     if HAS_RES:
         s = (x + r).to(DTYPE).to(tl.float32)
-        tl.store(res_out_ptrs, s.to(DTYPE), mask=store)
     return s, s * g
 
 
 @triton.jit
-def _norm_fma_step(acc, ss, w, x, r, g, res_out_ptrs, store, BLOCK_N: tl.constexpr,
+def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, VEC_K: tl.constexpr, PACKED: tl.constexpr,
                    X_BF16: tl.constexpr, ASM: tl.constexpr, HAS_RES: tl.constexpr,
                    DTYPE: tl.constexpr):
     """`_fma_step` over rmsnorm's input: x (+ r) -> s, ss += s^2, acc += w * (s * g): the
     norm's rstd multiplies the sums once, after the K loop. r, g: x's layout (PACKED: int64s
-    of 4); res_out_ptrs: where s goes, element by element (PACKED: the 4 values of an int64 at
-    +0..3)."""
+    of 4)."""
     if PACKED:
         x0, x1, x2, x3 = _x16x4_to_f32(x, X_BF16)
         r0, r1, r2, r3 = _x16x4_to_f32(r, X_BF16)
         g0, g1, g2, g3 = _x16x4_to_f32(g, X_BF16)
-        s0, h0 = _normed_x(x0, r0, g0, res_out_ptrs, store, HAS_RES, DTYPE)
-        s1, h1 = _normed_x(x1, r1, g1, res_out_ptrs + 1, store, HAS_RES, DTYPE)
-        s2, h2 = _normed_x(x2, r2, g2, res_out_ptrs + 2, store, HAS_RES, DTYPE)
-        s3, h3 = _normed_x(x3, r3, g3, res_out_ptrs + 3, store, HAS_RES, DTYPE)
+        s0, h0 = _normed_x(x0, r0, g0, HAS_RES, DTYPE)
+        s1, h1 = _normed_x(x1, r1, g1, HAS_RES, DTYPE)
+        s2, h2 = _normed_x(x2, r2, g2, HAS_RES, DTYPE)
+        s3, h3 = _normed_x(x3, r3, g3, HAS_RES, DTYPE)
         w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
         ss += s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
         return acc + w0 * h0 + w1 * h1 + w2 * h2 + w3 * h3, ss
     else:
-        sx, h = _normed_x(x.to(tl.float32), r.to(tl.float32), g.to(tl.float32), res_out_ptrs,
-                          store, HAS_RES, DTYPE)
+        sx, h = _normed_x(x.to(tl.float32), r.to(tl.float32), g.to(tl.float32), HAS_RES,
+                          DTYPE)
         prod = w.to(tl.float16).to(tl.float32) * h
         acc = acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
         return acc, ss + sx * sx
@@ -207,8 +206,8 @@ def _norm_fma_step(acc, ss, w, x, r, g, res_out_ptrs, store, BLOCK_N: tl.constex
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _fp8_gemv_kernel(
-    X, W, W_SCALE, B, OUT, PARTIAL, RES, NORM_W, RES_OUT,
-    M, N, K, stride_xm, stride_wn, stride_om, k_span, hidden, eps,
+    X, W, W_SCALE, B, OUT, PARTIAL, RES, NORM_W, X16, RES16, RES_OUT,
+    M, N, K, stride_xm, stride_wn, stride_om, k_span, hidden, stride_x16, eps,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
@@ -236,12 +235,8 @@ def _fp8_gemv_kernel(
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     if NORM:  # RMSNorm prologue (SPLIT_K == 1): residual and norm weight in x's layout
-        x_offs = offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
-        r_ptrs = RES + x_offs
+        r_ptrs = RES + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
         g_ptrs = NORM_W + (k_start + offs_k)[None, :]
-        # the residual stream x + r is written once, by the first program, element by element
-        res_out_ptrs = RES_OUT + x_offs * (4 if PACKED else 1)
-        store_row = mask_m[:, None] & ((tl.zeros((1, 1), dtype=tl.int32) + pid_n) == 0)
 
     if USE_DOT:  # software-pipelined by Triton (cp.async stages)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -251,15 +246,13 @@ def _fp8_gemv_kernel(
             w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
             if NORM:  # x (+ r) -> s (the residual stream), the dot's operand s * g
                 r = _load_x(r_ptrs, k, k_end, offs_k, mask_m, EVEN_K)
-                store = store_row & ((k + offs_k) < k_end)[None, :]
                 sx, h = _normed_x(x.to(tl.float32), r.to(tl.float32),
                                   _load_k(g_ptrs, k, k_end, offs_k, EVEN_K).to(tl.float32),
-                                  res_out_ptrs, store, HAS_RES, RES_OUT.dtype.element_ty)
+                                  HAS_RES, RES_OUT.dtype.element_ty)
                 ss_rows += tl.sum(sx * sx, axis=1)
                 x = h if DOT_UPCAST else h.to(X.dtype.element_ty)
                 r_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
-                res_out_ptrs += BLOCK_K
             if DOT_UPCAST:  # the interpreter, or fp32 activations
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc,
                              input_precision="ieee")
@@ -276,15 +269,12 @@ def _fp8_gemv_kernel(
                 w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
                 r = _load_x(r_ptrs, k, k_end, offs_k, mask_m, EVEN_K)
                 g = _load_k(g_ptrs, k, k_end, offs_k, EVEN_K)
-                store = store_row & ((k + offs_k) < k_end)[None, :]
-                acc2, ss = _norm_fma_step(acc2, ss, w, x, r, g, res_out_ptrs, store, BLOCK_N,
-                                          BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT, HAS_RES,
-                                          RES_OUT.dtype.element_ty)
+                acc2, ss = _norm_fma_step(acc2, ss, w, x, r, g, BLOCK_N, BLOCK_K, VEC_K, PACKED,
+                                          X_BF16, ASM_CVT, HAS_RES, RES_OUT.dtype.element_ty)
                 w_ptrs += BLOCK_K
                 x_ptrs += BLOCK_K
                 r_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
-                res_out_ptrs += BLOCK_K * (4 if PACKED else 1)
         elif PREFETCH:  # the next step's loads are issued before this step's FMAs
             w_next, x_next = _load_step(w_ptrs, x_ptrs, k_start, k_end, offs_k, mask_n, mask_m,
                                         EVEN_K)
@@ -301,6 +291,16 @@ def _fp8_gemv_kernel(
                 acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
                 w_ptrs += BLOCK_K
                 x_ptrs += BLOCK_K
+    if NORM and HAS_RES:  # the first program writes the residual stream s = x + r (16-bit view)
+        if pid_n == 0:
+            dtype = RES_OUT.dtype.element_ty
+            for k0 in range(0, hidden, STREAM_BLOCK):
+                offs = k0 + tl.arange(0, STREAM_BLOCK)
+                where = offs_m[:, None] * stride_x16 + offs[None, :]
+                inside = mask_m[:, None] & (offs < hidden)[None, :]
+                sx = (tl.load(X16 + where, mask=inside, other=0.0).to(tl.float32)
+                      + tl.load(RES16 + where, mask=inside, other=0.0).to(tl.float32))
+                tl.store(RES_OUT + where, sx.to(dtype), mask=inside)
     scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if USE_DOT:
         acc = acc * scale[:, None]  # [BLOCK_N, BLOCK_M]: out^T
@@ -488,9 +488,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         packed_view(x), weight.view(torch.int32) if packed else weight,
         weight_scale, b, out, partial,
         packed_view(res if res is not None else x),
-        packed_view(norm.weight) if norm is not None else x, res_out,
+        packed_view(norm.weight) if norm is not None else x,
+        x, res if res is not None else x, res_out,
         m, n_out, k // q, x.stride(0) // q, weight.stride(0) // q, out.stride(0), k_span // q,
-        k, norm.eps if norm is not None else 0.0,
+        k, x.stride(0), norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k // q, VEC_K=vec // q,
