@@ -60,6 +60,32 @@ def test_compiled_gated_fp8_gemv_is_silu_and_mul_of_it(dtype, m, n, k):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize(("n", "k", "gated"), [(6144, 4096, False), (28672, 4096, True),
+                                               (2 * 37, 1000, True), (40, 1002, False)])
+def test_compiled_fp8_norm_gemv_is_rms_norm_then_the_gemm(m, n, k, gated):
+    """RMSNorm + residual add in the prologue (qkv, gate_up with SiLU: Llama-3-8B's decode
+    fusions; ragged shapes, K not a multiple of 4: x element by element) against `rms_norm`,
+    then the GEMM (and `silu_and_mul`) apart, bf16: the residual stream equal, the output
+    within the separate norm's roundings; the first layer's form (no residual) too."""
+    from lmnb.runtime.kernels.fused import rms_norm, silu_and_mul
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, fp8_gemv, fp8_norm_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(n + m + 2)
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    g = (torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16()
+    for res in (residual, None):
+        normed, stream = (rms_norm(x, g, 1e-5), x) if res is None else rms_norm(x, g, 1e-5, res)
+        want = fp8_gemv(normed, w, scale)
+        want = silu_and_mul(want) if gated else want
+        got, got_stream = fp8_norm_gemv(x, RmsNormInput(res, g, 1e-5), w, scale, gated=gated)
+        assert torch.equal(got_stream, stream)
+        torch.testing.assert_close(got.float(), want.float(), rtol=3 * 2**-8,
+                                   atol=3 * 2**-8 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 7, 16])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
