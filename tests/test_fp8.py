@@ -419,7 +419,8 @@ for use_dot, gated, norm in ((False, False, False), (True, False, False), (False
         assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in ptx
         assert ptx.count("cvt.rn.f16x2.e4m3x2") == 8  # 2 rows x 8 weights a step, a pair each
         assert ("ex2.approx" in ptx) == gated  # silu's exp in the epilogue
-        assert ("rsqrt" in ptx) == norm
+        assert ("rsqrt" in ptx) == norm  # the norm's x + r and s * g: bf16x2 instructions
+        assert ("add.rn.bf16x2" in ptx) == ("mul.rn.bf16x2" in ptx) == norm
 compile(gemv._split_k_reduce_kernel,
         {"PARTIAL": "*fp32", "B": dt, "OUT": dt, "M": "i32", "N": "i32", "stride_om": "i32"},
         {"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024, "GATED": True})

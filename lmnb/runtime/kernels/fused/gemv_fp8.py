@@ -178,6 +178,40 @@ def _normed_x(x, r, g, HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _bf16x2_normed(x, r, g, HAS_RES: tl.constexpr):
+    """int32s of 2 bf16 each (x, r, g) -> f32 (h0, h1, s0, s1): s = x + r and h = s * g in
+    bf16x2 arithmetic (sm_90: one instruction a pair; s rounds as torch's bf16 add does), then
+    widened by shifts. Without HAS_RES, s = x and r is not read."""
+    if HAS_RES:
+        h0, h1, s0, s1 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 s, h;
+            add.rn.bf16x2 s, $4, $5;
+            mul.rn.bf16x2 h, s, $6;
+            shl.b32 $0, h, 16;
+            and.b32 $1, h, 0xFFFF0000;
+            shl.b32 $2, s, 16;
+            and.b32 $3, s, 0xFFFF0000;
+            }""",
+            constraints="=r,=r,=r,=r,r,r,r", args=[x, r, g],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        h0, h1, s0, s1 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 h;
+            mul.rn.bf16x2 h, $4, $5;
+            shl.b32 $0, h, 16;
+            and.b32 $1, h, 0xFFFF0000;
+            shl.b32 $2, $4, 16;
+            and.b32 $3, $4, 0xFFFF0000;
+            }""",
+            constraints="=r,=r,=r,=r,r,r", args=[x, g],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return (h0.to(tl.float32, bitcast=True), h1.to(tl.float32, bitcast=True),
+            s0.to(tl.float32, bitcast=True), s1.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, VEC_K: tl.constexpr, PACKED: tl.constexpr,
                    X_BF16: tl.constexpr, ASM: tl.constexpr, HAS_RES: tl.constexpr,
@@ -185,7 +219,15 @@ def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
     """`_fma_step` over rmsnorm's input: x (+ r) -> s, ss += s^2, acc += w * (s * g): the
     norm's rstd multiplies the sums once, after the K loop. r, g: x's layout (PACKED: int64s
     of 4)."""
-    if PACKED:
+    if PACKED and X_BF16 and ASM:  # the norm's elementwise part in bf16x2 (compiled)
+        h0, h1, s0, s1 = _bf16x2_normed(x.to(tl.int32), r.to(tl.int32), g.to(tl.int32),
+                                        HAS_RES)
+        h2, h3, s2, s3 = _bf16x2_normed((x >> 32).to(tl.int32), (r >> 32).to(tl.int32),
+                                        (g >> 32).to(tl.int32), HAS_RES)
+        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        ss += s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
+        return acc + w0 * h0 + w1 * h1 + w2 * h2 + w3 * h3, ss
+    elif PACKED:
         x0, x1, x2, x3 = _x16x4_to_f32(x, X_BF16)
         r0, r1, r2, r3 = _x16x4_to_f32(r, X_BF16)
         g0, g1, g2, g3 = _x16x4_to_f32(g, X_BF16)
