@@ -82,8 +82,10 @@ def test_compiled_fp8_norm_gemv_is_rms_norm_then_the_gemm(m, n, k, gated):
         want = silu_and_mul(want) if gated else want
         got, got_stream = fp8_norm_gemv(x, RmsNormInput(res, g, 1e-5), w, scale, gated=gated)
         assert torch.equal(got_stream, stream)
-        torch.testing.assert_close(got.float(), want.float(), rtol=3 * 2**-8,
-                                   atol=3 * 2**-8 * want.abs().max().item())
+        # compiled: s * g rounded to bf16 once (bf16x2), where the separate norm rounds
+        # s * rstd and then * g; a few bf16 ulps of the largest output apart at most
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6,
+                                   atol=2**-6 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
