@@ -27,6 +27,7 @@ from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
 from lmnb.runtime.models.layers import fp8
 from lmnb.runtime.models.layers.fusion import set_fused_kernels
+from lmnb.runtime.models.layers import linear
 from lmnb.runtime.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from lmnb.runtime.quantization import (
     Fp8Config,
@@ -303,7 +304,7 @@ def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
     fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
     layers = config.num_layers
     assert calls.count((1, False)) == calls.count((1, True)) == 2 * layers  # 2 decode steps
-    monkeypatch.setattr(MergedColumnParallelLinear, "_fp8_skinny", lambda self, x: False)
+    monkeypatch.setattr(linear, "FP8_DECODE_FUSIONS", False)  # the ablation switch
     calls.clear()
     assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
     assert not calls

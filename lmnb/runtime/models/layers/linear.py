@@ -95,6 +95,10 @@ def _check_even(what: str, total: int, size: int) -> int:
 
 
 SKINNY_MAX_ROWS = fp8.SKINNY_MAX_ROWS
+# Ablation switch (bench/fp8.py's "fp8-unfused" variant; read when a forward runs, so set it
+# before a Runtime captures its CUDA graphs): False runs decode's RMSNorms and SiLU-and-mul as
+# their own kernels beside the FP8 skinny GEMMs.
+FP8_DECODE_FUSIONS = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -214,7 +218,8 @@ class MergedColumnParallelLinear(FusableLinear):
 
     def _fp8_skinny(self, x: torch.Tensor) -> bool:
         """Whether x takes the fused FP8 skinny path (decode), where the fusions below run."""
-        return self.fused and self.weight_scale is not None and fp8.skinny_rows(x)
+        return (FP8_DECODE_FUSIONS and self.fused and self.weight_scale is not None
+                and fp8.skinny_rows(x))
 
     def _fuses(self, act: GatedActivation) -> bool:
         return (act.fused and act.hidden_act == "silu" and len(self.output_sizes) == 2
