@@ -25,9 +25,8 @@ from lmnb.runtime.kernels.triton_extend import extend_attention
 from lmnb.runtime.memory import KVStorage
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
-from lmnb.runtime.models.layers import fp8
+from lmnb.runtime.models.layers import fp8, linear
 from lmnb.runtime.models.layers.fusion import set_fused_kernels
-from lmnb.runtime.models.layers import linear
 from lmnb.runtime.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from lmnb.runtime.quantization import (
     Fp8Config,
