@@ -282,27 +282,33 @@ def _greedy(runner, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach Triton through its interpreter")
 def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
-    """FP8 tiny model (fp32), fused kernels on: decode's RMSNorms in the qkv and gate_up GEMMs'
-    prologues and SiLU-and-mul in gate_up's epilogue (one row: the FMA path; the dot path in
-    tests/test_gemv_fp8.py) against the same skinny GEMMs with the norms and the activation
-    apart: the same greedy tokens; the fused ops are what decode ran (2 a layer)."""
+    """FP8 tiny model (fp32), fused kernels on: decode's input_layernorm, qkv and rotary (k, v
+    stored in the KV pool) as one kernel, post_attention_layernorm, gate_up and SiLU-and-mul as
+    another (one row: the FMA path; the dot path in tests/test_gemv_fp8.py), against the same
+    skinny GEMMs with the norms, rotary and activation apart (`FP8_DECODE_FUSIONS` off): the
+    same greedy tokens; the fused ops are what decode ran."""
     folder = tiny_models["llama-gqa"]
     config = loader.load_model_config(folder)
     with pytest.warns(UserWarning, match="reference path"):
         model = _load(folder, config.quantized("fp8"))
     set_fused_kernels(model, True)
     runner = _runner(model, config)
-    calls: list[tuple[int, bool]] = []
-    fused_op = fp8.fp8_norm_linear
+    calls: list[tuple[str, int]] = []
 
-    def counting(x, *args, gated):
-        calls.append((x.numel() // x.shape[-1], gated))
-        return fused_op(x, *args, gated=gated)
+    def counting(name: str):
+        op = getattr(fp8, name)
 
-    monkeypatch.setattr(fp8, "fp8_norm_linear", counting)
+        def call(x, *args, **kwargs):
+            calls.append((name, x.numel() // x.shape[-1]))
+            return op(x, *args, **kwargs)
+        return call
+
+    for name in ("fp8_norm_linear", "fp8_norm_rotary_linear"):
+        monkeypatch.setattr(fp8, name, counting(name))
     fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
     layers = config.num_layers
-    assert calls.count((1, False)) == calls.count((1, True)) == 2 * layers  # 2 decode steps
+    assert calls.count(("fp8_norm_rotary_linear", 1)) == 2 * layers  # 2 decode steps
+    assert calls.count(("fp8_norm_linear", 1)) == 2 * layers  # gate_up
     monkeypatch.setattr(linear, "FP8_DECODE_FUSIONS", False)  # the ablation switch
     calls.clear()
     assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
@@ -394,11 +400,17 @@ def compile(fn, signature, constants, warps=4, aligned=()):
 f8, dt, i64 = "*fp8e4nv", "*bf16", "*i64"
 gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
              **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om",
-                                   "k_span", "hidden", "stride_x16")}, "eps": "fp32"}
+                                   "k_span", "hidden", "stride_x16", "stride_cos", "stride_k_row",
+                                   "stride_k_head", "stride_v_row", "stride_v_head",
+                                   "num_heads", "num_kv_heads")}, "eps": "fp32",
+             "POS": i64, "COS": "*fp32", "SIN": "*fp32", "SLOTS": i64, "K_OUT": f8, "V_OUT": f8}
 # aligned as the launcher's arguments are at Llama shapes; gated: gate_up with SiLU-and-mul;
-# norm: RMSNorm + the residual add in the prologue (qkv, and gate_up with gated)
-for use_dot, gated, norm in ((False, False, False), (True, False, False), (False, True, False),
-                             (False, False, True), (False, True, True), (True, True, True)):
+# norm: RMSNorm + the residual add in the prologue (qkv, and gate_up with gated); rotary: qkv's
+# rotary in the epilogue, k and v stored to an FP8 pool
+for use_dot, gated, norm, rotary in (
+        (False, False, False, False), (True, False, False, False), (False, True, False, False),
+        (False, False, True, False), (False, True, True, False), (True, True, True, False),
+        (False, False, True, True), (True, False, True, True)):
     packed = not use_dot  # FMA path: 4 weights an int32, 4 bf16 activations an int64
     vec = "*i64" if packed else dt
     args = {"X": vec, "W": "*i32" if packed else f8, "RES": vec, "NORM_W": vec, "X16": dt,
@@ -410,7 +422,7 @@ for use_dot, gated, norm in ((False, False, False), (True, False, False), (False
                       "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC // 4,
                       "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot,
                       "PACKED": packed, "X_BF16": True, "ASM_CVT": True, "GATED": gated,
-                      "NORM": norm, "HAS_RES": norm},
+                      "NORM": norm, "HAS_RES": norm, "ROPE": rotary, "HEAD_DIM": 128, "HALF": 64},
                      aligned=[name for name in args if name not in ("M", "eps")])
     loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
     if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop
@@ -451,8 +463,8 @@ print("compiled")
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU tests/gpu/test_fp8_cuda.py compiles them")
 def test_fp8_kernels_compile_for_a_hopper_gpu():
-    """The FP8 variants (skinny GEMM over FP8 weights, also with gate_up's SiLU-and-mul and the
-    RMSNorm fused, and its split-K reduce, decode over an FP8 pool — extend shares its
+    """The FP8 variants (skinny GEMM over FP8 weights, also with gate_up's SiLU-and-mul, the
+    RMSNorm and qkv's rotary fused, and its split-K reduce, decode over an FP8 pool — extend shares its
     `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a process without
     TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared memory (8-byte
     weight loads in the activations' layout)."""

@@ -204,3 +204,36 @@ def test_norm_prologue_is_rms_norm_then_the_gemm(device, dtype, name):
         tol = 1e-5 if dtype == torch.float32 else 3 * 2**-8
         torch.testing.assert_close(got.float(), want.float(), rtol=tol,
                                    atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("m", "config", "kv_dtype"), [
+    (1, Fp8GemvConfig(4, 256, 2, 1, 1, False), torch.float8_e4m3fn),  # FMA, packed x
+    (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16),  # dot
+])
+def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype):
+    """qkv with the norm in front and the neox rotary behind (`rope=`): q and the KV pool's
+    rows at the slots equal `rotary_qkv(..., kv_buffers=, slots=)` of the GEMM's output (an FP8
+    pool too); other slots untouched; the residual stream the same."""
+    from lmnb.runtime.kernels.fused import rotary_qkv
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
+
+    heads, kv_heads, head_dim, k = 4, 2, 16, 200
+    x, w, scale, bias = _inputs(m, (heads + 2 * kv_heads) * head_dim, k, torch.bfloat16, device)
+    gen = torch.Generator().manual_seed(m)
+    residual = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+    norm = RmsNormInput(residual, (torch.rand(k, generator=gen) + 0.5).to(x), 1e-5)
+    freqs = torch.outer(torch.arange(64.0), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim))
+    cos, sin = (f(torch.cat((freqs, freqs), -1)).to(device) for f in (torch.cos, torch.sin))
+    positions = torch.tensor([5, 63, 0][:m], device=device)
+    slots = torch.tensor([7, 2, 11][:m], device=device)
+    pools = [tuple(torch.full((12, kv_heads, head_dim), 3.0, device=device).to(kv_dtype)
+                   for _ in range(2)) for _ in range(2)]
+    qkv, stream = fp8_norm_gemv(x, norm, w, scale, bias, config)
+    want, _ = rotary_qkv(positions, qkv, cos, sin, num_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, kv_buffers=pools[0], slots=slots)
+    got, got_stream = fp8_norm_gemv(x, norm, w, scale, bias, config, rope=RotaryStore(
+        positions, cos, sin, heads, kv_heads, head_dim, *pools[1], slots))
+    assert torch.equal(got, want) and torch.equal(got_stream, stream)
+    for a, b in zip(pools[0], pools[1], strict=True):
+        assert torch.equal(a.float(), b.float())

@@ -60,7 +60,19 @@ class LlamaAttention(PooledAttention):
                        residual: torch.Tensor | None, rotary: RotaryEmbedding,
                        forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward(norm(hidden, residual))` -> (out, the residual stream); the norm may run
-        inside the qkv GEMM (`MergedColumnParallelLinear.forward_normed`)."""
+        inside the qkv GEMM (`MergedColumnParallelLinear.forward_normed`), and the rotary too
+        (`QKVParallelLinear.forward_normed_rotary`)."""
+        if rotary.fused:
+            storage = self.attn_backend.kv_storage
+            fused = self.qkv_proj.forward_normed_rotary(
+                norm, hidden, residual, rotary, positions,
+                kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
+                slots=forward_batch.out_cache_loc)
+            if fused is not None:
+                q, residual = fused
+                out = self.attn_backend.forward(q, None, None, self.layer_id, forward_batch,
+                                                save_kv=False)
+                return self.o_proj(out), residual
         qkv, residual = self.qkv_proj.forward_normed(norm, hidden, residual)
         return self.attend(positions, qkv, rotary, forward_batch), residual
 

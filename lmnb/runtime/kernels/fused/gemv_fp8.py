@@ -246,15 +246,59 @@ def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
         return acc, ss + sx * sx
 
 
+@triton.jit
+def _rotary_epilogue(acc, pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, Q_OUT, K_OUT, V_OUT,
+                     stride_q, stride_cos, stride_k_row, stride_k_head, stride_v_row,
+                     stride_v_head, num_heads, num_kv_heads, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """qkv's out^T [BLOCK_N, BLOCK_M] in (d, d + HALF) row pairs -> neox rotary of the q and k
+    heads (`rope.rotary_qkv`'s math: qkv rounded to its dtype, rotated in float32): q to
+    Q_OUT [M, heads * HEAD_DIM], k and v to row SLOTS[m] of the KV buffers (their dtype)."""
+    dtype = Q_OUT.dtype.element_ty
+    pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_N // 2, 2, BLOCK_M)),
+                       (0, 2, 1))
+    x1, x2 = tl.split(pairs)  # [BLOCK_N / 2, BLOCK_M]: elements d and d + HALF of a head
+    pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    head = pair // HALF
+    d = pair % HALF
+    inside = (pair < N // 2)[:, None] & mask_m[None, :]
+    pos = tl.load(POS + offs_m, mask=mask_m, other=0).to(tl.int64)
+    trig = pos[None, :] * stride_cos + d[:, None]
+    cos = tl.load(COS + trig, mask=inside, other=0.0)
+    sin = tl.load(SIN + trig, mask=inside, other=0.0)  # COS, SIN: [positions, >= HALF] f32
+    is_q = (head < num_heads)[:, None]
+    is_kv = (head < num_heads + num_kv_heads)[:, None]
+    rotated = is_kv  # q and k heads
+    y1 = tl.where(rotated, x1 * cos - x2 * sin, x1)
+    y2 = tl.where(rotated, x2 * cos + x1 * sin, x2)
+    q_ptrs = Q_OUT + offs_m[None, :] * stride_q + (head * HEAD_DIM + d)[:, None]
+    tl.store(q_ptrs, y1.to(dtype), mask=inside & is_q)
+    tl.store(q_ptrs + HALF, y2.to(dtype), mask=inside & is_q)
+    slot = tl.load(SLOTS + offs_m, mask=mask_m, other=0).to(tl.int64)
+    k_ptrs = (K_OUT + slot[None, :] * stride_k_row
+              + ((head - num_heads) * stride_k_head + d)[:, None])
+    is_k = is_kv & ~is_q
+    tl.store(k_ptrs, y1.to(K_OUT.dtype.element_ty), mask=inside & is_k)
+    tl.store(k_ptrs + HALF, y2.to(K_OUT.dtype.element_ty), mask=inside & is_k)
+    v_ptrs = (V_OUT + slot[None, :] * stride_v_row
+              + ((head - num_heads - num_kv_heads) * stride_v_head + d)[:, None])
+    tl.store(v_ptrs, x1.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
+    tl.store(v_ptrs + HALF, x2.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _fp8_gemv_kernel(
     X, W, W_SCALE, B, OUT, PARTIAL, RES, NORM_W, X16, RES16, RES_OUT,
+    POS, COS, SIN, SLOTS, K_OUT, V_OUT,
     M, N, K, stride_xm, stride_wn, stride_om, k_span, hidden, stride_x16, eps,
+    stride_cos, stride_k_row, stride_k_head, stride_v_row, stride_v_head, num_heads,
+    num_kv_heads,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 2, HALF: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -265,6 +309,11 @@ def _fp8_gemv_kernel(
         offs_n = cols + (tl.arange(0, BLOCK_N) % 2) * N  # weight rows
         mask_n = cols < N
         rows_w = 2 * N
+    elif ROPE:  # qkv's rows in (d, d + HALF) pairs of a head: rows 2i, 2i + 1 of pair i
+        pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        offs_n = (pair // HALF) * HEAD_DIM + pair % HALF + (tl.arange(0, BLOCK_N) % 2) * HALF
+        mask_n = pair < N // 2
+        rows_w = N
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -366,6 +415,12 @@ def _fp8_gemv_kernel(
             out_ptrs = OUT + offs_m[None, :] * stride_om + out_cols[:, None]
             tl.store(out_ptrs, silu_mul(gate, up, dtype).to(dtype),
                      mask=(out_cols < N)[:, None] & mask_m[None, :])
+        elif ROPE:
+            _rotary_epilogue(acc, pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, OUT, K_OUT,
+                             V_OUT,
+                             stride_om, stride_cos, stride_k_row, stride_k_head, stride_v_row,
+                             stride_v_head, num_heads, num_kv_heads, BLOCK_N, BLOCK_M,
+                             HEAD_DIM, HALF)
         else:
             out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
@@ -448,6 +503,21 @@ class RmsNormInput(NamedTuple):
     eps: float
 
 
+class RotaryStore(NamedTuple):
+    """The neox rotary behind a qkv GEMM (`fp8_norm_gemv(..., rope=)`): q comes back, k and v
+    go to the KV buffers at `slots`, as `rope.rotary_qkv(..., kv_buffers=, slots=)` does."""
+
+    positions: torch.Tensor  # [M] int
+    cos: torch.Tensor  # [max_positions, >= head_dim / 2] float32, rows contiguous
+    sin: torch.Tensor  # the same shape and strides
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    k_buffer: torch.Tensor  # [slots, num_kv_heads, head_dim]
+    v_buffer: torch.Tensor
+    slots: torch.Tensor  # [M] int
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None,
              config: Fp8GemvConfig | None = None, *, gated: bool = False) -> torch.Tensor:
@@ -459,13 +529,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     `gated`: the weight is gate_up's [gate (N/2 rows) | up (N/2 rows)] -> silu(gate) * up
     [M, N/2], the activation in the epilogue (`silu_and_mul(fp8_gemv(...))` in one launch,
     rounded at the same places); a program's BLOCK_N rows are BLOCK_N / 2 (gate, up) pairs."""
-    return _launch(x, weight, weight_scale, bias, config, gated=gated, norm=None)[0]
+    return _launch(x, weight, weight_scale, bias, config, gated=gated, norm=None, rope=None)[0]
 
 
 def fp8_norm_gemv(x: torch.Tensor, norm: RmsNormInput, weight: torch.Tensor,
                   weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: Fp8GemvConfig | None = None, *, gated: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: Fp8GemvConfig | None = None, *, gated: bool = False,
+                  rope: RotaryStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fp8_gemv(rms_norm(x, norm.weight, norm.eps, norm.residual), ...)` in one launch ->
     (out, the residual stream x + residual: a new tensor, or x itself without a residual).
 
@@ -473,18 +543,23 @@ def fp8_norm_gemv(x: torch.Tensor, norm: RmsNormInput, weight: torch.Tensor,
     s = x + residual as it goes, multiplies the weight by s * norm.weight and its sums by
     rsqrt(mean(s^2) + eps) at the end; the first program writes s. The normed input is never
     rounded to x's dtype (the separate norm rounds it twice): equal in float32 up to the order
-    of a sum, within bf16's rounding otherwise."""
+    of a sum, within bf16's rounding otherwise.
+
+    `rope` (qkv, not gated): the epilogue also applies the rotary and stores k and v in the KV
+    buffers; `out` is then q [M, num_heads * head_dim]. A program's rows are (d, d + head_dim / 2)
+    pairs of a head."""
     assert norm.weight.shape == (x.shape[-1],) and norm.weight.dtype == x.dtype, \
         "the norm's weight: [K] in x's dtype"
     assert norm.residual is None or (norm.residual.shape == x.shape
                                      and norm.residual.dtype == x.dtype)
-    out, residual = _launch(x, weight, weight_scale, bias, config, gated=gated, norm=norm)
-    return out, residual
+    assert rope is None or not gated
+    return _launch(x, weight, weight_scale, bias, config, gated=gated, norm=norm, rope=rope)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             bias: torch.Tensor | None, config: Fp8GemvConfig | None, *, gated: bool,
-            norm: RmsNormInput | None) -> tuple[torch.Tensor, torch.Tensor]:
+            norm: RmsNormInput | None, rope: RotaryStore | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [rows, K] with rows contiguous"
     m, k = x.shape
     n = weight.shape[0]
@@ -496,11 +571,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     assert bias is None or bias.shape == (n,)
     cfg = config or (interpreter_config(m, n, k) if INTERPRETED else fp8_gemv_config(m, n, k))
     assert cfg.use_dot or m == 1, "the FMA path takes one row"
-    if gated and cfg.block_n % 2:  # whole (gate, up) pairs a program
+    if (gated or rope is not None) and cfg.block_n % 2:  # whole (gate, up) / rotary pairs
         cfg = cfg._replace(block_n=cfg.block_n + 1)
-    if norm is not None and cfg.split_k > 1:  # the norm's sum of squares needs all of K
+    if (norm is not None or rope is not None) and cfg.split_k > 1:  # all of K a program
         cfg = cfg._replace(split_k=1)
     n_out = n // 2 if gated else n
+    if rope is not None:
+        half = rope.head_dim // 2
+        assert rope.head_dim % 2 == 0 and n == (rope.num_heads + 2 * rope.num_kv_heads) * \
+            rope.head_dim, "rope: the weight's rows are q, k and v heads"
+        assert rope.cos.stride() == rope.sin.stride() and rope.cos.stride(-1) == 1
+        assert rope.cos.shape[-1] >= half and rope.positions.shape == rope.slots.shape == (m,)
+        k_buf, v_buf = rope.k_buffer, rope.v_buffer
+        assert k_buf.shape[1:] == v_buf.shape[1:] == (rope.num_kv_heads, rope.head_dim)
+        assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+        n_out = rope.num_heads * rope.head_dim  # q
     vec = DOT_VEC if cfg.use_dot else FMA_VEC
     assert cfg.block_k % vec == 0, f"block_k {cfg.block_k}: a multiple of {vec}"
     block_m = 16 if cfg.use_dot else 1
@@ -526,21 +611,29 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         return t.view(torch.int64) if packed else t
 
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    if rope is None:
+        rope_args = (out,) * 6 + (0,) * 7
+    else:
+        rope_args = (rope.positions, rope.cos, rope.sin, rope.slots, k_buf, v_buf,
+                     rope.cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+                     v_buf.stride(1), rope.num_heads, rope.num_kv_heads)
     _fp8_gemv_kernel[grid](
         packed_view(x), weight.view(torch.int32) if packed else weight,
         weight_scale, b, out, partial,
         packed_view(res if res is not None else x),
         packed_view(norm.weight) if norm is not None else x,
-        x, res if res is not None else x, res_out,
-        m, n_out, k // q, x.stride(0) // q, weight.stride(0) // q, out.stride(0), k_span // q,
-        k, x.stride(0), norm.eps if norm is not None else 0.0,
+        x, res if res is not None else x, res_out, *rope_args[:6],
+        m, n if rope is not None else n_out, k // q, x.stride(0) // q, weight.stride(0) // q,
+        out.stride(0), k_span // q, k, x.stride(0), norm.eps if norm is not None else 0.0,
+        *rope_args[6:],
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k // q, VEC_K=vec // q,
         USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
         PREFETCH=not cfg.use_dot and cfg.num_stages > 1,
         PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED, GATED=gated,
-        NORM=norm is not None, HAS_RES=res is not None,
+        NORM=norm is not None, HAS_RES=res is not None, ROPE=rope is not None,
+        HEAD_DIM=rope.head_dim if rope is not None else 2, HALF=half if rope is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
     )
     if cfg.split_k > 1:

@@ -18,12 +18,19 @@ FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
     `fp8_silu_linear`   gate_up with SiLU-and-mul in the GEMM's epilogue
     `fp8_norm_linear`   RMSNorm (+ the residual add) in the GEMM's prologue: qkv after
                         input_layernorm, gate_up (+ SiLU) after post_attention_layernorm
+    `fp8_norm_rotary_linear`  qkv's, with the rotary in the epilogue storing k and v in the
+                        KV pool (the norm, qkv and rotary kernels in one)
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RotaryStore
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
@@ -121,6 +128,20 @@ def fp8_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     n = weight.shape[0] // (2 if gated else 1)
     return (out.view(*x.shape[:-1], n),
             x if residual is None else stream.view(x.shape))
+
+
+def fp8_norm_rotary_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                           weight_scale: torch.Tensor, bias: torch.Tensor | None, *,
+                           rope: RotaryStore) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_norm_linear` of qkv with the neox rotary in the epilogue: x [tokens, K]
+    (`skinny_rows`) -> (q [tokens, heads * head_dim], the residual stream); k and v go to
+    `rope.k_buffer` / `rope.v_buffer` at `rope.slots` (`gemv_fp8.fp8_norm_gemv(..., rope=)`)."""
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, fp8_norm_gemv
+
+    out, stream = fp8_norm_gemv(x.contiguous(), RmsNormInput(residual, norm_weight, eps),
+                                weight, weight_scale, bias, rope=rope)
+    return out, x if residual is None else stream
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

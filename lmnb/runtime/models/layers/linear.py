@@ -38,6 +38,7 @@ from lmnb.runtime.models.layers import fp8
 from lmnb.runtime.models.layers.activation import GatedActivation
 from lmnb.runtime.models.layers.fusion import Fusable
 from lmnb.runtime.models.layers.norm import RMSNorm
+from lmnb.runtime.models.layers.rotary import RotaryEmbedding
 from lmnb.runtime.models.layers.weights import (
     WeightSource,
     copy_weight,
@@ -281,6 +282,25 @@ class MergedColumnParallelLinear(FusableLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections fused; this rank's heads per `head_split` (`num_heads`,
     `num_kv_heads`: on this rank)."""
+
+    def forward_normed_rotary(self, norm: RMSNorm, x: torch.Tensor,
+                              residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                              positions: torch.Tensor, *,
+                              kv_buffers: tuple[torch.Tensor, torch.Tensor],
+                              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`norm`, this projection and the fused rotary (k and v stored at `slots` of
+        `kv_buffers`, as `rotary.rotate_qkv(..., kv_buffers=, slots=)` does) as one kernel
+        -> (q, the residual stream); None where that kernel does not run (other than decode's
+        fused FP8 path): the caller then takes `forward_normed` and the rotary apart."""
+        if not (self._fp8_skinny(x) and rotary.fused and norm.fused
+                and norm.weight.dtype == x.dtype and x.dim() == 2):
+            return None
+        from lmnb.runtime.kernels.fused.gemv_fp8 import RotaryStore
+
+        rope = RotaryStore(positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
+                           rotary.head_dim, kv_buffers[0], kv_buffers[1], slots)
+        return fp8.fp8_norm_rotary_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                          self.weight_scale, self.bias, rope=rope)
 
     def __init__(self, hidden_size: int, *, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, quant: Fp8Config | None = None) -> None:
