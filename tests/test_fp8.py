@@ -464,10 +464,10 @@ print("compiled")
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU tests/gpu/test_fp8_cuda.py compiles them")
 def test_fp8_kernels_compile_for_a_hopper_gpu():
     """The FP8 variants (skinny GEMM over FP8 weights, also with gate_up's SiLU-and-mul, the
-    RMSNorm and qkv's rotary fused, and its split-K reduce, decode over an FP8 pool — extend shares its
-    `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a process without
-    TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared memory (8-byte
-    weight loads in the activations' layout)."""
+    RMSNorm and qkv's rotary fused, and its split-K reduce, decode over an FP8 pool — extend
+    shares its `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a
+    process without TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared
+    memory (8-byte weight loads in the activations' layout)."""
     import os
     import subprocess
     import sys

@@ -61,6 +61,43 @@ def test_compiled_gated_fp8_gemv_is_silu_and_mul_of_it(dtype, m, n, k):
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_compiled_rotary_epilogue_at_llama_3_8b_qkv(m, kv_dtype):
+    """Llama-3-8B's decode qkv as one kernel (norm, GEMM, neox rotary, k and v to the pool's
+    slots) against the norm-fused GEMM, then `rotary_qkv` storing to a second pool: equal."""
+    from lmnb.runtime.kernels.fused import rotary_qkv
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
+
+    heads, kv_heads, head_dim, k = 32, 8, 128, 4096
+    gen = torch.Generator(device="cuda").manual_seed(m + 3)
+    n = (heads + 2 * kv_heads) * head_dim
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    norm = RmsNormInput(torch.randn(m, k, device="cuda", generator=gen).bfloat16(),
+                        (torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16(), 1e-5)
+    freqs = torch.outer(torch.arange(8192.0, device="cuda"),
+                        5e5 ** -(torch.arange(0, head_dim, 2, device="cuda") / head_dim))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    positions = torch.randint(0, 8192, (m,), device="cuda", generator=gen)
+    slots = torch.randperm(64, device="cuda", generator=gen)[:m]
+    pools = [tuple(torch.zeros(64, kv_heads, head_dim, device="cuda").to(kv_dtype)
+                   for _ in range(2)) for _ in range(2)]
+    qkv, stream = fp8_norm_gemv(x, norm, w, scale)
+    want, _ = rotary_qkv(positions, qkv, cos, sin, num_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, kv_buffers=pools[0], slots=slots)
+    got, got_stream = fp8_norm_gemv(x, norm, w, scale, rope=RotaryStore(
+        positions, cos, sin, heads, kv_heads, head_dim, *pools[1], slots))
+    assert torch.equal(got_stream, stream)
+    # the same sums (one row: the same FMA code; more: the MMA's, rows permuted), then the same
+    # rounding: equal; FP8 pool entries within an e4m3 step should an MMA order differ
+    tol = {"rtol": 0, "atol": 0} if m == 1 else {"rtol": 2**-7 if kv_dtype != fp8.FP8 else 2**-3,
+                                                  "atol": 1e-3}
+    torch.testing.assert_close(got, want, **({"rtol": 2**-7, "atol": 1e-3} if m > 1 else tol))
+    for a, b in zip(pools[0], pools[1], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize(("n", "k", "gated"), [(6144, 4096, False), (28672, 4096, True),
                                                (2 * 37, 1000, True), (40, 1002, False)])
 def test_compiled_fp8_norm_gemv_is_rms_norm_then_the_gemm(m, n, k, gated):
