@@ -20,9 +20,9 @@ paste into `gemv_fp8.TUNED`, and a decode step's linears (32 layers + the LM hea
 model keeps in bf16; its FP8 row shows what an FP8 head would give) in bf16, FP8 as configured
 and FP8 at the sweep's best. JSON: bench/results/gemv_fp8[_sweep].json. qkv and gate_up are
 timed as the model runs them at decode (`FP8_FUSED`: the RMSNorm + residual add in the GEMM's
-prologue, gate_up's SiLU-and-mul in its epilogue; the sweep tunes those kernels), beside the
-same work as separate kernels ("apart": rms_norm, the GEMM, silu_and_mul); `--no-fused`: bare
-GEMMs.
+prologue, gate_up's SiLU-and-mul and qkv's rotary + KV store in the epilogue; the sweep tunes
+those kernels), beside the same work as separate kernels ("apart": rms_norm, the GEMM,
+silu_and_mul / rotary_qkv); `--no-fused`: bare GEMMs.
 
     python bench/gemv.py                      # heuristic vs cuBLAS, all shapes, M = 1 2 4 8 16
     python bench/gemv.py --sweep --models llama2-7b
@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
 
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
 from bench.floor import copy_bandwidth  # noqa: E402
-from lmnb.runtime.kernels.fused import rms_norm, silu_and_mul  # noqa: E402
+from lmnb.runtime.kernels.fused import rms_norm, rotary_qkv, silu_and_mul  # noqa: E402
 from lmnb.runtime.kernels.fused.gemv import (  # noqa: E402
     SKINNY_MAX_ROWS,
     SkinnyConfig,
@@ -61,6 +61,7 @@ from lmnb.runtime.kernels.fused.gemv_fp8 import (  # noqa: E402
     FMA_VEC,
     Fp8GemvConfig,
     RmsNormInput,
+    RotaryStore,
     fp8_gemv,
     fp8_gemv_config,
     fp8_norm_gemv,
@@ -83,8 +84,25 @@ FP8_MODEL = "llama3-8b"  # its bf16 activations; the LM head stays bf16 in the m
 FP8_OPS = ("qkv", "o", "gate_up", "down")
 # What the model runs at decode (layers/linear.py `forward_normed`): qkv after input_layernorm
 # and gate_up after post_attention_layernorm, the norm (+ residual add) in the GEMM's prologue,
-# gate_up's SiLU-and-mul in its epilogue. op -> (norm, gated)
-FP8_FUSED = {"qkv": (True, False), "gate_up": (True, True)}
+# gate_up's SiLU-and-mul in its epilogue, qkv's rotary in its epilogue (k and v stored in a KV
+# pool). op -> (norm, gated, rotary)
+FP8_FUSED = {"qkv": (True, False, True), "gate_up": (True, True, False)}
+UNFUSED = (False, False, False)
+LLAMA3_HEADS = (32, 8, 128)  # q heads, KV heads, head_dim
+ROPE_POSITIONS = 8192
+
+
+def rotary_store(m: int, kv_slots: int = 256) -> RotaryStore:
+    """Llama-3-8B's rotary over m tokens at positions near 8192, k/v to a small bf16 pool."""
+    heads, kv_heads, head_dim = LLAMA3_HEADS
+    freqs = torch.outer(torch.arange(ROPE_POSITIONS, dtype=torch.float32, device="cuda"),
+                        5e5 ** -(torch.arange(0, head_dim, 2, device="cuda") / head_dim))
+    emb = torch.cat((freqs, freqs), -1)
+    pool = [torch.zeros(kv_slots, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)]
+    slots = torch.arange(m, device="cuda")
+    return RotaryStore(ROPE_POSITIONS - 1 - slots, emb.cos(), emb.sin(), heads, kv_heads,
+                       head_dim, pool[0], pool[1], slots)
 SMS = 132  # an H100's
 
 
@@ -234,15 +252,15 @@ def fp8_sweep_grid(m: int, n: int, k: int) -> list[Fp8GemvConfig]:
     return grid
 
 
-Job = tuple[int, int, int, Fp8GemvConfig, bool, bool]  # m, n, k, config, norm, gated
+Job = tuple[int, int, int, Fp8GemvConfig, bool, bool, bool]  # m n k config norm gated rotary
 
 
 def _compile_configs(jobs: list[Job]) -> int:
-    """Worker process: run each (m, n, k, config, norm, gated) once on dummy tensors, filling
-    Triton's cache for the timing process. Returns how many ran."""
+    """Worker process: run each job once on dummy tensors, filling Triton's cache for the
+    timing process. Returns how many ran."""
     done = 0
     weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for m, n, k, config, norm, gated in jobs:
+    for m, n, k, config, norm, gated, rotary in jobs:
         try:
             if (n, k) not in weights:
                 weights = {(n, k): (torch.zeros(n, k, device="cuda", dtype=torch.uint8).view(
@@ -250,7 +268,8 @@ def _compile_configs(jobs: list[Job]) -> int:
             x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
             if norm:
                 fp8_norm_gemv(x, RmsNormInput(x.clone(), x[0].clone(), 1e-5), *weights[n, k],
-                              None, config, gated=gated)
+                              None, config, gated=gated,
+                              rope=rotary_store(m) if rotary else None)
             else:
                 fp8_gemv(x, *weights[n, k], None, config)
             torch.cuda.synchronize()
@@ -290,7 +309,8 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
     for _ in range(max(2, min(CALLS, math.ceil(MIN_BYTES / fp8_bytes)))):
         weights.append(fp8.quantize_rows(
             torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5))
-    norm, gated = FP8_FUSED.get(op, (False, False)) if fused else (False, False)
+    norm, gated, rotary = FP8_FUSED.get(op, UNFUSED) if fused else UNFUSED
+    rope = rotary_store(m) if rotary else None
     residual = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     norm_weight = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(dtype)
     eps = 1e-5
@@ -301,6 +321,13 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
     want = h @ fp8.dequantize_rows(*weights[0]).t()
     if gated:
         want = F.silu(want[:, :n // 2]) * want[:, n // 2:]
+    if rope is not None:  # q rotated, float32
+        heads, _, head_dim = LLAMA3_HEADS
+        q = want[:, :heads * head_dim].view(m, heads, head_dim)
+        cos = rope.cos[rope.positions][:, None, :]
+        sin = rope.sin[rope.positions][:, None, :]
+        half = head_dim // 2
+        want = (q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin).reshape(m, -1)
 
     def error(got: torch.Tensor) -> float:
         return ((got.float() - want).abs().max() / want.abs().max()).item()
@@ -314,23 +341,29 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
         if norm:
             norm_in = RmsNormInput(residual, norm_weight, eps)
             return lambda x, ws: fp8_norm_gemv(x, norm_in, ws[0], ws[1], None, config,
-                                               gated=gated)[0]
+                                               gated=gated, rope=rope)[0]
         return lambda x, ws: fp8_gemv(x, ws[0], ws[1], None, config)
 
     def apart(x: torch.Tensor, ws: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The unfused ops the fused kernel replaces: rms_norm, the GEMM, silu_and_mul."""
+        """The unfused ops the fused kernel replaces: rms_norm, the GEMM, silu_and_mul or
+        rotary_qkv (k and v to the pool)."""
         if norm:
             x, _ = rms_norm(x, norm_weight, eps, residual)
         out = fp8_gemv(x, ws[0], ws[1])
+        if rope is not None:
+            out, _ = rotary_qkv(rope.positions, out, rope.cos, rope.sin,
+                                num_heads=rope.num_heads, num_kv_heads=rope.num_kv_heads,
+                                head_dim=rope.head_dim, kv_buffers=(rope.k_buffer, rope.v_buffer),
+                                slots=rope.slots)
         return silu_and_mul(out) if gated else out
 
     result: dict[str, Any] = {"model": FP8_MODEL, "op": op, "m": m, "n": n, "k": k,
                               "fp8_mb": fp8_bytes / 1e6, "copies": len(weights),
-                              "fused": {"norm": norm, "gated": gated},
+                              "fused": {"norm": norm, "gated": gated, "rotary": rotary},
                               "config": fp8_gemv_config(m, n, k)._asdict(), "failures": []}
     result["errors"] = {"fp8": error(run(None)(xs[0], weights[0]))}
     result["fp8"] = row("fp8", time_per_call(run(None), xs, weights, replays), fp8_bytes)
-    if norm or gated:
+    if norm or gated or rotary:
         result["errors"]["fp8 apart"] = error(apart(xs[0], weights[0]))
         result["fp8_apart"] = row("fp8 apart", time_per_call(apart, xs, weights, replays),
                                   fp8_bytes)
@@ -344,7 +377,7 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
     if sweep:
         tried = []
         for config in dict.fromkeys([fp8_gemv_config(m, n, k), *fp8_sweep_grid(m, n, k)]):
-            if (norm and config.split_k > 1) or (gated and config.block_n % 2):
+            if (norm and config.split_k > 1) or ((gated or rotary) and config.block_n % 2):
                 continue  # the fused kernel would run another config (no split; pairs)
             try:
                 err = error(run(config)(xs[0], weights[0]))
@@ -379,7 +412,7 @@ def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
     rows = args.rows if args.rows_given else [1, SKINNY_MAX_ROWS]
     if args.sweep and args.jobs > 1:
         jobs = [(m, *shapes[op], config,
-                 *(FP8_FUSED.get(op, (False, False)) if not args.no_fused else (False, False)))
+                 *(FP8_FUSED.get(op, UNFUSED) if not args.no_fused else UNFUSED))
                 for m in rows for op in ops
                 for config in dict.fromkeys([fp8_gemv_config(m, *shapes[op]),
                                              *fp8_sweep_grid(m, *shapes[op])])]
