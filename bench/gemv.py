@@ -367,7 +367,9 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
         result["errors"]["fp8 apart"] = error(apart(xs[0], weights[0]))
         result["fp8_apart"] = row("fp8 apart", time_per_call(apart, xs, weights, replays),
                                   fp8_bytes)
-    if result["errors"]["fp8"] > TOLERANCE[dtype]:
+    # fused ops round their bf16 outputs more than once (gate and up, then silu * up)
+    tolerance = TOLERANCE[dtype] * (1.5 if norm or gated or rotary else 1.0)
+    if result["errors"]["fp8"] > tolerance:
         result["failures"].append(f"{result['config']}: relative error "
                                   f"{result['errors']['fp8']:.2e}")
     half = [fp8.dequantize_rows(*ws, dtype) for ws in weights[:max(2, len(weights) // 2)]]
@@ -385,7 +387,7 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
             except Exception as exc:  # a config that does not compile (e.g. shared memory)
                 tried.append({"config": config._asdict(), "error": repr(exc)[:200]})
                 continue
-            if err > TOLERANCE[dtype]:
+            if err > tolerance:
                 result["failures"].append(f"{config}: relative error {err:.2e}")
             tried.append({"config": config._asdict(), **row("sweep", seconds, fp8_bytes),
                           "relative_error": err})
