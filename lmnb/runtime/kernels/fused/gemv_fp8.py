@@ -29,6 +29,18 @@ Paths (`Fp8GemvConfig.use_dot`):
     dot  (M <= 16): out^T tile [BLOCK_N, 16] = dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16]): the
          weight is the dot's left operand (converted in registers), x padded to 16 rows.
 
+Decode's fusions (one launch where a layer had five small kernels besides its GEMMs; at batch 1
+a launch costs about what streaming 6 MB of FP8 weights does):
+    GATED  gate_up's [gate | up] rows in (gate, up) pairs a program; the epilogue writes
+           silu(gate) * up (`activation.silu_mul`; the split-K reduce does the same).
+    NORM   `fp8_norm_gemv`: RMSNorm (+ the residual add) in the prologue. Each program walks all
+           of K anyway: it sums s^2 of s = x + residual as it goes and multiplies the weight by
+           s * g (compiled bf16: two bf16x2 instructions a pair), its sums by rstd after the
+           loop; the first program writes the residual stream. No split K.
+    ROPE   qkv's rows in (d, d + head_dim / 2) pairs of a head; the epilogue applies the neox
+           rotary, writes q and stores k and v in the KV pool at the tokens' slots (`rope.py`'s
+           math).
+
 The launch config is a deterministic function of (M, N, K) (`fp8_gemv_config`: the `TUNED` table
 that `python bench/gemv.py --fp8 --sweep` prints, else a rule); no autotuning, no host sync,
 fixed allocations: CUDA-graph capturable.
