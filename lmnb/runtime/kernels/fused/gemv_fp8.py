@@ -259,13 +259,29 @@ def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _rotary_epilogue(acc, pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, Q_OUT, K_OUT, V_OUT,
-                     stride_q, stride_cos, stride_k_row, stride_k_head, stride_v_row,
+def _rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, stride_cos,
+                   BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """cos, sin [BLOCK_N / 2, BLOCK_M] of this program's (d, d + HALF) pairs at the rows'
+    positions, and the rows' KV slots [BLOCK_M]: loaded before the K loop, in flight while it
+    runs (COS, SIN: [positions, >= HALF] float32)."""
+    pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    inside = (pair < N // 2)[:, None] & mask_m[None, :]
+    pos = tl.load(POS + offs_m, mask=mask_m, other=0).to(tl.int64)
+    trig = pos[None, :] * stride_cos + (pair % HALF)[:, None]
+    cos = tl.load(COS + trig, mask=inside, other=0.0)
+    sin = tl.load(SIN + trig, mask=inside, other=0.0)
+    slot = tl.load(SLOTS + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return cos, sin, slot
+
+
+@triton.jit
+def _rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT, V_OUT,
+                     stride_q, stride_k_row, stride_k_head, stride_v_row,
                      stride_v_head, num_heads, num_kv_heads, BLOCK_N: tl.constexpr,
                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
     """qkv's out^T [BLOCK_N, BLOCK_M] in (d, d + HALF) row pairs -> neox rotary of the q and k
     heads (`rope.rotary_qkv`'s math: qkv rounded to its dtype, rotated in float32): q to
-    Q_OUT [M, heads * HEAD_DIM], k and v to row SLOTS[m] of the KV buffers (their dtype)."""
+    Q_OUT [M, heads * HEAD_DIM], k and v to row `slot` of the KV buffers (their dtype)."""
     dtype = Q_OUT.dtype.element_ty
     pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_N // 2, 2, BLOCK_M)),
                        (0, 2, 1))
@@ -274,10 +290,6 @@ def _rotary_epilogue(acc, pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, Q_OUT,
     head = pair // HALF
     d = pair % HALF
     inside = (pair < N // 2)[:, None] & mask_m[None, :]
-    pos = tl.load(POS + offs_m, mask=mask_m, other=0).to(tl.int64)
-    trig = pos[None, :] * stride_cos + d[:, None]
-    cos = tl.load(COS + trig, mask=inside, other=0.0)
-    sin = tl.load(SIN + trig, mask=inside, other=0.0)  # COS, SIN: [positions, >= HALF] f32
     is_q = (head < num_heads)[:, None]
     is_kv = (head < num_heads + num_kv_heads)[:, None]
     rotated = is_kv  # q and k heads
@@ -286,7 +298,6 @@ def _rotary_epilogue(acc, pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, Q_OUT,
     q_ptrs = Q_OUT + offs_m[None, :] * stride_q + (head * HEAD_DIM + d)[:, None]
     tl.store(q_ptrs, y1.to(dtype), mask=inside & is_q)
     tl.store(q_ptrs + HALF, y2.to(dtype), mask=inside & is_q)
-    slot = tl.load(SLOTS + offs_m, mask=mask_m, other=0).to(tl.int64)
     k_ptrs = (K_OUT + slot[None, :] * stride_k_row
               + ((head - num_heads) * stride_k_head + d)[:, None])
     is_k = is_kv & ~is_q
@@ -337,6 +348,9 @@ def _fp8_gemv_kernel(
     k_end = tl.minimum(k_start + k_span, K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    if ROPE:
+        cos, sin, slot = _rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS,
+                                        stride_cos, BLOCK_N, HALF)
     if NORM:  # RMSNorm prologue (SPLIT_K == 1): residual and norm weight in x's layout
         r_ptrs = RES + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
         g_ptrs = NORM_W + (k_start + offs_k)[None, :]
@@ -428,9 +442,8 @@ def _fp8_gemv_kernel(
             tl.store(out_ptrs, silu_mul(gate, up, dtype).to(dtype),
                      mask=(out_cols < N)[:, None] & mask_m[None, :])
         elif ROPE:
-            _rotary_epilogue(acc, pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, OUT, K_OUT,
-                             V_OUT,
-                             stride_om, stride_cos, stride_k_row, stride_k_head, stride_v_row,
+            _rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, OUT, K_OUT, V_OUT,
+                             stride_om, stride_k_row, stride_k_head, stride_v_row,
                              stride_v_head, num_heads, num_kv_heads, BLOCK_N, BLOCK_M,
                              HEAD_DIM, HALF)
         else:
