@@ -36,7 +36,7 @@ a launch costs about what streaming 6 MB of FP8 weights does):
     NORM   `fp8_norm_gemv`: RMSNorm (+ the residual add) in the prologue. Each program walks all
            of K anyway: it sums s^2 of s = x + residual as it goes and multiplies the weight by
            s * g (compiled bf16: two bf16x2 instructions a pair), its sums by rstd after the
-           loop; the first program writes the residual stream. No split K.
+           loop; the first programs write the residual stream, 1024 columns each. No split K.
     ROPE   qkv's rows in (d, d + head_dim / 2) pairs of a head; the epilogue applies the neox
            rotary, writes q and stores k and v in the KV pool at the tokens' slots (`rope.py`'s
            math).
@@ -408,16 +408,15 @@ def _fp8_gemv_kernel(
                 acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
                 w_ptrs += BLOCK_K
                 x_ptrs += BLOCK_K
-    if NORM and HAS_RES:  # the first program writes the residual stream s = x + r (16-bit view)
-        if pid_n == 0:
-            dtype = RES_OUT.dtype.element_ty
-            for k0 in range(0, hidden, STREAM_BLOCK):
-                offs = k0 + tl.arange(0, STREAM_BLOCK)
-                where = offs_m[:, None] * stride_x16 + offs[None, :]
-                inside = mask_m[:, None] & (offs < hidden)[None, :]
-                sx = (tl.load(X16 + where, mask=inside, other=0.0).to(tl.float32)
-                      + tl.load(RES16 + where, mask=inside, other=0.0).to(tl.float32))
-                tl.store(RES_OUT + where, sx.to(dtype), mask=inside)
+    if NORM and HAS_RES:  # the residual stream s = x + r, STREAM_BLOCK columns a program
+        dtype = RES_OUT.dtype.element_ty
+        for k0 in range(pid_n * STREAM_BLOCK, hidden, tl.num_programs(0) * STREAM_BLOCK):
+            offs = k0 + tl.arange(0, STREAM_BLOCK)
+            where = offs_m[:, None] * stride_x16 + offs[None, :]
+            inside = mask_m[:, None] & (offs < hidden)[None, :]
+            sx = (tl.load(X16 + where, mask=inside, other=0.0).to(tl.float32)
+                  + tl.load(RES16 + where, mask=inside, other=0.0).to(tl.float32))
+            tl.store(RES_OUT + where, sx.to(dtype), mask=inside)
     scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if USE_DOT:
         acc = acc * scale[:, None]  # [BLOCK_N, BLOCK_M]: out^T
@@ -566,7 +565,7 @@ def fp8_norm_gemv(x: torch.Tensor, norm: RmsNormInput, weight: torch.Tensor,
 
     Each program walks all of K (no split K) and so reads the whole row: it sums s^2 of
     s = x + residual as it goes, multiplies the weight by s * norm.weight and its sums by
-    rsqrt(mean(s^2) + eps) at the end; the first program writes s. The normed input is never
+    rsqrt(mean(s^2) + eps) at the end; the first programs write s. The normed input is never
     rounded to x's dtype (the separate norm rounds it twice): equal in float32 up to the order
     of a sum, within bf16's rounding otherwise.
 
