@@ -5,6 +5,8 @@ Variants (one `Runtime` each, built one after the other and closed between):
   fp8           quantization="fp8": linears quantized at load (per-channel scales)
   fp8-kv        kv_cache_dtype="fp8_e4m3" on bf16 weights
   fp8+fp8-kv    both
+  fp8-unfused   fp8 with decode's RMSNorms and SiLU-and-mul as their own kernels, not inside
+                the skinny GEMMs (`layers.linear.FP8_DECODE_FUSIONS`; not run by default)
 
 Parts (`--parts`, default all):
   decode    random Llama-3-8B (`--model`), one 128-id prompt, ms per decode step as
@@ -57,13 +59,16 @@ from bench.dummy_models import write_dummy_model  # noqa: E402
 from bench.floor import copy_bandwidth  # noqa: E402
 from bench.offline import make_workload, measure_workload  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
+from lmnb.runtime.models.layers import linear  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "fp8": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+    "fp8-unfused": {"quantization": "fp8"},  # decode's norms and SiLU apart (ablation)
 }
+DEFAULT_VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8+fp8-kv")
 TEXT = REPO_ROOT / "bench" / "data" / "opticks.txt"
 PARTS = ("decode", "offline", "quality")
 
@@ -142,6 +147,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
         for name in args.variants:
             options = VARIANTS[name]
             row: dict[str, Any] = {}
+            linear.FP8_DECODE_FUSIONS = name != "fp8-unfused"
             with Runtime(str(spec.path), device=str(device),
                          **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
                 row["weight_gb"] = rt.weight_bytes / 1e9
@@ -159,6 +165,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
                             "offline_seconds": measured["seconds"],
                             "offline_retractions": measured["retractions"]}
             results[name] = row
+            linear.FP8_DECODE_FUSIONS = True
             _free()
         return results
 
@@ -180,7 +187,7 @@ def _ratios(speed: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS))
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help="comma-separated, bf16 first (the ratios' base)")
     parser.add_argument("--model", default="llama-3-8b", help="bench/dummy_models.py name")
     parser.add_argument("--tokenizer", type=Path, default=None,

@@ -18,7 +18,11 @@ against float32 math), beside the bf16 skinny kernel on the same shape: us a cal
 read, % of the copy bandwidth, FP8's speed-up over bf16, the best config per shape as lines to
 paste into `gemv_fp8.TUNED`, and a decode step's linears (32 layers + the LM head, which the
 model keeps in bf16; its FP8 row shows what an FP8 head would give) in bf16, FP8 as configured
-and FP8 at the sweep's best. JSON: bench/results/gemv_fp8[_sweep].json.
+and FP8 at the sweep's best. JSON: bench/results/gemv_fp8[_sweep].json. qkv and gate_up are
+timed as the model runs them at decode (`FP8_FUSED`: the RMSNorm + residual add in the GEMM's
+prologue, gate_up's SiLU-and-mul and qkv's rotary + KV store in the epilogue; the sweep tunes
+those kernels), beside the same work as separate kernels ("apart": rms_norm, the GEMM,
+silu_and_mul / rotary_qkv); `--no-fused`: bare GEMMs.
 
     python bench/gemv.py                      # heuristic vs cuBLAS, all shapes, M = 1 2 4 8 16
     python bench/gemv.py --sweep --models llama2-7b
@@ -46,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
 
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
 from bench.floor import copy_bandwidth  # noqa: E402
+from lmnb.runtime.kernels.fused import rms_norm, rotary_qkv, silu_and_mul  # noqa: E402
 from lmnb.runtime.kernels.fused.gemv import (  # noqa: E402
     SKINNY_MAX_ROWS,
     SkinnyConfig,
@@ -55,8 +60,11 @@ from lmnb.runtime.kernels.fused.gemv import (  # noqa: E402
 from lmnb.runtime.kernels.fused.gemv_fp8 import (  # noqa: E402
     FMA_VEC,
     Fp8GemvConfig,
+    RmsNormInput,
+    RotaryStore,
     fp8_gemv,
     fp8_gemv_config,
+    fp8_norm_gemv,
 )
 from lmnb.runtime.models.layers import fp8  # noqa: E402
 
@@ -74,6 +82,27 @@ MIN_BYTES = 256 << 20  # weight copies cycled through by the calls of one graph
 TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 2e-2}  # max error / max |reference|
 FP8_MODEL = "llama3-8b"  # its bf16 activations; the LM head stays bf16 in the model
 FP8_OPS = ("qkv", "o", "gate_up", "down")
+# What the model runs at decode (layers/linear.py `forward_normed`): qkv after input_layernorm
+# and gate_up after post_attention_layernorm, the norm (+ residual add) in the GEMM's prologue,
+# gate_up's SiLU-and-mul in its epilogue, qkv's rotary in its epilogue (k and v stored in a KV
+# pool). op -> (norm, gated, rotary)
+FP8_FUSED = {"qkv": (True, False, True), "gate_up": (True, True, False)}
+UNFUSED = (False, False, False)
+LLAMA3_HEADS = (32, 8, 128)  # q heads, KV heads, head_dim
+ROPE_POSITIONS = 8192
+
+
+def rotary_store(m: int, kv_slots: int = 256) -> RotaryStore:
+    """Llama-3-8B's rotary over m tokens at positions near 8192, k/v to a small bf16 pool."""
+    heads, kv_heads, head_dim = LLAMA3_HEADS
+    freqs = torch.outer(torch.arange(ROPE_POSITIONS, dtype=torch.float32, device="cuda"),
+                        5e5 ** -(torch.arange(0, head_dim, 2, device="cuda") / head_dim))
+    emb = torch.cat((freqs, freqs), -1)
+    pool = [torch.zeros(kv_slots, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)]
+    slots = torch.arange(m, device="cuda")
+    return RotaryStore(ROPE_POSITIONS - 1 - slots, emb.cos(), emb.sin(), heads, kv_heads,
+                       head_dim, pool[0], pool[1], slots)
 SMS = 132  # an H100's
 
 
@@ -187,9 +216,14 @@ def bench_shape(model: str, op: str, n: int, k: int, m: int, dtype: torch.dtype,
 
 
 # FMA path (M == 1): (rows, columns, warps); BLOCK_K spans all warps at FMA_VEC elements a
-# thread (else the weight goes through shared memory every step)
+# thread (else the weight goes through shared memory every step). The small-N shapes (qkv, o:
+# 2048-3072 programs of 2-4 steps each at 2 rows x 1024 columns) wait a DRAM round trip a step:
+# whole rows a step (4096 columns over 16 warps: every load of a program in flight at once) and
+# 1-warp programs (256 columns: 4x the programs resident) are the candidates against that.
 FMA_BLOCKS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (1, 2048, 4), (2, 2048, 4),
-              (1, 2048, 8), (2, 2048, 8), (4, 2048, 8), (2, 512, 2), (4, 512, 2), (8, 512, 2)]
+              (1, 2048, 8), (2, 2048, 8), (4, 2048, 8), (2, 512, 2), (4, 512, 2), (8, 512, 2),
+              (8, 2048, 8), (2, 4096, 16), (4, 4096, 16), (8, 4096, 16), (2, 256, 1),
+              (4, 256, 1), (8, 256, 1)]
 # dot path: (rows, columns, stages), 4 warps; 16-32 rows also at M = 1
 DOT_BLOCKS = [(16, 512, 3), (32, 256, 4), (64, 128, 4), (64, 256, 3), (128, 128, 4)]
 
@@ -218,18 +252,26 @@ def fp8_sweep_grid(m: int, n: int, k: int) -> list[Fp8GemvConfig]:
     return grid
 
 
-def _compile_configs(jobs: list[tuple[int, int, int, Fp8GemvConfig]]) -> int:
-    """Worker process: run each (m, n, k, config) once on dummy tensors, filling Triton's cache
-    for the timing process. Returns how many ran."""
+Job = tuple[int, int, int, Fp8GemvConfig, bool, bool, bool]  # m n k config norm gated rotary
+
+
+def _compile_configs(jobs: list[Job]) -> int:
+    """Worker process: run each job once on dummy tensors, filling Triton's cache for the
+    timing process. Returns how many ran."""
     done = 0
     weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for m, n, k, config in jobs:
+    for m, n, k, config, norm, gated, rotary in jobs:
         try:
             if (n, k) not in weights:
                 weights = {(n, k): (torch.zeros(n, k, device="cuda", dtype=torch.uint8).view(
                     torch.float8_e4m3fn), torch.ones(n, device="cuda"))}
-            fp8_gemv(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), *weights[n, k],
-                     None, config)
+            x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+            if norm:
+                fp8_norm_gemv(x, RmsNormInput(x.clone(), x[0].clone(), 1e-5), *weights[n, k],
+                              None, config, gated=gated,
+                              rope=rotary_store(m) if rotary else None)
+            else:
+                fp8_gemv(x, *weights[n, k], None, config)
             torch.cuda.synchronize()
             done += 1
         except Exception:  # the timing process meets (and records) the error again
@@ -237,7 +279,7 @@ def _compile_configs(jobs: list[tuple[int, int, int, Fp8GemvConfig]]) -> int:
     return done
 
 
-def precompile(jobs: list[tuple[int, int, int, Fp8GemvConfig]], workers: int) -> None:
+def precompile(jobs: list[Job], workers: int) -> None:
     """Compile the sweep's kernels in `workers` processes at once (Triton's cache is shared):
     compiling, not timing, is what a sweep spends its minutes on."""
     import concurrent.futures
@@ -258,7 +300,7 @@ def precompile(jobs: list[tuple[int, int, int, Fp8GemvConfig]], workers: int) ->
 
 
 def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: int,
-                    sweep: bool) -> dict[str, Any]:
+                    sweep: bool, fused: bool) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     dtype = torch.bfloat16
     xs = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(2)]
@@ -267,7 +309,25 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
     for _ in range(max(2, min(CALLS, math.ceil(MIN_BYTES / fp8_bytes)))):
         weights.append(fp8.quantize_rows(
             torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5))
-    want = xs[0].float() @ fp8.dequantize_rows(*weights[0]).t()
+    norm, gated, rotary = FP8_FUSED.get(op, UNFUSED) if fused else UNFUSED
+    rope = rotary_store(m) if rotary else None
+    residual = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    norm_weight = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(dtype)
+    eps = 1e-5
+    h = xs[0].float()
+    if norm:  # float32 reference of the norm in front
+        s = (h + residual.float()).to(dtype).float()
+        h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    want = h @ fp8.dequantize_rows(*weights[0]).t()
+    if gated:
+        want = F.silu(want[:, :n // 2]) * want[:, n // 2:]
+    if rope is not None:  # q rotated, float32
+        heads, _, head_dim = LLAMA3_HEADS
+        q = want[:, :heads * head_dim].view(m, heads, head_dim)
+        cos = rope.cos[rope.positions][:, None, :]
+        sin = rope.sin[rope.positions][:, None, :]
+        half = head_dim // 2
+        want = (q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin).reshape(m, -1)
 
     def error(got: torch.Tensor) -> float:
         return ((got.float() - want).abs().max() / want.abs().max()).item()
@@ -278,14 +338,38 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
                 "pct_copy_bw": 100 * bandwidth / copy_bw}
 
     def run(config: Fp8GemvConfig | None):
+        if norm:
+            norm_in = RmsNormInput(residual, norm_weight, eps)
+            return lambda x, ws: fp8_norm_gemv(x, norm_in, ws[0], ws[1], None, config,
+                                               gated=gated, rope=rope)[0]
         return lambda x, ws: fp8_gemv(x, ws[0], ws[1], None, config)
+
+    def apart(x: torch.Tensor, ws: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The unfused ops the fused kernel replaces: rms_norm, the GEMM, silu_and_mul or
+        rotary_qkv (k and v to the pool)."""
+        if norm:
+            x, _ = rms_norm(x, norm_weight, eps, residual)
+        out = fp8_gemv(x, ws[0], ws[1])
+        if rope is not None:
+            out, _ = rotary_qkv(rope.positions, out, rope.cos, rope.sin,
+                                num_heads=rope.num_heads, num_kv_heads=rope.num_kv_heads,
+                                head_dim=rope.head_dim, kv_buffers=(rope.k_buffer, rope.v_buffer),
+                                slots=rope.slots)
+        return silu_and_mul(out) if gated else out
 
     result: dict[str, Any] = {"model": FP8_MODEL, "op": op, "m": m, "n": n, "k": k,
                               "fp8_mb": fp8_bytes / 1e6, "copies": len(weights),
+                              "fused": {"norm": norm, "gated": gated, "rotary": rotary},
                               "config": fp8_gemv_config(m, n, k)._asdict(), "failures": []}
     result["errors"] = {"fp8": error(run(None)(xs[0], weights[0]))}
     result["fp8"] = row("fp8", time_per_call(run(None), xs, weights, replays), fp8_bytes)
-    if result["errors"]["fp8"] > TOLERANCE[dtype]:
+    if norm or gated or rotary:
+        result["errors"]["fp8 apart"] = error(apart(xs[0], weights[0]))
+        result["fp8_apart"] = row("fp8 apart", time_per_call(apart, xs, weights, replays),
+                                  fp8_bytes)
+    # fused ops round their bf16 outputs more than once (gate and up, then silu * up)
+    tolerance = TOLERANCE[dtype] * (1.5 if norm or gated or rotary else 1.0)
+    if result["errors"]["fp8"] > tolerance:
         result["failures"].append(f"{result['config']}: relative error "
                                   f"{result['errors']['fp8']:.2e}")
     half = [fp8.dequantize_rows(*ws, dtype) for ws in weights[:max(2, len(weights) // 2)]]
@@ -295,18 +379,21 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
     if sweep:
         tried = []
         for config in dict.fromkeys([fp8_gemv_config(m, n, k), *fp8_sweep_grid(m, n, k)]):
+            if (norm and config.split_k > 1) or ((gated or rotary) and config.block_n % 2):
+                continue  # the fused kernel would run another config (no split; pairs)
             try:
                 err = error(run(config)(xs[0], weights[0]))
                 seconds = time_per_call(run(config), xs, weights, max(replays // 4, 2))
             except Exception as exc:  # a config that does not compile (e.g. shared memory)
                 tried.append({"config": config._asdict(), "error": repr(exc)[:200]})
                 continue
-            if err > TOLERANCE[dtype]:
+            if err > tolerance:
                 result["failures"].append(f"{config}: relative error {err:.2e}")
             tried.append({"config": config._asdict(), **row("sweep", seconds, fp8_bytes),
                           "relative_error": err})
         timed = sorted((t for t in tried if "us" in t), key=lambda t: t["us"])
         result["sweep"] = timed
+        timed = [t for t in timed if t["relative_error"] <= tolerance]  # best: right ones only
         result["sweep_errors"] = [t for t in tried if "us" not in t]
         result["best"] = timed[0] if timed else None
     del weights
@@ -327,7 +414,9 @@ def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
     ops = args.ops or [*FP8_OPS, "lm_head"]
     rows = args.rows if args.rows_given else [1, SKINNY_MAX_ROWS]
     if args.sweep and args.jobs > 1:
-        jobs = [(m, *shapes[op], config) for m in rows for op in ops
+        jobs = [(m, *shapes[op], config,
+                 *(FP8_FUSED.get(op, UNFUSED) if not args.no_fused else UNFUSED))
+                for m in rows for op in ops
                 for config in dict.fromkeys([fp8_gemv_config(m, *shapes[op]),
                                              *fp8_sweep_grid(m, *shapes[op])])]
         precompile(jobs, args.jobs)
@@ -335,12 +424,15 @@ def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
     for m in rows:
         for op in ops:
             n, k = shapes[op]
-            r = bench_fp8_shape(op, n, k, m, copy_bw, args.replays, args.sweep)
+            r = bench_fp8_shape(op, n, k, m, copy_bw, args.replays, args.sweep,
+                                fused=not args.no_fused)
             results.append(r)
             best = r.get("best")
+            apart = r.get("fp8_apart")
             print(f"fp8 {op:8s} M={m:2d}: bf16 {r['bf16']['us']:7.1f} us "
                   f"({r['bf16']['pct_copy_bw']:5.1f}%)  fp8 {r['fp8']['us']:7.1f} us "
                   f"({r['fp8']['pct_copy_bw']:5.1f}%, {r['fp8']['speedup_vs_bf16']:.2f}x)"
+                  + (f" fused, {apart['us']:7.1f} us apart" if apart else "")
                   + (f"  best {best['us']:7.1f} us ({best['pct_copy_bw']:5.1f}%, "
                      f"{r['bf16']['us'] / best['us']:.2f}x) {tuple(best['config'].values())}"
                      if best else ""), flush=True)
@@ -368,6 +460,9 @@ def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
                 or [None])[0]
         step = {"bf16": sum(got[op]["bf16"]["us"] for op in FP8_OPS) * layers,
                 "fp8": sum(got[op]["fp8"]["us"] for op in FP8_OPS) * layers}
+        if any("fp8_apart" in got[op] for op in FP8_OPS):  # norms and SiLU as their own kernels
+            step["fp8 apart"] = sum(got[op].get("fp8_apart", got[op]["fp8"])["us"]
+                                    for op in FP8_OPS) * layers
         if all(got[op].get("best") for op in FP8_OPS):
             step["fp8 best"] = sum(got[op]["best"]["us"] for op in FP8_OPS) * layers
         step = {key: us / 1e3 for key, us in step.items()}
@@ -416,6 +511,9 @@ def main() -> int:
     parser.add_argument("--fp8", action="store_true",
                         help="Llama-3-8B's linears with FP8 weights (gemv_fp8) beside bf16")
     parser.add_argument("--device", default="cuda", choices=["cuda"])
+    parser.add_argument("--no-fused", action="store_true",
+                        help="--fp8: time qkv and gate_up as bare GEMMs, not as the model runs "
+                             "them at decode (RMSNorm in the prologue, gate_up's SiLU fused)")
     parser.add_argument("--jobs", type=int, default=8,
                         help="--fp8 --sweep: processes compiling the kernels first (1: none)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/)")

@@ -25,7 +25,7 @@ from lmnb.runtime.kernels.triton_extend import extend_attention
 from lmnb.runtime.memory import KVStorage
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
-from lmnb.runtime.models.layers import fp8
+from lmnb.runtime.models.layers import fp8, linear
 from lmnb.runtime.models.layers.fusion import set_fused_kernels
 from lmnb.runtime.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from lmnb.runtime.quantization import (
@@ -271,6 +271,49 @@ def test_tiny_model_fp8_logits_are_close_to_fp32(tiny_models, fp8_checkpoints):
         assert not torch.equal(fused[1], got[1])  # decode took the skinny kernel (W8A16)
 
 
+def _greedy(runner, prompt: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens, each from a decode step (one row: the FMA path) after a prefill."""
+    ids = list(prompt)
+    for _ in range(steps):
+        _, decode = _passes(runner, [ids[:-1]], [ids[-1]])
+        ids.append(int(decode[-1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach Triton through its interpreter")
+def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
+    """FP8 tiny model (fp32), fused kernels on: decode's input_layernorm, qkv and rotary (k, v
+    stored in the KV pool) as one kernel, post_attention_layernorm, gate_up and SiLU-and-mul as
+    another (one row: the FMA path; the dot path in tests/test_gemv_fp8.py), against the same
+    skinny GEMMs with the norms, rotary and activation apart (`FP8_DECODE_FUSIONS` off): the
+    same greedy tokens; the fused ops are what decode ran."""
+    folder = tiny_models["llama-gqa"]
+    config = loader.load_model_config(folder)
+    with pytest.warns(UserWarning, match="reference path"):
+        model = _load(folder, config.quantized("fp8"))
+    set_fused_kernels(model, True)
+    runner = _runner(model, config)
+    calls: list[tuple[str, int]] = []
+
+    def counting(name: str):
+        op = getattr(fp8, name)
+
+        def call(x, *args, **kwargs):
+            calls.append((name, x.numel() // x.shape[-1]))
+            return op(x, *args, **kwargs)
+        return call
+
+    for name in ("fp8_norm_linear", "fp8_norm_rotary_linear"):
+        monkeypatch.setattr(fp8, name, counting(name))
+    fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
+    layers = config.num_layers
+    assert calls.count(("fp8_norm_rotary_linear", 1)) == 2 * layers  # 2 decode steps
+    assert calls.count(("fp8_norm_linear", 1)) == 2 * layers  # gate_up
+    monkeypatch.setattr(linear, "FP8_DECODE_FUSIONS", False)  # the ablation switch
+    calls.clear()
+    assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
+    assert not calls
+
 # ---- kernels in the interpreter ------------------------------------------------------------
 
 pytestmark = SAME_TRITON_MODE
@@ -345,7 +388,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lmnb.runtime.kernels import triton_decode
-from lmnb.runtime.kernels.fused import fp8_quant, gemv_fp8, rope
+from lmnb.runtime.kernels.fused import fp8_quant, gemv, gemv_fp8, rope
 
 def compile(fn, signature, constants, warps=4, aligned=()):
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -357,24 +400,42 @@ def compile(fn, signature, constants, warps=4, aligned=()):
 f8, dt, i64 = "*fp8e4nv", "*bf16", "*i64"
 gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
              **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om",
-                                   "k_span")}}
-for use_dot in (False, True):  # aligned as the launcher's arguments are at Llama shapes
+                                   "k_span", "hidden", "stride_x16", "stride_cos", "stride_k_row",
+                                   "stride_k_head", "stride_v_row", "stride_v_head",
+                                   "num_heads", "num_kv_heads")}, "eps": "fp32",
+             "POS": i64, "COS": "*fp32", "SIN": "*fp32", "SLOTS": i64, "K_OUT": f8, "V_OUT": f8}
+# aligned as the launcher's arguments are at Llama shapes; gated: gate_up with SiLU-and-mul;
+# norm: RMSNorm + the residual add in the prologue (qkv, and gate_up with gated); rotary: qkv's
+# rotary in the epilogue, k and v stored to an FP8 pool
+for use_dot, gated, norm, rotary in (
+        (False, False, False, False), (True, False, False, False), (False, True, False, False),
+        (False, False, True, False), (False, True, True, False), (True, True, True, False),
+        (False, False, True, True), (True, False, True, True)):
     packed = not use_dot  # FMA path: 4 weights an int32, 4 bf16 activations an int64
-    args = {"X": "*i64" if packed else dt, "W": "*i32" if packed else f8, **gemv_args}
+    vec = "*i64" if packed else dt
+    args = {"X": vec, "W": "*i32" if packed else f8, "RES": vec, "NORM_W": vec, "X16": dt,
+            "RES16": dt, "RES_OUT": dt, **gemv_args}
     kernel = compile(gemv_fp8._fp8_gemv_kernel, args,
                      {"HAS_BIAS": False, "SPLIT_K": 1, "EVEN_K": True,
                       "BLOCK_M": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 2,
                       "BLOCK_K": 256 if use_dot else 1024 // 4,
                       "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC // 4,
                       "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot,
-                      "PACKED": packed, "X_BF16": True, "ASM_CVT": True},
-                     aligned=[name for name in args if name != "M"])
+                      "PACKED": packed, "X_BF16": True, "ASM_CVT": True, "GATED": gated,
+                      "NORM": norm, "HAS_RES": norm, "ROPE": rotary, "HEAD_DIM": 128, "HALF": 64},
+                     aligned=[name for name in args if name not in ("M", "eps")])
     loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
     if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop
         assert "convert_layout" not in loop and "local_alloc" not in loop, loop
         ptx = kernel.asm["ptx"]
         assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in ptx
         assert ptx.count("cvt.rn.f16x2.e4m3x2") == 8  # 2 rows x 8 weights a step, a pair each
+        assert ("ex2.approx" in ptx) == gated  # silu's exp in the epilogue
+        assert ("rsqrt" in ptx) == norm  # the norm's x + r and s * g: bf16x2 instructions
+        assert ("add.rn.bf16x2" in ptx) == ("mul.rn.bf16x2" in ptx) == norm
+compile(gemv._split_k_reduce_kernel,
+        {"PARTIAL": "*fp32", "B": dt, "OUT": dt, "M": "i32", "N": "i32", "stride_om": "i32"},
+        {"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024, "GATED": True})
 compile(triton_decode._decode_partial_kernel,
         {"Q": dt, "K": f8, "V": f8, "KV_INDPTR": i64, "KV_INDICES": i64,
          "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": dt, "scale": "fp32",
@@ -402,10 +463,11 @@ print("compiled")
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU tests/gpu/test_fp8_cuda.py compiles them")
 def test_fp8_kernels_compile_for_a_hopper_gpu():
-    """The FP8 variants (skinny GEMM over FP8 weights, decode over an FP8 pool — extend shares its
-    `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a process without
-    TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared memory (8-byte
-    weight loads in the activations' layout)."""
+    """The FP8 variants (skinny GEMM over FP8 weights, also with gate_up's SiLU-and-mul, the
+    RMSNorm and qkv's rotary fused, and its split-K reduce, decode over an FP8 pool — extend
+    shares its `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a
+    process without TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared
+    memory (8-byte weight loads in the activations' layout)."""
     import os
     import subprocess
     import sys

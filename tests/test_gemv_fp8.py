@@ -136,3 +136,102 @@ def test_fp8_linear_takes_it_for_few_rows_when_fused(device, monkeypatch):
         assert out.shape == (1, rows, 24)
     fp8.fp8_linear(x[:2], w, scale, bias, fused=False)
     assert calls == [1, 3, SKINNY_MAX_ROWS]
+
+
+# gate_up's weight [gate (I rows) | up (I rows)] with SiLU-and-mul in the epilogue: (M, I, K)
+GATED = {
+    "FMA, 4 rows = 2 pairs a program": ((1, 11, 2100), Fp8GemvConfig(4, 1024, 1, 4, 1, False)),
+    "FMA, 1 row made a pair, split K": ((1, 9, 3000), Fp8GemvConfig(1, 1024, 2, 4, 2, False)),
+    "dot, split K": ((16, 40, 1100), Fp8GemvConfig(32, 256, 2, 4, 4, True)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("name", "dtype"), [(name, torch.bfloat16) for name in GATED]
+                         + [("dot, split K", torch.float32)])
+def test_gated_is_silu_and_mul_of_the_gemm(device, dtype, name):
+    """`gated=True` gives what `silu_and_mul(fp8_gemv(...))` gives (two launches), rounded at
+    the same places: equal for 16-bit x, up to a sum's order in float32; bias on gate and up;
+    ragged I against the pairs a program holds."""
+    from lmnb.runtime.kernels.fused import silu_and_mul
+
+    (m, i, k), config = GATED[name]
+    x, w, scale, bias = _inputs(m, 2 * i, k, dtype, device, seed=3)
+    for b in (None, bias):
+        got = fp8_gemv(x, w, scale, b, config, gated=True)
+        want = silu_and_mul(fp8_gemv(x, w, scale, b, config))
+        assert got.shape == (m, i) and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        else:
+            assert torch.equal(got, want)
+
+
+# RMSNorm (+ the residual add) in the prologue: (M, N, K) -> config; K multiple of 4 or not
+# (16-bit x: packed or element by element), split K overridden (the norm needs all of K)
+NORMED = {
+    "FMA, packed": ((1, 12, 2100), Fp8GemvConfig(4, 1024, 1, 4, 1, False)),
+    "FMA, element by element, split K asked": ((1, 10, 1001), Fp8GemvConfig(2, 512, 2, 2, 2,
+                                                                            False)),
+    "dot": ((5, 70, 520), Fp8GemvConfig(64, 256, 1, 4, 3, True)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("name", "dtype"), [(name, torch.bfloat16) for name in NORMED]
+                         + [("dot", torch.float32), ("FMA, packed", torch.float16)])
+def test_norm_prologue_is_rms_norm_then_the_gemm(device, dtype, name):
+    """`fp8_norm_gemv` against `rms_norm` then `fp8_gemv` (gated and not, with and without the
+    residual): the residual stream exactly; the output up to the separate norm's two roundings
+    of its output (float32: a sum's order)."""
+    from lmnb.runtime.kernels.fused import rms_norm, silu_and_mul
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, fp8_norm_gemv
+
+    (m, n, k), config = NORMED[name]
+    x, w, scale, bias = _inputs(m, n, k, dtype, device, seed=4)
+    gen = torch.Generator().manual_seed(k)
+    residual = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    g = (torch.rand(k, generator=gen) + 0.5).to(device=device, dtype=dtype)
+    for res, gated in ((None, False), (residual, True), (residual, False)):
+        normed, stream = (rms_norm(x, g, 1e-5), x) if res is None else rms_norm(x, g, 1e-5, res)
+        want = fp8_gemv(normed, w, scale, bias, config)
+        want = silu_and_mul(want) if gated else want
+        got, got_stream = fp8_norm_gemv(x, RmsNormInput(res, g, 1e-5), w, scale, bias, config,
+                                        gated=gated)
+        assert torch.equal(got_stream, stream) and got.shape == want.shape
+        tol = 1e-5 if dtype == torch.float32 else 3 * 2**-8
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol,
+                                   atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("m", "config", "kv_dtype"), [
+    (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float8_e4m3fn),  # FMA, packed x
+    (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16),  # dot
+])
+def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype):
+    """qkv with the norm in front and the neox rotary behind (`rope=`): q and the KV pool's
+    rows at the slots equal `rotary_qkv(..., kv_buffers=, slots=)` of the GEMM's output (an FP8
+    pool too); other slots untouched; the residual stream the same."""
+    from lmnb.runtime.kernels.fused import rotary_qkv
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
+
+    heads, kv_heads, head_dim, k = 4, 2, 16, 200
+    x, w, scale, bias = _inputs(m, (heads + 2 * kv_heads) * head_dim, k, torch.bfloat16, device)
+    gen = torch.Generator().manual_seed(m)
+    residual = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+    norm = RmsNormInput(residual, (torch.rand(k, generator=gen) + 0.5).to(x), 1e-5)
+    freqs = torch.outer(torch.arange(64.0), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim))
+    cos, sin = (f(torch.cat((freqs, freqs), -1)).to(device) for f in (torch.cos, torch.sin))
+    positions = torch.tensor([5, 63, 0][:m], device=device)
+    slots = torch.tensor([7, 2, 11][:m], device=device)
+    pools = [tuple(torch.full((12, kv_heads, head_dim), 3.0, device=device).to(kv_dtype)
+                   for _ in range(2)) for _ in range(2)]
+    qkv, stream = fp8_norm_gemv(x, norm, w, scale, bias, config)
+    want, _ = rotary_qkv(positions, qkv, cos, sin, num_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, kv_buffers=pools[0], slots=slots)
+    got, got_stream = fp8_norm_gemv(x, norm, w, scale, bias, config, rope=RotaryStore(
+        positions, cos, sin, heads, kv_heads, head_dim, *pools[1], slots))
+    assert torch.equal(got, want) and torch.equal(got_stream, stream)
+    for a, b in zip(pools[0], pools[1], strict=True):
+        assert torch.equal(a.float(), b.float())

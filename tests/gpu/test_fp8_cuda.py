@@ -38,6 +38,94 @@ def test_scaled_mm_path_is_the_reference_math(dtype, m):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (2 * 1792, 4096), (2 * 37, 1000)])
+def test_compiled_gated_fp8_gemv_is_silu_and_mul_of_it(dtype, m, n, k):
+    """gate_up with SiLU-and-mul in the epilogue (Llama-3-8B's, a tensor-parallel shard's,
+    a ragged one) against the GEMM and `silu_and_mul` apart, rounded at the same places (equal
+    but for an MMA's order of a sum); with split K through the gated reduce."""
+    from lmnb.runtime.kernels.fused import silu_and_mul
+    from lmnb.runtime.kernels.fused.gemv_fp8 import Fp8GemvConfig, fp8_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(n + m + 1)
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype) if m % 2 else None
+    split = Fp8GemvConfig(2, 512, 2, 2, 1, False) if m == 1 else Fp8GemvConfig(
+        32, 256, 2, 4, 4, True)
+    for config in (None, split):
+        got = fp8_gemv(x, w, scale, bias, config, gated=True)
+        want = silu_and_mul(fp8_gemv(x, w, scale, bias, config))
+        assert got.shape == (m, n // 2)
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_compiled_rotary_epilogue_at_llama_3_8b_qkv(m, kv_dtype):
+    """Llama-3-8B's decode qkv as one kernel (norm, GEMM, neox rotary, k and v to the pool's
+    slots) against the norm-fused GEMM, then `rotary_qkv` storing to a second pool: equal."""
+    from lmnb.runtime.kernels.fused import rotary_qkv
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
+
+    heads, kv_heads, head_dim, k = 32, 8, 128, 4096
+    gen = torch.Generator(device="cuda").manual_seed(m + 3)
+    n = (heads + 2 * kv_heads) * head_dim
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    norm = RmsNormInput(torch.randn(m, k, device="cuda", generator=gen).bfloat16(),
+                        (torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16(), 1e-5)
+    freqs = torch.outer(torch.arange(8192.0, device="cuda"),
+                        5e5 ** -(torch.arange(0, head_dim, 2, device="cuda") / head_dim))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    positions = torch.randint(0, 8192, (m,), device="cuda", generator=gen)
+    slots = torch.randperm(64, device="cuda", generator=gen)[:m]
+    pools = [tuple(torch.zeros(64, kv_heads, head_dim, device="cuda").to(kv_dtype)
+                   for _ in range(2)) for _ in range(2)]
+    qkv, stream = fp8_norm_gemv(x, norm, w, scale)
+    want, _ = rotary_qkv(positions, qkv, cos, sin, num_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, kv_buffers=pools[0], slots=slots)
+    got, got_stream = fp8_norm_gemv(x, norm, w, scale, rope=RotaryStore(
+        positions, cos, sin, heads, kv_heads, head_dim, *pools[1], slots))
+    assert torch.equal(got_stream, stream)
+    # the same sums (one row: the same FMA code; more: the MMA's, rows permuted), then the same
+    # rounding: equal; FP8 pool entries within an e4m3 step should an MMA order differ
+    exact = {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(got, want, **(exact if m == 1 else {"rtol": 2**-7, "atol": 2**-6}))
+    tol = exact if m == 1 else {"rtol": 2**-3 if kv_dtype == fp8.FP8 else 2**-7, "atol": 2**-6}
+    for a, b in zip(pools[0], pools[1], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize(("n", "k", "gated"), [(6144, 4096, False), (28672, 4096, True),
+                                               (2 * 37, 1000, True), (40, 1002, False)])
+def test_compiled_fp8_norm_gemv_is_rms_norm_then_the_gemm(m, n, k, gated):
+    """RMSNorm + residual add in the prologue (qkv, gate_up with SiLU: Llama-3-8B's decode
+    fusions; ragged shapes, K not a multiple of 4: x element by element) against `rms_norm`,
+    then the GEMM (and `silu_and_mul`) apart, bf16: the residual stream equal, the output
+    within the separate norm's roundings; the first layer's form (no residual) too."""
+    from lmnb.runtime.kernels.fused import rms_norm, silu_and_mul
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, fp8_gemv, fp8_norm_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(n + m + 2)
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    g = (torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16()
+    for res in (residual, None):
+        normed, stream = (rms_norm(x, g, 1e-5), x) if res is None else rms_norm(x, g, 1e-5, res)
+        want = fp8_gemv(normed, w, scale)
+        want = silu_and_mul(want) if gated else want
+        got, got_stream = fp8_norm_gemv(x, RmsNormInput(res, g, 1e-5), w, scale, gated=gated)
+        assert torch.equal(got_stream, stream)
+        # compiled: s * g rounded to bf16 once (bf16x2), where the separate norm rounds
+        # s * rstd and then * g; a few bf16 ulps of the largest output apart at most
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6,
+                                   atol=2**-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 7, 16])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
                                       (1024, 4096), (40, 96), (1000, 1000)])

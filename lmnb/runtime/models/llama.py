@@ -54,8 +54,32 @@ class LlamaAttention(PooledAttention):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(hidden), rotary, forward_batch)
+
+    def forward_normed(self, norm: RMSNorm, positions: torch.Tensor, hidden: torch.Tensor,
+                       residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                       forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(norm(hidden, residual))` -> (out, the residual stream); the norm may run
+        inside the qkv GEMM (`MergedColumnParallelLinear.forward_normed`), and the rotary too
+        (`QKVParallelLinear.forward_normed_rotary`)."""
+        if rotary.fused:
+            storage = self.attn_backend.kv_storage
+            fused = self.qkv_proj.forward_normed_rotary(
+                norm, hidden, residual, rotary, positions,
+                kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
+                slots=forward_batch.out_cache_loc)
+            if fused is not None:
+                q, residual = fused
+                out = self.attn_backend.forward(q, None, None, self.layer_id, forward_batch,
+                                                save_kv=False)
+                return self.o_proj(out), residual
+        qkv, residual = self.qkv_proj.forward_normed(norm, hidden, residual)
+        return self.attend(positions, qkv, rotary, forward_batch), residual
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding,
+               forward_batch: ForwardBatch) -> torch.Tensor:
+        """Rotary, attention and o_proj over the qkv projection's output."""
         backend = self.attn_backend
-        qkv = self.qkv_proj(hidden)
         if rotary.fused:  # one kernel: rotate q and k, store k and v in the KV pool
             storage = backend.kv_storage
             q, _, _ = rotary.rotate_qkv(
@@ -83,7 +107,14 @@ class LlamaMLP(nn.Module):
         self.act_fn = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_gated(x, self.act_fn))
+
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(norm(x, residual))` -> (out, the residual stream); norm, gate_up and the
+        activation may run as one kernel (`MergedColumnParallelLinear.forward_normed`)."""
+        act, residual = self.gate_up_proj.forward_normed(norm, x, residual, act=self.act_fn)
+        return self.down_proj(act), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -102,14 +133,9 @@ class LlamaDecoderLayer(nn.Module):
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output, the residual stream before it); their sum is the
         layer's output hidden state. `residual` None: the first layer (hidden is the stream)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, rotary, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn.forward_normed(self.input_layernorm, positions, hidden,
+                                                         residual, rotary, forward_batch)
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
 
 class LlamaModel(nn.Module):

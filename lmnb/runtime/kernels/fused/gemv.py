@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.fused.activation import silu_mul
 from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
 SKINNY_MAX_ROWS = 16  # rows the dot path pads to (one m16 tensor-core tile)
@@ -102,16 +103,32 @@ def _skinny_kernel(
 def _split_k_reduce_kernel(
     PARTIAL, B, OUT, M, N, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    GATED: tl.constexpr = False,
 ):
+    """out [M, N] = sum of PARTIAL [SPLIT_K, M, N] (+ bias), rounded to OUT's dtype. GATED:
+    PARTIAL [SPLIT_K, M, 2N] holds gate | up, out = silu(gate) * up (`activation.silu_mul`)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(PARTIAL + s * M * N + offs, mask=mask, other=0.0)
     row = offs // N
     col = offs % N
-    if HAS_BIAS:
-        acc += tl.load(B + col, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        gate = tl.zeros((BLOCK,), dtype=tl.float32)
+        up = tl.zeros((BLOCK,), dtype=tl.float32)
+        base = row * 2 * N + col
+        for s in tl.static_range(SPLIT_K):
+            gate += tl.load(PARTIAL + s * M * 2 * N + base, mask=mask, other=0.0)
+            up += tl.load(PARTIAL + s * M * 2 * N + base + N, mask=mask, other=0.0)
+        if HAS_BIAS:
+            gate += tl.load(B + col, mask=mask, other=0.0).to(tl.float32)
+            up += tl.load(B + N + col, mask=mask, other=0.0).to(tl.float32)
+        dtype = OUT.dtype.element_ty
+        acc = silu_mul(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(PARTIAL + s * M * N + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(B + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + row * stride_om + col, acc.to(OUT.dtype.element_ty), mask=mask)
 
 

@@ -29,6 +29,18 @@ Paths (`Fp8GemvConfig.use_dot`):
     dot  (M <= 16): out^T tile [BLOCK_N, 16] = dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16]): the
          weight is the dot's left operand (converted in registers), x padded to 16 rows.
 
+Decode's fusions (one launch where a layer had five small kernels besides its GEMMs; at batch 1
+a launch costs about what streaming 6 MB of FP8 weights does):
+    GATED  gate_up's [gate | up] rows in (gate, up) pairs a program; the epilogue writes
+           silu(gate) * up (`activation.silu_mul`; the split-K reduce does the same).
+    NORM   `fp8_norm_gemv`: RMSNorm (+ the residual add) in the prologue. Each program walks all
+           of K anyway: it sums s^2 of s = x + residual as it goes and multiplies the weight by
+           s * g (compiled bf16: two bf16x2 instructions a pair), its sums by rstd after the
+           loop; the first programs write the residual stream, 1024 columns each. No split K.
+    ROPE   qkv's rows in (d, d + head_dim / 2) pairs of a head; the epilogue applies the neox
+           rotary, writes q and stores k and v in the KV pool at the tokens' slots (`rope.py`'s
+           math).
+
 The launch config is a deterministic function of (M, N, K) (`fp8_gemv_config`: the `TUNED` table
 that `python bench/gemv.py --fp8 --sweep` prints, else a rule); no autotuning, no host sync,
 fixed allocations: CUDA-graph capturable.
@@ -43,9 +55,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.fused.activation import silu_mul
 from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
 from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
+STREAM_BLOCK: tl.constexpr = tl.constexpr(1024)  # the residual stream's store: columns a step
 FMA_VEC = 8  # FMA path: elements a thread loads at once (8 B of weight, 16 B of activations)
 DOT_VEC = 16  # dot path (both through shared memory): 16-byte asynchronous copies of the weight
 
@@ -145,32 +159,217 @@ def _fma_step(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl
         return acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
 
 
+@triton.jit
+def _load_x(x_ptrs, k, k_end, offs_k, mask_m, EVEN_K: tl.constexpr):
+    """x's tile [BLOCK_M, BLOCK_K] at column k, as `_load_step` reads it (the residual too)."""
+    if EVEN_K:
+        inside = (tl.zeros((1, 1), dtype=tl.int32) + k) < k_end
+        return tl.load(x_ptrs, mask=mask_m[:, None] & inside, other=0.0)
+    else:
+        return tl.load(x_ptrs, mask=mask_m[:, None] & ((k + offs_k) < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_k(ptrs, k, k_end, offs_k, EVEN_K: tl.constexpr):
+    """A [1, BLOCK_K] vector (the norm's weight) at column k; nothing at or past k_end."""
+    if EVEN_K:
+        inside = (tl.zeros((1, 1), dtype=tl.int32) + k) < k_end
+        return tl.load(ptrs, mask=inside, other=0.0)
+    else:
+        return tl.load(ptrs, mask=((k + offs_k) < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _normed_x(x, r, g, HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
+    """One element group of the RMSNorm prologue, float32: s = x + r rounded to DTYPE (the
+    residual stream) -> (s, s * g); the caller sums s^2 for rstd."""
+    s = x
+    if HAS_RES:
+        s = (x + r).to(DTYPE).to(tl.float32)
+    return s, s * g
+
+
+@triton.jit
+def _bf16x2_normed(x, r, g, HAS_RES: tl.constexpr):
+    """int32s of 2 bf16 each (x, r, g) -> f32 (h0, h1, s0, s1): s = x + r and h = s * g in
+    bf16x2 arithmetic (sm_90: one instruction a pair; s rounds as torch's bf16 add does), then
+    widened by shifts. Without HAS_RES, s = x and r is not read."""
+    if HAS_RES:
+        h0, h1, s0, s1 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 s, h;
+            add.rn.bf16x2 s, $4, $5;
+            mul.rn.bf16x2 h, s, $6;
+            shl.b32 $0, h, 16;
+            and.b32 $1, h, 0xFFFF0000;
+            shl.b32 $2, s, 16;
+            and.b32 $3, s, 0xFFFF0000;
+            }""",
+            constraints="=r,=r,=r,=r,r,r,r", args=[x, r, g],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        h0, h1, s0, s1 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 h;
+            mul.rn.bf16x2 h, $4, $5;
+            shl.b32 $0, h, 16;
+            and.b32 $1, h, 0xFFFF0000;
+            shl.b32 $2, $4, 16;
+            and.b32 $3, $4, 0xFFFF0000;
+            }""",
+            constraints="=r,=r,=r,=r,r,r", args=[x, g],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return (h0.to(tl.float32, bitcast=True), h1.to(tl.float32, bitcast=True),
+            s0.to(tl.float32, bitcast=True), s1.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, VEC_K: tl.constexpr, PACKED: tl.constexpr,
+                   X_BF16: tl.constexpr, ASM: tl.constexpr, HAS_RES: tl.constexpr,
+                   DTYPE: tl.constexpr):
+    """`_fma_step` over rmsnorm's input: x (+ r) -> s, ss += s^2, acc += w * (s * g): the
+    norm's rstd multiplies the sums once, after the K loop. r, g: x's layout (PACKED: int64s
+    of 4)."""
+    if PACKED and X_BF16 and ASM:  # the norm's elementwise part in bf16x2 (compiled)
+        h0, h1, s0, s1 = _bf16x2_normed(x.to(tl.int32), r.to(tl.int32), g.to(tl.int32),
+                                        HAS_RES)
+        h2, h3, s2, s3 = _bf16x2_normed((x >> 32).to(tl.int32), (r >> 32).to(tl.int32),
+                                        (g >> 32).to(tl.int32), HAS_RES)
+        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        ss += s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
+        return acc + w0 * h0 + w1 * h1 + w2 * h2 + w3 * h3, ss
+    elif PACKED:
+        x0, x1, x2, x3 = _x16x4_to_f32(x, X_BF16)
+        r0, r1, r2, r3 = _x16x4_to_f32(r, X_BF16)
+        g0, g1, g2, g3 = _x16x4_to_f32(g, X_BF16)
+        s0, h0 = _normed_x(x0, r0, g0, HAS_RES, DTYPE)
+        s1, h1 = _normed_x(x1, r1, g1, HAS_RES, DTYPE)
+        s2, h2 = _normed_x(x2, r2, g2, HAS_RES, DTYPE)
+        s3, h3 = _normed_x(x3, r3, g3, HAS_RES, DTYPE)
+        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        ss += s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
+        return acc + w0 * h0 + w1 * h1 + w2 * h2 + w3 * h3, ss
+    else:
+        sx, h = _normed_x(x.to(tl.float32), r.to(tl.float32), g.to(tl.float32), HAS_RES,
+                          DTYPE)
+        prod = w.to(tl.float16).to(tl.float32) * h
+        acc = acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
+        return acc, ss + sx * sx
+
+
+@triton.jit
+def _rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, stride_cos,
+                   BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """cos, sin [BLOCK_N / 2, BLOCK_M] of this program's (d, d + HALF) pairs at the rows'
+    positions, and the rows' KV slots [BLOCK_M]: loaded before the K loop, in flight while it
+    runs (COS, SIN: [positions, >= HALF] float32)."""
+    pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    inside = (pair < N // 2)[:, None] & mask_m[None, :]
+    pos = tl.load(POS + offs_m, mask=mask_m, other=0).to(tl.int64)
+    trig = pos[None, :] * stride_cos + (pair % HALF)[:, None]
+    cos = tl.load(COS + trig, mask=inside, other=0.0)
+    sin = tl.load(SIN + trig, mask=inside, other=0.0)
+    slot = tl.load(SLOTS + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return cos, sin, slot
+
+
+@triton.jit
+def _rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT, V_OUT,
+                     stride_q, stride_k_row, stride_k_head, stride_v_row,
+                     stride_v_head, num_heads, num_kv_heads, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """qkv's out^T [BLOCK_N, BLOCK_M] in (d, d + HALF) row pairs -> neox rotary of the q and k
+    heads (`rope.rotary_qkv`'s math: qkv rounded to its dtype, rotated in float32): q to
+    Q_OUT [M, heads * HEAD_DIM], k and v to row `slot` of the KV buffers (their dtype)."""
+    dtype = Q_OUT.dtype.element_ty
+    pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_N // 2, 2, BLOCK_M)),
+                       (0, 2, 1))
+    x1, x2 = tl.split(pairs)  # [BLOCK_N / 2, BLOCK_M]: elements d and d + HALF of a head
+    pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    head = pair // HALF
+    d = pair % HALF
+    inside = (pair < N // 2)[:, None] & mask_m[None, :]
+    is_q = (head < num_heads)[:, None]
+    is_kv = (head < num_heads + num_kv_heads)[:, None]
+    rotated = is_kv  # q and k heads
+    y1 = tl.where(rotated, x1 * cos - x2 * sin, x1)
+    y2 = tl.where(rotated, x2 * cos + x1 * sin, x2)
+    q_ptrs = Q_OUT + offs_m[None, :] * stride_q + (head * HEAD_DIM + d)[:, None]
+    tl.store(q_ptrs, y1.to(dtype), mask=inside & is_q)
+    tl.store(q_ptrs + HALF, y2.to(dtype), mask=inside & is_q)
+    k_ptrs = (K_OUT + slot[None, :] * stride_k_row
+              + ((head - num_heads) * stride_k_head + d)[:, None])
+    is_k = is_kv & ~is_q
+    tl.store(k_ptrs, y1.to(K_OUT.dtype.element_ty), mask=inside & is_k)
+    tl.store(k_ptrs + HALF, y2.to(K_OUT.dtype.element_ty), mask=inside & is_k)
+    v_ptrs = (V_OUT + slot[None, :] * stride_v_row
+              + ((head - num_heads - num_kv_heads) * stride_v_head + d)[:, None])
+    tl.store(v_ptrs, x1.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
+    tl.store(v_ptrs + HALF, x2.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _fp8_gemv_kernel(
-    X, W, W_SCALE, B, OUT, PARTIAL,
-    M, N, K, stride_xm, stride_wn, stride_om, k_span,
+    X, W, W_SCALE, B, OUT, PARTIAL, RES, NORM_W, X16, RES16, RES_OUT,
+    POS, COS, SIN, SLOTS, K_OUT, V_OUT,
+    M, N, K, stride_xm, stride_wn, stride_om, k_span, hidden, stride_x16, eps,
+    stride_cos, stride_k_row, stride_k_head, stride_v_row, stride_v_head, num_heads,
+    num_kv_heads,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr,
+    PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 2, HALF: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:  # N outputs, 2N weight rows (gate | up): rows 2i, 2i + 1 = gate, up of output i
+        half = tl.arange(0, BLOCK_N) // 2
+        cols = pid_n * (BLOCK_N // 2) + half
+        offs_n = cols + (tl.arange(0, BLOCK_N) % 2) * N  # weight rows
+        mask_n = cols < N
+        rows_w = 2 * N
+    elif ROPE:  # qkv's rows in (d, d + HALF) pairs of a head: rows 2i, 2i + 1 of pair i
+        pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        offs_n = (pair // HALF) * HEAD_DIM + pair % HALF + (tl.arange(0, BLOCK_N) % 2) * HALF
+        mask_n = pair < N // 2
+        rows_w = N
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        rows_w = N
     # VEC_K contiguous elements a thread: the weight's and x's loads then share one layout
     offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), VEC_K), VEC_K)
     mask_m = offs_m < M
-    mask_n = offs_n < N
     k_start = pid_k * k_span
     k_end = tl.minimum(k_start + k_span, K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    if ROPE:
+        cos, sin, slot = _rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS,
+                                        stride_cos, BLOCK_N, HALF)
+    if NORM:  # RMSNorm prologue (SPLIT_K == 1): residual and norm weight in x's layout
+        r_ptrs = RES + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+        g_ptrs = NORM_W + (k_start + offs_k)[None, :]
 
     if USE_DOT:  # software-pipelined by Triton (cp.async stages)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if NORM:
+            ss_rows = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
             w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
+            if NORM:  # x (+ r) -> s (the residual stream), the dot's operand s * g
+                r = _load_x(r_ptrs, k, k_end, offs_k, mask_m, EVEN_K)
+                sx, h = _normed_x(x.to(tl.float32), r.to(tl.float32),
+                                  _load_k(g_ptrs, k, k_end, offs_k, EVEN_K).to(tl.float32),
+                                  HAS_RES, RES_OUT.dtype.element_ty)
+                ss_rows += tl.sum(sx * sx, axis=1)
+                x = h if DOT_UPCAST else h.to(X.dtype.element_ty)
+                r_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
             if DOT_UPCAST:  # the interpreter, or fp32 activations
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc,
                              input_precision="ieee")
@@ -181,7 +380,19 @@ def _fp8_gemv_kernel(
             x_ptrs += BLOCK_K
     else:  # a few partial sums a thread and row
         acc2 = tl.zeros((BLOCK_N, BLOCK_K if PACKED else BLOCK_K // VEC_K), dtype=tl.float32)
-        if PREFETCH:  # the next step's loads are issued before this step's FMAs
+        ss = tl.zeros((1, BLOCK_K), dtype=tl.float32)  # NORM: s^2 a lane
+        if NORM:  # r and g are read as the step runs (L1 hits), not prefetched
+            for k in range(k_start, k_end, BLOCK_K):
+                w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
+                r = _load_x(r_ptrs, k, k_end, offs_k, mask_m, EVEN_K)
+                g = _load_k(g_ptrs, k, k_end, offs_k, EVEN_K)
+                acc2, ss = _norm_fma_step(acc2, ss, w, x, r, g, BLOCK_N, BLOCK_K, VEC_K, PACKED,
+                                          X_BF16, ASM_CVT, HAS_RES, RES_OUT.dtype.element_ty)
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+                r_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+        elif PREFETCH:  # the next step's loads are issued before this step's FMAs
             w_next, x_next = _load_step(w_ptrs, x_ptrs, k_start, k_end, offs_k, mask_n, mask_m,
                                         EVEN_K)
             for k in range(k_start, k_end, BLOCK_K):
@@ -197,20 +408,48 @@ def _fp8_gemv_kernel(
                 acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
                 w_ptrs += BLOCK_K
                 x_ptrs += BLOCK_K
+    if NORM and HAS_RES:  # the residual stream s = x + r, STREAM_BLOCK columns a program
+        dtype = RES_OUT.dtype.element_ty
+        for k0 in range(pid_n * STREAM_BLOCK, hidden, tl.num_programs(0) * STREAM_BLOCK):
+            offs = k0 + tl.arange(0, STREAM_BLOCK)
+            where = offs_m[:, None] * stride_x16 + offs[None, :]
+            inside = mask_m[:, None] & (offs < hidden)[None, :]
+            sx = (tl.load(X16 + where, mask=inside, other=0.0).to(tl.float32)
+                  + tl.load(RES16 + where, mask=inside, other=0.0).to(tl.float32))
+            tl.store(RES_OUT + where, sx.to(dtype), mask=inside)
     scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if USE_DOT:
         acc = acc * scale[:, None]  # [BLOCK_N, BLOCK_M]: out^T
+        if NORM:
+            acc = acc * tl.rsqrt(ss_rows / hidden + eps)[None, :]
     else:
         acc = (tl.sum(acc2, axis=1) * scale)[:, None]  # [BLOCK_N, 1]
+        if NORM:
+            acc = acc * tl.rsqrt(tl.sum(ss) / hidden + eps)
 
     mask = mask_n[:, None] & mask_m[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
-    else:
-        part_ptrs = PARTIAL + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+        if GATED:  # [BLOCK_N, BLOCK_M] -> gate, up [BLOCK_N / 2, BLOCK_M] -> silu(gate) * up
+            dtype = OUT.dtype.element_ty
+            pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32),
+                                          (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1))
+            gate, up = tl.split(pairs)
+            out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            out_ptrs = OUT + offs_m[None, :] * stride_om + out_cols[:, None]
+            tl.store(out_ptrs, silu_mul(gate, up, dtype).to(dtype),
+                     mask=(out_cols < N)[:, None] & mask_m[None, :])
+        elif ROPE:
+            _rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, OUT, K_OUT, V_OUT,
+                             stride_om, stride_k_row, stride_k_head, stride_v_row,
+                             stride_v_head, num_heads, num_kv_heads, BLOCK_N, BLOCK_M,
+                             HEAD_DIM, HALF)
+        else:
+            out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+    else:  # fp32 partials [SPLIT_K, M, rows of the weight]
+        part_ptrs = PARTIAL + (pid_k * M + offs_m[None, :]) * rows_w + offs_n[:, None]
         tl.store(part_ptrs, acc, mask=mask)
 
 
@@ -279,16 +518,76 @@ def interpreter_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     return Fp8GemvConfig(block_n, block_k, 1, 4, 1, m > 1)
 
 
+class RmsNormInput(NamedTuple):
+    """The RMSNorm in front of a GEMM (`fp8_norm_gemv`): the GEMM reads
+    weight * rmsnorm(x + residual) (residual None: of x)."""
+
+    residual: torch.Tensor | None  # [M, K] like x
+    weight: torch.Tensor  # [K], x's dtype
+    eps: float
+
+
+class RotaryStore(NamedTuple):
+    """The neox rotary behind a qkv GEMM (`fp8_norm_gemv(..., rope=)`): q comes back, k and v
+    go to the KV buffers at `slots`, as `rope.rotary_qkv(..., kv_buffers=, slots=)` does."""
+
+    positions: torch.Tensor  # [M] int
+    cos: torch.Tensor  # [max_positions, >= head_dim / 2] float32, rows contiguous
+    sin: torch.Tensor  # the same shape and strides
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    k_buffer: torch.Tensor  # [slots, num_kv_heads, head_dim]
+    v_buffer: torch.Tensor
+    slots: torch.Tensor  # [M] int
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None,
-             config: Fp8GemvConfig | None = None) -> torch.Tensor:
+             config: Fp8GemvConfig | None = None, *, gated: bool = False) -> torch.Tensor:
     """x [M, K] (rows contiguous, 1 <= M <= SKINNY_MAX_ROWS; fp32/fp16/bf16), weight [N, K]
     float8_e4m3fn contiguous, weight_scale [N] float32 (row n stands for weight[n] * scale[n]),
     bias [N] or None -> [M, N] in x's dtype (fp32 accumulation). `config` overrides the table
-    (benchmark sweeps)."""
+    (benchmark sweeps).
+
+    `gated`: the weight is gate_up's [gate (N/2 rows) | up (N/2 rows)] -> silu(gate) * up
+    [M, N/2], the activation in the epilogue (`silu_and_mul(fp8_gemv(...))` in one launch,
+    rounded at the same places); a program's BLOCK_N rows are BLOCK_N / 2 (gate, up) pairs."""
+    return _launch(x, weight, weight_scale, bias, config, gated=gated, norm=None, rope=None)[0]
+
+
+def fp8_norm_gemv(x: torch.Tensor, norm: RmsNormInput, weight: torch.Tensor,
+                  weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: Fp8GemvConfig | None = None, *, gated: bool = False,
+                  rope: RotaryStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_gemv(rms_norm(x, norm.weight, norm.eps, norm.residual), ...)` in one launch ->
+    (out, the residual stream x + residual: a new tensor, or x itself without a residual).
+
+    Each program walks all of K (no split K) and so reads the whole row: it sums s^2 of
+    s = x + residual as it goes, multiplies the weight by s * norm.weight and its sums by
+    rsqrt(mean(s^2) + eps) at the end; the first programs write s. The normed input is never
+    rounded to x's dtype (the separate norm rounds it twice): equal in float32 up to the order
+    of a sum, within bf16's rounding otherwise.
+
+    `rope` (qkv, not gated): the epilogue also applies the rotary and stores k and v in the KV
+    buffers; `out` is then q [M, num_heads * head_dim]. A program's rows are (d, d + head_dim / 2)
+    pairs of a head."""
+    assert norm.weight.shape == (x.shape[-1],) and norm.weight.dtype == x.dtype, \
+        "the norm's weight: [K] in x's dtype"
+    assert norm.residual is None or (norm.residual.shape == x.shape
+                                     and norm.residual.dtype == x.dtype)
+    assert rope is None or not gated
+    return _launch(x, weight, weight_scale, bias, config, gated=gated, norm=norm, rope=rope)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+            bias: torch.Tensor | None, config: Fp8GemvConfig | None, *, gated: bool,
+            norm: RmsNormInput | None, rope: RotaryStore | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [rows, K] with rows contiguous"
     m, k = x.shape
     n = weight.shape[0]
+    assert not gated or n % 2 == 0, f"gated: {n} weight rows, gate | up expected"
     assert 1 <= m <= SKINNY_MAX_ROWS, f"{m} rows: the skinny kernel takes 1..{SKINNY_MAX_ROWS}"
     assert weight.dtype == torch.float8_e4m3fn, f"weight dtype {weight.dtype}: e4m3 expected"
     assert weight.shape == (n, k) and weight.stride() == (k, 1), "weight must be [N, K] contiguous"
@@ -296,36 +595,76 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     assert bias is None or bias.shape == (n,)
     cfg = config or (interpreter_config(m, n, k) if INTERPRETED else fp8_gemv_config(m, n, k))
     assert cfg.use_dot or m == 1, "the FMA path takes one row"
+    if (gated or rope is not None) and cfg.block_n % 2:  # whole (gate, up) / rotary pairs
+        cfg = cfg._replace(block_n=cfg.block_n + 1)
+    if (norm is not None or rope is not None) and cfg.split_k > 1:  # all of K a program
+        cfg = cfg._replace(split_k=1)
+    n_out = n // 2 if gated else n
+    if rope is not None:
+        half = rope.head_dim // 2
+        assert rope.head_dim % 2 == 0 and n == (rope.num_heads + 2 * rope.num_kv_heads) * \
+            rope.head_dim, "rope: the weight's rows are q, k and v heads"
+        assert rope.cos.stride() == rope.sin.stride() and rope.cos.stride(-1) == 1
+        assert rope.cos.shape[-1] >= half and rope.positions.shape == rope.slots.shape == (m,)
+        k_buf, v_buf = rope.k_buffer, rope.v_buffer
+        assert k_buf.shape[1:] == v_buf.shape[1:] == (rope.num_kv_heads, rope.head_dim)
+        assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+        n_out = rope.num_heads * rope.head_dim  # q
     vec = DOT_VEC if cfg.use_dot else FMA_VEC
     assert cfg.block_k % vec == 0, f"block_k {cfg.block_k}: a multiple of {vec}"
     block_m = 16 if cfg.use_dot else 1
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial = (out if cfg.split_k == 1 else
                torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
     b = bias if bias is not None else out  # unused without HAS_BIAS
+    res = norm.residual if norm is not None and norm.residual is not None else None
+    if res is not None:
+        res = res.contiguous()
+        x = x.contiguous()
+    res_out = x if res is None else torch.empty_like(x)
     # FMA path over 16-bit x: weights read as int32 (4 a value), x as int64 (4 a value), all
-    # sizes along K in those units
+    # sizes along K in those units (the norm's residual and weight too)
     packed = (not cfg.use_dot and x.dtype in (torch.float16, torch.bfloat16) and k % 4 == 0
-              and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0 and weight.data_ptr() % 4 == 0)
+              and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0 and weight.data_ptr() % 4 == 0
+              and all(t.data_ptr() % 8 == 0 for t in (
+                  () if norm is None else (norm.weight, *(() if res is None else (res,))))))
     q = 4 if packed else 1
+
+    def packed_view(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int64) if packed else t
+
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    if rope is None:
+        rope_args = (out,) * 6 + (0,) * 7
+    else:
+        rope_args = (rope.positions, rope.cos, rope.sin, rope.slots, k_buf, v_buf,
+                     rope.cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+                     v_buf.stride(1), rope.num_heads, rope.num_kv_heads)
     _fp8_gemv_kernel[grid](
-        x.view(torch.int64) if packed else x, weight.view(torch.int32) if packed else weight,
+        packed_view(x), weight.view(torch.int32) if packed else weight,
         weight_scale, b, out, partial,
-        m, n, k // q, x.stride(0) // q, weight.stride(0) // q, out.stride(0), k_span // q,
+        packed_view(res if res is not None else x),
+        packed_view(norm.weight) if norm is not None else x,
+        x, res if res is not None else x, res_out, *rope_args[:6],
+        m, n if rope is not None else n_out, k // q, x.stride(0) // q, weight.stride(0) // q,
+        out.stride(0), k_span // q, k, x.stride(0), norm.eps if norm is not None else 0.0,
+        *rope_args[6:],
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k // q, VEC_K=vec // q,
         USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
         PREFETCH=not cfg.use_dot and cfg.num_stages > 1,
-        PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED,
+        PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED, GATED=gated,
+        NORM=norm is not None, HAS_RES=res is not None, ROPE=rope is not None,
+        HEAD_DIM=rope.head_dim if rope is not None else 2, HALF=half if rope is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
     )
     if cfg.split_k > 1:
         block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            partial, b, out, m, n, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4,
+        _split_k_reduce_kernel[(triton.cdiv(m * n_out, block),)](
+            partial, b, out, m, n_out, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, GATED=gated,
+            num_warps=4,
         )
-    return out
+    return out, res_out

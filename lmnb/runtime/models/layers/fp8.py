@@ -12,12 +12,25 @@
                         activations quantized by one Triton kernel when fused
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
                         float32), slow; the loader warns that the CPU runs FP8 this way
+
+Decode's fusions (skinny rows only; at batch 1 a launch costs about what streaming 6 MB of
+FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
+    `fp8_silu_linear`   gate_up with SiLU-and-mul in the GEMM's epilogue
+    `fp8_norm_linear`   RMSNorm (+ the residual add) in the GEMM's prologue: qkv after
+                        input_layernorm, gate_up (+ SiLU) after post_attention_layernorm
+    `fp8_norm_rotary_linear`  qkv's, with the rotary in the epilogue storing k and v in the
+                        KV pool (the norm, qkv and rotary kernels in one)
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RotaryStore
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
@@ -79,6 +92,56 @@ def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out.to(x.dtype)
+
+
+def skinny_rows(x: torch.Tensor) -> bool:
+    """Whether x [..., K] has few enough rows (1..SKINNY_MAX_ROWS) for the skinny kernels."""
+    return 1 <= x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_ROWS
+
+
+def fp8_silu_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up for gate_up's FP8 weight [gate (I rows) | up (I rows), K]: x [..., K]
+    (`skinny_rows`) -> [..., I] in x's dtype, through the skinny kernel with the activation
+    fused (`fp8_gemv(..., gated=True)`); the same numbers as `fp8_linear` then SiLU-and-mul."""
+    from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
+
+    k = x.shape[-1]
+    out = fp8_gemv(x.reshape(-1, k).contiguous(), weight, weight_scale, bias, gated=True)
+    return out.view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def fp8_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, *, gated: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x + residual) -> the FP8 linear (-> silu(gate) * up when `gated`), x [..., K]
+    (`skinny_rows`), one kernel -> (out [..., N or N/2], x + residual: the residual stream;
+    x itself without a residual). `gemv_fp8.fp8_norm_gemv`."""
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, fp8_norm_gemv
+
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    res = None if residual is None else residual.reshape(-1, k)
+    out, stream = fp8_norm_gemv(rows, RmsNormInput(res, norm_weight, eps), weight, weight_scale,
+                                bias, gated=gated)
+    n = weight.shape[0] // (2 if gated else 1)
+    return (out.view(*x.shape[:-1], n),
+            x if residual is None else stream.view(x.shape))
+
+
+def fp8_norm_rotary_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                           weight_scale: torch.Tensor, bias: torch.Tensor | None, *,
+                           rope: RotaryStore) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_norm_linear` of qkv with the neox rotary in the epilogue: x [tokens, K]
+    (`skinny_rows`) -> (q [tokens, heads * head_dim], the residual stream); k and v go to
+    `rope.k_buffer` / `rope.v_buffer` at `rope.slots` (`gemv_fp8.fp8_norm_gemv(..., rope=)`)."""
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, fp8_norm_gemv
+
+    out, stream = fp8_norm_gemv(x.contiguous(), RmsNormInput(residual, norm_weight, eps),
+                                weight, weight_scale, bias, rope=rope)
+    return out, x if residual is None else stream
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -35,7 +35,10 @@ from torch.nn import functional as F
 
 from lmnb.runtime.distributed.group import TPGroup, current_tp
 from lmnb.runtime.models.layers import fp8
+from lmnb.runtime.models.layers.activation import GatedActivation
 from lmnb.runtime.models.layers.fusion import Fusable
+from lmnb.runtime.models.layers.norm import RMSNorm
+from lmnb.runtime.models.layers.rotary import RotaryEmbedding
 from lmnb.runtime.models.layers.weights import (
     WeightSource,
     copy_weight,
@@ -93,6 +96,10 @@ def _check_even(what: str, total: int, size: int) -> int:
 
 
 SKINNY_MAX_ROWS = fp8.SKINNY_MAX_ROWS
+# Ablation switch (bench/fp8.py's "fp8-unfused" variant; read when a forward runs, so set it
+# before a Runtime captures its CUDA graphs): False runs decode's RMSNorms and SiLU-and-mul as
+# their own kernels beside the FP8 skinny GEMMs.
+FP8_DECODE_FUSIONS = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -210,6 +217,40 @@ class MergedColumnParallelLinear(FusableLinear):
             blocks.append(Block(full, rank * share, share))
         return cls(in_features, blocks, bias=bias, quant=quant)
 
+    def _fp8_skinny(self, x: torch.Tensor) -> bool:
+        """Whether x takes the fused FP8 skinny path (decode), where the fusions below run."""
+        return (FP8_DECODE_FUSIONS and self.fused and self.weight_scale is not None
+                and fp8.skinny_rows(x))
+
+    def _fuses(self, act: GatedActivation) -> bool:
+        return (act.fused and act.hidden_act == "silu" and len(self.output_sizes) == 2
+                and self.output_sizes[0] == self.output_sizes[1])
+
+    def forward_gated(self, x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
+        """act(gate) * up over this layer's two equal output blocks (gate_up) -> [..., I]: one
+        kernel (the activation in the GEMM's epilogue) where decode takes the fused FP8 skinny
+        path with SiLU, else `act(self(x))`."""
+        if self._fp8_skinny(x) and self._fuses(act):
+            return fp8.fp8_silu_linear(x, self.weight, self.weight_scale, self.bias)
+        return act(self(x))
+
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                       act: GatedActivation | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm` in front of this layer (and `act` behind it: `forward_gated`) ->
+        (out, the residual stream: x + residual, or x without a residual), as the pre-norm
+        decoder passes them along. One kernel where decode takes the fused FP8 skinny path
+        (the norm in the GEMM's prologue); else the norm's and the layer's own paths."""
+        if (self._fp8_skinny(x) and norm.fused and norm.weight.dtype == x.dtype
+                and (act is None or self._fuses(act))):
+            return fp8.fp8_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                       self.weight_scale, self.bias, gated=act is not None)
+        if residual is None:
+            normed, residual = norm(x), x
+        else:
+            normed, residual = norm(x, residual)
+        return (self(normed) if act is None else self.forward_gated(normed, act)), residual
+
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         rows = sum(b.full for b in self.blocks)
         return (rows, self.in_features) if param_name == "weight" else (rows,)
@@ -241,6 +282,25 @@ class MergedColumnParallelLinear(FusableLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections fused; this rank's heads per `head_split` (`num_heads`,
     `num_kv_heads`: on this rank)."""
+
+    def forward_normed_rotary(self, norm: RMSNorm, x: torch.Tensor,
+                              residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                              positions: torch.Tensor, *,
+                              kv_buffers: tuple[torch.Tensor, torch.Tensor],
+                              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`norm`, this projection and the fused rotary (k and v stored at `slots` of
+        `kv_buffers`, as `rotary.rotate_qkv(..., kv_buffers=, slots=)` does) as one kernel
+        -> (q, the residual stream); None where that kernel does not run (other than decode's
+        fused FP8 path): the caller then takes `forward_normed` and the rotary apart."""
+        if not (self._fp8_skinny(x) and rotary.fused and norm.fused
+                and norm.weight.dtype == x.dtype and x.dim() == 2):
+            return None
+        from lmnb.runtime.kernels.fused.gemv_fp8 import RotaryStore
+
+        rope = RotaryStore(positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
+                           rotary.head_dim, kv_buffers[0], kv_buffers[1], slots)
+        return fp8.fp8_norm_rotary_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                          self.weight_scale, self.bias, rope=rope)
 
     def __init__(self, hidden_size: int, *, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, quant: Fp8Config | None = None) -> None:
