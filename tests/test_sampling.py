@@ -98,6 +98,27 @@ def test_logprobs_are_skipped_when_nobody_asks() -> None:
     assert out.logprobs() is None
 
 
+def test_logprobs_only_for_rows_that_ask() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(4, 300) * 2
+    reqs = [make_req(return_logprob=False, temperature=0.0),
+            make_req(temperature=0.0, top_logprobs_num=3),
+            make_req(return_logprob=False, temperature=0.0),
+            make_req(temperature=0.0)]
+    out = sample(300, logits, reqs)
+    assert out.next_token_logprobs.shape == (2,)  # rows 1 and 3 only
+    assert out.top_logprob_values.shape == (2, 3)
+    reference = torch.log_softmax(logits, -1)
+    logprobs = out.logprobs()
+    assert logprobs is not None and logprobs[0] == logprobs[2] == 0.0
+    for row in (1, 3):
+        assert logprobs[row] == pytest.approx(float(reference[row, logits[row].argmax()]),
+                                              abs=1e-5)
+    tops = out.top_logprobs()
+    assert tops is not None and tops[0] == tops[2] == tops[3] == []
+    assert [t for _, t in tops[1]] == reference[1].topk(3).indices.tolist()
+
+
 def test_top_logprobs_sorted_with_requested_length() -> None:
     torch.manual_seed(2)
     logits = torch.randn(4, 300)

@@ -20,7 +20,8 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 class SampleOutput:
     """Sampled ids [bs] int64 on the device (`next_token_ids`, usable by further device work at
-    once), optional logprobs, and their host copies, started when the output is created.
+    once), optional logprobs of the rows that asked (`logprob_positions`, all rows by default),
+    and their host copies, started when the output is created.
 
     Call `synchronize()` (or any of the list accessors) once per step: it waits for the copies and
     raises RuntimeError for a row that could not be sampled.
@@ -28,12 +29,15 @@ class SampleOutput:
 
     def __init__(self, next_token_ids: torch.Tensor, *, logprobs: torch.Tensor | None,
                  top_values: torch.Tensor | None, top_ids: torch.Tensor | None,
-                 top_logprobs_nums: list[int], label: Callable[[int], str]) -> None:
+                 top_logprobs_nums: list[int], label: Callable[[int], str],
+                 logprob_positions: list[int] | None = None) -> None:
         self.next_token_ids = next_token_ids
-        self.next_token_logprobs = logprobs  # [bs] float32, None when no row asked
-        self.top_logprob_values = top_values  # [bs, max wanted] float32, best first
+        self.next_token_logprobs = logprobs  # [n] float32 (rows that asked), None when none did
+        self.top_logprob_values = top_values  # [n, max wanted] float32, best first
         self.top_logprob_ids = top_ids
         self.top_logprobs_nums = top_logprobs_nums
+        self.logprob_positions = (list(range(len(top_logprobs_nums)))
+                                  if logprob_positions is None else logprob_positions)
         self._label = label
         self.next_token_ids_cpu = _to_host(next_token_ids)
         self._logprobs_cpu = None if logprobs is None else _to_host(logprobs)
@@ -66,9 +70,18 @@ class SampleOutput:
         return self.next_token_ids_cpu.tolist()
 
     def logprobs(self) -> list[float] | None:
-        """Raw log-softmax of each row's sampled token, or None when no row asked."""
+        """Per row the raw log-softmax of its sampled token (0.0 for a row that did not ask), or
+        None when no row asked."""
         self.synchronize()
-        return None if self._logprobs_cpu is None else self._logprobs_cpu.tolist()
+        if self._logprobs_cpu is None:
+            return None
+        values = self._logprobs_cpu.tolist()
+        if len(values) == len(self.top_logprobs_nums):
+            return values
+        out = [0.0] * len(self.top_logprobs_nums)
+        for row, value in zip(self.logprob_positions, values, strict=True):
+            out[row] = value
+        return out
 
     def top_logprobs(self) -> list[list[tuple[float, int]]] | None:
         """Per row its `top_logprobs_num` best (logprob, id), best first; None when no row asked."""
@@ -76,5 +89,9 @@ class SampleOutput:
         if self._top_cpu is None:
             return None
         values, ids = (t.tolist() for t in self._top_cpu)
-        return [list(zip(v[:n], i[:n], strict=True)) if n else []
-                for v, i, n in zip(values, ids, self.top_logprobs_nums, strict=True)]
+        nums = self.top_logprobs_nums
+        out: list[list[tuple[float, int]]] = [[] for _ in nums]
+        for row, v, i in zip(self.logprob_positions, values, ids, strict=True):
+            if nums[row]:
+                out[row] = list(zip(v[:nums[row]], i[:nums[row]], strict=True))
+        return out

@@ -56,13 +56,10 @@ class Sampler:
         ids = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
         logprobs = top_values = top_ids = None
         if info.need_logprobs:
-            lse = torch.logsumexp(raw, dim=-1)
-            logprobs = raw.gather(1, ids.clamp(min=0)[:, None]).squeeze(1) - lse
-            if info.max_top_logprobs:
-                top_values, top_ids = raw.topk(info.max_top_logprobs, dim=-1)
-                top_values = top_values - lse[:, None]
+            logprobs, top_values, top_ids = _token_logprobs(raw, ids, info)
         return SampleOutput(ids, logprobs=logprobs, top_values=top_values, top_ids=top_ids,
-                            top_logprobs_nums=info.top_logprobs_nums, label=info.label)
+                            top_logprobs_nums=info.top_logprobs_nums, label=info.label,
+                            logprob_positions=info.logprob_positions)
 
     def adjusted_logits(self, logits: torch.Tensor, info: SamplingBatchInfo,
                         bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,6 +133,21 @@ class Sampler:
                 choice = support.ids.gather(1, choice[:, None]).squeeze(1)
             ids[support.positions] = choice
         return ids
+
+
+def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Of the rows that asked (`info.logprob_positions`, in order): the sampled token's raw
+    logprob [n] and the best `max_top_logprobs` (logprob, id) [n, k]. One fused log-softmax pass
+    (on the CPU a logsumexp costs several passes and a thread fork per call)."""
+    if info.logprob_rows is not None:
+        raw, ids = raw[info.logprob_rows], ids[info.logprob_rows]
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, ids.clamp(min=0)[:, None]).squeeze(1)
+    if not info.max_top_logprobs:
+        return chosen, None, None
+    top_values, top_ids = logprobs.topk(info.max_top_logprobs, dim=-1)
+    return chosen, top_values, top_ids
 
 
 def _supports(work: torch.Tensor, info: SamplingBatchInfo) -> list[_Support]:
