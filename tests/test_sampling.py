@@ -378,3 +378,16 @@ def test_mixed_large_batch_runs() -> None:
     tops = out.top_logprobs()
     assert tops is not None
     assert [len(t) for t in tops] == [i % 3 for i in range(bs)]
+
+
+def test_top_k_matches_torch_topk() -> None:
+    from lmnb.runtime.sampling.sampler import top_k
+
+    torch.manual_seed(13)
+    for rows, width, k in [(1, 128 * 40, 5), (3, 128 * 64, 20), (2, 1000, 5), (2, 128 * 8, 5)]:
+        values = torch.randn(rows, width)
+        values[0, 7] = 9.0  # several of the best in one block
+        values[0, 9] = 8.0
+        top, ids = top_k(values, k)
+        expected = values.topk(k, dim=-1)
+        assert torch.equal(top, expected.values) and torch.equal(ids, expected.indices)

@@ -206,3 +206,48 @@ def test_metrics_bar_of_a_runtime(backend: LocalBackend) -> None:
     assert 'data-metric="kv_pool"' in bar._repr_mimebundle_()[0]["text/html"]
     assert repr(bar).startswith("MetricsBar (live): metrics: time to first token")
     bar.close()
+
+
+def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> None:
+    """`TokenViewModel` (no anywidget needed) publishes the fields the widget syncs, as JSON
+    the comm can send; its final state is the widget's over the same run; the trace carries
+    run-length origins (one span per origin change, not one per token) and a logprob and top-5
+    per generated token."""
+    import subprocess
+    import sys
+
+    from lmnb.widgets.token_view_model import SYNCED, TokenViewModel
+
+    state = answer_and_explain.run(backend=backend, token_view=True, temperature=0)
+    messages: list[dict[str, Any]] = []
+    model = TokenViewModel(state, publish=lambda changes: messages.append(
+        json.loads(json.dumps(changes))))
+    state.run.settle()
+    model.refresh()
+    model.close()
+    assert model.done and messages and all(set(m) <= set(SYNCED) for m in messages)
+    assert messages[-1]["done"] and "rows" in messages[0]
+    view = state.token_view()
+    view.refresh()
+    assert model.counts == view.counts and [r["tokens"] for r in model.rows] == [
+        r["tokens"] for r in view.rows]
+    assert [model.tokens(r) for r in model.rows] == [view.tokens(r) for r in view.rows]
+    view.close()
+    for meta in _metas(state):
+        spans = meta["output_token_origins"]
+        runs = 1 + sum(a[0] != b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert len(spans) == runs <= 3  # generated / jump_forward runs, never per token
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+        assert all(len(row) == 5 for row, (_, origin) in zip(
+            meta["output_top_logprobs"], _origin_per_token(spans), strict=True)
+            if origin == "generated")
+    # the update path imports where anywidget does not
+    code = ("import sys; sys.modules['anywidget'] = None; "
+            "import lmnb.widgets, lmnb.widgets.token_view_model; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def _origin_per_token(spans: list[Any]) -> list[tuple[int, str]]:
+    return [(p, origin) for origin, start, end in spans for p in range(start, end)]
