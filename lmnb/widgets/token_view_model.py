@@ -6,9 +6,9 @@ program runs, and hands each update's changed fields to `publish` (the widget se
 from them; a headless caller, e.g. the benchmark, serializes them as the comm would). Keeping
 this apart from anywidget lets the update path run where no frontend library is installed.
 
-Costs are bounded: the tokens of finished gens are converted and serialized once (JSON text,
-resent only when they change), an update converts only the running gen's new cells (memoized
-by cell identity), and the next live update waits until the last one's time is at most
+Costs are bounded: each token is converted and serialized to JSON once (memoized by cell
+identity; a row's JSON text is its tokens' texts joined), the tokens of finished gens are resent
+only when they change, and the next live update waits until the last one's time is at most
 `MAX_FLUSH_SHARE` of the time since.
 """
 
@@ -125,7 +125,8 @@ class TokenViewModel:
         self._closed = False
         self._version = -1
         self._next_at = 0.0  # monotonic time before which a live flush is skipped
-        self._memo: dict[int, dict[int, tuple[list[Any], Token]]] = {}  # per row: id(cell) ->
+        # per row: id(cell) -> (cell, token, token as JSON)
+        self._memo: dict[int, dict[int, tuple[list[Any], Token, str]]] = {}
         self._stable_keys: dict[int, tuple[int, int, int]] = {}  # per row: its finished part
         self._stable_tokens: dict[int, list[Token]] = {}  # per row, as `rows` has them in JSON
         self._live_tokens: dict[int, list[Token]] = {}
@@ -162,18 +163,22 @@ class TokenViewModel:
         return [text(token_id), origin, None if logprob is None else round(logprob, 3),
                 alternatives]
 
-    def _convert(self, row_id: int, cells: list[list[Any]]) -> list[Token]:
-        """The cells as tokens; a cell met in the last update (the same object) is not
-        converted again."""
-        memo, kept = self._memo.get(row_id, {}), {}
-        tokens = []
+    def _convert(self, memo_key: int, cells: list[list[Any]]) -> tuple[list[Token], str]:
+        """The cells as tokens and as a JSON list; a cell met in the last update of `memo_key`
+        or of the row's other part (the same object) is not converted or serialized again."""
+        memo, other = self._memo.get(memo_key, {}), self._memo.get(-1 - memo_key, {})
+        kept: dict[int, tuple[list[Any], Token, str]] = {}
+        tokens, texts = [], []
         for cell in cells:
-            hit = memo.get(id(cell))
-            token = hit[1] if hit is not None and hit[0] is cell else self._token(cell)
-            kept[id(cell)] = (cell, token)
-            tokens.append(token)
-        self._memo[row_id] = kept
-        return tokens
+            hit = memo.get(id(cell)) or other.get(id(cell))
+            if hit is None or hit[0] is not cell:
+                token = self._token(cell)
+                hit = (cell, token, json.dumps(token))
+            kept[id(cell)] = hit
+            tokens.append(hit[1])
+            texts.append(hit[2])
+        self._memo[memo_key] = kept
+        return tokens, f"[{', '.join(texts)}]"
 
     def _read(self) -> tuple[list[dict[str, Any]], dict[str, str], bool]:
         """(rows, live, rows changed): each row's tokens of finished gens (resent only when they
@@ -200,15 +205,13 @@ class TokenViewModel:
             if old is not None and self._stable_keys.get(executor.id) == key:
                 row["tokens"] = old["tokens"]
             else:
-                self._stable_tokens[executor.id] = tokens = self._convert(
-                    executor.id, cells[start:stable])
+                tokens, row["tokens"] = self._convert(executor.id, cells[start:stable])
+                self._stable_tokens[executor.id] = tokens
                 self._stable_counts[executor.id] = _count(tokens)
-                row["tokens"] = json.dumps(tokens)
                 self._stable_keys[executor.id] = key
             changed = changed or old is None or any(old[k] != row[k] for k in row)
-            self._live_tokens[executor.id] = tokens = self._convert(-1 - executor.id,
-                                                                    cells[stable:])
-            live[str(executor.id)] = json.dumps(tokens)
+            self._live_tokens[executor.id], live[str(executor.id)] = self._convert(
+                -1 - executor.id, cells[stable:])
             rows.append(row)
         return rows, live, changed or len(rows) != len(self.rows)
 

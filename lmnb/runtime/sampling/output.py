@@ -40,8 +40,11 @@ class SampleOutput:
                                   if logprob_positions is None else logprob_positions)
         self._label = label
         self.next_token_ids_cpu = _to_host(next_token_ids)
-        self._logprobs_cpu = None if logprobs is None else _to_host(logprobs)
-        self._top_cpu = None if top_values is None else (_to_host(top_values), _to_host(top_ids))
+        # The logprobs, top values and top ids (exact in float32: ids < 2**24) in one copy:
+        # [n, 1 + 2 * max wanted]
+        self._logprobs_cpu = None if logprobs is None else _to_host(
+            logprobs[:, None] if top_values is None
+            else torch.cat([logprobs[:, None], top_values, top_ids.to(torch.float32)], dim=1))
         self._event: torch.cuda.Event | None = None
         if next_token_ids.device.type == "cuda":
             self._event = torch.cuda.Event()
@@ -75,7 +78,7 @@ class SampleOutput:
         self.synchronize()
         if self._logprobs_cpu is None:
             return None
-        values = self._logprobs_cpu.tolist()
+        values = self._logprobs_cpu[:, 0].tolist()
         if len(values) == len(self.top_logprobs_nums):
             return values
         out = [0.0] * len(self.top_logprobs_nums)
@@ -86,12 +89,13 @@ class SampleOutput:
     def top_logprobs(self) -> list[list[tuple[float, int]]] | None:
         """Per row its `top_logprobs_num` best (logprob, id), best first; None when no row asked."""
         self.synchronize()
-        if self._top_cpu is None:
+        if self.top_logprob_values is None or self._logprobs_cpu is None:
             return None
-        values, ids = (t.tolist() for t in self._top_cpu)
+        width = self.top_logprob_values.shape[1]
         nums = self.top_logprobs_nums
         out: list[list[tuple[float, int]]] = [[] for _ in nums]
-        for row, v, i in zip(self.logprob_positions, values, ids, strict=True):
-            if nums[row]:
-                out[row] = list(zip(v[:nums[row]], i[:nums[row]], strict=True))
+        for row, packed in zip(self.logprob_positions, self._logprobs_cpu.tolist(), strict=True):
+            if n := nums[row]:
+                out[row] = list(zip(packed[1:1 + n], map(int, packed[1 + width:1 + width + n]),
+                                    strict=True))
         return out
