@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -94,11 +96,31 @@ def attach_view(state: Any, widget: bool) -> tuple[Any, Any, CommStandIn | None]
     return model, model, comm
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far per live thread of this process, by thread name (Linux; torch's
+    worker threads as `native`), else {}."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in tasks.iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        name = names.get(int(task.name), "native")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def run_once(program: Any, backend: Any, mode: str, widget: bool) -> dict[str, Any]:
     from bench.common import synchronize
 
     device = backend.runtime.device
     synchronize(device)
+    threads_before = thread_cpu()
     wall, cpu = time.perf_counter(), time.process_time()
     state = program.run(backend=backend, stream=True, token_view=mode != "plain")
     view = model = comm = None
@@ -108,6 +130,10 @@ def run_once(program: Any, backend: Any, mode: str, widget: bool) -> dict[str, A
     synchronize(device)
     out: dict[str, Any] = {"seconds": time.perf_counter() - wall,
                            "cpu_seconds": time.process_time() - cpu}
+    after = thread_cpu()  # threads that ended during the run are missing
+    out["thread_cpu_seconds"] = {name: round(seconds - threads_before.get(name, 0.0), 3)
+                                 for name, seconds in after.items()
+                                 if seconds - threads_before.get(name, 0.0) > 0}
     metas = list(state.executor.meta_info.values())
     out["tokens"] = sum(meta["completion_tokens"] for meta in metas)
     if mode != "plain":  # the trace's size: one origin run per gen, a logprob per token
@@ -217,6 +243,11 @@ def main() -> None:
                   for pair, r in summary["ratios"].items()]
     print(format_table(["paired per round", "wall % (median)", "min", "max", "cpu % (median)"],
                        ratio_rows))
+    for mode, rs in runs.items():
+        names = sorted({name for r in rs for name in r["thread_cpu_seconds"]})
+        print(f"{mode} CPU seconds per thread (median): " + ", ".join(
+            f"{name} {statistics.median(r['thread_cpu_seconds'].get(name, 0.0) for r in rs):.2f}"
+            for name in names))
     view_runs = runs["view"]
     flush_share = statistics.median(r["flush_seconds"] / r["seconds"] for r in view_runs)
     print(f"\nview: {statistics.median(r['flushes'] for r in view_runs):.0f} updates per run, "
