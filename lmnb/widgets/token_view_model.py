@@ -9,7 +9,9 @@ this apart from anywidget lets the update path run where no frontend library is 
 Costs are bounded: each token is converted and serialized to JSON once (memoized by cell
 identity; a row's JSON text is its tokens' texts joined), the tokens of finished gens are resent
 only when they change, and the next live update waits until the last one's time is at most
-`MAX_FLUSH_SHARE` of the time since.
+`MAX_FLUSH_SHARE` of the time since. A long conversion releases the GIL every few dozen tokens:
+the runtime's scheduler releases it for every tensor op and would otherwise wait up to the
+interpreter's switch interval (5 ms) each time to get it back while a view converts.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ LABELS = {"computed": "prompt, computed", "cached": "prompt, from cache",
           "generated": "generated", "jump_forward": "jump-forward", "speculated": "speculated"}
 MAX_FLUSH_SHARE = 0.02  # a live view spends at most ~2% of the wall clock updating itself
 SYNCED = ("rows", "live", "counts", "metrics", "metrics_html", "done")
+_YIELD_EVERY = 32  # tokens converted between two releases of the GIL (~0.5-1 ms of work)
 
 
 def generated_color(logprob: float) -> str:
@@ -169,11 +172,15 @@ class TokenViewModel:
         memo, other = self._memo.get(memo_key, {}), self._memo.get(-1 - memo_key, {})
         kept: dict[int, tuple[list[Any], Token, str]] = {}
         tokens, texts = [], []
+        converted = 0
         for cell in cells:
             hit = memo.get(id(cell)) or other.get(id(cell))
             if hit is None or hit[0] is not cell:
                 token = self._token(cell)
                 hit = (cell, token, json.dumps(token))
+                converted += 1
+                if converted % _YIELD_EVERY == 0:
+                    time.sleep(0)  # lets the runtime's threads take the GIL back (see above)
             kept[id(cell)] = hit
             tokens.append(hit[1])
             texts.append(hit[2])
