@@ -85,7 +85,8 @@ def time_kernel(run: Callable[[], Any]) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / 10
 
 
-def triton_runs(batch: Batch, sweep: bool) -> list[tuple[str, Callable[[], Any], dict]]:
+def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
+                ) -> list[tuple[str, Callable[[], Any], dict]]:
     from lmnb.runtime.kernels import triton_decode as td
 
     out = torch.empty_like(batch.q)
@@ -98,17 +99,18 @@ def triton_runs(batch: Batch, sweep: bool) -> list[tuple[str, Callable[[], Any],
             configs.append((f"n{block_n} w{warps} s{stages} m{min_split}",
                             td.DecodeConfig(block_n, min_split, warps, stages)))
     runs = []
-    splits = 16
     for name, config in configs:
-        part_o, part_lse = td.partial_buffers(len(batch.lens), batch.heads, batch.head_dim,
-                                              splits, batch.q.device)
+        for splits in split_counts:
+            part_o, part_lse = td.partial_buffers(len(batch.lens), batch.heads, batch.head_dim,
+                                                  splits, batch.q.device)
 
-        def run(config: td.DecodeConfig = config, part_o: torch.Tensor = part_o,
-                part_lse: torch.Tensor = part_lse) -> torch.Tensor:
-            return td.decode_attention(batch.q, batch.k, batch.v, out, batch.kv_indptr,
-                                       batch.kv_indices, part_o, part_lse, scale=batch.scale,
-                                       max_kv_splits=splits, config=config)
-        runs.append((f"triton {name}", run, config._asdict()))
+            def run(config: td.DecodeConfig = config, part_o: torch.Tensor = part_o,
+                    part_lse: torch.Tensor = part_lse, splits: int = splits) -> torch.Tensor:
+                return td.decode_attention(batch.q, batch.k, batch.v, out, batch.kv_indptr,
+                                           batch.kv_indices, part_o, part_lse, scale=batch.scale,
+                                           max_kv_splits=splits, config=config)
+            runs.append((f"triton {name} splits {splits}", run,
+                         {**config._asdict(), "max_kv_splits": splits}))
     return runs
 
 
@@ -285,6 +287,8 @@ def main() -> None:
     parser.add_argument("--shared", default=None, metavar="GROUPS:MEMBERS:PREFIX:SUFFIX",
                         help="a shared-prefix decode step instead (e.g. 64:4:600:64 fork-heavy, "
                              "8:32:1500:48 few-shot): plain vs shared-prefix kernels")
+    parser.add_argument("--max-kv-splits", default="16",
+                        help="comma list: the split grid dimension(s) of the Triton launches")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="bench/results/decode_kernel.json")
     args = parser.parse_args()
@@ -317,7 +321,8 @@ def main() -> None:
     reference = batch.reference()
     rows = []
     results = []
-    for name, run, config in (triton_runs(batch, args.sweep) + flashinfer_runs(batch)
+    split_counts = tuple(int(n) for n in args.max_kv_splits.split(","))
+    for name, run, config in (triton_runs(batch, args.sweep, split_counts) + flashinfer_runs(batch)
                               + fa3_runs(batch)):
         try:
             got = run()

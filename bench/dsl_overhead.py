@@ -13,9 +13,13 @@ give a real architecture with random weights (`--dummy-config llama-3-8b --devic
 folder (`--model`): the wall-time ratio is then the one that users see.
 
 Reported per path: programs (requests) per second, CPU seconds per program (this process, every
-thread), requests per forward pass; the DSL's CPU and wall time over the raw text path's; and a
-cProfile of the DSL run (the main thread, the program loop, threads started during it), top N by
-cumulative and by own time.
+thread), requests per forward pass; the DSL's CPU and wall time over the raw text path's; how the
+requests reached the scheduler (`pass_comparison`: forward and extend passes, requests and tokens
+per extend pass, when the first pass and the last extend pass ended, the time after the last pass,
+garbage-collection pauses), for the DSL path beside both raw paths; and a cProfile of the DSL run
+(the main thread, the program loop, threads started during it), top N by cumulative and by own
+time. `--gc-freeze` freezes the startup heap first (full collections then skip the model's
+objects), to tell GC pauses from the DSL's own cost.
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
@@ -46,6 +50,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import lmnb  # noqa: E402
 from bench import programs  # noqa: E402
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
@@ -55,25 +60,88 @@ NEARLY_FREE = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidde
                    num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1,
                    eos_token_id=2, rms_norm_eps=1e-5, dtype="float32")
 GEN_TOKENS = 4  # what programs.py's MMLU program decodes per question
+PREFIX_GEN_TOKENS = 16  # the shared-prefix workload's answer
+
+
+@lmnb.function
+def shared_prefix_question(s: Any, prefix: str, question: str) -> None:
+    s += prefix + question + lmnb.gen("answer", max_tokens=PREFIX_GEN_TOKENS,
+                                      min_tokens=PREFIX_GEN_TOKENS)
+
+
+def shared_prefix(rng: random.Random, prefixes: int, questions: int) -> Callable[[Any], int]:
+    """Issue 21's headline workload (bench/vs_vllm.py's shape): `prefixes` few-shot prefixes of
+    1,400 words, `questions` short questions under each, one 16-token gen per program."""
+    items = []
+    for p in range(prefixes):
+        prefix = f"Task {p}. " + " ".join(rng.choice(programs.WORDS) for _ in range(1400)) + "\n"
+        items += [{"prefix": prefix, "question": "Q: " + " ".join(
+            rng.choice(programs.WORDS) for _ in range(12)) + "?\nA:"} for _ in range(questions)]
+
+    def job(backend: Any) -> int:
+        states = shared_prefix_question.run_batch(items, backend=backend, progress_bar=False,
+                                                  temperature=0.0)
+        for state in states:
+            if (error := state.error()) is not None:
+                raise error
+        return len(states)
+
+    return job
 PROGRAM_THREADS = ("lmnb-programs",)  # the DSL's (the program loop), not the engine's
 
 
-class BatchSizes:
-    """`Runtime.set_batch_hook`: requests per forward pass, and the largest pass."""
+class PassLog:
+    """`Runtime.set_batch_hook`: every forward pass of a path (when it ended, seconds after the
+    path started; its mode, requests and new tokens), to compare how the requests of each path
+    reached the scheduler: how many passes, how many requests and tokens the extend passes held,
+    and when the first one ended."""
 
     def __init__(self) -> None:
-        self.passes = 0
-        self.requests = 0
-        self.largest = 0
+        self.start = time.perf_counter()
+        self.passes: list[tuple[float, str, int, int]] = []  # (end s, mode, requests, tokens)
 
     def __call__(self, batch: Any) -> None:
-        self.passes += 1
-        self.requests += batch.size
-        self.largest = max(self.largest, batch.size)
+        self.passes.append((time.perf_counter() - self.start, batch.mode.name, batch.size,
+                            sum(batch.extend_lens)))
 
     def summary(self) -> dict[str, Any]:
-        return {"forward_passes": self.passes, "largest_batch": self.largest,
-                "mean_batch": self.requests / max(self.passes, 1)}
+        sizes = [size for _, _, size, _ in self.passes]
+        extends = [(end, size, tokens) for end, mode, size, tokens in self.passes
+                   if mode == "EXTEND"]
+        return {"forward_passes": len(self.passes), "largest_batch": max(sizes, default=0),
+                "mean_batch": sum(sizes) / max(len(sizes), 1),
+                "extend_passes": len(extends),
+                "requests_per_extend_pass": [size for _, size, _ in extends],
+                "tokens_per_extend_pass": [tokens for _, _, tokens in extends],
+                "first_pass_end_s": self.passes[0][0] if self.passes else None,
+                "last_extend_end_s": extends[-1][0] if extends else None,
+                "last_pass_end_s": self.passes[-1][0] if self.passes else None}
+
+
+class GcPauses:
+    """Garbage collections during a path, per generation, and the seconds the full (gen-2) ones
+    took: a full collection of a process holding a model's Python objects stops every thread."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.full_seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        generation = info["generation"]
+        if phase == "start":
+            self.counts[generation] += 1
+            self._started = time.perf_counter()
+        elif generation == 2:
+            self.full_seconds += time.perf_counter() - self._started
+
+    @contextmanager
+    def watching(self) -> Iterator[GcPauses]:
+        gc.callbacks.append(self)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self)
 
 
 class UnbatchedSubmits:
@@ -168,11 +236,13 @@ def top_table(profiles: list[cProfile.Profile], sort: str, top: int) -> str:
 def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> dict[str, Any]:
     if not runtime.flush_cache():
         raise RuntimeError("flush_cache refused: requests still in flight")
-    sizes = BatchSizes()
-    runtime.set_batch_hook(sizes)
+    passes = PassLog()
+    runtime.set_batch_hook(passes)
     threads_start = thread_cpu_seconds()
     cpu_start, wall_start = time.process_time(), time.perf_counter()
-    work()
+    passes.start = wall_start
+    with GcPauses().watching() as pauses:
+        work()
     seconds = time.perf_counter() - wall_start
     cpu = time.process_time() - cpu_start
     threads_end = thread_cpu_seconds()
@@ -185,11 +255,38 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> di
             "programs_per_s": count / seconds, "cpu_ms_per_program": 1e3 * cpu / count,
             "engine_threads_cpu_ms_per_program": 1e3 * engine / count,
             "other_cpu_ms_per_program": 1e3 * (cpu - engine) / count,
-            **sizes.summary()}
+            "gc_collections": pauses.counts, "gc_full_seconds": pauses.full_seconds,
+            **passes.summary(), "after_last_pass_s": seconds - (passes.summary()[
+                "last_pass_end_s"] or 0.0)}
+
+
+SCHEDULE_PATHS = ("dsl run_batch", "raw generate, text", "raw generate, ids")
+SCHEDULE_KEYS = ("forward_passes", "extend_passes", "requests_per_extend_pass",
+                 "tokens_per_extend_pass", "first_pass_end_s", "last_extend_end_s",
+                 "last_pass_end_s", "after_last_pass_s", "gc_collections", "gc_full_seconds")
+
+
+def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The passes of the DSL path beside the raw paths': whether its first extend pass held as
+    many requests as the raw text path's, and as many extend passes in all."""
+    out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
+           for label in SCHEDULE_PATHS if label in results}
+    dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
+    if dsl is not None and raw is not None:
+        first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
+        dsl["same_first_extend_as_raw_text"] = first[0] == first[1]
+        dsl["extend_passes_over_raw_text"] = dsl["extend_passes"] / max(raw["extend_passes"], 1)
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("mmlu", "shared-prefix"), default="mmlu",
+                        help="programs.py's MMLU (one 4-token gen), or 8 prefixes of 1,400 "
+                        "words x 32 questions (one 16-token gen)")
+    parser.add_argument("--prefixes", type=int, default=8, help="shared-prefix: prefixes")
+    parser.add_argument("--questions", type=int, default=32,
+                        help="shared-prefix: questions per prefix")
     parser.add_argument("--scale", type=float, default=25.0,
                         help="programs.py's MMLU scale: 12 programs per unit (default 300)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per path; the fastest counts")
@@ -207,6 +304,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sys.setswitchinterval (s): a tiny one lets the scheduler thread "
                         "take requests as they arrive, as on a GPU (default: Python's 5 ms)")
     parser.add_argument("--max-total-tokens", type=int, default=400_000)
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() once the runtime is up (as vLLM's engine does): full "
+                        "collections then skip the model's objects (compare gc_full_seconds)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "dsl_overhead.json")
     return parser.parse_args(argv)
 
@@ -245,6 +345,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             options.update(tokenizer_path=str(tokenizer_dir), load_format="dummy",
                            dtype="float32", context_length=4096)
         runtime = Runtime(model, **options)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     try:
         return run(args, runtime, LocalBackend, label)
     finally:
@@ -253,7 +356,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         model_label: str = "") -> dict[str, Any]:
-    job = programs.mmlu(random.Random(programs.SEED), args.scale)  # the data, built once
+    rng = random.Random(programs.SEED)  # the data, built once
+    if args.workload == "mmlu":
+        job, gen_tokens = programs.mmlu(rng, args.scale), GEN_TOKENS
+    else:
+        job, gen_tokens = shared_prefix(rng, args.prefixes, args.questions), PREFIX_GEN_TOKENS
 
     def dsl_job() -> Callable[[Any], int]:
         return job
@@ -264,7 +371,7 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     count = dsl_job()(backend_type(recorder))
     recorded = [r.input_ids for r in recorder.requests if r.meta_info["completion_tokens"]]
     texts = [runtime.tokenizer.decode(ids, skip_special_tokens=True) for ids in recorded]
-    params = {"max_new_tokens": GEN_TOKENS, "min_new_tokens": GEN_TOKENS, "temperature": 0.0}
+    params = {"max_new_tokens": gen_tokens, "min_new_tokens": gen_tokens, "temperature": 0.0}
     paths: dict[str, Callable[[], Any]] = {
         "dsl run_batch": lambda: dsl_job()(backend_type(runtime)),
         "dsl run_batch (programs.py recorder)": lambda: dsl_job()(backend_type(
@@ -275,11 +382,15 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                                                       sampling_params=params),
         "raw generate, text": lambda: runtime.generate(texts, params),
     }
-    results: dict[str, dict[str, Any]] = {}
-    for label, work in paths.items():
-        runs = [measure(label, runtime, count if label.startswith("dsl") else len(recorded),
-                        work) for _ in range(args.repeats)]
-        results[label] = min(runs, key=lambda r: r["cpu_seconds"])
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
+    for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
+        for label, work in paths.items():
+            runs[label].append(measure(
+                label, runtime, count if label.startswith("dsl") else len(recorded), work))
+    results = {label: {**min(runs[label], key=lambda r: r["cpu_seconds"]),
+                       "seconds_all": [r["seconds"] for r in runs[label]],
+                       "seconds_min": min(r["seconds"] for r in runs[label])}
+               for label in paths}
     profile: dict[str, str] = {}
     if not args.no_profile:
         runtime.flush_cache()
@@ -287,8 +398,9 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
             dsl_job()(backend_type(runtime))
         profile = {"cumulative": top_table(profiles, "cumulative", args.top),
                    "tottime": top_table(profiles, "tottime", args.top)}
-    print(f"dsl_overhead: MMLU 5-shot, {count} programs ({len(recorded)} gens), {model_label} on "
-          f"{runtime.device}, radix cache {'off' if args.disable_radix_cache else 'on'}")
+    print(f"dsl_overhead: {args.workload}, {count} programs ({len(recorded)} gens), "
+          f"{model_label} on {runtime.device}, radix cache "
+          f"{'off' if args.disable_radix_cache else 'on'}")
     print(format_table(
         ["path", "programs", "seconds", "cpu s", "prog/s", "cpu ms/prog", "engine thr ms",
          "other ms", "fwd passes", "mean batch", "max batch"],
@@ -300,19 +412,34 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     floor = results["raw generate, text"]["cpu_ms_per_program"]
     dsl = results["dsl run_batch"]["cpu_ms_per_program"]
     wall = results["dsl run_batch"]["seconds"] / results["raw generate, text"]["seconds"]
+    wall_min = results["dsl run_batch"]["seconds_min"] / results["raw generate, text"][
+        "seconds_min"]
     print(f"DSL CPU per program (one gen) / raw text generate per request: {dsl / floor:.2f}x "
-          f"(target <= 1.1x); wall time: {wall:.2f}x")
+          f"(target <= 1.1x); wall time: {wall:.2f}x (fastest of each: {wall_min:.2f}x; "
+          "target <= 1.03x)")
+    schedule = pass_comparison(results)
+    print("\nHow the requests reached the scheduler (the run above of each path):")
+    print(format_table(
+        ["path", "passes", "extend", "first pass ends s", "last extend ends s",
+         "after last pass s", "gc full s", "requests per extend pass", "tokens per extend pass"],
+        [(label, r["forward_passes"], r["extend_passes"], r["first_pass_end_s"],
+          r["last_extend_end_s"], r["after_last_pass_s"], r["gc_full_seconds"],
+          " ".join(map(str, r["requests_per_extend_pass"])),
+          " ".join(map(str, r["tokens_per_extend_pass"]))) for label, r in schedule.items()]))
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
     payload = {
         "benchmark": "dsl_overhead",
-        "config": {"workload": "mmlu", "scale": args.scale, "programs": count,
+        "config": {"workload": args.workload, "scale": args.scale, "programs": count,
+                   "gen_tokens": gen_tokens,
                    "repeats": args.repeats, "model": model_label,
-                   "radix_cache": not args.disable_radix_cache},
+                   "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
         "dsl_over_raw_text_wall": wall,
+        "dsl_over_raw_text_wall_fastest": wall_min,
+        "pass_comparison": schedule,
         "profile": profile,
         "environment": environment(str(runtime.device)),
     }

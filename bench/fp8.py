@@ -21,6 +21,9 @@ Parts (`--parts`, default all):
 JSON to bench/results/fp8.json (and $OUT/fp8.json when $OUT is set). On the GPU machine:
     python bench/fp8.py                                  # all parts, about 6 minutes on an H100
     python bench/fp8.py --parts quality --quality-model /tmp/smollm2
+    python bench/fp8.py --parts decode --variants bf16,fp8   # batch-1 decode only (~2 minutes)
+    python bench/fp8.py --parts decode --variants bf16,fp8 \
+        --fp8-gemv-table bench/results/gemv_fp8_sweep.json    # with a sweep's best FP8 configs
 CPU check (tiny sizes and a tiny random Llama-3 shape; the reference FP8 path):
     python bench/fp8.py --tiny
 """
@@ -105,7 +108,8 @@ def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     text = TEXT.read_text().split("\n", 2)[2]  # without the provenance line
     results: dict[str, Any] = {"text": f"{TEXT.name}: Newton, Opticks (public domain)"}
     reference: tuple[list[int], list[float]] | None = None
-    for name, options in VARIANTS.items():
+    for name in args.variants:
+        options = VARIANTS[name]
         with Runtime(model, device=str(device), dtype=args.dtype, **options,
                      context_length=args.quality_tokens + 8,
                      chunked_prefill_size=args.quality_tokens + 8) as rt:
@@ -135,7 +139,8 @@ def run_speed(args: argparse.Namespace, device: torch.device,
                                  vocab_size=spec.fields["vocab_size"])
         results: dict[str, Any] = {"model": spec.label, "copy_bandwidth_gbs":
                                    bandwidth and bandwidth / 1e9}
-        for name, options in VARIANTS.items():
+        for name in args.variants:
+            options = VARIANTS[name]
             row: dict[str, Any] = {}
             with Runtime(str(spec.path), device=str(device),
                          **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
@@ -175,6 +180,8 @@ def _ratios(speed: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated, bf16 first (the ratios' base)")
     parser.add_argument("--model", default="llama-3-8b", help="bench/dummy_models.py name")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder for the random model (default: SmolLM2's)")
@@ -187,10 +194,16 @@ def main() -> None:
     parser.add_argument("--quality-tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized check of the script")
+    parser.add_argument("--fp8-gemv-table", type=Path, default=None,
+                        help="a `bench/gemv.py --fp8 --sweep` JSON: its best configs replace "
+                             "gemv_fp8's table for this run")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {PARTS}")
+    args.variants = args.variants.split(",")
+    if set(args.variants) - set(VARIANTS) or args.variants[0] != "bf16":
+        parser.error(f"--variants: bf16 first, then some of {list(VARIANTS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.runtime_options = {}
     if args.tiny:
@@ -199,12 +212,21 @@ def main() -> None:
         args.quality_tokens, args.dtype = 64, "float32"
         args.runtime_options = {"max_total_tokens": 2048, "dtype": "float32"}
     results: dict[str, Any] = {"environment": environment(device)}
+    if args.fp8_gemv_table is not None:
+        from bench.gemv import tuned_from_sweep
+        from lmnb.runtime.kernels.fused import gemv_fp8
+
+        gemv_fp8.TUNED.update(tuned_from_sweep(args.fp8_gemv_table))
+        gemv_fp8.fp8_gemv_config.cache_clear()
+        results["fp8_gemv_table"] = {str(key): tuple(config)
+                                     for key, config in gemv_fp8.TUNED.items()}
+        print(f"gemv_fp8 configs from {args.fp8_gemv_table}: {results['fp8_gemv_table']}")
     speed = run_speed(args, device, parts) if parts & {"decode", "offline"} else {}
     if speed:
         results["speed"] = speed
         rows = [[name, *(speed[name].get(key) for key in (
             "weight_gb", "decode_ms_per_step", "decode_tok_s", "fraction_of_floor",
-            "offline_tok_s", "kv_tokens"))] for name in VARIANTS]
+            "offline_tok_s", "kv_tokens"))] for name in args.variants]
         print(f"{speed['model']}, copy bandwidth {speed['copy_bandwidth_gbs']} GB/s")
         print(format_table(["variant", "weights GB", "b1 ms/step", "b1 tok/s", "of floor",
                             "offline tok/s", "KV tokens"], rows))
@@ -218,7 +240,7 @@ def main() -> None:
         print(format_table(["variant", "positions", "perplexity", "vs bf16", "top-1 agreement"],
                            [[name, quality[name]["positions"], quality[name]["perplexity"],
                              quality[name].get("perplexity_vs_bf16"),
-                             quality[name].get("top1_agreement")] for name in VARIANTS]))
+                             quality[name].get("top1_agreement")] for name in args.variants]))
     path = write_json(RESULTS_DIR / ("fp8_tiny.json" if args.tiny else "fp8.json"), results)
     if os.environ.get("OUT"):
         write_json(Path(os.environ["OUT"]) / path.name, results)

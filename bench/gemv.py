@@ -12,14 +12,25 @@ wrong one makes the script exit 1.
 heuristic's pick, to retune `skinny_config` from one run (several hundred compiles: split it with
 `--models` / `--rows` if one run would exceed the device's time limit).
 
+`--fp8`: Llama-3-8B's linears with FP8 (e4m3) weights and per-row scales through
+`gemv_fp8.fp8_gemv` (its table's / rule's config; with `--sweep` a grid of configs, each checked
+against float32 math), beside the bf16 skinny kernel on the same shape: us a call, GB/s of weight
+read, % of the copy bandwidth, FP8's speed-up over bf16, the best config per shape as lines to
+paste into `gemv_fp8.TUNED`, and a decode step's linears (32 layers + the LM head, which the
+model keeps in bf16; its FP8 row shows what an FP8 head would give) in bf16, FP8 as configured
+and FP8 at the sweep's best. JSON: bench/results/gemv_fp8[_sweep].json.
+
     python bench/gemv.py                      # heuristic vs cuBLAS, all shapes, M = 1 2 4 8 16
     python bench/gemv.py --sweep --models llama2-7b
+    python bench/gemv.py --fp8 --sweep        # M = 1 and 16, qkv o gate_up down lm_head
+    python bench/gemv.py --fp8 --rows 1 2 4 8 16   # the configured kernel at several M
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import shutil
@@ -41,6 +52,13 @@ from lmnb.runtime.kernels.fused.gemv import (  # noqa: E402
     skinny_config,
     skinny_linear,
 )
+from lmnb.runtime.kernels.fused.gemv_fp8 import (  # noqa: E402
+    FMA_VEC,
+    Fp8GemvConfig,
+    fp8_gemv,
+    fp8_gemv_config,
+)
+from lmnb.runtime.models.layers import fp8  # noqa: E402
 
 # name -> (dtype, layers, {op: (N, K)})
 MODELS: dict[str, tuple[torch.dtype, int, dict[str, tuple[int, int]]]] = {
@@ -54,6 +72,9 @@ MODELS: dict[str, tuple[torch.dtype, int, dict[str, tuple[int, int]]]] = {
 CALLS = 20  # calls a graph
 MIN_BYTES = 256 << 20  # weight copies cycled through by the calls of one graph
 TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 2e-2}  # max error / max |reference|
+FP8_MODEL = "llama3-8b"  # its bf16 activations; the LM head stays bf16 in the model
+FP8_OPS = ("qkv", "o", "gate_up", "down")
+SMS = 132  # an H100's
 
 
 def time_per_call(fn, xs: list[torch.Tensor], weights: list[torch.Tensor], replays: int) -> float:
@@ -165,22 +186,251 @@ def bench_shape(model: str, op: str, n: int, k: int, m: int, dtype: torch.dtype,
     return result
 
 
+# FMA path (M == 1): (rows, columns, warps); BLOCK_K spans all warps at FMA_VEC elements a
+# thread (else the weight goes through shared memory every step)
+FMA_BLOCKS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (1, 2048, 4), (2, 2048, 4),
+              (1, 2048, 8), (2, 2048, 8), (4, 2048, 8), (2, 512, 2), (4, 512, 2), (8, 512, 2)]
+# dot path: (rows, columns, stages), 4 warps; 16-32 rows also at M = 1
+DOT_BLOCKS = [(16, 512, 3), (32, 256, 4), (64, 128, 4), (64, 256, 3), (128, 128, 4)]
+
+
+def fp8_sweep_grid(m: int, n: int, k: int) -> list[Fp8GemvConfig]:
+    """Configs worth timing for one FP8 shape (the table's / rule's pick is added by the caller):
+    the FMA blocks without and with prefetch (where a thread then holds <= 64 weights), the dot
+    blocks; split K where the programs are fewer than 16 an SM."""
+    def splits(blocks: int, block_k: int) -> list[int]:
+        return [s for s in (1, 2, 4, 8, 16) if k // s >= block_k and (
+            s == 1 or SMS <= blocks * s <= 16 * SMS and blocks < 16 * SMS)]
+
+    grid: list[Fp8GemvConfig] = []
+    if m == 1:
+        for (block_n, block_k, warps), stages in itertools.product(FMA_BLOCKS, (1, 2)):
+            assert block_k % (FMA_VEC * 32 * warps) == 0
+            if stages * block_n * block_k // (32 * warps) > 64:
+                continue
+            for split in splits(math.ceil(n / block_n), block_k):
+                grid.append(Fp8GemvConfig(block_n, block_k, split, warps, stages, False))
+    for block_n, block_k, stages in DOT_BLOCKS:
+        if m == 1 and block_n > 32:
+            continue
+        for split in splits(math.ceil(n / block_n), block_k):
+            grid.append(Fp8GemvConfig(block_n, block_k, split, 4, stages, True))
+    return grid
+
+
+def _compile_configs(jobs: list[tuple[int, int, int, Fp8GemvConfig]]) -> int:
+    """Worker process: run each (m, n, k, config) once on dummy tensors, filling Triton's cache
+    for the timing process. Returns how many ran."""
+    done = 0
+    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for m, n, k, config in jobs:
+        try:
+            if (n, k) not in weights:
+                weights = {(n, k): (torch.zeros(n, k, device="cuda", dtype=torch.uint8).view(
+                    torch.float8_e4m3fn), torch.ones(n, device="cuda"))}
+            fp8_gemv(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), *weights[n, k],
+                     None, config)
+            torch.cuda.synchronize()
+            done += 1
+        except Exception:  # the timing process meets (and records) the error again
+            pass
+    return done
+
+
+def precompile(jobs: list[tuple[int, int, int, Fp8GemvConfig]], workers: int) -> None:
+    """Compile the sweep's kernels in `workers` processes at once (Triton's cache is shared):
+    compiling, not timing, is what a sweep spends its minutes on."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+
+    start = time.perf_counter()
+    chunks = [sorted(jobs[i::workers], key=lambda job: job[:3]) for i in range(workers)]
+    try:
+        with concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            compiled = sum(pool.map(_compile_configs, chunks))
+    except Exception as exc:  # the timing loop compiles what is missing
+        print(f"precompile failed ({exc!r}); compiling one config at a time", flush=True)
+        return
+    print(f"compiled {compiled} of {len(jobs)} kernel configs in {workers} processes: "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+
+
+def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: int,
+                    sweep: bool) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    dtype = torch.bfloat16
+    xs = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(2)]
+    fp8_bytes, bf16_bytes = n * k, 2 * n * k
+    weights = []  # (FP8 weight, scales): copies larger than L2 together
+    for _ in range(max(2, min(CALLS, math.ceil(MIN_BYTES / fp8_bytes)))):
+        weights.append(fp8.quantize_rows(
+            torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5))
+    want = xs[0].float() @ fp8.dequantize_rows(*weights[0]).t()
+
+    def error(got: torch.Tensor) -> float:
+        return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+    def row(label: str, seconds: float, weight_bytes: int) -> dict[str, Any]:
+        bandwidth = weight_bytes / seconds
+        return {"impl": label, "us": seconds * 1e6, "gb_per_s": bandwidth / 1e9,
+                "pct_copy_bw": 100 * bandwidth / copy_bw}
+
+    def run(config: Fp8GemvConfig | None):
+        return lambda x, ws: fp8_gemv(x, ws[0], ws[1], None, config)
+
+    result: dict[str, Any] = {"model": FP8_MODEL, "op": op, "m": m, "n": n, "k": k,
+                              "fp8_mb": fp8_bytes / 1e6, "copies": len(weights),
+                              "config": fp8_gemv_config(m, n, k)._asdict(), "failures": []}
+    result["errors"] = {"fp8": error(run(None)(xs[0], weights[0]))}
+    result["fp8"] = row("fp8", time_per_call(run(None), xs, weights, replays), fp8_bytes)
+    if result["errors"]["fp8"] > TOLERANCE[dtype]:
+        result["failures"].append(f"{result['config']}: relative error "
+                                  f"{result['errors']['fp8']:.2e}")
+    half = [fp8.dequantize_rows(*ws, dtype) for ws in weights[:max(2, len(weights) // 2)]]
+    result["bf16"] = row("bf16", time_per_call(skinny_linear, xs, half, replays), bf16_bytes)
+    del half
+    result["fp8"]["speedup_vs_bf16"] = result["bf16"]["us"] / result["fp8"]["us"]
+    if sweep:
+        tried = []
+        for config in dict.fromkeys([fp8_gemv_config(m, n, k), *fp8_sweep_grid(m, n, k)]):
+            try:
+                err = error(run(config)(xs[0], weights[0]))
+                seconds = time_per_call(run(config), xs, weights, max(replays // 4, 2))
+            except Exception as exc:  # a config that does not compile (e.g. shared memory)
+                tried.append({"config": config._asdict(), "error": repr(exc)[:200]})
+                continue
+            if err > TOLERANCE[dtype]:
+                result["failures"].append(f"{config}: relative error {err:.2e}")
+            tried.append({"config": config._asdict(), **row("sweep", seconds, fp8_bytes),
+                          "relative_error": err})
+        timed = sorted((t for t in tried if "us" in t), key=lambda t: t["us"])
+        result["sweep"] = timed
+        result["sweep_errors"] = [t for t in tried if "us" not in t]
+        result["best"] = timed[0] if timed else None
+    del weights
+    torch.cuda.empty_cache()
+    return result
+
+
+def tuned_from_sweep(path: str | Path) -> dict[tuple[int, int, int], Fp8GemvConfig]:
+    """The best config per (M, N, K) of a `--fp8 --sweep` JSON, as `gemv_fp8.TUNED` entries."""
+    payload = json.loads(Path(path).read_text())
+    assert payload.get("benchmark") == "gemv_fp8" and payload.get("sweep"), f"{path}: no sweep"
+    return {(r["m"], r["n"], r["k"]): Fp8GemvConfig(**r["best"]["config"])
+            for r in payload["results"] if r.get("best") and r["m"] in (1, SKINNY_MAX_ROWS)}
+
+
+def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
+    _, layers, shapes = MODELS[FP8_MODEL]
+    ops = args.ops or [*FP8_OPS, "lm_head"]
+    rows = args.rows if args.rows_given else [1, SKINNY_MAX_ROWS]
+    if args.sweep and args.jobs > 1:
+        jobs = [(m, *shapes[op], config) for m in rows for op in ops
+                for config in dict.fromkeys([fp8_gemv_config(m, *shapes[op]),
+                                             *fp8_sweep_grid(m, *shapes[op])])]
+        precompile(jobs, args.jobs)
+    results = []
+    for m in rows:
+        for op in ops:
+            n, k = shapes[op]
+            r = bench_fp8_shape(op, n, k, m, copy_bw, args.replays, args.sweep)
+            results.append(r)
+            best = r.get("best")
+            print(f"fp8 {op:8s} M={m:2d}: bf16 {r['bf16']['us']:7.1f} us "
+                  f"({r['bf16']['pct_copy_bw']:5.1f}%)  fp8 {r['fp8']['us']:7.1f} us "
+                  f"({r['fp8']['pct_copy_bw']:5.1f}%, {r['fp8']['speedup_vs_bf16']:.2f}x)"
+                  + (f"  best {best['us']:7.1f} us ({best['pct_copy_bw']:5.1f}%, "
+                     f"{r['bf16']['us'] / best['us']:.2f}x) {tuple(best['config'].values())}"
+                     if best else ""), flush=True)
+
+    table = []
+    for r in results:
+        best = r.get("best")
+        table.append([f"{r['op']} {r['n']}x{r['k']}", r["m"], r["fp8_mb"], r["bf16"]["us"],
+                      r["bf16"]["pct_copy_bw"], r["fp8"]["us"], r["fp8"]["pct_copy_bw"],
+                      r["fp8"]["speedup_vs_bf16"], tuple(r["config"].values()),
+                      best["us"] if best else None, best["pct_copy_bw"] if best else None,
+                      tuple(best["config"].values()) if best else None])
+    print()
+    print(format_table(["shape", "M", "fp8 MB", "bf16 us", "bf16 %bw", "fp8 us", "fp8 %bw",
+                        "fp8/bf16", "config (bn,bk,split,warps,stages,dot)", "best us",
+                        "best %bw", "best config"], table))
+
+    # A decode step's linears: 32 layers of the FP8 ops + the LM head, which stays bf16.
+    steps = {}
+    for m in rows:
+        got = {r["op"]: r for r in results if r["m"] == m}
+        if not set(FP8_OPS) <= set(got):
+            continue
+        head = ([r["bf16"]["us"] for r in results if r["m"] == m and r["op"] == "lm_head"]
+                or [None])[0]
+        step = {"bf16": sum(got[op]["bf16"]["us"] for op in FP8_OPS) * layers,
+                "fp8": sum(got[op]["fp8"]["us"] for op in FP8_OPS) * layers}
+        if all(got[op].get("best") for op in FP8_OPS):
+            step["fp8 best"] = sum(got[op]["best"]["us"] for op in FP8_OPS) * layers
+        step = {key: us / 1e3 for key, us in step.items()}
+        if head is not None:
+            step = {key: ms + head / 1e3 for key, ms in step.items()}
+        steps[f"M={m}"] = step
+        print(f"M={m}: a step's linears ({layers} layers"
+              + (" + bf16 lm_head" if head is not None else ", without lm_head") + "): "
+              + ", ".join(f"{key} {ms:.3f} ms" for key, ms in step.items())
+              + f"; bf16/fp8 {step['bf16'] / step['fp8']:.2f}x"
+              + (f", bf16/best {step['bf16'] / step['fp8 best']:.2f}x"
+                 if "fp8 best" in step else ""))
+    if args.sweep:
+        print("\n# best configs, for gemv_fp8.TUNED (M = 1: FMA rows; 16: every M of the dot "
+              "path)")
+        for r in results:
+            best = r.get("best")
+            if best and r["m"] in (1, SKINNY_MAX_ROWS):
+                c = Fp8GemvConfig(**best["config"])
+                print(f"    ({r['m']}, {r['n']}, {r['k']}): Fp8GemvConfig({c.block_n}, "
+                      f"{c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}, {c.use_dot}),"
+                      f"  # {r['op']}: {best['pct_copy_bw']:.0f}% of copy")
+
+    failures = [f"{r['op']} M={r['m']}: {f}" for r in results for f in r["failures"]]
+    for failure in failures:
+        print("WRONG:", failure, file=sys.stderr)
+    payload = {"benchmark": "gemv_fp8", "copy_bytes_per_s": copy_bw, "calls_per_graph": CALLS,
+               "sweep": args.sweep, "results": results, "step_linears_ms": steps,
+               "failures": failures, "environment": environment("cuda")}
+    name = "gemv_fp8_sweep.json" if args.sweep else "gemv_fp8.json"
+    path = write_json(args.out or RESULTS_DIR / name, payload)
+    print(f"wrote {path}")
+    if os.environ.get("OUT"):
+        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
+    return 1 if failures else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--ops", nargs="+", default=None, help="qkv o gate_up down lm_head")
-    parser.add_argument("--rows", type=int, nargs="+",
-                        default=[r for r in (1, 2, 4, 8, 16) if r <= SKINNY_MAX_ROWS])
+    parser.add_argument("--rows", type=int, nargs="+", default=None,
+                        help="M values (default 1 2 4 8 16; with --fp8: 1 16)")
     parser.add_argument("--replays", type=int, default=20, help="graph replays a timing")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of configs")
+    parser.add_argument("--fp8", action="store_true",
+                        help="Llama-3-8B's linears with FP8 weights (gemv_fp8) beside bf16")
+    parser.add_argument("--device", default="cuda", choices=["cuda"])
+    parser.add_argument("--jobs", type=int, default=8,
+                        help="--fp8 --sweep: processes compiling the kernels first (1: none)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/)")
     args = parser.parse_args()
+    args.rows_given = args.rows is not None
+    if args.rows is None:
+        args.rows = [r for r in (1, 2, 4, 8, 16) if r <= SKINNY_MAX_ROWS]
     if not torch.cuda.is_available():
         print("bench/gemv.py needs CUDA", file=sys.stderr)
         return 2
 
     copy_bw = copy_bandwidth(torch.device("cuda"))
     print(f"device-to-device copy: {copy_bw / 1e12:.3f} TB/s (read + write)")
+    if args.fp8:
+        return main_fp8(args, copy_bw)
     results = []
     for model in args.models:
         dtype, layers, ops = MODELS[model]

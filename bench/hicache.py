@@ -3,6 +3,7 @@ from disk and on the device against its recompute, and a multi-turn workload who
 up to 4x the GPU KV pool, with the host tier and without.
 
     python bench/hicache.py --dummy-config llama-3-8b --tokenizer .gpu/tokenizer   # H100
+    python bench/hicache.py --dummy-config llama-3-8b --tokenizer .gpu/tokenizer --skip ttft
     python bench/hicache.py --smoke                                                # CPU check
 
 TTFT: `generate` of prefix + a 32-token question with max_new_tokens=1 (wall clock, scheduling
@@ -15,7 +16,10 @@ hits them (the files are in the OS page cache).
 Multi-turn: conversations x turns; each turn adds user tokens to the conversation's context and
 generates an answer; a round sends every conversation's next turn as one batch, so a context
 comes back after all the others went through the pool. Throughput: (prompt + generated tokens)
-per second of the whole workload.
+per second of the whole workload. With the host tier it also reports how long the host -> device
+copies took (`hicache_load_seconds`: first copy to last, CUDA events) and how much of that the
+forward stood waiting for them (`hicache_load_wait_seconds`: per layer, from the compute stream's
+arrival at the layer's wait to the layer's copies' end); the rest was overlapped with compute.
 """
 
 from __future__ import annotations
@@ -157,10 +161,20 @@ def multi_turn(model_dir: Path, options: dict[str, Any], sizes: Sizes, *, hicach
                         contexts[i] = contexts[i] + result["output_ids"] + tokens(
                             sizes.turn_tokens)
         stats = rt.stats()
+    load = stats.get("hicache_load_seconds", 0.0)
+    waited = stats.get("hicache_load_wait_seconds", 0.0)
     return {"seconds": t["seconds"], "tokens": total, "tokens_per_second": total / t["seconds"],
             "cached_tokens": cached,
             "host_loaded_tokens": stats.get("hicache_host_loaded_tokens", 0),
-            "final_context_tokens": sum(map(len, contexts))}
+            "final_context_tokens": sum(map(len, contexts)),
+            "forward_passes": stats["forward_passes"], "retractions": stats["retractions"],
+            "evicted_tokens": stats["evicted_tokens"],
+            # passes that loaded, the copies' span, the part of it the forward waited for
+            "load_passes": stats.get("hicache_loads", 0), "load_seconds": load,
+            "load_wait_seconds": waited,
+            "load_overlapped_share": 1.0 - waited / load if load > 0 else None,
+            "save_fence_waits": stats.get("hicache_save_fence_waits", 0),
+            "host_saved_tokens": stats.get("hicache_host_saved_tokens", 0)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,6 +228,14 @@ def main(argv: list[str] | None = None) -> None:
                 ["off", off["seconds"], off["tokens_per_second"], off["cached_tokens"]],
                 ["on", on["seconds"], on["tokens_per_second"], on["cached_tokens"]]]))
             print(f"speedup {ratio:.2f}x (target >= 1.5x: {ratio >= 1.5})")
+            share = on["load_overlapped_share"]
+            print(f"host tier: {on['host_loaded_tokens']:,} tokens loaded in "
+                  f"{on['load_passes']} passes; copies {on['load_seconds']:.3f} s, the forward "
+                  f"waited {on['load_wait_seconds']:.3f} s of it (overlapped: "
+                  f"{'-' if share is None else f'{share:.0%}'}); {on['host_saved_tokens']:,} "
+                  f"tokens saved, {on['save_fence_waits']} evictions waited for a save; passes "
+                  f"{off['forward_passes']} off / {on['forward_passes']} on, retractions "
+                  f"{off['retractions']} / {on['retractions']}")
     path = write_json(args.output, report)
     print(f"\nwrote {path}")
 

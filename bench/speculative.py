@@ -12,8 +12,14 @@ accepted length (tokens a verify pass yields: accepted drafts + the target's tok
 rate, and whether the greedy texts are identical.
 
     python bench/speculative.py                    # CPU
-    python bench/speculative.py --device cuda      # GPU (SmolLM2 weights from the user cache)
-    python bench/speculative.py --standalone-self  # STANDALONE, the draft is the target
+    python bench/speculative.py --device cuda --model /tmp/smol/SmolLM2-135M-Instruct
+    python bench/speculative.py --device cuda --model <folder> --standalone-self
+                                                   # STANDALONE, the draft is the target
+
+On CUDA, verify passes (and STANDALONE's draft catch-up passes) run as decode rows that replay the
+decode CUDA graphs (`lmnb/runtime/speculative/rows.py`); the JSON records how many verify passes
+replayed a graph (`verify_graph_replays` of the timed verify passes) and `--verify-mode extend` is
+the eager ablation.
 """
 
 from __future__ import annotations
@@ -76,9 +82,18 @@ def run_once(runtime: Any, prompt: str, max_new_tokens: int
     return out, timing["seconds"], time.process_time() - cpu
 
 
+def _verify_replays(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int]:
+    """(verify passes that replayed a decode CUDA graph, verify passes) between two stats()."""
+    passes = (after["speculative"]["timed_passes"]["verify"]
+              - before["speculative"]["timed_passes"]["verify"])
+    return after["verify_graph_replays"] - before["verify_graph_replays"], passes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto",
                         help="auto: float32 on CPU, bfloat16 on GPUs; greedy texts are identical "
                              "token for token in float32 (in bf16 they may part where a verify "
@@ -103,12 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     options: dict[str, Any] = {"device": str(device), "dtype": args.dtype,
                                "max_total_tokens": 8192}
+    if args.model is not None:
+        options["model_path"] = args.model
     off = Runtime(**options)
     if args.standalone_self:
         from lmnb.runtime.models.loader import resolve_model_dir
 
         on = Runtime(**options, speculative_algorithm="STANDALONE",
-                     speculative_draft_model_path=str(resolve_model_dir(None)),
+                     speculative_draft_model_path=str(resolve_model_dir(args.model)),
                      speculative_num_steps=args.num_steps, speculative_draft_policy="always",
                      speculative_verify_mode=args.verify_mode)
     else:
@@ -126,13 +143,16 @@ def main(argv: list[str] | None = None) -> int:
             best_cpu = dict(best)
             outs: dict[str, dict[str, Any]] = {}
             last_seconds = 0.0
+            replayed = (0, 0)  # (verify passes that replayed a decode graph, verify passes)
             for _ in range(args.repeats):
                 for label, runtime in (("off", off), ("on", on)):
                     if label == "on":
-                        before = dict(on.stats()["speculative"]["seconds"])
+                        before_stats = on.stats()
+                        before = dict(before_stats["speculative"]["seconds"])
                     out, seconds, cpu_seconds = run_once(runtime, prompt, args.max_new_tokens)
                     if label == "on":
                         last_seconds = seconds
+                        replayed = _verify_replays(before_stats, on.stats())
                     best[label] = min(best[label], seconds)
                     best_cpu[label] = min(best_cpu[label], cpu_seconds)
                     outs[label] = out
@@ -150,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mean_accept_length": meta.get("spec_accept_length", 0.0),
                 "accept_rate": meta.get("spec_accept_rate", 0.0),
                 "identical": outs["on"]["output_ids"] == outs["off"]["output_ids"],
+                "verify_graph_replays": replayed[0], "timed_verify_passes": replayed[1],
                 "text_off": outs["off"]["text"], "text_on": outs["on"]["text"],
             }
             result["speedup"] = result["tok_s_on"] / result["tok_s_off"]
@@ -182,14 +203,16 @@ def main(argv: list[str] | None = None) -> int:
                         "verifies", "accept len", "accept rate", "identical"], rows))
     for result in results:
         print(f"{result['task']}: x{result['speedup']:.2f} wall, "
-              f"x{result['cpu_time_speedup']:.2f} process CPU time")
+              f"x{result['cpu_time_speedup']:.2f} process CPU time; "
+              f"{result['verify_graph_replays']} of {result['timed_verify_passes']} verify passes "
+              f"replayed a CUDA graph (last run)")
         if "bound_speedup" in result:
             print(f"  STANDALONE (draft = target): bound x{result['bound_speedup']:.2f} "
                   f"(accepted length over k draft passes + the measured verify pass), "
                   f"share of the run in model passes {result['share_in_passes']:.2f}")
     path = write_json(args.out, {
         "benchmark": "speculative", "environment": environment(device),
-        "model": "SmolLM2-135M-Instruct (embedded)", "batch_size": 1,
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)", "batch_size": 1,
         "algorithm": "STANDALONE (draft = target)" if args.standalone_self else "NGRAM",
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "dtype": str(off.dtype),

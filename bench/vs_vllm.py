@@ -436,8 +436,10 @@ def measure_decode(engine: Engine, work: DecodeSteps, repeats: int,
     return result
 
 
-def lmnb_profiler(engine: LmnbEngine, top: int = 30) -> Profiler:
-    """Runs a call under torch.profiler: device kernel time by category (bench/kernel_profile)."""
+def kernel_profiler(engine: Engine, top: int = 30) -> Profiler:
+    """Runs a call under torch.profiler: device kernel time by category (bench/kernel_profile).
+    vLLM's engine core runs in this process when profiled (VLLM_ENABLE_V1_MULTIPROCESSING=0), so
+    CUPTI sees its kernels; its forward passes are not counted (0)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -445,15 +447,16 @@ def lmnb_profiler(engine: LmnbEngine, top: int = 30) -> Profiler:
 
     # Kernels only on a GPU (CUPTI sees every thread's); on a CPU the ops are all there is.
     activities = [ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]
+    passes = engine.forward_passes if isinstance(engine, LmnbEngine) else (lambda: 0)
 
     def run(call: Callable[[], object]) -> dict[str, Any]:
-        before = engine.forward_passes()
+        before = passes()
         with profile(activities=activities) as prof:
             start = time.perf_counter()
             call()
             wall = time.perf_counter() - start
         summary = summarize(device_events(prof), wall_seconds=wall,
-                            passes=engine.forward_passes() - before, top=top)
+                            passes=passes() - before, top=top)
         return summary
 
     return run
@@ -497,6 +500,8 @@ def run_child(args: argparse.Namespace, model_dir: Path, json_out: Path | None) 
             tmp.replace(json_out)
 
     start = time.perf_counter()
+    if args.profile and args.engine == "vllm":  # its engine core in this process, for CUPTI
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engine = build_engine(args.engine, model_dir, args)
     result["start"] = {"seconds": process_age_seconds(),
                        "init_seconds": time.perf_counter() - start}
@@ -505,8 +510,7 @@ def run_child(args: argparse.Namespace, model_dir: Path, json_out: Path | None) 
           f"process started ({result['start']['init_seconds']:.1f} s in its constructor)",
           flush=True)
     save()
-    profiler = (lmnb_profiler(engine) if args.profile and isinstance(engine, LmnbEngine)
-                else None)
+    profiler = kernel_profiler(engine) if args.profile else None
     try:
         for name in args.workloads:
             work = make_workload(name, args.sizes, vocab)
@@ -685,8 +689,8 @@ def child_command(engine: str, model: str, model_dir: Path, workloads: Sequence[
             command += ["--lmnb-backend", args.lmnb_backend]
         if args.lmnb_mem_fraction is not None:
             command += ["--lmnb-mem-fraction", str(args.lmnb_mem_fraction)]
-        if args.profile:
-            command.append("--profile")
+    if args.profile:
+        command.append("--profile")
     return command
 
 
@@ -787,15 +791,16 @@ def print_report(payload: dict[str, Any]) -> None:
     for note in notes:
         print(f"note: {note}")
     for model, entry in payload["models"].items():
-        for cell in entry["runs"].get("lmnb", {}).get("workloads", {}).values():
-            if "profile" in cell:
-                print_profile(f"{model} {cell['label']}", cell["profile"])
+        for engine, run in entry["runs"].items():
+            for cell in run.get("workloads", {}).values():
+                if "profile" in cell:
+                    print_profile(f"{engine} {model} {cell['label']}", cell["profile"])
 
 
 def print_profile(title: str, summary: dict[str, Any]) -> None:
     from bench.kernel_profile import CATEGORY_HEADERS, category_rows
 
-    print(f"\nlmnb kernel time by category, {title}: {summary['passes']} passes, wall "
+    print(f"\nkernel time by category, {title}: {summary['passes']} passes, wall "
           f"{1e3 * summary['wall_seconds']:.1f} ms, device busy {1e3 * summary['busy_seconds']:.1f}"
           f" ms (one extra profiled run, not timed)")
     print(format_table(CATEGORY_HEADERS, category_rows(summary)))
@@ -918,8 +923,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--skip-vllm goes with the parent (no --engine)")
         if len(args.models) != 1:
             parser.error("--engine runs one model: give --models NAME")
-        if args.profile and args.engine != "lmnb":
-            parser.error("--profile profiles lmnb only")
     args.sizes = TINY if args.tiny else FULL
     return args
 

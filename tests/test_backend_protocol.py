@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from lmnb.lang.backends.base import Backend, BaseBackend, MediaBackend
+from lmnb.lang.backends.base import Backend, BaseBackend, MediaUnsupported
 from lmnb.lang.backends.endpoint import RuntimeEndpoint
 from lmnb.lang.backends.local import LocalBackend
 from lmnb.lang.backends.openai import OpenAI
@@ -27,7 +27,7 @@ def _members(protocol: type) -> tuple[dict[str, inspect.Signature], list[str]]:
 @pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
 def test_backend_class_matches_the_protocol(cls: type) -> None:
     methods, attributes = _members(Backend)
-    assert {"generate", "select", "cache_prefix"} <= set(methods)
+    assert {"generate", "select", "cache_prefix", "prepare_media"} <= set(methods)
     assert {"chat_template", "is_chat_model", "reports_token_texts"} <= set(attributes)
     for name, expected in methods.items():
         got = inspect.signature(getattr(cls, name))
@@ -44,18 +44,16 @@ def test_backend_class_matches_the_protocol(cls: type) -> None:
         assert hasattr(cls, name) or f"self.{name} =" in source, f"{cls.__name__}: {name}"
 
 
-@pytest.mark.parametrize("cls", [LocalBackend, RuntimeEndpoint], ids=lambda c: c.__name__)
-def test_media_backends_prepare_media(cls: type) -> None:
-    expected = inspect.signature(MediaBackend.prepare_media)
-    assert inspect.signature(cls.prepare_media).parameters.keys() == expected.parameters.keys()
-
-
 def test_instances_satisfy_the_protocol() -> None:
     chat: Backend = OpenAI("m", client=object())
     completion: Backend = OpenAI("gpt-3.5-turbo-instruct", client=object())
     assert isinstance(chat, Backend) and chat.is_chat_model and chat.reports_token_texts
     assert isinstance(completion, Backend) and not completion.is_chat_model
-    assert not isinstance(chat, MediaBackend)  # no images over the OpenAI API here
+    with pytest.raises(MediaUnsupported, match="sends text only"):  # no images over the API
+        chat.prepare_media("image", "cat.png")
     # SGLang-style custom backends are run through their own hooks, not this protocol; they
-    # still say whether they are chat models.
-    assert BaseBackend().is_chat_model is False
+    # still say whether they are chat models, and take no media.
+    custom = BaseBackend()
+    assert custom.is_chat_model is False and custom.reports_token_texts is False
+    with pytest.raises(MediaUnsupported, match="custom backend"):
+        custom.prepare_media("video", "clip.mp4", num_frames=4)

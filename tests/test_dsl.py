@@ -40,6 +40,7 @@ from lmnb.lang.interpreter import ProgramError
 from lmnb.lang.ir import GenParams
 from lmnb.params import SamplingParams
 from lmnb.runtime.core import InvalidRequestError
+from tests.fake_backend import TextOnlyFake
 from tests.idle import wait_idle
 
 PROMPT = "def fibonacci(n):"  # the tiny model's greedy output has several distinct tokens
@@ -82,16 +83,13 @@ class Call:
     end: float = 0.0
 
 
-class FakeBackend:
+class FakeBackend(TextOnlyFake):
     """Replies `reply` in 3 streamed pieces over `delay` seconds; records every call. With a
     `gate`, each call streams its first piece, sets `first_piece`, then waits for the gate."""
 
-    is_chat_model = False
-    reports_token_texts = False
-
     def __init__(self, reply: str = "abcdef", delay: float = 0.0, tokenizer: Any = None,
                  error: BaseException | None = None, gate: threading.Event | None = None) -> None:
-        self.chat_template = ChatTemplate(tokenizer)
+        super().__init__(ChatTemplate(tokenizer))
         self.reply, self.delay, self.error, self.gate = reply, delay, error, gate
         self.first_piece = threading.Event()
         self.calls: list[Call] = []

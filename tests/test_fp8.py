@@ -1,7 +1,8 @@
 """FP8 weights and FP8 KV cache on the CPU: quantization round trips, the options, the
 compressed-tensors loader, tensor-parallel slices of FP8 weights and scales, a tiny model's FP8
-logits (the reference path), and the FP8 kernels (skinny GEMM, decode, extend) in Triton's
-interpreter. tests/gpu/test_fp8_cuda.py runs the compiled kernels and `_scaled_mm`."""
+logits (the reference path), and the FP8 kernels (decode, extend; the skinny GEMM in
+tests/test_gemv_fp8.py) in Triton's interpreter. tests/gpu/test_fp8_cuda.py runs the compiled
+kernels and `_scaled_mm`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from tests.triton_modes import DEVICES, INTERPRET, SAME_TRITON_MODE
 
 # isort: split
 from lmnb.runtime.config import EngineConfig
-from lmnb.runtime.kernels.fused.gemv import SkinnyConfig, skinny_linear
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
 from lmnb.runtime.kernels.triton_extend import extend_attention
 from lmnb.runtime.memory import KVStorage
@@ -278,26 +278,6 @@ pytestmark = SAME_TRITON_MODE
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("m", "config"), [
-    (1, None), (5, None),
-    (1, SkinnyConfig(16, 32, 2, 4, 1, False)),  # FMA path, split K
-    (7, SkinnyConfig(16, 32, 2, 4, 1, True)),  # dot path, split K
-])
-def test_skinny_gemm_reads_fp8_weights(device, dtype, m, config):
-    gen = torch.Generator().manual_seed(m)
-    n, k = 40, 96
-    w, scale = fp8.quantize_rows(torch.randn(n, k, generator=gen) * 0.1)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype)
-    w, scale, x, bias = (t.to(device) for t in (w, scale, x, bias))
-    out = skinny_linear(x, w, bias, config, weight_scale=scale)
-    want = x.double() @ fp8.dequantize_rows(w, scale, torch.float64).t() + bias.double()
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_per_token_quant_kernel_is_quantize_tokens(device, dtype):
     from lmnb.runtime.kernels.fused.fp8_quant import per_token_quant
 
@@ -365,29 +345,42 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lmnb.runtime.kernels import triton_decode
-from lmnb.runtime.kernels.fused import fp8_quant, gemv, rope
+from lmnb.runtime.kernels.fused import fp8_quant, gemv_fp8, rope
 
-def compile(fn, signature, constants, warps=4):
+def compile(fn, signature, constants, warps=4, aligned=()):
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     signature = {**signature, **{name: "constexpr" for name in constants}}
-    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants,
+                                    attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 f8, dt, i64 = "*fp8e4nv", "*bf16", "*i64"
-for use_dot, block_m in ((False, 1), (True, 16)):
-    compile(gemv._skinny_kernel,
-            {"X": dt, "W": f8, "B": dt, "OUT": dt, "PARTIAL": "*fp32", "W_SCALE": "*fp32",
+gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
              **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om",
-                                   "k_span")}},
-            {"HAS_BIAS": False, "SPLIT_K": 1, "EVEN_K": True, "BLOCK_M": block_m,
-             "BLOCK_N": 32 if use_dot else 1, "BLOCK_K": 512 if use_dot else 256,
-             "USE_DOT": use_dot, "DOT_PRECISION": "tf32", "DOT_UPCAST": False,
-             "HAS_SCALE": True})
+                                   "k_span")}}
+for use_dot in (False, True):  # aligned as the launcher's arguments are at Llama shapes
+    packed = not use_dot  # FMA path: 4 weights an int32, 4 bf16 activations an int64
+    args = {"X": "*i64" if packed else dt, "W": "*i32" if packed else f8, **gemv_args}
+    kernel = compile(gemv_fp8._fp8_gemv_kernel, args,
+                     {"HAS_BIAS": False, "SPLIT_K": 1, "EVEN_K": True,
+                      "BLOCK_M": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 2,
+                      "BLOCK_K": 256 if use_dot else 1024 // 4,
+                      "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC // 4,
+                      "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot,
+                      "PACKED": packed, "X_BF16": True, "ASM_CVT": True},
+                     aligned=[name for name in args if name != "M"])
+    loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
+    if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop
+        assert "convert_layout" not in loop and "local_alloc" not in loop, loop
+        ptx = kernel.asm["ptx"]
+        assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in ptx
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == 8  # 2 rows x 8 weights a step, a pair each
 compile(triton_decode._decode_partial_kernel,
         {"Q": dt, "K": f8, "V": f8, "KV_INDPTR": i64, "KV_INDICES": i64,
-         "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
+         "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": dt, "scale": "fp32",
          **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                "stride_vh", "stride_pob", "stride_poh", "stride_pos",
-                               "stride_plb", "stride_plh")}},
+                               "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
         {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
          "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
          "HAS_SKIP": False, "KV_FP8": True}, warps=2)
@@ -411,7 +404,8 @@ print("compiled")
 def test_fp8_kernels_compile_for_a_hopper_gpu():
     """The FP8 variants (skinny GEMM over FP8 weights, decode over an FP8 pool — extend shares its
     `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a process without
-    TRITON_INTERPRET."""
+    TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared memory (8-byte
+    weight loads in the activations' layout)."""
     import os
     import subprocess
     import sys

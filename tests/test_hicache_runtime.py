@@ -77,6 +77,7 @@ def check_tiers(model: Path, base: dict[str, Any], reference: dict[str, Any],
         assert [r["output_ids"] for r in results] == reference["prompts"]
         stats = runtime.stats()
         assert stats["hicache_host_loaded_tokens"] - before >= len(shared)
+        assert stats["hicache_loads"] >= 1  # queued, copied layer by layer as attention read
         assert min(r["meta_info"]["cached_tokens"] for r in results) >= len(shared)
         if importlib.util.find_spec("IPython") is not None:  # the GPU machine has none
             from lmnb.magics.status import StatusSummary
@@ -95,5 +96,6 @@ def check_tiers(model: Path, base: dict[str, Any], reference: dict[str, Any],
         assert results[0]["meta_info"]["cached_tokens"] == 128  # two full 64-token pages
         results = runtime.generate(input_ids=prompts, sampling_params=dict(GREEDY, n=2))
         assert [r["output_ids"] for r in results[::2]] == reference["prompts"]
-        assert runtime.stats()["hicache_disk_loaded_tokens"] >= 128
+        stats = runtime.stats()
+        assert stats["hicache_disk_loaded_tokens"] >= 128 and stats["hicache_prefetch_reads"] >= 1
         runtime.check_integrity()

@@ -34,6 +34,8 @@ def expected_rows(key: list[int], start: int, end: int) -> torch.Tensor:
 
 
 def device_rows(kv: KVStorage, slots: torch.Tensor) -> torch.Tensor:
+    for layer in range(kv.num_layers):
+        kv.ready(layer)  # as attention does: queued loads of the layer are copied now (CPU)
     return torch.stack([torch.stack([buf[slots] for buf in bufs])
                         for bufs in (kv.k_buffers, kv.v_buffers)])
 
@@ -58,7 +60,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
                                       write_through=self.write_through, disk=self.disk)
 
     def teardown(self) -> None:
-        self.disk.close()
+        self.cache.close()
 
     @precondition(lambda self: self.seen)
     @rule(which=st.integers(0, 1 << 10), tail=st.lists(st.integers(0, 2), max_size=3))
@@ -70,6 +72,8 @@ class TieredCacheMachine(RuleBasedStateMachine):
     def request(self, key: list[int]) -> None:
         self.seen.append(key)
         cache = self.cache
+        cache.prefetch(key)  # as the scheduler does when the request arrives
+        cache.wait_prefetch(key)
         room = self.allocator.available() + cache.evictable_size()
         cache.load_back(key, room=room)
         match = cache.match_prefix(key)
@@ -94,6 +98,12 @@ class TieredCacheMachine(RuleBasedStateMachine):
             cache.unlock(match.handle)
 
     @rule(key=keys)
+    def load_unread(self, key: list[int]) -> None:
+        """A load queued for a pass that never reads it (its request ended first): later
+        evictions, saves and requests must still see the right KV."""
+        self.cache.load_back(key, room=self.allocator.available() + self.cache.evictable_size())
+
+    @rule(key=keys)
     def lock(self, key: list[int]) -> None:
         match = self.cache.match_prefix(key)
         self.cache.lock(match.handle)
@@ -113,7 +123,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
     def restart(self, write_through: bool) -> None:
         """A new process on the same model: only the disk pages are left."""
         self.disk.flush()
-        self.disk.close()
+        self.cache.close()
         self.write_through = write_through
         self._build()
 
@@ -139,6 +149,8 @@ def _filled(size: int = 32) -> tuple[KVStorage, KVAllocator]:
 def _request(cache: TieredRadixCache, kv: KVStorage, key: list[int]) -> int:
     """Computes `key` past its match (writing the reference KV) and caches it; returns the
     matched length after loading back."""
+    cache.prefetch(key)
+    cache.wait_prefetch(key)
     cache.load_back(key, room=cache.allocator.available() + cache.evictable_size())
     match = cache.match_prefix(key)
     got = len(match.indices)

@@ -3,6 +3,7 @@ tokenizing each whole prompt, with SmolLM2's real tokenizer."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
@@ -123,6 +124,9 @@ class IdsRecorder:
     def cache_prefix(self, prompt: str | None = None, *, input_ids: Any = None) -> int:
         self.sent.append({"input_ids": input_ids, "prompt": prompt})
         return 0
+
+    def batched_submits(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 def test_local_backend_sends_the_runtime_ids(tokenizer) -> None:

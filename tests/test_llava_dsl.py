@@ -24,6 +24,9 @@ from lmnb.lang.ir import GenParams
 class FakeMediaBackend:
     """Answers every gen with "ok", records each call's prompt and media."""
 
+    is_chat_model = False
+    reports_token_texts = False
+
     def __init__(self, *, kinds: tuple[str, ...] = ("image", "video")) -> None:
         self.chat_template = ChatTemplate(None)
         self.kinds = kinds
@@ -62,7 +65,9 @@ class FakeMediaBackend:
 
 
 class TextOnlyBackend(FakeMediaBackend):
-    prepare_media = None  # type: ignore[assignment]
+    def prepare_media(self, kind: str, source: Any, *,
+                      num_frames: int | None = None) -> MediaInput:
+        raise MediaUnsupported(f"{type(self).__name__} is text-only")
 
 
 def sources(media: tuple[MediaInput, ...]) -> list[Any]:

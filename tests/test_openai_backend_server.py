@@ -12,7 +12,7 @@ server = pytest.importorskip("lmnb.server")
 
 import lmnb  # noqa: E402
 from lmnb import assistant, function, gen, system, user  # noqa: E402
-from lmnb.lang.backends.base import Backend, MediaBackend  # noqa: E402
+from lmnb.lang.backends.base import Backend  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def tiny(tiny_models) -> Iterator[tuple[Runtime, str]]:
 def test_api_and_local_backends_give_the_same_greedy_text(tiny):
     runtime, url = tiny
     local: Backend = lmnb.LocalBackend(runtime)
-    assert isinstance(local, Backend) and isinstance(local, MediaBackend)
+    assert isinstance(local, Backend)
     for program, chat, arguments in ((story, False, {"topic": "rain"}),
                                       (qa, True, {"question": "Why is the sky blue?"})):
         api = lmnb.OpenAI("m", base_url=url, is_chat_model=chat)

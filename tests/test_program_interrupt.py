@@ -18,23 +18,20 @@ import pytest
 import lmnb
 from lmnb import gen
 from lmnb.lang.backends.base import Backend, Generation, ProgramAborted
-from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.interpreter import StreamExecutor
 from lmnb.lang.ir import GenParams
 from lmnb.lang.program import ProgramRun
+from tests.fake_backend import TextOnlyFake
 
 GUARD_S = 60.0  # only reached when the behaviour under test is broken
 
 
-class BlockingBackend:
+class BlockingBackend(TextOnlyFake):
     """`generate` blocks until its request is cancelled, then until the test `release`s it.
     When `expected` calls have arrived, it interrupts the main thread."""
 
-    is_chat_model = False
-    reports_token_texts = False
-
     def __init__(self, expected: int) -> None:
-        self.chat_template = ChatTemplate(None)
+        super().__init__()
         self.expected = expected
         self.lock = threading.Lock()
         self.started: list[str] = []

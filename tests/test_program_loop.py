@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import contextlib
+import random
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -20,21 +22,22 @@ import lmnb
 from lmnb import gen, select
 from lmnb.lang.backends.base import CancelEvent, Generation, ProgramAborted
 from lmnb.lang.backends.local import LocalBackend
-from lmnb.lang.chat_template import ChatTemplate
+from lmnb.lang.backends.submit_chunks import SubmitChunks
 from lmnb.lang.event_loop import program_loop
 from lmnb.lang.ir import GenParams
+from tests.fake_backend import TextOnlyFake
 from tests.idle import wait_idle
 
 GUARD_S = 60.0  # only reached when the behaviour under test is broken
 
 
-class BarrierBackend:
+class BarrierBackend(TextOnlyFake):
     """An `AsyncBackend` whose gens all wait until `count` of them are in flight at once: the
     programs can only finish if that many run concurrently. The text is the prompt's last
     word, reversed."""
 
     def __init__(self, count: int) -> None:
-        self.chat_template = ChatTemplate(None)
+        super().__init__()
         self.count = count
         self.in_flight = 0
         self.most = 0
@@ -68,9 +71,6 @@ class BarrierBackend:
 
     def select(self, *args: Any, **kwargs: Any) -> tuple[str, dict]:
         raise AssertionError("the program loop awaits aselect")
-
-    def cache_prefix(self, prompt: str) -> None:
-        pass
 
 
 @lmnb.function
@@ -133,27 +133,82 @@ def test_no_thread_is_left_after_a_thousand_runs(rt):
     assert {thread.ident for thread in threading.enumerate()} <= threads  # no new thread
 
 
-def test_run_batch_sends_all_its_gens_to_the_first_prefill_pass(rt):
-    """The gens submitted in one iteration of the program loop reach the scheduler in one
-    message (`batched_submits`): the first pass prefills every program, as one `generate` of a
-    list would, rather than the few whose gens arrived first. A tiny GIL switch interval lets
-    the scheduler thread run between any two submissions (as on a GPU, where it waits less)."""
+def test_run_batch_fills_the_first_prefill_pass_as_a_raw_generate_does(rt):
+    """The programs of a `run_batch` reach the scheduler as the prompts of one `generate` of a
+    list do: the first ones together, in one message (their gens are held for a turn of the
+    program loop and sent in chunks, `SubmitChunks`), so the first pass is as full as the raw
+    paths'. The prompts are long enough that the pass's token budget (2048 on the CPU) binds
+    before the first chunk of 8 is used up: a count that does not depend on timing. A tiny GIL
+    switch interval lets the scheduler thread run between any two submissions (as on a GPU):
+    gens sent one by one would give a first pass of one request."""
+    rng = random.Random(7)
+    words = "time year people way day man thing woman life child world school state".split()
+    prompts = [f"Text {i}: " + " ".join(rng.choice(words) for _ in range(300))
+               for i in range(10)]
+    assert all(280 <= len(rt.encode(p)) <= 400 for p in prompts)  # 6-7 of them fill a pass
+    params = {"max_new_tokens": 2, "temperature": 0.0}
+
     @lmnb.function
-    def ask(s, word):
-        s += word + " means" + gen("a", max_tokens=2, temperature=0)
+    def continue_text(s, text):
+        s += text + gen("a", max_tokens=2, temperature=0)
+
+    def first_pass(work: Callable[[], Any]) -> tuple[int, int]:
+        assert rt.flush_cache()
+        passes: list[tuple[int, int]] = []
+        rt.set_batch_hook(lambda batch: passes.append((batch.size, sum(batch.extend_lens)))
+                          if batch.mode.name == "EXTEND" else None)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            work()
+        finally:
+            sys.setswitchinterval(interval)
+            rt.set_batch_hook(None)
+        return passes[0]
 
     wait_idle(rt, check_integrity=True)
-    passes: list[tuple[str, int]] = []
-    rt.set_batch_hook(lambda batch: passes.append((batch.mode.name, batch.size)))
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        states = ask.run_batch([{"word": f"w{i}"} for i in range(32)], backend=LocalBackend(rt))
-    finally:
-        sys.setswitchinterval(interval)
-        rt.set_batch_hook(None)
+    ids = [rt.encode(p) for p in prompts]
+    raw_text = first_pass(lambda: rt.generate(prompts, params))
+    raw_ids = first_pass(lambda: rt.generate(input_ids=ids, sampling_params=params))
+    states: list[Any] = []
+    dsl = first_pass(lambda: states.extend(continue_text.run_batch(
+        [{"text": p} for p in prompts], backend=LocalBackend(rt))))
     assert all(isinstance(state["a"], str) for state in states)
-    assert passes[0] == ("EXTEND", 32), passes
+    assert raw_text[0] > 1 and raw_text[1] == 2048  # the budget bound the pass
+    assert dsl == raw_text == raw_ids
+
+
+def test_submit_chunks_grow_within_a_turn_of_the_loop():
+    """`SubmitChunks` sends a turn's submissions as `Runtime.generate` chunks a list of prompts:
+    8, 16, 32, ... and the rest when the turn ends; the next turn starts at 8 again."""
+    sent: list[int] = []
+    held: list[int] = []
+
+    @contextlib.contextmanager
+    def hold() -> Iterator[None]:
+        held.append(0)
+        try:
+            yield
+        finally:
+            sent.append(held.pop())
+
+    chunks = SubmitChunks(hold)
+
+    def submit(count: int) -> None:
+        for _ in range(count):
+            with chunks.submitting():
+                held[-1] += 1
+
+    async def turns() -> None:
+        submit(100)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert sent == [8, 16, 32, 44]
+        submit(3)
+        await asyncio.sleep(0)
+
+    asyncio.run(turns())
+    assert sent == [8, 16, 32, 44, 3]
 
 
 class HoldingBackend(LocalBackend):

@@ -12,6 +12,7 @@ import lmnb as sgl
 from lmnb.lang import default_backend as default_backend_module
 from lmnb.lang import program as program_module
 from lmnb.lang.backends.base import Backend
+from tests.fake_backend import TextOnlyFake
 
 
 @sgl.function
@@ -108,13 +109,11 @@ def test_logprobs_with_text_and_positional_select(sgl_backend):
 
 
 # ---- dtype ---------------------------------------------------------------------------------------
-class Recorder:
+class Recorder(TextOnlyFake):
     """A backend without a model: records each gen's parameters and replies `reply`."""
 
     def __init__(self, reply: str = "7") -> None:
-        from lmnb.lang.chat_template import ChatTemplate
-
-        self.chat_template = ChatTemplate(None)
+        super().__init__()
         self.reply = reply
         self.params: list = []
 
@@ -126,9 +125,6 @@ class Recorder:
 
     def select(self, prompt, choices, method):
         return choices[0], {"method": method}
-
-    def cache_prefix(self, prompt):
-        pass
 
 
 def test_dtype_regexes_and_stops_as_sglang(sgl_runtime):

@@ -417,3 +417,64 @@ def test_standalone_draft_model_keeps_greedy_outputs(tiny_models, runtimes, draf
         assert min(rates) > 0.9
     else:  # random models that disagree
         assert max(rates) < 0.5
+
+
+def test_verify_and_draft_rows_through_the_padded_graph_path(tiny_models, runtimes,
+                                                             monkeypatch) -> None:
+    """The CUDA-graph path on the CPU: a graph runner that captures nothing and runs each padded
+    static batch eagerly through the backend's replay hooks (`capture=False`), rows up to 16.
+    NGRAM verify passes as decode rows padded to the ladder (one request: <= 6 rows -> 8; three:
+    up to 18 rows, one eager EXTEND past 16), and STANDALONE's catch-up passes as rows: the
+    outputs of plain decoding."""
+    import functools
+
+    from lmnb.runtime import model_runner
+    from lmnb.runtime.graph_runner import DecodeGraphRunner
+
+    monkeypatch.setattr(model_runner, "graph_max_bs", lambda **_: 16)
+    monkeypatch.setattr(model_runner, "DecodeGraphRunner",
+                        functools.partial(DecodeGraphRunner, capture=False))
+    base, _ = runtimes
+    prompts = COPY_PROMPTS
+    want = base.generate(prompts, GREEDY)
+    path = str(tiny_models["llama-gqa"])
+    common = dict(dtype="float32", device="cpu", max_total_tokens=4096, context_length=256,
+                  check_integrity_each_step=True)
+    with Runtime(path, **common, **SPEC) as rt:
+        got = rt.generate(prompts, GREEDY)
+        one = rt.generate(COPY_PROMPTS[2], GREEDY)
+        stats = rt.stats()
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert one["output_ids"] == want[2]["output_ids"]
+    verifies = stats["speculative"]["timed_passes"]["verify"]
+    assert stats["cuda_graph_batch_sizes"] == [1, 2, 4, 8, 16]
+    assert 0 < stats["verify_graph_replays"] <= verifies
+    assert stats["cuda_graph_replays"] > stats["verify_graph_replays"]  # decode steps too
+    with Runtime(path, **common, speculative_algorithm="STANDALONE",
+                 speculative_draft_model_path=path, speculative_num_steps=3,
+                 speculative_draft_policy="always") as rt:
+        got = rt.generate(prompts[:2], GREEDY)
+        stats = rt.stats()["speculative"]
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want[:2]]
+    assert stats["draft_row_passes"] > 0 and stats["accept_rate"] > 0.9
+    assert stats["draft_kv_tokens"] == 0
+
+
+def test_graph_ladder_reaches_the_largest_verify_pass() -> None:
+    """Decode graphs capped at 8 requests still reach the rows of a verify pass of
+    `speculative_max_batch_size` requests x `speculative_num_draft_tokens` (at most 256)."""
+    from lmnb.runtime.graph_runner import graph_max_bs
+    from lmnb.runtime.speculative.config import SpeculativeConfig
+
+    options = dict(device_type="cuda", disable_cuda_graph=False, backend_name="triton",
+                   supports_capture=True, max_running_requests=64)
+    rows = SpeculativeConfig(num_draft_tokens=12, max_batch_size=8).max_verify_rows
+    assert rows == 96
+    assert graph_max_bs(cuda_graph_max_bs=8, **options) == 8
+    assert graph_max_bs(cuda_graph_max_bs=8, verify_rows=rows, **options) == 96
+    assert graph_max_bs(cuda_graph_max_bs=None, verify_rows=rows, **options) == 96
+    assert graph_max_bs(cuda_graph_max_bs=None, verify_rows=4096, **options) == 256
+    assert graph_max_bs(cuda_graph_max_bs=None, verify_rows=rows,
+                        **{**options, "device_type": "cpu"}) == 0
+    extend = SpeculativeConfig(verify_mode="extend")
+    assert extend.max_verify_rows == 0

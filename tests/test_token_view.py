@@ -16,8 +16,11 @@ import pytest
 pytest.importorskip("anywidget")
 
 import lmnb  # noqa: E402
-from lmnb.lang.backends.local import LocalBackend  # noqa: E402
-from lmnb.lang.token_trace import ORIGIN_INDEX, TokenTrace, TraceLog, start_trace  # noqa: E402
+from lmnb.lang.backends.local import (
+    LocalBackend,  # noqa: E402
+    start_trace,  # noqa: E402
+)
+from lmnb.lang.token_trace import ORIGIN_INDEX, TokenTrace, TraceLog  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
 from lmnb.runtime.output.token_origins import count_origin  # noqa: E402
 from lmnb.widgets.metrics import metrics_text, program_metrics, runtime_stats  # noqa: E402

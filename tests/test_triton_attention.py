@@ -292,24 +292,28 @@ def test_cuda_graph_of_decode_replays_eager_results():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_long_splits_of_busy_batches_match_float64(device):
-    """Large batches split a request's KV less (decode_config's min_split): same output."""
+    """Large batches split a request's KV less (decode_config's min_split, max_splits): same
+    output."""
     from lmnb.runtime.kernels.triton_decode import DecodeConfig, decode_config
 
-    assert decode_config(128, torch.bfloat16, batch_size=256, num_kv_heads=8).min_split > \
-        decode_config(128, torch.bfloat16, batch_size=1, num_kv_heads=8).min_split
+    busy, idle = (decode_config(128, torch.bfloat16, batch_size=bs, num_kv_heads=8)
+                  for bs in (256, 1))
+    assert busy.min_split > idle.min_split and busy.max_splits < idle.max_splits
     gen = torch.Generator().manual_seed(3)
     seq_lens = [1, 70, 130, 300]
     kv_indptr, kv_indices = _ragged(seq_lens, device, gen)
     k_buffer, v_buffer = _pool(sum(seq_lens), 2, 64, torch.float32, device)
     q = torch.randn(len(seq_lens), 8, 64, device=device)
-    out = torch.empty_like(q)
-    decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
-                     *partial_buffers(len(seq_lens), 8, 64, 4, q.device), scale=64**-0.5,
-                     max_kv_splits=4, config=DecodeConfig(64, 256, 2, 2))
-    for i, n in enumerate(seq_lens):
-        slots = kv_indices[kv_indptr[i]:kv_indptr[i] + n]
-        expected = _reference(q[i:i + 1], k_buffer, v_buffer, slots, n - 1)
-        torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-4, rtol=1e-4)
+    # a long minimum split; then a split grid capped below the backend's max_kv_splits
+    for config in (DecodeConfig(64, 256, 2, 2), DecodeConfig(64, 64, 2, 2, max_splits=2)):
+        out = torch.empty_like(q)
+        decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
+                         *partial_buffers(len(seq_lens), 8, 64, 4, q.device), scale=64**-0.5,
+                         max_kv_splits=4, config=config)
+        for i, n in enumerate(seq_lens):
+            slots = kv_indices[kv_indptr[i]:kv_indptr[i] + n]
+            expected = _reference(q[i:i + 1], k_buffer, v_buffer, slots, n - 1)
+            torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-4, rtol=1e-4)
 
 
 # ---- code generation for a real GPU, without one -------------------------------------------
@@ -330,10 +334,11 @@ i64 = "*i64"
 for skip in (True, False):
     compile(triton_decode._decode_partial_kernel,
             {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
-             "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
+             "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*" + dt,
+             "scale": "fp32",
              **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                    "stride_vh", "stride_pob", "stride_poh", "stride_pos",
-                                   "stride_plb", "stride_plh")}},
+                                   "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
              "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
              "HAS_SKIP": skip, "KV_FP8": False}, warps=2)

@@ -26,9 +26,11 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import singledispatchmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import Backend, ProgramAborted
+from lmnb.lang.batch import BatchJob
+from lmnb.lang.default_backend import as_backend
 from lmnb.lang.interpreter import JoinBranches, ProgramError, StreamExecutor
 from lmnb.lang.ir import (
     Argument,
@@ -40,16 +42,9 @@ from lmnb.lang.ir import (
     Variable,
     to_expr,
 )
-from lmnb.lang.program import (
-    BatchJob,
-    Program,
-    ProgramRun,
-    ProgramState,
-    as_backend,
-    batch_defaults,
-    call_arguments,
-    run_defaults,
-)
+from lmnb.lang.program_run import ProgramRun
+from lmnb.lang.program_state import ProgramState
+from lmnb.lang.run_defaults import batch_defaults, call_arguments, run_defaults
 from lmnb.lang.tracer import (
     Call,
     Fork,
@@ -59,6 +54,9 @@ from lmnb.lang.tracer import (
     substitute,
     trace_program,
 )
+
+if TYPE_CHECKING:
+    from lmnb.lang.program import Program
 
 Read = tuple[int, int, str]  # (state, position, variable): its value after `position` nodes
 

@@ -16,15 +16,14 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import TYPE_CHECKING, Any
 
-from lmnb.lang.backends.awaiting import awaited_calls, in_thread, on_loop_thread
+from lmnb.lang.backend_calls import BackendCalls
+from lmnb.lang.backends.awaiting import in_thread
 from lmnb.lang.backends.base import (
     Backend,
-    BaseBackend,
     CancelEvent,
     ChatPrompt,
     Generation,
@@ -32,10 +31,8 @@ from lmnb.lang.backends.base import (
     MediaUnsupported,
     ProgramAborted,
     end_program,
-    sglang_generate,
-    sglang_select,
 )
-from lmnb.lang.event_loop import block_on, call_soon, on_loop, program_loop
+from lmnb.lang.event_loop import block_on, call_soon, on_loop, on_program_loop, program_loop
 from lmnb.lang.ir import (
     CommitPrefix,
     Expr,
@@ -47,37 +44,20 @@ from lmnb.lang.ir import (
     RoleEnd,
     Select,
     SetVar,
-    SourceLocation,
     Text,
     VarScopeBegin,
     VarScopeEnd,
     Video,
 )
+from lmnb.lang.program_error import ProgramError as ProgramError
+from lmnb.lang.program_error import located
 from lmnb.lang.reasoning import reasoning_name, split_reasoning
+from lmnb.lang.run_defaults import merged_over_defaults
 from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, speculative_params
+from lmnb.lang.text_listener import END, FAILED, TextListener
 
 if TYPE_CHECKING:
     from lmnb.lang.token_trace import TokenTrace
-
-
-class ProgramError(RuntimeError):
-    """An error raised inside a program, re-raised where its result is read."""
-
-
-@contextmanager
-def located(where: SourceLocation | None) -> Iterator[None]:
-    """An error raised inside records `where` (the program line of the gen or select that was
-    running) as `error.lmnb_where`, unless it has one already: the loop's traceback does
-    not reach the program's code."""
-    try:
-        yield
-    except BaseException as error:
-        if where is not None and getattr(error, "lmnb_where", None) is None:
-            try:
-                error.lmnb_where = where  # type: ignore[attr-defined]
-            except AttributeError:  # an exception type without a __dict__
-                pass
-        raise
 
 
 @dataclass(frozen=True)
@@ -89,37 +69,12 @@ class JoinBranches(Expr):
 
 
 _CLOSE = object()  # a state's last item (`close`): later ones are dropped
-_END = object()  # a text listener's last item
-_FAILED = object()  # ... when the program failed
 _executor_ids = itertools.count()
 
 # observer(kind, executor, data): kind is "text" (data: delta, var), "variable" (name), "fork"
 # (branches), or "error" (error). Called on the program loop (a fork: where it forks); must not
 # block.
 Observer = Callable[[str, "StreamExecutor", dict[str, Any]], None]
-
-
-class _Listener:
-    """One `iter_text` reader: the text deltas of variable `var` (None: of the whole state), then
-    `_END` or `_FAILED`. Filled on the loop; its one reader pops from any thread (a deque's
-    appends and pops are atomic) and awaits `get` on the loop when it is empty."""
-
-    def __init__(self, var: str | None) -> None:
-        self.var = var
-        self.items: deque[Any] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put(self, item: Any) -> None:
-        self.items.append(item)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> Any:
-        while not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self.items.popleft()
 
 
 @functools.cache
@@ -133,20 +88,6 @@ def _dispatcher(cls: type) -> Callable[[type], Callable[..., Coroutine[Any, Any,
     raise TypeError(f"{cls.__name__} has no _execute")
 
 
-@functools.lru_cache(maxsize=1024)
-def _merged(params: GenParams, defaults: GenParams) -> GenParams:
-    return params.merged_over(defaults)
-
-
-def merged_over_defaults(params: GenParams, defaults: GenParams) -> GenParams:
-    """`params.merged_over(defaults)`, computed once per distinct pair (a batch's programs
-    write the same gens)."""
-    try:
-        return _merged(params, defaults)
-    except TypeError:  # a value that cannot be hashed (a dict, a list)
-        return params.merged_over(defaults)
-
-
 class StreamExecutor:
     def __init__(self, backend: Backend, *, defaults: GenParams, stream: bool = False,
                  num_api_spec_tokens: int | None = None) -> None:
@@ -157,7 +98,7 @@ class StreamExecutor:
         self.stream = stream
         self.num_api_spec_tokens = num_api_spec_tokens
         # Backends of chat models are given the conversation as messages (`ChatPrompt`).
-        self.chat = bool(getattr(backend, "is_chat_model", False))
+        self.chat = backend.is_chat_model
         self.text_ = ""
         self.messages_: list[dict[str, str]] = []
         self.variables: dict[str, Any] = {}
@@ -177,7 +118,7 @@ class StreamExecutor:
         self._spec: Speculation | None = None  # API speculation: what the model should write next
         self._spec_turn: int | None = None  # chat: the turn (its start) speculated already
         self._finished: set[str] = set()  # variables whose value is final
-        self._listeners: list[_Listener] = []
+        self._listeners: list[TextListener] = []
         self._waiters: list[asyncio.Future[None]] = []  # loop-side waits, woken on any progress
         # The queue: items appended from any thread, run in order by one task at a time.
         self._lock = threading.RLock()  # RLock: a finalizer may `close()` on the loop thread
@@ -188,9 +129,9 @@ class StreamExecutor:
         self._task: asyncio.Task[None] | None = None
         self._closed = False  # the end has run
         self._loop = program_loop()
-        self._awaited = awaited_calls(backend)  # the backend calls awaited on the loop
+        self._calls = BackendCalls(backend)
         # A custom backend in SGLang's shape gets its hooks called with this executor.
-        self.sglang_backend = backend if isinstance(backend, BaseBackend) else None
+        self.sglang_backend = self._calls.sglang
         if self.sglang_backend is not None:
             self.sglang_backend.begin_program(self)
 
@@ -211,7 +152,10 @@ class StreamExecutor:
             if self._draining:
                 return
             self._draining = True
-        call_soon(self._start)
+        if on_program_loop():  # a body on the loop: the task starts at the loop's next turn
+            self._start()
+        else:
+            call_soon(self._start)
 
     def _start(self) -> None:
         self._task = self._loop.create_task(self._drain())
@@ -260,9 +204,9 @@ class StreamExecutor:
         try:
             while True:
                 item = listener.items.popleft() if listener.items else block_on(listener.get())
-                if item is _END:
+                if item is END:
                     return
-                if item is _FAILED:
+                if item is FAILED:
                     self.raise_error()
                 yield item
         finally:
@@ -275,16 +219,16 @@ class StreamExecutor:
             while True:
                 item = listener.items.popleft() if listener.items else \
                     await on_loop(listener.get())
-                if item is _END:
+                if item is END:
                     return
-                if item is _FAILED:
+                if item is FAILED:
                     self.raise_error()
                 yield item
         finally:
             call_soon(self._unlisten, listener)
 
-    async def _listen(self, var: str | None) -> _Listener:
-        listener = _Listener(var)
+    async def _listen(self, var: str | None) -> TextListener:
+        listener = TextListener(var)
         streaming = self._streaming
         if var is None:
             already, finished = self.text_, False
@@ -297,14 +241,14 @@ class StreamExecutor:
         if isinstance(already, str) and already:
             listener.put(already)
         if self.error is not None:
-            listener.put(_FAILED)
+            listener.put(FAILED)
         elif finished or self.idle:
-            listener.put(_END)
+            listener.put(END)
         else:
             self._listeners.append(listener)
         return listener
 
-    def _unlisten(self, listener: _Listener) -> None:
+    def _unlisten(self, listener: TextListener) -> None:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
@@ -378,7 +322,7 @@ class StreamExecutor:
         if self._listeners and self.idle:
             listeners, self._listeners = self._listeners, []
             for listener in listeners:
-                listener.put(_END)
+                listener.put(END)
 
     async def _run_item(self, item: Any) -> None:
         if item is _CLOSE:
@@ -400,7 +344,7 @@ class StreamExecutor:
         self.error = error
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
-            listener.put(_FAILED)
+            listener.put(FAILED)
         self._wake()
         self._emit("error", error=error)
 
@@ -425,7 +369,7 @@ class StreamExecutor:
         self._finished.add(name)
         for listener in [lst for lst in self._listeners if lst.var == name]:
             self._listeners.remove(listener)
-            listener.put(_END)
+            listener.put(END)
         if self._waiters:
             self._wake()
         self._emit("variable", name=name)
@@ -521,19 +465,13 @@ class StreamExecutor:
                     on_delta: Callable[[str], None] | None = None) -> Generation:
         """One generate call: awaited on the loop (an `AsyncBackend`), or on a pool thread
         whose streamed deltas come back to the loop."""
-        if self.sglang_backend is not None:  # its hooks read the prompt from this executor
-            return await in_thread(sglang_generate, self.sglang_backend, self, params,
-                                   on_delta=on_loop_thread(on_delta), cancel=self.cancel)
         extra: dict[str, Any] = self._media_kwargs(prompt)
         if chat is not None:
             extra["chat"] = chat
         if self.token_trace is not None:
             extra["trace"] = self.token_trace
-        if "generate" in self._awaited:
-            return await self.backend.agenerate(  # type: ignore[attr-defined]
-                prompt, params, on_delta=on_delta, cancel=self.cancel, **extra)
-        return await in_thread(self.backend.generate, prompt, params,
-                               on_delta=on_loop_thread(on_delta), cancel=self.cancel, **extra)
+        return await self._calls.generate(self, prompt, params, cancel=self.cancel,
+                                          on_delta=on_delta, **extra)
 
     async def _speculated(self, params: GenParams) -> Served | None:
         """The gen served from speculated text, making the speculative call if none is live;
@@ -552,7 +490,7 @@ class StreamExecutor:
             return None
         call_params = speculative_params(
             params, self.num_api_spec_tokens or 0,
-            token_texts=bool(getattr(self.backend, "reports_token_texts", False)))
+            token_texts=self.backend.reports_token_texts)
         if self.chat:
             # A chat reply starts at its turn's start: speculate from there and match the
             # turn's text so far as literal text. Once per turn: a retry would repeat itself.
@@ -602,15 +540,8 @@ class StreamExecutor:
     async def _(self, expr: Select) -> None:
         self._spec = None
         with located(expr.where):
-            if self.sglang_backend is not None:
-                choice, meta = await in_thread(sglang_select, self.sglang_backend, self,
-                                               expr.choices, expr.method)
-            elif "select" in self._awaited:
-                choice, meta = await self.backend.aselect(  # type: ignore[attr-defined]
-                    self.text_, expr.choices, expr.method, **self._media_kwargs(self.text_))
-            else:
-                choice, meta = await in_thread(self.backend.select, self.text_, expr.choices,
-                                               expr.method, **self._media_kwargs(self.text_))
+            choice, meta = await self._calls.select(self, self.text_, expr.choices, expr.method,
+                                                    **self._media_kwargs(self.text_))
         if expr.reasoning is not None:
             choice, thought = split_reasoning(choice, expr.reasoning)
             self.variables[reasoning_name(expr.name)] = thought
@@ -641,14 +572,7 @@ class StreamExecutor:
 
     @_execute.register
     async def _(self, expr: CommitPrefix) -> None:
-        if self.sglang_backend is not None:
-            await in_thread(self.sglang_backend.commit_lazy_operations, self)
-        elif "cache_prefix" in self._awaited:
-            await self.backend.acache_prefix(  # type: ignore[attr-defined]
-                self.text_, **self._media_kwargs(self.text_))
-        else:
-            await in_thread(self.backend.cache_prefix, self.text_,
-                            **self._media_kwargs(self.text_))
+        await self._calls.cache_prefix(self, self.text_, **self._media_kwargs(self.text_))
 
     @_execute.register
     async def _(self, expr: Image) -> None:
@@ -662,11 +586,9 @@ class StreamExecutor:
         """Prepares the media once (forks share it; on a pool thread: loading and preprocessing
         take time) and writes its token where it goes: the chat template's form inside a role
         (llava-hf's "<image>\\n"), else the bare token."""
-        prepare = getattr(self.backend, "prepare_media", None)
         try:
-            if prepare is None:
-                raise MediaUnsupported(f"{type(self.backend).__name__} is text-only")
-            media = await in_thread(prepare, kind, source, num_frames=num_frames)
+            media = await in_thread(self.backend.prepare_media, kind, source,
+                                    num_frames=num_frames)
         except MediaUnsupported as error:
             raise ProgramError(f"{kind}() needs a multimodal (LLaVA) backend: {error}") from None
         self._spec = None

@@ -12,467 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import queue
-import threading
 import warnings
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import Future
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lmnb.lang.backends.base import Backend
+from lmnb.lang.backends.local import start_trace
+from lmnb.lang.batch import BatchJob as BatchJob
+from lmnb.lang.compiler import CompiledProgram
 from lmnb.lang.default_backend import as_backend as as_backend
 from lmnb.lang.default_backend import default_backend as default_backend
 from lmnb.lang.default_backend import set_default_backend as set_default_backend
-from lmnb.lang.event_loop import on_loop, program_loop, run_body, wait_queue
-from lmnb.lang.interpreter import JoinBranches, Observer, StreamExecutor
-from lmnb.lang.ir import (
-    GEN_PARAM_NAMES,
-    CommitPrefix,
-    Expr,
-    GenParams,
-    join_mode,
-)
-from lmnb.lang.progress import progress_bar as tqdm_bar
+from lmnb.lang.event_loop import on_loop, run_body
+from lmnb.lang.global_config import global_config
+from lmnb.lang.interpreter import StreamExecutor
+from lmnb.lang.ir import GenParams
+from lmnb.lang.program_run import ProgramRun as ProgramRun
+from lmnb.lang.program_state import ProgramState as ProgramState
+from lmnb.lang.run_defaults import RUN_DEFAULTS as RUN_DEFAULTS
+from lmnb.lang.run_defaults import SAMPLING_DEFAULT_KEYS as SAMPLING_DEFAULT_KEYS
+from lmnb.lang.run_defaults import batch_defaults, call_arguments, run_defaults
 from lmnb.lang.state_writer import PROGRAM_CALLER as PROGRAM_CALLER
 from lmnb.lang.state_writer import ProgramStateGroup as ProgramStateGroup
 from lmnb.lang.state_writer import StateWriter as StateWriter
-from lmnb.params import default_sampling_params
-
-if TYPE_CHECKING:
-    from lmnb.lang.token_trace import TokenTrace
-
-# `run`/`run_batch` keywords that set every gen's default: the gen arguments except those that
-# only make sense per gen (a sample count, an output constraint).
-SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES
-                              if k not in ("n", "regex", "json_schema", "ebnf"))
-# The runtime's own scalar defaults; stop lists stay unset (the chat template may add its own).
-RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
-                            if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})
-
-
-def batch_defaults(sampling: dict[str, Any]) -> GenParams:
-    """`run_batch`'s keyword arguments: sampling defaults only."""
-    unknown = sorted(set(sampling) - set(SAMPLING_DEFAULT_KEYS))
-    if unknown:
-        raise TypeError(f"run_batch got unknown keyword arguments {unknown}")
-    return run_defaults(sampling)
-
-
-def call_arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
-    """One `run_batch` item as (positional, keyword) arguments: a dict of keyword arguments or,
-    as SGLang accepts, a list or tuple of positional ones."""
-    if isinstance(item, list | tuple):
-        return tuple(item), {}
-    return (), dict(item)
-
-
-def run_defaults(sampling: dict[str, Any]) -> GenParams:
-    values = dict(sampling)
-    for key in ("stop", "stop_token_ids"):
-        if isinstance(values.get(key), str | int):
-            values[key] = (values[key],)
-        elif values.get(key) is not None:
-            values[key] = tuple(values[key])
-    return GenParams(**values).merged_over(RUN_DEFAULTS)
-
-
-def _program_limit(num_threads: int | str, size: int) -> int | None:
-    """How many programs of a batch run at once: `num_threads` (SGLang's name), or all of them
-    ("auto": they are tasks, and the runtime batches every request it is given)."""
-    if num_threads == "auto":
-        return None
-    return max(1, min(int(num_threads), size))
-
-
-class _BatchRun:
-    """The programs of one `run_batch`, as tasks on the program loop: each body runs as a
-    greenlet there (`run_body`; a body that reads its state is suspended, not a thread), at most
-    `limit` programs at once, and `deliver(index, state)` is called on the loop as each one
-    finishes. `abort()` (any thread) aborts every started program's requests; programs not
-    started never start."""
-
-    def __init__(self, execute: Callable[[dict[str, Any], ProgramRun], ProgramState],
-                 batch: list[dict[str, Any]], *, limit: int | None,
-                 deliver: Callable[[int, ProgramState], None]) -> None:
-        self.execute = execute
-        self.batch = batch
-        self.limit = limit
-        self.deliver = deliver
-        self.runs = _BatchRuns()
-
-    async def main(self) -> None:
-        semaphore = asyncio.Semaphore(self.limit) if self.limit is not None else None
-        tasks = [asyncio.ensure_future(self._one(index, arguments, semaphore))
-                 for index, arguments in enumerate(self.batch)]
-        try:
-            for task in asyncio.as_completed(tasks):
-                await task  # a program's own error is in its state; this is any other
-        except BaseException:
-            self.abort()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # retrieved: nothing logged
-            raise
-
-    async def _one(self, index: int, arguments: dict[str, Any],
-                   semaphore: asyncio.Semaphore | None) -> None:
-        if semaphore is not None:
-            async with semaphore:
-                await self._run(index, arguments)
-        else:
-            await self._run(index, arguments)
-
-    async def _run(self, index: int, arguments: dict[str, Any]) -> None:
-        if self.runs.aborted:
-            return
-        state = await run_body(self.execute, arguments, self.runs.new_run())
-        self.deliver(index, state)
-
-    def abort(self) -> None:
-        self.runs.abort()
-
-
-_DONE = object()
-
-
-@dataclass(frozen=True)
-class BatchJob:
-    """One `run_batch`: `execute(arguments, run)` for every argument dict of `batch`, as tasks on
-    the program loop, after caching the programs' shared `prefix` once.
-
-    `states()` blocks and returns the states in order; `completed()` yields them as they finish;
-    `aiter_completed()` does so for an event loop (the kernel's). If the wait is interrupted
-    (Ctrl-C), the iteration is left early, or a program fails outside its state, programs not yet
-    started never start, every started program's requests are aborted, and the error (if any) is
-    raised at once: the programs settle on their own."""
-
-    name: str
-    backend: Backend
-    prefix: str
-    batch: list[dict[str, Any]]
-    execute: Callable[[dict[str, Any], ProgramRun], ProgramState]
-
-    def states(self, *, num_threads: int | str = "auto",
-               progress_bar: bool = False) -> list[ProgramState]:
-        states: list[Any] = [None] * len(self.batch)
-        results = self._completed(num_threads, progress_bar)
-        try:
-            for index, state in results:
-                states[index] = state
-        finally:
-            results.close()  # an interrupt between two states aborts the batch at once
-        return states
-
-    def completed(self, *, num_threads: int | str = "auto",
-                  progress_bar: bool = False) -> Iterator[ProgramState]:
-        """The states in the order they finish (the batch starts at the first `next`)."""
-        return (state for _, state in self._completed(num_threads, progress_bar))
-
-    def _start(self, batch_run: _BatchRun) -> Future[None]:
-        if self.prefix and len(self.batch) > 1:
-            self.backend.cache_prefix(self.prefix)
-        return asyncio.run_coroutine_threadsafe(batch_run.main(), program_loop())
-
-    def _completed(self, num_threads: int | str,
-                   progress_bar: bool) -> Iterator[tuple[int, ProgramState]]:
-        """A generator: nothing starts before its first `next`, and from then on one
-        try/finally covers the start too, so an interrupt landing anywhere after the first
-        program may have started (e.g. while the batch is being set up on a loaded machine)
-        aborts the batch."""
-        finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        with (tqdm_bar(total=len(self.batch), desc=self.name) if progress_bar
-              else nullcontext()) as bar:
-            def deliver(index: int, state: ProgramState) -> None:
-                finished.put((index, state))
-                if bar is not None:
-                    bar.update(1)
-
-            batch_run = _BatchRun(self.execute, self.batch,
-                                  limit=_program_limit(num_threads, len(self.batch)),
-                                  deliver=deliver)
-            future: Future[None] | None = None
-            try:
-                future = self._start(batch_run)
-                future.add_done_callback(lambda _: finished.put(_DONE))
-                while (item := wait_queue(finished)) is not _DONE:
-                    yield item
-                future.result()  # raises what stopped the batch
-            finally:
-                if future is None or not future.done() or future.exception() is not None:
-                    batch_run.abort()  # left early, failed or interrupted
-                    if future is not None:
-                        future.cancel()
-
-    async def aiter_completed(self, *, num_threads: int | str = "auto"
-                              ) -> AsyncIterator[ProgramState]:
-        loop = asyncio.get_running_loop()
-        finished: asyncio.Queue[Any] = asyncio.Queue()
-        batch_run = _BatchRun(self.execute, self.batch,
-                              limit=_program_limit(num_threads, len(self.batch)),
-                              deliver=lambda _, state: loop.call_soon_threadsafe(
-                                  finished.put_nowait, state))
-        future: Future[None] | None = None
-        try:
-            future = await asyncio.to_thread(self._start, batch_run)
-            future.add_done_callback(
-                lambda _: loop.call_soon_threadsafe(finished.put_nowait, _DONE))
-            while (state := await finished.get()) is not _DONE:
-                yield state
-            await asyncio.wrap_future(future)  # raises what stopped the batch
-        finally:
-            if future is None or not future.done() or future.exception() is not None:
-                batch_run.abort()
-                if future is not None:
-                    future.cancel()
-
-
-class _BatchRuns:
-    """The runs of one `run_batch`; once aborted, runs made later start aborted."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._runs: list[ProgramRun] = []
-        self._aborted = False
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
-
-    def new_run(self) -> ProgramRun:
-        run = ProgramRun()
-        with self._lock:
-            self._runs.append(run)
-            aborted = self._aborted
-        if aborted:
-            run.abort()
-        return run
-
-    def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
-            runs = list(self._runs)
-        for run in runs:
-            run.abort()
-
-
-class ProgramState(StateWriter):
-    """The `s` of a program: `+=` appends (never blocks), `s["var"]` waits for the value."""
-
-    def __init__(self, executor: StreamExecutor, run: ProgramRun | None = None) -> None:
-        self._executor = executor
-        self._run = run or ProgramRun()
-        self._run.add(executor)
-        self.ret_value: Any = None
-        self._copy_of: ProgramState | None = None  # the parent of `s.copy()`, joined at `with` end
-        weakref.finalize(self, executor.close)
-
-    @property
-    def executor(self) -> StreamExecutor:
-        """This state's executor: its fields (`text_`, `spans`, `variables`, `error`, `idle`)
-        are the live view, read without waiting for the program."""
-        return self._executor
-
-    @property
-    def run(self) -> ProgramRun:
-        """Every executor of this program run (this state, its forks and their forks)."""
-        return self._run
-
-    # ---- writing -------------------------------------------------------------------------
-    def _submit(self, expr: Expr) -> None:
-        self._executor.submit(expr)
-
-    # ---- reading -------------------------------------------------------------------------
-    def __getitem__(self, name: str) -> Any:
-        return self._executor.get_var(name)
-
-    def __contains__(self, name: str) -> bool:
-        self.sync()
-        return name in self._executor.variables
-
-    def get_var(self, name: str) -> Any:
-        return self[name]
-
-    def get_meta_info(self, name: str) -> Any:
-        """The meta info of gen/select `name` once it is done; None if the program sets no such
-        variable (as SGLang)."""
-        executor = self._executor
-        if name not in executor.variables:
-            self.sync()
-            if name not in executor.variables:
-                executor.raise_error()
-                return None
-        return executor.meta_info.get(name)
-
-    def text(self) -> str:
-        return self._executor.text()
-
-    def messages(self) -> list[dict[str, str]]:
-        """The roles' messages, each content with its leading whitespace stripped as SGLang's
-        (`executor.messages_` keeps them exact: the chat template of those gives `text()`)."""
-        self.sync()
-        self._executor.raise_error()
-        return [{**m, "content": m["content"].lstrip()} if isinstance(m.get("content"), str)
-                else dict(m) for m in self._executor.messages_]
-
-    def variables(self) -> dict[str, Any]:
-        self.sync()
-        self._executor.raise_error()
-        return dict(self._executor.variables)
-
-    def spans(self) -> list[tuple[str, int, int]]:
-        """(variable, start, end) character spans of generated text in `text()`."""
-        self.sync()
-        return list(self._executor.spans)
-
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """Streams the text of variable `var_name` (or of the whole state) as it is generated."""
-        return self._executor.iter_text(var_name)
-
-    def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
-        """`text_iter` for asyncio: `async for chunk in state.text_async_iter("answer")`, from
-        any event loop."""
-        return self._executor.aiter_text(var_name)
-
-    def error(self) -> BaseException | None:
-        self.sync()
-        return self._executor.error
-
-    def sync(self) -> None:
-        self._run.wait(self._executor.sync)
-
-    # ---- branching -----------------------------------------------------------------------
-    def fork(self, size: int = 1) -> ProgramStateGroup:
-        """`size` copies of this state. The shared text is sent to the backend's cache once
-        before the branches run, so their requests hit it."""
-        if size < 1:
-            raise ValueError(f"fork size must be >= 1, got {size}")
-        if size > 1:
-            self._executor.submit(CommitPrefix())
-        self.sync()
-        self._executor.raise_error()
-        branches = self._executor.fork(size)
-        return ProgramStateGroup([ProgramState(b, self._run) for b in branches], parent=self)
-
-    def copy(self) -> ProgramState:
-        """One fork of this state. As in SGLang, `with s.copy() as c:` joins it back when the
-        block ends (`gather_variable`: its new variables become one-item lists in `s`)."""
-        branch = self.fork(1)[0]
-        branch._copy_of = self
-        return branch
-
-    def __enter__(self) -> ProgramState:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._copy_of is not None and exc_info[0] is None:
-            self._copy_of.join([self])
-        self._executor.close()  # what was submitted still runs; reads keep working
-
-    def join(self, forks: ProgramStateGroup | Sequence[ProgramState],
-             mode: str = "gather_variable") -> None:
-        """Merges branches: `gather_variable` makes each variable the parent does not have a
-        list over branches; `concat_and_append` (or SGLang's `concate_and_append`) appends each
-        branch's new text in order."""
-        branches = tuple(state.executor for state in forks)
-        self._executor.submit(JoinBranches(branches, join_mode(mode)))
-
-    def abort(self) -> None:
-        self._run.abort()
-
-    @property
-    def token_trace(self) -> TokenTrace | None:
-        """This state's recorded tokens when its run was traced (`run(..., token_view=True)`,
-        `%%lmprogram --tokens`), else None."""
-        return self._executor.token_trace
-
-    def token_view(self, **options: Any) -> Any:
-        """A `lmnb.widgets.TokenView` of this state's run (its forks one row each), live while
-        it runs; the run must have been traced (`run(..., token_view=True)`)."""
-        from lmnb.widgets.token_view import TokenView
-
-        return TokenView(self, **options)
-
-    def observe(self, observer: Observer | None) -> None:
-        """Calls `observer(kind, executor, data)` on this run's events (text deltas, finished
-        variables, forks, errors) from the program loop; used by live widgets."""
-        self._run.observe(observer)
-
-    @property
-    def state_id(self) -> int:
-        return self._executor.id
-
-    @property
-    def idle(self) -> bool:
-        return self._executor.idle
-
-    def __repr__(self) -> str:
-        """SGLang's form, `ProgramState(<text>)`; the text so far while the program runs (a
-        repr never waits)."""
-        return f"ProgramState({self._executor.text_})"
-
-
-class ProgramRun:
-    """Every executor of one program run (root state and forks), so that an interrupt aborts
-    them all. Once aborted, executors added later (forks) are aborted as they are added."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._executors: list[StreamExecutor] = []
-        self._observer: Observer | None = None
-        self._aborted = False
-
-    @property
-    def executors(self) -> tuple[StreamExecutor, ...]:
-        with self._lock:
-            return tuple(self._executors)
-
-    @property
-    def observer(self) -> Observer | None:
-        return self._observer
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
-
-    def observe(self, observer: Observer | None) -> None:
-        with self._lock:
-            self._observer = observer
-            executors = list(self._executors)
-        for executor in executors:
-            executor.observer = observer
-
-    def add(self, executor: StreamExecutor) -> None:
-        with self._lock:
-            if self._observer is not None:
-                executor.observer = self._observer
-            self._executors.append(executor)
-            aborted = self._aborted
-        if aborted:
-            executor.abort()
-
-    def abort(self) -> None:
-        """Interrupts every executor's running request and drops what is queued."""
-        with self._lock:
-            self._aborted = True
-            executors = list(self._executors)
-        for executor in executors:
-            executor.abort()
-
-    def settle(self) -> None:
-        """Waits until every executor has stopped running (after `abort`, promptly)."""
-        for executor in self.executors:
-            executor.sync()
-
-    def wait(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except KeyboardInterrupt:
-            self.abort()
-            self.settle()
-            raise
+from lmnb.lang.tracer import constant_prefix, trace_program
 
 
 class Program:
@@ -534,8 +97,6 @@ class Program:
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         if token_view:
-            from lmnb.lang.token_trace import start_trace
-
             executor.token_trace = start_trace(backend)
         state = ProgramState(executor, run)
         caller = PROGRAM_CALLER.set(_RunningCaller(backend, defaults, state.run))
@@ -604,9 +165,6 @@ class Program:
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
         batch = [self.split_arguments(*call_arguments(item))[0] for item in batch_kwargs]
-        from lmnb.lang.global_config import global_config
-        from lmnb.lang.tracer import constant_prefix
-
         precache = global_config.enable_precache_with_tracing and len(batch) > 1
         prefix = constant_prefix(self, backend) if precache else ""
         return BatchJob(self.__name__, backend, prefix, batch,
@@ -618,7 +176,6 @@ class Program:
         """The program as an IR graph; unbound arguments stay symbolic. The graph does not
         depend on a backend (`backend` is accepted as in SGLang)."""
         del backend
-        from lmnb.lang.tracer import trace_program
 
         return trace_program(self, {**self.bound, **kwargs})
 
@@ -626,14 +183,12 @@ class Program:
         """A graph-executed version of the program (no data-dependent control flow); the backend
         is chosen when it runs (`backend` is accepted as in SGLang)."""
         del backend
-        from lmnb.lang.compiler import CompiledProgram
 
         return CompiledProgram(self)
 
     def cache(self, backend: Any = None) -> str:
         """SGLang's `cache`: sends the text every run of the program starts with (its constant
         prefix, found by tracing) to the backend's prefix cache; returns that text."""
-        from lmnb.lang.tracer import constant_prefix
 
         backend = as_backend(backend)
         prefix = constant_prefix(self, backend)
@@ -645,7 +200,6 @@ class Program:
         """SGLang's `pin`: caches the program's constant prefix (as `cache`) and keeps it in the
         backend's cache until `unpin()`: the runtime's evictions skip it. Once per backend;
         returns the prefix. A backend that cannot pin (no `pin_prefix`) only caches it."""
-        from lmnb.lang.tracer import constant_prefix
 
         backend = as_backend(backend)
         prefix = constant_prefix(self, backend)

@@ -309,21 +309,6 @@ def trace_totals(traces: Sequence[TokenTrace]) -> dict[str, Any]:
     return totals
 
 
-def start_trace(backend: Any) -> TokenTrace:
-    """The root trace of a run on `backend`, which must run on an in-process runtime (the
-    trace reads its token ids and the runtime's token origins)."""
-    from lmnb.lang.backends.local import LocalBackend
-    from lmnb.runtime.output.logprob_text import TokenTexts
-
-    if not isinstance(backend, LocalBackend):
-        raise ValueError(f"token_view needs a program run on an in-process runtime "
-                         f"(LocalBackend); {type(backend).__name__} does not report tokens")
-    tokenizer = backend.runtime.tokenizer
-    texts = TokenTexts(tokenizer)
-    return TokenTrace(TraceLog(texts, token_byte_counter(tokenizer, texts)),
-                      runtime=backend.runtime)
-
-
 def token_byte_counter(tokenizer: Any, text: Callable[[int], str]) -> Callable[[int], int]:
     """Token id -> the UTF-8 bytes it adds to the text: from the tokenizer's byte table (exact
     for pieces of a character), its text for special tokens and unknown schemes."""

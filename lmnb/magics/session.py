@@ -70,6 +70,9 @@ class KernelBackend:
     """The default backend while the extension is loaded: whatever runtime the kernel has now,
     so that named programs run from Python (`qa.run(...)`) follow `%lmnb load`."""
 
+    is_chat_model = False  # as the LocalBackend it stands for
+    reports_token_texts = False
+
     def __init__(self, session: KernelSession) -> None:
         self.session = session
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -79,6 +80,11 @@ class Runtime:
         self._tokenizer_lock = threading.Lock()
         self._cache_events: CacheEventLog | None = None
         self._closed = False
+        # Like vLLM: the start-up heap (weights' wrappers, imports) leaves the collector's view, so
+        # the full collections that pause every thread, the scheduler's too, scan only what came
+        # later; `close` gives it back.
+        gc.collect()
+        gc.freeze()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -95,6 +101,8 @@ class Runtime:
             self._runner.release_graphs()  # graphs that captured collectives go first
             self._tp_workers.close()
         self._runner.close()
+        gc.unfreeze()
+        gc.collect()  # the closed engine's cycles, and their device memory
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -7,6 +7,15 @@ per batch size of a ladder, replayed with the step's inputs copied into static b
 
 A replay reads nothing from the host, so one decode step costs a handful of launches instead of
 a few per layer and op (the host cost that dominated eager decode).
+
+Speculative verify passes replay the same graphs: a verify pass of requests with k_i drafts runs as
+a decode batch of sum(k_i + 1) rows, row j of request i reading its KV row up to its position j
+(`speculative/rows.py`), so every (batch, k) shape whose rows fit the ladder replays; the ladder
+reaches `verify_rows` when speculation is configured (`graph_max_bs`).
+
+`capture=False` (tests, and CPU): nothing is captured and a "replay" runs the model eagerly on the
+same padded static batch through the same backend hooks, so the padded-shape path is exercised
+where CUDA graphs do not exist.
 """
 
 from __future__ import annotations
@@ -32,18 +41,26 @@ def batch_size_ladder(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+MAX_VERIFY_ROWS = 256  # rows of a verify pass captured at most (requests x (drafts + 1))
+
+
 def graph_max_bs(*, device_type: str, disable_cuda_graph: bool, cuda_graph_max_bs: int | None,
-                 backend_name: str, supports_capture: bool, max_running_requests: int) -> int:
-    """Largest decode batch to capture (0: eager decode). On CUDA unless disabled; with the
-    torch-native backend only when asked for (`cuda_graph_max_bs`), since its captured decode
-    gathers K/V padded to the whole context."""
+                 backend_name: str, supports_capture: bool, max_running_requests: int,
+                 verify_rows: int = 0) -> int:
+    """Largest decode batch (rows) to capture (0: eager decode). On CUDA unless disabled; with
+    the torch-native backend only when asked for (`cuda_graph_max_bs`), since its captured decode
+    gathers K/V padded to the whole context. `verify_rows`: the rows of the largest speculative
+    verify pass (`speculative_max_batch_size` x `speculative_num_draft_tokens`); the ladder
+    reaches them (up to MAX_VERIFY_ROWS) even where decode batches are capped lower."""
     if device_type != "cuda" or disable_cuda_graph or not supports_capture:
         return 0
     if cuda_graph_max_bs is not None:
-        return min(cuda_graph_max_bs, max_running_requests)
-    if backend_name == "torch_native":
+        decode = min(cuda_graph_max_bs, max_running_requests)
+    elif backend_name == "torch_native":
         return 0
-    return min(max_running_requests, 256)
+    else:
+        decode = min(max_running_requests, 256)
+    return max(decode, min(verify_rows, MAX_VERIFY_ROWS))
 
 
 class DecodeGraphRunner:
@@ -52,7 +69,7 @@ class DecodeGraphRunner:
     then reads."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, *, max_bs: int,
-                 device: torch.device) -> None:
+                 device: torch.device, capture: bool = True) -> None:
         if not backend.supports_capture:
             raise ValueError(f"{type(backend).__name__} does not support CUDA-graph capture")
         if not bound_to(model, backend):  # the hooks would set metadata the layers never read
@@ -66,20 +83,29 @@ class DecodeGraphRunner:
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.capture = capture
         # keyed by (batch size, shared-prefix variant)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.variants = (False, True) if backend.supports_shared_prefixes else (False,)
+        self.keys = {(bs, shared) for bs in self.ladder for shared in self.variants
+                     if bs >= SHARED_MIN_BS or not shared}
+        self.replays = 0
         self._pool: Any = None
         start = time.perf_counter()
         backend.init_capture(max_bs)
-        with torch.inference_mode():
-            for bs in reversed(self.ladder):  # the largest first: smaller ones reuse its memory
-                for shared in self.variants:
-                    if bs >= SHARED_MIN_BS or not shared:
-                        self._capture(bs, shared=shared)
-        torch.cuda.synchronize(device)
+        if capture:
+            with torch.inference_mode():
+                for bs in reversed(self.ladder):  # the largest first: smaller ones reuse its pool
+                    for shared in self.variants:
+                        if (bs, shared) in self.keys:
+                            self._capture(bs, shared=shared)
+            torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
+
+    def bucket(self, rows: int) -> int:
+        """The captured batch size a pass of `rows` rows replays (rows <= max_bs)."""
+        return self.ladder[bisect.bisect_left(self.ladder, rows)]
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return (forward_batch.mode is ForwardMode.DECODE
@@ -89,15 +115,18 @@ class DecodeGraphRunner:
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """[n, vocab] logits of the decode batch `forward_batch` (n requests)."""
         n = forward_batch.batch_size
-        bs = self.ladder[bisect.bisect_left(self.ladder, n)]
+        bs = self.bucket(n)
         for static, value in ((self.input_ids, forward_batch.input_ids),
                               (self.positions, forward_batch.positions),
                               (self.out_cache_loc, forward_batch.out_cache_loc)):
             static[:n].copy_(value, non_blocking=True)
             if bs > n:
                 static[n:bs].zero_()
-        key = (bs, bool(forward_batch.shared_prefixes) and (bs, True) in self.graphs)
+        key = (bs, bool(forward_batch.shared_prefixes) and (bs, True) in self.keys)
         self.backend.prepare_for_replay(forward_batch, bs, shared=key[1])
+        self.replays += 1
+        if not self.capture:  # the padded static batch, eagerly
+            return self._forward(self._static_batch(bs))[:n]
         self.graphs[key].replay()
         return self.logits[key][:n]
 

@@ -33,13 +33,12 @@ from lmnb.runtime.sampling import (
     stack_bitmasks,
 )
 from lmnb.runtime.sampling.row import SamplingRow
+from lmnb.runtime.speculative.rows import decode_rows
 from lmnb.runtime.speculative.verify import draft_bitmasks, expanded_rows, verify_drafts
 
 if TYPE_CHECKING:
     from lmnb.runtime.distributed.group import TPGroup
     from lmnb.runtime.distributed.step import Step
-
-VERIFY_SHARED_PREFIX_MIN_TOKENS = 64  # a verify pass's prefix worth reading once (one KV tile)
 
 
 def _available_memory(device: torch.device) -> int:
@@ -78,11 +77,16 @@ class ModelRunner:
     `device` and `dtype` are the resolved ones (the engine config may say 'auto'). With a
     tensor-parallel group `tp`, `model` is this rank's shard and the KV pools hold this rank's KV
     heads, sized alike on every rank (the smallest device decides); rank 0 `launch`es each batch
-    and broadcasts it, the other ranks `follow` (see `distributed/`)."""
+    and broadcasts it, the other ranks `follow` (see `distributed/`).
+
+    `row_pass_rows`: the rows of the largest multi-token pass run as decode rows (a speculative
+    verify pass, a draft model's catch-up: `position_logits`) that the decode graphs should reach
+    (default: the engine's largest verify pass, `SpeculativeConfig.max_verify_rows`)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig,
                  engine_config: EngineConfig, *, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: set[int], tp: TPGroup | None = None) -> None:
+                 eos_token_ids: set[int], tp: TPGroup | None = None,
+                 row_pass_rows: int | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.device = device
@@ -97,6 +101,11 @@ class ModelRunner:
         per_token = KVStorage.bytes_per_token(
             num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.kv_dtype)
         self._bytes_per_token = per_token
+        speculative = engine_config.speculative()
+        self._verify_mode = speculative.verify_mode if speculative is not None else "extend"
+        if row_pass_rows is None:
+            row_pass_rows = speculative.max_verify_rows if speculative is not None else 0
+        self._row_pass_rows = row_pass_rows
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
         backend_name = engine_config.attention_backend or "auto"
         self.memory_plan: MemoryPlan | None = None
@@ -137,13 +146,13 @@ class ModelRunner:
             cuda_graph_max_bs=engine_config.cuda_graph_max_bs,
             backend_name=choice.name if choice else "custom",
             supports_capture=self.attn_backend.supports_capture,
-            max_running_requests=self.max_running_requests)
+            max_running_requests=self.max_running_requests,
+            verify_rows=self._row_pass_rows)
+        self.verify_graph_replays = 0  # verify passes that replayed a decode graph
         self._batch_info: SamplingBatchInfo | None = None
         self.graph_runner: DecodeGraphRunner | None = None
         self.media_cache = EmbeddingCache()
         self._last_sampled: torch.Tensor | None = None  # [bs] ids the last launch sampled
-        speculative = engine_config.speculative()
-        self._verify_mode = speculative.verify_mode if speculative is not None else "extend"
         self._shared_prefix_decode = (not engine_config.disable_shared_prefix_decode
                                       and self.attn_backend.supports_shared_prefixes)
         if tp is not None:
@@ -165,7 +174,7 @@ class ModelRunner:
                 device_type=self.device.type, disable_cuda_graph=config.disable_cuda_graph,
                 cuda_graph_max_bs=config.cuda_graph_max_bs, backend_name=choice.name,
                 supports_capture=attention_backend_class(choice.name).supports_capture,
-                max_running_requests=max_running),
+                max_running_requests=max_running, verify_rows=self._row_pass_rows),
             context_len=min(config.context_length or mc.context_length, mc.context_length))
         profile = memory_profile.profile_activations(
             self.model, shape, meter, attention_backend=backend_name, q_heads=q_heads,
@@ -194,10 +203,11 @@ class ModelRunner:
                 "kv_tokens": self.max_total_tokens}
 
     def capture_cuda_graphs(self, max_bs: int) -> None:
-        """Captures decode graphs for batches of up to `max_bs` requests (CUDA only)."""
+        """Captures decode graphs for batches of up to `max_bs` rows (CUDA only): requests, or
+        the rows of a verify pass in decode form (`speculative/rows.py`)."""
+        limit = max(self.max_running_requests, self._row_pass_rows)
         self.graph_runner = DecodeGraphRunner(self.model, self.attn_backend,
-                                              max_bs=min(max_bs, self.max_running_requests),
-                                              device=self.device)
+                                              max_bs=min(max_bs, limit), device=self.device)
 
     @property
     def weight_bytes(self) -> int:
@@ -222,6 +232,8 @@ class ModelRunner:
             "tp_step_send_seconds": tp.steps.send_seconds if tp else 0.0,
             "cuda_graph_batch_sizes": list(graphs.ladder) if graphs else [],
             "cuda_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
+            "cuda_graph_replays": graphs.replays if graphs else 0,
+            "verify_graph_replays": self.verify_graph_replays,
             "memory": self.memory_report(), "device_memory": device_memory(self.device),
             **self.media_counters()}
 
@@ -294,9 +306,9 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, batch: Batch, rows: Sequence[SamplingRow]) -> VerifyOutput:
         """A speculative verify pass (`batch.drafts`; `rows`: every request's sampling state):
-        one eager EXTEND forward over each request's last token and drafts (CUDA graphs capture
-        decode passes only), the target's logits at every position, and per request the tokens
-        it keeps (`speculative.verify`)."""
+        one forward over each request's last token and drafts (`_verify_logits`: a decode CUDA
+        graph's replay where one fits), the target's logits at every position, and per request
+        the tokens it keeps (`speculative.verify`)."""
         if self.tp is not None:
             raise RuntimeError("speculative verify passes do not run tensor-parallel")
         logits = self._verify_logits(batch)
@@ -308,38 +320,53 @@ class ModelRunner:
                              draft_bitmasks(rows, batch.drafts, info, self.device), batch.drafts)
 
     def _verify_logits(self, batch: Batch) -> torch.Tensor:
-        """[positions, vocab] logits of a verify pass: as a decode batch (a CUDA graph replay
-        when one fits, else eagerly) or as one EXTEND (see `SpeculativeConfig.verify_mode`)."""
+        """[positions, vocab] logits of a verify pass: as decode rows (a CUDA graph replay when
+        the rows fit one, else eagerly) or as one EXTEND (see `SpeculativeConfig.verify_mode`;
+        "auto": decode rows where they replay a graph, else one EXTEND)."""
         mode = self._verify_mode
-        if mode == "auto":
-            mode = "decode" if self.graph_runner is not None else "extend"
-        if mode == "decode":
-            forward_batch = self._verify_as_decode(batch)
-            hidden, graph_logits = self._forward(forward_batch)
-            if graph_logits is not None:
-                return graph_logits
-            return self.model.compute_logits(hidden)
-        hidden, _ = self._forward(self.forward_batch(batch), batch)
-        return self.model.compute_logits(hidden)
+        as_rows = mode == "decode" or (mode == "auto" and self.rows_replay(batch))
+        graphs = self.graph_runner
+        replays = graphs.replays if graphs is not None else 0
+        logits = self.position_logits(batch, as_rows=as_rows)
+        if graphs is not None and graphs.replays > replays:
+            self.verify_graph_replays += 1
+        return logits
 
-    def _verify_as_decode(self, batch: Batch) -> ForwardBatch:
-        """A verify batch as a DECODE batch: position j of request i is a row reading request
-        i's KV row up to j (its slots are in the row already: the pass writes every row's KV
-        before attending); a request's rows share its prefix (read once per group when the
-        backend can)."""
-        pools: list[int] = []
-        prefix: list[int] = []
-        shared: list[tuple[int, list[int]]] = []
-        for pool, start, n in zip(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
-                                  strict=True):
-            if n > 1 and start >= VERIFY_SHARED_PREFIX_MIN_TOKENS and self._shared_prefix_decode:
-                shared.append((start, list(range(len(pools), len(pools) + n))))
-            pools.extend([pool] * n)
-            prefix.extend(range(start, start + n))
+    def rows_replay(self, batch: Batch) -> bool:
+        """Whether `batch` (EXTEND-shaped: requests feeding several tokens) in decode-row form
+        (`speculative/rows.py`) fits a captured decode graph."""
+        graphs = self.graph_runner
+        return graphs is not None and sum(batch.extend_lens) <= graphs.max_bs
+
+    @torch.inference_mode()
+    def position_logits(self, batch: Batch, rows: Sequence[int] | None = None, *,
+                        as_rows: bool) -> torch.Tensor:
+        """Logits of the EXTEND-shaped `batch` at its token rows `rows` (default: every token;
+        [len(rows), vocab]), the forward run as decode rows (`as_rows`: a decode graph replays
+        it when it fits, see `rows_replay`) or as one eager EXTEND. A speculative verify pass's,
+        and a draft model's catch-up pass's."""
+        if as_rows:
+            hidden, logits = self._forward(self._decode_rows(batch))
+        else:
+            hidden, logits = self._forward(self.forward_batch(batch), batch)
+        index = None if rows is None else host_int64(
+            rows, pin=self.device.type == "cuda").to(self.device, non_blocking=True)
+        if logits is not None:
+            return logits if index is None else logits.index_select(0, index)
+        assert hidden is not None
+        return self.model.compute_logits(hidden if index is None
+                                         else hidden.index_select(0, index))
+
+    def _decode_rows(self, batch: Batch) -> ForwardBatch:
+        """`batch` as a DECODE batch of one row per token (`speculative.rows.decode_rows`)."""
+        layout = decode_rows(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
+                             shared_prefix=self._shared_prefix_decode)
         return ForwardBatch.build(
-            mode=ForwardMode.DECODE, input_ids=batch.input_ids, req_pool_indices=pools,
-            prefix_lens=prefix, extend_lens=[1] * len(pools), out_cache_loc=batch.out_cache_loc,
-            req_to_token=self.req_to_token_pool.req_to_token, shared_prefixes=shared)
+            mode=ForwardMode.DECODE, input_ids=batch.input_ids,
+            req_pool_indices=layout.req_pool_indices, prefix_lens=layout.prefix_lens,
+            extend_lens=[1] * layout.size, out_cache_loc=batch.out_cache_loc,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            shared_prefixes=layout.shared_prefixes)
 
     def _previous_tokens(self, batch: Batch) -> torch.Tensor:
         """The input ids of a `follows_previous` batch: the last launch's sampled tokens (all,

@@ -85,6 +85,7 @@ class PrefixCache(ABC):
     """
 
     reuses_kv = True
+    prefetches = False  # `prefetch` may read ahead (a tiered cache with a disk tier)
     evicted_tokens = 0  # counted by caches that evict
     eviction_events = 0
     eviction_listener: EvictionListener | None = None  # told of evictions, if the cache evicts
@@ -148,6 +149,17 @@ class PrefixCache(ABC):
         slots, at most `room` of them, so that `match_prefix(key)` matches it; returns how many
         tokens were loaded. The default keeps no other tier."""
         return 0
+
+    def prefetch(self, key: Sequence[int], extra_key: Hashable = None) -> None:  # noqa: B027
+        """Starts reading KV of `key`'s prefix kept in a slow tier (disk) in the background, for
+        a later `load_back`; the default keeps none."""
+
+    def prefetching(self, key: Sequence[int], extra_key: Hashable = None) -> bool:
+        """Whether such a read for `key` is still running (its request had better wait)."""
+        return False
+
+    def wait_prefetch(self, key: Sequence[int], extra_key: Hashable = None) -> None:  # noqa: B027
+        """Waits for the read of `key` (bounded; a read too slow is given up)."""
 
     def check(self) -> None:  # noqa: B027
         """Asserts the cache's own invariants (tests, `check_integrity`); the default has none."""

@@ -37,18 +37,29 @@ def test_scaled_mm_path_is_the_reference_math(dtype, m):
                                atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 7, 16])
-@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336),
-                                      (40, 96)])
-def test_compiled_skinny_gemm_reads_fp8_weights(m, n, k):
-    from lmnb.runtime.kernels.fused.gemv import skinny_linear
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                      (1024, 4096), (40, 96), (1000, 1000)])
+def test_compiled_fp8_gemv_at_llama_3_8b_shapes(dtype, m, n, k):
+    """The FP8 skinny GEMM with its table's / rule's config (Llama-3-8B's qkv, o, gate_up and
+    down, a tensor-parallel shard, ragged shapes) against float32 math over the dequantized
+    weight."""
+    from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
     gen = torch.Generator(device="cuda").manual_seed(n + m)
-    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
-    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-    out = skinny_linear(x, w, None, weight_scale=scale)
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen)
+                                 * torch.logspace(-3, 0, n, device="cuda")[:, None])
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype) if m % 2 else None
+    out = fp8_gemv(x, w, scale, bias)
     want = x.float() @ fp8.dequantize_rows(w, scale).t()
-    torch.testing.assert_close(out.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+    magnitude = x.float().abs() @ fp8.dequantize_rows(w, scale).abs().t()
+    if bias is not None:
+        want += bias.float()
+        magnitude += bias.float().abs()
+    error = (out.float() - want).abs()
+    assert out.dtype == dtype and (error <= 1e-4 * magnitude + 2**-7 * want.abs()).all()
 
 
 def test_rotary_kernel_stores_fp8_kv_saturated():

@@ -102,8 +102,8 @@ class Backend(Protocol):
     """What the interpreter calls for a program's gens and selects. `LocalBackend` (a `Runtime`
     in this process), `RuntimeEndpoint` (a server's SGLang-native API) and `OpenAI` (an
     OpenAI-compatible endpoint) implement it; SGLang-style custom backends subclass `BaseBackend`
-    instead. Implementations may take more keyword arguments, each with a default (`media=` of a
-    `MediaBackend`, `chat=` when `is_chat_model`)."""
+    instead. Implementations may take more keyword arguments, each with a default (`media=` once
+    `prepare_media` has prepared some, `chat=` when `is_chat_model`)."""
 
     # Role text from the model's own template; a backend over a Runtime renders it with
     # `Runtime.apply_chat_template`, so roles and chat prompts agree.
@@ -133,17 +133,13 @@ class Backend(Protocol):
         """Hint: `prompt` will be shared by several continuations."""
         ...
 
-
-@runtime_checkable
-class MediaBackend(Backend, Protocol):
-    """A backend whose model takes images and videos (LLaVA). Its `generate`, `select` and
-    `cache_prefix` also take `media=` (a sequence of `MediaInput`, in prompt order), passed only
-    when the prompt has media; every media's `token` is in the prompt text where it goes."""
-
     def prepare_media(self, kind: str, source: Any, *,
                       num_frames: int | None = None) -> MediaInput:
         """Loads (and hashes, preprocesses) one image or video for this backend's model; raises
-        `MediaUnsupported` when the model takes no such media, `ValueError` for bad media."""
+        `MediaUnsupported` when the model (or the backend) takes no such media, `ValueError`
+        for bad media. Then `generate`, `select` and `cache_prefix` are also given `media=` (a
+        sequence of `MediaInput`, in prompt order) when the prompt has media; every media's
+        `token` is in the prompt text where it goes."""
         ...
 
 
@@ -298,6 +294,12 @@ class BaseBackend:
     def select(self, s: ProgramExecutor, choices: list[str], temperature: float,
                choices_method: ChoicesMethod | None = None) -> ChoicesDecision:
         raise NotImplementedError()
+
+    def prepare_media(self, kind: str, source: Any, *,
+                      num_frames: int | None = None) -> MediaInput:
+        """`Backend.prepare_media`: SGLang's hooks pass no images or videos."""
+        raise MediaUnsupported(f"{type(self).__name__} (an SGLang-style custom backend) takes no "
+                               f"{kind}s")
 
     def concatenate_and_append(self, src_rids: list[str], dst_rid: str) -> None:
         raise NotImplementedError()

@@ -33,7 +33,7 @@ from lmnb.lang.ir import GenParams
 
 
 class RuntimeEndpoint:
-    """Backend over a server's SGLang-native API (a `Backend`; a `MediaBackend` when the
+    """Backend over a server's SGLang-native API (a `Backend`; `prepare_media` works when the
     server's model takes images or videos)."""
 
     is_chat_model = False  # programs send text; roles are rendered with the model's template

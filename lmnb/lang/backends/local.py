@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import (
@@ -19,11 +17,18 @@ from lmnb.lang.backends.base import (
     media_data,
 )
 from lmnb.lang.backends.runtime_gen import GenTexts
+from lmnb.lang.backends.submit_chunks import SubmitChunks
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.event_loop import block_on, run_body
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
-from lmnb.lang.token_trace import GenRecord, TokenTrace, traced_top_k
+from lmnb.lang.token_trace import (
+    GenRecord,
+    TokenTrace,
+    TraceLog,
+    token_byte_counter,
+    traced_top_k,
+)
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
 if TYPE_CHECKING:
@@ -43,19 +48,19 @@ class AwaitedRuntime:
     `cache_prefix`), from a greenlet on the program loop: each `generate` is submitted as a
     stream and awaited there (`block_on` suspends the greenlet), so no thread waits on it."""
 
-    def __init__(self, runtime: Any, *, batch_submits: Callable[[], None]) -> None:
+    def __init__(self, runtime: Any, *, submits: SubmitChunks) -> None:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
-        self.batch_submits = batch_submits
+        self.submits = submits
 
     def encode(self, text: str) -> list[int]:
         return self.runtime.encode(text)
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, *,
                  input_ids: Any = None, **options: Any) -> Any:
-        self.batch_submits()
-        stream = self.runtime.generate(prompt, sampling_params, input_ids=input_ids,
-                                       stream=True, **options)
+        with self.submits.submitting():
+            stream = self.runtime.generate(prompt, sampling_params, input_ids=input_ids,
+                                           stream=True, **options)
         results = block_on(stream.aresults())
         batch = isinstance(prompt, list) or (
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
@@ -84,24 +89,8 @@ class LocalBackend:
         self.prompt_tokens: PromptTokens | None = (
             prompt_tokens(runtime.tokenizer) if callable(getattr(runtime, "encode", None))
             else None)
-        self._held: ExitStack | None = None  # the program loop's submits of this iteration
-
-    def _batch_submits(self) -> None:
-        """On the program loop: holds this iteration's streamed requests (every program's gen
-        submitted before the loop next takes a breath) and sends them together at the start of
-        the next iteration, so that the scheduler plans one prefill with all of them rather than
-        with the few that reached it first (`EngineSurface.batched_submits`)."""
-        if self._held is not None:
-            return
-        held = ExitStack()
-        held.enter_context(self.runtime.batched_submits())
-        self._held = held
-        asyncio.get_running_loop().call_soon(self._release)
-
-    def _release(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            held.close()
+        # The program loop's streamed requests, sent to the scheduler in growing chunks.
+        self.submits = SubmitChunks(runtime.batched_submits)
 
     def _prompt(self, prompt: str, media: Sequence[MediaInput]) -> dict[str, Any]:
         """`generate`'s prompt arguments: `input_ids=` of a text prompt, else the text."""
@@ -191,8 +180,8 @@ class LocalBackend:
         """`generate` as a coroutine (the program loop's): the request goes straight into the
         runtime and its output stream is awaited; setting `cancel` (a `CancelEvent`) closes the
         stream, which aborts the request and wakes the await. `trace` as in `generate`."""
-        self._batch_submits()
-        chunks, record = self._submit(prompt, params, media, trace)
+        with self.submits.submitting():
+            chunks, record = self._submit(prompt, params, media, trace)
         gen = GenTexts(params, on_delta)
         unregister = cancel.on_set(chunks.close) if isinstance(cancel, CancelEvent) else None
         try:
@@ -243,21 +232,22 @@ class LocalBackend:
         """`select` on the program loop: the scoring (several runtime calls in turn) runs as a
         greenlet whose calls are submitted as streams and awaited (`AwaitedRuntime`)."""
         return await run_body(self._select, AwaitedRuntime(
-            self.runtime, batch_submits=self._batch_submits), prompt, choices, method, media)
+            self.runtime, submits=self.submits), prompt, choices, method, media)
 
     async def acache_prefix(self, prompt: str, *, media: Sequence[MediaInput] = ()) -> None:
         """`cache_prefix` as a coroutine: a prefill-only request, its stream awaited."""
         if not prompt:
             return
-        self._batch_submits()
-        if media:
-            stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True,
-                                           **media_data(media))
-        elif self.prompt_tokens is not None:
-            stream = self.runtime.generate(input_ids=self.prompt_tokens.encode(prompt),
-                                           sampling_params={"max_new_tokens": 0}, stream=True)
-        else:
-            stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True)
+        with self.submits.submitting():
+            if media:
+                stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True,
+                                               **media_data(media))
+            elif self.prompt_tokens is not None:
+                stream = self.runtime.generate(input_ids=self.prompt_tokens.encode(prompt),
+                                               sampling_params={"max_new_tokens": 0},
+                                               stream=True)
+            else:
+                stream = self.runtime.generate(prompt, {"max_new_tokens": 0}, stream=True)
         async for _ in stream:  # a runtime's wrapper may stream without `aresults`
             pass
 
@@ -311,3 +301,15 @@ class LocalBackend:
                 "max_total_num_tokens": runtime.max_total_tokens,
                 "context_length": runtime.context_len,
                 "internal_states": [runtime.stats()]}
+
+
+def start_trace(backend: Any) -> TokenTrace:
+    """The root trace of a run on `backend`, which must run on an in-process runtime (the
+    trace reads its token ids and the runtime's token origins)."""
+    if not isinstance(backend, LocalBackend):
+        raise ValueError(f"token_view needs a program run on an in-process runtime "
+                         f"(LocalBackend); {type(backend).__name__} does not report tokens")
+    tokenizer = backend.runtime.tokenizer
+    texts = TokenTexts(tokenizer)
+    return TokenTrace(TraceLog(texts, token_byte_counter(tokenizer, texts)),
+                      runtime=backend.runtime)

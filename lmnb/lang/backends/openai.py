@@ -22,7 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmnb.lang.backends.base import ChatPrompt, Generation, ProgramAborted
+from lmnb.lang.backends.base import (
+    ChatPrompt,
+    Generation,
+    MediaInput,
+    MediaUnsupported,
+    ProgramAborted,
+)
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
 from lmnb.params import default_sampling_params
@@ -128,6 +134,12 @@ class OpenAI:
     # `(logprob, None, text)`), which API speculation uses to size each served gen.
     reports_token_texts = True
     is_chat_model: bool
+
+    def prepare_media(self, kind: str, source: Any, *,
+                      num_frames: int | None = None) -> MediaInput:
+        """`Backend.prepare_media`: this backend sends text (or text messages) only."""
+        raise MediaUnsupported(f"lmnb.OpenAI sends text only: {self.model} gets no {kind}s "
+                               "from a program")
 
     def __repr__(self) -> str:
         kind = "chat" if self.is_chat_model else "completion"

@@ -74,6 +74,8 @@ class PageCopies:
 
     def gather(self, slots: torch.Tensor) -> PageCopies:
         kv = self.kv
+        for layer in range(kv.num_layers):
+            kv.ready(layer)  # rows a load may still be writing
         for begin in range(0, len(slots), COPY_CHUNK):
             part = slots[begin:begin + COPY_CHUNK]
             rows = torch.stack([torch.stack([buf[part] for buf in bufs])
@@ -101,16 +103,6 @@ class PageCopies:
     def ready(self) -> None:
         if self.event is not None:
             self.event.synchronize()
-
-
-def scatter_kv(kv: KVStorage, slots: torch.Tensor, data: torch.Tensor) -> None:
-    """Writes `data` [2, layers, n, kv_heads, head_dim] (CPU) into device rows `slots`."""
-    for begin in range(0, len(slots), COPY_CHUNK):
-        part = slots[begin:begin + COPY_CHUNK]
-        chunk = data[:, :, begin:begin + len(part)].to(kv.device)
-        for layer in range(kv.num_layers):
-            kv.k_buffers[layer][part] = chunk[0, layer]
-            kv.v_buffers[layer][part] = chunk[1, layer]
 
 
 class DiskTier:
@@ -266,9 +258,16 @@ class DiskTier:
             self.removed_pages += removed
 
     # ---- reading -------------------------------------------------------------------------------
-    def load(self, tokens: Sequence[int], start: int, max_tokens: int) -> torch.Tensor | None:
-        """KV [2, layers, n, kv_heads, head_dim] (CPU) of tokens[start:start + n] from the pages
-        on disk that continue the prefix `tokens[:start]`, n <= max_tokens; None if none."""
+    def has_page(self, tokens: Sequence[int], page: int) -> bool:
+        """Whether page `page` of `tokens` has a file (one stat: no read, no check)."""
+        name = page_hashes(self.model_key, tokens, page + 1, self.page_tokens)[page]
+        return (self.dir / f"{name}{SUFFIX}").exists()
+
+    def load(self, tokens: Sequence[int], start: int, max_tokens: int, *,
+             pin: bool = False) -> torch.Tensor | None:
+        """KV [2, layers, n, kv_heads, head_dim] (CPU; `pin`: in pinned memory) of
+        tokens[start:start + n] from the pages on disk that continue the prefix
+        `tokens[:start]`, n <= max_tokens; None if none. Runs on any thread."""
         size = self.page_tokens
         first = start // size
         pages = min(len(tokens), start + max_tokens) // size
@@ -290,10 +289,16 @@ class DiskTier:
             if data is None:
                 break
             found.append(data)
-        if not found:
+        skip = start - first * size
+        n = len(found) * size - skip
+        if n <= 0:
             return None
-        data = torch.cat(found, dim=2)[:, :, start - first * size:]
-        return data if data.shape[2] else None
+        shape = (*self.page_shape[:2], n, *self.page_shape[3:])
+        data = torch.empty(shape, dtype=self.kv.dtype, pin_memory=pin)
+        for i, page in enumerate(found):
+            begin = i * size - skip
+            data[:, :, max(begin, 0):begin + size] = page[:, :, max(-begin, 0):]
+        return data
 
     def _read(self, page_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
         path = self.dir / f"{page_hash}{SUFFIX}"

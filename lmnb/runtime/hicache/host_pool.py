@@ -3,19 +3,21 @@ slot allocator, and the copies between it and the device pool (`KVStorage`).
 
     k[l], v[l]  [size + 1, kv_heads, head_dim]   host row = host slot (row 0 unused), layer first
 
-On CUDA every copy runs on one side stream: it first waits for the work already queued on the
-compute stream (the rows it reads or overwrites are final there). The compute stream waits for a
-load's event at once (a forward queued afterwards reads the loaded rows), and for the saves'
-event at `fence()`, which the cache calls before device rows that were saved can be reused.
+On CUDA saves (device -> host) and loads (host -> device, `loads.LayerLoads`: overlapped with
+the forward layer by layer) run on two side streams, so that they run side by side (the link
+copies both ways at once) and a load never queues behind the saves. A save first waits for the
+work queued on the compute stream (the rows it reads are final there) and returns a ticket; the
+compute stream waits for a save only at `fence(ticket)`, which the cache calls before device
+rows that were saved are reused: an eviction waits for the saves of the rows it frees only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections import deque
 
 import torch
 
+from lmnb.runtime.hicache.loads import LayerLoads
 from lmnb.runtime.memory import KVStorage, OutOfSlotsError
 
 
@@ -76,9 +78,11 @@ class HostKVPool:
 
         self.k = [buffer() for _ in range(device_kv.num_layers)]
         self.v = [buffer() for _ in range(device_kv.num_layers)]
-        self._stream = torch.cuda.Stream(device_kv.device) if cuda else None
-        self._done: torch.cuda.Event | None = None
-        self._saved: torch.cuda.Event | None = None  # the last save the compute stream may race
+        self.loads = LayerLoads(device_kv)  # host -> device, on their own stream
+        self._stream = torch.cuda.Stream(device_kv.device) if cuda else None  # saves
+        self._ticket = 0  # saves issued
+        self._saves: deque[tuple[int, torch.cuda.Event]] = deque()  # not known done yet
+        self.fence_waits = 0  # fences that found their saves still running
 
     @staticmethod
     def bytes_per_token(device_kv: KVStorage) -> int:
@@ -89,60 +93,71 @@ class HostKVPool:
     def available(self) -> int:
         return self.allocator.available()
 
-    @contextmanager
-    def _copying(self, *, wait: bool) -> Iterator[None]:
-        if self._stream is None:
-            yield
-            return
-        compute = torch.cuda.current_stream(self.device_kv.device)
-        self._stream.wait_stream(compute)
-        with torch.cuda.stream(self._stream):
-            yield
-            self._done = torch.cuda.Event()
-            self._done.record(self._stream)
-        if wait:
-            compute.wait_event(self._done)
-        else:
-            self._saved = self._done
+    def fence(self, ticket: int) -> None:
+        """Device rows read by saves up to `ticket` may be reused from now on: the compute
+        stream waits for those saves (only: later ones go on)."""
+        last = None
+        while self._saves and self._saves[0][0] <= ticket:
+            last = self._saves.popleft()[1]
+        if last is not None and not last.query():
+            self.fence_waits += 1
+            torch.cuda.current_stream(self.device_kv.device).wait_event(last)
 
-    def fence(self) -> None:
-        """The compute stream waits for the saves issued so far (before their device rows are
-        reused)."""
-        if self._saved is not None:
-            torch.cuda.current_stream(self.device_kv.device).wait_event(self._saved)
-            self._saved = None
+    def done_ticket(self) -> int:
+        """Every save up to this ticket is known to be done."""
+        while self._saves and self._saves[0][1].query():
+            self._saves.popleft()
+        return self._saves[0][0] - 1 if self._saves else self._ticket
 
-    def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        """Device rows `device_slots` -> host rows `host_slots` (same length), every layer."""
+    def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
+        """Device rows `device_slots` -> host rows `host_slots` (same length), every layer, on
+        the save stream (after the compute stream's work so far); returns the save's ticket for
+        `fence`."""
+        self._ticket += 1
         runs = host_runs(host_slots)
         device = self.device_kv
-        if self._stream is not None:  # read on the side stream after its owner may drop it
-            device_slots.record_stream(self._stream)
-        with self._copying(wait=False):
+        # Loads queued earlier go first: they read host rows this save may overwrite, and may
+        # write the device rows it reads.
+        self.loads.before_host_reuse(self._stream)
+        if self._stream is None:
             for layer in range(device.num_layers):
                 for src, dst in ((device.k_buffers[layer], self.k[layer]),
                                  (device.v_buffers[layer], self.v[layer])):
                     rows = src[device_slots]
                     for begin, first, n in runs:
-                        dst[first:first + n].copy_(rows[begin:begin + n],
-                                                   non_blocking=self._stream is not None)
+                        dst[first:first + n] = rows[begin:begin + n]
+            return self._ticket
+        self.done_ticket()  # forgets the saves that are done
+        self._stream.wait_stream(torch.cuda.current_stream(device.device))
+        device_slots.record_stream(self._stream)  # read after its owner may drop it
+        with torch.cuda.stream(self._stream):
+            for layer in range(device.num_layers):
+                for src, dst in ((device.k_buffers[layer], self.k[layer]),
+                                 (device.v_buffers[layer], self.v[layer])):
+                    rows = src[device_slots]
+                    for begin, first, n in runs:
+                        dst[first:first + n].copy_(rows[begin:begin + n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._saves.append((self._ticket, event))
+        return self._ticket
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Host rows `host_slots` -> device rows `device_slots` (same length), every layer."""
+        """Queues host rows `host_slots` -> device rows `device_slots` (same length), every
+        layer (`LayerLoads`: copied when the forward first needs them)."""
         runs = host_runs(host_slots)
-        device = self.device_kv
-        target = device_slots.to(device.device)
-        with self._copying(wait=True):
-            for layer in range(device.num_layers):
-                for src, dst in ((self.k[layer], device.k_buffers[layer]),
-                                 (self.v[layer], device.v_buffers[layer])):
-                    for begin, first, n in runs:
-                        rows = src[first:first + n].to(device.device, non_blocking=True)
-                        dst[target[begin:begin + n]] = rows
+
+        def rows(layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            k, v = self.k[layer], self.v[layer]
+            return [(k[first:first + n], v[first:first + n]) for _, first, n in runs]
+
+        self.loads.add(rows, device_slots)
 
     def synchronize(self) -> None:
-        if self._done is not None:
-            self._done.synchronize()
+        self.loads.settle()
+        if self._saves:
+            self._saves[-1][1].synchronize()
+            self._saves.clear()
 
     def release(self) -> None:
         self.synchronize()

@@ -96,6 +96,7 @@ class AttentionBackend(ABC):
         if save_kv:
             self.store_kv(k, v, layer_id, forward_batch)
         storage = self.kv_storage
+        storage.ready(layer_id)  # rows a hierarchical cache is still loading (other rows)
         return LayerAttentionInputs(q.view(q.shape[0], self.num_heads, self.head_dim),
                                     storage.k_buffers[layer_id], storage.v_buffers[layer_id])
 

@@ -3,9 +3,11 @@
 One query token per request. Stage 1 runs a program per (request, KV head, split): the query heads
 sharing that KV head (GQA group, padded to BLOCK_H rows) attend to one chunk of the request's KV
 with an online softmax and store the chunk's normalised output and log-sum-exp. Stage 2 runs a
-program per (request, query head) and merges the splits.
+program per (request, query head) and merges the splits. A request whose KV is one split (most of
+a busy batch's, see `decode_config`) gets its output from stage 1, and stage 2 skips it.
 
-The split count is a launch constant (`max_kv_splits`): a request of kv_len tokens uses
+The split count is a launch constant (`max_kv_splits`, capped by the config's `max_splits`, which
+shrinks as the batch grows): a request of kv_len tokens uses
 cdiv(kv_len, split_len) of them, split_len = max(cdiv(kv_len, max_kv_splits), MIN_SPLIT_LEN)
 rounded up to BLOCK_N, computed inside both kernels from kv_indptr, so no launch reads a device
 value back and CUDA graphs can capture both stages.
@@ -90,13 +92,14 @@ def _split_len(kv_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, KV_INDPTR, KV_INDICES, KV_SKIP, PART_O, PART_LSE,
+    Q, K, V, KV_INDPTR, KV_INDICES, KV_SKIP, PART_O, PART_LSE, OUT,
     scale,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
+    stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
@@ -139,10 +142,15 @@ def _decode_partial_kernel(
                 stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 False, PRECISION, UPCAST, KV_FP8)
         out = acc / l_i[:, None]
-        tl.store(PART_O + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos
-                 + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(PART_LSE + req * stride_plb + heads * stride_plh + split, m_i + tl.log(l_i),
-                 mask=mask_h)
+        mask = mask_h[:, None] & mask_d[None, :]
+        if HAS_SKIP or split_len < kv_len:  # partials for the merge kernel
+            tl.store(PART_O + req * stride_pob + heads[:, None] * stride_poh
+                     + split * stride_pos + offs_d[None, :], out, mask=mask)
+            tl.store(PART_LSE + req * stride_plb + heads * stride_plh + split,
+                     m_i + tl.log(l_i), mask=mask_h)
+        else:  # the request's only split: its output, and the merge kernel skips it
+            tl.store(OUT + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -163,19 +171,23 @@ def _decode_merge_kernel(
     if HAS_SKIP:
         kv_len -= tl.load(KV_SKIP + req)
     split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
-    used = offs_s < tl.cdiv(kv_len, split_len)  # split 0 always holds a token
-    if HAS_SKIP:  # splits MAX_SPLITS.. hold the shared prefix's partials (shared_prefix.py)
-        prefix_used = tl.load(PREFIX_PARTS + req)
-        used = used | ((offs_s >= MAX_SPLITS) & (offs_s < MAX_SPLITS + prefix_used))
-    lse = tl.load(PART_LSE + req * stride_plb + head * stride_plh + offs_s, mask=used,
-                  other=float("-inf"))
-    parts = tl.load(PART_O + req * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos
-                    + offs_d[None, :], mask=used[:, None] & (offs_d < HEAD_DIM)[None, :],
-                    other=0.0)  # [BLOCK_S, BLOCK_D]
-    weight = tl.exp(lse - tl.max(lse, 0))
-    out = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
-    tl.store(OUT + req * stride_ot + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    splits = tl.cdiv(kv_len, split_len)  # split 0 always holds a token
+    # a request of one split (and no shared prefix) was written out by the partial kernel
+    if HAS_SKIP or splits > 1:
+        used = offs_s < splits
+        if HAS_SKIP:  # splits MAX_SPLITS.. hold the shared prefix's partials (shared_prefix.py)
+            prefix_used = tl.load(PREFIX_PARTS + req)
+            used = used | ((offs_s >= MAX_SPLITS) & (offs_s < MAX_SPLITS + prefix_used))
+        lse = tl.load(PART_LSE + req * stride_plb + head * stride_plh + offs_s, mask=used,
+                      other=float("-inf"))
+        parts = tl.load(PART_O + req * stride_pob + head * stride_poh
+                        + offs_s[:, None] * stride_pos + offs_d[None, :],
+                        mask=used[:, None] & (offs_d < HEAD_DIM)[None, :],
+                        other=0.0)  # [BLOCK_S, BLOCK_D]
+        weight = tl.exp(lse - tl.max(lse, 0))
+        out = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
+        tl.store(OUT + req * stride_ot + head * stride_oh + offs_d,
+                 out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 class DecodeConfig(NamedTuple):
@@ -183,6 +195,7 @@ class DecodeConfig(NamedTuple):
     min_split: int  # fewest KV tokens a split is given (short contexts use fewer splits)
     num_warps: int
     num_stages: int
+    max_splits: int = 16  # the launch's split dimension at most (empty programs cost too)
 
 
 # (request, KV head) programs above which splitting a request's KV buys no parallelism, only
@@ -196,11 +209,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
     shortest split by how many (request, KV head) programs the batch has already."""
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 512
     programs = batch_size * num_kv_heads
-    min_split = (MIN_SPLIT_LEN if programs < _BUSY_PROGRAMS[0]
-                 else 4 * MIN_SPLIT_LEN if programs < _BUSY_PROGRAMS[1] else 16 * MIN_SPLIT_LEN)
+    level = (programs >= _BUSY_PROGRAMS[0]) + (programs >= _BUSY_PROGRAMS[1])
     # H100, triton 3.6, fp16 head_dim 128, in a CUDA graph: 2 warps beat 4 by up to 1.6x at
-    # batch 1 (2k MHA 26 vs 36 us, 8k GQA 28 vs 46 us) and match it at batch 32.
-    return DecodeConfig(32 if wide else 64, min_split, 2, 2)
+    # batch 1 (2k MHA 26 vs 36 us, 8k GQA 28 vs 46 us) and match it at batch 32. The split
+    # dimension shrinks with the batch: at batch 256 (contexts 100-2,048) a grid of 2 splits
+    # beats 16 by 2% (Llama-3) and 3% (Llama-2): the empty programs of a wide grid are not free.
+    return DecodeConfig(32 if wide else 64, (MIN_SPLIT_LEN, 4 * MIN_SPLIT_LEN,
+                                             16 * MIN_SPLIT_LEN)[level], 2, 2, (16, 4, 2)[level])
 
 
 def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
@@ -243,20 +258,23 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     kv_skip, prefix_parts = (kv_indptr, kv_indptr) if shared is None else (shared.kv_skip,
                                                                           shared.prefix_parts)
     prefix_splits = 0
-    if shared is not None:
+    if shared is None:  # (with `shared`, its partials sit at offset max_kv_splits: kept there)
+        max_kv_splits = min(max_kv_splits, config.max_splits)
+    else:
         prefix_splits = shared_prefix.PREFIX_SPLITS
         assert partial_out.shape[2] >= max_kv_splits + prefix_splits, "partials too narrow"
         shared_prefix.shared_prefix_partials(
             q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.items, partial_out,
             partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
     _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, kv_skip, partial_out, partial_lse,
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, kv_skip, partial_out, partial_lse, out,
         scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,

@@ -11,11 +11,20 @@ back to `compute_dtype`: half the bytes of a 16-bit pool per token.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from lmnb.runtime.quantization import kv_cache_dtype_name
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+class PendingWrites(Protocol):
+    """Rows being written by another stream (a hierarchical cache's loads, `hicache/loads.py`)."""
+
+    def wait_layer(self, layer_id: int) -> None:
+        """Layer `layer_id`'s rows are complete for the current stream."""
 
 
 class KVStorage:
@@ -35,6 +44,13 @@ class KVStorage:
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for buffer in (*self.k_buffers, *self.v_buffers):
             buffer[0].zero_()
+        self.pending: PendingWrites | None = None
+
+    def ready(self, layer_id: int) -> None:
+        """Called before layer `layer_id`'s rows are read (attention): pending writes into them
+        are waited for, that layer's only."""
+        if self.pending is not None:
+            self.pending.wait_layer(layer_id)
 
     @staticmethod
     def bytes_per_token(*, num_layers: int, kv_heads: int, head_dim: int,

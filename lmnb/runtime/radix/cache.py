@@ -196,6 +196,7 @@ class RadixCache(PrefixCache):
         slots in `value` are duplicates that stay the caller's)."""
         key = list(key)
         node, done = self._descend(key, extra_key)
+        leaf = None
         if done < len(key):
             leaf = TreeNode(next(self._ids), extra_key)
             leaf.parent = node
@@ -203,6 +204,13 @@ class RadixCache(PrefixCache):
             leaf.value = value[done:].clone()
             node.children[(extra_key, key[done])] = leaf
             self._evictable += len(leaf.key)
+        return self._inserted(node, done, value, leaf)
+
+    def _inserted(self, node: TreeNode, done: int, value: torch.Tensor,
+                  leaf: TreeNode | None) -> int:
+        """`insert`'s last step: the key's path ends at `node`, `done` tokens in, then `leaf`
+        (None: the key was in the tree whole). Returns how many leading tokens were cached. A
+        tiered cache's path nodes without device KV take `value`'s slots here."""
         return done
 
     # ---- locks -----------------------------------------------------------------------------------

@@ -8,8 +8,13 @@ A node's KV lives on the device (`value`), in the host pool (`host`), or both:
 Device eviction (LRU, unlocked device leaves) saves a node's KV to the host pool (unless it has
 a copy there already: `write_through` copies on insert) and keeps the node in the tree; the host
 pool evicts its own least recently used host-only leaves, which leave the tree. `load_back`
-(before a request's prefix is matched) copies the host-only nodes on the request's path back
-into freshly allocated device slots, then continues the prefix from the disk tier's pages.
+(before a request's prefix is matched) gives the host-only nodes on the request's path freshly
+allocated device slots and queues their copies (`hicache/loads.py`: issued when the forward
+starts, waited for layer by layer), then continues the prefix with the disk pages read ahead
+for it when the request arrived (`hicache/prefetch.py`, an I/O thread): the scheduler thread
+never reads the disk. Saves (eviction, `write_through`) run on their own stream; an eviction
+waits only for the saves of the rows it frees (tickets), and settles the queued loads first
+when it frees rows one of them writes.
 
 Invariants (`check`): every node is on the device or on the host; a device node's parent is on
 the device (or the root); a locked node is on the device; host slots are conserved.
@@ -24,8 +29,9 @@ from typing import Any
 
 import torch
 
-from lmnb.runtime.hicache.disk import DiskTier, scatter_kv
+from lmnb.runtime.hicache.disk import DiskTier
 from lmnb.runtime.hicache.host_pool import HostKVPool
+from lmnb.runtime.hicache.prefetch import DiskPrefetcher
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.prefix_cache import CacheStats, common_prefix_length
 from lmnb.runtime.radix.cache import RadixCache, TreeNode
@@ -42,6 +48,12 @@ class TieredCacheStats(CacheStats, total=False):
     hicache_host_saved_tokens: int
     hicache_host_evicted_tokens: int
     hicache_disk_loaded_tokens: int  # hits read from disk pages
+    hicache_loads: int  # passes whose host -> device copies overlapped their forward
+    hicache_load_seconds: float  # the copies' span (CUDA; CPU: copy time)
+    hicache_load_wait_seconds: float  # of which the forward waited for (not overlapped)
+    hicache_save_fence_waits: int  # evictions that waited for a save of the rows they free
+    hicache_prefetch_reads: int  # disk reads started ahead of their request's admission
+    hicache_prefetch_wait_seconds: float  # the idle scheduler waiting for such reads
     hicache_disk_bytes: int
     hicache_disk_written_pages: int
     hicache_disk_loaded_pages: int
@@ -61,7 +73,11 @@ class TieredRadixCache(RadixCache):
         self.host_pool = host
         self.write_through = write_through
         self.disk = disk
+        self.prefetcher = None if disk is None else DiskPrefetcher(disk, max_tokens=host.size)
+        self.prefetches = self.prefetcher is not None
         self._loading: set[TreeNode] = set()  # host copies a load is about to read
+        self._pending: set[TreeNode] = set()  # device rows a queued load has yet to write
+        self._saves: dict[TreeNode, int] = {}  # save tickets of device rows saves may still read
         self._back_up = True  # False while `reset` drops everything
         self.host_loaded_tokens = 0  # prefix tokens brought back from the host pool
         self.host_saved_tokens = 0
@@ -71,6 +87,8 @@ class TieredRadixCache(RadixCache):
 
     def reset(self) -> None:
         if hasattr(self, "root"):
+            self._settle()
+            self._saves.clear()
             for node in self._nodes():
                 node.host = None
             self.host_pool.allocator.clear()
@@ -89,9 +107,10 @@ class TieredRadixCache(RadixCache):
         key = list(key[:len(key) - 1])
         anchor, on_host = self._host_path(key, extra_key)
         loaded = self._load_host(anchor, on_host, room)
-        if self.disk is None or extra_key is not None or loaded < sum(len(n.key) for n in on_host):
+        if self.prefetcher is None or extra_key is not None or loaded < sum(
+                len(n.key) for n in on_host):
             return loaded
-        return loaded + self._load_disk(key, room - loaded)
+        return loaded + self._load_staged(key, room - loaded)
 
     def _host_path(self, key: list[int], extra_key: Hashable) -> tuple[TreeNode, list[TreeNode]]:
         """(last device node, the host-only nodes after it) along `key`."""
@@ -143,37 +162,62 @@ class TieredRadixCache(RadixCache):
             self.unlock(anchor)
         if slots is None:
             return 0
-        self.host_pool.load(torch.cat([node.host for node in take]), slots)
+        self.host_pool.load(torch.cat([node.host for node in take]), slots)  # queued
         offset = 0
         now = time.monotonic()
         for node in take:
             node.value = slots[offset:offset + len(node.key)]
             node.last_access = now
             offset += len(node.key)
+        self._pending.update(take)
         self._evictable += total
         self.host_loaded_tokens += total
         return total
 
-    def _load_disk(self, key: list[int], room: int) -> int:
-        assert self.disk is not None
+    def _load_staged(self, key: list[int], room: int) -> int:
+        """Continues the device prefix of `key` with the disk pages read ahead for it."""
+        assert self.prefetcher is not None
         prefix = self._match(list(key), None)
         start = len(prefix.indices)
         if start >= len(key):
             return 0
+        data = self.prefetcher.take(key, start)
+        if data is None:
+            return 0
         self.lock(prefix.handle)
         try:
-            data = self.disk.load(key, start, self._budget(room))
-            slots = None if data is None else self._alloc(data.shape[2])
+            n = min(data.shape[2], len(key) - start, self._budget(room))
+            slots = self._alloc(n) if n > 0 else None
         finally:
             self.unlock(prefix.handle)
         if slots is None:
             return 0
-        n = len(slots)
-        scatter_kv(self.host_pool.device_kv, slots, data)
+        self.host_pool.loads.add(lambda layer: [(data[0, layer, :n], data[1, layer, :n])], slots)
         already = self.insert(key[:start + n], torch.cat((prefix.indices, slots)))
-        self.allocator.free(slots[:max(already - start, 0)])  # duplicates stay ours (none expected)
+        if already > start:  # duplicates stay ours (none expected): their load lands first
+            self._settle()
+            self.allocator.free(slots[:already - start])
+        self._pending.add(self._descend(key[:start + n], None)[0])
         self.disk_loaded_tokens += n
         return n
+
+    # ---- reading ahead (disk) ------------------------------------------------------------------
+    def prefetch(self, key: Sequence[int], extra_key: Hashable = None) -> None:
+        """Starts reading the disk pages of `key`'s prefix that continue the tree (I/O thread)."""
+        if self.prefetcher is None or extra_key is not None or len(key) <= 1:
+            return
+        key = list(key[:len(key) - 1])  # as `match_prefix` and `load_back` see it
+        if not self.prefetcher.known(key):
+            self.prefetcher.start(key, self.cached_length(key))
+
+    def prefetching(self, key: Sequence[int], extra_key: Hashable = None) -> bool:
+        if self.prefetcher is None or extra_key is not None or len(key) <= 1:
+            return False
+        return self.prefetcher.running(list(key[:len(key) - 1]))
+
+    def wait_prefetch(self, key: Sequence[int], extra_key: Hashable = None) -> None:
+        if self.prefetcher is not None and extra_key is None and len(key) > 1:
+            self.prefetcher.wait(list(key[:len(key) - 1]))
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         short = n - self.allocator.available()
@@ -187,38 +231,22 @@ class TieredRadixCache(RadixCache):
     def insert(self, key: Sequence[int], value: torch.Tensor, extra_key: Hashable = None) -> int:
         """As RadixCache.insert; host-only nodes on the path take the caller's slots (they are
         device nodes again), and the cached length returned counts device tokens only."""
-        node = self.root
-        key = list(key)
-        now = time.monotonic()
-        done = 0
-        on_device = None  # where the device part of the path ended
-        while done < len(key):
-            child = node.children.get((extra_key, key[done]))
-            if child is None:
-                leaf = TreeNode(next(self._ids), extra_key)
-                leaf.parent = node
-                leaf.key = key[done:]
-                leaf.value = value[done:].clone()
-                leaf.last_access = now
-                node.children[(extra_key, key[done])] = leaf
-                self._evictable += len(leaf.key)
-                if self.write_through:
-                    self._save(leaf)
-                on_device = done if on_device is None else on_device
-                break
-            matched = common_prefix_length(child.key, key[done:])
-            if matched < len(child.key):
-                child = self._split(child, matched)
-            if child.value is None:
-                child.value = value[done:done + matched].clone()
-                self._evictable += matched
-                on_device = done if on_device is None else on_device
-            child.last_access = now
-            done += matched
-            node = child
+        cached = super().insert(key, value, extra_key)
         if self.disk is not None and extra_key is None:
             self.disk.offer(key, value)
-        return len(key) if on_device is None else on_device
+        return cached
+
+    def _inserted(self, node: TreeNode, done: int, value: torch.Tensor,
+                  leaf: TreeNode | None) -> int:
+        cached = done
+        while node is not self.root and node.value is None:  # host-only: a suffix of the path
+            cached -= len(node.key)
+            node.value = value[cached:cached + len(node.key)].clone()
+            self._evictable += len(node.key)
+            node = node.parent
+        if leaf is not None and self.write_through:
+            self._save(leaf)
+        return cached
 
     # ---- eviction --------------------------------------------------------------------------------
     def _device_leaf(self, node: TreeNode) -> bool:
@@ -229,13 +257,18 @@ class TieredRadixCache(RadixCache):
         """Frees device slots of least recently used unlocked device leaves; their KV goes to
         the host pool (kept in the tree) or, when the pool has no room, is dropped with what
         hangs below."""
+        if not self.host_pool.loads.busy:
+            self._pending.clear()
         leaves = [n for n in self._nodes() if self._device_leaf(n)]
         heapq.heapify(leaves)
-        freed = 0
+        freed = ticket = 0
         while freed < num_tokens and leaves:
             node = heapq.heappop(leaves)
+            if node in self._pending and self.host_pool.loads.busy:
+                self._settle()  # its rows may be written by a queued load: not reused before
             if node.host is None and self._back_up:
                 self._save(node)
+            ticket = max(ticket, self._saves.pop(node, 0))
             self.allocator.free(node.value)
             node.value = None
             freed += len(node.key)
@@ -247,9 +280,22 @@ class TieredRadixCache(RadixCache):
             if self._device_leaf(parent):
                 heapq.heappush(leaves, parent)
         self.evicted_tokens += freed
-        if freed:
-            self.host_pool.fence()  # freed rows that were saved are not overwritten too soon
+        if ticket:
+            self.host_pool.fence(ticket)  # freed rows that were saved are not overwritten too soon
         return freed
+
+    def _settle(self) -> None:
+        """Every queued load is complete for the compute stream (CPU: done)."""
+        self.host_pool.loads.settle()
+        self._pending.clear()
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        upper = super()._split(node, at)
+        if node in self._pending:
+            self._pending.add(upper)
+        if node in self._saves:
+            self._saves[upper] = self._saves[node]
+        return upper
 
     def _save(self, node: TreeNode) -> None:
         """Copies `node`'s device KV into the host pool if it has room (made by evicting the
@@ -263,8 +309,11 @@ class TieredRadixCache(RadixCache):
         if pool.available() < n:
             return
         node.host = pool.allocator.alloc(n)
-        pool.save(node.value, node.host)
+        self._saves[node] = pool.save(node.value, node.host)
         self.host_saved_tokens += n
+        if len(self._saves) > 4096:  # drop the tickets of saves known to be done
+            done = pool.done_ticket()
+            self._saves = {kept: t for kept, t in self._saves.items() if t > done}
 
     def _host_leaf(self, node: TreeNode) -> bool:
         return (node.value is None and node.host is not None and not node.children
@@ -330,6 +379,13 @@ class TieredRadixCache(RadixCache):
             "hicache_host_saved_tokens": self.host_saved_tokens,
             "hicache_host_evicted_tokens": self.host_evicted_tokens,
             "hicache_disk_loaded_tokens": self.disk_loaded_tokens}
+        loads = self.host_pool.loads.read_counters()
+        stats.update(hicache_loads=loads.loads, hicache_load_seconds=loads.load_seconds,
+                     hicache_load_wait_seconds=loads.waited_seconds,
+                     hicache_save_fence_waits=self.host_pool.fence_waits)
+        if self.prefetcher is not None:
+            stats.update(hicache_prefetch_reads=self.prefetcher.started,
+                         hicache_prefetch_wait_seconds=self.prefetcher.waited_seconds)
         if self.disk is not None:
             disk = self.disk.stats()
             stats.update(hicache_disk_bytes=disk["bytes"],
@@ -348,6 +404,7 @@ class TieredRadixCache(RadixCache):
 
     def check(self) -> None:
         assert not self._loading, "a load's host nodes are still marked"
+        assert all(node.value is not None for node in self._pending), "a loading node left"
         evictable = protected = host_used = 0
         host_slots = []
         for node in self._nodes():
@@ -379,6 +436,9 @@ class TieredRadixCache(RadixCache):
             assert len(torch.cat(host_slots).unique()) == host_used, "a host slot is shared"
 
     def close(self) -> None:
+        self._settle()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.disk is not None:
             self.disk.close()
         self.host_pool.release()

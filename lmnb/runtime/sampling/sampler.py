@@ -2,9 +2,10 @@
 masks, temperature, top-k, top-p, min-p, seeded draws, and logprobs of the raw distribution.
 
 Filtering follows HF transformers' warper chain (temperature, top-k, top-p over the top-k
-renormalised set, min-p). Every sampled row draws by inverse CDF from one uniform: `full` rows
-over the whole vocabulary, `cut` rows over a window of their best logits (see SamplingBatchInfo),
-so a seeded row's token depends only on its own logits and generator.
+renormalised set, min-p). Every sampled row draws by the exponential race (race.py) with noise
+from its own seed: `full` rows over the whole vocabulary in one read of their logits, `cut` rows
+over a window of their best logits (see SamplingBatchInfo), so a seeded row's token depends only on
+its own logits and generator.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from lmnb.runtime.sampling.batch_info import RowGroup, SamplingBatchInfo, SamplingRow
 from lmnb.runtime.sampling.bitmask import apply_bitmask_
 from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, SampleOutput
+from lmnb.runtime.sampling.race import race_logits, race_weights, row_seeds
 
 _NEG_INF = float("-inf")
 _TOP_K_BLOCK = 128  # on the CPU, `top_k` reads the best blocks of this many values
@@ -52,7 +54,7 @@ class Sampler:
         work = self._adjusted(raw, info, bitmask)
         best, ids = work.max(dim=-1)  # first maximal index, like argmax
         if not info.all_greedy:
-            ids = self._draw(work, info, ids)
+            ids = self._draw(work, info, ids, best)
         bad = ~torch.isfinite(best)
         ids = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
         logprobs = top_values = top_ids = None
@@ -119,20 +121,25 @@ class Sampler:
             apply_bitmask_(work, bitmask)
         return work
 
-    def _draw(self, work: torch.Tensor, info: SamplingBatchInfo,
-              greedy_ids: torch.Tensor) -> torch.Tensor:
-        """Greedy rows keep `greedy_ids`; the others draw from their supports. Seeded rows take
-        their uniform from their own generator."""
-        uniform = torch.rand(info.batch_size, 1, device=work.device)
-        for row, generator in info.generators:
-            draw = torch.rand(1, 1, generator=generator, device=generator.device)
-            uniform[row] = draw.to(work.device)[0]
+    def _draw(self, work: torch.Tensor, info: SamplingBatchInfo, greedy_ids: torch.Tensor,
+              best: torch.Tensor) -> torch.Tensor:
+        """Greedy rows keep `greedy_ids` (`best` their logits); the others race. Seeded rows take
+        their seed from their own generator."""
+        seeds = row_seeds(info.batch_size, info.generators, work.device)
         ids = greedy_ids.clone()
-        for support in _supports(work, info):
-            choice = _inverse_cdf(support.probs, uniform[support.positions])
-            if support.ids is not None:
-                choice = support.ids.gather(1, choice[:, None]).squeeze(1)
-            ids[support.positions] = choice
+        if (full := info.full) is not None:
+            floors = torch.full_like(full.temperatures, _NEG_INF)
+            if full.any_min_p:  # p >= min_p * p_max  <=>  logit >= best + T log(min_p)
+                floors = torch.where(full.min_ps > 0, full.take(best[:, None])
+                                     + full.temperatures * torch.log(full.min_ps), floors)
+            ids[full.rows] = race_logits(work, full.rows, full.temperatures, floors,
+                                         seeds[full.rows])
+        if info.cut is not None:
+            for support in _cut_supports(info.cut.take(work), info.cut, info.cut_window,
+                                         info.cut_may_widen):
+                assert support.ids is not None
+                choice = race_weights(support.probs, seeds[support.positions], support.ids)
+                ids[support.positions] = support.ids.gather(1, choice[:, None]).squeeze(1)
         return ids
 
 
@@ -225,12 +232,3 @@ def _cut_supports(logits: torch.Tensor, group: RowGroup, window: int,
             log_total = log_total[todo]
         window = min(vocab, window * 8)
         may_widen = window < vocab
-
-
-def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """[rows] token ids drawn from unnormalised `probs` given [rows, 1] uniforms in [0, 1)."""
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    # Strictly below the total, so the first cdf entry above it belongs to a token with mass > 0.
-    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

@@ -40,12 +40,30 @@ class CacheManager:
         return self.req_to_token_pool.available() > 0
 
     # ---- binding a request to its prefix -------------------------------------------------------
-    def match(self, req: Req, *, load_room: int = 0) -> MatchResult:
-        """`req`'s cached prefix, after up to `load_room` tokens of it were brought back from a
-        tiered cache's host memory or disk."""
+    @staticmethod
+    def _key(req: Req) -> list[int]:
         key = req.fill_ids
         if req.wants_input_logprobs:  # scored positions must be computed
             key = key[:max(req.input_logprobs_needed_from, 1)]
+        return key
+
+    def prefetched(self, req: Req) -> bool:
+        """False while a tiered cache reads `req`'s prefix from disk in the background (the
+        read starts now if it had not)."""
+        if not self.cache.prefetches:
+            return True
+        key = self._key(req)
+        self.cache.prefetch(key, req.extra_key)
+        return not self.cache.prefetching(key, req.extra_key)
+
+    def wait_prefetch(self, req: Req) -> None:
+        if self.cache.prefetches:
+            self.cache.wait_prefetch(self._key(req), req.extra_key)
+
+    def match(self, req: Req, *, load_room: int = 0) -> MatchResult:
+        """`req`'s cached prefix, after up to `load_room` tokens of it were brought back from a
+        tiered cache's host memory or disk."""
+        key = self._key(req)
         if load_room > 0:
             self.cache.load_back(key, req.extra_key, room=load_room)
         return self.cache.match_prefix(key, req.extra_key)

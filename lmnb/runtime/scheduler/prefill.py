@@ -50,9 +50,15 @@ class PrefillManager:
             if take < remaining:
                 plan.chunked = chunked
                 return plan
-        for req in self.policy.order(waiting, self.cache.cache, clock):
+        ordered = self.policy.order(waiting, self.cache.cache, clock)
+        if ordered and not (any_running or plan.reqs
+                            or any(map(self.cache.prefetched, ordered))):
+            self.cache.wait_prefetch(ordered[0])  # nothing else can run: wait for its disk read
+        for req in ordered:
             if budget <= 0 or not self.cache.has_request_slot():
                 break
+            if not self.cache.prefetched(req):  # its disk pages are being read: others first
+                continue
             match = self.cache.match(req, load_room=room())
             prefix_len = match.length
             if self._defer_for_shared_prefix(req, prefix_len, plan.reqs):

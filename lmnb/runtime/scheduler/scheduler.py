@@ -180,6 +180,8 @@ class Scheduler:
             state.stop_text = StopText(self.tokenizer, state.req.text_prompt_ids,
                                        state.sampling_params)
         self.table.add(state)
+        if self.cache.cache.prefetches:
+            self.cache.prefetched(state.req)  # a tiered cache starts reading its disk pages
 
     def abort(self, rid: int, message: str = "aborted") -> bool:
         """Ends request `rid` (waiting, mid-prefill or decoding), freeing its KV; False if it is

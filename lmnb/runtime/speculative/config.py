@@ -74,6 +74,12 @@ class SpeculativeConfig:
         """Draft tokens per verify pass (the last token is verified with them)."""
         return self.num_draft_tokens - 1
 
+    @property
+    def max_verify_rows(self) -> int:
+        """Rows of the largest verify pass in decode form (every speculating request with a
+        full chain), which the decode CUDA graphs should reach; 0 in "extend" form."""
+        return 0 if self.verify_mode == "extend" else self.max_batch_size * self.num_draft_tokens
+
     @classmethod
     def from_options(cls, *, algorithm: Any, num_draft_tokens: Any, num_steps: Any,
                      draft_model_path: Any, min_bfs_breadth: Any,

@@ -4,10 +4,11 @@ target's tokenizer proposes each chain greedily, one draft model pass per token.
 The draft model has its own `ModelRunner` (KV pool, request rows, attention backend, decode CUDA
 graphs on a GPU) and its own slot allocator; it has no prefix cache: a request's tokens are
 prefilled on the draft model when it first drafts. Per request it keeps the KV of a prefix of the
-request's tokens (`kv_len`); a step catches up on the tokens since (one EXTEND over the batch,
-whose last position gives the first draft) and decodes the rest of the chain; after the verify
-pass only the KV of accepted tokens stays. Greedy drafts are point masses, so the verify step's
-rejection sampling keeps the target's distribution.
+request's tokens (`kv_len`); a step catches up on the tokens since (one pass over the batch,
+whose last position gives the first draft: as decode rows, `rows.py`, so a decode CUDA graph
+replays it where its rows fit one, else one EXTEND) and decodes the rest of the chain (decode
+graphs); after the verify pass only the KV of accepted tokens stays. Greedy drafts are point
+masses, so the verify step's rejection sampling keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from lmnb.runtime.core import Batch, ForwardMode, Req, SamplingParams
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
+from lmnb.runtime.speculative.rows import last_rows
 from lmnb.runtime.speculative.speculator import DraftAsk
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -56,6 +58,7 @@ class DraftModelSource:
         self.table = runner.req_to_token_pool.req_to_token
         self._tracks: dict[int, _Track] = {}
         self.passes = 0
+        self.row_passes = 0  # catch-up passes run as decode rows
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in asks]
@@ -134,6 +137,14 @@ class DraftModelSource:
                       input_logprobs=[None] * size,
                       mm_inputs=[] if mode is ForwardMode.DECODE else [None] * size)
         self.passes += 1
+        if mode is ForwardMode.DECODE or self.runner.rows_replay(batch):
+            # decode rows (a decode graph replays them where they fit one): the argmax of each
+            # request's last row, without the sampler's per-pass state
+            if mode is ForwardMode.EXTEND:
+                self.row_passes += 1
+            logits = self.runner.position_logits(
+                batch, None if mode is ForwardMode.DECODE else last_rows(lens), as_rows=True)
+            return logits[:, :self.runner.vocab_size].argmax(dim=-1).tolist()
         out = self.runner.run(batch, [_GreedyRow() for _ in tracks])
         return [int(token) for token in out.next_token_ids]
 
@@ -170,5 +181,5 @@ class DraftModelSource:
             raise AssertionError("draft request rows leaked")
 
     def report(self) -> dict[str, Any]:
-        return {"draft_passes": self.passes,
+        return {"draft_passes": self.passes, "draft_row_passes": self.row_passes,
                 "draft_kv_tokens": self.allocator.size - self.allocator.available()}

@@ -54,7 +54,8 @@ def _draft_model(spec: SpeculativeConfig, *, engine_config: EngineConfig, target
         speculative_num_steps=None, speculative_num_draft_tokens=None, tp_size=1, dp_size=1,
         quantization=None)  # the draft's own checkpoint, unquantized
     runner = ModelRunner(model, model_config, config, device=device, dtype=dtype,
-                         eos_token_ids=eos_token_ids)
+                         eos_token_ids=eos_token_ids,  # catch-up passes as rows (graphs)
+                         row_pass_rows=spec.max_batch_size * spec.num_draft_tokens)
     if runner.graph_max_bs:
         runner.capture_cuda_graphs(runner.graph_max_bs)
     return DraftModelSource(runner, KVAllocator(runner.max_total_tokens, torch.device(device)))

@@ -13,11 +13,8 @@ With SPLIT_K > 1, program (n, s) covers the s-th slice of K and writes fp32 part
 [SPLIT_K, M, N]; a second small kernel sums them, adds the bias and rounds: more programs in
 flight for shapes with few output blocks (small N). The config comes from `skinny_config`, a
 deterministic function of the shape (no autotuning: CUDA-graph capture must not benchmark).
-Allocations have fixed shapes, there is no host sync: capturable.
-
-FP8 weights (`weight_scale` given): the weight is read as float8_e4m3fn (half the bytes), each
-tile converted in registers to x's dtype (exact: e4m3 values fit in 16 bits), and the row's scale
-multiplies the finished sum (one scale per output row factors out of the K sum).
+Allocations have fixed shapes, there is no host sync: capturable. FP8 weights have their own
+kernel (`gemv_fp8.py`).
 """
 
 from __future__ import annotations
@@ -45,11 +42,11 @@ class SkinnyConfig(NamedTuple):
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _skinny_kernel(
-    X, W, B, OUT, PARTIAL, W_SCALE,
+    X, W, B, OUT, PARTIAL,
     M, N, K, stride_xm, stride_wn, stride_om, k_span,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_SCALE: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -76,8 +73,6 @@ def _skinny_kernel(
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if HAS_SCALE:  # FP8 weight: dequantized in registers, its scale applied to the sum
-            w = w.to(X.dtype.element_ty)
         if USE_DOT and DOT_UPCAST:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
                          input_precision=DOT_PRECISION)
@@ -91,8 +86,6 @@ def _skinny_kernel(
         x_ptrs += BLOCK_K
     if BLOCK_M == 1 and not USE_DOT:
         acc = tl.sum(acc2, axis=1)[None, :]
-    if HAS_SCALE:
-        acc *= tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
 
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -128,7 +121,7 @@ MIN_PROGRAMS = 256  # below this many output blocks, split K
 @functools.lru_cache(maxsize=1024)
 def skinny_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig:
     """The launch config for out [m, n] = x [m, k] @ w [n, k]^T (`dtype`: the weight's; tiles are
-    sized in bytes, so FP8 weights get twice the elements); deterministic, no benchmarking.
+    sized in bytes); deterministic, no benchmarking.
 
     - M == 1: FMA path (no padded rows, no shared memory), one weight row a program in 2 KB
       chunks (1024 16-bit elements), 4 stages of loads in flight: N programs (4096 and more on
@@ -168,20 +161,17 @@ def interpreter_config(m: int, n: int, k: int) -> SkinnyConfig:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None, *,
-                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous, 1 <= M <= SKINNY_MAX_ROWS), weight [N, K] contiguous (the
     nn.Linear layout), bias [N] or None -> [M, N] in x's dtype (fp32 accumulation).
-    `config` overrides the heuristic (benchmark sweeps). With `weight_scale` [N] (float32), the
-    weight is FP8 and row n stands for weight[n] * weight_scale[n]."""
+    `config` overrides the heuristic (benchmark sweeps)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [rows, K] with rows contiguous"
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= SKINNY_MAX_ROWS, f"{m} rows: the skinny kernel takes 1..{SKINNY_MAX_ROWS}"
     assert weight.shape == (n, k) and weight.stride() == (k, 1), "weight must be [N, K] contiguous"
     assert bias is None or bias.shape == (n,)
-    assert (weight_scale is not None) == (weight.dtype != x.dtype), "FP8 weights need weight_scale"
-    assert weight_scale is None or weight_scale.shape == (n,)
+    assert weight.dtype == x.dtype, "FP8 weights: kernels.fused.gemv_fp8"
     cfg = config or (interpreter_config(m, n, k) if INTERPRETED
                      else skinny_config(m, n, k, weight.dtype))
     if not cfg.use_dot:
@@ -194,13 +184,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     b = bias if bias is not None else out  # unused without HAS_BIAS
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _skinny_kernel[grid](
-        x, weight, b, out, partial, weight_scale if weight_scale is not None else out,
+        x, weight, b, out, partial,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_span,
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, EVEN_K=k % k_span == 0 and
         k_span % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=dot_upcast(x.dtype), HAS_SCALE=weight_scale is not None,
+        DOT_UPCAST=dot_upcast(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:

@@ -5,8 +5,9 @@
     activations   per token, at run time: x ~= x_q * x_scale[:, None], x_scale = amax(row) / 448
 
 `fp8_linear` picks one of three paths by rows M and device:
-    M <= 16 and fused   the skinny Triton GEMM reading FP8 weights, dequantized in registers
-                        (activations stay 16-bit: W8A16, what batch-1 decode needs)
+    M <= 16 and fused   `kernels.fused.gemv_fp8`: the skinny Triton GEMM reading FP8 weights,
+                        dequantized in registers (activations stay 16-bit: W8A16, what batch-1
+                        decode needs)
     CUDA                `torch._scaled_mm` (FP8 tensor cores, W8A8) with row-wise scales, the
                         activations quantized by one Triton kernel when fused
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
@@ -88,9 +89,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     n = weight.shape[0]
     x2 = x.reshape(rows, k)
     if fused and 1 <= rows <= SKINNY_MAX_ROWS:
-        from lmnb.runtime.kernels.fused.gemv import skinny_linear
+        from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
-        out = skinny_linear(x2.contiguous(), weight, bias, weight_scale=weight_scale)
+        out = fp8_gemv(x2.contiguous(), weight, weight_scale, bias)
     elif x.is_cuda and rows > 0 and k % 16 == 0 and n % 16 == 0:
         out = _scaled_mm(x2.contiguous(), weight, weight_scale, bias, fused)
     elif x.is_cuda:  # shapes _scaled_mm refuses (tiny test models): dequantized weights

@@ -1,0 +1,220 @@
+"""`BatchJob`: one `run_batch` (of a `Program` or a `CompiledProgram`), every program a task on
+the program loop, started in growing waves."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from lmnb.lang.backends.base import Backend
+from lmnb.lang.event_loop import program_loop, run_body, wait_queue
+from lmnb.lang.program_run import ProgramRun
+from lmnb.lang.program_state import ProgramState
+from lmnb.lang.progress import progress_bar as tqdm_bar
+from lmnb.runtime.prompts import chunk_bounds
+
+
+def _program_limit(num_threads: int | str, size: int) -> int | None:
+    """How many programs of a batch run at once: `num_threads` (SGLang's name), or all of them
+    ("auto": they are tasks, and the runtime batches every request it is given)."""
+    if num_threads == "auto":
+        return None
+    return max(1, min(int(num_threads), size))
+
+
+_WAVE_TURNS = 2  # turns of the loop between two waves of a batch's programs
+
+
+class _BatchRun:
+    """The programs of one `run_batch`, as tasks on the program loop: each body runs as a
+    greenlet there (`run_body`; a body that reads its state is suspended, not a thread), at most
+    `limit` programs at once, and `deliver([(index, state), ...])` is called on the loop once per
+    turn with the programs that finished in it (hundreds of programs finishing on one output
+    step wake their reader once). `abort()` (any thread) aborts every started program's
+    requests; programs not started never start."""
+
+    def __init__(self, execute: Callable[[dict[str, Any], ProgramRun], ProgramState],
+                 batch: list[dict[str, Any]], *, limit: int | None,
+                 deliver: Callable[[list[tuple[int, ProgramState]]], None]) -> None:
+        self.execute = execute
+        self.batch = batch
+        self.limit = limit
+        self.deliver = deliver
+        self.runs = _BatchRuns()
+        self._finished: list[tuple[int, ProgramState]] = []  # this turn's, not yet delivered
+
+    async def main(self) -> None:
+        semaphore = asyncio.Semaphore(self.limit) if self.limit is not None else None
+        tasks: list[asyncio.Future[None]] = []
+        try:
+            # Programs start in growing waves, as `Runtime.generate` sends a list of prompts in
+            # growing chunks: the first wave's gens reach the scheduler after two turns of the
+            # loop (bodies, then their executors), and the engine prefills them while the later
+            # waves' bodies run.
+            for start, end in chunk_bounds(len(self.batch)):
+                tasks += [asyncio.ensure_future(self._one(index, self.batch[index], semaphore))
+                          for index in range(start, end)]
+                if end < len(self.batch):
+                    for _ in range(_WAVE_TURNS):
+                        await asyncio.sleep(0)
+            for task in asyncio.as_completed(tasks):
+                await task  # a program's own error is in its state; this is any other
+        except BaseException:
+            self.abort()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # retrieved: nothing logged
+            raise
+
+    async def _one(self, index: int, arguments: dict[str, Any],
+                   semaphore: asyncio.Semaphore | None) -> None:
+        if semaphore is not None:
+            async with semaphore:
+                await self._run(index, arguments)
+        else:
+            await self._run(index, arguments)
+
+    async def _run(self, index: int, arguments: dict[str, Any]) -> None:
+        if self.runs.aborted:
+            return
+        state = await run_body(self.execute, arguments, self.runs.new_run())
+        self._finished.append((index, state))
+        if len(self._finished) == 1:
+            asyncio.get_running_loop().call_soon(self._deliver)
+
+    def _deliver(self) -> None:
+        finished, self._finished = self._finished, []
+        self.deliver(finished)
+
+    def abort(self) -> None:
+        self.runs.abort()
+
+
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """One `run_batch`: `execute(arguments, run)` for every argument dict of `batch`, as tasks on
+    the program loop, after caching the programs' shared `prefix` once.
+
+    `states()` blocks and returns the states in order; `completed()` yields them as they finish;
+    `aiter_completed()` does so for an event loop (the kernel's). If the wait is interrupted
+    (Ctrl-C), the iteration is left early, or a program fails outside its state, programs not yet
+    started never start, every started program's requests are aborted, and the error (if any) is
+    raised at once: the programs settle on their own."""
+
+    name: str
+    backend: Backend
+    prefix: str
+    batch: list[dict[str, Any]]
+    execute: Callable[[dict[str, Any], ProgramRun], ProgramState]
+
+    def states(self, *, num_threads: int | str = "auto",
+               progress_bar: bool = False) -> list[ProgramState]:
+        states: list[Any] = [None] * len(self.batch)
+        results = self._completed(num_threads, progress_bar)
+        try:
+            for index, state in results:
+                states[index] = state
+        finally:
+            results.close()  # an interrupt between two states aborts the batch at once
+        return states
+
+    def completed(self, *, num_threads: int | str = "auto",
+                  progress_bar: bool = False) -> Iterator[ProgramState]:
+        """The states in the order they finish (the batch starts at the first `next`)."""
+        return (state for _, state in self._completed(num_threads, progress_bar))
+
+    def _start(self, batch_run: _BatchRun) -> Future[None]:
+        if self.prefix and len(self.batch) > 1:
+            self.backend.cache_prefix(self.prefix)
+        return asyncio.run_coroutine_threadsafe(batch_run.main(), program_loop())
+
+    def _completed(self, num_threads: int | str,
+                   progress_bar: bool) -> Iterator[tuple[int, ProgramState]]:
+        """A generator: nothing starts before its first `next`, and from then on one
+        try/finally covers the start too, so an interrupt landing anywhere after the first
+        program may have started (e.g. while the batch is being set up on a loaded machine)
+        aborts the batch."""
+        finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        with (tqdm_bar(total=len(self.batch), desc=self.name) if progress_bar
+              else nullcontext()) as bar:
+            def deliver(states: list[tuple[int, ProgramState]]) -> None:
+                finished.put(states)
+                if bar is not None:
+                    bar.update(len(states))
+
+            batch_run = _BatchRun(self.execute, self.batch,
+                                  limit=_program_limit(num_threads, len(self.batch)),
+                                  deliver=deliver)
+            future: Future[None] | None = None
+            try:
+                future = self._start(batch_run)
+                future.add_done_callback(lambda _: finished.put(_DONE))
+                while (states := wait_queue(finished)) is not _DONE:
+                    yield from states
+                future.result()  # raises what stopped the batch
+            finally:
+                if future is None or not future.done() or future.exception() is not None:
+                    batch_run.abort()  # left early, failed or interrupted
+                    if future is not None:
+                        future.cancel()
+
+    async def aiter_completed(self, *, num_threads: int | str = "auto"
+                              ) -> AsyncIterator[ProgramState]:
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Queue[Any] = asyncio.Queue()
+        batch_run = _BatchRun(self.execute, self.batch,
+                              limit=_program_limit(num_threads, len(self.batch)),
+                              deliver=lambda states: loop.call_soon_threadsafe(
+                                  finished.put_nowait, states))
+        future: Future[None] | None = None
+        try:
+            future = await asyncio.to_thread(self._start, batch_run)
+            future.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(finished.put_nowait, _DONE))
+            while (states := await finished.get()) is not _DONE:
+                for _, state in states:
+                    yield state
+            await asyncio.wrap_future(future)  # raises what stopped the batch
+        finally:
+            if future is None or not future.done() or future.exception() is not None:
+                batch_run.abort()
+                if future is not None:
+                    future.cancel()
+
+
+class _BatchRuns:
+    """The runs of one `run_batch`; once aborted, runs made later start aborted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: list[ProgramRun] = []
+        self._aborted = False
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def new_run(self) -> ProgramRun:
+        run = ProgramRun()
+        with self._lock:
+            self._runs.append(run)
+            aborted = self._aborted
+        if aborted:
+            run.abort()
+        return run
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            runs = list(self._runs)
+        for run in runs:
+            run.abort()

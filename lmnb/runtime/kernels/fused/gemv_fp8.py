@@ -1,0 +1,331 @@
+"""Skinny GEMM over FP8 weights: out [M, N] = x [M, K] @ (weight [N, K] * scale[:, None])^T
+(+ bias) for M <= 16 rows (decode), x in 16/32 bits (W8A16), the weight float8_e4m3fn with one
+float32 scale per output row.
+
+A batch-1 linear streams its weight once, so the kernel's speed is the HBM read bandwidth it
+reaches; FP8 halves the bytes but keeps the element count, which changes what limits a kernel
+tuned for 16-bit weights (`gemv.py`):
+
+- Register layouts. A 16-byte vector is 16 FP8 weights but only 8 bf16 activations, so Triton
+  gives the two loads different layouts and moves the weight through shared memory (two
+  barriers) every iteration. Here both are read FMA_VEC (8) elements a thread: 8-byte weight loads,
+  16-byte activation loads, one layout, no shuffle; BLOCK_N rows a program reuse each
+  activation load (L1/L2 traffic for x: 2 / BLOCK_N bytes per weight byte).
+- Instructions. At 1 byte a weight the FMA path issues twice the instructions per byte that
+  the 16-bit kernel does, and Triton's FP8 cast adds more: e4m3 -> bf16 goes through f16 (two
+  conversions an element), and each byte is extracted and repacked before `cvt.f16x2.e4m3x2`.
+  Here, for 16-bit x and K % 4 == 0 ("packed"), the weight is read as int32 and x as int64 (4
+  values each, same layout), inline PTX converts the int32's halves straight to f16 pairs, then
+  f16 -> f32 (an FMA-pipe add), and a chain of 4 FMAs accumulates: 84 instead of 128 sm_90
+  instructions a step of 2 rows x 8 weights. The dot path needs x's dtype: e4m3 -> f16 -> f32
+  -> bf16.
+- Split K fills the SMs where N / BLOCK_N programs are few (N = 4096 at 2-4 rows a program):
+  program (n, s) writes fp32 partials [SPLIT_K, M, N], `gemv._split_k_reduce_kernel` sums them.
+- The scale multiplies each output once, after the K loop (it factors out of the K sum).
+
+Paths (`Fp8GemvConfig.use_dot`):
+    FMA  (M == 1): acc[BLOCK_N, BLOCK_K / 8] += sum of 8 products w * x a thread, in f32
+         registers, summed across threads once after the K loop.
+    dot  (M <= 16): out^T tile [BLOCK_N, 16] = dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16]): the
+         weight is the dot's left operand (converted in registers), x padded to 16 rows.
+
+The launch config is a deterministic function of (M, N, K) (`fp8_gemv_config`: the `TUNED` table
+that `python bench/gemv.py --fp8 --sweep` prints, else a rule); no autotuning, no host sync,
+fixed allocations: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
+from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
+
+FMA_VEC = 8  # FMA path: elements a thread loads at once (8 B of weight, 16 B of activations)
+DOT_VEC = 16  # dot path (both through shared memory): 16-byte asynchronous copies of the weight
+
+
+class Fp8GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int  # dot: Triton's cp.async stages; FMA: 2 = prefetch the next step, 1 = not
+    use_dot: bool  # tensor-core dot over 16 padded rows; False: FMA path (M == 1 only)
+
+
+@triton.jit
+def _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] and x tile [BLOCK_M, BLOCK_K] at column k; nothing
+    is read at or past k_end (a prefetch past the last step reads nothing)."""
+    if EVEN_K:
+        inside = (tl.zeros((1, 1), dtype=tl.int32) + k) < k_end  # [1, 1]: the interpreter's too
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & inside, other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & inside, other=0.0)
+    else:
+        mask_k = (k + offs_k) < k_end
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
+def _e4m3x4_to_f32(w, ASM: tl.constexpr):
+    """int32 of four e4m3 weights (little-endian) -> four f32 tensors of w's shape, exact.
+    ASM (compiled for NVIDIA): two `cvt.rn.f16x2.e4m3x2` straight from the register's halves and
+    four f16 -> f32 (Triton's own cast of an FP8 tensor extracts each byte and repacks pairs
+    first: twice the instructions); else shifts and Triton's cast (the interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi, h0, h1, h2, h3;
+            .reg .b32 p01, p23;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 p01, lo;
+            cvt.rn.f16x2.e4m3x2 p23, hi;
+            mov.b32 {h0, h1}, p01;
+            mov.b32 {h2, h3}, p23;
+            cvt.f32.f16 $0, h0;
+            cvt.f32.f16 $1, h1;
+            cvt.f32.f16 $2, h2;
+            cvt.f32.f16 $3, h3;
+            }""",
+            constraints="=f,=f,=f,=f,r", args=[w],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        w0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return w0, w1, w2, w3
+
+
+@triton.jit
+def _half(bits):
+    """The low 16 bits of an int32 as an f16 -> f32."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _x16x4_to_f32(x, X_BF16: tl.constexpr):
+    """int64 of four 16-bit activations (little-endian) -> four f32 tensors of x's shape: bf16
+    by shifts and masks, f16 through a cast."""
+    lo = x.to(tl.int32)
+    hi = (x >> 32).to(tl.int32)
+    if X_BF16:
+        return ((lo << 16).to(tl.float32, bitcast=True),
+                (lo & -65536).to(tl.float32, bitcast=True),
+                (hi << 16).to(tl.float32, bitcast=True),
+                (hi & -65536).to(tl.float32, bitcast=True))
+    else:
+        return _half(lo), _half(lo >> 16), _half(hi), _half(hi >> 16)
+
+
+@triton.jit
+def _fma_step(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
+              PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """One step of the FMA path (one x row), f32 accumulation.
+    PACKED: w [BLOCK_N, BLOCK_K] int32 (4 weights each), x [1, BLOCK_K] int64 (4 16-bit
+    activations each), acc [BLOCK_N, BLOCK_K] += the 4 products (a chain of FMAs).
+    Else: FP8 and 16/32-bit elements, e4m3 -> f16 -> f32 (exact), acc [BLOCK_N, BLOCK_K / VEC_K]
+    += each thread's VEC_K products, summed in registers."""
+    if PACKED:
+        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        x0, x1, x2, x3 = _x16x4_to_f32(x, X_BF16)
+        return acc + w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+    else:
+        prod = w.to(tl.float16).to(tl.float32) * x.to(tl.float32)
+        return acc + tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // VEC_K, VEC_K)), axis=2)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
+def _fp8_gemv_kernel(
+    X, W, W_SCALE, B, OUT, PARTIAL,
+    M, N, K, stride_xm, stride_wn, stride_om, k_span,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+    PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # VEC_K contiguous elements a thread: the weight's and x's loads then share one layout
+    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), VEC_K), VEC_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * k_span
+    k_end = tl.minimum(k_start + k_span, K)
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+
+    if USE_DOT:  # software-pipelined by Triton (cp.async stages)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
+            if DOT_UPCAST:  # the interpreter, or fp32 activations
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc,
+                             input_precision="ieee")
+            else:  # e4m3 -> f16 -> f32 -> x's dtype: exact, fewer conversion instructions
+                wx = w.to(tl.float16).to(tl.float32).to(X.dtype.element_ty)
+                acc = tl.dot(wx, tl.trans(x), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    else:  # a few partial sums a thread and row
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K if PACKED else BLOCK_K // VEC_K), dtype=tl.float32)
+        if PREFETCH:  # the next step's loads are issued before this step's FMAs
+            w_next, x_next = _load_step(w_ptrs, x_ptrs, k_start, k_end, offs_k, mask_n, mask_m,
+                                        EVEN_K)
+            for k in range(k_start, k_end, BLOCK_K):
+                w, x = w_next, x_next
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+                w_next, x_next = _load_step(w_ptrs, x_ptrs, k + BLOCK_K, k_end, offs_k, mask_n,
+                                            mask_m, EVEN_K)
+                acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
+        else:
+            for k in range(k_start, k_end, BLOCK_K):
+                w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
+                acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+    scale = tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if USE_DOT:
+        acc = acc * scale[:, None]  # [BLOCK_N, BLOCK_M]: out^T
+    else:
+        acc = (tl.sum(acc2, axis=1) * scale)[:, None]  # [BLOCK_N, 1]
+
+    mask = mask_n[:, None] & mask_m[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        part_ptrs = PARTIAL + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+        tl.store(part_ptrs, acc, mask=mask)
+
+
+MIN_PROGRAMS = 264  # two programs an SM of an H100 (132 SMs) at least, else split K
+
+# (M, N, K) -> config: the best of `python bench/gemv.py --fp8 --sweep` on an H100 80GB (triton
+# 3.6, 2026-11-24; % of the device-to-device copy bandwidth measured in the same run) for
+# Llama-3-8B's FP8 linears; M = 1, and 16 for every M of the dot path. Shapes not listed take the
+# rule in `fp8_gemv_config` (`bench/fp8.py --fp8-gemv-table` loads a sweep's JSON for one run).
+TUNED: dict[tuple[int, int, int], Fp8GemvConfig] = {
+    (1, 6144, 4096): Fp8GemvConfig(2, 512, 1, 2, 1, False),  # qkv: 78% of copy
+    (1, 4096, 4096): Fp8GemvConfig(2, 1024, 1, 4, 1, False),  # o: 72% of copy
+    (1, 28672, 4096): Fp8GemvConfig(4, 512, 1, 2, 1, False),  # gate_up: 98% of copy
+    (1, 4096, 14336): Fp8GemvConfig(4, 1024, 1, 4, 2, False),  # down: 90% of copy
+    (1, 128256, 4096): Fp8GemvConfig(4, 2048, 1, 8, 1, False),  # lm_head: 105% of copy
+    (16, 6144, 4096): Fp8GemvConfig(32, 256, 2, 4, 4, True),  # qkv: 62% of copy
+    (16, 4096, 4096): Fp8GemvConfig(32, 256, 1, 4, 4, True),  # o: 56% of copy
+    (16, 28672, 4096): Fp8GemvConfig(32, 256, 1, 4, 4, True),  # gate_up: 85% of copy
+    (16, 4096, 14336): Fp8GemvConfig(32, 256, 2, 4, 4, True),  # down: 76% of copy
+    (16, 128256, 4096): Fp8GemvConfig(32, 256, 1, 4, 4, True),  # lm_head: 96% of copy
+}
+
+
+def _tuned_key(m: int, n: int, k: int) -> tuple[int, int, int]:
+    return (1 if m == 1 else SKINNY_MAX_ROWS, n, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def fp8_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
+    """The launch config for m rows against an FP8 weight [n, k]; deterministic, no benchmarking.
+
+    The table `TUNED` first; otherwise:
+    - M == 1: FMA path, 2 weight rows a program (x loaded once for both; N = 4096 makes 2048
+      programs, 15.5 an SM, all resident at once), 1024 columns a step (8 a thread over 4
+      warps), the next step's loads issued before this step's FMAs (40 registers: 12 programs
+      an SM; 2 KB of weight in flight a program).
+    - M >= 2: the dot path, 64-row weight tiles (a warpgroup MMA's rows) of 256 columns, 3
+      stages of asynchronous copies.
+    - SPLIT_K (a power of two, each slice >= 512 columns and >= BLOCK_K) while there are fewer
+      than MIN_PROGRAMS programs.
+    """
+    hit = TUNED.get(_tuned_key(m, n, k))
+    if hit is not None:
+        return hit
+    k_pow2 = triton.next_power_of_2(max(k, 16))
+    if m == 1:
+        block_n, block_k = 2, min(1024, max(k_pow2, FMA_VEC * 32))
+        use_dot, num_warps, num_stages = False, 4, 2
+    else:
+        block_n, block_k = 64, min(256, max(k_pow2, 32))
+        use_dot, num_warps, num_stages = True, 4, 3
+    blocks = triton.cdiv(n, block_n)
+    split_k = 1
+    while (blocks * split_k < MIN_PROGRAMS
+           and k // (2 * split_k) >= max(512, block_k) and split_k < 16):
+        split_k *= 2
+    return Fp8GemvConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
+
+
+@functools.lru_cache(maxsize=1024)
+def interpreter_config(m: int, n: int, k: int) -> Fp8GemvConfig:
+    """Triton's CPU interpreter runs each program in Python but a tile in numpy at once: few,
+    big programs (the GPU configs are tested with explicit `config`s)."""
+    block_k = min(triton.next_power_of_2(max(k, 16)), 256)
+    block_n = min(triton.next_power_of_2(max(n, 16)), (1 << 18) // block_k)
+    return Fp8GemvConfig(block_n, block_k, 1, 4, 1, m > 1)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None,
+             config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous, 1 <= M <= SKINNY_MAX_ROWS; fp32/fp16/bf16), weight [N, K]
+    float8_e4m3fn contiguous, weight_scale [N] float32 (row n stands for weight[n] * scale[n]),
+    bias [N] or None -> [M, N] in x's dtype (fp32 accumulation). `config` overrides the table
+    (benchmark sweeps)."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [rows, K] with rows contiguous"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= SKINNY_MAX_ROWS, f"{m} rows: the skinny kernel takes 1..{SKINNY_MAX_ROWS}"
+    assert weight.dtype == torch.float8_e4m3fn, f"weight dtype {weight.dtype}: e4m3 expected"
+    assert weight.shape == (n, k) and weight.stride() == (k, 1), "weight must be [N, K] contiguous"
+    assert weight_scale.shape == (n,) and weight_scale.dtype == torch.float32
+    assert bias is None or bias.shape == (n,)
+    cfg = config or (interpreter_config(m, n, k) if INTERPRETED else fp8_gemv_config(m, n, k))
+    assert cfg.use_dot or m == 1, "the FMA path takes one row"
+    vec = DOT_VEC if cfg.use_dot else FMA_VEC
+    assert cfg.block_k % vec == 0, f"block_k {cfg.block_k}: a multiple of {vec}"
+    block_m = 16 if cfg.use_dot else 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partial = (out if cfg.split_k == 1 else
+               torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
+    b = bias if bias is not None else out  # unused without HAS_BIAS
+    # FMA path over 16-bit x: weights read as int32 (4 a value), x as int64 (4 a value), all
+    # sizes along K in those units
+    packed = (not cfg.use_dot and x.dtype in (torch.float16, torch.bfloat16) and k % 4 == 0
+              and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0 and weight.data_ptr() % 4 == 0)
+    q = 4 if packed else 1
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _fp8_gemv_kernel[grid](
+        x.view(torch.int64) if packed else x, weight.view(torch.int32) if packed else weight,
+        weight_scale, b, out, partial,
+        m, n, k // q, x.stride(0) // q, weight.stride(0) // q, out.stride(0), k_span // q,
+        HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+        EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k // q, VEC_K=vec // q,
+        USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
+        PREFETCH=not cfg.use_dot and cfg.num_stages > 1,
+        PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
+    )
+    if cfg.split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, b, out, m, n, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4,
+        )
+    return out

@@ -1,0 +1,138 @@
+"""The FP8 skinny GEMM (`kernels.fused.gemv_fp8`, decode's linears over FP8 weights) against
+float64 math over the dequantized weights: every row count 1..16, ragged N and K, both paths,
+split K, bias; its launch configs; and `fp8_linear` taking it for few rows.
+
+Without CUDA the kernel runs in Triton's CPU interpreter (the `gpu` variants compile it);
+tests/test_fp8.py compiles it for sm_90 and checks the FMA loop's register layout;
+tests/gpu/test_fp8_cuda.py runs it at Llama-3-8B shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_modes import DEVICES, SAME_TRITON_MODE
+
+# isort: split
+from lmnb.runtime.kernels.fused import gemv_fp8
+from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS
+from lmnb.runtime.kernels.fused.gemv_fp8 import Fp8GemvConfig, fp8_gemv, fp8_gemv_config
+from lmnb.runtime.models.layers import fp8
+
+pytestmark = SAME_TRITON_MODE
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed + 7919 * m + 31 * n + k)
+    # rows of very different sizes: a wrong or missing scale shows
+    w, scale = fp8.quantize_rows(torch.randn(n, k, generator=gen)
+                                 * torch.logspace(-2, 1, n)[:, None])
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    return tuple(t.to(device) for t in (x, w, scale, bias))
+
+
+def _check(x, w, scale, bias, config: Fp8GemvConfig | None = None) -> None:
+    got = fp8_gemv(x, w, scale, bias, config)
+    weight = fp8.dequantize_rows(w, scale, torch.float64)
+    want = x.double() @ weight.t()
+    magnitude = x.double().abs() @ weight.abs().t()  # what the sum's rounding error scales with
+    if bias is not None:
+        want += bias.double()
+        magnitude += bias.double().abs()
+    assert got.dtype == x.dtype and got.shape == want.shape
+    # float32 sums: ~1e-7 relative to the magnitude; 16-bit x adds the output's rounding (an
+    # ulp: the interpreter truncates)
+    bound = 1e-5 * magnitude + (0 if x.dtype == torch.float32 else 2**-7 * want.abs())
+    error = (got.double() - want).abs()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, {(error / bound).max():.3g}x"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_count_with_ragged_n_and_k(device, dtype):
+    """M = 1..16 (1: the FMA path, 2..16: the dot path over 16 padded rows), N and K odd."""
+    n, k = 37, 203
+    for m in range(1, SKINNY_MAX_ROWS + 1):
+        x, w, scale, bias = _inputs(m, n, k, dtype, device)
+        _check(x, w, scale, bias if m % 2 else None)
+
+
+# The GPU's kinds of config on shapes cut to a few programs (the interpreter runs each in Python):
+# (M, N, K) -> config; K ragged against BLOCK_K and the split, N against BLOCK_N.
+CONFIGS = {
+    "FMA, 4 rows a program": ((1, 11, 2100), Fp8GemvConfig(4, 1024, 1, 4, 1, False)),
+    "FMA, 1 row, split K": ((1, 3, 3000), Fp8GemvConfig(1, 1024, 2, 4, 1, False)),
+    "FMA, 8 rows, 8 warps, split K 4": ((1, 13, 5000), Fp8GemvConfig(8, 2048, 4, 8, 1, False)),
+    "FMA, prefetch, 2 rows": ((1, 5, 2500), Fp8GemvConfig(2, 1024, 1, 4, 2, False)),
+    "FMA, prefetch, 2 warps, split K": ((1, 9, 3000), Fp8GemvConfig(4, 512, 2, 2, 2, False)),
+    "dot, 64-row tiles": ((5, 70, 520), Fp8GemvConfig(64, 256, 1, 4, 3, True)),
+    "dot, 32-row tiles, split K": ((16, 40, 1100), Fp8GemvConfig(32, 256, 2, 4, 4, True)),
+    "dot at one row": ((1, 20, 300), Fp8GemvConfig(16, 128, 1, 4, 3, True)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gpu_configs(device, dtype, name):
+    """16-bit x with K a multiple of 4: the FMA path reads 4 weights an int32, 4 activations an
+    int64 (fp32 x: element by element)."""
+    (m, n, k), config = CONFIGS[name]
+    x, w, scale, bias = _inputs(m, n, k, dtype, device, seed=1)
+    _check(x, w, scale, bias, config)
+    x, w, scale, _ = _inputs(m, n, config.block_k * config.split_k, dtype, device, seed=2)
+    _check(x, w, scale, None, config)  # K a multiple of the blocks: the unmasked loop
+
+
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+             "down": (4096, 14336), "lm_head": (128256, 4096)}
+
+
+@pytest.mark.parametrize("m", [1, 2, 16])
+@pytest.mark.parametrize("shape", list(LLAMA3_8B))
+def test_configs_keep_the_fma_layout_and_fill_the_gpu(m, shape):
+    """The FMA path's BLOCK_K spans all warps at 8 elements a thread (else Triton shuffles the
+    weight through shared memory every step); enough programs for 132 SMs; shared memory of
+    the dot path's stages within an H100's 227 KB."""
+    n, k = LLAMA3_8B[shape]
+    cfg = fp8_gemv_config(m, n, k)
+    assert cfg.use_dot == (m > 1)
+    programs = -(-n // cfg.block_n) * cfg.split_k
+    assert programs >= 128 and k // cfg.split_k >= cfg.block_k  # about one an SM at least
+    if cfg.use_dot:
+        stage = cfg.block_n * cfg.block_k + 16 * cfg.block_k * 2
+        assert stage * cfg.num_stages <= 227 << 10 and cfg.block_n >= 16
+    else:
+        assert cfg.block_k % (gemv_fp8.FMA_VEC * 32 * cfg.num_warps) == 0
+        assert cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 64  # weights a thread holds
+    for key, tuned in gemv_fp8.TUNED.items():
+        assert key[0] in (1, SKINNY_MAX_ROWS) and tuned.use_dot == (key[0] > 1)
+
+
+def test_rejects_what_it_does_not_take():
+    x, w, scale, _ = _inputs(SKINNY_MAX_ROWS + 1, 8, 32, torch.float32, "cpu")
+    with pytest.raises(AssertionError, match="rows"):
+        fp8_gemv(x, w, scale)
+    with pytest.raises(AssertionError, match="e4m3"):
+        fp8_gemv(x[:2], w.float(), scale)
+    with pytest.raises(AssertionError, match="FMA path takes one row"):
+        fp8_gemv(x[:2], w, scale, config=Fp8GemvConfig(4, 1024, 1, 4, 1, False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_linear_takes_it_for_few_rows_when_fused(device, monkeypatch):
+    calls: list[int] = []
+    kernel = gemv_fp8.fp8_gemv
+
+    def counting(x, weight, weight_scale, bias=None, config=None):
+        calls.append(x.shape[0])
+        return kernel(x, weight, weight_scale, bias, config)
+
+    monkeypatch.setattr(gemv_fp8, "fp8_gemv", counting)
+    x, w, scale, bias = _inputs(SKINNY_MAX_ROWS + 1, 24, 40, torch.float32, device)
+    for rows in (1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
+        out = fp8.fp8_linear(x[:rows].reshape(1, rows, 40), w, scale, bias, fused=True)
+        assert out.shape == (1, rows, 24)
+    fp8.fp8_linear(x[:2], w, scale, bias, fused=False)
+    assert calls == [1, 3, SKINNY_MAX_ROWS]
