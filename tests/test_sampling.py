@@ -98,6 +98,27 @@ def test_logprobs_are_skipped_when_nobody_asks() -> None:
     assert out.logprobs() is None
 
 
+def test_logprobs_only_for_rows_that_ask() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(4, 300) * 2
+    reqs = [make_req(return_logprob=False, temperature=0.0),
+            make_req(temperature=0.0, top_logprobs_num=3),
+            make_req(return_logprob=False, temperature=0.0),
+            make_req(temperature=0.0)]
+    out = sample(300, logits, reqs)
+    assert out.next_token_logprobs.shape == (2,)  # rows 1 and 3 only
+    assert out.top_logprob_values.shape == (2, 3)
+    reference = torch.log_softmax(logits, -1)
+    logprobs = out.logprobs()
+    assert logprobs is not None and logprobs[0] == logprobs[2] == 0.0
+    for row in (1, 3):
+        assert logprobs[row] == pytest.approx(float(reference[row, logits[row].argmax()]),
+                                              abs=1e-5)
+    tops = out.top_logprobs()
+    assert tops is not None and tops[0] == tops[2] == tops[3] == []
+    assert [t for _, t in tops[1]] == reference[1].topk(3).indices.tolist()
+
+
 def test_top_logprobs_sorted_with_requested_length() -> None:
     torch.manual_seed(2)
     logits = torch.randn(4, 300)
@@ -357,3 +378,16 @@ def test_mixed_large_batch_runs() -> None:
     tops = out.top_logprobs()
     assert tops is not None
     assert [len(t) for t in tops] == [i % 3 for i in range(bs)]
+
+
+def test_top_k_matches_torch_topk() -> None:
+    from lmnb.runtime.sampling.sampler import top_k
+
+    torch.manual_seed(13)
+    for rows, width, k in [(1, 128 * 40, 5), (3, 128 * 64, 20), (2, 1000, 5), (2, 128 * 8, 5)]:
+        values = torch.randn(rows, width)
+        values[0, 7] = 9.0  # several of the best in one block
+        values[0, 9] = 8.0
+        top, ids = top_k(values, k)
+        expected = values.topk(k, dim=-1)
+        assert torch.equal(top, expected.values) and torch.equal(ids, expected.indices)

@@ -209,3 +209,49 @@ def test_metrics_bar_of_a_runtime(backend: LocalBackend) -> None:
     assert 'data-metric="kv_pool"' in bar._repr_mimebundle_()[0]["text/html"]
     assert repr(bar).startswith("MetricsBar (live): metrics: time to first token")
     bar.close()
+
+
+def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> None:
+    """`TokenViewModel` (no anywidget needed) publishes the fields the widget syncs, as JSON
+    the comm can send; its final state is the widget's over the same run; the trace carries
+    run-length origins (one span per origin change, not one per token) and a logprob and top-5
+    per generated token."""
+    import subprocess
+    import sys
+
+    from lmnb.widgets.token_view_model import SYNCED, TokenViewModel
+
+    state = answer_and_explain.run(backend=backend, token_view=True, temperature=0)
+    messages: list[dict[str, Any]] = []
+    model = TokenViewModel(state, publish=lambda changes: messages.append(
+        json.loads(json.dumps(changes))))
+    state.run.settle()
+    model.refresh()
+    model.close()
+    assert model.done and messages and all(set(m) <= set(SYNCED) for m in messages)
+    assert messages[-1]["done"] and "rows" in messages[0]
+    view = state.token_view()
+    view.refresh()
+    assert model.counts == view.counts and [r["tokens"] for r in model.rows] == [
+        r["tokens"] for r in view.rows]
+    assert [model.tokens(r) for r in model.rows] == [view.tokens(r) for r in view.rows]
+    view.close()
+    for meta in _metas(state):
+        spans = meta["output_token_origins"]
+        runs = 1 + sum(a[0] != b[0] for a, b in zip(spans, spans[1:], strict=False))
+        # a run per change of origin (each jump adds at most two), never a span per token
+        assert len(spans) == runs <= 2 * meta.get("jump_forward_steps", 0) + 1
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+        tops = meta["output_top_logprobs"]
+        assert len(tops) == meta["completion_tokens"]
+        # top-5 per sampled token (re-tokenized and jumped ones were not sampled: none)
+        assert all(len(row) == 5 for row in tops) if not meta.get("jump_forward_steps") \
+            else all(len(row) in (0, 5) for row in tops)
+    # the update path imports where no Jupyter package does (a GPU host's bench)
+    code = ("import sys\n"
+            "for name in ('anywidget', 'traitlets', 'ipywidgets', 'IPython'):\n"
+            "    sys.modules[name] = None\n"
+            "import lmnb.widgets, lmnb.widgets.token_view_model; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

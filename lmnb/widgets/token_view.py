@@ -5,45 +5,36 @@ probability: the less sure the model was, the stronger the tint), forced by jump
 accepted from speculation; hovering a token shows its logprob and top-k alternatives. One row per
 executor (the root state, then each fork, showing what it adds after the fork). Live while the
 program runs; in a saved notebook, its `text/html` (inline styles and `title` tooltips) shows
-the final state where no widget can render (nbconvert, GitHub).
+the final state where no widget can render (nbconvert, GitHub). What it shows and when it
+updates is `TokenViewModel`'s (token_view_model.py, no widget library needed); this module is
+the anywidget around it.
 """
 
 from __future__ import annotations
 
 import html
-import json
-import math
-import threading
-import time
 from typing import Any
 
 import anywidget
 import traitlets
 
-from lmnb.lang.backends.base import ProgramAborted
-from lmnb.lang.interpreter import StreamExecutor
 from lmnb.lang.program import ProgramState
-from lmnb.lang.token_trace import TokenTrace
 from lmnb.runtime.output.token_origins import ORIGINS
-from lmnb.widgets.metrics import (
-    Metrics,
-    metrics_html,
-    metrics_text,
-    runtime_stats,
-    traced_metrics,
-)
+from lmnb.widgets.metrics import Metrics, metrics_text
 from lmnb.widgets.saved_text import SavedText
-from lmnb.widgets.throttle import Throttle
+from lmnb.widgets.token_view_model import (
+    COLORS,
+    LABELS,
+    MAX_FLUSH_SHARE,
+    Token,
+    TokenViewModel,
+    generated_color,
+    rows_html,
+    token_title,
+)
 
-# A token on the wire: [text, origin index (ORIGINS), logprob or None, [[text, logprob], ...]]
-Token = list[Any]
-
-# Tints per origin (calm; generated is drawn from its probability instead).
-COLORS = {"computed": "#e5e7eb", "cached": "#bfdbfe", "generated": "#bbf7d0",
-          "jump_forward": "#fde68a", "speculated": "#ddd6fe"}
-LABELS = {"computed": "prompt, computed", "cached": "prompt, from cache",
-          "generated": "generated", "jump_forward": "jump-forward", "speculated": "speculated"}
-MAX_FLUSH_SHARE = 0.02  # a live view spends at most ~2% of the wall clock updating itself
+__all__ = ["COLORS", "LABELS", "MAX_FLUSH_SHARE", "TokenView", "generated_color", "rows_html",
+           "token_title"]
 
 _ESM = r"""
 function node(tag, cls, text) {
@@ -205,77 +196,17 @@ _CSS = r"""
 """
 
 
-def generated_color(logprob: float) -> str:
-    """The tint of a generated token of this logprob (the ESM's `genColor`)."""
-    return f"hsl(142, 70%, {56 + 30 * math.exp(logprob):.1f}%)"
-
-
-def token_title(token: Token) -> str:
-    """A token's hover text: its text and origin, logprob and top alternatives."""
-    text, origin, logprob, alternatives = token
-    lines = [f"{text!r}  {ORIGINS[origin]}"]
-    if logprob is not None:
-        lines.append(f"logprob {logprob:.3f} (p={math.exp(logprob):.3f})")
-    if alternatives:
-        lines.append("top alternatives:")
-        lines.extend(f"  {alt!r}  {alt_logprob:.3f}" for alt, alt_logprob in alternatives)
-    return "\n".join(lines)
-
-
-def rows_html(rows: list[tuple[dict[str, Any], list[Token]]]) -> str:
-    """The rows (each with its tokens) as static HTML: a span per token with its tint and its
-    hover text."""
-    parts = []
-    for row, tokens in rows:
-        spans = []
-        for token in tokens:
-            origin = ORIGINS[token[1]]
-            color = (generated_color(token[2]) if origin == "generated" and token[2] is not None
-                     else COLORS[origin])
-            spans.append(f'<span class="lmnb-tv-tok lmnb-tv-{origin}" style="background:{color};'
-                         f'color:#111;border-radius:2px;margin-right:1px" '
-                         f'title="{html.escape(token_title(token))}">'
-                         f"{html.escape(token[0])}</span>")
-        tail = (f'<span style="opacity:.6">{html.escape(row["tail"])}</span>'
-                if row["tail"] else "")
-        parts.append(
-            f'<div class="lmnb-tv-row" style="border:1px solid #ccc;border-radius:4px;'
-            f'padding:4px 6px;margin-bottom:6px"><div style="font-weight:600">'
-            f'{html.escape(row["label"])} <span style="font-weight:400;font-size:11px">'
-            f'{html.escape(row["status"])}</span></div><div style="white-space:pre-wrap;'
-            f'font-family:monospace;font-size:12px;line-height:1.6">{"".join(spans)}{tail}'
-            f"</div></div>")
-    return "".join(parts)
-
-
-def _count(tokens: list[Token]) -> list[int]:
-    """How many of `tokens` have each origin (by index)."""
-    counts = [0] * len(ORIGINS)
-    for token in tokens:
-        counts[token[1]] += 1
-    return counts
-
-
-def _status(executor: StreamExecutor) -> str:
-    if isinstance(executor.error, ProgramAborted):
-        return "aborted"
-    if executor.error is not None:
-        return "error"
-    return "running" if not executor.idle and executor.alive else "done"
-
-
 class TokenView(SavedText, anywidget.AnyWidget):
     """Every token of a traced program run (`Program.run(..., token_view=True)`,
     `%%lmprogram --tokens`, `state.token_view()`), coloured by origin, with a metrics bar.
 
-    `rows`: one per executor with a trace, in creation order: {id, label, status, tokens, tail}
-    with the tokens of its finished gens as JSON text (resent only when those change; text, so
-    that the comm does not walk thousands of lists), `live`: per row id the tokens of its
-    running gen, as JSON text (`tokens(row)`: both, as lists). A token is [text, origin index into
-    `origins`, logprob or None, top-k [[text, logprob]]]; `tail` is the executor's text after its
-    last traced gen. `counts`: tokens shown per origin.
-    Updates at most `hz` times a second, and less often when the rows grow large (the update
-    itself is kept under ~2% of the wall clock).
+    Its traits are `TokenViewModel`'s synced state: `rows` (one per executor with a trace:
+    {id, label, status, tokens, tail}, the tokens of its finished gens as JSON text), `live`
+    (per row id the tokens of its running gen, as JSON text; `tokens(row)`: both, as lists),
+    `counts`, `metrics`, `metrics_html`, `done`. A token is [text, origin index into `origins`,
+    logprob or None, top-k [[text, logprob]]]; `tail` is the executor's text after its last
+    traced gen. Updates at most `hz` times a second, and less often when the rows grow large
+    (the update itself is kept under ~2% of the wall clock).
     """
 
     _esm = _ESM
@@ -290,143 +221,36 @@ class TokenView(SavedText, anywidget.AnyWidget):
     colors = traitlets.Dict(default_value=COLORS).tag(sync=True)
     labels = traitlets.Dict(default_value=LABELS).tag(sync=True)
     done = traitlets.Bool(False).tag(sync=True)
-    _throttle: Throttle | None = None  # None until set up (a refused view closes without one)
+    _model: TokenViewModel | None = None  # None until set up (a refused view closes without one)
 
     def __init__(self, state: ProgramState, *, title: str = "", hz: float = 10.0) -> None:
-        trace = state.token_trace
-        if trace is None:
-            raise ValueError("this program run recorded no tokens: run it with "
-                             "`program.run(..., token_view=True)` or `%%lmprogram --tokens`")
+        model = TokenViewModel(state, publish=self._publish, start=False)  # refuses untraced
         super().__init__(title=title)
-        self._state = state
-        self._log = trace.log
-        self._texts = trace.log.token_text
-        self._lock = threading.Lock()
-        self._closed = False
-        self._version = -1
-        self._next_at = 0.0  # monotonic time before which a live flush is skipped
-        self._memo: dict[int, dict[int, tuple[list[Any], Token]]] = {}  # per row: id(cell) ->
-        self._stable_keys: dict[int, tuple[int, int, int]] = {}  # per row: its finished part
-        self._stable_tokens: dict[int, list[Token]] = {}  # per row, as `rows` has them in JSON
-        self._live_tokens: dict[int, list[Token]] = {}
-        self._stable_counts: dict[int, list[int]] = {}  # per row: its finished tokens by origin
-        self.flushes = 0
-        self.flush_seconds = 0.0  # time spent building and setting the rows (benchmarks)
-        self._throttle = Throttle(self._flush, hz=hz)
-        self._log.listeners.append(self._throttle.request)
-        self.refresh()
-        self._throttle.request()
+        self._model = model
+        model.start(hz)
 
-    # ---- rows ------------------------------------------------------------------------------
-    def _traces(self) -> list[tuple[StreamExecutor, TokenTrace]]:
-        return [(e, e.token_trace) for e in self._state.run.executors
-                if e.token_trace is not None]
+    def _publish(self, changes: dict[str, Any]) -> None:
+        with self.hold_sync():
+            for name, value in changes.items():
+                setattr(self, name, value)
 
-    def _token(self, cell: list[Any]) -> Token:
-        text = self._texts
-        token_id, origin, logprob, top = cell
-        alternatives = ([[text(alt_id), round(alt_lp, 3)] for alt_lp, alt_id, *_ in top]
-                        if top else None)
-        return [text(token_id), origin, None if logprob is None else round(logprob, 3),
-                alternatives]
+    @property
+    def flushes(self) -> int:
+        return self._model.flushes if self._model is not None else 0
 
-    def _convert(self, row_id: int, cells: list[list[Any]]) -> list[Token]:
-        """The cells as tokens; a cell met in the last update (the same object) is not
-        converted again."""
-        memo, kept = self._memo.get(row_id, {}), {}
-        tokens = []
-        for cell in cells:
-            hit = memo.get(id(cell))
-            token = hit[1] if hit is not None and hit[0] is cell else self._token(cell)
-            kept[id(cell)] = (cell, token)
-            tokens.append(token)
-        self._memo[row_id] = kept
-        return tokens
-
-    def _read(self) -> tuple[list[dict[str, Any]], dict[str, list[Token]], bool]:
-        """(rows, live, rows changed): each row's tokens of finished gens (resent only when they
-        change) and, in `live`, those of its running gen."""
-        rows, live = [], {}
-        changed = False
-        previous = {row["id"]: row for row in self.rows}
-        for index, (executor, trace) in enumerate(self._traces()):
-            cells, stable = trace.cells_split()
-            start = 0
-            inherited = trace.inherited_ids
-            while start < min(len(inherited), len(cells)) and cells[start][0] == inherited[start]:
-                start += 1
-            stable = max(stable, start)
-            key = (start, stable, id(cells[stable - 1]) if stable else 0)
-            text = executor.text_
-            covered = trace.covered_chars()
-            tail = text[covered:] if trace.records and covered < len(text) else ""
-            if not trace.records:
-                tail = text[executor.fork_point:]
-            row = {"id": executor.id, "label": "root" if index == 0 else f"fork {index}",
-                   "status": _status(executor), "tail": tail}
-            old = previous.get(executor.id)
-            if old is not None and self._stable_keys.get(executor.id) == key:
-                row["tokens"] = old["tokens"]
-            else:
-                self._stable_tokens[executor.id] = tokens = self._convert(
-                    executor.id, cells[start:stable])
-                self._stable_counts[executor.id] = _count(tokens)
-                row["tokens"] = json.dumps(tokens)
-                self._stable_keys[executor.id] = key
-            changed = changed or old is None or any(old[k] != row[k] for k in row)
-            self._live_tokens[executor.id] = tokens = self._convert(-1 - executor.id,
-                                                                    cells[stable:])
-            live[str(executor.id)] = json.dumps(tokens)
-            rows.append(row)
-        return rows, live, changed or len(rows) != len(self.rows)
+    @property
+    def flush_seconds(self) -> float:
+        """Time spent building and setting the rows (benchmarks)."""
+        return self._model.flush_seconds if self._model is not None else 0.0
 
     def tokens(self, row: dict[str, Any]) -> list[Token]:
         """All the tokens a row shows: those of finished gens, then the running gen's."""
-        return self._stable_tokens.get(row["id"], []) + self._live_tokens.get(row["id"], [])
-
-    def _counts(self) -> dict[str, int]:
-        """Tokens shown per origin (the finished parts' counts are kept)."""
-        total = [0] * len(ORIGINS)
-        for row in self.rows:
-            for counts in (self._stable_counts.get(row["id"]),
-                           _count(self._live_tokens.get(row["id"], []))):
-                for i, n in enumerate(counts or ()):
-                    total[i] += n
-        return dict(zip(ORIGINS, total, strict=True))
-
-    # ---- updates ---------------------------------------------------------------------------
-    def _flush(self) -> bool:
-        if self._closed:
-            return False
-        if time.monotonic() < self._next_at:
-            return True  # over its time budget: wait for the next turn
-        self.refresh()
-        return not self.done
+        return self._model.tokens(row) if self._model is not None else []
 
     def refresh(self) -> None:
         """Reads the traces and updates the view now."""
-        with self._lock:
-            started = time.perf_counter()
-            version = self._log.version
-            traces = self._traces()
-            done = all(_status(executor) != "running" for executor, _ in traces)
-            if version != self._version or done != self.done:
-                rows, live, rows_changed = self._read()
-                stats = runtime_stats(self._state) if done else None
-                metrics = traced_metrics([t for _, t in traces], stats)
-                with self.hold_sync():
-                    if rows_changed:
-                        self.rows = rows
-                    self.live = live
-                    self.counts = self._counts()
-                    self.metrics = metrics.as_dict()
-                    self.metrics_html = metrics_html(metrics)
-                    self.done = done
-                self._version = version
-            spent = time.perf_counter() - started
-            self.flushes += 1
-            self.flush_seconds += spent
-            self._next_at = time.monotonic() + spent / MAX_FLUSH_SHARE
+        if self._model is not None:
+            self._model.refresh()
         self.update_saved_text()
 
     # ---- display -----------------------------------------------------------------------------
@@ -447,11 +271,8 @@ class TokenView(SavedText, anywidget.AnyWidget):
 
     def close(self) -> None:
         """Stops updating and detaches from the program."""
-        self._closed = True
-        if self._throttle is not None:
-            self._throttle.stop()
-            if self._throttle.request in self._log.listeners:
-                self._log.listeners.remove(self._throttle.request)
+        if self._model is not None:
+            self._model.close()
         super().close()
 
     def __repr__(self) -> str:

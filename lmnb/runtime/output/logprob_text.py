@@ -8,6 +8,8 @@ with its special tokens kept."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +19,30 @@ TOKEN_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
 TOP_LOGPROB_KEYS = ("input_top_logprobs", "output_top_logprobs")
 
 
+_SHARED: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_cache(tokenizer: Decoder) -> dict[int, str]:
+    """One id -> text dict per tokenizer object, for as long as it lives (a new dict for one
+    that cannot be weakly referenced)."""
+    with _SHARED_LOCK:
+        try:
+            cache = _SHARED.get(tokenizer)
+            if cache is None:
+                cache = _SHARED[tokenizer] = {}
+        except TypeError:
+            cache = {}
+    return cache
+
+
 class TokenTexts:
-    """Token id -> its text, cached (the same ids recur across rows and requests)."""
+    """Token id -> its text, cached per tokenizer (the same ids recur across rows, requests
+    and program runs: a token view's top-k alternatives are mostly ids seen before)."""
 
     def __init__(self, tokenizer: Decoder) -> None:
         self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache = _shared_cache(tokenizer)
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)

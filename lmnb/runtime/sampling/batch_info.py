@@ -100,7 +100,13 @@ class SamplingBatchInfo:
         self.top_logprobs_nums = [min(max(row.top_logprobs_num, 0), vocab_size)
                                   for row in self.rows]
         self.max_top_logprobs = max(self.top_logprobs_nums, default=0)
-        self.need_logprobs = self.max_top_logprobs > 0 or any(r.return_logprob for r in self.rows)
+        # Rows whose logprobs are computed (the others pay nothing); their indices on the device
+        # when they are not the whole batch.
+        self.logprob_positions = [i for i, row in enumerate(self.rows)
+                                  if row.return_logprob or self.top_logprobs_nums[i] > 0]
+        self.need_logprobs = bool(self.logprob_positions)
+        self.logprob_rows = (None if len(self.logprob_positions) == self.batch_size
+                             else device_tensor(self.logprob_positions, torch.int64, device))
         self.has_grammar = any(row.grammar is not None for row in self.rows)
         self.penalties = Penalties.build(self.rows, vocab_size, device)
         self.min_new_tokens = MinNewTokens.build(self.rows, self.stop_ids, vocab_size, device)
