@@ -34,7 +34,6 @@ import cProfile
 import gc
 import io
 import json
-import os
 import pstats
 import random
 import sys
@@ -54,6 +53,11 @@ import lmnb  # noqa: E402
 from bench import programs  # noqa: E402
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
+from bench.request_timeline import (  # noqa: E402
+    RequestTimeline,
+    thread_cpu_seconds,
+    timeline_rows,
+)
 
 NEARLY_FREE = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
                    intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -120,11 +124,14 @@ class PassLog:
 
 class GcPauses:
     """Garbage collections during a path, per generation, and the seconds the full (gen-2) ones
-    took: a full collection of a process holding a model's Python objects stops every thread."""
+    took (with when each began, seconds after `start`): a full collection of a process holding
+    a model's Python objects stops every thread."""
 
     def __init__(self) -> None:
         self.counts = [0, 0, 0]
         self.full_seconds = 0.0
+        self.full_at: list[float] = []
+        self.start = time.perf_counter()
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
@@ -132,6 +139,8 @@ class GcPauses:
         if phase == "start":
             self.counts[generation] += 1
             self._started = time.perf_counter()
+            if generation == 2:
+                self.full_at.append(round(self._started - self.start, 4))
         elif generation == 2:
             self.full_seconds += time.perf_counter() - self._started
 
@@ -167,21 +176,40 @@ def _on_program_loop(action: Callable[[], Any]) -> None:
     done.wait()
 
 
+# Python 3.12's cProfile runs on `sys.monitoring`, which is process-wide: one profile may be
+# enabled at a time, and it sees every thread's calls.
+ONE_PROFILE_FOR_ALL_THREADS = sys.version_info >= (3, 12)
+
+
 @contextmanager
-def profiled_threads(profile: bool) -> Iterator[list[cProfile.Profile]]:
+def profiled_threads(profile: bool, *, all_threads_at_once: bool = ONE_PROFILE_FOR_ALL_THREADS
+                     ) -> Iterator[list[cProfile.Profile]]:
     """cProfile of the calling thread, the program loop, and every thread started inside the
-    block (Python profiles per thread: each new thread enables its own profiler as it starts),
-    timed by each thread's CPU time: time spent waiting does not count. On leaving, the threads
-    started inside are joined (briefly), so that their profiles are complete."""
+    block. Before Python 3.12 a profile is per thread: each thread gets its own (new threads
+    enable theirs as they start), timed by its CPU time, so time spent waiting does not count.
+    From 3.12 (`all_threads_at_once`) one profile sees every thread, timed by the wall clock:
+    call counts and own times hold, but a caller's cumulative time may include other threads'
+    calls made while it was on the (shared) stack. On leaving, the threads started inside are
+    joined (briefly), so that their profiles are complete."""
     profiles: list[cProfile.Profile] = []
     if not profile:
         yield profiles
+        return
+    before = set(threading.enumerate())
+    if all_threads_at_once:
+        shared = cProfile.Profile()
+        profiles.append(shared)
+        shared.enable()
+        try:
+            yield profiles
+        finally:
+            shared.disable()
+            _join_started(before)
         return
     loop_profile = cProfile.Profile(time.thread_time)
     profiles.append(loop_profile)
     _on_program_loop(loop_profile.enable)
     lock = threading.Lock()
-    before = set(threading.enumerate())
 
     def start_in_thread(*_: Any) -> None:
         sys.setprofile(None)
@@ -200,25 +228,14 @@ def profiled_threads(profile: bool) -> Iterator[list[cProfile.Profile]]:
         main.disable()
         _on_program_loop(loop_profile.disable)
         threading.setprofile(None)
-        gc.collect()  # program states closed: their worker threads end
-        deadline = time.monotonic() + 5.0
-        for thread in set(threading.enumerate()) - before:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        _join_started(before)
 
 
-def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user + system) of each live thread of this process, by thread name (Linux
-    /proc; empty elsewhere)."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for tid, name in names.items():
-        try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return out
+def _join_started(before: set[threading.Thread]) -> None:
+    gc.collect()  # program states closed: their worker threads end
+    deadline = time.monotonic() + 5.0
+    for thread in set(threading.enumerate()) - before:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def top_table(profiles: list[cProfile.Profile], sort: str, top: int) -> str:
@@ -233,17 +250,22 @@ def top_table(profiles: list[cProfile.Profile], sort: str, top: int) -> str:
     return stream.getvalue()
 
 
-def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> dict[str, Any]:
+def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
+            timeline: bool = True) -> dict[str, Any]:
     if not runtime.flush_cache():
         raise RuntimeError("flush_cache refused: requests still in flight")
     passes = PassLog()
-    runtime.set_batch_hook(passes)
+    steps = RequestTimeline()
+    runtime.set_batch_hook(steps.batch_hook(passes) if timeline else passes)
     threads_start = thread_cpu_seconds()
-    cpu_start, wall_start = time.process_time(), time.perf_counter()
-    passes.start = wall_start
-    with GcPauses().watching() as pauses:
+    pauses = GcPauses()
+    recording = steps.recording() if timeline else nullcontext(steps)
+    with recording, pauses.watching():
+        steps.restart()
+        cpu_start, wall_start = time.process_time(), steps.start
+        passes.start = pauses.start = wall_start
         work()
-    seconds = time.perf_counter() - wall_start
+        seconds = time.perf_counter() - wall_start
     cpu = time.process_time() - cpu_start
     threads_end = thread_cpu_seconds()
     runtime.set_batch_hook(None)
@@ -256,6 +278,7 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> di
             "engine_threads_cpu_ms_per_program": 1e3 * engine / count,
             "other_cpu_ms_per_program": 1e3 * (cpu - engine) / count,
             "gc_collections": pauses.counts, "gc_full_seconds": pauses.full_seconds,
+            "gc_full_at_s": pauses.full_at, "timeline": steps.summary() if timeline else {},
             **passes.summary(), "after_last_pass_s": seconds - (passes.summary()[
                 "last_pass_end_s"] or 0.0)}
 
@@ -263,7 +286,8 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> di
 SCHEDULE_PATHS = ("dsl run_batch", "raw generate, text", "raw generate, ids")
 SCHEDULE_KEYS = ("forward_passes", "extend_passes", "requests_per_extend_pass",
                  "tokens_per_extend_pass", "first_pass_end_s", "last_extend_end_s",
-                 "last_pass_end_s", "after_last_pass_s", "gc_collections", "gc_full_seconds")
+                 "last_pass_end_s", "after_last_pass_s", "gc_collections", "gc_full_seconds",
+                 "gc_full_at_s", "timeline")
 
 
 def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -292,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="runs per path; the fastest counts")
     parser.add_argument("--top", type=int, default=30, help="rows of each profile table")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-timeline", action="store_true",
+                        help="no request timeline (when each path's requests reached the "
+                        "interpreter, the runtime, the scheduler and the first pass)")
     parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder (default: the embedded SmolLM2's)")
@@ -386,7 +413,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
             runs[label].append(measure(
-                label, runtime, count if label.startswith("dsl") else len(recorded), work))
+                label, runtime, count if label.startswith("dsl") else len(recorded), work,
+                timeline=not args.no_timeline))
     results = {label: {**min(runs[label], key=lambda r: r["cpu_seconds"]),
                        "seconds_all": [r["seconds"] for r in runs[label]],
                        "seconds_min": min(r["seconds"] for r in runs[label])}
@@ -426,6 +454,15 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
           r["last_extend_end_s"], r["after_last_pass_s"], r["gc_full_seconds"],
           " ".join(map(str, r["requests_per_extend_pass"])),
           " ".join(map(str, r["tokens_per_extend_pass"]))) for label, r in schedule.items()]))
+    timelines = {label: r["timeline"] for label, r in schedule.items() if r["timeline"]}
+    if timelines:
+        print("\nRequest timeline (s after the path's start: first, last, count; the run above):")
+        print(format_table(["step", *(f"{label} {column}" for label in timelines
+                                      for column in ("first", "last", "n"))],
+                           timeline_rows(timelines)))
+        for label, summary in timelines.items():
+            print(f"  CPU s per thread until the first pass ended, {label}: "
+                  f"{summary['thread_cpu_s_to_first_pass']}")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
