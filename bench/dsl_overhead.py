@@ -16,10 +16,18 @@ Reported per path: programs (requests) per second, CPU seconds per program (this
 thread), requests per forward pass; the DSL's CPU and wall time over the raw text path's; how the
 requests reached the scheduler (`pass_comparison`: forward and extend passes, requests and tokens
 per extend pass, when the first pass and the last extend pass ended, the time after the last pass,
-garbage-collection pauses), for the DSL path beside both raw paths; and a cProfile of the DSL run
-(the main thread, the program loop, threads started during it), top N by cumulative and by own
-time. `--gc-freeze` freezes the startup heap first (full collections then skip the model's
-objects), to tell GC pauses from the DSL's own cost.
+garbage-collection pauses), for the DSL path beside both raw paths; a request timeline per path
+(`bench/request_timeline.py`: when the first program body ran, the first gen was submitted, the
+first requests reached `Runtime.generate`, the scheduler's inbox and its waiting queue, when the
+first pass was launched and ended, and each thread's CPU time until then); and a cProfile of the
+DSL run (per thread before Python 3.12: the main thread, the program loop, threads started
+during it; from 3.12 one profile of every thread), top N by cumulative and by own time.
+`--gc-freeze` freezes the startup heap first (full collections then skip the model's objects),
+to tell GC pauses from the DSL's own cost. `--compare-switch-interval S` runs the DSL and raw
+text paths once more with the GIL switch interval S: if the DSL's first pass then ends as early
+as the raw path's, the scheduler thread was starved of the GIL while the program loop ran
+program bodies (`--layers 32` gives the nearly-free model a real model's number of GIL
+hand-overs per pass launch, to try this on the CPU).
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
@@ -54,6 +62,7 @@ from bench import programs  # noqa: E402
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
 from bench.request_timeline import (  # noqa: E402
+    STEPS,
     RequestTimeline,
     thread_cpu_seconds,
     timeline_rows,
@@ -294,7 +303,7 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     """The passes of the DSL path beside the raw paths': whether its first extend pass held as
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
-           for label in SCHEDULE_PATHS if label in results}
+           for label in results if label in SCHEDULE_PATHS or "@ switch" in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -330,6 +339,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval (s): a tiny one lets the scheduler thread "
                         "take requests as they arrive, as on a GPU (default: Python's 5 ms)")
+    parser.add_argument("--compare-switch-interval", type=float, default=None,
+                        help="also run the DSL and raw text paths with this GIL switch "
+                        "interval (s) set around them: a scheduler thread starved of the GIL "
+                        "while other threads run Python launches its passes late")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="layers of the nearly-free model: many layers make each pass's "
+                        "launch hand the GIL back and forth as often as a real model's on a GPU")
     parser.add_argument("--max-total-tokens", type=int, default=400_000)
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() once the runtime is up (as vLLM's engine does): full "
@@ -366,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tokenizer_dir = loader.resolve_model_dir(args.tokenizer)
             folder = Path(scratch) / "nearly-free"
             folder.mkdir()
-            config = {**NEARLY_FREE, "vocab_size": len(loader.load_tokenizer(tokenizer_dir))}
+            config = {**NEARLY_FREE, "num_hidden_layers": args.layers,
+                      "vocab_size": len(loader.load_tokenizer(tokenizer_dir))}
             (folder / "config.json").write_text(json.dumps(config))
             model, label = str(folder), "nearly-free 1-layer random Llama"
             options.update(tokenizer_path=str(tokenizer_dir), load_format="dummy",
@@ -379,6 +396,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return run(args, runtime, LocalBackend, label)
     finally:
         runtime.close()
+
+
+SWITCH_DSL, SWITCH_RAW = "dsl run_batch", "raw generate, text"
+
+
+def switched(interval: float, work: Callable[[], Any]) -> Callable[[], Any]:
+    """`work` with the GIL switch interval set to `interval` while it runs."""
+    def run_switched() -> Any:
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(interval)
+        try:
+            return work()
+        finally:
+            sys.setswitchinterval(previous)
+    return run_switched
 
 
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
@@ -409,6 +441,11 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                                                       sampling_params=params),
         "raw generate, text": lambda: runtime.generate(texts, params),
     }
+    if args.compare_switch_interval is not None:
+        tag = f" @ switch {args.compare_switch_interval:g} s"
+        paths[SWITCH_DSL + tag] = switched(args.compare_switch_interval, paths["dsl run_batch"])
+        paths[SWITCH_RAW + tag] = switched(args.compare_switch_interval,
+                                           paths["raw generate, text"])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
@@ -456,13 +493,16 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
           " ".join(map(str, r["tokens_per_extend_pass"]))) for label, r in schedule.items()]))
     timelines = {label: r["timeline"] for label, r in schedule.items() if r["timeline"]}
     if timelines:
-        print("\nRequest timeline (s after the path's start: first, last, count; the run above):")
-        print(format_table(["step", *(f"{label} {column}" for label in timelines
-                                      for column in ("first", "last", "n"))],
-                           timeline_rows(timelines)))
+        print("\nRequest timeline (ms after the path's start; the run above; first / last time):")
+        print(format_table(["path", "", *STEPS], timeline_rows(timelines)))
         for label, summary in timelines.items():
             print(f"  CPU s per thread until the first pass ended, {label}: "
                   f"{summary['thread_cpu_s_to_first_pass']}")
+    switched_paths = [label for label in results if "@ switch" in label]
+    if len(switched_paths) == 2:
+        dsl_switched, raw_switched = (results[label]["seconds_min"] for label in switched_paths)
+        print(f"With the switch interval of --compare-switch-interval: DSL / raw text wall time "
+              f"{dsl_switched / raw_switched:.2f}x (fastest of each)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)

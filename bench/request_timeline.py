@@ -15,8 +15,8 @@ and last time each happened, and how often):
 - `pass_ended`: a forward pass was processed (the batch hook).
 
 At the first pass's end the CPU seconds each thread of this process used since the start are
-noted (Linux /proc): a program loop that used the whole interval held the GIL that the
-scheduler thread needed to launch the pass.
+noted (Linux /proc, in clock ticks: 10 ms steps): a program loop that used most of the interval
+held the GIL that the scheduler thread needed to launch the pass.
 """
 
 from __future__ import annotations
@@ -167,13 +167,11 @@ class RequestTimeline:
 
 
 def timeline_rows(timelines: dict[str, dict[str, Any]]) -> list[tuple[Any, ...]]:
-    """Rows (step, then per path: first s, last s, count) for `format_table`."""
+    """Rows for `format_table` with columns (path, "first"/"last", *STEPS): per path the first
+    and the last time of each step, in milliseconds ("-": never)."""
     rows = []
-    for step in STEPS:
-        row: list[Any] = [step]
-        for summary in timelines.values():
-            entry = summary.get(step)
-            row += ([round(entry["first"], 4), round(entry["last"], 4), entry["count"]]
-                    if entry else ["-", "-", 0])
-        rows.append(tuple(row))
+    for label, summary in timelines.items():
+        for which in ("first", "last"):
+            rows.append((label, which, *(f"{1e3 * summary[step][which]:.1f}" if step in summary
+                                         else "-" for step in STEPS)))
     return rows

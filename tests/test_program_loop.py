@@ -108,44 +108,6 @@ def test_programs_and_forks_take_no_thread():
     assert {t.ident for t in threading.enumerate()} <= before
 
 
-
-class PrefixAfterBranchesBackend(BarrierBackend):
-    """A fork's prefix-cache request that finishes only once the fork's `count` branches all
-    have their gens in flight: a fork that waits for its prefix to be cached never ends."""
-
-    def __init__(self, count: int) -> None:
-        super().__init__(count)
-        self.calls: list[str] = []
-
-    async def agenerate(self, prompt: str, params: GenParams, **kwargs: Any) -> Generation:
-        self.calls.append("generate")
-        return await super().agenerate(prompt, params, **kwargs)
-
-    async def acache_prefix(self, prompt: str, **extra: Any) -> None:
-        self.calls.append("cache_prefix")
-        if self._all_in is None:
-            self._all_in = asyncio.Event()
-        await asyncio.wait_for(self._all_in.wait(), GUARD_S)
-        self.calls.append("cached")
-
-
-def test_fork_branches_start_before_their_prefix_is_cached():
-    """`s.fork(n)` sends the shared text to the cache first and starts the branches without
-    waiting for it (a runtime prefills the prefix before the branches' requests, which it
-    defers): each stage of a forking program costs no extra round trip."""
-    @lmnb.function
-    def branches(s):
-        s += "shared text"
-        forks = s.fork(3)
-        forks += " q" + gen("x", max_tokens=1)
-        forks.join()
-
-    backend = PrefixAfterBranchesBackend(3)
-    state = branches.run(backend=backend)
-    assert state["x"] == ["q"] * 3
-    assert backend.calls[:4] == ["cache_prefix", "generate", "generate", "generate"]
-    assert backend.calls.count("cached") == 1
-
 @pytest.fixture(scope="module")
 def rt(tiny_models) -> Iterator[lmnb.Runtime]:
     runtime = lmnb.Runtime(tiny_models["llama-gqa"], max_total_tokens=4096)

@@ -52,13 +52,6 @@ class BackendCalls:
                 prompt, choices, method, **extra)
         return await in_thread(self.backend.select, prompt, choices, method, **extra)
 
-    @property
-    def caches_prefix_on_loop(self) -> bool:
-        """`cache_prefix` sends its request at its first step on the program loop (an
-        `AsyncBackend`'s `acache_prefix`): requests sent after that step reach the backend
-        after it, so nothing needs to wait for it to finish."""
-        return self.sglang is None and "cache_prefix" in self._awaited
-
     async def cache_prefix(self, s: ProgramExecutor, prompt: str, **extra: Any) -> None:
         if self.sglang is not None:
             await in_thread(self.sglang.commit_lazy_operations, s)

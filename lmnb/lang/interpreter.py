@@ -88,23 +88,6 @@ def _dispatcher(cls: type) -> Callable[[type], Callable[..., Coroutine[Any, Any,
     raise TypeError(f"{cls.__name__} has no _execute")
 
 
-_BACKGROUND: set[asyncio.Future[None]] = set()  # prefix-cache requests of forks, in flight
-
-
-def _in_background(call: Coroutine[Any, Any, None]) -> None:
-    """Runs `call` as a task of the program loop that nothing awaits (kept referenced until
-    done); a failure is logged: the requests that would have hit the cache fail on their own."""
-    task = asyncio.ensure_future(call)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_background_done)
-
-
-def _background_done(task: asyncio.Future[None]) -> None:
-    _BACKGROUND.discard(task)
-    if not task.cancelled() and (error := task.exception()) is not None:
-        logging.getLogger(__name__).debug("a fork's prefix-cache request failed: %r", error)
-
-
 class StreamExecutor:
     def __init__(self, backend: Backend, *, defaults: GenParams, stream: bool = False,
                  num_api_spec_tokens: int | None = None) -> None:
@@ -589,15 +572,7 @@ class StreamExecutor:
 
     @_execute.register
     async def _(self, expr: CommitPrefix) -> None:
-        call = self._calls.cache_prefix(self, self.text_, **self._media_kwargs(self.text_))
-        if not self._calls.caches_prefix_on_loop:  # a hook reading `s`, a call on a thread
-            await call
-            return
-        # A fork's branches do not wait for the prefix to be cached: its request goes out first
-        # (the task's first step runs before the forking body resumes), so a runtime prefills
-        # the prefix before or with the branches' requests (deferring those that share it),
-        # which then find it cached.
-        _in_background(call)
+        await self._calls.cache_prefix(self, self.text_, **self._media_kwargs(self.text_))
 
     @_execute.register
     async def _(self, expr: Image) -> None:

@@ -103,10 +103,8 @@ class ProgramState(StateWriter):
 
     # ---- branching -----------------------------------------------------------------------
     def fork(self, size: int = 1) -> ProgramStateGroup:
-        """`size` copies of this state. The shared text is sent to the backend's cache once,
-        before the branches' requests, so that they hit it; the branches start without waiting
-        for it to be cached (an SGLang-style custom backend's `commit_lazy_operations` is still
-        waited for)."""
+        """`size` copies of this state. The shared text is sent to the backend's cache once
+        before the branches run, so their requests hit it."""
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
         if size > 1:
