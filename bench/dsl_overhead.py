@@ -16,10 +16,18 @@ Reported per path: programs (requests) per second, CPU seconds per program (this
 thread), requests per forward pass; the DSL's CPU and wall time over the raw text path's; how the
 requests reached the scheduler (`pass_comparison`: forward and extend passes, requests and tokens
 per extend pass, when the first pass and the last extend pass ended, the time after the last pass,
-garbage-collection pauses), for the DSL path beside both raw paths; and a cProfile of the DSL run
-(the main thread, the program loop, threads started during it), top N by cumulative and by own
-time. `--gc-freeze` freezes the startup heap first (full collections then skip the model's
-objects), to tell GC pauses from the DSL's own cost.
+garbage-collection pauses), for the DSL path beside both raw paths; a request timeline per path
+(`bench/request_timeline.py`: when the first program body ran, the first gen was submitted, the
+first requests reached `Runtime.generate`, the scheduler's inbox and its waiting queue, when the
+first pass was launched and ended, and each thread's CPU time until then); and a cProfile of the
+DSL run (per thread before Python 3.12: the main thread, the program loop, threads started
+during it; from 3.12 one profile of every thread), top N by cumulative and by own time.
+`--gc-freeze` freezes the startup heap first (full collections then skip the model's objects),
+to tell GC pauses from the DSL's own cost. `--compare-switch-interval S` runs the DSL and raw
+text paths once more with the GIL switch interval S: if the DSL's first pass then ends as early
+as the raw path's, the scheduler thread was starved of the GIL while the program loop ran
+program bodies (`--layers 32` gives the nearly-free model a real model's number of GIL
+hand-overs per pass launch, to try this on the CPU).
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
@@ -34,7 +42,6 @@ import cProfile
 import gc
 import io
 import json
-import os
 import pstats
 import random
 import sys
@@ -54,6 +61,12 @@ import lmnb  # noqa: E402
 from bench import programs  # noqa: E402
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
+from bench.request_timeline import (  # noqa: E402
+    STEPS,
+    RequestTimeline,
+    thread_cpu_seconds,
+    timeline_rows,
+)
 
 NEARLY_FREE = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
                    intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -120,11 +133,14 @@ class PassLog:
 
 class GcPauses:
     """Garbage collections during a path, per generation, and the seconds the full (gen-2) ones
-    took: a full collection of a process holding a model's Python objects stops every thread."""
+    took (with when each began, seconds after `start`): a full collection of a process holding
+    a model's Python objects stops every thread."""
 
     def __init__(self) -> None:
         self.counts = [0, 0, 0]
         self.full_seconds = 0.0
+        self.full_at: list[float] = []
+        self.start = time.perf_counter()
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
@@ -132,6 +148,8 @@ class GcPauses:
         if phase == "start":
             self.counts[generation] += 1
             self._started = time.perf_counter()
+            if generation == 2:
+                self.full_at.append(round(self._started - self.start, 4))
         elif generation == 2:
             self.full_seconds += time.perf_counter() - self._started
 
@@ -167,21 +185,40 @@ def _on_program_loop(action: Callable[[], Any]) -> None:
     done.wait()
 
 
+# Python 3.12's cProfile runs on `sys.monitoring`, which is process-wide: one profile may be
+# enabled at a time, and it sees every thread's calls.
+ONE_PROFILE_FOR_ALL_THREADS = sys.version_info >= (3, 12)
+
+
 @contextmanager
-def profiled_threads(profile: bool) -> Iterator[list[cProfile.Profile]]:
+def profiled_threads(profile: bool, *, all_threads_at_once: bool = ONE_PROFILE_FOR_ALL_THREADS
+                     ) -> Iterator[list[cProfile.Profile]]:
     """cProfile of the calling thread, the program loop, and every thread started inside the
-    block (Python profiles per thread: each new thread enables its own profiler as it starts),
-    timed by each thread's CPU time: time spent waiting does not count. On leaving, the threads
-    started inside are joined (briefly), so that their profiles are complete."""
+    block. Before Python 3.12 a profile is per thread: each thread gets its own (new threads
+    enable theirs as they start), timed by its CPU time, so time spent waiting does not count.
+    From 3.12 (`all_threads_at_once`) one profile sees every thread, timed by the wall clock:
+    call counts and own times hold, but a caller's cumulative time may include other threads'
+    calls made while it was on the (shared) stack. On leaving, the threads started inside are
+    joined (briefly), so that their profiles are complete."""
     profiles: list[cProfile.Profile] = []
     if not profile:
         yield profiles
+        return
+    before = set(threading.enumerate())
+    if all_threads_at_once:
+        shared = cProfile.Profile()
+        profiles.append(shared)
+        shared.enable()
+        try:
+            yield profiles
+        finally:
+            shared.disable()
+            _join_started(before)
         return
     loop_profile = cProfile.Profile(time.thread_time)
     profiles.append(loop_profile)
     _on_program_loop(loop_profile.enable)
     lock = threading.Lock()
-    before = set(threading.enumerate())
 
     def start_in_thread(*_: Any) -> None:
         sys.setprofile(None)
@@ -200,25 +237,14 @@ def profiled_threads(profile: bool) -> Iterator[list[cProfile.Profile]]:
         main.disable()
         _on_program_loop(loop_profile.disable)
         threading.setprofile(None)
-        gc.collect()  # program states closed: their worker threads end
-        deadline = time.monotonic() + 5.0
-        for thread in set(threading.enumerate()) - before:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        _join_started(before)
 
 
-def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user + system) of each live thread of this process, by thread name (Linux
-    /proc; empty elsewhere)."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for tid, name in names.items():
-        try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return out
+def _join_started(before: set[threading.Thread]) -> None:
+    gc.collect()  # program states closed: their worker threads end
+    deadline = time.monotonic() + 5.0
+    for thread in set(threading.enumerate()) - before:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def top_table(profiles: list[cProfile.Profile], sort: str, top: int) -> str:
@@ -233,17 +259,22 @@ def top_table(profiles: list[cProfile.Profile], sort: str, top: int) -> str:
     return stream.getvalue()
 
 
-def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> dict[str, Any]:
+def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
+            timeline: bool = True) -> dict[str, Any]:
     if not runtime.flush_cache():
         raise RuntimeError("flush_cache refused: requests still in flight")
     passes = PassLog()
-    runtime.set_batch_hook(passes)
+    steps = RequestTimeline()
+    runtime.set_batch_hook(steps.batch_hook(passes) if timeline else passes)
     threads_start = thread_cpu_seconds()
-    cpu_start, wall_start = time.process_time(), time.perf_counter()
-    passes.start = wall_start
-    with GcPauses().watching() as pauses:
+    pauses = GcPauses()
+    recording = steps.recording() if timeline else nullcontext(steps)
+    with recording, pauses.watching():
+        steps.restart()
+        cpu_start, wall_start = time.process_time(), steps.start
+        passes.start = pauses.start = wall_start
         work()
-    seconds = time.perf_counter() - wall_start
+        seconds = time.perf_counter() - wall_start
     cpu = time.process_time() - cpu_start
     threads_end = thread_cpu_seconds()
     runtime.set_batch_hook(None)
@@ -256,6 +287,7 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> di
             "engine_threads_cpu_ms_per_program": 1e3 * engine / count,
             "other_cpu_ms_per_program": 1e3 * (cpu - engine) / count,
             "gc_collections": pauses.counts, "gc_full_seconds": pauses.full_seconds,
+            "gc_full_at_s": pauses.full_at, "timeline": steps.summary() if timeline else {},
             **passes.summary(), "after_last_pass_s": seconds - (passes.summary()[
                 "last_pass_end_s"] or 0.0)}
 
@@ -263,14 +295,15 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any]) -> di
 SCHEDULE_PATHS = ("dsl run_batch", "raw generate, text", "raw generate, ids")
 SCHEDULE_KEYS = ("forward_passes", "extend_passes", "requests_per_extend_pass",
                  "tokens_per_extend_pass", "first_pass_end_s", "last_extend_end_s",
-                 "last_pass_end_s", "after_last_pass_s", "gc_collections", "gc_full_seconds")
+                 "last_pass_end_s", "after_last_pass_s", "gc_collections", "gc_full_seconds",
+                 "gc_full_at_s", "timeline")
 
 
 def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The passes of the DSL path beside the raw paths': whether its first extend pass held as
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
-           for label in SCHEDULE_PATHS if label in results}
+           for label in results if label in SCHEDULE_PATHS or "@ switch" in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -292,6 +325,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="runs per path; the fastest counts")
     parser.add_argument("--top", type=int, default=30, help="rows of each profile table")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-timeline", action="store_true",
+                        help="no request timeline (when each path's requests reached the "
+                        "interpreter, the runtime, the scheduler and the first pass)")
     parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder (default: the embedded SmolLM2's)")
@@ -303,6 +339,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval (s): a tiny one lets the scheduler thread "
                         "take requests as they arrive, as on a GPU (default: Python's 5 ms)")
+    parser.add_argument("--compare-switch-interval", type=float, default=None,
+                        help="also run the DSL and raw text paths with this GIL switch "
+                        "interval (s) set around them: a scheduler thread starved of the GIL "
+                        "while other threads run Python launches its passes late")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="layers of the nearly-free model: many layers make each pass's "
+                        "launch hand the GIL back and forth as often as a real model's on a GPU")
     parser.add_argument("--max-total-tokens", type=int, default=400_000)
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() once the runtime is up (as vLLM's engine does): full "
@@ -339,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tokenizer_dir = loader.resolve_model_dir(args.tokenizer)
             folder = Path(scratch) / "nearly-free"
             folder.mkdir()
-            config = {**NEARLY_FREE, "vocab_size": len(loader.load_tokenizer(tokenizer_dir))}
+            config = {**NEARLY_FREE, "num_hidden_layers": args.layers,
+                      "vocab_size": len(loader.load_tokenizer(tokenizer_dir))}
             (folder / "config.json").write_text(json.dumps(config))
             model, label = str(folder), "nearly-free 1-layer random Llama"
             options.update(tokenizer_path=str(tokenizer_dir), load_format="dummy",
@@ -352,6 +396,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return run(args, runtime, LocalBackend, label)
     finally:
         runtime.close()
+
+
+SWITCH_DSL, SWITCH_RAW = "dsl run_batch", "raw generate, text"
+
+
+def switched(interval: float, work: Callable[[], Any]) -> Callable[[], Any]:
+    """`work` with the GIL switch interval set to `interval` while it runs."""
+    def run_switched() -> Any:
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(interval)
+        try:
+            return work()
+        finally:
+            sys.setswitchinterval(previous)
+    return run_switched
 
 
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
@@ -382,11 +441,17 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                                                       sampling_params=params),
         "raw generate, text": lambda: runtime.generate(texts, params),
     }
+    if args.compare_switch_interval is not None:
+        tag = f" @ switch {args.compare_switch_interval:g} s"
+        paths[SWITCH_DSL + tag] = switched(args.compare_switch_interval, paths["dsl run_batch"])
+        paths[SWITCH_RAW + tag] = switched(args.compare_switch_interval,
+                                           paths["raw generate, text"])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
             runs[label].append(measure(
-                label, runtime, count if label.startswith("dsl") else len(recorded), work))
+                label, runtime, count if label.startswith("dsl") else len(recorded), work,
+                timeline=not args.no_timeline))
     results = {label: {**min(runs[label], key=lambda r: r["cpu_seconds"]),
                        "seconds_all": [r["seconds"] for r in runs[label]],
                        "seconds_min": min(r["seconds"] for r in runs[label])}
@@ -426,6 +491,18 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
           r["last_extend_end_s"], r["after_last_pass_s"], r["gc_full_seconds"],
           " ".join(map(str, r["requests_per_extend_pass"])),
           " ".join(map(str, r["tokens_per_extend_pass"]))) for label, r in schedule.items()]))
+    timelines = {label: r["timeline"] for label, r in schedule.items() if r["timeline"]}
+    if timelines:
+        print("\nRequest timeline (ms after the path's start; the run above; first / last time):")
+        print(format_table(["path", "", *STEPS], timeline_rows(timelines)))
+        for label, summary in timelines.items():
+            print(f"  CPU s per thread until the first pass ended, {label}: "
+                  f"{summary['thread_cpu_s_to_first_pass']}")
+    switched_paths = [label for label in results if "@ switch" in label]
+    if len(switched_paths) == 2:
+        dsl_switched, raw_switched = (results[label]["seconds_min"] for label in switched_paths)
+        print(f"With the switch interval of --compare-switch-interval: DSL / raw text wall time "
+              f"{dsl_switched / raw_switched:.2f}x (fastest of each)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
