@@ -457,12 +457,13 @@ MIN_PROGRAMS = 264  # two programs an SM of an H100 (132 SMs) at least, else spl
 
 # (M, N, K) -> config: the best of `python bench/gemv.py --fp8 --sweep` on an H100 80GB (triton
 # 3.6, 2026-11-24; % of the device-to-device copy bandwidth measured in the same run) for
-# Llama-3-8B's FP8 linears; M = 1, and 16 for every M of the dot path. Shapes not listed take the
+# Llama-3-8B's FP8 linears (M = 1: qkv and gate_up as the fused kernels decode runs, the second
+# sweep after the fusions); M = 16 for every M of the dot path. Shapes not listed take the
 # rule in `fp8_gemv_config` (`bench/fp8.py --fp8-gemv-table` loads a sweep's JSON for one run).
 TUNED: dict[tuple[int, int, int], Fp8GemvConfig] = {
-    (1, 6144, 4096): Fp8GemvConfig(2, 512, 1, 2, 1, False),  # qkv: 78% of copy
+    (1, 6144, 4096): Fp8GemvConfig(2, 512, 1, 2, 2, False),  # qkv + norm + rotary: 68%
     (1, 4096, 4096): Fp8GemvConfig(2, 1024, 1, 4, 1, False),  # o: 72% of copy
-    (1, 28672, 4096): Fp8GemvConfig(4, 512, 1, 2, 1, False),  # gate_up: 98% of copy
+    (1, 28672, 4096): Fp8GemvConfig(8, 256, 1, 1, 1, False),  # gate_up + norm + SiLU: 96%
     (1, 4096, 14336): Fp8GemvConfig(4, 1024, 1, 4, 2, False),  # down: 90% of copy
     (1, 128256, 4096): Fp8GemvConfig(4, 2048, 1, 8, 1, False),  # lm_head: 105% of copy
     (16, 6144, 4096): Fp8GemvConfig(32, 256, 2, 4, 4, True),  # qkv: 62% of copy
