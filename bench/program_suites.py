@@ -48,6 +48,8 @@ from bench.programs import (  # noqa: E402
     WORDS,
     RecordingRuntime,
     Request,
+    check_states,
+    fixed_gen,
     optimal_computed_tokens,
 )
 from bench.request_timeline import RequestTimeline  # noqa: E402
@@ -87,21 +89,10 @@ def _count(base: int, scale: float) -> int:
     return max(1, round(base * scale))
 
 
-def _fixed(name: str, tokens: int) -> Any:
-    return lmnb.gen(name, max_tokens=tokens, min_tokens=tokens)
-
-
-def _check(states: Sequence[ProgramState]) -> int:
-    for state in states:
-        if (error := state.error()) is not None:
-            raise error
-    return len(states)
-
-
 # ---- programs ----------------------------------------------------------------------------------
 @lmnb.function
 def mmlu_5shot(s: ProgramState, examples: str, question: str) -> None:
-    s += examples + question + _fixed("answer", 1)
+    s += examples + question + fixed_gen("answer", 1)
 
 
 @lmnb.function
@@ -114,9 +105,10 @@ def hellaswag_20shot(s: ProgramState, examples: str, context: str, endings: list
 def document_qa(s: ProgramState, document: str, questions: list[str]) -> None:
     s += "Read the document, answer each question, then summarize.\n\n" + document + "\n\n"
     forks = s.fork(len(questions))
-    forks += lambda i: f"Question {i + 1}: {questions[i]}\nAnswer:" + _fixed("answer", FORK_TOKENS)
+    forks += lambda i: (f"Question {i + 1}: {questions[i]}\nAnswer:"
+                        + fixed_gen("answer", FORK_TOKENS))
     s.join(forks, mode="concat_and_append")
-    s += "\nSummary of the answers:" + _fixed("summary", MERGE_TOKENS)
+    s += "\nSummary of the answers:" + fixed_gen("summary", MERGE_TOKENS)
 
 
 # ---- suites: data, then a job that runs the programs and returns how many ---------------------
@@ -138,7 +130,7 @@ def mmlu(rng: random.Random, scale: float) -> Suite:
                     + "".join(f"{_mc_question(rng)} {rng.choice('ABCD')}\n\n" for _ in range(5)))
         items += [{"examples": examples, "question": _mc_question(rng)}
                   for _ in range(_count(32, min(scale, 1.0)))]
-    return Suite(lambda backend: _check(mmlu_5shot.run_batch(
+    return Suite(lambda backend: check_states(mmlu_5shot.run_batch(
         items, backend=backend, progress_bar=False, temperature=0.0)), items)
 
 
@@ -149,7 +141,7 @@ def hellaswag(rng: random.Random, scale: float) -> Suite:
               "endings": [f" {_words(rng, 15, 22)}." for _ in range(4)]}
              for _ in range(_count(64, scale))]
     program = hellaswag_20shot.bind(examples=examples)  # SGLang's benchmark binds the shots too
-    return Suite(lambda backend: _check(program.run_batch(
+    return Suite(lambda backend: check_states(program.run_batch(
         items, backend=backend, progress_bar=False, temperature=0.0)), items)
 
 
@@ -157,7 +149,7 @@ def fork(rng: random.Random, scale: float) -> Suite:
     items = [{"document": "\n\n".join(_paragraph(rng, 150) for _ in range(6)),
               "questions": [_sentence(rng, 8, 14, "?") for _ in range(QUESTIONS_PER_DOCUMENT)]}
              for _ in range(_count(64, scale))]
-    return Suite(lambda backend: _check(document_qa.run_batch(
+    return Suite(lambda backend: check_states(document_qa.run_batch(
         items, backend=backend, progress_bar=False, temperature=0.0)), items)
 
 

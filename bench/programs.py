@@ -266,12 +266,12 @@ def _count(base: int, scale: float) -> int:
     return max(1, round(base * scale))
 
 
-def _fixed(name: str, tokens: int, **kwargs: Any) -> Expr:
+def fixed_gen(name: str, tokens: int, **kwargs: Any) -> Expr:
     """A gen of exactly `tokens` tokens, so that both cache modes decode the same amount."""
     return lmnb.gen(name, max_tokens=tokens, min_tokens=tokens, **kwargs)
 
 
-def _check(states: Sequence[ProgramState]) -> int:
+def check_states(states: Sequence[ProgramState]) -> int:
     for state in states:
         if (error := state.error()) is not None:
             raise error
@@ -281,7 +281,7 @@ def _check(states: Sequence[ProgramState]) -> int:
 # ---- programs ----------------------------------------------------------------------------------
 @lmnb.function
 def few_shot_mmlu(s: ProgramState, examples: str, question: str) -> None:
-    s += examples + question + _fixed("answer", 4)
+    s += examples + question + fixed_gen("answer", 4)
 
 
 @lmnb.function
@@ -299,13 +299,13 @@ def tree_of_thought(s: ProgramState, question: str, width: int, critics: int) ->
     s += lmnb.system("You solve problems by exploring several lines of thought.")
     s += lmnb.user(question)
     thoughts = s.fork(width)
-    thoughts += lambda i: lmnb.assistant(f"Idea {i + 1}: " + _fixed("thought", 12))
+    thoughts += lambda i: lmnb.assistant(f"Idea {i + 1}: " + fixed_gen("thought", 12))
     verdicts = []
     for thought in thoughts:  # each thought's evaluations start as soon as it is written
         thought += lmnb.user("Evaluate this idea in one sentence.")
         evaluations = thought.fork(critics)
         evaluations += lambda j: lmnb.assistant(f"As {CRITICS[j % len(CRITICS)]}: "
-                                                + _fixed("evaluation", 6))
+                                                + fixed_gen("evaluation", 6))
         evaluations += lmnb.user("Is the idea promising?")
         evaluations += lmnb.assistant(lmnb.select("verdict", choices=["yes", "no"]))
         verdicts.append(evaluations)
@@ -313,20 +313,20 @@ def tree_of_thought(s: ProgramState, question: str, width: int, critics: int) ->
     best = max(range(width), key=lambda i: scores[i])
     s += lmnb.assistant(f"The most promising idea is: {thoughts[best]['thought']}")
     s += lmnb.user("Give the final answer.")
-    s += lmnb.assistant(_fixed("answer", 8))
+    s += lmnb.assistant(fixed_gen("answer", 8))
 
 
 @lmnb.function
 def skeleton_of_thought(s: ProgramState, question: str, points: int) -> None:
     s += lmnb.system("You answer in a skeleton of short points, then expand each point.")
     s += lmnb.user(f"{question} Write a skeleton of {points} points, a few words each.")
-    s += lmnb.assistant("1." + _fixed("skeleton", 16))
+    s += lmnb.assistant("1." + fixed_gen("skeleton", 16))
     forks = s.fork(points)
     forks += lambda i: lmnb.user(f"Expand point {i + 1} in one or two sentences.")
-    forks += lambda i: lmnb.assistant(_fixed("detail", 16))
+    forks += lambda i: lmnb.assistant(fixed_gen("detail", 16))
     s.join(forks, mode="concat_and_append")
     s += lmnb.user("Conclude in one sentence.")
-    s += lmnb.assistant(_fixed("conclusion", 8))
+    s += lmnb.assistant(fixed_gen("conclusion", 8))
 
 
 DIMENSIONS = ("clarity", "originality", "evidence", "structure")
@@ -342,11 +342,11 @@ def branch_solve_merge(s: ProgramState, essay: str) -> None:
     s += lmnb.assistant(lmnb.select("related", choices=["yes", "no"]))
     forks = s.fork(len(DIMENSIONS))
     forks += lambda i: lmnb.user(f"Evaluate based on the following dimension: {DIMENSIONS[i]}.")
-    forks += lmnb.assistant("Judgment: " + _fixed("judgment", 12))
+    forks += lmnb.assistant("Judgment: " + fixed_gen("judgment", 12))
     judgment = "\n".join(f"{d}: {f['judgment']}" for d, f in zip(DIMENSIONS, forks, strict=True))
     s += lmnb.user("Provide the judgment, summary, and a letter grade.")
-    s += lmnb.assistant(judgment + "\nIn summary," + _fixed("summary", 8)
-                        + "\nThe grade of it is" + _fixed("grade", 3))
+    s += lmnb.assistant(judgment + "\nIn summary," + fixed_gen("summary", 8)
+                        + "\nThe grade of it is" + fixed_gen("grade", 3))
 
 
 @lmnb.function
@@ -354,20 +354,20 @@ def multi_turn_chat(s: ProgramState, messages: list[str], tokens: int) -> None:
     s += lmnb.system("You are a helpful assistant. Answer briefly.")
     for turn, message in enumerate(messages):
         s += lmnb.user(message)
-        s += lmnb.assistant(_fixed(f"reply{turn}", tokens))
+        s += lmnb.assistant(fixed_gen(f"reply{turn}", tokens))
 
 
 @lmnb.function
 def self_consistency(s: ProgramState, examples: str, question: str, paths: int) -> None:
     s += examples + "Question: " + question + "\nAnswer:"
     forks = s.fork(paths)
-    forks += _fixed("reasoning", 16, temperature=0.7)
+    forks += fixed_gen("reasoning", 16, temperature=0.7)
     s.join(forks)
 
 
 @lmnb.function
 def no_reuse(s: ProgramState, text: str) -> None:
-    s += text + _fixed("continuation", 8)
+    s += text + fixed_gen("continuation", 8)
 
 
 # ---- workloads: data, then a job that runs the programs and returns how many ------------------
@@ -382,7 +382,7 @@ def mmlu(rng: random.Random, scale: float) -> Job:
                     f"{subject}.\n\n"
                     + "".join(f"{_mc_question(rng)} {rng.choice('ABCD')}\n\n" for _ in range(5)))
         items += [{"examples": examples, "question": _mc_question(rng)} for _ in range(6)]
-    return lambda backend: _check(few_shot_mmlu.run_batch(
+    return lambda backend: check_states(few_shot_mmlu.run_batch(
         items, backend=backend, progress_bar=False, temperature=0.0))
 
 
@@ -394,27 +394,28 @@ def hellaswag(rng: random.Random, scale: float) -> Job:
     # Bound like SGLang's constant few-shot text. (lmnb's tracer gives up on select(choices=an
     # argument), so run_batch sends no prefix hint here; the cache-aware scheduler shares it.)
     program = few_shot_hellaswag.bind(examples=examples)
-    return lambda backend: _check(program.run_batch(items, backend=backend, progress_bar=False))
+    return lambda backend: check_states(program.run_batch(items, backend=backend,
+                                                          progress_bar=False))
 
 
 def tree_of_thought_workload(rng: random.Random, scale: float) -> Job:
     items = [{"question": _sentence(rng, 20, 30, "?"), "width": 3, "critics": 2}
              for _ in range(_count(2, scale))]
-    return lambda backend: _check(tree_of_thought.run_batch(
+    return lambda backend: check_states(tree_of_thought.run_batch(
         items, backend=backend, progress_bar=False, temperature=0.0))
 
 
 def skeleton_of_thought_workload(rng: random.Random, scale: float) -> Job:
     items = [{"question": _sentence(rng, 20, 30, "?"), "points": 4}
              for _ in range(_count(2, scale))]
-    return lambda backend: _check(skeleton_of_thought.run_batch(
+    return lambda backend: check_states(skeleton_of_thought.run_batch(
         items, backend=backend, progress_bar=False, temperature=0.0))
 
 
 def judge(rng: random.Random, scale: float) -> Job:
     items = [{"essay": " ".join(_sentence(rng, 12, 18) for _ in range(6))}
              for _ in range(_count(2, scale))]
-    return lambda backend: _check(branch_solve_merge.run_batch(
+    return lambda backend: check_states(branch_solve_merge.run_batch(
         items, backend=backend, progress_bar=False, temperature=0.0))
 
 
@@ -422,7 +423,7 @@ def chat(tokens: int, sessions: int) -> Callable[[random.Random, float], Job]:
     def workload(rng: random.Random, scale: float) -> Job:
         items = [{"messages": [_sentence(rng, 20, 30) for _ in range(4)], "tokens": tokens}
                  for _ in range(_count(sessions, scale))]
-        return lambda backend: _check(multi_turn_chat.run_batch(
+        return lambda backend: check_states(multi_turn_chat.run_batch(
             items, backend=backend, progress_bar=False, temperature=0.0))
 
     return workload
@@ -435,14 +436,15 @@ def self_consistency_workload(rng: random.Random, scale: float) -> Job:
     items = [{"question": _sentence(rng, 20, 25, "?"), "paths": 4}
              for _ in range(_count(2, scale))]
     program = self_consistency.bind(examples=examples)
-    return lambda backend: _check(program.run_batch(items, backend=backend, progress_bar=False))
+    return lambda backend: check_states(program.run_batch(items, backend=backend,
+                                                          progress_bar=False))
 
 
 def no_reuse_workload(rng: random.Random, scale: float) -> Job:
     count = _count(12, scale)
     firsts = [rng.choice(WORDS) + str(i) for i in range(count)]  # distinct first tokens
     items = [{"text": f"{first.capitalize()} {_words(rng, 90, 110)}."} for first in firsts]
-    return lambda backend: _check(no_reuse.run_batch(
+    return lambda backend: check_states(no_reuse.run_batch(
         items, backend=backend, progress_bar=False, temperature=0.0))
 
 
