@@ -202,7 +202,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, else bfloat16")
     parser.add_argument("--model", default=None, help="a model folder (default: tiny random)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: SmolLM2)")
+    parser.add_argument("--tokenizer", default=os.environ.get("LMNB_TOKENIZER_DIR"),
+                        help="tokenizer folder (default: $LMNB_TOKENIZER_DIR, else the embedded "
+                             "SmolLM2's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; CPU only)")
     parser.add_argument("--widget", action="store_true",
