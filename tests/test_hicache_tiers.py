@@ -373,3 +373,17 @@ def test_pages_wait_for_a_writer_that_is_behind(tmp_path: Path) -> None:
     assert disk.offer(key, cache.match_all(key).indices) == 2
     disk.close()
     assert disk.written_pages == 2
+
+
+def test_evicting_a_loaded_node_after_a_save_drained_the_loads() -> None:
+    """Hypothesis found it: a save inside an eviction completes the queued loads, then a node of
+    that load is evicted; it must leave the pending set with its device rows."""
+    machine = TieredCacheMachine()
+    try:
+        for step in (lambda: machine.evict(1), lambda: machine.request([1, 0]),
+                     lambda: machine.evict(1), lambda: machine.request([0, 0]),
+                     lambda: machine.load_unread([1, 0]), lambda: machine.evict(3)):
+            step()
+            machine.consistent()
+    finally:
+        machine.teardown()

@@ -273,6 +273,7 @@ class TieredRadixCache(RadixCache):
             ticket = max(ticket, self._saves.pop(node, 0))
             self.allocator.free(node.value)
             node.value = None
+            self._pending.discard(node)  # (its load, if any, was settled above or is done)
             freed += len(node.key)
             self._evictable -= len(node.key)
             self.eviction_events += 1
