@@ -171,10 +171,9 @@ def _decode_merge_kernel(
     if HAS_SKIP:
         kv_len -= tl.load(KV_SKIP + req)
     split_len = _split_len(kv_len, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
-    splits = tl.cdiv(kv_len, split_len)  # split 0 always holds a token
     # a request of one split (and no shared prefix) was written out by the partial kernel
-    if HAS_SKIP or splits > 1:
-        used = offs_s < splits
+    if HAS_SKIP or split_len < kv_len:
+        used = offs_s < tl.cdiv(kv_len, split_len)  # split 0 always holds a token
         if HAS_SKIP:  # splits MAX_SPLITS.. hold the shared prefix's partials (shared_prefix.py)
             prefix_used = tl.load(PREFIX_PARTS + req)
             used = used | ((offs_s >= MAX_SPLITS) & (offs_s < MAX_SPLITS + prefix_used))

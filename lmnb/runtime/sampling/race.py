@@ -9,7 +9,7 @@ Triton kernel: a row's draw depends only on its weights and its seed, so a seede
 do not depend on its batch. Seeds are [rows] int64 tensors on the device (`row_seeds`): random
 per step, or drawn from a request's own generator.
 
-    race_weights(weights [rows, n], seeds [rows], columns [rows, n] | None) -> [rows] positions
+    race_weights(weights [rows, n], seeds [rows], columns [rows, n]) -> [rows] positions
     race_logits(logits [bs, V], rows [n], temperatures [n, 1], floors [n, 1], seeds [n]) -> [n] ids
 """
 
@@ -57,11 +57,9 @@ def gumbel_noise(seeds: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 
 def race_weights(weights: torch.Tensor, seeds: torch.Tensor,
-                 columns: torch.Tensor | None = None) -> torch.Tensor:
+                 columns: torch.Tensor) -> torch.Tensor:
     """[rows] positions drawn from unnormalised `weights` [rows, n] (>= 0, some > 0 per row);
-    the noise of position j is that of token `columns[:, j]` (default: j)."""
-    if columns is None:
-        columns = torch.arange(weights.shape[1], device=weights.device)[None, :]
+    the noise of position j is that of token `columns[:, j]`."""
     scores = torch.log(weights) + gumbel_noise(seeds[:, None], columns)
     return scores.argmax(dim=-1)
 
