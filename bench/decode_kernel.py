@@ -8,7 +8,10 @@ table of 16-token pages, each as achieved KV bandwidth (bytes of K and V read / 
 
 The batch's context lengths are drawn uniformly from [--min-len, --max-len] (seeded); each
 request's KV slots are one contiguous run of the pool, the runs in shuffled order (a pool some
-time into a run), or every slot scattered with `--scatter`.
+time into a run), or every slot scattered with `--scatter`. `--decoded N` lays the last N tokens of
+every request out as decode steps allocate them (step s takes one run of batch-size slots, request i
+its i-th slot), and `--pool-slots` spreads the runs over a pool that large (the real one holds
+~450k tokens of Llama-3-8B on an H100), both as the offline run's pool looks.
 """
 
 from __future__ import annotations
@@ -32,22 +35,32 @@ MODELS = {  # (query heads, KV heads, head_dim, dtype)
 
 class Batch:
     def __init__(self, *, lens: list[int], heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, scatter: bool, device: torch.device, seed: int) -> None:
+                 dtype: torch.dtype, scatter: bool, device: torch.device, seed: int,
+                 decoded: int = 0, pool_slots: int = 0) -> None:
         rng = random.Random(seed)
         self.lens = lens
         self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
         total = sum(lens)
-        slots = total + 16 * len(lens) + 16
+        slots = max(total + 16 * len(lens) + 16, pool_slots)
         self.k = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        tails = [min(decoded, n - 1) for n in lens]  # tokens of each request laid out by steps
         order = list(range(len(lens)))
         rng.shuffle(order)
+        gap = (slots - total - 1) // (len(lens) + 1)  # free slots between runs in a big pool
         starts = [0] * len(lens)
         cursor = 1  # slot 0 is the padding slot
         for i in order:
             starts[i] = cursor
-            cursor += lens[i]
-        indices = torch.cat([torch.arange(starts[i], starts[i] + n) for i, n in enumerate(lens)])
+            cursor += lens[i] - tails[i] + gap
+        rows = [list(range(starts[i], starts[i] + n - tails[i])) for i, n in enumerate(lens)]
+        for step in range(max(tails, default=0)):  # one run of slots per decode step
+            stepping = [i for i, t in enumerate(tails) if t > step]
+            for offset, i in enumerate(stepping):
+                rows[i].append(cursor + offset)
+            cursor += len(stepping)
+        assert cursor <= slots, "the pool is too small for this layout"
+        indices = torch.tensor([slot for row in rows for slot in row])
         if scatter:
             perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)) + 1
             indices = perm
@@ -283,6 +296,9 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--scatter", action="store_true")
+    parser.add_argument("--decoded", type=int, default=0,
+                        help="the last N tokens of each request laid out by decode steps")
+    parser.add_argument("--pool-slots", type=int, default=0, help="KV pool size in tokens")
     parser.add_argument("--sweep", action="store_true", help="time a grid of Triton configs")
     parser.add_argument("--shared", default=None, metavar="GROUPS:MEMBERS:PREFIX:SUFFIX",
                         help="a shared-prefix decode step instead (e.g. 64:4:600:64 fork-heavy, "
@@ -317,7 +333,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.batch)]
     batch = Batch(lens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                  scatter=args.scatter, device=device, seed=args.seed)
+                  scatter=args.scatter, device=device, seed=args.seed, decoded=args.decoded,
+                  pool_slots=args.pool_slots)
     reference = batch.reference()
     rows = []
     results = []
