@@ -106,11 +106,15 @@ def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
     default = td.decode_config(batch.head_dim, batch.dtype, batch_size=len(batch.lens),
                                num_kv_heads=batch.kv_heads)
     configs = [("default", default)]
-    if sweep:
-        for block_n, warps, stages, min_split in itertools.product(
-                (32, 64), (2, 4), (2, 3), (64, 128, 256, 512, 1024)):
-            configs.append((f"n{block_n} w{warps} s{stages} m{min_split}",
-                            td.DecodeConfig(block_n, min_split, warps, stages)))
+    if sweep:  # tiles x the loop's variants (the split length matters < 1%: the default's)
+        tiles = ((32, 2, 2), (32, 2, 3), (64, 2, 2), (64, 2, 3), (64, 2, 4), (64, 4, 2),
+                 (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2))
+        for (block_n, warps, stages), prefetch, k_rows in itertools.product(
+                tiles, (False, True), (False, True)):
+            configs.append((f"n{block_n} w{warps} s{stages}{' prefetch' * prefetch}"
+                            f"{' k_rows' * k_rows}",
+                            default._replace(block_n=block_n, num_warps=warps, num_stages=stages,
+                                             prefetch=prefetch, k_rows=k_rows)))
     runs = []
     for name, config in configs:
         for splits in split_counts:

@@ -305,7 +305,10 @@ def test_decode_long_splits_of_busy_batches_match_float64(device):
     k_buffer, v_buffer = _pool(sum(seq_lens), 2, 64, torch.float32, device)
     q = torch.randn(len(seq_lens), 8, 64, device=device)
     # a long minimum split; then a split grid capped below the backend's max_kv_splits
-    for config in (DecodeConfig(64, 256, 2, 2), DecodeConfig(64, 64, 2, 2, max_splits=2)):
+    # and the loop's variants: next block's slots prefetched, K loaded token-major
+    for config in (DecodeConfig(64, 256, 2, 2), DecodeConfig(64, 64, 2, 2, max_splits=2),
+                   DecodeConfig(64, 64, 2, 2, prefetch=True),
+                   DecodeConfig(64, 64, 2, 2, max_splits=2, prefetch=True, k_rows=True)):
         out = torch.empty_like(q)
         decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
                          *partial_buffers(len(seq_lens), 8, 64, 4, q.device), scale=64**-0.5,
@@ -331,7 +334,7 @@ def compile(fn, signature, constants, warps=4):
 
 dt = "bf16"
 i64 = "*i64"
-for skip in (True, False):
+for skip, variant in ((True, False), (False, False), (False, True)):
     compile(triton_decode._decode_partial_kernel,
             {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
              "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*" + dt,
@@ -341,7 +344,8 @@ for skip in (True, False):
                                    "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
              "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
-             "HAS_SKIP": skip, "KV_FP8": False}, warps=2)
+             "HAS_SKIP": skip, "KV_FP8": False, "PREFETCH": variant, "K_ROWS": variant},
+            warps=2)
     compile(triton_decode._decode_merge_kernel,
             {"PART_O": "*fp32", "PART_LSE": "*fp32", "KV_INDPTR": i64, "KV_SKIP": i64,
              "PREFIX_PARTS": i64, "OUT": "*" + dt,

@@ -62,8 +62,25 @@ def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
     cols = n + offs_n
     mask_n = cols < end
     slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
-    k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    return attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
+                        stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
+                        CAUSAL, PRECISION, UPCAST, KV_FP8)
+
+
+@triton.jit
+def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
+                 stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
+                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False):
+    """`attend_block` with the block's slots [BLOCK_N] (and its column positions `cols`, valid
+    where mask_n) already loaded. K_ROWS: K is loaded token-major and transposed for the dot."""
+    if K_ROWS:
+        k = tl.trans(tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh
+                             + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
+                             other=0.0))  # [BLOCK_D, BLOCK_N]
+    else:
+        k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     if KV_FP8:
         k = k.to(q.dtype)
     qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
@@ -103,7 +120,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, K_ROWS: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,11 +153,26 @@ def _decode_partial_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for n in range(start, end, BLOCK_N):
-            m_i, l_i, acc = attend_block(
-                q, K, V, KV_INDICES + kv_begin, n, end, end, m_i, l_i, acc, scale, kv_head,
-                stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                False, PRECISION, UPCAST, KV_FP8)
+        slots_of = KV_INDICES + kv_begin
+        if PREFETCH:  # the next block's slots load while this block's K/V are in flight
+            cols = start + offs_n
+            slots = tl.load(slots_of + cols, mask=cols < end, other=0)
+            for _ in range(start, end, BLOCK_N):
+                next_cols = cols + BLOCK_N
+                next_slots = tl.load(slots_of + next_cols, mask=next_cols < end, other=0)
+                m_i, l_i, acc = attend_slots(
+                    q, K, V, slots, cols, cols < end, end, m_i, l_i, acc, scale, kv_head,
+                    stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
+                    False, PRECISION, UPCAST, KV_FP8, K_ROWS)
+                cols, slots = next_cols, next_slots
+        else:
+            for n in range(start, end, BLOCK_N):
+                cols = n + offs_n
+                slots = tl.load(slots_of + cols, mask=cols < end, other=0)
+                m_i, l_i, acc = attend_slots(
+                    q, K, V, slots, cols, cols < end, end, m_i, l_i, acc, scale, kv_head,
+                    stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
+                    False, PRECISION, UPCAST, KV_FP8, K_ROWS)
         out = acc / l_i[:, None]
         mask = mask_h[:, None] & mask_d[None, :]
         if HAS_SKIP or split_len < kv_len:  # partials for the merge kernel
@@ -195,6 +227,8 @@ class DecodeConfig(NamedTuple):
     num_warps: int
     num_stages: int
     max_splits: int = 16  # the launch's split dimension at most (empty programs cost too)
+    prefetch: bool = False  # load the next block's slots one iteration ahead
+    k_rows: bool = False  # load K token-major and transpose it for the dot
 
 
 # (request, KV head) programs above which splitting a request's KV buys no parallelism, only
@@ -277,7 +311,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
-        KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
+        KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     _decode_merge_kernel[(bs, num_heads)](
         partial_out, partial_lse, kv_indptr, kv_skip, prefix_parts, out,
