@@ -8,8 +8,9 @@ K/V are read from the pool, so the caller writes them there first (the backend d
 One program per (request, KV head, block of BLOCK_M rows), a row being one (new token, query head
 of that KV head) pair, tokens major: the GQA group's query heads share each K/V tile they load
 (read once per group instead of once per head, and short extends fill the tile). Online softmax
-over blocks of BLOCK_N KV tokens: first the prefix (no causal mask), then the new tokens with the
-mask col <= prefix_len + token; blocks past the row block's causal edge are never loaded.
+over blocks of BLOCK_N KV tokens: first the columns every row of the block sees (the prefix and
+the new tokens before the block's first token; no causal mask), then the block's diagonal with
+the mask col <= prefix_len + token; blocks past the row block's causal edge are never loaded.
 """
 
 from __future__ import annotations
@@ -64,17 +65,19 @@ def _extend_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # The cached prefix: every row sees all of it, only the length bound masks.
-        for n in range(0, prefix_len, BLOCK_N):
+        # Columns every row of this block sees (the cached prefix and the new tokens up to the
+        # block's first token): only the length bound masks. Column prefix_len is among them,
+        # so each row's running max is finite before the causal part.
+        visible_end = prefix_len + (block * BLOCK_M) // GROUP + 1
+        for n in range(0, visible_end, BLOCK_N):
             m_i, l_i, acc = attend_block(
-                q, K, V, KV_INDICES + kv_begin, n, prefix_len, last, m_i, l_i, acc, scale,
+                q, K, V, KV_INDICES + kv_begin, n, visible_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 False, PRECISION, UPCAST, KV_FP8)
-        # The new tokens, causally; blocks past the row block's last row are never loaded.
-        # Column prefix_len (the first new token) is visible to every row, so each row's
-        # running max is finite and fully masked columns add exp(-inf) = 0.
+        # The block's diagonal, causally; columns past its last row are never loaded (fully
+        # masked columns of a row add exp(-inf) = 0).
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
-        for n in range(prefix_len, kv_end, BLOCK_N):
+        for n in range(visible_end, kv_end, BLOCK_N):
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
@@ -92,12 +95,17 @@ class ExtendConfig(NamedTuple):
     num_stages: int
 
 
-def extend_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
-    """Tile sizes by head size and element width (fp32 heads of 128+ need smaller KV tiles)."""
+def extend_config(head_dim: int, dtype: torch.dtype, *, max_rows: int = 0) -> ExtendConfig:
+    """Tile sizes by head size and element width (fp32 heads of 128+ need smaller KV tiles) and
+    by the longest request's rows (new tokens x GQA group): 64-row blocks, or one 128-row block
+    when that holds a request whose rows need two of 64 (its KV is then read once, not twice)."""
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 256
-    # H100, triton 3.6, fp16 head_dim 128: (128, 32, 4, 3) ran at 140-180 TFLOP/s, the best of
-    # seven tile shapes on three ragged batches (see bench notes in the commit).
-    return ExtendConfig(64, 32, 4, 2) if wide else ExtendConfig(128, 32, 4, 3)
+    if wide:
+        return ExtendConfig(64, 32, 4, 2)
+    # H100, triton 3.6, bf16 head_dim 128, Llama-3 GQA (bench/extend_kernel.py --sweep): 64-row
+    # blocks 1.10x / 1.30x the 128-row ones on the offline / shared-prefix shapes; 128 rows
+    # 1.05x at the fork shape (128 rows a request). 8 warps or 64-token KV tiles were slower.
+    return ExtendConfig(128, 32, 4, 3) if 64 < max_rows <= 128 else ExtendConfig(64, 32, 4, 3)
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -113,7 +121,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
     block_d = triton.next_power_of_2(head_dim)
-    config = config or extend_config(head_dim, k_buffer.dtype)
+    config = config or extend_config(head_dim, k_buffer.dtype, max_rows=max_extend_len * group)
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
     compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
     precision = "ieee" if compute == torch.float32 else "tf32"
