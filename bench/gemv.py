@@ -156,13 +156,6 @@ def sweep_grid(m: int, n: int, k: int, elem: int) -> list[SkinnyConfig]:
     elif m <= 4:  # FMA path over m rows: the [m, BLOCK_N, BLOCK_K] product is in registers
         for block_n in (8, 16):
             grid.append(SkinnyConfig(block_n, 8192 // elem // block_n // m, 1, 4, 1, False))
-    if m > SKINNY_MAX_ROWS:  # wider row tiles: x is re-read once per output block
-        rows = max(16, 1 << (m - 1).bit_length())
-        for block_n, block_k, stages, warps in itertools.product(
-                (32, 64, 128), (64, 128), (3, 4), (4, 8)):
-            if (rows + block_n) * block_k * elem * stages <= 200 << 10:
-                grid.append(SkinnyConfig(block_n, block_k, 1, warps, stages, True))
-        return grid
     for (block_n, block_k), stages, split in itertools.product(
             [(16, 256), (16, 512), (32, 256), (64, 128)], (3, 5), splits):
         if block_n * block_k * elem * stages <= 160 << 10:

@@ -16,7 +16,6 @@ from tests.triton_modes import DEVICES, KERNEL_DEVICE, SAME_TRITON_MODE
 # isort: split
 from lmnb.runtime.kernels.fused import gemv
 from lmnb.runtime.kernels.fused.gemv import (
-    DOT_MAX_ROWS,
     SKINNY_MAX_ROWS,
     SkinnyConfig,
     skinny_config,
@@ -78,7 +77,6 @@ BRANCHES = {
     "M=1, small N: split K": ((1, 128, 8192), SkinnyConfig(1, 1024, 2, 4, 4, False)),
     "M=8: 32-row dot tiles": ((8, 12288, 4096), SkinnyConfig(32, 256, 1, 4, 5, True)),
     "M=16, small N: dot, split K": ((16, 1024, 11008), SkinnyConfig(32, 256, 8, 4, 5, True)),
-    "M=48: 64-row dot tiles, split K": ((48, 12288, 4096), SkinnyConfig(64, 128, 2, 4, 4, True)),
 }
 
 
@@ -118,7 +116,7 @@ def test_the_layers_row_limit_is_the_kernels():
 
 
 def test_rejects_what_it_does_not_take():
-    x = torch.randn(DOT_MAX_ROWS + 1, 8)
+    x = torch.randn(SKINNY_MAX_ROWS + 1, 8)
     with pytest.raises(AssertionError, match="rows"):
         skinny_linear(x, torch.randn(4, 8))
     with pytest.raises(AssertionError, match="contiguous"):

@@ -29,8 +29,7 @@ import triton.language as tl
 from lmnb.runtime.kernels.fused.activation import silu_mul
 from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
-SKINNY_MAX_ROWS = 16  # rows the linears send here (the dot path pads to one m16 tile)
-DOT_MAX_ROWS = 64  # rows the dot path takes (padded to a power of two >= 16)
+SKINNY_MAX_ROWS = 16  # rows the dot path pads to (one m16 tensor-core tile)
 
 
 class SkinnyConfig(NamedTuple):
@@ -149,8 +148,6 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig:
     - M >= 2: tensor-core dot over 16 padded rows (M up to 16 costs what M = 2 does), [32 rows,
       512 B] weight tiles through shared memory with 5 stages of cp.async prefetch (120 KB of
       shared memory at most); the best of the sweep at M = 2 and 4 over all shapes.
-    - 16 < M <= DOT_MAX_ROWS: the dot path over M padded to a power of two, [64 rows, 256 B]
-      weight tiles, 4 stages (sized for bench/gemv.py --sweep --rows 32 64).
     - SPLIT_K (a power of two, each slice >= 1024 of K and >= BLOCK_K) while the output
       blocks are fewer than MIN_PROGRAMS; it costs a second, tiny kernel (the fp32 partial
       sum), so it is for small N (tiny models, tensor-parallel shards), not Llama-7B shapes.
@@ -160,9 +157,6 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig:
     if m == 1:
         block_n, block_k = 1, min(2048 // elem, k_pow2)
         use_dot, num_warps, num_stages = False, 4, 4
-    elif m > SKINNY_MAX_ROWS:
-        block_n, block_k = 64, min(256 // elem, k_pow2)
-        use_dot, num_warps, num_stages = True, 4, 4
     else:
         block_n, block_k = 32, min(512 // elem, k_pow2)
         use_dot, num_warps, num_stages = True, 4, 5
@@ -185,13 +179,13 @@ def interpreter_config(m: int, n: int, k: int) -> SkinnyConfig:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous, 1 <= M <= DOT_MAX_ROWS), weight [N, K] contiguous (the
+    """x [M, K] (rows contiguous, 1 <= M <= SKINNY_MAX_ROWS), weight [N, K] contiguous (the
     nn.Linear layout), bias [N] or None -> [M, N] in x's dtype (fp32 accumulation).
     `config` overrides the heuristic (benchmark sweeps)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [rows, K] with rows contiguous"
     m, k = x.shape
     n = weight.shape[0]
-    assert 1 <= m <= DOT_MAX_ROWS, f"{m} rows: the skinny kernel takes 1..{DOT_MAX_ROWS}"
+    assert 1 <= m <= SKINNY_MAX_ROWS, f"{m} rows: the skinny kernel takes 1..{SKINNY_MAX_ROWS}"
     assert weight.shape == (n, k) and weight.stride() == (k, 1), "weight must be [N, K] contiguous"
     assert bias is None or bias.shape == (n,)
     assert weight.dtype == x.dtype, "FP8 weights: kernels.fused.gemv_fp8"
@@ -199,7 +193,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                      else skinny_config(m, n, k, weight.dtype))
     if not cfg.use_dot:
         assert m <= 4, "the FMA path takes up to 4 rows"
-    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m)
+    block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial = (out if cfg.split_k == 1 else
