@@ -55,16 +55,16 @@ def dot_operand(x, UPCAST: tl.constexpr):
 def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
                   stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_FP8: tl.constexpr = False):
+                  KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False):
     """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
     slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]. KV_FP8: K/V are FP8,
-    dequantized to q's dtype."""
+    dequantized to q's dtype. K_ROWS: see `attend_slots`."""
     cols = n + offs_n
     mask_n = cols < end
     slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
     return attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
                         stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                        CAUSAL, PRECISION, UPCAST, KV_FP8)
+                        CAUSAL, PRECISION, UPCAST, KV_FP8, K_ROWS)
 
 
 @triton.jit

@@ -34,7 +34,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,7 +73,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, visible_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                False, PRECISION, UPCAST, KV_FP8)
+                False, PRECISION, UPCAST, KV_FP8, K_ROWS)
         # The block's diagonal, causally; columns past its last row are never loaded (fully
         # masked columns of a row add exp(-inf) = 0).
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
@@ -81,7 +81,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                True, PRECISION, UPCAST, KV_FP8)
+                True, PRECISION, UPCAST, KV_FP8, K_ROWS)
         out = acc / l_i[:, None]
         tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -93,6 +93,7 @@ class ExtendConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    k_rows: bool = False  # load K token-major and transpose it for the dot
 
 
 def extend_config(head_dim: int, dtype: torch.dtype, *, max_rows: int = 0) -> ExtendConfig:
@@ -137,6 +138,6 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, PRECISION=precision, UPCAST=dot_upcast(compute), KV_FP8=kv_fp8,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        K_ROWS=config.k_rows, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
