@@ -123,6 +123,7 @@ def test_extend_kernel_configs_match_float64(device):
     from lmnb.runtime.kernels.triton_extend import ExtendConfig, extend_config
 
     assert extend_config(128, torch.bfloat16, max_rows=128).block_m == 128
+    assert extend_config(128, torch.bfloat16, max_rows=4000).block_m == 128
     assert extend_config(128, torch.bfloat16, max_rows=160).block_m == 64
     gen = torch.Generator().manual_seed(11)
     prefix_lens, extend_lens = [37, 0, 5], [21, 9, 1]

@@ -98,15 +98,20 @@ class ExtendConfig(NamedTuple):
 
 def extend_config(head_dim: int, dtype: torch.dtype, *, max_rows: int = 0) -> ExtendConfig:
     """Tile sizes by head size and element width (fp32 heads of 128+ need smaller KV tiles) and
-    by the longest request's rows (new tokens x GQA group): 64-row blocks, or one 128-row block
-    when that holds a request whose rows need two of 64 (its KV is then read once, not twice)."""
+    by the longest request's rows (new tokens x GQA group): 128-row blocks over 8 warps, or
+    64-row blocks where 128 would pad that request's rows by a fifth more (e.g. 160 rows: 256
+    instead of 192)."""
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 256
     if wide:
         return ExtendConfig(64, 32, 4, 2)
-    # H100, triton 3.6, bf16 head_dim 128, Llama-3 GQA (bench/extend_kernel.py --sweep): 64-row
-    # blocks 1.10x / 1.30x the 128-row ones on the offline / shared-prefix shapes; 128 rows
-    # 1.05x at the fork shape (128 rows a request). 8 warps or 64-token KV tiles were slower.
-    return ExtendConfig(128, 32, 4, 3) if 64 < max_rows <= 128 else ExtendConfig(64, 32, 4, 3)
+    # H100, triton 3.6, bf16 head_dim 128, Llama-3 GQA (bench/extend_kernel.py --sweep):
+    # 128 x 32 tiles over 8 warps 256 / 345 us on the offline chunk / fork shapes (128 rows a
+    # request) against 271 / 413 for 64-row blocks; at the shared-prefix shape (160 rows a
+    # request) 64-row blocks with K token-major 1,193 us against 1,384.
+    padded = triton.cdiv(max_rows, 128) * 128
+    if padded <= 1.2 * triton.cdiv(max_rows, 64) * 64:
+        return ExtendConfig(128, 32, 8, 3)
+    return ExtendConfig(64, 32, 4, 3, k_rows=True)
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
