@@ -377,9 +377,9 @@ for skip, variant in ((True, False), (False, False), (False, True)):
             {"PART_O": "*fp32", "PART_LSE": "*fp32", "KV_INDPTR": i64, "KV_SKIP": i64,
              "PREFIX_PARTS": i64, "OUT": "*" + dt,
              **{n: "i32" for n in ("stride_pob", "stride_poh", "stride_pos", "stride_plb",
-                                   "stride_plh", "stride_ot", "stride_oh")}},
+                                   "stride_plh", "stride_ot", "stride_oh", "num_heads")}},
             {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "MAX_SPLITS": 16, "BLOCK_S": 32,
-             "MIN_SPLIT": 64, "HAS_SKIP": skip})
+             "MIN_SPLIT": 64, "HAS_SKIP": skip, "BLOCK_HEADS": 2})
 compile(shared_prefix._shared_prefix_kernel,
         {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
          "ITEMS": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
