@@ -13,13 +13,19 @@ host tier), then hit from the host, then hit on the device. Disk: a first Runtim
 prefixes (writing their pages), is closed, and a second Runtime on the same model and directory
 hits them (the files are in the OS page cache).
 
-Multi-turn: conversations x turns; each turn adds user tokens to the conversation's context and
-generates an answer; a round sends every conversation's next turn as one batch, so a context
-comes back after all the others went through the pool. Throughput: (prompt + generated tokens)
-per second of the whole workload. With the host tier it also reports how long the host -> device
-copies took (`hicache_load_seconds`: first copy to last, CUDA events) and how much of that the
-forward stood waiting for them (`hicache_load_wait_seconds`: per layer, from the compute stream's
-arrival at the layer's wait to the layer's copies' end); the rest was overlapped with compute.
+Multi-turn: SGLang's `benchmark/hicache/bench_multiturn.py` (`Workload`): clients, each round a
+new user turn appended to its conversation, at most `max_parallel` requests in flight, the next
+one a random client whose previous answer came back; the conversations add up to 4x the GPU KV
+pool. Shapes (`WORKLOADS`; `--workloads`, by default the first three): SGLang's defaults (5
+rounds of 512-token turns), long-context (a 4,096-token first request, then short questions),
+the same prefill-only (1-token answers, as SGLang's HiCache blog runs it) and long chats (10
+rounds). Each runs without and with the host tier; throughput is (prompt +
+generated tokens) per second of the whole workload (requests/s, SGLang's, in the same ratio),
+with TTFT (send to first streamed token) and the prompt tokens hit on the device, loaded from
+the host and prefilled, overall and by round. Per kind of forward pass (prefill / decode):
+passes, seconds (gaps between passes' ends), mean batch. With the host tier: the host -> device
+copies' span (`hicache_load_seconds`, CUDA events) and how much of it the forward stood waiting
+(`hicache_load_wait_seconds`, per layer); the rest overlapped.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -136,34 +142,67 @@ def measure_ttft(model_dir: Path, options: dict[str, Any], sizes: Sizes, tokens:
 
 @dataclass(frozen=True)
 class Workload:
-    """SGLang's `benchmark/hicache/bench_multiturn.py`: `clients` conversations; each round a
-    client's conversation so far plus a new user turn of `request_length` tokens is one request
-    generating `output_length` tokens (the answer joins the conversation); at most `max_parallel`
-    requests are in flight; a client whose answer came back queues its next turn, and the next
-    request sent is a random queued one (its `--ready-queue-policy random`). SGLang's defaults:
-    256 clients, 128 in flight, 512 + 64 tokens, 5 rounds; here the same shape at 1/4 the clients
-    (the host tier must hold every conversation: 4x the pool, in pinned host memory)."""
+    """SGLang's `benchmark/hicache/bench_multiturn.py`: `clients` conversations; a client's first
+    request is `request_length` new tokens, each later one its conversation so far plus a new
+    user turn of `sub_question_length` tokens (SGLang's `--sub-question-input-length`, 0: the
+    request length); each generates `output_length` tokens, which join the conversation. At most
+    `max_parallel` requests are in flight; a client whose answer came back queues its next turn,
+    and the next request sent is a random queued one (its `--ready-queue-policy random`), as
+    soon as one completes (its request rate at infinity). SGLang's defaults: 256 clients, 128 in
+    flight, 512 + 64 tokens, 5 rounds; here fewer clients, so that the host tier holds every
+    conversation (4x the pool) in pinned host memory."""
 
     clients: int
     rounds: int
     request_length: int
     output_length: int
     max_parallel: int
-    over_pool: float  # the conversations' final lengths over the GPU KV pool
+    sub_question_length: int = 0
+    over_pool: float = 4.0  # the conversations' final lengths over the GPU KV pool
+
+    @property
+    def turn_length(self) -> int:
+        """New user tokens of rounds after the first."""
+        return self.sub_question_length or self.request_length
 
     @property
     def conversation_tokens(self) -> int:
-        return self.rounds * (self.request_length + self.output_length)
+        return (self.request_length + (self.rounds - 1) * self.turn_length
+                + self.rounds * self.output_length)
 
     @property
     def pool(self) -> int:
         return int(self.clients * self.conversation_tokens / self.over_pool)
 
 
-WORKLOAD = Workload(clients=64, rounds=5, request_length=512, output_length=64, max_parallel=32,
-                    over_pool=4.0)
-SMOKE_WORKLOAD = Workload(clients=8, rounds=3, request_length=48, output_length=4,
-                          max_parallel=4, over_pool=4.0)
+# Each: conversations 4x a GPU pool of ~45k tokens (~6 GB of Llama-3-8B KV; the host tier, 5x,
+# ~30 GB pinned). "sglang": SGLang's defaults (5 rounds of 512 + 64 tokens, in flight = clients
+# / 2) at 64 clients. "long-context": a 4,096-token first request (a document, a code base)
+# then 4 follow-up questions of 256 tokens (SGLang's --sub-question-input-length), 64-token
+# answers, 32 clients: the context is long from the first round on. "long-context-prefill": the
+# same with 1-token answers, as SGLang's HiCache blog runs bench_multiturn (`--output-length 1`,
+# a prefill server of a prefill/decode split). "long-chat": SGLang's turns for 10 rounds (5,760-
+# token conversations) at 32 clients.
+WORKLOADS = {
+    "sglang": Workload(clients=64, rounds=5, request_length=512, output_length=64,
+                       max_parallel=32),
+    "long-context": Workload(clients=32, rounds=5, request_length=4096, output_length=64,
+                             max_parallel=16, sub_question_length=256),
+    "long-context-prefill": Workload(clients=32, rounds=5, request_length=4096, output_length=1,
+                                     max_parallel=16, sub_question_length=256),
+    "long-chat": Workload(clients=32, rounds=10, request_length=512, output_length=64,
+                          max_parallel=16),
+}
+DEFAULT_WORKLOADS = "sglang,long-context,long-context-prefill"
+SMOKE_WORKLOADS = {
+    "sglang": Workload(clients=8, rounds=3, request_length=48, output_length=4, max_parallel=4),
+    "long-context": Workload(clients=4, rounds=3, request_length=128, output_length=4,
+                             max_parallel=2, sub_question_length=16),
+    "long-context-prefill": Workload(clients=4, rounds=3, request_length=128, output_length=1,
+                                     max_parallel=2, sub_question_length=16),
+    "long-chat": Workload(clients=4, rounds=6, request_length=48, output_length=4,
+                          max_parallel=2),
+}
 
 
 @dataclass(slots=True)
@@ -232,7 +271,7 @@ async def drive(rt: Any, workload: Workload, tokens: Tokens, seed: int) -> list[
                           (first or done) - sent, done - sent))
         rounds[client] += 1
         if rounds[client] < workload.rounds:
-            history[client] = ids + output + tokens(workload.request_length)
+            history[client] = ids + output + tokens(workload.turn_length)
             ready.append(client)
 
     in_flight: set[asyncio.Task[None]] = set()
@@ -249,6 +288,21 @@ async def drive(rt: Any, workload: Workload, tokens: Tokens, seed: int) -> list[
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def per_round(turns: list[Turn]) -> list[dict[str, float]]:
+    """Each round's prompt tokens, share of them hit in the cache, and mean TTFT."""
+    rounds: dict[int, list[Turn]] = {}
+    for turn in turns:
+        rounds.setdefault(turn.round, []).append(turn)
+    out = []
+    for number in sorted(rounds):
+        group = rounds[number]
+        prompt = sum(t.prompt_tokens for t in group)
+        out.append({"round": number, "prompt_tokens": prompt,
+                    "hit_share": sum(t.cached_tokens for t in group) / prompt,
+                    "ttft_mean": statistics.fmean(t.ttft for t in group)})
+    return out
 
 
 def multi_turn(model_dir: Path, options: dict[str, Any], workload: Workload, *, hicache: bool,
@@ -279,12 +333,13 @@ def multi_turn(model_dir: Path, options: dict[str, Any], workload: Workload, *, 
             "tokens_per_second": (prompt + generated) / seconds,
             "prompt_tokens": prompt, "generated_tokens": generated,
             "cached_tokens": cached, "computed_prompt_tokens": prompt - cached,
-            # hits by tier: loaded from the host pool, else found on the device (a load that a
-            # request refused for room and a later one hit counts once, as loaded)
+            # hits by tier: loaded from the host pool (only admitted requests load), else found
+            # on the device
             "hit_tokens": {"device": cached - min(host, cached), "host": host},
             "ttft_mean": statistics.fmean(ttfts), "ttft_median": statistics.median(ttfts),
             "ttft_p90": percentile(ttfts, 0.9),
             "latency_mean": statistics.fmean(t.latency for t in turns),
+            "per_round": per_round(turns),
             "passes": passes.summary(start),
             "forward_passes": stats["forward_passes"] - before["forward_passes"],
             "retractions": stats["retractions"] - before["retractions"],
@@ -298,11 +353,14 @@ def multi_turn(model_dir: Path, options: dict[str, Any], workload: Workload, *, 
             "host_evicted_tokens": stats.get("hicache_host_evicted_tokens", 0)}
 
 
-def report_multi_turn(workload: Workload, off: dict[str, Any], on: dict[str, Any]) -> float:
+def report_multi_turn(label: str, workload: Workload, off: dict[str, Any],
+                      on: dict[str, Any]) -> float:
     ratio = on["tokens_per_second"] / off["tokens_per_second"]
-    print(f"\nmulti-turn (SGLang bench_multiturn shape): {workload.clients} clients x "
-          f"{workload.rounds} rounds of {workload.request_length} + {workload.output_length} "
-          f"tokens, {workload.max_parallel} in flight; conversations "
+    turns = (f"{workload.request_length}" if workload.turn_length == workload.request_length
+             else f"{workload.request_length} then {workload.turn_length}")
+    print(f"\nmulti-turn {label!r} (SGLang bench_multiturn shape): {workload.clients} clients x "
+          f"{workload.rounds} rounds of {turns} + {workload.output_length} tokens, "
+          f"{workload.max_parallel} in flight; conversations "
           f"{workload.clients * workload.conversation_tokens:,} tokens = "
           f"{workload.over_pool:g}x the {workload.pool:,}-token pool")
     rows = []
@@ -318,6 +376,8 @@ def report_multi_turn(workload: Workload, off: dict[str, Any], on: dict[str, Any
                           f"({row['ms_per_pass']:.1f} ms, batch {row['mean_batch']:.1f}, "
                           f"{row['tokens']:,} tokens)" for kind, row in run["passes"].items())
         print(f"  {name}: {parts}; retractions {run['retractions']}")
+        print(f"  {name}: hit share / TTFT by round: " + ", ".join(
+            f"{row['hit_share']:.0%} / {row['ttft_mean']:.2f} s" for row in run["per_round"]))
     share = on["load_overlapped_share"]
     print(f"host tier: {on['hit_tokens']['host']:,} tokens loaded in {on['load_passes']} passes; "
           f"copies {on['load_seconds']:.3f} s, the forward waited {on['load_wait_seconds']:.3f} s "
@@ -336,11 +396,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="a tiny random Llama-3-shaped model, small sizes (CPU)")
     parser.add_argument("--host-ratio", type=float, default=5.0,
                         help="multi-turn: host tier tokens per GPU pool token (hicache_ratio)")
-    base = SMOKE_WORKLOAD if "--smoke" in (argv if argv is not None else sys.argv) else WORKLOAD
-    for field_name in ("clients", "rounds", "request_length", "output_length", "max_parallel"):
-        parser.add_argument(f"--{field_name.replace('_', '-')}", type=int,
-                            default=getattr(base, field_name))
-    parser.add_argument("--over-pool", type=float, default=base.over_pool,
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS,
+                        help=f"multi-turn: comma list of {', '.join(WORKLOADS)}")
+    for field_name in ("clients", "rounds", "request_length", "output_length", "max_parallel",
+                       "sub_question_length"):
+        parser.add_argument(f"--{field_name.replace('_', '-')}", type=int, default=None,
+                            help="multi-turn: overrides the workloads' value")
+    parser.add_argument("--over-pool", type=float, default=None,
                         help="the conversations' final lengths over the GPU KV pool")
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
                         help="prompt tokens per prefill pass (default: 8192 on CUDA; smoke 256)")
@@ -348,9 +410,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "hicache.json")
     args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
-    workload = Workload(clients=args.clients, rounds=args.rounds,
-                        request_length=args.request_length, output_length=args.output_length,
-                        max_parallel=args.max_parallel, over_pool=args.over_pool)
+    overrides = {name: getattr(args, name) for name in (
+        "clients", "rounds", "request_length", "output_length", "max_parallel",
+        "sub_question_length", "over_pool")
+        if getattr(args, name) is not None}
+    table = SMOKE_WORKLOADS if args.smoke else WORKLOADS
+    workloads = {name: replace(table[name], **overrides)
+                 for name in filter(None, args.workloads.split(","))}
     device = resolve_device(args.device if not args.smoke else "cpu")
     name = "tiny-llama-3" if args.smoke else args.dummy_config
     options: dict[str, Any] = {"device": str(device)}
@@ -359,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         options["chunked_prefill_size"] = chunk
     skip = set(filter(None, args.skip.split(",")))
     report: dict[str, Any] = {"environment": environment(device), "model": name,
-                              "sizes": asdict(sizes), "workload": asdict(workload),
+                              "sizes": asdict(sizes),
+                              "workloads": {name: asdict(w) for name, w in workloads.items()},
                               "host_ratio": args.host_ratio}
     with tempfile.TemporaryDirectory() as scratch:
         dummy = write_dummy_model(name, scratch, args.tokenizer)
@@ -375,13 +442,15 @@ def main(argv: list[str] | None = None) -> None:
                 for source in ("recompute", "host", "disk", "device")]))
             print(f"host hit <= 0.3x recompute: {report['ttft']['host_over_recompute'] <= 0.3}")
         if "multi-turn" not in skip:
-            off = multi_turn(dummy.path, options, workload, hicache=False,
-                             host_ratio=args.host_ratio, vocab=vocab)
-            on = multi_turn(dummy.path, options, workload, hicache=True,
-                            host_ratio=args.host_ratio, vocab=vocab)
-            report["multi_turn"] = {"without_host_tier": off, "with_host_tier": on,
-                                    "pool_tokens": workload.pool,
-                                    "speedup": report_multi_turn(workload, off, on)}
+            report["multi_turn"] = {}
+            for label, workload in workloads.items():
+                off = multi_turn(dummy.path, options, workload, hicache=False,
+                                 host_ratio=args.host_ratio, vocab=vocab)
+                on = multi_turn(dummy.path, options, workload, hicache=True,
+                                host_ratio=args.host_ratio, vocab=vocab)
+                report["multi_turn"][label] = {
+                    "without_host_tier": off, "with_host_tier": on, "pool_tokens": workload.pool,
+                    "speedup": report_multi_turn(label, workload, off, on)}
     path = write_json(args.output, report)
     print(f"\nwrote {path}")
 

@@ -4,8 +4,8 @@ the same bookkeeping with streams and events: tests/gpu/test_hicache_overlap_cud
 - a queued host -> device load is copied layer by layer only when a reader asks for the layer
   (`KVStorage.ready`), so a reader that skipped it would see rows not yet loaded;
 - a request that ends while its prefix's load is still queued leaves every slot accounted for;
-- a request refused for room loads nothing (its copies would hold up the decode passes that read
-  the pool meanwhile); once it fits, its whole host-resident prefix comes back;
+- a request refused for room loads nothing (the copies and the device rows they take would be
+  spent on a request that does not run); once it fits, its whole host-resident prefix comes back;
 - a request whose disk pages are being read waits in the queue while others run; an otherwise
   idle scheduler waits for the read; the pages then count as cache hits.
 """
