@@ -75,12 +75,12 @@ class PrefillManager:
                                                                    available) <= 0:
                 self.cache.unbind(req)
                 break
-            # Admitted: the part of its prefix in a tiered cache's lower tiers comes back into
-            # slots its recompute would have taken (room does not change; refused requests
-            # load nothing); one slot stays for the last token, which is always computed.
+            # Admitted: the part of its prefix in a tiered cache's lower tiers comes back, each
+            # token into the slot its recompute would have taken (so the fit above holds, and a
+            # refused request loads nothing); a slot stays for the last token, always computed.
             loaded = self.cache.load_back(req, room=available - 1)
             extend -= loaded
-            take = min(extend, budget, available - loaded)
+            take = min(extend, budget, room())  # room(): available - loaded
             plan.reqs.append(req)
             plan.extend_lens.append(take)
             plan.admitted.append(req)
