@@ -52,6 +52,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
+from lmnb.runtime.core import Batch, ForwardMode  # noqa: E402
 from lmnb.runtime.hicache.disk import PAGE_TOKENS  # noqa: E402
 
 
@@ -223,9 +224,7 @@ class Passes:
     def __init__(self) -> None:
         self.ends: list[tuple[float, bool, int, int]] = []  # (end, extend, requests, new tokens)
 
-    def __call__(self, batch: Any) -> None:
-        from lmnb.runtime.core import ForwardMode
-
+    def __call__(self, batch: Batch) -> None:
         self.ends.append((time.perf_counter(), batch.mode is ForwardMode.EXTEND, batch.size,
                           sum(batch.extend_lens)))
 
