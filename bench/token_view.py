@@ -25,7 +25,8 @@ work only adds time, so the fastest runs are the least disturbed). The target:
 bench/results/token_view[_cuda].json.
 
     python bench/token_view.py                         # CPU, 10 gens x 1000 tokens, 5 rounds
-    python bench/token_view.py --device cuda           # the same on a GPU
+    python bench/token_view.py --device cuda           # 3 rounds on a GPU (~13 s a run: ~2.5 min)
+    python bench/token_view.py --device cuda --gens 5 --rounds 3   # ~1.2 min
     python bench/token_view.py --gens 2 --tokens-per-gen 100 --rounds 1   # a smoke run
 """
 
@@ -198,7 +199,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gens", type=int, default=10)
     parser.add_argument("--tokens-per-gen", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="default: 5 on the CPU, 3 on a GPU (a run there takes ~13 s)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, else bfloat16")
     parser.add_argument("--model", default=None, help="a model folder (default: tiny random)")
@@ -211,6 +213,8 @@ def main() -> None:
                         help="the anywidget TokenView rather than its model alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 5 if args.device == "cpu" else 3
 
     from transformers.utils import logging as hf_logging
 
@@ -261,6 +265,16 @@ def main() -> None:
         print(f"{mode} CPU seconds per thread (median): " + ", ".join(
             f"{name} {statistics.median(r['thread_cpu_seconds'].get(name, 0.0) for r in rs):.2f}"
             for name in names))
+    for mode in ("traced", "view"):  # at batch 1 the host's time per token is what grows
+        extra_wall = statistics.median(
+            (r["seconds"] - p["seconds"]) / tokens
+            for r, p in zip(runs[mode], runs["plain"], strict=True))
+        extra_cpu = statistics.median(
+            (r["cpu_seconds"] - p["cpu_seconds"]) / tokens
+            for r, p in zip(runs[mode], runs["plain"], strict=True))
+        print(f"{mode} - plain per token (median of paired rounds): {1e6 * extra_wall:+.1f} us "
+              f"wall, {1e6 * extra_cpu:+.1f} us cpu (plain: "
+              f"{1e6 * summary['paths']['plain']['seconds']['median'] / tokens:.1f} us wall)")
     view_runs = runs["view"]
     flush_share = statistics.median(r["flush_seconds"] / r["seconds"] for r in view_runs)
     print(f"\nview: {statistics.median(r['flushes'] for r in view_runs):.0f} updates per run, "

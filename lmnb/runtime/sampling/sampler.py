@@ -57,10 +57,8 @@ class Sampler:
             ids = self._draw(work, info, ids, best)
         bad = ~torch.isfinite(best)
         ids = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
-        logprobs = top_values = top_ids = None
-        if info.need_logprobs:
-            logprobs, top_values, top_ids = _token_logprobs(raw, ids, info)
-        return SampleOutput(ids, logprobs=logprobs, top_values=top_values, top_ids=top_ids,
+        packed = _token_logprobs(raw, ids, info) if info.need_logprobs else None
+        return SampleOutput(ids, packed_logprobs=packed, top_width=info.max_top_logprobs,
                             top_logprobs_nums=info.top_logprobs_nums, label=info.label,
                             logprob_positions=info.logprob_positions)
 
@@ -78,7 +76,7 @@ class Sampler:
         bad = ~torch.isfinite(best)
         if bool(bad.any()):
             fake = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
-            SampleOutput(fake, logprobs=None, top_values=None, top_ids=None,
+            SampleOutput(fake, packed_logprobs=None, top_width=0,
                          top_logprobs_nums=info.top_logprobs_nums,
                          label=info.label).synchronize()
         return self.probabilities(work, info, ids)
@@ -144,18 +142,20 @@ class Sampler:
 
 
 def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Of the rows that asked (`info.logprob_positions`, in order): the sampled token's raw
-    logprob [n] and the best `max_top_logprobs` (logprob, id) [n, k]. One fused log-softmax pass
-    (on the CPU a logsumexp costs several passes and a thread fork per call)."""
+                    ) -> torch.Tensor:
+    """Of the rows that asked (`info.logprob_positions`, in order), packed for one copy to the
+    host (`SampleOutput.packed_logprobs`): [n, 1 + 2 * max_top_logprobs] float32, the sampled
+    token's raw logprob, then the best (logprob, id)s. One fused log-softmax pass (on the CPU a
+    logsumexp costs several passes and a thread fork per call); at batch 1 each op here is a
+    dispatch the host pays per token (7 with top logprobs, 4 without)."""
     if info.logprob_rows is not None:
         raw, ids = raw[info.logprob_rows], ids[info.logprob_rows]
     logprobs = torch.log_softmax(raw, dim=-1)
-    chosen = logprobs.gather(1, ids.clamp(min=0)[:, None]).squeeze(1)
+    chosen = logprobs.gather(1, ids.clamp(min=0).unsqueeze(1))  # [n, 1]
     if not info.max_top_logprobs:
-        return chosen, None, None
+        return chosen
     top_values, top_ids = top_k(logprobs, info.max_top_logprobs)
-    return chosen, top_values, top_ids
+    return torch.cat([chosen, top_values, top_ids.to(torch.float32)], dim=1)
 
 
 def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
