@@ -147,7 +147,8 @@ def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInf
     host (`SampleOutput.packed_logprobs`): [n, 1 + 2 * max_top_logprobs] float32, the sampled
     token's raw logprob, then the best (logprob, id)s. One fused log-softmax pass (on the CPU a
     logsumexp costs several passes and a thread fork per call); at batch 1 each op here is a
-    dispatch the host pays per token (7 with top logprobs, 4 without)."""
+    dispatch the host pays per token (6 with top logprobs, 4 without: `cat` promotes the int64
+    ids to float32 itself)."""
     if info.logprob_rows is not None:
         raw, ids = raw[info.logprob_rows], ids[info.logprob_rows]
     logprobs = torch.log_softmax(raw, dim=-1)
@@ -155,7 +156,7 @@ def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInf
     if not info.max_top_logprobs:
         return chosen
     top_values, top_ids = top_k(logprobs, info.max_top_logprobs)
-    return torch.cat([chosen, top_values, top_ids.to(torch.float32)], dim=1)
+    return torch.cat([chosen, top_values, top_ids], dim=1)
 
 
 def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
