@@ -17,6 +17,7 @@ import torch
 
 from lmnb.runtime.sampling.batch_info import RowGroup, SamplingBatchInfo, SamplingRow
 from lmnb.runtime.sampling.bitmask import apply_bitmask_
+from lmnb.runtime.sampling.logprob_kernel import MAX_K, packed_logprobs
 from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, SampleOutput
 from lmnb.runtime.sampling.race import race_logits, race_weights, row_seeds
 
@@ -145,17 +146,21 @@ def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInf
                     ) -> torch.Tensor:
     """Of the rows that asked (`info.logprob_positions`, in order), packed for one copy to the
     host (`SampleOutput.packed_logprobs`): [n, 1 + 2 * max_top_logprobs] float32, the sampled
-    token's raw logprob, then the best (logprob, id)s. One fused log-softmax pass (on the CPU a
-    logsumexp costs several passes and a thread fork per call); at batch 1 each op here is a
-    dispatch the host pays per token (6 with top logprobs, 4 without: `cat` promotes the int64
-    ids to float32 itself)."""
+    token's raw logprob, then the best (logprob, id)s. At batch 1 the host pays every op here
+    per token: on a GPU one Triton launch (`logprob_kernel`; `torch.topk` alone launches a dozen
+    kernels); elsewhere, or for wider top-k, one fused log-softmax pass (on the CPU a logsumexp
+    costs several passes and a thread fork per call), a gather, a top-k and the packing `cat`
+    (which promotes the int64 ids to float32 itself)."""
     if info.logprob_rows is not None:
         raw, ids = raw[info.logprob_rows], ids[info.logprob_rows]
+    k = info.max_top_logprobs
+    if raw.is_cuda and k <= MAX_K:
+        return packed_logprobs(raw, ids, k)
     logprobs = torch.log_softmax(raw, dim=-1)
     chosen = logprobs.gather(1, ids.clamp(min=0).unsqueeze(1))  # [n, 1]
-    if not info.max_top_logprobs:
+    if not k:
         return chosen
-    top_values, top_ids = top_k(logprobs, info.max_top_logprobs)
+    top_values, top_ids = top_k(logprobs, k)
     return torch.cat([chosen, top_values, top_ids], dim=1)
 
 

@@ -1,0 +1,64 @@
+"""The packed-logprobs kernel (lmnb/runtime/sampling/logprob_kernel.py) gives what log_softmax,
+gather and topk give, in the interpreter on CPU and compiled on CUDA; it compiles for sm_90."""
+
+import pytest
+import torch
+
+from tests.triton_modes import DEVICES, SAME_TRITON_MODE
+
+# isort: split
+from lmnb.runtime.sampling import logprob_kernel
+
+pytestmark = SAME_TRITON_MODE
+
+
+def _reference(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, ids.clamp(min=0)[:, None])
+    values, top = logprobs.topk(k, dim=-1)
+    return torch.cat([chosen, values, top.float()], dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [0, 1, 5, 16])
+def test_kernel_matches_log_softmax_and_topk(device: str, k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    raw = torch.randn(4, 2500, generator=gen) * 4  # a partial last block
+    raw[1, :2000] = float("-inf")  # padded / impossible tokens
+    raw[2, 2499] = 60.0  # the best token in the last column
+    raw[3, 1024:2048] += 5.0  # the best tokens all in one block
+    ids = torch.tensor([7, 2100, 2499, -1])  # -1: a row that could not be sampled
+    raw, ids = raw.to(device), ids.to(device)
+    out = logprob_kernel.packed_logprobs(raw, ids, k).cpu()
+    expected = _reference(raw.cpu(), ids.cpu(), k)
+    assert out.shape == (4, 1 + 2 * k)
+    torch.testing.assert_close(out[:, :1 + k], expected[:, :1 + k], atol=2e-5, rtol=0)
+    assert torch.equal(out[:, 1 + k:], expected[:, 1 + k:])  # random values: no ties
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmnb.runtime.sampling import logprob_kernel
+signature = {"RAW": "*fp32", "IDS": "*i64", "OUT": "*fp32", "vocab": "i32", "stride": "i32",
+             "out_stride": "i32", "K": "constexpr", "KP": "constexpr", "BLOCK": "constexpr"}
+triton.compile(ASTSource(fn=logprob_kernel._packed_logprobs_kernel, signature=signature,
+                         constexprs={"K": 5, "KP": 8, "BLOCK": 1024}),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_a_hopper_gpu() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
