@@ -176,6 +176,52 @@ def build_runtime(args: argparse.Namespace, scratch: str) -> Any:
     return Runtime(str(folder), tokenizer_path=str(tokenizer_dir), load_format="dummy", **common)
 
 
+def sampler_host_cost(device: str, vocab: int, calls: int) -> dict[str, float]:
+    """Host microseconds per batch-1 sampling step (temperature 1, as the bench's gens): the
+    step without logprobs, with top-5 logprobs as the runtime computes them (`sample_top5`), and
+    the packed logprobs alone from the GPU kernel and from the torch ops it replaces. Calls are
+    issued in groups of 16 between waits, and only the issuing is timed: at batch 1 the host's
+    time per op is what a decode step pays."""
+    import torch
+
+    from bench.common import synchronize
+    from lmnb.runtime.core import Req, SamplingParams
+    from lmnb.runtime.sampling import Sampler
+    from lmnb.runtime.sampling.logprob_kernel import packed_logprobs
+    from lmnb.runtime.sampling.sampler import torch_packed_logprobs
+    from lmnb.runtime.scheduler import ReqState
+
+    sampler = Sampler(vocab, {2})
+    logits = torch.randn(1, vocab, device=device) * 3
+    ids = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def info(top: int) -> Any:
+        req = Req(origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=1.0),
+                  return_logprob=top > 0, top_logprobs_num=top)
+        return sampler.batch_info([ReqState(req)], device)
+
+    def host_us(step: Any) -> float:
+        for _ in range(16):
+            step()
+        synchronize(device)
+        issued = 0.0
+        for _ in range(max(calls // 16, 1)):
+            start = time.perf_counter()
+            for _ in range(16):
+                step()
+            issued += time.perf_counter() - start
+            synchronize(device)
+        return 1e6 * issued / (16 * max(calls // 16, 1))
+
+    plain, traced = info(0), info(5)
+    out = {"sample": host_us(lambda: sampler(logits, plain)),
+           "sample_top5": host_us(lambda: sampler(logits, traced)),
+           "packed_torch": host_us(lambda: torch_packed_logprobs(logits, ids, 5))}
+    if device != "cpu":
+        out["packed_kernel"] = host_us(lambda: packed_logprobs(logits, ids, 5))
+    return out
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -209,6 +255,9 @@ def main() -> None:
                              "SmolLM2's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; CPU only)")
+    parser.add_argument("--sampler-calls", type=int, default=None,
+                        help="batch-1 sampling steps timed on the host first (default: 2000 on "
+                             "a GPU, 0 on the CPU)")
     parser.add_argument("--widget", action="store_true",
                         help="the anywidget TokenView rather than its model alone")
     parser.add_argument("--out", default=None)
@@ -229,6 +278,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lmnb-token-view-") as scratch:
         runtime = build_runtime(args, scratch)
     try:
+        calls = args.sampler_calls if args.sampler_calls is not None else (
+            0 if args.device == "cpu" else 2000)
+        sampler_cost = (sampler_host_cost(args.device, runtime.model_config.vocab_size, calls)
+                        if calls else {})
+        if sampler_cost:
+            print("host us per batch-1 sampling step: " + ", ".join(
+                f"{name} {value:.1f}" for name, value in sampler_cost.items()), flush=True)
         backend = LocalBackend(runtime)
         program = make_program(args.gens, args.tokens_per_gen)
         warm = make_program(1, 64)
@@ -292,7 +348,7 @@ def main() -> None:
         "benchmark": "token_view", "environment": environment(args.device), "args": vars(args),
         "model": args.model or tiny_config(args.device), "runs": runs, "summary": summary,
         "view_update_share": flush_share, "view_update_budget": MAX_FLUSH_SHARE,
-        "feature_overhead": feature, "budget": BUDGET})
+        "feature_overhead": feature, "budget": BUDGET, "sampler_host_us": sampler_cost})
     print(f"wrote {path}")
 
 

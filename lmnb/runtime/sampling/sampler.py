@@ -156,6 +156,11 @@ def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInf
     k = info.max_top_logprobs
     if raw.is_cuda and k <= MAX_K:
         return packed_logprobs(raw, ids, k)
+    return torch_packed_logprobs(raw, ids, k)
+
+
+def torch_packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """`logprob_kernel.packed_logprobs` in torch ops."""
     logprobs = torch.log_softmax(raw, dim=-1)
     chosen = logprobs.gather(1, ids.clamp(min=0).unsqueeze(1))  # [n, 1]
     if not k:
