@@ -16,7 +16,7 @@ def _reference(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     logprobs = torch.log_softmax(raw, dim=-1)
     chosen = logprobs.gather(1, ids.clamp(min=0)[:, None])
     values, top = logprobs.topk(k, dim=-1)
-    return torch.cat([chosen, values, top.float()], dim=1)
+    return torch.cat([ids[:, None].float(), chosen, values, top.float()], dim=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -31,9 +31,10 @@ def test_kernel_matches_log_softmax_and_topk(device: str, k: int) -> None:
     raw, ids = raw.to(device), ids.to(device)
     out = logprob_kernel.packed_logprobs(raw, ids, k).cpu()
     expected = _reference(raw.cpu(), ids.cpu(), k)
-    assert out.shape == (4, 1 + 2 * k)
-    torch.testing.assert_close(out[:, :1 + k], expected[:, :1 + k], atol=2e-5, rtol=0)
-    assert torch.equal(out[:, 1 + k:], expected[:, 1 + k:])  # random values: no ties
+    assert out.shape == (4, 2 + 2 * k)
+    assert torch.equal(out[:, 0], expected[:, 0])  # the sampled ids, -1 included
+    torch.testing.assert_close(out[:, 1:2 + k], expected[:, 1:2 + k], atol=2e-5, rtol=0)
+    assert torch.equal(out[:, 2 + k:], expected[:, 2 + k:])  # random values: no ties
 
 
 _COMPILE = """

@@ -53,7 +53,7 @@ def test_a_step_issues_no_host_sync() -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         ids = out.token_ids()
-        assert out.next_token_ids_cpu.is_pinned()
+        assert all(copy.is_pinned() for copy in out.host_copies())
         assert all(bool(allowed[row, token]) for row, token in enumerate(ids))
         for req, token in zip(reqs, ids, strict=True):
             req.output_ids.append(token)

@@ -5,7 +5,7 @@ H100 host), and `torch.topk` over a vocabulary-wide row launches a dozen radix-s
 `packed_logprobs` reads each row once (an online log-sum-exp and a running top-k of at most
 `MAX_K` slots) and writes the row's packed result (`SampleOutput.packed_logprobs`):
 
-    [n, 1 + 2k] float32: logprob of ids[i], the k best logprobs (best first), their ids
+    [n, 2 + 2k] float32: ids[i], its logprob, the k best logprobs (best first), their ids
 
 The values are the raw log-softmax as `torch.log_softmax` computes it, up to float rounding;
 tied values come in any order, as from `torch.topk`.
@@ -54,24 +54,26 @@ def _packed_logprobs_kernel(RAW, IDS, OUT, vocab, stride, out_stride,
                     y = tl.where(cols == j, float("-inf"), y)
     lse = tl.where(m == float("-inf"), m, m + tl.log(s))
     row = OUT + i.to(tl.int64) * out_stride
-    token = tl.minimum(tl.maximum(tl.load(IDS + i), 0), vocab - 1)  # MASKED rows: any id
-    tl.store(row, tl.load(base + token) - lse)
+    sampled = tl.load(IDS + i)
+    tl.store(row, sampled.to(tl.float32))
+    token = tl.minimum(tl.maximum(sampled, 0), vocab - 1)  # MASKED rows: any id's logprob
+    tl.store(row + 1, tl.load(base + token) - lse)
     for r in tl.static_range(K):  # the k slots, best first
         live = tl.where(slots < K, top_v, float("-inf"))
         v = tl.max(live, 0)
         at = tl.min(tl.where((live == v) & (slots < K), slots, KP), 0)
-        tl.store(row + 1 + r, v - lse)
-        tl.store(row + 1 + K + r, tl.sum(tl.where(slots == at, top_i, 0), 0).to(tl.float32))
+        tl.store(row + 2 + r, v - lse)
+        tl.store(row + 2 + K + r, tl.sum(tl.where(slots == at, top_i, 0), 0).to(tl.float32))
         top_v = tl.where(slots == at, float("-inf"), top_v)
         slots = tl.where(slots == at, KP, slots)  # taken: out of the live slots
 
 
 def packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """[n, 1 + 2k] float32 of `raw` [n, V] float32 logits (unit column stride) and the sampled
+    """[n, 2 + 2k] float32 of `raw` [n, V] float32 logits (unit column stride) and the sampled
     `ids` [n] (negative: a row that could not be sampled, any id's logprob), `k` <= MAX_K."""
     assert raw.dtype == torch.float32 and raw.stride(1) == 1 and 0 <= k <= MAX_K
     n, vocab = raw.shape
-    out = torch.empty(n, 1 + 2 * k, dtype=torch.float32, device=raw.device)
+    out = torch.empty(n, 2 + 2 * k, dtype=torch.float32, device=raw.device)
     if n:
         _packed_logprobs_kernel[(n,)](
             raw, ids, out, vocab, raw.stride(0), out.stride(0),

@@ -145,8 +145,8 @@ class Sampler:
 def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo
                     ) -> torch.Tensor:
     """Of the rows that asked (`info.logprob_positions`, in order), packed for one copy to the
-    host (`SampleOutput.packed_logprobs`): [n, 1 + 2 * max_top_logprobs] float32, the sampled
-    token's raw logprob, then the best (logprob, id)s. At batch 1 the host pays every op here
+    host (`SampleOutput.packed_logprobs`): [n, 2 + 2 * max_top_logprobs] float32, the sampled
+    id, its raw logprob, then the best (logprob, id)s. At batch 1 the host pays every op here
     per token: on a GPU one Triton launch (`logprob_kernel`; `torch.topk` alone launches a dozen
     kernels); elsewhere, or for wider top-k, one fused log-softmax pass (on the CPU a logsumexp
     costs several passes and a thread fork per call), a gather, a top-k and the packing `cat`
@@ -162,11 +162,12 @@ def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInf
 def torch_packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """`logprob_kernel.packed_logprobs` in torch ops."""
     logprobs = torch.log_softmax(raw, dim=-1)
-    chosen = logprobs.gather(1, ids.clamp(min=0).unsqueeze(1))  # [n, 1]
+    column = ids.unsqueeze(1)
+    chosen = logprobs.gather(1, column.clamp(min=0))  # [n, 1]
     if not k:
-        return chosen
+        return torch.cat([column, chosen], dim=1)
     top_values, top_ids = top_k(logprobs, k)
-    return torch.cat([chosen, top_values, top_ids], dim=1)
+    return torch.cat([column, chosen, top_values, top_ids], dim=1)
 
 
 def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
