@@ -7,7 +7,9 @@ import torch
 from tests.triton_modes import DEVICES, SAME_TRITON_MODE
 
 # isort: split
-from lmnb.runtime.sampling import logprob_kernel
+from lmnb.runtime.core import Req, SamplingParams
+from lmnb.runtime.sampling import Sampler, logprob_kernel, sampler
+from lmnb.runtime.scheduler import ReqState
 
 pytestmark = SAME_TRITON_MODE
 
@@ -37,6 +39,29 @@ def test_kernel_matches_log_softmax_and_topk(device: str, k: int) -> None:
     assert torch.equal(out[:, 2 + k:], expected[:, 2 + k:])  # random values: no ties
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampler_through_the_kernel_matches_torch_ops(device: str, monkeypatch) -> None:
+    """The sampler's logprobs of the rows that ask (some rows do not), through the kernel and
+    through torch ops: the same ids and top ids, logprobs to float rounding."""
+    def state(top: int, asks: bool) -> ReqState:
+        return ReqState(Req(origin_input_ids=[1, 2], sampling_params=SamplingParams(
+            temperature=0.0), return_logprob=asks, top_logprobs_num=top))
+
+    rows = [state(3, True), state(0, False), state(1, True), state(0, True)]
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(3)).to(device)
+    sampling = Sampler(3000, {2})
+    results = []
+    for devices in ((), (device,)):
+        monkeypatch.setattr(sampler, "KERNEL_DEVICES", devices)
+        out = sampling(logits, sampling.batch_info(rows, device))
+        results.append((out.token_ids(), out.logprobs(), out.top_logprobs()))
+    (ids, logprobs, tops), (kernel_ids, kernel_logprobs, kernel_tops) = results
+    assert kernel_ids == ids and [len(t) for t in kernel_tops] == [3, 0, 1, 0]
+    assert [[t for _, t in row] for row in kernel_tops] == [[t for _, t in row] for row in tops]
+    torch.testing.assert_close(torch.tensor(kernel_logprobs), torch.tensor(logprobs),
+                               atol=2e-5, rtol=0)
+
+
 _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -44,9 +69,10 @@ from triton.compiler import ASTSource
 from lmnb.runtime.sampling import logprob_kernel
 signature = {"RAW": "*fp32", "IDS": "*i64", "OUT": "*fp32", "vocab": "i32", "stride": "i32",
              "out_stride": "i32", "K": "constexpr", "KP": "constexpr", "BLOCK": "constexpr"}
-triton.compile(ASTSource(fn=logprob_kernel._packed_logprobs_kernel, signature=signature,
-                         constexprs={"K": 5, "KP": 8, "BLOCK": 1024}),
-               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+for k, kp in ((0, 2), (5, 8), (16, 16)):
+    triton.compile(ASTSource(fn=logprob_kernel._packed_logprobs_kernel, signature=signature,
+                             constexprs={"K": k, "KP": kp, "BLOCK": 1024}),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("compiled")
 """
 

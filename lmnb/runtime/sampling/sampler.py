@@ -23,6 +23,7 @@ from lmnb.runtime.sampling.race import race_logits, race_weights, row_seeds
 
 _NEG_INF = float("-inf")
 _TOP_K_BLOCK = 128  # on the CPU, `top_k` reads the best blocks of this many values
+KERNEL_DEVICES = ("cuda",)  # where logprobs come from `logprob_kernel` (tests: also "cpu")
 
 
 @dataclass
@@ -154,7 +155,7 @@ def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInf
     if info.logprob_rows is not None:
         raw, ids = raw[info.logprob_rows], ids[info.logprob_rows]
     k = info.max_top_logprobs
-    if raw.is_cuda and k <= MAX_K:
+    if raw.device.type in KERNEL_DEVICES and k <= MAX_K:
         return packed_logprobs(raw, ids, k)
     return torch_packed_logprobs(raw, ids, k)
 
