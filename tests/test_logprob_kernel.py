@@ -25,11 +25,12 @@ def _reference(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("k", [0, 1, 5, 16])
 def test_kernel_matches_log_softmax_and_topk(device: str, k: int) -> None:
     gen = torch.Generator().manual_seed(k)
-    raw = torch.randn(4, 2500, generator=gen) * 4  # a partial last block
-    raw[1, :2000] = float("-inf")  # padded / impossible tokens
-    raw[2, 2499] = 60.0  # the best token in the last column
-    raw[3, 1024:2048] += 5.0  # the best tokens all in one block
-    ids = torch.tensor([7, 2100, 2499, -1])  # -1: a row that could not be sampled
+    raw = torch.randn(4, 9000, generator=gen) * 4  # a partial last block
+    raw[1, :8980] = float("-inf")  # padded / impossible tokens: 20 left
+    raw[2, 8999] = 60.0  # the best token in the last column
+    raw[3, 4096:8192] += 5.0  # the best tokens all in one block
+    raw[3, 100] = 30.0  # ... but one
+    ids = torch.tensor([7, 8990, 8999, -1])  # -1: a row that could not be sampled
     raw, ids = raw.to(device), ids.to(device)
     out = logprob_kernel.packed_logprobs(raw, ids, k).cpu()
     expected = _reference(raw.cpu(), ids.cpu(), k)
@@ -48,8 +49,8 @@ def test_sampler_through_the_kernel_matches_torch_ops(device: str, monkeypatch) 
             temperature=0.0), return_logprob=asks, top_logprobs_num=top))
 
     rows = [state(3, True), state(0, False), state(1, True), state(0, True)]
-    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(3)).to(device)
-    sampling = Sampler(3000, {2})
+    logits = torch.randn(4, 9000, generator=torch.Generator().manual_seed(3)).to(device)
+    sampling = Sampler(9000, {2})
     results = []
     for devices in ((), (device,)):
         monkeypatch.setattr(sampler, "KERNEL_DEVICES", devices)
@@ -71,8 +72,8 @@ signature = {"RAW": "*fp32", "IDS": "*i64", "OUT": "*fp32", "vocab": "i32", "str
              "out_stride": "i32", "K": "constexpr", "KP": "constexpr", "BLOCK": "constexpr"}
 for k, kp in ((0, 2), (5, 8), (16, 16)):
     triton.compile(ASTSource(fn=logprob_kernel._packed_logprobs_kernel, signature=signature,
-                             constexprs={"K": k, "KP": kp, "BLOCK": 1024}),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                             constexprs={"K": k, "KP": kp, "BLOCK": 4096}),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 print("compiled")
 """
 
