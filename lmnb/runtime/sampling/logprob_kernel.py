@@ -22,8 +22,9 @@ _BLOCK = 4096  # a vocabulary of 50k-150k in 13-37 steps
 
 
 @triton.jit
-def _packed_logprobs_kernel(RAW, IDS, OUT, vocab, stride, out_stride,
-                            K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+def _packed_logprobs_kernel(RAW, IDS, OUT, vocab, stride, out_stride, K,
+                            KP: tl.constexpr, BLOCK: tl.constexpr):
+    # K <= KP, a runtime value: one compiled variant per power of two
     i = tl.program_id(0)
     base = RAW + i.to(tl.int64) * stride
     slots = tl.arange(0, KP)
@@ -46,7 +47,7 @@ def _packed_logprobs_kernel(RAW, IDS, OUT, vocab, stride, out_stride,
             y = x
             v = chunk_max
             lo = tl.min(top_v, 0)
-            for _ in tl.static_range(K):
+            for _ in tl.static_range(KP):
                 if v > lo:
                     j = tl.min(tl.where(y == v, cols, vocab), 0)  # first index of the maximum
                     at = tl.min(tl.where(top_v == lo, slots, KP), 0)
@@ -61,14 +62,15 @@ def _packed_logprobs_kernel(RAW, IDS, OUT, vocab, stride, out_stride,
     tl.store(row, sampled.to(tl.float32))
     token = tl.minimum(tl.maximum(sampled, 0), vocab - 1)  # MASKED rows: any id's logprob
     tl.store(row + 1, tl.load(base + token) - lse)
-    for r in tl.static_range(K):  # the k slots, best first
-        live = tl.where(slots < K, top_v, float("-inf"))
-        v = tl.max(live, 0)
-        at = tl.min(tl.where((live == v) & (slots < K), slots, KP), 0)
-        tl.store(row + 2 + r, v - lse)
-        tl.store(row + 2 + K + r, tl.sum(tl.where(slots == at, top_i, 0), 0).to(tl.float32))
-        top_v = tl.where(slots == at, float("-inf"), top_v)
-        slots = tl.where(slots == at, KP, slots)  # taken: out of the live slots
+    for r in tl.static_range(KP):  # the k slots, best first
+        if r < K:
+            live = tl.where(slots < K, top_v, float("-inf"))
+            v = tl.max(live, 0)
+            at = tl.min(tl.where((live == v) & (slots < K), slots, KP), 0)
+            tl.store(row + 2 + r, v - lse)
+            tl.store(row + 2 + K + r, tl.sum(tl.where(slots == at, top_i, 0), 0).to(tl.float32))
+            top_v = tl.where(slots == at, float("-inf"), top_v)
+            slots = tl.where(slots == at, KP, slots)  # taken: out of the live slots
 
 
 def packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -80,5 +82,5 @@ def packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tenso
     if n:
         _packed_logprobs_kernel[(n,)](
             raw, ids, out, vocab, raw.stride(0), out.stride(0),
-            K=k, KP=max(triton.next_power_of_2(k), 2), BLOCK=_BLOCK, num_warps=8)
+            k, KP=max(triton.next_power_of_2(k), 2), BLOCK=_BLOCK, num_warps=8)
     return out
