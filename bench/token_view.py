@@ -21,8 +21,10 @@ view / plain, view / traced) of wall time and of the process's CPU time (all thr
 than wall time on a shared host); the medians of those ratios over the rounds, with their
 min-max, are the result (with the ratio of each path's fastest run: on a shared host other
 work only adds time, so the fastest runs are the least disturbed). The target:
-`view / plain - 1` (what a user who turns the view on pays) at most 5%. JSON goes to
-bench/results/token_view[_cuda].json.
+`view / plain - 1` (what a user who turns the view on pays) at most 5%. At batch 1 a step is
+host-bound, so the extra host time per token is printed too, and on a GPU the run starts with
+the host time of one batch-1 sampling step with and without top-5 logprobs (`--sampler-calls`;
+the traced path's share of the step). JSON goes to bench/results/token_view[_cuda].json.
 
     python bench/token_view.py                         # CPU, 10 gens x 1000 tokens, 5 rounds
     python bench/token_view.py --device cuda           # 3 rounds on a GPU (~13 s a run: ~2.5 min)
