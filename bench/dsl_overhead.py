@@ -282,7 +282,10 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
     engine = sum(threads_end[name] - threads_start[name] for name in threads_end
                  if name.startswith("lmnb-") and name in threads_start
                  and name not in PROGRAM_THREADS)
+    loop = sum(threads_end[name] - threads_start.get(name, 0.0) for name in PROGRAM_THREADS
+               if name in threads_end)
     return {"path": label, "programs": count, "seconds": seconds, "cpu_seconds": cpu,
+            "program_loop_cpu_ms_per_program": 1e3 * loop / count,
             "programs_per_s": count / seconds, "cpu_ms_per_program": 1e3 * cpu / count,
             "engine_threads_cpu_ms_per_program": 1e3 * engine / count,
             "other_cpu_ms_per_program": 1e3 * (cpu - engine) / count,
@@ -293,6 +296,9 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
 
 
 SCHEDULE_PATHS = ("dsl run_batch", "raw generate, text", "raw generate, ids")
+PATH_NAMES = {"dsl": "dsl run_batch", "dsl-recorder": "dsl run_batch (programs.py recorder)",
+              "dsl-unbatched": "dsl run_batch, unbatched submits",
+              "raw-ids": "raw generate, ids", "raw-text": "raw generate, text"}
 SCHEDULE_KEYS = ("forward_passes", "extend_passes", "requests_per_extend_pass",
                  "tokens_per_extend_pass", "first_pass_end_s", "last_extend_end_s",
                  "last_pass_end_s", "after_last_pass_s", "gc_collections", "gc_full_seconds",
@@ -323,6 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=25.0,
                         help="programs.py's MMLU scale: 12 programs per unit (default 300)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per path; the fastest counts")
+    parser.add_argument("--paths", default=",".join(PATH_NAMES),
+                        help="comma-separated paths to run, of " + ", ".join(PATH_NAMES)
+                        + " (dsl and raw-text always run)")
     parser.add_argument("--top", type=int, default=30, help="rows of each profile table")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-timeline", action="store_true",
@@ -343,6 +352,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run the DSL and raw text paths with this GIL switch "
                         "interval (s) set around them: a scheduler thread starved of the GIL "
                         "while other threads run Python launches its passes late")
+    parser.add_argument("--batch-switch-interval", default="default",
+                        help="global_config.batch_switch_interval: the GIL switch interval (s) "
+                        "while a run_batch starts its programs; 'none': Python's own "
+                        "(lmnb.lang.gil_share); default: lmnb's default")
     parser.add_argument("--layers", type=int, default=1,
                         help="layers of the nearly-free model: many layers make each pass's "
                         "launch hand the GIL back and forth as often as a real model's on a GPU")
@@ -360,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--model and --dummy-config exclude each other")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    if args.batch_switch_interval != "default":
+        lmnb.global_config.batch_switch_interval = (
+            None if args.batch_switch_interval == "none" else float(args.batch_switch_interval))
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -441,6 +457,9 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                                                       sampling_params=params),
         "raw generate, text": lambda: runtime.generate(texts, params),
     }
+    wanted = {PATH_NAMES[name.strip()] for name in args.paths.split(",") if name.strip()}
+    paths = {label: work for label, work in paths.items()
+             if label in wanted or label in (SWITCH_DSL, SWITCH_RAW)}
     if args.compare_switch_interval is not None:
         tag = f" @ switch {args.compare_switch_interval:g} s"
         paths[SWITCH_DSL + tag] = switched(args.compare_switch_interval, paths["dsl run_batch"])
@@ -468,9 +487,10 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
           f"{'off' if args.disable_radix_cache else 'on'}")
     print(format_table(
         ["path", "programs", "seconds", "cpu s", "prog/s", "cpu ms/prog", "engine thr ms",
-         "other ms", "fwd passes", "mean batch", "max batch"],
+         "loop ms", "other ms", "fwd passes", "mean batch", "max batch"],
         [(r["path"], r["programs"], r["seconds"], r["cpu_seconds"], r["programs_per_s"],
           r["cpu_ms_per_program"], r["engine_threads_cpu_ms_per_program"],
+          r["program_loop_cpu_ms_per_program"],
           r["other_cpu_ms_per_program"], r["forward_passes"], r["mean_batch"],
           r["largest_batch"])
          for r in results.values()]))
@@ -511,7 +531,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         "config": {"workload": args.workload, "scale": args.scale, "programs": count,
                    "gen_tokens": gen_tokens,
                    "repeats": args.repeats, "model": model_label,
-                   "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze},
+                   "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze,
+                   "batch_switch_interval": lmnb.global_config.batch_switch_interval},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
         "dsl_over_raw_text_wall": wall,

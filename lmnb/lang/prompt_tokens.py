@@ -137,6 +137,8 @@ class PromptTokens:
                     break
         best: tuple[_Entry, int] | None = None
         for entry in candidates:
+            if best is not None and not text.startswith(entry.text[:best[1] + 1]):
+                continue  # shares no more than the best so far (one comparison, not a search)
             shared = _shared_prefix(text, entry.text)
             if best is None or shared > best[1]:
                 best = (entry, shared)
