@@ -27,7 +27,10 @@ to tell GC pauses from the DSL's own cost. `--compare-switch-interval S` runs th
 text paths once more with the GIL switch interval S: if the DSL's first pass then ends as early
 as the raw path's, the scheduler thread was starved of the GIL while the program loop ran
 program bodies (`--layers 32` gives the nearly-free model a real model's number of GIL
-hand-overs per pass launch, to try this on the CPU).
+hand-overs per pass launch, to try this on the CPU). A `run_batch` shortens the switch interval
+itself while it starts its programs (`lmnb.lang.gil_share`): `--batch-switch-interval` sets that
+value (`none`: Python's own), `--compare-batch-switch-intervals 2e-5,none` runs the DSL path
+once more with each. `loop ms` is the program loop's CPU per program (its thread's, from /proc).
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
@@ -309,7 +312,7 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     """The passes of the DSL path beside the raw paths': whether its first extend pass held as
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
-           for label in results if label in SCHEDULE_PATHS or "@ switch" in label}
+           for label in results if label in SCHEDULE_PATHS or "switch" in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -356,6 +359,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="global_config.batch_switch_interval: the GIL switch interval (s) "
                         "while a run_batch starts its programs; 'none': Python's own "
                         "(lmnb.lang.gil_share); default: lmnb's default")
+    parser.add_argument("--compare-batch-switch-intervals", default="",
+                        help="comma-separated values ('none' included) of "
+                        "--batch-switch-interval to run the DSL path with once more each, "
+                        "beside the default one (one model load)")
     parser.add_argument("--layers", type=int, default=1,
                         help="layers of the nearly-free model: many layers make each pass's "
                         "launch hand the GIL back and forth as often as a real model's on a GPU")
@@ -429,6 +436,18 @@ def switched(interval: float, work: Callable[[], Any]) -> Callable[[], Any]:
     return run_switched
 
 
+def batch_switched(interval: float | None, work: Callable[[], Any]) -> Callable[[], Any]:
+    """`work` with `global_config.batch_switch_interval` set to `interval` while it runs."""
+    def run_batch_switched() -> Any:
+        previous = lmnb.global_config.batch_switch_interval
+        lmnb.global_config.batch_switch_interval = interval
+        try:
+            return work()
+        finally:
+            lmnb.global_config.batch_switch_interval = previous
+    return run_batch_switched
+
+
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         model_label: str = "") -> dict[str, Any]:
     rng = random.Random(programs.SEED)  # the data, built once
@@ -465,6 +484,9 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         paths[SWITCH_DSL + tag] = switched(args.compare_switch_interval, paths["dsl run_batch"])
         paths[SWITCH_RAW + tag] = switched(args.compare_switch_interval,
                                            paths["raw generate, text"])
+    for value in filter(None, (v.strip() for v in args.compare_batch_switch_intervals.split(","))):
+        paths[f"{SWITCH_DSL} @ batch switch {value}"] = batch_switched(
+            None if value == "none" else float(value), paths[SWITCH_DSL])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
@@ -523,6 +545,11 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         dsl_switched, raw_switched = (results[label]["seconds_min"] for label in switched_paths)
         print(f"With the switch interval of --compare-switch-interval: DSL / raw text wall time "
               f"{dsl_switched / raw_switched:.2f}x (fastest of each)")
+    raw_fastest = results[SWITCH_RAW]["seconds_min"]
+    for label in (label for label in results if "@ batch switch" in label):
+        print(f"{label}: DSL / raw text wall time "
+              f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
+              f"the default {lmnb.global_config.batch_switch_interval:g} s: {wall_min:.2f}x)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
