@@ -31,6 +31,8 @@ hand-overs per pass launch, to try this on the CPU). A `run_batch` shortens the 
 itself while it starts its programs (`lmnb.lang.gil_share`): `--batch-switch-interval` sets that
 value (`none`: Python's own), `--compare-batch-switch-intervals 2e-5,none` runs the DSL path
 once more with each. `loop ms` is the program loop's CPU per program (its thread's, from /proc).
+`--gil-probe`: a thread sleeping 0.2 ms at a time notes how late it wakes in each path (how long
+a thread that gives the GIL up, as the scheduler at each torch call, waits to get it back).
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
@@ -66,6 +68,7 @@ from bench.common import RESULTS_DIR, environment, format_table, write_json  # n
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
 from bench.request_timeline import (  # noqa: E402
     STEPS,
+    GilProbe,
     RequestTimeline,
     thread_cpu_seconds,
     timeline_rows,
@@ -263,7 +266,7 @@ def top_table(profiles: list[cProfile.Profile], sort: str, top: int) -> str:
 
 
 def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
-            timeline: bool = True) -> dict[str, Any]:
+            timeline: bool = True, gil_probe: bool = False) -> dict[str, Any]:
     if not runtime.flush_cache():
         raise RuntimeError("flush_cache refused: requests still in flight")
     passes = PassLog()
@@ -272,7 +275,8 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
     threads_start = thread_cpu_seconds()
     pauses = GcPauses()
     recording = steps.recording() if timeline else nullcontext(steps)
-    with recording, pauses.watching():
+    probe = GilProbe()
+    with recording, pauses.watching(), probe.probing() if gil_probe else nullcontext():
         steps.restart()
         cpu_start, wall_start = time.process_time(), steps.start
         passes.start = pauses.start = wall_start
@@ -295,7 +299,10 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
             "gc_collections": pauses.counts, "gc_full_seconds": pauses.full_seconds,
             "gc_full_at_s": pauses.full_at, "timeline": steps.summary() if timeline else {},
             **passes.summary(), "after_last_pass_s": seconds - (passes.summary()[
-                "last_pass_end_s"] or 0.0)}
+                "last_pass_end_s"] or 0.0),
+            "gil_probe": {"to_first_pass": probe.summary(passes.summary()["first_pass_end_s"]),
+                          "to_last_extend": probe.summary(passes.summary()["last_extend_end_s"])}
+            if gil_probe else {}}
 
 
 SCHEDULE_PATHS = ("dsl run_batch", "raw generate, text", "raw generate, ids")
@@ -363,6 +370,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated values ('none' included) of "
                         "--batch-switch-interval to run the DSL path with once more each, "
                         "beside the default one (one model load)")
+    parser.add_argument("--gil-probe", action="store_true",
+                        help="a thread that sleeps 0.2 ms at a time notes how late it wakes "
+                        "(request_timeline.GilProbe): how long a thread giving up the GIL, as the "
+                        "scheduler does at each torch call, waits to get it back")
     parser.add_argument("--layers", type=int, default=1,
                         help="layers of the nearly-free model: many layers make each pass's "
                         "launch hand the GIL back and forth as often as a real model's on a GPU")
@@ -492,7 +503,7 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         for label, work in paths.items():
             runs[label].append(measure(
                 label, runtime, count if label.startswith("dsl") else len(recorded), work,
-                timeline=not args.no_timeline))
+                timeline=not args.no_timeline, gil_probe=args.gil_probe))
     results = {label: {**min(runs[label], key=lambda r: r["cpu_seconds"]),
                        "seconds_all": [r["seconds"] for r in runs[label]],
                        "seconds_min": min(r["seconds"] for r in runs[label])}
@@ -545,6 +556,17 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         dsl_switched, raw_switched = (results[label]["seconds_min"] for label in switched_paths)
         print(f"With the switch interval of --compare-switch-interval: DSL / raw text wall time "
               f"{dsl_switched / raw_switched:.2f}x (fastest of each)")
+    probed = {label: r["gil_probe"] for label, r in results.items() if r["gil_probe"]}
+    if probed:
+        print("\nGIL probe: wake-up delays of a thread sleeping 0.2 ms at a time, until the "
+              "first pass ended / until the last extend pass ended (ms; s: time spent waking "
+              "more than 1 ms late):")
+        print(format_table(
+            ["path", "first: p50", "p99", "max", "s > 1 ms", "extends: p50", "p99", "max",
+             "s > 1 ms"],
+            [(label, *(p[window].get(key) for window in ("to_first_pass", "to_last_extend")
+                       for key in ("p50_ms", "p99_ms", "max_ms", "over_1ms_s")))
+             for label, p in probed.items()]))
     raw_fastest = results[SWITCH_RAW]["seconds_min"]
     for label in (label for label in results if "@ batch switch" in label):
         print(f"{label}: DSL / raw text wall time "
