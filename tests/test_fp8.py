@@ -444,7 +444,7 @@ compile(triton_decode._decode_partial_kernel,
                                "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
         {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
          "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
-         "HAS_SKIP": False, "KV_FP8": True}, warps=2)
+         "HAS_SKIP": False, "KV_FP8": True, "PREFETCH": True, "K_ROWS": True}, warps=4)
 compile(fp8_quant._per_token_quant_kernel,
         {"X": dt, "OUT": f8, "SCALE": "*fp32", "K": "i32", "stride_x": "i32",
          "stride_out": "i32"}, {"BLOCK": 2048, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},
