@@ -42,7 +42,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -105,26 +105,36 @@ def decode_step_ms(rt: Runtime, *, steps: int, repeats: int, device: torch.devic
     return (timed(16 + steps) - timed(16)) / steps * 1e3
 
 
-def quality_logprobs(rt: Runtime, ids: list[int]) -> tuple[list[int], list[float], list[float]]:
-    """Per position t >= 1: the top-1 next-token id predicted for it, the logprob of the text's
-    token there, and the top-1 - top-2 logprob margin."""
+class PromptScores(NamedTuple):
+    """Per position t >= 1 of a prompt: the top-1 and top-2 next-token ids predicted for it, the
+    logprob of the text's token there, and the top-1 - top-2 logprob margin."""
+
+    top1: list[int]
+    top2: list[int]
+    logprobs: list[float]
+    margins: list[float]
+
+
+def quality_logprobs(rt: Runtime, ids: list[int]) -> PromptScores:
     out = rt.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
                       return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
     meta = out["meta_info"]
     tops = [meta["input_top_logprobs"][t] for t in range(1, len(ids))]
     logprobs = [meta["input_token_logprobs"][t][0] for t in range(1, len(ids))]
-    return [top[0][1] for top in tops], logprobs, [top[0][0] - top[1][0] for top in tops]
+    return PromptScores([top[0][1] for top in tops], [top[1][1] for top in tops], logprobs,
+                        [top[0][0] - top[1][0] for top in tops])
 
 
-def agreement_rows(top1: list[int], reference: tuple[list[int], list[float], list[float]]
-                   ) -> dict[str, float]:
+def agreement_rows(top1: list[int], reference: PromptScores) -> dict[str, float]:
     """Top-1 agreement with the reference, overall and on the positions where the reference's
-    top-1 beats its top-2 by more than each of MARGINS (near-ties flip under any noise)."""
-    ref_top1, _, ref_margin = reference
-    same = [a == b for a, b in zip(top1, ref_top1, strict=True)]
+    top-1 beats its top-2 by more than each of MARGINS (near-ties flip under any noise). Where
+    the reference's top two tie exactly (16-bit logits do at a few % of positions), either one
+    is its top-1."""
+    same = [a == r1 or (gap == 0 and a == r2) for a, r1, r2, gap in
+            zip(top1, reference.top1, reference.top2, reference.margins, strict=True)]
     row = {"top1_agreement": sum(same) / len(same)}
     for m in MARGINS:
-        kept = [s for s, gap in zip(same, ref_margin, strict=True) if gap > m]
+        kept = [s for s, gap in zip(same, reference.margins, strict=True) if gap > m]
         row[f"top1_agreement_margin_{m}"] = sum(kept) / max(len(kept), 1)
     return row
 
@@ -135,7 +145,7 @@ def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     model = None if args.quality_model is None else str(args.quality_model)
     text = TEXT.read_text().split("\n", 2)[2]  # without the provenance line
     results: dict[str, Any] = {"text": f"{TEXT.name}: Newton, Opticks (public domain)"}
-    reference: tuple[list[int], list[float], list[float]] | None = None
+    reference: PromptScores | None = None
     names = [args.variants[0], *args.floor, *args.variants[1:]]
     for name in names:
         options = {"dtype": args.dtype, **FLOOR_VARIANTS.get(name, VARIANTS.get(name, {}))}
@@ -143,15 +153,16 @@ def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any
                      context_length=args.quality_tokens + 8,
                      chunked_prefill_size=args.quality_tokens + 8) as rt:
             ids = rt.tokenizer.encode(text)[:args.quality_tokens]
-            top1, logprobs, margins = quality_logprobs(rt, ids)
+            scores = quality_logprobs(rt, ids)
+        top1, logprobs, margins = scores.top1, scores.logprobs, scores.margins
         ppl = math.exp(-sum(logprobs) / len(logprobs))
         row: dict[str, Any] = {"positions": len(top1), "perplexity": ppl}
         if reference is None:
-            reference = (top1, logprobs, margins)
+            reference = scores
             row |= {f"positions_margin_below_{m}": sum(g <= m for g in margins) / len(margins)
                     for m in MARGINS}
         else:
-            ref_ppl = math.exp(-sum(reference[1]) / len(reference[1]))
+            ref_ppl = math.exp(-sum(reference.logprobs) / len(reference.logprobs))
             row |= agreement_rows(top1, reference) | {"perplexity_vs_bf16": ppl / ref_ppl - 1}
         results[name] = row
         _free()

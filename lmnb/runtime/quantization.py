@@ -14,8 +14,13 @@
 
 What FP8 covers: the decoder's linear layers (q/k/v, o, gate/up, down), in every Llama-family model
 and LLaVA's language model; embeddings, the LM head, norms and the vision tower keep the model's
-dtype. Activations are quantized per token at run time (dynamic), so a checkpoint's static
-`input_scale` tensors are checked and not used.
+dtype. Activations are quantized per token at run time (dynamic, W8A8), so a checkpoint's static
+`input_scale` tensors are checked and not used. A compressed-tensors checkpoint whose config groups
+have no `input_activations` is weight-only FP8 (W8A16, vLLM's `CompressedTensorsW8A16Fp8`): the
+activations stay 16-bit in every GEMM (the skinny GEMV at M <= 16 always runs so; larger M
+multiply the dequantized weight in the model's dtype instead of `_scaled_mm`).
+`bench/fp8_gptq.py` writes such a checkpoint with GPTQ rounding, the FP8 scheme that meets the
+quality targets on SmolLM2-135M (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Fp8Config:
     weight_strategy: str = "channel"  # the checkpoint's: 'channel' | 'tensor'
     static_input_scale: bool = False  # the checkpoint has `input_scale` tensors (not used)
     ignored: tuple[str, ...] = ()
+    weight_only: bool = False  # W8A16: activations stay 16-bit (no `input_activations`)
 
 
 def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
@@ -64,7 +70,7 @@ def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
     if not groups:
         raise UnsupportedQuantizationError("compressed-tensors quantization_config has no "
                                            "config_groups")
-    strategies, static = set(), False
+    strategies, static, with_inputs = set(), False, set()
     for name, group in groups.items():
         weights = group.get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
@@ -81,14 +87,20 @@ def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
                                                "weight quantization is not supported")
         strategies.add(strategy)
         inputs = group.get("input_activations") or {}
+        with_inputs.add(bool(inputs))
         if inputs and (inputs.get("type") != "float" or inputs.get("num_bits") != 8):
             raise UnsupportedQuantizationError(
                 f"compressed-tensors group {name!r}: input activations {inputs!r} are not FP8")
         static = static or bool(inputs) and not inputs.get("dynamic", False)
+    if len(with_inputs) > 1:
+        raise UnsupportedQuantizationError(
+            "compressed-tensors config_groups mix weight-only FP8 with FP8 activations; lmnb "
+            "runs one scheme for every linear")
     ignored = tuple(str(n) for n in quantization_config.get("ignore") or ())
     return Fp8Config(prequantized=True,
                      weight_strategy="tensor" if "tensor" in strategies else "channel",
-                     static_input_scale=static, ignored=ignored)
+                     static_input_scale=static, ignored=ignored,
+                     weight_only=with_inputs == {False})
 
 
 def resolve_quantization(option: str | None, checkpoint: Fp8Config | None) -> Fp8Config | None:
