@@ -20,11 +20,17 @@ Parts (`--parts`, default all):
             `--quality-tokens` tokens as one prompt, prompt logprobs of every position: each
             variant's next-token top-1 agreement with bf16 and its perplexity against bf16's;
             first the noise floor (`--floor`: fp32 and fp16 against bf16), and agreement on the
-            positions where bf16's top-1 beats its top-2 by > 0.1 / 0.5 (logprob)
+            positions where bf16's top-1 beats its top-2 by > 0.1 / 0.5 (logprob); then the
+            FP8 checkpoints of `--quality-checkpoints` (bench/fp8_gptq.py, written from the
+            quality model into a temporary folder, calibrated on the text past the measured
+            tokens): fp8-w8a16 (weight-only FP8, round to nearest), fp8-gptq (weight-only,
+            GPTQ), fp8-gptq-w8a8 (GPTQ weights, per-token FP8 activations)
 
 JSON to bench/results/fp8.json (and $OUT/fp8.json when $OUT is set). On the GPU machine:
     python bench/fp8.py                                  # all parts, about 6 minutes on an H100
     python bench/fp8.py --parts quality --quality-model /tmp/smollm2
+    python bench/fp8.py --parts quality --quality-model /tmp/smollm2 --variants bf16,fp8,fp8-kv \
+        --quality-checkpoints fp8-w8a16,fp8-gptq,fp8-gptq-w8a8
     python bench/fp8.py --parts decode --variants bf16,fp8   # batch-1 decode only (~2 minutes)
     python bench/fp8.py --parts decode --variants bf16,fp8 \
         --fp8-gemv-table bench/results/gemv_fp8_sweep.json    # with a sweep's best FP8 configs
@@ -76,6 +82,9 @@ FLOOR_VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "fp16": {"dtype": "float16"},
 }
+# bench/fp8_gptq.py checkpoints of the quality model: (weight_only, gptq)
+QUALITY_CHECKPOINTS = {"fp8-w8a16": (True, False), "fp8-gptq": (True, True),
+                       "fp8-gptq-w8a8": (False, True)}
 MARGINS = (0.1, 0.5)  # top-1 - top-2 logprob margins of the margin-aware agreement
 TEXT = REPO_ROOT / "bench" / "data" / "opticks.txt"
 PARTS = ("decode", "offline", "quality")
@@ -146,10 +155,13 @@ def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     text = TEXT.read_text().split("\n", 2)[2]  # without the provenance line
     results: dict[str, Any] = {"text": f"{TEXT.name}: Newton, Opticks (public domain)"}
     reference: PromptScores | None = None
-    names = [args.variants[0], *args.floor, *args.variants[1:]]
+    names = [args.variants[0], *args.floor, *args.variants[1:], *args.quality_checkpoints]
+    scratch = tempfile.TemporaryDirectory(prefix="fp8-quality-")
     for name in names:
         options = {"dtype": args.dtype, **FLOOR_VARIANTS.get(name, VARIANTS.get(name, {}))}
-        with Runtime(model, device=str(device), **options,
+        folder = (str(_quality_checkpoint(args, name, Path(scratch.name)))
+                  if name in QUALITY_CHECKPOINTS else model)
+        with Runtime(folder, device=str(device), **options,
                      context_length=args.quality_tokens + 8,
                      chunked_prefill_size=args.quality_tokens + 8) as rt:
             ids = rt.tokenizer.encode(text)[:args.quality_tokens]
@@ -167,7 +179,21 @@ def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         results[name] = row
         _free()
     results["rows"] = names
+    scratch.cleanup()
     return results
+
+
+def _quality_checkpoint(args: argparse.Namespace, name: str, root: Path) -> Path:
+    """bench/fp8_gptq.py's checkpoint `name` of the quality model, calibrated on the text's
+    tokens past the measured ones."""
+    from bench.fp8_gptq import calibration_ids, write_fp8_checkpoint
+    from lmnb.runtime.models.loader import resolve_model_dir
+
+    source = args.quality_model or resolve_model_dir(None)
+    weight_only, gptq = QUALITY_CHECKPOINTS[name]
+    calib = calibration_ids(source, args.quality_tokens, 1024) if gptq else None
+    return write_fp8_checkpoint(source, root / name, weight_only=weight_only, gptq=gptq,
+                                calib=calib)
 
 
 def run_speed(args: argparse.Namespace, device: torch.device,
@@ -239,6 +265,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--floor", default=",".join(FLOOR_VARIANTS),
                         help="quality part: the 16/32-bit rows compared with bf16 ('' for none)")
+    parser.add_argument("--quality-checkpoints", default="",
+                        help=f"quality part: some of {list(QUALITY_CHECKPOINTS)} (comma-separated)")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized check of the script")
     parser.add_argument("--fp8-gemv-table", type=Path, default=None,
                         help="a `bench/gemv.py --fp8 --sweep` JSON: its best configs replace "
@@ -249,6 +277,9 @@ def main() -> None:
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {PARTS}")
     args.variants = args.variants.split(",")
     args.floor = [name for name in args.floor.split(",") if name]
+    args.quality_checkpoints = [n for n in args.quality_checkpoints.split(",") if n]
+    if set(args.quality_checkpoints) - set(QUALITY_CHECKPOINTS):
+        parser.error(f"--quality-checkpoints: some of {list(QUALITY_CHECKPOINTS)}")
     if set(args.floor) - set(FLOOR_VARIANTS):
         parser.error(f"--floor: some of {list(FLOOR_VARIANTS)}")
     if set(args.variants) - set(VARIANTS) or args.variants[0] != "bf16":

@@ -16,7 +16,11 @@ from bench.fp8_gptq import calibration_ids, write_fp8_checkpoint
 from bench.fp8_sensitivity import compare, fake_fp8, gptq_weight, quant_weight
 from lmnb.runtime.models import loader
 from lmnb.runtime.models.layers import fp8
-from lmnb.runtime.quantization import UnsupportedQuantizationError, checkpoint_quantization
+from lmnb.runtime.quantization import (
+    UnsupportedQuantizationError,
+    checkpoint_quantization,
+    module_quantization,
+)
 from tests.test_fp8 import _load, _passes, _runner
 
 FP8 = torch.float8_e4m3fn
@@ -40,6 +44,15 @@ def test_checkpoints_without_input_activations_are_weight_only():
     assert not checkpoint_quantization(config(True)).weight_only
     with pytest.raises(UnsupportedQuantizationError, match="mix weight-only"):
         checkpoint_quantization(config(True, False))
+    quant = checkpoint_quantization(config(False) | {"ignore": [
+        "lm_head", "model.layers.1.mlp.down_proj", "re:.*layers\\.2\\.self_attn\\.[qkv]_proj"]})
+    assert not quant.quantizes("layers.1.mlp.down_proj")
+    assert quant.quantizes("layers.11.mlp.down_proj") and quant.quantizes("layers.1.mlp.up_proj")
+    assert module_quantization(quant, ["layers.2.self_attn.q_proj",
+                                       "layers.2.self_attn.v_proj"]) is None
+    assert module_quantization(quant, ["layers.3.self_attn.q_proj"]) is quant
+    with pytest.raises(UnsupportedQuantizationError, match="only some"):
+        module_quantization(quant, ["layers.1.mlp.up_proj", "layers.1.mlp.down_proj"])
 
 
 def test_weight_only_linear_keeps_activations_16_bit():
@@ -88,6 +101,9 @@ def test_gptq_checkpoint_loads_weight_only(tiny_models, smollm2_dir, tmp_path):
         model = _load(out, config)
     down = model.model.layers[0].mlp.down_proj
     assert down.weight.dtype == FP8 and down.fp8_weight_only
+    kept = model.model.layers[1]  # in `ignore`: its 16-bit weights as they are
+    assert kept.mlp.down_proj.weight_scale is None and kept.self_attn.qkv_proj.weight_scale is None
+    assert kept.mlp.down_proj.weight.dtype == torch.float32
     from safetensors.torch import load_file
 
     saved = load_file(str(out / "model.safetensors"))

@@ -25,6 +25,7 @@ quality targets on SmolLM2-135M (bench/RESULTS.md).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,32 @@ class Fp8Config:
     static_input_scale: bool = False  # the checkpoint has `input_scale` tensors (not used)
     ignored: tuple[str, ...] = ()
     weight_only: bool = False  # W8A16: activations stay 16-bit (no `input_activations`)
+
+    def quantizes(self, module: str) -> bool:
+        """Whether decoder linear `module` (named as in a Llama checkpoint without its prefix:
+        'layers.3.mlp.down_proj') is FP8, i.e. not in the checkpoint's `ignore` list (full
+        names such as 'model.layers.3.mlp.down_proj', or 're:' regular expressions)."""
+        for entry in self.ignored:
+            if entry.startswith("re:"):
+                if any(re.fullmatch(entry[3:], name) for name in (module, "model." + module)):
+                    return False
+            elif entry == module or entry.endswith("." + module):
+                return False
+        return True
+
+
+def module_quantization(quant: Fp8Config | None, modules: list[str]) -> Fp8Config | None:
+    """The FP8 config of one linear made of checkpoint `modules` (q/k/v or gate/up fused):
+    None where the checkpoint's `ignore` leaves them 16-bit; an error where it leaves only
+    some of them (a fused weight has one format)."""
+    if quant is None:
+        return None
+    kept = {quant.quantizes(m) for m in modules}
+    if len(kept) > 1:
+        raise UnsupportedQuantizationError(
+            f"the checkpoint's ignore list leaves only some of {modules} unquantized; lmnb fuses "
+            "them into one FP8 or 16-bit weight")
+    return quant if kept == {True} else None
 
 
 def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
