@@ -16,7 +16,9 @@ Parts (`--parts`, default all):
   quality   real weights (the embedded SmolLM2-135M-Instruct, or `--quality-model`), real text
             (bench/data/opticks.txt, Newton's Opticks, public domain): the first
             `--quality-tokens` tokens as one prompt, prompt logprobs of every position: each
-            variant's next-token top-1 agreement with bf16 and its perplexity against bf16's
+            variant's next-token top-1 agreement with bf16 and its perplexity against bf16's;
+            first the noise floor (`--floor`: fp32 and fp16 against bf16), and agreement on the
+            positions where bf16's top-1 beats its top-2 by > 0.1 / 0.5 (logprob)
 
 JSON to bench/results/fp8.json (and $OUT/fp8.json when $OUT is set). On the GPU machine:
     python bench/fp8.py                                  # all parts, about 6 minutes on an H100
@@ -64,6 +66,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
 }
+# The noise floor of the quality part: the model in other 16/32-bit dtypes against bf16.
+FLOOR_VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {"dtype": "float32"},
+    "fp16": {"dtype": "float16"},
+}
+MARGINS = (0.1, 0.5)  # top-1 - top-2 logprob margins of the margin-aware agreement
 TEXT = REPO_ROOT / "bench" / "data" / "opticks.txt"
 PARTS = ("decode", "offline", "quality")
 
@@ -92,39 +100,57 @@ def decode_step_ms(rt: Runtime, *, steps: int, repeats: int, device: torch.devic
     return (timed(16 + steps) - timed(16)) / steps * 1e3
 
 
-def quality_logprobs(rt: Runtime, ids: list[int]) -> tuple[list[int], list[float]]:
-    """Per position t >= 1: the top-1 next-token id predicted for it, and the logprob of the
-    text's token there."""
+def quality_logprobs(rt: Runtime, ids: list[int]) -> tuple[list[int], list[float], list[float]]:
+    """Per position t >= 1: the top-1 next-token id predicted for it, the logprob of the text's
+    token there, and the top-1 - top-2 logprob margin."""
     out = rt.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                      return_logprob=True, top_logprobs_num=1, logprob_start_len=0)
+                      return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
     meta = out["meta_info"]
-    top1 = [meta["input_top_logprobs"][t][0][1] for t in range(1, len(ids))]
+    tops = [meta["input_top_logprobs"][t] for t in range(1, len(ids))]
     logprobs = [meta["input_token_logprobs"][t][0] for t in range(1, len(ids))]
-    return top1, logprobs
+    return [top[0][1] for top in tops], logprobs, [top[0][0] - top[1][0] for top in tops]
+
+
+def agreement_rows(top1: list[int], reference: tuple[list[int], list[float], list[float]]
+                   ) -> dict[str, float]:
+    """Top-1 agreement with the reference, overall and on the positions where the reference's
+    top-1 beats its top-2 by more than each of MARGINS (near-ties flip under any noise)."""
+    ref_top1, _, ref_margin = reference
+    same = [a == b for a, b in zip(top1, ref_top1, strict=True)]
+    row = {"top1_agreement": sum(same) / len(same)}
+    for m in MARGINS:
+        kept = [s for s, gap in zip(same, ref_margin, strict=True) if gap > m]
+        row[f"top1_agreement_margin_{m}"] = sum(kept) / max(len(kept), 1)
+    return row
 
 
 def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """bf16 first (the reference), then the noise floor (the same model at other 16/32-bit
+    dtypes: no FP8 scheme can agree with bf16 better than fp32 does), then the FP8 variants."""
     model = None if args.quality_model is None else str(args.quality_model)
     text = TEXT.read_text().split("\n", 2)[2]  # without the provenance line
     results: dict[str, Any] = {"text": f"{TEXT.name}: Newton, Opticks (public domain)"}
-    reference: tuple[list[int], list[float]] | None = None
-    for name in args.variants:
-        options = VARIANTS[name]
-        with Runtime(model, device=str(device), dtype=args.dtype, **options,
+    reference: tuple[list[int], list[float], list[float]] | None = None
+    names = [args.variants[0], *args.floor, *args.variants[1:]]
+    for name in names:
+        options = {"dtype": args.dtype, **FLOOR_VARIANTS.get(name, VARIANTS.get(name, {}))}
+        with Runtime(model, device=str(device), **options,
                      context_length=args.quality_tokens + 8,
                      chunked_prefill_size=args.quality_tokens + 8) as rt:
             ids = rt.tokenizer.encode(text)[:args.quality_tokens]
-            top1, logprobs = quality_logprobs(rt, ids)
+            top1, logprobs, margins = quality_logprobs(rt, ids)
         ppl = math.exp(-sum(logprobs) / len(logprobs))
         row: dict[str, Any] = {"positions": len(top1), "perplexity": ppl}
         if reference is None:
-            reference = (top1, logprobs)
+            reference = (top1, logprobs, margins)
+            row |= {f"positions_margin_below_{m}": sum(g <= m for g in margins) / len(margins)
+                    for m in MARGINS}
         else:
-            agree = sum(a == b for a, b in zip(top1, reference[0], strict=True)) / len(top1)
             ref_ppl = math.exp(-sum(reference[1]) / len(reference[1]))
-            row |= {"top1_agreement": agree, "perplexity_vs_bf16": ppl / ref_ppl - 1}
+            row |= agreement_rows(top1, reference) | {"perplexity_vs_bf16": ppl / ref_ppl - 1}
         results[name] = row
         _free()
+    results["rows"] = names
     return results
 
 
@@ -193,6 +219,8 @@ def main() -> None:
                         help="HF folder of SmolLM2-135M-Instruct (default: the embedded one)")
     parser.add_argument("--quality-tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--floor", default=",".join(FLOOR_VARIANTS),
+                        help="quality part: the 16/32-bit rows compared with bf16 ('' for none)")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized check of the script")
     parser.add_argument("--fp8-gemv-table", type=Path, default=None,
                         help="a `bench/gemv.py --fp8 --sweep` JSON: its best configs replace "
@@ -202,6 +230,9 @@ def main() -> None:
     if parts - set(PARTS):
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {PARTS}")
     args.variants = args.variants.split(",")
+    args.floor = [name for name in args.floor.split(",") if name]
+    if set(args.floor) - set(FLOOR_VARIANTS):
+        parser.error(f"--floor: some of {list(FLOOR_VARIANTS)}")
     if set(args.variants) - set(VARIANTS) or args.variants[0] != "bf16":
         parser.error(f"--variants: bf16 first, then some of {list(VARIANTS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -237,10 +268,16 @@ def main() -> None:
         quality = run_quality(args, device)
         results["quality"] = quality
         print(f"quality on {quality['text']}")
-        print(format_table(["variant", "positions", "perplexity", "vs bf16", "top-1 agreement"],
-                           [[name, quality[name]["positions"], quality[name]["perplexity"],
-                             quality[name].get("perplexity_vs_bf16"),
-                             quality[name].get("top1_agreement")] for name in args.variants]))
+        ref = quality[quality["rows"][0]]
+        print("positions whose bf16 top-1 beats top-2 by <= m (logprob): " + ", ".join(
+            f"m={m}: {ref[f'positions_margin_below_{m}']:.1%}" for m in MARGINS))
+        print(format_table(
+            ["variant", "positions", "perplexity", "vs bf16", "top-1 agreement",
+             *(f"agreement, margin > {m}" for m in MARGINS)],
+            [[name, quality[name]["positions"], quality[name]["perplexity"],
+              quality[name].get("perplexity_vs_bf16"), quality[name].get("top1_agreement"),
+              *(quality[name].get(f"top1_agreement_margin_{m}") for m in MARGINS)]
+             for name in quality["rows"]]))
     path = write_json(RESULTS_DIR / ("fp8_tiny.json" if args.tiny else "fp8.json"), results)
     if os.environ.get("OUT"):
         write_json(Path(os.environ["OUT"]) / path.name, results)
