@@ -61,7 +61,7 @@ class LlamaAttention(PooledAttention):
             q, _, _ = rotary.rotate_qkv(
                 positions, qkv, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
-                slots=forward_batch.out_cache_loc)
+                slots=forward_batch.out_cache_loc, kv_scales=storage.scales(self.layer_id))
             out = backend.forward(q, None, None, self.layer_id, forward_batch, save_kv=False)
         else:
             q, k, v = rotary.rotate_qkv(positions, qkv, num_heads=self.num_heads,
