@@ -262,6 +262,9 @@ def schemes(rows: set[str]) -> list[Scheme]:
     if "kv" in rows:
         out += [Scheme(f"KV fp8 scale {mode}", kv=mode) for mode in ("layer", "head",
                                                                       "token_head")]
+    if "kvmain" in rows:  # main's KV scheme against this branch's
+        out += [Scheme("KV fp8 scale 1 (main)", kv="one"),
+                Scheme("KV fp8 scale per token and head", kv="token_head")]
     if "smooth" in rows:
         out += [Scheme("KV fp8, K/V means of the prompt off", kv_smooth="prompt"),
                 Scheme("KV fp8, calibrated K/V means off", kv_smooth="calibrated"),
