@@ -24,13 +24,14 @@ Parts (`--parts`, default all):
             FP8 checkpoints of `--quality-checkpoints` (bench/fp8_gptq.py, written from the
             quality model into a temporary folder, calibrated on the text past the measured
             tokens): fp8-w8a16 (weight-only FP8, round to nearest), fp8-gptq (weight-only,
-            GPTQ), fp8-gptq-w8a8 (GPTQ weights, per-token FP8 activations)
+            GPTQ), fp8-gptq-ends (that with the first and last decoder layers 16-bit),
+            fp8-gptq-w8a8 (GPTQ weights, per-token FP8 activations)
 
 JSON to bench/results/fp8.json (and $OUT/fp8.json when $OUT is set). On the GPU machine:
     python bench/fp8.py                                  # all parts, about 6 minutes on an H100
     python bench/fp8.py --parts quality --quality-model /tmp/smollm2
     python bench/fp8.py --parts quality --quality-model /tmp/smollm2 --variants bf16,fp8,fp8-kv \
-        --quality-checkpoints fp8-w8a16,fp8-gptq,fp8-gptq-w8a8
+        --quality-checkpoints fp8-w8a16,fp8-gptq,fp8-gptq-ends,fp8-gptq-w8a8
     python bench/fp8.py --parts decode --variants bf16,fp8   # batch-1 decode only (~2 minutes)
     python bench/fp8.py --parts decode --variants bf16,fp8 \
         --fp8-gemv-table bench/results/gemv_fp8_sweep.json    # with a sweep's best FP8 configs
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import statistics
@@ -82,9 +84,10 @@ FLOOR_VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "fp16": {"dtype": "float16"},
 }
-# bench/fp8_gptq.py checkpoints of the quality model: (weight_only, gptq)
-QUALITY_CHECKPOINTS = {"fp8-w8a16": (True, False), "fp8-gptq": (True, True),
-                       "fp8-gptq-w8a8": (False, True)}
+# bench/fp8_gptq.py checkpoints of the quality model: (weight_only, gptq, first and last
+# decoder layers 16-bit)
+QUALITY_CHECKPOINTS = {"fp8-w8a16": (True, False, False), "fp8-gptq": (True, True, False),
+                       "fp8-gptq-ends": (True, True, True), "fp8-gptq-w8a8": (False, True, False)}
 MARGINS = (0.1, 0.5)  # top-1 - top-2 logprob margins of the margin-aware agreement
 TEXT = REPO_ROOT / "bench" / "data" / "opticks.txt"
 PARTS = ("decode", "offline", "quality")
@@ -190,10 +193,11 @@ def _quality_checkpoint(args: argparse.Namespace, name: str, root: Path) -> Path
     from lmnb.runtime.models.loader import resolve_model_dir
 
     source = args.quality_model or resolve_model_dir(None)
-    weight_only, gptq = QUALITY_CHECKPOINTS[name]
+    weight_only, gptq, ends = QUALITY_CHECKPOINTS[name]
     calib = calibration_ids(source, args.quality_tokens, 1024) if gptq else None
+    layers = json.loads((Path(source) / "config.json").read_text())["num_hidden_layers"]
     return write_fp8_checkpoint(source, root / name, weight_only=weight_only, gptq=gptq,
-                                calib=calib)
+                                calib=calib, skip_layers=(0, layers - 1) if ends else ())
 
 
 def run_speed(args: argparse.Namespace, device: torch.device,

@@ -16,6 +16,7 @@ and agreement on the positions where the reference's top-1 beats its top-2 by > 
 
     python bench/fp8_sensitivity.py --tokens 1024                     # the standard table
     python bench/fp8_sensitivity.py --tokens 512 --rows floor,kv      # some rows
+    python bench/fp8_sensitivity.py --tokens 2048 --dtype bfloat16 --rows best [--offset 2048]
 """
 
 from __future__ import annotations
@@ -345,6 +346,14 @@ def schemes(rows: set[str]) -> list[Scheme]:
                 Scheme("KV fp8, calibrated K/V means off", kv_smooth="calibrated"),
                 Scheme("KV fp8 token_head, calibrated means off", kv_smooth="calibrated",
                        kv_smooth_scale="token_head")]
+    if "best" in rows:  # the candidates that meet issue 23's targets, with their baselines
+        out += [Scheme("fp32 (no fp8)", dtype=torch.float32),
+                Scheme("W8A16 channel", all_lin),
+                Scheme("W8A16 channel, GPTQ", all_lin, gptq=True),
+                Scheme("W8A16 channel, GPTQ, layers 0,29 16-bit", all_lin, gptq=True,
+                       skip_layers=(0, 29)),
+                Scheme("KV fp8 scale 1 (main)", kv="one"),
+                Scheme("KV fp8 scale token_head", kv="token_head")]
     if "int8" in rows:
         out += [Scheme("W int8 channel (W8A16, not fp8)", dict.fromkeys(LINEARS, "int8")),
                 Scheme("KV int8 per token-head (not fp8)", kv="int8_token_head")]
@@ -360,6 +369,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="HF folder (default: the embedded SmolLM2, converted)")
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--offset", type=int, default=0, help="the text's first token measured")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--margin", type=float, default=0.1)
     parser.add_argument("--rows", default="floor,today,split,finer,kv,skip")
@@ -372,7 +382,7 @@ def main() -> None:
     if args.model is None:
         args.model = resolve_model_dir(None)
     text = TEXT.read_text().split("\n", 2)[2]  # as bench/fp8.py's quality part
-    ids = torch.tensor(load_tokenizer(args.model).encode(text)[:args.tokens])
+    ids = torch.tensor(load_tokenizer(args.model).encode(text)[args.offset:][:args.tokens])
     model = SmolLM(args.model)
     dtype = getattr(torch, args.dtype)
     targets = ids[1:]
@@ -380,14 +390,16 @@ def main() -> None:
     ref = model.logprobs(ids, Scheme("reference"), dtype)[:-1]
     if "smooth" in args.rows:  # means from the text after the measured tokens (calibration)
         model.record = {}
-        calib = torch.tensor(load_tokenizer(args.model).encode(text)[args.tokens:][:512])
+        after = args.offset + args.tokens
+        calib = torch.tensor(load_tokenizer(args.model).encode(text)[after:][:512])
         model.logprobs(calib, Scheme("calibration"), dtype)
         model.kv_means, model.record = model.record, None
     rows = schemes(set(args.rows.split(",")))
     if any(r.gptq for r in rows):  # Hessians of every linear's inputs on disjoint text
         all_ids = load_tokenizer(args.model).encode(text)
         calib = torch.tensor(all_ids[args.calib_start:][:args.calib_tokens])
-        assert args.calib_start >= args.tokens and len(calib), "calibration overlaps the text"
+        assert args.calib_start >= args.offset + args.tokens and len(calib), \
+            "calibration overlaps the text"
         model.collect = True
         model.logprobs(calib, Scheme("calibration"), dtype)
         model.collect = False

@@ -8,8 +8,8 @@
     quantization="compressed-tensors"   the checkpoint must be an FP8 compressed-tensors one
 
     kv_cache_dtype="auto"       the KV pool in the model's dtype
-    kv_cache_dtype="fp8_e4m3"   the KV pool in float8_e4m3fn (per-tensor scale 1.0, SGLang's
-                                default when no scales are given): half the bytes per token
+    kv_cache_dtype="fp8_e4m3"   the KV pool in float8_e4m3fn with a float32 scale per token and
+                                KV head (memory/kv_storage.py): ~half the bytes per token
     kv_cache_dtype="bf16"/"bfloat16"    bfloat16 whatever the model's dtype
 
 What FP8 covers: the decoder's linear layers (q/k/v, o, gate/up, down), in every Llama-family model

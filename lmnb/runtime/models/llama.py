@@ -67,8 +67,8 @@ class LlamaAttention(PooledAttention):
         """`forward(norm(hidden, residual))` -> (out, the residual stream); the norm may run
         inside the qkv GEMM (`MergedColumnParallelLinear.forward_normed`), and the rotary too
         (`QKVParallelLinear.forward_normed_rotary`)."""
-        if rotary.fused:
-            storage = self.attn_backend.kv_storage
+        storage = self.attn_backend.kv_storage
+        if rotary.fused and not storage.is_fp8:  # (an FP8 pool's scales: `attend`'s rotary)
             fused = self.qkv_proj.forward_normed_rotary(
                 norm, hidden, residual, rotary, positions,
                 kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
@@ -90,7 +90,7 @@ class LlamaAttention(PooledAttention):
             q, _, _ = rotary.rotate_qkv(
                 positions, qkv, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
-                slots=forward_batch.out_cache_loc)
+                slots=forward_batch.out_cache_loc, kv_scales=storage.scales(self.layer_id))
             out = backend.forward(q, None, None, self.layer_id, forward_batch, save_kv=False)
         else:
             q, k, v = rotary.rotate_qkv(positions, qkv, num_heads=self.num_heads,
