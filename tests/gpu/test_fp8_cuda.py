@@ -207,3 +207,27 @@ def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
         in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
                       for g, e in zip(got, expected, strict=True))
         assert in_top5 >= 0.9 * len(prompts), (extra, in_top5)
+
+
+def test_gptq_weight_only_checkpoint_end_to_end(request, tmp_path):
+    """bench/fp8_gptq.py's weight-only FP8 checkpoint (first layer 16-bit) served on the GPU:
+    prefill multiplies the dequantized weights (no `_scaled_mm`), decode the skinny GEMV; the
+    same top-5 check as above against the 16-bit model."""
+    from bench.fp8_gptq import write_fp8_checkpoint
+
+    folder = request.getfixturevalue("head_dim_64_model")
+    rng = random.Random(6)
+    calib = torch.tensor([rng.randrange(3, 49152) for _ in range(256)])
+    checkpoint = write_fp8_checkpoint(folder, tmp_path / "gptq", calib=calib, skip_layers=(0,))
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(20, 300))] for _ in range(20)]
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 16}
+    options = dict(device="cuda", dtype="bfloat16", context_length=512, max_running_requests=32)
+    with Runtime(folder, **options) as reference:
+        expected = reference.generate(input_ids=prompts, sampling_params=greedy)
+    with Runtime(checkpoint, **options) as rt:
+        got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
+                          top_logprobs_num=5)
+        rt.check_integrity()
+    in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
+                  for g, e in zip(got, expected, strict=True))
+    assert in_top5 >= 0.9 * len(prompts), in_top5
