@@ -12,8 +12,11 @@ lmnb (and vLLM / SGLang) load it as they are:
 
 GPTQ keeps each row's scale (amax / 448) and picks the FP8 values column by column, feeding each
 column's rounding error to the columns not yet rounded through the inverse Hessian of the layer's
-inputs on calibration text (`bench/fp8_sensitivity.gptq_weight`). Calibration: `--calib-tokens`
-tokens of bench/data/opticks.txt from `--calib-start` (past the 4,096 tokens bench/fp8.py measures).
+inputs (those of the 16-bit model, in float32) on calibration text
+(`bench/fp8_sensitivity.gptq_weight`). Calibration: `--calib-tokens` tokens of
+bench/data/opticks.txt from `--calib-start` (past the 4,096 tokens bench/fp8.py measures).
+Scope: Llama-family checkpoints in one `model.safetensors` with plain rotary (the calibration
+forward is bench/fp8_sensitivity.py's plain-torch Llama; rope scaling is not modelled there).
 
     python bench/fp8_gptq.py --out /tmp/smollm2-fp8-gptq            # the embedded SmolLM2
     python bench/fp8_gptq.py --model DIR --out DIR2 --activations dynamic
@@ -76,6 +79,9 @@ def write_fp8_checkpoint(source: Path, target: Path, *, weight_only: bool = True
     `skip_layers` left 16-bit and listed in `ignore`."""
     from safetensors.torch import load_file, save_file
 
+    if not (source / "model.safetensors").is_file():
+        raise ValueError(f"{source}: needs one model.safetensors (sharded checkpoints are not "
+                         "supported by this script)")
     model = SmolLM(source)
     if gptq:
         assert calib is not None, "GPTQ needs calibration token ids"
