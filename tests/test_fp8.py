@@ -331,6 +331,33 @@ def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
     assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
     assert not calls
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach Triton through its interpreter")
+def test_decode_fusions_over_an_fp8_pool_leave_the_kv_store_to_the_rotary_kernel(
+        tiny_models, monkeypatch):
+    """FP8 weights and an FP8 KV pool, fused kernels on: decode's qkv GEMV does not store K/V
+    (its epilogue has no per-token scales), the rotary kernel does; gate_up keeps its fusion;
+    the greedy tokens equal the unfused ablation's."""
+    folder = tiny_models["llama-gqa"]
+    config = loader.load_model_config(folder)
+    with pytest.warns(UserWarning, match="reference path"):
+        model = _load(folder, config.quantized("fp8"))
+    set_fused_kernels(model, True)
+    engine_config = EngineConfig(max_total_tokens=256, max_running_requests=4,
+                                 attention_backend="torch_native", kv_cache_dtype="fp8_e4m3")
+    runner = ModelRunner(model, config, engine_config, device=torch.device("cpu"),
+                         dtype=torch.float32, eos_token_ids={2})
+    assert runner.kv_storage.is_fp8
+    calls: list[str] = []
+    for name in ("fp8_norm_linear", "fp8_norm_rotary_linear"):
+        op = getattr(fp8, name)
+        monkeypatch.setattr(fp8, name, lambda *a, _op=op, _name=name, **k: (
+            calls.append(_name), _op(*a, **k))[1])
+    fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
+    assert "fp8_norm_rotary_linear" not in calls and "fp8_norm_linear" in calls
+    monkeypatch.setattr(linear, "FP8_DECODE_FUSIONS", False)
+    assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
+
+
 # ---- kernels in the interpreter ------------------------------------------------------------
 
 pytestmark = SAME_TRITON_MODE
