@@ -15,6 +15,8 @@ Parts (`--parts`, default all):
             in this run; FP8's speed-up over bf16 and its fraction of its own floor
   offline   nano-vllm's offline workload (bench/offline.py: 256 seqs, in/out lengths 100-1024,
             seed 0, temperature 0.6), one generate call: output tok/s and the KV pool's tokens
+  w8a16     (not by default) weight-only FP8 GEMMs of more than 16 rows at Llama-3-8B's linears:
+            `mm_fp8.w8a16_mm` against dequantize + F.linear, bf16 and W8A8 beside them
   quality   real weights (the embedded SmolLM2-135M-Instruct, or `--quality-model`), real text
             (bench/data/opticks.txt, Newton's Opticks, public domain): the first
             `--quality-tokens` tokens as one prompt, prompt logprobs of every position: each
@@ -49,6 +51,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -90,7 +93,12 @@ QUALITY_CHECKPOINTS = {"fp8-w8a16": (True, False, False), "fp8-gptq": (True, Tru
                        "fp8-gptq-ends": (True, True, True), "fp8-gptq-w8a8": (False, True, False)}
 MARGINS = (0.1, 0.5)  # top-1 - top-2 logprob margins of the margin-aware agreement
 TEXT = REPO_ROOT / "bench" / "data" / "opticks.txt"
-PARTS = ("decode", "offline", "quality")
+PARTS = ("decode", "offline", "quality", "w8a16")
+DEFAULT_PARTS = ("decode", "offline", "quality")
+# Llama-3-8B's linears (N, K): qkv, o, gate_up, down
+W8A16_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                "down": (4096, 14336)}
+W8A16_ROWS = (17, 64, 256, 1024, 4096)
 
 
 def _free() -> None:
@@ -186,6 +194,46 @@ def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     return results
 
 
+def run_w8a16(device: torch.device, rows: tuple[int, ...] = W8A16_ROWS) -> dict[str, Any]:
+    """Weight-only FP8 GEMMs (more than 16 rows) at Llama-3-8B's four linears: ms for the sum of
+    the four, per row count: bf16 F.linear, W8A8 (`_scaled_mm` + per-token quantization, what
+    quantization='fp8' runs), W8A16 through `mm_fp8.w8a16_mm`, W8A16 as dequantize + F.linear."""
+    from lmnb.runtime.models.layers import fp8
+
+    def ms(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+        for _ in range(3):
+            fn(*args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(10):
+            start.record()
+            fn(*args, **kwargs)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = []
+    for n, k in W8A16_SHAPES.values():
+        w16 = (torch.randn(n, k, device=device, generator=gen) / k ** 0.5).bfloat16()
+        weights.append((w16, *fp8.quantize_rows(w16)))
+    out: dict[str, Any] = {}
+    for m in rows:
+        row = dict.fromkeys(("bf16", "w8a8", "w8a16_kernel", "w8a16_dequant"), 0.0)
+        for w16, w8, scale in weights:
+            x = torch.randn(m, w16.shape[1], device=device, generator=gen).bfloat16()
+            row["bf16"] += ms(torch.nn.functional.linear, x, w16)
+            row["w8a8"] += ms(fp8.fp8_linear, x, w8, scale, None, fused=True)
+            row["w8a16_kernel"] += ms(fp8.fp8_linear, x, w8, scale, None, fused=True,
+                                      weight_only=True)
+            row["w8a16_dequant"] += ms(fp8.fp8_linear, x, w8, scale, None, fused=False,
+                                       weight_only=True)
+        out[str(m)] = row
+        _free()
+    return out
+
+
 def _quality_checkpoint(args: argparse.Namespace, name: str, root: Path) -> Path:
     """bench/fp8_gptq.py's checkpoint `name` of the quality model, calibrated on the text's
     tokens past the measured ones."""
@@ -253,7 +301,7 @@ def _ratios(speed: dict[str, Any]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS))
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help="comma-separated, bf16 first (the ratios' base)")
     parser.add_argument("--model", default="llama-3-8b", help="bench/dummy_models.py name")
@@ -331,6 +379,15 @@ def main() -> None:
               quality[name].get("perplexity_vs_bf16"), quality[name].get("top1_agreement"),
               *(quality[name].get(f"top1_agreement_margin_{m}") for m in MARGINS)]
              for name in quality["rows"]]))
+    if "w8a16" in parts:
+        if device.type != "cuda":
+            parser.error("--parts w8a16 times CUDA kernels")
+        w8a16 = run_w8a16(device)
+        results["w8a16"] = w8a16
+        print("Llama-3-8B's qkv + o + gate_up + down, bf16 activations, ms (median of 10):")
+        print(format_table(["rows", "bf16", "W8A8 _scaled_mm", "W8A16 mm_fp8", "W8A16 dequant"],
+                           [[m, r["bf16"], r["w8a8"], r["w8a16_kernel"], r["w8a16_dequant"]]
+                            for m, r in w8a16.items()]))
     path = write_json(RESULTS_DIR / ("fp8_tiny.json" if args.tiny else "fp8.json"), results)
     if os.environ.get("OUT"):
         write_json(Path(os.environ["OUT"]) / path.name, results)

@@ -509,7 +509,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lmnb.runtime.kernels import triton_decode
-from lmnb.runtime.kernels.fused import fp8_quant, gemv, gemv_fp8, rope
+from lmnb.runtime.kernels.fused import fp8_quant, gemv, gemv_fp8, mm_fp8, rope
 
 def compile(fn, signature, constants, warps=4, aligned=()):
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -579,6 +579,16 @@ compile(rope._rotary_qkv_kernel,
                                "stride_v_head", "stride_st", "num_heads", "num_kv_heads")}},
         {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
          "STORE_KV": True, "KV_FP8": True, "FP8_MAX": 448.0})
+for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16 -> wgmma
+    kernel = compile(mm_fp8._w8a16_mm_kernel,
+                     {"X": dt, "W": f8, "SCALE": "*fp32", "B": dt, "OUT": dt,
+                      **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn",
+                                            "stride_om")}},
+                     {"HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64,
+                      "GROUP_M": 8, "PRECISION": "tf32", "UPCAST": False}, warps=warps,
+                     aligned=["X", "W", "SCALE", "OUT", "K", "stride_xm", "stride_wn",
+                              "stride_om"])
+    assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"] and "wgmma" in kernel.asm["ptx"]
 print("compiled")
 """
 

@@ -231,3 +231,18 @@ def test_gptq_weight_only_checkpoint_end_to_end(request, tmp_path):
     in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
                   for g, e in zip(got, expected, strict=True))
     assert in_top5 >= 0.9 * len(prompts), in_top5
+
+
+@pytest.mark.parametrize("m", [17, 100, 512])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336)])  # Llama-3-8B qkv, down
+def test_compiled_w8a16_mm_at_llama_3_8b_shapes(m, n, k):
+    """The weight-only FP8 GEMM with its rule's config against float32 sums over the exact
+    dequantized weight: within bf16's output rounding."""
+    from lmnb.runtime.kernels.fused.mm_fp8 import w8a16_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    want = x.float() @ fp8.dequantize_rows(w, scale).t()
+    got = w8a16_mm(x, w, scale)
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max())

@@ -13,7 +13,8 @@
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
                         float32), slow; the loader warns that the CPU runs FP8 this way
 With `weight_only` (W8A16 checkpoints, `Fp8Config.weight_only`) the activations are never
-quantized: M <= 16 as above, else the weight dequantized to x's dtype and F.linear.
+quantized: M <= 16 as above, more rows through `kernels.fused.mm_fp8.w8a16_mm` when fused (FP8
+weight tiles converted in registers), else the weight dequantized to x's dtype and F.linear.
 
 Decode's fusions (skinny rows only; at batch 1 a launch costs about what streaming 6 MB of
 FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
@@ -158,6 +159,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
         out = fp8_gemv(x2.contiguous(), weight, weight_scale, bias)
+    elif weight_only and fused and rows > 0:
+        from lmnb.runtime.kernels.fused.mm_fp8 import w8a16_mm
+
+        out = w8a16_mm(x2.contiguous(), weight, weight_scale, bias)
     elif weight_only:
         out = F.linear(x2, dequantize_rows(weight, weight_scale, x.dtype), bias)
     elif x.is_cuda and rows > 0 and k % 16 == 0 and n % 16 == 0:
