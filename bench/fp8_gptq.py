@@ -14,7 +14,8 @@ GPTQ keeps each row's scale (amax / 448) and picks the FP8 values column by colu
 column's rounding error to the columns not yet rounded through the inverse Hessian of the layer's
 inputs (those of the 16-bit model, in float32) on calibration text
 (`bench/fp8_sensitivity.gptq_weight`). Calibration: `--calib-tokens` tokens of
-bench/data/opticks.txt from `--calib-start` (past the 4,096 tokens bench/fp8.py measures).
+bench/data/opticks.txt from `--calib-start` (past the 4,096 tokens bench/fp8.py measures), or of
+any `--calib-text` file (your own data).
 Scope: Llama-family checkpoints in one `model.safetensors` with plain rotary (the calibration
 forward is bench/fp8_sensitivity.py's plain-torch Llama; rope scaling is not modelled there).
 
@@ -62,8 +63,11 @@ def quantization_config(*, weight_only: bool, ignore: list[str]) -> dict:
             "config_groups": {"group_0": group}, "ignore": ["lm_head", *ignore]}
 
 
-def calibration_ids(folder: Path, start: int, tokens: int) -> torch.Tensor:
-    text = TEXT.read_text().split("\n", 2)[2]  # as bench/fp8.py's quality part
+def calibration_ids(folder: Path, start: int, tokens: int,
+                    text_file: Path | None = None) -> torch.Tensor:
+    """`tokens` token ids of `text_file` (default: bench/data/opticks.txt) from token `start`."""
+    text = (TEXT.read_text().split("\n", 2)[2] if text_file is None  # as bench/fp8.py's
+            else text_file.read_text())
     ids = load_tokenizer(folder).encode(text)[start:][:tokens]
     if not ids:
         raise ValueError(f"no calibration text past token {start}")
@@ -123,12 +127,18 @@ def main() -> None:
     parser.add_argument("--activations", choices=("none", "dynamic"), default="none")
     parser.add_argument("--rtn", action="store_true", help="round to nearest, no GPTQ")
     parser.add_argument("--skip-layers", default="", help="e.g. 0,29: left 16-bit")
-    parser.add_argument("--calib-start", type=int, default=4096)
+    parser.add_argument("--calib-start", type=int, default=None,
+                        help="first calibration token (default: 4096 of opticks.txt, 0 of "
+                             "--calib-text)")
     parser.add_argument("--calib-tokens", type=int, default=1024)
+    parser.add_argument("--calib-text", type=Path, default=None,
+                        help="calibrate on this text file (from --calib-start, default 0 then)")
     args = parser.parse_args()
     model = args.model or resolve_model_dir(None)
     skip = tuple(int(i) for i in args.skip_layers.split(",") if i)
-    calib = None if args.rtn else calibration_ids(model, args.calib_start, args.calib_tokens)
+    start = args.calib_start if args.calib_start is not None else (
+        4096 if args.calib_text is None else 0)
+    calib = None if args.rtn else calibration_ids(model, start, args.calib_tokens, args.calib_text)
     out = write_fp8_checkpoint(model, args.out, weight_only=args.activations == "none",
                                gptq=not args.rtn, calib=calib, skip_layers=skip)
     print(f"wrote {out}")

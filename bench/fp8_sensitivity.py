@@ -346,6 +346,10 @@ def schemes(rows: set[str]) -> list[Scheme]:
                 Scheme("KV fp8, calibrated K/V means off", kv_smooth="calibrated"),
                 Scheme("KV fp8 token_head, calibrated means off", kv_smooth="calibrated",
                        kv_smooth_scale="token_head")]
+    if "gptq_only" in rows:
+        out += [Scheme("W8A16 channel, GPTQ", all_lin, gptq=True),
+                Scheme("W8A16 channel, GPTQ, layers 0,29 16-bit", all_lin, gptq=True,
+                       skip_layers=(0, 29))]
     if "best" in rows:  # the candidates that meet issue 23's targets, with their baselines
         out += [Scheme("fp32 (no fp8)", dtype=torch.float32),
                 Scheme("W8A16 channel", all_lin),
@@ -377,6 +381,8 @@ def main() -> None:
     parser.add_argument("--calib-start", type=int, default=4096,
                         help="GPTQ's calibration text: tokens from here (past the GPU run's 4,096)")
     parser.add_argument("--calib-tokens", type=int, default=1024)
+    parser.add_argument("--calib-text", type=Path, default=None,
+                        help="GPTQ's calibration from this file instead (from its start)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.model is None:
@@ -396,10 +402,13 @@ def main() -> None:
         model.kv_means, model.record = model.record, None
     rows = schemes(set(args.rows.split(",")))
     if any(r.gptq for r in rows):  # Hessians of every linear's inputs on disjoint text
-        all_ids = load_tokenizer(args.model).encode(text)
-        calib = torch.tensor(all_ids[args.calib_start:][:args.calib_tokens])
-        assert args.calib_start >= args.offset + args.tokens and len(calib), \
-            "calibration overlaps the text"
+        if args.calib_text is None:
+            all_ids = load_tokenizer(args.model).encode(text)[args.calib_start:]
+        else:
+            all_ids = load_tokenizer(args.model).encode(args.calib_text.read_text())
+        calib = torch.tensor(all_ids[:args.calib_tokens])
+        assert (args.calib_text is not None or args.calib_start >= args.offset + args.tokens) \
+            and len(calib), "calibration overlaps the text"
         model.collect = True
         model.logprobs(calib, Scheme("calibration"), dtype)
         model.collect = False
