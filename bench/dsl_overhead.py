@@ -27,7 +27,12 @@ to tell GC pauses from the DSL's own cost. `--compare-switch-interval S` runs th
 text paths once more with the GIL switch interval S: if the DSL's first pass then ends as early
 as the raw path's, the scheduler thread was starved of the GIL while the program loop ran
 program bodies (`--layers 32` gives the nearly-free model a real model's number of GIL
-hand-overs per pass launch, to try this on the CPU).
+hand-overs per pass launch, to try this on the CPU). A `run_batch` shortens the switch interval
+itself while it starts its programs (`lmnb.lang.gil_share`): `--batch-switch-interval` sets that
+value (`none`: Python's own), `--compare-batch-switch-intervals 2e-5,none` runs the DSL path
+once more with each. `loop ms` is the program loop's CPU per program (its thread's, from /proc).
+`--gil-probe`: a thread sleeping 0.2 ms at a time notes how late it wakes in each path (how long
+a thread that gives the GIL up, as the scheduler at each torch call, waits to get it back).
 
     python bench/dsl_overhead.py                       # 300 MMLU programs, cache on, CPU
     python bench/dsl_overhead.py --scale 50 --top 40 --no-profile
@@ -63,6 +68,7 @@ from bench.common import RESULTS_DIR, environment, format_table, write_json  # n
 from bench.dummy_models import DUMMY_CONFIGS, write_dummy_model  # noqa: E402
 from bench.request_timeline import (  # noqa: E402
     STEPS,
+    GilProbe,
     RequestTimeline,
     thread_cpu_seconds,
     timeline_rows,
@@ -260,7 +266,7 @@ def top_table(profiles: list[cProfile.Profile], sort: str, top: int) -> str:
 
 
 def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
-            timeline: bool = True) -> dict[str, Any]:
+            timeline: bool = True, gil_probe: bool = False) -> dict[str, Any]:
     if not runtime.flush_cache():
         raise RuntimeError("flush_cache refused: requests still in flight")
     passes = PassLog()
@@ -269,7 +275,8 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
     threads_start = thread_cpu_seconds()
     pauses = GcPauses()
     recording = steps.recording() if timeline else nullcontext(steps)
-    with recording, pauses.watching():
+    probe = GilProbe()
+    with recording, pauses.watching(), probe.probing() if gil_probe else nullcontext():
         steps.restart()
         cpu_start, wall_start = time.process_time(), steps.start
         passes.start = pauses.start = wall_start
@@ -282,17 +289,26 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
     engine = sum(threads_end[name] - threads_start[name] for name in threads_end
                  if name.startswith("lmnb-") and name in threads_start
                  and name not in PROGRAM_THREADS)
+    loop = sum(threads_end[name] - threads_start.get(name, 0.0) for name in PROGRAM_THREADS
+               if name in threads_end)
     return {"path": label, "programs": count, "seconds": seconds, "cpu_seconds": cpu,
+            "program_loop_cpu_ms_per_program": 1e3 * loop / count,
             "programs_per_s": count / seconds, "cpu_ms_per_program": 1e3 * cpu / count,
             "engine_threads_cpu_ms_per_program": 1e3 * engine / count,
             "other_cpu_ms_per_program": 1e3 * (cpu - engine) / count,
             "gc_collections": pauses.counts, "gc_full_seconds": pauses.full_seconds,
             "gc_full_at_s": pauses.full_at, "timeline": steps.summary() if timeline else {},
             **passes.summary(), "after_last_pass_s": seconds - (passes.summary()[
-                "last_pass_end_s"] or 0.0)}
+                "last_pass_end_s"] or 0.0),
+            "gil_probe": {"to_first_pass": probe.summary(passes.summary()["first_pass_end_s"]),
+                          "to_last_extend": probe.summary(passes.summary()["last_extend_end_s"])}
+            if gil_probe else {}}
 
 
 SCHEDULE_PATHS = ("dsl run_batch", "raw generate, text", "raw generate, ids")
+PATH_NAMES = {"dsl": "dsl run_batch", "dsl-recorder": "dsl run_batch (programs.py recorder)",
+              "dsl-unbatched": "dsl run_batch, unbatched submits",
+              "raw-ids": "raw generate, ids", "raw-text": "raw generate, text"}
 SCHEDULE_KEYS = ("forward_passes", "extend_passes", "requests_per_extend_pass",
                  "tokens_per_extend_pass", "first_pass_end_s", "last_extend_end_s",
                  "last_pass_end_s", "after_last_pass_s", "gc_collections", "gc_full_seconds",
@@ -303,7 +319,7 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     """The passes of the DSL path beside the raw paths': whether its first extend pass held as
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
-           for label in results if label in SCHEDULE_PATHS or "@ switch" in label}
+           for label in results if label in SCHEDULE_PATHS or "switch" in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -323,6 +339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=25.0,
                         help="programs.py's MMLU scale: 12 programs per unit (default 300)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per path; the fastest counts")
+    parser.add_argument("--paths", default=",".join(PATH_NAMES),
+                        help="comma-separated paths to run, of " + ", ".join(PATH_NAMES)
+                        + " (dsl and raw-text always run)")
     parser.add_argument("--top", type=int, default=30, help="rows of each profile table")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-timeline", action="store_true",
@@ -343,6 +362,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run the DSL and raw text paths with this GIL switch "
                         "interval (s) set around them: a scheduler thread starved of the GIL "
                         "while other threads run Python launches its passes late")
+    parser.add_argument("--batch-switch-interval", default="default",
+                        help="global_config.batch_switch_interval: the GIL switch interval (s) "
+                        "while a run_batch starts its programs; 'none': Python's own "
+                        "(lmnb.lang.gil_share); default: lmnb's default")
+    parser.add_argument("--compare-batch-switch-intervals", default="",
+                        help="comma-separated values ('none' included) of "
+                        "--batch-switch-interval to run the DSL path with once more each, "
+                        "beside the default one (one model load)")
+    parser.add_argument("--gil-probe", action="store_true",
+                        help="a thread that sleeps 0.2 ms at a time notes how late it wakes "
+                        "(request_timeline.GilProbe): how long a thread giving up the GIL, as the "
+                        "scheduler does at each torch call, waits to get it back")
     parser.add_argument("--layers", type=int, default=1,
                         help="layers of the nearly-free model: many layers make each pass's "
                         "launch hand the GIL back and forth as often as a real model's on a GPU")
@@ -360,6 +391,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--model and --dummy-config exclude each other")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    if args.batch_switch_interval != "default":
+        lmnb.global_config.batch_switch_interval = (
+            None if args.batch_switch_interval == "none" else float(args.batch_switch_interval))
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -413,6 +447,18 @@ def switched(interval: float, work: Callable[[], Any]) -> Callable[[], Any]:
     return run_switched
 
 
+def batch_switched(interval: float | None, work: Callable[[], Any]) -> Callable[[], Any]:
+    """`work` with `global_config.batch_switch_interval` set to `interval` while it runs."""
+    def run_batch_switched() -> Any:
+        previous = lmnb.global_config.batch_switch_interval
+        lmnb.global_config.batch_switch_interval = interval
+        try:
+            return work()
+        finally:
+            lmnb.global_config.batch_switch_interval = previous
+    return run_batch_switched
+
+
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         model_label: str = "") -> dict[str, Any]:
     rng = random.Random(programs.SEED)  # the data, built once
@@ -441,17 +487,23 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                                                       sampling_params=params),
         "raw generate, text": lambda: runtime.generate(texts, params),
     }
+    wanted = {PATH_NAMES[name.strip()] for name in args.paths.split(",") if name.strip()}
+    paths = {label: work for label, work in paths.items()
+             if label in wanted or label in (SWITCH_DSL, SWITCH_RAW)}
     if args.compare_switch_interval is not None:
         tag = f" @ switch {args.compare_switch_interval:g} s"
         paths[SWITCH_DSL + tag] = switched(args.compare_switch_interval, paths["dsl run_batch"])
         paths[SWITCH_RAW + tag] = switched(args.compare_switch_interval,
                                            paths["raw generate, text"])
+    for value in filter(None, (v.strip() for v in args.compare_batch_switch_intervals.split(","))):
+        paths[f"{SWITCH_DSL} @ batch switch {value}"] = batch_switched(
+            None if value == "none" else float(value), paths[SWITCH_DSL])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
             runs[label].append(measure(
                 label, runtime, count if label.startswith("dsl") else len(recorded), work,
-                timeline=not args.no_timeline))
+                timeline=not args.no_timeline, gil_probe=args.gil_probe))
     results = {label: {**min(runs[label], key=lambda r: r["cpu_seconds"]),
                        "seconds_all": [r["seconds"] for r in runs[label]],
                        "seconds_min": min(r["seconds"] for r in runs[label])}
@@ -468,9 +520,10 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
           f"{'off' if args.disable_radix_cache else 'on'}")
     print(format_table(
         ["path", "programs", "seconds", "cpu s", "prog/s", "cpu ms/prog", "engine thr ms",
-         "other ms", "fwd passes", "mean batch", "max batch"],
+         "loop ms", "other ms", "fwd passes", "mean batch", "max batch"],
         [(r["path"], r["programs"], r["seconds"], r["cpu_seconds"], r["programs_per_s"],
           r["cpu_ms_per_program"], r["engine_threads_cpu_ms_per_program"],
+          r["program_loop_cpu_ms_per_program"],
           r["other_cpu_ms_per_program"], r["forward_passes"], r["mean_batch"],
           r["largest_batch"])
          for r in results.values()]))
@@ -503,6 +556,22 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         dsl_switched, raw_switched = (results[label]["seconds_min"] for label in switched_paths)
         print(f"With the switch interval of --compare-switch-interval: DSL / raw text wall time "
               f"{dsl_switched / raw_switched:.2f}x (fastest of each)")
+    probed = {label: r["gil_probe"] for label, r in results.items() if r["gil_probe"]}
+    if probed:
+        print("\nGIL probe: wake-up delays of a thread sleeping 0.2 ms at a time, until the "
+              "first pass ended / until the last extend pass ended (ms; s: time spent waking "
+              "more than 1 ms late):")
+        print(format_table(
+            ["path", "first: p50", "p99", "max", "s > 1 ms", "extends: p50", "p99", "max",
+             "s > 1 ms"],
+            [(label, *(p[window].get(key) for window in ("to_first_pass", "to_last_extend")
+                       for key in ("p50_ms", "p99_ms", "max_ms", "over_1ms_s")))
+             for label, p in probed.items()]))
+    raw_fastest = results[SWITCH_RAW]["seconds_min"]
+    for label in (label for label in results if "@ batch switch" in label):
+        print(f"{label}: DSL / raw text wall time "
+              f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
+              f"the default {lmnb.global_config.batch_switch_interval:g} s: {wall_min:.2f}x)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
@@ -511,7 +580,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         "config": {"workload": args.workload, "scale": args.scale, "programs": count,
                    "gen_tokens": gen_tokens,
                    "repeats": args.repeats, "model": model_label,
-                   "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze},
+                   "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze,
+                   "batch_switch_interval": lmnb.global_config.batch_switch_interval},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
         "dsl_over_raw_text_wall": wall,

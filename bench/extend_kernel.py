@@ -104,10 +104,12 @@ def triton_runs(batch: Extend, sweep: bool) -> list[tuple[str, Callable[[], Any]
     out = torch.empty_like(batch.q)
     configs = [("default", te.extend_config(HEAD_DIM, DTYPE))]
     if sweep:
-        for block_m, block_n, warps, stages in itertools.product(
-                (64, 128), (32, 64), (4, 8), (2, 3)):
-            configs.append((f"m{block_m} n{block_n} w{warps} s{stages}",
-                            te.ExtendConfig(block_m, block_n, warps, stages)))
+        for block_m, block_n, warps, stages, k_rows in itertools.product(
+                (64, 128), (32, 64, 128), (4, 8), (2, 3), (False, True)):
+            if block_n == 128 and (block_m == 64 or warps == 4):
+                continue
+            configs.append((f"m{block_m} n{block_n} w{warps} s{stages}{' k_rows' * k_rows}",
+                            te.ExtendConfig(block_m, block_n, warps, stages, k_rows)))
     runs = []
     for name, config in configs:
         def run(config: te.ExtendConfig = config) -> torch.Tensor:

@@ -175,3 +175,49 @@ def timeline_rows(timelines: dict[str, dict[str, Any]]) -> list[tuple[Any, ...]]
             rows.append((label, which, *(f"{1e3 * summary[step][which]:.1f}" if step in summary
                                          else "-" for step in STEPS)))
     return rows
+
+
+class GilProbe:
+    """A thread that sleeps `period` s at a time (giving up the GIL, as the scheduler thread does
+    at each torch call) and notes how late it woke: how long a thread that gives the GIL up
+    waits to get it back while the others run Python (about the switch interval when one of
+    them runs Python without a pause). Its own work is a few operations per wake-up."""
+
+    def __init__(self, period: float = 2e-4) -> None:
+        self.period = period
+        self.delays: list[tuple[float, float]] = []  # (when, s after start; how late, s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.start = time.perf_counter()
+
+    def _run(self) -> None:
+        period, delays, stop, clock = self.period, self.delays, self._stop, time.perf_counter
+        while not stop.is_set():
+            before = clock()
+            time.sleep(period)
+            after = clock()
+            delays.append((after - self.start, after - before - period))
+
+    @contextmanager
+    def probing(self) -> Iterator[GilProbe]:
+        self.delays.clear()
+        self._stop.clear()
+        self.start = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self, until: float | None = None) -> dict[str, float]:
+        """Wake-up delays (ms) until `until` s after the start (all of them: None): median,
+        99th percentile, largest, and the seconds spent waiting more than 1 ms."""
+        late = sorted(d for t, d in self.delays if until is None or t <= until)
+        if not late:
+            return {}
+        return {"wakes": len(late), "p50_ms": 1e3 * late[len(late) // 2],
+                "p99_ms": 1e3 * late[min(len(late) - 1, int(0.99 * len(late)))],
+                "max_ms": 1e3 * late[-1], "over_1ms_s": sum(d for d in late if d > 1e-3)}
+

@@ -21,11 +21,14 @@ view / plain, view / traced) of wall time and of the process's CPU time (all thr
 than wall time on a shared host); the medians of those ratios over the rounds, with their
 min-max, are the result (with the ratio of each path's fastest run: on a shared host other
 work only adds time, so the fastest runs are the least disturbed). The target:
-`view / plain - 1` (what a user who turns the view on pays) at most 5%. JSON goes to
-bench/results/token_view[_cuda].json.
+`view / plain - 1` (what a user who turns the view on pays) at most 5%. At batch 1 a step is
+host-bound, so the extra host time per token is printed too, and on a GPU the run starts with
+the host time of one batch-1 sampling step with and without top-5 logprobs (`--sampler-calls`;
+the traced path's share of the step). JSON goes to bench/results/token_view[_cuda].json.
 
     python bench/token_view.py                         # CPU, 10 gens x 1000 tokens, 5 rounds
-    python bench/token_view.py --device cuda           # the same on a GPU
+    python bench/token_view.py --device cuda           # 3 rounds on a GPU (~13 s a run: ~2.5 min)
+    python bench/token_view.py --device cuda --gens 5 --rounds 3   # ~1.2 min
     python bench/token_view.py --gens 2 --tokens-per-gen 100 --rounds 1   # a smoke run
 """
 
@@ -175,6 +178,52 @@ def build_runtime(args: argparse.Namespace, scratch: str) -> Any:
     return Runtime(str(folder), tokenizer_path=str(tokenizer_dir), load_format="dummy", **common)
 
 
+def sampler_host_cost(device: str, vocab: int, calls: int) -> dict[str, float]:
+    """Host microseconds per batch-1 sampling step (temperature 1, as the bench's gens): the
+    step without logprobs, with top-5 logprobs as the runtime computes them (`sample_top5`), and
+    the packed logprobs alone from the GPU kernel and from the torch ops it replaces. Calls are
+    issued in groups of 16 between waits, and only the issuing is timed: at batch 1 the host's
+    time per op is what a decode step pays."""
+    import torch
+
+    from bench.common import synchronize
+    from lmnb.runtime.core import Req, SamplingParams
+    from lmnb.runtime.sampling import Sampler
+    from lmnb.runtime.sampling.logprob_kernel import packed_logprobs
+    from lmnb.runtime.sampling.sampler import torch_packed_logprobs
+    from lmnb.runtime.scheduler import ReqState
+
+    sampler = Sampler(vocab, {2})
+    logits = torch.randn(1, vocab, device=device) * 3
+    ids = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def info(top: int) -> Any:
+        req = Req(origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=1.0),
+                  return_logprob=top > 0, top_logprobs_num=top)
+        return sampler.batch_info([ReqState(req)], device)
+
+    def host_us(step: Any) -> float:
+        for _ in range(16):
+            step()
+        synchronize(device)
+        issued = 0.0
+        for _ in range(max(calls // 16, 1)):
+            start = time.perf_counter()
+            for _ in range(16):
+                step()
+            issued += time.perf_counter() - start
+            synchronize(device)
+        return 1e6 * issued / (16 * max(calls // 16, 1))
+
+    plain, traced = info(0), info(5)
+    out = {"sample": host_us(lambda: sampler(logits, plain)),
+           "sample_top5": host_us(lambda: sampler(logits, traced)),
+           "packed_torch": host_us(lambda: torch_packed_logprobs(logits, ids, 5))}
+    if device != "cpu":
+        out["packed_kernel"] = host_us(lambda: packed_logprobs(logits, ids, 5))
+    return out
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -198,7 +247,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gens", type=int, default=10)
     parser.add_argument("--tokens-per-gen", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="default: 5 on the CPU, 3 on a GPU (a run there takes ~13 s)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, else bfloat16")
     parser.add_argument("--model", default=None, help="a model folder (default: tiny random)")
@@ -207,10 +257,15 @@ def main() -> None:
                              "SmolLM2's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; CPU only)")
+    parser.add_argument("--sampler-calls", type=int, default=None,
+                        help="batch-1 sampling steps timed on the host first (default: 2000 on "
+                             "a GPU, 0 on the CPU)")
     parser.add_argument("--widget", action="store_true",
                         help="the anywidget TokenView rather than its model alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 5 if args.device == "cpu" else 3
 
     from transformers.utils import logging as hf_logging
 
@@ -225,6 +280,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lmnb-token-view-") as scratch:
         runtime = build_runtime(args, scratch)
     try:
+        calls = args.sampler_calls if args.sampler_calls is not None else (
+            0 if args.device == "cpu" else 2000)
+        sampler_cost = (sampler_host_cost(args.device, runtime.model_config.vocab_size, calls)
+                        if calls else {})
+        if sampler_cost:
+            print("host us per batch-1 sampling step: " + ", ".join(
+                f"{name} {value:.1f}" for name, value in sampler_cost.items()), flush=True)
         backend = LocalBackend(runtime)
         program = make_program(args.gens, args.tokens_per_gen)
         warm = make_program(1, 64)
@@ -261,6 +323,16 @@ def main() -> None:
         print(f"{mode} CPU seconds per thread (median): " + ", ".join(
             f"{name} {statistics.median(r['thread_cpu_seconds'].get(name, 0.0) for r in rs):.2f}"
             for name in names))
+    for mode in ("traced", "view"):  # at batch 1 the host's time per token is what grows
+        extra_wall = statistics.median(
+            (r["seconds"] - p["seconds"]) / tokens
+            for r, p in zip(runs[mode], runs["plain"], strict=True))
+        extra_cpu = statistics.median(
+            (r["cpu_seconds"] - p["cpu_seconds"]) / tokens
+            for r, p in zip(runs[mode], runs["plain"], strict=True))
+        print(f"{mode} - plain per token (median of paired rounds): {1e6 * extra_wall:+.1f} us "
+              f"wall, {1e6 * extra_cpu:+.1f} us cpu (plain: "
+              f"{1e6 * summary['paths']['plain']['seconds']['median'] / tokens:.1f} us wall)")
     view_runs = runs["view"]
     flush_share = statistics.median(r["flush_seconds"] / r["seconds"] for r in view_runs)
     print(f"\nview: {statistics.median(r['flushes'] for r in view_runs):.0f} updates per run, "
@@ -278,7 +350,7 @@ def main() -> None:
         "benchmark": "token_view", "environment": environment(args.device), "args": vars(args),
         "model": args.model or tiny_config(args.device), "runs": runs, "summary": summary,
         "view_update_share": flush_share, "view_update_budget": MAX_FLUSH_SHARE,
-        "feature_overhead": feature, "budget": BUDGET})
+        "feature_overhead": feature, "budget": BUDGET, "sampler_host_us": sampler_cost})
     print(f"wrote {path}")
 
 

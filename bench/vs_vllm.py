@@ -262,11 +262,12 @@ class Engine(Protocol):
 
 class LmnbEngine:
     def __init__(self, model_dir: Path, *, dtype: str, device: str, backend: str | None,
-                 mem_fraction: float | None) -> None:
+                 mem_fraction: float | None, chunk: int | None = None) -> None:
         from lmnb.runtime.engine import Runtime
 
         self.rt = Runtime(model_dir, load_format="dummy", dtype=dtype, device=device,
-                          attention_backend=backend, mem_fraction_static=mem_fraction)
+                          attention_backend=backend, mem_fraction_static=mem_fraction,
+                          chunked_prefill_size=chunk)
 
     def prepare(self, prompts: Sequence[list[int]] | Sequence[str], max_tokens: Sequence[int],
                 temperature: float) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -467,7 +468,7 @@ def build_engine(name: str, model_dir: Path, args: argparse.Namespace) -> Engine
         return VllmEngine(model_dir, dtype=args.dtype, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization)
     return LmnbEngine(model_dir, dtype=args.dtype, device=args.device, backend=args.lmnb_backend,
-                      mem_fraction=args.lmnb_mem_fraction)
+                      mem_fraction=args.lmnb_mem_fraction, chunk=args.lmnb_chunk)
 
 
 def _versions() -> dict[str, Any]:
@@ -689,6 +690,8 @@ def child_command(engine: str, model: str, model_dir: Path, workloads: Sequence[
             command += ["--lmnb-backend", args.lmnb_backend]
         if args.lmnb_mem_fraction is not None:
             command += ["--lmnb-mem-fraction", str(args.lmnb_mem_fraction)]
+        if args.lmnb_chunk is not None:
+            command += ["--lmnb-chunk", str(args.lmnb_chunk)]
     if args.profile:
         command.append("--profile")
     return command
@@ -752,7 +755,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                    "tokenizer_dir": str(tokenizer_dir), "tokenizer_vocab": tok_vocab,
                    "lmnb_backend": args.lmnb_backend, "max_model_len": args.max_model_len,
                    "gpu_memory_utilization": args.gpu_memory_utilization,
-                   "lmnb_mem_fraction": args.lmnb_mem_fraction, "profile": args.profile},
+                   "lmnb_mem_fraction": args.lmnb_mem_fraction, "lmnb_chunk": args.lmnb_chunk,
+                   "profile": args.profile},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": _git_commit()}
     with tempfile.TemporaryDirectory(prefix="lmnb-vs-vllm-") as scratch:
         for model in args.models:
@@ -869,6 +873,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="lmnb attention backend (triton, flashinfer, ...; default: lmnb's)")
     parser.add_argument("--lmnb-mem-fraction", type=float, default=None,
                         help="lmnb mem_fraction_static (default: lmnb's sizing)")
+    parser.add_argument("--lmnb-chunk", type=int, default=None,
+                        help="lmnb chunked_prefill_size (default: lmnb's)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="vLLM max_model_len")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="vLLM gpu_memory_utilization")

@@ -4,6 +4,8 @@ the same bookkeeping with streams and events: tests/gpu/test_hicache_overlap_cud
 - a queued host -> device load is copied layer by layer only when a reader asks for the layer
   (`KVStorage.ready`), so a reader that skipped it would see rows not yet loaded;
 - a request that ends while its prefix's load is still queued leaves every slot accounted for;
+- a request refused for room loads nothing (the copies and the device rows they take would be
+  spent on a request that does not run); once it fits, its whole host-resident prefix comes back;
 - a request whose disk pages are being read waits in the queue while others run; an otherwise
   idle scheduler waits for the read; the pages then count as cache hits.
 """
@@ -168,6 +170,35 @@ def test_request_ended_with_its_load_queued_frees_everything() -> None:
     scheduler.add(again)
     _run(scheduler)
     assert again.req.cached_tokens == 30
+    scheduler.check_integrity()
+
+
+def test_a_refused_request_loads_nothing_until_it_fits() -> None:
+    kv = _storage(size=48)
+    cache = TieredRadixCache(KVAllocator(48, CPU), HostKVPool(192, kv), write_through=True)
+    scheduler = _scheduler(cache, FailingOnce(kv=kv))
+    prefix = list(range(10, 40))
+    for prompt in (prefix + [1], list(range(50, 90))):  # the second pushes the first out
+        scheduler.add(_request(prompt))
+        _run(scheduler)
+    assert cache.match_prefix(prefix + [2]).length < 30 and cache.cached_length(prefix) == 30
+    loaded = cache.host_loaded_tokens
+    long = _request(list(range(200, 208)))
+    long.req.sampling_params.max_new_tokens = 30  # its reserve leaves no room for 31 tokens
+    scheduler.add(long)
+    scheduler.step()  # its prefill
+    waiting = _request(prefix + [2])
+    scheduler.add(waiting)
+    scheduler.step()  # a decode pass of `long`; `waiting` does not fit
+    assert not waiting.req.admitted and long.req.output_ids
+    assert cache.host_loaded_tokens == loaded and not cache.host_pool.loads.busy
+    assert cache.host_pool.loads.counters.tokens == loaded
+    scheduler.check_integrity()
+    _run(scheduler)
+    assert len(long.req.output_ids) == 30
+    assert waiting.req.cached_tokens == 30  # its whole prefix, loaded once it fitted
+    assert cache.host_loaded_tokens == loaded + 30
+    _assert_rows(kv, cache.match_prefix(prefix + [3]).indices, prefix)
     scheduler.check_integrity()
 
 

@@ -156,3 +156,35 @@ def test_cached_byte_ends_match_the_ids(tokenizer) -> None:
             total += tokens._lengths[token]
             ends.append(total)
         assert list(entry.ends) == ends and total == len(text.encode("utf-8"))
+
+
+class _CallLog:
+    """A tokenizer backend whose single and batch encode calls are counted."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.calls: list[str] = []
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("encode")
+        return self.backend.encode(*args, **kwargs)
+
+    def encode_batch(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("encode_batch")
+        return self.backend.encode_batch(*args, **kwargs)
+
+
+def test_long_texts_are_tokenized_by_the_batch_call(tokenizer) -> None:
+    """A few-shot prompt is tokenized by the backend's batch call (which releases the GIL while
+    it works: the scheduler thread runs meanwhile); a short tail by the single call. The ids
+    stay exact."""
+    rng = random.Random(3)
+    prefix = " ".join(text_of(rng, 8) for _ in range(400))
+    assert len(prefix) > 3000
+    tokens = PromptTokens(tokenizer)
+    log = _CallLog(tokens.backend)
+    tokens.backend = log  # type: ignore[assignment]
+    first, second = prefix + " Q: one?", prefix + " Q: two?"
+    assert tokens.encode(first) == whole(tokenizer, first)
+    assert tokens.encode(second) == whole(tokenizer, second)  # the prefix reused
+    assert log.calls == ["encode_batch", "encode"]

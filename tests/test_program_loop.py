@@ -365,3 +365,97 @@ def test_selects_are_scored_on_the_loop_without_threads(rt):
                                  "token_length_normalized")
         assert state.get_meta_info("a")["normalized_prompt_logprobs"] == pytest.approx(
             meta["normalized_prompt_logprobs"], abs=1e-4)
+
+
+class _KeywordRecorder:
+    """A runtime whose `generate` calls' keywords are recorded (the rest is the runtime's)."""
+
+    def __init__(self, runtime: lmnb.Runtime) -> None:
+        self._runtime = runtime
+        self.calls: list[dict[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        return self._runtime.generate(*args, **kwargs)
+
+
+def test_only_watched_gens_stream_their_tokens(rt):
+    """A gen that nobody reads as it comes (a `run_batch` program, a run without `stream`)
+    takes one whole chunk per request (no wake-up of the loop per token); a streamed run's
+    gens stream. Both give the same text."""
+    prompts = ["The river", "A small bird sang"]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "n": 2}
+    blocking = rt.generate(prompts, params)
+    with rt.generate(prompts, params, stream=True, incremental=False) as whole:
+        chunks = list(whole)
+    assert len(chunks) == 4 and sorted(c["index"] for c in chunks) == [0, 1, 2, 3]
+    assert [c["text"] for c in sorted(chunks, key=lambda c: c["index"])] == [
+        r["text"] for r in blocking]
+
+    @lmnb.function
+    def answer(s, text):
+        s += text + gen("a", max_tokens=6, temperature=0)
+
+    recorder = _KeywordRecorder(rt)
+    backend = LocalBackend(recorder)  # type: ignore[arg-type]
+    states = answer.run_batch([{"text": p} for p in prompts], backend=backend)
+    streamed = answer.run(text=prompts[0], backend=backend, stream=True)
+    pieces = list(streamed.text_iter("a"))
+    assert [call.get("incremental", True) for call in recorder.calls] == [False, False, True]
+    assert len(pieces) > 1 and "".join(pieces) == streamed["a"] == states[0]["a"]
+    assert [state["a"] for state in states] == [r["text"] for r in blocking[::2]]
+
+
+def test_run_batch_shares_the_gil_while_its_programs_start():
+    """While a batch starts its programs the GIL switch interval is
+    `global_config.batch_switch_interval` (the scheduler thread gets the GIL back soon after
+    each torch call); Python's is restored afterwards, and a shorter one is kept."""
+    seen: list[float] = []
+
+    class Recording(BarrierBackend):
+        def __init__(self) -> None:
+            super().__init__(1)
+
+        async def agenerate(self, prompt: str, params: GenParams, **extra: Any) -> Generation:
+            seen.append(sys.getswitchinterval())
+            return await super().agenerate(prompt, params, **extra)
+
+    @lmnb.function
+    def one(s, i):
+        s += f"Q{i}: " + gen("a")
+
+    before = sys.getswitchinterval()
+    assert lmnb.global_config.batch_switch_interval < before
+    one.run_batch([{"i": i} for i in range(30)], backend=Recording())
+    assert len(seen) == 30
+    assert seen == [pytest.approx(lmnb.global_config.batch_switch_interval)] * 30
+    assert sys.getswitchinterval() == before
+    sys.setswitchinterval(1e-5)
+    try:
+        one.run_batch([{"i": i} for i in range(3)], backend=Recording())
+        assert sys.getswitchinterval() == pytest.approx(1e-5)
+        assert seen[-1] == pytest.approx(1e-5)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_sharing_the_gil_nests_and_leaves_a_value_set_meanwhile():
+    from lmnb.lang.gil_share import sharing_the_gil
+
+    before = sys.getswitchinterval()
+    with sharing_the_gil(2e-4):
+        with sharing_the_gil(1e-4):
+            assert sys.getswitchinterval() == pytest.approx(2e-4)  # the first one's
+        assert sys.getswitchinterval() == pytest.approx(2e-4)
+    assert sys.getswitchinterval() == before
+    with sharing_the_gil(None):
+        assert sys.getswitchinterval() == before
+    try:
+        with sharing_the_gil(2e-4):
+            sys.setswitchinterval(3e-3)  # someone else's
+        assert sys.getswitchinterval() == pytest.approx(3e-3)
+    finally:
+        sys.setswitchinterval(before)

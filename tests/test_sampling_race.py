@@ -37,6 +37,9 @@ def test_kernel_draws_the_torch_versions_tokens(device: str) -> None:
     assert bool((x.gather(1, got.cpu()[:, None]) >= floors.cpu()).all())
     other = race.race_logits_triton(logits, rows, temps, floors, seeds + 1)
     assert other.cpu().tolist() != got.cpu().tolist()
+    for splits in (1, 2, 3):  # the vocabulary raced in slices (the last one short): same draw
+        sliced = race.race_logits_triton(logits, rows, temps, floors, seeds, splits=splits)
+        assert sliced.cpu().tolist() == expected.tolist()
 
 
 def test_frequencies_follow_softmax_within_min_p() -> None:
@@ -62,7 +65,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lmnb.runtime.sampling import race
 signature = {"LOGITS": "*fp32", "ROWS": "*i64", "TEMPS": "*fp32", "FLOORS": "*fp32",
-             "SEEDS": "*i64", "OUT": "*i32", "vocab": "i32", "stride": "i32", "BLOCK": "constexpr"}
+             "SEEDS": "*i64", "BEST": "*fp32", "BEST_ID": "*i32", "vocab": "i32", "stride": "i32",
+             "chunk": "i32", "BLOCK": "constexpr"}
 triton.compile(ASTSource(fn=race._race_logits_kernel, signature=signature,
                          constexprs={"BLOCK": 1024}),
                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

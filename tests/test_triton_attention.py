@@ -116,6 +116,33 @@ def test_extend_kernel_matches_float64(device, heads, kv_heads, head_dim, dtype)
         torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_extend_kernel_configs_match_float64(device):
+    """The tile rule's two block heights, and K loaded token-major: a prefix, a block boundary
+    inside the new tokens (the unmasked part then the diagonal), one new token."""
+    from lmnb.runtime.kernels.triton_extend import ExtendConfig, extend_config
+
+    assert extend_config(128, torch.bfloat16, max_rows=128).block_m == 128
+    assert extend_config(128, torch.bfloat16, max_rows=4000).block_m == 128
+    assert extend_config(128, torch.bfloat16, max_rows=160).block_m == 64
+    gen = torch.Generator().manual_seed(11)
+    prefix_lens, extend_lens = [37, 0, 5], [21, 9, 1]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    kv_indptr, kv_indices = _ragged(seq_lens, device, gen)
+    qo_indptr = torch.tensor([0, *extend_lens], device=device).cumsum(0)
+    k_buffer, v_buffer = _pool(sum(seq_lens), 2, 32, torch.float32, device)
+    q = torch.randn(sum(extend_lens), 8, 32, device=device)
+    for config in (ExtendConfig(16, 16, 4, 1), ExtendConfig(32, 16, 4, 1, k_rows=True)):
+        out = extend_attention(q, k_buffer, v_buffer, torch.empty_like(q), qo_indptr, kv_indptr,
+                               kv_indices, max_extend_len=max(extend_lens), scale=32**-0.5,
+                               config=config)
+        for i, prefix in enumerate(prefix_lens):
+            slots = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+            rows = slice(qo_indptr[i], qo_indptr[i + 1])
+            expected = _reference(q[rows], k_buffer, v_buffer, slots, prefix)
+            torch.testing.assert_close(out[rows].double(), expected, atol=1e-4, rtol=1e-4)
+
+
 def _backends(device: str, heads: int = 8, kv_heads: int = 2, head_dim: int = 64):
     """A Triton and a torch-native backend over one shared request table and KV pool."""
     pool = ReqToTokenPool(16, 512, torch.device(device))
@@ -350,9 +377,9 @@ for skip, variant in ((True, False), (False, False), (False, True)):
             {"PART_O": "*fp32", "PART_LSE": "*fp32", "KV_INDPTR": i64, "KV_SKIP": i64,
              "PREFIX_PARTS": i64, "OUT": "*" + dt,
              **{n: "i32" for n in ("stride_pob", "stride_poh", "stride_pos", "stride_plb",
-                                   "stride_plh", "stride_ot", "stride_oh")}},
+                                   "stride_plh", "stride_ot", "stride_oh", "num_heads")}},
             {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "MAX_SPLITS": 16, "BLOCK_S": 32,
-             "MIN_SPLIT": 64, "HAS_SKIP": skip})
+             "MIN_SPLIT": 64, "HAS_SKIP": skip, "BLOCK_HEADS": 2})
 compile(shared_prefix._shared_prefix_kernel,
         {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
          "ITEMS": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
@@ -362,14 +389,15 @@ compile(shared_prefix._shared_prefix_kernel,
         {"GROUP": 4, "GROUP_P2": 4, "MEMBERS": 16, "HEAD_DIM": 128, "BLOCK_D": 128,
          "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_OFFSET": 16, "HEAD": 4, "PRECISION": "tf32",
          "UPCAST": False})
-compile(triton_extend._extend_kernel,
+for k_rows in (False, True):
+  compile(triton_extend._extend_kernel,
         {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "K_SCALE": i64, "V_SCALE": i64,
          "OUT": "*" + dt, "QO_INDPTR": i64, "KV_INDPTR": i64, "KV_INDICES": i64,
          "scale": "fp32", "stride_st": "i32",
          **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                "stride_vh", "stride_ot", "stride_oh")}},
         {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 32,
-         "PRECISION": "tf32", "UPCAST": False, "KV_FP8": False})
+         "PRECISION": "tf32", "UPCAST": False, "KV_FP8": False, "K_ROWS": k_rows})
 print("compiled")
 """
 

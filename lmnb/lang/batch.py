@@ -14,6 +14,8 @@ from typing import Any
 
 from lmnb.lang.backends.base import Backend
 from lmnb.lang.event_loop import program_loop, run_body, wait_queue
+from lmnb.lang.gil_share import sharing_the_gil
+from lmnb.lang.global_config import global_config
 from lmnb.lang.program_run import ProgramRun
 from lmnb.lang.program_state import ProgramState
 from lmnb.lang.progress import progress_bar as tqdm_bar
@@ -56,12 +58,13 @@ class _BatchRun:
             # Programs start in growing waves, as `Runtime.generate` sends a list of prompts in
             # growing chunks: the first wave's gens reach the scheduler after two turns of the
             # loop (bodies, then their executors), and the engine prefills them while the later
-            # waves' bodies run.
-            for start, end in chunk_bounds(len(self.batch)):
-                tasks += [asyncio.ensure_future(self._one(index, self.batch[index], semaphore))
-                          for index in range(start, end)]
-                if end < len(self.batch):
-                    for _ in range(_WAVE_TURNS):
+            # waves' bodies run, the scheduler thread sharing the GIL with them (`gil_share`).
+            with sharing_the_gil(global_config.batch_switch_interval):
+                for start, end in chunk_bounds(len(self.batch)):
+                    tasks += [asyncio.ensure_future(self._one(index, self.batch[index],
+                                                              semaphore))
+                              for index in range(start, end)]
+                    for _ in range(_WAVE_TURNS):  # after the last: its gens are submitted
                         await asyncio.sleep(0)
             for task in asyncio.as_completed(tasks):
                 await task  # a program's own error is in its state; this is any other

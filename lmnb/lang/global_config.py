@@ -1,8 +1,10 @@
 """`lmnb.global_config`: SGLang's frontend settings object, with the fields programs commonly read.
 
 `default_backend` is the program default (`set_default_backend`); `enable_precache_with_tracing`
-turns `run_batch`'s shared-prefix caching on or off. The other fields are kept for programs that
-set or read them and change nothing here (lmnb's detokenizer always skips special tokens)."""
+turns `run_batch`'s shared-prefix caching on or off; `batch_switch_interval` is lmnb's (the GIL
+switch interval while a `run_batch` starts its programs, `lmnb.lang.gil_share`). The other
+fields are kept for programs that set or read them and change nothing here (lmnb's detokenizer
+always skips special tokens)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ class GlobalConfig:
         self.spaces_between_special_tokens_in_out = True
         self.enable_precache_with_tracing = True
         self.enable_parallel_encoding = True
+        # lmnb's: the GIL switch interval (s) while a run_batch starts its programs (`gil_share`;
+        # None: Python's own, 5 ms unless set).
+        self.batch_switch_interval: float | None = 5e-5
 
     @property
     def default_backend(self) -> Backend | None:

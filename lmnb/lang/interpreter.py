@@ -443,9 +443,20 @@ class StreamExecutor:
                                  expr.reasoning)
                 return
         self._streaming = (expr.name, start)
-        generation = await self._call(self.text_, params, self._chat_prompt(),
-                                      on_delta=lambda delta: self._append(delta, expr.name))
+        if self._watched:
+            generation = await self._call(self.text_, params, self._chat_prompt(),
+                                          on_delta=lambda delta: self._append(delta, expr.name))
+        else:  # nobody reads the text as it comes: one whole result, no wake-up per token
+            generation = await self._call(self.text_, params, self._chat_prompt())
+            if isinstance(generation.text, str) and generation.text:
+                self._append(generation.text, expr.name)  # as one delta (a late listener's)
         self._finish_gen(expr.name, start, generation, expr.reasoning)
+
+    @property
+    def _watched(self) -> bool:
+        """Someone takes the text as it is generated: a streamed run, an observer (a view), a
+        listener (`text_iter`)."""
+        return self.stream or self.observer is not None or bool(self._listeners)
 
     def _chat_prompt(self, *, at_role_start: bool = False) -> ChatPrompt | None:
         if not self.chat:

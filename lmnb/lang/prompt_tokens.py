@@ -36,6 +36,7 @@ _MIN_REUSE = 64  # shorter shared prefixes are encoded afresh
 _MAX_ENTRIES = 512
 _MAX_CHARS = 4 << 20  # of remembered prompt text (with its ids and ends: ~10-40 bytes a char)
 _SCAN = 256  # characters searched back from the shared prefix's end for a safe boundary
+_GIL_FREE_CHARS = 2048  # texts at least this long are tokenized with the GIL released
 
 
 def _safe_left(char: str) -> bool:
@@ -101,12 +102,21 @@ class PromptTokens:
             lengths[index] = len(added.content.encode("utf-8"))
         return lengths
 
+    def _encoded(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The backend's ids of `text`. A long text goes through the batch call, which releases
+        the GIL while it tokenizes (the single call holds it throughout: milliseconds for a
+        few-shot prompt, in which the scheduler thread could launch nothing)."""
+        if len(text) >= _GIL_FREE_CHARS:
+            return self.backend.encode_batch(
+                [text], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
     def _plain(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids if text else []
+        return self._encoded(text, add_special_tokens=False) if text else []
 
     def encode(self, text: str) -> list[int]:
         if not self.incremental:
-            return list(self.backend.encode(text, add_special_tokens=True).ids)
+            return list(self._encoded(text, add_special_tokens=True))
         found = self._reusable(text)
         if found is None:
             ids = self._plain(text)
@@ -137,6 +147,8 @@ class PromptTokens:
                     break
         best: tuple[_Entry, int] | None = None
         for entry in candidates:
+            if best is not None and not text.startswith(entry.text[:best[1] + 1]):
+                continue  # shares no more than the best so far (one comparison, not a search)
             shared = _shared_prefix(text, entry.text)
             if best is None or shared > best[1]:
                 best = (entry, shared)

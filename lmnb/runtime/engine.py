@@ -296,12 +296,15 @@ class Runtime:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         return_token_origins: bool = False,
+        incremental: bool = True,
     ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """Generates for one prompt (returns a dict) or a list (returns a list of dicts; with
         `n > 1`, `n` consecutive dicts per prompt). With `stream=True`, an `OutputStream` of
         incremental dicts (`text` and `output_ids` are what is new; the last one per request has
         `meta_info["finish_reason"]`), consumed by a thread (`for`, `get(timeout)`) or an asyncio
-        task (`async for`); leaving the loop early or `close()` aborts the requests.
+        task (`async for`); leaving the loop early or `close()` aborts the requests. With
+        `stream=True, incremental=False` the stream holds one whole dict per request, at its end
+        (what `stream=False` returns, awaitable without a wake-up per token).
 
         With `return_logprob`, `meta_info` lists `(logprob, token_id)` pairs, or SGLang's
         `(logprob, token_id, text)` triples with `return_text_in_logprobs`; with
@@ -330,8 +333,9 @@ class Runtime:
         first_state = list(accumulate((params.n for params in params_list), initial=0))
         rids = [next_rid() for _ in range(first_state[-1])]  # announced before any submit
         single = not prompts.is_batch and len(rids) == 1
-        output = OutputStream(rids, incremental=stream, tagged=stream and not single,
-                              on_close=self._abort_rids, poll=self._check_open)
+        output = OutputStream(rids, incremental=stream and incremental,
+                              tagged=stream and not single, on_close=self._abort_rids,
+                              poll=self._check_open)
         media = image_data is not None or video_data is not None
         try:
             # Texts: the first chunk is encoded and submitted at once (the scheduler starts

@@ -56,9 +56,11 @@ class EngineSurface(Protocol):
                  video_data: MediaInput = None, return_logprob: bool = False,
                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
                  return_text_in_logprobs: bool = False,
-                 stream: bool = False, return_token_origins: bool = False) -> GenerateResult:
+                 stream: bool = False, return_token_origins: bool = False,
+                 incremental: bool = True) -> GenerateResult:
         """A dict for one prompt, a list for a list (n per prompt), an `OutputStream` with
-        `stream=True` (see `Runtime.generate`)."""
+        `stream=True` (of one whole dict per request with `incremental=False`; see
+        `Runtime.generate`)."""
         ...
 
     def batched_submits(self) -> AbstractContextManager[None]:

@@ -53,7 +53,7 @@ def test_a_step_issues_no_host_sync() -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         ids = out.token_ids()
-        assert out.next_token_ids_cpu.is_pinned()
+        assert all(copy.is_pinned() for copy in out.host_copies())
         assert all(bool(allowed[row, token]) for row, token in enumerate(ids))
         for req, token in zip(reqs, ids, strict=True):
             req.output_ids.append(token)
@@ -77,3 +77,31 @@ def test_greedy_and_adjusted_logits_agree_with_the_cpu() -> None:
                            sampler.adjusted_logits(logits.to(device), info).cpu())
     assert results["cpu"][0] == results["cuda"][0]
     torch.testing.assert_close(results["cpu"][1], results["cuda"][1])
+
+
+@pytest.mark.parametrize("top", [0, 5, 20])  # 20: wider than the kernel keeps (torch's topk)
+def test_logprobs_and_top_logprobs_agree_with_the_cpu(top: int) -> None:
+    """On CUDA the packed logprobs come from one Triton launch (up to MAX_K) or torch ops; the
+    CPU's torch ops give the same ids and logprobs to float rounding."""
+    torch.manual_seed(2)
+    bs = 8
+    logits = torch.randn(bs, VOCAB) * 3
+    sampler = Sampler(VOCAB, {EOS})
+    results = {}
+    for device in ("cpu", "cuda"):
+        reqs = _reqs(bs, device)
+        for req in reqs:
+            req.sampling_params.temperature = 0.0
+            req.req.top_logprobs_num = top
+        out = sampler(logits.to(device), sampler.batch_info(reqs, device))
+        results[device] = (out.token_ids(), out.logprobs(), out.top_logprobs())
+    cpu, cuda = results["cpu"], results["cuda"]
+    assert cpu[0] == cuda[0]
+    torch.testing.assert_close(torch.tensor(cuda[1]), torch.tensor(cpu[1]), atol=1e-5, rtol=0)
+    if top:
+        assert [[t for _, t in row] for row in cuda[2]] == [[t for _, t in row] for row in cpu[2]]
+        torch.testing.assert_close(torch.tensor([[v for v, _ in row] for row in cuda[2]]),
+                                   torch.tensor([[v for v, _ in row] for row in cpu[2]]),
+                                   atol=1e-5, rtol=0)
+    else:
+        assert cuda[2] is None and cpu[2] is None

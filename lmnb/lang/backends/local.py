@@ -129,20 +129,26 @@ class LocalBackend:
 
     # ---- Backend -----------------------------------------------------------------------------
     def _submit(self, prompt: str, params: GenParams, media: Sequence[MediaInput],
-                trace: TokenTrace | None) -> tuple[Any, GenRecord | None]:
+                trace: TokenTrace | None, *,
+                whole: bool = False) -> tuple[Any, GenRecord | None]:
         """Submits one gen's request(s); their `OutputStream`, consumed by a thread or a task,
         and with `trace` (a traced program) the new record of it that the first sample's
-        tokens, origins and logprobs go to."""
+        tokens, origins and logprobs go to. `whole`: the stream brings one whole chunk per
+        request at its end (nobody takes the text as it comes, and nothing is traced)."""
         prompt_args = self._prompt(prompt, media)
         record = (trace.request(prompt_args["input_ids"], len(prompt))
                   if trace is not None and "input_ids" in prompt_args else None)
+        options: dict[str, Any] = {}
+        if record is not None:
+            options["return_token_origins"] = True
+        elif whole:
+            options["incremental"] = False
         chunks = self.runtime.generate(
             sampling_params=self.sampling_params(params),
             return_logprob=bool(params.return_logprob),
             logprob_start_len=params.logprob_start_len,
             top_logprobs_num=traced_top_k(params.top_logprobs_num, record is not None),
-            stream=True, **({"return_token_origins": True} if record is not None else {}),
-            **prompt_args)
+            stream=True, **options, **prompt_args)
         return chunks, record
 
     def _generation(self, gen: GenTexts, params: GenParams) -> Generation:
@@ -181,7 +187,7 @@ class LocalBackend:
         runtime and its output stream is awaited; setting `cancel` (a `CancelEvent`) closes the
         stream, which aborts the request and wakes the await. `trace` as in `generate`."""
         with self.submits.submitting():
-            chunks, record = self._submit(prompt, params, media, trace)
+            chunks, record = self._submit(prompt, params, media, trace, whole=on_delta is None)
         gen = GenTexts(params, on_delta)
         unregister = cancel.on_set(chunks.close) if isinstance(cancel, CancelEvent) else None
         try:

@@ -446,6 +446,7 @@ class DataParallelRuntime:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         return_token_origins: bool = False,
+        incremental: bool = True,
     ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """As `Runtime.generate`; each prompt (with its `n` samples) goes to the replica the
         router picks, and `meta_info["dp_rank"]` says which. Media inputs are not routed yet."""
@@ -472,7 +473,8 @@ class DataParallelRuntime:
         rids = [next(self._rids) for _ in range(sum(counts))]
         single = not is_batch and len(rids) == 1
         calls: list[concurrent.futures.Future] = []
-        output = OutputStream(rids, incremental=stream, tagged=stream and not single,
+        output = OutputStream(rids, incremental=stream and incremental,
+                              tagged=stream and not single,
                               on_close=lambda _unfinished: self._cancel(calls),
                               poll=self._check_open)
         first = list(itertools.accumulate([0, *counts]))
@@ -488,8 +490,8 @@ class DataParallelRuntime:
                        "return_token_origins": return_token_origins}
             outputs = [(rids[first[p] + k], token_lists[p]) for p in prompts
                        for k in range(counts[p])]
-            call = self._loop.spawn(self._serve(replica, request, stream, outputs, output,
-                                                token_texts=token_texts))
+            call = self._loop.spawn(self._serve(replica, request, output.incremental, outputs,
+                                                output, token_texts=token_texts))
             calls.append(call)
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)

@@ -56,17 +56,18 @@ def dot_operand(x, UPCAST: tl.constexpr):
 def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
                   stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_FP8: tl.constexpr = False, K_SCALE=None, V_SCALE=None, stride_st=0):
+                  KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
+                  V_SCALE=None, stride_st=0):
     """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
     slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]. KV_FP8: K/V are FP8,
     dequantized to q's dtype, with scales K_SCALE / V_SCALE [slots, kv_heads] (row stride
-    stride_st)."""
+    stride_st). K_ROWS: see `attend_slots`."""
     cols = n + offs_n
     mask_n = cols < end
     slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
     return attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
                         stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                        CAUSAL, PRECISION, UPCAST, KV_FP8, False, K_SCALE, V_SCALE, stride_st)
+                        CAUSAL, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
 
 
 @triton.jit
@@ -201,12 +202,15 @@ def _decode_merge_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_ot, stride_oh,
+    num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
+    HAS_SKIP: tl.constexpr, BLOCK_HEADS: tl.constexpr,
 ):
+    """Program (request, block of BLOCK_HEADS query heads): most requests of a busy batch have
+    one split and exit at once, so few programs a request keep the launch cheap."""
     req = tl.program_id(0)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -219,16 +223,19 @@ def _decode_merge_kernel(
         if HAS_SKIP:  # splits MAX_SPLITS.. hold the shared prefix's partials (shared_prefix.py)
             prefix_used = tl.load(PREFIX_PARTS + req)
             used = used | ((offs_s >= MAX_SPLITS) & (offs_s < MAX_SPLITS + prefix_used))
-        lse = tl.load(PART_LSE + req * stride_plb + head * stride_plh + offs_s, mask=used,
-                      other=float("-inf"))
-        parts = tl.load(PART_O + req * stride_pob + head * stride_poh
-                        + offs_s[:, None] * stride_pos + offs_d[None, :],
-                        mask=used[:, None] & (offs_d < HEAD_DIM)[None, :],
-                        other=0.0)  # [BLOCK_S, BLOCK_D]
-        weight = tl.exp(lse - tl.max(lse, 0))
-        out = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
-        tl.store(OUT + req * stride_ot + head * stride_oh + offs_d,
-                 out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        mask_hs = (heads < num_heads)[:, None] & used[None, :]  # [BLOCK_HEADS, BLOCK_S]
+        lse = tl.load(PART_LSE + req * stride_plb + heads[:, None] * stride_plh
+                      + offs_s[None, :], mask=mask_hs, other=float("-inf"))
+        parts = tl.load(PART_O + req * stride_pob + heads[:, None, None] * stride_poh
+                        + offs_s[None, :, None] * stride_pos + offs_d[None, None, :],
+                        mask=mask_hs[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+                        other=0.0)  # [BLOCK_HEADS, BLOCK_S, BLOCK_D]
+        top = tl.max(lse, 1)
+        weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])
+        out = tl.sum(weight[:, :, None] * parts, 1) / tl.maximum(tl.sum(weight, 1), 1e-30)[:, None]
+        tl.store(OUT + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty),
+                 mask=(heads < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 class DecodeConfig(NamedTuple):
@@ -332,14 +339,17 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    _decode_merge_kernel[(bs, num_heads)](
+    block_s = triton.next_power_of_2(max_kv_splits + prefix_splits)
+    # heads a merge program takes: its [heads, splits, head_dim] partials ~8k floats at most
+    block_heads = min(triton.next_power_of_2(num_heads), max(1, 8192 // (block_s * block_d)))
+    _decode_merge_kernel[(bs, triton.cdiv(num_heads, block_heads))](
         partial_out, partial_lse, kv_indptr, kv_skip, prefix_parts, out,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
+        num_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits,
-        BLOCK_S=triton.next_power_of_2(max_kv_splits + prefix_splits),
-        MIN_SPLIT=config.min_split, HAS_SKIP=shared is not None,
-        num_warps=4, num_stages=1,
+        BLOCK_S=block_s, MIN_SPLIT=config.min_split, HAS_SKIP=shared is not None,
+        BLOCK_HEADS=block_heads, num_warps=4, num_stages=1,
     )
     return out

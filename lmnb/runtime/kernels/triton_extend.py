@@ -34,7 +34,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,7 +73,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, visible_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                False, PRECISION, UPCAST, KV_FP8, K_SCALE, V_SCALE, stride_st)
+                False, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
         # The block's diagonal, causally; columns past its last row are never loaded (fully
         # masked columns of a row add exp(-inf) = 0).
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
@@ -81,7 +81,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                True, PRECISION, UPCAST, KV_FP8, K_SCALE, V_SCALE, stride_st)
+                True, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
         out = acc / l_i[:, None]
         tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -93,19 +93,25 @@ class ExtendConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    k_rows: bool = False  # load K token-major and transpose it for the dot
 
 
 def extend_config(head_dim: int, dtype: torch.dtype, *, max_rows: int = 0) -> ExtendConfig:
     """Tile sizes by head size and element width (fp32 heads of 128+ need smaller KV tiles) and
-    by the longest request's rows (new tokens x GQA group): 64-row blocks, or one 128-row block
-    when that holds a request whose rows need two of 64 (its KV is then read once, not twice)."""
+    by the longest request's rows (new tokens x GQA group): 128-row blocks over 8 warps, or
+    64-row blocks where 128 would pad that request's rows by a fifth more (e.g. 160 rows: 256
+    instead of 192)."""
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 256
     if wide:
         return ExtendConfig(64, 32, 4, 2)
-    # H100, triton 3.6, bf16 head_dim 128, Llama-3 GQA (bench/extend_kernel.py --sweep): 64-row
-    # blocks 1.10x / 1.30x the 128-row ones on the offline / shared-prefix shapes; 128 rows
-    # 1.05x at the fork shape (128 rows a request). 8 warps or 64-token KV tiles were slower.
-    return ExtendConfig(128, 32, 4, 3) if 64 < max_rows <= 128 else ExtendConfig(64, 32, 4, 3)
+    # H100, triton 3.6, bf16 head_dim 128, Llama-3 GQA (bench/extend_kernel.py --sweep):
+    # 128 x 32 tiles over 8 warps 256 / 345 us on the offline chunk / fork shapes (128 rows a
+    # request) against 271 / 413 for 64-row blocks; at the shared-prefix shape (160 rows a
+    # request) 64-row blocks with K token-major 1,193 us against 1,384.
+    padded = triton.cdiv(max_rows, 128) * 128
+    if padded <= 1.2 * triton.cdiv(max_rows, 64) * 64:
+        return ExtendConfig(128, 32, 8, 3)
+    return ExtendConfig(64, 32, 4, 3, k_rows=True)
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -141,6 +147,6 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, PRECISION=precision, UPCAST=dot_upcast(compute), KV_FP8=kv_fp8,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        K_ROWS=config.k_rows, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

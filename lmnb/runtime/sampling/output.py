@@ -8,14 +8,15 @@ import torch
 
 MASKED = -1  # next_token_ids value of a row whose every token is masked
 NOT_FINITE = -2  # ... of a row whose logits hold NaN or +inf
+_CPU = torch.device("cpu")
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Starts a non-blocking copy into pinned memory (CUDA); on the CPU the tensor itself."""
+    """Starts a non-blocking copy into pinned memory (CUDA: one dispatch, the copy allocates its
+    pinned output); on the CPU the tensor itself."""
     if tensor.device.type != "cuda":
         return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
+    return tensor.to(_CPU, non_blocking=True)
 
 
 class SampleOutput:
@@ -27,24 +28,26 @@ class SampleOutput:
     raises RuntimeError for a row that could not be sampled.
     """
 
-    def __init__(self, next_token_ids: torch.Tensor, *, logprobs: torch.Tensor | None,
-                 top_values: torch.Tensor | None, top_ids: torch.Tensor | None,
-                 top_logprobs_nums: list[int], label: Callable[[int], str],
+    def __init__(self, next_token_ids: torch.Tensor, *, packed_logprobs: torch.Tensor | None,
+                 top_width: int, top_logprobs_nums: list[int], label: Callable[[int], str],
                  logprob_positions: list[int] | None = None) -> None:
         self.next_token_ids = next_token_ids
-        self.next_token_logprobs = logprobs  # [n] float32 (rows that asked), None when none did
-        self.top_logprob_values = top_values  # [n, max wanted] float32, best first
-        self.top_logprob_ids = top_ids
+        # Of the rows that asked, in one float32 tensor: [n, 2 + 2 * k], per row its sampled id
+        # (or MASKED / NOT_FINITE), the id's logprob, the k best logprobs (best first) and their
+        # ids (ids are exact in float32: < 2**24); None when no row asked.
+        self.packed_logprobs = packed_logprobs
+        self.top_width = top_width  # k: the most top logprobs a row asked for
         self.top_logprobs_nums = top_logprobs_nums
         self.logprob_positions = (list(range(len(top_logprobs_nums)))
                                   if logprob_positions is None else logprob_positions)
         self._label = label
-        self.next_token_ids_cpu = _to_host(next_token_ids)
-        # The logprobs, top values and top ids (exact in float32: ids < 2**24) in one copy:
-        # [n, 1 + 2 * max wanted]
-        self._logprobs_cpu = None if logprobs is None else _to_host(
-            logprobs[:, None] if top_values is None
-            else torch.cat([logprobs[:, None], top_values, top_ids.to(torch.float32)], dim=1))
+        # When every row of a GPU batch asked, the packed copy brings the ids too: one copy.
+        ids_packed = (packed_logprobs is not None and next_token_ids.device.type == "cuda"
+                      and len(self.logprob_positions) == len(top_logprobs_nums))
+        self.next_token_ids_cpu: torch.Tensor | None = (
+            None if ids_packed else _to_host(next_token_ids))  # set by `synchronize` if None
+        self._logprobs_cpu = None if packed_logprobs is None else _to_host(packed_logprobs)
+        self._rows: list[list[float]] | None = None  # the host copy as lists, read once
         self._event: torch.cuda.Event | None = None
         if next_token_ids.device.type == "cuda":
             self._event = torch.cuda.Event()
@@ -57,6 +60,9 @@ class SampleOutput:
             return
         if self._event is not None:
             self._event.synchronize()
+        if self.next_token_ids_cpu is None:
+            assert self._logprobs_cpu is not None
+            self.next_token_ids_cpu = self._logprobs_cpu[:, 0].to(torch.int64)
         ids = self.next_token_ids_cpu
         bad = (ids < 0).nonzero()
         if len(bad):
@@ -68,6 +74,36 @@ class SampleOutput:
             raise RuntimeError(f"{self._label(row)}: logits contain nan or +inf")
         self._checked = True
 
+    def host_copies(self) -> list[torch.Tensor]:
+        """The host tensors the device's results are copied into (pinned on CUDA)."""
+        return [t for t in (self.next_token_ids_cpu, self._logprobs_cpu) if t is not None]
+
+    @property
+    def next_token_logprobs(self) -> torch.Tensor | None:
+        """[n] float32 of the rows that asked (device); None when none did."""
+        return None if self.packed_logprobs is None else self.packed_logprobs[:, 1]
+
+    @property
+    def top_logprob_values(self) -> torch.Tensor | None:
+        """[n, k] float32, best first (device); None without top logprobs."""
+        if self.packed_logprobs is None or not self.top_width:
+            return None
+        return self.packed_logprobs[:, 2:2 + self.top_width]
+
+    @property
+    def top_logprob_ids(self) -> torch.Tensor | None:
+        """[n, k] int64 ids of `top_logprob_values` (device); None without top logprobs."""
+        if self.packed_logprobs is None or not self.top_width:
+            return None
+        return self.packed_logprobs[:, 2 + self.top_width:].long()
+
+    def _host_rows(self) -> list[list[float]]:
+        """The packed host copy as lists (after `synchronize`), converted once per step."""
+        if self._rows is None:
+            assert self._logprobs_cpu is not None
+            self._rows = self._logprobs_cpu.tolist()
+        return self._rows
+
     def token_ids(self) -> list[int]:
         self.synchronize()
         return self.next_token_ids_cpu.tolist()
@@ -78,7 +114,7 @@ class SampleOutput:
         self.synchronize()
         if self._logprobs_cpu is None:
             return None
-        values = self._logprobs_cpu[:, 0].tolist()
+        values = [row[1] for row in self._host_rows()]
         if len(values) == len(self.top_logprobs_nums):
             return values
         out = [0.0] * len(self.top_logprobs_nums)
@@ -89,13 +125,13 @@ class SampleOutput:
     def top_logprobs(self) -> list[list[tuple[float, int]]] | None:
         """Per row its `top_logprobs_num` best (logprob, id), best first; None when no row asked."""
         self.synchronize()
-        if self.top_logprob_values is None or self._logprobs_cpu is None:
+        if not self.top_width or self._logprobs_cpu is None:
             return None
-        width = self.top_logprob_values.shape[1]
+        width = self.top_width
         nums = self.top_logprobs_nums
         out: list[list[tuple[float, int]]] = [[] for _ in nums]
-        for row, packed in zip(self.logprob_positions, self._logprobs_cpu.tolist(), strict=True):
+        for row, packed in zip(self.logprob_positions, self._host_rows(), strict=True):
             if n := nums[row]:
-                out[row] = list(zip(packed[1:1 + n], map(int, packed[1 + width:1 + width + n]),
+                out[row] = list(zip(packed[2:2 + n], map(int, packed[2 + width:2 + width + n]),
                                     strict=True))
         return out

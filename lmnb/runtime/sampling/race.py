@@ -75,18 +75,23 @@ def _hash32_tl(x):
 
 
 @triton.jit
-def _race_logits_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, OUT, vocab, stride,
+def _race_logits_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, BEST, BEST_ID, vocab, stride, chunk,
                         BLOCK: tl.constexpr):
+    """Program (i, s) races row ROWS[i]'s tokens s * chunk : (s + 1) * chunk and stores the
+    winner's score and id (the smallest id among equal scores) at [i, s]."""
     i = tl.program_id(0)
+    part = tl.program_id(1)
+    splits = tl.num_programs(1)
     row = tl.load(ROWS + i).to(tl.int64)
     inv_t = 1.0 / tl.load(TEMPS + i)
     floor = tl.load(FLOORS + i)  # logits below it are out of the support (min-p); -inf: none
     seed = tl.load(SEEDS + i).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_id = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
+    best_id = tl.full([BLOCK], vocab, tl.int32)
+    end = tl.minimum((part + 1) * chunk, vocab)
+    for start in range(part * chunk, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(LOGITS + row * stride + cols, mask=cols < vocab, other=float("-inf"))
+        x = tl.load(LOGITS + row * stride + cols, mask=cols < end, other=float("-inf"))
         h = _hash32_tl(_hash32_tl((cols.to(tl.uint32) * 0x9E3779B9) ^ seed))
         uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
         score = tl.where(x >= floor, x * inv_t - tl.log(-tl.log(uniform)), float("-inf"))
@@ -94,7 +99,8 @@ def _race_logits_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, OUT, vocab, stride,
         best = tl.where(better, score, best)
         best_id = tl.where(better, cols, best_id)
     top = tl.max(best, 0)
-    tl.store(OUT + i, tl.min(tl.where(best == top, best_id, vocab), 0))
+    tl.store(BEST + i * splits + part, top)
+    tl.store(BEST_ID + i * splits + part, tl.min(tl.where(best == top, best_id, vocab), 0))
 
 
 def race_logits(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
@@ -110,13 +116,28 @@ def race_logits(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Te
     return scores.masked_fill(x < floors, float("-inf")).argmax(dim=-1)
 
 
+BLOCK = 1024
+_PROGRAMS = 1024  # enough (row, slice) programs to keep every SM streaming
+
+
 def race_logits_triton(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
-                       floors: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """`race_logits` through the Triton kernel (CUDA, or CPU tensors in the interpreter)."""
+                       floors: torch.Tensor, seeds: torch.Tensor, *,
+                       splits: int | None = None) -> torch.Tensor:
+    """`race_logits` through the Triton kernel (CUDA, or CPU tensors in the interpreter). Each
+    row's vocabulary is cut into `splits` slices raced by separate programs (default: enough
+    for ~1,000 programs, each slice >= 8 blocks); the first slice holding the top score wins,
+    so ties go to the smallest id as in one pass."""
     assert logits.stride(1) == 1 and logits.dtype == torch.float32
-    out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
-    if len(rows):
-        _race_logits_kernel[(len(rows),)](
-            logits, rows, temperatures, floors, seeds, out, logits.shape[1], logits.stride(0),
-            BLOCK=1024, num_warps=4)
-    return out.long()
+    n, vocab = len(rows), logits.shape[1]
+    blocks = triton.cdiv(vocab, BLOCK)
+    if splits is None:
+        splits = max(1, min(triton.cdiv(_PROGRAMS, max(n, 1)), blocks // 8))
+    chunk = triton.cdiv(blocks, splits) * BLOCK
+    splits = triton.cdiv(vocab, chunk)
+    best = torch.empty((n, splits), dtype=torch.float32, device=logits.device)
+    best_id = torch.empty((n, splits), dtype=torch.int32, device=logits.device)
+    if n:
+        _race_logits_kernel[(n, splits)](
+            logits, rows, temperatures, floors, seeds, best, best_id, vocab, logits.stride(0),
+            chunk, BLOCK=BLOCK, num_warps=4)
+    return best_id.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()

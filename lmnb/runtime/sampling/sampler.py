@@ -17,11 +17,13 @@ import torch
 
 from lmnb.runtime.sampling.batch_info import RowGroup, SamplingBatchInfo, SamplingRow
 from lmnb.runtime.sampling.bitmask import apply_bitmask_
+from lmnb.runtime.sampling.logprob_kernel import MAX_K, packed_logprobs
 from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, SampleOutput
 from lmnb.runtime.sampling.race import race_logits, race_weights, row_seeds
 
 _NEG_INF = float("-inf")
 _TOP_K_BLOCK = 128  # on the CPU, `top_k` reads the best blocks of this many values
+KERNEL_DEVICES = ("cuda",)  # where logprobs come from `logprob_kernel` (tests: also "cpu")
 
 
 @dataclass
@@ -57,10 +59,8 @@ class Sampler:
             ids = self._draw(work, info, ids, best)
         bad = ~torch.isfinite(best)
         ids = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
-        logprobs = top_values = top_ids = None
-        if info.need_logprobs:
-            logprobs, top_values, top_ids = _token_logprobs(raw, ids, info)
-        return SampleOutput(ids, logprobs=logprobs, top_values=top_values, top_ids=top_ids,
+        packed = _token_logprobs(raw, ids, info) if info.need_logprobs else None
+        return SampleOutput(ids, packed_logprobs=packed, top_width=info.max_top_logprobs,
                             top_logprobs_nums=info.top_logprobs_nums, label=info.label,
                             logprob_positions=info.logprob_positions)
 
@@ -78,7 +78,7 @@ class Sampler:
         bad = ~torch.isfinite(best)
         if bool(bad.any()):
             fake = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
-            SampleOutput(fake, logprobs=None, top_values=None, top_ids=None,
+            SampleOutput(fake, packed_logprobs=None, top_width=0,
                          top_logprobs_nums=info.top_logprobs_nums,
                          label=info.label).synchronize()
         return self.probabilities(work, info, ids)
@@ -144,18 +144,31 @@ class Sampler:
 
 
 def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Of the rows that asked (`info.logprob_positions`, in order): the sampled token's raw
-    logprob [n] and the best `max_top_logprobs` (logprob, id) [n, k]. One fused log-softmax pass
-    (on the CPU a logsumexp costs several passes and a thread fork per call)."""
+                    ) -> torch.Tensor:
+    """Of the rows that asked (`info.logprob_positions`, in order), packed for one copy to the
+    host (`SampleOutput.packed_logprobs`): [n, 2 + 2 * max_top_logprobs] float32, the sampled
+    id, its raw logprob, then the best (logprob, id)s. At batch 1 the host pays every op here
+    per token: on a GPU one Triton launch (`logprob_kernel`; `torch.topk` alone launches a dozen
+    kernels); elsewhere, or for wider top-k, one fused log-softmax pass (on the CPU a logsumexp
+    costs several passes and a thread fork per call), a gather, a top-k and the packing `cat`
+    (which promotes the int64 ids to float32 itself)."""
     if info.logprob_rows is not None:
         raw, ids = raw[info.logprob_rows], ids[info.logprob_rows]
+    k = info.max_top_logprobs
+    if raw.device.type in KERNEL_DEVICES and k <= MAX_K:
+        return packed_logprobs(raw, ids, k)
+    return torch_packed_logprobs(raw, ids, k)
+
+
+def torch_packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """`logprob_kernel.packed_logprobs` in torch ops."""
     logprobs = torch.log_softmax(raw, dim=-1)
-    chosen = logprobs.gather(1, ids.clamp(min=0)[:, None]).squeeze(1)
-    if not info.max_top_logprobs:
-        return chosen, None, None
-    top_values, top_ids = top_k(logprobs, info.max_top_logprobs)
-    return chosen, top_values, top_ids
+    column = ids.unsqueeze(1)
+    chosen = logprobs.gather(1, column.clamp(min=0))  # [n, 1]
+    if not k:
+        return torch.cat([column, chosen], dim=1)
+    top_values, top_ids = top_k(logprobs, k)
+    return torch.cat([column, chosen, top_values, top_ids], dim=1)
 
 
 def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

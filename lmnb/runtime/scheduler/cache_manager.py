@@ -60,13 +60,9 @@ class CacheManager:
         if self.cache.prefetches:
             self.cache.wait_prefetch(self._key(req), req.extra_key)
 
-    def match(self, req: Req, *, load_room: int = 0) -> MatchResult:
-        """`req`'s cached prefix, after up to `load_room` tokens of it were brought back from a
-        tiered cache's host memory or disk."""
-        key = self._key(req)
-        if load_room > 0:
-            self.cache.load_back(key, req.extra_key, room=load_room)
-        return self.cache.match_prefix(key, req.extra_key)
+    def match(self, req: Req) -> MatchResult:
+        """`req`'s cached prefix on the device."""
+        return self.cache.match_prefix(self._key(req), req.extra_key)
 
     def bind(self, req: Req, match: MatchResult) -> None:
         """Gives `req` a request row holding its matched prefix, locked."""
@@ -81,6 +77,24 @@ class CacheManager:
         """Undoes `bind` before any slot of its own was allocated."""
         self.cache.unlock(req.cache_handle)
         self._release_row(req)
+
+    def load_back(self, req: Req, *, room: int) -> int:
+        """After `bind`: up to `room` tokens of `req`'s prefix past its match are brought back
+        from a tiered cache's host memory or disk (their copies queued, `hicache/loads.py`) and
+        `req` is bound to the longer prefix; returns how many tokens it gained."""
+        if room <= 0:
+            return 0
+        key = self._key(req)
+        if not self.cache.load_back(key, req.extra_key, room=room):
+            return 0
+        match = self.cache.match_prefix(key, req.extra_key)
+        gained = match.length - req.prefix_len
+        self.cache.lock(match.handle)
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle = match.handle
+        req.prefix_len = req.kv_len = match.length
+        self._unwritten[req.req_pool_idx] = match
+        return gained
 
     def write_bound_prefixes(self) -> None:
         """Writes the matched prefixes of the requests bound since the last call into their

@@ -61,7 +61,7 @@ class PrefillManager:
                 break
             if not self.cache.prefetched(req):  # its disk pages are being read: others first
                 continue
-            match = self.cache.match(req, load_room=room())
+            match = self.cache.match(req)
             prefix_len = match.length
             if self._defer_for_shared_prefix(req, prefix_len, plan.reqs):
                 continue
@@ -71,10 +71,16 @@ class PrefillManager:
                           * new_token_ratio)
             alone = not (any_running or plan.reqs)  # admitted even if its reserve does not fit
             available = room()
-            take = min(extend, budget, available)
-            if (extend + reserve > available and not alone) or take <= 0:
+            if (extend + reserve > available and not alone) or min(extend, budget,
+                                                                   available) <= 0:
                 self.cache.unbind(req)
                 break
+            # Admitted: the part of its prefix in a tiered cache's lower tiers comes back, each
+            # token into the slot its recompute would have taken (so the fit above holds, and a
+            # refused request loads nothing); a slot stays for the last token, always computed.
+            loaded = self.cache.load_back(req, room=available - 1)
+            extend -= loaded
+            take = min(extend, budget, room())  # room(): available - loaded
             plan.reqs.append(req)
             plan.extend_lens.append(take)
             plan.admitted.append(req)
