@@ -242,7 +242,10 @@ def _quality_checkpoint(args: argparse.Namespace, name: str, root: Path) -> Path
 
     source = args.quality_model or resolve_model_dir(None)
     weight_only, gptq, ends = QUALITY_CHECKPOINTS[name]
-    calib = calibration_ids(source, args.quality_tokens, 1024) if gptq else None
+    calib = None
+    if gptq:
+        calib = (calibration_ids(source, args.quality_tokens, 1024) if args.calib_text is None
+                 else calibration_ids(source, 0, args.calib_tokens, args.calib_text))
     layers = json.loads((Path(source) / "config.json").read_text())["num_hidden_layers"]
     return write_fp8_checkpoint(source, root / name, weight_only=weight_only, gptq=gptq,
                                 calib=calib, skip_layers=(0, layers - 1) if ends else ())
@@ -319,6 +322,11 @@ def main() -> None:
                         help="quality part: the 16/32-bit rows compared with bf16 ('' for none)")
     parser.add_argument("--quality-checkpoints", default="",
                         help=f"quality part: some of {list(QUALITY_CHECKPOINTS)} (comma-separated)")
+    parser.add_argument("--calib-text", type=Path, default=None,
+                        help="GPTQ checkpoints: calibrate on this file (default: opticks.txt "
+                             "past the measured tokens)")
+    parser.add_argument("--calib-tokens", type=int, default=4096,
+                        help="with --calib-text: how many of its tokens")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized check of the script")
     parser.add_argument("--fp8-gemv-table", type=Path, default=None,
                         help="a `bench/gemv.py --fp8 --sweep` JSON: its best configs replace "

@@ -5,8 +5,9 @@ weights, `strategy: channel`, `weight_scale` [N, 1] float32 beside each FP8 weig
 lmnb (and vLLM / SGLang) load it as they are:
 
     --activations none      weight-only FP8 (W8A16: no `input_activations` group; vLLM's
-                            `CompressedTensorsW8A16Fp8`), the scheme that meets issue 23's quality
-                            targets on SmolLM2-135M with GPTQ (bench/RESULTS.md)
+                            `CompressedTensorsW8A16Fp8`), with GPTQ the best FP8 weight scheme on
+                            SmolLM2-135M (bench/RESULTS.md; its agreement depends on the
+                            calibration text)
     --activations dynamic   W8A8: activations per token at run time (`FP8_DYNAMIC`)
     --rtn                   round to nearest (what `quantization="fp8"` does at load) instead
 

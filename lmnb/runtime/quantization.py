@@ -19,8 +19,9 @@ dtype. Activations are quantized per token at run time (dynamic, W8A8), so a che
 have no `input_activations` is weight-only FP8 (W8A16, vLLM's `CompressedTensorsW8A16Fp8`): the
 activations stay 16-bit in every GEMM (the skinny GEMV at M <= 16 always runs so; larger M
 multiply the dequantized weight in the model's dtype instead of `_scaled_mm`).
-`bench/fp8_gptq.py` writes such a checkpoint with GPTQ rounding, the FP8 scheme that meets the
-quality targets on SmolLM2-135M (bench/RESULTS.md).
+`bench/fp8_gptq.py` writes such a checkpoint with GPTQ rounding: the best FP8 weight scheme on
+SmolLM2-135M's quality study (bench/RESULTS.md: >= 95% top-1 agreement with bf16 when calibrated
+on text like the evaluated one, about 94% on unrelated calibration text).
 """
 
 from __future__ import annotations
