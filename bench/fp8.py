@@ -15,16 +15,25 @@ Parts (`--parts`, default all):
             in this run; FP8's speed-up over bf16 and its fraction of its own floor
   offline   nano-vllm's offline workload (bench/offline.py: 256 seqs, in/out lengths 100-1024,
             seed 0, temperature 0.6), one generate call: output tok/s and the KV pool's tokens
+  w8a16     (not by default) weight-only FP8 GEMMs of more than 16 rows at Llama-3-8B's linears:
+            `mm_fp8.w8a16_mm` against dequantize + F.linear, bf16 and W8A8 beside them
   quality   real weights (the embedded SmolLM2-135M-Instruct, or `--quality-model`), real text
             (bench/data/opticks.txt, Newton's Opticks, public domain): the first
             `--quality-tokens` tokens as one prompt, prompt logprobs of every position: each
             variant's next-token top-1 agreement with bf16 and its perplexity against bf16's;
             first the noise floor (`--floor`: fp32 and fp16 against bf16), and agreement on the
-            positions where bf16's top-1 beats its top-2 by > 0.1 / 0.5 (logprob)
+            positions where bf16's top-1 beats its top-2 by > 0.1 / 0.5 (logprob); then the
+            FP8 checkpoints of `--quality-checkpoints` (bench/fp8_gptq.py, written from the
+            quality model into a temporary folder, calibrated on the text past the measured
+            tokens): fp8-w8a16 (weight-only FP8, round to nearest), fp8-gptq (weight-only,
+            GPTQ), fp8-gptq-ends (that with the first and last decoder layers 16-bit),
+            fp8-gptq-w8a8 (GPTQ weights, per-token FP8 activations)
 
 JSON to bench/results/fp8.json (and $OUT/fp8.json when $OUT is set). On the GPU machine:
     python bench/fp8.py                                  # all parts, about 6 minutes on an H100
     python bench/fp8.py --parts quality --quality-model /tmp/smollm2
+    python bench/fp8.py --parts quality --quality-model /tmp/smollm2 --variants bf16,fp8,fp8-kv \
+        --quality-checkpoints fp8-w8a16,fp8-gptq,fp8-gptq-ends,fp8-gptq-w8a8
     python bench/fp8.py --parts decode --variants bf16,fp8   # batch-1 decode only (~2 minutes)
     python bench/fp8.py --parts decode --variants bf16,fp8 \
         --fp8-gemv-table bench/results/gemv_fp8_sweep.json    # with a sweep's best FP8 configs
@@ -36,13 +45,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,9 +87,18 @@ FLOOR_VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "fp16": {"dtype": "float16"},
 }
+# bench/fp8_gptq.py checkpoints of the quality model: (weight_only, gptq, first and last
+# decoder layers 16-bit)
+QUALITY_CHECKPOINTS = {"fp8-w8a16": (True, False, False), "fp8-gptq": (True, True, False),
+                       "fp8-gptq-ends": (True, True, True), "fp8-gptq-w8a8": (False, True, False)}
 MARGINS = (0.1, 0.5)  # top-1 - top-2 logprob margins of the margin-aware agreement
 TEXT = REPO_ROOT / "bench" / "data" / "opticks.txt"
-PARTS = ("decode", "offline", "quality")
+PARTS = ("decode", "offline", "quality", "w8a16")
+DEFAULT_PARTS = ("decode", "offline", "quality")
+# Llama-3-8B's linears (N, K): qkv, o, gate_up, down
+W8A16_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                "down": (4096, 14336)}
+W8A16_ROWS = (17, 64, 256, 1024, 4096)
 
 
 def _free() -> None:
@@ -105,26 +125,36 @@ def decode_step_ms(rt: Runtime, *, steps: int, repeats: int, device: torch.devic
     return (timed(16 + steps) - timed(16)) / steps * 1e3
 
 
-def quality_logprobs(rt: Runtime, ids: list[int]) -> tuple[list[int], list[float], list[float]]:
-    """Per position t >= 1: the top-1 next-token id predicted for it, the logprob of the text's
-    token there, and the top-1 - top-2 logprob margin."""
+class PromptScores(NamedTuple):
+    """Per position t >= 1 of a prompt: the top-1 and top-2 next-token ids predicted for it, the
+    logprob of the text's token there, and the top-1 - top-2 logprob margin."""
+
+    top1: list[int]
+    top2: list[int]
+    logprobs: list[float]
+    margins: list[float]
+
+
+def quality_logprobs(rt: Runtime, ids: list[int]) -> PromptScores:
     out = rt.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
                       return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
     meta = out["meta_info"]
     tops = [meta["input_top_logprobs"][t] for t in range(1, len(ids))]
     logprobs = [meta["input_token_logprobs"][t][0] for t in range(1, len(ids))]
-    return [top[0][1] for top in tops], logprobs, [top[0][0] - top[1][0] for top in tops]
+    return PromptScores([top[0][1] for top in tops], [top[1][1] for top in tops], logprobs,
+                        [top[0][0] - top[1][0] for top in tops])
 
 
-def agreement_rows(top1: list[int], reference: tuple[list[int], list[float], list[float]]
-                   ) -> dict[str, float]:
+def agreement_rows(top1: list[int], reference: PromptScores) -> dict[str, float]:
     """Top-1 agreement with the reference, overall and on the positions where the reference's
-    top-1 beats its top-2 by more than each of MARGINS (near-ties flip under any noise)."""
-    ref_top1, _, ref_margin = reference
-    same = [a == b for a, b in zip(top1, ref_top1, strict=True)]
+    top-1 beats its top-2 by more than each of MARGINS (near-ties flip under any noise). Where
+    the reference's top two tie exactly (16-bit logits do at a few % of positions), either one
+    is its top-1."""
+    same = [a == r1 or (gap == 0 and a == r2) for a, r1, r2, gap in
+            zip(top1, reference.top1, reference.top2, reference.margins, strict=True)]
     row = {"top1_agreement": sum(same) / len(same)}
     for m in MARGINS:
-        kept = [s for s, gap in zip(same, ref_margin, strict=True) if gap > m]
+        kept = [s for s, gap in zip(same, reference.margins, strict=True) if gap > m]
         row[f"top1_agreement_margin_{m}"] = sum(kept) / max(len(kept), 1)
     return row
 
@@ -135,28 +165,90 @@ def run_quality(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     model = None if args.quality_model is None else str(args.quality_model)
     text = TEXT.read_text().split("\n", 2)[2]  # without the provenance line
     results: dict[str, Any] = {"text": f"{TEXT.name}: Newton, Opticks (public domain)"}
-    reference: tuple[list[int], list[float], list[float]] | None = None
-    names = [args.variants[0], *args.floor, *args.variants[1:]]
+    reference: PromptScores | None = None
+    names = [args.variants[0], *args.floor, *args.variants[1:], *args.quality_checkpoints]
+    scratch = tempfile.TemporaryDirectory(prefix="fp8-quality-")
     for name in names:
         options = {"dtype": args.dtype, **FLOOR_VARIANTS.get(name, VARIANTS.get(name, {}))}
-        with Runtime(model, device=str(device), **options,
+        folder = (str(_quality_checkpoint(args, name, Path(scratch.name)))
+                  if name in QUALITY_CHECKPOINTS else model)
+        with Runtime(folder, device=str(device), **options,
                      context_length=args.quality_tokens + 8,
                      chunked_prefill_size=args.quality_tokens + 8) as rt:
             ids = rt.tokenizer.encode(text)[:args.quality_tokens]
-            top1, logprobs, margins = quality_logprobs(rt, ids)
+            scores = quality_logprobs(rt, ids)
+        top1, logprobs, margins = scores.top1, scores.logprobs, scores.margins
         ppl = math.exp(-sum(logprobs) / len(logprobs))
         row: dict[str, Any] = {"positions": len(top1), "perplexity": ppl}
         if reference is None:
-            reference = (top1, logprobs, margins)
+            reference = scores
             row |= {f"positions_margin_below_{m}": sum(g <= m for g in margins) / len(margins)
                     for m in MARGINS}
         else:
-            ref_ppl = math.exp(-sum(reference[1]) / len(reference[1]))
+            ref_ppl = math.exp(-sum(reference.logprobs) / len(reference.logprobs))
             row |= agreement_rows(top1, reference) | {"perplexity_vs_bf16": ppl / ref_ppl - 1}
         results[name] = row
         _free()
     results["rows"] = names
+    scratch.cleanup()
     return results
+
+
+def run_w8a16(device: torch.device, rows: tuple[int, ...] = W8A16_ROWS) -> dict[str, Any]:
+    """Weight-only FP8 GEMMs (more than 16 rows) at Llama-3-8B's four linears: ms for the sum of
+    the four, per row count: bf16 F.linear, W8A8 (`_scaled_mm` + per-token quantization, what
+    quantization='fp8' runs), W8A16 through `mm_fp8.w8a16_mm`, W8A16 as dequantize + F.linear."""
+    from lmnb.runtime.models.layers import fp8
+
+    def ms(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+        for _ in range(3):
+            fn(*args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(10):
+            start.record()
+            fn(*args, **kwargs)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = []
+    for n, k in W8A16_SHAPES.values():
+        w16 = (torch.randn(n, k, device=device, generator=gen) / k ** 0.5).bfloat16()
+        weights.append((w16, *fp8.quantize_rows(w16)))
+    out: dict[str, Any] = {}
+    for m in rows:
+        row = dict.fromkeys(("bf16", "w8a8", "w8a16_kernel", "w8a16_dequant"), 0.0)
+        for w16, w8, scale in weights:
+            x = torch.randn(m, w16.shape[1], device=device, generator=gen).bfloat16()
+            row["bf16"] += ms(torch.nn.functional.linear, x, w16)
+            row["w8a8"] += ms(fp8.fp8_linear, x, w8, scale, None, fused=True)
+            row["w8a16_kernel"] += ms(fp8.fp8_linear, x, w8, scale, None, fused=True,
+                                      weight_only=True)
+            row["w8a16_dequant"] += ms(fp8.fp8_linear, x, w8, scale, None, fused=False,
+                                       weight_only=True)
+        out[str(m)] = row
+        _free()
+    return out
+
+
+def _quality_checkpoint(args: argparse.Namespace, name: str, root: Path) -> Path:
+    """bench/fp8_gptq.py's checkpoint `name` of the quality model, calibrated on the text's
+    tokens past the measured ones."""
+    from bench.fp8_gptq import calibration_ids, write_fp8_checkpoint
+    from lmnb.runtime.models.loader import resolve_model_dir
+
+    source = args.quality_model or resolve_model_dir(None)
+    weight_only, gptq, ends = QUALITY_CHECKPOINTS[name]
+    calib = None
+    if gptq:
+        calib = (calibration_ids(source, args.quality_tokens, 1024) if args.calib_text is None
+                 else calibration_ids(source, 0, args.calib_tokens, args.calib_text))
+    layers = json.loads((Path(source) / "config.json").read_text())["num_hidden_layers"]
+    return write_fp8_checkpoint(source, root / name, weight_only=weight_only, gptq=gptq,
+                                calib=calib, skip_layers=(0, layers - 1) if ends else ())
 
 
 def run_speed(args: argparse.Namespace, device: torch.device,
@@ -212,7 +304,7 @@ def _ratios(speed: dict[str, Any]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS))
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help="comma-separated, bf16 first (the ratios' base)")
     parser.add_argument("--model", default="llama-3-8b", help="bench/dummy_models.py name")
@@ -228,6 +320,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--floor", default=",".join(FLOOR_VARIANTS),
                         help="quality part: the 16/32-bit rows compared with bf16 ('' for none)")
+    parser.add_argument("--quality-checkpoints", default="",
+                        help=f"quality part: some of {list(QUALITY_CHECKPOINTS)} (comma-separated)")
+    parser.add_argument("--calib-text", type=Path, default=None,
+                        help="GPTQ checkpoints: calibrate on this file (default: opticks.txt "
+                             "past the measured tokens)")
+    parser.add_argument("--calib-tokens", type=int, default=4096,
+                        help="with --calib-text: how many of its tokens")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized check of the script")
     parser.add_argument("--fp8-gemv-table", type=Path, default=None,
                         help="a `bench/gemv.py --fp8 --sweep` JSON: its best configs replace "
@@ -238,6 +337,9 @@ def main() -> None:
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {PARTS}")
     args.variants = args.variants.split(",")
     args.floor = [name for name in args.floor.split(",") if name]
+    args.quality_checkpoints = [n for n in args.quality_checkpoints.split(",") if n]
+    if set(args.quality_checkpoints) - set(QUALITY_CHECKPOINTS):
+        parser.error(f"--quality-checkpoints: some of {list(QUALITY_CHECKPOINTS)}")
     if set(args.floor) - set(FLOOR_VARIANTS):
         parser.error(f"--floor: some of {list(FLOOR_VARIANTS)}")
     if set(args.variants) - set(VARIANTS) or args.variants[0] != "bf16":
@@ -285,6 +387,15 @@ def main() -> None:
               quality[name].get("perplexity_vs_bf16"), quality[name].get("top1_agreement"),
               *(quality[name].get(f"top1_agreement_margin_{m}") for m in MARGINS)]
              for name in quality["rows"]]))
+    if "w8a16" in parts:
+        if device.type != "cuda":
+            parser.error("--parts w8a16 times CUDA kernels")
+        w8a16 = run_w8a16(device)
+        results["w8a16"] = w8a16
+        print("Llama-3-8B's qkv + o + gate_up + down, bf16 activations, ms (median of 10):")
+        print(format_table(["rows", "bf16", "W8A8 _scaled_mm", "W8A16 mm_fp8", "W8A16 dequant"],
+                           [[m, r["bf16"], r["w8a8"], r["w8a16_kernel"], r["w8a16_dequant"]]
+                            for m, r in w8a16.items()]))
     path = write_json(RESULTS_DIR / ("fp8_tiny.json" if args.tiny else "fp8.json"), results)
     if os.environ.get("OUT"):
         write_json(Path(os.environ["OUT"]) / path.name, results)

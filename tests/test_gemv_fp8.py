@@ -206,13 +206,13 @@ def test_norm_prologue_is_rms_norm_then_the_gemm(device, dtype, name):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("m", "config", "kv_dtype"), [
-    (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float8_e4m3fn),  # FMA, packed x
+    (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float32),  # FMA, packed x
     (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16),  # dot
 ])
 def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype):
     """qkv with the norm in front and the neox rotary behind (`rope=`): q and the KV pool's
-    rows at the slots equal `rotary_qkv(..., kv_buffers=, slots=)` of the GEMM's output (an FP8
-    pool too); other slots untouched; the residual stream the same."""
+    rows at the slots equal `rotary_qkv(..., kv_buffers=, slots=)` of the GEMM's output; other
+    slots untouched; the residual stream the same. An FP8 pool (per-token scales) is refused."""
     from lmnb.runtime.kernels.fused import rotary_qkv
     from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
 
@@ -235,3 +235,7 @@ def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype):
     assert torch.equal(got, want) and torch.equal(got_stream, stream)
     for a, b in zip(pools[0], pools[1], strict=True):
         assert torch.equal(a.float(), b.float())
+    fp8_pool = [torch.zeros(12, kv_heads, head_dim, device=device).to(torch.float8_e4m3fn)] * 2
+    with pytest.raises(ValueError, match="16/32-bit KV only"):
+        fp8_norm_gemv(x, norm, w, scale, bias, config, rope=RotaryStore(
+            positions, cos, sin, heads, kv_heads, head_dim, *fp8_pool, slots))

@@ -363,9 +363,9 @@ dt = "bf16"
 i64 = "*i64"
 for skip, variant in ((True, False), (False, False), (False, True)):
     compile(triton_decode._decode_partial_kernel,
-            {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
-             "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*" + dt,
-             "scale": "fp32",
+            {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "K_SCALE": i64, "V_SCALE": i64,
+             "KV_INDPTR": i64, "KV_INDICES": i64, "KV_SKIP": i64, "PART_O": "*fp32",
+             "PART_LSE": "*fp32", "OUT": "*" + dt, "scale": "fp32", "stride_st": "i32",
              **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                    "stride_vh", "stride_pob", "stride_poh", "stride_pos",
                                    "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
@@ -391,8 +391,9 @@ compile(shared_prefix._shared_prefix_kernel,
          "UPCAST": False})
 for k_rows in (False, True):
   compile(triton_extend._extend_kernel,
-        {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "OUT": "*" + dt, "QO_INDPTR": i64,
-         "KV_INDPTR": i64, "KV_INDICES": i64, "scale": "fp32",
+        {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "K_SCALE": i64, "V_SCALE": i64,
+         "OUT": "*" + dt, "QO_INDPTR": i64, "KV_INDPTR": i64, "KV_INDICES": i64,
+         "scale": "fp32", "stride_st": "i32",
          **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                "stride_vh", "stride_ot", "stride_oh")}},
         {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 32,

@@ -222,6 +222,10 @@ class EngineConfig:
                              "exclusive")
         if self.tp_size > 1:
             raise ValueError("enable_hierarchical_cache does not support tp_size > 1 yet")
+        if kv_cache_dtype_name(self.kv_cache_dtype) == "float8_e4m3fn":
+            raise ValueError("enable_hierarchical_cache does not support kv_cache_dtype="
+                             "'fp8_e4m3' yet (the host tier does not carry the FP8 pool's "
+                             "per-token scales)")
 
     def _check_grammar_backend(self) -> None:
         """'lmnb' or 'xgrammar' (EBNF grammars always go through xgrammar); 'xgrammar' needs the

@@ -8,18 +8,25 @@
     quantization="compressed-tensors"   the checkpoint must be an FP8 compressed-tensors one
 
     kv_cache_dtype="auto"       the KV pool in the model's dtype
-    kv_cache_dtype="fp8_e4m3"   the KV pool in float8_e4m3fn (per-tensor scale 1.0, SGLang's
-                                default when no scales are given): half the bytes per token
+    kv_cache_dtype="fp8_e4m3"   the KV pool in float8_e4m3fn with a float32 scale per token and
+                                KV head (memory/kv_storage.py): ~half the bytes per token
     kv_cache_dtype="bf16"/"bfloat16"    bfloat16 whatever the model's dtype
 
 What FP8 covers: the decoder's linear layers (q/k/v, o, gate/up, down), in every Llama-family model
 and LLaVA's language model; embeddings, the LM head, norms and the vision tower keep the model's
-dtype. Activations are quantized per token at run time (dynamic), so a checkpoint's static
-`input_scale` tensors are checked and not used.
+dtype. Activations are quantized per token at run time (dynamic, W8A8), so a checkpoint's static
+`input_scale` tensors are checked and not used. A compressed-tensors checkpoint whose config groups
+have no `input_activations` is weight-only FP8 (W8A16, vLLM's `CompressedTensorsW8A16Fp8`): the
+activations stay 16-bit in every GEMM (the skinny GEMV at M <= 16 always runs so; larger M
+multiply the dequantized weight in the model's dtype instead of `_scaled_mm`).
+`bench/fp8_gptq.py` writes such a checkpoint with GPTQ rounding: the best FP8 weight scheme on
+SmolLM2-135M's quality study (bench/RESULTS.md: >= 95% top-1 agreement with bf16 when calibrated
+on text like the evaluated one, about 94% on unrelated calibration text).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +51,33 @@ class Fp8Config:
     weight_strategy: str = "channel"  # the checkpoint's: 'channel' | 'tensor'
     static_input_scale: bool = False  # the checkpoint has `input_scale` tensors (not used)
     ignored: tuple[str, ...] = ()
+    weight_only: bool = False  # W8A16: activations stay 16-bit (no `input_activations`)
+
+    def quantizes(self, module: str) -> bool:
+        """Whether decoder linear `module` (named as in a Llama checkpoint without its prefix:
+        'layers.3.mlp.down_proj') is FP8, i.e. not in the checkpoint's `ignore` list (full
+        names such as 'model.layers.3.mlp.down_proj', or 're:' regular expressions)."""
+        for entry in self.ignored:
+            if entry.startswith("re:"):
+                if any(re.fullmatch(entry[3:], name) for name in (module, "model." + module)):
+                    return False
+            elif entry == module or entry.endswith("." + module):
+                return False
+        return True
+
+
+def module_quantization(quant: Fp8Config | None, modules: list[str]) -> Fp8Config | None:
+    """The FP8 config of one linear made of checkpoint `modules` (q/k/v or gate/up fused):
+    None where the checkpoint's `ignore` leaves them 16-bit; an error where it leaves only
+    some of them (a fused weight has one format)."""
+    if quant is None:
+        return None
+    kept = {quant.quantizes(m) for m in modules}
+    if len(kept) > 1:
+        raise UnsupportedQuantizationError(
+            f"the checkpoint's ignore list leaves only some of {modules} unquantized; lmnb fuses "
+            "them into one FP8 or 16-bit weight")
+    return quant if kept == {True} else None
 
 
 def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
@@ -64,7 +98,7 @@ def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
     if not groups:
         raise UnsupportedQuantizationError("compressed-tensors quantization_config has no "
                                            "config_groups")
-    strategies, static = set(), False
+    strategies, static, with_inputs = set(), False, set()
     for name, group in groups.items():
         weights = group.get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
@@ -81,14 +115,20 @@ def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
                                                "weight quantization is not supported")
         strategies.add(strategy)
         inputs = group.get("input_activations") or {}
+        with_inputs.add(bool(inputs))
         if inputs and (inputs.get("type") != "float" or inputs.get("num_bits") != 8):
             raise UnsupportedQuantizationError(
                 f"compressed-tensors group {name!r}: input activations {inputs!r} are not FP8")
         static = static or bool(inputs) and not inputs.get("dynamic", False)
+    if len(with_inputs) > 1:
+        raise UnsupportedQuantizationError(
+            "compressed-tensors config_groups mix weight-only FP8 with FP8 activations; lmnb "
+            "runs one scheme for every linear")
     ignored = tuple(str(n) for n in quantization_config.get("ignore") or ())
     return Fp8Config(prequantized=True,
                      weight_strategy="tensor" if "tensor" in strategies else "channel",
-                     static_input_scale=static, ignored=ignored)
+                     static_input_scale=static, ignored=ignored,
+                     weight_only=with_inputs == {False})
 
 
 def resolve_quantization(option: str | None, checkpoint: Fp8Config | None) -> Fp8Config | None:

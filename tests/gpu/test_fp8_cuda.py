@@ -1,6 +1,7 @@
 """FP8 on the GPU: the `_scaled_mm` path, the compiled skinny GEMM over FP8 weights, the rotary
-kernel's saturating FP8 K/V store, and a tiny model end to end with FP8 weights and an FP8 KV
-cache through the Triton and FlashInfer backends, with CUDA graphs (against bf16).
+kernel's FP8 K/V store with per-(token, head) scales, and a tiny model end to end with FP8
+weights and an FP8 KV cache through the Triton backend (FlashInfer: FP8 weights; its kernels
+take no per-token KV scales), with CUDA graphs (against bf16).
 (tests/test_fp8.py also runs here: its kernel tests compiled on the GPU.)"""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_compiled_gated_fp8_gemv_is_silu_and_mul_of_it(dtype, m, n, k):
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16])  # FP8 pools: `rotary_qkv`'s scales
 def test_compiled_rotary_epilogue_at_llama_3_8b_qkv(m, kv_dtype):
     """Llama-3-8B's decode qkv as one kernel (norm, GEMM, neox rotary, k and v to the pool's
     slots) against the norm-fused GEMM, then `rotary_qkv` storing to a second pool: equal."""
@@ -150,24 +151,30 @@ def test_compiled_fp8_gemv_at_llama_3_8b_shapes(dtype, m, n, k):
     assert out.dtype == dtype and (error <= 1e-4 * magnitude + 2**-7 * want.abs()).all()
 
 
-def test_rotary_kernel_stores_fp8_kv_saturated():
+def test_rotary_kernel_stores_fp8_kv_with_per_head_scales():
+    """Compiled: each (token, KV head) row of K and V is stored divided by amax / 448 with that
+    scale beside it, so rows of any size (here 1000x) come back within e4m3's step, no NaN."""
     from lmnb.runtime.kernels.fused.rope import rotary_qkv
+    from lmnb.runtime.memory import KVStorage
 
     heads, kv_heads, dim = 4, 2, 64
     qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, device="cuda").to(torch.bfloat16)
-    qkv[1] *= 1000  # past the FP8 range: saturates to +-448, never NaN
+    qkv[1] *= 1000
     cos = torch.ones(8, dim // 2, device="cuda")
     sin = torch.zeros(8, dim // 2, device="cuda")
-    k_buf = torch.zeros(6, kv_heads, dim, device="cuda", dtype=fp8.FP8)
-    v_buf = torch.zeros_like(k_buf)
+    storage = KVStorage(5, num_layers=1, kv_heads=kv_heads, head_dim=dim, dtype=fp8.FP8,
+                        device=torch.device("cuda"), compute_dtype=torch.float32)
     slots = torch.tensor([1, 3, 5], device="cuda")
     rotary_qkv(torch.zeros(3, dtype=torch.int64, device="cuda"), qkv, cos, sin,
-               num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, kv_buffers=(k_buf, v_buf),
-               slots=slots)
-    k = qkv[:, heads * dim:(heads + kv_heads) * dim].float().clamp(-448, 448)
-    got = k_buf[slots].float().reshape(3, -1)
-    assert not got.isnan().any()
-    torch.testing.assert_close(got, k.to(fp8.FP8).float(), atol=0, rtol=0.07)
+               num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+               kv_buffers=(storage.k_buffers[0], storage.v_buffers[0]), slots=slots,
+               kv_scales=storage.scales(0))
+    k_back, v_back = storage.read(0, slots)
+    for got, start in ((k_back, heads), (v_back, heads + kv_heads)):
+        want = qkv[:, start * dim:(start + kv_heads) * dim].float().view(3, kv_heads, dim)
+        amax = want.abs().amax(-1, keepdim=True)
+        assert not got.isnan().any()
+        assert ((got - want).abs() <= want.abs() * 2**-4 * 1.01 + amax / 448 * 2**-9).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -183,6 +190,10 @@ def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
         expected = reference.generate(input_ids=prompts, sampling_params=greedy)
     for extra in ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"},
                   {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}):
+        if backend == "flashinfer" and "kv_cache_dtype" in extra:  # one KV scale per tensor
+            with pytest.raises(ValueError, match="one per token and KV head"):
+                Runtime(folder, **options, **extra)
+            continue
         with Runtime(folder, **options, **extra) as rt:
             got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                               top_logprobs_num=5)
@@ -196,3 +207,42 @@ def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
         in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
                       for g, e in zip(got, expected, strict=True))
         assert in_top5 >= 0.9 * len(prompts), (extra, in_top5)
+
+
+def test_gptq_weight_only_checkpoint_end_to_end(request, tmp_path):
+    """bench/fp8_gptq.py's weight-only FP8 checkpoint (first layer 16-bit) served on the GPU:
+    prefill multiplies the dequantized weights (no `_scaled_mm`), decode the skinny GEMV; the
+    same top-5 check as above against the 16-bit model."""
+    from bench.fp8_gptq import write_fp8_checkpoint
+
+    folder = request.getfixturevalue("head_dim_64_model")
+    rng = random.Random(6)
+    calib = torch.tensor([rng.randrange(3, 49152) for _ in range(256)])
+    checkpoint = write_fp8_checkpoint(folder, tmp_path / "gptq", calib=calib, skip_layers=(0,))
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(20, 300))] for _ in range(20)]
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 16}
+    options = dict(device="cuda", dtype="bfloat16", context_length=512, max_running_requests=32)
+    with Runtime(folder, **options) as reference:
+        expected = reference.generate(input_ids=prompts, sampling_params=greedy)
+    with Runtime(checkpoint, **options) as rt:
+        got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
+                          top_logprobs_num=5)
+        rt.check_integrity()
+    in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
+                  for g, e in zip(got, expected, strict=True))
+    assert in_top5 >= 0.9 * len(prompts), in_top5
+
+
+@pytest.mark.parametrize("m", [17, 100, 512])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336)])  # Llama-3-8B qkv, down
+def test_compiled_w8a16_mm_at_llama_3_8b_shapes(m, n, k):
+    """The weight-only FP8 GEMM with its rule's config against float32 sums over the exact
+    dequantized weight: within bf16's output rounding."""
+    from lmnb.runtime.kernels.fused.mm_fp8 import w8a16_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    want = x.float() @ fp8.dequantize_rows(w, scale).t()
+    got = w8a16_mm(x, w, scale)
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max())

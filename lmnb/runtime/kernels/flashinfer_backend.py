@@ -25,7 +25,7 @@ from lmnb.runtime.kernels.registry import register_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 WORKSPACE_BYTES = 256 << 20
-_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+_KV_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _host_int32(values: list[int], pinned: bool) -> torch.Tensor:
@@ -45,8 +45,11 @@ class FlashInferAttention(AttentionBackend):
 
     @classmethod
     def unsupported(cls, *, dtype: torch.dtype, head_dim: int) -> str | None:
+        if dtype == torch.float8_e4m3fn:  # FlashInfer takes one k_scale / v_scale per call
+            return ("its kernels read FP8 KV with one scale per tensor; lmnb's FP8 pool has one "
+                    "per token and KV head (use the triton backend)")
         if dtype not in _KV_DTYPES:
-            return f"its kernels take fp16/bf16/fp8_e4m3 KV, not {dtype}"
+            return f"its kernels take fp16/bf16 KV, not {dtype}"
         if head_dim not in (64, 128, 256):
             return f"head_dim {head_dim} is not one of 64, 128, 256"
         return None
@@ -66,9 +69,8 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"FlashInfer attention: {reason}")
         self._flashinfer = flashinfer
         self.device = storage.device
-        # q in the model's dtype; an FP8 pool (scale 1.0) is dequantized by the kernels
-        self._q_dtype = storage.compute_dtype if storage.is_fp8 else storage.dtype
-        if self._q_dtype not in _KV_DTYPES[:2]:
+        self._q_dtype = storage.dtype
+        if self._q_dtype not in _KV_DTYPES:
             raise ValueError(f"FlashInfer attention: queries must be fp16/bf16, not "
                              f"{self._q_dtype}")
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)

@@ -69,28 +69,23 @@ class TorchNativeAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, forward_batch: ForwardBatch, *, save_kv: bool = True
                 ) -> torch.Tensor:
-        q, k_buffer, v_buffer = self.prepare_layer(q, k, v, layer_id, forward_batch,
-                                                   save_kv=save_kv)
+        q, _, _ = self.prepare_layer(q, k, v, layer_id, forward_batch, save_kv=save_kv)
         if forward_batch.mode is ForwardMode.DECODE:
-            out = self._decode(q, k_buffer, v_buffer)
+            out = self._decode(q, layer_id)
         else:
-            out = self._extend(q, k_buffer, v_buffer, forward_batch)
+            out = self._extend(q, layer_id, forward_batch)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _readable(self, kv: torch.Tensor) -> torch.Tensor:
-        """Gathered K or V as SDPA takes them: an FP8 pool's (scale 1.0) in the model's dtype."""
-        return kv.to(self.kv_storage.compute_dtype) if self.kv_storage.is_fp8 else kv
-
-    def _decode(self, q: torch.Tensor, k_buffer: torch.Tensor,
-                v_buffer: torch.Tensor) -> torch.Tensor:
-        keys = self._readable(k_buffer[self._slots].transpose(1, 2))  # [bs, kv_heads, len, dim]
-        values = self._readable(v_buffer[self._slots].transpose(1, 2))
+    def _decode(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        # an FP8 pool's rows come back dequantized, in the model's dtype
+        keys, values = self.kv_storage.read(layer_id, self._slots)  # [bs, len, kv_heads, dim]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [bs, kv_heads, len, dim]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=self._mask, scale=self.scale,
             enable_gqa=True)  # [bs, heads, 1, dim]
         return out.squeeze(2).to(q.dtype)
 
-    def _extend(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+    def _extend(self, q: torch.Tensor, layer_id: int,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
         kv_indices = forward_batch.kv_indices
@@ -100,8 +95,9 @@ class TorchNativeAttention(AttentionBackend):
                                                          strict=True)):
             end = start + extend_len
             slots = kv_indices[self._kv_starts[i]:self._kv_starts[i + 1]]
-            keys = self._readable(k_buffer[slots].transpose(0, 1).unsqueeze(0))  # [1, kvh, seq, d]
-            values = self._readable(v_buffer[slots].transpose(0, 1).unsqueeze(0))
+            keys, values = self.kv_storage.read(layer_id, slots)  # [seq, kv_heads, dim]
+            keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq, dim]
+            values = values.transpose(0, 1).unsqueeze(0)
             query = q[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)
             if prefix_len == 0:
                 mask, causal = None, True

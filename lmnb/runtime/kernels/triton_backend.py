@@ -136,9 +136,11 @@ class TritonAttention(AttentionBackend):
         if forward_batch.mode is ForwardMode.DECODE:
             decode_attention(q, k_buffer, v_buffer, out, self._kv_indptr, self._kv_indices,
                              self._partial_out, self._partial_lse, scale=self.scale,
-                             max_kv_splits=self.max_kv_splits, shared=self._shared)
+                             max_kv_splits=self.max_kv_splits, shared=self._shared,
+                             kv_scales=self.kv_storage.scales(layer_id))
         else:
             extend_attention(q, k_buffer, v_buffer, out, forward_batch.qo_indptr,
                              forward_batch.kv_indptr, forward_batch.kv_indices,
-                             max_extend_len=self._max_extend_len, scale=self.scale)
+                             max_extend_len=self._max_extend_len, scale=self.scale,
+                             kv_scales=self.kv_storage.scales(layer_id))
         return out.view(q.shape[0], self.num_heads * self.head_dim)

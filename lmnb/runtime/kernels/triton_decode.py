@@ -15,8 +15,9 @@ value back and CUDA graphs can capture both stages.
     partial_out  [bs, heads, max_kv_splits, head_dim]  float32
     partial_lse  [bs, heads, max_kv_splits]            float32
 
-FP8 KV (`KV_FP8`, float8_e4m3fn pools with scale 1.0): K/V tiles are converted in registers to q's
-dtype, which stays the model's (q is not rounded to the pool's dtype).
+FP8 KV (`KV_FP8`, float8_e4m3fn pools with one float32 scale per slot and KV head, `KVStorage`):
+K/V tiles are converted in registers to q's dtype, which stays the model's (q is not rounded to the
+pool's dtype); K's scales multiply the logits' columns, V's the probabilities' columns.
 """
 
 from __future__ import annotations
@@ -55,23 +56,26 @@ def dot_operand(x, UPCAST: tl.constexpr):
 def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
                   stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False):
+                  KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
+                  V_SCALE=None, stride_st=0):
     """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
     slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]. KV_FP8: K/V are FP8,
-    dequantized to q's dtype. K_ROWS: see `attend_slots`."""
+    dequantized to q's dtype, with scales K_SCALE / V_SCALE [slots, kv_heads] (row stride
+    stride_st). K_ROWS: see `attend_slots`."""
     cols = n + offs_n
     mask_n = cols < end
     slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
     return attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
                         stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                        CAUSAL, PRECISION, UPCAST, KV_FP8, K_ROWS)
+                        CAUSAL, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
 
 
 @triton.jit
 def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
                  stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False):
+                 KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
+                 V_SCALE=None, stride_st=0):
     """`attend_block` with the block's slots [BLOCK_N] (and its column positions `cols`, valid
     where mask_n) already loaded. K_ROWS: K is loaded token-major and transposed for the dot."""
     if K_ROWS:
@@ -84,6 +88,9 @@ def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_he
     if KV_FP8:
         k = k.to(q.dtype)
     qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
+    if KV_FP8:
+        k_scale = tl.load(K_SCALE + slots * stride_st + kv_head, mask=mask_n, other=1.0)
+        qk = qk * k_scale[None, :]
     if CAUSAL:
         qk = tl.where(mask_n[None, :] & (cols[None, :] <= last[:, None]), qk, float("-inf"))
     else:
@@ -95,8 +102,12 @@ def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_he
                 mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     if KV_FP8:
         v = v.to(q.dtype)
+        v_scale = tl.load(V_SCALE + slots * stride_st + kv_head, mask=mask_n, other=1.0)
+        p_v = p * v_scale[None, :]
+    else:
+        p_v = p
     v = dot_operand(v, UPCAST)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -109,8 +120,8 @@ def _split_len(kv_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, KV_INDPTR, KV_INDICES, KV_SKIP, PART_O, PART_LSE, OUT,
-    scale,
+    Q, K, V, K_SCALE, V_SCALE, KV_INDPTR, KV_INDICES, KV_SKIP, PART_O, PART_LSE, OUT,
+    scale, stride_st,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -163,7 +174,7 @@ def _decode_partial_kernel(
                 m_i, l_i, acc = attend_slots(
                     q, K, V, slots, cols, cols < end, end, m_i, l_i, acc, scale, kv_head,
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                    False, PRECISION, UPCAST, KV_FP8, K_ROWS)
+                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
                 cols, slots = next_cols, next_slots
         else:
             for n in range(start, end, BLOCK_N):
@@ -172,7 +183,7 @@ def _decode_partial_kernel(
                 m_i, l_i, acc = attend_slots(
                     q, K, V, slots, cols, cols < end, end, m_i, l_i, acc, scale, kv_head,
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                    False, PRECISION, UPCAST, KV_FP8, K_ROWS)
+                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
         out = acc / l_i[:, None]
         mask = mask_h[:, None] & mask_d[None, :]
         if HAS_SKIP or split_len < kv_len:  # partials for the merge kernel
@@ -273,14 +284,16 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor, *, scale: float,
                      max_kv_splits: int, config: DecodeConfig | None = None,
-                     shared: SharedPrefixes | None = None) -> torch.Tensor:
+                     shared: SharedPrefixes | None = None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[i] = softmax(q[i] k^T * scale) v over request i's KV slots, per head (GQA-aware).
 
     q, out [bs, heads, head_dim]; k_buffer, v_buffer [slots, kv_heads, head_dim] (last dim
     contiguous); kv_indptr [bs + 1]; every request has at least one KV token. partial_out /
     partial_lse come from `partial_buffers` with at least bs rows and `max_kv_splits` splits
     (`max_kv_splits + PREFIX_SPLITS` with `shared`: then each group's prefix is read once per
-    tile, see `shared_prefix.py`).
+    tile, see `shared_prefix.py`). An FP8 pool needs its `kv_scales` (k_scales, v_scales)
+    [slots, kv_heads] float32 (`KVStorage.scales`).
     """
     from lmnb.runtime.kernels import shared_prefix
 
@@ -294,6 +307,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
     compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert shared is None or not kv_fp8, "shared-prefix decode reads 16/32-bit KV only"
+    assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
+    k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
     precision = "ieee" if compute == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
@@ -310,8 +325,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.items, partial_out,
             partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
     _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, kv_skip, partial_out, partial_lse, out,
-        scale,
+        q, k_buffer, v_buffer, k_scale, v_scale, kv_indptr, kv_indices, kv_skip, partial_out,
+        partial_lse, out, scale, k_scale.stride(0) if kv_fp8 else 0,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

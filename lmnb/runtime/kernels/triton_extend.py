@@ -26,8 +26,8 @@ from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_up
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, OUT, QO_INDPTR, KV_INDPTR, KV_INDICES,
-    scale,
+    Q, K, V, K_SCALE, V_SCALE, OUT, QO_INDPTR, KV_INDPTR, KV_INDICES,
+    scale, stride_st,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -73,7 +73,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, visible_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                False, PRECISION, UPCAST, KV_FP8, K_ROWS)
+                False, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
         # The block's diagonal, causally; columns past its last row are never loaded (fully
         # masked columns of a row add exp(-inf) = 0).
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
@@ -81,7 +81,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                True, PRECISION, UPCAST, KV_FP8, K_ROWS)
+                True, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
         out = acc / l_i[:, None]
         tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -117,11 +117,13 @@ def extend_config(head_dim: int, dtype: torch.dtype, *, max_rows: int = 0) -> Ex
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      out: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, *, max_extend_len: int, scale: float,
-                     config: ExtendConfig | None = None) -> torch.Tensor:
+                     config: ExtendConfig | None = None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens to its cached prefix and to themselves.
 
     q, out [num_tokens, heads, head_dim]; k_buffer, v_buffer [slots, kv_heads, head_dim] already
     holding the new tokens' K/V; `max_extend_len` >= the longest request's new-token count.
+    An FP8 pool needs its `kv_scales` (k_scales, v_scales) [slots, kv_heads] float32.
     """
     bs = qo_indptr.numel() - 1
     _, num_heads, head_dim = q.shape
@@ -130,13 +132,15 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     config = config or extend_config(head_dim, k_buffer.dtype, max_rows=max_extend_len * group)
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
     compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
+    assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
+    k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
     precision = "ieee" if compute == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
     grid = (bs, num_heads // group, triton.cdiv(max(max_extend_len, 1) * group, config.block_m))
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices,
-        scale,
+        q, k_buffer, v_buffer, k_scale, v_scale, out, qo_indptr, kv_indptr, kv_indices,
+        scale, k_scale.stride(0) if kv_fp8 else 0,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

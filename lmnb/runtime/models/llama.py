@@ -32,6 +32,9 @@ from lmnb.runtime.models.layers.norm import RMSNorm
 from lmnb.runtime.models.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from lmnb.runtime.models.layers.weights import WeightSource, copy_weight
 from lmnb.runtime.models.registry import register_model
+from lmnb.runtime.quantization import module_quantization
+
+QKV = ("q_proj", "k_proj", "v_proj")
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "RMSNorm", "RotaryEmbedding",
            "rope_inverse_frequencies"]
@@ -42,15 +45,17 @@ class LlamaAttention(PooledAttention):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim=config.head_dim,
-                                          num_heads=config.num_heads,
-                                          num_kv_heads=config.num_kv_heads, bias=config.qkv_bias,
-                                          quant=config.quantization)
+        prefix = f"layers.{layer_id}.self_attn."
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim=config.head_dim, num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads, bias=config.qkv_bias,
+            quant=module_quantization(config.quantization, [prefix + p for p in QKV]))
         # Heads of this tensor-parallel rank (all of them without parallelism).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.split_sizes = self.qkv_proj.output_sizes
-        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size,
-                                        bias=config.o_bias, quant=config.quantization)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias,
+            quant=module_quantization(config.quantization, [prefix + "o_proj"]))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -62,8 +67,8 @@ class LlamaAttention(PooledAttention):
         """`forward(norm(hidden, residual))` -> (out, the residual stream); the norm may run
         inside the qkv GEMM (`MergedColumnParallelLinear.forward_normed`), and the rotary too
         (`QKVParallelLinear.forward_normed_rotary`)."""
-        if rotary.fused:
-            storage = self.attn_backend.kv_storage
+        storage = self.attn_backend.kv_storage
+        if rotary.fused and not storage.is_fp8:  # (an FP8 pool's scales: `attend`'s rotary)
             fused = self.qkv_proj.forward_normed_rotary(
                 norm, hidden, residual, rotary, positions,
                 kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
@@ -85,7 +90,7 @@ class LlamaAttention(PooledAttention):
             q, _, _ = rotary.rotate_qkv(
                 positions, qkv, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
-                slots=forward_batch.out_cache_loc)
+                slots=forward_batch.out_cache_loc, kv_scales=storage.scales(self.layer_id))
             out = backend.forward(q, None, None, self.layer_id, forward_batch, save_kv=False)
         else:
             q, k, v = rotary.rotate_qkv(positions, qkv, num_heads=self.num_heads,
@@ -95,15 +100,18 @@ class LlamaAttention(PooledAttention):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         bias = config.mlp_bias
+        prefix = f"layers.{layer_id}.mlp."
         self.gate_up_proj = MergedColumnParallelLinear.even(
             config.hidden_size, (config.intermediate_size,) * 2, bias=bias,
-            quant=config.quantization)
+            quant=module_quantization(config.quantization, [prefix + "gate_proj",
+                                                            prefix + "up_proj"]))
         self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's share
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
-                                           quant=config.quantization)
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=bias,
+            quant=module_quantization(config.quantization, [prefix + "down_proj"]))
         self.act_fn = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +132,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

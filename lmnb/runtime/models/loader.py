@@ -401,9 +401,11 @@ def check_fp8_device(config: ModelConfig, device: torch.device) -> None:
                              f"8.9+, e.g. H100, L40S); this GPU has {capability[0]}."
                              f"{capability[1]}")
         return
+    how = ("dequantized to the model's dtype (weight-only FP8)" if config.quantization.weight_only
+           else "per-token FP8 activations, float32 arithmetic")
     warnings.warn(f"quantization='fp8' on {device.type}: no FP8 GEMMs there; the FP8 weights "
-                  "are multiplied by the reference path (per-token FP8 activations, float32 "
-                  "arithmetic): the FP8 model's numbers, slowly", stacklevel=3)
+                  f"are multiplied by the reference path ({how}): the FP8 model's numbers, "
+                  "slowly", stacklevel=3)
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:

@@ -281,7 +281,7 @@ def _rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT
                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
     """qkv's out^T [BLOCK_N, BLOCK_M] in (d, d + HALF) row pairs -> neox rotary of the q and k
     heads (`rope.rotary_qkv`'s math: qkv rounded to its dtype, rotated in float32): q to
-    Q_OUT [M, heads * HEAD_DIM], k and v to row `slot` of the KV buffers (their dtype)."""
+    Q_OUT [M, heads * HEAD_DIM], k and v to row `slot` of the KV buffers (16/32-bit)."""
     dtype = Q_OUT.dtype.element_ty
     pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_N // 2, 2, BLOCK_M)),
                        (0, 2, 1))
@@ -608,6 +608,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         assert rope.cos.stride() == rope.sin.stride() and rope.cos.stride(-1) == 1
         assert rope.cos.shape[-1] >= half and rope.positions.shape == rope.slots.shape == (m,)
         k_buf, v_buf = rope.k_buffer, rope.v_buffer
+        if torch.float8_e4m3fn in (k_buf.dtype, v_buf.dtype):  # per-(token, head) scales
+            raise ValueError("the rotary epilogue stores 16/32-bit KV only; an FP8 pool's "
+                             "scales come from `rope.rotary_qkv(..., kv_scales=)`")
         assert k_buf.shape[1:] == v_buf.shape[1:] == (rope.num_kv_heads, rope.head_dim)
         assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
         n_out = rope.num_heads * rope.head_dim  # q

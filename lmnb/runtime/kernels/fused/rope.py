@@ -32,13 +32,24 @@ def _rotate_heads(SRC, DST, dst_head_stride, cos, sin, offs, mask_d, num_heads,
 
 
 @triton.jit
+def _scaled_fp8(x1, x2, mask_h, SCALE, FP8_MAX: tl.constexpr):
+    """Rows (x1 | x2) [heads, half] divided by their scale amax / FP8_MAX, stored at SCALE[h]."""
+    amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+    scale = tl.maximum(amax / FP8_MAX, 1e-12)
+    tl.store(SCALE, scale, mask=mask_h)
+    x1 = tl.clamp(x1 / scale[:, None], -FP8_MAX, FP8_MAX)
+    return x1, tl.clamp(x2 / scale[:, None], -FP8_MAX, FP8_MAX)
+
+
+@triton.jit
 def _rotary_qkv_kernel(
-    QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, SLOTS,
+    QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, K_SCALE, V_SCALE, SLOTS,
     stride_qkv, stride_cos, stride_sin, stride_q_out,
-    stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_st,
     num_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE_KV: tl.constexpr,
+    KV_FP8: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + token).to(tl.int64)
@@ -52,17 +63,25 @@ def _rotary_qkv_kernel(
     k_src = row + num_heads * HEAD_DIM
     if STORE_KV:
         slot = tl.load(SLOTS + token).to(tl.int64)
-        _rotate_heads(k_src, K_OUT + slot * stride_k_row, stride_k_head, cos, sin, offs, mask_d,
-                      num_kv_heads, HEAD_DIM, HALF, BLOCK_KV)
         heads = tl.arange(0, BLOCK_KV)
-        mask = (heads < num_kv_heads)[:, None] & mask_d[None, :]
-        v_src = k_src + num_kv_heads * HEAD_DIM + heads[:, None] * HEAD_DIM + offs[None, :]
+        mask_h = heads < num_kv_heads
+        mask = mask_h[:, None] & mask_d[None, :]
+        src = k_src + heads[:, None] * HEAD_DIM + offs[None, :]
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        k1, k2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        v_src = src + num_kv_heads * HEAD_DIM
+        v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
+        if KV_FP8:  # one scale per (token, KV head), beside the pool (`KVStorage`)
+            k1, k2 = _scaled_fp8(k1, k2, mask_h, K_SCALE + slot * stride_st + heads, FP8_MAX)
+            v1, v2 = _scaled_fp8(v1, v2, mask_h, V_SCALE + slot * stride_st + heads, FP8_MAX)
+        k_dst = K_OUT + slot * stride_k_row + heads[:, None] * stride_k_head + offs[None, :]
+        tl.store(k_dst, k1.to(K_OUT.dtype.element_ty), mask=mask)
+        tl.store(k_dst + HALF, k2.to(K_OUT.dtype.element_ty), mask=mask)
         v_dst = V_OUT + slot * stride_v_row + heads[:, None] * stride_v_head + offs[None, :]
-        tl.store(v_dst, tl.load(v_src, mask=mask, other=0.0).to(V_OUT.dtype.element_ty),
-                 mask=mask)
-        tl.store(v_dst + HALF,
-                 tl.load(v_src + HALF, mask=mask, other=0.0).to(V_OUT.dtype.element_ty),
-                 mask=mask)
+        tl.store(v_dst, v1.to(V_OUT.dtype.element_ty), mask=mask)
+        tl.store(v_dst + HALF, v2.to(V_OUT.dtype.element_ty), mask=mask)
     else:
         _rotate_heads(k_src, K_OUT + token * stride_k_row, stride_k_head, cos, sin, offs,
                       mask_d, num_kv_heads, HEAD_DIM, HALF, BLOCK_KV)
@@ -71,12 +90,16 @@ def _rotary_qkv_kernel(
 def rotary_qkv(positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                *, num_heads: int, num_kv_heads: int, head_dim: int,
                kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-               slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               slots: torch.Tensor | None = None,
+               kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q [tokens, heads * head_dim], k [tokens, kv_heads * head_dim]) rotated, in qkv's dtype.
 
     With `kv_buffers` = (k_buffer, v_buffer) [slots, kv_heads, head_dim] and `slots` [tokens],
     the rotated k and the v of token t go to row slots[t] of those buffers (in their dtype)
-    instead, and the returned k is None."""
+    instead, and the returned k is None. FP8 buffers need `kv_scales` (k_scales, v_scales)
+    [slots, kv_heads] float32: each (token, head) row is stored divided by amax / 448 and that
+    scale goes to its row there (`KVStorage`'s layout)."""
     tokens = qkv.shape[0]
     assert head_dim % 2 == 0, "neox rotary needs an even head_dim"
     assert qkv.dim() == 2 and qkv.stride(-1) == 1
@@ -92,16 +115,20 @@ def rotary_qkv(positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, si
         k, (k_out, v_out) = None, kv_buffers
         assert k_out.stride(-1) == 1 and v_out.stride(-1) == 1
         assert k_out.shape[1:] == (num_kv_heads, head_dim) == v_out.shape[1:]
+    kv_fp8 = k_out.dtype == torch.float8_e4m3fn
+    assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
+    k_scale, v_scale = kv_scales if kv_fp8 else (positions, positions)  # unread without FP8
     if tokens:
         block_h = triton.next_power_of_2(num_heads)
         _rotary_qkv_kernel[(tokens,)](
-            qkv, positions, cos, sin, q, k_out, v_out, slots,
+            qkv, positions, cos, sin, q, k_out, v_out, k_scale, v_scale, slots,
             qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0),
             k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
+            k_scale.stride(0) if kv_fp8 else 0,
             num_heads, num_kv_heads,
             HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
             BLOCK_H=block_h, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-            STORE_KV=kv_buffers is not None,
+            STORE_KV=kv_buffers is not None, KV_FP8=kv_fp8,
             num_warps=4 if block_h * head_dim <= 2048 else 8,
         )
     return q, k

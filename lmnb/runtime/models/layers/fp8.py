@@ -12,6 +12,9 @@
                         activations quantized by one Triton kernel when fused
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
                         float32), slow; the loader warns that the CPU runs FP8 this way
+With `weight_only` (W8A16 checkpoints, `Fp8Config.weight_only`) the activations are never
+quantized: M <= 16 as above, more rows through `kernels.fused.mm_fp8.w8a16_mm` when fused (FP8
+weight tiles converted in registers), else the weight dequantized to x's dtype and F.linear.
 
 Decode's fusions (skinny rows only; at batch 1 a launch costs about what streaming 6 MB of
 FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
@@ -145,7 +148,8 @@ def fp8_norm_rotary_linear(x: torch.Tensor, residual: torch.Tensor | None,
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, *, fused: bool) -> torch.Tensor:
+               bias: torch.Tensor | None, *, fused: bool, weight_only: bool = False
+               ) -> torch.Tensor:
     """x [..., K] @ dequant(weight [N, K])^T + bias -> [..., N] in x's dtype (paths above)."""
     k = x.shape[-1]
     rows = x.numel() // max(k, 1)
@@ -155,6 +159,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
         out = fp8_gemv(x2.contiguous(), weight, weight_scale, bias)
+    elif weight_only and fused and rows > 0:
+        from lmnb.runtime.kernels.fused.mm_fp8 import w8a16_mm
+
+        out = w8a16_mm(x2.contiguous(), weight, weight_scale, bias)
+    elif weight_only:
+        out = F.linear(x2, dequantize_rows(weight, weight_scale, x.dtype), bias)
     elif x.is_cuda and rows > 0 and k % 16 == 0 and n % 16 == 0:
         out = _scaled_mm(x2.contiguous(), weight, weight_scale, bias, fused)
     elif x.is_cuda:  # shapes _scaled_mm refuses (tiny test models): dequantized weights

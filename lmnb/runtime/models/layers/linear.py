@@ -103,13 +103,15 @@ FP8_DECODE_FUSIONS = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           fused: bool, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           fused: bool, weight_scale: torch.Tensor | None = None,
+           weight_only: bool = False) -> torch.Tensor:
     """F.linear, or with `fused` and at most SKINNY_MAX_ROWS rows (decode) the skinny-GEMM Triton
     kernel, which streams the weight at close to the HBM read bandwidth (cuBLAS reaches ~80%
     of it at batch 1). x [..., K], weight [N, K] -> [..., N]. With `weight_scale` the weight is
-    FP8 (`fp8.fp8_linear`)."""
+    FP8 (`fp8.fp8_linear`; `weight_only`: W8A16)."""
     if weight_scale is not None:
-        return fp8.fp8_linear(x, weight, weight_scale, bias, fused=fused)
+        return fp8.fp8_linear(x, weight, weight_scale, bias, fused=fused,
+                              weight_only=weight_only)
     rows = x.numel() // max(x.shape[-1], 1)
     if not fused or not 1 <= rows <= SKINNY_MAX_ROWS or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
@@ -124,6 +126,7 @@ class FusableLinear(nn.Linear, Fusable):
     `use_fp8` (`weight_scale` is then its [out_features] float32 scales, else None)."""
 
     weight_scale: torch.Tensor | None
+    fp8_weight_only: bool = False  # W8A16: activations stay 16-bit
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -133,13 +136,15 @@ class FusableLinear(nn.Linear, Fusable):
         """Store the weight as FP8 with per-row scales (a no-op without `quant`)."""
         if quant is None:
             return
+        self.fp8_weight_only = quant.weight_only
         self.weight = nn.Parameter(torch.zeros(self.weight.shape, dtype=fp8.FP8,
                                                device=self.weight.device), requires_grad=False)
         self.register_buffer("weight_scale", torch.ones(self.out_features, dtype=torch.float32,
                                                         device=self.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.fused, self.weight_scale)
+        return linear(x, self.weight, self.bias, self.fused, self.weight_scale,
+                      self.fp8_weight_only)
 
     def load_rows(self, param_name: str, rows: slice, source: WeightSource, name: str) -> None:
         """Checkpoint tensor `source` (already this rank's part) into rows `rows` of a parameter:
@@ -328,9 +333,10 @@ class RowParallelLinear(FusableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return linear(x, self.weight, self.bias, self.fused, self.weight_scale)
+            return linear(x, self.weight, self.bias, self.fused, self.weight_scale,
+                          self.fp8_weight_only)
         out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.fused,
-                     self.weight_scale)
+                     self.weight_scale, self.fp8_weight_only)
         return self.tp.all_reduce(out)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:

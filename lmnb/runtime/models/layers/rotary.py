@@ -68,18 +68,20 @@ class RotaryEmbedding(Fusable):
     def rotate_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, *, num_heads: int,
                    num_kv_heads: int,
                    kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   slots: torch.Tensor | None = None
+                   slots: torch.Tensor | None = None,
+                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """qkv [tokens, (heads + 2 kv_heads) * head_dim] -> (q, k, v) as [tokens, n * head_dim],
         q and k rotated. Fused with `kv_buffers` (a layer's K and V buffers) and `slots`, k and v
-        go straight to those slots and come back as None."""
+        go straight to those slots and come back as None (an FP8 pool's with `kv_scales`, the
+        layer's per-slot scales)."""
         dim = self.head_dim
         if self.fused:
             from lmnb.runtime.kernels.fused import rotary_qkv
 
             q, k = rotary_qkv(positions, qkv, self.cos, self.sin, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=dim, kv_buffers=kv_buffers,
-                              slots=slots)
+                              slots=slots, kv_scales=kv_scales)
             if kv_buffers is not None:
                 return q, None, None
             return q, k, qkv[:, (num_heads + num_kv_heads) * dim:]

@@ -1,0 +1,103 @@
+"""Weight-only FP8 GEMM (W8A16) for more rows than the skinny GEMV takes:
+
+    out [M, N] = x [M, K] @ (weight [N, K] * scale[:, None])^T (+ bias)   in x's dtype
+
+The FP8 weight tiles are converted to x's dtype in registers (e4m3 values are exact in bf16, fp16
+and fp32) and multiplied on the tensor cores with float32 accumulation; the per-row scales apply
+to the sums. Each BLOCK_M rows of x read the weight once and no 16-bit copy of it is ever written
+(`F.linear(x, dequantize_rows(...))` writes and reads one per call: at Llama-3-8B size ~40 GB of
+traffic a forward, more than a decode step's GEMMs). Programs are ordered in groups of GROUP_M row
+blocks so that neighbours share weight tiles in L2. No autotuning: the config is a function of M
+(`w8a16_config`); untuned on a GPU so far (bench/fp8.py --parts w8a16 times it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_operand, dot_upcast
+
+
+@triton.jit
+def _w8a16_mm_kernel(X, W, SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        mask_k = k + offs_k < K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        # e4m3 -> f16 is the hardware's conversion (and exact), f16 -> bf16 / f32 exact too
+        w = w.to(tl.float16).to(X.dtype.element_ty)
+        acc = tl.dot(dot_operand(x, UPCAST), dot_operand(w, UPCAST), acc,
+                     input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+class W8A16Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def w8a16_config(m: int) -> W8A16Config:
+    """The launch config for m rows (a rule, not yet tuned on a GPU)."""
+    if INTERPRETED:
+        return W8A16Config(16, 16, 16, 2, 1, 1)
+    if m <= 64:
+        return W8A16Config(64, 128, 128, 8, 4, 4)
+    return W8A16Config(128, 128, 64, 8, 8, 4)
+
+
+def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, config: W8A16Config | None = None
+             ) -> torch.Tensor:
+    """x [M, K] (16/32-bit, rows contiguous) @ FP8 weight [N, K] with float32 scales [N] -> [M, N]
+    in x's dtype."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn
+    cfg = config or w8a16_config(m)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w8a16_mm_kernel[grid](
+        x, weight, weight_scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        PRECISION="ieee" if x.dtype == torch.float32 or dot_upcast(x.dtype) else "tf32",
+        UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
