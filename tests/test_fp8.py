@@ -16,6 +16,7 @@ import pytest
 import torch
 
 # tests.triton_modes sets TRITON_INTERPRET: it is imported before any kernel module.
+from tests.sm90 import assert_compiles_for_sm90
 from tests.triton_modes import DEVICES, INTERPRET, SAME_TRITON_MODE
 
 # isort: split
@@ -600,16 +601,7 @@ def test_fp8_kernels_compile_for_a_hopper_gpu():
     shares its `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a
     process without TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared
     memory (8-byte weight loads in the activations' layout)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(_COMPILE_FOR_HOPPER)
 
 
 def test_runtime_with_fp8_weights_and_kv_cache_on_the_cpu(tiny_models):

@@ -7,13 +7,13 @@ they are compiled and run on the GPU. tests/triton_modes.py picks the mode.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 # tests.triton_modes sets TRITON_INTERPRET: it is imported before any kernel module.
+from tests.sm90 import assert_compiles_for_sm90
 from tests.triton_modes import DEVICES, INTERPRET, KERNEL_DEVICE, SAME_TRITON_MODE
 
 # isort: split
@@ -232,16 +232,7 @@ print("compiled")
 def test_kernels_compile_for_a_hopper_gpu():
     """The interpreter does not run Triton's code generation: compile each kernel for sm_90
     ahead of time (no GPU needed; Triton ships ptxas) in a process without TRITON_INTERPRET."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(_COMPILE_FOR_HOPPER)
 
 
 # ---- whole models: fused kernels against the torch path ------------------------------------

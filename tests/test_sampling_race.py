@@ -5,6 +5,7 @@ softmax(logits / T) restricted by min-p; the kernel compiles for sm_90."""
 import pytest
 import torch
 
+from tests.sm90 import assert_compiles_for_sm90
 from tests.triton_modes import DEVICES, SAME_TRITON_MODE
 
 # isort: split
@@ -75,17 +76,7 @@ print("compiled")
 
 
 def test_race_kernel_compiles_for_a_hopper_gpu() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(_COMPILE)
 
 
 def test_noise_is_finite_at_the_extremes_of_the_hash() -> None:
