@@ -75,7 +75,8 @@ def test_token_view_counts_match_meta_info(backend: LocalBackend) -> None:
     root, *forks = view.rows
     assert root["tail"] == "\nDone." and all(len(view.tokens(f)) == 6 for f in forks)
     assert "".join(t[0] for t in view.tokens(root)) + root["tail"] == state.text()
-    assert json.loads(root["tokens"]) == view.tokens(root)  # what the frontend gets
+    # what a saved notebook's widget state keeps: every row's tokens
+    assert json.loads(view.final) == {str(r["id"]): view.tokens(r) for r in view.rows}
     for fork, executor in zip(forks, state.run.executors[1:], strict=True):
         tokens = view.tokens(fork)
         assert "".join(t[0] for t in tokens) == executor.variables["why"]
@@ -223,17 +224,34 @@ def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> Non
 
     state = answer_and_explain.run(backend=backend, token_view=True, temperature=0)
     messages: list[dict[str, Any]] = []
+    deltas: list[dict[str, Any]] = []
     model = TokenViewModel(state, publish=lambda changes: messages.append(
-        json.loads(json.dumps(changes))))
+        json.loads(json.dumps(changes))), send=lambda m: deltas.append(json.loads(json.dumps(m))))
     state.run.settle()
     model.refresh()
     model.close()
     assert model.done and messages and all(set(m) <= set(SYNCED) for m in messages)
-    assert messages[-1]["done"] and "rows" in messages[0]
+    assert messages[-1]["done"] and "rows" in messages[0] and "final" in messages[-1]
+    # the deltas, applied in order as the front end does, give every row's tokens; none
+    # resends a token that did not change, so together they hold about one per token shown
+    front: dict[int, list[Any]] = {}
+    for seq, delta in enumerate(deltas, start=1):
+        assert (delta["seq"], delta["base"]) == (seq, seq - 1)
+        for row_id, cut, tokens in delta["rows"]:
+            assert 0 <= cut <= len(front.get(row_id, []))
+            front[row_id] = front.get(row_id, [])[:cut] + tokens
+    shown = {r["id"]: model.tokens(r) for r in model.rows}
+    assert front == shown
+    sent = sum(len(tokens) for d in deltas for _, _, tokens in d["rows"])
+    assert sent <= 1.5 * sum(map(len, shown.values()))
+    resent: list[dict[str, Any]] = []
+    model._send = resent.append  # a front end drawn now asks for the whole state
+    model.resync()
+    assert resent == [{"seq": len(deltas), "base": None,
+                       "rows": [[i, 0, tokens] for i, tokens in shown.items()]}]
     view = state.token_view()
     view.refresh()
-    assert model.counts == view.counts and [r["tokens"] for r in model.rows] == [
-        r["tokens"] for r in view.rows]
+    assert model.counts == view.counts and model.final == view.final
     assert [model.tokens(r) for r in model.rows] == [view.tokens(r) for r in view.rows]
     view.close()
     for meta in _metas(state):
