@@ -76,7 +76,8 @@ def test_token_view_counts_match_meta_info(backend: LocalBackend) -> None:
     assert root["tail"] == "\nDone." and all(len(view.tokens(f)) == 6 for f in forks)
     assert "".join(t[0] for t in view.tokens(root)) + root["tail"] == state.text()
     # what a saved notebook's widget state keeps: every row's tokens
-    assert json.loads(view.final) == {str(r["id"]): view.tokens(r) for r in view.rows}
+    assert json.loads(view.snapshot) == {"seq": view._model.seq, "rows": {
+        str(r["id"]): view.tokens(r) for r in view.rows}}
     for fork, executor in zip(forks, state.run.executors[1:], strict=True):
         tokens = view.tokens(fork)
         assert "".join(t[0] for t in tokens) == executor.variables["why"]
@@ -225,13 +226,23 @@ def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> Non
     state = answer_and_explain.run(backend=backend, token_view=True, temperature=0)
     messages: list[dict[str, Any]] = []
     deltas: list[dict[str, Any]] = []
-    model = TokenViewModel(state, publish=lambda changes: messages.append(
-        json.loads(json.dumps(changes))), send=lambda m: deltas.append(json.loads(json.dumps(m))))
+    snapshots: dict[int, list[dict[str, Any]]] = {}  # by the deltas sent before each
+
+    def publish(changes: dict[str, Any]) -> None:
+        messages.append(json.loads(json.dumps(changes)))
+        if "snapshot" in changes:
+            snapshot = json.loads(changes["snapshot"])
+            assert snapshot["seq"] == len(deltas)
+            snapshots.setdefault(snapshot["seq"], []).append(
+                {i: tokens for i, tokens in snapshot["rows"].items() if tokens})
+
+    model = TokenViewModel(state, publish=publish,
+                           send=lambda m: deltas.append(json.loads(json.dumps(m))))
     state.run.settle()
     model.refresh()
     model.close()
     assert model.done and messages and all(set(m) <= set(SYNCED) for m in messages)
-    assert messages[-1]["done"] and "rows" in messages[0] and "final" in messages[-1]
+    assert messages[-1]["done"] and "rows" in messages[0] and "snapshot" in messages[-1]
     # the deltas, applied in order as the front end does, give every row's tokens; none
     # resends a token that did not change, so together they hold about one per token shown
     front: dict[int, list[Any]] = {}
@@ -240,8 +251,10 @@ def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> Non
         for row_id, cut, tokens in delta["rows"]:
             assert 0 <= cut <= len(front.get(row_id, []))
             front[row_id] = front.get(row_id, [])[:cut] + tokens
+        for snapshot in snapshots.get(seq, []):  # what a front end drawn late catches up from
+            assert snapshot == {str(i): tokens for i, tokens in front.items() if tokens}
     shown = {r["id"]: model.tokens(r) for r in model.rows}
-    assert front == shown
+    assert front == shown and seq in snapshots  # the last: when done
     sent = sum(len(tokens) for d in deltas for _, _, tokens in d["rows"])
     assert sent <= 1.5 * sum(map(len, shown.values()))
     resent: list[dict[str, Any]] = []
@@ -251,7 +264,8 @@ def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> Non
                        "rows": [[i, 0, tokens] for i, tokens in shown.items()]}]
     view = state.token_view()
     view.refresh()
-    assert model.counts == view.counts and model.final == view.final
+    assert model.counts == view.counts
+    assert json.loads(model.snapshot)["rows"] == json.loads(view.snapshot)["rows"]
     assert [model.tokens(r) for r in model.rows] == [view.tokens(r) for r in view.rows]
     view.close()
     for meta in _metas(state):

@@ -76,7 +76,7 @@ function tokenSpan(tok, origins) {
 // Tokens per row id: what the kernel sent (deltas after one whole state; see
 // token_view_model.py). `dirty`: the first token not drawn as it is now.
 function store() {
-  return { seq: -1, rows: new Map(), waiting: false };
+  return { seq: -1, rows: new Map(), waiting: true, asked: false };
 }
 
 function apply(tokens, msg) {
@@ -84,10 +84,10 @@ function apply(tokens, msg) {
     tokens.rows.clear();
     for (const [id, , toks] of msg.rows) tokens.rows.set(String(id), { toks, dirty: 0 });
     tokens.seq = msg.seq;
-    tokens.waiting = false;
+    tokens.waiting = tokens.asked = false;
     return true;
   }
-  if (msg.base !== tokens.seq) return false;  // missed one (or drawn mid-run): ask for all
+  if (tokens.waiting || msg.base !== tokens.seq) return false;  // missed one: catch up
   for (const [id, cut, toks] of msg.rows) {
     const key = String(id);
     let row = tokens.rows.get(key);
@@ -184,28 +184,34 @@ function render({ model, el }) {
     pending = true;
     requestAnimationFrame(() => { pending = false; draw(); });
   };
-  const resync = () => {
-    if (tokens.waiting) return;
+  const resync = () => {  // until a snapshot or the kernel's answer (once it is idle)
     tokens.waiting = true;
+    if (tokens.asked) return;
+    tokens.asked = true;
     model.send({ type: "sync" });
   };
   const onMessage = (msg) => {
     if (!msg || !Array.isArray(msg.rows)) return;
     if (apply(tokens, msg)) schedule(); else resync();
   };
+  // every row's tokens now and then (and when done: saved widget state has no kernel to ask);
+  // read while this view is not in step with the deltas
+  const onSnapshot = () => {
+    const text = model.get("snapshot");
+    if (!text || !tokens.waiting) return;
+    const snap = JSON.parse(text);
+    const whole = Object.entries(snap.rows).map(([id, toks]) => [id, 0, toks]);
+    apply(tokens, { seq: snap.seq, base: null, rows: whole });
+    schedule();
+  };
   for (const name of names) model.on(name, schedule);
+  model.on("change:snapshot", onSnapshot);
   model.on("msg:custom", onMessage);
-  // a finished run's whole state is a trait (saved widget state: no kernel to ask)
-  const final = model.get("final");
-  if (final) {
-    const whole = Object.entries(JSON.parse(final)).map(([id, toks]) => [id, 0, toks]);
-    apply(tokens, { seq: -1, base: null, rows: whole });
-  } else {
-    resync();
-  }
+  onSnapshot();
   draw();
   return () => {
     for (const name of names) model.off(name, schedule);
+    model.off("change:snapshot", onSnapshot);
     model.off("msg:custom", onMessage);
   };
 }
@@ -247,14 +253,15 @@ class TokenView(SavedText, anywidget.AnyWidget):
     `%%lmprogram --tokens`, `state.token_view()`), coloured by origin, with a metrics bar.
 
     Its traits are `TokenViewModel`'s small synced state: `rows` (one header per executor with
-    a trace: {id, label, status, tail}), `counts`, `metrics`, `metrics_html`, `done` and, once
-    the run is done, `final` (every row's tokens as JSON text: what saved widget state keeps).
-    The tokens travel as custom comm messages: deltas of what changed since the last update,
-    and every row whole when a front end asks (`{"type": "sync"}`: first drawn, or a delta
-    missed). A token is [text, origin index into `origins`, logprob or None, top-k
-    [[text, logprob]]] (`tokens(row)`: a row's, as lists); `tail` is the executor's text after
-    its last traced gen. Updates at most `hz` times a second, and less often when an update
-    takes long (it is kept under ~2% of the wall clock).
+    a trace: {id, label, status, tail}), `counts`, `metrics`, `metrics_html`, `done` and
+    `snapshot` (every row's tokens as JSON text with their `seq`: on the first update, when the
+    tokens grew fourfold, when done; what a front end drawn late catches up from, and what
+    saved widget state keeps). The tokens travel as custom comm messages: deltas of what
+    changed since the last update, and every row whole when a front end that missed one asks
+    (`{"type": "sync"}`, answered once the kernel is idle). A token is [text, origin index into
+    `origins`, logprob or None, top-k [[text, logprob]]] (`tokens(row)`: a row's, as lists);
+    `tail` is the executor's text after its last traced gen. Updates at most `hz` times a
+    second, and less often when an update takes long (it is kept under ~2% of the wall clock).
     """
 
     _esm = _ESM
@@ -268,7 +275,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
     colors = traitlets.Dict(default_value=COLORS).tag(sync=True)
     labels = traitlets.Dict(default_value=LABELS).tag(sync=True)
     done = traitlets.Bool(False).tag(sync=True)
-    final = traitlets.Unicode("").tag(sync=True)
+    snapshot = traitlets.Unicode("").tag(sync=True)
     _model: TokenViewModel | None = None  # None until set up (a refused view closes without one)
 
     def __init__(self, state: ProgramState, *, title: str = "", hz: float = 10.0) -> None:

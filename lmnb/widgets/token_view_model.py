@@ -2,18 +2,22 @@
 
 It reads a traced program run (`Program.run(..., token_view=True)`) on a `Throttle` thread while
 the program runs. Small state goes to `publish(changes)` (the widget's synced traits: `rows`
-headers, `counts`, `metrics`, `metrics_html`, `done`, and once the run is done `final`, every
-row's tokens as JSON text for saved widget state); the tokens themselves go to `send(message)`
-as deltas (the widget's custom comm messages; a headless caller, e.g. the benchmark, serializes
-both as the comm would):
+headers, `counts`, `metrics`, `metrics_html`, `done`, and `snapshot`); the tokens themselves
+go to `send(message)` as deltas (the widget's custom comm messages; a headless caller, e.g. the
+benchmark, serializes both as the comm would):
 
     {"seq": n, "base": n - 1, "rows": [[row id, cut, [token, ...]], ...]}
 
-keeps a row's first `cut` tokens and appends the new ones; a message with `"base": None` (an
-answer to `resync()`, which a front end asks for when it is first drawn or missed a delta) holds
-every row's tokens whole. So an update costs what changed since the last one (the running gen's
-new tokens; a finished gen's tokens only where their final values differ), never the whole
-growing text: a row's cells are compared with those of the last update by identity (equal values
+keeps a row's first `cut` tokens and appends the new ones. A front end that missed a delta (one
+drawn after the view started sending: the kernel is busy running the cell, so it cannot ask)
+catches up from `snapshot`, every row's tokens whole as JSON text with the `seq` they are at,
+published on the first update, whenever the tokens shown have grown fourfold since the last
+one (so snapshots add about a third of the final text in all, in a logarithmic number of updates)
+and when the run is done (what saved widget state keeps); `resync()` sends the whole state as a
+message with `"base": None` (asked for by a front end that missed a delta, answered once the
+kernel is idle). So an update costs what changed since the last one (the running gen's new
+tokens; a finished gen's tokens only where their final values differ), not the whole growing
+text: a row's cells are compared with those of the last update by identity (equal values
 count as unchanged), each new token is converted once, and no JSON is written per update here.
 The next live update waits until the last one's time is at most `MAX_FLUSH_SHARE` of the time
 since. A long conversion releases the GIL every few dozen tokens: the runtime's scheduler
@@ -49,7 +53,8 @@ COLORS = {"computed": "#e5e7eb", "cached": "#bfdbfe", "generated": "#bbf7d0",
 LABELS = {"computed": "prompt, computed", "cached": "prompt, from cache",
           "generated": "generated", "jump_forward": "jump-forward", "speculated": "speculated"}
 MAX_FLUSH_SHARE = 0.02  # a live view spends at most ~2% of the wall clock updating itself
-SYNCED = ("rows", "counts", "metrics", "metrics_html", "done", "final")
+SYNCED = ("rows", "counts", "metrics", "metrics_html", "done", "snapshot")
+_SNAPSHOT_MIN = 64  # tokens shown beyond 4x the last snapshot's before the next one
 _YIELD_EVERY = 32  # tokens converted between two releases of the GIL (~0.5-1 ms of work)
 
 
@@ -137,10 +142,11 @@ class TokenViewModel:
 
     `rows`: one header per executor with a trace, in creation order: {id, label, status, tail};
     `tokens(row)`: the tokens it shows; `counts`: tokens shown per origin; `metrics` /
-    `metrics_html`: the metrics bar; `done`: nothing runs any more; `final`: once done, every
-    row's tokens as JSON text ({row id: tokens}). `publish(changes)` gets the fields an update
-    changed and `send(message)` the token deltas, both from the updating thread (under the
-    model's lock, so that deltas and `resync()`'s whole state go out in order).
+    `metrics_html`: the metrics bar; `done`: nothing runs any more; `snapshot`: every row's
+    tokens as JSON text ({"seq": deltas sent, "rows": {row id: tokens}}), now and then.
+    `publish(changes)` gets the fields an update changed and `send(message)` the token deltas,
+    both from the updating thread (under the model's lock, so that deltas and `resync()`'s
+    whole state go out in order).
     """
 
     def __init__(self, state: ProgramState, *, publish: Callable[[dict[str, Any]], None],
@@ -166,7 +172,8 @@ class TokenViewModel:
         self.metrics: dict[str, Any] = {}
         self.metrics_html = ""
         self.done = False
-        self.final = ""
+        self.snapshot = ""
+        self._snapshot_size = 0  # tokens shown at the last snapshot
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent building and publishing updates (benchmarks)
         self._throttle: Throttle | None = None
@@ -283,9 +290,11 @@ class TokenViewModel:
                 if deltas and self._send is not None:
                     self.seq += 1
                     self._send({"seq": self.seq, "base": self.seq - 1, "rows": deltas})
-                if done:  # the whole state once, for saved widget state and later displays
-                    changes["final"] = self.final = json.dumps(
-                        {str(row["id"]): self.tokens(row) for row in rows})
+                shown = sum(len(row.tokens) for row in self._rows.values())
+                if done or not self.snapshot or shown >= 4 * self._snapshot_size + _SNAPSHOT_MIN:
+                    changes["snapshot"] = self.snapshot = json.dumps({"seq": self.seq, "rows": {
+                        str(row["id"]): self.tokens(row) for row in rows}})
+                    self._snapshot_size = shown
                 self._publish(changes)
                 self._version = version
             spent = time.perf_counter() - started
