@@ -85,16 +85,21 @@ class CommStandIn:
     def __init__(self) -> None:
         self.messages = 0
         self.bytes = 0
+        self.delta_bytes = 0  # of the token deltas (the rest: traits, snapshots among them)
+        self.largest = 0  # the longest message (the longest serialization under the GIL)
 
     def __call__(self, changes: dict[str, Any]) -> None:
         self._count({"method": "update", "state": changes})
 
     def send(self, content: dict[str, Any], buffers: Any = None) -> None:
-        self._count({"method": "custom", "content": content})
+        self.delta_bytes += self._count({"method": "custom", "content": content})
 
-    def _count(self, message: dict[str, Any]) -> None:
+    def _count(self, message: dict[str, Any]) -> int:
+        size = len(json.dumps(message))
         self.messages += 1
-        self.bytes += len(json.dumps(message))
+        self.bytes += size
+        self.largest = max(self.largest, size)
+        return size
 
 
 def attach_view(state: Any, widget: bool) -> tuple[Any, Any, CommStandIn | None]:
@@ -164,7 +169,8 @@ def run_once(program: Any, backend: Any, mode: str, widget: bool) -> dict[str, A
         out["origin_spans"] = sum(len(meta["output_token_origins"]) for meta in metas)
     if view is not None:  # its updates while the program ran; then its final state
         out.update(flushes=model.flushes, flush_seconds=model.flush_seconds,
-                   comm_messages=comm.messages, comm_bytes=comm.bytes)
+                   comm_messages=comm.messages, comm_bytes=comm.bytes,
+                   comm_delta_bytes=comm.delta_bytes, comm_largest_bytes=comm.largest)
         view.refresh()
         out["shown_generated"] = model.counts["generated"]
         view.close()
@@ -348,7 +354,10 @@ def main() -> None:
     view_runs = runs["view"]
     flush_share = statistics.median(r["flush_seconds"] / r["seconds"] for r in view_runs)
     print(f"\nview: {statistics.median(r['flushes'] for r in view_runs):.0f} updates per run, "
-          f"{statistics.median(r['comm_bytes'] for r in view_runs) / 1e6:.2f} MB of comm JSON, "
+          f"{statistics.median(r['comm_bytes'] for r in view_runs) / 1e6:.2f} MB of comm JSON "
+          f"({statistics.median(r['comm_delta_bytes'] for r in view_runs) / 1e6:.2f} MB of "
+          "token deltas, the largest message "
+          f"{statistics.median(r['comm_largest_bytes'] for r in view_runs) / 1e3:.0f} kB), "
           f"{100 * flush_share:.1f}% of the wall time updating; "
           f"{view_runs[0]['shown_generated']:,} generated tokens shown")
     feature = summary["ratios"]["view/plain"]["seconds"]["median"] - 1

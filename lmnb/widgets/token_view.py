@@ -100,6 +100,21 @@ function apply(tokens, msg) {
   return true;
 }
 
+// A delta or whole state from the kernel: false when it cannot be applied (wait for more).
+function receive(tokens, msg) {
+  if (apply(tokens, msg)) return true;
+  tokens.waiting = true;
+  return false;
+}
+
+// The `snapshot` trait's state, taken while not in step with the deltas.
+function catchUp(tokens, text) {
+  if (!text || !tokens.waiting) return false;
+  const snap = JSON.parse(text);
+  const whole = Object.entries(snap.rows).map(([id, toks]) => [id, 0, toks]);
+  return apply(tokens, { seq: snap.seq, base: null, rows: whole });
+}
+
 function fillRow(view, row, tokens, origins) {
   view.p.dataset.id = String(row.id);
   view.p.dataset.status = row.status;
@@ -184,26 +199,17 @@ function render({ model, el }) {
     pending = true;
     requestAnimationFrame(() => { pending = false; draw(); });
   };
-  const resync = () => {  // until a snapshot or the kernel's answer (once it is idle)
-    tokens.waiting = true;
-    if (tokens.asked) return;
-    tokens.asked = true;
-    model.send({ type: "sync" });
-  };
   const onMessage = (msg) => {
     if (!msg || !Array.isArray(msg.rows)) return;
-    if (apply(tokens, msg)) schedule(); else resync();
+    if (receive(tokens, msg)) {
+      schedule();
+    } else if (!tokens.asked) {  // until a snapshot or the kernel's answer (once it is idle)
+      tokens.asked = true;
+      model.send({ type: "sync" });
+    }
   };
-  // every row's tokens now and then (and when done: saved widget state has no kernel to ask);
-  // read while this view is not in step with the deltas
-  const onSnapshot = () => {
-    const text = model.get("snapshot");
-    if (!text || !tokens.waiting) return;
-    const snap = JSON.parse(text);
-    const whole = Object.entries(snap.rows).map(([id, toks]) => [id, 0, toks]);
-    apply(tokens, { seq: snap.seq, base: null, rows: whole });
-    schedule();
-  };
+  // every row's tokens now and then (and when done: saved widget state has no kernel to ask)
+  const onSnapshot = () => { if (catchUp(tokens, model.get("snapshot"))) schedule(); };
   for (const name of names) model.on(name, schedule);
   model.on("change:snapshot", onSnapshot);
   model.on("msg:custom", onMessage);
