@@ -10,8 +10,8 @@ host's share, where the trace and the view's updates compete, is as large as it 
 - `traced`: `token_view=True`: every gen asks for token origins and top-5 logprobs, and the
   program records every token, with no view;
 - `view`: traced, with a live view attached: `TokenViewModel`, the widget's own update path
-  (its throttle thread at 10 Hz, its row conversion, JSON text and budget), each update's
-  changed fields serialized as the widget's comm message would be. It needs no anywidget, so
+  (its throttle thread at 10 Hz, its row conversion and budget), each update's changed traits
+  and token delta serialized as the widget's comm messages would be. It needs no anywidget, so
   the same measurement runs on a GPU host without Jupyter (`--widget` uses the anywidget
   `TokenView` itself, which sets its traits from the same updates).
 
@@ -79,32 +79,49 @@ def make_program(gens: int, tokens: int) -> Any:
 
 
 class CommStandIn:
-    """What an anywidget's comm does with an update: one JSON message of the changed state."""
+    """What an anywidget's comm does with an update: one JSON message of the changed traits
+    (`__call__`) and one of the token delta (`send`, a custom message)."""
 
     def __init__(self) -> None:
         self.messages = 0
         self.bytes = 0
+        self.delta_bytes = 0  # of the token deltas (the rest: traits, snapshots among them)
+        self.largest = 0  # the longest message (the longest serialization under the GIL)
 
     def __call__(self, changes: dict[str, Any]) -> None:
-        message = json.dumps({"method": "update", "state": changes})
+        self._count({"method": "update", "state": changes})
+
+    def send(self, content: dict[str, Any], buffers: Any = None) -> None:
+        self.delta_bytes += self._count({"method": "custom", "content": content})
+
+    def _count(self, message: dict[str, Any]) -> int:
+        size = len(json.dumps(message))
         self.messages += 1
-        self.bytes += len(message)
+        self.bytes += size
+        self.largest = max(self.largest, size)
+        return size
 
 
 def attach_view(state: Any, widget: bool) -> tuple[Any, Any, CommStandIn | None]:
     """(view, its model, the comm stand-in) of a running traced program."""
     if widget:
         from lmnb.widgets.token_view import TokenView
+        from lmnb.widgets.token_view_model import SYNCED
 
-        view = TokenView(state, hz=10.0)
         comm = CommStandIn()
-        view.observe(lambda change: comm({change["name"]: change["new"]}),
-                     names=["rows", "live", "counts", "metrics", "metrics_html", "done"])
+
+        class Counted(TokenView):
+            def send(self, content: dict[str, Any], buffers: Any = None) -> None:
+                comm.send(content)
+                super().send(content, buffers)
+
+        view = Counted(state, hz=10.0)
+        view.observe(lambda change: comm({change["name"]: change["new"]}), names=list(SYNCED))
         return view, view._model, comm
     from lmnb.widgets.token_view_model import TokenViewModel
 
     comm = CommStandIn()
-    model = TokenViewModel(state, publish=comm, hz=10.0)
+    model = TokenViewModel(state, publish=comm, send=comm.send, hz=10.0)
     return model, model, comm
 
 
@@ -152,7 +169,8 @@ def run_once(program: Any, backend: Any, mode: str, widget: bool) -> dict[str, A
         out["origin_spans"] = sum(len(meta["output_token_origins"]) for meta in metas)
     if view is not None:  # its updates while the program ran; then its final state
         out.update(flushes=model.flushes, flush_seconds=model.flush_seconds,
-                   comm_messages=comm.messages, comm_bytes=comm.bytes)
+                   comm_messages=comm.messages, comm_bytes=comm.bytes,
+                   comm_delta_bytes=comm.delta_bytes, comm_largest_bytes=comm.largest)
         view.refresh()
         out["shown_generated"] = model.counts["generated"]
         view.close()
@@ -336,7 +354,10 @@ def main() -> None:
     view_runs = runs["view"]
     flush_share = statistics.median(r["flush_seconds"] / r["seconds"] for r in view_runs)
     print(f"\nview: {statistics.median(r['flushes'] for r in view_runs):.0f} updates per run, "
-          f"{statistics.median(r['comm_bytes'] for r in view_runs) / 1e6:.2f} MB of comm JSON, "
+          f"{statistics.median(r['comm_bytes'] for r in view_runs) / 1e6:.2f} MB of comm JSON "
+          f"({statistics.median(r['comm_delta_bytes'] for r in view_runs) / 1e6:.2f} MB of "
+          "token deltas, the largest message "
+          f"{statistics.median(r['comm_largest_bytes'] for r in view_runs) / 1e3:.0f} kB), "
           f"{100 * flush_share:.1f}% of the wall time updating; "
           f"{view_runs[0]['shown_generated']:,} generated tokens shown")
     feature = summary["ratios"]["view/plain"]["seconds"]["median"] - 1

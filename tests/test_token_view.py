@@ -75,7 +75,9 @@ def test_token_view_counts_match_meta_info(backend: LocalBackend) -> None:
     root, *forks = view.rows
     assert root["tail"] == "\nDone." and all(len(view.tokens(f)) == 6 for f in forks)
     assert "".join(t[0] for t in view.tokens(root)) + root["tail"] == state.text()
-    assert json.loads(root["tokens"]) == view.tokens(root)  # what the frontend gets
+    # what a saved notebook's widget state keeps: every row's tokens
+    assert json.loads(view.snapshot) == {"seq": view._model.seq, "rows": {
+        str(r["id"]): view.tokens(r) for r in view.rows}}
     for fork, executor in zip(forks, state.run.executors[1:], strict=True):
         tokens = view.tokens(fork)
         assert "".join(t[0] for t in tokens) == executor.variables["why"]
@@ -212,8 +214,9 @@ def test_metrics_bar_of_a_runtime(backend: LocalBackend) -> None:
 
 
 def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> None:
-    """`TokenViewModel` (no anywidget needed) publishes the fields the widget syncs, as JSON
-    the comm can send; its final state is the widget's over the same run; the trace carries
+    """`TokenViewModel` (no anywidget needed) publishes the fields the widget syncs and the
+    token deltas, as JSON the comm can send; the ESM applies them (node) to the same tokens
+    whenever it was drawn; its final state is the widget's over the same run; the trace carries
     run-length origins (one span per origin change, not one per token) and a logprob and top-5
     per generated token."""
     import subprocess
@@ -221,19 +224,59 @@ def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> Non
 
     from lmnb.widgets.token_view_model import SYNCED, TokenViewModel
 
-    state = answer_and_explain.run(backend=backend, token_view=True, temperature=0)
+    state = answer_and_explain.run(backend=backend, token_view=True, temperature=0,
+                                   stream=True)
     messages: list[dict[str, Any]] = []
-    model = TokenViewModel(state, publish=lambda changes: messages.append(
-        json.loads(json.dumps(changes))))
+    deltas: list[dict[str, Any]] = []
+    snapshots: dict[int, list[dict[str, Any]]] = {}  # by the deltas sent before each
+    events: list[list[Any]] = []  # what a front end gets, in order
+
+    def publish(changes: dict[str, Any]) -> None:
+        messages.append(json.loads(json.dumps(changes)))
+        if "snapshot" in changes:
+            events.append(["snapshot", changes["snapshot"]])
+            snapshot = json.loads(changes["snapshot"])
+            assert snapshot["seq"] == len(deltas)
+            snapshots.setdefault(snapshot["seq"], []).append(
+                {i: tokens for i, tokens in snapshot["rows"].items() if tokens})
+
+    model = TokenViewModel(state, publish=publish,
+                           send=lambda m: (deltas.append(json.loads(json.dumps(m))),
+                                           events.append(["delta", deltas[-1]])),
+                           start=False)
+    # an update per change of the trace (not throttled): a delta per streamed chunk
+    state.token_trace.log.listeners.append(model.refresh)
+    model.refresh()
     state.run.settle()
     model.refresh()
     model.close()
+    assert len(deltas) >= 3  # a request per gen at least
     assert model.done and messages and all(set(m) <= set(SYNCED) for m in messages)
-    assert messages[-1]["done"] and "rows" in messages[0]
+    assert messages[-1]["done"] and "rows" in messages[0] and "snapshot" in messages[-1]
+    # the deltas, applied in order as the front end does, give every row's tokens; none
+    # resends a token that did not change, so together they hold about one per token shown
+    front: dict[int, list[Any]] = {}
+    for seq, delta in enumerate(deltas, start=1):
+        assert (delta["seq"], delta["base"]) == (seq, seq - 1)
+        for row_id, cut, tokens in delta["rows"]:
+            assert 0 <= cut <= len(front.get(row_id, []))
+            front[row_id] = front.get(row_id, [])[:cut] + tokens
+        for snapshot in snapshots.get(seq, []):  # what a front end drawn late catches up from
+            assert snapshot == {str(i): tokens for i, tokens in front.items() if tokens}
+    shown = {r["id"]: model.tokens(r) for r in model.rows}
+    assert front == shown and seq in snapshots  # the last: when done
+    sent = sum(len(tokens) for d in deltas for _, _, tokens in d["rows"])
+    assert sent <= 1.5 * sum(map(len, shown.values()))
+    _front_end_replays(events, shown)
+    resent: list[dict[str, Any]] = []
+    model._send = resent.append  # a front end drawn now asks for the whole state
+    model.resync()
+    assert resent == [{"seq": len(deltas), "base": None,
+                       "rows": [[i, 0, tokens] for i, tokens in shown.items()]}]
     view = state.token_view()
     view.refresh()
-    assert model.counts == view.counts and [r["tokens"] for r in model.rows] == [
-        r["tokens"] for r in view.rows]
+    assert model.counts == view.counts
+    assert json.loads(model.snapshot)["rows"] == json.loads(view.snapshot)["rows"]
     assert [model.tokens(r) for r in model.rows] == [view.tokens(r) for r in view.rows]
     view.close()
     for meta in _metas(state):
@@ -255,3 +298,52 @@ def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> Non
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+_REPLAY = """
+const events = JSON.parse(process.argv[2]);
+const out = [];
+for (let drawn = 0; drawn <= events.length; drawn++) {  // a front end drawn after `drawn`
+  const tokens = store();
+  let snapshot = "";
+  events.forEach(([kind, payload], i) => {
+    if (kind === "snapshot") snapshot = payload;
+    if (i === drawn) catchUp(tokens, snapshot);
+    if (i < drawn) return;
+    if (kind === "delta") receive(tokens, payload); else catchUp(tokens, payload);
+  });
+  if (drawn === events.length) catchUp(tokens, snapshot);
+  out.push(Object.fromEntries([...tokens.rows].map(([id, row]) => [id, row.toks])));
+}
+console.log(JSON.stringify(out));
+"""
+
+
+def _front_end_replays(events: list[list[Any]], shown: dict[int, list[Any]]) -> None:
+    """The ESM's own `receive` / `catchUp` (node, where installed) over the messages, for a
+    front end drawn before each of them: all end with the model's tokens (from the deltas in
+    step, or from a snapshot after missing some)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from lmnb.widgets.token_view import _ESM
+
+    node = shutil.which("node")
+    if node is None:
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".mjs", delete=False) as script:
+        script.write(_ESM.replace("export default { render };", _REPLAY))
+    try:
+        out = subprocess.run([node, script.name, json.dumps(events)], capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        import os
+
+        os.unlink(script.name)
+    assert out.returncode == 0, out.stderr
+    expected = {str(i): tokens for i, tokens in shown.items()}
+    replays = json.loads(out.stdout)
+    assert len(replays) == len(events) + 1
+    assert all({k: v for k, v in r.items() if v} == {k: v for k, v in expected.items() if v}
+               for r in replays)

@@ -73,25 +73,60 @@ function tokenSpan(tok, origins) {
   return span;
 }
 
-const same = (a, b) => a && b && a[0] === b[0] && a[1] === b[1] && a[2] === b[2];
+// Tokens per row id: what the kernel sent (deltas after one whole state; see
+// token_view_model.py). `dirty`: the first token not drawn as it is now.
+function store() {
+  return { seq: -1, rows: new Map(), waiting: true, asked: false };
+}
 
-function fillRow(view, row, live, origins) {
+function apply(tokens, msg) {
+  if (msg.base === null || msg.base === undefined) {  // the whole state
+    tokens.rows.clear();
+    for (const [id, , toks] of msg.rows) tokens.rows.set(String(id), { toks, dirty: 0 });
+    tokens.seq = msg.seq;
+    tokens.waiting = tokens.asked = false;
+    return true;
+  }
+  if (tokens.waiting || msg.base !== tokens.seq) return false;  // missed one: catch up
+  for (const [id, cut, toks] of msg.rows) {
+    const key = String(id);
+    let row = tokens.rows.get(key);
+    if (!row) { row = { toks: [], dirty: 0 }; tokens.rows.set(key, row); }
+    row.toks.length = cut;
+    for (const tok of toks) row.toks.push(tok);
+    row.dirty = Math.min(row.dirty, cut);
+  }
+  tokens.seq = msg.seq;
+  return true;
+}
+
+// A delta or whole state from the kernel: false when it cannot be applied (wait for more).
+function receive(tokens, msg) {
+  if (apply(tokens, msg)) return true;
+  tokens.waiting = true;
+  return false;
+}
+
+// The `snapshot` trait's state, taken while not in step with the deltas.
+function catchUp(tokens, text) {
+  if (!text || !tokens.waiting) return false;
+  const snap = JSON.parse(text);
+  const whole = Object.entries(snap.rows).map(([id, toks]) => [id, 0, toks]);
+  return apply(tokens, { seq: snap.seq, base: null, rows: whole });
+}
+
+function fillRow(view, row, tokens, origins) {
   view.p.dataset.id = String(row.id);
   view.p.dataset.status = row.status;
   view.label.textContent = row.label;
   view.status.textContent = row.status;
-  // tokens travel as JSON text (one string per row: the widget comm need not walk them)
-  if (row.tokens !== view.stableText) {
-    view.stableText = row.tokens;
-    view.stable = JSON.parse(row.tokens || "[]");
-  }
-  const tokens = view.stable.concat(JSON.parse(live[String(row.id)] || "[]"));
-  const old = view.tokens;
-  let i = 0;  // redraw from the first token that changed (live updates append)
-  while (i < tokens.length && i < old.length && same(tokens[i], old[i])) i++;
-  while (view.box.children.length > i) view.box.lastChild.remove();
-  for (let j = i; j < tokens.length; j++) view.box.append(tokenSpan(tokens[j], origins));
-  view.tokens = tokens;
+  const shown = tokens.rows.get(String(row.id)) || { toks: [], dirty: 0 };
+  const from = Math.min(shown.dirty, view.box.children.length);
+  while (view.box.children.length > from) view.box.lastChild.remove();
+  const spans = document.createDocumentFragment();
+  for (let j = from; j < shown.toks.length; j++) spans.append(tokenSpan(shown.toks[j], origins));
+  view.box.append(spans);
+  shown.dirty = Infinity;
   view.tail.textContent = row.tail || "";
   view.tail.hidden = !row.tail;
 }
@@ -107,7 +142,7 @@ function rowView() {
   const tail = node("span", "lmnb-tv-tail");
   text.append(box, tail);
   p.append(head, text);
-  return { p, label, status, box, tail, tokens: [], stable: [], stableText: null };
+  return { p, label, status, box, tail };
 }
 
 function render({ model, el }) {
@@ -119,6 +154,7 @@ function render({ model, el }) {
   root.append(title, metrics, legend, rows);
   el.append(root);
   const views = new Map();
+  const tokens = store();
 
   const draw = () => {
     const origins = model.get("origins");
@@ -139,29 +175,51 @@ function render({ model, el }) {
       legend.append(item);
     }
     const seen = new Set();
-    const live = model.get("live") || {};
     for (const row of model.get("rows") || []) {
       seen.add(row.id);
       let view = views.get(row.id);
-      if (!view) { view = rowView(); views.set(row.id, view); }
+      if (!view) {
+        view = rowView();
+        views.set(row.id, view);
+        const shown = tokens.rows.get(String(row.id));
+        if (shown) shown.dirty = 0;
+      }
       rows.append(view.p);
-      fillRow(view, row, live, origins);
+      fillRow(view, row, tokens, origins);
     }
     for (const [id, view] of views) {
       if (!seen.has(id)) { view.p.remove(); views.delete(id); }
     }
   };
-  const names = ["change:rows", "change:live", "change:metrics_html", "change:done",
-                 "change:title", "change:counts"];
-  let pending = false;  // one redraw per frame, however many traits an update changed
+  const names = ["change:rows", "change:metrics_html", "change:done", "change:title",
+                 "change:counts"];
+  let pending = false;  // one redraw per frame, however many messages came
   const schedule = () => {
     if (pending) return;
     pending = true;
     requestAnimationFrame(() => { pending = false; draw(); });
   };
+  const onMessage = (msg) => {
+    if (!msg || !Array.isArray(msg.rows)) return;
+    if (receive(tokens, msg)) {
+      schedule();
+    } else if (!tokens.asked) {  // until a snapshot or the kernel's answer (once it is idle)
+      tokens.asked = true;
+      model.send({ type: "sync" });
+    }
+  };
+  // every row's tokens now and then (and when done: saved widget state has no kernel to ask)
+  const onSnapshot = () => { if (catchUp(tokens, model.get("snapshot"))) schedule(); };
   for (const name of names) model.on(name, schedule);
+  model.on("change:snapshot", onSnapshot);
+  model.on("msg:custom", onMessage);
+  onSnapshot();
   draw();
-  return () => { for (const name of names) model.off(name, schedule); };
+  return () => {
+    for (const name of names) model.off(name, schedule);
+    model.off("change:snapshot", onSnapshot);
+    model.off("msg:custom", onMessage);
+  };
 }
 
 export default { render };
@@ -200,20 +258,22 @@ class TokenView(SavedText, anywidget.AnyWidget):
     """Every token of a traced program run (`Program.run(..., token_view=True)`,
     `%%lmprogram --tokens`, `state.token_view()`), coloured by origin, with a metrics bar.
 
-    Its traits are `TokenViewModel`'s synced state: `rows` (one per executor with a trace:
-    {id, label, status, tokens, tail}, the tokens of its finished gens as JSON text), `live`
-    (per row id the tokens of its running gen, as JSON text; `tokens(row)`: both, as lists),
-    `counts`, `metrics`, `metrics_html`, `done`. A token is [text, origin index into `origins`,
-    logprob or None, top-k [[text, logprob]]]; `tail` is the executor's text after its last
-    traced gen. Updates at most `hz` times a second, and less often when the rows grow large
-    (the update itself is kept under ~2% of the wall clock).
+    Its traits are `TokenViewModel`'s small synced state: `rows` (one header per executor with
+    a trace: {id, label, status, tail}), `counts`, `metrics`, `metrics_html`, `done` and
+    `snapshot` (every row's tokens as JSON text with their `seq`: on the first update, when the
+    tokens grew fourfold, when done; what a front end drawn late catches up from, and what
+    saved widget state keeps). The tokens travel as custom comm messages: deltas of what
+    changed since the last update, and every row whole when a front end that missed one asks
+    (`{"type": "sync"}`, answered once the kernel is idle). A token is [text, origin index into
+    `origins`, logprob or None, top-k [[text, logprob]]] (`tokens(row)`: a row's, as lists);
+    `tail` is the executor's text after its last traced gen. Updates at most `hz` times a
+    second, and less often when an update takes long (it is kept under ~2% of the wall clock).
     """
 
     _esm = _ESM
     _css = _CSS
     title = traitlets.Unicode("").tag(sync=True)
     rows = traitlets.List(traitlets.Dict()).tag(sync=True)
-    live = traitlets.Dict(traitlets.Unicode()).tag(sync=True)
     counts = traitlets.Dict().tag(sync=True)
     metrics = traitlets.Dict().tag(sync=True)
     metrics_html = traitlets.Unicode("").tag(sync=True)
@@ -221,13 +281,20 @@ class TokenView(SavedText, anywidget.AnyWidget):
     colors = traitlets.Dict(default_value=COLORS).tag(sync=True)
     labels = traitlets.Dict(default_value=LABELS).tag(sync=True)
     done = traitlets.Bool(False).tag(sync=True)
+    snapshot = traitlets.Unicode("").tag(sync=True)
     _model: TokenViewModel | None = None  # None until set up (a refused view closes without one)
 
     def __init__(self, state: ProgramState, *, title: str = "", hz: float = 10.0) -> None:
-        model = TokenViewModel(state, publish=self._publish, start=False)  # refuses untraced
+        model = TokenViewModel(state, publish=self._publish, send=self.send,
+                               start=False)  # refuses untraced
         super().__init__(title=title)
         self._model = model
+        self.on_msg(self._on_front_end_message)
         model.start(hz)
+
+    def _on_front_end_message(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        if isinstance(content, dict) and content.get("type") == "sync" and self._model:
+            self._model.resync()
 
     def _publish(self, changes: dict[str, Any]) -> None:
         with self.hold_sync():
@@ -244,7 +311,7 @@ class TokenView(SavedText, anywidget.AnyWidget):
         return self._model.flush_seconds if self._model is not None else 0.0
 
     def tokens(self, row: dict[str, Any]) -> list[Token]:
-        """All the tokens a row shows: those of finished gens, then the running gen's."""
+        """The tokens a row shows (not to be changed)."""
         return self._model.tokens(row) if self._model is not None else []
 
     def refresh(self) -> None:

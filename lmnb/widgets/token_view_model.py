@@ -1,17 +1,28 @@
 """`TokenViewModel`: what a `TokenView` shows and when it updates, without a widget library.
 
-It reads a traced program run (`Program.run(..., token_view=True)`) into the view's synced state
-(`rows`, `live`, `counts`, `metrics`, `metrics_html`, `done`), on a `Throttle` thread while the
-program runs, and hands each update's changed fields to `publish` (the widget sets its traits
-from them; a headless caller, e.g. the benchmark, serializes them as the comm would). Keeping
-this apart from anywidget lets the update path run where no frontend library is installed.
+It reads a traced program run (`Program.run(..., token_view=True)`) on a `Throttle` thread while
+the program runs. Small state goes to `publish(changes)` (the widget's synced traits: `rows`
+headers, `counts`, `metrics`, `metrics_html`, `done`, and `snapshot`); the tokens themselves
+go to `send(message)` as deltas (the widget's custom comm messages; a headless caller, e.g. the
+benchmark, serializes both as the comm would):
 
-Costs are bounded: each token is converted and serialized to JSON once (memoized by cell
-identity; a row's JSON text is its tokens' texts joined), the tokens of finished gens are resent
-only when they change, and the next live update waits until the last one's time is at most
-`MAX_FLUSH_SHARE` of the time since. A long conversion releases the GIL every few dozen tokens:
-the runtime's scheduler releases it for every tensor op and would otherwise wait up to the
-interpreter's switch interval (5 ms) each time to get it back while a view converts.
+    {"seq": n, "base": n - 1, "rows": [[row id, cut, [token, ...]], ...]}
+
+keeps a row's first `cut` tokens and appends the new ones. A front end that missed a delta (one
+drawn after the view started sending: the kernel is busy running the cell, so it cannot ask)
+catches up from `snapshot`, every row's tokens whole as JSON text with the `seq` they are at,
+published on the first update, whenever the tokens shown have grown fourfold since the last
+one (so snapshots add about a third of the final text in all, in a logarithmic number of updates)
+and when the run is done (what saved widget state keeps); `resync()` sends the whole state as a
+message with `"base": None` (asked for by a front end that missed a delta, answered once the
+kernel is idle). So an update costs what changed since the last one (the running gen's new
+tokens; a finished gen's tokens only where their final values differ), not the whole growing
+text: a row's cells are compared with those of the last update by identity (equal values
+count as unchanged), each new token is converted once, and no JSON is written per update here.
+The next live update waits until the last one's time is at most `MAX_FLUSH_SHARE` of the time
+since. A long conversion releases the GIL every few dozen tokens: the runtime's scheduler
+releases it for every tensor op and would otherwise wait up to the interpreter's switch
+interval (5 ms) each time to get it back while a view converts.
 """
 
 from __future__ import annotations
@@ -22,12 +33,13 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmnb.lang.backends.base import ProgramAborted
 from lmnb.lang.interpreter import StreamExecutor
 from lmnb.lang.program import ProgramState
-from lmnb.lang.token_trace import TokenTrace
+from lmnb.lang.token_trace import Cell, TokenTrace
 from lmnb.runtime.output.token_origins import ORIGINS
 from lmnb.widgets.metrics import metrics_html, runtime_stats, traced_metrics
 from lmnb.widgets.throttle import Throttle
@@ -41,7 +53,8 @@ COLORS = {"computed": "#e5e7eb", "cached": "#bfdbfe", "generated": "#bbf7d0",
 LABELS = {"computed": "prompt, computed", "cached": "prompt, from cache",
           "generated": "generated", "jump_forward": "jump-forward", "speculated": "speculated"}
 MAX_FLUSH_SHARE = 0.02  # a live view spends at most ~2% of the wall clock updating itself
-SYNCED = ("rows", "live", "counts", "metrics", "metrics_html", "done")
+SYNCED = ("rows", "counts", "metrics", "metrics_html", "done", "snapshot")
+_SNAPSHOT_MIN = 64  # tokens shown beyond 4x the last snapshot's before the next one
 _YIELD_EVERY = 32  # tokens converted between two releases of the GIL (~0.5-1 ms of work)
 
 
@@ -88,14 +101,6 @@ def rows_html(rows: list[tuple[dict[str, Any], list[Token]]]) -> str:
     return "".join(parts)
 
 
-def _count(tokens: list[Token]) -> list[int]:
-    """How many of `tokens` have each origin (by index)."""
-    counts = [0] * len(ORIGINS)
-    for token in tokens:
-        counts[token[1]] += 1
-    return counts
-
-
 def _status(executor: StreamExecutor) -> str:
     if isinstance(executor.error, ProgramAborted):
         return "aborted"
@@ -104,42 +109,71 @@ def _status(executor: StreamExecutor) -> str:
     return "running" if not executor.idle and executor.alive else "done"
 
 
+
+
+@dataclass
+class _Row:
+    """What the front end holds of one executor's trace: the cells of the last update (the
+    trace's list, whole), the first `start` of which are its parent's (not shown), and the
+    shown cells as tokens, counted by origin."""
+
+    cells: list[Cell] = field(default_factory=list)
+    stable: int = 0
+    start: int = 0
+    tokens: list[Token] = field(default_factory=list)
+    counts: list[int] = field(default_factory=lambda: [0] * len(ORIGINS))
+
+
+def _first_change(old: list[Cell], new: list[Cell], unchanged: int) -> int:
+    """The first index where `new` differs from `old` (a cell is unchanged when it is the same
+    object or equal); the first `unchanged` are the finished cells of both reads, checked in
+    one comparison (by identity, in C) before the rest is walked."""
+    n = min(len(old), len(new))
+    at = min(unchanged, n)
+    if old[:at] != new[:at]:  # a re-tokenized end of the finished text: walk from the start
+        at = 0
+    while at < n and (old[at] is new[at] or old[at] == new[at]):
+        at += 1
+    return at
+
+
 class TokenViewModel:
     """The synced state of a view of `state`'s traced run (see the module doc).
 
-    `rows`: one per executor with a trace, in creation order: {id, label, status, tokens, tail}
-    with the tokens of its finished gens as JSON text; `live`: per row id (str) the tokens of
-    its running gen, as JSON text (`tokens(row)`: both, as lists); `counts`: tokens shown per
-    origin; `metrics` / `metrics_html`: the metrics bar; `done`: nothing runs any more.
-    `publish(changes)` gets the fields an update changed, from the updating thread.
+    `rows`: one header per executor with a trace, in creation order: {id, label, status, tail};
+    `tokens(row)`: the tokens it shows; `counts`: tokens shown per origin; `metrics` /
+    `metrics_html`: the metrics bar; `done`: nothing runs any more; `snapshot`: every row's
+    tokens as JSON text ({"seq": deltas sent, "rows": {row id: tokens}}), now and then.
+    `publish(changes)` gets the fields an update changed and `send(message)` the token deltas,
+    both from the updating thread (under the model's lock, so that deltas and `resync()`'s
+    whole state go out in order).
     """
 
     def __init__(self, state: ProgramState, *, publish: Callable[[dict[str, Any]], None],
-                 hz: float = 10.0, start: bool = True) -> None:
+                 send: Callable[[dict[str, Any]], None] | None = None, hz: float = 10.0,
+                 start: bool = True) -> None:
         trace = state.token_trace
         if trace is None:
             raise ValueError("this program run recorded no tokens: run it with "
                              "`program.run(..., token_view=True)` or `%%lmprogram --tokens`")
         self._state = state
         self._publish = publish
+        self._send = send
         self._log = trace.log
         self._texts = trace.log.token_text
         self._lock = threading.Lock()
         self._closed = False
         self._version = -1
         self._next_at = 0.0  # monotonic time before which a live flush is skipped
-        # per row: id(cell) -> (cell, token, token as JSON)
-        self._memo: dict[int, dict[int, tuple[list[Any], Token, str]]] = {}
-        self._stable_keys: dict[int, tuple[int, int, int]] = {}  # per row: its finished part
-        self._stable_tokens: dict[int, list[Token]] = {}  # per row, as `rows` has them in JSON
-        self._live_tokens: dict[int, list[Token]] = {}
-        self._stable_counts: dict[int, list[int]] = {}  # per row: its finished tokens by origin
+        self._rows: dict[int, _Row] = {}
+        self.seq = 0  # deltas sent
         self.rows: list[dict[str, Any]] = []
-        self.live: dict[str, str] = {}
         self.counts: dict[str, int] = {}
         self.metrics: dict[str, Any] = {}
         self.metrics_html = ""
         self.done = False
+        self.snapshot = ""
+        self._snapshot_size = 0  # tokens shown at the last snapshot
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent building and publishing updates (benchmarks)
         self._throttle: Throttle | None = None
@@ -158,7 +192,7 @@ class TokenViewModel:
         return [(e, e.token_trace) for e in self._state.run.executors
                 if e.token_trace is not None]
 
-    def _token(self, cell: list[Any]) -> Token:
+    def _token(self, cell: Cell) -> Token:
         text = self._texts
         token_id, origin, logprob, top = cell
         alternatives = ([[text(alt_id), round(alt_lp, 3)] for alt_lp, alt_id, *_ in top]
@@ -166,75 +200,55 @@ class TokenViewModel:
         return [text(token_id), origin, None if logprob is None else round(logprob, 3),
                 alternatives]
 
-    def _convert(self, memo_key: int, cells: list[list[Any]]) -> tuple[list[Token], str]:
-        """The cells as tokens and as a JSON list; a cell met in the last update of `memo_key`
-        or of the row's other part (the same object) is not converted or serialized again."""
-        memo, other = self._memo.get(memo_key, {}), self._memo.get(-1 - memo_key, {})
-        kept: dict[int, tuple[list[Any], Token, str]] = {}
-        tokens, texts = [], []
-        converted = 0
-        for cell in cells:
-            hit = memo.get(id(cell)) or other.get(id(cell))
-            if hit is None or hit[0] is not cell:
-                token = self._token(cell)
-                hit = (cell, token, json.dumps(token))
-                converted += 1
-                if converted % _YIELD_EVERY == 0:
-                    time.sleep(0)  # lets the runtime's threads take the GIL back (see above)
-            kept[id(cell)] = hit
-            tokens.append(hit[1])
-            texts.append(hit[2])
-        self._memo[memo_key] = kept
-        return tokens, f"[{', '.join(texts)}]"
+    def _convert(self, cells: list[Cell]) -> list[Token]:
+        tokens = []
+        for i, cell in enumerate(cells, start=1):
+            tokens.append(self._token(cell))
+            if i % _YIELD_EVERY == 0:
+                time.sleep(0)  # lets the runtime's threads take the GIL back (see above)
+        return tokens
 
-    def _read(self) -> tuple[list[dict[str, Any]], dict[str, str], bool]:
-        """(rows, live, rows changed): each row's tokens of finished gens (resent only when they
-        change) and, in `live`, those of its running gen."""
-        rows, live = [], {}
-        changed = False
-        previous = {row["id"]: row for row in self.rows}
-        for index, (executor, trace) in enumerate(self._traces()):
-            cells, stable = trace.cells_split()
-            start = 0
-            inherited = trace.inherited_ids
-            while start < min(len(inherited), len(cells)) and cells[start][0] == inherited[start]:
-                start += 1
-            stable = max(stable, start)
-            key = (start, stable, id(cells[stable - 1]) if stable else 0)
-            text = executor.text_
-            covered = trace.covered_chars()
-            tail = text[covered:] if trace.records and covered < len(text) else ""
-            if not trace.records:
-                tail = text[executor.fork_point:]
-            row = {"id": executor.id, "label": "root" if index == 0 else f"fork {index}",
-                   "status": _status(executor), "tail": tail}
-            old = previous.get(executor.id)
-            if old is not None and self._stable_keys.get(executor.id) == key:
-                row["tokens"] = old["tokens"]
-            else:
-                tokens, row["tokens"] = self._convert(executor.id, cells[start:stable])
-                self._stable_tokens[executor.id] = tokens
-                self._stable_counts[executor.id] = _count(tokens)
-                self._stable_keys[executor.id] = key
-            changed = changed or old is None or any(old[k] != row[k] for k in row)
-            self._live_tokens[executor.id], live[str(executor.id)] = self._convert(
-                -1 - executor.id, cells[stable:])
-            rows.append(row)
-        return rows, live, changed or len(rows) != len(self.rows)
+    def _update_row(self, key: int, trace: TokenTrace) -> tuple[int, list[Token]] | None:
+        """Brings row `key` up to its trace; (cut, new tokens) when what it shows changed."""
+        cells, stable = trace.cells_split()
+        row = self._rows.get(key)
+        fresh = row is None
+        if row is None:
+            row = self._rows[key] = _Row()
+        changed = 0 if fresh else _first_change(row.cells, cells, min(row.stable, stable))
+        start = min(changed, row.start)  # the cells before are the parent's still
+        inherited = trace.inherited_ids
+        while start < min(len(inherited), len(cells)) and cells[start][0] == inherited[start]:
+            start += 1
+        cut = 0 if start != row.start else max(changed, start) - start
+        row.cells, row.stable, row.start = cells, stable, start
+        if not fresh and cut == len(row.tokens) and start + cut == len(cells):
+            return None  # nothing shown changed (a moved start resends the row: cut 0)
+        for token in row.tokens[cut:]:
+            row.counts[token[1]] -= 1
+        new = self._convert(cells[start + cut:])
+        for token in new:
+            row.counts[token[1]] += 1
+        del row.tokens[cut:]
+        row.tokens.extend(new)
+        return cut, new
+
+    def _header(self, index: int, executor: StreamExecutor, trace: TokenTrace) -> dict[str, Any]:
+        text = executor.text_
+        covered = trace.covered_chars()
+        tail = text[covered:] if trace.records and covered < len(text) else ""
+        if not trace.records:
+            tail = text[executor.fork_point:]
+        return {"id": executor.id, "label": "root" if index == 0 else f"fork {index}",
+                "status": _status(executor), "tail": tail}
 
     def tokens(self, row: dict[str, Any]) -> list[Token]:
-        """All the tokens a row shows: those of finished gens, then the running gen's."""
-        return self._stable_tokens.get(row["id"], []) + self._live_tokens.get(row["id"], [])
+        """The tokens a row shows (not to be changed)."""
+        shown = self._rows.get(row["id"])
+        return shown.tokens if shown is not None else []
 
-    def _counts(self, rows: list[dict[str, Any]]) -> dict[str, int]:
-        """Tokens shown per origin (the finished parts' counts are kept)."""
-        total = [0] * len(ORIGINS)
-        for row in rows:
-            for counts in (self._stable_counts.get(row["id"]),
-                           _count(self._live_tokens.get(row["id"], []))):
-                for i, n in enumerate(counts or ()):
-                    total[i] += n
-        return dict(zip(ORIGINS, total, strict=True))
+    def _whole(self) -> list[list[Any]]:
+        return [[row["id"], 0, self.tokens(row)] for row in self.rows]
 
     # ---- updates ---------------------------------------------------------------------------
     def _flush(self) -> bool:
@@ -253,22 +267,47 @@ class TokenViewModel:
             traces = self._traces()
             done = all(_status(executor) != "running" for executor, _ in traces)
             if version != self._version or done != self.done:
-                rows, live, rows_changed = self._read()
+                rows, deltas = [], []
+                for index, (executor, trace) in enumerate(traces):
+                    rows.append(self._header(index, executor, trace))
+                    delta = self._update_row(executor.id, trace)
+                    if delta is not None:
+                        deltas.append([executor.id, *delta])
+                total = [0] * len(ORIGINS)
+                for row in rows:
+                    for i, n in enumerate(self._rows[row["id"]].counts):
+                        total[i] += n
                 stats = runtime_stats(self._state) if done else None
                 metrics = traced_metrics([t for _, t in traces], stats)
                 changes: dict[str, Any] = {
-                    "live": live, "counts": self._counts(rows), "metrics": metrics.as_dict(),
-                    "metrics_html": metrics_html(metrics), "done": done}
-                if rows_changed:
+                    "counts": dict(zip(ORIGINS, total, strict=True)),
+                    "metrics": metrics.as_dict(), "metrics_html": metrics_html(metrics),
+                    "done": done}
+                if rows != self.rows:
                     changes["rows"] = rows
                 for name, value in changes.items():
                     setattr(self, name, value)
+                if deltas and self._send is not None:
+                    self.seq += 1
+                    self._send({"seq": self.seq, "base": self.seq - 1, "rows": deltas})
+                shown = sum(len(row.tokens) for row in self._rows.values())
+                if done or not self.snapshot or shown >= 4 * self._snapshot_size + _SNAPSHOT_MIN:
+                    changes["snapshot"] = self.snapshot = json.dumps({"seq": self.seq, "rows": {
+                        str(row["id"]): self.tokens(row) for row in rows}})
+                    self._snapshot_size = shown
                 self._publish(changes)
                 self._version = version
             spent = time.perf_counter() - started
             self.flushes += 1
             self.flush_seconds += spent
             self._next_at = time.monotonic() + spent / MAX_FLUSH_SHARE
+
+    def resync(self) -> None:
+        """Sends every row's tokens whole (a front end drawn late, or one that missed a
+        delta)."""
+        with self._lock:
+            if self._send is not None:
+                self._send({"seq": self.seq, "base": None, "rows": self._whole()})
 
     def close(self) -> None:
         """Stops updating and detaches from the program."""

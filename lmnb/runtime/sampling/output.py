@@ -47,6 +47,10 @@ class SampleOutput:
         self.next_token_ids_cpu: torch.Tensor | None = (
             None if ids_packed else _to_host(next_token_ids))  # set by `synchronize` if None
         self._logprobs_cpu = None if packed_logprobs is None else _to_host(packed_logprobs)
+        # The copies' targets (pinned on CUDA); the ids unpacked from the packed copy by
+        # `synchronize` are a host-side conversion, not a copy target.
+        self._copies = tuple(t for t in (self.next_token_ids_cpu, self._logprobs_cpu)
+                             if t is not None)
         self._rows: list[list[float]] | None = None  # the host copy as lists, read once
         self._event: torch.cuda.Event | None = None
         if next_token_ids.device.type == "cuda":
@@ -75,8 +79,9 @@ class SampleOutput:
         self._checked = True
 
     def host_copies(self) -> list[torch.Tensor]:
-        """The host tensors the device's results are copied into (pinned on CUDA)."""
-        return [t for t in (self.next_token_ids_cpu, self._logprobs_cpu) if t is not None]
+        """The host tensors the device's results are copied into (pinned on CUDA): one when
+        every row of a GPU batch asked for logprobs (the packed copy brings the ids)."""
+        return list(self._copies)
 
     @property
     def next_token_logprobs(self) -> torch.Tensor | None:
