@@ -100,7 +100,8 @@ def extend_config(head_dim: int, dtype: torch.dtype, *, max_rows: int = 0) -> Ex
     """Tile sizes by head size and element width (fp32 heads of 128+ need smaller KV tiles) and
     by the longest request's rows (new tokens x GQA group): 128-row blocks over 8 warps, or
     64-row blocks where 128 would pad that request's rows by a fifth more (e.g. 160 rows: 256
-    instead of 192)."""
+    instead of 192). So a request's result may differ in its last bits with the batch it runs
+    in, as the GEMMs' (cuBLAS picks its kernel by the batch's rows) already do."""
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 256
     if wide:
         return ExtendConfig(64, 32, 4, 2)

@@ -87,7 +87,7 @@ def _race_logits_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, BEST, BEST_ID, vocab
     floor = tl.load(FLOORS + i)  # logits below it are out of the support (min-p); -inf: none
     seed = tl.load(SEEDS + i).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_id = tl.full([BLOCK], vocab, tl.int32)
+    best_id = tl.zeros([BLOCK], tl.int32)  # a row with no finite score draws id 0
     end = tl.minimum((part + 1) * chunk, vocab)
     for start in range(part * chunk, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
