@@ -381,6 +381,10 @@ class _KeywordRecorder:
         self.calls.append(kwargs)
         return self._runtime.generate(*args, **kwargs)
 
+    def submit_encoded(self, ids: list[int], params: Any, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        return self._runtime.submit_encoded(ids, params, **kwargs)
+
 
 def test_only_watched_gens_stream_their_tokens(rt):
     """A gen that nobody reads as it comes (a `run_batch` program, a run without `stream`)
