@@ -30,7 +30,8 @@ program bodies (`--layers 32` gives the nearly-free model a real model's number 
 hand-overs per pass launch, to try this on the CPU). A `run_batch` shortens the switch interval
 itself while it starts its programs (`lmnb.lang.gil_share`): `--batch-switch-interval` sets that
 value (`none`: Python's own), `--compare-batch-switch-intervals 2e-5,none` runs the DSL path
-once more with each. `loop ms` is the program loop's CPU per program (its thread's, from /proc).
+once more with each. `loop ms` is the program loop's CPU per program (`time.thread_time` read
+on that thread before and after the path).
 `--gil-probe`: a thread sleeping 0.2 ms at a time notes how late it wakes in each path (how long
 a thread that gives the GIL up, as the scheduler at each torch call, waits to get it back).
 
@@ -191,6 +192,14 @@ def _on_program_loop(action: Callable[[], Any]) -> None:
     done.wait()
 
 
+def program_loop_cpu_seconds() -> float:
+    """The program loop thread's CPU time so far (`time.thread_time` read on that thread: ns
+    steps, where /proc's per-thread ticks are 10 ms)."""
+    seconds: list[float] = []
+    _on_program_loop(lambda: seconds.append(time.thread_time()))
+    return seconds[0]
+
+
 # Python 3.12's cProfile runs on `sys.monitoring`, which is process-wide: one profile may be
 # enabled at a time, and it sees every thread's calls.
 ONE_PROFILE_FOR_ALL_THREADS = sys.version_info >= (3, 12)
@@ -273,6 +282,7 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
     steps = RequestTimeline()
     runtime.set_batch_hook(steps.batch_hook(passes) if timeline else passes)
     threads_start = thread_cpu_seconds()
+    loop_start = program_loop_cpu_seconds()
     pauses = GcPauses()
     recording = steps.recording() if timeline else nullcontext(steps)
     probe = GilProbe()
@@ -284,13 +294,12 @@ def measure(label: str, runtime: Any, count: int, work: Callable[[], Any], *,
         seconds = time.perf_counter() - wall_start
     cpu = time.process_time() - cpu_start
     threads_end = thread_cpu_seconds()
+    loop = program_loop_cpu_seconds() - loop_start
     runtime.set_batch_hook(None)
     # The runtime's own threads (scheduler, output): alive before and after.
     engine = sum(threads_end[name] - threads_start[name] for name in threads_end
                  if name.startswith("lmnb-") and name in threads_start
                  and name not in PROGRAM_THREADS)
-    loop = sum(threads_end[name] - threads_start.get(name, 0.0) for name in PROGRAM_THREADS
-               if name in threads_end)
     return {"path": label, "programs": count, "seconds": seconds, "cpu_seconds": cpu,
             "program_loop_cpu_ms_per_program": 1e3 * loop / count,
             "programs_per_s": count / seconds, "cpu_ms_per_program": 1e3 * cpu / count,

@@ -7,7 +7,8 @@ and last time each happened, and how often):
 
 - `body_started`: a DSL program's body began (`Program.batch_job`'s `execute`);
 - `gen_submitted`: the interpreter called the backend for a gen (`LocalBackend.agenerate`);
-- `generate_called`: a `Runtime.generate` call began (the DSL's backend, or the raw caller);
+- `generate_called`: a `Runtime.generate` call began (the raw caller), or the DSL backend's
+  `Runtime.submit_encoded`;
 - `sent_to_scheduler`: requests were put into the scheduler's inbox (`SchedulerThread.submit*`);
 - `added_to_waiting`: the scheduler thread added a request to its waiting queue;
 - `pass_launch_started` / `pass_launch_returned`: a forward pass's host launch began / returned
@@ -146,6 +147,7 @@ class RequestTimeline:
         wrap(Program, "batch_job", batch_job)
         wrap(LocalBackend, "agenerate", agenerate)
         wrap(Runtime, "generate", before("generate_called"))
+        wrap(Runtime, "submit_encoded", before("generate_called"))
         wrap(SchedulerThread, "submit", before("sent_to_scheduler"))
         wrap(SchedulerThread, "submit_many", before(
             "sent_to_scheduler", lambda _thread, states: len(states)))

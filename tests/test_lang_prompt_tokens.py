@@ -188,3 +188,20 @@ def test_long_texts_are_tokenized_by_the_batch_call(tokenizer) -> None:
     assert tokens.encode(first) == whole(tokenizer, first)
     assert tokens.encode(second) == whole(tokenizer, second)  # the prefix reused
     assert log.calls == ["encode_batch", "encode"]
+
+
+def test_shared_prefix_length() -> None:
+    """The windowed binary search finds the common prefix's exact length (and `_shares`
+    agrees), for texts differing anywhere, one a prefix of the other, or equal."""
+    from lmnb.lang.prompt_tokens import _shared_prefix, _shares
+
+    rng = random.Random(5)
+    for _ in range(300):
+        a = "".join(rng.choice("ab é") for _ in range(rng.randrange(0, 60)))
+        b = a[:rng.randrange(0, len(a) + 1)] + "".join(
+            rng.choice("ab é") for _ in range(rng.randrange(0, 20)))
+        shorter = min(len(a), len(b))
+        expected = next((i for i in range(shorter) if a[i] != b[i]), shorter)
+        assert _shared_prefix(a, b) == _shared_prefix(b, a) == expected, (a, b)
+        for count in range(len(a) + 3):
+            assert _shares(a, b, count) == (len(a) >= count <= len(b) and a[:count] == b[:count])

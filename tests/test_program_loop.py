@@ -381,6 +381,10 @@ class _KeywordRecorder:
         self.calls.append(kwargs)
         return self._runtime.generate(*args, **kwargs)
 
+    def submit_encoded(self, ids: list[int], params: Any, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        return self._runtime.submit_encoded(ids, params, **kwargs)
+
 
 def test_only_watched_gens_stream_their_tokens(rt):
     """A gen that nobody reads as it comes (a `run_batch` program, a run without `stream`)
@@ -459,3 +463,39 @@ def test_sharing_the_gil_nests_and_leaves_a_value_set_meanwhile():
         assert sys.getswitchinterval() == pytest.approx(3e-3)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_local_backend_submits_encoded_ids_with_parsed_params(rt):
+    """A text prompt goes in as the runtime's own ids with parsed `SamplingParams`
+    (`Runtime.submit_encoded`): the same output as `generate(input_ids=...)`, the context length
+    still enforced, max_new_tokens still cut to it, and bad input still a clear error."""
+    from lmnb.params import InvalidRequestError, SamplingParams
+
+    backend = LocalBackend(rt)
+    assert backend.encoded_submitter is rt
+    prompt = "The quick brown fox"
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    with rt.submit_encoded(rt.encode(prompt), params, incremental=False) as stream:
+        (whole,) = list(stream)
+    raw = rt.generate(input_ids=rt.encode(prompt), sampling_params=params.to_dict())
+    assert whole["output_ids"] == raw["output_ids"] and whole["text"] == raw["text"]
+
+    @lmnb.function
+    def one(s):
+        s += prompt + gen("a", max_tokens=5, temperature=0)
+
+    assert one.run(backend=backend)["a"] == raw["text"]
+    assert params.max_new_tokens == 5  # shared parameters are never mutated
+
+    with pytest.raises(InvalidRequestError, match="context length"):
+        rt.submit_encoded([1] * rt.context_len, params)
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        rt.submit_encoded([], params)
+    near = rt.context_len - 3
+    with rt.submit_encoded([5] * near, SamplingParams(max_new_tokens=50),
+                           incremental=False) as stream:
+        (cut,) = list(stream)
+    assert len(cut["output_ids"]) <= 3
+    error = one.run(backend=backend, top_k=-3).error()
+    assert isinstance(error, InvalidRequestError) and "top_k" in str(error)
+    assert rt.generate("ok", {"max_new_tokens": 1})["text"] is not None  # still usable

@@ -25,7 +25,7 @@ import weakref
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, islice
 from typing import Any
 
 # Prompts sharing their first N characters are candidates for each other, for the longest N
@@ -118,18 +118,19 @@ class PromptTokens:
         if not self.incremental:
             return list(self._encoded(text, add_special_tokens=True))
         found = self._reusable(text)
+        ids: tuple[int, ...]
         if found is None:
-            ids = self._plain(text)
-            ends = list(accumulate(map(self._lengths.__getitem__, ids)))
+            ids = tuple(self._plain(text))
+            ends = tuple(accumulate(map(self._lengths.__getitem__, ids)))
             self.encoded_chars += len(text)
-        else:
+        else:  # tuples throughout: the long prefix is copied once into each
             entry, cut, count = found
             tail = self._plain(text[cut:])
-            ids = [*entry.ids[:count], *tail]
+            ids = entry.ids[:count] + tuple(tail)
             tail_ends = accumulate(map(self._lengths.__getitem__, tail),
                                    initial=entry.ends[count - 1])
             next(tail_ends)  # the initial value: the prefix's own end
-            ends = [*entry.ends[:count], *tail_ends]
+            ends = entry.ends[:count] + tuple(tail_ends)
             self.reused_chars += cut
             self.encoded_chars += len(text) - cut
         self._remember(text, ids, ends)
@@ -142,12 +143,12 @@ class PromptTokens:
         with self._lock:
             for head in reversed(_HEADS):
                 bucket = self._buckets.get((head, text[:head])) if len(text) >= head else None
-                if bucket:
-                    candidates = list(bucket.values())[-_CANDIDATES:][::-1]
+                if bucket:  # the most recent first
+                    candidates = list(islice(reversed(bucket.values()), _CANDIDATES))
                     break
         best: tuple[_Entry, int] | None = None
         for entry in candidates:
-            if best is not None and not text.startswith(entry.text[:best[1] + 1]):
+            if best is not None and not _shares(text, entry.text, best[1] + 1):
                 continue  # shares no more than the best so far (one comparison, not a search)
             shared = _shared_prefix(text, entry.text)
             if best is None or shared > best[1]:
@@ -162,16 +163,16 @@ class PromptTokens:
                 break
         else:
             return None
-        end = len(text[:cut].encode("utf-8"))
+        end = cut if text.isascii() else len(text[:cut].encode("utf-8"))  # isascii: O(1)
         count = bisect_left(entry.ends, end)
         if count >= len(entry.ends) or entry.ends[count] != end:
             return None  # not at a token end after all: stay exact
         return entry, cut, count + 1
 
-    def _remember(self, text: str, ids: list[int], ends: list[int]) -> None:
+    def _remember(self, text: str, ids: tuple[int, ...], ends: tuple[int, ...]) -> None:
         if len(text) < _MIN_REUSE:
             return
-        entry = _Entry(text, tuple(ids), tuple(ends))
+        entry = _Entry(text, ids, ends)
         with self._lock:
             if text in self._entries:
                 self._entries.move_to_end(text)
@@ -194,14 +195,20 @@ class PromptTokens:
                             del self._buckets[key]
 
 
+def _shares(a: str, b: str, count: int) -> bool:
+    """Whether `a` and `b` have the same first `count` characters (one slice of `b` only)."""
+    return len(b) >= count and a.startswith(b[:count] if count < len(b) else b)
+
+
 def _shared_prefix(a: str, b: str) -> int:
-    """Length of the common prefix of `a` and `b` (binary search over slice comparisons)."""
+    """Length of the common prefix of `a` and `b`: a binary search that compares only the
+    window still in doubt (slices of O(len) characters in all, not O(len log len))."""
     low, high = 0, min(len(a), len(b))
     if a.startswith(b) or b.startswith(a):
         return high
-    while low < high:  # a[:low] == b[:low], a[:high] != b[:high]
+    while low < high:  # a[:low] == b[:low]; the answer is in [low, high]
         middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
+        if a[low:middle] == b[low:middle]:
             low = middle
         else:
             high = middle - 1

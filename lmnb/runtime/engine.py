@@ -31,6 +31,7 @@ from lmnb.runtime.prompts import (
     FIRST_CHUNK,
     IdsInput,
     PromptInput,
+    Prompts,
     encode_many,
     prompt_id_lists,
     split_prompts,
@@ -330,6 +331,43 @@ class Runtime:
         logprob_start, top_logprobs = request_checks.logprob_options(
             return_logprob, logprob_start_len, top_logprobs_num,
             vocab_size=self.model_config.vocab_size)
+        return self._start(prompts, params_list, image_data=image_data, video_data=video_data,
+                           return_logprob=return_logprob, logprob_start=logprob_start,
+                           top_logprobs=top_logprobs,
+                           return_text_in_logprobs=return_text_in_logprobs, stream=stream,
+                           return_token_origins=return_token_origins, incremental=incremental,
+                           ids_trusted=prompts.encoded and self._tokenizer_ids_fit)
+
+    def submit_encoded(self, ids: list[int], params: SamplingParams, *,
+                       return_logprob: bool = False, logprob_start_len: int | None = None,
+                       top_logprobs_num: int | None = None, return_token_origins: bool = False,
+                       incremental: bool = True) -> OutputStream:
+        """`generate(input_ids=ids, stream=True)` of one prompt whose `ids` this runtime's
+        tokenizer made (`encode`'s: no range check when every tokenizer id fits the vocabulary)
+        and whose `params` are already parsed (shared, never mutated; `max_new_tokens` is still
+        cut to the context). `ids` is kept as given (the caller must not change it). The DSL's
+        local backend submits this way: the public `generate` parses and checks everything."""
+        self._check_open()
+        return_logprob = return_logprob or return_token_origins
+        logprob_start, top_logprobs = request_checks.logprob_options(
+            return_logprob, logprob_start_len, top_logprobs_num,
+            vocab_size=self.model_config.vocab_size)
+        output = self._start(Prompts(None, [ids], False), [params], image_data=None,
+                             video_data=None, return_logprob=return_logprob,
+                             logprob_start=logprob_start, top_logprobs=top_logprobs,
+                             return_text_in_logprobs=False, stream=True,
+                             return_token_origins=return_token_origins,
+                             incremental=incremental, ids_trusted=self._tokenizer_ids_fit)
+        assert isinstance(output, OutputStream)
+        return output
+
+    def _start(self, prompts: Prompts, params_list: list[SamplingParams], *,
+               image_data: MediaInput, video_data: MediaInput, return_logprob: bool,
+               logprob_start: int, top_logprobs: int, return_text_in_logprobs: bool,
+               stream: bool, return_token_origins: bool, incremental: bool,
+               ids_trusted: bool) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
+        """`generate` of prompts and parameters that passed its shape checks: each prompt is
+        checked (`request_checks.check_prompt`), its requests registered and submitted."""
         first_state = list(accumulate((params.n for params in params_list), initial=0))
         rids = [next_rid() for _ in range(first_state[-1])]  # announced before any submit
         single = not prompts.is_batch and len(rids) == 1
@@ -351,7 +389,7 @@ class Runtime:
                     params = request_checks.check_prompt(
                         ids, params_list[index], context_len=self.context_len,
                         vocab_size=self.model_config.vocab_size, logprob_start=logprob_start,
-                        mm_inputs=mm, ids_trusted=prompts.encoded and self._tokenizer_ids_fit)
+                        mm_inputs=mm, ids_trusted=ids_trusted)
                     states.extend(
                         self._make_state(ids, params, rid=rids[first_state[index] + k],
                                          sample_index=k, return_logprob=return_logprob,

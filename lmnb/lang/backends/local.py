@@ -29,6 +29,8 @@ from lmnb.lang.token_trace import (
     token_byte_counter,
     traced_top_k,
 )
+from lmnb.params import SamplingParams
+from lmnb.runtime.encoded_submit import EncodedSubmitter
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
 if TYPE_CHECKING:
@@ -41,6 +43,21 @@ _IDLE_POLL_S = 1.0  # ... where a `CancelEvent` closes the stream itself: a safe
 @functools.lru_cache(maxsize=1024)
 def _sampling_dict(params: GenParams) -> dict[str, Any]:
     return params.sampling_params().to_dict()
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed_params(params: GenParams) -> SamplingParams:
+    """One shared `SamplingParams` per distinct merged `params` (requests never mutate it)."""
+    return params.sampling_params()
+
+
+def parsed_params(params: GenParams) -> SamplingParams:
+    """The request's `SamplingParams` of a gen's merged `params` (raises `InvalidRequestError`
+    naming a bad value), parsed once per distinct `params`."""
+    try:
+        return _parsed_params(params)
+    except TypeError:  # a value that cannot be hashed (a dict, a list)
+        return params.sampling_params()
 
 
 class AwaitedRuntime:
@@ -91,6 +108,10 @@ class LocalBackend:
             else None)
         # The program loop's streamed requests, sent to the scheduler in growing chunks.
         self.submits = SubmitChunks(runtime.batched_submits)
+        # Text prompts' ids and parsed parameters go straight in (`Runtime.submit_encoded`).
+        self.encoded_submitter: EncodedSubmitter | None = (
+            runtime if self.prompt_tokens is not None and isinstance(runtime, EncodedSubmitter)
+            else None)
 
     def _prompt(self, prompt: str, media: Sequence[MediaInput]) -> dict[str, Any]:
         """`generate`'s prompt arguments: `input_ids=` of a text prompt, else the text."""
@@ -135,6 +156,16 @@ class LocalBackend:
         and with `trace` (a traced program) the new record of it that the first sample's
         tokens, origins and logprobs go to. `whole`: the stream brings one whole chunk per
         request at its end (nobody takes the text as it comes, and nothing is traced)."""
+        if self.encoded_submitter is not None and self.prompt_tokens is not None and not media:
+            ids = self.prompt_tokens.encode(prompt)
+            record = trace.request(ids, len(prompt)) if trace is not None else None
+            chunks = self.encoded_submitter.submit_encoded(
+                ids, parsed_params(params), return_logprob=bool(params.return_logprob),
+                logprob_start_len=params.logprob_start_len,
+                top_logprobs_num=traced_top_k(params.top_logprobs_num, record is not None),
+                return_token_origins=record is not None,
+                incremental=record is not None or not whole)
+            return chunks, record
         prompt_args = self._prompt(prompt, media)
         record = (trace.request(prompt_args["input_ids"], len(prompt))
                   if trace is not None and "input_ids" in prompt_args else None)
