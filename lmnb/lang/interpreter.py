@@ -54,7 +54,7 @@ from lmnb.lang.program_error import located
 from lmnb.lang.reasoning import reasoning_name, split_reasoning
 from lmnb.lang.run_defaults import merged_over_defaults
 from lmnb.lang.speculation import Served, Speculation, can_serve, can_start, speculative_params
-from lmnb.lang.text_listener import END, FAILED, TextListener
+from lmnb.lang.text_listener import FAILED, TextListener, TextListeners, delivered
 
 if TYPE_CHECKING:
     from lmnb.lang.token_trace import TokenTrace
@@ -118,7 +118,7 @@ class StreamExecutor:
         self._spec: Speculation | None = None  # API speculation: what the model should write next
         self._spec_turn: int | None = None  # chat: the turn (its start) speculated already
         self._finished: set[str] = set()  # variables whose value is final
-        self._listeners: list[TextListener] = []
+        self._listeners = TextListeners()
         self._waiters: list[asyncio.Future[None]] = []  # loop-side waits, woken on any progress
         # The queue: items appended from any thread, run in order by one task at a time.
         self._lock = threading.RLock()  # RLock: a finalizer may `close()` on the loop thread
@@ -202,33 +202,23 @@ class StreamExecutor:
         submitted has run)."""
         listener = block_on(self._listen(var))
         try:
-            while True:
-                item = listener.items.popleft() if listener.items else block_on(listener.get())
-                if item is END:
-                    return
-                if item is FAILED:
-                    self.raise_error()
+            while delivered(item := listener.items.popleft() if listener.items
+                            else block_on(listener.get()), self.raise_error):
                 yield item
         finally:
-            call_soon(self._unlisten, listener)
+            call_soon(self._listeners.close, listener)
 
     async def aiter_text(self, var: str | None = None) -> AsyncIterator[str]:
         """`iter_text` for any event loop (the kernel's included)."""
         listener = await on_loop(self._listen(var))
         try:
-            while True:
-                item = listener.items.popleft() if listener.items else \
-                    await on_loop(listener.get())
-                if item is END:
-                    return
-                if item is FAILED:
-                    self.raise_error()
+            while delivered(item := listener.items.popleft() if listener.items
+                            else await on_loop(listener.get()), self.raise_error):
                 yield item
         finally:
-            call_soon(self._unlisten, listener)
+            call_soon(self._listeners.close, listener)
 
     async def _listen(self, var: str | None) -> TextListener:
-        listener = TextListener(var)
         streaming = self._streaming
         if var is None:
             already, finished = self.text_, False
@@ -238,19 +228,8 @@ class StreamExecutor:
             already, finished = self.text_[streaming[1]:], False
         else:
             already, finished = "", False
-        if isinstance(already, str) and already:
-            listener.put(already)
-        if self.error is not None:
-            listener.put(FAILED)
-        elif finished or self.idle:
-            listener.put(END)
-        else:
-            self._listeners.append(listener)
-        return listener
-
-    def _unlisten(self, listener: TextListener) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
+        return self._listeners.open(var, already if isinstance(already, str) else "",
+                                    failed=self.error is not None, finished=finished or self.idle)
 
     def fork(self, count: int) -> list[StreamExecutor]:
         """New executors that continue from this one's current state (call after `sync`)."""
@@ -320,9 +299,7 @@ class StreamExecutor:
             if self._waiters:
                 self._wake()
         if self._listeners and self.idle:
-            listeners, self._listeners = self._listeners, []
-            for listener in listeners:
-                listener.put(END)
+            self._listeners.end_all()
 
     async def _run_item(self, item: Any) -> None:
         if item is _CLOSE:
@@ -342,9 +319,7 @@ class StreamExecutor:
 
     def _fail(self, error: BaseException) -> None:
         self.error = error
-        listeners, self._listeners = self._listeners, []
-        for listener in listeners:
-            listener.put(FAILED)
+        self._listeners.end_all(FAILED)
         self._wake()
         self._emit("error", error=error)
 
@@ -360,24 +335,16 @@ class StreamExecutor:
             self._waiters.append(waiter)
             await waiter
 
-    def _notify(self, var: str | None, delta: str) -> None:
-        for listener in self._listeners:
-            if listener.var is None or listener.var == var:
-                listener.put(delta)
-
     def _finish_var(self, name: str) -> None:
         self._finished.add(name)
-        for listener in [lst for lst in self._listeners if lst.var == name]:
-            self._listeners.remove(listener)
-            listener.put(END)
+        self._listeners.finish(name)
         if self._waiters:
             self._wake()
         self._emit("variable", name=name)
 
     def _append(self, text: str, var: str | None = None) -> None:
         self.text_ += text
-        if self._listeners:
-            self._notify(var, text)
+        self._listeners.notify(var, text)
         self._emit("text", delta=text, var=var)
 
     def _run(self, expr: Expr) -> Coroutine[Any, Any, None]:
@@ -537,7 +504,7 @@ class StreamExecutor:
         self.text_ = self.text_[:start] + first
         self._streaming = None
         if first.startswith(streamed) and len(first) > len(streamed) and self._listeners:
-            self._notify(name, first[len(streamed):])
+            self._listeners.notify(name, first[len(streamed):])
         if name is not None:
             self.spans.append((name, start, len(self.text_)))
             self.variables[name] = text

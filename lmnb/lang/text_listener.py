@@ -31,3 +31,59 @@ class TextListener:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         return self.items.popleft()
+
+
+class TextListeners:
+    """The open `iter_text` readers of one executor, on its program loop: fed each text delta,
+    ended when their variable finishes or the run goes idle, failed with it."""
+
+    def __init__(self) -> None:
+        self._open: list[TextListener] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._open)
+
+    def open(self, var: str | None, already: str, *, failed: bool,
+             finished: bool) -> TextListener:
+        """A reader of `var` that first gets `already` (the text so far), then the deltas; or
+        at once FAILED / END when the run failed / the text is complete."""
+        listener = TextListener(var)
+        if already:
+            listener.put(already)
+        if failed:
+            listener.put(FAILED)
+        elif finished:
+            listener.put(END)
+        else:
+            self._open.append(listener)
+        return listener
+
+    def close(self, listener: TextListener) -> None:
+        if listener in self._open:
+            self._open.remove(listener)
+
+    def notify(self, var: str | None, delta: str) -> None:
+        for listener in self._open:
+            if listener.var is None or listener.var == var:
+                listener.put(delta)
+
+    def finish(self, var: str) -> None:
+        """`var`'s readers get END."""
+        for listener in [lst for lst in self._open if lst.var == var]:
+            self._open.remove(listener)
+            listener.put(END)
+
+    def end_all(self, item: object = END) -> None:
+        """Every reader gets `item` (END: the run is idle; FAILED: it failed)."""
+        listeners, self._open = self._open, []
+        for listener in listeners:
+            listener.put(item)
+
+
+def delivered(item: Any, raise_error: Any) -> bool:
+    """Whether a reader's `item` is text to yield: False at END; FAILED calls `raise_error`."""
+    if item is END:
+        return False
+    if item is FAILED:
+        raise_error()
+    return True
