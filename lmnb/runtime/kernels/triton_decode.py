@@ -178,11 +178,9 @@ def _decode_partial_kernel(
                 cols, slots = next_cols, next_slots
         else:
             for n in range(start, end, BLOCK_N):
-                cols = n + offs_n
-                slots = tl.load(slots_of + cols, mask=cols < end, other=0)
-                m_i, l_i, acc = attend_slots(
-                    q, K, V, slots, cols, cols < end, end, m_i, l_i, acc, scale, kv_head,
-                    stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
+                m_i, l_i, acc = attend_block(
+                    q, K, V, slots_of, n, end, end, m_i, l_i, acc, scale, kv_head,
+                    stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                     False, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
         out = acc / l_i[:, None]
         mask = mask_h[:, None] & mask_d[None, :]
