@@ -198,8 +198,10 @@ def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
             got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                               top_logprobs_num=5)
             rt.check_integrity()
-            if "kv_cache_dtype" in extra:  # about twice the tokens in the same memory
-                assert rt.max_total_tokens > 1.8 * bf16_tokens
+            if "kv_cache_dtype" in extra:  # about twice the tokens in the same memory:
+                # 64 FP8 bytes + a float32 scale per row against 128 bytes is 1.88x, less the
+                # allocator's per-slot bookkeeping, which weighs on a model of few layers
+                assert rt.max_total_tokens > 1.75 * bf16_tokens
         # a random tiny model has many near-ties, so the argmax flips often (on the H100 13 of
         # 20 first tokens agree for fp8 weights, 9 of 20 with the FP8 KV cache too); bf16's
         # choice stays among the five likeliest, where broken scales or a misread KV cache
