@@ -164,7 +164,11 @@ class TieredRadixCache(RadixCache):
             self.unlock(anchor)
         if slots is None:
             return 0
-        self.host_pool.load(torch.cat([node.host for node in take]), slots)  # queued
+        try:
+            self.host_pool.load(torch.cat([node.host for node in take]), slots)  # queued
+        except BaseException:
+            self.allocator.free(slots)  # nothing was queued: the nodes stay host-only
+            raise
         offset = 0
         now = time.monotonic()
         for node in take:
@@ -194,7 +198,12 @@ class TieredRadixCache(RadixCache):
             self.unlock(prefix.handle)
         if slots is None:
             return 0
-        self.host_pool.loads.add(lambda layer: [(data[0, layer, :n], data[1, layer, :n])], slots)
+        try:
+            self.host_pool.loads.add(lambda layer: [(data[0, layer, :n], data[1, layer, :n])],
+                                     slots)
+        except BaseException:
+            self.allocator.free(slots)
+            raise
         already = self.insert(key[:start + n], torch.cat((prefix.indices, slots)))
         if already > start:  # duplicates stay ours (none expected): their load lands first
             self._settle()
