@@ -66,7 +66,8 @@ class PrefillManager:
                 continue
             match = self.cache.match(req)
             prefix_len = match.length
-            if self._defer_for_shared_prefix(req, prefix_len, plan.reqs):
+            # what a tiered cache's host memory holds past the match is loaded, not computed
+            if self._defer_for_shared_prefix(req, prefix_len + match.host_length, plan.reqs):
                 continue
             self.cache.bind(req, match)  # locked: the prefix no longer counts as evictable room
             extend = req.fill_len - prefix_len
@@ -101,7 +102,8 @@ class PrefillManager:
 
     def _defer_for_shared_prefix(self, req: Req, cached_len: int, admitted: list[Req]) -> bool:
         """Holds back a request whose uncached prefix an admitted one is about to compute: once
-        that one's prompt is in the cache, this one hits it."""
+        that one's prompt is in the cache, this one hits it. `cached_len`: its prefix on the
+        device or in a lower tier."""
         threshold = self.in_batch_prefix_min_tokens
         if not self.cache.cache.reuses_kv or threshold <= 0:
             return False
