@@ -55,6 +55,25 @@ def test_checkpoints_without_input_activations_are_weight_only():
         module_quantization(quant, ["layers.1.mlp.up_proj", "layers.1.mlp.down_proj"])
 
 
+def test_ignore_lists_written_for_llava_names_are_honoured():
+    """A LLaVA checkpoint's `ignore` names the language model's linears under either
+    transformers layout, and the vision tower's, whose names end as the decoder's do."""
+    tower = [f"vision_tower.vision_model.encoder.layers.3.self_attn.{p}_proj" for p in "qkv"]
+    quant = checkpoint_quantization({
+        "quant_method": "compressed-tensors", "config_groups": {"g": _group(True)},
+        "ignore": ["language_model.lm_head", "re:.*vision_tower.*", *tower,
+                   "multi_modal_projector.linear_1", "language_model.model.layers.1.mlp.down_proj",
+                   "re:language_model\\.model\\.layers\\.2\\.self_attn\\.[qkv]_proj",
+                   "model.language_model.layers.4.mlp.down_proj",
+                   "re:model\\.language_model\\.layers\\.5\\.mlp\\..*"]})
+    assert not quant.quantizes("layers.1.mlp.down_proj")
+    assert module_quantization(quant, [f"layers.2.self_attn.{p}_proj" for p in "qkv"]) is None
+    assert module_quantization(quant, [f"layers.3.self_attn.{p}_proj" for p in "qkv"]) is quant
+    assert not quant.quantizes("layers.4.mlp.down_proj")
+    assert module_quantization(quant, ["layers.5.mlp.gate_proj", "layers.5.mlp.up_proj"]) is None
+    assert quant.quantizes("layers.11.mlp.down_proj") and quant.quantizes("layers.1.mlp.up_proj")
+
+
 def test_weight_only_linear_keeps_activations_16_bit():
     """W8A16 for many rows: the dequantized weight times the unquantized activations (not the
     W8A8 reference, whose per-token FP8 activations change the result)."""

@@ -4,6 +4,8 @@ the same bookkeeping with streams and events: tests/gpu/test_hicache_overlap_cud
 - a queued host -> device load is copied layer by layer only when a reader asks for the layer
   (`KVStorage.ready`), so a reader that skipped it would see rows not yet loaded;
 - a request that ends while its prefix's load is still queued leaves every slot accounted for;
+- a request whose prefix fails to load back is ended with that error, unbound, the others run;
+- a prefix kept in host memory counts as cached when a request sharing it might wait for another;
 - a request refused for room loads nothing (the copies and the device rows they take would be
   spent on a request that does not run); once it fits, its whole host-resident prefix comes back;
 - a request whose disk pages are being read waits in the queue while others run; an otherwise
@@ -199,6 +201,66 @@ def test_a_refused_request_loads_nothing_until_it_fits() -> None:
     assert waiting.req.cached_tokens == 30  # its whole prefix, loaded once it fitted
     assert cache.host_loaded_tokens == loaded + 30
     _assert_rows(kv, cache.match_prefix(prefix + [3]).indices, prefix)
+    scheduler.check_integrity()
+
+
+def test_a_failed_load_back_ends_its_request_and_frees_its_binding(monkeypatch) -> None:
+    kv = _storage(size=48)
+    cache = TieredRadixCache(KVAllocator(48, CPU), HostKVPool(96, kv), write_through=True)
+    scheduler = _scheduler(cache, FailingOnce(kv=kv))
+    prefix = list(range(10, 40))
+    for prompt in (prefix + [1], list(range(50, 90))):  # the second pushes the first out
+        scheduler.add(_request(prompt))
+        _run(scheduler)
+    assert cache.match_prefix(prefix + [2]).length < 30 and cache.cached_length(prefix) == 30
+    load = cache.host_pool.load
+
+    def broken(host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        raise RuntimeError("host copy failed")
+
+    monkeypatch.setattr(cache.host_pool, "load", broken)
+    doomed, other = _request(prefix + [2]), _request([7, 8, 9])
+    scheduler.add(doomed)
+    scheduler.add(other)
+    _run(scheduler)
+    assert doomed.req.finished_reason["type"] == "abort"
+    assert "loading its cached prefix back failed" in doomed.req.finished_reason["message"]
+    assert "host copy failed" in doomed.req.finished_reason["message"]
+    assert other.req.output_ids == [100]  # the rest of the queue runs
+    scheduler.check_integrity()
+    monkeypatch.setattr(cache.host_pool, "load", load)
+    again = _request(prefix + [3])
+    scheduler.add(again)
+    _run(scheduler)
+    assert again.req.cached_tokens == 30  # the host copy was kept
+    _assert_rows(kv, cache.match_prefix(prefix + [4]).indices, prefix)
+    scheduler.check_integrity()
+
+
+def test_a_prefix_in_host_memory_counts_as_cached_when_deferring_shared_prompts() -> None:
+    """B's prompt shares with A's (admitted before it, computing its whole prompt) just the part
+    B can load back from host memory: B runs in A's pass instead of waiting for A's KV."""
+    kv = _storage(size=96)
+    cache = TieredRadixCache(KVAllocator(96, CPU), HostKVPool(256, kv), write_through=True)
+    runner = FailingOnce(kv=kv)
+    scheduler = _scheduler(cache, runner)
+    prefix = list(range(10, 40))
+    for prompt in (prefix + [1], list(range(100, 190))):  # the second pushes the first out
+        scheduler.add(_request(prompt))
+        _run(scheduler)
+    match = cache.match_prefix(prefix + [2])
+    assert match.length == 0 and match.host_length == 30
+    first = _request(prefix + [1, 2])
+    first.req.return_logprob, first.req.logprob_start_len = True, 0  # scores all: loads nothing
+    second = _request(prefix + [5])
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.step()
+    assert runner.batches[-1].rids == [first.req.rid, second.req.rid]
+    _run(scheduler)
+    assert second.req.cached_tokens == 30 and first.req.cached_tokens == 0
+    assert second.req.output_ids == [100]
+    _assert_rows(kv, cache.match_prefix(prefix + [9]).indices, prefix)
     scheduler.check_integrity()
 
 

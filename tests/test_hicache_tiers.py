@@ -79,6 +79,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         match = cache.match_prefix(key)
         got = len(match.indices)
         assert got <= len(key) - 1
+        assert got + match.host_length == cache.cached_length(key[:-1])  # the rest is on the host
         assert torch.equal(device_rows(self.kv, match.indices), expected_rows(key, 0, got))
         cache.lock(match.handle)
         try:

@@ -465,6 +465,52 @@ def test_sharing_the_gil_nests_and_leaves_a_value_set_meanwhile():
         sys.setswitchinterval(before)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # its death
+def test_sharing_the_gil_is_restored_when_its_thread_dies_inside_a_block():
+    """The program loop's thread dies while a batch starts its programs: the interval comes
+    back at once, and later blocks (on the new loop) shorten and restore it as usual."""
+    from lmnb.lang.event_loop import _ProgramLoop
+    from lmnb.lang.gil_share import sharing_the_gil
+
+    before = sys.getswitchinterval()
+    programs = _ProgramLoop()  # not the shared one: this one is killed
+
+    def die() -> None:
+        raise SystemExit
+
+    async def starting() -> None:
+        with sharing_the_gil(1e-4):
+            asyncio.get_running_loop().call_soon(die)
+            await asyncio.sleep(0)  # never resumed: `die` stops the loop's thread first
+            raise AssertionError("resumed")
+
+    try:
+        asyncio.run_coroutine_threadsafe(starting(), programs.loop)
+        programs.thread.join(timeout=60)
+        assert not programs.thread.is_alive()
+        assert sys.getswitchinterval() == before
+        with sharing_the_gil(2e-4):
+            assert sys.getswitchinterval() == pytest.approx(2e-4)
+        assert sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)
+        programs.loop.close()
+
+    stuck = sharing_the_gil(1e-4)  # a thread left its block open without `thread_ended`
+    opener = threading.Thread(target=stuck.__enter__)
+    opener.start()
+    opener.join()
+    try:
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        with sharing_the_gil(2e-4):
+            assert sys.getswitchinterval() == pytest.approx(2e-4)
+        assert sys.getswitchinterval() == before
+        stuck.__exit__(None, None, None)  # its late exit touches nothing
+        assert sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_local_backend_submits_encoded_ids_with_parsed_params(rt):
     """A text prompt goes in as the runtime's own ids with parsed `SamplingParams`
     (`Runtime.submit_encoded`): the same output as `generate(input_ids=...)`, the context length

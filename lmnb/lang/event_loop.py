@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import greenlet
 
+from lmnb.lang.gil_share import thread_ended
+
 T = TypeVar("T")
 
 # Threads for backends whose calls block (OpenAI's client, HTTP endpoints, custom SGLang
@@ -43,7 +45,10 @@ class _ProgramLoop:
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(started.set)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:  # (a callback's SystemExit or KeyboardInterrupt) no batch is starting now
+            thread_ended()
 
 
 _current: _ProgramLoop | None = None

@@ -9,38 +9,70 @@ back gets it only when its holder gives it up, at the latest after `sys.getswitc
 an H100 the first pass of 256 programs was launched 140 ms late. For that phase only, the
 interval is `global_config.batch_switch_interval` (None: Python's own); Python's is restored
 when the last batch that shortened it has started its programs. Only the program loop's thread
-calls these (no lock); a value set meanwhile by someone else is left alone.
+calls these (no lock); a value set meanwhile by someone else is left alone. A block left open
+by a thread that died inside it (the program loop's, stopped mid-start) restores the interval
+when that thread ends (`thread_ended`), or at the next block's start; its late exit, if any,
+touches nothing.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
-_depth = 0  # batches starting their programs now
-_saved: float | None = None  # the interval before the first of them
-_ours: float | None = None  # the interval they set
+
+@dataclass(slots=True)
+class _Shortened:
+    """The interval as the batches starting their programs now have set it."""
+
+    saved: float  # the interval before the first of them
+    ours: float  # the interval they set
+    owner: threading.Thread  # the thread that set it
+    depth: int = 0  # blocks open now
+
+
+_now: _Shortened | None = None
+
+
+def _restore(shortened: _Shortened) -> None:
+    global _now
+    if _now is not shortened:  # restored already (its thread ended meanwhile)
+        return
+    _now = None
+    if abs(sys.getswitchinterval() - shortened.ours) < 5e-7:
+        sys.setswitchinterval(shortened.saved)
 
 
 @contextmanager
 def sharing_the_gil(interval: float | None) -> Iterator[None]:
     """Sets the switch interval to `interval` (when shorter than the current one) inside the
     block; nested and overlapping blocks (on the program loop) restore it once, at the last."""
-    global _depth, _saved, _ours
+    global _now
     if interval is None:
         yield
         return
-    if _depth == 0:
+    if _now is not None and not _now.owner.is_alive():
+        _restore(_now)  # its thread died inside a block
+    if _now is None:
         current = sys.getswitchinterval()
-        _saved, _ours = current, min(current, interval)
-        sys.setswitchinterval(_ours)
-    _depth += 1
+        ours = min(current, interval)
+        sys.setswitchinterval(ours)
+        _now = _Shortened(current, ours, threading.current_thread())
+    shortened = _now
+    shortened.depth += 1
     try:
         yield
     finally:
-        _depth -= 1
-        if _depth == 0 and _saved is not None:
-            if _ours is not None and abs(sys.getswitchinterval() - _ours) < 5e-7:
-                sys.setswitchinterval(_saved)
-            _saved = _ours = None
+        shortened.depth -= 1
+        if shortened.depth == 0:
+            _restore(shortened)
+
+
+def thread_ended() -> None:
+    """The calling thread is ending: an interval it shortened in blocks it will never leave is
+    restored."""
+    if _now is not None and _now.owner is threading.current_thread():
+        _restore(_now)

@@ -20,14 +20,17 @@ CacheHandle = Any  # opaque to callers: pass it back to lock/unlock/note_hit
 class MatchResult:
     """A matched prefix: its length, the handle to lock before using its KV slots, and the slots
     themselves, gathered from the matched nodes' runs on first use (ranking or deferring a
-    request needs only the length: no device work)."""
+    request needs only the length: no device work). `host_length`: how many tokens right after
+    it a tiered cache keeps in host memory (`load_back` would bring them to the device)."""
 
-    __slots__ = ("parts", "handle", "length", "_indices")
+    __slots__ = ("parts", "handle", "length", "host_length", "_indices")
 
-    def __init__(self, parts: Sequence[torch.Tensor], handle: CacheHandle) -> None:
+    def __init__(self, parts: Sequence[torch.Tensor], handle: CacheHandle, *,
+                 host_length: int = 0) -> None:
         self.parts = tuple(parts)  # [n_i] KV slots of each matched run, in order
         self.handle = handle
         self.length = sum(len(part) for part in self.parts)
+        self.host_length = host_length
         self._indices: torch.Tensor | None = None
 
     @property

@@ -55,15 +55,25 @@ class Fp8Config:
 
     def quantizes(self, module: str) -> bool:
         """Whether decoder linear `module` (named as in a Llama checkpoint without its prefix:
-        'layers.3.mlp.down_proj') is FP8, i.e. not in the checkpoint's `ignore` list (full
-        names such as 'model.layers.3.mlp.down_proj', or 're:' regular expressions)."""
+        'layers.3.mlp.down_proj') is FP8, i.e. not in the checkpoint's `ignore` list: full
+        names or 're:' regular expressions, written for the decoder under any of its
+        checkpoint names (`DECODER_PREFIXES`: Llama's, or LLaVA's language model's). An entry
+        naming another module with the same tail (the vision tower's 'layers.3.self_attn.q_proj')
+        is not the decoder's."""
+        names = [prefix + module for prefix in DECODER_PREFIXES]
         for entry in self.ignored:
             if entry.startswith("re:"):
-                if any(re.fullmatch(entry[3:], name) for name in (module, "model." + module)):
+                pattern = re.compile(entry[3:])
+                if any(pattern.fullmatch(name) for name in names):
                     return False
-            elif entry == module or entry.endswith("." + module):
+            elif entry in names:
                 return False
         return True
+
+
+# The decoder's module names in checkpoints: bare, Llama's, LLaVA's (transformers < 4.52 and
+# after: `LlavaForConditionalGeneration` moved the language model under `model.`).
+DECODER_PREFIXES = ("", "model.", "language_model.model.", "model.language_model.")
 
 
 def module_quantization(quant: Fp8Config | None, modules: list[str]) -> Fp8Config | None:

@@ -33,7 +33,7 @@ from lmnb.runtime.hicache.disk import DiskTier
 from lmnb.runtime.hicache.host_pool import HostKVPool
 from lmnb.runtime.hicache.prefetch import DiskPrefetcher
 from lmnb.runtime.memory import KVAllocator
-from lmnb.runtime.prefix_cache import CacheStats, PrefixCache, common_prefix_length
+from lmnb.runtime.prefix_cache import CacheStats, MatchResult, PrefixCache, common_prefix_length
 from lmnb.runtime.radix.cache import RadixCache, TreeNode
 
 
@@ -100,6 +100,24 @@ class TieredRadixCache(RadixCache):
         finally:
             self._back_up = True
 
+    # ---- matching --------------------------------------------------------------------------------
+    def match_prefix(self, key: Sequence[int], extra_key: Hashable = None) -> MatchResult:
+        """As RadixCache.match_prefix, with the host-only run that continues the device match
+        counted in `host_length` (no split, no LRU touch)."""
+        match = super().match_prefix(key, extra_key)
+        node, done, key = match.handle, match.length, key[:len(key) - 1]
+        while done < len(key):
+            child = node.children.get((extra_key, key[done]))
+            if child is None or child.value is not None:  # (a device child: its match ended)
+                break
+            matched = common_prefix_length(child.key, key[done:])
+            match.host_length += matched
+            done += matched
+            if matched < len(child.key):
+                break
+            node = child
+        return match
+
     # ---- loading back --------------------------------------------------------------------------
     def load_back(self, key: Sequence[int], extra_key: Hashable = None, *, room: int) -> int:
         """Brings the lower tiers' KV of `key`'s prefix (as `match_prefix` would match it) into
@@ -164,7 +182,11 @@ class TieredRadixCache(RadixCache):
             self.unlock(anchor)
         if slots is None:
             return 0
-        self.host_pool.load(torch.cat([node.host for node in take]), slots)  # queued
+        try:
+            self.host_pool.load(torch.cat([node.host for node in take]), slots)  # queued
+        except BaseException:
+            self.allocator.free(slots)  # nothing was queued: the nodes stay host-only
+            raise
         offset = 0
         now = time.monotonic()
         for node in take:
@@ -194,7 +216,12 @@ class TieredRadixCache(RadixCache):
             self.unlock(prefix.handle)
         if slots is None:
             return 0
-        self.host_pool.loads.add(lambda layer: [(data[0, layer, :n], data[1, layer, :n])], slots)
+        try:
+            self.host_pool.loads.add(lambda layer: [(data[0, layer, :n], data[1, layer, :n])],
+                                     slots)
+        except BaseException:
+            self.allocator.free(slots)
+            raise
         already = self.insert(key[:start + n], torch.cat((prefix.indices, slots)))
         if already > start:  # duplicates stay ours (none expected): their load lands first
             self._settle()

@@ -19,6 +19,8 @@ class PrefillPlan:
     extend_lens: list[int] = field(default_factory=list)
     admitted: list[Req] = field(default_factory=list)  # came from the waiting queue
     chunked: Req | None = None  # left with part of its prompt to prefill
+    # unbound again after loading their cached prefix back failed: the scheduler ends them
+    failed: list[tuple[Req, Exception]] = field(default_factory=list)
 
 
 class PrefillManager:
@@ -32,7 +34,8 @@ class PrefillManager:
     def plan(self, waiting: list[Req], chunked: Req | None, *, reserved: int, any_running: bool,
              new_token_ratio: float, clock: int) -> PrefillPlan | None:
         """Binds (matches and locks the prefix of) every request it admits; allocates nothing.
-        `reserved`: KV the running requests are expected to need."""
+        `reserved`: KV the running requests are expected to need. A request whose prefix fails
+        to load back is left unbound in `failed`; the plan may hold only those."""
         plan = PrefillPlan()
         budget = self.budget
         planned = 0  # tokens this pass allocates plus the reserves of the requests it admits
@@ -63,7 +66,8 @@ class PrefillManager:
                 continue
             match = self.cache.match(req)
             prefix_len = match.length
-            if self._defer_for_shared_prefix(req, prefix_len, plan.reqs):
+            # what a tiered cache's host memory holds past the match is loaded, not computed
+            if self._defer_for_shared_prefix(req, prefix_len + match.host_length, plan.reqs):
                 continue
             self.cache.bind(req, match)  # locked: the prefix no longer counts as evictable room
             extend = req.fill_len - prefix_len
@@ -78,7 +82,12 @@ class PrefillManager:
             # Admitted: the part of its prefix in a tiered cache's lower tiers comes back, each
             # token into the slot its recompute would have taken (so the fit above holds, and a
             # refused request loads nothing); a slot stays for the last token, always computed.
-            loaded = self.cache.load_back(req, room=available - 1)
+            try:
+                loaded = self.cache.load_back(req, room=available - 1)
+            except Exception as error:  # (a host copy or disk read failed) the rest go on
+                self.cache.unbind(req)
+                plan.failed.append((req, error))
+                continue
             extend -= loaded
             take = min(extend, budget, room())  # room(): available - loaded
             plan.reqs.append(req)
@@ -89,11 +98,12 @@ class PrefillManager:
             if take < extend:
                 plan.chunked = req
                 break
-        return plan if plan.reqs else None
+        return plan if plan.reqs or plan.failed else None
 
     def _defer_for_shared_prefix(self, req: Req, cached_len: int, admitted: list[Req]) -> bool:
         """Holds back a request whose uncached prefix an admitted one is about to compute: once
-        that one's prompt is in the cache, this one hits it."""
+        that one's prompt is in the cache, this one hits it. `cached_len`: its prefix on the
+        device or in a lower tier."""
         threshold = self.in_batch_prefix_min_tokens
         if not self.cache.cache.reuses_kv or threshold <= 0:
             return False

@@ -288,6 +288,16 @@ class Scheduler:
             clock=self.stats.forward_passes)
         if plan is None:
             return None
+        for req, error in plan.failed:
+            logger.error("loading the cached prefix of request %s back failed: %r", req.rid,
+                         error)
+            self._finish(table.states[req.rid],
+                         finish_abort(f"loading its cached prefix back failed: {error!r}"),
+                         cache_kv=False)
+        if plan.failed:
+            self._flush()
+        if not plan.reqs:
+            return None
         admitted = set(map(id, plan.admitted))
         table.waiting[:] = [req for req in table.waiting if id(req) not in admitted]
         for req in plan.admitted:

@@ -102,7 +102,7 @@ SKINNY_MAX_ROWS = fp8.SKINNY_MAX_ROWS
 FP8_DECODE_FUSIONS = True
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
            fused: bool, weight_scale: torch.Tensor | None = None,
            weight_only: bool = False) -> torch.Tensor:
     """F.linear, or with `fused` and at most SKINNY_MAX_ROWS rows (decode) the skinny-GEMM Triton
@@ -143,8 +143,8 @@ class FusableLinear(nn.Linear, Fusable):
                                                         device=self.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.fused, self.weight_scale,
-                      self.fp8_weight_only)
+        return linear(x, self.weight, self.bias, fused=self.fused,
+                      weight_scale=self.weight_scale, weight_only=self.fp8_weight_only)
 
     def load_rows(self, param_name: str, rows: slice, source: WeightSource, name: str) -> None:
         """Checkpoint tensor `source` (already this rank's part) into rows `rows` of a parameter:
@@ -185,7 +185,7 @@ class LogitsProjection(Fusable):
     tied embedding's): the skinny kernel for few rows when fused. No parameters."""
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, weight, None, self.fused)
+        return linear(hidden, weight, None, fused=self.fused)
 
 
 _SCALES = ("weight_scale", "input_scale")
@@ -333,10 +333,10 @@ class RowParallelLinear(FusableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return linear(x, self.weight, self.bias, self.fused, self.weight_scale,
-                          self.fp8_weight_only)
-        out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.fused,
-                     self.weight_scale, self.fp8_weight_only)
+            return linear(x, self.weight, self.bias, fused=self.fused,
+                          weight_scale=self.weight_scale, weight_only=self.fp8_weight_only)
+        out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, fused=self.fused,
+                     weight_scale=self.weight_scale, weight_only=self.fp8_weight_only)
         return self.tp.all_reduce(out)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
