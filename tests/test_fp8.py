@@ -332,12 +332,14 @@ def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
     assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
     assert not calls
 
+
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach Triton through its interpreter")
-def test_decode_fusions_over_an_fp8_pool_leave_the_kv_store_to_the_rotary_kernel(
-        tiny_models, monkeypatch):
-    """FP8 weights and an FP8 KV pool, fused kernels on: decode's qkv GEMV does not store K/V
-    (its epilogue has no per-token scales), the rotary kernel does; gate_up keeps its fusion;
-    the greedy tokens equal the unfused ablation's."""
+def test_decode_fusions_over_an_fp8_pool_store_kv_in_the_qkv_gemv(tiny_models, monkeypatch):
+    """FP8 weights and an FP8 KV pool, fused kernels on: decode's norm, qkv GEMV and rotary stay
+    one kernel, its epilogue storing K/V with their per-(token, head) scales (no rotary kernel
+    launch); the greedy tokens equal the unfused ablation's (`rotary_qkv` storing them)."""
+    import lmnb.runtime.kernels.fused as fused_kernels
+
     folder = tiny_models["llama-gqa"]
     config = loader.load_model_config(folder)
     with pytest.warns(UserWarning, match="reference path"):
@@ -348,15 +350,21 @@ def test_decode_fusions_over_an_fp8_pool_leave_the_kv_store_to_the_rotary_kernel
     runner = ModelRunner(model, config, engine_config, device=torch.device("cpu"),
                          dtype=torch.float32, eos_token_ids={2})
     assert runner.kv_storage.is_fp8
-    calls: list[str] = []
-    for name in ("fp8_norm_linear", "fp8_norm_rotary_linear"):
-        op = getattr(fp8, name)
-        monkeypatch.setattr(fp8, name, lambda *a, _op=op, _name=name, **k: (
-            calls.append(_name), _op(*a, **k))[1])
+    calls: list[tuple[str, int]] = []
+    for module, name, rows in ((fp8, "fp8_norm_rotary_linear", 0),
+                               (fused_kernels, "rotary_qkv", 1)):
+        op = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name, _rows=rows, **k: (
+            calls.append((_name, a[_rows].shape[0])), _op(*a, **k))[1])
     fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
-    assert "fp8_norm_rotary_linear" not in calls and "fp8_norm_linear" in calls
+    # two prefills (3 and 4 rows: skinny too) and a decode step after each, every layer
+    assert calls == [("fp8_norm_rotary_linear", rows) for rows in (3, 1, 4, 1)
+                     for _ in range(config.num_layers)]
     monkeypatch.setattr(linear, "FP8_DECODE_FUSIONS", False)
+    calls.clear()
     assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
+    assert calls == [("rotary_qkv", rows) for rows in (3, 1, 4, 1)
+                     for _ in range(config.num_layers)]
 
 
 # ---- kernels in the interpreter ------------------------------------------------------------
@@ -525,10 +533,12 @@ gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
                                    "k_span", "hidden", "stride_x16", "stride_cos", "stride_k_row",
                                    "stride_k_head", "stride_v_row", "stride_v_head",
                                    "num_heads", "num_kv_heads")}, "eps": "fp32",
-             "POS": i64, "COS": "*fp32", "SIN": "*fp32", "SLOTS": i64, "K_OUT": f8, "V_OUT": f8}
+             "POS": i64, "COS": "*fp32", "SIN": "*fp32", "SLOTS": i64, "K_OUT": f8, "V_OUT": f8,
+             "K_SCALE": "*fp32", "V_SCALE": "*fp32", "STAGE": "*fp32", "ARRIVALS": "*i32",
+             "stride_st": "i32"}
 # aligned as the launcher's arguments are at Llama shapes; gated: gate_up with SiLU-and-mul;
 # norm: RMSNorm + the residual add in the prologue (qkv, and gate_up with gated); rotary: qkv's
-# rotary in the epilogue, k and v stored to an FP8 pool
+# rotary in the epilogue, k and v stored to an FP8 pool with their scales
 for use_dot, gated, norm, rotary in (
         (False, False, False, False), (True, False, False, False), (False, True, False, False),
         (False, False, True, False), (False, True, True, False), (True, True, True, False),
@@ -544,7 +554,8 @@ for use_dot, gated, norm, rotary in (
                       "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC // 4,
                       "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot,
                       "PACKED": packed, "X_BF16": True, "ASM_CVT": True, "GATED": gated,
-                      "NORM": norm, "HAS_RES": norm, "ROPE": rotary, "HEAD_DIM": 128, "HALF": 64},
+                      "NORM": norm, "HAS_RES": norm, "ROPE": rotary, "HEAD_DIM": 128, "HALF": 64,
+                      "KV_FP8": rotary, "BLOCK_HALF": 64, "HEADS_A_PROGRAM": 2 if use_dot else 1},
                      aligned=[name for name in args if name not in ("M", "eps")])
     loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
     if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop
@@ -555,6 +566,9 @@ for use_dot, gated, norm, rotary in (
         assert ("ex2.approx" in ptx) == gated  # silu's exp in the epilogue
         assert ("rsqrt" in ptx) == norm  # the norm's x + r and s * g: bf16x2 instructions
         assert ("add.rn.bf16x2" in ptx) == ("mul.rn.bf16x2" in ptx) == norm
+    if rotary:  # the FP8 store: a head's pairs counted in at gpu scope, its rows read from L2
+        ptx = kernel.asm["ptx"]
+        assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
 compile(gemv._split_k_reduce_kernel,
         {"PARTIAL": "*fp32", "B": dt, "OUT": dt, "M": "i32", "N": "i32", "stride_om": "i32"},
         {"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024, "GATED": True})

@@ -32,13 +32,22 @@ def _rotate_heads(SRC, DST, dst_head_stride, cos, sin, offs, mask_d, num_heads,
 
 
 @triton.jit
-def _scaled_fp8(x1, x2, mask_h, SCALE, FP8_MAX: tl.constexpr):
-    """Rows (x1 | x2) [heads, half] divided by their scale amax / FP8_MAX, stored at SCALE[h]."""
+def fp8_rows(x1, x2, FP8_MAX: tl.constexpr):
+    """Rows (x1 | x2) [rows, half] float32 -> (x1, x2) divided by their row's scale and clamped
+    to +-FP8_MAX (cast to e4m3 by the store), scale [rows] = amax / FP8_MAX (`KVStorage`'s
+    rounding; the qkv GEMV's FP8 store, `gemv_rotary.py`, calls this too: the same bytes)."""
     amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
     scale = tl.maximum(amax / FP8_MAX, 1e-12)
-    tl.store(SCALE, scale, mask=mask_h)
     x1 = tl.clamp(x1 / scale[:, None], -FP8_MAX, FP8_MAX)
-    return x1, tl.clamp(x2 / scale[:, None], -FP8_MAX, FP8_MAX)
+    return x1, tl.clamp(x2 / scale[:, None], -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
+def _scaled_fp8(x1, x2, mask_h, SCALE, FP8_MAX: tl.constexpr):
+    """Rows (x1 | x2) [heads, half] divided by their scale amax / FP8_MAX, stored at SCALE[h]."""
+    x1, x2, scale = fp8_rows(x1, x2, FP8_MAX)
+    tl.store(SCALE, scale, mask=mask_h)
+    return x1, x2
 
 
 @triton.jit
