@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.fused.rope import fp8_rows
+from lmnb.runtime.kernels.fused.rope import fp8_rows, rotate
 
 FP8 = torch.float8_e4m3fn
 
@@ -137,8 +137,9 @@ def rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT,
     is_q = (head < num_heads)[:, None]
     is_kv = (head < num_heads + num_kv_heads)[:, None]
     rotated = is_kv  # q and k heads
-    y1 = tl.where(rotated, x1 * cos - x2 * sin, x1)
-    y2 = tl.where(rotated, x2 * cos + x1 * sin, x2)
+    r1, r2 = rotate(x1, x2, cos, sin)
+    y1 = tl.where(rotated, r1, x1)
+    y2 = tl.where(rotated, r2, x2)
     q_ptrs = Q_OUT + offs_m[None, :] * stride_q + (head * HEAD_DIM + d)[:, None]
     tl.store(q_ptrs, y1.to(dtype), mask=inside & is_q)
     tl.store(q_ptrs + HALF, y2.to(dtype), mask=inside & is_q)

@@ -19,6 +19,14 @@ import triton.language as tl
 
 
 @triton.jit
+def rotate(x1, x2, cos, sin):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in float32 with explicit FMAs, so that every kernel
+    rotating (this one, the qkv GEMV's epilogue: `gemv_rotary.py`) rounds alike whatever the
+    compiler would contract."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def _rotate_heads(SRC, DST, dst_head_stride, cos, sin, offs, mask_d, num_heads,
                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)
@@ -27,8 +35,9 @@ def _rotate_heads(SRC, DST, dst_head_stride, cos, sin, offs, mask_d, num_heads,
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = DST + heads[:, None] * dst_head_stride + offs[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(DST.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(DST.dtype.element_ty), mask=mask)
+    y1, y2 = rotate(x1, x2, cos, sin)
+    tl.store(dst, y1.to(DST.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(DST.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -78,7 +87,7 @@ def _rotary_qkv_kernel(
         src = k_src + heads[:, None] * HEAD_DIM + offs[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        k1, k2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        k1, k2 = rotate(x1, x2, cos, sin)
         v_src = src + num_kv_heads * HEAD_DIM
         v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
