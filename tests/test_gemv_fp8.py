@@ -3,7 +3,7 @@ float64 math over the dequantized weights: every row count 1..16, ragged N and K
 split K, bias; its launch configs; and `fp8_linear` taking it for few rows.
 
 Without CUDA the kernel runs in Triton's CPU interpreter (the `gpu` variants compile it);
-tests/test_fp8.py compiles it for sm_90 and checks the FMA loop's register layout;
+tests/test_fp8_sm90.py compiles it for sm_90 and checks the FMA loop's register layout;
 tests/gpu/test_fp8_cuda.py runs it at Llama-3-8B shapes."""
 
 from __future__ import annotations
