@@ -22,12 +22,14 @@ and FP8 at the sweep's best. JSON: bench/results/gemv_fp8[_sweep].json. qkv and 
 timed as the model runs them at decode (`FP8_FUSED`: the RMSNorm + residual add in the GEMM's
 prologue, gate_up's SiLU-and-mul and qkv's rotary + KV store in the epilogue; the sweep tunes
 those kernels), beside the same work as separate kernels ("apart": rms_norm, the GEMM,
-silu_and_mul / rotary_qkv); `--no-fused`: bare GEMMs.
+silu_and_mul / rotary_qkv); `--no-fused`: bare GEMMs; `--kv-fp8`: qkv's K/V store to an FP8
+pool with per-(token, head) scales (`kv_cache_dtype="fp8_e4m3"`).
 
     python bench/gemv.py                      # heuristic vs cuBLAS, all shapes, M = 1 2 4 8 16
     python bench/gemv.py --sweep --models llama2-7b
     python bench/gemv.py --fp8 --sweep        # M = 1 and 16, qkv o gate_up down lm_head
     python bench/gemv.py --fp8 --rows 1 2 4 8 16   # the configured kernel at several M
+    python bench/gemv.py --fp8 --kv-fp8 --ops qkv --rows 1 16   # qkv over an FP8 KV pool
 """
 
 from __future__ import annotations
@@ -92,17 +94,19 @@ LLAMA3_HEADS = (32, 8, 128)  # q heads, KV heads, head_dim
 ROPE_POSITIONS = 8192
 
 
-def rotary_store(m: int, kv_slots: int = 256) -> RotaryStore:
-    """Llama-3-8B's rotary over m tokens at positions near 8192, k/v to a small bf16 pool."""
+def rotary_store(m: int, kv_slots: int = 256, kv_fp8: bool = False) -> RotaryStore:
+    """Llama-3-8B's rotary over m tokens at positions near 8192, k/v to a small bf16 pool (or
+    FP8 with per-(token, head) scales)."""
     heads, kv_heads, head_dim = LLAMA3_HEADS
     freqs = torch.outer(torch.arange(ROPE_POSITIONS, dtype=torch.float32, device="cuda"),
                         5e5 ** -(torch.arange(0, head_dim, 2, device="cuda") / head_dim))
     emb = torch.cat((freqs, freqs), -1)
-    pool = [torch.zeros(kv_slots, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2)]
+    pool = [torch.zeros(kv_slots, kv_heads, head_dim, device="cuda").to(
+        torch.float8_e4m3fn if kv_fp8 else torch.bfloat16) for _ in range(2)]
+    scales = tuple(torch.ones(kv_slots, kv_heads, device="cuda") for _ in range(2))
     slots = torch.arange(m, device="cuda")
     return RotaryStore(ROPE_POSITIONS - 1 - slots, emb.cos(), emb.sin(), heads, kv_heads,
-                       head_dim, pool[0], pool[1], slots)
+                       head_dim, pool[0], pool[1], slots, scales if kv_fp8 else None)
 SMS = 132  # an H100's
 
 
@@ -300,7 +304,7 @@ def precompile(jobs: list[Job], workers: int) -> None:
 
 
 def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: int,
-                    sweep: bool, fused: bool) -> dict[str, Any]:
+                    sweep: bool, fused: bool, kv_fp8: bool = False) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     dtype = torch.bfloat16
     xs = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(2)]
@@ -310,7 +314,7 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
         weights.append(fp8.quantize_rows(
             torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5))
     norm, gated, rotary = FP8_FUSED.get(op, UNFUSED) if fused else UNFUSED
-    rope = rotary_store(m) if rotary else None
+    rope = rotary_store(m, kv_fp8=kv_fp8) if rotary else None
     residual = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     norm_weight = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(dtype)
     eps = 1e-5
@@ -354,12 +358,13 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
             out, _ = rotary_qkv(rope.positions, out, rope.cos, rope.sin,
                                 num_heads=rope.num_heads, num_kv_heads=rope.num_kv_heads,
                                 head_dim=rope.head_dim, kv_buffers=(rope.k_buffer, rope.v_buffer),
-                                slots=rope.slots)
+                                slots=rope.slots, kv_scales=rope.kv_scales)
         return silu_and_mul(out) if gated else out
 
     result: dict[str, Any] = {"model": FP8_MODEL, "op": op, "m": m, "n": n, "k": k,
                               "fp8_mb": fp8_bytes / 1e6, "copies": len(weights),
-                              "fused": {"norm": norm, "gated": gated, "rotary": rotary},
+                              "fused": {"norm": norm, "gated": gated, "rotary": rotary,
+                                        "kv_fp8": kv_fp8 and rotary},
                               "config": fp8_gemv_config(m, n, k)._asdict(), "failures": []}
     result["errors"] = {"fp8": error(run(None)(xs[0], weights[0]))}
     result["fp8"] = row("fp8", time_per_call(run(None), xs, weights, replays), fp8_bytes)
@@ -425,7 +430,7 @@ def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
         for op in ops:
             n, k = shapes[op]
             r = bench_fp8_shape(op, n, k, m, copy_bw, args.replays, args.sweep,
-                                fused=not args.no_fused)
+                                fused=not args.no_fused, kv_fp8=args.kv_fp8)
             results.append(r)
             best = r.get("best")
             apart = r.get("fp8_apart")
@@ -514,6 +519,9 @@ def main() -> int:
     parser.add_argument("--no-fused", action="store_true",
                         help="--fp8: time qkv and gate_up as bare GEMMs, not as the model runs "
                              "them at decode (RMSNorm in the prologue, gate_up's SiLU fused)")
+    parser.add_argument("--kv-fp8", action="store_true",
+                        help="--fp8: qkv's rotary stores K/V to an FP8 pool with per-(token, "
+                             "head) scales (kv_cache_dtype='fp8_e4m3'), fused and apart")
     parser.add_argument("--jobs", type=int, default=8,
                         help="--fp8 --sweep: processes compiling the kernels first (1: none)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/)")

@@ -3,7 +3,7 @@ float64 math over the dequantized weights: every row count 1..16, ragged N and K
 split K, bias; its launch configs; and `fp8_linear` taking it for few rows.
 
 Without CUDA the kernel runs in Triton's CPU interpreter (the `gpu` variants compile it);
-tests/test_fp8.py compiles it for sm_90 and checks the FMA loop's register layout;
+tests/test_fp8_sm90.py compiles it for sm_90 and checks the FMA loop's register layout;
 tests/gpu/test_fp8_cuda.py runs it at Llama-3-8B shapes."""
 
 from __future__ import annotations
@@ -204,19 +204,45 @@ def test_norm_prologue_is_rms_norm_then_the_gemm(device, dtype, name):
                                    atol=tol * want.abs().max().item())
 
 
+def _pool(kv_dtype: torch.dtype, kv_heads: int, head_dim: int, device: str):
+    """K, V buffers [12 slots, kv_heads, head_dim] of 3.0 (and an FP8 pool's scales, 2.0)."""
+    buffers = tuple(torch.full((12, kv_heads, head_dim), 3.0, device=device).to(kv_dtype)
+                    for _ in range(2))
+    if kv_dtype != torch.float8_e4m3fn:
+        return buffers, None
+    return buffers, tuple(torch.full((12, kv_heads), 2.0, device=device) for _ in range(2))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _same_pools(a, b) -> bool:
+    """Bit for bit (FP8 bytes, their scales)."""
+    (a_bufs, a_scales), (b_bufs, b_scales) = a, b
+    same = all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a_bufs, b_bufs, strict=True))
+    return same and (a_scales is None or all(map(torch.equal, a_scales, b_scales)))
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("m", "config", "kv_dtype"), [
-    (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float32),  # FMA, packed x
-    (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16),  # dot
+@pytest.mark.parametrize(("m", "config", "kv_dtype", "head_dim"), [
+    (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float32, 16),  # FMA, packed x
+    (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16, 16),  # dot
+    # FP8 pools: 4 programs a head (2 rows each); 8 pairs a program over heads of 12 pairs
+    (1, Fp8GemvConfig(4, 256, 1, 1, 1, False), torch.float8_e4m3fn, 16),
+    (3, Fp8GemvConfig(16, 128, 1, 4, 3, True), torch.float8_e4m3fn, 24),
 ])
-def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype):
+def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype, head_dim):
     """qkv with the norm in front and the neox rotary behind (`rope=`): q and the KV pool's
-    rows at the slots equal `rotary_qkv(..., kv_buffers=, slots=)` of the GEMM's output; other
-    slots untouched; the residual stream the same. An FP8 pool (per-token scales) is refused."""
+    rows at the slots equal `rotary_qkv(..., kv_buffers=, slots=)` of the GEMM's output, an FP8
+    pool's bytes and per-(token, head) scales too (its heads' pairs spread over programs, or a
+    program's over heads); other slots untouched; the residual stream the same. Twice, to
+    other slots: the FP8 store's arrival counters are back at zero after a launch."""
     from lmnb.runtime.kernels.fused import rotary_qkv
     from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
+    from lmnb.runtime.kernels.fused.gemv_rotary import arrival_counters
 
-    heads, kv_heads, head_dim, k = 4, 2, 16, 200
+    heads, kv_heads, k = 4, 2, 200
     x, w, scale, bias = _inputs(m, (heads + 2 * kv_heads) * head_dim, k, torch.bfloat16, device)
     gen = torch.Generator().manual_seed(m)
     residual = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -224,18 +250,19 @@ def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype):
     freqs = torch.outer(torch.arange(64.0), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim))
     cos, sin = (f(torch.cat((freqs, freqs), -1)).to(device) for f in (torch.cos, torch.sin))
     positions = torch.tensor([5, 63, 0][:m], device=device)
-    slots = torch.tensor([7, 2, 11][:m], device=device)
-    pools = [tuple(torch.full((12, kv_heads, head_dim), 3.0, device=device).to(kv_dtype)
-                   for _ in range(2)) for _ in range(2)]
+    pools = [_pool(kv_dtype, kv_heads, head_dim, device) for _ in range(2)]
     qkv, stream = fp8_norm_gemv(x, norm, w, scale, bias, config)
-    want, _ = rotary_qkv(positions, qkv, cos, sin, num_heads=heads, num_kv_heads=kv_heads,
-                         head_dim=head_dim, kv_buffers=pools[0], slots=slots)
-    got, got_stream = fp8_norm_gemv(x, norm, w, scale, bias, config, rope=RotaryStore(
-        positions, cos, sin, heads, kv_heads, head_dim, *pools[1], slots))
-    assert torch.equal(got, want) and torch.equal(got_stream, stream)
-    for a, b in zip(pools[0], pools[1], strict=True):
-        assert torch.equal(a.float(), b.float())
-    fp8_pool = [torch.zeros(12, kv_heads, head_dim, device=device).to(torch.float8_e4m3fn)] * 2
-    with pytest.raises(ValueError, match="16/32-bit KV only"):
-        fp8_norm_gemv(x, norm, w, scale, bias, config, rope=RotaryStore(
-            positions, cos, sin, heads, kv_heads, head_dim, *fp8_pool, slots))
+    for slots in ([7, 2, 11][:m], [3, 9, 1][:m]):
+        slots = torch.tensor(slots, device=device)
+        want, _ = rotary_qkv(positions, qkv, cos, sin, num_heads=heads, num_kv_heads=kv_heads,
+                             head_dim=head_dim, kv_buffers=pools[0][0], slots=slots,
+                             kv_scales=pools[0][1])
+        got, got_stream = fp8_norm_gemv(x, norm, w, scale, bias, config, rope=RotaryStore(
+            positions, cos, sin, heads, kv_heads, head_dim, *pools[1][0], slots, pools[1][1]))
+        assert torch.equal(got, want) and torch.equal(got_stream, stream)
+        assert _same_pools(pools[0], pools[1])
+    assert not arrival_counters(x.device, 2 * kv_heads).any()
+    if kv_dtype == torch.float8_e4m3fn:
+        with pytest.raises(ValueError, match="needs its scales"):
+            fp8_norm_gemv(x, norm, w, scale, bias, config, rope=RotaryStore(
+                positions, cos, sin, heads, kv_heads, head_dim, *pools[1][0], slots))

@@ -1,7 +1,8 @@
-"""FP8 on the GPU: the `_scaled_mm` path, the compiled skinny GEMM over FP8 weights, the rotary
-kernel's FP8 K/V store with per-(token, head) scales, and a tiny model end to end with FP8
-weights and an FP8 KV cache through the Triton backend (FlashInfer: FP8 weights; its kernels
-take no per-token KV scales), with CUDA graphs (against bf16).
+"""FP8 on the GPU: the `_scaled_mm` path, the compiled skinny GEMM over FP8 weights (with the
+norm, rotary and an FP8 pool's K/V store fused in), the rotary kernel's FP8 K/V store with
+per-(token, head) scales, and a tiny model end to end with FP8 weights and an FP8 KV cache
+through the Triton backend (FlashInfer: FP8 weights; its kernels take no per-token KV scales),
+with CUDA graphs (against bf16).
 (tests/test_fp8.py also runs here: its kernel tests compiled on the GPU.)"""
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def test_compiled_gated_fp8_gemv_is_silu_and_mul_of_it(dtype, m, n, k):
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16])  # FP8 pools: `rotary_qkv`'s scales
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16])  # FP8 pools: the test below
 def test_compiled_rotary_epilogue_at_llama_3_8b_qkv(m, kv_dtype):
     """Llama-3-8B's decode qkv as one kernel (norm, GEMM, neox rotary, k and v to the pool's
     slots) against the norm-fused GEMM, then `rotary_qkv` storing to a second pool: equal."""
@@ -96,6 +97,59 @@ def test_compiled_rotary_epilogue_at_llama_3_8b_qkv(m, kv_dtype):
     tol = exact if m == 1 else {"rtol": 2**-3 if kv_dtype == fp8.FP8 else 2**-7, "atol": 2**-6}
     for a, b in zip(pools[0], pools[1], strict=True):
         torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_compiled_rotary_epilogue_stores_an_fp8_pool_as_rotary_qkv_does(m):
+    """Llama-3-8B's decode qkv over an FP8 pool as one kernel (norm, GEMM, rotary, each (token,
+    KV head) row's e4m3 bytes and scale, a head's 64 pairs spread over programs that meet at an
+    arrival counter) against the norm-fused GEMM, then `rotary_qkv` storing to a second pool:
+    one row bit for bit (bytes and scales); more rows within an e4m3 step (the MMA's order of
+    a sum). Five rounds of fresh inputs into the same slots: a program reading another round's
+    staged rows, or a counter left non-zero, would show."""
+    from lmnb.runtime.kernels.fused import rotary_qkv
+    from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
+    from lmnb.runtime.kernels.fused.gemv_rotary import arrival_counters
+
+    heads, kv_heads, head_dim, k = 32, 8, 128, 4096
+    gen = torch.Generator(device="cuda").manual_seed(m + 5)
+    n = (heads + 2 * kv_heads) * head_dim
+    w, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    freqs = torch.outer(torch.arange(8192.0, device="cuda"),
+                        5e5 ** -(torch.arange(0, head_dim, 2, device="cuda") / head_dim))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    slots = torch.randperm(64, device="cuda", generator=gen)[:m]
+    pools = [(tuple(torch.zeros(64, kv_heads, head_dim, device="cuda").to(fp8.FP8)
+                    for _ in range(2)),
+              tuple(torch.ones(64, kv_heads, device="cuda") for _ in range(2))) for _ in range(2)]
+    for _ in range(5):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        x[:, torch.randint(0, k, (4,), device="cuda", generator=gen)] *= 30  # outlier channels
+        norm = RmsNormInput(torch.randn(m, k, device="cuda", generator=gen).bfloat16(),
+                            (torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16(), 1e-5)
+        positions = torch.randint(0, 8192, (m,), device="cuda", generator=gen)
+        qkv, _ = fp8_norm_gemv(x, norm, w, scale)
+        want, _ = rotary_qkv(positions, qkv, cos, sin, num_heads=heads, num_kv_heads=kv_heads,
+                             head_dim=head_dim, kv_buffers=pools[0][0], slots=slots,
+                             kv_scales=pools[0][1])
+        got, _ = fp8_norm_gemv(x, norm, w, scale, rope=RotaryStore(
+            positions, cos, sin, heads, kv_heads, head_dim, *pools[1][0], slots, pools[1][1]))
+        if m == 1:  # the same FMA sums, rotation and rounding
+            assert torch.equal(got, want)
+            for a, b in zip((*pools[0][0], *pools[0][1]), (*pools[1][0], *pools[1][1]),
+                            strict=True):
+                assert torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8 else a,
+                                   b.view(torch.uint8) if b.dtype == fp8.FP8 else b)
+        else:
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-6)
+            for (a, sa), (b, sb) in zip(zip(*pools[0], strict=True), zip(*pools[1], strict=True),
+                                        strict=True):
+                torch.testing.assert_close(sa, sb, rtol=2**-7, atol=0)
+                torch.testing.assert_close(a[slots].float() * sa[slots, :, None],
+                                           b[slots].float() * sb[slots, :, None],
+                                           rtol=2**-3, atol=2**-6)
+    torch.cuda.synchronize()
+    assert not arrival_counters(w.device, 2 * kv_heads).any()
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])

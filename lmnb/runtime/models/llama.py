@@ -68,11 +68,11 @@ class LlamaAttention(PooledAttention):
         inside the qkv GEMM (`MergedColumnParallelLinear.forward_normed`), and the rotary too
         (`QKVParallelLinear.forward_normed_rotary`)."""
         storage = self.attn_backend.kv_storage
-        if rotary.fused and not storage.is_fp8:  # (an FP8 pool's scales: `attend`'s rotary)
+        if rotary.fused:
             fused = self.qkv_proj.forward_normed_rotary(
                 norm, hidden, residual, rotary, positions,
                 kv_buffers=(storage.k_buffers[self.layer_id], storage.v_buffers[self.layer_id]),
-                slots=forward_batch.out_cache_loc)
+                slots=forward_batch.out_cache_loc, kv_scales=storage.scales(self.layer_id))
             if fused is not None:
                 q, residual = fused
                 out = self.attn_backend.forward(q, None, None, self.layer_id, forward_batch,

@@ -39,7 +39,7 @@ a launch costs about what streaming 6 MB of FP8 weights does):
            loop; the first programs write the residual stream, 1024 columns each. No split K.
     ROPE   qkv's rows in (d, d + head_dim / 2) pairs of a head; the epilogue applies the neox
            rotary, writes q and stores k and v in the KV pool at the tokens' slots (`rope.py`'s
-           math).
+           math), an FP8 pool's with per-(token, head) scales (`gemv_rotary.py`).
 
 The launch config is a deterministic function of (M, N, K) (`fp8_gemv_config`: the `TUNED` table
 that `python bench/gemv.py --fp8 --sweep` prints, else a rule); no autotuning, no host sync,
@@ -57,6 +57,12 @@ import triton.language as tl
 
 from lmnb.runtime.kernels.fused.activation import silu_mul
 from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
+from lmnb.runtime.kernels.fused.gemv_rotary import (
+    RotaryStore,
+    rotary_epilogue,
+    rotary_inputs,
+    rotary_launch,
+)
 from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
 STREAM_BLOCK: tl.constexpr = tl.constexpr(1024)  # the residual stream's store: columns a step
@@ -258,63 +264,12 @@ def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
         return acc, ss + sx * sx
 
 
-@triton.jit
-def _rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, stride_cos,
-                   BLOCK_N: tl.constexpr, HALF: tl.constexpr):
-    """cos, sin [BLOCK_N / 2, BLOCK_M] of this program's (d, d + HALF) pairs at the rows'
-    positions, and the rows' KV slots [BLOCK_M]: loaded before the K loop, in flight while it
-    runs (COS, SIN: [positions, >= HALF] float32)."""
-    pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    inside = (pair < N // 2)[:, None] & mask_m[None, :]
-    pos = tl.load(POS + offs_m, mask=mask_m, other=0).to(tl.int64)
-    trig = pos[None, :] * stride_cos + (pair % HALF)[:, None]
-    cos = tl.load(COS + trig, mask=inside, other=0.0)
-    sin = tl.load(SIN + trig, mask=inside, other=0.0)
-    slot = tl.load(SLOTS + offs_m, mask=mask_m, other=0).to(tl.int64)
-    return cos, sin, slot
-
-
-@triton.jit
-def _rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT, V_OUT,
-                     stride_q, stride_k_row, stride_k_head, stride_v_row,
-                     stride_v_head, num_heads, num_kv_heads, BLOCK_N: tl.constexpr,
-                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
-    """qkv's out^T [BLOCK_N, BLOCK_M] in (d, d + HALF) row pairs -> neox rotary of the q and k
-    heads (`rope.rotary_qkv`'s math: qkv rounded to its dtype, rotated in float32): q to
-    Q_OUT [M, heads * HEAD_DIM], k and v to row `slot` of the KV buffers (16/32-bit)."""
-    dtype = Q_OUT.dtype.element_ty
-    pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_N // 2, 2, BLOCK_M)),
-                       (0, 2, 1))
-    x1, x2 = tl.split(pairs)  # [BLOCK_N / 2, BLOCK_M]: elements d and d + HALF of a head
-    pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    head = pair // HALF
-    d = pair % HALF
-    inside = (pair < N // 2)[:, None] & mask_m[None, :]
-    is_q = (head < num_heads)[:, None]
-    is_kv = (head < num_heads + num_kv_heads)[:, None]
-    rotated = is_kv  # q and k heads
-    y1 = tl.where(rotated, x1 * cos - x2 * sin, x1)
-    y2 = tl.where(rotated, x2 * cos + x1 * sin, x2)
-    q_ptrs = Q_OUT + offs_m[None, :] * stride_q + (head * HEAD_DIM + d)[:, None]
-    tl.store(q_ptrs, y1.to(dtype), mask=inside & is_q)
-    tl.store(q_ptrs + HALF, y2.to(dtype), mask=inside & is_q)
-    k_ptrs = (K_OUT + slot[None, :] * stride_k_row
-              + ((head - num_heads) * stride_k_head + d)[:, None])
-    is_k = is_kv & ~is_q
-    tl.store(k_ptrs, y1.to(K_OUT.dtype.element_ty), mask=inside & is_k)
-    tl.store(k_ptrs + HALF, y2.to(K_OUT.dtype.element_ty), mask=inside & is_k)
-    v_ptrs = (V_OUT + slot[None, :] * stride_v_row
-              + ((head - num_heads - num_kv_heads) * stride_v_head + d)[:, None])
-    tl.store(v_ptrs, x1.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
-    tl.store(v_ptrs + HALF, x2.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
-
-
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _fp8_gemv_kernel(
     X, W, W_SCALE, B, OUT, PARTIAL, RES, NORM_W, X16, RES16, RES_OUT,
-    POS, COS, SIN, SLOTS, K_OUT, V_OUT,
+    POS, COS, SIN, SLOTS, K_OUT, V_OUT, K_SCALE, V_SCALE, STAGE, ARRIVALS,
     M, N, K, stride_xm, stride_wn, stride_om, k_span, hidden, stride_x16, eps,
-    stride_cos, stride_k_row, stride_k_head, stride_v_row, stride_v_head, num_heads,
+    stride_cos, stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_st, num_heads,
     num_kv_heads,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
@@ -322,6 +277,7 @@ def _fp8_gemv_kernel(
     PACKED: tl.constexpr, X_BF16: tl.constexpr, ASM_CVT: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 2, HALF: tl.constexpr = 1,
+    KV_FP8: tl.constexpr = False, BLOCK_HALF: tl.constexpr = 1, HEADS_A_PROGRAM: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -349,8 +305,8 @@ def _fp8_gemv_kernel(
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     if ROPE:
-        cos, sin, slot = _rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS,
-                                        stride_cos, BLOCK_N, HALF)
+        cos, sin, slot = rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS,
+                                       stride_cos, BLOCK_N, HALF)
     if NORM:  # RMSNorm prologue (SPLIT_K == 1): residual and norm weight in x's layout
         r_ptrs = RES + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
         g_ptrs = NORM_W + (k_start + offs_k)[None, :]
@@ -441,10 +397,11 @@ def _fp8_gemv_kernel(
             tl.store(out_ptrs, silu_mul(gate, up, dtype).to(dtype),
                      mask=(out_cols < N)[:, None] & mask_m[None, :])
         elif ROPE:
-            _rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, OUT, K_OUT, V_OUT,
-                             stride_om, stride_k_row, stride_k_head, stride_v_row,
-                             stride_v_head, num_heads, num_kv_heads, BLOCK_N, BLOCK_M,
-                             HEAD_DIM, HALF)
+            rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, OUT, K_OUT, V_OUT,
+                            K_SCALE, V_SCALE, STAGE, ARRIVALS, stride_om, stride_k_row,
+                            stride_k_head, stride_v_row, stride_v_head, stride_st, num_heads,
+                            num_kv_heads, BLOCK_N, BLOCK_M, HEAD_DIM, HALF, KV_FP8, BLOCK_HALF,
+                            HEADS_A_PROGRAM)
         else:
             out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
@@ -528,21 +485,6 @@ class RmsNormInput(NamedTuple):
     eps: float
 
 
-class RotaryStore(NamedTuple):
-    """The neox rotary behind a qkv GEMM (`fp8_norm_gemv(..., rope=)`): q comes back, k and v
-    go to the KV buffers at `slots`, as `rope.rotary_qkv(..., kv_buffers=, slots=)` does."""
-
-    positions: torch.Tensor  # [M] int
-    cos: torch.Tensor  # [max_positions, >= head_dim / 2] float32, rows contiguous
-    sin: torch.Tensor  # the same shape and strides
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    k_buffer: torch.Tensor  # [slots, num_kv_heads, head_dim]
-    v_buffer: torch.Tensor
-    slots: torch.Tensor  # [M] int
-
-
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None,
              config: Fp8GemvConfig | None = None, *, gated: bool = False) -> torch.Tensor:
@@ -571,8 +513,9 @@ def fp8_norm_gemv(x: torch.Tensor, norm: RmsNormInput, weight: torch.Tensor,
     of a sum, within bf16's rounding otherwise.
 
     `rope` (qkv, not gated): the epilogue also applies the rotary and stores k and v in the KV
-    buffers; `out` is then q [M, num_heads * head_dim]. A program's rows are (d, d + head_dim / 2)
-    pairs of a head."""
+    buffers (an FP8 pool's with per-(token, head) scales in `rope.kv_scales`, as
+    `rope.rotary_qkv` stores them); `out` is then q [M, num_heads * head_dim]. A program's rows
+    are (d, d + head_dim / 2) pairs of a head."""
     assert norm.weight.shape == (x.shape[-1],) and norm.weight.dtype == x.dtype, \
         "the norm's weight: [K] in x's dtype"
     assert norm.residual is None or (norm.residual.shape == x.shape
@@ -602,17 +545,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         cfg = cfg._replace(split_k=1)
     n_out = n // 2 if gated else n
     if rope is not None:
-        half = rope.head_dim // 2
-        assert rope.head_dim % 2 == 0 and n == (rope.num_heads + 2 * rope.num_kv_heads) * \
-            rope.head_dim, "rope: the weight's rows are q, k and v heads"
-        assert rope.cos.stride() == rope.sin.stride() and rope.cos.stride(-1) == 1
-        assert rope.cos.shape[-1] >= half and rope.positions.shape == rope.slots.shape == (m,)
-        k_buf, v_buf = rope.k_buffer, rope.v_buffer
-        if torch.float8_e4m3fn in (k_buf.dtype, v_buf.dtype):  # per-(token, head) scales
-            raise ValueError("the rotary epilogue stores 16/32-bit KV only; an FP8 pool's "
-                             "scales come from `rope.rotary_qkv(..., kv_scales=)`")
-        assert k_buf.shape[1:] == v_buf.shape[1:] == (rope.num_kv_heads, rope.head_dim)
-        assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
         n_out = rope.num_heads * rope.head_dim  # q
     vec = DOT_VEC if cfg.use_dot else FMA_VEC
     assert cfg.block_k % vec == 0, f"block_k {cfg.block_k}: a multiple of {vec}"
@@ -639,29 +571,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         return t.view(torch.int64) if packed else t
 
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
-    if rope is None:
-        rope_args = (out,) * 6 + (0,) * 7
-    else:
-        rope_args = (rope.positions, rope.cos, rope.sin, rope.slots, k_buf, v_buf,
-                     rope.cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-                     v_buf.stride(1), rope.num_heads, rope.num_kv_heads)
+    rotary = rotary_launch(rope, m=m, n=n, filler=out, block_n=cfg.block_n)
     _fp8_gemv_kernel[grid](
         packed_view(x), weight.view(torch.int32) if packed else weight,
         weight_scale, b, out, partial,
         packed_view(res if res is not None else x),
         packed_view(norm.weight) if norm is not None else x,
-        x, res if res is not None else x, res_out, *rope_args[:6],
+        x, res if res is not None else x, res_out, *rotary.tensors,
         m, n if rope is not None else n_out, k // q, x.stride(0) // q, weight.stride(0) // q,
         out.stride(0), k_span // q, k, x.stride(0), norm.eps if norm is not None else 0.0,
-        *rope_args[6:],
+        *rotary.ints,
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         EVEN_K=k % k_span == 0 and k_span % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k // q, VEC_K=vec // q,
         USE_DOT=cfg.use_dot, DOT_UPCAST=dot_upcast(x.dtype) or x.dtype == torch.float32,
         PREFETCH=not cfg.use_dot and cfg.num_stages > 1,
         PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED, GATED=gated,
-        NORM=norm is not None, HAS_RES=res is not None, ROPE=rope is not None,
-        HEAD_DIM=rope.head_dim if rope is not None else 2, HALF=half if rope is not None else 1,
+        NORM=norm is not None, HAS_RES=res is not None, **rotary.constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
     )
     if cfg.split_k > 1:

@@ -19,6 +19,14 @@ import triton.language as tl
 
 
 @triton.jit
+def rotate(x1, x2, cos, sin):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in float32 with explicit FMAs, so that every kernel
+    rotating (this one, the qkv GEMV's epilogue: `gemv_rotary.py`) rounds alike whatever the
+    compiler would contract."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def _rotate_heads(SRC, DST, dst_head_stride, cos, sin, offs, mask_d, num_heads,
                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)
@@ -27,18 +35,28 @@ def _rotate_heads(SRC, DST, dst_head_stride, cos, sin, offs, mask_d, num_heads,
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = DST + heads[:, None] * dst_head_stride + offs[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(DST.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(DST.dtype.element_ty), mask=mask)
+    y1, y2 = rotate(x1, x2, cos, sin)
+    tl.store(dst, y1.to(DST.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(DST.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_rows(x1, x2, FP8_MAX: tl.constexpr):
+    """Rows (x1 | x2) [rows, half] float32 -> (x1, x2) divided by their row's scale and clamped
+    to +-FP8_MAX (cast to e4m3 by the store), scale [rows] = amax / FP8_MAX (`KVStorage`'s
+    rounding; the qkv GEMV's FP8 store, `gemv_rotary.py`, calls this too: the same bytes)."""
+    amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+    scale = tl.maximum(amax / FP8_MAX, 1e-12)
+    x1 = tl.clamp(x1 / scale[:, None], -FP8_MAX, FP8_MAX)
+    return x1, tl.clamp(x2 / scale[:, None], -FP8_MAX, FP8_MAX), scale
 
 
 @triton.jit
 def _scaled_fp8(x1, x2, mask_h, SCALE, FP8_MAX: tl.constexpr):
     """Rows (x1 | x2) [heads, half] divided by their scale amax / FP8_MAX, stored at SCALE[h]."""
-    amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
-    scale = tl.maximum(amax / FP8_MAX, 1e-12)
+    x1, x2, scale = fp8_rows(x1, x2, FP8_MAX)
     tl.store(SCALE, scale, mask=mask_h)
-    x1 = tl.clamp(x1 / scale[:, None], -FP8_MAX, FP8_MAX)
-    return x1, tl.clamp(x2 / scale[:, None], -FP8_MAX, FP8_MAX)
+    return x1, x2
 
 
 @triton.jit
@@ -69,7 +87,7 @@ def _rotary_qkv_kernel(
         src = k_src + heads[:, None] * HEAD_DIM + offs[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        k1, k2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        k1, k2 = rotate(x1, x2, cos, sin)
         v_src = src + num_kv_heads * HEAD_DIM
         v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)

@@ -292,18 +292,20 @@ class QKVParallelLinear(MergedColumnParallelLinear):
                               residual: torch.Tensor | None, rotary: RotaryEmbedding,
                               positions: torch.Tensor, *,
                               kv_buffers: tuple[torch.Tensor, torch.Tensor],
-                              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                              slots: torch.Tensor,
+                              kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`norm`, this projection and the fused rotary (k and v stored at `slots` of
-        `kv_buffers`, as `rotary.rotate_qkv(..., kv_buffers=, slots=)` does) as one kernel
-        -> (q, the residual stream); None where that kernel does not run (other than decode's
-        fused FP8 path): the caller then takes `forward_normed` and the rotary apart."""
+        `kv_buffers`, an FP8 pool's with `kv_scales`, as `rotary.rotate_qkv(...)` does) as one
+        kernel -> (q, the residual stream); None where that kernel does not run (other than
+        decode's fused FP8 path): the caller then takes `forward_normed` and the rotary apart."""
         if not (self._fp8_skinny(x) and rotary.fused and norm.fused
                 and norm.weight.dtype == x.dtype and x.dim() == 2):
             return None
         from lmnb.runtime.kernels.fused.gemv_fp8 import RotaryStore
 
         rope = RotaryStore(positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
-                           rotary.head_dim, kv_buffers[0], kv_buffers[1], slots)
+                           rotary.head_dim, kv_buffers[0], kv_buffers[1], slots, kv_scales)
         return fp8.fp8_norm_rotary_linear(x, residual, norm.weight, norm.eps, self.weight,
                                           self.weight_scale, self.bias, rope=rope)
 

@@ -1,0 +1,117 @@
+"""The FP8 Triton kernels compiled for an H100 (sm_90) on a machine without one (tests/sm90.py):
+the skinny GEMM over FP8 weights in each of decode's fused forms, its split-K reduce, decode
+over an FP8 pool, the per-token activation quantizer, the rotary kernel's FP8 K/V store and the
+weight-only GEMM; the PTX checks what the interpreter cannot (register layouts, instructions,
+the FP8 K/V store's gpu-scope arrival counter). tests/test_fp8.py runs the same kernels in the
+interpreter; tests/gpu/test_fp8_cuda.py on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sm90 import assert_compiles_for_sm90
+from tests.triton_modes import INTERPRET
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmnb.runtime.kernels import triton_decode
+from lmnb.runtime.kernels.fused import fp8_quant, gemv, gemv_fp8, mm_fp8, rope
+
+def compile(fn, signature, constants, warps=4, aligned=()):
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants,
+                                    attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+f8, dt, i64 = "*fp8e4nv", "*bf16", "*i64"
+gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
+             **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om",
+                                   "k_span", "hidden", "stride_x16", "stride_cos", "stride_k_row",
+                                   "stride_k_head", "stride_v_row", "stride_v_head",
+                                   "num_heads", "num_kv_heads")}, "eps": "fp32",
+             "POS": i64, "COS": "*fp32", "SIN": "*fp32", "SLOTS": i64, "K_OUT": f8, "V_OUT": f8,
+             "K_SCALE": "*fp32", "V_SCALE": "*fp32", "STAGE": "*fp32", "ARRIVALS": "*i32",
+             "stride_st": "i32"}
+# aligned as the launcher's arguments are at Llama shapes; gated: gate_up with SiLU-and-mul;
+# norm: RMSNorm + the residual add in the prologue (qkv, and gate_up with gated); rotary: qkv's
+# rotary in the epilogue, k and v stored to an FP8 pool with their scales
+for use_dot, gated, norm, rotary in (
+        (False, False, False, False), (True, False, False, False), (False, True, False, False),
+        (False, False, True, False), (False, True, True, False), (True, True, True, False),
+        (False, False, True, True), (True, False, True, True)):
+    packed = not use_dot  # FMA path: 4 weights an int32, 4 bf16 activations an int64
+    vec = "*i64" if packed else dt
+    args = {"X": vec, "W": "*i32" if packed else f8, "RES": vec, "NORM_W": vec, "X16": dt,
+            "RES16": dt, "RES_OUT": dt, **gemv_args}
+    kernel = compile(gemv_fp8._fp8_gemv_kernel, args,
+                     {"HAS_BIAS": False, "SPLIT_K": 1, "EVEN_K": True,
+                      "BLOCK_M": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 2,
+                      "BLOCK_K": 256 if use_dot else 1024 // 4,
+                      "VEC_K": gemv_fp8.DOT_VEC if use_dot else gemv_fp8.FMA_VEC // 4,
+                      "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot,
+                      "PACKED": packed, "X_BF16": True, "ASM_CVT": True, "GATED": gated,
+                      "NORM": norm, "HAS_RES": norm, "ROPE": rotary, "HEAD_DIM": 128, "HALF": 64,
+                      "KV_FP8": rotary, "BLOCK_HALF": 64, "HEADS_A_PROGRAM": 2 if use_dot else 1},
+                     aligned=[name for name in args if name not in ("M", "eps")])
+    loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
+    if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop
+        assert "convert_layout" not in loop and "local_alloc" not in loop, loop
+        ptx = kernel.asm["ptx"]
+        assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in ptx
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == 8  # 2 rows x 8 weights a step, a pair each
+        assert ("ex2.approx" in ptx) == gated  # silu's exp in the epilogue
+        assert ("rsqrt" in ptx) == norm  # the norm's x + r and s * g: bf16x2 instructions
+        assert ("add.rn.bf16x2" in ptx) == ("mul.rn.bf16x2" in ptx) == norm
+    if rotary:  # the FP8 store: a head's pairs counted in at gpu scope, its rows read from L2
+        ptx = kernel.asm["ptx"]
+        assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+compile(gemv._split_k_reduce_kernel,
+        {"PARTIAL": "*fp32", "B": dt, "OUT": dt, "M": "i32", "N": "i32", "stride_om": "i32"},
+        {"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024, "GATED": True})
+compile(triton_decode._decode_partial_kernel,
+        {"Q": dt, "K": f8, "V": f8, "K_SCALE": "*fp32", "V_SCALE": "*fp32", "KV_INDPTR": i64,
+         "KV_INDICES": i64, "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": dt,
+         "scale": "fp32", "stride_st": "i32",
+         **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                               "stride_vh", "stride_pob", "stride_poh", "stride_pos",
+                               "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
+        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
+         "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
+         "HAS_SKIP": False, "KV_FP8": True, "PREFETCH": True, "K_ROWS": True}, warps=4)
+compile(fp8_quant._per_token_quant_kernel,
+        {"X": dt, "OUT": f8, "SCALE": "*fp32", "K": "i32", "stride_x": "i32",
+         "stride_out": "i32"}, {"BLOCK": 2048, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},
+        warps=8)
+compile(rope._rotary_qkv_kernel,
+        {"QKV": dt, "Q_OUT": dt, "K_OUT": f8, "V_OUT": f8, "K_SCALE": "*fp32",
+         "V_SCALE": "*fp32", "POS": i64, "SLOTS": i64, "COS": "*fp32", "SIN": "*fp32",
+         **{n: "i32" for n in ("stride_qkv", "stride_cos", "stride_sin", "stride_q_out",
+                               "stride_k_row", "stride_k_head", "stride_v_row",
+                               "stride_v_head", "stride_st", "num_heads", "num_kv_heads")}},
+        {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
+         "STORE_KV": True, "KV_FP8": True, "FP8_MAX": 448.0})
+for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16 -> wgmma
+    kernel = compile(mm_fp8._w8a16_mm_kernel,
+                     {"X": dt, "W": f8, "SCALE": "*fp32", "B": dt, "OUT": dt,
+                      **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn",
+                                            "stride_om")}},
+                     {"HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64,
+                      "GROUP_M": 8, "PRECISION": "tf32", "UPCAST": False}, warps=warps,
+                     aligned=["X", "W", "SCALE", "OUT", "K", "stride_xm", "stride_wn",
+                              "stride_om"])
+    assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"] and "wgmma" in kernel.asm["ptx"]
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU tests/gpu/test_fp8_cuda.py compiles them")
+def test_fp8_kernels_compile_for_a_hopper_gpu():
+    """The FP8 variants (skinny GEMM over FP8 weights, also with gate_up's SiLU-and-mul, the
+    RMSNorm and qkv's rotary fused, and its split-K reduce, decode over an FP8 pool — extend
+    shares its `attend_block` —, the rotary kernel storing FP8 K/V) compile for sm_90, in a
+    process without TRITON_INTERPRET; the FP8 GEMM's FMA loop moves no weight through shared
+    memory (8-byte weight loads in the activations' layout)."""
+    assert_compiles_for_sm90(_COMPILE_FOR_HOPPER)
