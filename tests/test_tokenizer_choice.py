@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from lmnb.runtime.models import loader, tokenizer_choice
 
 TEXTS = ["Hello world, héllo wörld! 123 +-*/ 日本語 🙂",
@@ -51,27 +49,35 @@ def _signature(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def test_model_types_that_register_no_tokenizer_class() -> None:
-    """tokenizer_choice's model types register no tokenizer class of their own in transformers
-    (or the generic one): AutoTokenizer then builds the class tokenizer_config.json names."""
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+def test_what_transformers_registers_for_the_model_types() -> None:
+    """tokenizer_choice's generic model types register no tokenizer class of their own (or the
+    generic one): AutoTokenizer then builds the class tokenizer_config.json names; Qwen2's class
+    replaces whatever a qwen2 folder names."""
+    from transformers.models.auto.tokenization_auto import (
+        MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+        TOKENIZER_MAPPING_NAMES,
+    )
 
     for model_type in tokenizer_choice.GENERIC_MODEL_TYPES - {None}:
         assert TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend"), model_type
+    assert TOKENIZER_MAPPING_NAMES[tokenizer_choice.QWEN2] == "Qwen2Tokenizer"
+    assert tokenizer_choice.QWEN2 in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
 
 
 def test_load_tokenizer_equals_autotokenizer(tmp_path: Path, smollm2_dir: Path,
                                              tiny_models: dict[str, Path],
                                              tiny_llavas: dict[str, Path]) -> None:
-    """The embedded tokenizer with a Llama config.json, alone (a `tokenizer_path` folder), and
-    with LLaVA-NeXT-Video's added `<image>`/`<video>` tokens."""
+    """The embedded tokenizer with a Llama config.json, alone (a `tokenizer_path` folder), with
+    LLaVA-NeXT-Video's added `<image>`/`<video>` tokens, and with a Qwen2 config.json."""
     from transformers import AutoTokenizer
 
-    for model_type in ("qwen2-bias", "mistral"):  # their own classes: AutoTokenizer's way
-        assert not tokenizer_choice.is_tokenizers_backend(tiny_models[model_type])
-    for folder in (tiny_models["llama-gqa"], _bare_tokenizer_folder(tmp_path, smollm2_dir),
-                   tiny_llavas["llava-next-video"]):
-        assert tokenizer_choice.is_tokenizers_backend(folder), folder
+    assert tokenizer_choice.class_name(tiny_models["mistral"]) is None  # AutoTokenizer's way
+    for folder, name in ((tiny_models["llama-gqa"], "PreTrainedTokenizerFast"),
+                         (_bare_tokenizer_folder(tmp_path, smollm2_dir),
+                          "PreTrainedTokenizerFast"),
+                         (tiny_llavas["llava-next-video"], "PreTrainedTokenizerFast"),
+                         (tiny_models["qwen2-bias"], "Qwen2Tokenizer")):
+        assert tokenizer_choice.class_name(folder) == name, folder
         expected = _signature(AutoTokenizer.from_pretrained(folder, local_files_only=True))
         assert _signature(loader.load_tokenizer(folder)) == expected, folder
 
@@ -81,18 +87,19 @@ def test_remote_code_and_other_classes_go_through_autotokenizer(tmp_path: Path,
     folder = _bare_tokenizer_folder(tmp_path, smollm2_dir)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    assert tokenizer_choice.is_tokenizers_backend(folder)
+    assert tokenizer_choice.class_name(folder) == "PreTrainedTokenizerFast"
     config_file.write_text(json.dumps({**config, "auto_map": {"AutoTokenizer": ["a.B", None]}}))
-    assert not tokenizer_choice.is_tokenizers_backend(folder)
+    assert tokenizer_choice.class_name(folder) is None
     config_file.write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
-    assert not tokenizer_choice.is_tokenizers_backend(folder)
+    assert tokenizer_choice.class_name(folder) is None
     config_file.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    assert tokenizer_choice.is_tokenizers_backend(folder)
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    assert not tokenizer_choice.is_tokenizers_backend(folder)
+    assert tokenizer_choice.class_name(folder) == "PreTrainedTokenizerFast"
+    for model_type, name in (("mistral", None), ("qwen2", "Qwen2Tokenizer"), ("gemma", None),
+                             ("llava_next", "PreTrainedTokenizerFast")):
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+        assert tokenizer_choice.class_name(folder) == name, model_type
     (folder / "tokenizer.json").unlink()
-    (folder / "config.json").unlink()
-    assert not tokenizer_choice.is_tokenizers_backend(folder)
+    assert tokenizer_choice.class_name(folder) is None
 
 
 # Run in a fresh interpreter: an engine's start over the tiny Llama, with a stand-in torchvision
@@ -102,7 +109,7 @@ _START = """
 import sys
 from lmnb.runtime.engine import Runtime
 
-runtime = Runtime(sys.argv[1], device="cpu", max_total_tokens=256, disable_radix_cache=False)
+runtime = Runtime(sys.argv[1], device="cpu", max_total_tokens=256)
 runtime.shutdown()
 heavy = sorted(name for name in sys.modules
                if name in ("torchvision", "transformers.image_utils", "transformers.video_utils")
@@ -127,11 +134,3 @@ def test_engine_start_imports_no_config_classes_nor_image_utils(
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "HEAVY []" in result.stdout, result.stdout
-
-
-@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
-def test_model_types_with_their_own_class_are_not_generic(tmp_path: Path, smollm2_dir: Path,
-                                                          model_type: str) -> None:
-    folder = _bare_tokenizer_folder(tmp_path, smollm2_dir)
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
-    assert not tokenizer_choice.is_tokenizers_backend(folder)

@@ -264,10 +264,9 @@ def load_tokenizer(model_dir: Path) -> Any:
     """The HF tokenizer of a resolved model folder (no network): the class AutoTokenizer picks,
     without AutoTokenizer's import of the model's config classes where `tokenizer_choice` knows
     that class."""
-    if tokenizer_choice.is_tokenizers_backend(model_dir):
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+    cls = tokenizer_choice.tokenizer_class(model_dir)
+    if cls is not None:
+        return cls.from_pretrained(model_dir, local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
