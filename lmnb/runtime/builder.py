@@ -94,7 +94,7 @@ def build_model(config: EngineConfig) -> ModelParts:
     error is the one raised."""
     device = resolve_device(config.device)
     model_dir = loader.resolve_model_dir(config.model_path)
-    model_config = ModelConfig.from_hf(loader.load_config(model_dir)).quantized(config.quantization)
+    model_config = loader.load_model_config(model_dir).quantized(config.quantization)
     dtype = loader.resolve_dtype(config.dtype, model_config.dtype, device)
     workers: TPWorkers | None = None
     if config.tp_size > 1:

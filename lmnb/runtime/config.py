@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -281,12 +282,19 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return ()
 
 
+def _field(source: Any, name: str) -> Any:
+    """`name` of an HF config object, or of a mapping holding its values (`hf_config.read_config`);
+    None when absent."""
+    if isinstance(source, Mapping):
+        return source.get(name)
+    return getattr(source, name, None)
+
+
 def _rope(text: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling or None) from transformers 4 (`rope_theta` + `rope_scaling`) or 5
     (`rope_parameters`); the scaling dict has `rope_type` and no theta."""
-    params = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
-                  or {})
-    theta = params.pop("rope_theta", None) or getattr(text, "rope_theta", None) or 10000.0
+    params = dict(_field(text, "rope_parameters") or _field(text, "rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or _field(text, "rope_theta") or 10000.0
     rope_type = params.pop("type", None) or params.pop("rope_type", None) or "default"
     return float(theta), (None if rope_type == "default" else {"rope_type": rope_type, **params})
 
@@ -324,17 +332,19 @@ class VisionConfig:
 
     @classmethod
     def from_hf(cls, vision: Any) -> VisionConfig:
-        model_type = getattr(vision, "model_type", None) or ""
+        model_type = _field(vision, "model_type") or ""
         if model_type not in _VISION_MODEL_TYPES:
             raise ValueError(f"vision tower {model_type!r} is not supported "
                              f"({', '.join(_VISION_MODEL_TYPES)})")
-        return cls(model_type=model_type, hidden_size=vision.hidden_size,
-                   intermediate_size=vision.intermediate_size,
-                   num_layers=vision.num_hidden_layers, num_heads=vision.num_attention_heads,
-                   image_size=vision.image_size, patch_size=vision.patch_size,
-                   num_channels=getattr(vision, "num_channels", 3) or 3,
-                   hidden_act=getattr(vision, "hidden_act", "quick_gelu") or "quick_gelu",
-                   layer_norm_eps=float(getattr(vision, "layer_norm_eps", 1e-5) or 1e-5))
+        return cls(model_type=model_type, hidden_size=_field(vision, "hidden_size"),
+                   intermediate_size=_field(vision, "intermediate_size"),
+                   num_layers=_field(vision, "num_hidden_layers"),
+                   num_heads=_field(vision, "num_attention_heads"),
+                   image_size=_field(vision, "image_size"),
+                   patch_size=_field(vision, "patch_size"),
+                   num_channels=_field(vision, "num_channels") or 3,
+                   hidden_act=_field(vision, "hidden_act") or "quick_gelu",
+                   layer_norm_eps=float(_field(vision, "layer_norm_eps") or 1e-5))
 
 
 _VISION_MODEL_TYPES = ("clip_vision_model",)
@@ -390,29 +400,34 @@ class MultimodalConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, image_token_id: int | None) -> MultimodalConfig:
-        model_type = getattr(hf_config, "model_type", "")
-        layers = getattr(hf_config, "vision_feature_layer", -2)
+        """From an HF config object or a mapping of its values (see `ModelConfig.from_hf`)."""
+
+        def read(name: str, default: Any) -> Any:
+            value = _field(hf_config, name)
+            return default if value is None else value
+
+        model_type = read("model_type", "")
+        layers = read("vision_feature_layer", -2)
         layers = (layers,) if isinstance(layers, int) else tuple(layers)
-        pinpoints = getattr(hf_config, "image_grid_pinpoints", None)
+        pinpoints = _field(hf_config, "image_grid_pinpoints")
         if model_type == "llava":
             pinpoints = None  # LLaVA-1.5 ignores a pinpoints entry
-        video_token = getattr(hf_config, "video_token_id", None)
+        video_token = _field(hf_config, "video_token_id")
         if video_token is None:
-            video_token = getattr(hf_config, "video_token_index", None)
-        pool_mode = getattr(hf_config, "spatial_pool_mode", None) if video_token is not None \
-            else None
+            video_token = _field(hf_config, "video_token_index")
+        pool_mode = _field(hf_config, "spatial_pool_mode") if video_token is not None else None
         return cls(
-            vision=VisionConfig.from_hf(hf_config.vision_config),
+            vision=VisionConfig.from_hf(_field(hf_config, "vision_config")),
             image_token_id=image_token_id,
             video_token_id=video_token,
             feature_layers=layers,
-            select_strategy=getattr(hf_config, "vision_feature_select_strategy", "default"),
-            projector_act=getattr(hf_config, "projector_hidden_act", "gelu"),
-            projector_bias=bool(getattr(hf_config, "multimodal_projector_bias", True)),
+            select_strategy=read("vision_feature_select_strategy", "default"),
+            projector_act=read("projector_hidden_act", "gelu"),
+            projector_bias=bool(read("multimodal_projector_bias", True)),
             image_grid_pinpoints=(tuple((int(h), int(w)) for h, w in pinpoints)
                                   if pinpoints else None),
             spatial_pool_mode=pool_mode,
-            spatial_pool_stride=int(getattr(hf_config, "spatial_pool_stride", 2) or 2),
+            spatial_pool_stride=int(_field(hf_config, "spatial_pool_stride") or 2),
         )
 
 
@@ -473,18 +488,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
-        """Normalise an HF `PretrainedConfig` (or any object with its attributes); a nested
-        `text_config` (LLaVA and its relatives) supplies the decoder's fields."""
-        text = getattr(hf_config, "text_config", None) or hf_config
-        if isinstance(text, dict):
+        """Normalise an HF `PretrainedConfig` (or any object with its attributes), or a mapping
+        holding the values such a config holds, sub-configs as mappings (what
+        `models.hf_config.read_config` makes of a config.json); a nested `text_config` (LLaVA
+        and its relatives) supplies the decoder's fields."""
+        text = _field(hf_config, "text_config") or hf_config
+        if isinstance(text, Mapping) and not isinstance(hf_config, Mapping):
             raise ValueError("text_config must be a config object, not a dict")
 
         def read(name: str, default: Any = None) -> Any:
-            value = getattr(text, name, None)
+            value = _field(text, name)
             return default if value is None else value
 
         def top_or_text(name: str) -> Any:
-            value = getattr(hf_config, name, None)
+            value = _field(hf_config, name)
             return read(name) if value is None else value
 
         num_heads = read("num_attention_heads")
@@ -492,8 +509,8 @@ class ModelConfig:
         if num_heads is None or hidden_size is None:
             raise ValueError(f"{type(hf_config).__name__} has no num_attention_heads/hidden_size: "
                              "not a decoder config this runtime can serve")
-        context = next((getattr(text, k) for k in _CONTEXT_KEYS
-                        if isinstance(getattr(text, k, None), int)), None)
+        context = next((_field(text, k) for k in _CONTEXT_KEYS
+                        if isinstance(_field(text, k), int)), None)
         if context is None:
             raise ValueError(f"{type(hf_config).__name__} states no context length "
                              f"({', '.join(_CONTEXT_KEYS)})")
@@ -506,15 +523,15 @@ class ModelConfig:
             checkpoint_dtype = canonical_dtype(checkpoint_dtype) if checkpoint_dtype else None
         except ValueError:
             checkpoint_dtype = None
-        architectures = getattr(hf_config, "architectures", None) or []
-        image_token = getattr(hf_config, "image_token_id", None)
+        architectures = _field(hf_config, "architectures") or []
+        image_token = _field(hf_config, "image_token_id")
         if image_token is None:
-            image_token = getattr(hf_config, "image_token_index", None)
+            image_token = _field(hf_config, "image_token_index")
         multimodal = (MultimodalConfig.from_hf(hf_config, image_token)
-                      if getattr(hf_config, "vision_config", None) is not None else None)
+                      if _field(hf_config, "vision_config") is not None else None)
         return cls(
             architecture=architectures[0] if architectures else None,
-            model_type=getattr(hf_config, "model_type", None) or text_model_type,
+            model_type=_field(hf_config, "model_type") or text_model_type,
             text_model_type=text_model_type,
             num_layers=read("num_hidden_layers"),
             hidden_size=hidden_size,
@@ -539,5 +556,5 @@ class ModelConfig:
             image_token_id=image_token,
             video_token_id=multimodal.video_token_id if multimodal else None,
             multimodal=multimodal,
-            quantization=checkpoint_quantization(getattr(hf_config, "quantization_config", None)),
+            quantization=checkpoint_quantization(_field(hf_config, "quantization_config")),
         )

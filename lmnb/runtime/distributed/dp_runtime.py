@@ -31,7 +31,7 @@ from lmnb.multimodal.processor import MediaProcessor
 from lmnb.params import InvalidRequestError
 from lmnb.runtime import request_checks
 from lmnb.runtime.chat import apply_chat_template
-from lmnb.runtime.config import EngineConfig, ModelConfig
+from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.distributed.replica import (
     ProcessReplica,
     Replica,
@@ -106,7 +106,7 @@ class DataParallelRuntime:
         self.replica_backend = replica_backend
         self.device, self.dtype = config.device, config.dtype
         self.model_dir = loader.resolve_model_dir(config.model_path)
-        self.model_config = ModelConfig.from_hf(loader.load_config(self.model_dir))
+        self.model_config = loader.load_model_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(
             loader.resolve_model_dir(config.tokenizer_path) if config.tokenizer_path
             else self.model_dir)

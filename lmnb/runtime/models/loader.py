@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from lmnb.runtime.config import ModelConfig, canonical_dtype
 from lmnb.runtime.distributed.group import TPGroup, building_with
-from lmnb.runtime.models import registry
+from lmnb.runtime.models import hf_config, registry, tokenizer_choice
 from lmnb.runtime.models.layers.fp8 import is_fp8
 from lmnb.runtime.models.layers.linear import SHARDED_LAYERS, check_tp_model
 from lmnb.runtime.models.layers.weights import CheckpointSlice
@@ -246,19 +246,27 @@ def _has_chat_template(model_dir: Path) -> bool:
 
 
 def load_config(model_dir: Path) -> PretrainedConfig:
-    """The HF config of a resolved model folder (no network)."""
+    """The HF config object of a resolved model folder (no network); the engine reads
+    `load_model_config`, which does not import transformers' config classes."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
-    """The normalised `ModelConfig` of a resolved model folder (no network)."""
-    return ModelConfig.from_hf(load_config(model_dir))
+    """The normalised `ModelConfig` of a resolved model folder (no network): config.json read as
+    plain data for the model types `hf_config` covers, through AutoConfig for the others."""
+    fields = hf_config.read_config(model_dir)
+    return ModelConfig.from_hf(fields if fields is not None else load_config(model_dir))
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """The HF tokenizer of a resolved model folder (no network)."""
+    """The HF tokenizer of a resolved model folder (no network): the class AutoTokenizer picks,
+    without AutoTokenizer's import of the model's config classes where `tokenizer_choice` knows
+    that class."""
+    cls = tokenizer_choice.tokenizer_class(model_dir)
+    if cls is not None:
+        return cls.from_pretrained(model_dir, local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

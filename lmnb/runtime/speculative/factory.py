@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from lmnb.runtime.config import EngineConfig, ModelConfig
+from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
@@ -36,7 +36,7 @@ def _draft_model(spec: SpeculativeConfig, *, engine_config: EngineConfig, target
     `mem_fraction_static`."""
     assert spec.draft_model_path is not None
     model_dir = loader.resolve_model_dir(spec.draft_model_path)
-    model_config = ModelConfig.from_hf(loader.load_config(model_dir))
+    model_config = loader.load_model_config(model_dir)
     if model_config.vocab_size > target.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({model_config.vocab_size}) is larger "
                          f"than the target's ({target.vocab_size}): they must share a tokenizer")
