@@ -178,6 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--disable-fused-kernels", action="store_true")
     parser.add_argument("--max-total-tokens", type=int, default=None)
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (Runtime's option)")
+    parser.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_e4m3")
     parser.add_argument("--top", type=int, default=15, help="top kernels printed per window")
     parser.add_argument("--output", type=Path, default=None,
                         help="default bench/results/profile_offline_<model>.json")
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      attention_backend=args.attention_backend,
                      disable_cuda_graph=args.disable_cuda_graph,
                      disable_fused_kernels=args.disable_fused_kernels,
+                     **({"quantization": args.quantization} if args.quantization else {}),
+                     **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}),
                      **({"disable_overlap_schedule": True} if args.disable_overlap_schedule
                         else {}), **options)
         try:
