@@ -33,6 +33,9 @@ def _bare_tokenizer_folder(root: Path, source: Path) -> Path:
 
 
 def _signature(tokenizer: Any) -> dict[str, Any]:
+    # a tokenizer folder may ship without a template ($LMNB_TOKENIZER_DIR on the GPU machine):
+    # then both must lack it, and there is no chat output to compare
+    chatting = tokenizer.chat_template is not None
     return {
         "class": type(tokenizer),
         "len": len(tokenizer),
@@ -44,8 +47,9 @@ def _signature(tokenizer: Any) -> dict[str, Any]:
         "template": tokenizer.chat_template,
         "chat": [tokenizer.apply_chat_template(MESSAGES, tokenize=False,
                                                add_generation_prompt=prompt)
-                 for prompt in (False, True)],
-        "chat_ids": tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True),
+                 for prompt in (False, True)] if chatting else None,
+        "chat_ids": (tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+                     if chatting else None),
     }
 
 
