@@ -9,7 +9,12 @@ logits copied to fp32 first, in the step (what `compute_logits` returned before 
 model's dtype): its extra device time is the copy. The script uses only `Sampler`'s public API,
 so a checkout of an older commit runs it too (copy the file there) for a before/after.
 
+`--sweep` times `race.sample_rows` alone (the one read of every row: draws, greedy ids,
+verdicts) over its block, warps and slices per row, device microseconds per call by CUDA events,
+beside a bare read of the logits (`amax`) for the bandwidth floor.
+
     python bench/sampler_step.py --upcast                 # bf16 and fp32-copy rows
+    python bench/sampler_step.py --sweep                  # the kernel's launch settings
     python bench/sampler_step.py --batch 64 --steps 100
 """
 
@@ -81,6 +86,46 @@ def measure(sampler: Sampler, logits: torch.Tensor, rows: list[ReqState], *, upc
             "kernels": [{"name": name, "us": us} for name, us in kernels]}
 
 
+def _device_us(call: Callable[[], Any], steps: int) -> float:
+    for _ in range(3):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        call()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / steps
+
+
+def sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
+    """`race.sample_rows` over every row at temperature 0.6, per launch setting; the reference
+    setting's ids must not change with the others (the draw does not depend on them)."""
+    from lmnb.runtime.sampling import race
+
+    n = logits.shape[0]
+    rows = torch.arange(n, device="cuda")
+    temps = torch.full((n,), 0.6, device="cuda")
+    floors = torch.full((n,), float("-inf"), device="cuda")
+    seeds = torch.randint(race.SEED_BOUND, (n,), device="cuda")
+    reference = race.sample_rows(logits, rows, temps, floors, seeds)
+    out = [{"setting": "amax (a bare read)",
+            "us": _device_us(lambda: logits.amax(dim=-1), steps)},
+           {"setting": "default", "us": _device_us(
+               lambda: race.sample_rows(logits, rows, temps, floors, seeds), steps)}]
+    for block in (1024, 2048, 4096):
+        for warps in (4, 8):
+            for splits in (1, 2, 4, 8, 16):
+                def call(block: int = block, warps: int = warps, splits: int = splits) -> Any:
+                    return race.sample_rows(logits, rows, temps, floors, seeds, splits=splits,
+                                            block=block, warps=warps)
+
+                assert torch.equal(call(), reference), (block, warps, splits)
+                out.append({"setting": f"block {block} warps {warps} splits {splits}",
+                            "us": _device_us(call, steps)})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=234)
@@ -89,6 +134,8 @@ def main() -> None:
     parser.add_argument("--upcast", action="store_true",
                         help="also each case with the logits copied to fp32 in the step")
     parser.add_argument("--top-kernels", type=int, default=6)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also race.sample_rows alone over its launch settings")
     parser.add_argument("--out", default=str(RESULTS_DIR / "sampler_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -113,8 +160,12 @@ def main() -> None:
     print(f"\nbatch {args.batch}, vocabulary {args.vocab:,}, {args.steps} steps per case")
     print(format_table(["case", "logits", "ms/step (wall)", "device us/step", "kernels/step"],
                        table))
+    settings = sweep(logits, args.steps) if args.sweep else []
+    if settings:
+        print(format_table(["race.sample_rows, bf16, T 0.6", "device us/call"],
+                           [[row["setting"], row["us"]] for row in settings]))
     path = write_json(args.out, {"environment": environment("cuda"), "args": vars(args),
-                                 "results": results})
+                                 "results": results, "sweep": settings})
     print(f"wrote {path}")
 
 

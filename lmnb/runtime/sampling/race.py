@@ -167,29 +167,30 @@ def race_logits(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Te
     return scores.masked_fill(x < floors, float("-inf")).argmax(dim=-1)
 
 
-BLOCK = 1024
+BLOCK = 1024  # tokens per step of a program
+WARPS = 4
 _PROGRAMS = 1024  # enough (row, slice) programs to keep every SM streaming
 _PICK_ROWS = 64
 
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
-                floors: torch.Tensor, seeds: torch.Tensor, *,
-                splits: int | None = None) -> torch.Tensor:
+                floors: torch.Tensor, seeds: torch.Tensor, *, splits: int | None = None,
+                block: int = BLOCK, warps: int = WARPS) -> torch.Tensor:
     """[n] int64 token ids of rows `rows` [n] of `logits` [bs, V] (float32, bfloat16 or float16,
     unit column stride), in one read of each row (Triton: CUDA, or CPU tensors in the
     interpreter): a row with temperatures[j] > 0 races (`race_logits`' token) over the tokens whose
     logit is >= floors[j], any other row takes its first maximal logit; MASKED for a row whose
     every logit is -inf, NOT_FINITE for one holding NaN or +inf. `temperatures`, `floors` [n]
     float32 and `seeds` [n] int64, contiguous. Each row's vocabulary is cut into `splits` slices
-    read by separate programs (default: enough for ~1,000 programs, each slice >= 8 blocks);
-    the draw does not depend on them. No host sync."""
+    read by separate programs (default: enough for ~1,000 programs, each slice >= 8 blocks of
+    `block` tokens; `warps` per program); the draw does not depend on them. No host sync."""
     assert logits.stride(1) == 1 and logits.dtype in (torch.float32, torch.bfloat16,
                                                        torch.float16)
     n, vocab = len(rows), logits.shape[1]
-    blocks = triton.cdiv(vocab, BLOCK)
+    blocks = triton.cdiv(vocab, block)
     if splits is None:
         splits = max(1, min(triton.cdiv(_PROGRAMS, max(n, 1)), blocks // 8))
-    chunk = triton.cdiv(blocks, splits) * BLOCK
+    chunk = triton.cdiv(blocks, splits) * block
     splits = triton.cdiv(vocab, chunk)
     device = logits.device
     scores = torch.empty((2, n, splits), dtype=torch.float32, device=device)  # top, best
@@ -198,7 +199,7 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Te
     if n:
         _sample_rows_kernel[(n, splits)](
             logits, rows, temperatures, floors, seeds, scores[0], at[0], scores[1], at[1], vocab,
-            logits.stride(0), chunk, BLOCK=BLOCK, num_warps=4)
+            logits.stride(0), chunk, BLOCK=block, num_warps=warps)
         _pick_kernel[(triton.cdiv(n, _PICK_ROWS),)](
             scores[0], at[0], scores[1], at[1], temperatures, ids, n, splits, ROWS=_PICK_ROWS,
             SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4)
