@@ -72,7 +72,7 @@ def test_greedy_rows_and_verdicts_in_the_same_read(device: str, dtype: torch.dty
     gen = torch.Generator().manual_seed(1)
     wide = (torch.randn(12, vocab + 6, generator=gen) * 3).to(dtype)
     logits = wide[:, :vocab]
-    logits[0, [2400, 90, 1500]] = 20.0  # greedy: a three-way tie across slices, first one wins
+    logits[0, [2400, 1114, 90, 1500]] = 20.0  # greedy: a tie within a lane and across slices
     logits[1, :] = float("-inf")  # greedy, MASKED
     logits[2, :] = float("-inf")  # racing, MASKED
     logits[3, 2499] = float("nan")  # greedy, NOT_FINITE (the last column)
@@ -92,7 +92,7 @@ def test_greedy_rows_and_verdicts_in_the_same_read(device: str, dtype: torch.dty
     assert expected[7] >= 2000 and expected[8:10] == [1024, NOT_FINITE]
     rows = torch.arange(12)
     args = [t.to(device) for t in (logits, rows, temps, floors, seeds)]
-    for splits in (1, 3):  # 3: one block per slice, the tie's three columns in three slices
+    for splits in (1, 3):  # 3: one block per slice, the tie's columns in three slices
         got = race.sample_rows(*args, splits=splits)
         assert got.dtype == torch.int64 and got.cpu().tolist() == expected, splits
     subset = torch.tensor([11, 0, 8]).to(device)  # some rows, in any order
