@@ -6,6 +6,11 @@ renormalised set, min-p). Every sampled row draws by the exponential race (race.
 from its own seed: `full` rows over the whole vocabulary in one read of their logits, `cut` rows
 over a window of their best logits (see SamplingBatchInfo), so a seeded row's token depends only on
 its own logits and generator.
+
+Logits come in the model's dtype and are not copied unless something adjusts them (penalties,
+min_new_tokens, a grammar mask: an fp32 copy); kernels and the torch ops that need fp32 upcast
+as they read (exact), so bf16 logits sample exactly as their fp32 upcast would. On a GPU, a batch
+with sampled rows reads each row once (`race.sample_rows`: draws, greedy ids and verdicts).
 """
 
 from __future__ import annotations
