@@ -42,6 +42,20 @@ def test_kernel_matches_log_softmax_and_topk(device: str, k: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_kernel_reads_bf16_as_its_float32_upcast(device: str) -> None:
+    """bf16 logits read as they are (the model's dtype) give exactly their upcast's result."""
+    gen = torch.Generator().manual_seed(7)
+    raw = (torch.randn(3, 5000, generator=gen) * 4).bfloat16()
+    raw[0, 4999] = 40.0
+    raw[1, :4990] = float("-inf")
+    ids = torch.tensor([4999, 4995, 12])
+    raw, ids = raw.to(device), ids.to(device)
+    out = logprob_kernel.packed_logprobs(raw, ids, 5)
+    assert torch.equal(out, logprob_kernel.packed_logprobs(raw.float(), ids, 5))
+    assert out[0, 2 + 5] == 4999
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sampler_through_the_kernel_matches_torch_ops(device: str, monkeypatch) -> None:
     """The sampler's logprobs of the rows that ask (some rows do not), through the kernel and
     through torch ops: the same ids and top ids, logprobs to float rounding."""
@@ -71,7 +85,8 @@ from triton.compiler import ASTSource
 from lmnb.runtime.sampling import logprob_kernel
 signature = {"RAW": "*fp32", "IDS": "*i64", "OUT": "*fp32", "vocab": "i32", "stride": "i32",
              "out_stride": "i32", "K": "i32", "KP": "constexpr", "BLOCK": "constexpr"}
-for kp in (2, 8, 16):
+for kp, raw in ((2, "*fp32"), (8, "*fp32"), (16, "*fp32"), (8, "*bf16")):
+    signature["RAW"] = raw
     triton.compile(ASTSource(fn=logprob_kernel._packed_logprobs_kernel, signature=signature,
                              constexprs={"KP": kp, "BLOCK": 4096}),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

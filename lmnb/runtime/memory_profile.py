@@ -280,10 +280,10 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
         ladder = batch_size_ladder(shape.graph_max_bs)
         for bs in ladder:
             backend.prepare_for_capture(bs)
-        rows = sum(ladder[:-1])  # each graph keeps its fp32 logits (the largest: in the pool)
+        rows = sum(ladder[:-1])  # each graph keeps its logits (the largest: in the pool)
         if backend.supports_shared_prefixes:  # and so does each shared-prefix variant
             rows += sum(bs for bs in ladder if bs >= SHARED_MIN_BS)
-        logits_bytes = 4 * vocab_size * rows
+        logits_bytes = dtype.itemsize * vocab_size * rows  # the model's dtype
         graph_static = meter.allocated() - before + logits_bytes
     del run, backend, storage, req_pool
     return ActivationProfile(prefill_bytes=prefill, decode_bytes=decode,

@@ -493,7 +493,8 @@ class ModelRunner:
                 continue
             first_row = span_rows[0]
             rows = torch.arange(first_row, first_row + len(span.targets), device=hidden.device)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1,
+                                         dtype=torch.float32)
             target_ids = torch.tensor(span.targets, device=logprobs.device)
             # Media pad ids (>= vocab_size) are no token of the vocabulary: no logprob.
             chosen = logprobs.gather(1, target_ids.clamp(max=self.vocab_size - 1)[:, None])

@@ -106,3 +106,58 @@ def test_logprobs_and_top_logprobs_agree_with_the_cpu(top: int) -> None:
                                    atol=1e-5, rtol=0)
     else:
         assert cuda[2] is None and cpu[2] is None
+
+
+LLAMA3_VOCAB = 128256
+
+
+@pytest.mark.parametrize("mixed", [False, True])  # False: the offline workload's rows (T 0.6)
+def test_bf16_logits_sample_as_their_fp32_upcast(mixed: bool, monkeypatch) -> None:
+    """bf16 logits at Llama-3's vocabulary (what `compute_logits` returns, rows padded wider than
+    the vocabulary): through `race.sample_rows` (one read of each row, compiled) the same ids as
+    their fp32 upcast and as the torch path, verdicts of NaN / all -inf rows included, logprobs
+    the upcast's exactly, and no host sync."""
+    from lmnb.runtime.sampling import sampler as sampler_module
+
+    bs = 64
+
+    def rows() -> list[ReqState]:  # fresh: the seeded rows' generators start over
+        reqs = _reqs(bs, "cuda")
+        for i, req in enumerate(reqs):
+            req.req.top_logprobs_num = i % 3
+            if not mixed:
+                req.req.sampling_params = SamplingParams(temperature=0.6)
+        return reqs
+
+    sampler = Sampler(LLAMA3_VOCAB, {EOS})
+    torch.manual_seed(3)
+    logits = (torch.randn(bs, LLAMA3_VOCAB + 64, device="cuda") * 3).bfloat16()
+    logits[5, 1000] = float("nan")
+    logits[9, :] = float("-inf")
+    results = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(sampler_module, "KERNEL_DEVICES", ("cuda",) if kernel else ())
+        for dtype in (torch.bfloat16, torch.float32):
+            x = logits.to(dtype)
+            sampler(x, sampler.batch_info(rows(), "cuda"))  # warm-up (allocator, kernels)
+            info = sampler.batch_info(rows(), "cuda")
+            torch.manual_seed(4)  # the unseeded rows' seeds
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = sampler(x, info)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            results[kernel, dtype] = (out.next_token_ids.cpu(), out.packed_logprobs.cpu())
+    ids, packed = results[True, torch.bfloat16]
+    assert ids[5] == -2 and ids[9] == -1 and int((ids < 0).sum()) == 2
+    reqs = rows()
+    adjusted = sampler.adjusted_logits(logits, sampler.batch_info(reqs, "cuda"))
+    for row, req in enumerate(reqs):
+        if req.sampling_params.temperature == 0.0 and row != 9:
+            assert ids[row] == adjusted[row].argmax()
+    for (kernel, dtype), (got_ids, got_packed) in results.items():
+        assert torch.equal(got_ids, ids), (kernel, dtype)
+        exact = 0 if kernel else 1e-5  # torch's log_softmax may reduce bf16 in another order
+        torch.testing.assert_close(got_packed, results[kernel, torch.float32][1], atol=exact,
+                                   rtol=0, equal_nan=True)

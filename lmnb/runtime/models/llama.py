@@ -202,10 +202,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch, input_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[tokens, vocab] logits in the model's dtype (the sampler reads bf16 rows as they are;
+        a [234, 128k] fp32 copy per decode step costs as much as reading them twice)."""
         logits = self.logits_projection(hidden, self.lm_head_weight)
         if self.tp is not None:  # this rank's vocabulary shard -> all of it, on every rank
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
-        return logits.float()
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """HF-named checkpoint tensors (or lazy `CheckpointSlice`s: a tensor-parallel rank reads

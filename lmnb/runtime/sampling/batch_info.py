@@ -38,6 +38,7 @@ class RowGroup:
 
     def __init__(self, positions: list[int], params: list[SamplingParams], vocab_size: int,
                  batch_size: int, device: torch.device) -> None:
+        self.positions = positions
         self.rows = device_tensor(positions, torch.int64, device)
         self.size = len(positions)
         self.whole_batch = self.size == batch_size
@@ -53,6 +54,28 @@ class RowGroup:
 
     def take(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.whole_batch else logits[self.rows]
+
+
+class RaceColumns:
+    """Every row of a batch with a sampled row as `race.sample_rows` reads them, [bs] each:
+    `rows` 0..bs-1, `temperatures` a full row's (0 for greedy and cut rows: they take their largest
+    logit), `floor_offsets` T log(min_p) of the full rows with a min-p (the floor below the row's
+    largest logit; -inf elsewhere; None when no row has one), `no_floors` -inf."""
+
+    def __init__(self, params: list[SamplingParams], full: RowGroup | None,
+                 device: torch.device) -> None:
+        full_rows = set() if full is None else set(full.positions)
+        size = len(params)
+        self.rows = torch.arange(size, device=device)
+        temperatures = [p.temperature if i in full_rows else 0.0 for i, p in enumerate(params)]
+        self.temperatures = device_tensor(temperatures, torch.float32, device)
+        self.no_floors = torch.full((size,), float("-inf"), device=device)
+        self.floor_offsets = None
+        if full is not None and full.any_min_p:
+            min_ps = device_tensor([p.min_p if i in full_rows else 0.0
+                                    for i, p in enumerate(params)], torch.float32, device)
+            self.floor_offsets = torch.where(min_ps > 0, self.temperatures * torch.log(min_ps),
+                                             self.no_floors)
 
 
 class SamplingBatchInfo:
@@ -85,6 +108,8 @@ class SamplingBatchInfo:
                      if full else None)
         self.cut = (RowGroup(cut, [params[i] for i in cut], vocab_size, len(params), device)
                     if cut else None)
+        self.race = (None if self.all_greedy
+                     else RaceColumns(params, self.full, device))
         # The cut rows' window: on a GPU wide enough for every row at once (no host sync); on
         # the CPU top-p-only rows start narrow and widen while their nucleus does not fit.
         self.cut_window = vocab_size

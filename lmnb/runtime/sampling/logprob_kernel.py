@@ -35,7 +35,7 @@ def _packed_logprobs_kernel(RAW, IDS, OUT, vocab, stride, out_stride, K,
     s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)  # sum of exp(x - m)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
         chunk_max = tl.max(x, 0)
         new_m = tl.maximum(m, chunk_max)
         safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # all -inf so far: nothing to add
@@ -61,7 +61,7 @@ def _packed_logprobs_kernel(RAW, IDS, OUT, vocab, stride, out_stride, K,
     sampled = tl.load(IDS + i)
     tl.store(row, sampled.to(tl.float32))
     token = tl.minimum(tl.maximum(sampled, 0), vocab - 1)  # MASKED rows: any id's logprob
-    tl.store(row + 1, tl.load(base + token) - lse)
+    tl.store(row + 1, tl.load(base + token).to(tl.float32) - lse)
     for r in tl.static_range(KP):  # the k slots, best first
         if r < K:
             live = tl.where(slots < K, top_v, float("-inf"))
@@ -74,9 +74,11 @@ def _packed_logprobs_kernel(RAW, IDS, OUT, vocab, stride, out_stride, K,
 
 
 def packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """[n, 2 + 2k] float32 of `raw` [n, V] float32 logits (unit column stride) and the sampled
-    `ids` [n] (negative: a row that could not be sampled, any id's logprob), `k` <= MAX_K."""
-    assert raw.dtype == torch.float32 and raw.stride(1) == 1 and 0 <= k <= MAX_K
+    """[n, 2 + 2k] float32 of `raw` [n, V] logits (float32, bfloat16 or float16, read as they are
+    and computed in float32; unit column stride) and the sampled `ids` [n] (negative: a row that
+    could not be sampled, any id's logprob), `k` <= MAX_K."""
+    assert raw.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert raw.stride(1) == 1 and 0 <= k <= MAX_K
     n, vocab = raw.shape
     out = torch.empty(n, 2 + 2 * k, dtype=torch.float32, device=raw.device)
     if n:

@@ -9,8 +9,13 @@ Triton kernel: a row's draw depends only on its weights and its seed, so a seede
 do not depend on its batch. Seeds are [rows] int64 tensors on the device (`row_seeds`): random
 per step, or drawn from a request's own generator.
 
+On a GPU, `sample_rows` reads each row once in its own dtype (bf16 logits are upcast in the
+kernel, which is exact) and gives, besides the race's winner, the row's largest logit: the greedy
+rows' token (its first index) and the MASKED / NOT_FINITE verdicts, without a separate max pass.
+
     race_weights(weights [rows, n], seeds [rows], columns [rows, n]) -> [rows] positions
     race_logits(logits [bs, V], rows [n], temperatures [n, 1], floors [n, 1], seeds [n]) -> [n] ids
+    sample_rows(logits [bs, V], rows [n], temperatures [n], floors [n], seeds [n]) -> [n] ids
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.sampling.output import MASKED, NOT_FINITE
+
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 _MIX1 = 0x7FEB352D
 _MIX2 = 0x846CA68B
 SEED_BOUND = 1 << 31
+_MASKED = tl.constexpr(MASKED)  # the verdicts, as the kernels see them
+_NOT_FINITE = tl.constexpr(NOT_FINITE)
 
 
 def row_seeds(size: int, generators: list[tuple[int, torch.Generator]],
@@ -75,69 +84,123 @@ def _hash32_tl(x):
 
 
 @triton.jit
-def _race_logits_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, BEST, BEST_ID, vocab, stride, chunk,
-                        BLOCK: tl.constexpr):
-    """Program (i, s) races row ROWS[i]'s tokens s * chunk : (s + 1) * chunk and stores the
-    winner's score and id (the smallest id among equal scores) at [i, s]."""
+def _sample_rows_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, TOP, TOP_ID, BEST, BEST_ID, vocab,
+                        stride, chunk, BLOCK: tl.constexpr):
+    """Program (i, s) reads row ROWS[i]'s tokens s * chunk : (s + 1) * chunk and stores at [i, s]
+    their largest logit (NaN if one is NaN) with its first index, and, for a row with TEMPS > 0,
+    the race's best score with the smallest id among equal scores."""
     i = tl.program_id(0)
     part = tl.program_id(1)
-    splits = tl.num_programs(1)
+    at = i * tl.num_programs(1) + part
     row = tl.load(ROWS + i).to(tl.int64)
-    inv_t = 1.0 / tl.load(TEMPS + i)
+    temperature = tl.load(TEMPS + i)
+    races = temperature > 0
+    inv_t = 1.0 / tl.where(races, temperature, 1.0)
     floor = tl.load(FLOORS + i)  # logits below it are out of the support (min-p); -inf: none
     seed = tl.load(SEEDS + i).to(tl.uint32)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    top_id = tl.zeros([BLOCK], tl.int32)
+    nan = tl.zeros([BLOCK], tl.int32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.zeros([BLOCK], tl.int32)  # a row with no finite score draws id 0
     end = tl.minimum((part + 1) * chunk, vocab)
     for start in range(part * chunk, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(LOGITS + row * stride + cols, mask=cols < end, other=float("-inf"))
-        h = _hash32_tl(_hash32_tl((cols.to(tl.uint32) * 0x9E3779B9) ^ seed))
-        uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
-        score = tl.where(x >= floor, x * inv_t - tl.log(-tl.log(uniform)), float("-inf"))
-        better = score > best
-        best = tl.where(better, score, best)
-        best_id = tl.where(better, cols, best_id)
-    top = tl.max(best, 0)
-    tl.store(BEST + i * splits + part, top)
-    tl.store(BEST_ID + i * splits + part, tl.min(tl.where(best == top, best_id, vocab), 0))
+        x = tl.load(LOGITS + row * stride + cols, mask=cols < end,
+                    other=float("-inf")).to(tl.float32)
+        higher = x > top  # strictly: each lane keeps its first maximum
+        top = tl.where(higher, x, top)
+        top_id = tl.where(higher, cols, top_id)
+        nan = nan | (x != x).to(tl.int32)
+        if races:
+            h = _hash32_tl(_hash32_tl((cols.to(tl.uint32) * 0x9E3779B9) ^ seed))
+            uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
+            score = tl.where(x >= floor, x * inv_t - tl.log(-tl.log(uniform)),
+                             float("-inf"))
+            better = score > best
+            best = tl.where(better, score, best)
+            best_id = tl.where(better, cols, best_id)
+    largest = tl.max(top, 0)
+    tl.store(TOP_ID + at, tl.min(tl.where(top == largest, top_id, vocab), 0))
+    tl.store(TOP + at, tl.where(tl.max(nan, 0) > 0, float("nan"), largest))
+    score = tl.max(best, 0)
+    tl.store(BEST + at, score)
+    tl.store(BEST_ID + at, tl.min(tl.where(best == score, best_id, vocab), 0))
+
+
+@triton.jit
+def _pick_kernel(TOP, TOP_ID, BEST, BEST_ID, TEMPS, IDS, n, splits, ROWS: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """Per row: the first slice holding the largest score wins (so ties go to the smallest id,
+    as in one pass); the race's winner for a row with TEMPS > 0, else the first maximal logit;
+    MASKED / NOT_FINITE when the largest logit is -inf / NaN or +inf."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    slices = tl.arange(0, SPLITS)[None, :]
+    live = rows < n
+    mask = live[:, None] & (slices < splits)
+    at = rows[:, None] * splits + slices
+    top = tl.load(TOP + at, mask=mask, other=float("-inf"))
+    nan = tl.max((top != top).to(tl.int32), 1) > 0
+    top = tl.where(top != top, float("-inf"), top)
+    largest = tl.max(top, 1)
+    first = tl.min(tl.where(top == largest[:, None], slices, SPLITS), 1)
+    greedy = tl.sum(tl.where(slices == first[:, None], tl.load(TOP_ID + at, mask=mask, other=0),
+                             0), 1)
+    best = tl.load(BEST + at, mask=mask, other=float("-inf"))
+    first = tl.min(tl.where(best == tl.max(best, 1)[:, None], slices, SPLITS), 1)
+    drawn = tl.sum(tl.where(slices == first[:, None], tl.load(BEST_ID + at, mask=mask, other=0),
+                            0), 1)
+    ids = tl.where(tl.load(TEMPS + rows, mask=live, other=0.0) > 0, drawn, greedy).to(tl.int64)
+    ids = tl.where(largest == float("-inf"), _MASKED, ids)
+    ids = tl.where(nan | (largest == float("inf")), _NOT_FINITE, ids)
+    tl.store(IDS + rows, ids, mask=live)
 
 
 def race_logits(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
                 floors: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """[n] token ids: row rows[j] of `logits` [bs, V] (float32) at temperature temperatures[j]
-    over the tokens whose logit is >= floors[j] (min-p; -inf: all). One read of each row on a
-    GPU (Triton); the torch version elsewhere, with the same noise."""
-    if logits.is_cuda:
-        return race_logits_triton(logits, rows, temperatures, floors, seeds)
-    x = logits[rows]
+    """[n] token ids: row rows[j] of `logits` [bs, V] at temperature temperatures[j] over the
+    tokens whose logit is >= floors[j] (min-p; -inf: all), in torch ops (the CPU's path and the
+    reference of `sample_rows`, which draws the same tokens)."""
+    x = logits[rows].float()
     columns = torch.arange(x.shape[1], device=x.device)[None, :]
     scores = x / temperatures + gumbel_noise(seeds[:, None], columns)
     return scores.masked_fill(x < floors, float("-inf")).argmax(dim=-1)
 
 
-BLOCK = 1024
+BLOCK = 1024  # tokens per step of a program
+WARPS = 4
 _PROGRAMS = 1024  # enough (row, slice) programs to keep every SM streaming
+_PICK_ROWS = 64
 
 
-def race_logits_triton(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
-                       floors: torch.Tensor, seeds: torch.Tensor, *,
-                       splits: int | None = None) -> torch.Tensor:
-    """`race_logits` through the Triton kernel (CUDA, or CPU tensors in the interpreter). Each
-    row's vocabulary is cut into `splits` slices raced by separate programs (default: enough
-    for ~1,000 programs, each slice >= 8 blocks); the first slice holding the top score wins,
-    so ties go to the smallest id as in one pass."""
-    assert logits.stride(1) == 1 and logits.dtype == torch.float32
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
+                floors: torch.Tensor, seeds: torch.Tensor, *, splits: int | None = None,
+                block: int = BLOCK, warps: int = WARPS) -> torch.Tensor:
+    """[n] int64 token ids of rows `rows` [n] of `logits` [bs, V] (float32, bfloat16 or float16,
+    unit column stride), in one read of each row (Triton: CUDA, or CPU tensors in the
+    interpreter): a row with temperatures[j] > 0 races (`race_logits`' token) over the tokens whose
+    logit is >= floors[j], any other row takes its first maximal logit; MASKED for a row whose
+    every logit is -inf, NOT_FINITE for one holding NaN or +inf. `temperatures`, `floors` [n]
+    float32 and `seeds` [n] int64, contiguous. Each row's vocabulary is cut into `splits` slices
+    read by separate programs (default: enough for ~1,000 programs, each slice >= 8 blocks of
+    `block` tokens; `warps` per program); the draw does not depend on them. No host sync."""
+    assert logits.stride(1) == 1 and logits.dtype in (torch.float32, torch.bfloat16,
+                                                       torch.float16)
     n, vocab = len(rows), logits.shape[1]
-    blocks = triton.cdiv(vocab, BLOCK)
+    blocks = triton.cdiv(vocab, block)
     if splits is None:
         splits = max(1, min(triton.cdiv(_PROGRAMS, max(n, 1)), blocks // 8))
-    chunk = triton.cdiv(blocks, splits) * BLOCK
+    chunk = triton.cdiv(blocks, splits) * block
     splits = triton.cdiv(vocab, chunk)
-    best = torch.empty((n, splits), dtype=torch.float32, device=logits.device)
-    best_id = torch.empty((n, splits), dtype=torch.int32, device=logits.device)
+    device = logits.device
+    scores = torch.empty((2, n, splits), dtype=torch.float32, device=device)  # top, best
+    at = torch.empty((2, n, splits), dtype=torch.int32, device=device)  # their ids
+    ids = torch.empty(n, dtype=torch.int64, device=device)
     if n:
-        _race_logits_kernel[(n, splits)](
-            logits, rows, temperatures, floors, seeds, best, best_id, vocab, logits.stride(0),
-            chunk, BLOCK=BLOCK, num_warps=4)
-    return best_id.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
+        _sample_rows_kernel[(n, splits)](
+            logits, rows, temperatures, floors, seeds, scores[0], at[0], scores[1], at[1], vocab,
+            logits.stride(0), chunk, BLOCK=block, num_warps=warps)
+        _pick_kernel[(triton.cdiv(n, _PICK_ROWS),)](
+            scores[0], at[0], scores[1], at[1], temperatures, ids, n, splits, ROWS=_PICK_ROWS,
+            SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return ids

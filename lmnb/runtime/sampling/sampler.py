@@ -6,6 +6,11 @@ renormalised set, min-p). Every sampled row draws by the exponential race (race.
 from its own seed: `full` rows over the whole vocabulary in one read of their logits, `cut` rows
 over a window of their best logits (see SamplingBatchInfo), so a seeded row's token depends only on
 its own logits and generator.
+
+Logits come in the model's dtype and are not copied unless something adjusts them (penalties,
+min_new_tokens, a grammar mask: an fp32 copy); kernels and the torch ops that need fp32 upcast
+as they read (exact), so bf16 logits sample exactly as their fp32 upcast would. On a GPU, a batch
+with sampled rows reads each row once (`race.sample_rows`: draws, greedy ids and verdicts).
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from lmnb.runtime.sampling.batch_info import RowGroup, SamplingBatchInfo, Sampli
 from lmnb.runtime.sampling.bitmask import apply_bitmask_
 from lmnb.runtime.sampling.logprob_kernel import MAX_K, packed_logprobs
 from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, SampleOutput
-from lmnb.runtime.sampling.race import race_logits, race_weights, row_seeds
+from lmnb.runtime.sampling.race import race_logits, race_weights, row_seeds, sample_rows
 
 _NEG_INF = float("-inf")
 _TOP_K_BLOCK = 128  # on the CPU, `top_k` reads the best blocks of this many values
-KERNEL_DEVICES = ("cuda",)  # where logprobs come from `logprob_kernel` (tests: also "cpu")
+# Where logprobs come from `logprob_kernel` and sampled rows from `race.sample_rows` (tests: also
+# "cpu", the kernels in Triton's interpreter).
+KERNEL_DEVICES = ("cuda",)
 
 
 @dataclass
@@ -49,16 +56,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo,
                  bitmask: torch.Tensor | None = None) -> SampleOutput:
-        """Sample one token per row of `logits` [bs, >= vocab]. `bitmask` ([bs, words] int32,
+        """Sample one token per row of `logits` [bs, >= vocab] (any float dtype: bf16 is read as
+        it is and upcast where the math needs it, which is exact). `bitmask` ([bs, words] int32,
         see bitmask.py) carries grammar constraints; reported logprobs ignore it, like every
         other adjustment. No host sync: the result's `synchronize()` is the step's one wait."""
         raw = self._raw(logits, info)
         work = self._adjusted(raw, info, bitmask)
-        best, ids = work.max(dim=-1)  # first maximal index, like argmax
-        if not info.all_greedy:
-            ids = self._draw(work, info, ids, best)
-        bad = ~torch.isfinite(best)
-        ids = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
+        ids = _greedy_ids(work) if info.all_greedy else self._draw(work, info)
         packed = _token_logprobs(raw, ids, info) if info.need_logprobs else None
         return SampleOutput(ids, packed_logprobs=packed, top_width=info.max_top_logprobs,
                             top_logprobs_nums=info.top_logprobs_nums, label=info.label,
@@ -67,7 +71,7 @@ class Sampler:
     def adjusted_logits(self, logits: torch.Tensor, info: SamplingBatchInfo,
                         bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits after penalties and masks, before temperature; never modifies `logits`."""
-        return self._adjusted(self._raw(logits, info), info, bitmask)
+        return self._adjusted(self._raw(logits, info), info, bitmask).float()
 
     def distribution(self, logits: torch.Tensor, info: SamplingBatchInfo,
                      bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,10 +79,8 @@ class Sampler:
         For tests and inspection: it waits for the device."""
         work = self.adjusted_logits(logits, info, bitmask)
         best, ids = work.max(dim=-1)
-        bad = ~torch.isfinite(best)
-        if bool(bad.any()):
-            fake = ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
-            SampleOutput(fake, packed_logprobs=None, top_width=0,
+        if not bool(torch.isfinite(best).all()):
+            SampleOutput(_with_verdicts(ids, best), packed_logprobs=None, top_width=0,
                          top_logprobs_nums=info.top_logprobs_nums,
                          label=info.label).synchronize()
         return self.probabilities(work, info, ids)
@@ -106,13 +108,14 @@ class Sampler:
                 or logits.shape[1] < info.vocab_size):
             raise ValueError(f"logits must be [{info.batch_size}, >= {info.vocab_size}], "
                              f"got {tuple(logits.shape)}")
-        return logits[:, : info.vocab_size].float()
+        return logits[:, : info.vocab_size]
 
     def _adjusted(self, raw: torch.Tensor, info: SamplingBatchInfo,
                   bitmask: torch.Tensor | None) -> torch.Tensor:
+        """`raw` itself when nothing adjusts it, else an adjusted contiguous fp32 copy."""
         if not info.adjusts_logits and bitmask is None:
             return raw
-        work = raw.clone()
+        work = raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if info.penalties is not None:
             info.penalties.apply_(work)
         if info.min_new_tokens is not None and info.min_new_tokens.active:
@@ -121,26 +124,50 @@ class Sampler:
             apply_bitmask_(work, bitmask)
         return work
 
-    def _draw(self, work: torch.Tensor, info: SamplingBatchInfo, greedy_ids: torch.Tensor,
-              best: torch.Tensor) -> torch.Tensor:
-        """Greedy rows keep `greedy_ids` (`best` their logits); the others race. Seeded rows take
-        their seed from their own generator."""
+    def _draw(self, work: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """[bs] ids of a batch with sampled rows (MASKED / NOT_FINITE for rows that cannot be
+        sampled): greedy rows take their first maximal logit, the others race. Seeded rows take
+        their seed from their own generator. On a GPU one read of each row gives the full rows'
+        draws, the greedy rows' ids and every row's verdict (`race.sample_rows`)."""
         seeds = row_seeds(info.batch_size, info.generators, work.device)
-        ids = greedy_ids.clone()
-        if (full := info.full) is not None:
-            floors = torch.full_like(full.temperatures, _NEG_INF)
-            if full.any_min_p:  # p >= min_p * p_max  <=>  logit >= best + T log(min_p)
-                floors = torch.where(full.min_ps > 0, full.take(best[:, None])
-                                     + full.temperatures * torch.log(full.min_ps), floors)
-            ids[full.rows] = race_logits(work, full.rows, full.temperatures, floors,
-                                         seeds[full.rows])
+        full, race = info.full, info.race
+        assert race is not None
+        if work.device.type in KERNEL_DEVICES:
+            floors = race.no_floors
+            if race.floor_offsets is not None:  # p >= min_p p_max <=> logit >= best + T log(min_p)
+                floors = work.max(dim=-1).values.float() + race.floor_offsets
+            ids = sample_rows(work, race.rows, race.temperatures, floors, seeds)
+        else:
+            best, ids = work.max(dim=-1)  # first maximal index, like argmax
+            if full is not None:
+                floors = torch.full_like(full.temperatures, _NEG_INF)
+                if full.any_min_p:  # as `RaceColumns.floor_offsets`
+                    floors = torch.where(full.min_ps > 0, full.take(best[:, None]).float()
+                                         + full.temperatures * torch.log(full.min_ps), floors)
+                ids[full.rows] = race_logits(work, full.rows, full.temperatures, floors,
+                                             seeds[full.rows])
+            ids = _with_verdicts(ids, best)
         if info.cut is not None:
-            for support in _cut_supports(info.cut.take(work), info.cut, info.cut_window,
+            for support in _cut_supports(info.cut.take(work).float(), info.cut, info.cut_window,
                                          info.cut_may_widen):
                 assert support.ids is not None
                 choice = race_weights(support.probs, seeds[support.positions], support.ids)
-                ids[support.positions] = support.ids.gather(1, choice[:, None]).squeeze(1)
+                kept = ids[support.positions]  # a verdict stays
+                ids[support.positions] = torch.where(
+                    kept < 0, kept, support.ids.gather(1, choice[:, None]).squeeze(1))
         return ids
+
+
+def _greedy_ids(work: torch.Tensor) -> torch.Tensor:
+    best, ids = work.max(dim=-1)  # first maximal index, like argmax; one read of each row
+    return _with_verdicts(ids, best)
+
+
+def _with_verdicts(ids: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """`ids` with MASKED where the row's largest logit `best` is -inf, NOT_FINITE where it is NaN
+    or +inf."""
+    bad = ~torch.isfinite(best)
+    return ids.masked_fill(bad, MASKED).masked_fill(bad & (best != _NEG_INF), NOT_FINITE)
 
 
 def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo
@@ -161,8 +188,8 @@ def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInf
 
 
 def torch_packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """`logprob_kernel.packed_logprobs` in torch ops."""
-    logprobs = torch.log_softmax(raw, dim=-1)
+    """`logprob_kernel.packed_logprobs` in torch ops (any float dtype, computed in fp32)."""
+    logprobs = torch.log_softmax(raw, dim=-1, dtype=torch.float32)
     column = ids.unsqueeze(1)
     chosen = logprobs.gather(1, column.clamp(min=0))  # [n, 1]
     if not k:
