@@ -168,8 +168,8 @@ def race_logits(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Te
 
 
 BLOCK = 1024  # tokens per step of a program
-WARPS = 4
-_PROGRAMS = 1024  # enough (row, slice) programs to keep every SM streaming
+WARPS = 8
+_PROGRAMS = 2048  # enough (row, slice) programs to keep every SM streaming (H100 sweep)
 _PICK_ROWS = 64
 
 
@@ -182,7 +182,7 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Te
     logit is >= floors[j], any other row takes its first maximal logit; MASKED for a row whose
     every logit is -inf, NOT_FINITE for one holding NaN or +inf. `temperatures`, `floors` [n]
     float32 and `seeds` [n] int64, contiguous. Each row's vocabulary is cut into `splits` slices
-    read by separate programs (default: enough for ~1,000 programs, each slice >= 8 blocks of
+    read by separate programs (default: enough for ~2,000 programs, each slice >= 8 blocks of
     `block` tokens; `warps` per program); the draw does not depend on them. No host sync."""
     assert logits.stride(1) == 1 and logits.dtype in (torch.float32, torch.bfloat16,
                                                        torch.float16)
