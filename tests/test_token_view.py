@@ -167,6 +167,12 @@ def test_lmprogram_tokens_cell(tiny_models) -> None:
         assert views[-1]["text/html"].count("lmnb-tv-generated") == 3
         assert "metrics: time to first token" in repr(result)
         assert 'class="lmnb-metrics"' in result._repr_html_()
+        shown.clear()  # `%lmnb status` shows the runtime's metrics bar above its dashboard
+        dashboard = ip.run_line_magic("lmnb", "status")
+        dashboard.close()
+        bars = [d["text/html"] for d in shown if 'class="lmnb-metrics"' in d.get("text/html", "")]
+        assert bars and all(f'data-metric="{key}"' in bars[0] for key in (
+            "ttft", "tokens_per_s", "cache_hit", "jump_forward", "forward_passes", "kv_pool"))
     finally:
         if "lmnb" in ip.extension_manager.loaded:
             ip.run_line_magic("unload_ext", "lmnb")
