@@ -30,10 +30,12 @@ reporting: scheduler, output and programs threads).
 
 Then one long view run (`--long-gens` x `--long-tokens-per-gen`, default 10 x 1,000 = 10,000
 streamed tokens) checks that the view shows every token and what its updates cost at that size
-(their share of the run, the largest message). Where the per-token time goes: a raw `Runtime.generate` stream of the same
-request beside the program (the DSL's share), the forward passes and CUDA-graph replays per
-token, the scheduler thread's CPU per token and, on a GPU, the host time of one batch-1
-sampling step (`--sampler-calls`). JSON goes to bench/results/token_view[_cuda].json.
+(their share of the run, the largest message). Where the per-token time goes: a raw
+`Runtime.generate` stream of the same request beside the program (the DSL's share), the forward
+passes and CUDA-graph replays per token, the scheduler thread's CPU per token, its stack sampled
+every 2 ms over one more plain run (`ThreadProfile`; `--no-profile` skips it) and, on a GPU, the
+host time of one batch-1 sampling step (`--sampler-calls`). JSON goes to
+bench/results/token_view[_cuda].json.
 
     python bench/token_view.py                     # CPU: 10 blocks x 1,000 tokens + 10,000
     python bench/token_view.py --device cuda       # GPU: 8 blocks x 1,000 tokens + 10,000 (~70 s)
@@ -56,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +158,50 @@ def thread_cpu() -> dict[str, float]:
         out[thread.name] = out.get(thread.name, 0.0) + seconds
     out["native"] = time.process_time() - sum(out.values())
     return out
+
+
+class ThreadProfile:
+    """Samples one thread's Python stack (by thread name) every `interval` seconds on a thread of
+    its own: per function (file:name, lmnb's and torch's), the share of samples it was on the
+    stack. Where a host-bound thread's wall time goes, C++ calls charged to their Python
+    caller."""
+
+    def __init__(self, name: str, interval: float = 0.002) -> None:
+        self.name = name
+        self.interval = interval
+        self.inclusive: Counter[str] = Counter()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-profile", daemon=True)
+
+    def __enter__(self) -> ThreadProfile:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            target = next((t.ident for t in threading.enumerate() if t.name == self.name), None)
+            frame = sys._current_frames().get(target or -1)
+            if frame is None:
+                continue
+            self.samples += 1
+            names = set()
+            while frame is not None:
+                code = frame.f_code
+                path = code.co_filename
+                short = path.split("/lmnb/", 1)[1] if "/lmnb/" in path else path.rsplit("/", 1)[-1]
+                names.add(f"{short}:{code.co_name}")
+                frame = frame.f_back
+            self.inclusive.update(names)
+
+    def top(self, count: int) -> list[tuple[str, float]]:
+        ranked = [(name, n) for name, n in self.inclusive.most_common()
+                  if not name.startswith("threading.py:")]
+        return [(name, n / max(self.samples, 1)) for name, n in ranked[:count]]
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -343,8 +390,11 @@ def per_token_threads(blocks: list[dict[str, dict[str, Any]]], mode: str,
     return out
 
 
-def verdict(interval: tuple[float, float]) -> str:
-    low, high = interval
+def verdict(ratio: dict[str, float]) -> str:
+    """OK / OVER / UNRESOLVED from a `spread` of ratios (fewer than 5 have no 90% interval)."""
+    low, high = ratio["ci90_low"], ratio["ci90_high"]
+    if ratio["n"] < 5:
+        return "UNRESOLVED"
     if high - 1 <= BUDGET:
         return "OK"
     return "OVER" if low - 1 > BUDGET else "UNRESOLVED"
@@ -371,6 +421,9 @@ def main() -> None:
     parser.add_argument("--sampler-calls", type=int, default=None,
                         help="batch-1 sampling steps timed on the host first (default: 1000 on "
                              "a GPU, 0 on the CPU)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the profiled plain run (the scheduler thread's stack sampled "
+                             "every 2 ms: where a token's host time goes)")
     parser.add_argument("--widget", action="store_true",
                         help="the anywidget TokenView rather than its model alone")
     parser.add_argument("--out", default=None)
@@ -415,6 +468,10 @@ def main() -> None:
             run_once(warm, runtime, backend, mode, args.widget)
         run_once(program, runtime, backend, "plain", args.widget)  # full size, not counted
         raw = raw_once(runtime, args.tokens_per_gen)
+        profile = None
+        if not args.no_profile:  # not one of the measured runs: sampling adds a little
+            with ThreadProfile("lmnb-scheduler") as profile:
+                run_once(program, runtime, backend, "plain", args.widget)
         blocks: list[dict[str, dict[str, Any]]] = []
         for b in range(args.blocks):
             block = {}
@@ -488,6 +545,10 @@ def main() -> None:
           f"{1e6 * raw['cpu_seconds'] / raw['tokens']:.0f} us process CPU"
           + (f"; sampling step host time {sampler_cost['sample']:.0f} us (with top-5: "
              f"{sampler_cost['sample_top5']:.0f})" if sampler_cost else ""))
+    if profile is not None:
+        print(f"scheduler thread, one plain run ({profile.samples} stack samples), share of "
+              "samples per function on the stack: " + ", ".join(
+                  f"{name} {100 * share:.0f}%" for name, share in profile.top(28)))
     if long_run is not None:
         long_tokens = long_run["tokens"]
         print(f"long view run: {long_tokens:,} streamed tokens in {long_run['seconds']:.2f} s "
@@ -498,8 +559,7 @@ def main() -> None:
               f"{long_run['comm_bytes'] / 1e6:.2f} MB of comm JSON (largest message "
               f"{long_run['comm_largest_bytes'] / 1e3:.0f} kB)")
     ratio = summary["ratios"]["view/plain"]["seconds"]
-    interval = (ratio["ci90_low"], ratio["ci90_high"])
-    result = verdict(interval)
+    result = verdict(ratio)
     print(f"view vs plain (what the user pays), median of {args.blocks} paired blocks: "
           f"{pct(ratio, 'median'):+.1f}% (90% CI {pct(ratio, 'ci90_low'):+.1f}% .. "
           f"{pct(ratio, 'ci90_high'):+.1f}%): {result} (budget {100 * BUDGET:.0f}%)")
@@ -511,7 +571,9 @@ def main() -> None:
         "runtime_build_seconds": built, "blocks": blocks, "raw": raw, "long_view": long_run,
         "summary": summary, "view_update_budget": MAX_FLUSH_SHARE,
         "feature_overhead": ratio["median"] - 1, "verdict": result, "budget": BUDGET,
-        "sampler_host_us": sampler_cost, "total_seconds": time.perf_counter() - started})
+        "sampler_host_us": sampler_cost,
+        "scheduler_profile": profile.top(60) if profile is not None else None,
+        "total_seconds": time.perf_counter() - started})
     print(f"wrote {path} ({time.perf_counter() - started:.0f} s in all)")
 
 
