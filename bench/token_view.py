@@ -466,12 +466,13 @@ def main() -> None:
         warm = make_program(1, 64)
         for mode in MODES:
             run_once(warm, runtime, backend, mode, args.widget)
-        run_once(program, runtime, backend, "plain", args.widget)  # full size, not counted
-        raw = raw_once(runtime, args.tokens_per_gen)
-        profile = None
-        if not args.no_profile:  # not one of the measured runs: sampling adds a little
+        profile = None  # a full-size plain run first, not counted (profiled: sampling adds)
+        if args.no_profile:
+            run_once(program, runtime, backend, "plain", args.widget)
+        else:
             with ThreadProfile("lmnb-scheduler") as profile:
                 run_once(program, runtime, backend, "plain", args.widget)
+        raw = raw_once(runtime, args.tokens_per_gen)
         blocks: list[dict[str, dict[str, Any]]] = []
         for b in range(args.blocks):
             block = {}
@@ -546,7 +547,7 @@ def main() -> None:
           + (f"; sampling step host time {sampler_cost['sample']:.0f} us (with top-5: "
              f"{sampler_cost['sample_top5']:.0f})" if sampler_cost else ""))
     if profile is not None:
-        print(f"scheduler thread, one plain run ({profile.samples} stack samples), share of "
+        print(f"scheduler thread, the first plain run ({profile.samples} stack samples), share of "
               "samples per function on the stack: " + ", ".join(
                   f"{name} {100 * share:.0f}%" for name, share in profile.top(28)))
     if long_run is not None:

@@ -196,7 +196,7 @@ class TokenViewModel:
     def _token(self, cell: Cell) -> Token:
         text = self._texts
         token_id, origin, logprob, top = cell
-        alternatives = ([[text(alt_id), round(alt_lp, 3)] for alt_lp, alt_id, *_ in top]
+        alternatives = ([[text(alt[1]), round(alt[0], 3)] for alt in top]  # (logprob, id[, text])
                         if top else None)
         return [text(token_id), origin, None if logprob is None else round(logprob, 3),
                 alternatives]
