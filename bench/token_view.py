@@ -1,47 +1,64 @@
-"""What a live `TokenView` costs a running program: 10,000 streamed tokens on a tiny model.
+"""What a live `TokenView` costs a running program, in many short interleaved paired runs.
 
-A program of `--gens` gens of `--tokens-per-gen` tokens each (`ignore_eos`, temperature 1)
-runs on a Runtime whose model is, by default, a 2-layer, 64-wide random Llama (128-wide on a
-GPU: head size 64) with SmolLM2's tokenizer (a model that costs almost nothing, so that the
-host's share, where the trace and the view's updates compete, is as large as it gets;
-`--model DIR` runs a real one). Three paths:
+A program of `--gens` gens of `--tokens-per-gen` tokens each (`ignore_eos`, temperature 1, a
+seed per gen: every run draws the same tokens) runs at batch 1 on a Runtime whose model is, by
+default, a 2-layer, 64-wide random Llama (128-wide on a GPU: head size 64) with SmolLM2's
+tokenizer: a model that costs almost nothing, so that the host's share, where the trace and the
+view's updates compete with the runtime for the GIL, is as large as it gets (`--model DIR` runs
+a real one). Paths:
 
 - `plain`: the program as usual (streamed);
 - `traced`: `token_view=True`: every gen asks for token origins and top-5 logprobs, and the
-  program records every token, with no view;
+  program records every token, with no view (the runtime's per-token reporting);
 - `view`: traced, with a live view attached: `TokenViewModel`, the widget's own update path
   (its throttle thread at 10 Hz, its row conversion and budget), each update's changed traits
   and token delta serialized as the widget's comm messages would be. It needs no anywidget, so
   the same measurement runs on a GPU host without Jupyter (`--widget` uses the anywidget
   `TokenView` itself, which sets its traits from the same updates).
 
-The paths run in rotation for `--rounds` rounds (round r starts at path r mod 3, so no path
-always runs first after a cache flush). Each round gives paired ratios (traced / plain,
-view / plain, view / traced) of wall time and of the process's CPU time (all threads; steadier
-than wall time on a shared host); the medians of those ratios over the rounds, with their
-min-max, are the result (with the ratio of each path's fastest run: on a shared host other
-work only adds time, so the fastest runs are the least disturbed). The target:
-`view / plain - 1` (what a user who turns the view on pays) at most 5%. At batch 1 a step is
-host-bound, so the extra host time per token is printed too, and on a GPU the run starts with
-the host time of one batch-1 sampling step with and without top-5 logprobs (`--sampler-calls`;
-the traced path's share of the step). JSON goes to bench/results/token_view[_cuda].json.
+Slow drift of a host (clocks, other tenants) is larger than 5% between runs tens of seconds
+apart, so the paths run in `--blocks` blocks of one short run each, back to back (block b starts
+at path b mod 3, so no path always runs first), and each block gives paired ratios (traced /
+plain, view / plain) of wall time and of the process's CPU time. The result is the median of
+the per-block ratios with a distribution-free confidence interval of that median (order
+statistics of the binomial, ~90%), the quartiles and the range. The verdict on `view / plain - 1`
+(what a user who turns the view on pays) is OK when the interval's top is within the 5% budget,
+OVER when its bottom is above it, else UNRESOLVED (more blocks). Beside it, noise-free
+accounting: the CPU seconds of the view's own updates (thread time inside them) and the paired
+differences of each runtime thread's CPU time per token (the runtime's and program's per-token
+reporting: scheduler, output and programs threads).
 
-    python bench/token_view.py                         # CPU, 10 gens x 1000 tokens, 5 rounds
-    python bench/token_view.py --device cuda           # 3 rounds on a GPU (~13 s a run: ~2.5 min)
-    python bench/token_view.py --device cuda --gens 5 --rounds 3   # ~1.2 min
-    python bench/token_view.py --gens 2 --tokens-per-gen 100 --rounds 1   # a smoke run
+Then one long view run (`--long-gens` x `--long-tokens-per-gen`, default 10 x 1,000 = 10,000
+streamed tokens) checks that the view shows every token and what its updates cost at that size
+(their share of the run, the largest message). Where the per-token time goes: a raw
+`Runtime.generate` stream of the same request beside the program (the DSL's share), the forward
+passes and CUDA-graph replays per token, the scheduler thread's CPU per token, its stack sampled
+every 2 ms over one more plain run (`ThreadProfile`; `--no-profile` skips it) and, on a GPU, the
+host time of one batch-1 sampling step (`--sampler-calls`). JSON goes to
+bench/results/token_view[_cuda].json.
+
+    python bench/token_view.py                     # CPU: 10 blocks x 1,000 tokens + 10,000
+    python bench/token_view.py --device cuda       # GPU: 8 blocks x 1,000 tokens + 10,000 (~70 s)
+    python bench/token_view.py --blocks 2 --tokens-per-gen 100 --long-gens 0   # a smoke run
+
+On the CPU torch runs one intra-op thread unless `--threads` says otherwise: on a busy shared
+host a parallel region waits for its descheduled second thread (a sampling step measured 3.5 ms
+with one thread, 13.8 ms with two, at load 6 on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +75,14 @@ TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=
 TINY_GPU = {**TINY, "hidden_size": 128, "intermediate_size": 256}
 
 
-def tiny_config(device: str) -> dict[str, Any]:
-    return TINY if device == "cpu" else TINY_GPU
 BUDGET = 0.05
 MODES = ("plain", "traced", "view")
 PAIRS = (("traced", "plain"), ("view", "plain"), ("view", "traced"))
+PROMPT = "A long story, told in parts.\n"
+
+
+def tiny_config(device: str) -> dict[str, Any]:
+    return TINY if device == "cpu" else TINY_GPU
 
 
 def make_program(gens: int, tokens: int) -> Any:
@@ -70,7 +90,7 @@ def make_program(gens: int, tokens: int) -> Any:
 
     @lmnb.function
     def long_text(s):
-        s += "A long story, told in parts.\n"
+        s += PROMPT
         for i in range(gens):
             s += f"\nPart {i + 1}:" + lmnb.gen(f"part{i}", max_tokens=tokens, ignore_eos=True,
                                                temperature=1.0, seed=i)
@@ -126,28 +146,110 @@ def attach_view(state: Any, widget: bool) -> tuple[Any, Any, CommStandIn | None]
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds so far per live thread of this process, by thread name (Linux; torch's
-    worker threads as `native`), else {}."""
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
-        return {}
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds so far per live Python thread of this process, by thread name, to the
+    nanosecond (POSIX per-thread clocks); the rest of the process (torch's worker threads) as
+    `native`."""
     out: dict[str, float] = {}
-    for task in tasks.iterdir():
+    for thread in threading.enumerate():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
+            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident or 0))
+        except (OSError, AttributeError):  # ended meanwhile; no per-thread clocks here
             continue
-        name = names.get(int(task.name), "native")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[thread.name] = out.get(thread.name, 0.0) + seconds
+    out["native"] = time.process_time() - sum(out.values())
     return out
 
 
-def run_once(program: Any, backend: Any, mode: str, widget: bool) -> dict[str, Any]:
+class ThreadProfile:
+    """Samples one thread's Python stack (by thread name) every `interval` seconds on a thread of
+    its own: per function (file:name, lmnb's and torch's), the share of samples it was on the
+    stack. Where a host-bound thread's wall time goes, C++ calls charged to their Python
+    caller."""
+
+    def __init__(self, name: str, interval: float = 0.002) -> None:
+        self.name = name
+        self.interval = interval
+        self.inclusive: Counter[str] = Counter()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-profile", daemon=True)
+
+    def __enter__(self) -> ThreadProfile:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            target = next((t.ident for t in threading.enumerate() if t.name == self.name), None)
+            frame = sys._current_frames().get(target or -1)
+            if frame is None:
+                continue
+            self.samples += 1
+            names = set()
+            while frame is not None:
+                code = frame.f_code
+                path = code.co_filename
+                short = path.split("/lmnb/", 1)[1] if "/lmnb/" in path else path.rsplit("/", 1)[-1]
+                names.add(f"{short}:{code.co_name}")
+                frame = frame.f_back
+            self.inclusive.update(names)
+
+    def top(self, count: int) -> list[tuple[str, float]]:
+        ranked = [(name, n) for name, n in self.inclusive.most_common()
+                  if not name.startswith("threading.py:")]
+        return [(name, n / max(self.samples, 1)) for name, n in ranked[:count]]
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (linear between order statistics)."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float]:
+    """A distribution-free interval of the median of `values`: order statistics (k, n + 1 - k)
+    with k the largest such that P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2 (the range
+    when n < 5, which no k allows)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail, k, below = (1 - confidence) / 2, 0, 0.0
+    while k < n // 2:
+        below += math.comb(n, k) / 2 ** n  # P(Binomial < k + 1)
+        if below > tail:
+            break
+        k += 1
+    k = max(k, 1)
+    return ordered[k - 1], ordered[n - k]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    low, high = median_interval(values)
+    return {"median": statistics.median(values), "ci90_low": low, "ci90_high": high,
+            "q25": quantile(values, 0.25), "q75": quantile(values, 0.75),
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def stats_counters(runtime: Any) -> dict[str, int]:
+    stats = runtime.stats()
+    return {key: int(stats.get(key) or 0)
+            for key in ("forward_passes", "cuda_graph_replays", "generated_tokens")}
+
+
+def run_once(program: Any, runtime: Any, backend: Any, mode: str,
+             widget: bool) -> dict[str, Any]:
+    """One run of `program` by path `mode`, from an empty prefix cache."""
     from bench.common import synchronize
 
-    device = backend.runtime.device
+    runtime.flush_cache()
+    counters = stats_counters(runtime)
+    device = runtime.device
     synchronize(device)
     threads_before = thread_cpu()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -157,31 +259,56 @@ def run_once(program: Any, backend: Any, mode: str, widget: bool) -> dict[str, A
         view, model, comm = attach_view(state, widget)
     state.sync()
     synchronize(device)
-    out: dict[str, Any] = {"seconds": time.perf_counter() - wall,
+    out: dict[str, Any] = {"mode": mode, "seconds": time.perf_counter() - wall,
                            "cpu_seconds": time.process_time() - cpu}
     after = thread_cpu()  # threads that ended during the run are missing
-    out["thread_cpu_seconds"] = {name: round(seconds - threads_before.get(name, 0.0), 3)
+    out["thread_cpu_seconds"] = {name: round(seconds - threads_before.get(name, 0.0), 5)
                                  for name, seconds in after.items()
                                  if seconds - threads_before.get(name, 0.0) > 0}
     metas = list(state.executor.meta_info.values())
     out["tokens"] = sum(meta["completion_tokens"] for meta in metas)
+    out["text_hash"] = hashlib.sha1(state.text().encode()).hexdigest()[:12]
     if mode != "plain":  # the trace's size: one origin run per gen, a logprob per token
         out["origin_spans"] = sum(len(meta["output_token_origins"]) for meta in metas)
     if view is not None:  # its updates while the program ran; then its final state
         out.update(flushes=model.flushes, flush_seconds=model.flush_seconds,
-                   comm_messages=comm.messages, comm_bytes=comm.bytes,
-                   comm_delta_bytes=comm.delta_bytes, comm_largest_bytes=comm.largest)
+                   flush_cpu_seconds=model.flush_cpu_seconds, comm_messages=comm.messages,
+                   comm_bytes=comm.bytes, comm_delta_bytes=comm.delta_bytes,
+                   comm_largest_bytes=comm.largest)
         view.refresh()
         out["shown_generated"] = model.counts["generated"]
         view.close()
+    after_counters = stats_counters(runtime)
+    out.update({key: after_counters[key] - counters[key] for key in counters})
     return out
 
+
+def raw_once(runtime: Any, tokens: int) -> dict[str, Any]:
+    """The program's first gen as one streamed `Runtime.generate` request of `tokens` tokens
+    (no DSL, no program threads): the runtime's own time per token."""
+    from bench.common import synchronize
+
+    runtime.flush_cache()
+    counters = stats_counters(runtime)
+    synchronize(runtime.device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    stream = runtime.generate(PROMPT + "\nPart 1:", dict(max_new_tokens=tokens, ignore_eos=True,
+                                                         temperature=1.0, seed=0), stream=True)
+    chunks = sum(1 for _ in stream)
+    synchronize(runtime.device)
+    out = {"mode": "raw", "seconds": time.perf_counter() - wall,
+           "cpu_seconds": time.process_time() - cpu, "tokens": tokens, "chunks": chunks}
+    after = stats_counters(runtime)
+    out.update({key: after[key] - counters[key] for key in counters})
+    return out
 
 def build_runtime(args: argparse.Namespace, scratch: str) -> Any:
     from lmnb.runtime.engine import Runtime
     from lmnb.runtime.models import loader
 
-    context = 2 * args.gens * (args.tokens_per_gen + 16) + 256  # random text re-tokenizes longer
+    tokens = max(args.gens * (args.tokens_per_gen + 16),
+                 args.long_gens * (args.long_tokens_per_gen + 16))
+    context = 2 * tokens + 256  # random text re-tokenizes longer
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     common = dict(device=args.device, dtype=dtype, max_total_tokens=context + 1024,
                   context_length=max(context, 2048))
@@ -242,31 +369,46 @@ def sampler_host_cost(device: str, vocab: int, calls: int) -> dict[str, float]:
     return out
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def paired(runs: list[dict[str, Any]], a: str, b: str, key: str) -> list[float]:
+    """Per block, run `a`'s `key` over run `b`'s."""
+    return [block[a][key] / block[b][key] for block in runs]
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per path the spread of its runs; per pair of paths the spread of the per-round ratios."""
-    rounds = len(runs["plain"])
-    out: dict[str, Any] = {"paths": {}, "ratios": {}}
-    for mode, rs in runs.items():
-        out["paths"][mode] = {key: spread([r[key] for r in rs])
-                              for key in ("seconds", "cpu_seconds")}
-    for a, b in PAIRS:
-        out["ratios"][f"{a}/{b}"] = {
-            key: {**spread([runs[a][i][key] / runs[b][i][key] for i in range(rounds)]),
-                  "of_best": out["paths"][a][key]["min"] / out["paths"][b][key]["min"]}
-            for key in ("seconds", "cpu_seconds")}
+def per_token_threads(blocks: list[dict[str, dict[str, Any]]], mode: str,
+                      tokens: int) -> dict[str, dict[str, float]]:
+    """Per thread: its CPU microseconds per token in `mode` (median) and the median of the
+    paired differences from `plain`."""
+    names = sorted({name for block in blocks for m in (mode, "plain")
+                    for name in block[m]["thread_cpu_seconds"]})
+    out = {}
+    for name in names:
+        own = [block[mode]["thread_cpu_seconds"].get(name, 0.0) for block in blocks]
+        base = [block["plain"]["thread_cpu_seconds"].get(name, 0.0) for block in blocks]
+        out[name] = {"us_per_token": 1e6 * statistics.median(own) / tokens,
+                     "minus_plain_us": 1e6 * statistics.median(
+                         o - p for o, p in zip(own, base, strict=True)) / tokens}
     return out
+
+
+def verdict(ratio: dict[str, float]) -> str:
+    """OK / OVER / UNRESOLVED from a `spread` of ratios (fewer than 5 have no 90% interval)."""
+    low, high = ratio["ci90_low"], ratio["ci90_high"]
+    if ratio["n"] < 5:
+        return "UNRESOLVED"
+    if high - 1 <= BUDGET:
+        return "OK"
+    return "OVER" if low - 1 > BUDGET else "UNRESOLVED"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gens", type=int, default=10)
+    parser.add_argument("--gens", type=int, default=1, help="gens per short run")
     parser.add_argument("--tokens-per-gen", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="default: 5 on the CPU, 3 on a GPU (a run there takes ~13 s)")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="blocks of paired short runs (default: 10 on the CPU, 8 on a GPU)")
+    parser.add_argument("--long-gens", type=int, default=10,
+                        help="gens of the long view run (0: none)")
+    parser.add_argument("--long-tokens-per-gen", type=int, default=1000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, else bfloat16")
     parser.add_argument("--model", default=None, help="a model folder (default: tiny random)")
@@ -274,16 +416,20 @@ def main() -> None:
                         help="tokenizer folder (default: $LMNB_TOKENIZER_DIR, else the embedded "
                              "SmolLM2's)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's; CPU only)")
+                        help="torch intra-op threads (default on the CPU: 1, as a parallel "
+                             "region stalls on a busy shared host; a GPU: torch's)")
     parser.add_argument("--sampler-calls", type=int, default=None,
-                        help="batch-1 sampling steps timed on the host first (default: 2000 on "
+                        help="batch-1 sampling steps timed on the host first (default: 1000 on "
                              "a GPU, 0 on the CPU)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the profiled plain run (the scheduler thread's stack sampled "
+                             "every 2 ms: where a token's host time goes)")
     parser.add_argument("--widget", action="store_true",
                         help="the anywidget TokenView rather than its model alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.rounds is None:
-        args.rounds = 5 if args.device == "cpu" else 3
+    if args.blocks is None:
+        args.blocks = 10 if args.device == "cpu" else 8
 
     from transformers.utils import logging as hf_logging
 
@@ -291,15 +437,25 @@ def main() -> None:
     from lmnb.widgets.token_view_model import MAX_FLUSH_SHARE
 
     hf_logging.set_verbosity_error()
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lmnb-token-view-") as scratch:
         runtime = build_runtime(args, scratch)
+    built = time.perf_counter() - started
+    stats = runtime.stats()
+    setup = {key: stats.get(key) for key in ("attention_backend", "cuda_graph_batch_sizes",
+                                             "overlap_schedule", "fused_kernels")}
+    print(f"runtime built in {built:.1f} s: {setup}", flush=True)
+    tokens = args.gens * args.tokens_per_gen
+    long_run: dict[str, Any] | None = None
     try:
         calls = args.sampler_calls if args.sampler_calls is not None else (
-            0 if args.device == "cpu" else 2000)
+            0 if args.device == "cpu" else 1000)
         sampler_cost = (sampler_host_cost(args.device, runtime.model_config.vocab_size, calls)
                         if calls else {})
         if sampler_cost:
@@ -309,70 +465,117 @@ def main() -> None:
         program = make_program(args.gens, args.tokens_per_gen)
         warm = make_program(1, 64)
         for mode in MODES:
-            run_once(warm, backend, mode, args.widget)
-        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-        for r in range(args.rounds):
+            run_once(warm, runtime, backend, mode, args.widget)
+        profile = None  # a full-size plain run first, not counted (profiled: sampling adds)
+        if args.no_profile:
+            run_once(program, runtime, backend, "plain", args.widget)
+        else:
+            with ThreadProfile("lmnb-scheduler") as profile:
+                run_once(program, runtime, backend, "plain", args.widget)
+        raw = raw_once(runtime, args.tokens_per_gen)
+        blocks: list[dict[str, dict[str, Any]]] = []
+        for b in range(args.blocks):
+            block = {}
             for k in range(len(MODES)):
-                mode = MODES[(r + k) % len(MODES)]
-                runtime.flush_cache()
-                result = run_once(program, backend, mode, args.widget)
-                runs[mode].append(result)
-                print(f"round {r + 1} {mode:6s} {result['seconds']:7.2f} s wall "
-                      f"{result['cpu_seconds']:7.2f} s cpu  {result['tokens']} tokens",
-                      flush=True)
+                mode = MODES[(b + k) % len(MODES)]
+                block[mode] = run_once(program, runtime, backend, mode, args.widget)
+            blocks.append(block)
+            extra = block["view"]["seconds"] / block["plain"]["seconds"] - 1
+            print(f"block {b + 1:2d}: " + "  ".join(
+                f"{mode} {block[mode]['seconds']:.3f} s" for mode in MODES)
+                + f"  view/plain {100 * extra:+.1f}%", flush=True)
+        if args.long_gens:
+            long_run = run_once(make_program(args.long_gens, args.long_tokens_per_gen),
+                                runtime, backend, "view", args.widget)
     finally:
         runtime.close()
 
-    summary = summarize(runs)
-    tokens = runs["plain"][0]["tokens"]
-    rows = [[mode, s["seconds"]["median"], s["seconds"]["min"], s["seconds"]["max"],
-             s["cpu_seconds"]["median"], tokens / s["seconds"]["median"]]
-            for mode, s in summary["paths"].items()]
-    print(format_table(["path", "wall s (median)", "min", "max", "cpu s (median)", "tokens/s"],
-                       rows))
-    ratio_rows = [[pair, 100 * (r["seconds"]["median"] - 1), 100 * (r["seconds"]["min"] - 1),
-                   100 * (r["seconds"]["max"] - 1), 100 * (r["cpu_seconds"]["median"] - 1),
-                   100 * (r["seconds"]["of_best"] - 1), 100 * (r["cpu_seconds"]["of_best"] - 1)]
-                  for pair, r in summary["ratios"].items()]
-    print(format_table(["paired per round", "wall % (median)", "min", "max", "cpu % (median)",
-                        "wall % of best runs", "cpu % of best"], ratio_rows))
-    for mode, rs in runs.items():
-        names = sorted({name for r in rs for name in r["thread_cpu_seconds"]})
-        print(f"{mode} CPU seconds per thread (median): " + ", ".join(
-            f"{name} {statistics.median(r['thread_cpu_seconds'].get(name, 0.0) for r in rs):.2f}"
-            for name in names))
-    for mode in ("traced", "view"):  # at batch 1 the host's time per token is what grows
-        extra_wall = statistics.median(
-            (r["seconds"] - p["seconds"]) / tokens
-            for r, p in zip(runs[mode], runs["plain"], strict=True))
-        extra_cpu = statistics.median(
-            (r["cpu_seconds"] - p["cpu_seconds"]) / tokens
-            for r, p in zip(runs[mode], runs["plain"], strict=True))
-        print(f"{mode} - plain per token (median of paired rounds): {1e6 * extra_wall:+.1f} us "
-              f"wall, {1e6 * extra_cpu:+.1f} us cpu (plain: "
-              f"{1e6 * summary['paths']['plain']['seconds']['median'] / tokens:.1f} us wall)")
-    view_runs = runs["view"]
-    flush_share = statistics.median(r["flush_seconds"] / r["seconds"] for r in view_runs)
-    print(f"\nview: {statistics.median(r['flushes'] for r in view_runs):.0f} updates per run, "
-          f"{statistics.median(r['comm_bytes'] for r in view_runs) / 1e6:.2f} MB of comm JSON "
-          f"({statistics.median(r['comm_delta_bytes'] for r in view_runs) / 1e6:.2f} MB of "
-          "token deltas, the largest message "
-          f"{statistics.median(r['comm_largest_bytes'] for r in view_runs) / 1e3:.0f} kB), "
-          f"{100 * flush_share:.1f}% of the wall time updating; "
-          f"{view_runs[0]['shown_generated']:,} generated tokens shown")
-    feature = summary["ratios"]["view/plain"]["seconds"]["median"] - 1
-    best_runs = summary["ratios"]["view/plain"]["seconds"]["of_best"] - 1
-    print(f"view vs plain (what the user pays), median of paired rounds: {100 * feature:+.1f}% "
-          f"{'OK' if feature <= BUDGET else 'OVER'} (budget {100 * BUDGET:.0f}%); best runs "
-          f"{100 * best_runs:+.1f}% (on a shared host, where other work only adds time)")
+    summary: dict[str, Any] = {
+        "paths": {mode: {key: spread([block[mode][key] for block in blocks])
+                         for key in ("seconds", "cpu_seconds")} for mode in MODES},
+        "ratios": {f"{a}/{b}": {key: spread(paired(blocks, a, b, key))
+                                for key in ("seconds", "cpu_seconds")} for a, b in PAIRS},
+        "threads_per_token": {mode: per_token_threads(blocks, mode, tokens)
+                              for mode in ("traced", "view")},
+        "same_text": len({r["text_hash"] for block in blocks for r in block.values()}) == 1}
+    views = [block["view"] for block in blocks]
+    view_cpu_share = [r["flush_cpu_seconds"] / r["seconds"] for r in views]
+    summary["view_own_cpu"] = {"share_of_wall": spread(view_cpu_share),
+                               "us_per_token": 1e6 * statistics.median(
+                                   r["flush_cpu_seconds"] for r in views) / tokens}
+
+    def pct(s: dict[str, float], key: str) -> float:
+        return 100 * (s[key] - 1)
+
+    print(f"\n{args.blocks} blocks of {tokens:,} tokens per path (batch 1); "
+          f"same text on every path: {summary['same_text']}")
+    print(format_table(
+        ["path", "wall s (median)", "q25", "q75", "cpu s (median)", "us/token", "passes/token"],
+        [[mode, s["seconds"]["median"], s["seconds"]["q25"], s["seconds"]["q75"],
+          s["cpu_seconds"]["median"], 1e6 * s["seconds"]["median"] / tokens,
+          statistics.median(block[mode]["forward_passes"] for block in blocks) / tokens]
+         for mode, s in summary["paths"].items()]))
+    print(format_table(
+        ["paired per block", "wall % (median)", "90% CI low", "high", "q25", "q75",
+         "cpu % (median)", "cpu CI low", "high"],
+        [[pair, pct(r["seconds"], "median"), pct(r["seconds"], "ci90_low"),
+          pct(r["seconds"], "ci90_high"), pct(r["seconds"], "q25"), pct(r["seconds"], "q75"),
+          pct(r["cpu_seconds"], "median"), pct(r["cpu_seconds"], "ci90_low"),
+          pct(r["cpu_seconds"], "ci90_high")]
+         for pair, r in summary["ratios"].items()]))
+    for mode, threads in summary["threads_per_token"].items():
+        print(f"{mode}: CPU us per token by thread (minus plain's, paired median): " + ", ".join(
+            f"{name} {t['us_per_token']:.0f} ({t['minus_plain_us']:+.0f})"
+            for name, t in threads.items()))
+    share = summary["view_own_cpu"]["share_of_wall"]
+    print(f"view's own updates: {summary['view_own_cpu']['us_per_token']:.1f} us CPU per token, "
+          f"{100 * share['median']:.2f}% of the wall time (max {100 * share['max']:.2f}%; "
+          f"budget {100 * MAX_FLUSH_SHARE:.0f}%), "
+          f"{statistics.median(r['flushes'] for r in views):.0f} updates per run")
+
+    plain_us = 1e6 * summary["paths"]["plain"]["seconds"]["median"] / tokens
+    scheduler_us = statistics.median(
+        block["plain"]["thread_cpu_seconds"].get("lmnb-scheduler", 0.0)
+        for block in blocks) * 1e6 / tokens
+    graphs = statistics.median(block["plain"]["cuda_graph_replays"] for block in blocks)
+    passes = statistics.median(block["plain"]["forward_passes"] for block in blocks)
+    print(f"per token, plain: {plain_us:.0f} us wall, {scheduler_us:.0f} us of scheduler-thread "
+          f"CPU, {passes / tokens:.2f} forward passes ({graphs / max(passes, 1):.0%} CUDA-graph "
+          f"replays); a raw Runtime.generate stream of {raw['tokens']:,} tokens (no DSL): "
+          f"{1e6 * raw['seconds'] / raw['tokens']:.0f} us wall, "
+          f"{1e6 * raw['cpu_seconds'] / raw['tokens']:.0f} us process CPU"
+          + (f"; sampling step host time {sampler_cost['sample']:.0f} us (with top-5: "
+             f"{sampler_cost['sample_top5']:.0f})" if sampler_cost else ""))
+    if profile is not None:
+        print(f"scheduler thread, the first plain run ({profile.samples} stack samples), share of "
+              "samples per function on the stack: " + ", ".join(
+                  f"{name} {100 * share:.0f}%" for name, share in profile.top(28)))
+    if long_run is not None:
+        long_tokens = long_run["tokens"]
+        print(f"long view run: {long_tokens:,} streamed tokens in {long_run['seconds']:.2f} s "
+              f"({1e6 * long_run['seconds'] / long_tokens:.0f} us/token), "
+              f"{long_run['shown_generated']:,} generated tokens shown, "
+              f"{long_run['flushes']} updates, the view's own CPU "
+              f"{100 * long_run['flush_cpu_seconds'] / long_run['seconds']:.2f}% of the run, "
+              f"{long_run['comm_bytes'] / 1e6:.2f} MB of comm JSON (largest message "
+              f"{long_run['comm_largest_bytes'] / 1e3:.0f} kB)")
+    ratio = summary["ratios"]["view/plain"]["seconds"]
+    result = verdict(ratio)
+    print(f"view vs plain (what the user pays), median of {args.blocks} paired blocks: "
+          f"{pct(ratio, 'median'):+.1f}% (90% CI {pct(ratio, 'ci90_low'):+.1f}% .. "
+          f"{pct(ratio, 'ci90_high'):+.1f}%): {result} (budget {100 * BUDGET:.0f}%)")
     default = RESULTS_DIR / ("token_view.json" if args.device == "cpu"
                              else f"token_view_{args.device.split(':')[0]}.json")
     path = write_json(args.out or default, {
         "benchmark": "token_view", "environment": environment(args.device), "args": vars(args),
-        "model": args.model or tiny_config(args.device), "runs": runs, "summary": summary,
-        "view_update_share": flush_share, "view_update_budget": MAX_FLUSH_SHARE,
-        "feature_overhead": feature, "budget": BUDGET, "sampler_host_us": sampler_cost})
-    print(f"wrote {path}")
+        "model": args.model or tiny_config(args.device), "runtime": setup,
+        "runtime_build_seconds": built, "blocks": blocks, "raw": raw, "long_view": long_run,
+        "summary": summary, "view_update_budget": MAX_FLUSH_SHARE,
+        "feature_overhead": ratio["median"] - 1, "verdict": result, "budget": BUDGET,
+        "sampler_host_us": sampler_cost,
+        "scheduler_profile": profile.top(60) if profile is not None else None,
+        "total_seconds": time.perf_counter() - started})
+    print(f"wrote {path} ({time.perf_counter() - started:.0f} s in all)")
 
 
 if __name__ == "__main__":

@@ -167,6 +167,12 @@ def test_lmprogram_tokens_cell(tiny_models) -> None:
         assert views[-1]["text/html"].count("lmnb-tv-generated") == 3
         assert "metrics: time to first token" in repr(result)
         assert 'class="lmnb-metrics"' in result._repr_html_()
+        shown.clear()  # `%lmnb status` shows the runtime's metrics bar above its dashboard
+        dashboard = ip.run_line_magic("lmnb", "status")
+        dashboard.close()
+        bars = [d["text/html"] for d in shown if 'class="lmnb-metrics"' in d.get("text/html", "")]
+        assert bars and all(f'data-metric="{key}"' in bars[0] for key in (
+            "ttft", "tokens_per_s", "cache_hit", "jump_forward", "forward_passes", "kv_pool"))
     finally:
         if "lmnb" in ip.extension_manager.loaded:
             ip.run_line_magic("unload_ext", "lmnb")
@@ -211,6 +217,26 @@ def test_metrics_bar_of_a_runtime(backend: LocalBackend) -> None:
     assert 'data-metric="kv_pool"' in bar._repr_mimebundle_()[0]["text/html"]
     assert repr(bar).startswith("MetricsBar (live): metrics: time to first token")
     bar.close()
+
+
+def test_metrics_bar_items_from_runtime_stats() -> None:
+    """Every item of the bar from a CUDA runtime's `stats()` (GPU memory only where the device
+    reports it; tests/gpu/test_token_view_cuda.py reads a real one)."""
+    from lmnb.widgets.metrics import metrics_html, runtime_metrics
+
+    stats = {"mean_first_token_latency": 0.25, "prompt_tokens": 200, "cached_tokens": 150,
+             "generated_tokens": 90, "jump_forward_tokens": 10, "forward_passes": 42,
+             "max_total_tokens": 4096, "free_tokens": 3072,
+             "device_memory": {"allocated_gb": 1.5, "reserved_gb": 2.0, "total_gb": 79.2}}
+    metrics = runtime_metrics(stats, tokens_per_s=123.4)
+    page = metrics_html(metrics)
+    shown = dict(re.findall(r'data-metric="(\w+)"><span[^>]*>[^<]*</span> <b>([^<]*)</b>', page))
+    assert shown == {"ttft": "250 ms", "tokens_per_s": "123.4", "cache_hit": "75.0%",
+                     "jump_forward": "10.0%", "forward_passes": "42",
+                     "kv_pool": "1,024 / 4,096 (25%)", "gpu_memory": "1.50 / 79.2 GiB"}
+    del stats["device_memory"]  # a CPU runtime: no GPU item
+    assert "gpu_memory" not in metrics_html(runtime_metrics(stats))
+    assert "GPU memory" in metrics_text(metrics) and "<div class" not in page[1:]
 
 
 def test_headless_model_is_the_widgets_update_path(backend: LocalBackend) -> None:

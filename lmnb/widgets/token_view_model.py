@@ -176,6 +176,7 @@ class TokenViewModel:
         self._snapshot_size = 0  # tokens shown at the last snapshot
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent building and publishing updates (benchmarks)
+        self.flush_cpu_seconds = 0.0  # CPU time of the updating thread in them (benchmarks)
         self._throttle: Throttle | None = None
         if start:
             self.start(hz)
@@ -195,7 +196,7 @@ class TokenViewModel:
     def _token(self, cell: Cell) -> Token:
         text = self._texts
         token_id, origin, logprob, top = cell
-        alternatives = ([[text(alt_id), round(alt_lp, 3)] for alt_lp, alt_id, *_ in top]
+        alternatives = ([[text(alt[1]), round(alt[0], 3)] for alt in top]  # (logprob, id[, text])
                         if top else None)
         return [text(token_id), origin, None if logprob is None else round(logprob, 3),
                 alternatives]
@@ -262,7 +263,7 @@ class TokenViewModel:
     def refresh(self) -> None:
         """Reads the traces and publishes what changed, now."""
         with self._lock:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             version = self._log.version
             traces = self._traces()
             done = all(_status(executor) != "running" for executor, _ in traces)
@@ -300,6 +301,7 @@ class TokenViewModel:
             spent = time.perf_counter() - started
             self.flushes += 1
             self.flush_seconds += spent
+            self.flush_cpu_seconds += time.thread_time() - cpu
             self._next_at = time.monotonic() + spent / MAX_FLUSH_SHARE
 
     def resync(self) -> None:

@@ -301,6 +301,33 @@ TOKENS_DONE = """() => {
 }"""
 
 
+# The token spans of a view by their painted background (rgb() of the computed style): the
+# fixed tints of token_view_model.COLORS, or green-dominant: generated (shaded by probability).
+COLOR_COUNTS = """([view, fixed]) => {
+  const counts = {computed: 0, cached: 0, generated: 0, jump_forward: 0, speculated: 0,
+                  other: 0};
+  for (const span of view.querySelectorAll('.lmnb-tv-row .lmnb-tv-tok')) {
+    const color = getComputedStyle(span).backgroundColor;
+    let origin = fixed[color];
+    if (!origin) {
+      const [r, g, b] = (color.match(/\\d+/g) || [0, 0, 0]).map(Number);
+      origin = g > r && g > b ? "generated" : "other";
+    }
+    counts[origin] += 1;
+  }
+  return counts;
+}"""
+
+
+def _fixed_tints() -> dict[str, str]:
+    from lmnb.widgets.token_view_model import COLORS
+
+    def rgb(color: str) -> str:
+        return "rgb({}, {}, {})".format(*(int(color[i:i + 2], 16) for i in (1, 3, 5)))
+
+    return {rgb(color): origin for origin, color in COLORS.items() if origin != "generated"}
+
+
 def test_quickstart_token_view_live(quickstart) -> None:
     """`%%lmprogram --tokens` of a program with a cached system prompt, a regex gen with
     jump-forward tokens and two forks: the token spans of each colour, counted in the page, are
@@ -322,6 +349,9 @@ def test_quickstart_token_view_live(quickstart) -> None:
              for origin in ("cached", "computed", "generated", "jump_forward", "speculated")}
     assert count == {"cached": cached, "computed": computed, "generated": generated,
                      "jump_forward": jumped, "speculated": 0}, (count, text)
+    # and as painted: the spans of each colour
+    painted = page.evaluate(COLOR_COUNTS, [view.element_handle(), _fixed_tints()])
+    assert painted == {**count, "other": 0}, (painted, text)
     # generated tokens carry their logprob and alternatives for the hover
     token = rows.nth(1).locator(".lmnb-tv-generated").first
     title = token.get_attribute("title")
