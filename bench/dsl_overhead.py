@@ -30,8 +30,12 @@ program bodies (`--layers 32` gives the nearly-free model a real model's number 
 hand-overs per pass launch, to try this on the CPU). A `run_batch` shortens the switch interval
 itself while it starts its programs (`lmnb.lang.gil_share`): `--batch-switch-interval` sets that
 value (`none`: Python's own), `--compare-batch-switch-intervals 2e-5,none` runs the DSL path
-once more with each. `loop ms` is the program loop's CPU per program (`time.thread_time` read
-on that thread before and after the path).
+once more with each. While it starts its programs, the program loop also steps aside for the
+scheduler's pass launches (`global_config.batch_launch_wait`, `Runtime.launch_gate`; launches
+are gated with the overlap schedule only, on by default on CUDA: `--overlap` forces it on the
+CPU): `--batch-launch-wait` sets that limit, `--compare-batch-launch-waits none,0.05` runs the
+DSL path once more with each. `loop ms` is the program loop's CPU per program
+(`time.thread_time` read on that thread before and after the path).
 `--gil-probe`: a thread sleeping 0.2 ms at a time notes how late it wakes in each path (how long
 a thread that gives the GIL up, as the scheduler at each torch call, waits to get it back).
 
@@ -328,7 +332,8 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     """The passes of the DSL path beside the raw paths': whether its first extend pass held as
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
-           for label in results if label in SCHEDULE_PATHS or "switch" in label}
+           for label in results if label in SCHEDULE_PATHS or "switch" in label
+           or "launch wait" in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -379,6 +384,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated values ('none' included) of "
                         "--batch-switch-interval to run the DSL path with once more each, "
                         "beside the default one (one model load)")
+    parser.add_argument("--batch-launch-wait", default="default",
+                        help="global_config.batch_launch_wait: how long (s) a starting run_batch "
+                        "waits for a pass launch under way; 'none': never; default: lmnb's")
+    parser.add_argument("--compare-batch-launch-waits", default="",
+                        help="comma-separated values ('none' included) of --batch-launch-wait "
+                        "to run the DSL path with once more each")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the overlap schedule on the CPU too (disable_overlap_schedule="
+                        "False): passes are launched, and the launches gated, as on a GPU")
     parser.add_argument("--gil-probe", action="store_true",
                         help="a thread that sleeps 0.2 ms at a time notes how late it wakes "
                         "(request_timeline.GilProbe): how long a thread giving up the GIL, as the "
@@ -403,6 +417,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.batch_switch_interval != "default":
         lmnb.global_config.batch_switch_interval = (
             None if args.batch_switch_interval == "none" else float(args.batch_switch_interval))
+    if args.batch_launch_wait != "default":
+        lmnb.global_config.batch_launch_wait = (
+            None if args.batch_launch_wait == "none" else float(args.batch_launch_wait))
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -414,6 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     options: dict[str, Any] = dict(device=args.device, max_total_tokens=args.max_total_tokens,
                                    max_running_requests=1024,
                                    disable_radix_cache=args.disable_radix_cache)
+    if args.overlap:
+        options["disable_overlap_schedule"] = False
     with tempfile.TemporaryDirectory(prefix="lmnb-dsl-overhead-") as scratch:
         if args.model:
             model, label = args.model, args.model
@@ -468,6 +487,18 @@ def batch_switched(interval: float | None, work: Callable[[], Any]) -> Callable[
     return run_batch_switched
 
 
+def launch_waited(wait: float | None, work: Callable[[], Any]) -> Callable[[], Any]:
+    """`work` with `global_config.batch_launch_wait` set to `wait` while it runs."""
+    def run_launch_waited() -> Any:
+        previous = lmnb.global_config.batch_launch_wait
+        lmnb.global_config.batch_launch_wait = wait
+        try:
+            return work()
+        finally:
+            lmnb.global_config.batch_launch_wait = previous
+    return run_launch_waited
+
+
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         model_label: str = "") -> dict[str, Any]:
     rng = random.Random(programs.SEED)  # the data, built once
@@ -506,6 +537,9 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                                            paths["raw generate, text"])
     for value in filter(None, (v.strip() for v in args.compare_batch_switch_intervals.split(","))):
         paths[f"{SWITCH_DSL} @ batch switch {value}"] = batch_switched(
+            None if value == "none" else float(value), paths[SWITCH_DSL])
+    for value in filter(None, (v.strip() for v in args.compare_batch_launch_waits.split(","))):
+        paths[f"{SWITCH_DSL} @ launch wait {value}"] = launch_waited(
             None if value == "none" else float(value), paths[SWITCH_DSL])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
@@ -581,6 +615,10 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         print(f"{label}: DSL / raw text wall time "
               f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
               f"the default {lmnb.global_config.batch_switch_interval:g} s: {wall_min:.2f}x)")
+    for label in (label for label in results if "@ launch wait" in label):
+        print(f"{label}: DSL / raw text wall time "
+              f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
+              f"the default {lmnb.global_config.batch_launch_wait} s: {wall_min:.2f}x)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
@@ -590,7 +628,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                    "gen_tokens": gen_tokens,
                    "repeats": args.repeats, "model": model_label,
                    "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze,
-                   "batch_switch_interval": lmnb.global_config.batch_switch_interval},
+                   "batch_switch_interval": lmnb.global_config.batch_switch_interval,
+                   "batch_launch_wait": lmnb.global_config.batch_launch_wait},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
         "dsl_over_raw_text_wall": wall,

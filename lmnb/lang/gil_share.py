@@ -1,5 +1,6 @@
-"""`sharing_the_gil()`: a shorter GIL switch interval while the program loop starts a batch's
-programs, so that the scheduler thread is not starved.
+"""`sharing_the_gil()`: while the program loop starts a batch's programs, a shorter GIL switch
+interval, and the loop stepping aside while the scheduler launches a pass, so that the scheduler
+thread is not starved.
 
 The program loop and the runtime's scheduler thread share one GIL. The scheduler gives it up at
 every kernel launch (each torch call) and needs it back at once; a thread that wants the GIL
@@ -10,6 +11,13 @@ an H100 the first pass of 256 programs was launched 140 ms late. For that phase 
 interval is `global_config.batch_switch_interval` (None: Python's own); Python's is restored
 when the last batch that shortened it has started its programs. Only the program loop's thread
 calls these (no lock); a value set meanwhile by someone else is left alone.
+
+Even at 50 us a launch took 2.5x as long as with an idle loop on the H100 (121 against 49 ms for
+the first pass of 256 programs): each hand-over costs the interval and two thread wake-ups. So,
+given the engine's `LaunchGate`, the loop also steps aside (`step_aside()`, before each program
+body and each gen submission) while a pass launch is under way: it blocks, the GIL released,
+until the launch returns, at most `wait_limit` s per launch (then it goes on for the rest of that
+launch). The device computes the launched pass while the loop then runs the later programs.
 """
 
 from __future__ import annotations
@@ -17,16 +25,69 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from lmnb.runtime.launch_gate import LaunchGate
 
 _depth = 0  # batches starting their programs now
 _saved: float | None = None  # the interval before the first of them
 _ours: float | None = None  # the interval they set
 
 
+@runtime_checkable
+class LaunchGated(Protocol):
+    """A backend whose engine reports its pass launches (None: it does not)."""
+
+    @property
+    def launch_gate(self) -> LaunchGate | None: ...
+
+
+class _StepAside:
+    """One starting batch's wait on its engine's launches."""
+
+    def __init__(self, gate: LaunchGate, limit: float) -> None:
+        self.gate = gate
+        self.limit = limit
+        self._given_up = -1  # the launch waited for in vain: not waited for again
+
+    def __call__(self) -> None:
+        gate = self.gate
+        if gate.launching_now and gate.launches != self._given_up:
+            launch = gate.launches
+            if not gate.wait(self.limit):
+                self._given_up = launch
+
+
+_aside: list[_StepAside] = []  # of the batches starting their programs now
+
+
+def step_aside() -> None:
+    """On the program loop, before a program body or a gen submission: while a batch starts its
+    programs, waits for its engine's pass launch under way (if any) to return."""
+    for aside in _aside:
+        aside()
+
+
 @contextmanager
-def sharing_the_gil(interval: float | None) -> Iterator[None]:
+def sharing_the_gil(interval: float | None, *, gate: LaunchGate | None = None,
+                    wait_limit: float | None = None) -> Iterator[None]:
     """Sets the switch interval to `interval` (when shorter than the current one) inside the
-    block; nested and overlapping blocks (on the program loop) restore it once, at the last."""
+    block; nested and overlapping blocks (on the program loop) restore it once, at the last.
+    With `gate` and `wait_limit`, `step_aside()` inside the block waits for `gate`'s launches."""
+    aside = _StepAside(gate, wait_limit) if gate is not None and wait_limit else None
+    if aside is not None:
+        _aside.append(aside)
+    try:
+        with _switch_interval(interval):
+            yield
+    finally:
+        if aside is not None:
+            _aside.remove(aside)
+
+
+@contextmanager
+def _switch_interval(interval: float | None) -> Iterator[None]:
     global _depth, _saved, _ours
     if interval is None:
         yield

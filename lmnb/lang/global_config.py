@@ -2,7 +2,8 @@
 
 `default_backend` is the program default (`set_default_backend`); `enable_precache_with_tracing`
 turns `run_batch`'s shared-prefix caching on or off; `batch_switch_interval` is lmnb's (the GIL
-switch interval while a `run_batch` starts its programs, `lmnb.lang.gil_share`). The other
+switch interval while a `run_batch` starts its programs, `lmnb.lang.gil_share`), and so is
+`batch_launch_wait` (how long the program loop then waits for a pass launch to return). The other
 fields are kept for programs that set or read them and change nothing here (lmnb's detokenizer
 always skips special tokens)."""
 
@@ -24,6 +25,9 @@ class GlobalConfig:
         # lmnb's: the GIL switch interval (s) while a run_batch starts its programs (`gil_share`;
         # None: Python's own, 5 ms unless set).
         self.batch_switch_interval: float | None = 5e-5
+        # lmnb's: while a run_batch starts its programs, the program loop waits for the engine's
+        # pass launch under way, at most this long (s) per launch (`gil_share`; None: never).
+        self.batch_launch_wait: float | None = 0.1
 
     @property
     def default_backend(self) -> Backend | None:
