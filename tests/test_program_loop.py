@@ -492,7 +492,7 @@ class _WatchedGate:
 def test_run_batch_steps_aside_while_the_engine_launches_a_pass(monkeypatch):
     """While a batch starts its programs, the program loop waits for a pass launch under way
     (`LaunchGate`, `gil_share.step_aside`): no program body starts until the launch returns;
-    a launch that outlasts `batch_launch_wait` is waited for once, then the programs go on."""
+    once the batch has waited `batch_launch_wait` in all, the programs go on."""
     watched = _WatchedGate()
     started: list[int] = []
 
@@ -525,7 +525,7 @@ def test_run_batch_steps_aside_while_the_engine_launches_a_pass(monkeypatch):
     with watched.gate.launching():  # a launch that never returns while the batch starts
         states = one.run_batch([{"i": i} for i in range(20)], backend=Gated(1))
     assert [state["a"] for state in states] == [f"w{i}"[::-1] for i in range(20)]
-    assert watched.waits == 1  # given up once for that launch, not once per program
+    assert watched.waits == 1  # its budget spent: not once per program
 
 
 def test_local_backend_submits_encoded_ids_with_parsed_params(rt):

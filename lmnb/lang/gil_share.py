@@ -16,13 +16,15 @@ Even at 50 us a launch took 2.5x as long as with an idle loop on the H100 (121 a
 the first pass of 256 programs): each hand-over costs the interval and two thread wake-ups. So,
 given the engine's `LaunchGate`, the loop also steps aside (`step_aside()`, before each program
 body and each gen submission) while a pass launch is under way: it blocks, the GIL released,
-until the launch returns, at most `wait_limit` s per launch (then it goes on for the rest of that
-launch). The device computes the launched pass while the loop then runs the later programs.
+until the launch returns, at most `wait_limit` s in all per batch (a bound on what a launch
+that waits for the device costs). The device computes the launched pass while the loop then runs
+the later programs.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -44,19 +46,18 @@ class LaunchGated(Protocol):
 
 
 class _StepAside:
-    """One starting batch's wait on its engine's launches."""
+    """One starting batch's waits on its engine's launches, `budget` s in all (a launch that
+    waits for the device, or a device that is the CPU, costs the batch no more than that)."""
 
-    def __init__(self, gate: LaunchGate, limit: float) -> None:
+    def __init__(self, gate: LaunchGate, budget: float) -> None:
         self.gate = gate
-        self.limit = limit
-        self._given_up = -1  # the launch waited for in vain: not waited for again
+        self.budget = budget
 
     def __call__(self) -> None:
-        gate = self.gate
-        if gate.launching_now and gate.launches != self._given_up:
-            launch = gate.launches
-            if not gate.wait(self.limit):
-                self._given_up = launch
+        if self.budget > 0 and self.gate.launching_now:
+            start = time.perf_counter()
+            self.gate.wait(self.budget)
+            self.budget -= time.perf_counter() - start
 
 
 _aside: list[_StepAside] = []  # of the batches starting their programs now
@@ -74,7 +75,8 @@ def sharing_the_gil(interval: float | None, *, gate: LaunchGate | None = None,
                     wait_limit: float | None = None) -> Iterator[None]:
     """Sets the switch interval to `interval` (when shorter than the current one) inside the
     block; nested and overlapping blocks (on the program loop) restore it once, at the last.
-    With `gate` and `wait_limit`, `step_aside()` inside the block waits for `gate`'s launches."""
+    With `gate` and `wait_limit`, `step_aside()` inside the block waits for `gate`'s launches,
+    `wait_limit` s in all."""
     aside = _StepAside(gate, wait_limit) if gate is not None and wait_limit else None
     if aside is not None:
         _aside.append(aside)

@@ -26,7 +26,7 @@ class GlobalConfig:
         # None: Python's own, 5 ms unless set).
         self.batch_switch_interval: float | None = 5e-5
         # lmnb's: while a run_batch starts its programs, the program loop waits for the engine's
-        # pass launch under way, at most this long (s) per launch (`gil_share`; None: never).
+        # pass launches under way, at most this long (s) in all (`gil_share`; None: never).
         self.batch_launch_wait: float | None = 0.1
 
     @property
