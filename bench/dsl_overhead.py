@@ -393,6 +393,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap", action="store_true",
                         help="the overlap schedule on the CPU too (disable_overlap_schedule="
                         "False): passes are launched, and the launches gated, as on a GPU")
+    parser.add_argument("--simulate-gpu", type=int, default=0, metavar="OPS",
+                        help="with --overlap on the CPU: each pass launch also makes OPS tiny "
+                        "torch calls (each hands the GIL over, as a GPU launch's kernels do) and "
+                        "its result comes 0.15 s + 20 us per prompt token later (decode: 10 ms), "
+                        "as from a device; the CUDA prefill chunk (8192). 4000 gives a launch "
+                        "3-4x slower beside a busy program loop, as measured on the H100")
     parser.add_argument("--gil-probe", action="store_true",
                         help="a thread that sleeps 0.2 ms at a time notes how late it wakes "
                         "(request_timeline.GilProbe): how long a thread giving up the GIL, as the "
@@ -431,8 +437,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     options: dict[str, Any] = dict(device=args.device, max_total_tokens=args.max_total_tokens,
                                    max_running_requests=1024,
                                    disable_radix_cache=args.disable_radix_cache)
-    if args.overlap:
+    if args.overlap or args.simulate_gpu:
         options["disable_overlap_schedule"] = False
+    if args.simulate_gpu:
+        simulate_gpu(args.simulate_gpu)
+        options["chunked_prefill_size"] = 8192
     with tempfile.TemporaryDirectory(prefix="lmnb-dsl-overhead-") as scratch:
         if args.model:
             model, label = args.model, args.model
@@ -485,6 +494,37 @@ def batch_switched(interval: float | None, work: Callable[[], Any]) -> Callable[
         finally:
             lmnb.global_config.batch_switch_interval = previous
     return run_batch_switched
+
+
+def simulate_gpu(ops: int) -> None:
+    """`--simulate-gpu`: `ModelRunner.launch` makes `ops` tiny torch calls first, and each
+    launched pass's `result()` waits until its simulated device time has passed."""
+    import torch
+
+    from lmnb.runtime.core import ForwardMode
+    from lmnb.runtime.model_runner import ModelRunner, PendingStep
+
+    scratch = torch.zeros(4)
+    launch, result = ModelRunner.launch, PendingStep.result
+    ready: dict[int, float] = {}  # id(pending) -> when its device work is done
+
+    def simulated_launch(self: Any, batch: Any, rows: Any) -> Any:
+        for _ in range(ops):
+            torch.add(scratch, 1)
+        pending = launch(self, batch, rows)
+        device_s = (0.15 + 2e-5 * sum(batch.extend_lens) if batch.mode is ForwardMode.EXTEND
+                    else 0.01)
+        ready[id(pending)] = time.perf_counter() + device_s
+        return pending
+
+    def simulated_result(self: Any) -> Any:
+        wait = ready.pop(id(self), 0.0) - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return result(self)
+
+    ModelRunner.launch = simulated_launch  # type: ignore[method-assign]
+    PendingStep.result = simulated_result  # type: ignore[method-assign]
 
 
 def launch_waited(wait: float | None, work: Callable[[], Any]) -> Callable[[], Any]:

@@ -27,7 +27,7 @@ class GlobalConfig:
         self.batch_switch_interval: float | None = 5e-5
         # lmnb's: while a run_batch starts its programs, the program loop waits for the engine's
         # pass launches under way, at most this long (s) in all (`gil_share`; None: never).
-        self.batch_launch_wait: float | None = 0.1
+        self.batch_launch_wait: float | None = 0.05
 
     @property
     def default_backend(self) -> Backend | None:
