@@ -34,7 +34,9 @@ once more with each. While it starts its programs, the program loop also steps a
 scheduler's pass launches (`global_config.batch_launch_wait`, `Runtime.launch_gate`; launches
 are gated with the overlap schedule only, on by default on CUDA: `--overlap` forces it on the
 CPU): `--batch-launch-wait` sets that limit, `--compare-batch-launch-waits none,0.05` runs the
-DSL path once more with each. `loop ms` is the program loop's CPU per program
+DSL path once more with each. A `run_batch` starts its programs together and sends their first
+gens to the scheduler in one hand-over (`global_config.batch_wave` None), or in growing waves:
+`--batch-wave`, `--compare-batch-waves 8`. `loop ms` is the program loop's CPU per program
 (`time.thread_time` read on that thread before and after the path).
 `--gil-probe`: a thread sleeping 0.2 ms at a time notes how late it wakes in each path (how long
 a thread that gives the GIL up, as the scheduler at each torch call, waits to get it back).
@@ -333,7 +335,7 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
            for label in results if label in SCHEDULE_PATHS or "switch" in label
-           or "launch wait" in label}
+           or "launch wait" in label or "@ wave" in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -390,6 +392,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare-batch-launch-waits", default="",
                         help="comma-separated values ('none' included) of --batch-launch-wait "
                         "to run the DSL path with once more each")
+    parser.add_argument("--batch-wave", default="default",
+                        help="global_config.batch_wave: 'none', a run_batch's programs start "
+                        "together and their gens reach the scheduler in one hand-over; n, in "
+                        "waves of n, 2n, ...; default: lmnb's")
+    parser.add_argument("--compare-batch-waves", default="",
+                        help="comma-separated values ('none' included) of --batch-wave to run "
+                        "the DSL path with once more each")
     parser.add_argument("--overlap", action="store_true",
                         help="the overlap schedule on the CPU too (disable_overlap_schedule="
                         "False): passes are launched, and the launches gated, as on a GPU")
@@ -423,6 +432,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.batch_switch_interval != "default":
         lmnb.global_config.batch_switch_interval = (
             None if args.batch_switch_interval == "none" else float(args.batch_switch_interval))
+    if args.batch_wave != "default":
+        lmnb.global_config.batch_wave = (
+            None if args.batch_wave == "none" else int(args.batch_wave))
     if args.batch_launch_wait != "default":
         lmnb.global_config.batch_launch_wait = (
             None if args.batch_launch_wait == "none" else float(args.batch_launch_wait))
@@ -527,16 +539,16 @@ def simulate_gpu(ops: int) -> None:
     PendingStep.result = simulated_result  # type: ignore[method-assign]
 
 
-def launch_waited(wait: float | None, work: Callable[[], Any]) -> Callable[[], Any]:
-    """`work` with `global_config.batch_launch_wait` set to `wait` while it runs."""
-    def run_launch_waited() -> Any:
-        previous = lmnb.global_config.batch_launch_wait
-        lmnb.global_config.batch_launch_wait = wait
+def configured(name: str, value: Any, work: Callable[[], Any]) -> Callable[[], Any]:
+    """`work` with `global_config.<name>` set to `value` while it runs."""
+    def run_configured() -> Any:
+        previous = getattr(lmnb.global_config, name)
+        setattr(lmnb.global_config, name, value)
         try:
             return work()
         finally:
-            lmnb.global_config.batch_launch_wait = previous
-    return run_launch_waited
+            setattr(lmnb.global_config, name, previous)
+    return run_configured
 
 
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
@@ -579,8 +591,11 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         paths[f"{SWITCH_DSL} @ batch switch {value}"] = batch_switched(
             None if value == "none" else float(value), paths[SWITCH_DSL])
     for value in filter(None, (v.strip() for v in args.compare_batch_launch_waits.split(","))):
-        paths[f"{SWITCH_DSL} @ launch wait {value}"] = launch_waited(
-            None if value == "none" else float(value), paths[SWITCH_DSL])
+        paths[f"{SWITCH_DSL} @ launch wait {value}"] = configured(
+            "batch_launch_wait", None if value == "none" else float(value), paths[SWITCH_DSL])
+    for value in filter(None, (v.strip() for v in args.compare_batch_waves.split(","))):
+        paths[f"{SWITCH_DSL} @ wave {value}"] = configured(
+            "batch_wave", None if value == "none" else int(value), paths[SWITCH_DSL])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
@@ -655,10 +670,11 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         print(f"{label}: DSL / raw text wall time "
               f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
               f"the default {lmnb.global_config.batch_switch_interval:g} s: {wall_min:.2f}x)")
-    for label in (label for label in results if "@ launch wait" in label):
+    for label in (label for label in results if "@ launch wait" in label or "@ wave" in label):
         print(f"{label}: DSL / raw text wall time "
               f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
-              f"the default {lmnb.global_config.batch_launch_wait} s: {wall_min:.2f}x)")
+              f"the defaults, launch wait {lmnb.global_config.batch_launch_wait} s and wave "
+              f"{lmnb.global_config.batch_wave}: {wall_min:.2f}x)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
@@ -669,7 +685,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                    "repeats": args.repeats, "model": model_label,
                    "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze,
                    "batch_switch_interval": lmnb.global_config.batch_switch_interval,
-                   "batch_launch_wait": lmnb.global_config.batch_launch_wait},
+                   "batch_launch_wait": lmnb.global_config.batch_launch_wait,
+                   "batch_wave": lmnb.global_config.batch_wave},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
         "dsl_over_raw_text_wall": wall,

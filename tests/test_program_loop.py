@@ -210,6 +210,52 @@ def test_submit_chunks_grow_within_a_turn_of_the_loop():
     asyncio.run(turns())
     assert sent == [8, 16, 32, 44, 3]
 
+    from lmnb.lang.backends.submit_chunks import whole_turns
+
+    async def whole() -> None:
+        with whole_turns():  # a batch starting together: the turn's in one hand-over
+            submit(100)
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    sent.clear()
+    asyncio.run(whole())
+    assert sent == [100]
+
+
+class _CountedHolds:
+    """A runtime whose `batched_submits` blocks (hand-overs to the scheduler) are counted."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+        self.holds = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    @contextlib.contextmanager
+    def batched_submits(self) -> Iterator[None]:
+        with self._runtime.batched_submits():
+            yield
+        self.holds += 1
+
+
+def test_run_batch_starts_its_programs_together_or_in_waves(rt, monkeypatch):
+    """`global_config.batch_wave` None: every program's first gen reaches the scheduler in one
+    hand-over; n: in waves of n, 2n, ... (one hand-over each); the states are the same."""
+    @lmnb.function
+    def one(s, i):
+        s += f"Number {i} is" + gen("a", max_tokens=2, temperature=0)
+
+    texts = {}
+    for wave, hand_overs in ((None, 1), (4, 3)):  # 4, then 8, then the last 8
+        monkeypatch.setattr(lmnb.global_config, "batch_wave", wave)
+        counted = _CountedHolds(rt)
+        states = one.run_batch([{"i": i} for i in range(20)], backend=LocalBackend(counted))
+        texts[wave] = [state["a"] for state in states]
+        assert counted.holds == hand_overs
+    assert texts[None] == texts[4]
+
 
 class HoldingBackend(LocalBackend):
     """Sends each gen to the runtime; once `expected` of them stream text, interrupts the main

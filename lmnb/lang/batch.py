@@ -1,5 +1,5 @@
 """`BatchJob`: one `run_batch` (of a `Program` or a `CompiledProgram`), every program a task on
-the program loop, started in growing waves."""
+the program loop, started together (`global_config.batch_wave` None) or in growing waves."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import Backend
+from lmnb.lang.backends.submit_chunks import whole_turns
 from lmnb.lang.event_loop import program_loop, run_body, wait_queue
 from lmnb.lang.gil_share import LaunchGated, sharing_the_gil, step_aside
 from lmnb.lang.global_config import global_config
@@ -33,7 +34,7 @@ def _program_limit(num_threads: int | str, size: int) -> int | None:
     return max(1, min(int(num_threads), size))
 
 
-_WAVE_TURNS = 2  # turns of the loop between two waves of a batch's programs
+_WAVE_TURNS = 2  # turns of the loop for a wave's bodies, then their executors' first gens
 
 
 class _BatchRun:
@@ -60,13 +61,20 @@ class _BatchRun:
         semaphore = asyncio.Semaphore(self.limit) if self.limit is not None else None
         tasks: list[asyncio.Future[None]] = []
         try:
-            # Programs start in growing waves, as `Runtime.generate` sends a list of prompts in
-            # growing chunks: the first wave's gens reach the scheduler after two turns of the
-            # loop (bodies, then their executors), and the engine prefills them while the later
-            # waves' bodies run, the scheduler thread sharing the GIL with them (`gil_share`).
+            # Together (`batch_wave` None): every body runs in one turn of the loop, their
+            # executors' first gens in the next, sent to the scheduler in one hand-over at its
+            # end (`whole_turns`): the first pass is planned with all of them, as for
+            # `generate` of a list of ids. In waves (n): as `Runtime.generate` sends a list of
+            # texts, the first wave's gens reach the scheduler after two turns and the engine
+            # prefills them while the later waves' bodies run. Either way the scheduler thread
+            # shares the GIL with the bodies (`gil_share`).
+            wave = global_config.batch_wave
+            bounds = ([(0, len(self.batch))] if wave is None
+                      else list(chunk_bounds(len(self.batch), wave)))
             with sharing_the_gil(global_config.batch_switch_interval, gate=self.gate,
-                                 wait_limit=global_config.batch_launch_wait):
-                for start, end in chunk_bounds(len(self.batch)):
+                                 wait_limit=global_config.batch_launch_wait), \
+                    whole_turns() if wave is None else nullcontext():
+                for start, end in bounds:
                     tasks += [asyncio.ensure_future(self._one(index, self.batch[index],
                                                               semaphore))
                               for index in range(start, end)]
