@@ -30,8 +30,14 @@ program bodies (`--layers 32` gives the nearly-free model a real model's number 
 hand-overs per pass launch, to try this on the CPU). A `run_batch` shortens the switch interval
 itself while it starts its programs (`lmnb.lang.gil_share`): `--batch-switch-interval` sets that
 value (`none`: Python's own), `--compare-batch-switch-intervals 2e-5,none` runs the DSL path
-once more with each. `loop ms` is the program loop's CPU per program (`time.thread_time` read
-on that thread before and after the path).
+once more with each. While it starts its programs, the program loop also steps aside for the
+scheduler's pass launches (`global_config.batch_launch_wait`, `Runtime.launch_gate`; launches
+are gated with the overlap schedule only, on by default on CUDA: `--overlap` forces it on the
+CPU): `--batch-launch-wait` sets that limit, `--compare-batch-launch-waits none,0.05` runs the
+DSL path once more with each. A `run_batch` starts its programs together and sends their first
+gens to the scheduler in one hand-over (`global_config.batch_wave` None), or in growing waves:
+`--batch-wave`, `--compare-batch-waves 8`. `loop ms` is the program loop's CPU per program
+(`time.thread_time` read on that thread before and after the path).
 `--gil-probe`: a thread sleeping 0.2 ms at a time notes how late it wakes in each path (how long
 a thread that gives the GIL up, as the scheduler at each torch call, waits to get it back).
 
@@ -328,7 +334,8 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     """The passes of the DSL path beside the raw paths': whether its first extend pass held as
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
-           for label in results if label in SCHEDULE_PATHS or "switch" in label}
+           for label in results if label in SCHEDULE_PATHS or "switch" in label
+           or "launch wait" in label or "@ wave" in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -379,6 +386,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated values ('none' included) of "
                         "--batch-switch-interval to run the DSL path with once more each, "
                         "beside the default one (one model load)")
+    parser.add_argument("--batch-launch-wait", default="default",
+                        help="global_config.batch_launch_wait: how long (s) a starting run_batch "
+                        "waits for a pass launch under way; 'none': never; default: lmnb's")
+    parser.add_argument("--compare-batch-launch-waits", default="",
+                        help="comma-separated values ('none' included) of --batch-launch-wait "
+                        "to run the DSL path with once more each")
+    parser.add_argument("--batch-wave", default="default",
+                        help="global_config.batch_wave: 'none', a run_batch's programs start "
+                        "together and their gens reach the scheduler in one hand-over; n, in "
+                        "waves of n, 2n, ...; default: lmnb's")
+    parser.add_argument("--compare-batch-waves", default="",
+                        help="comma-separated values ('none' included) of --batch-wave to run "
+                        "the DSL path with once more each")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the overlap schedule on the CPU too (disable_overlap_schedule="
+                        "False): passes are launched, and the launches gated, as on a GPU")
+    parser.add_argument("--simulate-gpu", type=int, default=0, metavar="OPS",
+                        help="with --overlap on the CPU: each pass launch also makes OPS tiny "
+                        "torch calls (each hands the GIL over, as a GPU launch's kernels do) and "
+                        "its result comes 0.15 s + 20 us per prompt token later (decode: 10 ms), "
+                        "as from a device; the CUDA prefill chunk (8192). 4000 gives a launch "
+                        "3-4x slower beside a busy program loop, as measured on the H100")
     parser.add_argument("--gil-probe", action="store_true",
                         help="a thread that sleeps 0.2 ms at a time notes how late it wakes "
                         "(request_timeline.GilProbe): how long a thread giving up the GIL, as the "
@@ -403,6 +432,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.batch_switch_interval != "default":
         lmnb.global_config.batch_switch_interval = (
             None if args.batch_switch_interval == "none" else float(args.batch_switch_interval))
+    if args.batch_wave != "default":
+        lmnb.global_config.batch_wave = (
+            None if args.batch_wave == "none" else int(args.batch_wave))
+    if args.batch_launch_wait != "default":
+        lmnb.global_config.batch_launch_wait = (
+            None if args.batch_launch_wait == "none" else float(args.batch_launch_wait))
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -414,6 +449,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     options: dict[str, Any] = dict(device=args.device, max_total_tokens=args.max_total_tokens,
                                    max_running_requests=1024,
                                    disable_radix_cache=args.disable_radix_cache)
+    if args.overlap or args.simulate_gpu:
+        options["disable_overlap_schedule"] = False
+    if args.simulate_gpu:
+        simulate_gpu(args.simulate_gpu)
+        options["chunked_prefill_size"] = 8192
     with tempfile.TemporaryDirectory(prefix="lmnb-dsl-overhead-") as scratch:
         if args.model:
             model, label = args.model, args.model
@@ -468,6 +508,49 @@ def batch_switched(interval: float | None, work: Callable[[], Any]) -> Callable[
     return run_batch_switched
 
 
+def simulate_gpu(ops: int) -> None:
+    """`--simulate-gpu`: `ModelRunner.launch` makes `ops` tiny torch calls first, and each
+    launched pass's `result()` waits until its simulated device time has passed."""
+    import torch
+
+    from lmnb.runtime.core import ForwardMode
+    from lmnb.runtime.model_runner import ModelRunner, PendingStep
+
+    scratch = torch.zeros(4)
+    launch, result = ModelRunner.launch, PendingStep.result
+    ready: dict[int, float] = {}  # id(pending) -> when its device work is done
+
+    def simulated_launch(self: Any, batch: Any, rows: Any) -> Any:
+        for _ in range(ops):
+            torch.add(scratch, 1)
+        pending = launch(self, batch, rows)
+        device_s = (0.15 + 2e-5 * sum(batch.extend_lens) if batch.mode is ForwardMode.EXTEND
+                    else 0.01)
+        ready[id(pending)] = time.perf_counter() + device_s
+        return pending
+
+    def simulated_result(self: Any) -> Any:
+        wait = ready.pop(id(self), 0.0) - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return result(self)
+
+    ModelRunner.launch = simulated_launch  # type: ignore[method-assign]
+    PendingStep.result = simulated_result  # type: ignore[method-assign]
+
+
+def configured(name: str, value: Any, work: Callable[[], Any]) -> Callable[[], Any]:
+    """`work` with `global_config.<name>` set to `value` while it runs."""
+    def run_configured() -> Any:
+        previous = getattr(lmnb.global_config, name)
+        setattr(lmnb.global_config, name, value)
+        try:
+            return work()
+        finally:
+            setattr(lmnb.global_config, name, previous)
+    return run_configured
+
+
 def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         model_label: str = "") -> dict[str, Any]:
     rng = random.Random(programs.SEED)  # the data, built once
@@ -507,6 +590,12 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     for value in filter(None, (v.strip() for v in args.compare_batch_switch_intervals.split(","))):
         paths[f"{SWITCH_DSL} @ batch switch {value}"] = batch_switched(
             None if value == "none" else float(value), paths[SWITCH_DSL])
+    for value in filter(None, (v.strip() for v in args.compare_batch_launch_waits.split(","))):
+        paths[f"{SWITCH_DSL} @ launch wait {value}"] = configured(
+            "batch_launch_wait", None if value == "none" else float(value), paths[SWITCH_DSL])
+    for value in filter(None, (v.strip() for v in args.compare_batch_waves.split(","))):
+        paths[f"{SWITCH_DSL} @ wave {value}"] = configured(
+            "batch_wave", None if value == "none" else int(value), paths[SWITCH_DSL])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
@@ -581,6 +670,11 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         print(f"{label}: DSL / raw text wall time "
               f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
               f"the default {lmnb.global_config.batch_switch_interval:g} s: {wall_min:.2f}x)")
+    for label in (label for label in results if "@ launch wait" in label or "@ wave" in label):
+        print(f"{label}: DSL / raw text wall time "
+              f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
+              f"the defaults, launch wait {lmnb.global_config.batch_launch_wait} s and wave "
+              f"{lmnb.global_config.batch_wave}: {wall_min:.2f}x)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
@@ -590,7 +684,9 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                    "gen_tokens": gen_tokens,
                    "repeats": args.repeats, "model": model_label,
                    "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze,
-                   "batch_switch_interval": lmnb.global_config.batch_switch_interval},
+                   "batch_switch_interval": lmnb.global_config.batch_switch_interval,
+                   "batch_launch_wait": lmnb.global_config.batch_launch_wait,
+                   "batch_wave": lmnb.global_config.batch_wave},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
         "dsl_over_raw_text_wall": wall,

@@ -143,6 +143,8 @@ def test_a_failing_pipelined_pass_aborts_its_requests_and_the_scheduler_goes_on(
 
 
 def test_runtime_with_overlap_forced_on_cpu_matches_the_synchronous_runtime(tiny_models):
+    import lmnb
+    from lmnb.lang.backends.local import LocalBackend
     from lmnb.runtime.engine import Runtime
 
     prompts = ["The cat sat on", "A list of colours: red,", "The cat sat on the mat and"]
@@ -151,8 +153,13 @@ def test_runtime_with_overlap_forced_on_cpu_matches_the_synchronous_runtime(tiny
     # shared prefixes over several chunked prefill passes, pipelined with overlap
     story = ("Once upon a time in a small village by the sea there lived an old fisherman "
              "who every morning walked down to the harbour with his dog and his nets. ")
-    shared = [story + question for question in ("Who lived there?", "Where did he walk?",
-                                                "What did he carry?", "Was there a dog?")]
+    questions = ("Who lived there?", "Where did he walk?", "What did he carry?", "Was there a dog?")
+    shared = [story + question for question in questions]
+
+    @lmnb.function
+    def ask(s, question):
+        s += story + question + lmnb.gen("a", max_tokens=4, temperature=0)
+
     results = {}
     for disable in (True, False):
         with Runtime(str(tiny_models["llama-gqa"]), dtype="float32", device="cpu",
@@ -165,11 +172,17 @@ def test_runtime_with_overlap_forced_on_cpu_matches_the_synchronous_runtime(tiny
             fanned = rt.generate(shared, {"max_new_tokens": 6, "temperature": 0})
             rt.set_batch_hook(None)
             assert any(mixed) is (not disable)
+            # pipelined launches close the gate that a starting run_batch steps aside for
+            launches = rt.launch_gate.launches
+            asked = [state["a"] for state in ask.run_batch(
+                [{"question": q} for q in questions], backend=LocalBackend(rt))]
+            assert (rt.launch_gate.launches > launches) is (not disable)
+            assert not rt.launch_gate.launching_now
             stats = rt.stats()
             results[disable] = ([(o["text"], o["meta_info"]["finish_reason"]) for o in out],
                                 again["text"],
                                 [(o["output_ids"], o["meta_info"]["cached_tokens"])
-                                 for o in fanned])
+                                 for o in fanned], asked)
             assert sum(o["meta_info"]["cached_tokens"] > 0 for o in fanned) >= 3
             assert stats["overlap_schedule"] is (not disable)
             assert (stats["overlapped_passes"] > 0) is (not disable)

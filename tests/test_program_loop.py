@@ -210,6 +210,52 @@ def test_submit_chunks_grow_within_a_turn_of_the_loop():
     asyncio.run(turns())
     assert sent == [8, 16, 32, 44, 3]
 
+    from lmnb.lang.backends.submit_chunks import whole_turns
+
+    async def whole() -> None:
+        with whole_turns():  # a batch starting together: the turn's in one hand-over
+            submit(100)
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    sent.clear()
+    asyncio.run(whole())
+    assert sent == [100]
+
+
+class _CountedHolds:
+    """A runtime whose `batched_submits` blocks (hand-overs to the scheduler) are counted."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+        self.holds = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    @contextlib.contextmanager
+    def batched_submits(self) -> Iterator[None]:
+        with self._runtime.batched_submits():
+            yield
+        self.holds += 1
+
+
+def test_run_batch_starts_its_programs_together_or_in_waves(rt, monkeypatch):
+    """`global_config.batch_wave` None: every program's first gen reaches the scheduler in one
+    hand-over; n: in waves of n, 2n, ... (one hand-over each); the states are the same."""
+    @lmnb.function
+    def one(s, i):
+        s += f"Number {i} is" + gen("a", max_tokens=2, temperature=0)
+
+    texts = {}
+    for wave, hand_overs in ((None, 1), (4, 3)):  # 4, then 8, then the last 8
+        monkeypatch.setattr(lmnb.global_config, "batch_wave", wave)
+        counted = _CountedHolds(rt)
+        states = one.run_batch([{"i": i} for i in range(20)], backend=LocalBackend(counted))
+        texts[wave] = [state["a"] for state in states]
+        assert counted.holds == hand_overs
+    assert texts[None] == texts[4]
+
 
 class HoldingBackend(LocalBackend):
     """Sends each gen to the runtime; once `expected` of them stream text, interrupts the main
@@ -509,6 +555,69 @@ def test_sharing_the_gil_is_restored_when_its_thread_dies_inside_a_block():
         assert sys.getswitchinterval() == before
     finally:
         sys.setswitchinterval(before)
+
+
+class _WatchedGate:
+    """A `LaunchGate` that tells the test when the program loop waits on it."""
+
+    def __init__(self) -> None:
+        from lmnb.runtime.launch_gate import LaunchGate
+
+        self.gate = LaunchGate()
+        self.waits = 0
+        self.waiting = threading.Event()
+
+    @property
+    def launches(self) -> int:
+        return self.gate.launches
+
+    @property
+    def launching_now(self) -> bool:
+        return self.gate.launching_now
+
+    def wait(self, timeout: float) -> bool:
+        self.waits += 1
+        self.waiting.set()
+        return self.gate.wait(timeout)
+
+
+def test_run_batch_steps_aside_while_the_engine_launches_a_pass(monkeypatch):
+    """While a batch starts its programs, the program loop waits for a pass launch under way
+    (`LaunchGate`, `gil_share.step_aside`): no program body starts until the launch returns;
+    once the batch has waited `batch_launch_wait` in all, the programs go on."""
+    watched = _WatchedGate()
+    started: list[int] = []
+
+    class Gated(BarrierBackend):
+        launch_gate = watched
+
+    @lmnb.function
+    def one(s, i):
+        if isinstance(i, int):  # not the tracer's run (the batch's constant prefix)
+            started.append(i)
+        s += f"Q{i}: w{i}" + gen("a")
+
+    monkeypatch.setattr(lmnb.global_config, "batch_launch_wait", GUARD_S)
+    launch = watched.gate.launching()
+    launch.__enter__()  # the scheduler is launching a pass
+    try:
+        job = one.run_batch([{"i": i} for i in range(20)], backend=Gated(1), as_completed=True)
+        results: list[Any] = []
+        runner = threading.Thread(target=lambda: results.extend(job), daemon=True)
+        runner.start()
+        assert watched.waiting.wait(GUARD_S)
+        assert started == []  # the loop is blocked in the wait: no body ran
+    finally:
+        launch.__exit__(None, None, None)
+    runner.join(GUARD_S)
+    assert sorted(state["a"] for state in results) == sorted(f"w{i}"[::-1] for i in range(20))
+
+    monkeypatch.setattr(lmnb.global_config, "batch_launch_wait", 1e-3)
+    watched.waits = 0
+    with watched.gate.launching():  # a launch that never returns while the batch starts
+        states = one.run_batch([{"i": i} for i in range(20)], backend=Gated(1))
+    assert [state["a"] for state in states] == [f"w{i}"[::-1] for i in range(20)]
+    assert watched.waits == 1  # its budget spent: not once per program
 
 
 def test_local_backend_submits_encoded_ids_with_parsed_params(rt):

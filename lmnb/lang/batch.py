@@ -1,5 +1,5 @@
 """`BatchJob`: one `run_batch` (of a `Program` or a `CompiledProgram`), every program a task on
-the program loop, started in growing waves."""
+the program loop, started together (`global_config.batch_wave` None) or in growing waves."""
 
 from __future__ import annotations
 
@@ -10,16 +10,20 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import Backend
+from lmnb.lang.backends.submit_chunks import whole_turns
 from lmnb.lang.event_loop import program_loop, run_body, wait_queue
-from lmnb.lang.gil_share import sharing_the_gil
+from lmnb.lang.gil_share import LaunchGated, sharing_the_gil, step_aside
 from lmnb.lang.global_config import global_config
 from lmnb.lang.program_run import ProgramRun
 from lmnb.lang.program_state import ProgramState
 from lmnb.lang.progress import progress_bar as tqdm_bar
 from lmnb.runtime.prompts import chunk_bounds
+
+if TYPE_CHECKING:
+    from lmnb.runtime.launch_gate import LaunchGate
 
 
 def _program_limit(num_threads: int | str, size: int) -> int | None:
@@ -30,7 +34,7 @@ def _program_limit(num_threads: int | str, size: int) -> int | None:
     return max(1, min(int(num_threads), size))
 
 
-_WAVE_TURNS = 2  # turns of the loop between two waves of a batch's programs
+_WAVE_TURNS = 2  # turns of the loop for a wave's bodies, then their executors' first gens
 
 
 class _BatchRun:
@@ -43,8 +47,10 @@ class _BatchRun:
 
     def __init__(self, execute: Callable[[dict[str, Any], ProgramRun], ProgramState],
                  batch: list[dict[str, Any]], *, limit: int | None,
-                 deliver: Callable[[list[tuple[int, ProgramState]]], None]) -> None:
+                 deliver: Callable[[list[tuple[int, ProgramState]]], None],
+                 gate: LaunchGate | None = None) -> None:
         self.execute = execute
+        self.gate = gate  # the engine's pass launches, stepped aside for while programs start
         self.batch = batch
         self.limit = limit
         self.deliver = deliver
@@ -55,12 +61,20 @@ class _BatchRun:
         semaphore = asyncio.Semaphore(self.limit) if self.limit is not None else None
         tasks: list[asyncio.Future[None]] = []
         try:
-            # Programs start in growing waves, as `Runtime.generate` sends a list of prompts in
-            # growing chunks: the first wave's gens reach the scheduler after two turns of the
-            # loop (bodies, then their executors), and the engine prefills them while the later
-            # waves' bodies run, the scheduler thread sharing the GIL with them (`gil_share`).
-            with sharing_the_gil(global_config.batch_switch_interval):
-                for start, end in chunk_bounds(len(self.batch)):
+            # Together (`batch_wave` None): every body runs in one turn of the loop, their
+            # executors' first gens in the next, sent to the scheduler in one hand-over at its
+            # end (`whole_turns`): the first pass is planned with all of them, as for
+            # `generate` of a list of ids. In waves (n): as `Runtime.generate` sends a list of
+            # texts, the first wave's gens reach the scheduler after two turns and the engine
+            # prefills them while the later waves' bodies run. Either way the scheduler thread
+            # shares the GIL with the bodies (`gil_share`).
+            wave = global_config.batch_wave
+            bounds = ([(0, len(self.batch))] if wave is None
+                      else list(chunk_bounds(len(self.batch), wave)))
+            with sharing_the_gil(global_config.batch_switch_interval, gate=self.gate,
+                                 wait_limit=global_config.batch_launch_wait), \
+                    whole_turns() if wave is None else nullcontext():
+                for start, end in bounds:
                     tasks += [asyncio.ensure_future(self._one(index, self.batch[index],
                                                               semaphore))
                               for index in range(start, end)]
@@ -86,6 +100,7 @@ class _BatchRun:
     async def _run(self, index: int, arguments: dict[str, Any]) -> None:
         if self.runs.aborted:
             return
+        step_aside()
         state = await run_body(self.execute, arguments, self.runs.new_run())
         self._finished.append((index, state))
         if len(self._finished) == 1:
@@ -100,6 +115,10 @@ class _BatchRun:
 
 
 _DONE = object()
+
+
+def _launch_gate(backend: Backend) -> LaunchGate | None:
+    return backend.launch_gate if isinstance(backend, LaunchGated) else None
 
 
 @dataclass(frozen=True)
@@ -156,7 +175,7 @@ class BatchJob:
 
             batch_run = _BatchRun(self.execute, self.batch,
                                   limit=_program_limit(num_threads, len(self.batch)),
-                                  deliver=deliver)
+                                  deliver=deliver, gate=_launch_gate(self.backend))
             future: Future[None] | None = None
             try:
                 future = self._start(batch_run)
@@ -177,7 +196,8 @@ class BatchJob:
         batch_run = _BatchRun(self.execute, self.batch,
                               limit=_program_limit(num_threads, len(self.batch)),
                               deliver=lambda states: loop.call_soon_threadsafe(
-                                  finished.put_nowait, states))
+                                  finished.put_nowait, states),
+                              gate=_launch_gate(self.backend))
         future: Future[None] | None = None
         try:
             future = await asyncio.to_thread(self._start, batch_run)

@@ -148,8 +148,10 @@ class PromptTokens:
                     break
         best: tuple[_Entry, int] | None = None
         for entry in candidates:
-            if best is not None and not _shares(text, entry.text, best[1] + 1):
-                continue  # shares no more than the best so far (one comparison, not a search)
+            if best is not None and (
+                    len(entry.text) <= best[1] or entry.text[best[1]] != text[best[1]]
+                    or not _shares(text, entry.text, best[1] + 1)):
+                continue  # shares no more than the best so far (one character, then one slice)
             shared = _shared_prefix(text, entry.text)
             if best is None or shared > best[1]:
                 best = (entry, shared)

@@ -6,7 +6,8 @@ of text prompts: the first `FIRST_CHUNK` as soon as they are submitted (the sche
 prefilling them while the loop prepares the others), then chunks twice as large each time, and
 the rest when the turn ends. The scheduler thus plans each pass with many requests, never with
 the one or two that reached it first, and the engine does not wait for every program's host work
-before its first pass.
+before its first pass. Inside `whole_turns()` (a `run_batch` starting its programs together,
+`global_config.batch_wave` None) a turn's submissions are sent in one hand-over at its end.
 """
 
 from __future__ import annotations
@@ -16,6 +17,20 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 from lmnb.runtime.prompts import FIRST_CHUNK
+
+_whole_turns = 0  # blocks of `whole_turns` open now (on the program loop's thread)
+
+
+@contextmanager
+def whole_turns() -> Iterator[None]:
+    """Inside the block (on the program loop), each turn's streamed submissions reach the
+    scheduler together at the turn's end, not in growing chunks."""
+    global _whole_turns
+    _whole_turns += 1
+    try:
+        yield
+    finally:
+        _whole_turns -= 1
 
 
 class SubmitChunks:
@@ -44,7 +59,7 @@ class SubmitChunks:
             asyncio.get_running_loop().call_soon(self._end_turn)
         yield
         self._count += 1
-        if self._count >= self._size:
+        if self._count >= self._size and not _whole_turns:
             self._send()
             self._size *= 2
 
