@@ -7,6 +7,8 @@ Variants (one `Runtime` each, built one after the other and closed between):
   fp8+fp8-kv    both
   fp8-unfused   fp8 with decode's RMSNorms and SiLU-and-mul as their own kernels, not inside
                 the skinny GEMMs (`layers.linear.FP8_DECODE_FUSIONS`; not run by default)
+  fp8-quant-apart  fp8 with the W8A8 GEMMs' inputs quantized by their own kernel, not inside the
+                RMSNorm / SiLU-and-mul kernels (`layers.linear.FP8_QUANT_FUSIONS`; not by default)
 
 Parts (`--parts`, default all):
   decode    random Llama-3-8B (`--model`), one 128-id prompt, ms per decode step as
@@ -80,6 +82,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     "fp8-unfused": {"quantization": "fp8"},  # decode's norms and SiLU apart (ablation)
+    "fp8-quant-apart": {"quantization": "fp8"},  # per_token_quant apart (ablation)
 }
 DEFAULT_VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8+fp8-kv")
 # The noise floor of the quality part: the model in other 16/32-bit dtypes against bf16.
@@ -266,6 +269,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             options = VARIANTS[name]
             row: dict[str, Any] = {}
             linear.FP8_DECODE_FUSIONS = name != "fp8-unfused"
+            linear.FP8_QUANT_FUSIONS = name != "fp8-quant-apart"
             with Runtime(str(spec.path), device=str(device),
                          **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
                 row["weight_gb"] = rt.weight_bytes / 1e9
@@ -283,7 +287,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
                             "offline_seconds": measured["seconds"],
                             "offline_retractions": measured["retractions"]}
             results[name] = row
-            linear.FP8_DECODE_FUSIONS = True
+            linear.FP8_DECODE_FUSIONS = linear.FP8_QUANT_FUSIONS = True
             _free()
         return results
 

@@ -1,6 +1,7 @@
 """The FP8 Triton kernels compiled for an H100 (sm_90) on a machine without one (tests/sm90.py):
 the skinny GEMM over FP8 weights in each of decode's fused forms, its split-K reduce, decode
-over an FP8 pool, the per-token activation quantizer, the rotary kernel's FP8 K/V store and the
+over an FP8 pool, the per-token activation quantizer (alone, and fused into RMSNorm and
+SiLU-and-mul), the rotary kernel's FP8 K/V store and the
 weight-only GEMM; the PTX checks what the interpreter cannot (register layouts, instructions,
 the FP8 K/V store's gpu-scope arrival counter). tests/test_fp8.py runs the same kernels in the
 interpreter; tests/gpu/test_fp8_cuda.py on a GPU."""
@@ -17,7 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lmnb.runtime.kernels import triton_decode
-from lmnb.runtime.kernels.fused import fp8_quant, gemv, gemv_fp8, mm_fp8, rope
+from lmnb.runtime.kernels.fused import (activation, fp8_quant, gemv, gemv_fp8, mm_fp8,
+                                        rmsnorm, rope)
 
 def compile(fn, signature, constants, warps=4, aligned=()):
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -85,6 +87,20 @@ compile(fp8_quant._per_token_quant_kernel,
         {"X": dt, "OUT": f8, "SCALE": "*fp32", "K": "i32", "stride_x": "i32",
          "stride_out": "i32"}, {"BLOCK": 2048, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},
         warps=8)
+# the quantizer fused into RMSNorm (+ the residual add) and SiLU-and-mul (one block a row, and
+# the two-pass loop)
+compile(rmsnorm._rms_norm_quant_kernel,
+        {"X": dt, "RES": dt, "W": dt, "OUT": f8, "SCALE": "*fp32", "RES_OUT": dt,
+         **{n: "i32" for n in ("stride_x", "stride_res", "stride_out", "stride_res_out",
+                               "hidden")}, "eps": "fp32"},
+        {"HAS_RESIDUAL": True, "BLOCK": 4096, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},
+        warps=8)
+for block, one_block, warps in ((16384, True, 16), (4096, False, 8)):
+    compile(activation._silu_and_mul_quant_kernel,
+            {"X": dt, "OUT": f8, "SCALE": "*fp32", "stride_x": "i32", "stride_out": "i32",
+             "width": "i32"},
+            {"BLOCK": block, "ONE_BLOCK": one_block, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},
+            warps=warps)
 compile(rope._rotary_qkv_kernel,
         {"QKV": dt, "Q_OUT": dt, "K_OUT": f8, "V_OUT": f8, "K_SCALE": "*fp32",
          "V_SCALE": "*fp32", "POS": i64, "SLOTS": i64, "COS": "*fp32", "SIN": "*fp32",

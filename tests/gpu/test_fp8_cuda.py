@@ -1,8 +1,9 @@
 """FP8 on the GPU: the `_scaled_mm` path, the compiled skinny GEMM over FP8 weights (with the
-norm, rotary and an FP8 pool's K/V store fused in), the rotary kernel's FP8 K/V store with
-per-(token, head) scales, and a tiny model end to end with FP8 weights and an FP8 KV cache
-through the Triton backend (FlashInfer: FP8 weights; its kernels take no per-token KV scales),
-with CUDA graphs (against bf16).
+norm, rotary and an FP8 pool's K/V store fused in), the W8A8 inputs quantized inside the
+RMSNorm and SiLU-and-mul kernels (served tokens against the ablation's), the rotary kernel's
+FP8 K/V store with per-(token, head) scales, and a tiny model end to end with FP8 weights and
+an FP8 KV cache through the Triton backend (FlashInfer: FP8 weights; its kernels take no
+per-token KV scales), with CUDA graphs (against bf16).
 (tests/test_fp8.py also runs here: its kernel tests compiled on the GPU.)"""
 
 from __future__ import annotations
@@ -302,3 +303,35 @@ def test_compiled_w8a16_mm_at_llama_3_8b_shapes(m, n, k):
     want = x.float() @ fp8.dequantize_rows(w, scale).t()
     got = w8a16_mm(x, w, scale)
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max())
+
+
+def test_quantizing_norm_and_activation_keep_the_served_tokens(request, monkeypatch):
+    """FP8 weights served with the W8A8 GEMMs' inputs quantized inside the RMSNorm and
+    SiLU-and-mul kernels (prefill, and decode at 20 rows: past the skinny path, in CUDA graphs)
+    against the ablation quantizing them apart (`linear.FP8_QUANT_FUSIONS` off): the fused
+    kernels ran, and the tokens and their logprobs are the same, bit for bit."""
+    from lmnb.runtime.kernels.fused import rmsnorm
+    from lmnb.runtime.models.layers import linear
+
+    folder = request.getfixturevalue("head_dim_64_model")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(20, 300))] for _ in range(20)]
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+    options = dict(device="cuda", dtype="bfloat16", context_length=512, quantization="fp8",
+                   attention_backend="triton", max_running_requests=32)
+    calls: list[int] = []
+    op = rmsnorm.rms_norm_quant
+    monkeypatch.setattr(rmsnorm, "rms_norm_quant",
+                        lambda *a, **k: (calls.append(1), op(*a, **k))[1])
+    outputs = []
+    for fusions in (True, False):
+        monkeypatch.setattr(linear, "FP8_QUANT_FUSIONS", fusions)
+        with Runtime(folder, **options) as rt:
+            outputs.append(rt.generate(input_ids=prompts, sampling_params=greedy,
+                                       return_logprob=True))
+        assert bool(calls) == fusions
+        calls.clear()
+    fused, apart = outputs
+    for f, a in zip(fused, apart, strict=True):
+        assert f["output_ids"] == a["output_ids"]
+        assert f["meta_info"]["output_token_logprobs"] == a["meta_info"]["output_token_logprobs"]

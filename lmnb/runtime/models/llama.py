@@ -120,8 +120,11 @@ class LlamaMLP(nn.Module):
     def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward(norm(x, residual))` -> (out, the residual stream); norm, gate_up and the
-        activation may run as one kernel (`MergedColumnParallelLinear.forward_normed`)."""
-        act, residual = self.gate_up_proj.forward_normed(norm, x, residual, act=self.act_fn)
+        activation may run as one kernel (`MergedColumnParallelLinear.forward_normed`); for a
+        W8A8 down_proj the activation's kernel quantizes its output (`takes_fp8_rows`)."""
+        fp8_out = x.dim() == 2 and self.down_proj.takes_fp8_rows(x.shape[0], x.device)
+        act, residual = self.gate_up_proj.forward_normed(norm, x, residual, act=self.act_fn,
+                                                         fp8_out=fp8_out)
         return self.down_proj(act), residual
 
 

@@ -3,6 +3,11 @@
 Programs over (token, block of the intermediate size); silu rounds to the model dtype before the
 product, as the torch path (`act(gate) * up`) does. `silu_mul` is the same math for kernels that
 fuse it into their epilogue (the FP8 gate_up GEMM, `gemv_fp8.fp8_gemv(..., gated=True)`).
+
+`silu_and_mul_quant` quantizes the product per token to FP8 for the W8A8 down projection
+(`fp8_quant.per_token_quant` of `silu_and_mul`'s output, bit for bit), one program per token:
+the whole row in registers up to ROW_BLOCK_MAX, else two passes over it (amax, then the codes;
+the second recomputes the product from the input, mostly in L2).
 """
 
 from __future__ import annotations
@@ -11,7 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.fused.fp8_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    empty_quantized,
+    fp8_codes,
+    token_scale,
+)
+
 BLOCK = 1024
+ROW_BLOCK_MAX = 16384  # Llama-3-8B's 14336 features in one block
+CHUNK = 4096  # wider rows: two passes in chunks of this
 
 
 @triton.jit
@@ -42,3 +57,56 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(tokens, triton.cdiv(width, BLOCK))](
             x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK, num_warps=4)
     return out
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(X, OUT, SCALE, stride_x, stride_out, width,
+                               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                               FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    dtype = X.dtype.element_ty
+    if ONE_BLOCK:
+        mask = offs < width
+        gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + row * stride_x + width + offs, mask=mask, other=0.0).to(tl.float32)
+        act = silu_mul(gate, up, dtype)  # zero past width
+        scale = token_scale(tl.max(tl.abs(act), 0), FP8_MAX_C, MIN_SCALE_C)
+        tl.store(SCALE + row, scale)
+        q = fp8_codes(act, scale, FP8_MAX_C)
+        tl.store(OUT + row * stride_out + offs, q.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(0, width, BLOCK):
+            mask = k + offs < width
+            gate = tl.load(X + row * stride_x + k + offs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(X + row * stride_x + width + k + offs, mask=mask,
+                         other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(silu_mul(gate, up, dtype)))
+        scale = token_scale(tl.max(amax, 0), FP8_MAX_C, MIN_SCALE_C)
+        tl.store(SCALE + row, scale)
+        for k in range(0, width, BLOCK):
+            mask = k + offs < width
+            gate = tl.load(X + row * stride_x + k + offs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(X + row * stride_x + width + k + offs, mask=mask,
+                         other=0.0).to(tl.float32)
+            q = fp8_codes(silu_mul(gate, up, dtype), scale, FP8_MAX_C)
+            tl.store(OUT + row * stride_out + k + offs, q.to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_quant(x: torch.Tensor, *, row_block_max: int = ROW_BLOCK_MAX
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`per_token_quant(silu_and_mul(x))` in one kernel: x [tokens, 2 * width] (last dim
+    contiguous) -> (FP8 codes [tokens, width], float32 scales [tokens, 1]). Rows wider than
+    `row_block_max` take the two-pass loop (tests lower it to reach that loop at tiny sizes)."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0
+    tokens, width = x.shape[0], x.shape[1] // 2
+    out, scale = empty_quantized(tokens, width, x.device)
+    if tokens:
+        one_block = width <= row_block_max
+        block = triton.next_power_of_2(max(width, 16) if one_block else min(CHUNK, row_block_max))
+        _silu_and_mul_quant_kernel[(tokens,)](
+            x, out, scale, x.stride(0), out.stride(0), width, BLOCK=block, ONE_BLOCK=one_block,
+            FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+    return out, scale

@@ -11,7 +11,8 @@
     CUDA                `torch._scaled_mm` (FP8 tensor cores, W8A8) with row-wise scales, the
                         activations quantized by one Triton kernel when fused
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
-                        float32), slow; the loader warns that the CPU runs FP8 this way
+                        float32; the activations quantized by that kernel, interpreted, when
+                        fused), slow; the loader warns that the CPU runs FP8 this way
 With `weight_only` (W8A16 checkpoints, `Fp8Config.weight_only`) the activations are never
 quantized: M <= 16 as above, more rows through `kernels.fused.mm_fp8.w8a16_mm` when fused (FP8
 weight tiles converted in registers), else the weight dequantized to x's dtype and F.linear.
@@ -23,11 +24,16 @@ FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
                         input_layernorm, gate_up (+ SiLU) after post_attention_layernorm
     `fp8_norm_rotary_linear`  qkv's, with the rotary in the epilogue storing k and v in the
                         KV pool (the norm, qkv and rotary kernels in one)
+
+The W8A8 paths' fusions (more rows: prefill, large decode batches): the kernel in front emits
+the per-token FP8 rows (`Fp8Rows`) instead of its 16-bit output (`rmsnorm.rms_norm_quant`,
+`activation.silu_and_mul_quant`; `quantizes_tokens` says where a layer takes them) and
+`fp8_rows_linear` runs the GEMM over them: the same codes and scales as quantizing that output.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -70,31 +76,68 @@ def to_fp8_saturated(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def scaled_mm_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                        bias: torch.Tensor | None) -> torch.Tensor:
-    """What the `_scaled_mm` path computes, in float32 on any device: per-token FP8 activations
-    times FP8 weights, accumulated in float32, both scales applied to the sum. x [M, K]."""
-    x_q, x_scale = quantize_tokens(x)
-    out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.float()[None, :]
+class Fp8Rows(NamedTuple):
+    """Activations quantized per token, the W8A8 GEMM's input: x ~= codes * scale."""
+
+    codes: torch.Tensor  # [M, K] float8_e4m3fn, rows contiguous
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the model dtype x was in (the GEMM's output dtype)
+
+
+def _quantize(x: torch.Tensor, fused: bool) -> Fp8Rows:
+    if fused:  # one Triton kernel instead of five torch ops
+        from lmnb.runtime.kernels.fused.fp8_quant import per_token_quant
+
+        return Fp8Rows(*per_token_quant(x), x.dtype)
+    return Fp8Rows(*quantize_tokens(x), x.dtype)
+
+
+def _rows_reference(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """FP8 products accumulated in float32 (exact products), both scales applied to the sum."""
+    out = (x.codes.float() @ weight.float().t()) * x.scale * weight_scale.float()[None, :]
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
 
 
-def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
-    if fused:  # one Triton kernel instead of five torch ops
-        from lmnb.runtime.kernels.fused.fp8_quant import per_token_quant
+def scaled_mm_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """What the `_scaled_mm` path computes, in float32 on any device: per-token FP8 activations
+    times FP8 weights, accumulated in float32, both scales applied to the sum. x [M, K]."""
+    return _rows_reference(_quantize(x, fused=False), weight, weight_scale, bias)
 
-        x_q, x_scale = per_token_quant(x)
-    else:
-        x_q, x_scale = quantize_tokens(x)
+
+def _scaled_mm(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
     # Row-wise scales need a bfloat16 output; weight.t() is the column-major [K, N] it wants.
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale,
+    out = torch._scaled_mm(x.codes, weight.t(), scale_a=x.scale,
                            scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out.to(x.dtype)
+
+
+def _scaled_mm_shapes(k: int, n: int) -> bool:
+    return k % 16 == 0 and n % 16 == 0
+
+
+def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, fused: bool,
+                     weight_only: bool) -> bool:
+    """Whether `fp8_linear` quantizes `rows` rows of input on `device` per token (W8A8:
+    `_scaled_mm`, or the reference off CUDA), so that it may take them as `Fp8Rows`."""
+    if weight_only or rows <= 0 or (fused and rows <= SKINNY_MAX_ROWS):
+        return False
+    return device.type != "cuda" or _scaled_mm_shapes(weight.shape[1], weight.shape[0])
+
+
+def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """`fp8_linear`'s W8A8 GEMM over rows already quantized (where `quantizes_tokens`):
+    x [M, K] -> [M, N] in x.dtype; `_scaled_mm` on CUDA, the float32 reference elsewhere."""
+    if x.codes.is_cuda:
+        return _scaled_mm(x, weight, weight_scale, bias)
+    return _rows_reference(x, weight, weight_scale, bias)
 
 
 def skinny_rows(x: torch.Tensor) -> bool:
@@ -165,10 +208,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         out = w8a16_mm(x2.contiguous(), weight, weight_scale, bias)
     elif weight_only:
         out = F.linear(x2, dequantize_rows(weight, weight_scale, x.dtype), bias)
-    elif x.is_cuda and rows > 0 and k % 16 == 0 and n % 16 == 0:
-        out = _scaled_mm(x2.contiguous(), weight, weight_scale, bias, fused)
-    elif x.is_cuda:  # shapes _scaled_mm refuses (tiny test models): dequantized weights
+    elif rows > 0 and quantizes_tokens(rows, weight, x.device, fused=fused, weight_only=False):
+        # _scaled_mm on CUDA, the reference elsewhere (its quantization in Triton's interpreter
+        # when fused, as the kernels feeding `fp8_rows_linear` there quantize)
+        out = fp8_rows_linear(_quantize(x2.contiguous(), fused), weight, weight_scale, bias)
+    else:  # no rows, or shapes _scaled_mm refuses (tiny test models): dequantized weights
         out = F.linear(x2, dequantize_rows(weight, weight_scale, x.dtype), bias)
-    else:
-        out = scaled_mm_reference(x2, weight, weight_scale, bias)
     return out.view(*x.shape[:-1], n)

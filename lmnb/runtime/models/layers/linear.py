@@ -100,6 +100,10 @@ SKINNY_MAX_ROWS = fp8.SKINNY_MAX_ROWS
 # before a Runtime captures its CUDA graphs): False runs decode's RMSNorms and SiLU-and-mul as
 # their own kernels beside the FP8 skinny GEMMs.
 FP8_DECODE_FUSIONS = True
+# Ablation switch (bench/fp8.py's "fp8-quant-apart" variant; read as FP8_DECODE_FUSIONS): False
+# quantizes the W8A8 GEMMs' inputs in their own kernel (`per_token_quant`) instead of in the
+# RMSNorm / SiLU-and-mul kernel in front (`RMSNorm.forward_fp8`, `GatedActivation.forward_fp8`).
+FP8_QUANT_FUSIONS = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -142,9 +146,25 @@ class FusableLinear(nn.Linear, Fusable):
         self.register_buffer("weight_scale", torch.ones(self.out_features, dtype=torch.float32,
                                                         device=self.weight.device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, fused=self.fused,
-                      weight_scale=self.weight_scale, weight_only=self.fp8_weight_only)
+    def forward(self, x: torch.Tensor | fp8.Fp8Rows) -> torch.Tensor:
+        """x [..., K] -> [..., N]; or rows quantized in front (where `takes_fp8_rows`)."""
+        return self._project(x, self.bias)
+
+    def _project(self, x: torch.Tensor | fp8.Fp8Rows, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+        if isinstance(x, fp8.Fp8Rows):
+            assert self.weight_scale is not None, "FP8 rows reach FP8 layers only"
+            return fp8.fp8_rows_linear(x, self.weight, self.weight_scale, bias)
+        return linear(x, self.weight, bias, fused=self.fused, weight_scale=self.weight_scale,
+                      weight_only=self.fp8_weight_only)
+
+    def takes_fp8_rows(self, rows: int, device: torch.device) -> bool:
+        """Whether `forward` over `rows` rows on `device` quantizes them per token (fused W8A8,
+        more rows than the skinny path), so that the kernel in front may emit them quantized
+        (`fp8.Fp8Rows`, while `FP8_QUANT_FUSIONS`)."""
+        return (FP8_QUANT_FUSIONS and self.fused and self.weight_scale is not None
+                and fp8.quantizes_tokens(rows, self.weight, device, fused=True,
+                                         weight_only=self.fp8_weight_only))
 
     def load_rows(self, param_name: str, rows: slice, source: WeightSource, name: str) -> None:
         """Checkpoint tensor `source` (already this rank's part) into rows `rows` of a parameter:
@@ -231,30 +251,45 @@ class MergedColumnParallelLinear(FusableLinear):
         return (act.fused and act.hidden_act == "silu" and len(self.output_sizes) == 2
                 and self.output_sizes[0] == self.output_sizes[1])
 
-    def forward_gated(self, x: torch.Tensor, act: GatedActivation) -> torch.Tensor:
+    def forward_gated(self, x: torch.Tensor, act: GatedActivation, *, fp8_out: bool = False
+                      ) -> torch.Tensor | fp8.Fp8Rows:
         """act(gate) * up over this layer's two equal output blocks (gate_up) -> [..., I]: one
         kernel (the activation in the GEMM's epilogue) where decode takes the fused FP8 skinny
-        path with SiLU, else `act(self(x))`."""
+        path with SiLU, else `act(self(x))`. `fp8_out` (the W8A8 layer behind `takes_fp8_rows`):
+        the activation quantized per token in its kernel where `act.emits_fp8`."""
         if self._fp8_skinny(x) and self._fuses(act):
             return fp8.fp8_silu_linear(x, self.weight, self.weight_scale, self.bias)
-        return act(self(x))
+        return self._activate(self(x), act, fp8_out)
+
+    @staticmethod
+    def _activate(out: torch.Tensor, act: GatedActivation, fp8_out: bool
+                  ) -> torch.Tensor | fp8.Fp8Rows:
+        return act.forward_fp8(out) if fp8_out and act.emits_fp8 and out.dim() == 2 else act(out)
 
     def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
-                       act: GatedActivation | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm` in front of this layer (and `act` behind it: `forward_gated`) ->
-        (out, the residual stream: x + residual, or x without a residual), as the pre-norm
-        decoder passes them along. One kernel where decode takes the fused FP8 skinny path
-        (the norm in the GEMM's prologue); else the norm's and the layer's own paths."""
+                       act: GatedActivation | None = None, *, fp8_out: bool = False
+                       ) -> tuple[torch.Tensor | fp8.Fp8Rows, torch.Tensor]:
+        """`norm` in front of this layer (and `act` behind it: `forward_gated`, `fp8_out` as
+        there) -> (out, the residual stream: x + residual, or x without a residual), as the
+        pre-norm decoder passes them along. One kernel where decode takes the fused FP8 skinny
+        path (the norm in the GEMM's prologue); the norm emitting FP8 rows where this layer
+        `takes_fp8_rows`; else the norm's and the layer's own paths."""
         if (self._fp8_skinny(x) and norm.fused and norm.weight.dtype == x.dtype
                 and (act is None or self._fuses(act))):
             return fp8.fp8_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
                                        self.weight_scale, self.bias, gated=act is not None)
+        if (norm.fused and norm.weight.dtype == x.dtype and x.dim() == 2
+                and self.takes_fp8_rows(x.shape[0], x.device)):
+            rows, stream = norm.forward_fp8(x, residual)
+            out, residual = self(rows), x if stream is None else stream
+            return (out if act is None else self._activate(out, act, fp8_out)), residual
         if residual is None:
             normed, residual = norm(x), x
         else:
             normed, residual = norm(x, residual)
-        return (self(normed) if act is None else self.forward_gated(normed, act)), residual
+        if act is None:
+            return self(normed), residual
+        return self.forward_gated(normed, act, fp8_out=fp8_out), residual
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         rows = sum(b.full for b in self.blocks)
@@ -333,12 +368,10 @@ class RowParallelLinear(FusableLinear):
         super().__init__(share, out_features, bias=bias)
         self.use_fp8(quant)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fp8.Fp8Rows) -> torch.Tensor:
         if self.tp is None:
-            return linear(x, self.weight, self.bias, fused=self.fused,
-                          weight_scale=self.weight_scale, weight_only=self.fp8_weight_only)
-        out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, fused=self.fused,
-                     weight_scale=self.weight_scale, weight_only=self.fp8_weight_only)
+            return self._project(x, self.bias)
+        out = self._project(x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(out)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:

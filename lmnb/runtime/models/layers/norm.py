@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lmnb.runtime.models.layers.fp8 import Fp8Rows
 from lmnb.runtime.models.layers.fusion import Fusable
 
 
@@ -33,3 +34,13 @@ class RMSNorm(Fusable):
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * y.to(dtype)
         return out if residual is None else (out, residual)
+
+    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                    ) -> tuple[Fp8Rows, torch.Tensor | None]:
+        """The fused kernel's normed x [tokens, hidden] quantized per token to FP8 in the same
+        kernel, for a W8A8 GEMM behind it (`rms_norm_quant`; the 16-bit normed rows are never
+        written) -> (the FP8 rows, x + residual; None without `residual`)."""
+        from lmnb.runtime.kernels.fused.rmsnorm import rms_norm_quant
+
+        codes, scale, stream = rms_norm_quant(x, self.weight, self.eps, residual)
+        return Fp8Rows(codes, scale, x.dtype), stream
