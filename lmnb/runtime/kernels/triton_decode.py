@@ -329,7 +329,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                                      num_kv_heads=num_kv_heads)
     block_h = max(16, triton.next_power_of_2(group))
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
-    compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
+    f16_dot = kv_fp8 and config.f16_dot and q.dtype == torch.bfloat16
+    # what the dots multiply
+    compute = torch.float16 if f16_dot else q.dtype if kv_fp8 else k_buffer.dtype
     assert shared is None or not kv_fp8, "shared-prefix decode reads 16/32-bit KV only"
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
@@ -364,7 +366,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
         KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
-        F16_DOT=kv_fp8 and config.f16_dot and q.dtype == torch.bfloat16,
+        F16_DOT=f16_dot,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     block_s = triton.next_power_of_2(max_kv_splits + prefix_splits)
