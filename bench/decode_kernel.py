@@ -5,6 +5,7 @@ table of 16-token pages, each as achieved KV bandwidth (bytes of K and V read / 
 
     python bench/decode_kernel.py --device cuda --model llama3 --batch 256
     python bench/decode_kernel.py --device cuda --model llama2 --sweep
+    python bench/decode_kernel.py --device cuda --model llama3 --batch 256 --kv-fp8 --sweep
 
 The batch's context lengths are drawn uniformly from [--min-len, --max-len] (seeded); each
 request's KV slots are one contiguous run of the pool, the runs in shuffled order (a pool some
@@ -12,6 +13,12 @@ time into a run), or every slot scattered with `--scatter`. `--decoded N` lays t
 every request out as decode steps allocate them (step s takes one run of batch-size slots, request i
 its i-th slot), and `--pool-slots` spreads the runs over a pool that large (the real one holds
 ~450k tokens of Llama-3-8B on an H100), both as the offline run's pool looks.
+
+`--kv-fp8`: the same batch in an FP8 pool (`kv_cache_dtype="fp8_e4m3"`: e4m3 K/V quantized as
+`KVStorage.set_kv` does, float32 scales per slot and KV head, head-major as `KVStorage` keeps them;
+`--slot-major-scales` lays them [slots, kv_heads] instead), q in the model's dtype; GB/s counts the
+bytes the kernel needs (the FP8 K/V and their scales) and the sweep covers FP8 tiles (more tokens,
+warps, stages, float16 dots). FlashInfer and FA3 rows are 16-bit only and left out.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ MODELS = {  # (query heads, KV heads, head_dim, dtype)
 class Batch:
     def __init__(self, *, lens: list[int], heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, scatter: bool, device: torch.device, seed: int,
-                 decoded: int = 0, pool_slots: int = 0) -> None:
+                 decoded: int = 0, pool_slots: int = 0, kv_fp8: bool = False,
+                 slot_major_scales: bool = False) -> None:
         rng = random.Random(seed)
         self.lens = lens
         self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
@@ -70,6 +78,29 @@ class Batch:
         self.q = torch.randn(len(lens), heads, head_dim, dtype=dtype, device=device)
         self.scale = head_dim ** -0.5
         self.kv_bytes = 2 * total * kv_heads * head_dim * self.k.element_size()
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        if kv_fp8:
+            self.kv_scales = self._to_fp8(slot_major_scales)
+            self.kv_bytes = 2 * total * kv_heads * (head_dim + 4)  # e4m3 K/V + float32 scales
+
+    def _to_fp8(self, slot_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V -> e4m3 with per-(slot, head) scales as `KVStorage` writes them (head-major, or
+        [slots, kv_heads] contiguous with `slot_major`)."""
+        from lmnb.runtime.memory.kv_storage import quantize_heads
+
+        scales = []
+        for name in ("k", "v"):
+            quantized, scale = quantize_heads(getattr(self, name))
+            setattr(self, name, quantized)
+            scales.append(scale.contiguous() if slot_major else scale.t().contiguous().t())
+        return scales[0], scales[1]
+
+    def kv_float(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        """K or V rows `idx` [n] in float32 (dequantized in an FP8 pool)."""
+        rows = getattr(self, name)[idx].float()
+        if self.kv_scales is None:
+            return rows
+        return rows * self.kv_scales[name == "v"][idx][..., None]
 
     def reference(self, rows: int = 4) -> torch.Tensor:
         """Attention of the first `rows` requests in float32."""
@@ -77,8 +108,8 @@ class Batch:
         group = self.heads // self.kv_heads
         for i in range(rows):
             idx = self.kv_indices[self.kv_indptr[i]:self.kv_indptr[i + 1]].long()
-            k = self.k[idx].float().repeat_interleave(group, 1)  # [n, heads, d]
-            v = self.v[idx].float().repeat_interleave(group, 1)
+            k = self.kv_float("k", idx).repeat_interleave(group, 1)  # [n, heads, d]
+            v = self.kv_float("v", idx).repeat_interleave(group, 1)
             scores = torch.einsum("hd,nhd->hn", self.q[i].float(), k) * self.scale
             outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
         return torch.stack(outs)
@@ -103,10 +134,21 @@ def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
     from lmnb.runtime.kernels import triton_decode as td
 
     out = torch.empty_like(batch.q)
-    default = td.decode_config(batch.head_dim, batch.dtype, batch_size=len(batch.lens),
+    default = td.decode_config(batch.head_dim, batch.k.dtype, batch_size=len(batch.lens),
                                num_kv_heads=batch.kv_heads)
     configs = [("default", default)]
-    if sweep:  # tiles x the loop's variants (the split length matters < 1%: the default's)
+    if sweep and batch.kv_scales is not None:  # FP8 tiles: a 16-bit tile's bytes and more
+        tiles = ((64, 2, 2), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (256, 4, 2),
+                 (256, 8, 2), (256, 8, 3), (256, 16, 2), (512, 16, 2))
+        for (block_n, warps, stages), f16_dot in itertools.product(tiles, (False, True)):
+            configs.append((f"n{block_n} w{warps} s{stages}{' f16' * f16_dot}",
+                            default._replace(block_n=block_n, num_warps=warps, num_stages=stages,
+                                             f16_dot=f16_dot)))
+        for prefetch, k_rows, f16_dot in itertools.product((False, True), repeat=3):
+            configs.append((f"default{' prefetch' * prefetch}{' k_rows' * k_rows}"
+                            f"{' f16' * f16_dot}",
+                            default._replace(prefetch=prefetch, k_rows=k_rows, f16_dot=f16_dot)))
+    elif sweep:  # tiles x the loop's variants (the split length matters < 1%: the default's)
         tiles = ((32, 2, 2), (32, 2, 3), (64, 2, 2), (64, 2, 3), (64, 2, 4), (64, 4, 2),
                  (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2))
         for (block_n, warps, stages), prefetch, k_rows in itertools.product(
@@ -125,7 +167,8 @@ def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
                     part_lse: torch.Tensor = part_lse, splits: int = splits) -> torch.Tensor:
                 return td.decode_attention(batch.q, batch.k, batch.v, out, batch.kv_indptr,
                                            batch.kv_indices, part_o, part_lse, scale=batch.scale,
-                                           max_kv_splits=splits, config=config)
+                                           max_kv_splits=splits, config=config,
+                                           kv_scales=batch.kv_scales)
             runs.append((f"triton {name} splits {splits}", run,
                          {**config._asdict(), "max_kv_splits": splits}))
     return runs
@@ -304,13 +347,18 @@ def main() -> None:
                         help="the last N tokens of each request laid out by decode steps")
     parser.add_argument("--pool-slots", type=int, default=0, help="KV pool size in tokens")
     parser.add_argument("--sweep", action="store_true", help="time a grid of Triton configs")
+    parser.add_argument("--kv-fp8", action="store_true",
+                        help="an FP8 pool (e4m3 K/V + per-(slot, head) float32 scales)")
+    parser.add_argument("--slot-major-scales", action="store_true",
+                        help="with --kv-fp8: scales [slots, kv_heads] contiguous (the old layout)")
     parser.add_argument("--shared", default=None, metavar="GROUPS:MEMBERS:PREFIX:SUFFIX",
                         help="a shared-prefix decode step instead (e.g. 64:4:600:64 fork-heavy, "
                              "8:32:1500:48 few-shot): plain vs shared-prefix kernels")
     parser.add_argument("--max-kv-splits", default="16",
                         help="comma list: the split grid dimension(s) of the Triton launches")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="bench/results/decode_kernel.json")
+    parser.add_argument("--json", default=None,
+                        help="default bench/results/decode_kernel.json (_fp8 with --kv-fp8)")
     args = parser.parse_args()
     device = torch.device(args.device)
     heads, kv_heads, head_dim, dtype = MODELS[args.model]
@@ -338,13 +386,14 @@ def main() -> None:
     lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.batch)]
     batch = Batch(lens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                   scatter=args.scatter, device=device, seed=args.seed, decoded=args.decoded,
-                  pool_slots=args.pool_slots)
+                  pool_slots=args.pool_slots, kv_fp8=args.kv_fp8,
+                  slot_major_scales=args.slot_major_scales)
     reference = batch.reference()
     rows = []
     results = []
     split_counts = tuple(int(n) for n in args.max_kv_splits.split(","))
-    for name, run, config in (triton_runs(batch, args.sweep, split_counts) + flashinfer_runs(batch)
-                              + fa3_runs(batch)):
+    others = [] if args.kv_fp8 else flashinfer_runs(batch) + fa3_runs(batch)  # 16-bit KV only
+    for name, run, config in triton_runs(batch, args.sweep, split_counts) + others:
         try:
             got = run()
             error = float((got[:4].float() - reference).abs().max()) if got is not None else None
@@ -357,10 +406,13 @@ def main() -> None:
         results.append({"name": name, "us": ms * 1000, "kv_gb_per_s": gbps,
                         "max_abs_error": error, "config": config})
     rows.sort(key=lambda r: float(r[1]))
+    pool = "FP8 KV (+ scales)" if args.kv_fp8 else "KV"
     print(f"{args.model} batch {args.batch}, lens {args.min_len}-{args.max_len} "
-          f"(mean {sum(lens) / len(lens):.0f}), KV {batch.kv_bytes / 1e6:.0f} MB per layer")
+          f"(mean {sum(lens) / len(lens):.0f}), {pool} {batch.kv_bytes / 1e6:.0f} MB per layer")
     print(format_table(["kernel", "us", "KV GB/s", "max err"], rows[:40]))
-    write_json(Path(args.json), {"args": vars(args), "environment": environment(device),
+    json_path = args.json or ("bench/results/decode_kernel_fp8.json" if args.kv_fp8
+                              else "bench/results/decode_kernel.json")
+    write_json(Path(json_path), {"args": vars(args), "environment": environment(device),
                                  "kv_bytes": batch.kv_bytes, "results": results})
 
 

@@ -510,6 +510,60 @@ def test_rotary_kernel_stores_fp8_kv_as_kv_storage_does(device):
     assert (fused.k_scales[0][0] == 1).all() and (fused.read(0, slots[2:3])[1] == 0).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_stored_fp8_kv_decodes_as_the_torch_path(device):
+    """End to end over `KVStorage`'s head-major scales: the fused rotary kernel stores each
+    token's K/V and scales (the torch path's scales: torch rotary, `set_kv`; its bytes are within
+    one e4m3 step, see above), decode reads them (the FP8 default tiles, and float16 dots): close
+    to float64 attention over the pool's dequantized rows (`read`). Scales copied slot-major
+    ([slots, kv_heads] contiguous) give the same bits: the kernels read any strides."""
+    from lmnb.runtime.kernels.fused import rotary_qkv
+    from lmnb.runtime.kernels.triton_decode import decode_config
+    from lmnb.runtime.models.layers.rotary import RotaryEmbedding
+    from tests.test_fused_kernels import _rope_config
+
+    heads, kv_heads, head_dim, seq_lens = 4, 2, 32, [1, 37, 150]
+    tokens = sum(seq_lens)
+    gen = torch.Generator().manual_seed(5)
+    rotary = RotaryEmbedding(_rope_config(head_dim, heads, kv_heads, scaled=False)).to(device)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    qkv[:, heads * head_dim + 3] *= 20  # an outlier channel in K
+    qkv = qkv.to(device)
+    positions = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
+    kv_indptr, kv_indices = _ragged(seq_lens, device, gen)  # token t -> slot kv_indices[t]
+    fused, torch_path = (KVStorage(tokens, num_layers=1, kv_heads=kv_heads, head_dim=head_dim,
+                                   dtype=FP8, device=torch.device(device),
+                                   compute_dtype=torch.float32) for _ in range(2))
+    assert fused.scales(0)[0].stride() == (1, tokens + 1)  # head-major memory
+    rotary_qkv(positions, qkv, rotary.cos, rotary.sin, num_heads=heads, num_kv_heads=kv_heads,
+               head_dim=head_dim, kv_buffers=(fused.k_buffers[0], fused.v_buffers[0]),
+               slots=kv_indices, kv_scales=fused.scales(0))
+    _, k, v = rotary.rotate_qkv(positions, qkv, num_heads=heads, num_kv_heads=kv_heads)
+    torch_path.set_kv(0, kv_indices, k.reshape(tokens, kv_heads, head_dim),
+                      v.reshape(tokens, kv_heads, head_dim))
+    for got, want in zip(fused.scales(0), torch_path.scales(0), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    k_ref, v_ref = fused.read(0, torch.arange(tokens + 1, device=device))
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen).to(device, torch.bfloat16)
+    default = decode_config(head_dim, FP8, batch_size=len(seq_lens), num_kv_heads=kv_heads)
+    slot_major = tuple(scale.contiguous() for scale in fused.scales(0))
+    for config in (default, default._replace(f16_dot=True)):
+        outs = []
+        for scales in (fused.scales(0), slot_major):
+            out = torch.empty_like(q)
+            decode_attention(q, fused.k_buffers[0], fused.v_buffers[0], out, kv_indptr,
+                             kv_indices, *partial_buffers(len(seq_lens), heads, head_dim, 4,
+                                                          q.device),
+                             scale=head_dim**-0.5, max_kv_splits=4, config=config,
+                             kv_scales=scales)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        for i, n in enumerate(seq_lens):
+            slots = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+            expected = _reference(q[i:i + 1], k_ref, v_ref, slots, n - 1)
+            torch.testing.assert_close(outs[0][i:i + 1].double(), expected, atol=3e-2, rtol=3e-2)
+
+
 def test_runtime_with_fp8_weights_and_kv_cache_on_the_cpu(tiny_models):
     """The options through the engine: a warning names the CPU's reference path; generation,
     prefix reuse from the FP8 pool and KV accounting work."""

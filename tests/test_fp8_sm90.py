@@ -36,7 +36,7 @@ gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
                                    "num_heads", "num_kv_heads")}, "eps": "fp32",
              "POS": i64, "COS": "*fp32", "SIN": "*fp32", "SLOTS": i64, "K_OUT": f8, "V_OUT": f8,
              "K_SCALE": "*fp32", "V_SCALE": "*fp32", "STAGE": "*fp32", "ARRIVALS": "*i32",
-             "stride_st": "i32"}
+             "stride_st": "i32", "stride_sh": "i32"}
 # aligned as the launcher's arguments are at Llama shapes; gated: gate_up with SiLU-and-mul;
 # norm: RMSNorm + the residual add in the prologue (qkv, and gate_up with gated); rotary: qkv's
 # rotary in the epilogue, k and v stored to an FP8 pool with their scales
@@ -73,16 +73,23 @@ for use_dot, gated, norm, rotary in (
 compile(gemv._split_k_reduce_kernel,
         {"PARTIAL": "*fp32", "B": dt, "OUT": dt, "M": "i32", "N": "i32", "stride_om": "i32"},
         {"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024, "GATED": True})
-compile(triton_decode._decode_partial_kernel,
-        {"Q": dt, "K": f8, "V": f8, "K_SCALE": "*fp32", "V_SCALE": "*fp32", "KV_INDPTR": i64,
-         "KV_INDICES": i64, "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": dt,
-         "scale": "fp32", "stride_st": "i32",
-         **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
-                               "stride_vh", "stride_pob", "stride_poh", "stride_pos",
-                               "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
-        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
-         "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
-         "HAS_SKIP": False, "KV_FP8": True, "PREFETCH": True, "K_ROWS": True}, warps=4)
+# decode over an FP8 pool: a small tile, and the busy batch's default (decode_config) with the
+# dots in bfloat16 and in float16 (e4m3 -> f16 is one cvt a pair; head-major scales: stride 1)
+for block_n, warps, f16_dot in ((64, 4, False), (256, 8, False), (256, 8, True)):
+    kernel = compile(triton_decode._decode_partial_kernel,
+            {"Q": dt, "K": f8, "V": f8, "K_SCALE": "*fp32", "V_SCALE": "*fp32", "KV_INDPTR": i64,
+             "KV_INDICES": i64, "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32",
+             "OUT": dt, "scale": "fp32", "stride_st": "i32", "stride_sh": "i32",
+             **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                                   "stride_vt", "stride_vh", "stride_pob", "stride_poh",
+                                   "stride_pos", "stride_plb", "stride_plh", "stride_ot",
+                                   "stride_oh")}},
+            {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": block_n,
+             "MAX_SPLITS": 2, "MIN_SPLIT": 1024, "PRECISION": "tf32", "UPCAST": False,
+             "HAS_SKIP": False, "KV_FP8": True, "PREFETCH": True, "K_ROWS": True,
+             "F16_DOT": f16_dot}, warps=warps)
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+    assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) or not f16_dot
 compile(fp8_quant._per_token_quant_kernel,
         {"X": dt, "OUT": f8, "SCALE": "*fp32", "K": "i32", "stride_x": "i32",
          "stride_out": "i32"}, {"BLOCK": 2048, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},
@@ -106,7 +113,8 @@ compile(rope._rotary_qkv_kernel,
          "V_SCALE": "*fp32", "POS": i64, "SLOTS": i64, "COS": "*fp32", "SIN": "*fp32",
          **{n: "i32" for n in ("stride_qkv", "stride_cos", "stride_sin", "stride_q_out",
                                "stride_k_row", "stride_k_head", "stride_v_row",
-                               "stride_v_head", "stride_st", "num_heads", "num_kv_heads")}},
+                               "stride_v_head", "stride_st", "stride_sh", "num_heads",
+                               "num_kv_heads")}},
         {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
          "STORE_KV": True, "KV_FP8": True, "FP8_MAX": 448.0})
 for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16 -> wgmma

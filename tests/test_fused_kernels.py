@@ -220,7 +220,7 @@ for dt in ("fp16", "bf16", "fp32"):
                  "K_SCALE": "*i64", "V_SCALE": "*i64",
                  **{n: "i32" for n in ("stride_qkv", "stride_cos", "stride_sin", "stride_q_out",
                                        "stride_k_row", "stride_k_head", "stride_v_row",
-                                       "stride_v_head", "stride_st", "num_heads",
+                                       "stride_v_head", "stride_st", "stride_sh", "num_heads",
                                        "num_kv_heads")}},
                 {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
                  "STORE_KV": store, "KV_FP8": False, "FP8_MAX": 448.0})

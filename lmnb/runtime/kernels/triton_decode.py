@@ -17,7 +17,16 @@ value back and CUDA graphs can capture both stages.
 
 FP8 KV (`KV_FP8`, float8_e4m3fn pools with one float32 scale per slot and KV head, `KVStorage`):
 K/V tiles are converted in registers to q's dtype, which stays the model's (q is not rounded to the
-pool's dtype); K's scales multiply the logits' columns, V's the probabilities' columns.
+pool's dtype); K's scales multiply the logits' columns, V's the probabilities' columns. The scales
+may have any strides; `KVStorage` keeps them head-major ([kv_heads, slots] memory seen as a
+[slots, kv_heads] view), so a program (one KV head) gathers a tile's scales from a few sectors of
+one row (a request's slots are mostly runs) instead of one 32-byte sector per slot. A tile of FP8
+KV is half the bytes of a 16-bit one: `decode_config` gives FP8 pools tiles of twice the tokens
+over twice the warps (the same bytes in flight per iteration, the same registers per thread).
+`DecodeConfig.f16_dot` (FP8 pools under a bfloat16 model): q, K and V meet in float16 dots, since
+e4m3 -> float16 is one conversion per pair of elements on sm89+ and e4m3 -> bfloat16 is not
+(float16 holds every e4m3 value and q's usual range more precisely than bfloat16; |q| > 65504
+would overflow, so it is a tuning choice, not the default).
 """
 
 from __future__ import annotations
@@ -60,8 +69,8 @@ def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
                   V_SCALE=None, stride_st=0):
     """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
     slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]. KV_FP8: K/V are FP8,
-    dequantized to q's dtype, with scales K_SCALE / V_SCALE [slots, kv_heads] (row stride
-    stride_st). K_ROWS: see `attend_slots`."""
+    dequantized to q's dtype, with this KV head's scales of slot s at K_SCALE + s * stride_st
+    (V_SCALE likewise). K_ROWS: see `attend_slots`."""
     cols = n + offs_n
     mask_n = cols < end
     slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
@@ -86,11 +95,14 @@ def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_he
         k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     if KV_FP8:
+        k_scale = tl.load(K_SCALE + slots * stride_st, mask=mask_n, other=1.0)
+        v_scale = tl.load(V_SCALE + slots * stride_st, mask=mask_n, other=1.0)
         k = k.to(q.dtype)
-    qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION) * scale
+    qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION)
     if KV_FP8:
-        k_scale = tl.load(K_SCALE + slots * stride_st + kv_head, mask=mask_n, other=1.0)
-        qk = qk * k_scale[None, :]
+        qk = qk * (k_scale * scale)[None, :]
+    else:
+        qk = qk * scale
     if CAUSAL:
         qk = tl.where(mask_n[None, :] & (cols[None, :] <= last[:, None]), qk, float("-inf"))
     else:
@@ -102,7 +114,6 @@ def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_he
                 mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     if KV_FP8:
         v = v.to(q.dtype)
-        v_scale = tl.load(V_SCALE + slots * stride_st + kv_head, mask=mask_n, other=1.0)
         p_v = p * v_scale[None, :]
     else:
         p_v = p
@@ -121,7 +132,7 @@ def _split_len(kv_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
 @triton.jit
 def _decode_partial_kernel(
     Q, K, V, K_SCALE, V_SCALE, KV_INDPTR, KV_INDICES, KV_SKIP, PART_O, PART_LSE, OUT,
-    scale, stride_st,
+    scale, stride_st, stride_sh,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -132,6 +143,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
     KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, K_ROWS: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,10 +169,14 @@ def _decode_partial_kernel(
     if end > start:
         q = tl.load(Q + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        if KV_FP8:
+        if KV_FP8 and F16_DOT:
+            q = q.to(tl.float16)
+        elif KV_FP8:
             q = dot_operand(q, UPCAST)
         else:
             q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
+        k_scales = K_SCALE + kv_head * stride_sh  # this KV head's (FP8 pools)
+        v_scales = V_SCALE + kv_head * stride_sh
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -174,14 +190,14 @@ def _decode_partial_kernel(
                 m_i, l_i, acc = attend_slots(
                     q, K, V, slots, cols, cols < end, end, m_i, l_i, acc, scale, kv_head,
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
+                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
                 cols, slots = next_cols, next_slots
         else:
             for n in range(start, end, BLOCK_N):
                 m_i, l_i, acc = attend_block(
                     q, K, V, slots_of, n, end, end, m_i, l_i, acc, scale, kv_head,
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
+                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
         out = acc / l_i[:, None]
         mask = mask_h[:, None] & mask_d[None, :]
         if HAS_SKIP or split_len < kv_len:  # partials for the merge kernel
@@ -244,6 +260,7 @@ class DecodeConfig(NamedTuple):
     max_splits: int = 16  # the launch's split dimension at most (empty programs cost too)
     prefetch: bool = False  # load the next block's slots one iteration ahead
     k_rows: bool = False  # load K token-major and transpose it for the dot
+    f16_dot: bool = False  # FP8 pools: the dots in float16 (see the module docstring)
 
 
 # (request, KV head) programs above which splitting a request's KV buys no parallelism, only
@@ -253,8 +270,17 @@ _BUSY_PROGRAMS = (128, 512)
 
 def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
                   num_kv_heads: int = 1) -> DecodeConfig:
-    """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads), the
-    shortest split by how many (request, KV head) programs the batch has already."""
+    """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads, twice
+    the tokens over twice the warps for FP8 pools), the shortest split by how many (request, KV
+    head) programs the batch has already."""
+    if dtype == torch.float8_e4m3fn:
+        # A 16-bit pool's tile in bytes: at batch 256 (Llama-3) the bf16 tiles ran at the HBM
+        # floor (243 us a layer, ~3.1 TB/s) and the same tiles of FP8 at ~1.7 TB/s, the loop
+        # latency-bound on half the bytes an iteration. 2x tokens over 2x warps keeps the bytes
+        # in flight and the converted tiles' registers per thread of the 16-bit config.
+        base = decode_config(head_dim, torch.bfloat16, batch_size=batch_size,
+                             num_kv_heads=num_kv_heads)
+        return base._replace(block_n=2 * base.block_n, num_warps=2 * base.num_warps)
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 512
     programs = batch_size * num_kv_heads
     level = (programs >= _BUSY_PROGRAMS[0]) + (programs >= _BUSY_PROGRAMS[1])
@@ -303,10 +329,15 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                                      num_kv_heads=num_kv_heads)
     block_h = max(16, triton.next_power_of_2(group))
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
-    compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
+    f16_dot = kv_fp8 and config.f16_dot and q.dtype == torch.bfloat16
+    # what the dots multiply
+    compute = torch.float16 if f16_dot else q.dtype if kv_fp8 else k_buffer.dtype
     assert shared is None or not kv_fp8, "shared-prefix decode reads 16/32-bit KV only"
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
+    scale_strides = k_scale.stride() if kv_fp8 else (0, 0)
+    assert not kv_fp8 or (k_scale.shape == k_buffer.shape[:2]
+                          and v_scale.stride() == k_scale.stride()), "scales [slots, kv_heads]"
     precision = "ieee" if compute == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
@@ -324,7 +355,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
     _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
         q, k_buffer, v_buffer, k_scale, v_scale, kv_indptr, kv_indices, kv_skip, partial_out,
-        partial_lse, out, scale, k_scale.stride(0) if kv_fp8 else 0,
+        partial_lse, out, scale, *scale_strides,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -335,6 +366,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
         KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
+        F16_DOT=f16_dot,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     block_s = triton.next_power_of_2(max_kv_splits + prefix_splits)

@@ -27,7 +27,7 @@ from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_up
 @triton.jit
 def _extend_kernel(
     Q, K, V, K_SCALE, V_SCALE, OUT, QO_INDPTR, KV_INDPTR, KV_INDICES,
-    scale, stride_st,
+    scale, stride_st, stride_sh,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -61,6 +61,8 @@ def _extend_kernel(
         else:
             q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
         last = prefix_len + rows  # [BLOCK_M] the last KV position each row may see
+        k_scales = K_SCALE + kv_head * stride_sh  # this KV head's (FP8 pools)
+        v_scales = V_SCALE + kv_head * stride_sh
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -73,7 +75,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, visible_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                False, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
+                False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
         # The block's diagonal, causally; columns past its last row are never loaded (fully
         # masked columns of a row add exp(-inf) = 0).
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
@@ -81,7 +83,7 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                True, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
+                True, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
         out = acc / l_i[:, None]
         tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -124,7 +126,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
     q, out [num_tokens, heads, head_dim]; k_buffer, v_buffer [slots, kv_heads, head_dim] already
     holding the new tokens' K/V; `max_extend_len` >= the longest request's new-token count.
-    An FP8 pool needs its `kv_scales` (k_scales, v_scales) [slots, kv_heads] float32.
+    An FP8 pool needs its `kv_scales` (k_scales, v_scales) [slots, kv_heads] float32 (any
+    strides, the same for both).
     """
     bs = qo_indptr.numel() - 1
     _, num_heads, head_dim = q.shape
@@ -135,13 +138,14 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
+    assert not kv_fp8 or v_scale.stride() == k_scale.stride(), "K and V scales share strides"
     precision = "ieee" if compute == torch.float32 else "tf32"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
     grid = (bs, num_heads // group, triton.cdiv(max(max_extend_len, 1) * group, config.block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, k_scale, v_scale, out, qo_indptr, kv_indptr, kv_indices,
-        scale, k_scale.stride(0) if kv_fp8 else 0,
+        scale, *(k_scale.stride() if kv_fp8 else (0, 0)),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

@@ -10,6 +10,12 @@ per token and KV head, computed as the row is written (dynamic, no calibration):
     k_scales[l]  [size + 1, kv_heads] float32   k[s, h] ~= k_buffers[l][s, h] * k_scales[l][s, h]
     v_scales[l]  [size + 1, kv_heads] float32   scale = amax of the row / 448 (row 0: 1.0)
 
+The scales are head-major in memory ([kv_heads, size + 1] contiguous, seen through its transpose,
+strides (1, size + 1)): a decode program reads one KV head's scales for a tile of slots, and a
+request's slots are mostly runs, so its tile's scales share a few 32-byte sectors (slot-major,
+each scale would cost a sector of its own). Every kernel takes both strides; torch code indexes
+the view as any [slots, kv_heads] tensor.
+
 With one fixed scale, e4m3's 3-bit mantissa puts ~3% of error on K's few large channels, which
 dominate q.k; a per-row scale stores each head's largest element exactly. On SmolLM2-135M it moves
 top-1 agreement with fp32 from 93.4% to 95.2% (bench/fp8_sensitivity.py), for 4 bytes per head
@@ -41,6 +47,11 @@ def dequantize_heads(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return (x.float() * scale[..., None]).to(dtype)
 
 
+def _head_major_ones(slots: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """[slots, kv_heads] float32 ones whose memory is [kv_heads, slots] (see the docstring)."""
+    return torch.ones((kv_heads, slots), dtype=torch.float32, device=device).t()
+
+
 class PendingWrites(Protocol):
     """Rows being written by another stream (a hierarchical cache's loads, `hicache/loads.py`)."""
 
@@ -67,8 +78,8 @@ class KVStorage:
             buffer[0].zero_()
         # FP8: per (slot, head) scales (see the module docstring); empty for 16/32-bit pools
         layers = range(num_layers) if self.is_fp8 else range(0)
-        self.k_scales = [torch.ones(shape[:2], dtype=torch.float32, device=device) for _ in layers]
-        self.v_scales = [torch.ones(shape[:2], dtype=torch.float32, device=device) for _ in layers]
+        self.k_scales = [_head_major_ones(size + 1, kv_heads, device) for _ in layers]
+        self.v_scales = [_head_major_ones(size + 1, kv_heads, device) for _ in layers]
         self.pending: PendingWrites | None = None
 
     def ready(self, layer_id: int) -> None:

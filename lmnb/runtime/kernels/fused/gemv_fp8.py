@@ -269,8 +269,8 @@ def _fp8_gemv_kernel(
     X, W, W_SCALE, B, OUT, PARTIAL, RES, NORM_W, X16, RES16, RES_OUT,
     POS, COS, SIN, SLOTS, K_OUT, V_OUT, K_SCALE, V_SCALE, STAGE, ARRIVALS,
     M, N, K, stride_xm, stride_wn, stride_om, k_span, hidden, stride_x16, eps,
-    stride_cos, stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_st, num_heads,
-    num_kv_heads,
+    stride_cos, stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_st, stride_sh,
+    num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
@@ -399,9 +399,9 @@ def _fp8_gemv_kernel(
         elif ROPE:
             rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, OUT, K_OUT, V_OUT,
                             K_SCALE, V_SCALE, STAGE, ARRIVALS, stride_om, stride_k_row,
-                            stride_k_head, stride_v_row, stride_v_head, stride_st, num_heads,
-                            num_kv_heads, BLOCK_N, BLOCK_M, HEAD_DIM, HALF, KV_FP8, BLOCK_HALF,
-                            HEADS_A_PROGRAM)
+                            stride_k_head, stride_v_row, stride_v_head, stride_st, stride_sh,
+                            num_heads, num_kv_heads, BLOCK_N, BLOCK_M, HEAD_DIM, HALF, KV_FP8,
+                            BLOCK_HALF, HEADS_A_PROGRAM)
         else:
             out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)

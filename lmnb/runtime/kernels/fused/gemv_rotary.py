@@ -65,7 +65,7 @@ def rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS, stride_cos,
 
 @triton.jit
 def _store_fp8_head(kv, slot, offs_m, mask_m, STAGE, K_OUT, V_OUT, K_SCALE, V_SCALE,
-                    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_st,
+                    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_st, stride_sh,
                     num_kv_heads, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, FP8_MAX: tl.constexpr):
     """The staged rows of K|V head `kv` (< num_kv_heads: K's) for the tokens [BLOCK_M] ->
@@ -77,13 +77,13 @@ def _store_fp8_head(kv, slot, offs_m, mask_m, STAGE, K_OUT, V_OUT, K_SCALE, V_SC
     x2 = tl.load(src + HALF, mask=mask, other=0.0, cache_modifier=".cg")
     y1, y2, scale = fp8_rows(x1, x2, FP8_MAX)
     if kv < num_kv_heads:
-        tl.store(K_SCALE + slot * stride_st + kv, scale, mask=mask_m)
+        tl.store(K_SCALE + slot * stride_st + kv * stride_sh, scale, mask=mask_m)
         dst = K_OUT + slot[:, None] * stride_k_row + kv * stride_k_head + offs[None, :]
         tl.store(dst, y1.to(K_OUT.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, y2.to(K_OUT.dtype.element_ty), mask=mask)
     else:
         h = kv - num_kv_heads
-        tl.store(V_SCALE + slot * stride_st + h, scale, mask=mask_m)
+        tl.store(V_SCALE + slot * stride_st + h * stride_sh, scale, mask=mask_m)
         dst = V_OUT + slot[:, None] * stride_v_row + h * stride_v_head + offs[None, :]
         tl.store(dst, y1.to(V_OUT.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, y2.to(V_OUT.dtype.element_ty), mask=mask)
@@ -92,7 +92,7 @@ def _store_fp8_head(kv, slot, offs_m, mask_m, STAGE, K_OUT, V_OUT, K_SCALE, V_SC
 @triton.jit
 def _complete_fp8_heads(pid_n, N, slot, offs_m, mask_m, STAGE, ARRIVALS, K_OUT, V_OUT,
                         K_SCALE, V_SCALE, stride_k_row, stride_k_head, stride_v_row,
-                        stride_v_head, stride_st, num_heads, num_kv_heads,
+                        stride_v_head, stride_st, stride_sh, num_heads, num_kv_heads,
                         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                         BLOCK_HALF: tl.constexpr, HEADS_A_PROGRAM: tl.constexpr):
     """After this program staged its K/V pairs: count them in for each head they belong to;
@@ -111,14 +111,14 @@ def _complete_fp8_heads(pid_n, N, slot, offs_m, mask_m, STAGE, ARRIVALS, K_OUT, 
                 tl.store(ARRIVALS + kv, 0)
                 _store_fp8_head(kv, slot, offs_m, mask_m, STAGE, K_OUT, V_OUT, K_SCALE,
                                 V_SCALE, stride_k_row, stride_k_head, stride_v_row,
-                                stride_v_head, stride_st, num_kv_heads, HEAD_DIM, HALF,
+                                stride_v_head, stride_st, stride_sh, num_kv_heads, HEAD_DIM, HALF,
                                 BLOCK_HALF, 448.0)
 
 
 @triton.jit
 def rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT, V_OUT,
                     K_SCALE, V_SCALE, STAGE, ARRIVALS, stride_q, stride_k_row, stride_k_head,
-                    stride_v_row, stride_v_head, stride_st, num_heads, num_kv_heads,
+                    stride_v_row, stride_v_head, stride_st, stride_sh, num_heads, num_kv_heads,
                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                     HALF: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_HALF: tl.constexpr,
                     HEADS_A_PROGRAM: tl.constexpr):
@@ -150,7 +150,7 @@ def rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT,
         tl.store(s_ptrs + HALF, y2, mask=inside & ~is_q)
         _complete_fp8_heads(pid_n, N, slot, offs_m, mask_m, STAGE, ARRIVALS, K_OUT, V_OUT,
                             K_SCALE, V_SCALE, stride_k_row, stride_k_head, stride_v_row,
-                            stride_v_head, stride_st, num_heads, num_kv_heads, BLOCK_N,
+                            stride_v_head, stride_st, stride_sh, num_heads, num_kv_heads, BLOCK_N,
                             HEAD_DIM, HALF, BLOCK_HALF, HEADS_A_PROGRAM)
     else:
         k_ptrs = (K_OUT + slot[None, :] * stride_k_row
@@ -182,7 +182,8 @@ class RotaryLaunch(NamedTuple):
 
     tensors: tuple[torch.Tensor, ...]  # POS, COS, SIN, SLOTS, K_OUT, V_OUT, K_SCALE, V_SCALE,
     # STAGE, ARRIVALS
-    ints: tuple[int, ...]  # stride_cos, k / v row and head strides, stride_st, heads, kv heads
+    # stride_cos, k / v row and head strides, the scales' slot and head strides, heads, kv heads
+    ints: tuple[int, ...]
     constexprs: dict[str, int | bool]
 
 
@@ -191,7 +192,7 @@ def rotary_launch(rope: RotaryStore | None, *, m: int, n: int, filler: torch.Ten
     """Checks `rope` against the qkv GEMM [m rows, n weight rows] and packs it; None: `filler`
     in every (unread) pointer."""
     if rope is None:
-        return RotaryLaunch((filler,) * 10, (0,) * 8, {})
+        return RotaryLaunch((filler,) * 10, (0,) * 9, {})
     half = rope.head_dim // 2
     assert rope.head_dim % 2 == 0 and n == (rope.num_heads + 2 * rope.num_kv_heads) * \
         rope.head_dim, "rope: the weight's rows are q, k and v heads"
@@ -208,20 +209,20 @@ def rotary_launch(rope: RotaryStore | None, *, m: int, n: int, filler: torch.Ten
         k_scale, v_scale = rope.kv_scales
         assert k_scale.dtype == v_scale.dtype == torch.float32
         assert k_scale.shape == v_scale.shape == k_buf.shape[:2] and k_scale.stride() == \
-            v_scale.stride() and k_scale.stride(-1) == 1
+            v_scale.stride()  # any layout (`KVStorage`'s is head-major)
         stage = torch.empty((m, 2 * rope.num_kv_heads * rope.head_dim), dtype=torch.float32,
                             device=filler.device)
         arrivals = arrival_counters(filler.device, 2 * rope.num_kv_heads)
-        stride_st = k_scale.stride(0)
+        stride_st, stride_sh = k_scale.stride()
     else:
         k_scale = v_scale = stage = arrivals = filler  # unread
-        stride_st = 0
+        stride_st = stride_sh = 0
     pairs = block_n // 2
     return RotaryLaunch(
         (rope.positions, rope.cos, rope.sin, rope.slots, k_buf, v_buf, k_scale, v_scale, stage,
          arrivals),
         (rope.cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-         stride_st, rope.num_heads, rope.num_kv_heads),
+         stride_st, stride_sh, rope.num_heads, rope.num_kv_heads),
         {"ROPE": True, "HEAD_DIM": rope.head_dim, "HALF": half, "KV_FP8": kv_fp8,
          "BLOCK_HALF": triton.next_power_of_2(half),
          "HEADS_A_PROGRAM": (pairs + half - 2) // half + 1})

@@ -63,7 +63,7 @@ def _scaled_fp8(x1, x2, mask_h, SCALE, FP8_MAX: tl.constexpr):
 def _rotary_qkv_kernel(
     QKV, POS, COS, SIN, Q_OUT, K_OUT, V_OUT, K_SCALE, V_SCALE, SLOTS,
     stride_qkv, stride_cos, stride_sin, stride_q_out,
-    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_st,
+    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_st, stride_sh,
     num_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE_KV: tl.constexpr,
@@ -92,8 +92,9 @@ def _rotary_qkv_kernel(
         v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
         if KV_FP8:  # one scale per (token, KV head), beside the pool (`KVStorage`)
-            k1, k2 = _scaled_fp8(k1, k2, mask_h, K_SCALE + slot * stride_st + heads, FP8_MAX)
-            v1, v2 = _scaled_fp8(v1, v2, mask_h, V_SCALE + slot * stride_st + heads, FP8_MAX)
+            at = slot * stride_st + heads * stride_sh
+            k1, k2 = _scaled_fp8(k1, k2, mask_h, K_SCALE + at, FP8_MAX)
+            v1, v2 = _scaled_fp8(v1, v2, mask_h, V_SCALE + at, FP8_MAX)
         k_dst = K_OUT + slot * stride_k_row + heads[:, None] * stride_k_head + offs[None, :]
         tl.store(k_dst, k1.to(K_OUT.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF, k2.to(K_OUT.dtype.element_ty), mask=mask)
@@ -116,8 +117,8 @@ def rotary_qkv(positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, si
     With `kv_buffers` = (k_buffer, v_buffer) [slots, kv_heads, head_dim] and `slots` [tokens],
     the rotated k and the v of token t go to row slots[t] of those buffers (in their dtype)
     instead, and the returned k is None. FP8 buffers need `kv_scales` (k_scales, v_scales)
-    [slots, kv_heads] float32: each (token, head) row is stored divided by amax / 448 and that
-    scale goes to its row there (`KVStorage`'s layout)."""
+    [slots, kv_heads] float32 (any strides, the same for both; `KVStorage`'s are head-major):
+    each (token, head) row is stored divided by amax / 448 and that scale goes to its entry."""
     tokens = qkv.shape[0]
     assert head_dim % 2 == 0, "neox rotary needs an even head_dim"
     assert qkv.dim() == 2 and qkv.stride(-1) == 1
@@ -136,13 +137,14 @@ def rotary_qkv(positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, si
     kv_fp8 = k_out.dtype == torch.float8_e4m3fn
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (positions, positions)  # unread without FP8
+    assert not kv_fp8 or k_scale.stride() == v_scale.stride(), "K and V scales share strides"
     if tokens:
         block_h = triton.next_power_of_2(num_heads)
         _rotary_qkv_kernel[(tokens,)](
             qkv, positions, cos, sin, q, k_out, v_out, k_scale, v_scale, slots,
             qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0),
             k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
-            k_scale.stride(0) if kv_fp8 else 0,
+            *(k_scale.stride() if kv_fp8 else (0, 0)),
             num_heads, num_kv_heads,
             HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
             BLOCK_H=block_h, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
