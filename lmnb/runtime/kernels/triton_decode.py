@@ -270,17 +270,19 @@ _BUSY_PROGRAMS = (128, 512)
 
 def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
                   num_kv_heads: int = 1) -> DecodeConfig:
-    """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads, twice
-    the tokens over twice the warps for FP8 pools), the shortest split by how many (request, KV
+    """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads, three
+    stages for FP8 pools at the busiest level), the shortest split by how many (request, KV
     head) programs the batch has already."""
     if dtype == torch.float8_e4m3fn:
-        # A 16-bit pool's tile in bytes: at batch 256 (Llama-3) the bf16 tiles ran at the HBM
-        # floor (243 us a layer, ~3.1 TB/s) and the same tiles of FP8 at ~1.7 TB/s, the loop
-        # latency-bound on half the bytes an iteration. 2x tokens over 2x warps keeps the bytes
-        # in flight and the converted tiles' registers per thread of the 16-bit config.
+        # H100 sweep (`bench/decode_kernel.py --kv-fp8 --sweep`, Llama-3, batch 256, contexts
+        # 100-2,048, 600 MB of FP8 K/V and scales a layer): 128-token tiles over 4 warps with 3
+        # stages 322 us (1.86 TB/s; bf16's tiles 411 us on 1,163 MB), the 16-bit busy tile 349,
+        # 2x tokens over 2x warps 471. Below the busiest level the 16-bit tiles (not swept).
         base = decode_config(head_dim, torch.bfloat16, batch_size=batch_size,
                              num_kv_heads=num_kv_heads)
-        return base._replace(block_n=2 * base.block_n, num_warps=2 * base.num_warps)
+        if base.block_n == 128:  # the busiest level
+            return base._replace(num_stages=3, prefetch=False, k_rows=False)
+        return base
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 512
     programs = batch_size * num_kv_heads
     level = (programs >= _BUSY_PROGRAMS[0]) + (programs >= _BUSY_PROGRAMS[1])
