@@ -35,7 +35,7 @@ from lmnb.runtime.sampling.batch_info import RowGroup
 _NEG_INF = float("-inf")
 FIRST_WINDOW = 64  # best logits the torch version sorts first (grows x8 until the nucleus fits)
 _BITS = {torch.float32: 32, torch.float16: 20, torch.bfloat16: 16}  # significant image bits
-BLOCK = 1024
+BLOCK = 512  # tokens per step; a program holds [BLOCK, 16] digit sums
 WARPS = 8
 
 
@@ -75,16 +75,16 @@ def _load(base, start, vocab, BLOCK: tl.constexpr):
 @triton.jit
 def _digit_counts(base, vocab, prefix, shift: tl.constexpr, BLOCK: tl.constexpr):
     """[16] counts of the row's tokens whose image matches `prefix` above bit shift + 4, by their
-    digit at `shift`."""
+    digit at `shift` (accumulated per lane, reduced once)."""
     digits = tl.arange(0, 16)
-    counts = tl.zeros([16], tl.int32)
+    counts = tl.zeros([BLOCK, 16], tl.int32)
     for start in range(0, vocab, BLOCK):
         x, cols = _load(base, start, vocab, BLOCK)
         image = _image(x)
         live = (((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < vocab)
         hit = (((image >> shift) & 15)[:, None] == digits[None, :]) & live[:, None]
-        counts += tl.sum(hit.to(tl.int32), 0)
-    return counts
+        counts += hit.to(tl.int32)
+    return tl.sum(counts, 0)
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _digit_masses(base, vocab, prefix, shift: tl.constexpr, floor, best, inv_t,
                   BLOCK: tl.constexpr):
     """`_digit_counts` summing e^{(x - best) / T} of the tokens x >= floor."""
     digits = tl.arange(0, 16)
-    masses = tl.zeros([16], tl.float32)
+    masses = tl.zeros([BLOCK, 16], tl.float32)
     for start in range(0, vocab, BLOCK):
         x, cols = _load(base, start, vocab, BLOCK)
         image = _image(x)
@@ -100,8 +100,8 @@ def _digit_masses(base, vocab, prefix, shift: tl.constexpr, floor, best, inv_t,
                 & (x >= floor))
         mass = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
         hit = ((image >> shift) & 15)[:, None] == digits[None, :]
-        masses += tl.sum(tl.where(hit, mass[:, None], 0.0), 0)
-    return masses
+        masses += tl.where(hit, mass[:, None], 0.0)
+    return tl.sum(masses, 0)
 
 
 @triton.jit
@@ -164,8 +164,9 @@ def cut_floors(logits: torch.Tensor, group: RowGroup, *, block: int = BLOCK,
 
 
 def reference_floors(logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
-    """`cut_floors` in torch ops, `logits` [n, V] the group's rows. Syncs with the device when a
-    top-p row's nucleus does not fit the first window (free on the CPU)."""
+    """`cut_floors` in torch ops, `logits` [n, V] the group's rows. On the CPU top-p rows sort a
+    window of their best logits that widens until their nucleus fits; elsewhere (no host sync)
+    the whole row."""
     x = logits.float()
     n, vocab = x.shape
     temps = group.temperatures[:, 0]
@@ -179,7 +180,9 @@ def reference_floors(logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
         p = group.top_ps[:, 0]
         scaled = ((x - best[:, None]) / temps[:, None]).masked_fill(x < floors[:, None], _NEG_INF)
         target = p * torch.exp(scaled).sum(dim=-1)
-        window = min(vocab, max(FIRST_WINDOW, group.max_cut_k))
+        window = vocab  # no host sync off the CPU: the whole row at once
+        if x.device.type == "cpu":
+            window = min(vocab, max(FIRST_WINDOW, group.max_cut_k))
         while True:
             values = x.topk(window, dim=-1).values  # best first
             mass = torch.exp(((values - best[:, None]) / temps[:, None])
