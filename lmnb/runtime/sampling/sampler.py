@@ -10,7 +10,8 @@ and generator.
 Logits come in the model's dtype and are not copied unless something adjusts them (penalties,
 min_new_tokens, a grammar mask: an fp32 copy); kernels and the torch ops that need fp32 upcast
 as they read (exact), so bf16 logits sample exactly as their fp32 upcast would. On a GPU, a batch
-with sampled rows reads each row once (`race.sample_rows`: draws, greedy ids and verdicts).
+with sampled rows reads each row once (`race.sample_rows`: draws, greedy ids and verdicts), after
+the cut rows' few threshold passes (`thresholds.cut_floors`).
 """
 
 from __future__ import annotations
