@@ -2,16 +2,19 @@
 Llama-3-8B's vocabulary) as the model returns them, bf16, through `Sampler` on the GPU.
 
 Per case (rows at temperature 0.6 as in bench/offline.py; greedy; temperature with min-p; top-p;
-the first with top-5 logprobs) and logits dtype: milliseconds per step issued and waited for as
-the runtime does (one `synchronize` per step), the device time per step (the sum of the kernels
-the torch profiler sees) and the kernels per step by name. `--upcast` adds each case with the
-logits copied to fp32 first, in the step (what `compute_logits` returned before it kept the
-model's dtype): its extra device time is the copy. The script uses only `Sampler`'s public API,
-so a checkout of an older commit runs it too (copy the file there) for a before/after.
+top-k; top-k with top-p; the first with top-5 logprobs) and logits dtype: milliseconds per step
+issued and waited for as the runtime does (one `synchronize` per step), the device time per step
+(the sum of the kernels the torch profiler sees) and the kernels per step by name. `--upcast`
+adds each case with the logits copied to fp32 first, in the step (what `compute_logits` returned
+before it kept the model's dtype): its extra device time is the copy. The cases use only
+`Sampler`'s public API, so a checkout of an older commit runs them too (copy the file there, without
+`--sweep`) for a before/after.
 
 `--sweep` times `race.sample_rows` alone (the one read of every row: draws, greedy ids,
 verdicts) over its block, warps and slices per row, device microseconds per call by CUDA events,
-beside a bare read of the logits (`amax`) for the bandwidth floor.
+beside a bare read of the logits (`amax`) for the bandwidth floor, and `thresholds.cut_floors`
+alone (top-p 0.9, top-k 50, both: the radix-select passes before the race) over its block and
+warps.
 
     python bench/sampler_step.py --upcast                 # bf16 and fp32-copy rows
     python bench/sampler_step.py --sweep                  # the kernel's launch settings
@@ -43,6 +46,8 @@ CASES: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "t0.6 min_p 0.05": {"temperature": 0.6, "min_p": 0.05},
     "t0.6 top_p 0.9": {"temperature": 0.6, "top_p": 0.9},
+    "t0.6 top_k 50": {"temperature": 0.6, "top_k": 50},
+    "t0.6 top_k 50 top_p 0.9": {"temperature": 0.6, "top_k": 50, "top_p": 0.9},
 }
 LOGPROB_CASE = "t0.6 top5 logprobs"
 
@@ -113,6 +118,7 @@ def sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
             "us": _device_us(lambda: logits.amax(dim=-1), steps)},
            {"setting": "default", "us": _device_us(
                lambda: race.sample_rows(logits, rows, temps, floors, seeds), steps)}]
+    out.extend(floors_sweep(logits, steps))
     for block in (1024, 2048, 4096):
         for warps in (4, 8):
             for splits in (1, 2, 4, 8, 16):
@@ -122,6 +128,30 @@ def sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
 
                 assert torch.equal(call(), reference), (block, warps, splits)
                 out.append({"setting": f"block {block} warps {warps} splits {splits}",
+                            "us": _device_us(call, steps)})
+    return out
+
+
+def floors_sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
+    """`thresholds.cut_floors` over every row (T 0.6) per filter and launch setting; the floors
+    must not change with the setting."""
+    from lmnb.runtime.sampling import thresholds
+    from lmnb.runtime.sampling.batch_info import RowGroup
+
+    n, vocab = logits.shape
+    out = []
+    for name, params in (("top_p 0.9", {"top_p": 0.9}), ("top_k 50", {"top_k": 50}),
+                         ("top_k 50 top_p 0.9", {"top_k": 50, "top_p": 0.9})):
+        group = RowGroup(list(range(n)), [SamplingParams(temperature=0.6, **params)] * n, vocab,
+                         n, torch.device("cuda"))
+        reference = thresholds.cut_floors(logits, group)
+        for block in (256, 512, 1024):
+            for warps in (4, 8, 16):
+                def call(block: int = block, warps: int = warps, group: RowGroup = group) -> Any:
+                    return thresholds.cut_floors(logits, group, block=block, warps=warps)
+
+                assert torch.equal(call(), reference), (name, block, warps)
+                out.append({"setting": f"cut_floors {name}: block {block} warps {warps}",
                             "us": _device_us(call, steps)})
     return out
 

@@ -3,6 +3,8 @@ min-p, seeded rows, logprobs) and its `advance` issue no host sync; greedy agree
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -161,3 +163,91 @@ def test_bf16_logits_sample_as_their_fp32_upcast(mixed: bool, monkeypatch) -> No
         exact = 0 if kernel else 1e-5  # torch's log_softmax may reduce bf16 in another order
         torch.testing.assert_close(got_packed, results[kernel, torch.float32][1], atol=exact,
                                    rtol=0, equal_nan=True)
+
+
+def _sorted_floor(x: torch.Tensor, temperature: float, k: int, p: float) -> float:
+    """The sort-based chain's floor on one row in float64 (top-k, then top-p renormalised over
+    the k best: the smallest kept logit), ties with the k-th logit in the top-k set."""
+    values = x.double().sort(descending=True).values
+    if k > 0:
+        values = values[values >= values[k - 1]]
+    probs = torch.softmax(values / temperature, -1)
+    before = probs.cumsum(-1) - probs
+    return float(values[(before < p) | (p >= 1.0)].min())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cut_floors_at_llama3_vocabulary_are_the_sort_based_ones(dtype: torch.dtype) -> None:
+    """The radix-select kernel at 128,256 tokens, compiled: top-k floors are the k-th logit
+    exactly (torch's topk), min-p's best + T log(min_p), top-p's kept set is the float64
+    sort-based nucleus (ties at the edge all kept) unless the nucleus' mass lies within float
+    rounding of top_p, and the floors are the torch reference's."""
+    from lmnb.runtime.sampling import thresholds
+    from lmnb.runtime.sampling.batch_info import RowGroup
+
+    settings = [(0.6, -1, 0.9), (1.0, 50, 1.0), (0.6, 50, 0.9), (1.0, -1, 0.5), (0.8, 1, 1.0),
+                (1.3, 1000, 0.95), (0.6, -1, 0.99), (2.0, 20, 0.3)] * 4
+    n = len(settings)
+    torch.manual_seed(7)
+    scale = torch.tensor([0.5, 1.0, 3.0, 6.0] * (n // 4), device="cuda")[:, None]
+    logits = (torch.randn(n, LLAMA3_VOCAB + 64, device="cuda") * scale).to(dtype)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=0.02 * (i % 3 == 0))
+              for i, (t, k, p) in enumerate(settings)]
+    group = RowGroup(list(range(n)), params, LLAMA3_VOCAB, n, torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        floors = thresholds.cut_floors(logits, group)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    x = logits[:, :LLAMA3_VOCAB].float().cpu()
+    reference = thresholds.reference_floors(x, RowGroup(list(range(n)), params, LLAMA3_VOCAB, n,
+                                                        torch.device("cpu")))
+    floors = floors.cpu()
+    edges = 0
+    for row, ((t, k, p), param) in enumerate(zip(settings, params, strict=True)):
+        expected = _sorted_floor(x[row], t, k, p)
+        if param.min_p > 0:
+            expected = max(expected, float(x[row].max()) + t * math.log(param.min_p))
+        kept, sort_kept = x[row] >= floors[row], x[row] >= expected
+        assert torch.equal(kept, x[row] >= reference[row]) or p < 1.0, row
+        if not torch.equal(kept, sort_kept):  # top-p's mass within float rounding of top_p
+            assert p < 1.0, (row, float(floors[row]), expected)
+            probs = torch.softmax(x[row].double() / t, -1)
+            if k > 0:
+                probs = probs.masked_fill(x[row] < x[row].topk(k).values[-1], 0.0)
+            masses = [float(probs[s].sum() / probs.sum()) for s in (kept, sort_kept)]
+            assert min(abs(m - p) for m in masses) < 2e-6, (row, masses)
+            edges += 1
+    assert edges <= 2
+
+
+def test_top_p_and_top_k_draws_follow_the_renormalised_nucleus() -> None:
+    """Rows of one bf16 logit vector at Llama-3's vocabulary, sampled through the GPU path
+    (floors, then the race): the frequencies of the nucleus' tokens follow its renormalised
+    probabilities (chi-square), nothing outside it is drawn, and `distribution` is that
+    renormalised nucleus."""
+    torch.manual_seed(8)
+    base = torch.randn(LLAMA3_VOCAB) - 10.0
+    base[[11, 5000, 70000, 128000, 42, 99]] = torch.tensor([8.0, 7.5, 7.0, 6.5, 6.0, 5.5])
+    base = base.bfloat16().float()
+    draws, sampler = 2048, Sampler(LLAMA3_VOCAB, {EOS})
+    for params in (dict(top_p=0.9), dict(top_k=50, top_p=0.9), dict(top_k=3)):
+        rows = [ReqState(Req(origin_input_ids=[1], sampling_params=SamplingParams(
+            temperature=1.0, **params))) for _ in range(draws)]
+        k, p = params.get("top_k", -1), params.get("top_p", 1.0)
+        kept = base >= _sorted_floor(base, 1.0, k, p)
+        target = torch.softmax(base.double(), -1).masked_fill(~kept, 0.0)
+        target = target / target.sum()
+        info = sampler.batch_info(rows, "cuda")
+        logits = base.bfloat16().cuda().expand(draws, LLAMA3_VOCAB)
+        got = sampler.distribution(logits[:1], sampler.batch_info(rows[:1], "cuda"))[0].cpu()
+        torch.testing.assert_close(got.double(), target, atol=1e-6, rtol=0)
+        counts = torch.zeros(LLAMA3_VOCAB, dtype=torch.float64)
+        for _ in range(4):
+            ids = sampler(logits, info).next_token_ids.cpu()
+            counts += torch.bincount(ids, minlength=LLAMA3_VOCAB).double()
+        assert counts[~kept].sum() == 0, params
+        expected = target[kept] * counts.sum()
+        chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+        assert int(kept.sum()) in (3, 4) and chi2 < 16.3, (params, chi2)  # <= 3 dof, p 0.001

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from lmnb.runtime.core import SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this logits / T overflows; such rows are sampled greedily
-FIRST_WINDOW = 64  # on the CPU, best tokens a top-p-only row looks at first (grows x8)
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -41,16 +40,17 @@ class RowGroup:
         self.positions = positions
         self.rows = device_tensor(positions, torch.int64, device)
         self.size = len(positions)
+        self.vocab_size = vocab_size
         self.whole_batch = self.size == batch_size
         self.temperatures = _column([p.temperature for p in params], device)
         self.top_ps = _column([p.top_p for p in params], device)
         self.min_ps = _column([p.min_p for p in params], device)
         self.any_min_p = any(p.min_p > 0 for p in params)
+        self.any_top_p = any(p.top_p < 1.0 for p in params)
         ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         self.top_ks = device_tensor(ks, torch.int64, device)
         self.has_k = self.top_ks < vocab_size
-        self.max_k = max(ks)
-        self.any_without_k = any(k >= vocab_size for k in ks)
+        self.max_cut_k = max((k for k in ks if k < vocab_size), default=0)  # 0: no top-k
 
     def take(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.whole_batch else logits[self.rows]
@@ -58,16 +58,18 @@ class RowGroup:
 
 class RaceColumns:
     """Every row of a batch with a sampled row as `race.sample_rows` reads them, [bs] each:
-    `rows` 0..bs-1, `temperatures` a full row's (0 for greedy and cut rows: they take their largest
+    `rows` 0..bs-1, `temperatures` a sampled row's (0 for greedy rows: they take their largest
     logit), `floor_offsets` T log(min_p) of the full rows with a min-p (the floor below the row's
-    largest logit; -inf elsewhere; None when no row has one), `no_floors` -inf."""
+    largest logit; -inf elsewhere; None when no row has one), `no_floors` -inf. Cut rows' floors
+    come from `thresholds` each step."""
 
     def __init__(self, params: list[SamplingParams], full: RowGroup | None,
-                 device: torch.device) -> None:
+                 cut: RowGroup | None, device: torch.device) -> None:
         full_rows = set() if full is None else set(full.positions)
+        sampled = full_rows | (set() if cut is None else set(cut.positions))
         size = len(params)
         self.rows = torch.arange(size, device=device)
-        temperatures = [p.temperature if i in full_rows else 0.0 for i, p in enumerate(params)]
+        temperatures = [p.temperature if i in sampled else 0.0 for i, p in enumerate(params)]
         self.temperatures = device_tensor(temperatures, torch.float32, device)
         self.no_floors = torch.full((size,), float("-inf"), device=device)
         self.floor_offsets = None
@@ -82,7 +84,8 @@ class SamplingBatchInfo:
     """Sampling state of one batch of rows (see `SamplingRow`), on `device`.
 
     Rows are split, once, into greedy rows (argmax), `full` rows (temperature/min-p over the whole
-    vocabulary) and `cut` rows (top-k and/or top-p: drawn from a window of their best tokens).
+    vocabulary) and `cut` rows (top-k and/or top-p: drawn over the whole vocabulary above a floor
+    logit found each step, see thresholds.py).
     Valid for the same row objects while each row's `output_ids` is the same list grown only by
     the tokens given to `advance` (jump-forward replaces the list, so it forces a rebuild).
     """
@@ -109,17 +112,7 @@ class SamplingBatchInfo:
         self.cut = (RowGroup(cut, [params[i] for i in cut], vocab_size, len(params), device)
                     if cut else None)
         self.race = (None if self.all_greedy
-                     else RaceColumns(params, self.full, device))
-        # The cut rows' window: on a GPU wide enough for every row at once (no host sync); on
-        # the CPU top-p-only rows start narrow and widen while their nucleus does not fit.
-        self.cut_window = vocab_size
-        self.cut_may_widen = False
-        if self.cut is not None:
-            if not self.cut.any_without_k:
-                self.cut_window = self.cut.max_k
-            elif device.type == "cpu":
-                self.cut_window = min(vocab_size, max(FIRST_WINDOW, self.cut.max_k))
-                self.cut_may_widen = self.cut_window < vocab_size
+                     else RaceColumns(params, self.full, self.cut, device))
         self.generators = [(i, row.generator) for i, row in enumerate(self.rows)
                            if row.generator is not None and not greedy[i]]
         self.top_logprobs_nums = [min(max(row.top_logprobs_num, 0), vocab_size)

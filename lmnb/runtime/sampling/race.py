@@ -13,7 +13,6 @@ On a GPU, `sample_rows` reads each row once in its own dtype (bf16 logits are up
 kernel, which is exact) and gives, besides the race's winner, the row's largest logit: the greedy
 rows' token (its first index) and the MASKED / NOT_FINITE verdicts, without a separate max pass.
 
-    race_weights(weights [rows, n], seeds [rows], columns [rows, n]) -> [rows] positions
     race_logits(logits [bs, V], rows [n], temperatures [n, 1], floors [n, 1], seeds [n]) -> [n] ids
     sample_rows(logits [bs, V], rows [n], temperatures [n], floors [n], seeds [n]) -> [n] ids
 """
@@ -63,14 +62,6 @@ def gumbel_noise(seeds: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     # whose noise is +inf: a masked token's -inf + inf is NaN, and argmax takes NaN)
     uniform = ((_hash32(x) >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(-torch.log(uniform))
-
-
-def race_weights(weights: torch.Tensor, seeds: torch.Tensor,
-                 columns: torch.Tensor) -> torch.Tensor:
-    """[rows] positions drawn from unnormalised `weights` [rows, n] (>= 0, some > 0 per row);
-    the noise of position j is that of token `columns[:, j]`."""
-    scores = torch.log(weights) + gumbel_noise(seeds[:, None], columns)
-    return scores.argmax(dim=-1)
 
 
 @triton.jit

@@ -2,15 +2,16 @@
 masks, temperature, top-k, top-p, min-p, seeded draws, and logprobs of the raw distribution.
 
 Filtering follows HF transformers' warper chain (temperature, top-k, top-p over the top-k
-renormalised set, min-p). Every sampled row draws by the exponential race (race.py) with noise
-from its own seed: `full` rows over the whole vocabulary in one read of their logits, `cut` rows
-over a window of their best logits (see SamplingBatchInfo), so a seeded row's token depends only on
-its own logits and generator.
+renormalised set, min-p), as one floor logit per row (thresholds.py; every token tied with the
+floor is kept). Every sampled row draws by the exponential race (race.py) with noise from its own
+seed over the tokens at or above its floor, so a seeded row's token depends only on its own logits
+and generator.
 
 Logits come in the model's dtype and are not copied unless something adjusts them (penalties,
 min_new_tokens, a grammar mask: an fp32 copy); kernels and the torch ops that need fp32 upcast
 as they read (exact), so bf16 logits sample exactly as their fp32 upcast would. On a GPU, a batch
-with sampled rows reads each row once (`race.sample_rows`: draws, greedy ids and verdicts).
+with sampled rows reads each row once (`race.sample_rows`: draws, greedy ids and verdicts), after
+the cut rows' few threshold passes (`thresholds.cut_floors`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lmnb.runtime.sampling.batch_info import RowGroup, SamplingBatchInfo, SamplingRow
+from lmnb.runtime.sampling.batch_info import SamplingBatchInfo, SamplingRow
 from lmnb.runtime.sampling.bitmask import apply_bitmask_
 from lmnb.runtime.sampling.logprob_kernel import MAX_K, packed_logprobs
 from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, SampleOutput
-from lmnb.runtime.sampling.race import race_logits, race_weights, row_seeds, sample_rows
+from lmnb.runtime.sampling.race import race_logits, row_seeds, sample_rows
+from lmnb.runtime.sampling.thresholds import cut_floors, reference_floors
 
 _NEG_INF = float("-inf")
 _TOP_K_BLOCK = 128  # on the CPU, `top_k` reads the best blocks of this many values
@@ -35,12 +37,10 @@ KERNEL_DEVICES = ("cuda",)
 
 @dataclass
 class _Support:
-    """Some sampled rows and what they draw from: `probs` [rows, n] unnormalised, over the
-    whole vocabulary when `ids` is None, else over the candidate ids `ids` [rows, n]."""
+    """Some sampled rows and what they draw from: `probs` [rows, vocab] unnormalised."""
 
     positions: torch.Tensor  # [rows] batch row indices (device)
     probs: torch.Tensor
-    ids: torch.Tensor | None
 
 
 class Sampler:
@@ -95,12 +95,7 @@ class Sampler:
         probs = torch.zeros_like(work)
         probs[torch.arange(len(greedy_ids), device=work.device), greedy_ids] = 1.0
         for support in _supports(work, info):
-            normalised = support.probs / support.probs.sum(dim=-1, keepdim=True)
-            if support.ids is None:
-                probs[support.positions] = normalised
-            else:
-                dense = torch.zeros(len(support.positions), work.shape[1], device=work.device)
-                probs[support.positions] = dense.scatter_(1, support.ids, normalised)
+            probs[support.positions] = support.probs / support.probs.sum(dim=-1, keepdim=True)
         return probs
 
     def _raw(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -126,36 +121,35 @@ class Sampler:
 
     def _draw(self, work: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """[bs] ids of a batch with sampled rows (MASKED / NOT_FINITE for rows that cannot be
-        sampled): greedy rows take their first maximal logit, the others race. Seeded rows take
-        their seed from their own generator. On a GPU one read of each row gives the full rows'
-        draws, the greedy rows' ids and every row's verdict (`race.sample_rows`)."""
+        sampled): greedy rows take their first maximal logit, the others race above their floor
+        (min-p; cut rows: `thresholds`). Seeded rows take their seed from their own generator.
+        On a GPU one read of each row gives the draws, the greedy rows' ids and every row's
+        verdict (`race.sample_rows`), after the cut rows' threshold passes."""
         seeds = row_seeds(info.batch_size, info.generators, work.device)
-        full, race = info.full, info.race
+        full, cut, race = info.full, info.cut, info.race
         assert race is not None
         if work.device.type in KERNEL_DEVICES:
             floors = race.no_floors
             if race.floor_offsets is not None:  # p >= min_p p_max <=> logit >= best + T log(min_p)
                 floors = work.max(dim=-1).values.float() + race.floor_offsets
-            ids = sample_rows(work, race.rows, race.temperatures, floors, seeds)
-        else:
-            best, ids = work.max(dim=-1)  # first maximal index, like argmax
-            if full is not None:
-                floors = torch.full_like(full.temperatures, _NEG_INF)
-                if full.any_min_p:  # as `RaceColumns.floor_offsets`
-                    floors = torch.where(full.min_ps > 0, full.take(best[:, None]).float()
-                                         + full.temperatures * torch.log(full.min_ps), floors)
-                ids[full.rows] = race_logits(work, full.rows, full.temperatures, floors,
-                                             seeds[full.rows])
-            ids = _with_verdicts(ids, best)
-        if info.cut is not None:
-            for support in _cut_supports(info.cut.take(work).float(), info.cut, info.cut_window,
-                                         info.cut_may_widen):
-                assert support.ids is not None
-                choice = race_weights(support.probs, seeds[support.positions], support.ids)
-                kept = ids[support.positions]  # a verdict stays
-                ids[support.positions] = torch.where(
-                    kept < 0, kept, support.ids.gather(1, choice[:, None]).squeeze(1))
-        return ids
+            if cut is not None:
+                cut_rows = cut_floors(work, cut)
+                floors = (cut_rows if cut.whole_batch
+                          else floors.index_copy(0, cut.rows, cut_rows))
+            return sample_rows(work, race.rows, race.temperatures, floors, seeds)
+        best, ids = work.max(dim=-1)  # first maximal index, like argmax
+        if full is not None:
+            floors = torch.full_like(full.temperatures, _NEG_INF)
+            if full.any_min_p:  # as `RaceColumns.floor_offsets`
+                floors = torch.where(full.min_ps > 0, full.take(best[:, None]).float()
+                                     + full.temperatures * torch.log(full.min_ps), floors)
+            ids[full.rows] = race_logits(work, full.rows, full.temperatures, floors,
+                                         seeds[full.rows])
+        if cut is not None:
+            floors = reference_floors(cut.take(work), cut)[:, None]
+            ids[cut.rows] = race_logits(work, cut.rows, cut.temperatures, floors,
+                                        seeds[cut.rows])
+        return _with_verdicts(ids, best)
 
 
 def _greedy_ids(work: torch.Tensor) -> torch.Tensor:
@@ -221,54 +215,11 @@ def _supports(work: torch.Tensor, info: SamplingBatchInfo) -> list[_Support]:
         probs = torch.softmax(full.take(work) / full.temperatures, dim=-1)
         if full.any_min_p:
             probs.masked_fill_(probs < full.min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
-        supports.append(_Support(full.rows, probs, None))
-    if info.cut is not None:
-        supports.extend(_cut_supports(info.cut.take(work), info.cut, info.cut_window,
-                                      info.cut_may_widen))
+        supports.append(_Support(full.rows, probs))
+    if (cut := info.cut) is not None:
+        logits = cut.take(work)
+        floors = (cut_floors(work, cut) if work.device.type in KERNEL_DEVICES
+                  else reference_floors(logits, cut))
+        probs = torch.softmax(logits / cut.temperatures, dim=-1, dtype=torch.float32)
+        supports.append(_Support(cut.rows, probs.masked_fill(logits < floors[:, None], 0.0)))
     return supports
-
-
-def _cut_supports(logits: torch.Tensor, group: RowGroup, window: int,
-                  may_widen: bool) -> list[_Support]:
-    """Supports of rows cut by top-k (exactly k best) then top-p (the smallest set of best tokens
-    whose mass, renormalised over the top-k set, reaches top_p) then min-p, each as a window of
-    its best candidates. Without `may_widen` the window holds every row's support (one pass, no
-    host sync); with it, rows whose nucleus fills the window retry with a wider one."""
-    vocab = logits.shape[1]
-    device = logits.device
-    temps, k, p, min_p, has_k = (group.temperatures, group.top_ks, group.top_ps, group.min_ps,
-                                 group.has_k)
-    log_total = None
-    if group.any_without_k:  # their top-p needs the whole vocabulary's normaliser
-        log_total = torch.logsumexp(logits / temps, dim=-1)
-    positions = group.rows
-    supports = []
-    while True:
-        values, ids = logits.topk(window, dim=-1)
-        scaled = values / temps
-        in_k = torch.arange(window, device=device) < k.clamp(max=window)[:, None]
-        scaled = scaled.masked_fill(~in_k, _NEG_INF)
-        log_norm = torch.logsumexp(scaled, dim=-1)
-        if log_total is not None:
-            log_norm = torch.where(has_k, log_norm, log_total)
-        probs = torch.exp(scaled - log_norm[:, None])
-        before = probs.cumsum(dim=-1) - probs  # mass ranked strictly above each candidate
-        keep = in_k & ((before < p) | (p >= 1.0))
-        if group.any_min_p:
-            keep &= probs >= min_p * probs[:, :1]
-        keep[:, 0] = True
-        if not may_widen:
-            supports.append(_Support(positions, probs * keep, ids))
-            return supports
-        done = has_k | (keep.sum(dim=-1) < window) | (window == vocab)
-        if bool(done.any()):
-            supports.append(_Support(positions[done], (probs * keep)[done], ids[done]))
-        todo = ~done
-        if not bool(todo.any()):
-            return supports
-        logits, positions, temps, k, p, min_p, has_k = (
-            t[todo] for t in (logits, positions, temps, k, p, min_p, has_k))
-        if log_total is not None:
-            log_total = log_total[todo]
-        window = min(vocab, window * 8)
-        may_widen = window < vocab
