@@ -14,7 +14,6 @@ JSON to bench/results/fp8_quant_fusion.json (and $OUT/fp8_quant_fusion.json when
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -28,7 +27,13 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    environment,
+    format_table,
+    graph_seconds_per_call,
+    write_json,
+)
 from lmnb.runtime.kernels.fused import activation, fp8_quant, rmsnorm  # noqa: E402
 
 CALLS = 20
@@ -38,27 +43,7 @@ Outputs = tuple[torch.Tensor | None, ...]
 def time_us(fn: Callable[[], Outputs], replays: int) -> float:
     """Microseconds per call of fn() in a CUDA graph of CALLS calls (best of 3 timings)."""
     fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(CALLS):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (replays * CALLS))
-    del graph
-    return best
+    return graph_seconds_per_call(lambda _: fn(), calls=CALLS, replays=replays) * 1e6
 
 
 def _same(a: Outputs, b: Outputs) -> bool:

@@ -50,7 +50,13 @@ from torch.nn import functional as F
 if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    environment,
+    format_table,
+    graph_seconds_per_call,
+    write_json,
+)
 from bench.floor import copy_bandwidth  # noqa: E402
 from lmnb.runtime.kernels.fused import rms_norm, rotary_qkv, silu_and_mul  # noqa: E402
 from lmnb.runtime.kernels.fused.gemv import (  # noqa: E402
@@ -114,27 +120,8 @@ def time_per_call(fn, xs: list[torch.Tensor], weights: list[torch.Tensor], repla
     """Seconds per call of fn(x, weight) in a CUDA graph of CALLS calls over the weight copies."""
     for i in range(2):  # compile / pick algorithms outside the capture
         fn(xs[i % len(xs)], weights[i % len(weights)])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(CALLS):
-            fn(xs[i % len(xs)], weights[i % len(weights)])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / (replays * CALLS))
-    del graph
-    return best
+    return graph_seconds_per_call(lambda i: fn(xs[i % len(xs)], weights[i % len(weights)]),
+                                  calls=CALLS, replays=replays)
 
 
 def relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float:
