@@ -30,11 +30,8 @@ program bodies (`--layers 32` gives the nearly-free model a real model's number 
 hand-overs per pass launch, to try this on the CPU). A `run_batch` shortens the switch interval
 itself while it starts its programs (`lmnb.lang.gil_share`): `--batch-switch-interval` sets that
 value (`none`: Python's own), `--compare-batch-switch-intervals 2e-5,none` runs the DSL path
-once more with each. While it starts its programs, the program loop also steps aside for the
-scheduler's pass launches (`global_config.batch_launch_wait`, `Runtime.launch_gate`; launches
-are gated with the overlap schedule only, on by default on CUDA: `--overlap` forces it on the
-CPU): `--batch-launch-wait` sets that limit, `--compare-batch-launch-waits none,0.05` runs the
-DSL path once more with each. A `run_batch` starts its programs together and sends their first
+once more with each. `--overlap` runs the overlap schedule (pipelined pass launches, on by
+default on CUDA) on the CPU too. A `run_batch` starts its programs together and sends their first
 gens to the scheduler in one hand-over (`global_config.batch_wave` None), or in growing waves:
 `--batch-wave`, `--compare-batch-waves 8`. `loop ms` is the program loop's CPU per program
 (`time.thread_time` read on that thread before and after the path).
@@ -335,7 +332,7 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
            for label in results if label in SCHEDULE_PATHS or "switch" in label
-           or "launch wait" in label or "@ wave" in label}
+           or "@ wave" in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -386,12 +383,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated values ('none' included) of "
                         "--batch-switch-interval to run the DSL path with once more each, "
                         "beside the default one (one model load)")
-    parser.add_argument("--batch-launch-wait", default="default",
-                        help="global_config.batch_launch_wait: how long (s) a starting run_batch "
-                        "waits for a pass launch under way; 'none': never; default: lmnb's")
-    parser.add_argument("--compare-batch-launch-waits", default="",
-                        help="comma-separated values ('none' included) of --batch-launch-wait "
-                        "to run the DSL path with once more each")
     parser.add_argument("--batch-wave", default="default",
                         help="global_config.batch_wave: 'none', a run_batch's programs start "
                         "together and their gens reach the scheduler in one hand-over; n, in "
@@ -401,7 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the DSL path with once more each")
     parser.add_argument("--overlap", action="store_true",
                         help="the overlap schedule on the CPU too (disable_overlap_schedule="
-                        "False): passes are launched, and the launches gated, as on a GPU")
+                        "False): passes are launched ahead of their results, as on a GPU")
     parser.add_argument("--simulate-gpu", type=int, default=0, metavar="OPS",
                         help="with --overlap on the CPU: each pass launch also makes OPS tiny "
                         "torch calls (each hands the GIL over, as a GPU launch's kernels do) and "
@@ -435,9 +426,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.batch_wave != "default":
         lmnb.global_config.batch_wave = (
             None if args.batch_wave == "none" else int(args.batch_wave))
-    if args.batch_launch_wait != "default":
-        lmnb.global_config.batch_launch_wait = (
-            None if args.batch_launch_wait == "none" else float(args.batch_launch_wait))
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -590,9 +578,6 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     for value in filter(None, (v.strip() for v in args.compare_batch_switch_intervals.split(","))):
         paths[f"{SWITCH_DSL} @ batch switch {value}"] = batch_switched(
             None if value == "none" else float(value), paths[SWITCH_DSL])
-    for value in filter(None, (v.strip() for v in args.compare_batch_launch_waits.split(","))):
-        paths[f"{SWITCH_DSL} @ launch wait {value}"] = configured(
-            "batch_launch_wait", None if value == "none" else float(value), paths[SWITCH_DSL])
     for value in filter(None, (v.strip() for v in args.compare_batch_waves.split(","))):
         paths[f"{SWITCH_DSL} @ wave {value}"] = configured(
             "batch_wave", None if value == "none" else int(value), paths[SWITCH_DSL])
@@ -670,11 +655,10 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         print(f"{label}: DSL / raw text wall time "
               f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
               f"the default {lmnb.global_config.batch_switch_interval:g} s: {wall_min:.2f}x)")
-    for label in (label for label in results if "@ launch wait" in label or "@ wave" in label):
+    for label in (label for label in results if "@ wave" in label):
         print(f"{label}: DSL / raw text wall time "
               f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
-              f"the defaults, launch wait {lmnb.global_config.batch_launch_wait} s and wave "
-              f"{lmnb.global_config.batch_wave}: {wall_min:.2f}x)")
+              f"the default wave {lmnb.global_config.batch_wave}: {wall_min:.2f}x)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
@@ -685,7 +669,6 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                    "repeats": args.repeats, "model": model_label,
                    "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze,
                    "batch_switch_interval": lmnb.global_config.batch_switch_interval,
-                   "batch_launch_wait": lmnb.global_config.batch_launch_wait,
                    "batch_wave": lmnb.global_config.batch_wave},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,

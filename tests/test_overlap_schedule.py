@@ -172,12 +172,8 @@ def test_runtime_with_overlap_forced_on_cpu_matches_the_synchronous_runtime(tiny
             fanned = rt.generate(shared, {"max_new_tokens": 6, "temperature": 0})
             rt.set_batch_hook(None)
             assert any(mixed) is (not disable)
-            # pipelined launches close the gate that a starting run_batch steps aside for
-            launches = rt.launch_gate.launches
             asked = [state["a"] for state in ask.run_batch(
                 [{"question": q} for q in questions], backend=LocalBackend(rt))]
-            assert (rt.launch_gate.launches > launches) is (not disable)
-            assert not rt.launch_gate.launching_now
             stats = rt.stats()
             results[disable] = ([(o["text"], o["meta_info"]["finish_reason"]) for o in out],
                                 again["text"],

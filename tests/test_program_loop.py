@@ -557,69 +557,6 @@ def test_sharing_the_gil_is_restored_when_its_thread_dies_inside_a_block():
         sys.setswitchinterval(before)
 
 
-class _WatchedGate:
-    """A `LaunchGate` that tells the test when the program loop waits on it."""
-
-    def __init__(self) -> None:
-        from lmnb.runtime.launch_gate import LaunchGate
-
-        self.gate = LaunchGate()
-        self.waits = 0
-        self.waiting = threading.Event()
-
-    @property
-    def launches(self) -> int:
-        return self.gate.launches
-
-    @property
-    def launching_now(self) -> bool:
-        return self.gate.launching_now
-
-    def wait(self, timeout: float) -> bool:
-        self.waits += 1
-        self.waiting.set()
-        return self.gate.wait(timeout)
-
-
-def test_run_batch_steps_aside_while_the_engine_launches_a_pass(monkeypatch):
-    """While a batch starts its programs, the program loop waits for a pass launch under way
-    (`LaunchGate`, `gil_share.step_aside`): no program body starts until the launch returns;
-    once the batch has waited `batch_launch_wait` in all, the programs go on."""
-    watched = _WatchedGate()
-    started: list[int] = []
-
-    class Gated(BarrierBackend):
-        launch_gate = watched
-
-    @lmnb.function
-    def one(s, i):
-        if isinstance(i, int):  # not the tracer's run (the batch's constant prefix)
-            started.append(i)
-        s += f"Q{i}: w{i}" + gen("a")
-
-    monkeypatch.setattr(lmnb.global_config, "batch_launch_wait", GUARD_S)
-    launch = watched.gate.launching()
-    launch.__enter__()  # the scheduler is launching a pass
-    try:
-        job = one.run_batch([{"i": i} for i in range(20)], backend=Gated(1), as_completed=True)
-        results: list[Any] = []
-        runner = threading.Thread(target=lambda: results.extend(job), daemon=True)
-        runner.start()
-        assert watched.waiting.wait(GUARD_S)
-        assert started == []  # the loop is blocked in the wait: no body ran
-    finally:
-        launch.__exit__(None, None, None)
-    runner.join(GUARD_S)
-    assert sorted(state["a"] for state in results) == sorted(f"w{i}"[::-1] for i in range(20))
-
-    monkeypatch.setattr(lmnb.global_config, "batch_launch_wait", 1e-3)
-    watched.waits = 0
-    with watched.gate.launching():  # a launch that never returns while the batch starts
-        states = one.run_batch([{"i": i} for i in range(20)], backend=Gated(1))
-    assert [state["a"] for state in states] == [f"w{i}"[::-1] for i in range(20)]
-    assert watched.waits == 1  # its budget spent: not once per program
-
-
 def test_local_backend_submits_encoded_ids_with_parsed_params(rt):
     """A text prompt goes in as the runtime's own ids with parsed `SamplingParams`
     (`Runtime.submit_encoded`): the same output as `generate(input_ids=...)`, the context length

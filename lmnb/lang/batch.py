@@ -10,20 +10,17 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lmnb.lang.backends.base import Backend
 from lmnb.lang.backends.submit_chunks import whole_turns
 from lmnb.lang.event_loop import program_loop, run_body, wait_queue
-from lmnb.lang.gil_share import LaunchGated, sharing_the_gil, step_aside
+from lmnb.lang.gil_share import sharing_the_gil
 from lmnb.lang.global_config import global_config
 from lmnb.lang.program_run import ProgramRun
 from lmnb.lang.program_state import ProgramState
 from lmnb.lang.progress import progress_bar as tqdm_bar
 from lmnb.runtime.prompts import chunk_bounds
-
-if TYPE_CHECKING:
-    from lmnb.runtime.launch_gate import LaunchGate
 
 
 def _program_limit(num_threads: int | str, size: int) -> int | None:
@@ -47,10 +44,8 @@ class _BatchRun:
 
     def __init__(self, execute: Callable[[dict[str, Any], ProgramRun], ProgramState],
                  batch: list[dict[str, Any]], *, limit: int | None,
-                 deliver: Callable[[list[tuple[int, ProgramState]]], None],
-                 gate: LaunchGate | None = None) -> None:
+                 deliver: Callable[[list[tuple[int, ProgramState]]], None]) -> None:
         self.execute = execute
-        self.gate = gate  # the engine's pass launches, stepped aside for while programs start
         self.batch = batch
         self.limit = limit
         self.deliver = deliver
@@ -71,8 +66,7 @@ class _BatchRun:
             wave = global_config.batch_wave
             bounds = ([(0, len(self.batch))] if wave is None
                       else list(chunk_bounds(len(self.batch), wave)))
-            with sharing_the_gil(global_config.batch_switch_interval, gate=self.gate,
-                                 wait_limit=global_config.batch_launch_wait), \
+            with sharing_the_gil(global_config.batch_switch_interval), \
                     whole_turns() if wave is None else nullcontext():
                 for start, end in bounds:
                     tasks += [asyncio.ensure_future(self._one(index, self.batch[index],
@@ -100,7 +94,6 @@ class _BatchRun:
     async def _run(self, index: int, arguments: dict[str, Any]) -> None:
         if self.runs.aborted:
             return
-        step_aside()
         state = await run_body(self.execute, arguments, self.runs.new_run())
         self._finished.append((index, state))
         if len(self._finished) == 1:
@@ -115,10 +108,6 @@ class _BatchRun:
 
 
 _DONE = object()
-
-
-def _launch_gate(backend: Backend) -> LaunchGate | None:
-    return backend.launch_gate if isinstance(backend, LaunchGated) else None
 
 
 @dataclass(frozen=True)
@@ -175,7 +164,7 @@ class BatchJob:
 
             batch_run = _BatchRun(self.execute, self.batch,
                                   limit=_program_limit(num_threads, len(self.batch)),
-                                  deliver=deliver, gate=_launch_gate(self.backend))
+                                  deliver=deliver)
             future: Future[None] | None = None
             try:
                 future = self._start(batch_run)
@@ -196,8 +185,7 @@ class BatchJob:
         batch_run = _BatchRun(self.execute, self.batch,
                               limit=_program_limit(num_threads, len(self.batch)),
                               deliver=lambda states: loop.call_soon_threadsafe(
-                                  finished.put_nowait, states),
-                              gate=_launch_gate(self.backend))
+                                  finished.put_nowait, states))
         future: Future[None] | None = None
         try:
             future = await asyncio.to_thread(self._start, batch_run)

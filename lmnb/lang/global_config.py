@@ -3,7 +3,6 @@
 `default_backend` is the program default (`set_default_backend`); `enable_precache_with_tracing`
 turns `run_batch`'s shared-prefix caching on or off; `batch_switch_interval` is lmnb's (the GIL
 switch interval while a `run_batch` starts its programs, `lmnb.lang.gil_share`), and so is
-`batch_launch_wait` (how long the program loop then waits for a pass launch to return), and
 `batch_wave` (the programs start together, or in growing waves). The other
 fields are kept for programs that set or read them and change nothing here (lmnb's detokenizer
 always skips special tokens)."""
@@ -26,9 +25,6 @@ class GlobalConfig:
         # lmnb's: the GIL switch interval (s) while a run_batch starts its programs (`gil_share`;
         # None: Python's own, 5 ms unless set).
         self.batch_switch_interval: float | None = 5e-5
-        # lmnb's: while a run_batch starts its programs, the program loop waits for the engine's
-        # pass launches under way, at most this long (s) in all (`gil_share`; None: never).
-        self.batch_launch_wait: float | None = 0.05
         # lmnb's: how a run_batch starts its programs: None, all in one turn of the program loop
         # and their first gens sent to the scheduler in one hand-over (as `generate` of a list
         # of ids); n, in waves of n, 2n, 4n, ... with their gens sent in chunks of as many.

@@ -21,7 +21,6 @@ from lmnb.runtime.fsm.factory import GrammarFactory
 from lmnb.runtime.fsm.jump import JumpForward
 from lmnb.runtime.hicache.factory import make_tiered_cache
 from lmnb.runtime.hicache.identity import model_key, parameter_fingerprint
-from lmnb.runtime.launch_gate import LaunchGate
 from lmnb.runtime.memory import KVAllocator
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
@@ -64,7 +63,6 @@ class ServingParts:
     outputs: OutputProcessor
     scheduler: SchedulerThread
     grammars: GrammarFactory
-    launch_gate: LaunchGate  # closed while the scheduler launches a pipelined pass
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any, model_dir: Path | None) -> set[int]:
@@ -185,17 +183,15 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
                   if speculative is not None else None)
     outputs = OutputProcessor()
     outputs.start()
-    launch_gate = LaunchGate()
     scheduler = Scheduler(
         runner=runner, cache=CacheManager(cache, allocator, runner.req_to_token_pool),
         policy=make_policy(config.schedule_policy), config=scheduler_config,
         stop_rules=StopRules(model.eos_token_ids), sink=outputs, tokenizer=model.tokenizer,
         jump_forward=None if config.disable_jump_forward else JumpForward(model.tokenizer),
         vocab_size=model.model_config.vocab_size, speculator=speculator,
-        verifier=runner if speculator is not None else None, launch_gate=launch_gate)
+        verifier=runner if speculator is not None else None)
     thread = SchedulerThread(scheduler)
     grammars = GrammarFactory(model.tokenizer, vocab_size=model.model_config.vocab_size,
                               eos_token_ids=model.eos_token_ids, backend=config.grammar_backend)
     return ServingParts(allocator=allocator, cache=cache, pins=PrefixPins(cache),
-                        outputs=outputs, scheduler=thread, grammars=grammars,
-                        launch_gate=launch_gate)
+                        outputs=outputs, scheduler=thread, grammars=grammars)

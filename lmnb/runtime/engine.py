@@ -77,9 +77,6 @@ class Runtime:
         self._allocator, self._cache, self._pins = serving.allocator, serving.cache, serving.pins
         self._outputs, self._scheduler = serving.outputs, serving.scheduler
         self._grammars = serving.grammars
-        # Closed while the scheduler launches a pass (`launch_gate.py`): the DSL's program loop
-        # steps aside then while it starts a batch's programs.
-        self.launch_gate = serving.launch_gate
         self._held = HeldSubmissions(self._scheduler)
         self._tokenizer_lock = threading.Lock()
         self._cache_events: CacheEventLog | None = None

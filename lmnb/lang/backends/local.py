@@ -20,7 +20,6 @@ from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.backends.submit_chunks import SubmitChunks
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.event_loop import block_on, run_body
-from lmnb.lang.gil_share import LaunchGated, step_aside
 from lmnb.lang.ir import GenParams
 from lmnb.lang.prompt_tokens import PromptTokens, prompt_tokens
 from lmnb.lang.token_trace import (
@@ -35,7 +34,6 @@ from lmnb.runtime.encoded_submit import EncodedSubmitter
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
 if TYPE_CHECKING:
-    from lmnb.runtime.launch_gate import LaunchGate
     from lmnb.runtime.surface import EngineSurface
 
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
@@ -110,9 +108,6 @@ class LocalBackend:
             else None)
         # The program loop's streamed requests, sent to the scheduler in growing chunks.
         self.submits = SubmitChunks(runtime.batched_submits)
-        # The engine's pass launches (`Runtime.launch_gate`): a starting batch steps aside.
-        self.launch_gate: LaunchGate | None = (
-            runtime.launch_gate if isinstance(runtime, LaunchGated) else None)
         # Text prompts' ids and parsed parameters go straight in (`Runtime.submit_encoded`).
         self.encoded_submitter: EncodedSubmitter | None = (
             runtime if self.prompt_tokens is not None and isinstance(runtime, EncodedSubmitter)
@@ -222,7 +217,6 @@ class LocalBackend:
         """`generate` as a coroutine (the program loop's): the request goes straight into the
         runtime and its output stream is awaited; setting `cancel` (a `CancelEvent`) closes the
         stream, which aborts the request and wakes the await. `trace` as in `generate`."""
-        step_aside()  # a batch starting its programs lets the scheduler launch a pass first
         with self.submits.submitting():
             chunks, record = self._submit(prompt, params, media, trace, whole=on_delta is None)
         gen = GenTexts(params, on_delta)

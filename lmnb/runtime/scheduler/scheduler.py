@@ -33,7 +33,6 @@ from lmnb.runtime.core import (
     finish_abort,
     finish_length,
 )
-from lmnb.runtime.launch_gate import LaunchGate
 from lmnb.runtime.output.detokenizer import Decoder
 from lmnb.runtime.output.events import TokenEvent
 from lmnb.runtime.output.stop import StopRules
@@ -71,12 +70,10 @@ class Scheduler:
                  config: SchedulerConfig, stop_rules: StopRules, sink: OutputSink,
                  tokenizer: Decoder | None = None, jump_forward: JumpPlanner | None = None,
                  vocab_size: int | None = None, speculator: Speculator | None = None,
-                 verifier: VerifyRunner | None = None,
-                 launch_gate: LaunchGate | None = None) -> None:
+                 verifier: VerifyRunner | None = None) -> None:
         if (speculator is None) != (verifier is None):
             raise ValueError("a speculator needs a verifier (the runner's verify pass)")
         self.runner = runner
-        self.launch_gate = launch_gate  # closed while a pipelined pass is being launched
         self.cache = cache
         self.config = config
         self.stop_rules = stop_rules
@@ -183,11 +180,7 @@ class Scheduler:
 
     def _launch(self, batch: Batch, reqs: list[Req], rows: list[ReqState]) -> None:
         try:
-            if self.launch_gate is None:
-                pending = self.runner.launch(batch, rows)
-            else:
-                with self.launch_gate.launching():
-                    pending = self.runner.launch(batch, rows)
+            pending = self.runner.launch(batch, rows)
         except Exception as error:
             self._fail(reqs, error)
             return
