@@ -20,9 +20,9 @@ K/V tiles are converted in registers to q's dtype, which stays the model's (q is
 pool's dtype); K's scales multiply the logits' columns, V's the probabilities' columns. The scales
 may have any strides; `KVStorage` keeps them head-major ([kv_heads, slots] memory seen as a
 [slots, kv_heads] view), so a program (one KV head) gathers a tile's scales from a few sectors of
-one row (a request's slots are mostly runs) instead of one 32-byte sector per slot. A tile of FP8
-KV is half the bytes of a 16-bit one: `decode_config` gives FP8 pools tiles of twice the tokens
-over twice the warps (the same bytes in flight per iteration, the same registers per thread).
+one row (a request's slots are mostly runs) instead of one 32-byte sector per slot. At the busiest
+level `decode_config` gives FP8 pools the 16-bit tile with 3 stages (an H100 sweep; twice the
+tokens over twice the warps was slower).
 `DecodeConfig.f16_dot` (FP8 pools under a bfloat16 model): q, K and V meet in float16 dots, since
 e4m3 -> float16 is one conversion per pair of elements on sm89+ and e4m3 -> bfloat16 is not
 (float16 holds every e4m3 value and q's usual range more precisely than bfloat16; |q| > 65504

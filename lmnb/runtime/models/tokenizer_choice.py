@@ -12,12 +12,14 @@ its choice is:
   when tokenizer_config.json names that class and the model type registers no tokenizer class of
   its own (Llama, the LLaVA family, or a folder without config.json).
 tests/test_tokenizer_choice.py checks these facts in transformers' `TOKENIZER_MAPPING_NAMES`,
-and that both ways give the same tokenizer. Anything else goes through AutoTokenizer.
+and that both ways give the same tokenizer. They hold from transformers 5 (4.x builds
+`Qwen2TokenizerFast` for Qwen2): with an older transformers, and for anything else, AutoTokenizer.
 """
 
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ def class_name(folder: Path) -> str | None:
     """'PreTrainedTokenizerFast' or 'Qwen2Tokenizer' when AutoTokenizer would build that class
     from `folder` (see the module doc); None when only AutoTokenizer can tell."""
     folder = Path(folder)
-    if not (folder / "tokenizer.json").is_file():
+    if int(version("transformers").split(".")[0]) < 5 or not (folder / "tokenizer.json").is_file():
         return None
     tokenizer_config = _read_json(folder / "tokenizer_config.json")
     if tokenizer_config is None or "auto_map" in tokenizer_config:
