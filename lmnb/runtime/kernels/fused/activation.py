@@ -38,14 +38,21 @@ def silu_mul(gate, up, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul_at(X_ROW, cols, width, DTYPE: tl.constexpr):
+    """`silu_mul` of the gate | up row at X_ROW (gate at cols, up at width + cols) for the
+    columns cols < width; zero past them."""
+    mask = cols < width
+    gate = tl.load(X_ROW + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X_ROW + width + cols, mask=mask, other=0.0).to(tl.float32)
+    return silu_mul(gate, up, DTYPE)
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, OUT, stride_x, stride_out, width, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
-    out = silu_mul(gate, up, OUT.dtype.element_ty)
-    tl.store(OUT + row * stride_out + cols, out.to(OUT.dtype.element_ty), mask=mask)
+    out = _silu_mul_at(X + row * stride_x, cols, width, OUT.dtype.element_ty)
+    tl.store(OUT + row * stride_out + cols, out.to(OUT.dtype.element_ty), mask=cols < width)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -66,32 +73,23 @@ def _silu_and_mul_quant_kernel(X, OUT, SCALE, stride_x, stride_out, width,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     dtype = X.dtype.element_ty
+    x_row = X + row * stride_x
     if ONE_BLOCK:
-        mask = offs < width
-        gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(X + row * stride_x + width + offs, mask=mask, other=0.0).to(tl.float32)
-        act = silu_mul(gate, up, dtype)  # zero past width
+        act = _silu_mul_at(x_row, offs, width, dtype)  # zero past width
         scale = token_scale(tl.max(tl.abs(act), 0), FP8_MAX_C, MIN_SCALE_C)
         tl.store(SCALE + row, scale)
         q = fp8_codes(act, scale, FP8_MAX_C)
-        tl.store(OUT + row * stride_out + offs, q.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + row * stride_out + offs, q.to(OUT.dtype.element_ty), mask=offs < width)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in range(0, width, BLOCK):
-            mask = k + offs < width
-            gate = tl.load(X + row * stride_x + k + offs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(X + row * stride_x + width + k + offs, mask=mask,
-                         other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(silu_mul(gate, up, dtype)))
+            amax = tl.maximum(amax, tl.abs(_silu_mul_at(x_row, k + offs, width, dtype)))
         scale = token_scale(tl.max(amax, 0), FP8_MAX_C, MIN_SCALE_C)
         tl.store(SCALE + row, scale)
         for k in range(0, width, BLOCK):
-            mask = k + offs < width
-            gate = tl.load(X + row * stride_x + k + offs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(X + row * stride_x + width + k + offs, mask=mask,
-                         other=0.0).to(tl.float32)
-            q = fp8_codes(silu_mul(gate, up, dtype), scale, FP8_MAX_C)
-            tl.store(OUT + row * stride_out + k + offs, q.to(OUT.dtype.element_ty), mask=mask)
+            q = fp8_codes(_silu_mul_at(x_row, k + offs, width, dtype), scale, FP8_MAX_C)
+            tl.store(OUT + row * stride_out + k + offs, q.to(OUT.dtype.element_ty),
+                     mask=k + offs < width)
 
 
 def silu_and_mul_quant(x: torch.Tensor, *, row_block_max: int = ROW_BLOCK_MAX

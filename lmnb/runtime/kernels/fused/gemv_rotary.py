@@ -25,9 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.fused.fp8_quant import FP8_MAX
 from lmnb.runtime.kernels.fused.rope import fp8_rows, rotate
 
 FP8 = torch.float8_e4m3fn
+_FP8_MAX = tl.constexpr(FP8_MAX)  # a global a kernel reads must be a constexpr
 
 
 class RotaryStore(NamedTuple):
@@ -112,7 +114,7 @@ def _complete_fp8_heads(pid_n, N, slot, offs_m, mask_m, STAGE, ARRIVALS, K_OUT, 
                 _store_fp8_head(kv, slot, offs_m, mask_m, STAGE, K_OUT, V_OUT, K_SCALE,
                                 V_SCALE, stride_k_row, stride_k_head, stride_v_row,
                                 stride_v_head, stride_st, stride_sh, num_kv_heads, HEAD_DIM, HALF,
-                                BLOCK_HALF, 448.0)
+                                BLOCK_HALF, _FP8_MAX)
 
 
 @triton.jit
