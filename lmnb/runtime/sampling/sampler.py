@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmnb.runtime.sampling.batch_info import SamplingBatchInfo, SamplingRow
+from lmnb.runtime.sampling.batch_info import RowGroup, SamplingBatchInfo, SamplingRow
 from lmnb.runtime.sampling.bitmask import apply_bitmask_
 from lmnb.runtime.sampling.logprob_kernel import MAX_K, packed_logprobs
 from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, SampleOutput
@@ -133,23 +133,28 @@ class Sampler:
             if race.floor_offsets is not None:  # p >= min_p p_max <=> logit >= best + T log(min_p)
                 floors = work.max(dim=-1).values.float() + race.floor_offsets
             if cut is not None:
-                cut_rows = cut_floors(work, cut)
+                cut_rows = _cut_floors(work, cut)
                 floors = (cut_rows if cut.whole_batch
                           else floors.index_copy(0, cut.rows, cut_rows))
             return sample_rows(work, race.rows, race.temperatures, floors, seeds)
         best, ids = work.max(dim=-1)  # first maximal index, like argmax
         if full is not None:
-            floors = torch.full_like(full.temperatures, _NEG_INF)
-            if full.any_min_p:  # as `RaceColumns.floor_offsets`
-                floors = torch.where(full.min_ps > 0, full.take(best[:, None]).float()
-                                     + full.temperatures * torch.log(full.min_ps), floors)
+            floors = (torch.full_like(full.temperatures, _NEG_INF) if race.floor_offsets is None
+                      else full.take((best.float() + race.floor_offsets)[:, None]))
             ids[full.rows] = race_logits(work, full.rows, full.temperatures, floors,
                                          seeds[full.rows])
         if cut is not None:
-            floors = reference_floors(cut.take(work), cut)[:, None]
-            ids[cut.rows] = race_logits(work, cut.rows, cut.temperatures, floors,
-                                        seeds[cut.rows])
+            ids[cut.rows] = race_logits(work, cut.rows, cut.temperatures,
+                                        _cut_floors(work, cut)[:, None], seeds[cut.rows])
         return _with_verdicts(ids, best)
+
+
+def _cut_floors(work: torch.Tensor, cut: RowGroup) -> torch.Tensor:
+    """[n] floors of the cut rows of `work` [bs, V]: the Triton kernel on the kernel devices,
+    its torch reference elsewhere."""
+    if work.device.type in KERNEL_DEVICES:
+        return cut_floors(work, cut)
+    return reference_floors(cut.take(work), cut)
 
 
 def _greedy_ids(work: torch.Tensor) -> torch.Tensor:
@@ -218,8 +223,7 @@ def _supports(work: torch.Tensor, info: SamplingBatchInfo) -> list[_Support]:
         supports.append(_Support(full.rows, probs))
     if (cut := info.cut) is not None:
         logits = cut.take(work)
-        floors = (cut_floors(work, cut) if work.device.type in KERNEL_DEVICES
-                  else reference_floors(logits, cut))
+        floors = _cut_floors(work, cut)
         probs = torch.softmax(logits / cut.temperatures, dim=-1, dtype=torch.float32)
         supports.append(_Support(cut.rows, probs.masked_fill(logits < floors[:, None], 0.0)))
     return supports
