@@ -15,6 +15,7 @@ the same bookkeeping with streams and events: tests/gpu/test_hicache_overlap_cud
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -146,6 +147,30 @@ def _assert_rows(kv: KVStorage, slots: torch.Tensor, tokens: list[int]) -> None:
         assert torch.equal(kv.v_buffers[layer][slots][:, 0, 1], -ids - layer)
 
 
+@dataclass
+class _HostPrefix:
+    """A scheduler over a write-through tiered cache whose 30-token `prefix` was computed, then
+    pushed out of device memory by a later prompt (its host copy kept)."""
+
+    kv: KVStorage
+    cache: TieredRadixCache
+    runner: FailingOnce
+    scheduler: Scheduler
+    prefix: list[int]
+
+
+def _prefix_in_host_memory(*, device: int, host: int, pusher: list[int]) -> _HostPrefix:
+    kv = _storage(size=device)
+    cache = TieredRadixCache(KVAllocator(device, CPU), HostKVPool(host, kv), write_through=True)
+    runner = FailingOnce(kv=kv)
+    scheduler = _scheduler(cache, runner)
+    prefix = list(range(10, 40))
+    for prompt in (prefix + [1], pusher):  # the second pushes the first out
+        scheduler.add(_request(prompt))
+        _run(scheduler)
+    return _HostPrefix(kv, cache, runner, scheduler, prefix)
+
+
 def test_request_ended_with_its_load_queued_frees_everything() -> None:
     kv = _storage(size=48)
     allocator = KVAllocator(48, CPU)
@@ -176,13 +201,8 @@ def test_request_ended_with_its_load_queued_frees_everything() -> None:
 
 
 def test_a_refused_request_loads_nothing_until_it_fits() -> None:
-    kv = _storage(size=48)
-    cache = TieredRadixCache(KVAllocator(48, CPU), HostKVPool(192, kv), write_through=True)
-    scheduler = _scheduler(cache, FailingOnce(kv=kv))
-    prefix = list(range(10, 40))
-    for prompt in (prefix + [1], list(range(50, 90))):  # the second pushes the first out
-        scheduler.add(_request(prompt))
-        _run(scheduler)
+    setup = _prefix_in_host_memory(device=48, host=192, pusher=list(range(50, 90)))
+    kv, cache, scheduler, prefix = setup.kv, setup.cache, setup.scheduler, setup.prefix
     assert cache.match_prefix(prefix + [2]).length < 30 and cache.cached_length(prefix) == 30
     loaded = cache.host_loaded_tokens
     long = _request(list(range(200, 208)))
@@ -205,13 +225,8 @@ def test_a_refused_request_loads_nothing_until_it_fits() -> None:
 
 
 def test_a_failed_load_back_ends_its_request_and_frees_its_binding(monkeypatch) -> None:
-    kv = _storage(size=48)
-    cache = TieredRadixCache(KVAllocator(48, CPU), HostKVPool(96, kv), write_through=True)
-    scheduler = _scheduler(cache, FailingOnce(kv=kv))
-    prefix = list(range(10, 40))
-    for prompt in (prefix + [1], list(range(50, 90))):  # the second pushes the first out
-        scheduler.add(_request(prompt))
-        _run(scheduler)
+    setup = _prefix_in_host_memory(device=48, host=96, pusher=list(range(50, 90)))
+    kv, cache, scheduler, prefix = setup.kv, setup.cache, setup.scheduler, setup.prefix
     assert cache.match_prefix(prefix + [2]).length < 30 and cache.cached_length(prefix) == 30
     load = cache.host_pool.load
 
@@ -240,14 +255,9 @@ def test_a_failed_load_back_ends_its_request_and_frees_its_binding(monkeypatch) 
 def test_a_prefix_in_host_memory_counts_as_cached_when_deferring_shared_prompts() -> None:
     """B's prompt shares with A's (admitted before it, computing its whole prompt) just the part
     B can load back from host memory: B runs in A's pass instead of waiting for A's KV."""
-    kv = _storage(size=96)
-    cache = TieredRadixCache(KVAllocator(96, CPU), HostKVPool(256, kv), write_through=True)
-    runner = FailingOnce(kv=kv)
-    scheduler = _scheduler(cache, runner)
-    prefix = list(range(10, 40))
-    for prompt in (prefix + [1], list(range(100, 190))):  # the second pushes the first out
-        scheduler.add(_request(prompt))
-        _run(scheduler)
+    setup = _prefix_in_host_memory(device=96, host=256, pusher=list(range(100, 190)))
+    kv, cache, runner, scheduler, prefix = (setup.kv, setup.cache, setup.runner, setup.scheduler,
+                                            setup.prefix)
     match = cache.match_prefix(prefix + [2])
     assert match.length == 0 and match.host_length == 30
     first = _request(prefix + [1, 2])
