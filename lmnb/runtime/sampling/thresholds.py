@@ -22,8 +22,8 @@ cut into slices of whole blocks (as `race.sample_rows` does): a pass is one laun
 slices' buckets and picks the digit; no host sync. Counts are exact, so top-k and min-p floors do
 not depend on the slicing; top-p's bucket masses are float sums whose order does, so a top-p floor
 can differ only where the mass ranked above the nucleus' edge is within rounding of top_p (the
-target is top_p times the sum of the same buckets, so a digit is always found; with one slice per
-row the sums are the one-program kernel's, bit for bit). `reference_floors` is the same rule in
+target is top_p times the sum of the first pass's buckets, as before; with one slice per row the
+sums are the one-program kernel's, bit for bit). `reference_floors` is the same rule in
 torch ops (sorts a window of each row's best logits: the CPU's path and the kernel's reference).
 
     cut_floors(logits [bs, V], group) -> [n] float32
