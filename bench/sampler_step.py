@@ -14,7 +14,8 @@ before it kept the model's dtype): its extra device time is the copy. The cases 
 verdicts) over its block, warps and slices per row, device microseconds per call by CUDA events,
 beside a bare read of the logits (`amax`) for the bandwidth floor, and `thresholds.cut_floors`
 alone (top-p 0.9, top-k 50, both: the radix-select passes before the race) over its block, warps
-and slices per row, with the rows whose floor differs from the default setting's (top-k: must be
+and slices per row (and the default without skipping the blocks that hold no token under a
+pass's prefix), with the rows whose floor differs from the default setting's (top-k: must be
 none; top-p: float sums in another order, none but at a nucleus edge within rounding of top_p).
 `--sweep floors` (or `race`) runs only that half of the sweep and skips the cases.
 
@@ -152,6 +153,14 @@ def floors_sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
                                f"{thresholds.floor_slices(n, vocab)})",
                     "us": _device_us(lambda group=group: thresholds.cut_floors(logits, group),
                                      steps), "differing": 0})
+
+        def unskipped(group: RowGroup = group) -> Any:
+            return thresholds.cut_floors(logits, group, skip=False)
+
+        differing = int((unskipped() != reference).sum())
+        assert differing == 0, name  # skipped blocks add zeros: the very same sums
+        out.append({"setting": f"cut_floors {name}: default, no block skipping",
+                    "us": _device_us(unskipped, steps), "differing": differing})
         for block in (256, 512, 1024):
             for warps in (4, 8):
                 for splits in (1, 4, 8, 16, 32):

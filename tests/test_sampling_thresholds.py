@@ -126,9 +126,11 @@ def test_draws_above_the_kernels_floor_follow_the_renormalised_nucleus(device: s
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sliced_rows_give_the_one_slice_floors(device: str) -> None:
-    """Rows cut into several slices (uneven: the last one short) give the floors of one slice per
-    row and the torch reference's, on bf16 rows (many ties): top-k and min-p bit for bit (counts
-    and maxima are exact), top-p too on these rows (its float bucket sums are only reordered)."""
+    """Rows cut into several slices (uneven: the last one short), skipping blocks with no token
+    under a pass's prefix, give the floors of one slice per row without skipping (the
+    one-program kernel) and the torch reference's, on bf16 rows (many ties): top-k and min-p
+    bit for bit (counts and maxima are exact), top-p too on these rows (its float bucket sums are
+    only reordered)."""
     vocab, batch = 700, 9  # 11 blocks of 64: slices of 192 tokens, the last of 124
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).bfloat16()
@@ -137,7 +139,8 @@ def test_sliced_rows_give_the_one_slice_floors(device: str) -> None:
     positions = list(range(batch))
     group = _group(settings, vocab, batch, positions, device)
     sliced = thresholds.cut_floors(logits.to(device), group, block=64, splits=4).cpu()
-    whole = thresholds.cut_floors(logits.to(device), group, block=64, splits=1).cpu()
+    whole = thresholds.cut_floors(logits.to(device), group, block=64, splits=1,
+                                  skip=False).cpu()
     expected = thresholds.reference_floors(logits, _group(settings, vocab, batch, positions,
                                                           "cpu"))
     assert sliced.tolist() == whole.tolist() == expected.tolist()
@@ -154,10 +157,11 @@ for mass in (False, True):
     signature = {"LOGITS": "*bf16", **rows, "PREFIXES": "*i32", "FLOORS": "*fp32",
                  "BESTS": "*fp32", "PARTS": "*fp32", "vocab": "i32", "stride": "i32",
                  "chunk": "i32", "shift": "constexpr", "MASS": "constexpr",
-                 "BLOCK": "constexpr", "SPLITS": "constexpr"}
-    triton.compile(ASTSource(fn=th._digits_kernel, signature=signature, constexprs={
-        "shift": 24, "MASS": mass, "BLOCK": th.BLOCK, "SPLITS": 16}),
-        target=GPUTarget("cuda", 90, 32), options=options)
+                 "BLOCK": "constexpr", "SPLITS": "constexpr", "SKIP": "constexpr"}
+    for skip in (False, True):
+        triton.compile(ASTSource(fn=th._digits_kernel, signature=signature, constexprs={
+            "shift": 24, "MASS": mass, "BLOCK": th.BLOCK, "SPLITS": 16, "SKIP": skip}),
+            target=GPUTarget("cuda", 90, 32), options=options)
     signature = {"TOP_KS": "*i64", "TOP_PS": "*fp32", "PARTS": "*fp32", "PREFIXES": "*i32",
                  "ABOVES": "*fp32", "TARGETS": "*fp32", "FLOORS": "*fp32", "vocab": "i32",
                  "splits": "i32", "shift": "constexpr", "MASS": "constexpr",

@@ -81,23 +81,35 @@ def _load(base, start, vocab, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _slice_counts(base, start, end, prefix, shift: tl.constexpr, BLOCK: tl.constexpr):
+def _any(live, SKIP: tl.constexpr):
+    """Whether a block's update is needed: with SKIP, only if a token of it is live."""
+    if SKIP:
+        return tl.max(live.to(tl.int32), 0) > 0
+    else:
+        return True
+
+
+@triton.jit
+def _slice_counts(base, start, end, prefix, shift: tl.constexpr, BLOCK: tl.constexpr,
+                  SKIP: tl.constexpr):
     """[16] float32 counts of the tokens start:end whose image matches `prefix` above bit
-    shift + 4, by their digit at `shift` (accumulated per lane, reduced once; exact: < 2^24)."""
+    shift + 4, by their digit at `shift` (accumulated per lane, reduced once; exact: < 2^24).
+    SKIP: blocks without such a token skip the [BLOCK, 16] update (they add zeros)."""
     digits = tl.arange(0, 16)
     counts = tl.zeros([BLOCK, 16], tl.int32)
     for at in range(start, end, BLOCK):
         x, cols = _load(base, at, end, BLOCK)
         image = _image(x)
         live = (((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < end)
-        hit = (((image >> shift) & 15)[:, None] == digits[None, :]) & live[:, None]
-        counts += hit.to(tl.int32)
+        if _any(live, SKIP):
+            hit = (((image >> shift) & 15)[:, None] == digits[None, :]) & live[:, None]
+            counts += hit.to(tl.int32)
     return tl.sum(counts, 0).to(tl.float32)
 
 
 @triton.jit
 def _slice_masses(base, start, end, prefix, shift: tl.constexpr, floor, best, inv_t,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, SKIP: tl.constexpr):
     """`_slice_counts` summing e^{(x - best) / T} of the tokens x >= floor."""
     digits = tl.arange(0, 16)
     masses = tl.zeros([BLOCK, 16], tl.float32)
@@ -106,9 +118,10 @@ def _slice_masses(base, start, end, prefix, shift: tl.constexpr, floor, best, in
         image = _image(x)
         live = ((((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < end)
                 & (x >= floor))
-        mass = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
-        hit = ((image >> shift) & 15)[:, None] == digits[None, :]
-        masses += tl.where(hit, mass[:, None], 0.0)
+        if _any(live, SKIP):
+            mass = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
+            hit = ((image >> shift) & 15)[:, None] == digits[None, :]
+            masses += tl.where(hit, mass[:, None], 0.0)
     return tl.sum(masses, 0)
 
 
@@ -140,7 +153,7 @@ def _max_kernel(LOGITS, ROWS, TOP_PS, MIN_PS, BESTS, vocab, stride, chunk,
 @triton.jit
 def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, PREFIXES, FLOORS, BESTS, PARTS, vocab,
                    stride, chunk, shift: tl.constexpr, MASS: tl.constexpr,
-                   BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                   BLOCK: tl.constexpr, SPLITS: tl.constexpr, SKIP: tl.constexpr):
     """Program (i, s), one pass: row ROWS[i]'s slice s into PARTS[i, s, :16], its tokens under
     the row's prefix PREFIXES[i] by digit at `shift`: counted (rows with a top-k) or, with MASS,
     their mass above the top-k floor FLOORS[i] (rows with a top-p)."""
@@ -160,9 +173,9 @@ def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, PREFIXES, FLOORS, BESTS,
             inv_t = 1.0 / tl.load(TEMPS + i)
             best = _row_best(BESTS, i, splits, SPLITS)
             hist = _slice_masses(base, start, end, prefix, shift, tl.load(FLOORS + i), best,
-                                 inv_t, BLOCK)
+                                 inv_t, BLOCK, SKIP)
         else:
-            hist = _slice_counts(base, start, end, prefix, shift, BLOCK)
+            hist = _slice_counts(base, start, end, prefix, shift, BLOCK, SKIP)
         tl.store(PARTS + (i * splits + part) * 16 + tl.arange(0, 16), hist)
 
 
@@ -226,13 +239,14 @@ def floor_slices(rows: int, vocab: int, block: int = BLOCK) -> int:
 
 
 def cut_floors(logits: torch.Tensor, group: RowGroup, *, block: int = BLOCK,
-               warps: int = WARPS, splits: int | None = None) -> torch.Tensor:
+               warps: int = WARPS, splits: int | None = None, skip: bool = True) -> torch.Tensor:
     """[n] float32 floors of the group's rows of `logits` [bs, >= V] (float32, bfloat16 or
     float16, unit column stride; V the group's vocabulary: `group.top_ks` holds V for rows
     without top-k). -inf where nothing is cut. Each row is cut into `splits` slices of whole
     blocks of `block` tokens (default `floor_slices`), each read by its own program (`warps`
     warps); the floors do not depend on them but through the order of top-p's float sums.
-    No host sync."""
+    `skip`: passes after the first skip the blocks holding no token under the prefix (the same
+    sums). No host sync."""
     assert logits.stride(1) == 1 and logits.dtype in _BITS
     vocab, n = group.vocab_size, group.size
     floors = torch.full((n,), _NEG_INF, dtype=torch.float32, device=logits.device)
@@ -261,7 +275,7 @@ def cut_floors(logits: torch.Tensor, group: RowGroup, *, block: int = BLOCK,
             _digits_kernel[grid](
                 logits, group.rows, group.temperatures, group.top_ks, group.top_ps, prefixes,
                 floors, bests, parts, vocab, logits.stride(0), chunk, shift=shift, MASS=mass,
-                BLOCK=block, SPLITS=padded, num_warps=warps)
+                BLOCK=block, SPLITS=padded, SKIP=skip and j > 0, num_warps=warps)
             _choose_kernel[(n,)](
                 group.top_ks, group.top_ps, parts, prefixes, aboves, targets, floors, vocab,
                 splits, shift=shift, MASS=mass, FIRST=j == 0, LAST=j == passes - 1,
