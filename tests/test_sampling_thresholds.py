@@ -151,35 +151,33 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lmnb.runtime.sampling import thresholds as th
-options = {"num_warps": th.WARPS}
-rows = {"ROWS": "*i64", "TEMPS": "*fp32", "TOP_KS": "*i64", "TOP_PS": "*fp32"}
+target = GPUTarget("cuda", 90, 32)
+state = {"PARTS": "*fp32", "PREFIXES": "*i32", "ABOVES": "*fp32", "TARGETS": "*fp32"}
 for mass in (False, True):
-    signature = {"LOGITS": "*bf16", **rows, "PREFIXES": "*i32", "FLOORS": "*fp32",
-                 "BESTS": "*fp32", "PARTS": "*fp32", "vocab": "i32", "stride": "i32",
-                 "chunk": "i32", "shift": "constexpr", "MASS": "constexpr",
-                 "BLOCK": "constexpr", "SPLITS": "constexpr", "SKIP": "constexpr"}
-    for skip in (False, True):
+    signature = {"LOGITS": "*bf16", "ROWS": "*i64", "TEMPS": "*fp32", "TOP_KS": "*i64",
+                 "TOP_PS": "*fp32", "FLOORS": "*fp32", "BESTS": "*fp32",
+                 **{name + "_IN": kind for name, kind in state.items()}, **state,
+                 "vocab": "i32", "stride": "i32", "chunk": "i32"}
+    signature.update(dict.fromkeys(("shift", "MASS", "FIRST", "SECOND", "BLOCK", "SPLITS",
+                                    "SKIP"), "constexpr"))
+    for first, second in ((True, False), (False, True), (False, False)):
         triton.compile(ASTSource(fn=th._digits_kernel, signature=signature, constexprs={
-            "shift": 24, "MASS": mass, "BLOCK": th.BLOCK, "SPLITS": 16, "SKIP": skip}),
-            target=GPUTarget("cuda", 90, 32), options=options)
-    signature = {"TOP_KS": "*i64", "TOP_PS": "*fp32", "PARTS": "*fp32", "PREFIXES": "*i32",
-                 "ABOVES": "*fp32", "TARGETS": "*fp32", "FLOORS": "*fp32", "vocab": "i32",
-                 "splits": "i32", "shift": "constexpr", "MASS": "constexpr",
-                 "FIRST": "constexpr", "LAST": "constexpr", "PASSES": "constexpr",
+            "shift": 20, "MASS": mass, "FIRST": first, "SECOND": second, "BLOCK": th.BLOCK,
+            "SPLITS": 16, "SKIP": not first}), target=target, options={"num_warps": th.WARPS})
+    signature = {"TOP_KS": "*i64", "TOP_PS": "*fp32", **state, "FLOORS": "*fp32",
+                 "vocab": "i32", "splits": "i32", "MASS": "constexpr", "PASSES": "constexpr",
                  "SPLITS": "constexpr"}
-    for first, last in ((True, False), (False, True)):
-        triton.compile(ASTSource(fn=th._choose_kernel, signature=signature, constexprs={
-            "shift": 28, "MASS": mass, "FIRST": first, "LAST": last, "PASSES": 4,
-            "SPLITS": 16}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    triton.compile(ASTSource(fn=th._last_kernel, signature=signature, constexprs={
+        "MASS": mass, "PASSES": 4, "SPLITS": 16}), target=target, options={"num_warps": 1})
 signature = {"LOGITS": "*bf16", "ROWS": "*i64", "TOP_PS": "*fp32", "MIN_PS": "*fp32",
              "BESTS": "*fp32", "vocab": "i32", "stride": "i32", "chunk": "i32",
              "BLOCK": "constexpr"}
 triton.compile(ASTSource(fn=th._max_kernel, signature=signature, constexprs={
-    "BLOCK": th.BLOCK}), target=GPUTarget("cuda", 90, 32), options=options)
+    "BLOCK": th.BLOCK}), target=target, options={"num_warps": th.WARPS})
 signature = {"TEMPS": "*fp32", "MIN_PS": "*fp32", "BESTS": "*fp32", "FLOORS": "*fp32",
              "splits": "i32", "SPLITS": "constexpr"}
 triton.compile(ASTSource(fn=th._finish_kernel, signature=signature, constexprs={
-    "SPLITS": 16}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    "SPLITS": 16}), target=target, options={"num_warps": 1})
 print("compiled")
 """
 

@@ -18,13 +18,14 @@ under the prefix found so far in 16 digit buckets, then takes the largest digit 
 those above it reach k (or top_p of the row's mass). bf16 rows need 4 passes (their image has
 16 significant bits), fp16 5, fp32 8, plus a max pass when top-p or min-p is on. Each row is
 cut into slices of whole blocks (as `race.sample_rows` does): a pass is one launch of a program per
-(row, slice) storing its 16 bucket counts / masses, then one of a program per row that sums its
-slices' buckets and picks the digit; no host sync. Counts are exact, so top-k and min-p floors do
-not depend on the slicing; top-p's bucket masses are float sums whose order does, so a top-p floor
-can differ only where the mass ranked above the nucleus' edge is within rounding of top_p (the
-target is top_p times the sum of the first pass's buckets, as before; with one slice per row the
-sums are the one-program kernel's, bit for bit). `reference_floors` is the same rule in
-torch ops (sorts a window of each row's best logits: the CPU's path and the kernel's reference).
+(row, slice) that sums the previous pass's buckets of its row's slices, picks that pass's digit
+and stores its slice's 16 bucket counts / masses (by pass parity), a last small launch picks the
+last digit; no host sync. Counts are exact, so top-k and min-p floors do not depend on the
+slicing; top-p's bucket masses are float sums whose order does, so a top-p floor can differ only
+where the mass ranked above the nucleus' edge is within rounding of top_p (the target is top_p
+times the sum of the first pass's buckets, as before; with one slice per row the sums are the
+one-program kernel's, bit for bit). `reference_floors` is the same rule in torch ops (sorts a
+window of each row's best logits: the CPU's path and the kernel's reference).
 
     cut_floors(logits [bs, V], group) -> [n] float32
     reference_floors(logits [n, V] (the group's rows), group) -> [n] float32
@@ -151,22 +152,67 @@ def _max_kernel(LOGITS, ROWS, TOP_PS, MIN_PS, BESTS, vocab, stride, chunk,
 
 
 @triton.jit
-def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, PREFIXES, FLOORS, BESTS, PARTS, vocab,
-                   stride, chunk, shift: tl.constexpr, MASS: tl.constexpr,
-                   BLOCK: tl.constexpr, SPLITS: tl.constexpr, SKIP: tl.constexpr):
-    """Program (i, s), one pass: row ROWS[i]'s slice s into PARTS[i, s, :16], its tokens under
-    the row's prefix PREFIXES[i] by digit at `shift`: counted (rows with a top-k) or, with MASS,
-    their mass above the top-k floor FLOORS[i] (rows with a top-p)."""
+def _next_prefix(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, i, splits,
+                 shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """Row i after a pass: (prefix, above, target) with its digit at `shift` picked from its
+    slices' buckets PARTS[i, :splits, :16] (the largest digit whose bucket and those above reach
+    the target: k, or top_p of the first pass's mass), from the pass's PREFIXES / ABOVES /
+    TARGETS[i] (FIRST: 0, 0 and the target)."""
+    slices = tl.arange(0, SPLITS)[:, None]
+    digits = tl.arange(0, 16)[None, :]
+    hist = tl.sum(tl.load(PARTS + (i * splits + slices) * 16 + digits,
+                          mask=(slices < splits) & (digits < 16), other=0.0), 0)
+    if FIRST:
+        prefix = tl.full([], 0, tl.uint32)
+        above = tl.full([], 0.0, tl.float32)
+        if MASS:
+            target = tl.load(TOP_PS + i) * tl.sum(hist, 0)
+        else:
+            target = tl.load(TOP_KS + i).to(tl.float32)
+    else:
+        prefix = tl.load(PREFIXES + i).to(tl.uint32, bitcast=True)
+        above = tl.load(ABOVES + i)
+        target = tl.load(TARGETS + i)
+    digit, above = _pick(hist, above, target)
+    return prefix | (digit.to(tl.uint32) << shift), above, target
+
+
+@triton.jit
+def _active(TOP_KS, TOP_PS, i, vocab, MASS: tl.constexpr):
+    """Whether row i takes part in the top-p (MASS) or the top-k passes."""
+    if MASS:
+        return tl.load(TOP_PS + i) < 1.0
+    else:
+        return tl.load(TOP_KS + i) < vocab
+
+
+@triton.jit
+def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, FLOORS, BESTS, PARTS_IN, PREFIXES_IN,
+                   ABOVES_IN, TARGETS_IN, PARTS, PREFIXES, ABOVES, TARGETS, vocab, stride, chunk,
+                   shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
+                   SECOND: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                   SKIP: tl.constexpr):
+    """Program (i, s), one pass: row ROWS[i]'s prefix from the previous pass (its buckets
+    PARTS_IN and state *_IN: `_next_prefix`, stored by slice 0 into PREFIXES / ABOVES / TARGETS;
+    FIRST: the empty prefix), then slice s's tokens under it by digit at `shift` into
+    PARTS[i, s, :16]: counted (rows with a top-k) or, with MASS, their mass above the top-k floor
+    FLOORS[i] (rows with a top-p)."""
     i = tl.program_id(0)
     part = tl.program_id(1)
     splits = tl.num_programs(1)
-    if MASS:
-        active = tl.load(TOP_PS + i) < 1.0
-    else:
-        active = tl.load(TOP_KS + i) < vocab
-    if active:
+    if _active(TOP_KS, TOP_PS, i, vocab, MASS):
+        if FIRST:
+            prefix = tl.full([], 0, tl.uint32)
+        else:
+            prefix, above, target = _next_prefix(TOP_KS, TOP_PS, PARTS_IN, PREFIXES_IN,
+                                                 ABOVES_IN, TARGETS_IN, i, splits, shift + 4,
+                                                 MASS, SECOND, SPLITS)
+            if part == 0:
+                tl.store(PREFIXES + i, prefix.to(tl.int32, bitcast=True))
+                tl.store(ABOVES + i, above)
+                tl.store(TARGETS + i, target)
         base = LOGITS + tl.load(ROWS + i).to(tl.int64) * stride
-        prefix = tl.load(PREFIXES + i).to(tl.uint32, bitcast=True)
         start = part * chunk
         end = tl.minimum(start + chunk, vocab)
         if MASS:
@@ -180,44 +226,18 @@ def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, PREFIXES, FLOORS, BESTS,
 
 
 @triton.jit
-def _choose_kernel(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, FLOORS, vocab, splits,
-                   shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
-                   LAST: tl.constexpr, PASSES: tl.constexpr, SPLITS: tl.constexpr):
-    """Program i, one pass: row i's digit at `shift` from its slices' PARTS[i, :splits, :16]
-    (the largest whose bucket and those above reach the target: k, or top_p of the mass of the
-    first pass), appended to PREFIXES[i]; after the last pass the floor into FLOORS[i]."""
+def _last_kernel(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, FLOORS, vocab, splits,
+                 MASS: tl.constexpr, PASSES: tl.constexpr, SPLITS: tl.constexpr):
+    """Program i: row i's last digit (`_next_prefix`), its floor into FLOORS[i] (with MASS: the
+    larger of it and the top-k floor there)."""
     i = tl.program_id(0)
-    if MASS:
-        active = tl.load(TOP_PS + i) < 1.0
-    else:
-        active = tl.load(TOP_KS + i) < vocab
-    if active:
-        slices = tl.arange(0, SPLITS)[:, None]
-        digits = tl.arange(0, 16)[None, :]
-        hist = tl.sum(tl.load(PARTS + (i * splits + slices) * 16 + digits,
-                              mask=(slices < splits) & (digits < 16), other=0.0), 0)
-        if FIRST:
-            prefix = tl.full([], 0, tl.uint32)
-            above = tl.full([], 0.0, tl.float32)
-            if MASS:
-                target = tl.load(TOP_PS + i) * tl.sum(hist, 0)
-            else:
-                target = tl.load(TOP_KS + i).to(tl.float32)
-        else:
-            prefix = tl.load(PREFIXES + i).to(tl.uint32, bitcast=True)
-            above = tl.load(ABOVES + i)
-            target = tl.load(TARGETS + i)
-        digit, above = _pick(hist, above, target)
-        prefix = prefix | (digit.to(tl.uint32) << shift)
-        if LAST:
-            value = _value(prefix, PASSES)
-            if MASS:
-                value = tl.maximum(tl.load(FLOORS + i), value)
-            tl.store(FLOORS + i, value)
-        else:
-            tl.store(PREFIXES + i, prefix.to(tl.int32, bitcast=True))
-            tl.store(ABOVES + i, above)
-            tl.store(TARGETS + i, target)
+    if _active(TOP_KS, TOP_PS, i, vocab, MASS):
+        prefix, _, _ = _next_prefix(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, i, splits,
+                                    32 - 4 * PASSES, MASS, False, SPLITS)
+        value = _value(prefix, PASSES)
+        if MASS:
+            value = tl.maximum(tl.load(FLOORS + i), value)
+        tl.store(FLOORS + i, value)
 
 
 @triton.jit
@@ -258,10 +278,10 @@ def cut_floors(logits: torch.Tensor, group: RowGroup, *, block: int = BLOCK,
     passes = triton.cdiv(_BITS[logits.dtype], 4)
     device = logits.device
     bests = torch.empty((n, splits), dtype=torch.float32, device=device)
-    parts = torch.empty((n, splits, 16), dtype=torch.float32, device=device)
-    prefixes = torch.empty(n, dtype=torch.int32, device=device)
-    aboves = torch.empty(n, dtype=torch.float32, device=device)
-    targets = torch.empty(n, dtype=torch.float32, device=device)
+    parts = torch.empty((2, n, splits, 16), dtype=torch.float32, device=device)  # by pass parity
+    prefixes = torch.empty((2, n), dtype=torch.int32, device=device)
+    aboves = torch.empty((2, n), dtype=torch.float32, device=device)
+    targets = torch.empty((2, n), dtype=torch.float32, device=device)
     padded = max(2, triton.next_power_of_2(splits))
     grid = (n, splits)
     if group.any_top_p or group.any_min_p:
@@ -271,15 +291,17 @@ def cut_floors(logits: torch.Tensor, group: RowGroup, *, block: int = BLOCK,
         if not (group.any_top_p if mass else group.max_cut_k):
             continue
         for j in range(passes):
-            shift = 28 - 4 * j
+            now, before = j % 2, (j + 1) % 2
             _digits_kernel[grid](
-                logits, group.rows, group.temperatures, group.top_ks, group.top_ps, prefixes,
-                floors, bests, parts, vocab, logits.stride(0), chunk, shift=shift, MASS=mass,
-                BLOCK=block, SPLITS=padded, SKIP=skip and j > 0, num_warps=warps)
-            _choose_kernel[(n,)](
-                group.top_ks, group.top_ps, parts, prefixes, aboves, targets, floors, vocab,
-                splits, shift=shift, MASS=mass, FIRST=j == 0, LAST=j == passes - 1,
-                PASSES=passes, SPLITS=padded, num_warps=1)
+                logits, group.rows, group.temperatures, group.top_ks, group.top_ps, floors,
+                bests, parts[before], prefixes[before], aboves[before], targets[before],
+                parts[now], prefixes[now], aboves[now], targets[now], vocab, logits.stride(0),
+                chunk, shift=28 - 4 * j, MASS=mass, FIRST=j == 0, SECOND=j == 1, BLOCK=block,
+                SPLITS=padded, SKIP=skip and j > 0, num_warps=warps)
+        last = (passes - 1) % 2
+        _last_kernel[(n,)](group.top_ks, group.top_ps, parts[last], prefixes[last],
+                           aboves[last], targets[last], floors, vocab, splits, MASS=mass,
+                           PASSES=passes, SPLITS=padded, num_warps=1)
     _finish_kernel[(n,)](group.temperatures, group.min_ps, bests, floors, splits,
                          SPLITS=padded, num_warps=1)
     return floors
