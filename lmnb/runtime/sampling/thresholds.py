@@ -282,7 +282,7 @@ def cut_floors(logits: torch.Tensor, group: RowGroup, *, block: int = BLOCK,
     prefixes = torch.empty((2, n), dtype=torch.int32, device=device)
     aboves = torch.empty((2, n), dtype=torch.float32, device=device)
     targets = torch.empty((2, n), dtype=torch.float32, device=device)
-    padded = max(2, triton.next_power_of_2(splits))
+    padded = max(16, triton.next_power_of_2(splits))  # one compile up to 16 slices
     grid = (n, splits)
     if group.any_top_p or group.any_min_p:
         _max_kernel[grid](logits, group.rows, group.top_ps, group.min_ps, bests, vocab,
