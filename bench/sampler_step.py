@@ -13,11 +13,15 @@ before it kept the model's dtype): its extra device time is the copy. The cases 
 `--sweep` times `race.sample_rows` alone (the one read of every row: draws, greedy ids,
 verdicts) over its block, warps and slices per row, device microseconds per call by CUDA events,
 beside a bare read of the logits (`amax`) for the bandwidth floor, and `thresholds.cut_floors`
-alone (top-p 0.9, top-k 50, both: the radix-select passes before the race) over its block and
-warps.
+alone (top-p 0.9, top-k 50, both: the radix-select passes before the race) over its block, warps
+and slices per row (and the default without skipping the blocks that hold no token under a
+pass's prefix), with the rows whose floor differs from the default setting's (top-k: must be
+none; top-p: float sums in another order, none but at a nucleus edge within rounding of top_p).
+`--sweep floors` (or `race`) runs only that half of the sweep and skips the cases.
 
     python bench/sampler_step.py --upcast                 # bf16 and fp32-copy rows
-    python bench/sampler_step.py --sweep                  # the kernel's launch settings
+    python bench/sampler_step.py --sweep                  # the kernels' launch settings
+    python bench/sampler_step.py --sweep floors           # cut_floors' settings only
     python bench/sampler_step.py --batch 64 --steps 100
 """
 
@@ -114,11 +118,8 @@ def sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
     floors = torch.full((n,), float("-inf"), device="cuda")
     seeds = torch.randint(race.SEED_BOUND, (n,), device="cuda")
     reference = race.sample_rows(logits, rows, temps, floors, seeds)
-    out = [{"setting": "amax (a bare read)",
-            "us": _device_us(lambda: logits.amax(dim=-1), steps)},
-           {"setting": "default", "us": _device_us(
-               lambda: race.sample_rows(logits, rows, temps, floors, seeds), steps)}]
-    out.extend(floors_sweep(logits, steps))
+    out = [{"setting": "sample_rows default", "us": _device_us(
+        lambda: race.sample_rows(logits, rows, temps, floors, seeds), steps)}]
     for block in (1024, 2048, 4096):
         for warps in (4, 8):
             for splits in (1, 2, 4, 8, 16):
@@ -127,14 +128,16 @@ def sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
                                             block=block, warps=warps)
 
                 assert torch.equal(call(), reference), (block, warps, splits)
-                out.append({"setting": f"block {block} warps {warps} splits {splits}",
+                out.append({"setting": f"sample_rows block {block} warps {warps} splits {splits}",
                             "us": _device_us(call, steps)})
     return out
 
 
 def floors_sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
-    """`thresholds.cut_floors` over every row (T 0.6) per filter and launch setting; the floors
-    must not change with the setting."""
+    """`thresholds.cut_floors` over every row (T 0.6) per filter and launch setting (block, warps,
+    slices per row), with the rows whose floor differs from the default setting's: none for
+    top-k (exact counts); top-p's float sums are reordered, so a differing row is reported, not
+    fatal."""
     from lmnb.runtime.sampling import thresholds
     from lmnb.runtime.sampling.batch_info import RowGroup
 
@@ -145,14 +148,32 @@ def floors_sweep(logits: torch.Tensor, steps: int) -> list[dict[str, Any]]:
         group = RowGroup(list(range(n)), [SamplingParams(temperature=0.6, **params)] * n, vocab,
                          n, torch.device("cuda"))
         reference = thresholds.cut_floors(logits, group)
-        for block in (256, 512, 1024):
-            for warps in (4, 8, 16):
-                def call(block: int = block, warps: int = warps, group: RowGroup = group) -> Any:
-                    return thresholds.cut_floors(logits, group, block=block, warps=warps)
+        out.append({"setting": f"cut_floors {name}: default (block {thresholds.BLOCK} warps "
+                               f"{thresholds.WARPS} splits "
+                               f"{thresholds.floor_slices(n, vocab)})",
+                    "us": _device_us(lambda group=group: thresholds.cut_floors(logits, group),
+                                     steps), "differing": 0})
 
-                assert torch.equal(call(), reference), (name, block, warps)
-                out.append({"setting": f"cut_floors {name}: block {block} warps {warps}",
-                            "us": _device_us(call, steps)})
+        def unskipped(group: RowGroup = group) -> Any:
+            return thresholds.cut_floors(logits, group, skip=False)
+
+        differing = int((unskipped() != reference).sum())
+        assert differing == 0, name  # skipped blocks add zeros: the very same sums
+        out.append({"setting": f"cut_floors {name}: default, no block skipping",
+                    "us": _device_us(unskipped, steps), "differing": differing})
+        for block in (256, 512, 1024):
+            for warps in (4, 8):
+                for splits in (1, 4, 8, 16, 32):
+                    def call(block: int = block, warps: int = warps, splits: int = splits,
+                             group: RowGroup = group) -> Any:
+                        return thresholds.cut_floors(logits, group, block=block, warps=warps,
+                                                     splits=splits)
+
+                    differing = int((call() != reference).sum())
+                    assert differing == 0 or "top_p" in name, (name, block, warps, splits)
+                    out.append({"setting": f"cut_floors {name}: block {block} warps {warps} "
+                                           f"splits {splits}",
+                                "us": _device_us(call, steps), "differing": differing})
     return out
 
 
@@ -164,8 +185,9 @@ def main() -> None:
     parser.add_argument("--upcast", action="store_true",
                         help="also each case with the logits copied to fp32 in the step")
     parser.add_argument("--top-kernels", type=int, default=6)
-    parser.add_argument("--sweep", action="store_true",
-                        help="also race.sample_rows alone over its launch settings")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "race", "floors"),
+                        help="the kernels alone over their launch settings (race / floors: only "
+                             "that kernel's, without the cases)")
     parser.add_argument("--out", default=str(RESULTS_DIR / "sampler_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -176,7 +198,7 @@ def main() -> None:
     cases = [(name, params, 0) for name, params in CASES.items()]
     cases.append((LOGPROB_CASE, CASES["t0.6"], 5))
     results, table = [], []
-    for name, params, top in cases:
+    for name, params, top in cases if args.sweep in (None, "all") else []:
         for upcast in (False, True) if args.upcast else (False,):
             got = measure(sampler, logits, _rows(args.batch, params, top), upcast=upcast,
                           steps=args.steps)
@@ -188,12 +210,21 @@ def main() -> None:
                 f"{k['name'][:48]} {k['us']:.1f} us" for k in got["kernels"][:args.top_kernels]),
                 flush=True)
     print(f"\nbatch {args.batch}, vocabulary {args.vocab:,}, {args.steps} steps per case")
-    print(format_table(["case", "logits", "ms/step (wall)", "device us/step", "kernels/step"],
-                       table))
-    settings = sweep(logits, args.steps) if args.sweep else []
+    if table:
+        print(format_table(["case", "logits", "ms/step (wall)", "device us/step",
+                            "kernels/step"], table))
+    settings = []
+    if args.sweep:
+        settings.append({"setting": "amax (a bare read)",
+                         "us": _device_us(lambda: logits.amax(dim=-1), args.steps)})
+    if args.sweep in ("all", "race"):
+        settings.extend(sweep(logits, args.steps))
+    if args.sweep in ("all", "floors"):
+        settings.extend(floors_sweep(logits, args.steps))
     if settings:
-        print(format_table(["race.sample_rows, bf16, T 0.6", "device us/call"],
-                           [[row["setting"], row["us"]] for row in settings]))
+        print(format_table(["kernel alone, bf16, T 0.6", "device us/call", "rows differing"],
+                           [[row["setting"], row["us"], row.get("differing")]
+                            for row in settings]))
     path = write_json(args.out, {"environment": environment("cuda"), "args": vars(args),
                                  "results": results, "sweep": settings})
     print(f"wrote {path}")

@@ -124,20 +124,63 @@ def test_draws_above_the_kernels_floor_follow_the_renormalised_nucleus(device: s
     assert chi2 < 16.3  # 3 degrees of freedom (4 kept tokens), p = 0.001
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sliced_rows_give_the_one_slice_floors(device: str) -> None:
+    """Rows cut into several slices (uneven: the last one short), skipping blocks with no token
+    under a pass's prefix, give the floors of one slice per row without skipping (the
+    one-program kernel) and the torch reference's, on bf16 rows (many ties): top-k and min-p
+    bit for bit (counts and maxima are exact), top-p too on these rows (its float bucket sums are
+    only reordered)."""
+    vocab, batch = 700, 9  # 11 blocks of 64: slices of 192 tokens, the last of 124
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).bfloat16()
+    logits[2, 570:] = float("-inf")  # the last slice of a row holds no finite logit
+    settings = _SETTINGS + [(1.0, 600, 0.99, 0.0)]
+    positions = list(range(batch))
+    group = _group(settings, vocab, batch, positions, device)
+    sliced = thresholds.cut_floors(logits.to(device), group, block=64, splits=4).cpu()
+    whole = thresholds.cut_floors(logits.to(device), group, block=64, splits=1,
+                                  skip=False).cpu()
+    expected = thresholds.reference_floors(logits, _group(settings, vocab, batch, positions,
+                                                          "cpu"))
+    assert sliced.tolist() == whole.tolist() == expected.tolist()
+
+
 _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lmnb.runtime.sampling import thresholds
-signature = {"LOGITS": "*bf16", "ROWS": "*i64", "TEMPS": "*fp32", "TOP_KS": "*i64",
-             "TOP_PS": "*fp32", "MIN_PS": "*fp32", "FLOORS": "*fp32", "vocab": "i32",
-             "stride": "i32", "PASSES": "constexpr", "BLOCK": "constexpr"}
-triton.compile(ASTSource(fn=thresholds._floors_kernel, signature=signature,
-                         constexprs={"PASSES": 4, "BLOCK": thresholds.BLOCK}),
-               target=GPUTarget("cuda", 90, 32), options={"num_warps": thresholds.WARPS})
+from lmnb.runtime.sampling import thresholds as th
+target = GPUTarget("cuda", 90, 32)
+state = {"PARTS": "*fp32", "PREFIXES": "*i32", "ABOVES": "*fp32", "TARGETS": "*fp32"}
+for mass in (False, True):
+    signature = {"LOGITS": "*bf16", "ROWS": "*i64", "TEMPS": "*fp32", "TOP_KS": "*i64",
+                 "TOP_PS": "*fp32", "FLOORS": "*fp32", "BESTS": "*fp32",
+                 **{name + "_IN": kind for name, kind in state.items()}, **state,
+                 "vocab": "i32", "stride": "i32", "chunk": "i32"}
+    signature.update(dict.fromkeys(("shift", "MASS", "FIRST", "SECOND", "BLOCK", "SPLITS",
+                                    "SKIP"), "constexpr"))
+    for first, second in ((True, False), (False, True), (False, False)):
+        triton.compile(ASTSource(fn=th._digits_kernel, signature=signature, constexprs={
+            "shift": 20, "MASS": mass, "FIRST": first, "SECOND": second, "BLOCK": th.BLOCK,
+            "SPLITS": 16, "SKIP": not first}), target=target, options={"num_warps": th.WARPS})
+    signature = {"TOP_KS": "*i64", "TOP_PS": "*fp32", **state, "FLOORS": "*fp32",
+                 "vocab": "i32", "splits": "i32", "MASS": "constexpr", "PASSES": "constexpr",
+                 "SPLITS": "constexpr"}
+    triton.compile(ASTSource(fn=th._last_kernel, signature=signature, constexprs={
+        "MASS": mass, "PASSES": 4, "SPLITS": 16}), target=target, options={"num_warps": 1})
+signature = {"LOGITS": "*bf16", "ROWS": "*i64", "TOP_PS": "*fp32", "MIN_PS": "*fp32",
+             "BESTS": "*fp32", "vocab": "i32", "stride": "i32", "chunk": "i32",
+             "BLOCK": "constexpr"}
+triton.compile(ASTSource(fn=th._max_kernel, signature=signature, constexprs={
+    "BLOCK": th.BLOCK}), target=target, options={"num_warps": th.WARPS})
+signature = {"TEMPS": "*fp32", "MIN_PS": "*fp32", "BESTS": "*fp32", "FLOORS": "*fp32",
+             "splits": "i32", "SPLITS": "constexpr"}
+triton.compile(ASTSource(fn=th._finish_kernel, signature=signature, constexprs={
+    "SPLITS": 16}), target=target, options={"num_warps": 1})
 print("compiled")
 """
 
 
-def test_floors_kernel_compiles_for_a_hopper_gpu() -> None:
+def test_floors_kernels_compile_for_a_hopper_gpu() -> None:
     assert_compiles_for_sm90(_COMPILE)

@@ -181,7 +181,8 @@ def test_cut_floors_at_llama3_vocabulary_are_the_sort_based_ones(dtype: torch.dt
     """The radix-select kernel at 128,256 tokens, compiled: top-k floors are the k-th logit
     exactly (torch's topk), min-p's best + T log(min_p), top-p's kept set is the float64
     sort-based nucleus (ties at the edge all kept) unless the nucleus' mass lies within float
-    rounding of top_p, and the floors are the torch reference's."""
+    rounding of top_p, and the floors are the torch reference's and (top-p edges aside) those
+    of one program per row."""
     from lmnb.runtime.sampling import thresholds
     from lmnb.runtime.sampling.batch_info import RowGroup
 
@@ -200,6 +201,10 @@ def test_cut_floors_at_llama3_vocabulary_are_the_sort_based_ones(dtype: torch.dt
         floors = thresholds.cut_floors(logits, group)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    whole = thresholds.cut_floors(logits, group, splits=1, skip=False).cpu()  # as one kernel
+    exact = [row for row, (_, _, p) in enumerate(settings) if p >= 1.0]  # counts and maxima
+    assert torch.equal(whole[exact], floors.cpu()[exact])
+    assert int((whole != floors.cpu()).sum()) <= 2  # top-p sums reordered: edges at most
     x = logits[:, :LLAMA3_VOCAB].float().cpu()
     reference = thresholds.reference_floors(x, RowGroup(list(range(n)), params, LLAMA3_VOCAB, n,
                                                         torch.device("cpu")))

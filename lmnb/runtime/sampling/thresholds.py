@@ -16,9 +16,16 @@ over the order-preserving uint32 image of each fp32 (or upcast bf16 / fp16) logi
 pass, each pass one read of the row that counts (top-k) or sums the mass (top-p) of the tokens
 under the prefix found so far in 16 digit buckets, then takes the largest digit whose bucket and
 those above it reach k (or top_p of the row's mass). bf16 rows need 4 passes (their image has
-16 significant bits), fp16 5, fp32 8, plus a max pass when top-p or min-p is on. One program per
-row, one launch for the batch, no host sync. `reference_floors` is the same rule in torch ops
-(sorts a window of each row's best logits: the CPU's path and the kernel's reference).
+16 significant bits), fp16 5, fp32 8, plus a max pass when top-p or min-p is on. Each row is
+cut into slices of whole blocks (as `race.sample_rows` does): a pass is one launch of a program per
+(row, slice) that sums the previous pass's buckets of its row's slices, picks that pass's digit
+and stores its slice's 16 bucket counts / masses (by pass parity), a last small launch picks the
+last digit; no host sync. Counts are exact, so top-k and min-p floors do not depend on the
+slicing; top-p's bucket masses are float sums whose order does, so a top-p floor can differ only
+where the mass ranked above the nucleus' edge is within rounding of top_p (the target is top_p
+times the sum of the first pass's buckets, as before; with one slice per row the sums are the
+one-program kernel's, bit for bit). `reference_floors` is the same rule in torch ops (sorts a
+window of each row's best logits: the CPU's path and the kernel's reference).
 
     cut_floors(logits [bs, V], group) -> [n] float32
     reference_floors(logits [n, V] (the group's rows), group) -> [n] float32
@@ -37,6 +44,8 @@ FIRST_WINDOW = 64  # best logits the torch version sorts first (grows x8 until t
 _BITS = {torch.float32: 32, torch.float16: 20, torch.bfloat16: 16}  # significant image bits
 BLOCK = 512  # tokens per step; a program holds [BLOCK, 16] digit sums
 WARPS = 8
+_PROGRAMS = 2048  # (row, slice) programs a launch aims at (enough to fill an H100's SMs)
+_MIN_BLOCKS = 4  # blocks a slice holds at least
 
 
 @triton.jit
@@ -73,93 +82,228 @@ def _load(base, start, vocab, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _digit_counts(base, vocab, prefix, shift: tl.constexpr, BLOCK: tl.constexpr):
-    """[16] counts of the row's tokens whose image matches `prefix` above bit shift + 4, by their
-    digit at `shift` (accumulated per lane, reduced once)."""
-    digits = tl.arange(0, 16)
-    counts = tl.zeros([BLOCK, 16], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        x, cols = _load(base, start, vocab, BLOCK)
-        image = _image(x)
-        live = (((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < vocab)
-        hit = (((image >> shift) & 15)[:, None] == digits[None, :]) & live[:, None]
-        counts += hit.to(tl.int32)
-    return tl.sum(counts, 0)
+def _any(live, SKIP: tl.constexpr):
+    """Whether a block's update is needed: with SKIP, only if a token of it is live."""
+    if SKIP:
+        return tl.max(live.to(tl.int32), 0) > 0
+    else:
+        return True
 
 
 @triton.jit
-def _digit_masses(base, vocab, prefix, shift: tl.constexpr, floor, best, inv_t,
-                  BLOCK: tl.constexpr):
-    """`_digit_counts` summing e^{(x - best) / T} of the tokens x >= floor."""
+def _slice_counts(base, start, end, prefix, shift: tl.constexpr, BLOCK: tl.constexpr,
+                  SKIP: tl.constexpr):
+    """[16] float32 counts of the tokens start:end whose image matches `prefix` above bit
+    shift + 4, by their digit at `shift` (accumulated per lane, reduced once; exact: < 2^24).
+    SKIP: blocks without such a token skip the [BLOCK, 16] update (they add zeros)."""
+    digits = tl.arange(0, 16)
+    counts = tl.zeros([BLOCK, 16], tl.int32)
+    for at in range(start, end, BLOCK):
+        x, cols = _load(base, at, end, BLOCK)
+        image = _image(x)
+        live = (((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < end)
+        if _any(live, SKIP):
+            hit = (((image >> shift) & 15)[:, None] == digits[None, :]) & live[:, None]
+            counts += hit.to(tl.int32)
+    return tl.sum(counts, 0).to(tl.float32)
+
+
+@triton.jit
+def _slice_masses(base, start, end, prefix, shift: tl.constexpr, floor, best, inv_t,
+                  BLOCK: tl.constexpr, SKIP: tl.constexpr):
+    """`_slice_counts` summing e^{(x - best) / T} of the tokens x >= floor."""
     digits = tl.arange(0, 16)
     masses = tl.zeros([BLOCK, 16], tl.float32)
-    for start in range(0, vocab, BLOCK):
-        x, cols = _load(base, start, vocab, BLOCK)
+    for at in range(start, end, BLOCK):
+        x, cols = _load(base, at, end, BLOCK)
         image = _image(x)
-        live = ((((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < vocab)
+        live = ((((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < end)
                 & (x >= floor))
-        mass = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
-        hit = ((image >> shift) & 15)[:, None] == digits[None, :]
-        masses += tl.where(hit, mass[:, None], 0.0)
+        if _any(live, SKIP):
+            mass = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
+            hit = ((image >> shift) & 15)[:, None] == digits[None, :]
+            masses += tl.where(hit, mass[:, None], 0.0)
     return tl.sum(masses, 0)
 
 
 @triton.jit
-def _floors_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, MIN_PS, FLOORS, vocab, stride,
-                   PASSES: tl.constexpr, BLOCK: tl.constexpr):
-    """Program i: the floor of row ROWS[i] (see the module's docstring) into FLOORS[i]."""
+def _row_best(BESTS, i, splits, SPLITS: tl.constexpr):
+    """Row i's largest logit from its slices' maxima BESTS[i, :splits]."""
+    slices = tl.arange(0, SPLITS)
+    return tl.max(tl.load(BESTS + i * splits + slices, mask=slices < splits,
+                          other=float("-inf")), 0)
+
+
+@triton.jit
+def _max_kernel(LOGITS, ROWS, TOP_PS, MIN_PS, BESTS, vocab, stride, chunk,
+                BLOCK: tl.constexpr):
+    """Program (i, s): the largest logit of row ROWS[i]'s slice s into BESTS[i, s] (rows with a
+    top-p or a min-p)."""
     i = tl.program_id(0)
-    base = LOGITS + tl.load(ROWS + i).to(tl.int64) * stride
-    k = tl.load(TOP_KS + i).to(tl.int32)
-    p = tl.load(TOP_PS + i)
-    min_p = tl.load(MIN_PS + i)
-    temperature = tl.load(TEMPS + i)
-    inv_t = 1.0 / temperature
-    floor = tl.full([], float("-inf"), tl.float32)
-    best = tl.full([], float("-inf"), tl.float32)
-    if (p < 1.0) | (min_p > 0.0):
+    part = tl.program_id(1)
+    if (tl.load(TOP_PS + i) < 1.0) | (tl.load(MIN_PS + i) > 0.0):
+        base = LOGITS + tl.load(ROWS + i).to(tl.int64) * stride
+        end = tl.minimum((part + 1) * chunk, vocab)
         top = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, vocab, BLOCK):
-            x, _ = _load(base, start, vocab, BLOCK)
+        for start in range(part * chunk, end, BLOCK):
+            x, _ = _load(base, start, end, BLOCK)
             top = tl.maximum(top, x)
-        best = tl.max(top, 0)
-    if k < vocab:  # t_k: the largest t with count(x >= t) >= k
-        prefix = tl.full([], 0, tl.uint32)
-        above = tl.full([], 0, tl.int32)
-        for j in tl.static_range(PASSES):
-            counts = _digit_counts(base, vocab, prefix, 28 - 4 * j, BLOCK)
-            digit, above = _pick(counts, above, k)
-            prefix = prefix | (digit.to(tl.uint32) << (28 - 4 * j))
-        floor = _value(prefix, PASSES)
-    if p < 1.0:  # t_p: the largest t with mass(x >= t) >= p mass(x >= t_k)
+        tl.store(BESTS + i * tl.num_programs(1) + part, tl.max(top, 0))
+
+
+@triton.jit
+def _next_prefix(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, i, splits,
+                 shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """Row i after a pass: (prefix, above, target) with its digit at `shift` picked from its
+    slices' buckets PARTS[i, :splits, :16] (the largest digit whose bucket and those above reach
+    the target: k, or top_p of the first pass's mass), from the pass's PREFIXES / ABOVES /
+    TARGETS[i] (FIRST: 0, 0 and the target)."""
+    slices = tl.arange(0, SPLITS)[:, None]
+    digits = tl.arange(0, 16)[None, :]
+    hist = tl.sum(tl.load(PARTS + (i * splits + slices) * 16 + digits,
+                          mask=(slices < splits) & (digits < 16), other=0.0), 0)
+    if FIRST:
         prefix = tl.full([], 0, tl.uint32)
         above = tl.full([], 0.0, tl.float32)
-        target = tl.full([], 0.0, tl.float32)
-        for j in tl.static_range(PASSES):
-            masses = _digit_masses(base, vocab, prefix, 28 - 4 * j, floor, best, inv_t, BLOCK)
-            if j == 0:
-                target = p * tl.sum(masses, 0)
-            digit, above = _pick(masses, above, target)
-            prefix = prefix | (digit.to(tl.uint32) << (28 - 4 * j))
-        floor = tl.maximum(floor, _value(prefix, PASSES))
+        if MASS:
+            target = tl.load(TOP_PS + i) * tl.sum(hist, 0)
+        else:
+            target = tl.load(TOP_KS + i).to(tl.float32)
+    else:
+        prefix = tl.load(PREFIXES + i).to(tl.uint32, bitcast=True)
+        above = tl.load(ABOVES + i)
+        target = tl.load(TARGETS + i)
+    digit, above = _pick(hist, above, target)
+    return prefix | (digit.to(tl.uint32) << shift), above, target
+
+
+@triton.jit
+def _active(TOP_KS, TOP_PS, i, vocab, MASS: tl.constexpr):
+    """Whether row i takes part in the top-p (MASS) or the top-k passes."""
+    if MASS:
+        return tl.load(TOP_PS + i) < 1.0
+    else:
+        return tl.load(TOP_KS + i) < vocab
+
+
+@triton.jit
+def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, FLOORS, BESTS, PARTS_IN, PREFIXES_IN,
+                   ABOVES_IN, TARGETS_IN, PARTS, PREFIXES, ABOVES, TARGETS, vocab, stride, chunk,
+                   shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
+                   SECOND: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                   SKIP: tl.constexpr):
+    """Program (i, s), one pass: row ROWS[i]'s prefix from the previous pass (its buckets
+    PARTS_IN and state *_IN: `_next_prefix`, stored by slice 0 into PREFIXES / ABOVES / TARGETS;
+    FIRST: the empty prefix), then slice s's tokens under it by digit at `shift` into
+    PARTS[i, s, :16]: counted (rows with a top-k) or, with MASS, their mass above the top-k floor
+    FLOORS[i] (rows with a top-p)."""
+    i = tl.program_id(0)
+    part = tl.program_id(1)
+    splits = tl.num_programs(1)
+    if _active(TOP_KS, TOP_PS, i, vocab, MASS):
+        if FIRST:
+            prefix = tl.full([], 0, tl.uint32)
+        else:
+            prefix, above, target = _next_prefix(TOP_KS, TOP_PS, PARTS_IN, PREFIXES_IN,
+                                                 ABOVES_IN, TARGETS_IN, i, splits, shift + 4,
+                                                 MASS, SECOND, SPLITS)
+            if part == 0:
+                tl.store(PREFIXES + i, prefix.to(tl.int32, bitcast=True))
+                tl.store(ABOVES + i, above)
+                tl.store(TARGETS + i, target)
+        base = LOGITS + tl.load(ROWS + i).to(tl.int64) * stride
+        start = part * chunk
+        end = tl.minimum(start + chunk, vocab)
+        if MASS:
+            inv_t = 1.0 / tl.load(TEMPS + i)
+            best = _row_best(BESTS, i, splits, SPLITS)
+            hist = _slice_masses(base, start, end, prefix, shift, tl.load(FLOORS + i), best,
+                                 inv_t, BLOCK, SKIP)
+        else:
+            hist = _slice_counts(base, start, end, prefix, shift, BLOCK, SKIP)
+        tl.store(PARTS + (i * splits + part) * 16 + tl.arange(0, 16), hist)
+
+
+@triton.jit
+def _last_kernel(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, FLOORS, vocab, splits,
+                 MASS: tl.constexpr, PASSES: tl.constexpr, SPLITS: tl.constexpr):
+    """Program i: row i's last digit (`_next_prefix`), its floor into FLOORS[i] (with MASS: the
+    larger of it and the top-k floor there)."""
+    i = tl.program_id(0)
+    if _active(TOP_KS, TOP_PS, i, vocab, MASS):
+        prefix, _, _ = _next_prefix(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, i, splits,
+                                    32 - 4 * PASSES, MASS, False, SPLITS)
+        value = _value(prefix, PASSES)
+        if MASS:
+            value = tl.maximum(tl.load(FLOORS + i), value)
+        tl.store(FLOORS + i, value)
+
+
+@triton.jit
+def _finish_kernel(TEMPS, MIN_PS, BESTS, FLOORS, splits, SPLITS: tl.constexpr):
+    """Program i: the min-p floor max + T log(min_p) into FLOORS[i]; NaN floors become -inf."""
+    i = tl.program_id(0)
+    floor = tl.load(FLOORS + i)
+    min_p = tl.load(MIN_PS + i)
     if min_p > 0.0:
-        floor = tl.maximum(floor, best + temperature * tl.log(min_p))
+        best = _row_best(BESTS, i, splits, SPLITS)
+        floor = tl.maximum(floor, best + tl.load(TEMPS + i) * tl.log(min_p))
     tl.store(FLOORS + i, tl.where(floor == floor, floor, float("-inf")))  # NaN rows: no floor
 
 
+def floor_slices(rows: int, vocab: int, block: int = BLOCK) -> int:
+    """Default slices per row: enough for ~_PROGRAMS programs, each >= _MIN_BLOCKS blocks."""
+    return max(1, min(triton.cdiv(_PROGRAMS, max(rows, 1)),
+                      triton.cdiv(vocab, block) // _MIN_BLOCKS))
+
+
 def cut_floors(logits: torch.Tensor, group: RowGroup, *, block: int = BLOCK,
-               warps: int = WARPS) -> torch.Tensor:
+               warps: int = WARPS, splits: int | None = None, skip: bool = True) -> torch.Tensor:
     """[n] float32 floors of the group's rows of `logits` [bs, >= V] (float32, bfloat16 or
     float16, unit column stride; V the group's vocabulary: `group.top_ks` holds V for rows
-    without top-k). -inf where nothing is cut. No host sync."""
+    without top-k). -inf where nothing is cut. Each row is cut into `splits` slices of whole
+    blocks of `block` tokens (default `floor_slices`), each read by its own program (`warps`
+    warps); the floors do not depend on them but through the order of top-p's float sums.
+    `skip`: passes after the first skip the blocks holding no token under the prefix (the same
+    sums). No host sync."""
     assert logits.stride(1) == 1 and logits.dtype in _BITS
-    vocab = group.vocab_size
-    floors = torch.empty(group.size, dtype=torch.float32, device=logits.device)
-    if group.size:
-        _floors_kernel[(group.size,)](
-            logits, group.rows, group.temperatures, group.top_ks, group.top_ps, group.min_ps,
-            floors, vocab, logits.stride(0), PASSES=triton.cdiv(_BITS[logits.dtype], 4),
-            BLOCK=block, num_warps=warps)
+    vocab, n = group.vocab_size, group.size
+    floors = torch.full((n,), _NEG_INF, dtype=torch.float32, device=logits.device)
+    if not n:
+        return floors
+    blocks = triton.cdiv(vocab, block)
+    chunk = triton.cdiv(blocks, splits or floor_slices(n, vocab, block)) * block
+    splits = triton.cdiv(vocab, chunk)
+    passes = triton.cdiv(_BITS[logits.dtype], 4)
+    device = logits.device
+    bests = torch.empty((n, splits), dtype=torch.float32, device=device)
+    parts = torch.empty((2, n, splits, 16), dtype=torch.float32, device=device)  # by pass parity
+    prefixes = torch.empty((2, n), dtype=torch.int32, device=device)
+    aboves = torch.empty((2, n), dtype=torch.float32, device=device)
+    targets = torch.empty((2, n), dtype=torch.float32, device=device)
+    padded = max(16, triton.next_power_of_2(splits))  # one compile up to 16 slices
+    grid = (n, splits)
+    if group.any_top_p or group.any_min_p:
+        _max_kernel[grid](logits, group.rows, group.top_ps, group.min_ps, bests, vocab,
+                          logits.stride(0), chunk, BLOCK=block, num_warps=warps)
+    for mass in (False, True):
+        if not (group.any_top_p if mass else group.max_cut_k):
+            continue
+        for j in range(passes):
+            now, before = j % 2, (j + 1) % 2
+            _digits_kernel[grid](
+                logits, group.rows, group.temperatures, group.top_ks, group.top_ps, floors,
+                bests, parts[before], prefixes[before], aboves[before], targets[before],
+                parts[now], prefixes[now], aboves[now], targets[now], vocab, logits.stride(0),
+                chunk, shift=28 - 4 * j, MASS=mass, FIRST=j == 0, SECOND=j == 1, BLOCK=block,
+                SPLITS=padded, SKIP=skip and j > 0, num_warps=warps)
+        last = (passes - 1) % 2
+        _last_kernel[(n,)](group.top_ks, group.top_ps, parts[last], prefixes[last],
+                           aboves[last], targets[last], floors, vocab, splits, MASS=mass,
+                           PASSES=passes, SPLITS=padded, num_warps=1)
+    _finish_kernel[(n,)](group.temperatures, group.min_ps, bests, floors, splits,
+                         SPLITS=padded, num_warps=1)
     return floors
 
 
