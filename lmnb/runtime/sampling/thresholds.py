@@ -42,9 +42,9 @@ from lmnb.runtime.sampling.batch_info import RowGroup
 _NEG_INF = float("-inf")
 FIRST_WINDOW = 64  # best logits the torch version sorts first (grows x8 until the nucleus fits)
 _BITS = {torch.float32: 32, torch.float16: 20, torch.bfloat16: 16}  # significant image bits
-BLOCK = 512  # tokens per step; a program holds [BLOCK, 16] digit sums
-WARPS = 8
-_PROGRAMS = 2048  # (row, slice) programs a launch aims at (enough to fill an H100's SMs)
+BLOCK = 256  # tokens per step; a program holds [BLOCK, 16] digit sums
+WARPS = 4
+_PROGRAMS = 4096  # (row, slice) programs a launch aims at (H100 sweep: 16-32 slices a row best)
 _MIN_BLOCKS = 4  # blocks a slice holds at least
 
 
