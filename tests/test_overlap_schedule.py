@@ -231,6 +231,33 @@ def test_a_request_ending_by_length_does_not_stall_the_pipeline() -> None:
     scheduler.check_integrity()
 
 
+def test_requests_waiting_for_room_do_not_stall_the_pipeline() -> None:
+    """When what waits cannot be admitted (here: no request slot; on a GPU: a full KV pool),
+    the running requests' decode passes still follow each other, and the waiting one is
+    admitted behind the pass in flight once a slot is given back."""
+    outputs = {}
+    for overlap in (False, True):
+        runner = PipelinedFakeRunner(eos_after({10: 2})) if overlap else FakeRunner(
+            eos_after({10: 2}))
+        scheduler = make(chunk=64, max_reqs=2, runner=runner)
+        scheduler.config.overlap_schedule = overlap
+        states = [request([10 * k, 1, 2], max_new_tokens=m) for k, m in ((1, 8), (2, 9), (3, 4))]
+        for state in states:
+            scheduler.add(state)
+        run_to_end(scheduler)
+        outputs[overlap] = [(s.req.output_ids, s.req.finished_reason) for s in states]
+        scheduler.check_integrity()
+    assert outputs[True] == outputs[False]
+    batches = runner.batches
+    admitted_at = next(i for i, b in enumerate(batches)
+                       if b.mode is ForwardMode.EXTEND and states[2].rid in b.rids)
+    while_waiting = [b for b in batches[:admitted_at] if b.mode is ForwardMode.DECODE]
+    assert len(while_waiting) >= 3
+    assert all(b.follows_previous for b in while_waiting[1:])
+    assert batches[admitted_at].mode is ForwardMode.EXTEND
+    assert outputs[True][2][0] == [100, 101, 102, 103]
+
+
 def test_runtime_keeps_the_pipeline_across_requests_ending_by_length(tiny_models) -> None:
     """The same greedy tokens with overlap on and off, and the device-side token gather of the
     requests that go on picks each request's own token (different lengths, sampled rows)."""

@@ -1,14 +1,16 @@
 """The overlap schedule: the pass in flight and what may be launched behind it before its results
 are processed (so the host's output work hides behind the device's).
 
-- behind a DECODE pass: the next decode pass of its requests (`decode_followers`): their input
-  ids are the tokens still on the device; requests whose last token is in flight are left out;
 - behind an EXTEND pass, or a DECODE pass when requests wait: the next EXTEND pass
   (`may_follow_extend`), whose admission needs nothing from the one in flight: a prefill
   pass's prompts went into the prefix cache when it was launched (`CacheManager.cache_pass`:
   its KV slots are written in stream order before any later pass reads them), so waiting
   requests sharing them are admitted on them; its requests that go on to decode (`going_on`)
   count in the KV reserve of the admission;
+- behind a DECODE pass, when no EXTEND pass may follow it (nothing waits, or the KV pool has
+  no room to admit what waits): the next decode pass of its requests (`decode_followers`):
+  their input ids are the tokens still on the device; requests whose last token is in flight
+  are left out;
 - behind the last EXTEND pass: the first decode pass (`decode_after_prefill`) of the running
   requests (input ids known) and of the pass's requests (their first tokens, on the device).
 
@@ -98,10 +100,12 @@ def decode_followers(current: InFlight, table: RequestTable, *, room: int
     in flight are left out (`previous_rows` picks the others' tokens on the device), so a
     request ending by length does not stall the pipeline; a subset rebuilds the sampling state
     from the requests' outputs, which lack the token in flight, so it is only taken when that
-    state does not read them (penalties, min_new_tokens still blocking)."""
+    state does not read them (penalties, min_new_tokens still blocking). Requests may be
+    waiting: the scheduler asks for this only when no prefill pass of theirs could be admitted
+    behind the pass in flight (the KV pool is full), so they wait one pass more at most."""
     reqs = current.reqs
-    if (current.batch.mode is not ForwardMode.DECODE or table.waiting
-            or table.chunked is not None or table.running != reqs or room < len(reqs)):
+    if (current.batch.mode is not ForwardMode.DECODE or table.chunked is not None
+            or table.running != reqs or room < len(reqs)):
         return None
     keep: list[int] = []
     for i, req in enumerate(reqs):

@@ -195,7 +195,7 @@ class Scheduler:
     def _step_pipelined(self) -> None:
         """Launch the next pass (when it may follow), then process the one in flight."""
         current, self._in_flight = self._in_flight, None
-        following = (self._following_decode(current) or self._following_extend(current)
+        following = (self._following_extend(current) or self._following_decode(current)
                      or self._decode_after_prefill(current))
         if following is not None:
             batch, reqs = following
