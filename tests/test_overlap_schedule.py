@@ -233,15 +233,16 @@ def test_a_request_ending_by_length_does_not_stall_the_pipeline() -> None:
 
 def test_requests_waiting_for_room_do_not_stall_the_pipeline() -> None:
     """When what waits cannot be admitted (here: no request slot; on a GPU: a full KV pool),
-    the running requests' decode passes still follow each other, and the waiting one is
-    admitted behind the pass in flight once a slot is given back."""
+    the running requests' decode passes still follow each other and their prefill passes, and
+    a waiting one is admitted behind the pass in flight once a slot is given back."""
     outputs = {}
     for overlap in (False, True):
         runner = PipelinedFakeRunner(eos_after({10: 2})) if overlap else FakeRunner(
             eos_after({10: 2}))
         scheduler = make(chunk=64, max_reqs=2, runner=runner)
         scheduler.config.overlap_schedule = overlap
-        states = [request([10 * k, 1, 2], max_new_tokens=m) for k, m in ((1, 8), (2, 9), (3, 4))]
+        states = [request([10 * k, 1, 2], max_new_tokens=m)
+                  for k, m in ((1, 8), (2, 9), (3, 4), (4, 3))]
         for state in states:
             scheduler.add(state)
         run_to_end(scheduler)
@@ -254,7 +255,9 @@ def test_requests_waiting_for_room_do_not_stall_the_pipeline() -> None:
     while_waiting = [b for b in batches[:admitted_at] if b.mode is ForwardMode.DECODE]
     assert len(while_waiting) >= 3
     assert all(b.follows_previous for b in while_waiting[1:])
-    assert batches[admitted_at].mode is ForwardMode.EXTEND
+    # the fourth still waits: the first decode pass of the third follows its prefill pass
+    assert states[3].rid not in batches[admitted_at + 1].rids
+    assert batches[admitted_at + 1].follows_previous
     assert outputs[True][2][0] == [100, 101, 102, 103]
 
 

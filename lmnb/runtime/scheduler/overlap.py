@@ -11,8 +11,9 @@ are processed (so the host's output work hides behind the device's).
   no room to admit what waits): the next decode pass of its requests (`decode_followers`):
   their input ids are the tokens still on the device; requests whose last token is in flight
   are left out;
-- behind the last EXTEND pass: the first decode pass (`decode_after_prefill`) of the running
-  requests (input ids known) and of the pass's requests (their first tokens, on the device).
+- behind an EXTEND pass that no other may follow (nothing left to prefill, or no room to admit
+  what waits): the first decode pass (`decode_after_prefill`) of the running requests (input
+  ids known) and of the pass's requests (their first tokens, on the device).
 
 A pass after one whose requests have grammar, penalties or drafts to consider waits for it.
 """
@@ -71,8 +72,9 @@ def decode_after_prefill(current: InFlight, table: RequestTable, *, room: int
     request its row among the pass's sampled tokens (-1: a running request, whose input id is
     known; None: every sampled row, in order). None when a sampling state would need that
     token (penalties, min_new_tokens), a grammar must advance first, or KV room is short
-    (retraction decides first)."""
-    if not current.prefill_to_follow or table.waiting or table.chunked is not None:
+    (retraction decides first). Requests may be waiting: the scheduler asks for this only
+    when none of them could be admitted behind the pass in flight."""
+    if not current.prefill_to_follow or table.chunked is not None:
         return None
     going: list[Req] = []
     rows: list[int] = []
