@@ -36,13 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--disable-fused-kernels", action="store_true")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (Runtime's option)")
+    parser.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_e4m3")
     args = parser.parse_args(argv)
+    quant = {key: value for key, value in (("quantization", args.quantization),
+                                           ("kv_cache_dtype", args.kv_cache_dtype)) if value}
     with tempfile.TemporaryDirectory() as scratch:
         dummy = write_dummy_model(args.model_config, scratch, args.tokenizer, grow_vocab=False)
         with Runtime(str(dummy.path), **dummy.runtime_options(), device="cuda",
                      attention_backend=args.attention_backend,
                      disable_cuda_graph=args.disable_cuda_graph,
-                     disable_fused_kernels=args.disable_fused_kernels) as rt:
+                     disable_fused_kernels=args.disable_fused_kernels, **quant) as rt:
             params = {"temperature": 0, "ignore_eos": True}
             prompt = list(range(100, 356))
             rt.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
