@@ -16,7 +16,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+COMPILE_HELPER = '''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def compile(fn, signature, constants, warps=4, aligned=()):
+    """`fn` compiled for sm_90 as an H100 launches it: with programmatic dependent launch where
+    the kernel takes USE_PDL (kernels/pdl.py), whose wait must then be in the PTX."""
+    if "USE_PDL" in fn.arg_names:
+        constants = {**constants, "USE_PDL": True}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants,
+                                      attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert ("griddepcontrol.wait" in kernel.asm["ptx"]) == ("USE_PDL" in constants), fn
+    return kernel
+'''
+
+
 def assert_compiles_for_sm90(script: str) -> None:
+    """Runs `script` after `COMPILE_HELPER` (its `compile(fn, signature, constants, ...)`)."""
+    script = COMPILE_HELPER + script
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,

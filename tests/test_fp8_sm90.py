@@ -14,19 +14,9 @@ from tests.sm90 import assert_compiles_for_sm90
 from tests.triton_modes import INTERPRET
 
 _COMPILE_FOR_HOPPER = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from lmnb.runtime.kernels import triton_decode
 from lmnb.runtime.kernels.fused import (activation, fp8_quant, gemv, gemv_fp8, mm_fp8,
                                         rmsnorm, rope)
-
-def compile(fn, signature, constants, warps=4, aligned=()):
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    signature = {**signature, **{name: "constexpr" for name in constants}}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants,
-                                    attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 f8, dt, i64 = "*fp8e4nv", "*bf16", "*i64"
 gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",

@@ -350,15 +350,7 @@ def test_decode_long_splits_of_busy_batches_match_float64(device):
 # ---- code generation for a real GPU, without one -------------------------------------------
 
 _COMPILE_FOR_HOPPER = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from lmnb.runtime.kernels import shared_prefix, triton_decode, triton_extend
-
-def compile(fn, signature, constants, warps=4):
-    signature = {**signature, **{name: "constexpr" for name in constants}}
-    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 dt = "bf16"
 i64 = "*i64"

@@ -38,6 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.pdl import launch_args as pdl_args
+from lmnb.runtime.kernels.pdl import wait_for_previous
+
 MIN_SPLIT_LEN = 64
 
 if TYPE_CHECKING:
@@ -144,7 +147,9 @@ def _decode_partial_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
     KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, K_ROWS: tl.constexpr = False,
     F16_DOT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -220,9 +225,11 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT: tl.constexpr,
     HAS_SKIP: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program (request, block of BLOCK_HEADS query heads): most requests of a busy batch have
     one split and exit at once, so few programs a request keep the launch cheap."""
+    wait_for_previous(USE_PDL)
     req = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
@@ -369,7 +376,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
         KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
         F16_DOT=f16_dot,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(q.device),
     )
     block_s = triton.next_power_of_2(max_kv_splits + prefix_splits)
     # heads a merge program takes: its [heads, splits, head_dim] partials ~8k floats at most
@@ -382,6 +389,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         num_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits,
         BLOCK_S=block_s, MIN_SPLIT=config.min_split, HAS_SKIP=shared is not None,
-        BLOCK_HEADS=block_heads, num_warps=4, num_stages=1,
+        BLOCK_HEADS=block_heads, num_warps=4, num_stages=1, **pdl_args(q.device),
     )
     return out

@@ -23,6 +23,8 @@ from lmnb.runtime.kernels.fused.fp8_quant import (
     fp8_codes,
     token_scale,
 )
+from lmnb.runtime.kernels.pdl import launch_args as pdl_args
+from lmnb.runtime.kernels.pdl import wait_for_previous
 
 BLOCK = 1024
 ROW_BLOCK_MAX = 16384  # Llama-3-8B's 14336 features in one block
@@ -48,7 +50,9 @@ def _silu_mul_at(X_ROW, cols, width, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, OUT, stride_x, stride_out, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, OUT, stride_x, stride_out, width, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     out = _silu_mul_at(X + row * stride_x, cols, width, OUT.dtype.element_ty)
@@ -62,14 +66,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, width), dtype=x.dtype, device=x.device)
     if tokens:
         _silu_and_mul_kernel[(tokens, triton.cdiv(width, BLOCK))](
-            x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK, num_warps=4)
+            x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK, num_warps=4,
+            **pdl_args(x.device))
     return out
 
 
 @triton.jit
 def _silu_and_mul_quant_kernel(X, OUT, SCALE, stride_x, stride_out, width,
                                BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                               FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr):
+                               FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+                               USE_PDL: tl.constexpr = False):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     dtype = X.dtype.element_ty
@@ -106,5 +113,6 @@ def silu_and_mul_quant(x: torch.Tensor, *, row_block_max: int = ROW_BLOCK_MAX
         _silu_and_mul_quant_kernel[(tokens,)](
             x, out, scale, x.stride(0), out.stride(0), width, BLOCK=block, ONE_BLOCK=one_block,
             FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+            **pdl_args(x.device))
     return out, scale

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 
 from lmnb.runtime.kernels.fused.activation import silu_mul
+from lmnb.runtime.kernels.pdl import launch_args as pdl_args
+from lmnb.runtime.kernels.pdl import wait_for_previous
 from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
 SKINNY_MAX_ROWS = 16  # rows the dot path pads to (one m16 tensor-core tile)
@@ -48,7 +50,9 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -104,9 +108,11 @@ def _split_k_reduce_kernel(
     PARTIAL, B, OUT, M, N, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
     GATED: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """out [M, N] = sum of PARTIAL [SPLIT_K, M, N] (+ bias), rounded to OUT's dtype. GATED:
     PARTIAL [SPLIT_K, M, 2N] holds gate | up, out = silu(gate) * up (`activation.silu_mul`)."""
+    wait_for_previous(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     row = offs // N
@@ -208,12 +214,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     if cfg.split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
             partial, b, out, m, n, out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4,
+            **pdl_args(x.device),
         )
     return out

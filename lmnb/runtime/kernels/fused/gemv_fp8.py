@@ -63,6 +63,8 @@ from lmnb.runtime.kernels.fused.gemv_rotary import (
     rotary_inputs,
     rotary_launch,
 )
+from lmnb.runtime.kernels.pdl import launch_args as pdl_args
+from lmnb.runtime.kernels.pdl import wait_for_previous
 from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
 STREAM_BLOCK: tl.constexpr = tl.constexpr(1024)  # the residual stream's store: columns a step
@@ -278,7 +280,9 @@ def _fp8_gemv_kernel(
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 2, HALF: tl.constexpr = 1,
     KV_FP8: tl.constexpr = False, BLOCK_HALF: tl.constexpr = 1, HEADS_A_PROGRAM: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -589,12 +593,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         PACKED=packed, X_BF16=x.dtype == torch.bfloat16, ASM_CVT=not INTERPRETED, GATED=gated,
         NORM=norm is not None, HAS_RES=res is not None, **rotary.constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
+        **pdl_args(x.device),
     )
     if cfg.split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n_out, block),)](
             partial, b, out, m, n_out, out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, GATED=gated,
-            num_warps=4,
+            num_warps=4, **pdl_args(x.device),
         )
     return out, res_out

@@ -23,6 +23,8 @@ from lmnb.runtime.kernels.fused.fp8_quant import (
     fp8_codes,
     token_scale,
 )
+from lmnb.runtime.kernels.pdl import launch_args as pdl_args
+from lmnb.runtime.kernels.pdl import wait_for_previous
 
 MAX_HIDDEN = 65536
 
@@ -53,7 +55,9 @@ def _rms_norm_kernel(
     stride_x, stride_res, stride_out, stride_res_out,
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     y = _add_norm_row(X, RES, W, RES_OUT, row, stride_x, stride_res, stride_res_out, hidden, eps,
@@ -68,7 +72,9 @@ def _rms_norm_quant_kernel(
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     dtype = X.dtype.element_ty
@@ -112,6 +118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+            **pdl_args(x.device),
         )
     return out if residual is None else (out, res_out)
 
@@ -137,5 +144,6 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
             hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
             FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, num_warps=_num_warps(block),
+            **pdl_args(x.device),
         )
     return out, scale, res_out

@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.pdl import launch_args as pdl_args
+from lmnb.runtime.kernels.pdl import wait_for_previous
+
 
 @triton.jit
 def rotate(x1, x2, cos, sin):
@@ -68,7 +71,9 @@ def _rotary_qkv_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE_KV: tl.constexpr,
     KV_FP8: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + token).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -149,6 +154,6 @@ def rotary_qkv(positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, si
             HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
             BLOCK_H=block_h, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
             STORE_KV=kv_buffers is not None, KV_FP8=kv_fp8,
-            num_warps=4 if block_h * head_dim <= 2048 else 8,
+            num_warps=4 if block_h * head_dim <= 2048 else 8, **pdl_args(q.device),
         )
     return q, k
