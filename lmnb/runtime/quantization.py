@@ -72,9 +72,12 @@ class Fp8Config:
         return True
 
 
-# The decoder's module names in checkpoints: bare, Llama's, LLaVA's (transformers < 4.52 and
-# after: `LlavaForConditionalGeneration` moved the language model under `model.`).
-DECODER_PREFIXES = ("", "model.", "language_model.model.", "model.language_model.")
+# LLaVA's decoder in its checkpoints: the llava-hf hub's layout (transformers < 4.52) and after
+# (`LlavaForConditionalGeneration` moved the language model under `model.`); models/llava.py
+# loads both.
+LLAVA_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
+# The decoder's module names in checkpoints: bare, Llama's, LLaVA's.
+DECODER_PREFIXES = ("", "model.", *LLAVA_DECODER_PREFIXES)
 
 
 def module_quantization(quant: Fp8Config | None, modules: list[str]) -> Fp8Config | None:
