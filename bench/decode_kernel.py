@@ -140,14 +140,12 @@ def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
     if sweep and batch.kv_scales is not None:  # FP8 tiles: a 16-bit tile's bytes and more
         tiles = ((64, 2, 2), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (256, 4, 2),
                  (256, 8, 2), (256, 8, 3), (256, 16, 2), (512, 16, 2))
-        for (block_n, warps, stages), f16_dot in itertools.product(tiles, (False, True)):
-            configs.append((f"n{block_n} w{warps} s{stages}{' f16' * f16_dot}",
-                            default._replace(block_n=block_n, num_warps=warps, num_stages=stages,
-                                             f16_dot=f16_dot)))
-        for prefetch, k_rows, f16_dot in itertools.product((False, True), repeat=3):
-            configs.append((f"default{' prefetch' * prefetch}{' k_rows' * k_rows}"
-                            f"{' f16' * f16_dot}",
-                            default._replace(prefetch=prefetch, k_rows=k_rows, f16_dot=f16_dot)))
+        for block_n, warps, stages in tiles:
+            configs.append((f"n{block_n} w{warps} s{stages}",
+                            default._replace(block_n=block_n, num_warps=warps, num_stages=stages)))
+        for prefetch, k_rows in itertools.product((False, True), repeat=2):
+            configs.append((f"default{' prefetch' * prefetch}{' k_rows' * k_rows}",
+                            default._replace(prefetch=prefetch, k_rows=k_rows)))
     elif sweep:  # tiles x the loop's variants (the split length matters < 1%: the default's)
         tiles = ((32, 2, 2), (32, 2, 3), (64, 2, 2), (64, 2, 3), (64, 2, 4), (64, 4, 2),
                  (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2))

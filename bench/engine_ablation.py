@@ -293,10 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 options["dtype"] = args.dtype
         else:
             model_path, options, label = args.model, {"dtype": args.dtype or "auto"}, args.model
-        from lmnb.runtime.config import ModelConfig
         from lmnb.runtime.models import loader
 
-        model_config = ModelConfig.from_hf(loader.load_config(Path(model_path)))
+        model_config = loader.load_model_config(Path(model_path))
         dtype = loader.resolve_dtype(options["dtype"], model_config.dtype, device)
         rates = measure_rates(device, model_config, dtype) if device.type == "cuda" else None
         if rates:

@@ -196,7 +196,7 @@ def model_spec(args: argparse.Namespace, scratch: Path, device: torch.device) ->
         config.save_pretrained(model_dir)
         label = f"dummy {args.dummy_config} (random weights)"
         tokenizer_dir = loader.resolve_model_dir(args.tokenizer)
-    dtype = loader.resolve_dtype(args.dtype, ModelConfig.from_hf(config).dtype, device)
+    dtype = loader.resolve_dtype(args.dtype, ModelConfig.from_hf(config.to_dict()).dtype, device)
     return ModelSpec(label=label, model_dir=model_dir, tokenizer_dir=tokenizer_dir,
                      config=config, dtype=dtype, dummy=args.dummy_config is not None)
 
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"HF comparison workload: {len(hf_workload.prompts)} seqs, "
                   f"{hf_workload.prompt_tokens:,} prompt tokens, "
                   f"{hf_workload.output_tokens:,} output tokens (lmnb runs it too)")
-        model_config = ModelConfig.from_hf(spec.config)
+        model_config = ModelConfig.from_hf(spec.config.to_dict())
         args.rates = (measure_rates(device, model_config, spec.dtype)
                       if device.type == "cuda" and not args.no_floor else None)
         if args.rates:

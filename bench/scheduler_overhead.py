@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from transformers import AutoConfig
 
         fields = dict(DUMMY_CONFIGS[args.config])
-        model_config = ModelConfig.from_hf(AutoConfig.for_model(fields.pop("model_type"),
-                                                                **fields))
+        model_config = ModelConfig.from_hf(
+            AutoConfig.for_model(fields.pop("model_type"), **fields).to_dict())
     else:
         model_config = loader.load_model_config(tokenizer_dir)
     rows = []

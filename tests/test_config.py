@@ -84,7 +84,7 @@ def test_runtime_rejects_unknown_options_before_loading() -> None:
 def test_model_config_llama_mha() -> None:
     hf = AutoConfig.for_model("llama", **SMALL, bos_token_id=1, eos_token_id=2,
                               rms_norm_eps=1e-5, dtype="bfloat16")
-    config = ModelConfig.from_hf(hf)
+    config = ModelConfig.from_hf(hf.to_dict())
     assert (config.model_type, config.num_layers, config.hidden_size) == ("llama", 3, 64)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 4, 16)
     assert (config.intermediate_size, config.vocab_size, config.context_length) == (128, 1000, 256)
@@ -97,7 +97,7 @@ def test_model_config_llama_mha() -> None:
 def test_model_config_llama_gqa_with_attention_bias_and_tied_embeddings() -> None:
     hf = LlamaConfig(**SMALL, num_key_value_heads=2, attention_bias=True,
                      tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
-    config = ModelConfig.from_hf(hf)
+    config = ModelConfig.from_hf(hf.to_dict())
     assert (config.architecture, config.num_kv_heads, config.head_dim) == (
         "LlamaForCausalLM", 2, 16)
     assert config.qkv_bias and config.o_bias and config.tie_word_embeddings
@@ -106,7 +106,7 @@ def test_model_config_llama_gqa_with_attention_bias_and_tied_embeddings() -> Non
 def test_model_config_qwen2_has_qkv_bias_only() -> None:
     hf = AutoConfig.for_model("qwen2", **SMALL, num_key_value_heads=2, eos_token_id=[5, 7],
                               rope_theta=1000000.0)
-    config = ModelConfig.from_hf(hf)
+    config = ModelConfig.from_hf(hf.to_dict())
     assert (config.model_type, config.qkv_bias, config.o_bias) == ("qwen2", True, False)
     assert (config.eos_token_ids, config.rope_theta) == ((5, 7), 1000000.0)
 
@@ -114,7 +114,7 @@ def test_model_config_qwen2_has_qkv_bias_only() -> None:
 def test_model_config_mistral_with_explicit_head_dim() -> None:
     hf = AutoConfig.for_model("mistral", **SMALL, num_key_value_heads=1, head_dim=32,
                               sliding_window=None)
-    config = ModelConfig.from_hf(hf)
+    config = ModelConfig.from_hf(hf.to_dict())
     assert (config.model_type, config.num_kv_heads, config.head_dim) == ("mistral", 1, 32)
     assert not config.qkv_bias
 
@@ -122,7 +122,7 @@ def test_model_config_mistral_with_explicit_head_dim() -> None:
 def test_model_config_llama3_rope_scaling() -> None:
     hf = AutoConfig.for_model("llama", **SMALL, num_key_value_heads=2,
                               rope_scaling=dict(LLAMA3_ROPE), rope_theta=500000.0)
-    config = ModelConfig.from_hf(hf)
+    config = ModelConfig.from_hf(hf.to_dict())
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == LLAMA3_ROPE  # rope_type kept, theta lifted out
 
@@ -132,7 +132,7 @@ def test_model_config_llava_reads_the_nested_text_config() -> None:
                        eos_token_id=2, rope_scaling={"rope_type": "linear", "factor": 2.0})
     hf = LlavaConfig(text_config=text.to_dict(), image_token_index=999,
                      architectures=["LlavaForConditionalGeneration"])
-    config = ModelConfig.from_hf(hf)
+    config = ModelConfig.from_hf(hf.to_dict())
     assert (config.architecture, config.model_type, config.text_model_type) == (
         "LlavaForConditionalGeneration", "llava", "llama")
     assert (config.num_layers, config.num_kv_heads, config.vocab_size) == (5, 2, 1000)
@@ -142,15 +142,15 @@ def test_model_config_llava_reads_the_nested_text_config() -> None:
 
 def test_model_config_rejects_inconsistent_heads_and_non_decoders() -> None:
     with pytest.raises(ValueError, match="num_heads \\(4\\) must be a multiple of num_kv_heads"):
-        ModelConfig.from_hf(LlamaConfig(**SMALL, num_key_value_heads=3))
+        ModelConfig.from_hf(LlamaConfig(**SMALL, num_key_value_heads=3).to_dict())
     with pytest.raises(ValueError, match="no num_attention_heads"):
-        ModelConfig.from_hf(PretrainedConfig())
+        ModelConfig.from_hf(PretrainedConfig().to_dict())
 
 
 def test_model_runner_sizes_its_pools_from_both_configs() -> None:
     from lmnb.runtime.model_runner import ModelRunner
 
-    model_config = ModelConfig.from_hf(LlamaConfig(**SMALL, num_key_value_heads=2))
+    model_config = ModelConfig.from_hf(LlamaConfig(**SMALL, num_key_value_heads=2).to_dict())
     cpu = torch.device("cpu")
 
     def runner(**options: object) -> ModelRunner:

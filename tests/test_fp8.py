@@ -514,7 +514,7 @@ def test_rotary_kernel_stores_fp8_kv_as_kv_storage_does(device):
 def test_rotary_stored_fp8_kv_decodes_as_the_torch_path(device):
     """End to end over `KVStorage`'s head-major scales: the fused rotary kernel stores each
     token's K/V and scales (the torch path's scales: torch rotary, `set_kv`; its bytes are within
-    one e4m3 step, see above), decode reads them (the FP8 default tiles, and float16 dots): close
+    one e4m3 step, see above), decode reads them (the FP8 default tiles): close
     to float64 attention over the pool's dequantized rows (`read`). Scales copied slot-major
     ([slots, kv_heads] contiguous) give the same bits: the kernels read any strides."""
     from lmnb.runtime.kernels.fused import rotary_qkv
@@ -545,23 +545,22 @@ def test_rotary_stored_fp8_kv_decodes_as_the_torch_path(device):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     k_ref, v_ref = fused.read(0, torch.arange(tokens + 1, device=device))
     q = torch.randn(len(seq_lens), heads, head_dim, generator=gen).to(device, torch.bfloat16)
-    default = decode_config(head_dim, FP8, batch_size=len(seq_lens), num_kv_heads=kv_heads)
+    config = decode_config(head_dim, FP8, batch_size=len(seq_lens), num_kv_heads=kv_heads)
     slot_major = tuple(scale.contiguous() for scale in fused.scales(0))
-    for config in (default, default._replace(f16_dot=True)):
-        outs = []
-        for scales in (fused.scales(0), slot_major):
-            out = torch.empty_like(q)
-            decode_attention(q, fused.k_buffers[0], fused.v_buffers[0], out, kv_indptr,
-                             kv_indices, *partial_buffers(len(seq_lens), heads, head_dim, 4,
-                                                          q.device),
-                             scale=head_dim**-0.5, max_kv_splits=4, config=config,
-                             kv_scales=scales)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1])
-        for i, n in enumerate(seq_lens):
-            slots = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
-            expected = _reference(q[i:i + 1], k_ref, v_ref, slots, n - 1)
-            torch.testing.assert_close(outs[0][i:i + 1].double(), expected, atol=3e-2, rtol=3e-2)
+    outs = []
+    for scales in (fused.scales(0), slot_major):
+        out = torch.empty_like(q)
+        decode_attention(q, fused.k_buffers[0], fused.v_buffers[0], out, kv_indptr,
+                         kv_indices, *partial_buffers(len(seq_lens), heads, head_dim, 4,
+                                                      q.device),
+                         scale=head_dim**-0.5, max_kv_splits=4, config=config,
+                         kv_scales=scales)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    for i, n in enumerate(seq_lens):
+        slots = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+        expected = _reference(q[i:i + 1], k_ref, v_ref, slots, n - 1)
+        torch.testing.assert_close(outs[0][i:i + 1].double(), expected, atol=3e-2, rtol=3e-2)
 
 
 def test_runtime_with_fp8_weights_and_kv_cache_on_the_cpu(tiny_models):

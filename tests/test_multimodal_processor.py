@@ -12,7 +12,6 @@ from PIL import Image
 from lmnb.multimodal.items import MediaItem, pad_token_id
 from lmnb.multimodal.media import MediaError
 from lmnb.multimodal.processor import MediaProcessor
-from lmnb.runtime.config import ModelConfig
 from lmnb.runtime.models import loader
 from tests.llava_fixtures import (
     IMAGE_TOKEN_ID,
@@ -32,7 +31,7 @@ SIZES = [(24, 24), (30, 30), (1, 1), (17, 203), (203, 17), (300, 451), (451, 300
 def processors(tiny_llavas) -> dict[str, MediaProcessor]:
     out = {}
     for variant, folder in tiny_llavas.items():
-        config = ModelConfig.from_hf(loader.load_config(folder))
+        config = loader.load_model_config(folder)
         out[variant] = MediaProcessor.from_model_dir(folder, config)
     return out
 
@@ -112,5 +111,5 @@ def test_expand_replaces_media_tokens_with_spans(processors):
 
 def test_text_models_have_no_processor(tiny_models):
     folder = tiny_models["llama-gqa"]
-    config = ModelConfig.from_hf(loader.load_config(folder))
+    config = loader.load_model_config(folder)
     assert MediaProcessor.from_model_dir(folder, config) is None

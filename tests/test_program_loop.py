@@ -222,6 +222,36 @@ def test_submit_chunks_grow_within_a_turn_of_the_loop():
     asyncio.run(whole())
     assert sent == [100]
 
+    async def overlapping() -> None:
+        """A batch's block holds its own programs' gens only, also while an unrelated run
+        submits in the same turn, and only while it is open."""
+        go, later = asyncio.Event(), asyncio.Event()
+
+        async def other_run() -> None:
+            await go.wait()
+            submit(8)
+
+        async def program() -> None:
+            await go.wait()
+            submit(100)
+            await later.wait()
+            submit(20)
+
+        other = asyncio.ensure_future(other_run())
+        with whole_turns():
+            started = asyncio.ensure_future(program())
+            await asyncio.sleep(0)
+            go.set()  # the other run's gens, then the program's, in one turn
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        later.set()
+        await asyncio.gather(other, started)
+        await asyncio.sleep(0)
+
+    sent.clear()
+    asyncio.run(overlapping())
+    assert sent == [8, 100, 8, 12]
+
 
 class _CountedHolds:
     """A runtime whose `batched_submits` blocks (hand-overs to the scheduler) are counted."""

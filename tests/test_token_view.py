@@ -26,6 +26,7 @@ from lmnb.runtime.output.token_origins import count_origin  # noqa: E402
 from lmnb.widgets.metrics import metrics_text, program_metrics, runtime_stats  # noqa: E402
 
 PREFIX = "You are a careful assistant. Answer every question in one short sentence.\n"
+WHY_TOKENS = 6  # each fork's gen (tests/gpu/test_token_view_cuda.py runs the program too)
 
 
 @lmnb.function
@@ -34,7 +35,7 @@ def answer_and_explain(s):
     s += lmnb.gen("answer", regex=r" The answer is (yes|no)\.", max_tokens=16)
     forks = s.fork(2)
     for i, f in enumerate(forks):
-        f += lmnb.gen("why", max_tokens=6, temperature=1.0, seed=i, ignore_eos=True)
+        f += lmnb.gen("why", max_tokens=WHY_TOKENS, temperature=1.0, seed=i, ignore_eos=True)
     s += "\nDone."
 
 
@@ -73,7 +74,7 @@ def test_token_view_counts_match_meta_info(backend: LocalBackend) -> None:
     assert view.counts["generated"] == generated == sum(
         m["completion_tokens"] for m in metas) - jumped
     root, *forks = view.rows
-    assert root["tail"] == "\nDone." and all(len(view.tokens(f)) == 6 for f in forks)
+    assert root["tail"] == "\nDone." and all(len(view.tokens(f)) == WHY_TOKENS for f in forks)
     assert "".join(t[0] for t in view.tokens(root)) + root["tail"] == state.text()
     # what a saved notebook's widget state keeps: every row's tokens
     assert json.loads(view.snapshot) == {"seq": view._model.seq, "rows": {

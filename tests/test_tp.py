@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmnb.runtime.config import ModelConfig
 from lmnb.runtime.distributed.group import TPError
 from lmnb.runtime.distributed.tp_worker import FAULT_ENV
 from lmnb.runtime.engine import Runtime
@@ -80,7 +79,7 @@ def test_tp2_gives_tp1_tokens(models, variant: str, overlap: bool) -> None:
 
 
 def _shards(folder: Path, *, dummy: bool) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
-    config = ModelConfig.from_hf(loader.load_config(folder))
+    config = loader.load_model_config(folder)
     load = dict(dtype=torch.float32, device=torch.device("cpu"), dummy=dummy)
     full = loader.load_model(None if dummy else folder, config, **load)
     shards = [loader.load_model(None if dummy else folder, config,

@@ -282,19 +282,11 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return ()
 
 
-def _field(source: Any, name: str) -> Any:
-    """`name` of an HF config object, or of a mapping holding its values (`hf_config.read_config`);
-    None when absent."""
-    if isinstance(source, Mapping):
-        return source.get(name)
-    return getattr(source, name, None)
-
-
-def _rope(text: Any) -> tuple[float, dict[str, Any] | None]:
+def _rope(text: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling or None) from transformers 4 (`rope_theta` + `rope_scaling`) or 5
     (`rope_parameters`); the scaling dict has `rope_type` and no theta."""
-    params = dict(_field(text, "rope_parameters") or _field(text, "rope_scaling") or {})
-    theta = params.pop("rope_theta", None) or _field(text, "rope_theta") or 10000.0
+    params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or text.get("rope_theta") or 10000.0
     rope_type = params.pop("type", None) or params.pop("rope_type", None) or "default"
     return float(theta), (None if rope_type == "default" else {"rope_type": rope_type, **params})
 
@@ -331,20 +323,20 @@ class VisionConfig:
         return self.image_size // self.patch_size
 
     @classmethod
-    def from_hf(cls, vision: Any) -> VisionConfig:
-        model_type = _field(vision, "model_type") or ""
+    def from_hf(cls, vision: Mapping[str, Any]) -> VisionConfig:
+        model_type = vision.get("model_type") or ""
         if model_type not in _VISION_MODEL_TYPES:
             raise ValueError(f"vision tower {model_type!r} is not supported "
                              f"({', '.join(_VISION_MODEL_TYPES)})")
-        return cls(model_type=model_type, hidden_size=_field(vision, "hidden_size"),
-                   intermediate_size=_field(vision, "intermediate_size"),
-                   num_layers=_field(vision, "num_hidden_layers"),
-                   num_heads=_field(vision, "num_attention_heads"),
-                   image_size=_field(vision, "image_size"),
-                   patch_size=_field(vision, "patch_size"),
-                   num_channels=_field(vision, "num_channels") or 3,
-                   hidden_act=_field(vision, "hidden_act") or "quick_gelu",
-                   layer_norm_eps=float(_field(vision, "layer_norm_eps") or 1e-5))
+        return cls(model_type=model_type, hidden_size=vision.get("hidden_size"),
+                   intermediate_size=vision.get("intermediate_size"),
+                   num_layers=vision.get("num_hidden_layers"),
+                   num_heads=vision.get("num_attention_heads"),
+                   image_size=vision.get("image_size"),
+                   patch_size=vision.get("patch_size"),
+                   num_channels=vision.get("num_channels") or 3,
+                   hidden_act=vision.get("hidden_act") or "quick_gelu",
+                   layer_norm_eps=float(vision.get("layer_norm_eps") or 1e-5))
 
 
 _VISION_MODEL_TYPES = ("clip_vision_model",)
@@ -399,25 +391,26 @@ class MultimodalConfig:
         return self.spatial_pool_mode is not None and self.video_token_id is not None
 
     @classmethod
-    def from_hf(cls, hf_config: Any, image_token_id: int | None) -> MultimodalConfig:
-        """From an HF config object or a mapping of its values (see `ModelConfig.from_hf`)."""
+    def from_hf(cls, hf_config: Mapping[str, Any],
+                image_token_id: int | None) -> MultimodalConfig:
+        """From an HF config's values (see `ModelConfig.from_hf`)."""
 
         def read(name: str, default: Any) -> Any:
-            value = _field(hf_config, name)
+            value = hf_config.get(name)
             return default if value is None else value
 
         model_type = read("model_type", "")
         layers = read("vision_feature_layer", -2)
         layers = (layers,) if isinstance(layers, int) else tuple(layers)
-        pinpoints = _field(hf_config, "image_grid_pinpoints")
+        pinpoints = hf_config.get("image_grid_pinpoints")
         if model_type == "llava":
             pinpoints = None  # LLaVA-1.5 ignores a pinpoints entry
-        video_token = _field(hf_config, "video_token_id")
+        video_token = hf_config.get("video_token_id")
         if video_token is None:
-            video_token = _field(hf_config, "video_token_index")
-        pool_mode = _field(hf_config, "spatial_pool_mode") if video_token is not None else None
+            video_token = hf_config.get("video_token_index")
+        pool_mode = hf_config.get("spatial_pool_mode") if video_token is not None else None
         return cls(
-            vision=VisionConfig.from_hf(_field(hf_config, "vision_config")),
+            vision=VisionConfig.from_hf(hf_config.get("vision_config")),
             image_token_id=image_token_id,
             video_token_id=video_token,
             feature_layers=layers,
@@ -427,7 +420,7 @@ class MultimodalConfig:
             image_grid_pinpoints=(tuple((int(h), int(w)) for h, w in pinpoints)
                                   if pinpoints else None),
             spatial_pool_mode=pool_mode,
-            spatial_pool_stride=int(_field(hf_config, "spatial_pool_stride") or 2),
+            spatial_pool_stride=int(hf_config.get("spatial_pool_stride") or 2),
         )
 
 
@@ -487,32 +480,30 @@ class ModelConfig:
         return replace(self, quantization=resolve_quantization(option, self.quantization))
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> ModelConfig:
-        """Normalise an HF `PretrainedConfig` (or any object with its attributes), or a mapping
-        holding the values such a config holds, sub-configs as mappings (what
-        `models.hf_config.read_config` makes of a config.json); a nested `text_config` (LLaVA
-        and its relatives) supplies the decoder's fields."""
-        text = _field(hf_config, "text_config") or hf_config
-        if isinstance(text, Mapping) and not isinstance(hf_config, Mapping):
-            raise ValueError("text_config must be a config object, not a dict")
+    def from_hf(cls, hf_config: Mapping[str, Any]) -> ModelConfig:
+        """Normalise the values an HF `PretrainedConfig` holds, sub-configs as mappings: its
+        `to_dict()`, or what `models.hf_config.read_config` makes of a config.json; a nested
+        `text_config` (LLaVA and its relatives) supplies the decoder's fields."""
+        text = hf_config.get("text_config") or hf_config
 
         def read(name: str, default: Any = None) -> Any:
-            value = _field(text, name)
+            value = text.get(name)
             return default if value is None else value
 
         def top_or_text(name: str) -> Any:
-            value = _field(hf_config, name)
+            value = hf_config.get(name)
             return read(name) if value is None else value
 
+        name = f"config of model_type {hf_config.get('model_type')!r}"
         num_heads = read("num_attention_heads")
         hidden_size = read("hidden_size")
         if num_heads is None or hidden_size is None:
-            raise ValueError(f"{type(hf_config).__name__} has no num_attention_heads/hidden_size: "
-                             "not a decoder config this runtime can serve")
-        context = next((_field(text, k) for k in _CONTEXT_KEYS
-                        if isinstance(_field(text, k), int)), None)
+            raise ValueError(f"{name} has no num_attention_heads/hidden_size: not a decoder "
+                             "config this runtime can serve")
+        context = next((text.get(k) for k in _CONTEXT_KEYS
+                        if isinstance(text.get(k), int)), None)
         if context is None:
-            raise ValueError(f"{type(hf_config).__name__} states no context length "
+            raise ValueError(f"{name} states no context length "
                              f"({', '.join(_CONTEXT_KEYS)})")
         theta, scaling = _rope(text)
         text_model_type = read("model_type", "")
@@ -523,15 +514,15 @@ class ModelConfig:
             checkpoint_dtype = canonical_dtype(checkpoint_dtype) if checkpoint_dtype else None
         except ValueError:
             checkpoint_dtype = None
-        architectures = _field(hf_config, "architectures") or []
-        image_token = _field(hf_config, "image_token_id")
+        architectures = hf_config.get("architectures") or []
+        image_token = hf_config.get("image_token_id")
         if image_token is None:
-            image_token = _field(hf_config, "image_token_index")
+            image_token = hf_config.get("image_token_index")
         multimodal = (MultimodalConfig.from_hf(hf_config, image_token)
-                      if _field(hf_config, "vision_config") is not None else None)
+                      if hf_config.get("vision_config") is not None else None)
         return cls(
             architecture=architectures[0] if architectures else None,
-            model_type=_field(hf_config, "model_type") or text_model_type,
+            model_type=hf_config.get("model_type") or text_model_type,
             text_model_type=text_model_type,
             num_layers=read("num_hidden_layers"),
             hidden_size=hidden_size,
@@ -556,5 +547,5 @@ class ModelConfig:
             image_token_id=image_token,
             video_token_id=multimodal.video_token_id if multimodal else None,
             multimodal=multimodal,
-            quantization=checkpoint_quantization(_field(hf_config, "quantization_config")),
+            quantization=checkpoint_quantization(hf_config.get("quantization_config")),
         )

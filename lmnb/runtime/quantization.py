@@ -27,6 +27,7 @@ on text like the evaluated one, about 94% on unrelated calibration text).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,9 +72,12 @@ class Fp8Config:
         return True
 
 
-# The decoder's module names in checkpoints: bare, Llama's, LLaVA's (transformers < 4.52 and
-# after: `LlavaForConditionalGeneration` moved the language model under `model.`).
-DECODER_PREFIXES = ("", "model.", "language_model.model.", "model.language_model.")
+# LLaVA's decoder in its checkpoints: the llava-hf hub's layout (transformers < 4.52) and after
+# (`LlavaForConditionalGeneration` moved the language model under `model.`); models/llava.py
+# loads both.
+LLAVA_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
+# The decoder's module names in checkpoints: bare, Llama's, LLaVA's.
+DECODER_PREFIXES = ("", "model.", *LLAVA_DECODER_PREFIXES)
 
 
 def module_quantization(quant: Fp8Config | None, modules: list[str]) -> Fp8Config | None:
@@ -90,14 +94,11 @@ def module_quantization(quant: Fp8Config | None, modules: list[str]) -> Fp8Confi
     return quant if kept == {True} else None
 
 
-def checkpoint_quantization(quantization_config: Any) -> Fp8Config | None:
+def checkpoint_quantization(quantization_config: Mapping[str, Any] | None) -> Fp8Config | None:
     """The `Fp8Config` of a config.json's `quantization_config` (None: none there);
     UnsupportedQuantizationError for any other method or scheme."""
     if quantization_config is None:
         return None
-    if not isinstance(quantization_config, dict):  # transformers may give a config object
-        to_dict = getattr(quantization_config, "to_dict", None)
-        quantization_config = to_dict() if callable(to_dict) else vars(quantization_config)
     method = str(quantization_config.get("quant_method", "")).replace("_", "-")
     if method != "compressed-tensors":
         raise UnsupportedQuantizationError(

@@ -1,6 +1,6 @@
-"""The token view of a program run on a CUDA device: its colours count the requests' meta_info
-(origins and top-5 logprobs from the CUDA sampler's packed logprob kernel), and its metrics bar
-shows the GPU memory in use."""
+"""The token view of the CPU test's program (tests/test_token_view.py) run on a CUDA device: its
+colours count the requests' meta_info (origins and top-5 logprobs from the CUDA sampler's packed
+logprob kernel), and its metrics bar shows the GPU memory in use."""
 
 from __future__ import annotations
 
@@ -11,25 +11,14 @@ import torch
 
 pytest.importorskip("anywidget")
 
-import lmnb  # noqa: E402
 from lmnb.lang.backends.local import LocalBackend  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
 from lmnb.runtime.output.token_origins import count_origin  # noqa: E402
 from lmnb.widgets.metrics import metrics_html, program_metrics, runtime_stats  # noqa: E402
+from tests.test_token_view import PREFIX, WHY_TOKENS, _metas, answer_and_explain  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-PREFIX = "You are a careful assistant. Answer every question in one short sentence.\n"
-
-
-@lmnb.function
-def answer_and_explain(s):
-    s += PREFIX + "Q: Is the sky blue?\nA:"
-    s += lmnb.gen("answer", regex=r" The answer is (yes|no)\.", max_tokens=16)
-    forks = s.fork(2)
-    for i, f in enumerate(forks):
-        f += lmnb.gen("why", max_tokens=8, temperature=1.0, seed=i, ignore_eos=True)
 
 
 def test_token_view_on_cuda(tiny_models) -> None:
@@ -42,8 +31,7 @@ def test_token_view_on_cuda(tiny_models) -> None:
         state.run.settle()
         view.refresh()
         assert view.done and [row["label"] for row in view.rows] == ["root", "fork 1", "fork 2"]
-        metas = {id(m): m for e in state.run.executors for m in e.meta_info.values()}
-        spans = [m["output_token_origins"] for m in metas.values()]
+        spans = [m["output_token_origins"] for m in _metas(state)]
         answer = state.get_meta_info("answer")
         assert view.counts["cached"] == answer["cached_tokens"] > 0
         assert view.counts["jump_forward"] == sum(count_origin(s, "jump_forward")
@@ -51,7 +39,7 @@ def test_token_view_on_cuda(tiny_models) -> None:
         assert view.counts["generated"] == sum(count_origin(s, "generated") for s in spans)
         for fork in view.rows[1:]:
             tokens = view.tokens(fork)
-            assert len(tokens) == 8
+            assert len(tokens) == WHY_TOKENS
             for _, _, logprob, alternatives in tokens:  # from the kernel: best first
                 assert logprob <= 0 and len(alternatives) == 5
                 values = [lp for _, lp in alternatives]

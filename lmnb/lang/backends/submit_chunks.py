@@ -15,22 +15,45 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextvars import ContextVar
 
 from lmnb.runtime.prompts import FIRST_CHUNK
 
-_whole_turns = 0  # blocks of `whole_turns` open now (on the program loop's thread)
+
+class _WholeTurns:
+    """One `whole_turns` block. The tasks and body greenlets started inside it hold it in
+    their copies of the context after it ends, so it says itself whether it is still open."""
+
+    def __init__(self, outer: _WholeTurns | None) -> None:
+        self.outer = outer
+        self.ended = False
+
+    def open(self) -> bool:
+        return not self.ended or (self.outer is not None and self.outer.open())
+
+
+# The innermost block around the current task or body greenlet (they copy their creator's
+# context): an unrelated program's submissions on the same loop are not held.
+_whole_turns: ContextVar[_WholeTurns | None] = ContextVar("whole_turns", default=None)
 
 
 @contextmanager
 def whole_turns() -> Iterator[None]:
-    """Inside the block (on the program loop), each turn's streamed submissions reach the
-    scheduler together at the turn's end, not in growing chunks."""
-    global _whole_turns
-    _whole_turns += 1
+    """Inside the block (on the program loop: its task and the tasks and bodies it starts),
+    each turn's streamed submissions reach the scheduler together at the turn's end, not in
+    growing chunks."""
+    block = _WholeTurns(_whole_turns.get())
+    token = _whole_turns.set(block)
     try:
         yield
     finally:
-        _whole_turns -= 1
+        block.ended = True
+        _whole_turns.reset(token)
+
+
+def _in_whole_turns() -> bool:
+    block = _whole_turns.get()
+    return block is not None and block.open()
 
 
 class SubmitChunks:
@@ -59,7 +82,7 @@ class SubmitChunks:
             asyncio.get_running_loop().call_soon(self._end_turn)
         yield
         self._count += 1
-        if self._count >= self._size and not _whole_turns:
+        if self._count >= self._size and not _in_whole_turns():
             self._send()
             self._size *= 2
 

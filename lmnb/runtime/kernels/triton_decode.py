@@ -23,10 +23,6 @@ may have any strides; `KVStorage` keeps them head-major ([kv_heads, slots] memor
 one row (a request's slots are mostly runs) instead of one 32-byte sector per slot. At the busiest
 level `decode_config` gives FP8 pools the 16-bit tile with 3 stages (an H100 sweep; twice the
 tokens over twice the warps was slower).
-`DecodeConfig.f16_dot` (FP8 pools under a bfloat16 model): q, K and V meet in float16 dots, since
-e4m3 -> float16 is one conversion per pair of elements on sm89+ and e4m3 -> bfloat16 is not
-(float16 holds every e4m3 value and q's usual range more precisely than bfloat16; |q| > 65504
-would overflow, so it is a tuning choice, not the default).
 """
 
 from __future__ import annotations
@@ -146,7 +142,6 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
     KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, K_ROWS: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
@@ -174,9 +169,7 @@ def _decode_partial_kernel(
     if end > start:
         q = tl.load(Q + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        if KV_FP8 and F16_DOT:
-            q = q.to(tl.float16)
-        elif KV_FP8:
+        if KV_FP8:
             q = dot_operand(q, UPCAST)
         else:
             q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
@@ -267,7 +260,6 @@ class DecodeConfig(NamedTuple):
     max_splits: int = 16  # the launch's split dimension at most (empty programs cost too)
     prefetch: bool = False  # load the next block's slots one iteration ahead
     k_rows: bool = False  # load K token-major and transpose it for the dot
-    f16_dot: bool = False  # FP8 pools: the dots in float16 (see the module docstring)
 
 
 # (request, KV head) programs above which splitting a request's KV buys no parallelism, only
@@ -338,9 +330,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                                      num_kv_heads=num_kv_heads)
     block_h = max(16, triton.next_power_of_2(group))
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
-    f16_dot = kv_fp8 and config.f16_dot and q.dtype == torch.bfloat16
-    # what the dots multiply
-    compute = torch.float16 if f16_dot else q.dtype if kv_fp8 else k_buffer.dtype
+    compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert shared is None or not kv_fp8, "shared-prefix decode reads 16/32-bit KV only"
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
@@ -375,7 +365,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
         KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
-        F16_DOT=f16_dot,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(q.device),
     )
     block_s = triton.next_power_of_2(max_kv_splits + prefix_splits)

@@ -38,6 +38,7 @@ from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.models.llama import LlamaForCausalLM
 from lmnb.runtime.models.registry import register_model
 from lmnb.runtime.models.vision import CLIPVisionModel, activation, copy_checked
+from lmnb.runtime.quantization import LLAVA_DECODER_PREFIXES
 
 __all__ = ["LlavaForConditionalGeneration", "num_media_tokens"]
 
@@ -207,12 +208,15 @@ class LlavaForConditionalGeneration(nn.Module):
         def decoder_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for checkpoint_name, tensor in weights:
                 name = _strip_model_prefix(checkpoint_name)
+                decoder = next((checkpoint_name.removeprefix(prefix)
+                                for prefix in LLAVA_DECODER_PREFIXES
+                                if checkpoint_name.startswith(prefix)), None)
                 if name.startswith(_OWN_PREFIXES):
                     self._load_own(name, checkpoint_name, tensor, own, loaded)
-                elif name.startswith("language_model.model."):
-                    yield "model." + name.removeprefix("language_model.model."), tensor
                 elif name.startswith("language_model.lm_head."):
                     yield name.removeprefix("language_model."), tensor
+                elif decoder is not None:
+                    yield "model." + decoder, tensor
                 elif name.startswith("language_model."):
                     yield "model." + name.removeprefix("language_model."), tensor
                 elif name.startswith("lm_head."):

@@ -257,7 +257,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     """The normalised `ModelConfig` of a resolved model folder (no network): config.json read as
     plain data for the model types `hf_config` covers, through AutoConfig for the others."""
     fields = hf_config.read_config(model_dir)
-    return ModelConfig.from_hf(fields if fields is not None else load_config(model_dir))
+    return ModelConfig.from_hf(fields if fields is not None else load_config(model_dir).to_dict())
 
 
 def load_tokenizer(model_dir: Path) -> Any:

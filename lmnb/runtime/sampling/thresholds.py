@@ -91,39 +91,33 @@ def _any(live, SKIP: tl.constexpr):
 
 
 @triton.jit
-def _slice_counts(base, start, end, prefix, shift: tl.constexpr, BLOCK: tl.constexpr,
-                  SKIP: tl.constexpr):
-    """[16] float32 counts of the tokens start:end whose image matches `prefix` above bit
-    shift + 4, by their digit at `shift` (accumulated per lane, reduced once; exact: < 2^24).
-    SKIP: blocks without such a token skip the [BLOCK, 16] update (they add zeros)."""
+def _slice_digits(base, start, end, prefix, shift: tl.constexpr, floor, best, inv_t,
+                  BLOCK: tl.constexpr, SKIP: tl.constexpr, MASS: tl.constexpr):
+    """[16] float32 sums over the tokens start:end whose image matches `prefix` above bit
+    shift + 4, by their digit at `shift` (accumulated per lane, reduced once): their counts
+    (exact: < 2^24), or with MASS their e^{(x - best) / T} (inv_t = 1 / T) where x >= floor
+    (`floor`, `best`, `inv_t` unread without MASS). SKIP: blocks without such a token skip the
+    [BLOCK, 16] update (they add zeros)."""
     digits = tl.arange(0, 16)
-    counts = tl.zeros([BLOCK, 16], tl.int32)
+    if MASS:
+        sums = tl.zeros([BLOCK, 16], tl.float32)
+    else:
+        sums = tl.zeros([BLOCK, 16], tl.int32)
     for at in range(start, end, BLOCK):
         x, cols = _load(base, at, end, BLOCK)
         image = _image(x)
         live = (((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < end)
+        if MASS:
+            live = live & (x >= floor)
         if _any(live, SKIP):
-            hit = (((image >> shift) & 15)[:, None] == digits[None, :]) & live[:, None]
-            counts += hit.to(tl.int32)
-    return tl.sum(counts, 0).to(tl.float32)
-
-
-@triton.jit
-def _slice_masses(base, start, end, prefix, shift: tl.constexpr, floor, best, inv_t,
-                  BLOCK: tl.constexpr, SKIP: tl.constexpr):
-    """`_slice_counts` summing e^{(x - best) / T} of the tokens x >= floor."""
-    digits = tl.arange(0, 16)
-    masses = tl.zeros([BLOCK, 16], tl.float32)
-    for at in range(start, end, BLOCK):
-        x, cols = _load(base, at, end, BLOCK)
-        image = _image(x)
-        live = ((((image >> shift) >> 4) == ((prefix >> shift) >> 4)) & (cols < end)
-                & (x >= floor))
-        if _any(live, SKIP):
-            mass = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
-            hit = ((image >> shift) & 15)[:, None] == digits[None, :]
-            masses += tl.where(hit, mass[:, None], 0.0)
-    return tl.sum(masses, 0)
+            if MASS:
+                mass = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
+                hit = ((image >> shift) & 15)[:, None] == digits[None, :]
+                sums += tl.where(hit, mass[:, None], 0.0)
+            else:
+                hit = (((image >> shift) & 15)[:, None] == digits[None, :]) & live[:, None]
+                sums += hit.to(tl.int32)
+    return tl.sum(sums, 0).to(tl.float32)
 
 
 @triton.jit
@@ -218,10 +212,11 @@ def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, FLOORS, BESTS, PARTS_IN,
         if MASS:
             inv_t = 1.0 / tl.load(TEMPS + i)
             best = _row_best(BESTS, i, splits, SPLITS)
-            hist = _slice_masses(base, start, end, prefix, shift, tl.load(FLOORS + i), best,
-                                 inv_t, BLOCK, SKIP)
-        else:
-            hist = _slice_counts(base, start, end, prefix, shift, BLOCK, SKIP)
+            floor = tl.load(FLOORS + i)
+        else:  # unread
+            inv_t, best, floor = 1.0, 0.0, 0.0
+        hist = _slice_digits(base, start, end, prefix, shift, floor, best, inv_t, BLOCK, SKIP,
+                             MASS)
         tl.store(PARTS + (i * splits + part) * 16 + tl.arange(0, 16), hist)
 
 

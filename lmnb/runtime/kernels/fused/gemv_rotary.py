@@ -78,17 +78,16 @@ def _store_fp8_head(kv, slot, offs_m, mask_m, STAGE, K_OUT, V_OUT, K_SCALE, V_SC
     x1 = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")  # L2: other SMs wrote them
     x2 = tl.load(src + HALF, mask=mask, other=0.0, cache_modifier=".cg")
     y1, y2, scale = fp8_rows(x1, x2, FP8_MAX)
-    if kv < num_kv_heads:
-        tl.store(K_SCALE + slot * stride_st + kv * stride_sh, scale, mask=mask_m)
-        dst = K_OUT + slot[:, None] * stride_k_row + kv * stride_k_head + offs[None, :]
-        tl.store(dst, y1.to(K_OUT.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, y2.to(K_OUT.dtype.element_ty), mask=mask)
-    else:
-        h = kv - num_kv_heads
-        tl.store(V_SCALE + slot * stride_st + h * stride_sh, scale, mask=mask_m)
-        dst = V_OUT + slot[:, None] * stride_v_row + h * stride_v_head + offs[None, :]
-        tl.store(dst, y1.to(V_OUT.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, y2.to(V_OUT.dtype.element_ty), mask=mask)
+    is_k = kv < num_kv_heads  # K's head kv, else V's head kv - num_kv_heads
+    h = tl.where(is_k, kv, kv - num_kv_heads)
+    out = tl.where(is_k, K_OUT, V_OUT)  # both FP8 (`rotary_launch` checks)
+    stride_row = tl.where(is_k, stride_k_row, stride_v_row)
+    stride_head = tl.where(is_k, stride_k_head, stride_v_head)
+    tl.store(tl.where(is_k, K_SCALE, V_SCALE) + slot * stride_st + h * stride_sh, scale,
+             mask=mask_m)
+    dst = out + slot[:, None] * stride_row + h * stride_head + offs[None, :]
+    tl.store(dst, y1.to(K_OUT.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(K_OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
