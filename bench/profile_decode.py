@@ -59,8 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     passes = args.steps + 1
     print(f"CUDA kernels for 1 prefill + {args.steps} decode steps: {kernels} "
           f"(~{kernels / passes:.0f} per pass)")
-    print(format_table(CATEGORY_HEADERS, category_rows(
-        summarize(device_events(prof), wall_seconds=0.0, passes=passes))))
+    summary = summarize(device_events(prof), wall_seconds=0.0, passes=passes)
+    print(format_table(CATEGORY_HEADERS, category_rows(summary)))
+    print(format_table(["kernel", "category", "count", "us per pass"],
+                       [[k["name"][:90], k["category"], k["count"], 1e6 * k["seconds"] / passes]
+                        for k in summary["top_kernels"]]))
     print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
 
 
