@@ -58,6 +58,12 @@ _SNAPSHOT_MIN = 64  # tokens shown beyond 4x the last snapshot's before the next
 _YIELD_EVERY = 32  # tokens converted between two releases of the GIL (~0.5-1 ms of work)
 
 
+def _places3(logprob: float) -> float:
+    """A logprob (<= 0) to 3 decimal places, half away from zero, at a third of `round(x, 3)`'s
+    cost (a token carries six); -inf (a masked alternative) and nan as they are."""
+    return int(logprob * 1000 - 0.5) / 1000 if logprob > -1e12 else logprob
+
+
 def generated_color(logprob: float) -> str:
     """The tint of a generated token of this logprob (the ESM's `genColor`)."""
     return f"hsl(142, 70%, {56 + 30 * math.exp(logprob):.1f}%)"
@@ -193,18 +199,15 @@ class TokenViewModel:
         return [(e, e.token_trace) for e in self._state.run.executors
                 if e.token_trace is not None]
 
-    def _token(self, cell: Cell) -> Token:
-        text = self._texts
-        token_id, origin, logprob, top = cell
-        alternatives = ([[text(alt[1]), round(alt[0], 3)] for alt in top]  # (logprob, id[, text])
-                        if top else None)
-        return [text(token_id), origin, None if logprob is None else round(logprob, 3),
-                alternatives]
-
     def _convert(self, cells: list[Cell]) -> list[Token]:
+        """The cells as tokens on the wire (every shown token passes here once)."""
+        text = self._texts
         tokens = []
-        for i, cell in enumerate(cells, start=1):
-            tokens.append(self._token(cell))
+        for i, (token_id, origin, logprob, top) in enumerate(cells, start=1):
+            alternatives = ([[text(alt[1]), _places3(alt[0])] for alt in top]  # (logprob, id..)
+                            if top else None)
+            tokens.append([text(token_id), origin,
+                           None if logprob is None else _places3(logprob), alternatives])
             if i % _YIELD_EVERY == 0:
                 time.sleep(0)  # lets the runtime's threads take the GIL back (see above)
         return tokens
