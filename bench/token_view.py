@@ -1,11 +1,21 @@
 """What a live `TokenView` costs a running program, in many short interleaved paired runs.
 
-A program of `--gens` gens of `--tokens-per-gen` tokens each (`ignore_eos`, temperature 1, a
-seed per gen: every run draws the same tokens) runs at batch 1 on a Runtime whose model is, by
-default, a 2-layer, 64-wide random Llama (128-wide on a GPU: head size 64) with SmolLM2's
-tokenizer: a model that costs almost nothing, so that the host's share, where the trace and the
-view's updates compete with the runtime for the GIL, is as large as it gets (`--model DIR` runs
-a real one). Paths:
+Two shapes of program (`ignore_eos`, temperature 1, a seed per gen: every run draws the same
+tokens):
+
+- sequential (default): `--gens` gens of `--tokens-per-gen` tokens (default 1 x 1,000) at batch
+  1;
+- parallel (`--forks N`): the prompt forks into N branches that each write `--gens` gens of
+  `--tokens-per-gen` tokens (default 10,000 / N each), all decoding at once (batch N), every
+  branch a row of the one live view. `--forks 16` renders 10,000 streamed tokens in every view
+  run: the criterion's size, and with a real model on a GPU a token costs the device's time.
+
+Models: by default a 2-layer, 64-wide random Llama (128-wide on a GPU: head size 64) with
+SmolLM2's tokenizer, a model that costs almost nothing, so that the host's share, where the
+trace and the view's updates compete with the runtime for the GIL, is as large as it gets (on
+the H100 a token cost 1.35 ms of host work and blocks varied by +-30%: too noisy to show 5%);
+`--dummy-config NAME` random weights of a real architecture (bench/dummy_models.py, e.g.
+llama-3-8b, with `--tokenizer`), `--model DIR` a real one. Paths:
 
 - `plain`: the program as usual (streamed);
 - `traced`: `token_view=True`: every gen asks for token origins and top-5 logprobs, and the
@@ -21,25 +31,38 @@ apart, so the paths run in `--blocks` blocks of one short run each, back to back
 at path b mod 3, so no path always runs first), and each block gives paired ratios (traced /
 plain, view / plain) of wall time and of the process's CPU time. The result is the median of
 the per-block ratios with a distribution-free confidence interval of that median (order
-statistics of the binomial, ~90%), the quartiles and the range. The verdict on `view / plain - 1`
-(what a user who turns the view on pays) is OK when the interval's top is within the 5% budget,
-OVER when its bottom is above it, else UNRESOLVED (more blocks). Beside it, noise-free
-accounting: the CPU seconds of the view's own updates (thread time inside them) and the paired
-differences of each runtime thread's CPU time per token (the runtime's and program's per-token
-reporting: scheduler, output and programs threads).
+statistics of the binomial, ~90%: with 8 blocks the 2nd and 7th sorted ratios), the quartiles
+and the range. The verdict on `view / plain - 1` (what a user who turns the view on pays) is OK
+when the interval's top is below the 5% budget, OVER when its bottom is above it, else
+UNRESOLVED (more blocks); the `criterion` line says the same of issue 25's "10,000 streamed
+tokens render without slowing the run by more than 5%" (MET only when the top is below 5%), and
+notes runs shorter than 10,000 tokens. Beside it, noise-free accounting: the view's own CPU time
+(thread time inside its updates, plus its listener on the trace log, which the program threads
+call on every streamed chunk: counted, and every 16th call timed) and the paired differences of
+each runtime thread's CPU time per token (the runtime's and program's per-token reporting:
+scheduler, output and programs threads).
 
-Then one long view run (`--long-gens` x `--long-tokens-per-gen`, default 10 x 1,000 = 10,000
-streamed tokens) checks that the view shows every token and what its updates cost at that size
-(their share of the run, the largest message). Where the per-token time goes: a raw
-`Runtime.generate` stream of the same request beside the program (the DSL's share), the forward
-passes and CUDA-graph replays per token, the scheduler thread's CPU per token, its stack sampled
-every 2 ms over one more plain run (`ThreadProfile`; `--no-profile` skips it) and, on a GPU, the
-host time of one batch-1 sampling step (`--sampler-calls`). JSON goes to
-bench/results/token_view[_cuda].json.
+Before the blocks, one full-size view run (not counted) decodes the token texts every later run
+repeats (the view caches them per tokenizer; random weights' top-5 alternatives are mostly
+distinct ids, which a real model's are not): its own CPU is printed as the first view's. After
+them, in the sequential shape, one long view run (`--long-gens` x `--long-tokens-per-gen`,
+default 10 x 1,000 = 10,000 streamed tokens; none with `--forks`, whose every view run is that
+size) checks that the view shows every token and what its updates cost at that size (their
+share of the run, the largest message). Where the per-token time goes: raw `Runtime.generate`
+streams of the same requests beside the program (the DSL's share), the forward passes and
+CUDA-graph replays per token, the scheduler thread's CPU per token, its stack sampled every 2 ms
+over one more plain run (`ThreadProfile`; `--no-profile` skips it) and, on a GPU, the host time
+of one batch-1 sampling step (`--sampler-calls`). JSON goes to bench/results/token_view[_cuda].json.
 
     python bench/token_view.py                     # CPU: 10 blocks x 1,000 tokens + 10,000
-    python bench/token_view.py --device cuda       # GPU: 8 blocks x 1,000 tokens + 10,000 (~70 s)
+    python bench/token_view.py --device cuda       # GPU, tiny model: host-bound, noisy
+    python bench/token_view.py --device cuda --dummy-config llama-3-8b \
+        --tokenizer .gpu/tokenizer --forks 16 --no-profile   # the criterion (~3 min on an H100)
+    python bench/token_view.py --forks 16 --tokens-per-gen 40 --blocks 5   # a CPU check
     python bench/token_view.py --blocks 2 --tokens-per-gen 100 --long-gens 0   # a smoke run
+
+On the H100 the parallel shape decodes batch 16 of a random Llama-3-8B at ~6-7 ms a step: a run
+of 10,000 tokens takes ~4-5 s of device-bound decode, the three paths of 8 blocks ~2 minutes.
 
 On the CPU torch runs one intra-op thread unless `--threads` says otherwise: on a busy shared
 host a parallel region waits for its descheduled second thread (a sampling step measured 3.5 ms
@@ -333,7 +356,9 @@ def run_once(program: Any, runtime: Any, backend: Any, mode: str,
                    comm_largest_bytes=comm.largest)
         if meter is not None:
             out.update(listener_calls=meter.calls, listener_cpu_seconds=meter.cpu_seconds)
+        shown_live = sum(model.counts.values())  # what it showed as the run ended
         view.refresh()
+        out["shown_live_share"] = shown_live / max(sum(model.counts.values()), 1)
         out["shown_generated"] = model.counts["generated"]
         out["rows"] = len(model.rows)
         view.close()
@@ -669,7 +694,11 @@ def main() -> None:
           f"updates' budget {100 * MAX_FLUSH_SHARE:.0f}%), "
           f"{statistics.median(r['flushes'] for r in views):.0f} updates per run")
     print(f"each view run: {statistics.median(r['shown_generated'] for r in views):,.0f} "
-          f"generated tokens shown (median) in {views[0]['rows']} rows, "
+          f"generated tokens shown (median) in {views[0]['rows']} row"
+          f"{'s' if views[0]['rows'] != 1 else ''}, "
+          f"{100 * statistics.median(r['shown_live_share'] for r in views):.0f}% of its tokens "
+          f"already shown as the run ended (median; min "
+          f"{100 * min(r['shown_live_share'] for r in views):.0f}%), "
           f"{statistics.median(r['comm_bytes'] for r in views) / 1e6:.2f} MB of comm JSON "
           f"(largest message {max(r['comm_largest_bytes'] for r in views) / 1e3:.0f} kB)")
 
