@@ -138,6 +138,8 @@ def _first_change(old: list[Cell], new: list[Cell], unchanged: int) -> int:
     at = min(unchanged, n)
     if old[:at] != new[:at]:  # a re-tokenized end of the finished text: walk from the start
         at = 0
+    elif old[at:n] == new[at:n]:  # the usual case: only new tokens (the running gen's cells
+        return n  # stay the same objects), found in C rather than by the walk below
     while at < n and (old[at] is new[at] or old[at] == new[at]):
         at += 1
     return at
