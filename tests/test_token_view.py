@@ -217,6 +217,16 @@ def test_logprobs_on_the_wire_have_three_places() -> None:
     assert math.isnan(_places3(math.nan))
 
 
+def test_snapshot_json_is_json_dumps_in_chunks() -> None:
+    from lmnb.widgets.token_view_model import snapshot_json
+
+    token = [' "q"\\\n\u00e9', 2, -1.25, [["x", -0.5], ["y", -2.0]]]
+    rows = [(7, [token] * 600), (8, []), (9, [token] * 3)]  # 600: three chunks
+    assert snapshot_json(3, rows) == json.dumps({"seq": 3, "rows": {
+        str(row_id): tokens for row_id, tokens in rows}})
+    assert snapshot_json(0, []) == json.dumps({"seq": 0, "rows": {}})
+
+
 def test_metrics_bar_of_a_runtime(backend: LocalBackend) -> None:
     from lmnb.widgets.metrics_bar import MetricsBar
 
