@@ -203,6 +203,31 @@ def test_a_retokenized_boundary_keeps_the_earlier_tokens() -> None:
     assert [(c[0], c[1]) for c in trace.cells()] == [(9, 1), (1, 2), (8, 1)]
 
 
+def test_logprobs_on_the_wire_have_three_places() -> None:
+    """The view's cheap rounding agrees with `round(x, 3)` (up to ties) and passes -inf (a
+    masked alternative) and nan through."""
+    import math
+    import random
+
+    from lmnb.widgets.token_view_model import _places3
+
+    rng = random.Random(0)
+    for x in [-rng.random() * 20 for _ in range(2000)] + [0.0, -0.0004, -1e-9, 1e-9]:
+        assert abs(_places3(x) - round(x, 3)) < 1e-9 or abs(x * 1000 % 1 - 0.5) < 1e-6
+    assert _places3(-1.2345) == -1.235 and _places3(-math.inf) == -math.inf
+    assert math.isnan(_places3(math.nan))
+
+
+def test_snapshot_json_is_json_dumps_in_chunks() -> None:
+    from lmnb.widgets.token_view_model import snapshot_json
+
+    token = [' "q"\\\n\u00e9', 2, -1.25, [["x", -0.5], ["y", -2.0]]]
+    rows = [(7, [token] * 600), (8, []), (9, [token] * 3)]  # 600: three chunks
+    assert snapshot_json(3, rows) == json.dumps({"seq": 3, "rows": {
+        str(row_id): tokens for row_id, tokens in rows}})
+    assert snapshot_json(0, []) == json.dumps({"seq": 0, "rows": {}})
+
+
 def test_metrics_bar_of_a_runtime(backend: LocalBackend) -> None:
     from lmnb.widgets.metrics_bar import MetricsBar
 

@@ -16,6 +16,10 @@ class Throttle:
     Requests made while a flush is pending or running are merged into the next one. `flush`
     returns True to be called again (e.g. while something still runs). The thread ends after
     `idle_s` without requests and starts again on the next one.
+
+    A request while one is pending costs one flag read, no lock (a traced program requests on
+    every streamed token): the flag is set only while a thread lives that will clear it and
+    then flush, so that flush sees what the request announced.
     """
 
     def __init__(self, flush: Callable[[], bool], *, hz: float = 20.0, idle_s: float = 2.0) -> None:
@@ -30,6 +34,8 @@ class Throttle:
         self._stopped = False
 
     def request(self) -> None:
+        if self._wake.is_set():  # pending: the next flush covers this request
+            return
         with self._lock:
             if self._stopped:
                 return
@@ -45,9 +51,9 @@ class Throttle:
 
     def _loop(self) -> None:
         while True:
-            woke = self._wake.wait(self._idle_s)
-            with self._lock:
-                if self._stopped or not woke:
+            self._wake.wait(self._idle_s)
+            with self._lock:  # a request set the flag, under this lock, or it is idle
+                if self._stopped or not self._wake.is_set():
                     self._thread = None
                     return
                 self._wake.clear()

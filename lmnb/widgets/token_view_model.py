@@ -56,6 +56,27 @@ MAX_FLUSH_SHARE = 0.02  # a live view spends at most ~2% of the wall clock updat
 SYNCED = ("rows", "counts", "metrics", "metrics_html", "done", "snapshot")
 _SNAPSHOT_MIN = 64  # tokens shown beyond 4x the last snapshot's before the next one
 _YIELD_EVERY = 32  # tokens converted between two releases of the GIL (~0.5-1 ms of work)
+_JSON_CHUNK = 256  # tokens serialized between two releases of the GIL (~1 ms)
+
+
+def _places3(logprob: float) -> float:
+    """A logprob (<= 0) to 3 decimal places, half away from zero, at a third of `round(x, 3)`'s
+    cost (a token carries six); -inf (a masked alternative) and nan as they are."""
+    return int(logprob * 1000 - 0.5) / 1000 if logprob > -1e12 else logprob
+
+
+def snapshot_json(seq: int, rows: list[tuple[int, list[Token]]]) -> str:
+    """`json.dumps({"seq": seq, "rows": {str(id): tokens, ...}})`, serialized `_JSON_CHUNK`
+    tokens at a time with the GIL released in between: a snapshot of 10,000 tokens is ~1.3 MB,
+    tens of milliseconds in one `json.dumps` that the runtime's threads would wait out."""
+    parts = []
+    for row_id, tokens in rows:
+        chunks = []
+        for at in range(0, len(tokens), _JSON_CHUNK):
+            chunks.append(json.dumps(tokens[at:at + _JSON_CHUNK])[1:-1])
+            time.sleep(0)
+        parts.append(f"{json.dumps(str(row_id))}: [{', '.join(chunks)}]")
+    return f'{{"seq": {seq}, "rows": {{{", ".join(parts)}}}}}'
 
 
 def generated_color(logprob: float) -> str:
@@ -132,6 +153,8 @@ def _first_change(old: list[Cell], new: list[Cell], unchanged: int) -> int:
     at = min(unchanged, n)
     if old[:at] != new[:at]:  # a re-tokenized end of the finished text: walk from the start
         at = 0
+    elif old[at:n] == new[at:n]:  # the usual case: only new tokens (the running gen's cells
+        return n  # stay the same objects), found in C rather than by the walk below
     while at < n and (old[at] is new[at] or old[at] == new[at]):
         at += 1
     return at
@@ -193,18 +216,15 @@ class TokenViewModel:
         return [(e, e.token_trace) for e in self._state.run.executors
                 if e.token_trace is not None]
 
-    def _token(self, cell: Cell) -> Token:
-        text = self._texts
-        token_id, origin, logprob, top = cell
-        alternatives = ([[text(alt[1]), round(alt[0], 3)] for alt in top]  # (logprob, id[, text])
-                        if top else None)
-        return [text(token_id), origin, None if logprob is None else round(logprob, 3),
-                alternatives]
-
     def _convert(self, cells: list[Cell]) -> list[Token]:
+        """The cells as tokens on the wire (every shown token passes here once)."""
+        text = self._texts
         tokens = []
-        for i, cell in enumerate(cells, start=1):
-            tokens.append(self._token(cell))
+        for i, (token_id, origin, logprob, top) in enumerate(cells, start=1):
+            alternatives = ([[text(alt[1]), _places3(alt[0])] for alt in top]  # (logprob, id..)
+                            if top else None)
+            tokens.append([text(token_id), origin,
+                           None if logprob is None else _places3(logprob), alternatives])
             if i % _YIELD_EVERY == 0:
                 time.sleep(0)  # lets the runtime's threads take the GIL back (see above)
         return tokens
@@ -293,8 +313,8 @@ class TokenViewModel:
                     self._send({"seq": self.seq, "base": self.seq - 1, "rows": deltas})
                 shown = sum(len(row.tokens) for row in self._rows.values())
                 if done or not self.snapshot or shown >= 4 * self._snapshot_size + _SNAPSHOT_MIN:
-                    changes["snapshot"] = self.snapshot = json.dumps({"seq": self.seq, "rows": {
-                        str(row["id"]): self.tokens(row) for row in rows}})
+                    changes["snapshot"] = self.snapshot = snapshot_json(
+                        self.seq, [(row["id"], self.tokens(row)) for row in rows])
                     self._snapshot_size = shown
                 self._publish(changes)
                 self._version = version
