@@ -50,6 +50,8 @@ def test_engine_config_normalises_paths_dtypes_and_devices() -> None:
     ({"max_running_requests": 0}, "max_running_requests must be >= 1"),
     ({"context_length": -5}, "context_length must be >= 2"),
     ({"chunked_prefill_size": 0}, "chunked_prefill_size must be >= 1"),
+    ({"schedule_conservativeness": -0.5}, "schedule_conservativeness must be a number >= 0"),
+    ({"schedule_conservativeness": "low"}, "schedule_conservativeness must be a number"),
     ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be >= 1"),
     ({"random_seed": -1}, "random_seed must be >= 0"),
     ({"tp_size": 0}, "tp_size must be >= 1, got 0"),

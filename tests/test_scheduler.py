@@ -56,11 +56,12 @@ class Sink:
 
 def make(pool: int = 256, *, chunk: int = 16, reuse: bool = True, max_reqs: int = 8,
          runner: FakeRunner | None = None, tokenizer=None, jump_forward=None,
-         policy: str = "fcfs") -> Scheduler:
+         policy: str = "fcfs", conservativeness: float = 1.0) -> Scheduler:
     allocator = KVAllocator(pool, CPU)
     cache = RadixCache(allocator) if reuse else NoReuseCache(allocator)
     manager = CacheManager(cache, allocator, ReqToTokenPool(max_reqs, 256, CPU))
-    config = SchedulerConfig(chunked_prefill_size=chunk, check_integrity_each_step=True)
+    config = SchedulerConfig(chunked_prefill_size=chunk, check_integrity_each_step=True
+                             ).conservative(conservativeness)
     return Scheduler(runner=runner or FakeRunner(), cache=manager, policy=make_policy(policy),
                      config=config, stop_rules=StopRules({EOS}), sink=Sink(),
                      tokenizer=tokenizer, jump_forward=jump_forward)
@@ -162,6 +163,33 @@ def test_retraction_when_kv_runs_out_then_everyone_finishes() -> None:
         assert state.req.output_ids == list(range(100, 114))
         assert state.req.finished_reason["type"] == "length"
     assert scheduler.cache.allocator.available() + scheduler.cache.cache.evictable_size() == 40
+
+
+def test_conservativeness_scales_the_reserve_and_its_decay() -> None:
+    default = SchedulerConfig()
+    half = SchedulerConfig().conservative(0.5)
+    assert (half.init_new_token_ratio, half.min_new_token_ratio) == (0.35, 0.05)
+    passes = ((default.init_new_token_ratio - default.min_new_token_ratio)
+              / default.new_token_ratio_decay)
+    assert (half.init_new_token_ratio - half.min_new_token_ratio) / half.new_token_ratio_decay \
+        == pytest.approx(passes)
+    assert SchedulerConfig().conservative(1.0) == default
+    assert SchedulerConfig().conservative(5.0).init_new_token_ratio == 1.0
+
+
+@pytest.mark.parametrize(("factor", "first_pass"), [(1.0, 2), (0.0, 3)])
+def test_a_low_conservativeness_admits_more_and_retracts_when_kv_runs_out(factor, first_pass):
+    """The same work as the retraction test: with no reserve all three requests start in the
+    first pass and retraction sorts out the pool; everyone still gets every token."""
+    scheduler = make(pool=40, chunk=64, conservativeness=factor)
+    states = [request(range(10 * k, 10 * k + 8), max_new_tokens=14) for k in (1, 2, 3)]
+    for state in states:
+        scheduler.add(state)
+    run_to_end(scheduler)
+    assert len(scheduler.runner.batches[0].rids) == first_pass
+    for state in states:
+        assert state.req.output_ids == list(range(100, 114))
+    scheduler.check_integrity()
 
 
 def test_abort_mid_prefill_frees_its_kv_and_unlocks_its_prefix() -> None:

@@ -170,7 +170,8 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
             or not runner.attn_backend.supports_shared_prefixes
             else SHARED_PREFIX_MIN_TOKENS),
         overlap_schedule=(device.type == "cuda" if config.disable_overlap_schedule is None
-                          else not config.disable_overlap_schedule))
+                          else not config.disable_overlap_schedule)
+    ).conservative(config.schedule_conservativeness)
     allocator = KVAllocator(runner.max_total_tokens, device)
     cache: PrefixCache = (
         NoReuseCache(allocator) if config.disable_radix_cache

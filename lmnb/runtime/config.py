@@ -77,6 +77,9 @@ class EngineConfig:
     max_running_requests: int | None = None
     chunked_prefill_size: int | None = None  # prompt tokens per prefill pass
     schedule_policy: str = "lpm"
+    # scales the KV reserved for running requests' future tokens when admitting (SGLang's
+    # option): lower admits more requests at once and retracts when the pool runs out
+    schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_jump_forward: bool = False
     grammar_backend: str = "lmnb"  # regex/JSON schema: 'lmnb' (compressed FSM) | 'xgrammar'
@@ -144,6 +147,11 @@ class EngineConfig:
         _check_int("random_seed", self.random_seed, minimum=0)
         _check_int("tp_size", self.tp_size, minimum=1, optional=False)
         _check_int("dp_size", self.dp_size, minimum=1, optional=False)
+        conservativeness = self.schedule_conservativeness
+        if (isinstance(conservativeness, bool) or not isinstance(conservativeness, int | float)
+                or not conservativeness >= 0.0):
+            raise ValueError("schedule_conservativeness must be a number >= 0, got "
+                             f"{conservativeness!r}")
         fraction = self.mem_fraction_static
         if fraction is not None and (isinstance(fraction, bool)
                                      or not isinstance(fraction, int | float)

@@ -33,6 +33,16 @@ class SchedulerConfig:
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
 
+    def conservative(self, factor: float) -> SchedulerConfig:
+        """The new-token ratios scaled by `factor` (SGLang's schedule_conservativeness): the
+        reserve starts at init * factor and decays to min * factor over the same passes."""
+        init = min(self.init_new_token_ratio * factor, 1.0)
+        least = min(self.min_new_token_ratio * factor, init)
+        passes = (self.init_new_token_ratio - self.min_new_token_ratio) / self.new_token_ratio_decay
+        self.init_new_token_ratio, self.min_new_token_ratio = init, least
+        self.new_token_ratio_decay = (init - least) / passes if passes > 0 else 0.0
+        return self
+
 
 class OutputSink(Protocol):
     def put(self, events: list[TokenEvent]) -> None:
