@@ -5,6 +5,7 @@ checked row by row."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -45,7 +46,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.dir = Path(tempfile.mkdtemp(dir="/tmp/hc"))
+        self.dir = Path(tempfile.mkdtemp(prefix="lmnb-hicache-"))
         self.write_through = False
         self.locks: list[object] = []
         self.seen: list[list[int]] = []
@@ -61,6 +62,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.cache.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     @precondition(lambda self: self.seen)
     @rule(which=st.integers(0, 1 << 10), tail=st.lists(st.integers(0, 2), max_size=3))
