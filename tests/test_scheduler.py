@@ -165,6 +165,56 @@ def test_retraction_when_kv_runs_out_then_everyone_finishes() -> None:
     assert scheduler.cache.allocator.available() + scheduler.cache.cache.evictable_size() == 40
 
 
+def test_requests_that_only_the_length_limit_ends_are_admitted_by_their_peak() -> None:
+    """The retraction test's work with `ignore_eos`: each request's future is known, so the
+    second is admitted only when the pool holds both at their peak: none is ever retracted."""
+    scheduler = make(pool=40, chunk=64)
+    states = [request(range(10 * k, 10 * k + 8), max_new_tokens=14, ignore_eos=True)
+              for k in (1, 2, 3)]
+    for state in states:
+        scheduler.add(state)
+    run_to_end(scheduler)
+    assert scheduler.stats.retractions == 0
+    assert len(scheduler.runner.batches[0].rids) == 1  # 2 x (8 + 14) > 40
+    for state in states:
+        assert state.req.output_ids == list(range(100, 114))
+    assert scheduler.cache.allocator.available() + scheduler.cache.cache.evictable_size() == 40
+
+
+@pytest.mark.parametrize(("ignore_eos", "first_pass"), [(True, 3), (False, 2)])
+def test_a_known_peak_admits_requests_whose_summed_reserve_does_not_fit(ignore_eos, first_pass):
+    """Two short requests and a long one: at their peak (the long one's last token, after the
+    short ones ended) they hold 8 + 24 = 32 of 40 slots, so all three start at once; reserving
+    a share of every request's remaining tokens (when they may stop early) admits two."""
+    scheduler = make(pool=40, chunk=64)
+    states = [request(range(10 * k, 10 * k + 8), max_new_tokens=n, ignore_eos=ignore_eos)
+              for k, n in ((1, 2), (2, 2), (3, 24))]
+    for state in states:
+        scheduler.add(state)
+    run_to_end(scheduler)
+    assert len(scheduler.runner.batches[0].rids) == first_pass
+    assert scheduler.stats.retractions == 0
+    for state in states:
+        n = state.req.sampling_params.max_new_tokens
+        assert state.req.output_ids == list(range(100, 100 + n))
+
+
+def test_lpm_orders_requests_that_arrived_together_longest_output_first() -> None:
+    """Equal cached prefixes: earlier arrivals first; within one arrival, most new tokens
+    first (the batch's makespan); the cached prefix still comes before both."""
+    scheduler = make(policy="lpm")
+    cached = request([7, 8, 9, 10, 11], max_new_tokens=1)
+    scheduler.add(cached)
+    run_to_end(scheduler)
+    reqs = [Req(origin_input_ids=[k, k + 1, k + 2], arrival_pass=passes,
+                sampling_params=SamplingParams(max_new_tokens=n))
+            for k, passes, n in ((20, 3, 5), (30, 3, 50), (40, 2, 1), (50, 3, 20))]
+    hit = Req(origin_input_ids=[7, 8, 9, 10, 12], arrival_pass=3,
+              sampling_params=SamplingParams(max_new_tokens=1))
+    ordered = make_policy("lpm").order([*reqs, hit], scheduler.cache.cache, clock=4)
+    assert [req.origin_input_ids[0] for req in ordered] == [7, 40, 30, 50, 20]
+
+
 def test_conservativeness_scales_the_reserve_and_its_decay() -> None:
     default = SchedulerConfig()
     half = SchedulerConfig().conservative(0.5)

@@ -1,4 +1,4 @@
-"""Orders the waiting queue before admission: fcfs, lpm, dfs-weight, and lpm with aging."""
+"""Orders the waiting queue before admission: fcfs, lpm, dfs-weight, lof, and lpm with aging."""
 
 from __future__ import annotations
 
@@ -41,15 +41,32 @@ class FirstComeFirstServed(SchedulePolicy):
         return list(waiting)
 
 
+def _batch_order(req: Req) -> tuple[int, int]:
+    """Arrival order, except that requests that arrived together (between the same two forward
+    passes: one `generate` of many prompts, one `run_batch`) go longest output first: their
+    caller waits for all of them, and a long one started late would decode alone at the end."""
+    return req.arrival_pass, -req.sampling_params.max_new_tokens
+
+
 @register_policy("lpm")
 class LongestPrefixMatch(SchedulePolicy):
-    """Longest cached prefix first (ties keep arrival order): the paper's cache-aware order."""
+    """Longest cached prefix first (the paper's cache-aware order); ties, and queues too long to
+    match, in `_batch_order`."""
 
     def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
         if not cache.reuses_kv or len(waiting) > LPM_MAX_QUEUE:
-            return list(waiting)
+            return sorted(waiting, key=_batch_order)
         matched = _matched_lengths(waiting, cache)
-        return sorted(waiting, key=lambda req: -matched[req.rid])
+        return sorted(waiting, key=lambda req: (-matched[req.rid], *_batch_order(req)))
+
+
+@register_policy("lof")
+class LongestOutputFirst(SchedulePolicy):
+    """Most new tokens to generate first (`max_new_tokens`; ties keep arrival order), SGLang's
+    `lof`: the long requests of a batch start early, so fewer decode alone at its end."""
+
+    def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
+        return sorted(waiting, key=lambda req: -req.sampling_params.max_new_tokens)
 
 
 @register_policy("dfs-weight")

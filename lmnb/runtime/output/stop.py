@@ -141,6 +141,14 @@ class StopRules:
         return by_length(params, output_len)
 
 
+def ends_by_length_only(params: SamplingParams) -> bool:
+    """Only the length limit can end it (EOS ignored; no stop ids, strings, regexes or grammar):
+    unless aborted, it generates exactly `max_new_tokens` tokens."""
+    return (params.ignore_eos and not params.stop_token_ids and not params.stop
+            and not params.stop_regex and params.regex is None and params.json_schema is None
+            and params.ebnf is None)
+
+
 def by_length(params: SamplingParams, output_len: int) -> dict[str, Any] | None:
     """The length limit: `max_new_tokens` (cut to the context's room by `within_context`)."""
     if output_len >= params.max_new_tokens:

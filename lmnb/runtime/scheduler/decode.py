@@ -1,12 +1,20 @@
 """Decode admission: every running request decodes one token; when KV runs out, the requests
 with the fewest output tokens are retracted (their KV goes to the cache; they recompute later).
-Also keeps `new_token_ratio`, the share of outstanding `max_new_tokens` reserved for running
-requests when admitting new ones."""
+Also what running requests will need when new ones are admitted: for requests that may stop
+early, `new_token_ratio`, the share of outstanding `max_new_tokens` reserved; for requests that
+only the length limit ends, their exact future (`KVPeak`)."""
 
 from __future__ import annotations
 
 from lmnb.runtime.core import Req
+from lmnb.runtime.output.stop import ends_by_length_only
 from lmnb.runtime.scheduler.cache_manager import CacheManager
+from lmnb.runtime.scheduler.kv_peak import KVPeak
+
+
+def tokens_left(req: Req) -> int:
+    """Slots `req` may still allocate: one a decode pass until `max_new_tokens`."""
+    return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
 
 
 class DecodeManager:
@@ -18,9 +26,16 @@ class DecodeManager:
         self.new_token_ratio = init_new_token_ratio
 
     def reserved(self, running: list[Req]) -> int:
-        outstanding = sum(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
-                          for req in running)
+        """KV kept back for the running requests that may stop early."""
+        outstanding = sum(tokens_left(req) for req in running
+                          if not ends_by_length_only(req.sampling_params))
         return int(outstanding * self.new_token_ratio)
+
+    @staticmethod
+    def known_peak(running: list[Req]) -> KVPeak:
+        """The running requests that only the length limit ends: what they hold and will need."""
+        return KVPeak([(req.kv_len, tokens_left(req)) for req in running
+                       if ends_by_length_only(req.sampling_params)])
 
     def retract_until_decodable(self, running: list[Req]) -> list[Req]:
         """Removes requests from `running` (in place) until each remaining one can get a slot;

@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmnb.runtime.core import InputLogprobSpan, Req
-from lmnb.runtime.output.stop import by_length
+from lmnb.runtime.output.stop import by_length, ends_by_length_only
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.prefix_cache import common_prefix_length
 from lmnb.runtime.scheduler.cache_manager import CacheManager
+from lmnb.runtime.scheduler.decode import tokens_left
+from lmnb.runtime.scheduler.kv_peak import KVPeak
 
 
 @dataclass(slots=True)
@@ -31,21 +33,35 @@ class PrefillManager:
         self.budget = budget
         self.in_batch_prefix_min_tokens = in_batch_prefix_min_tokens
 
-    def plan(self, waiting: list[Req], chunked: Req | None, *, reserved: int, any_running: bool,
-             new_token_ratio: float, clock: int) -> PrefillPlan | None:
+    def plan(self, waiting: list[Req], chunked: Req | None, *, reserved: int, known: KVPeak,
+             any_running: bool, new_token_ratio: float, clock: int) -> PrefillPlan | None:
         """Binds (matches and locks the prefix of) every request it admits; allocates nothing.
-        `reserved`: KV the running requests are expected to need. A request whose prefix fails
-        to load back is left unbound in `failed`; the plan may hold only those."""
+        `reserved`: KV the running requests that may stop early are expected to need; `known`:
+        the running requests that only the length limit ends (`kv_peak.py`), to which it adds
+        those of that kind it admits, each only if the set's peak fits. A request whose prefix
+        fails to load back is left unbound in `failed`; the plan may hold only those."""
         plan = PrefillPlan()
         budget = self.budget
         planned = 0  # tokens this pass allocates plus the reserves of the requests it admits
+        known_locked = known.held  # slots the known-length set holds (its prefixes locked)
+        known_taken = 0  # of `planned`: the known-length requests' tokens this pass
+
+        def beyond(peak: int, locked: int) -> int:
+            """What the known-length set will still allocate at its peak, past this pass."""
+            return max(peak - locked - known_taken, 0)
 
         def room() -> int:
-            return self.cache.room() - reserved - planned
+            return self.cache.room() - reserved - planned - beyond(known.peak(), known_locked)
 
         if chunked is not None:
             remaining = chunked.fill_len - chunked.kv_len
-            take = min(remaining, budget, max(room(), 0))
+            if ends_by_length_only(chunked.sampling_params):  # its future is in the peak
+                take = min(remaining, budget, max(self.cache.room() - reserved - planned, 0))
+                known.add(chunked.fill_len, tokens_left(chunked))
+                known_locked += chunked.kv_len
+                known_taken += take
+            else:
+                take = min(remaining, budget, max(room(), 0))
             if take <= 0:
                 return None
             plan.reqs.append(chunked)
@@ -71,12 +87,18 @@ class PrefillManager:
                 continue
             self.cache.bind(req, match)  # locked: the prefix no longer counts as evictable room
             extend = req.fill_len - prefix_len
-            reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
-                          * new_token_ratio)
+            length_known = ends_by_length_only(req.sampling_params)
             alone = not (any_running or plan.reqs)  # admitted even if its reserve does not fit
-            available = room()
-            if (extend + reserve > available and not alone) or min(extend, budget,
-                                                                   available) <= 0:
+            if length_known:  # fits if the set's peak with it does: nothing kept back beside
+                reserve = 0
+                peak = known.peak_with(req.fill_len, tokens_left(req))
+                available = self.cache.room() - reserved - planned
+                fits = beyond(peak, known_locked + prefix_len) <= available
+            else:
+                reserve = int(tokens_left(req) * new_token_ratio)
+                available = room()
+                fits = extend + reserve <= available
+            if (not fits and not alone) or min(extend, budget, available) <= 0:
                 self.cache.unbind(req)
                 break
             # Admitted: the part of its prefix in a tiered cache's lower tiers comes back, each
@@ -89,7 +111,11 @@ class PrefillManager:
                 plan.failed.append((req, error))
                 continue
             extend -= loaded
-            take = min(extend, budget, room())  # room(): available - loaded
+            take = min(extend, budget, available - loaded)
+            if length_known:
+                known.add(req.fill_len, tokens_left(req))
+                known_locked += prefix_len + loaded
+                known_taken += take
             plan.reqs.append(req)
             plan.extend_lens.append(take)
             plan.admitted.append(req)

@@ -284,6 +284,7 @@ class Scheduler:
         running = [*table.running, *also_running]
         plan = self.prefill.plan(
             table.waiting, table.chunked, reserved=self.decode.reserved(running),
+            known=self.decode.known_peak(running),
             any_running=bool(running), new_token_ratio=self.decode.new_token_ratio,
             clock=self.stats.forward_passes)
         if plan is None:

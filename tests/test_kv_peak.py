@@ -1,0 +1,43 @@
+"""`KVPeak`: the most KV a set of length-known requests holds at once, against a pass-by-pass
+simulation of the same requests."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmnb.runtime.scheduler.kv_peak import KVPeak
+
+pairs = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)), max_size=12)
+
+
+def simulated_peak(requests: list[tuple[int, int]]) -> int:
+    """Pass by pass: each request holds `held` slots, allocates one a pass while it has tokens
+    left, and gives everything back once it has none (before the next pass)."""
+    held = [h for h, _ in requests]
+    left = [n for _, n in requests]
+    peak = sum(held)
+    while any(left):
+        for i, n in enumerate(left):
+            if n == 0:
+                held[i] = 0  # done: handed back before the next pass
+        for i, n in enumerate(left):
+            if n:
+                held[i] += 1
+                left[i] -= 1
+        peak = max(peak, sum(held))
+    return peak
+
+
+@given(pairs, st.integers(0, 50), st.integers(0, 40))
+def test_peak_with_one_more_is_the_simulated_peak(requests, held, left) -> None:
+    peak = KVPeak(requests)
+    assert peak.peak_with(held, left) == simulated_peak([*requests, (held, left)])
+    assert peak.peak() == simulated_peak(requests)
+    assert peak.held == sum(h for h, _ in requests) and len(peak) == len(requests)
+
+
+def test_staggered_ends_need_less_than_every_request_at_its_longest() -> None:
+    peak = KVPeak([(10, 2), (10, 20)])
+    assert peak.peak() == 10 + 20  # the short one has ended before the long one's peak
+    assert peak.peak_with(10, 20) == 2 * (10 + 20)
