@@ -263,12 +263,13 @@ class Engine(Protocol):
 class LmnbEngine:
     def __init__(self, model_dir: Path, *, dtype: str, device: str, backend: str | None,
                  mem_fraction: float | None, chunk: int | None = None,
-                 conservativeness: float = 1.0) -> None:
+                 conservativeness: float = 1.0, policy: str = "lpm") -> None:
         from lmnb.runtime.engine import Runtime
 
         self.rt = Runtime(model_dir, load_format="dummy", dtype=dtype, device=device,
                           attention_backend=backend, mem_fraction_static=mem_fraction,
-                          chunked_prefill_size=chunk, schedule_conservativeness=conservativeness)
+                          chunked_prefill_size=chunk, schedule_conservativeness=conservativeness,
+                          schedule_policy=policy)
 
     def prepare(self, prompts: Sequence[list[int]] | Sequence[str], max_tokens: Sequence[int],
                 temperature: float) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -470,7 +471,7 @@ def build_engine(name: str, model_dir: Path, args: argparse.Namespace) -> Engine
                           gpu_memory_utilization=args.gpu_memory_utilization)
     return LmnbEngine(model_dir, dtype=args.dtype, device=args.device, backend=args.lmnb_backend,
                       mem_fraction=args.lmnb_mem_fraction, chunk=args.lmnb_chunk,
-                      conservativeness=args.lmnb_conservativeness)
+                      conservativeness=args.lmnb_conservativeness, policy=args.lmnb_policy)
 
 
 def _versions() -> dict[str, Any]:
@@ -694,7 +695,8 @@ def child_command(engine: str, model: str, model_dir: Path, workloads: Sequence[
             command += ["--lmnb-mem-fraction", str(args.lmnb_mem_fraction)]
         if args.lmnb_chunk is not None:
             command += ["--lmnb-chunk", str(args.lmnb_chunk)]
-        command += ["--lmnb-conservativeness", str(args.lmnb_conservativeness)]
+        command += ["--lmnb-conservativeness", str(args.lmnb_conservativeness),
+                    "--lmnb-policy", args.lmnb_policy]
     if args.profile:
         command.append("--profile")
     return command
@@ -760,6 +762,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                    "gpu_memory_utilization": args.gpu_memory_utilization,
                    "lmnb_mem_fraction": args.lmnb_mem_fraction, "lmnb_chunk": args.lmnb_chunk,
                    "lmnb_conservativeness": args.lmnb_conservativeness,
+                   "lmnb_policy": args.lmnb_policy,
                    "profile": args.profile},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": _git_commit()}
     with tempfile.TemporaryDirectory(prefix="lmnb-vs-vllm-") as scratch:
@@ -881,6 +884,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="lmnb chunked_prefill_size (default: lmnb's)")
     parser.add_argument("--lmnb-conservativeness", type=float, default=1.0,
                         help="lmnb schedule_conservativeness")
+    parser.add_argument("--lmnb-policy", default="lpm", help="lmnb schedule_policy")
     parser.add_argument("--max-model-len", type=int, default=4096, help="vLLM max_model_len")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="vLLM gpu_memory_utilization")

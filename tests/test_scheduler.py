@@ -56,11 +56,13 @@ class Sink:
 
 def make(pool: int = 256, *, chunk: int = 16, reuse: bool = True, max_reqs: int = 8,
          runner: FakeRunner | None = None, tokenizer=None, jump_forward=None,
-         policy: str = "fcfs", conservativeness: float = 1.0) -> Scheduler:
+         policy: str = "fcfs", conservativeness: float = 1.0,
+         exact_length_admission: bool = True) -> Scheduler:
     allocator = KVAllocator(pool, CPU)
     cache = RadixCache(allocator) if reuse else NoReuseCache(allocator)
     manager = CacheManager(cache, allocator, ReqToTokenPool(max_reqs, 256, CPU))
-    config = SchedulerConfig(chunked_prefill_size=chunk, check_integrity_each_step=True
+    config = SchedulerConfig(chunked_prefill_size=chunk, check_integrity_each_step=True,
+                             exact_length_admission=exact_length_admission
                              ).conservative(conservativeness)
     return Scheduler(runner=runner or FakeRunner(), cache=manager, policy=make_policy(policy),
                      config=config, stop_rules=StopRules({EOS}), sink=Sink(),
@@ -165,17 +167,19 @@ def test_retraction_when_kv_runs_out_then_everyone_finishes() -> None:
     assert scheduler.cache.allocator.available() + scheduler.cache.cache.evictable_size() == 40
 
 
-def test_requests_that_only_the_length_limit_ends_are_admitted_by_their_peak() -> None:
+@pytest.mark.parametrize(("exact", "first_pass"), [(True, 1), (False, 2)])
+def test_requests_that_only_the_length_limit_ends_are_admitted_by_their_peak(exact, first_pass):
     """The retraction test's work with `ignore_eos`: each request's future is known, so the
-    second is admitted only when the pool holds both at their peak: none is ever retracted."""
-    scheduler = make(pool=40, chunk=64)
+    second is admitted only when the pool holds both at their peak (2 x (8 + 14) > 40): none is
+    ever retracted. The ablation (`exact_length_admission` off) reserves a share and retracts."""
+    scheduler = make(pool=40, chunk=64, exact_length_admission=exact)
     states = [request(range(10 * k, 10 * k + 8), max_new_tokens=14, ignore_eos=True)
               for k in (1, 2, 3)]
     for state in states:
         scheduler.add(state)
     run_to_end(scheduler)
-    assert scheduler.stats.retractions == 0
-    assert len(scheduler.runner.batches[0].rids) == 1  # 2 x (8 + 14) > 40
+    assert (scheduler.stats.retractions == 0) == exact
+    assert len(scheduler.runner.batches[0].rids) == first_pass
     for state in states:
         assert state.req.output_ids == list(range(100, 114))
     assert scheduler.cache.allocator.available() + scheduler.cache.cache.evictable_size() == 40

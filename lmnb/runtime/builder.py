@@ -6,6 +6,7 @@ and the grammar factory. The engine only composes them (`engine.py`)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,8 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
             or not runner.attn_backend.supports_shared_prefixes
             else SHARED_PREFIX_MIN_TOKENS),
         overlap_schedule=(device.type == "cuda" if config.disable_overlap_schedule is None
-                          else not config.disable_overlap_schedule)
+                          else not config.disable_overlap_schedule),
+        exact_length_admission=os.environ.get("LMNB_DISABLE_EXACT_ADMISSION") != "1",
     ).conservative(config.schedule_conservativeness)
     allocator = KVAllocator(runner.max_total_tokens, device)
     cache: PrefixCache = (

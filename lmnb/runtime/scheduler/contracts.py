@@ -28,6 +28,9 @@ class SchedulerConfig:
     check_integrity_each_step: bool = False
     overlap_schedule: bool = False  # needs a runner with `launch` (OverlapRunner)
     overlap_extend: bool = True  # with overlap_schedule: prefill passes too (off: ablation)
+    # requests that only the length limit ends admitted by their exact peak (kv_peak.py); off
+    # (ablation, LMNB_DISABLE_EXACT_ADMISSION=1): by the reserve, as requests that may stop early
+    exact_length_admission: bool = True
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:

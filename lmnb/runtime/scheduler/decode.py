@@ -19,23 +19,27 @@ def tokens_left(req: Req) -> int:
 
 class DecodeManager:
     def __init__(self, cache: CacheManager, *, init_new_token_ratio: float,
-                 min_new_token_ratio: float, new_token_ratio_decay: float) -> None:
+                 min_new_token_ratio: float, new_token_ratio_decay: float,
+                 exact_length_admission: bool = True) -> None:
         self.cache = cache
+        self.exact_length_admission = exact_length_admission
         self.min_new_token_ratio = min_new_token_ratio
         self.decay = new_token_ratio_decay
         self.new_token_ratio = init_new_token_ratio
 
     def reserved(self, running: list[Req]) -> int:
         """KV kept back for the running requests that may stop early."""
-        outstanding = sum(tokens_left(req) for req in running
-                          if not ends_by_length_only(req.sampling_params))
+        outstanding = sum(tokens_left(req) for req in running if not self.length_known(req))
         return int(outstanding * self.new_token_ratio)
 
-    @staticmethod
-    def known_peak(running: list[Req]) -> KVPeak:
+    def known_peak(self, running: list[Req]) -> KVPeak:
         """The running requests that only the length limit ends: what they hold and will need."""
         return KVPeak([(req.kv_len, tokens_left(req)) for req in running
-                       if ends_by_length_only(req.sampling_params)])
+                       if self.length_known(req)])
+
+    def length_known(self, req: Req) -> bool:
+        """Admitted by its exact peak (`kv_peak.py`) rather than a reserve."""
+        return self.exact_length_admission and ends_by_length_only(req.sampling_params)
 
     def retract_until_decodable(self, running: list[Req]) -> list[Req]:
         """Removes requests from `running` (in place) until each remaining one can get a slot;

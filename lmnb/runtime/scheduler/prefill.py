@@ -4,10 +4,11 @@ request's part of the pass samples and scores (`samples_after_fill`, `input_logp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmnb.runtime.core import InputLogprobSpan, Req
-from lmnb.runtime.output.stop import by_length, ends_by_length_only
+from lmnb.runtime.output.stop import by_length
 from lmnb.runtime.policy import SchedulePolicy
 from lmnb.runtime.prefix_cache import common_prefix_length
 from lmnb.runtime.scheduler.cache_manager import CacheManager
@@ -27,8 +28,9 @@ class PrefillPlan:
 
 class PrefillManager:
     def __init__(self, cache: CacheManager, policy: SchedulePolicy, *, budget: int,
-                 in_batch_prefix_min_tokens: int) -> None:
+                 in_batch_prefix_min_tokens: int, length_known: Callable[[Req], bool]) -> None:
         self.cache = cache
+        self.length_known = length_known  # admitted by its exact peak (DecodeManager's)
         self.policy = policy
         self.budget = budget
         self.in_batch_prefix_min_tokens = in_batch_prefix_min_tokens
@@ -55,7 +57,7 @@ class PrefillManager:
 
         if chunked is not None:
             remaining = chunked.fill_len - chunked.kv_len
-            if ends_by_length_only(chunked.sampling_params):  # its future is in the peak
+            if self.length_known(chunked):  # its future is in the peak
                 take = min(remaining, budget, max(self.cache.room() - reserved - planned, 0))
                 known.add(chunked.fill_len, tokens_left(chunked))
                 known_locked += chunked.kv_len
@@ -87,7 +89,7 @@ class PrefillManager:
                 continue
             self.cache.bind(req, match)  # locked: the prefix no longer counts as evictable room
             extend = req.fill_len - prefix_len
-            length_known = ends_by_length_only(req.sampling_params)
+            length_known = self.length_known(req)
             alone = not (any_running or plan.reqs)  # admitted even if its reserve does not fit
             if length_known:  # fits if the set's peak with it does: nothing kept back beside
                 reserve = 0

@@ -83,11 +83,13 @@ class Scheduler:
         self.speculator = speculator
         self.verifier = verifier
         self.table = RequestTable()
-        self.prefill = PrefillManager(cache, policy, budget=config.chunked_prefill_size,
-                                      in_batch_prefix_min_tokens=config.in_batch_prefix_min_tokens)
         self.decode = DecodeManager(cache, init_new_token_ratio=config.init_new_token_ratio,
                                     min_new_token_ratio=config.min_new_token_ratio,
-                                    new_token_ratio_decay=config.new_token_ratio_decay)
+                                    new_token_ratio_decay=config.new_token_ratio_decay,
+                                    exact_length_admission=config.exact_length_admission)
+        self.prefill = PrefillManager(cache, policy, budget=config.chunked_prefill_size,
+                                      in_batch_prefix_min_tokens=config.in_batch_prefix_min_tokens,
+                                      length_known=self.decode.length_known)
         self.stats = SchedulerStats()
         self.media = MediaLog(vocab_size if vocab_size is not None else 1 << 31)
         self.batch_hook: Callable[[Batch], None] | None = None  # sees every batch that ran
