@@ -23,7 +23,9 @@ from lmnb.runtime.output.stream import Chunk, OutputStream
 
 
 @dataclass(slots=True)
-class _Registration:
+class Registration:
+    """One request announced to the output thread (`OutputProcessor.registration`)."""
+
     rid: Any
     stream: OutputStream
     tokenizer: Decoder
@@ -33,6 +35,13 @@ class _Registration:
     stop_regex: tuple[str, ...]
     created_at: float
     token_texts: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Registrations:
+    """One inbox message of `register_many`."""
+
+    items: list[Registration]
 
 
 @dataclass(slots=True)
@@ -73,11 +82,33 @@ class OutputProcessor:
         """Announces request `rid` (one of `stream.rids`); call before the scheduler may emit for
         it: registrations and events share one FIFO. `token_texts`: logprobs in `meta_info` as
         `(logprob, id, text)` triples (SGLang's `return_text_in_logprobs`)."""
+        self.register_many([self.registration(
+            stream, rid, tokenizer=tokenizer, prompt_ids=prompt_ids,
+            skip_special_tokens=skip_special_tokens, stop=stop, stop_regex=stop_regex,
+            token_texts=token_texts)])
+
+    @staticmethod
+    def registration(stream: OutputStream, rid: Any, *, tokenizer: Decoder,
+                     prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                     stop: Sequence[str] = (), stop_regex: Sequence[str] = (),
+                     token_texts: bool = False) -> Registration:
+        """`register`'s announcement, made now (its `created_at`) and sent later by
+        `register_many` (with others: one message, one wake-up of the output thread)."""
         if rid not in stream.index:
             raise ValueError(f"request {rid!r} is not one of the stream's {stream.rids}")
-        self._inbox.put(_Registration(rid, stream, tokenizer, list(prompt_ids),
-                                      skip_special_tokens, tuple(stop), tuple(stop_regex),
-                                      time.perf_counter(), token_texts))
+        return Registration(rid, stream, tokenizer, list(prompt_ids), skip_special_tokens,
+                            tuple(stop), tuple(stop_regex), time.perf_counter(), token_texts)
+
+    def register_many(self, registrations: Sequence[Registration]) -> None:
+        """`register` of several requests in one inbox message; after `close`, their streams
+        fail at once (nobody would deliver to them)."""
+        if not registrations:
+            return
+        if self._closed:
+            for item in registrations:
+                item.stream.fail(RuntimeError("the runtime was closed"))
+            return
+        self._inbox.put(_Registrations(list(registrations)))
 
     def put(self, events: list[TokenEvent]) -> None:
         """The scheduler's one call per step (cheap: a queue put)."""
@@ -121,20 +152,24 @@ class OutputProcessor:
     def _handle(self, item: Any) -> bool:
         if item is None:
             return False
-        if isinstance(item, _Registration):
-            self._requests[item.rid] = _RequestOutput(
-                stream=item.stream, prompt_ids=item.prompt_ids, created_at=item.created_at,
-                stop_regex=compile_stop_regex(item.stop_regex),
-                token_texts=self._texts_of(item.tokenizer) if item.token_texts else None,
-                detokenizer=IncrementalDetokenizer(
-                    item.tokenizer, item.prompt_ids,
-                    skip_special_tokens=item.skip_special_tokens, stop=item.stop))
+        if isinstance(item, _Registrations):
+            for registration in item.items:
+                self._requests[registration.rid] = self._request_output(registration)
         else:
             start = time.thread_time()
             self.process(item)
             self.busy_seconds += time.thread_time() - start
             self.batches_handled += 1
         return True
+
+    def _request_output(self, item: Registration) -> _RequestOutput:
+        return _RequestOutput(
+            stream=item.stream, prompt_ids=item.prompt_ids, created_at=item.created_at,
+            stop_regex=compile_stop_regex(item.stop_regex),
+            token_texts=self._texts_of(item.tokenizer) if item.token_texts else None,
+            detokenizer=IncrementalDetokenizer(
+                item.tokenizer, item.prompt_ids,
+                skip_special_tokens=item.skip_special_tokens, stop=item.stop))
 
     def process(self, events: list[TokenEvent]) -> None:
         """One scheduler step: each stream gets one delivery with its requests' chunks."""
