@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmnb.runtime.output.detokenizer import Decoder, IncrementalDetokenizer
+from lmnb.runtime.output.detokenizer import PROMPT_TAIL, Decoder, IncrementalDetokenizer
 from lmnb.runtime.output.events import TokenEvent
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.output.stop import (
@@ -29,7 +29,8 @@ class Registration:
     rid: Any
     stream: OutputStream
     tokenizer: Decoder
-    prompt_ids: list[int]
+    prompt_tail: list[int]  # the prompt's last ids (the output is decoded after them)
+    prompt_tokens: int
     skip_special_tokens: bool
     stop: tuple[str, ...]
     stop_regex: tuple[str, ...]
@@ -50,7 +51,8 @@ class _RequestOutput:
 
     stream: OutputStream
     detokenizer: IncrementalDetokenizer
-    prompt_ids: list[int]
+    prompt_tail: list[int]
+    prompt_tokens: int
     created_at: float
     output_ids: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # text delivered (or, whole, to deliver)
@@ -96,7 +98,8 @@ class OutputProcessor:
         `register_many` (with others: one message, one wake-up of the output thread)."""
         if rid not in stream.index:
             raise ValueError(f"request {rid!r} is not one of the stream's {stream.rids}")
-        return Registration(rid, stream, tokenizer, list(prompt_ids), skip_special_tokens,
+        return Registration(rid, stream, tokenizer, list(prompt_ids[-PROMPT_TAIL:]),
+                            len(prompt_ids), skip_special_tokens,
                             tuple(stop), tuple(stop_regex), time.perf_counter(), token_texts)
 
     def register_many(self, registrations: Sequence[Registration]) -> None:
@@ -164,11 +167,12 @@ class OutputProcessor:
 
     def _request_output(self, item: Registration) -> _RequestOutput:
         return _RequestOutput(
-            stream=item.stream, prompt_ids=item.prompt_ids, created_at=item.created_at,
+            stream=item.stream, prompt_tail=item.prompt_tail, prompt_tokens=item.prompt_tokens,
+            created_at=item.created_at,
             stop_regex=compile_stop_regex(item.stop_regex),
             token_texts=self._texts_of(item.tokenizer) if item.token_texts else None,
             detokenizer=IncrementalDetokenizer(
-                item.tokenizer, item.prompt_ids,
+                item.tokenizer, item.prompt_tail,
                 skip_special_tokens=item.skip_special_tokens, stop=item.stop))
 
     def process(self, events: list[TokenEvent]) -> None:
@@ -213,7 +217,7 @@ class OutputProcessor:
         stream = state.stream
         if not stream.incremental and reason is None:
             return None
-        meta: dict[str, Any] = {"id": str(event.rid), "prompt_tokens": len(state.prompt_ids),
+        meta: dict[str, Any] = {"id": str(event.rid), "prompt_tokens": state.prompt_tokens,
                                 "finish_reason": reason}
         if reason is not None:
             meta["completion_tokens"] = len(state.output_ids)
@@ -255,7 +259,7 @@ class OutputProcessor:
         old = state.detokenizer
         delivered = "".join(state.pieces)
         state.detokenizer = IncrementalDetokenizer(
-            old.tokenizer, state.prompt_ids, skip_special_tokens=old.skip_special_tokens,
+            old.tokenizer, state.prompt_tail, skip_special_tokens=old.skip_special_tokens,
             stop=old.stop)
         text = state.detokenizer.add(state.output_ids)
         state.skip = max(len(delivered) - len(text), 0)
