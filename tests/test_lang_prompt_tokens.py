@@ -205,3 +205,22 @@ def test_shared_prefix_length() -> None:
         assert _shared_prefix(a, b) == _shared_prefix(b, a) == expected, (a, b)
         for count in range(len(a) + 3):
             assert _shares(a, b, count) == (len(a) >= count <= len(b) and a[:count] == b[:count])
+
+
+def test_encode_many_matches_whole_tokenization(tokenizer) -> None:
+    """Texts encoded together (a loop turn's prompts): groups sharing a prefix nobody has
+    encoded yet, texts extending remembered ones, duplicates, short and empty texts; each
+    gets exactly its own ids, and a group's prefix is tokenized once."""
+    rng = random.Random(5)
+    tokens = PromptTokens(tokenizer)
+    prefixes = [" ".join(text_of(rng, 8) for _ in range(30)) + "\n" for _ in range(3)]
+    texts = [prefix + text_of(rng, rng.randint(1, 10)) for prefix in prefixes for _ in range(6)]
+    texts += [texts[0], texts[1] + " more", "", "A", text_of(rng, 4)]
+    rng.shuffle(texts)
+    assert tokens.encode_many(texts) == [whole(tokenizer, text) for text in texts]
+    assert tokens.reused_chars > tokens.encoded_chars  # the groups' prefixes: once each
+    grown = [text + text_of(rng, rng.randint(1, 10)) for text in texts]  # the next turn
+    log = _CallLog(tokens.backend)
+    tokens.backend = log  # type: ignore[assignment]
+    assert tokens.encode_many(grown) == [whole(tokenizer, text) for text in grown]
+    assert log.calls == ["encode_batch"]  # every text extends a remembered one: one call
