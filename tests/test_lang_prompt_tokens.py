@@ -224,3 +224,42 @@ def test_encode_many_matches_whole_tokenization(tokenizer) -> None:
     tokens.backend = log  # type: ignore[assignment]
     assert tokens.encode_many(grown) == [whole(tokenizer, text) for text in grown]
     assert log.calls == ["encode_batch"]  # every text extends a remembered one: one call
+
+
+def test_turn_tokens_encode_one_turns_prompts_together(tokenizer) -> None:
+    """`TurnTokens`: the prompts asked for in one turn of a loop are tokenized by one batch
+    call at its end, each waiter gets exactly its own ids; a cancelled waiter is skipped and a
+    failing call fails every waiter of the turn."""
+    import asyncio
+
+    from lmnb.lang.backends.turn_tokens import TurnTokens
+
+    rng = random.Random(7)
+    prefix = " ".join(text_of(rng, 8) for _ in range(30)) + "\n"
+    texts = [prefix + text_of(rng, rng.randint(1, 10)) for _ in range(6)] + ["short", ""]
+    tokens = PromptTokens(tokenizer)
+    log = _CallLog(tokens.backend)
+    tokens.backend = log  # type: ignore[assignment]
+    turn = TurnTokens(tokens)
+
+    async def main() -> list[Any]:
+        cancelled = asyncio.ensure_future(turn.encode(texts[0]))
+        waiters = [asyncio.ensure_future(turn.encode(text)) for text in texts]
+        await asyncio.sleep(0)  # the waiters ask in this turn
+        cancelled.cancel()
+        return await asyncio.gather(*waiters)
+
+    assert asyncio.run(main()) == [whole(tokenizer, text) for text in texts]
+    # the group's first text, then the others after it (they reuse its ids)
+    assert log.calls == ["encode_batch", "encode_batch"]
+
+    def broken(texts: Any) -> list[list[int]]:
+        raise RuntimeError("tokenizer failed")
+
+    tokens.encode_many = broken  # type: ignore[method-assign]
+
+    async def failing() -> list[Any]:
+        return await asyncio.gather(turn.encode("a"), turn.encode("b"),
+                                    return_exceptions=True)
+
+    assert [str(error) for error in asyncio.run(failing())] == ["tokenizer failed"] * 2
