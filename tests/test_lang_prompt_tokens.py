@@ -227,12 +227,13 @@ def test_encode_many_matches_whole_tokenization(tokenizer) -> None:
 
 
 def test_turn_tokens_encode_one_turns_prompts_together(tokenizer) -> None:
-    """`TurnTokens`: the prompts asked for in one turn of a loop are tokenized by one batch
-    call at its end, each waiter gets exactly its own ids; a cancelled waiter is skipped and a
-    failing call fails every waiter of the turn."""
+    """`TurnTokens`: the prompts asked for in one turn of the program loop are tokenized by
+    one batch call at its end, each waiter gets exactly its own ids; a cancelled waiter is
+    skipped and a failing call fails every waiter of the turn. On another loop: at once."""
     import asyncio
 
     from lmnb.lang.backends.turn_tokens import TurnTokens
+    from lmnb.lang.event_loop import block_on
 
     rng = random.Random(7)
     prefix = " ".join(text_of(rng, 8) for _ in range(30)) + "\n"
@@ -249,9 +250,12 @@ def test_turn_tokens_encode_one_turns_prompts_together(tokenizer) -> None:
         cancelled.cancel()
         return await asyncio.gather(*waiters)
 
-    assert asyncio.run(main()) == [whole(tokenizer, text) for text in texts]
+    assert block_on(main()) == [whole(tokenizer, text) for text in texts]
     # the group's first text, then the others after it (they reuse its ids)
     assert log.calls == ["encode_batch", "encode_batch"]
+    log.calls.clear()
+    assert asyncio.run(turn.encode("elsewhere")) == whole(tokenizer, "elsewhere")
+    assert log.calls == ["encode"]
 
     def broken(texts: Any) -> list[list[int]]:
         raise RuntimeError("tokenizer failed")
@@ -262,4 +266,4 @@ def test_turn_tokens_encode_one_turns_prompts_together(tokenizer) -> None:
         return await asyncio.gather(turn.encode("a"), turn.encode("b"),
                                     return_exceptions=True)
 
-    assert [str(error) for error in asyncio.run(failing())] == ["tokenizer failed"] * 2
+    assert [str(error) for error in block_on(failing())] == ["tokenizer failed"] * 2

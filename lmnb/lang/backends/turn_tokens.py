@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 
+from lmnb.lang.event_loop import on_program_loop
 from lmnb.lang.prompt_tokens import PromptTokens
 
 
 class TurnTokens:
-    """`await encode(text)` on the program loop: `tokens.encode(text)`, batched per turn."""
+    """`await encode(text)`: `tokens.encode(text)`, batched per turn of the program loop (on
+    another event loop, encoded at once)."""
 
     def __init__(self, tokens: PromptTokens) -> None:
         self.tokens = tokens
@@ -25,6 +27,8 @@ class TurnTokens:
         self._waiting: list[asyncio.Future[list[int]]] = []
 
     async def encode(self, text: str) -> list[int]:
+        if not on_program_loop():
+            return self.tokens.encode(text)
         loop = asyncio.get_running_loop()
         if not self._texts:
             loop.call_soon(self._encode_turn)
