@@ -205,3 +205,65 @@ def test_shared_prefix_length() -> None:
         assert _shared_prefix(a, b) == _shared_prefix(b, a) == expected, (a, b)
         for count in range(len(a) + 3):
             assert _shares(a, b, count) == (len(a) >= count <= len(b) and a[:count] == b[:count])
+
+
+def test_encode_many_matches_whole_tokenization(tokenizer) -> None:
+    """Texts encoded together (a loop turn's prompts): groups sharing a prefix nobody has
+    encoded yet, texts extending remembered ones, duplicates, short and empty texts; each
+    gets exactly its own ids, and a group's prefix is tokenized once."""
+    rng = random.Random(5)
+    tokens = PromptTokens(tokenizer)
+    prefixes = [" ".join(text_of(rng, 8) for _ in range(30)) + "\n" for _ in range(3)]
+    texts = [prefix + text_of(rng, rng.randint(1, 10)) for prefix in prefixes for _ in range(6)]
+    texts += [texts[0], texts[1] + " more", "", "A", text_of(rng, 4)]
+    rng.shuffle(texts)
+    assert tokens.encode_many(texts) == [whole(tokenizer, text) for text in texts]
+    assert tokens.reused_chars > tokens.encoded_chars  # the groups' prefixes: once each
+    grown = [text + text_of(rng, rng.randint(1, 10)) for text in texts]  # the next turn
+    log = _CallLog(tokens.backend)
+    tokens.backend = log  # type: ignore[assignment]
+    assert tokens.encode_many(grown) == [whole(tokenizer, text) for text in grown]
+    assert log.calls == ["encode_batch"]  # every text extends a remembered one: one call
+
+
+def test_turn_tokens_encode_one_turns_prompts_together(tokenizer) -> None:
+    """`TurnTokens`: the prompts asked for in one turn of the program loop are tokenized by
+    one batch call at its end, each waiter gets exactly its own ids; a cancelled waiter is
+    skipped and a failing call fails every waiter of the turn. On another loop: at once."""
+    import asyncio
+
+    from lmnb.lang.backends.turn_tokens import TurnTokens
+    from lmnb.lang.event_loop import block_on
+
+    rng = random.Random(7)
+    prefix = " ".join(text_of(rng, 8) for _ in range(30)) + "\n"
+    texts = [prefix + text_of(rng, rng.randint(1, 10)) for _ in range(6)] + ["short", ""]
+    tokens = PromptTokens(tokenizer)
+    log = _CallLog(tokens.backend)
+    tokens.backend = log  # type: ignore[assignment]
+    turn = TurnTokens(tokens)
+
+    async def main() -> list[Any]:
+        cancelled = asyncio.ensure_future(turn.encode(texts[0]))
+        waiters = [asyncio.ensure_future(turn.encode(text)) for text in texts]
+        await asyncio.sleep(0)  # the waiters ask in this turn
+        cancelled.cancel()
+        return await asyncio.gather(*waiters)
+
+    assert block_on(main()) == [whole(tokenizer, text) for text in texts]
+    # the group's first text, then the others after it (they reuse its ids)
+    assert log.calls == ["encode_batch", "encode_batch"]
+    log.calls.clear()
+    assert asyncio.run(turn.encode("elsewhere")) == whole(tokenizer, "elsewhere")
+    assert log.calls == ["encode"]
+
+    def broken(texts: Any) -> list[list[int]]:
+        raise RuntimeError("tokenizer failed")
+
+    tokens.encode_many = broken  # type: ignore[method-assign]
+
+    async def failing() -> list[Any]:
+        return await asyncio.gather(turn.encode("a"), turn.encode("b"),
+                                    return_exceptions=True)
+
+    assert [str(error) for error in block_on(failing())] == ["tokenizer failed"] * 2

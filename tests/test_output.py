@@ -414,3 +414,23 @@ def test_stops_completed_by_one_jump_end_first_wins(tok):
 def test_register_checks_the_stream(processor):
     with pytest.raises(ValueError, match="not one of"):
         processor.register(OutputStream([1]), 2, tokenizer=BYTES, prompt_ids=[])
+
+
+def test_registrations_of_many_requests_are_one_message(processor):
+    streams = [OutputStream([rid]) for rid in range(3)]
+    processor.register_many([processor.registration(stream, rid, tokenizer=BYTES, prompt_ids=[])
+                             for rid, stream in enumerate(streams)])
+    assert processor.pump() == 1  # one inbox item: one wake-up of the output thread
+    processor.put([TokenEvent(rid, ids_of(f"r{rid}"), LENGTH) for rid in range(3)])
+    processor.pump()
+    assert [stream.results()[0]["text"] for stream in streams] == ["r0", "r1", "r2"]
+
+
+def test_registering_after_close_fails_the_streams():
+    processor = OutputProcessor()
+    processor.close()
+    stream = OutputStream([0])
+    processor.register_many([processor.registration(stream, 0, tokenizer=BYTES,
+                                                    prompt_ids=[])])
+    with pytest.raises(RuntimeError, match="closed"):
+        stream.get(timeout=0)

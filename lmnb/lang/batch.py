@@ -31,7 +31,10 @@ def _program_limit(num_threads: int | str, size: int) -> int | None:
     return max(1, min(int(num_threads), size))
 
 
-_WAVE_TURNS = 2  # turns of the loop for a wave's bodies, then their executors' first gens
+# Turns of the loop from a wave's start to its gens' submission: the bodies; their executors,
+# whose first gens ask for their prompts' ids; those ids, of the whole turn at once
+# (`TurnTokens`); the gens' submission.
+_WAVE_TURNS = 4
 
 
 class _BatchRun:
@@ -60,7 +63,7 @@ class _BatchRun:
             # executors' first gens in the next, sent to the scheduler in one hand-over at its
             # end (`whole_turns`): the first pass is planned with all of them, as for
             # `generate` of a list of ids. In waves (n): as `Runtime.generate` sends a list of
-            # texts, the first wave's gens reach the scheduler after two turns and the engine
+            # texts, the first wave's gens reach the scheduler after four turns and the engine
             # prefills them while the later waves' bodies run. Either way the scheduler thread
             # shares the GIL with the bodies (`gil_share`).
             wave = global_config.batch_wave

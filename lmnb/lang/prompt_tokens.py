@@ -24,6 +24,7 @@ import threading
 import weakref
 from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, islice
 from typing import Any
@@ -56,8 +57,24 @@ class _Entry:
     ends: tuple[int, ...]  # byte offset in `text` (UTF-8) where each id ends
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """How `text` is encoded: `entry`'s first `count` ids, then those of `text[cut:]` (no
+    entry: all of `text`)."""
+
+    text: str
+    entry: _Entry | None
+    cut: int
+    count: int
+
+    @property
+    def rest(self) -> str:
+        return self.text[self.cut:]
+
+
 class PromptTokens:
-    """`encode(text)` equals `tokenizer.encode(text, add_special_tokens=True)`; thread-safe."""
+    """`encode(text)` equals `tokenizer.encode(text, add_special_tokens=True)`, and
+    `encode_many(texts)` each of them; thread-safe."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.backend = tokenizer.backend_tokenizer
@@ -117,22 +134,70 @@ class PromptTokens:
     def encode(self, text: str) -> list[int]:
         if not self.incremental:
             return list(self._encoded(text, add_special_tokens=True))
+        plan = self._plan(text)
+        return self._finish(plan, self._plain(plan.rest))
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, what is new in them tokenized by one batch call of the
+        tokenizer (which releases the GIL and spreads the texts over the cores), or two: texts
+        that share their first characters with no remembered text but with another of `texts`
+        (a batch's programs with one few-shot prefix) wait for the first of them, then reuse its
+        ids."""
+        if not self.incremental:
+            return self._batch(list(texts), add_special_tokens=True)
+        results: list[list[int]] = [[] for _ in texts]
+        now: list[tuple[int, _Plan]] = []
+        later: list[int] = []
+        leaders: set[str] = set()
+        for index, text in enumerate(texts):
+            plan = self._plan(text)
+            if plan.entry is None and len(text) >= _MIN_REUSE:
+                if text[:_MIN_REUSE] in leaders:
+                    later.append(index)
+                    continue
+                leaders.add(text[:_MIN_REUSE])
+            now.append((index, plan))
+        self._finish_all(now, results)
+        if later:  # planned now that their group's first text is remembered
+            self._finish_all([(index, self._plan(texts[index])) for index in later], results)
+        return results
+
+    def _finish_all(self, plans: list[tuple[int, _Plan]], results: list[list[int]]) -> None:
+        """`results[index]` of each plan, their new text tokenized by one batch call."""
+        rests = [plan.rest for _, plan in plans]
+        encoded = iter(self._batch([rest for rest in rests if rest], add_special_tokens=False))
+        for (index, plan), rest in zip(plans, rests, strict=True):
+            results[index] = self._finish(plan, next(encoded) if rest else [])
+
+    def _batch(self, texts: list[str], *, add_special_tokens: bool) -> list[list[int]]:
+        if not texts:
+            return []
+        return [encoding.ids for encoding in self.backend.encode_batch(
+            texts, add_special_tokens=add_special_tokens)]
+
+    def _plan(self, text: str) -> _Plan:
         found = self._reusable(text)
-        ids: tuple[int, ...]
         if found is None:
-            ids = tuple(self._plain(text))
+            return _Plan(text, None, 0, 0)
+        entry, cut, count = found
+        return _Plan(text, entry, cut, count)
+
+    def _finish(self, plan: _Plan, rest: list[int]) -> list[int]:
+        """The ids of `plan.text` (remembered), given those of `plan.rest`."""
+        text, entry, count = plan.text, plan.entry, plan.count
+        ids: tuple[int, ...]
+        if entry is None:
+            ids = tuple(rest)
             ends = tuple(accumulate(map(self._lengths.__getitem__, ids)))
             self.encoded_chars += len(text)
         else:  # tuples throughout: the long prefix is copied once into each
-            entry, cut, count = found
-            tail = self._plain(text[cut:])
-            ids = entry.ids[:count] + tuple(tail)
-            tail_ends = accumulate(map(self._lengths.__getitem__, tail),
+            ids = entry.ids[:count] + tuple(rest)
+            rest_ends = accumulate(map(self._lengths.__getitem__, rest),
                                    initial=entry.ends[count - 1])
-            next(tail_ends)  # the initial value: the prefix's own end
-            ends = entry.ends[:count] + tuple(tail_ends)
-            self.reused_chars += cut
-            self.encoded_chars += len(text) - cut
+            next(rest_ends)  # the initial value: the prefix's own end
+            ends = entry.ends[:count] + tuple(rest_ends)
+            self.reused_chars += plan.cut
+            self.encoded_chars += len(text) - plan.cut
         self._remember(text, ids, ends)
         return [*self.prefix_specials, *ids]
 

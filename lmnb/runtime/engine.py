@@ -77,7 +77,7 @@ class Runtime:
         self._allocator, self._cache, self._pins = serving.allocator, serving.cache, serving.pins
         self._outputs, self._scheduler = serving.outputs, serving.scheduler
         self._grammars = serving.grammars
-        self._held = HeldSubmissions(self._scheduler)
+        self._held = HeldSubmissions(self._scheduler, self._outputs)
         self._tokenizer_lock = threading.Lock()
         self._cache_events: CacheEventLog | None = None
         self._closed = False
@@ -397,17 +397,16 @@ class Runtime:
                                          top_logprobs_num=top_logprobs, mm_inputs=mm,
                                          token_origins=return_token_origins)
                         for k in range(params.n))
-                for state in states:
-                    params = state.sampling_params
-                    self._outputs.register(output, state.rid, tokenizer=self.tokenizer,
-                                           prompt_ids=state.origin_input_ids,  # pads decode ''
-                                           skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, stop_regex=params.stop_regex,
-                                           token_texts=return_logprob
-                                           and return_text_in_logprobs)
+                registrations = [self._outputs.registration(
+                    output, state.rid, tokenizer=self.tokenizer,
+                    prompt_ids=state.origin_input_ids,  # pads decode ''
+                    skip_special_tokens=state.sampling_params.skip_special_tokens,
+                    stop=state.sampling_params.stop, stop_regex=state.sampling_params.stop_regex,
+                    token_texts=return_logprob and return_text_in_logprobs) for state in states]
                 if stream:
-                    self._held.submit(output, states)
+                    self._held.submit(output, states, registrations)
                 else:  # its caller waits for it here: never held
+                    self._outputs.register_many(registrations)
                     self._scheduler.submit_many(states)
         except BaseException:  # a bad prompt in a later chunk, Ctrl-C: abort what was submitted
             output.close()

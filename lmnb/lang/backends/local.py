@@ -18,6 +18,7 @@ from lmnb.lang.backends.base import (
 )
 from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.backends.submit_chunks import SubmitChunks
+from lmnb.lang.backends.turn_tokens import TurnTokens
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.event_loop import block_on, run_body
 from lmnb.lang.ir import GenParams
@@ -112,6 +113,9 @@ class LocalBackend:
         self.encoded_submitter: EncodedSubmitter | None = (
             runtime if self.prompt_tokens is not None and isinstance(runtime, EncodedSubmitter)
             else None)
+        # On the program loop, the prompts of one turn are tokenized together.
+        self.turn_tokens = (TurnTokens(self.prompt_tokens) if self.prompt_tokens is not None
+                            else None)
 
     def _prompt(self, prompt: str, media: Sequence[MediaInput]) -> dict[str, Any]:
         """`generate`'s prompt arguments: `input_ids=` of a text prompt, else the text."""
@@ -149,15 +153,21 @@ class LocalBackend:
         return frozenset(i for i in ids if i is not None)
 
     # ---- Backend -----------------------------------------------------------------------------
+    def _encoded_submit(self, media: Sequence[MediaInput]) -> bool:
+        """A gen's request goes in as ids through `submit_encoded`."""
+        return self.encoded_submitter is not None and self.prompt_tokens is not None and not media
+
     def _submit(self, prompt: str, params: GenParams, media: Sequence[MediaInput],
-                trace: TokenTrace | None, *,
-                whole: bool = False) -> tuple[Any, GenRecord | None]:
+                trace: TokenTrace | None, *, whole: bool = False,
+                ids: list[int] | None = None) -> tuple[Any, GenRecord | None]:
         """Submits one gen's request(s); their `OutputStream`, consumed by a thread or a task,
         and with `trace` (a traced program) the new record of it that the first sample's
         tokens, origins and logprobs go to. `whole`: the stream brings one whole chunk per
-        request at its end (nobody takes the text as it comes, and nothing is traced)."""
+        request at its end (nobody takes the text as it comes, and nothing is traced). `ids`:
+        the prompt's, already encoded (`_encoded_submit` only)."""
         if self.encoded_submitter is not None and self.prompt_tokens is not None and not media:
-            ids = self.prompt_tokens.encode(prompt)
+            if ids is None:
+                ids = self.prompt_tokens.encode(prompt)
             record = trace.request(ids, len(prompt)) if trace is not None else None
             chunks = self.encoded_submitter.submit_encoded(
                 ids, parsed_params(params), return_logprob=bool(params.return_logprob),
@@ -217,8 +227,13 @@ class LocalBackend:
         """`generate` as a coroutine (the program loop's): the request goes straight into the
         runtime and its output stream is awaited; setting `cancel` (a `CancelEvent`) closes the
         stream, which aborts the request and wakes the await. `trace` as in `generate`."""
+        ids = (await self.turn_tokens.encode(prompt)
+               if self.turn_tokens is not None and self._encoded_submit(media) else None)
+        if cancel is not None and cancel.is_set():  # interrupted while it was tokenized
+            raise ProgramAborted("the program was interrupted")
         with self.submits.submitting():
-            chunks, record = self._submit(prompt, params, media, trace, whole=on_delta is None)
+            chunks, record = self._submit(prompt, params, media, trace, whole=on_delta is None,
+                                          ids=ids)
         gen = GenTexts(params, on_delta)
         unregister = cancel.on_set(chunks.close) if isinstance(cancel, CancelEvent) else None
         try:

@@ -23,7 +23,7 @@ from typing import Protocol
 from lmnb.runtime.output.stop import StopStrings
 
 _REPLACEMENT = "\ufffd"
-_PROMPT_TAIL = 5
+PROMPT_TAIL = 5  # prompt ids the output is decoded after, at most
 # Ids that may stay undecoded (an incomplete UTF-8 character never takes more than 4 bytes); past
 # this many, undecodable bytes are emitted as U+FFFD so the window stays bounded.
 _MAX_PENDING = 8
@@ -39,7 +39,7 @@ def prompt_tail(tokenizer: Decoder, prompt_ids: Sequence[int], *,
     """The prompt ids the output is decoded after: the longest of the last 5 whose decode does not
     start with U+FFFD. A tail cut inside a multi-byte character would decode to U+FFFD, and HF's
     byte-fallback decoder would then spoil the whole byte run, output bytes included."""
-    tail = [int(i) for i in prompt_ids[-_PROMPT_TAIL:]]
+    tail = [int(i) for i in prompt_ids[-PROMPT_TAIL:]]
     for k in range(len(tail)):
         if not tokenizer.decode(tail[k:], skip_special_tokens=skip_special_tokens).startswith(
                 _REPLACEMENT):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmnb.runtime.output.detokenizer import Decoder, IncrementalDetokenizer
+from lmnb.runtime.output.detokenizer import PROMPT_TAIL, Decoder, IncrementalDetokenizer
 from lmnb.runtime.output.events import TokenEvent
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.output.stop import (
@@ -23,16 +23,26 @@ from lmnb.runtime.output.stream import Chunk, OutputStream
 
 
 @dataclass(slots=True)
-class _Registration:
+class Registration:
+    """One request announced to the output thread (`OutputProcessor.registration`)."""
+
     rid: Any
     stream: OutputStream
     tokenizer: Decoder
-    prompt_ids: list[int]
+    prompt_tail: list[int]  # the prompt's last ids (the output is decoded after them)
+    prompt_tokens: int
     skip_special_tokens: bool
     stop: tuple[str, ...]
     stop_regex: tuple[str, ...]
     created_at: float
     token_texts: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Registrations:
+    """One inbox message of `register_many`."""
+
+    items: list[Registration]
 
 
 @dataclass(slots=True)
@@ -41,7 +51,8 @@ class _RequestOutput:
 
     stream: OutputStream
     detokenizer: IncrementalDetokenizer
-    prompt_ids: list[int]
+    prompt_tail: list[int]
+    prompt_tokens: int
     created_at: float
     output_ids: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # text delivered (or, whole, to deliver)
@@ -73,11 +84,34 @@ class OutputProcessor:
         """Announces request `rid` (one of `stream.rids`); call before the scheduler may emit for
         it: registrations and events share one FIFO. `token_texts`: logprobs in `meta_info` as
         `(logprob, id, text)` triples (SGLang's `return_text_in_logprobs`)."""
+        self.register_many([self.registration(
+            stream, rid, tokenizer=tokenizer, prompt_ids=prompt_ids,
+            skip_special_tokens=skip_special_tokens, stop=stop, stop_regex=stop_regex,
+            token_texts=token_texts)])
+
+    @staticmethod
+    def registration(stream: OutputStream, rid: Any, *, tokenizer: Decoder,
+                     prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                     stop: Sequence[str] = (), stop_regex: Sequence[str] = (),
+                     token_texts: bool = False) -> Registration:
+        """`register`'s announcement, made now (its `created_at`) and sent later by
+        `register_many` (with others: one message, one wake-up of the output thread)."""
         if rid not in stream.index:
             raise ValueError(f"request {rid!r} is not one of the stream's {stream.rids}")
-        self._inbox.put(_Registration(rid, stream, tokenizer, list(prompt_ids),
-                                      skip_special_tokens, tuple(stop), tuple(stop_regex),
-                                      time.perf_counter(), token_texts))
+        return Registration(rid, stream, tokenizer, list(prompt_ids[-PROMPT_TAIL:]),
+                            len(prompt_ids), skip_special_tokens,
+                            tuple(stop), tuple(stop_regex), time.perf_counter(), token_texts)
+
+    def register_many(self, registrations: Sequence[Registration]) -> None:
+        """`register` of several requests in one inbox message; after `close`, their streams
+        fail at once (nobody would deliver to them)."""
+        if not registrations:
+            return
+        if self._closed:
+            for item in registrations:
+                item.stream.fail(RuntimeError("the runtime was closed"))
+            return
+        self._inbox.put(_Registrations(list(registrations)))
 
     def put(self, events: list[TokenEvent]) -> None:
         """The scheduler's one call per step (cheap: a queue put)."""
@@ -121,20 +155,25 @@ class OutputProcessor:
     def _handle(self, item: Any) -> bool:
         if item is None:
             return False
-        if isinstance(item, _Registration):
-            self._requests[item.rid] = _RequestOutput(
-                stream=item.stream, prompt_ids=item.prompt_ids, created_at=item.created_at,
-                stop_regex=compile_stop_regex(item.stop_regex),
-                token_texts=self._texts_of(item.tokenizer) if item.token_texts else None,
-                detokenizer=IncrementalDetokenizer(
-                    item.tokenizer, item.prompt_ids,
-                    skip_special_tokens=item.skip_special_tokens, stop=item.stop))
+        if isinstance(item, _Registrations):
+            for registration in item.items:
+                self._requests[registration.rid] = self._request_output(registration)
         else:
             start = time.thread_time()
             self.process(item)
             self.busy_seconds += time.thread_time() - start
             self.batches_handled += 1
         return True
+
+    def _request_output(self, item: Registration) -> _RequestOutput:
+        return _RequestOutput(
+            stream=item.stream, prompt_tail=item.prompt_tail, prompt_tokens=item.prompt_tokens,
+            created_at=item.created_at,
+            stop_regex=compile_stop_regex(item.stop_regex),
+            token_texts=self._texts_of(item.tokenizer) if item.token_texts else None,
+            detokenizer=IncrementalDetokenizer(
+                item.tokenizer, item.prompt_tail,
+                skip_special_tokens=item.skip_special_tokens, stop=item.stop))
 
     def process(self, events: list[TokenEvent]) -> None:
         """One scheduler step: each stream gets one delivery with its requests' chunks."""
@@ -178,7 +217,7 @@ class OutputProcessor:
         stream = state.stream
         if not stream.incremental and reason is None:
             return None
-        meta: dict[str, Any] = {"id": str(event.rid), "prompt_tokens": len(state.prompt_ids),
+        meta: dict[str, Any] = {"id": str(event.rid), "prompt_tokens": state.prompt_tokens,
                                 "finish_reason": reason}
         if reason is not None:
             meta["completion_tokens"] = len(state.output_ids)
@@ -220,7 +259,7 @@ class OutputProcessor:
         old = state.detokenizer
         delivered = "".join(state.pieces)
         state.detokenizer = IncrementalDetokenizer(
-            old.tokenizer, state.prompt_ids, skip_special_tokens=old.skip_special_tokens,
+            old.tokenizer, state.prompt_tail, skip_special_tokens=old.skip_special_tokens,
             stop=old.stop)
         text = state.detokenizer.add(state.output_ids)
         state.skip = max(len(delivered) - len(text), 0)
