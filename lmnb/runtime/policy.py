@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from lmnb.runtime.core import Req
 from lmnb.runtime.prefix_cache import PrefixCache
+from lmnb.runtime.radix.cache import RadixCache
 
 _POLICIES: dict[str, type[SchedulePolicy]] = {}
 LPM_MAX_QUEUE = 128  # beyond this many waiting requests, matching each one costs too much
@@ -75,9 +76,9 @@ class DepthFirstWeight(SchedulePolicy):
     requests sharing a subtree run together while it is cached."""
 
     def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
-        root = getattr(cache, "root", None)
-        if root is None or len(waiting) > LPM_MAX_QUEUE:
+        if not isinstance(cache, RadixCache) or len(waiting) > LPM_MAX_QUEUE:
             return list(waiting)
+        root = cache.root
         at_node: dict[int, list[Req]] = defaultdict(list)
         nodes = {}
         for req in waiting:
