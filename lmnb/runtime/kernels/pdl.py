@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.interpreter import INTERPRETED
+
 
 @triton.jit
 def wait_for_previous(USE_PDL: tl.constexpr):
@@ -40,8 +42,6 @@ def _supported(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` are launched with programmatic dependent launch."""
-    from lmnb.runtime.kernels.triton_decode import INTERPRETED  # (it imports this module)
-
     if device.type != "cuda" or INTERPRETED or os.environ.get("LMNB_DISABLE_PDL") == "1":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())

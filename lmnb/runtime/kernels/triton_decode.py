@@ -27,13 +27,13 @@ tokens over twice the warps was slower).
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.interpreter import INTERPRETED
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
 from lmnb.runtime.kernels.pdl import wait_for_previous
 
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from lmnb.runtime.kernels.shared_prefix import SharedPrefixes
 
 
-# Triton decides at decoration time whether a kernel is compiled or interpreted on CPU.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:
