@@ -203,6 +203,23 @@ def test_a_known_peak_admits_requests_whose_summed_reserve_does_not_fit(ignore_e
         assert state.req.output_ids == list(range(100, 100 + n))
 
 
+def test_length_known_requests_sharing_a_prefix_in_a_tight_pool_all_finish() -> None:
+    """Sharers of one computed prompt that end at different times: the peak counts a shared
+    prefix as freed when its first holder ends, so a tight pool may be over-admitted; retraction
+    catches it and every request still gets every token, with the slots conserved."""
+    scheduler = make(pool=48, chunk=64)
+    shared = list(range(10, 26))
+    states = [request(shared + [k], max_new_tokens=n, ignore_eos=True)
+              for k, n in ((1, 2), (2, 12), (3, 20), (4, 6))]
+    for state in states:
+        scheduler.add(state)
+    run_to_end(scheduler)
+    for state in states:
+        n = state.req.sampling_params.max_new_tokens
+        assert state.req.output_ids == list(range(100, 100 + n))
+    assert scheduler.cache.allocator.available() + scheduler.cache.cache.evictable_size() == 48
+
+
 def test_lpm_orders_requests_that_arrived_together_longest_output_first() -> None:
     """Equal cached prefixes: earlier arrivals first; within one arrival, most new tokens
     first (the batch's makespan); the cached prefix still comes before both."""
