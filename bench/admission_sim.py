@@ -2,9 +2,10 @@
 over nano-vllm's offline workload, on the CPU, with a device-time model of each pass.
 
 The offline workload on random Llama-2-7B fp16 (MHA: 512 KiB of KV a token) is KV-bound on an
-80 GB H100: its ~114,000-token pool holds a fraction of the 256 requests' 288,000 tokens, so the
-share of the pool that the scheduler keeps back for running requests' future tokens
-(`schedule_conservativeness`, SGLang's `new_token_ratio`) decides the decode batch. This runs
+80 GB H100: its ~114,000-token pool holds 41% of the 256 requests' 277,000 tokens, so what the
+scheduler keeps back for running requests' future tokens (`schedule_conservativeness`, SGLang's
+`new_token_ratio`; the exact peak of requests of known length, scheduler/kv_peak.py) and the
+order it admits the waiting ones in (`--policy`) decide the decode batch. This runs
 the real `Scheduler`, prefix cache and model runner over a null model (bench/scheduler_overhead.py:
 no arithmetic; a pool of the GPU's size in tokens, each slot a few bytes) and records every
 pass: mode, requests, new tokens, KV tokens read. No GPU is needed, and the passes are the ones
