@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
 
 from bench.common import RESULTS_DIR, environment, write_json  # noqa: E402,I001
 from bench.offline import make_workload  # noqa: E402
-from bench.scheduler_overhead import NullModel  # noqa: E402
+from bench.scheduler_overhead import NullModel, NullSink  # noqa: E402
 from lmnb.runtime.config import EngineConfig, ModelConfig  # noqa: E402
 from lmnb.runtime.core import Batch, ForwardMode, Req, SamplingParams  # noqa: E402
 from lmnb.runtime.memory import KVAllocator  # noqa: E402
@@ -69,26 +69,18 @@ class Roofline:
     gemm_flops: float = 660e12  # cuBLAS bf16 at prefill sizes, measured
     pass_overhead_s: float = 0.3e-3  # norms, rotary, sampling, launch tails
 
-    def decode_s(self, batch: int, kv_tokens: int) -> float:
+    def pass_s(self, new_tokens: int, kv_tokens: int) -> float:
+        """A pass computing `new_tokens` (a decode pass: one a request) over `kv_tokens` of KV:
+        the weights read once or the GEMMs' FLOPs, whichever is longer, plus the KV read."""
         gemm = max(self.weight_bytes / self.copy_bandwidth,
-                   batch * self.flops_per_token / self.gemm_flops)
+                   new_tokens * self.flops_per_token / self.gemm_flops)
         return gemm + kv_tokens * self.kv_bytes_per_token / self.attention_bandwidth \
             + self.pass_overhead_s
-
-    def extend_s(self, tokens: int, kv_tokens: int) -> float:
-        gemm = max(self.weight_bytes / self.copy_bandwidth,
-                   tokens * self.flops_per_token / self.gemm_flops)
-        return gemm + kv_tokens * self.kv_bytes_per_token / self.attention_bandwidth \
-            + self.pass_overhead_s
-
-
-class _NullSink:
-    def put(self, events: list[Any]) -> None:
-        pass
 
 
 def tiny_config() -> ModelConfig:
-    """A model config whose KV slot is 2 floats: a GPU-sized pool in a few MB."""
+    """A model config whose KV slot is 16 floats (K and V of one 8-wide head): a GPU-sized pool
+    in a few MB."""
     return ModelConfig(architecture="LlamaForCausalLM", model_type="llama", num_layers=1,
                        hidden_size=8, intermediate_size=16, num_heads=1, num_kv_heads=1,
                        head_dim=8, vocab_size=VOCAB, max_position_embeddings=4096)
@@ -115,7 +107,7 @@ def simulate(conservativeness: float, args: argparse.Namespace, roofline: Roofli
         runner=runner, cache=CacheManager(RadixCache(allocator), allocator,
                                           runner.req_to_token_pool),
         policy=make_policy(args.policy), config=config, stop_rules=StopRules({2}),
-        sink=_NullSink())
+        sink=NullSink())
     passes: list[tuple[str, int, int, int]] = []  # mode, requests, new tokens, KV tokens read
 
     def record(batch: Batch) -> None:
@@ -136,8 +128,8 @@ def simulate(conservativeness: float, args: argparse.Namespace, roofline: Roofli
     assert all(len(s.req.output_ids) == s.req.sampling_params.max_new_tokens for s in states)
     decode = [p for p in passes if p[0] == ForwardMode.DECODE.value]
     extend = [p for p in passes if p[0] != ForwardMode.DECODE.value]
-    decode_s = sum(roofline.decode_s(p[1], p[3]) for p in decode)
-    extend_s = sum(roofline.extend_s(p[2], p[3]) for p in extend)
+    decode_s = sum(roofline.pass_s(p[2], p[3]) for p in decode)
+    extend_s = sum(roofline.pass_s(p[2], p[3]) for p in extend)
     prompt_tokens = sum(len(p) for p in workload.prompts)
     batches = [p[1] for p in decode]
     return {

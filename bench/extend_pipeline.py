@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, environment, resolve_device, write_json  # noqa: E402,I001
-from bench.scheduler_overhead import NullModel  # noqa: E402
+from bench.scheduler_overhead import NullModel, NullSink  # noqa: E402
 from lmnb.runtime.config import EngineConfig, ModelConfig  # noqa: E402
 from lmnb.runtime.core import ForwardMode, Req, SamplingParams  # noqa: E402
 from lmnb.runtime.memory import KVAllocator  # noqa: E402
@@ -121,7 +121,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_config: ModelConfig,
         runner=runner, cache=CacheManager(RadixCache(allocator), allocator,
                                           runner.req_to_token_pool),
         policy=make_policy("lpm"), config=config, stop_rules=StopRules({2}),
-        sink=_NullSink())
+        sink=NullSink())
     states = [ReqState(Req(origin_input_ids=p, sampling_params=SamplingParams(
         max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True))) for p in prompts]
     start = time.perf_counter()
@@ -154,11 +154,6 @@ def run_mode(mode: str, args: argparse.Namespace, model_config: ModelConfig,
             "critical_ms_median": statistics.median(critical) if critical else 0.0,
             "critical_cpu_ms_total": sum(critical_cpu),
             "transitions": transitions}
-
-
-class _NullSink:
-    def put(self, events: list[Any]) -> None:
-        pass
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -54,6 +54,13 @@ from lmnb.runtime.scheduler import (  # noqa: E402
 PROMPT_LEN = 256
 
 
+class NullSink:
+    """A scheduler's output sink that drops every event (no output thread)."""
+
+    def put(self, events: list[Any]) -> None:
+        pass
+
+
 class NullModel(torch.nn.Module):
     """The model's interface at no cost: preallocated hidden states and logits. Logits favour a
     different ordinary token per row, so outputs are real text ids that change per row."""
