@@ -355,9 +355,17 @@ def main() -> None:
     parser.add_argument("--max-kv-splits", default="16",
                         help="comma list: the split grid dimension(s) of the Triton launches")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peers", default="flashinfer,fa3",
+                        help="comma list of the other kernels timed beside Triton's (flashinfer: "
+                        "JIT-compiles two decode modules on a fresh machine, minutes; fa3: "
+                        "vLLM's, when importable); '' for Triton alone")
     parser.add_argument("--json", default=None,
                         help="default bench/results/decode_kernel.json (_fp8 with --kv-fp8)")
     args = parser.parse_args()
+    peers = {name for name in args.peers.split(",") if name}
+    unknown = sorted(peers - {"flashinfer", "fa3"})
+    if unknown:
+        parser.error(f"unknown peers {unknown}; known: flashinfer, fa3")
     device = torch.device(args.device)
     heads, kv_heads, head_dim, dtype = MODELS[args.model]
     if args.shared:
@@ -390,7 +398,10 @@ def main() -> None:
     rows = []
     results = []
     split_counts = tuple(int(n) for n in args.max_kv_splits.split(","))
-    others = [] if args.kv_fp8 else flashinfer_runs(batch) + fa3_runs(batch)  # 16-bit KV only
+    others = []
+    if not args.kv_fp8:  # the peers read 16-bit KV only
+        others += flashinfer_runs(batch) if "flashinfer" in peers else []
+        others += fa3_runs(batch) if "fa3" in peers else []
     for name, run, config in triton_runs(batch, args.sweep, split_counts) + others:
         try:
             got = run()
