@@ -129,8 +129,11 @@ def time_kernel(run: Callable[[], Any]) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / 10
 
 
-def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
+def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,),
+                extra_tiles: tuple[tuple[int, int, int], ...] = ()
                 ) -> list[tuple[str, Callable[[], Any], dict]]:
+    """The default config, the sweep's grid with `sweep`, and each (block_n, warps, stages) of
+    `extra_tiles` with the default's other fields."""
     from lmnb.runtime.kernels import triton_decode as td
 
     out = torch.empty_like(batch.q)
@@ -155,6 +158,9 @@ def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
                             f"{' k_rows' * k_rows}",
                             default._replace(block_n=block_n, num_warps=warps, num_stages=stages,
                                              prefetch=prefetch, k_rows=k_rows)))
+    for block_n, warps, stages in extra_tiles:
+        configs.append((f"n{block_n} w{warps} s{stages} (default's loop)",
+                        default._replace(block_n=block_n, num_warps=warps, num_stages=stages)))
     runs = []
     for name, config in configs:
         for splits in split_counts:
@@ -354,6 +360,9 @@ def main() -> None:
                              "8:32:1500:48 few-shot): plain vs shared-prefix kernels")
     parser.add_argument("--max-kv-splits", default="16",
                         help="comma list: the split grid dimension(s) of the Triton launches")
+    parser.add_argument("--tiles", default="", metavar="N:W:S,...",
+                        help="Triton tiles to time besides the default (block_n:warps:stages, "
+                        "the default's loop variant and splits), without the whole --sweep")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", default="flashinfer,fa3",
                         help="comma list of the other kernels timed beside Triton's (flashinfer: "
@@ -398,11 +407,12 @@ def main() -> None:
     rows = []
     results = []
     split_counts = tuple(int(n) for n in args.max_kv_splits.split(","))
+    tiles = tuple(tuple(int(v) for v in tile.split(":")) for tile in args.tiles.split(",") if tile)
     others = []
     if not args.kv_fp8:  # the peers read 16-bit KV only
         others += flashinfer_runs(batch) if "flashinfer" in peers else []
         others += fa3_runs(batch) if "fa3" in peers else []
-    for name, run, config in triton_runs(batch, args.sweep, split_counts) + others:
+    for name, run, config in triton_runs(batch, args.sweep, split_counts, tiles) + others:
         try:
             got = run()
             error = float((got[:4].float() - reference).abs().max()) if got is not None else None
