@@ -32,9 +32,10 @@ itself while it starts its programs (`lmnb.lang.gil_share`): `--batch-switch-int
 value (`none`: Python's own), `--compare-batch-switch-intervals 2e-5,none` runs the DSL path
 once more with each. `--overlap` runs the overlap schedule (pipelined pass launches, on by
 default on CUDA) on the CPU too. A `run_batch` starts its programs together and sends their first
-gens to the scheduler in one hand-over (`global_config.batch_wave` None), or in growing waves:
-`--batch-wave`, `--compare-batch-waves 8`. `loop ms` is the program loop's CPU per program
-(`time.thread_time` read on that thread before and after the path).
+gens to the scheduler in one hand-over (`global_config.batch_wave` None), after a lead wave of
+a few programs spread over the batch (`--batch-lead-wave`, `--compare-batch-lead-waves none`),
+or in growing waves: `--batch-wave`, `--compare-batch-waves 8`. `loop ms` is the program loop's
+CPU per program (`time.thread_time` read on that thread before and after the path).
 `--gil-probe`: a thread sleeping 0.2 ms at a time notes how late it wakes in each path (how long
 a thread that gives the GIL up, as the scheduler at each torch call, waits to get it back).
 
@@ -332,7 +333,7 @@ def pass_comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     many requests as the raw text path's, and as many extend passes in all."""
     out = {label: {key: results[label][key] for key in SCHEDULE_KEYS}
            for label in results if label in SCHEDULE_PATHS or "switch" in label
-           or "@ wave" in label}
+           or "wave " in label}
     dsl, raw = out.get("dsl run_batch"), out.get("raw generate, text")
     if dsl is not None and raw is not None:
         first = [r["requests_per_extend_pass"][:1] for r in (dsl, raw)]
@@ -387,6 +388,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="global_config.batch_wave: 'none', a run_batch's programs start "
                         "together and their gens reach the scheduler in one hand-over; n, in "
                         "waves of n, 2n, ...; default: lmnb's")
+    parser.add_argument("--batch-lead-wave", default="default",
+                        help="global_config.batch_lead_wave: with --batch-wave none, the programs "
+                        "a run_batch starts first, spread over the batch, before the rest "
+                        "('none': all together; lmnb.lang.batch_waves); default: lmnb's")
+    parser.add_argument("--compare-batch-lead-waves", default="",
+                        help="comma-separated values ('none' included) of --batch-lead-wave to "
+                        "run the DSL path with once more each")
     parser.add_argument("--compare-batch-waves", default="",
                         help="comma-separated values ('none' included) of --batch-wave to run "
                         "the DSL path with once more each")
@@ -399,6 +407,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "its result comes 0.15 s + 20 us per prompt token later (decode: 10 ms), "
                         "as from a device; the CUDA prefill chunk (8192). 4000 gives a launch "
                         "3-4x slower beside a busy program loop, as measured on the H100")
+    parser.add_argument("--device-from-launch-start", action="store_true",
+                        help="with --simulate-gpu: a pass's device time runs from its launch's "
+                        "start (kernels run as they are queued), ending no earlier than the "
+                        "launch; default: from the launch's end")
     parser.add_argument("--gil-probe", action="store_true",
                         help="a thread that sleeps 0.2 ms at a time notes how late it wakes "
                         "(request_timeline.GilProbe): how long a thread giving up the GIL, as the "
@@ -426,6 +438,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.batch_wave != "default":
         lmnb.global_config.batch_wave = (
             None if args.batch_wave == "none" else int(args.batch_wave))
+    if args.batch_lead_wave != "default":
+        lmnb.global_config.batch_lead_wave = (
+            None if args.batch_lead_wave == "none" else int(args.batch_lead_wave))
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -440,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.overlap or args.simulate_gpu:
         options["disable_overlap_schedule"] = False
     if args.simulate_gpu:
-        simulate_gpu(args.simulate_gpu)
+        simulate_gpu(args.simulate_gpu, from_launch_start=args.device_from_launch_start)
         options["chunked_prefill_size"] = 8192
     with tempfile.TemporaryDirectory(prefix="lmnb-dsl-overhead-") as scratch:
         if args.model:
@@ -496,9 +511,11 @@ def batch_switched(interval: float | None, work: Callable[[], Any]) -> Callable[
     return run_batch_switched
 
 
-def simulate_gpu(ops: int) -> None:
+def simulate_gpu(ops: int, *, from_launch_start: bool = False) -> None:
     """`--simulate-gpu`: `ModelRunner.launch` makes `ops` tiny torch calls first, and each
-    launched pass's `result()` waits until its simulated device time has passed."""
+    launched pass's `result()` waits until its simulated device time has passed: counted from
+    the launch's end, or (`from_launch_start`) from its start, as a device runs kernels as they
+    are queued (a launch slowed by other threads then hides behind the device's work)."""
     import torch
 
     from lmnb.runtime.core import ForwardMode
@@ -509,12 +526,14 @@ def simulate_gpu(ops: int) -> None:
     ready: dict[int, float] = {}  # id(pending) -> when its device work is done
 
     def simulated_launch(self: Any, batch: Any, rows: Any) -> Any:
+        start = time.perf_counter()
         for _ in range(ops):
             torch.add(scratch, 1)
         pending = launch(self, batch, rows)
         device_s = (0.15 + 2e-5 * sum(batch.extend_lens) if batch.mode is ForwardMode.EXTEND
                     else 0.01)
-        ready[id(pending)] = time.perf_counter() + device_s
+        end = time.perf_counter()
+        ready[id(pending)] = max(start + device_s, end) if from_launch_start else end + device_s
         return pending
 
     def simulated_result(self: Any) -> Any:
@@ -581,6 +600,9 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
     for value in filter(None, (v.strip() for v in args.compare_batch_waves.split(","))):
         paths[f"{SWITCH_DSL} @ wave {value}"] = configured(
             "batch_wave", None if value == "none" else int(value), paths[SWITCH_DSL])
+    for value in filter(None, (v.strip() for v in args.compare_batch_lead_waves.split(","))):
+        paths[f"{SWITCH_DSL} @ lead wave {value}"] = configured(
+            "batch_lead_wave", None if value == "none" else int(value), paths[SWITCH_DSL])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
@@ -659,6 +681,10 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         print(f"{label}: DSL / raw text wall time "
               f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
               f"the default wave {lmnb.global_config.batch_wave}: {wall_min:.2f}x)")
+    for label in (label for label in results if "@ lead wave" in label):
+        print(f"{label}: DSL / raw text wall time "
+              f"{results[label]['seconds_min'] / raw_fastest:.2f}x (fastest of each; with "
+              f"the default lead wave {lmnb.global_config.batch_lead_wave}: {wall_min:.2f}x)")
     for sort, table in profile.items():
         print(f"\n---- DSL run, profile by {sort} (main, program loop, threads started) ----")
         print(table)
@@ -669,7 +695,8 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
                    "repeats": args.repeats, "model": model_label,
                    "radix_cache": not args.disable_radix_cache, "gc_freeze": args.gc_freeze,
                    "batch_switch_interval": lmnb.global_config.batch_switch_interval,
-                   "batch_wave": lmnb.global_config.batch_wave},
+                   "batch_wave": lmnb.global_config.batch_wave,
+                   "batch_lead_wave": lmnb.global_config.batch_lead_wave},
         "results": results,
         "dsl_over_raw_text_cpu": dsl / floor,
         "dsl_over_raw_text_wall": wall,

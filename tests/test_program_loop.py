@@ -271,20 +271,116 @@ class _CountedHolds:
 
 
 def test_run_batch_starts_its_programs_together_or_in_waves(rt, monkeypatch):
-    """`global_config.batch_wave` None: every program's first gen reaches the scheduler in one
-    hand-over; n: in waves of n, 2n, ... (one hand-over each); the states are the same."""
+    """`global_config.batch_wave` None: a lead wave's first gens reach the scheduler in one
+    hand-over, the rest's in another (lead None: all in one); n: in waves of n, 2n, ... (one
+    hand-over each); the states are the same."""
     @lmnb.function
     def one(s, i):
         s += f"Number {i} is" + gen("a", max_tokens=2, temperature=0)
 
     texts = {}
-    for wave, hand_overs in ((None, 1), (4, 3)):  # 4, then 8, then the last 8
+    for wave, lead, hand_overs in ((None, None, 1), (None, 8, 2), (4, 8, 3)):  # 4, 8, last 8
         monkeypatch.setattr(lmnb.global_config, "batch_wave", wave)
+        monkeypatch.setattr(lmnb.global_config, "batch_lead_wave", lead)
         counted = _CountedHolds(rt)
         states = one.run_batch([{"i": i} for i in range(20)], backend=LocalBackend(counted))
-        texts[wave] = [state["a"] for state in states]
+        texts[wave, lead] = [state["a"] for state in states]
         assert counted.holds == hand_overs
-    assert texts[None] == texts[4]
+    assert texts[None, None] == texts[None, 8] == texts[4, 8]
+
+
+def test_start_waves():
+    from lmnb.lang.batch_waves import start_waves
+
+    assert start_waves(32, lead=8, wave=None) == [
+        [0, 4, 8, 12, 16, 20, 24, 28], [i for i in range(32) if i % 4]]
+    assert start_waves(16, lead=8, wave=None) == [list(range(16))]  # small: together
+    assert start_waves(32, lead=None, wave=None) == [list(range(32))]
+    assert start_waves(20, lead=8, wave=4) == [[0, 1, 2, 3], list(range(4, 12)),
+                                               list(range(12, 20))]
+
+
+class _PausedHandOvers:
+    """A runtime whose hand-overs to the scheduler are logged beside the program bodies (`log`),
+    and whose first forward pass, once run, holds the scheduler until the second hand-over is
+    sent: the second pass is then planned with everything the batch handed over, whatever the
+    machine's speed."""
+
+    def __init__(self, runtime: lmnb.Runtime, log: list[Any]) -> None:
+        self._runtime = runtime
+        self.log = log
+        self._count = 0
+        self._hand_overs = 0
+        self._first_pass = threading.Event()
+        self._second_sent = threading.Event()
+        self.passes: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    def submit_encoded(self, ids: list[int], params: Any, **options: Any) -> Any:
+        self._count += 1
+        return self._runtime.submit_encoded(ids, params, **options)
+
+    @contextlib.contextmanager
+    def batched_submits(self) -> Iterator[None]:
+        with self._runtime.batched_submits():
+            yield
+        sent, self._count = self._count, 0
+        self.log.append(("sent", sent))
+        self._hand_overs += 1
+        if self._hand_overs == 1:  # the lead wave's: its pass runs before the rest start
+            assert self._first_pass.wait(GUARD_S)
+        else:
+            self._second_sent.set()
+
+    def hook(self, batch: Any) -> None:
+        self.passes.append((batch.mode.name, batch.size))
+        if not self._first_pass.is_set():
+            self._first_pass.set()
+            assert self._second_sent.wait(GUARD_S)
+
+
+def test_run_batch_lead_wave_starts_the_engine_before_the_rest_with_the_same_passes(rt):
+    """The lead wave (every 4th of 32 programs, 4 few-shot prefixes of 8 questions each) reaches
+    the scheduler before the other bodies run; its first pass admits one request per prefix, as
+    a pass planned with the whole batch (`generate` of the prompts' ids) does, and the second
+    pass takes every other request: the same extend passes as the raw ids."""
+    prefixes = [f"Task {p}: " + " ".join(f"w{p}x{k}" for k in range(40)) + "\n"
+                for p in range(4)]
+    items = [{"prefix": prefix, "q": f"Q{q}: what is {q}?"}
+             for prefix in prefixes for q in range(8)]
+    log: list[Any] = []
+
+    @lmnb.function
+    def ask(s, prefix, q):
+        log.append(("body", items.index({"prefix": prefix, "q": q})))
+        s += prefix + q + gen("a", max_tokens=2, temperature=0)
+
+    paused = _PausedHandOvers(rt, log)
+    wait_idle(rt)
+    assert rt.flush_cache()  # nothing cached by earlier tests
+    rt.set_batch_hook(paused.hook)
+    try:
+        states = ask.run_batch(items, backend=LocalBackend(paused))
+    finally:
+        rt.set_batch_hook(None)
+    assert all(state.error() is None for state in states)
+    lead = [0, 4, 8, 12, 16, 20, 24, 28]
+    assert log == [*(("body", i) for i in lead), ("sent", 8),
+                   *(("body", i) for i in range(32) if i not in lead), ("sent", 24)]
+    dsl_extends = [size for mode, size in paused.passes if mode == "EXTEND"]
+
+    raw: list[tuple[str, int]] = []
+    wait_idle(rt)
+    assert rt.flush_cache()
+    rt.set_batch_hook(lambda batch: raw.append((batch.mode.name, batch.size)))
+    try:
+        rt.generate(input_ids=[rt.encode(item["prefix"] + item["q"]) for item in items],
+                    sampling_params={"max_new_tokens": 2, "temperature": 0})
+    finally:
+        rt.set_batch_hook(None)
+    assert dsl_extends == [size for mode, size in raw if mode == "EXTEND"] == [4, 28]
 
 
 class HoldingBackend(LocalBackend):

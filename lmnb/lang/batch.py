@@ -1,5 +1,6 @@
 """`BatchJob`: one `run_batch` (of a `Program` or a `CompiledProgram`), every program a task on
-the program loop, started together (`global_config.batch_wave` None) or in growing waves."""
+the program loop, started in the waves of `batch_waves.start_waves`: a lead wave spread over the
+batch, then the rest together (`global_config.batch_wave` None), or in growing waves."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from typing import Any
 
 from lmnb.lang.backends.base import Backend
 from lmnb.lang.backends.submit_chunks import whole_turns
+from lmnb.lang.batch_waves import start_waves
 from lmnb.lang.event_loop import program_loop, run_body, wait_queue
 from lmnb.lang.gil_share import sharing_the_gil
 from lmnb.lang.global_config import global_config
 from lmnb.lang.program_run import ProgramRun
 from lmnb.lang.program_state import ProgramState
 from lmnb.lang.progress import progress_bar as tqdm_bar
-from lmnb.runtime.prompts import chunk_bounds
 
 
 def _program_limit(num_threads: int | str, size: int) -> int | None:
@@ -59,22 +60,22 @@ class _BatchRun:
         semaphore = asyncio.Semaphore(self.limit) if self.limit is not None else None
         tasks: list[asyncio.Future[None]] = []
         try:
-            # Together (`batch_wave` None): every body runs in one turn of the loop, their
-            # executors' first gens in the next, sent to the scheduler in one hand-over at its
-            # end (`whole_turns`): the first pass is planned with all of them, as for
-            # `generate` of a list of ids. In waves (n): as `Runtime.generate` sends a list of
-            # texts, the first wave's gens reach the scheduler after four turns and the engine
-            # prefills them while the later waves' bodies run. Either way the scheduler thread
-            # shares the GIL with the bodies (`gil_share`).
+            # `batch_wave` None: a large batch's lead wave (a few programs spread over it),
+            # then the rest. Each wave's bodies run in one turn of the loop, their executors'
+            # first gens in the next, tokenized together, sent to the scheduler in one
+            # hand-over at the end of the turn that submits them (`whole_turns`): the engine
+            # prefills the lead wave while the rest start, and plans its next pass with all of
+            # them, as for `generate` of a list of ids. In waves (n): as `Runtime.generate`
+            # sends a list of texts, each wave's gens in growing chunks. Either way the
+            # scheduler thread shares the GIL with the bodies (`gil_share`).
             wave = global_config.batch_wave
-            bounds = ([(0, len(self.batch))] if wave is None
-                      else list(chunk_bounds(len(self.batch), wave)))
+            waves = start_waves(len(self.batch), lead=global_config.batch_lead_wave, wave=wave)
             with sharing_the_gil(global_config.batch_switch_interval), \
                     whole_turns() if wave is None else nullcontext():
-                for start, end in bounds:
+                for indices in waves:
                     tasks += [asyncio.ensure_future(self._one(index, self.batch[index],
                                                               semaphore))
-                              for index in range(start, end)]
+                              for index in indices]
                     for _ in range(_WAVE_TURNS):  # after the last: its gens are submitted
                         await asyncio.sleep(0)
             for task in asyncio.as_completed(tasks):

@@ -3,7 +3,8 @@
 `default_backend` is the program default (`set_default_backend`); `enable_precache_with_tracing`
 turns `run_batch`'s shared-prefix caching on or off; `batch_switch_interval` is lmnb's (the GIL
 switch interval while a `run_batch` starts its programs, `lmnb.lang.gil_share`), and so is
-`batch_wave` (the programs start together, or in growing waves). The other
+`batch_wave` and `batch_lead_wave` (the programs start in a lead wave and then together, or
+in growing waves: `lmnb.lang.batch_waves`). The other
 fields are kept for programs that set or read them and change nothing here (lmnb's detokenizer
 always skips special tokens)."""
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from lmnb.lang.backends.base import Backend
 from lmnb.lang.default_backend import default_backend, set_default_backend
+from lmnb.runtime.prompts import FIRST_CHUNK
 
 
 class GlobalConfig:
@@ -25,10 +27,12 @@ class GlobalConfig:
         # lmnb's: the GIL switch interval (s) while a run_batch starts its programs (`gil_share`;
         # None: Python's own, 5 ms unless set).
         self.batch_switch_interval: float | None = 5e-5
-        # lmnb's: how a run_batch starts its programs: None, all in one turn of the program loop
-        # and their first gens sent to the scheduler in one hand-over (as `generate` of a list
-        # of ids); n, in waves of n, 2n, 4n, ... with their gens sent in chunks of as many.
+        # lmnb's: how a run_batch starts its programs: None, a lead wave of `batch_lead_wave`
+        # programs spread over the batch (None: none), then the rest in one turn of the program
+        # loop, each wave's first gens sent to the scheduler in one hand-over; n, in waves of
+        # n, 2n, 4n, ... with their gens sent in chunks of as many.
         self.batch_wave: int | None = None
+        self.batch_lead_wave: int | None = FIRST_CHUNK
 
     @property
     def default_backend(self) -> Backend | None:
