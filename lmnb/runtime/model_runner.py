@@ -65,6 +65,15 @@ def sampling_rows(extend_lens: Sequence[int],
     return requests, last_token_rows
 
 
+def rows_of(hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """hidden[rows] without waiting for the device: indexing a CUDA tensor with a Python list
+    copies the list there blockingly, which waits for the whole pass just enqueued."""
+    if len(rows) == len(hidden):
+        return hidden
+    index = host_int64(rows, pin=hidden.device.type == "cuda")
+    return hidden.index_select(0, index.to(hidden.device, non_blocking=True))
+
+
 class ModelRunner:
     """Sizes and owns the KV pools from the engine and model configs, and runs the model.
 
@@ -292,9 +301,7 @@ class ModelRunner:
         self._last_sampled = None
         if sample_rows:
             logits = (graph_logits if graph_logits is not None
-                      else self.model.compute_logits(  # every row (decode): no gather
-                          hidden if len(last_token_rows) == len(hidden)
-                          else hidden[last_token_rows]))
+                      else self.model.compute_logits(rows_of(hidden, last_token_rows)))
             rows = list(rows)
             info = self._sampling_info(rows)
             sampled = self.sampler(logits, info, self._grammar_mask(rows, info))
@@ -402,7 +409,7 @@ class ModelRunner:
             return
         _, last_token_rows = sampling_rows(step.extend_lens, step.samples)
         if last_token_rows:
-            self.model.compute_logits(hidden[last_token_rows])
+            self.model.compute_logits(rows_of(hidden, last_token_rows))
         if step.mode is ForwardMode.EXTEND:
             for span in step.spans:
                 if span is not None:

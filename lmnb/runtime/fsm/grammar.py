@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from lmnb.runtime.fsm.index import TokenIndex
+from lmnb.runtime.kernels.metadata import to_device
 from lmnb.runtime.sampling.bitmask import with_bits
 
 
@@ -39,7 +40,7 @@ class RequestGrammar:  # implements protocol.Grammar
         key = (self.state, str(device), stops)
         if (packed := self._bitmasks.get(key)) is None:
             if self._stops_allowed():
-                packed = with_bits(self.index.bitmask(self.state), stops).to(device)
+                packed = to_device(with_bits(self.index.bitmask(self.state), stops), device)
             else:
                 packed = self.index.bitmask(self.state, device)
             self._bitmasks[key] = packed

@@ -22,6 +22,7 @@ import torch
 from lmnb.runtime.fsm.jump import CompressedFSM
 from lmnb.runtime.fsm.regex import ByteFSM, compile_regex
 from lmnb.runtime.fsm.token_bytes import token_byte_table
+from lmnb.runtime.kernels.metadata import to_device
 from lmnb.runtime.sampling.bitmask import pack_mask
 
 _BATCH = 64  # FSM states walked together by build_all
@@ -179,7 +180,7 @@ class TokenIndex:
             return mask
         key = (state, str(device))
         if (moved := self._device_masks.get(key)) is None:
-            moved = self._device_masks[key] = mask.to(device)
+            moved = self._device_masks[key] = to_device(mask, device)
         return moved
 
     def bitmask(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -187,7 +188,7 @@ class TokenIndex:
         lmnb.runtime.sampling.bitmask), cached per (state, device); callers must not modify it."""
         key = (state, str(device))
         if (packed := self._bitmasks.get(key)) is None:
-            packed = pack_mask(self.allowed(state)).to(device)
+            packed = to_device(pack_mask(self.allowed(state)), device)
             with self._lock:
                 packed = self._bitmasks.setdefault(key, packed)
         return packed

@@ -33,6 +33,7 @@ import torch
 import xgrammar
 
 from lmnb.runtime.fsm.token_bytes import token_byte_table
+from lmnb.runtime.kernels.metadata import to_device
 from lmnb.runtime.sampling.bitmask import num_words, pack_mask, with_bits
 
 KINDS = ("regex", "json_schema", "ebnf")
@@ -143,7 +144,7 @@ class XGrammarMatcher:
             packed = self._next_allowed()
             if self._dead or not self._can_continue or self._matcher.is_completed():
                 packed = with_bits(packed, stops)
-            packed = self._bitmasks[key] = packed.to(device)
+            packed = self._bitmasks[key] = to_device(packed, device)
         return packed
 
     def _stepped(self, accepted: bool) -> None:

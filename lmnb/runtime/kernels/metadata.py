@@ -32,9 +32,16 @@ def device_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
     """`values` as a tensor on `device` without waiting for the device's queued work: on CUDA
     through pinned memory and a non-blocking copy (`torch.tensor(..., device="cuda")` copies
     from pageable memory, which waits for the stream, e.g. for a pass in flight)."""
-    host = torch.tensor(values, dtype=dtype)
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor's copy on `device` that waits for nothing queued there: on CUDA staged in
+    pinned memory and copied non-blocking (a plain `.to(device)` from the host waits for the
+    stream: for the whole pass just enqueued)."""
+    device = torch.device(device)
     if device.type != "cuda":
-        return host
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 

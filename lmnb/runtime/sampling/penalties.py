@@ -13,19 +13,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmnb.runtime.kernels.metadata import device_tensor, to_device
+
 if TYPE_CHECKING:
     from lmnb.runtime.sampling.row import SamplingRow
 
 _NEG_INF = float("-inf")
 
 
-def _occurrence_keys(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """Flat indices `list index * vocab + token` of every in-vocab token of `id_lists`."""
+def _occurrence_keys(id_lists: list[list[int]], vocab: int, device: torch.device, *,
+                     unique: bool = False) -> torch.Tensor:
+    """Flat indices `list index * vocab + token` of every in-vocab token of `id_lists` (each
+    once if `unique`), on `device`: computed on the host (a device `unique` or mask would wait
+    for the pass in flight to size its result) and copied without waiting."""
     flat = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
     owner = torch.repeat_interleave(torch.arange(len(id_lists)), lengths)
     valid = (flat >= 0) & (flat < vocab)
-    return (owner * vocab + flat)[valid].to(device)
+    keys = (owner * vocab + flat)[valid]
+    return to_device(keys.unique() if unique else keys, device)
 
 
 class Penalties:
@@ -47,24 +53,24 @@ class Penalties:
         fp = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
         self.rep_rows = self.rep_penalty = self.rep_keys = self.rep_values = None
         if rep:
-            self.rep_rows = torch.tensor(rep, dtype=torch.int64, device=device)
-            self.rep_penalty = torch.tensor([params[i].repetition_penalty for i in rep],
-                                            dtype=torch.float32, device=device)
+            self.rep_rows = device_tensor(rep, torch.int64, device)
+            self.rep_penalty = device_tensor([params[i].repetition_penalty for i in rep],
+                                             torch.float32, device)
             histories = [list(row.origin_input_ids) + list(row.output_ids)
                          if params[i].repetition_penalty != 1.0 else []
                          for i, row in enumerate(rows)]
-            self.rep_keys = _occurrence_keys(histories, vocab_size, device).unique()
-            penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
-                                   device=device)
+            self.rep_keys = _occurrence_keys(histories, vocab_size, device, unique=True)
+            penalty = device_tensor([p.repetition_penalty for p in params], torch.float32,
+                                    device)
             self.rep_values = penalty[self.rep_keys // vocab_size]
         self.fp_rows = self.counts = self.neg_bias = None
         self.fp_whole_batch = len(fp) == len(rows)
         if fp:
-            self.fp_rows = torch.tensor(fp, dtype=torch.int64, device=device)
-            self.frequency = torch.tensor([[params[i].frequency_penalty] for i in fp],
-                                          dtype=torch.float32, device=device)
-            self.presence = torch.tensor([[params[i].presence_penalty] for i in fp],
-                                         dtype=torch.float32, device=device)
+            self.fp_rows = device_tensor(fp, torch.int64, device)
+            self.frequency = device_tensor([params[i].frequency_penalty for i in fp],
+                                           torch.float32, device)[:, None]
+            self.presence = device_tensor([params[i].presence_penalty for i in fp],
+                                          torch.float32, device)[:, None]
             keys = _occurrence_keys([list(rows[i].output_ids) for i in fp], vocab_size, device)
             counts = torch.zeros(len(fp) * vocab_size, dtype=torch.float32, device=device)
             counts.index_add_(0, keys, torch.ones_like(keys, dtype=torch.float32))
@@ -115,9 +121,9 @@ class MinNewTokens:
 
     def __init__(self, pair_rows: list[int], pair_ids: list[int], left: list[int],
                  device: torch.device) -> None:
-        self.pair_rows = torch.tensor(pair_rows, dtype=torch.int64, device=device)
-        self.pair_ids = torch.tensor(pair_ids, dtype=torch.int64, device=device)
-        self.left = torch.tensor(left, dtype=torch.int64, device=device)
+        self.pair_rows = device_tensor(pair_rows, torch.int64, device)
+        self.pair_ids = device_tensor(pair_ids, torch.int64, device)
+        self.left = device_tensor(left, torch.int64, device)
         self.steps_left = max(left)  # host-side: after this many steps nothing is blocked
 
     @classmethod
