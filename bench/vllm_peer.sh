@@ -7,6 +7,10 @@
 # last part and .peer/vllm-peer.tar.sha256: it copies the parts this call carries into /tmp/pc,
 # joins them, checks the sha256 (a missing or broken part fails here), unpacks and installs with
 # --no-deps. It does nothing when vLLM already imports from /tmp/vllm-site (a warm machine).
+# The parts are 60 MiB; with the working tree (~4 MB) a call can pass the 64 MiB carry limit. Then
+# re-split them here, any size, same names: `cd .peer && cat vllm-peer.tar.part0? > /tmp/v.tar &&
+# rm vllm-peer.tar.part0? && split -b 54M -d -a 2 /tmp/v.tar vllm-peer.tar.part` (7 calls; the
+# checksum is the whole tar's).
 #   bash bench/vllm_peer.sh && bench/gpu_suite.sh vs-vllm-llama3
 # Env: PYTHON (default python3), VLLM_PEER_PARTS (/tmp/pc), VLLM_SITE (/tmp/vllm-site),
 #      VLLM_PEER_SHA256 (.peer/vllm-peer.tar.sha256).
