@@ -133,6 +133,46 @@ def test_asyncio_consumer_is_woken_by_the_output_thread(running):
     assert chunks[-1]["meta_info"]["finish_reason"] == LENGTH
 
 
+def test_a_step_wakes_each_loop_once_after_its_last_delivery(processor):
+    """Many single-request streams awaited on one loop: the step's deliveries wake the loop in
+    one burst, sent after the last of them (`held_wakes`), and every awaiting task resumes."""
+    from lmnb.runtime.output import loop_waker
+
+    loop = asyncio.new_event_loop()
+    streams = [open_stream(processor, [rid], incremental=False) for rid in range(1, 9)]
+    wakes: list[int] = []
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counted(callback, *args):
+        if getattr(callback, "__func__", None) is loop_waker.LoopWaker._flush:
+            wakes.append(len(args))
+        return call_soon_threadsafe(callback, *args)
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+    async def consume(stream: OutputStream) -> list[dict]:
+        return await stream.aresults()
+
+    async def main() -> list[list[dict]]:
+        tasks = [asyncio.ensure_future(consume(stream)) for stream in streams]
+        await asyncio.sleep(0)  # every task awaits its stream
+
+        def step() -> None:  # an outer block: the processor's own one nests in it
+            with loop_waker.held_wakes():
+                processor.process([TokenEvent(rid, [5], LENGTH) for rid in range(1, 9)])
+                assert wakes == []  # held until the block ends
+        await asyncio.to_thread(step)
+        return await asyncio.gather(*tasks)
+
+    try:
+        processor.pump()  # the registrations
+        results = loop.run_until_complete(asyncio.wait_for(main(), timeout=60))
+    finally:
+        loop.close()
+    assert len(wakes) == 1
+    assert [r[0]["meta_info"]["finish_reason"] for r in results] == [LENGTH] * 8
+
+
 def test_asyncio_results_of_a_whole_call(running):
     stream = open_stream(running, [1, 2], incremental=False)
     running.put([TokenEvent(1, ids_of("ab")), TokenEvent(2, ids_of("xy"))])

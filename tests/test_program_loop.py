@@ -717,3 +717,59 @@ def test_local_backend_submits_encoded_ids_with_parsed_params(rt):
     error = one.run(backend=backend, top_k=-3).error()
     assert isinstance(error, InvalidRequestError) and "top_k" in str(error)
     assert rt.generate("ok", {"max_new_tokens": 1})["text"] is not None  # still usable
+
+
+def test_call_soon_from_threads_keeps_order_and_context():
+    """`event_loop.call_soon` from another thread: a burst of callbacks runs on the program
+    loop in the order of the calls, each in its caller's context."""
+    import contextvars
+
+    from lmnb.lang.event_loop import call_soon
+
+    tag: contextvars.ContextVar[str] = contextvars.ContextVar("tag", default="loop")
+    seen: list[tuple[int, str, bool]] = []
+    done = threading.Event()
+
+    def note(i: int) -> None:
+        seen.append((i, tag.get(), threading.get_ident() == loop_ident))
+        if i == 99:
+            done.set()
+
+    loop_ident = program_loop_ident()
+
+    def caller() -> None:
+        for i in range(100):
+            tag.set(f"caller {i}")
+            call_soon(note, i)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    thread.join()
+    assert done.wait(30)
+    assert seen == [(i, f"caller {i}", True) for i in range(100)]
+
+
+def program_loop_ident() -> int:
+    from lmnb.lang.event_loop import program_loop
+
+    idents: list[int] = []
+    ready = threading.Event()
+    program_loop().call_soon_threadsafe(lambda: (idents.append(threading.get_ident()),
+                                                 ready.set()))
+    assert ready.wait(30)
+    return idents[0]
+
+
+def test_gen_texts_complete_at_each_samples_last_update():
+    from lmnb.lang.backends.runtime_gen import GenTexts
+    from lmnb.lang.ir import GenParams
+
+    gen = GenTexts(GenParams(n=2), None)
+    assert not gen.update(0, "a", {"finish_reason": None}) and not gen.complete
+    assert not gen.update(0, "ab", {"finish_reason": {"type": "length"}}) and not gen.complete
+    assert not gen.update(1, "c", {"finish_reason": {"type": "stop"}})
+    assert gen.complete
+    cut = GenTexts(GenParams(n=2, stop_regex=("b",)), None)
+    cut.update(0, "ab", {"finish_reason": None})  # cut here, the runtime's last chunk to come
+    cut.update(1, "x", {"finish_reason": {"type": "length"}})
+    assert not cut.complete and cut.texts == ["a", "x"]

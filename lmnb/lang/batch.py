@@ -99,6 +99,8 @@ class _BatchRun:
         if self.runs.aborted:
             return
         state = await run_body(self.execute, arguments, self.runs.new_run())
+        # Awaited here, not in the body (whose greenlet has ended): no switch back into it.
+        await state.executor.drained()
         self._finished.append((index, state))
         if len(self._finished) == 1:
             asyncio.get_running_loop().call_soon(self._deliver)
@@ -117,7 +119,9 @@ _DONE = object()
 @dataclass(frozen=True)
 class BatchJob:
     """One `run_batch`: `execute(arguments, run)` for every argument dict of `batch`, as tasks on
-    the program loop, after caching the programs' shared `prefix` once.
+    the program loop, after caching the programs' shared `prefix` once. `execute` returns the
+    program's state as soon as its body has run; the program is done once its executor has
+    drained.
 
     `states()` blocks and returns the states in order; `completed()` yields them as they finish;
     `aiter_completed()` does so for an event loop (the kernel's). If the wait is interrupted

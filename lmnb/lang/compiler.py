@@ -415,7 +415,8 @@ class CompiledProgram:
         return self._execute(as_backend(backend), arguments, run_defaults(sampling), stream)
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
-                 stream: bool, run: ProgramRun | None = None) -> ProgramState:
+                 stream: bool, run: ProgramRun | None = None, *,
+                 wait: bool = True) -> ProgramState:
         root = GraphExecutor(backend, defaults=defaults, stream=stream,
                              num_api_spec_tokens=self.program.num_api_spec_tokens)
         state = ProgramState(root, run)
@@ -423,7 +424,7 @@ class CompiledProgram:
         if not self._plan.ret.reads:
             state.ret_value = run.resolve(self._plan.ret.node)
         run.start([0], [root])
-        if not stream:
+        if not stream and wait:
             state.sync()
         return state
 
@@ -453,7 +454,7 @@ class CompiledProgram:
         return BatchJob(self.__name__, backend, self.traced.constant_text(backend.chat_template),
                         batch,
                         lambda arguments, run: self._execute(backend, arguments, defaults,
-                                                             stream=False, run=run))
+                                                             stream=False, run=run, wait=False))
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)

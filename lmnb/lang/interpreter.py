@@ -337,15 +337,19 @@ class StreamExecutor:
 
     def _finish_var(self, name: str) -> None:
         self._finished.add(name)
-        self._listeners.finish(name)
+        if self._listeners:
+            self._listeners.finish(name)
         if self._waiters:
             self._wake()
-        self._emit("variable", name=name)
+        if self.observer is not None:
+            self._emit("variable", name=name)
 
     def _append(self, text: str, var: str | None = None) -> None:
         self.text_ += text
-        self._listeners.notify(var, text)
-        self._emit("text", delta=text, var=var)
+        if self._listeners:
+            self._listeners.notify(var, text)
+        if self.observer is not None:
+            self._emit("text", delta=text, var=var)
 
     def _run(self, expr: Expr) -> Coroutine[Any, Any, None]:
         """`_execute(expr)`, its handler found by one cached lookup."""
@@ -501,7 +505,8 @@ class StreamExecutor:
         first = text[0] if isinstance(text, list) else text
         # The final text replaces what was streamed.
         streamed = self.text_[start:]
-        self.text_ = self.text_[:start] + first
+        if first != streamed:
+            self.text_ = self.text_[:start] + first
         self._streaming = None
         if first.startswith(streamed) and len(first) > len(streamed) and self._listeners:
             self._listeners.notify(name, first[len(streamed):])

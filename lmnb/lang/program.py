@@ -93,7 +93,10 @@ class Program:
 
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
                  stream: bool, run: ProgramRun | None = None, *,
-                 raise_body_error: bool = True, token_view: bool = False) -> ProgramState:
+                 raise_body_error: bool = True, token_view: bool = False,
+                 wait: bool = True) -> ProgramState:
+        """Runs the body; the state is returned once done unless `stream` or not `wait` (a
+        batch's program: its task awaits `executor.drained()`)."""
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         if token_view:
@@ -115,7 +118,7 @@ class Program:
                 raise
         finally:
             PROGRAM_CALLER.reset(caller)
-        if not stream:
+        if not stream and wait:
             state.sync()
         return state
 
@@ -170,7 +173,8 @@ class Program:
         return BatchJob(self.__name__, backend, prefix, batch,
                         lambda arguments, run: self._execute(backend, arguments, defaults,
                                                              stream=False, run=run,
-                                                             raise_body_error=False))
+                                                             raise_body_error=False,
+                                                             wait=False))
 
     def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:
         """The program as an IR graph; unbound arguments stay symbolic. The graph does not

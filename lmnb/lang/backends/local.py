@@ -201,12 +201,12 @@ class LocalBackend:
     @staticmethod
     def _take(gen: GenTexts, record: GenRecord | None, chunk: dict[str, Any]) -> bool:
         """One streamed chunk into the gen's texts (and the trace's record); True once every
-        sample is complete."""
+        sample is complete (the stream has nothing more)."""
         index = chunk.get("index", 0)
-        complete = gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"])
+        cut = gen.update(index, gen.texts[index] + chunk["text"], chunk["meta_info"])
         if record is not None and index == 0:
             record.update(chunk, len(gen.texts[0]))
-        return complete
+        return cut or gen.complete
 
     @staticmethod
     def _end(chunks: Any, record: GenRecord | None,

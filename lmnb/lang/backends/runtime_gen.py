@@ -24,11 +24,19 @@ class GenTexts:
         self.texts = [""] * self.n
         self.metas: list[dict[str, Any]] = [{} for _ in range(self.n)]
         self._streamed = 0  # characters of texts[0] handed to on_delta
+        self._ended: set[int] = set()  # samples whose last update came
+
+    @property
+    def complete(self) -> bool:
+        """Every sample's last update (the runtime set its `finish_reason`) came."""
+        return len(self._ended) == self.n
 
     def update(self, index: int, text: str, meta: dict[str, Any]) -> bool:
         """Sample `index` now reads `text` with `meta`; True when the gen is complete (its one
         sample hit a stop_regex: the caller closes the stream)."""
-        match = first_stop_regex_match(self.stop_regex, text)
+        if meta.get("finish_reason") is not None:  # the runtime's last update of the sample
+            self._ended.add(index)
+        match = first_stop_regex_match(self.stop_regex, text) if self.stop_regex else None
         if match:
             text = text[:match.start()]
             meta = {**meta, "finish_reason": {"type": "stop", "matched": match.group()}}

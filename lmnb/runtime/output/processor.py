@@ -14,6 +14,7 @@ from typing import Any
 from lmnb.runtime.output.detokenizer import PROMPT_TAIL, Decoder, IncrementalDetokenizer
 from lmnb.runtime.output.events import TokenEvent
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
+from lmnb.runtime.output.loop_waker import held_wakes
 from lmnb.runtime.output.stop import (
     compile_stop_regex,
     first_stop_regex_match,
@@ -176,7 +177,12 @@ class OutputProcessor:
                 skip_special_tokens=item.skip_special_tokens, stop=item.stop))
 
     def process(self, events: list[TokenEvent]) -> None:
-        """One scheduler step: each stream gets one delivery with its requests' chunks."""
+        """One scheduler step: each stream gets one delivery with its requests' chunks; the
+        asyncio consumers' loops are woken once, after the step's last delivery."""
+        with held_wakes():
+            self._process(events)
+
+    def _process(self, events: list[TokenEvent]) -> None:
         out: dict[OutputStream, list[Chunk]] = {}
         for event in events:
             state = self._requests.get(event.rid)

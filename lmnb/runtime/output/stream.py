@@ -6,63 +6,16 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
+
+from lmnb.runtime.output.loop_waker import LoopWaker, loop_waker, wake
 
 Chunk = dict[str, Any]
 
 _EMPTY = object()
 _END = object()
-
-
-def _wake(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-class _LoopWaker:
-    """Wakes futures of one event loop from other threads with one `call_soon_threadsafe` per
-    burst: the output thread delivers to every stream of a step, and the loop (the program loop
-    awaiting hundreds of streams) is woken once, not once per stream."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._pending: list[asyncio.Future] = []
-
-    def wake(self, future: asyncio.Future) -> None:
-        with self._lock:
-            self._pending.append(future)
-            if len(self._pending) > 1:  # a flush is already scheduled
-                return
-        try:
-            self.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            with self._lock:
-                self._pending.clear()
-
-    def _flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for future in pending:
-            _wake(future)
-
-
-_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = \
-    weakref.WeakKeyDictionary()
-_wakers_lock = threading.Lock()
-
-
-def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
-    waker = _wakers.get(loop)
-    if waker is None:
-        with _wakers_lock:
-            waker = _wakers.get(loop)
-            if waker is None:
-                waker = _wakers[loop] = _LoopWaker(loop)
-    return waker
 
 
 class OutputStream:
@@ -95,7 +48,7 @@ class OutputStream:
         self._remaining = len(self.rids)  # consumer side: last chunks not yet taken
         self._error: BaseException | None = None
         self._closed = False
-        self._waiter: tuple[_LoopWaker, asyncio.Future] | None = None
+        self._waiter: tuple[LoopWaker, asyncio.Future] | None = None
         self._iterator: Iterator[Chunk] | None = None
 
     # ---- producer (output thread) ------------------------------------------------------------
@@ -122,10 +75,9 @@ class OutputStream:
         self._wake(waiter)
 
     @staticmethod
-    def _wake(waiter: tuple[_LoopWaker, asyncio.Future] | None) -> None:
+    def _wake(waiter: tuple[LoopWaker, asyncio.Future] | None) -> None:
         if waiter is not None:
-            waker, future = waiter
-            waker.wake(future)
+            wake(*waiter)
 
     # ---- consumer ------------------------------------------------------------------------------
     @property
@@ -205,7 +157,7 @@ class OutputStream:
                 if item is _EMPTY:
                     loop = asyncio.get_running_loop()
                     future = loop.create_future()
-                    self._waiter = (_waker(loop), future)
+                    self._waiter = (loop_waker(loop), future)
             if item is _END:
                 self.close()
                 raise StopAsyncIteration
