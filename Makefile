@@ -47,9 +47,15 @@ lab: venv
 # match the committed ones, up to examples/nbval_sanitize.cfg and cells tagged nbval-ignore-output.
 NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with examples/nbval_sanitize.cfg
 
+# Two pytest-xdist workers (CI has two cores), each taking a whole test file at a time
+# (`--dist loadfile`: module fixtures are built once; examples/conftest.py keeps the notebooks and
+# the tests that read their runs on one worker). PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
+XDIST_ARGS = -n $(PYTEST_WORKERS) --dist loadfile
+
 # pytest exits 5 when no test is collected; that is not a failure.
 test: venv browser-deps
-	$(VPY) -m pytest -q $(NBVAL_ARGS) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	$(VPY) -m pytest -q $(NBVAL_ARGS) $(XDIST_ARGS) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # tests/browser drives Debian's chromium (no `playwright install`); root (CI) installs the chromium
 # package and its hard dependencies only (--no-install-recommends: no recommended extras such as

@@ -54,3 +54,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     reads = {id(item) for item in items if "example_run" in getattr(item, "fixturenames", ())}
     items[:] = ([item for item in items if id(item) not in reads]
                 + [item for item in items if id(item) in reads])
+
+
+NOTEBOOK_READERS = "tests/test_notebooks.py"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist's `--dist loadfile` (`make test`), the example notebooks and the tests
+    that read their recorded runs form one unit of work: the recordings live in the worker process
+    that ran the notebooks. Every other test file is a unit of its own, as loadfile has it."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class NotebooksWithReaders(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            if scope == NOTEBOOK_READERS or (scope.startswith("examples/")
+                                             and scope.endswith(".ipynb")):
+                return "example notebooks"
+            return scope
+
+    return NotebooksWithReaders(config, log)

@@ -123,9 +123,10 @@ def _stop(server: subprocess.Popen, lab: Lab | None) -> None:
         except OSError:
             pass
     if server.poll() is None:
-        server.send_signal(signal.SIGINT)  # twice: the server asks for confirmation once
-        time.sleep(0.5)
-        server.send_signal(signal.SIGINT)
+        # SIGTERM: jupyter_server stops on it whatever started pytest. SIGINT stops it only with
+        # a tty (twice) or without one when not inherited as ignored, as it is by a pytest started
+        # in the background (`cmd &`): there it waited the whole timeout for the kill.
+        server.send_signal(signal.SIGTERM)
         try:
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
