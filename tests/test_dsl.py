@@ -36,6 +36,7 @@ from lmnb.lang.api import DTYPE_REGEXES
 from lmnb.lang.backends.base import Backend, Generation, ProgramAborted
 from lmnb.lang.backends.local import LocalBackend
 from lmnb.lang.chat_template import ChatTemplate
+from lmnb.lang.event_loop import program_loop
 from lmnb.lang.interpreter import ProgramError
 from lmnb.lang.ir import GenParams
 from lmnb.params import SamplingParams
@@ -662,7 +663,11 @@ def test_no_threads_leak():
     """Programs leave no thread behind. The program loop's pool for blocking backend calls is left
     out of the count: it keeps its threads for reuse and grows only while calls overlap, which
     depends on timing (under load two forks' calls overlapped and it grew by one: a failure). Its
-    thread names stay distinct: a pool made per program would repeat `lmnb-sync-call_0`."""
+    thread names stay distinct: a pool made per program would repeat `lmnb-sync-call_0`. The
+    shared program loop is started first: it lives as long as the process, whichever test starts
+    it."""
+    program_loop()
+
     def settled_count() -> int:
         gc.collect()
         time.sleep(0.1)
