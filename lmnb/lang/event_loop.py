@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import greenlet
 
 from lmnb.lang.gil_share import thread_ended
+from lmnb.runtime.output.loop_waker import loop_waker
 
 T = TypeVar("T")
 
@@ -41,35 +42,6 @@ class _ProgramLoop:
         self.thread.start()
         started.wait()
         self.ident = self.thread.ident
-        self._soon_lock = threading.Lock()
-        self._soon: list[tuple[contextvars.Context, Callable[..., Any], tuple[Any, ...]]] = []
-
-    def call_soon(self, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        """`call_soon_threadsafe`, the loop woken once per burst: a thread that frees hundreds
-        of states (each closes its executor) wakes it once, not once per state."""
-        item = (contextvars.copy_context(), callback, args)
-        with self._soon_lock:
-            self._soon.append(item)
-            if len(self._soon) > 1:  # a run is already scheduled
-                return
-        try:
-            self.loop.call_soon_threadsafe(self._run_soon)
-        except RuntimeError:  # the loop is closed
-            with self._soon_lock:
-                self._soon.clear()
-            raise
-
-    def _run_soon(self) -> None:
-        with self._soon_lock:
-            callbacks, self._soon = self._soon, []
-        for context, callback, args in callbacks:
-            try:
-                context.run(callback, *args)
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as error:  # as the loop reports a failed callback
-                self.loop.call_exception_handler({
-                    "message": f"Exception in callback {callback!r}", "exception": error})
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
@@ -84,7 +56,8 @@ _current: _ProgramLoop | None = None
 _lock = threading.Lock()
 
 
-def _program_loop() -> _ProgramLoop:
+def program_loop() -> asyncio.AbstractEventLoop:
+    """The shared program loop, started on first use."""
     global _current
     current = _current
     if current is None or not current.thread.is_alive():
@@ -92,12 +65,7 @@ def _program_loop() -> _ProgramLoop:
             if _current is None or not _current.thread.is_alive():
                 _current = _ProgramLoop()
             current = _current
-    return current
-
-
-def program_loop() -> asyncio.AbstractEventLoop:
-    """The shared program loop, started on first use."""
-    return _program_loop().loop
+    return current.loop
 
 
 def on_program_loop() -> bool:
@@ -108,12 +76,12 @@ def on_program_loop() -> bool:
 
 def call_soon(callback: Callable[..., Any], *args: Any) -> None:
     """Runs `callback(*args)` on the program loop, soon; from any thread (in the caller's
-    context, in the order of the calls)."""
-    current = _program_loop()
+    context, in the order of the calls; other threads' calls wake the loop once per burst)."""
+    loop = program_loop()
     if on_program_loop():
-        current.loop.call_soon(callback, *args)
+        loop.call_soon(callback, *args)
     else:
-        current.call_soon(callback, args)
+        loop_waker(loop).call(callback, args)
 
 
 class _Body(greenlet.greenlet):
