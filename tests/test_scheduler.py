@@ -313,6 +313,26 @@ def test_finished_requests_leave_prompt_and_output_in_the_cache() -> None:
     assert scheduler.runner.batches[-1].extend_lens == [1]
 
 
+def test_a_decode_pass_sends_its_ends_before_handing_their_kv_to_the_cache() -> None:
+    scheduler = make(chunk=64)
+    sink = scheduler.sink
+    handed: list[tuple[int, int]] = []  # (rid, ends the sink had got by then)
+    cache_finished = scheduler.cache.cache_finished
+
+    def recording(req):
+        handed.append((req.rid, sum(e.finished_reason is not None for e in sink.events)))
+        cache_finished(req)
+
+    scheduler.cache.cache_finished = recording
+    states = [request([4, 5, 6, 7 + i], max_new_tokens=3, ignore_eos=True) for i in range(4)]
+    for state in states:
+        scheduler.add(state)
+    run_to_end(scheduler)
+    assert sorted(rid for rid, _ in handed) == sorted(s.rid for s in states)
+    assert all(ends == len(states) for _, ends in handed)  # all four ended in one pass
+    assert scheduler.cache.cache.evictable_size() == 3 + 4 * 3  # shared 4, 1 + 2 outputs each
+
+
 def test_without_reuse_every_prompt_is_prefilled_whole() -> None:
     scheduler = make(chunk=64, reuse=False)
     for _ in range(2):

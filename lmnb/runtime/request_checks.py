@@ -27,12 +27,26 @@ def _check_count(sampling_params: SamplingInput, count: int) -> bool:
 
 def params_list(sampling_params: SamplingInput, count: int) -> list[SamplingParams]:
     """One `SamplingParams` per prompt; one dict for all is parsed once and shared (the
-    runtime never mutates a request's parameters)."""
+    runtime never mutates a request's parameters), and so is a run of equal dicts in a list."""
     if _check_count(sampling_params, count):
-        return [SamplingParams.from_dict(dict(p) if isinstance(p, dict) else p)
-                for p in sampling_params]  # type: ignore[union-attr]
+        parsed: list[SamplingParams] = []
+        previous: Any = None
+        for p in sampling_params:  # type: ignore[union-attr]
+            if parsed and same_dict(p, previous):
+                parsed.append(parsed[-1])
+            else:
+                parsed.append(SamplingParams.from_dict(dict(p) if isinstance(p, dict) else p))
+            previous = p
+        return parsed
     params = dict(sampling_params) if isinstance(sampling_params, dict) else sampling_params
     return [SamplingParams.from_dict(params)] * count  # type: ignore[arg-type]
+
+
+def same_dict(a: object, b: object) -> bool:
+    """`a` and `b` are equal dicts whose values have the same types (16 and 16.0 are equal, but
+    only one of them is a valid max_new_tokens)."""
+    return (isinstance(a, dict) and isinstance(b, dict) and a == b
+            and all(type(value) is type(b[key]) for key, value in a.items()))
 
 
 def params_dicts(sampling_params: SamplingInput, count: int) -> list[dict[str, Any]]:

@@ -94,6 +94,9 @@ class Scheduler:
         self.media = MediaLog(vocab_size if vocab_size is not None else 1 << 31)
         self.batch_hook: Callable[[Batch], None] | None = None  # sees every batch that ran
         self._events: list[TokenEvent] = []
+        # Requests a decode pass finished whose KV goes to the cache once their ends are sent
+        # (`_complete`): a pass that ends hundreds of requests hands them their results first.
+        self._ended_kv: list[Req] = []
         self._in_flight: InFlight | None = None
         self._shared_rids: list[int] = []
         self._shared: list[tuple[int, list[int]]] = []
@@ -273,6 +276,7 @@ class Scheduler:
             self.batch_hook(batch)
         self._process(batch, reqs, output)
         self._flush()
+        self._hand_ended_kv_to_cache()
         if self.config.check_integrity_each_step:
             self.check_integrity()
 
@@ -495,7 +499,7 @@ class Scheduler:
             if reason is None:
                 events.append(TokenEvent(req.rid, [token]))
             else:
-                self._finish(state, reason, new_ids=[token])
+                self._finish(state, reason, new_ids=[token], cache_after_flush=True)
         self.stats.generated_tokens += plain
 
     def _append_token(self, state: ReqState, token: int, logprob: float | None,
@@ -580,21 +584,30 @@ class Scheduler:
             self.table.requeue_front(req)
 
     def _finish(self, state: ReqState, reason: dict[str, Any], *, new_ids: list[int] | None = None,
-                cache_kv: bool = True) -> None:
-        """Ends a request: its KV goes to the cache (or is freed) and the sink gets the end."""
+                cache_kv: bool = True, cache_after_flush: bool = False) -> None:
+        """Ends a request: its KV goes to the cache (or is freed) and the sink gets the end.
+        `cache_after_flush`: the KV goes to the cache after the step's events are sent (the
+        request is otherwise ended at once)."""
         req = state.req
         self.table.detach(req)
         if req.req_pool_idx is not None:
-            if cache_kv:
-                self.cache.cache_finished(req)
-            else:
+            if not cache_kv:
                 self.cache.free(req)
+            elif cache_after_flush and self.speculator is None:
+                self._ended_kv.append(req)
+            else:
+                self.cache.cache_finished(req)
         req.finished_reason = reason
         req.status = ReqStatus.FINISHED
         if self.speculator is not None:
             self.speculator.finished(req, keep=cache_kv)
         self.table.remove(req)
         self._events.append(TokenEvent(req.rid, new_ids or [], reason, request_meta(state)))
+
+    def _hand_ended_kv_to_cache(self) -> None:
+        ended, self._ended_kv = self._ended_kv, []
+        for req in ended:
+            self.cache.cache_finished(req)
 
     def _flush(self) -> None:
         if self._events:
