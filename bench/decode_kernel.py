@@ -130,10 +130,12 @@ def time_kernel(run: Callable[[], Any]) -> float:
 
 
 def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,),
-                extra_tiles: tuple[tuple[int, int, int], ...] = ()
+                extra_tiles: tuple[tuple[int, int, int], ...] = (),
+                split_grids: tuple[tuple[int, int], ...] = ()
                 ) -> list[tuple[str, Callable[[], Any], dict]]:
-    """The default config, the sweep's grid with `sweep`, and each (block_n, warps, stages) of
-    `extra_tiles` with the default's other fields."""
+    """The default config, the sweep's grid with `sweep`, each (block_n, warps, stages) of
+    `extra_tiles` and each (max_splits, min_split) of `split_grids` with the default's other
+    fields."""
     from lmnb.runtime.kernels import triton_decode as td
 
     out = torch.empty_like(batch.q)
@@ -161,9 +163,12 @@ def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
     for block_n, warps, stages in extra_tiles:
         configs.append((f"n{block_n} w{warps} s{stages} (default's loop)",
                         default._replace(block_n=block_n, num_warps=warps, num_stages=stages)))
+    for max_splits, min_split in split_grids:
+        configs.append((f"max_splits {max_splits} min_split {min_split}",
+                        default._replace(max_splits=max_splits, min_split=min_split)))
     runs = []
     for name, config in configs:
-        for splits in split_counts:
+        for splits in split_counts if not name.startswith("max_splits") else (config.max_splits,):
             part_o, part_lse = td.partial_buffers(len(batch.lens), batch.heads, batch.head_dim,
                                                   splits, batch.q.device)
 
@@ -218,7 +223,10 @@ class SharedBatch:
         self.kv_bytes = (groups * prefix + bs * suffix) * per_token
 
 
-def shared_runs(batch: SharedBatch, sweep: bool) -> list[tuple[str, Callable[[], Any], dict]]:
+def shared_runs(batch: SharedBatch, sweep: bool, parts: str = "prefix,suffix"
+                ) -> list[tuple[str, Callable[[], Any], dict]]:
+    """The plain kernel, the shared default, and with `sweep` a grid of the prefix kernel's
+    tiles and of the suffix kernel's configs (`parts`: which of the two grids)."""
     from lmnb.runtime.kernels import shared_prefix as sp
     from lmnb.runtime.kernels import triton_decode as td
 
@@ -227,7 +235,9 @@ def shared_runs(batch: SharedBatch, sweep: bool) -> list[tuple[str, Callable[[],
     part_o, part_lse = td.partial_buffers(bs, batch.heads, batch.head_dim,
                                           splits + sp.PREFIX_SPLITS, batch.q.device)
     default = td.decode_config(batch.head_dim, batch.dtype, batch_size=bs,
-                               num_kv_heads=batch.kv_heads)
+                               num_kv_heads=batch.kv_heads, shared=True)
+    busy = td.decode_config(batch.head_dim, batch.dtype, batch_size=bs,
+                            num_kv_heads=batch.kv_heads)
 
     def launcher(config: td.DecodeConfig, shared: Any, prefix: tuple[int, int, int]
                  ) -> Callable[[], Any]:
@@ -244,13 +254,16 @@ def shared_runs(batch: SharedBatch, sweep: bool) -> list[tuple[str, Callable[[],
         return run
 
     base_prefix = (sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES)
-    runs = [("plain (no sharing)", launcher(default, None, base_prefix), {}),
-            ("shared default", launcher(default, batch.shared, base_prefix), {})]
-    if sweep:
+    runs = [("plain (no sharing)", launcher(busy, None, base_prefix), {}),
+            ("shared default", launcher(default, batch.shared, base_prefix), {}),
+            ("shared, suffixes with the batch's own tile", launcher(busy, batch.shared,
+                                                                     base_prefix), {})]
+    if sweep and "prefix" in parts:
         for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
             runs.append((f"shared prefix n{block_n} w{warps} s{stages}",
                          launcher(default, batch.shared, (block_n, warps, stages)),
                          {"prefix": [block_n, warps, stages]}))
+    if sweep and "suffix" in parts:
         for block_n, warps, stages, min_split in itertools.product(
                 (32, 64, 128), (1, 2, 4), (1, 2), (64, default.min_split)):
             config = td.DecodeConfig(block_n, min_split, warps, stages)
@@ -360,6 +373,11 @@ def main() -> None:
                              "8:32:1500:48 few-shot): plain vs shared-prefix kernels")
     parser.add_argument("--max-kv-splits", default="16",
                         help="comma list: the split grid dimension(s) of the Triton launches")
+    parser.add_argument("--split-grids", default="", metavar="S:M,...",
+                        help="split grids to time besides the default (max_splits:min_split, "
+                             "the default's tile)")
+    parser.add_argument("--shared-sweep", default="prefix,suffix",
+                        help="with --shared --sweep: the grids to time (prefix, suffix or both)")
     parser.add_argument("--tiles", default="", metavar="N:W:S,...",
                         help="Triton tiles to time besides the default (block_n:warps:stages, "
                         "the default's loop variant and splits), without the whole --sweep")
@@ -383,7 +401,7 @@ def main() -> None:
                              heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                              device=device)
         rows = []
-        for name, run, _config in shared_runs(shared, args.sweep):
+        for name, run, _config in shared_runs(shared, args.sweep, args.shared_sweep):
             try:
                 ms = time_kernel(run)
             except Exception as failure:  # noqa: BLE001
@@ -407,12 +425,15 @@ def main() -> None:
     rows = []
     results = []
     split_counts = tuple(int(n) for n in args.max_kv_splits.split(","))
+    split_grids = tuple(tuple(int(v) for v in grid.split(":"))
+                        for grid in args.split_grids.split(",") if grid)
     tiles = tuple(tuple(int(v) for v in tile.split(":")) for tile in args.tiles.split(",") if tile)
     others = []
     if not args.kv_fp8:  # the peers read 16-bit KV only
         others += flashinfer_runs(batch) if "flashinfer" in peers else []
         others += fa3_runs(batch) if "fa3" in peers else []
-    for name, run, config in triton_runs(batch, args.sweep, split_counts, tiles) + others:
+    runs = triton_runs(batch, args.sweep, split_counts, tiles, split_grids) + others
+    for name, run, config in runs:
         try:
             got = run()
             error = float((got[:4].float() - reference).abs().max()) if got is not None else None

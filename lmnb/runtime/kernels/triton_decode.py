@@ -266,10 +266,17 @@ _BUSY_PROGRAMS = (128, 512)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
-                  num_kv_heads: int = 1) -> DecodeConfig:
+                  num_kv_heads: int = 1, shared: bool = False) -> DecodeConfig:
     """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads, three
     stages for FP8 pools at the busiest level), the shortest split by how many (request, KV
-    head) programs the batch has already."""
+    head) programs the batch has already. `shared`: the suffixes of requests whose shared
+    prefix is read apart (`shared_prefix.py`), mostly short."""
+    if shared:
+        # H200 sweep (`bench/decode_kernel.py --shared G:M:P:S --sweep --shared-sweep suffix`,
+        # Llama-3): 32-token tiles over 2 warps, 1 stage, per layer with the prefix kernel and
+        # the merge: few-shot 8:32:1500:24 114 us against 131+ for the batch's busy tile, fork
+        # 64:4:600:64 148 us; every 32-token tile within 1%, 128-token tiles the slowest.
+        return DecodeConfig(32, MIN_SPLIT_LEN, 2, 1)
     if dtype == torch.float8_e4m3fn:
         # H100 sweep (`bench/decode_kernel.py --kv-fp8 --sweep`, Llama-3, batch 256, contexts
         # 100-2,048, 600 MB of FP8 K/V and scales a layer): 128-token tiles over 4 warps with 3
@@ -325,7 +332,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     config = config or decode_config(head_dim, k_buffer.dtype, batch_size=bs,
-                                     num_kv_heads=num_kv_heads)
+                                     num_kv_heads=num_kv_heads, shared=shared is not None)
     block_h = max(16, triton.next_power_of_2(group))
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
     compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
