@@ -274,9 +274,11 @@ class Scheduler:
         self.stats.forward_passes += 1
         if self.batch_hook is not None:
             self.batch_hook(batch)
-        self._process(batch, reqs, output)
-        self._flush()
-        self._hand_ended_kv_to_cache()
+        try:
+            self._process(batch, reqs, output)
+        finally:  # a failure mid-pass (the loop then aborts the rest) still ends what ended
+            self._flush()
+            self._hand_ended_kv_to_cache()
         if self.config.check_integrity_each_step:
             self.check_integrity()
 
