@@ -91,10 +91,10 @@ def _any(live, SKIP: tl.constexpr):
 
 
 @triton.jit
-def _slice_digits(base, start, end, prefix, shift, floor, best, inv_t,
+def _slice_digits(base, start, end, prefix, shift: tl.constexpr, floor, best, inv_t,
                   BLOCK: tl.constexpr, SKIP: tl.constexpr, MASS: tl.constexpr):
     """[16] float32 sums over the tokens start:end whose image matches `prefix` above bit
-    shift + 4 (uint32), by their digit at `shift` (accumulated per lane, reduced once): their counts
+    shift + 4, by their digit at `shift` (accumulated per lane, reduced once): their counts
     (exact: < 2^24), or with MASS their e^{(x - best) / T} (inv_t = 1 / T) where x >= floor
     (`floor`, `best`, `inv_t` unread without MASS). SKIP: blocks without such a token skip the
     [BLOCK, 16] update (they add zeros)."""
@@ -146,18 +146,18 @@ def _max_kernel(LOGITS, ROWS, TOP_PS, MIN_PS, BESTS, vocab, stride, chunk,
 
 
 @triton.jit
-def _next_prefix(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, i, splits, shift, after_first,
-                 MASS: tl.constexpr, SPLITS: tl.constexpr):
-    """Row i after a pass: (prefix, above, target) with its digit at `shift` (uint32) picked
-    from its slices' buckets PARTS[i, :splits, :16] (the largest digit whose bucket and those
-    above reach the target: k, or top_p of the first pass's mass), from the pass's PREFIXES /
-    ABOVES / TARGETS[i] (`after_first`, a runtime flag: the pass was the first, whose state
-    is 0, 0 and the target)."""
+def _next_prefix(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, i, splits,
+                 shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """Row i after a pass: (prefix, above, target) with its digit at `shift` picked from its
+    slices' buckets PARTS[i, :splits, :16] (the largest digit whose bucket and those above reach
+    the target: k, or top_p of the first pass's mass), from the pass's PREFIXES / ABOVES /
+    TARGETS[i] (FIRST: 0, 0 and the target)."""
     slices = tl.arange(0, SPLITS)[:, None]
     digits = tl.arange(0, 16)[None, :]
     hist = tl.sum(tl.load(PARTS + (i * splits + slices) * 16 + digits,
                           mask=(slices < splits) & (digits < 16), other=0.0), 0)
-    if after_first:
+    if FIRST:
         prefix = tl.full([], 0, tl.uint32)
         above = tl.full([], 0.0, tl.float32)
         if MASS:
@@ -181,28 +181,27 @@ def _active(TOP_KS, TOP_PS, i, vocab, MASS: tl.constexpr):
         return tl.load(TOP_KS + i) < vocab
 
 
-@triton.jit(do_not_specialize=["shift", "second"])  # one compile for every later pass
+@triton.jit
 def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, FLOORS, BESTS, PARTS_IN, PREFIXES_IN,
                    ABOVES_IN, TARGETS_IN, PARTS, PREFIXES, ABOVES, TARGETS, vocab, stride, chunk,
-                   shift, second, MASS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr,
-                   SPLITS: tl.constexpr, SKIP: tl.constexpr):
+                   shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
+                   SECOND: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                   SKIP: tl.constexpr):
     """Program (i, s), one pass: row ROWS[i]'s prefix from the previous pass (its buckets
     PARTS_IN and state *_IN: `_next_prefix`, stored by slice 0 into PREFIXES / ABOVES / TARGETS;
-    FIRST: the empty prefix; `second`: the pass after the first), then slice s's tokens under it
-    by digit at `shift` into PARTS[i, s, :16]: counted (rows with a top-k) or, with MASS, their
-    mass above the top-k floor FLOORS[i] (rows with a top-p). The pass's shift and `second` are
-    runtime values, so one compile serves every pass after the first (per MASS)."""
+    FIRST: the empty prefix), then slice s's tokens under it by digit at `shift` into
+    PARTS[i, s, :16]: counted (rows with a top-k) or, with MASS, their mass above the top-k floor
+    FLOORS[i] (rows with a top-p)."""
     i = tl.program_id(0)
     part = tl.program_id(1)
     splits = tl.num_programs(1)
-    shift = shift.to(tl.uint32)
     if _active(TOP_KS, TOP_PS, i, vocab, MASS):
         if FIRST:
             prefix = tl.full([], 0, tl.uint32)
         else:
             prefix, above, target = _next_prefix(TOP_KS, TOP_PS, PARTS_IN, PREFIXES_IN,
                                                  ABOVES_IN, TARGETS_IN, i, splits, shift + 4,
-                                                 second != 0, MASS, SPLITS)
+                                                 MASS, SECOND, SPLITS)
             if part == 0:
                 tl.store(PREFIXES + i, prefix.to(tl.int32, bitcast=True))
                 tl.store(ABOVES + i, above)
@@ -229,7 +228,7 @@ def _last_kernel(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, FLOORS, vocab
     i = tl.program_id(0)
     if _active(TOP_KS, TOP_PS, i, vocab, MASS):
         prefix, _, _ = _next_prefix(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, i, splits,
-                                    tl.full([], 32 - 4 * PASSES, tl.uint32), False, MASS, SPLITS)
+                                    32 - 4 * PASSES, MASS, False, SPLITS)
         value = _value(prefix, PASSES)
         if MASS:
             value = tl.maximum(tl.load(FLOORS + i), value)
@@ -292,7 +291,7 @@ def cut_floors(logits: torch.Tensor, group: RowGroup, *, block: int = BLOCK,
                 logits, group.rows, group.temperatures, group.top_ks, group.top_ps, floors,
                 bests, parts[before], prefixes[before], aboves[before], targets[before],
                 parts[now], prefixes[now], aboves[now], targets[now], vocab, logits.stride(0),
-                chunk, 28 - 4 * j, int(j == 1), MASS=mass, FIRST=j == 0, BLOCK=block,
+                chunk, shift=28 - 4 * j, MASS=mass, FIRST=j == 0, SECOND=j == 1, BLOCK=block,
                 SPLITS=padded, SKIP=skip and j > 0, num_warps=warps)
         last = (passes - 1) % 2
         _last_kernel[(n,)](group.top_ks, group.top_ps, parts[last], prefixes[last],
