@@ -118,6 +118,22 @@ def test_abort_while_a_pass_is_in_flight() -> None:
         == scheduler.cache.allocator.size
 
 
+def test_abort_while_its_prefill_pass_is_in_flight() -> None:
+    """The decode pass planned behind a prefill pass in flight leaves out its aborted requests
+    (it once looked their state up and failed the step, which aborted every request)."""
+    scheduler = make(chunk=64, runner=PipelinedFakeRunner())
+    scheduler.config.overlap_schedule = True
+    a, b = request([1, 2, 3], max_new_tokens=8), request([4, 5, 6], max_new_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert scheduler.step() and scheduler.pass_in_flight  # both prompts' prefill pass
+    assert scheduler.abort(a.rid, "user abort")
+    run_to_end(scheduler)
+    assert a.req.finished_reason == {"type": "abort", "message": "user abort"}
+    assert b.req.output_ids == list(range(100, 108))
+    scheduler.check_integrity()
+
+
 def test_a_failing_pipelined_pass_aborts_its_requests_and_the_scheduler_goes_on() -> None:
     failed = []
 

@@ -510,6 +510,7 @@ BAD_REQUESTS = {
     "id-past-vocab": dict(input_ids=[1, 49152]),
     "negative-id": dict(input_ids=[1, -1]),
     "non-int-id": dict(input_ids=[1, 2.0]),
+    "id-past-vocab-in-the-20th-prompt": dict(input_ids=[[1, 2, 3]] * 19 + [[1, 49152]]),
     "temperature": dict(prompt="hi", sampling_params={"temperature": -1.0}),
     "top-p": dict(prompt="hi", sampling_params={"top_p": 0.0}),
     "unknown-key": dict(prompt="hi", sampling_params={"foo": 1}),
@@ -517,6 +518,8 @@ BAD_REQUESTS = {
     "min-over-max": dict(prompt="hi", sampling_params={"min_new_tokens": 5,
                                                        "max_new_tokens": 4}),
     "params-count": dict(prompt=["a", "b"], sampling_params=[{}]),
+    "equal-dicts-then-a-bad-one": dict(prompt=["a", "b"], sampling_params=[
+        {"stop_token_ids": [16]}, {"stop_token_ids": [16.0]}]),
     "logprob-start": dict(input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=3),
 }
 

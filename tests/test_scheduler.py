@@ -333,6 +333,29 @@ def test_a_decode_pass_sends_its_ends_before_handing_their_kv_to_the_cache() -> 
     assert scheduler.cache.cache.evictable_size() == 3 + 4 * 3  # shared 4, 1 + 2 outputs each
 
 
+def test_a_failing_kv_hand_over_leaves_the_other_ended_requests_to_abort_all() -> None:
+    scheduler = make(chunk=64)
+    scheduler.config.check_integrity_each_step = False
+    states = [request([4, 5, 6, 7 + i], max_new_tokens=2, ignore_eos=True) for i in range(4)]
+    for state in states:
+        scheduler.add(state)
+    cache_finished, failed = scheduler.cache.cache_finished, []
+
+    def failing_once(req):
+        if not failed:
+            failed.append(req.rid)
+            raise RuntimeError("insert failed")
+        cache_finished(req)
+
+    scheduler.cache.cache_finished = failing_once
+    with pytest.raises(RuntimeError):
+        run_to_end(scheduler)
+    scheduler.cache.cache_finished = cache_finished
+    scheduler.abort_all("scheduler error")  # what the scheduler thread does next
+    rows = scheduler.cache.req_to_token_pool
+    assert rows.size - rows.available() == 1  # only the row whose hand-over failed is lost
+
+
 def test_without_reuse_every_prompt_is_prefilled_whole() -> None:
     scheduler = make(chunk=64, reuse=False)
     for _ in range(2):

@@ -376,8 +376,8 @@ class Runtime:
                               poll=self._check_open)
         media = image_data is not None or video_data is not None
         try:
-            # The first chunk is encoded (texts), checked and submitted at once (the scheduler
-            # starts prefilling it) while later, larger chunks are; media: all in one chunk.
+            # Texts: the first chunk is encoded and submitted at once (the scheduler starts
+            # prefilling it) while later, larger chunks are encoded; ids and media: one chunk.
             for start, token_lists in prompts.chunks(
                     self._encode_many, first=len(prompts) if media else FIRST_CHUNK):
                 chunk = build_media_prompts(

@@ -1,7 +1,7 @@
 """What `generate` accepts as prompts, normalised to token-id lists (one definition for the
-in-process runtime and the data-parallel one), and how a list of prompts is submitted: in growing
-chunks (texts encoded by the tokenizer's batch call), so that the first prompts reach the
-scheduler while the rest are still being encoded or checked."""
+in-process runtime and the data-parallel one), and how a list of texts is encoded: in growing
+chunks by the tokenizer's batch call, so that the first prompts reach the scheduler while the
+rest are still being encoded."""
 
 from __future__ import annotations
 
@@ -71,15 +71,16 @@ class Prompts:
 
     def chunks(self, encode: Callable[[Sequence[str]], list[list[int]]], *,
                first: int = FIRST_CHUNK) -> Iterator[tuple[int, list[list[int]]]]:
-        """(index of the chunk's first prompt, its id lists) in growing chunks
-        (`chunk_bounds`): texts each encoded by one `encode` call only when the chunk is asked
-        for, so that the first prompts are checked and submitted while later ones are still
-        encoded (or, given as ids, checked)."""
-        for start, end in chunk_bounds(len(self), first):
-            if self.texts is None:
-                yield start, (self.id_lists or [])[start:end]
-            else:
-                yield start, encode(self.texts[start:end])
+        """(index of the chunk's first prompt, its id lists): texts in growing chunks
+        (`chunk_bounds`), each encoded by one `encode` call only when it is asked for, so that
+        the first prompts are submitted while the tokenizer (which releases the GIL) encodes the
+        rest; id lists in one chunk, all checked before any is submitted (their checks hold the
+        GIL: chunks would not overlap them with the scheduler's work)."""
+        if self.texts is None:
+            yield 0, self.id_lists or []
+            return
+        for start, end in chunk_bounds(len(self.texts), first):
+            yield start, encode(self.texts[start:end])
 
 
 def split_prompts(prompt: PromptInput, input_ids: IdsInput) -> Prompts:

@@ -43,10 +43,9 @@ def params_list(sampling_params: SamplingInput, count: int) -> list[SamplingPara
 
 
 def same_dict(a: object, b: object) -> bool:
-    """`a` and `b` are equal dicts whose values have the same types (16 and 16.0 are equal, but
-    only one of them is a valid max_new_tokens)."""
-    return (isinstance(a, dict) and isinstance(b, dict) and a == b
-            and all(type(value) is type(b[key]) for key, value in a.items()))
+    """`a` and `b` are equal dicts written the same way (16 and 16.0, or [16] and [16.0], are
+    equal, but only one of each is valid)."""
+    return isinstance(a, dict) and isinstance(b, dict) and a == b and repr(a) == repr(b)
 
 
 def params_dicts(sampling_params: SamplingInput, count: int) -> list[dict[str, Any]]:

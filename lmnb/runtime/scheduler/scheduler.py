@@ -123,6 +123,8 @@ class Scheduler:
 
     def abort_all(self, message: str) -> None:
         self._drain_in_flight()
+        while self._ended_kv:  # ended, their KV not yet handed over (a failed step): freed
+            self.cache.free(self._ended_kv.pop())
         for req in self.table.all():
             self._finish(self.table.states[req.rid], finish_abort(message), cache_kv=False)
         self._flush()
@@ -607,9 +609,8 @@ class Scheduler:
         self._events.append(TokenEvent(req.rid, new_ids or [], reason, request_meta(state)))
 
     def _hand_ended_kv_to_cache(self) -> None:
-        ended, self._ended_kv = self._ended_kv, []
-        for req in ended:
-            self.cache.cache_finished(req)
+        while self._ended_kv:  # one at a time: a failure leaves the rest to `abort_all`
+            self.cache.cache_finished(self._ended_kv.pop())
 
     def _flush(self) -> None:
         if self._events:
