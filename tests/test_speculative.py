@@ -258,7 +258,7 @@ def test_regex_drafts_pass_the_fsm_and_jump_forward_still_applies(runtimes) -> N
 def test_sampling_with_speculation_stays_in_the_support_and_frees_kv(runtimes) -> None:
     _, spec = runtimes
     outs = spec.generate([COPY_PROMPTS[0]] * 4, {"temperature": 0.8, "top_k": 5,
-                                                 "max_new_tokens": 32, "seed": 3},
+                                                 "max_new_tokens": 32},
                          return_logprob=True, top_logprobs_num=5)
     assert sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs) > 0
     for out in outs:  # accepted drafts and resampled tokens alike lie in the top-k support
@@ -478,3 +478,13 @@ def test_graph_ladder_reaches_the_largest_verify_pass() -> None:
                         **{**options, "device_type": "cpu"}) == 0
     extend = SpeculativeConfig(verify_mode="extend")
     assert extend.max_verify_rows == 0
+
+
+def test_a_seeded_sampled_request_gives_the_same_text_with_a_corpus_of_its_own(runtimes) -> None:
+    """A seeded sampled request does not draft: its text would otherwise follow drafts that the
+    NGRAM corpus of earlier requests (here: its own first run) makes different."""
+    base, spec = runtimes
+    params = {"temperature": 0.7, "top_k": 5, "max_new_tokens": 40, "seed": 11}
+    want = base.generate(COPY_PROMPTS[0], params)["output_ids"]
+    assert spec.generate(COPY_PROMPTS[0], params)["output_ids"] == want
+    assert spec.generate(COPY_PROMPTS[0], params)["output_ids"] == want  # now in the corpus

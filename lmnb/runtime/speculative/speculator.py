@@ -126,13 +126,13 @@ class Speculator:
 
     def _eligible(self, state: ReqState) -> bool:
         """Its sampling state is the same at every chain position; a seeded sampled request
-        drafts only under the deterministic policy (adaptive drafts follow timings, and its
-        random stream would follow them: the same seed would give other texts)."""
+        never drafts: a verify row draws from its generator, so its text would follow its drafts,
+        which follow the timings (adaptive), the corpus of earlier requests (NGRAM) and the rest
+        of the batch (the batch-size cap): the same seed must give the same text."""
         params = state.sampling_params
         if params.has_penalties or params.min_new_tokens > len(state.req.output_ids):
             return False
-        return (params.seed is None or params.is_greedy
-                or self.config.draft_policy == "always")
+        return params.seed is None or params.is_greedy
 
     def _budget(self, state: ReqState, room: int) -> int:
         """Draft tokens this request may take now (0: none)."""
