@@ -99,3 +99,21 @@ def check_tiers(model: Path, base: dict[str, Any], reference: dict[str, Any],
         stats = runtime.stats()
         assert stats["hicache_disk_loaded_tokens"] >= 128 and stats["hicache_prefetch_reads"] >= 1
         runtime.check_integrity()
+
+
+def test_flush_cache_with_a_pin_drops_the_host_tier_too(tiny_models) -> None:
+    """`flush_cache` keeps a pinned prefix and nothing else: not a host copy of a flushed prompt
+    either (evicting saves to the host pool; a flush must not)."""
+    shared, prompts, _ = _prompts()
+    options = dict(OPTIONS, enable_hierarchical_cache=True, hicache_ratio=2.0,
+                   hicache_write_policy="write_through")
+    with Runtime(tiny_models["llama-gqa"], **options) as runtime:
+        _ids(runtime, [prompts[0]])
+        runtime.pin_prefix(input_ids=shared[:40])
+        assert runtime.flush_cache()
+        again = runtime.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        assert again["meta_info"]["cached_tokens"] <= 40  # only the pinned prefix
+        stats = runtime.stats()
+        assert stats["hicache_host_loaded_tokens"] == 0
+        assert stats["hicache_host_only_tokens"] == 0
+        runtime.check_integrity()

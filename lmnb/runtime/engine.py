@@ -185,7 +185,7 @@ class Runtime:
         def flush() -> bool:
             if scheduler.has_work:
                 return False
-            cache.evict(cache.evictable_size())
+            cache.drop_unlocked()  # host copies too: a pin must not keep a flushed prompt
             if scheduler.speculator is not None:
                 scheduler.speculator.reset()  # recent requests' n-grams
             if not self._pins:  # a pinned path stays; without pins the tree starts afresh

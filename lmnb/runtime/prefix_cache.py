@@ -193,6 +193,11 @@ class PrefixCache(ABC):
         """Frees up to `num_tokens` unlocked cached slots, least recently used first; returns how
         many were freed."""
 
+    def drop_unlocked(self) -> None:
+        """Drops every unlocked entry, keeping no copy of it anywhere (its KV was never
+        written: a failed pass's prompts cached at launch; or `flush_cache`)."""
+        self.evict(self.evictable_size())
+
     @abstractmethod
     def evictable_size(self) -> int: ...
 

@@ -386,6 +386,17 @@ class TieredRadixCache(RadixCache):
         if self.eviction_listener is not None and node.namespace is None:
             self.eviction_listener.evicted(self._path(parent) + node.key[:1])
 
+    def drop_unlocked(self) -> None:
+        """Evicts every unlocked device entry without saving it, then drops the host pool's
+        entries (host-only nodes, host copies of device nodes): a write-through or an earlier
+        eviction may hold a copy of KV that was never written."""
+        self._back_up = False
+        try:
+            self.evict(self.evictable_size())
+        finally:
+            self._back_up = True
+        self._evict_host(self.host_pool.size)
+
     # ---- inspection ------------------------------------------------------------------------------
     def host_size(self) -> int:
         return self.host_pool.size - self.host_pool.available()

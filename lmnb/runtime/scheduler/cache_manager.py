@@ -248,9 +248,9 @@ class CacheManager:
         self._release_row(req)
 
     def drop_evictable(self) -> None:
-        """Evicts every unlocked cached entry (after a failed prefill pass whose prompts were
-        cached at launch: their KV was never written)."""
-        self.cache.evict(self.cache.evictable_size())
+        """Drops every unlocked cached entry, copies in lower tiers too (after a failed prefill
+        pass whose prompts were cached at launch: their KV was never written)."""
+        self.cache.drop_unlocked()
 
     def free(self, req: Req) -> None:
         """An aborted request: its own KV is freed, its prefix unlocked."""

@@ -151,9 +151,10 @@ class Scheduler:
         if self._in_flight is not None:
             self._step_pipelined()
             return True
+        live = len(self.table.states)
         scheduled = self._schedule_extend() or self._schedule_decode()
-        if scheduled is None:
-            return False
+        if scheduled is None:  # requests ended while planning (no room, a failed load): worked
+            return len(self.table.states) < live or self._end_what_cannot_fit()
         batch, reqs = scheduled
         rows = self._rows(batch, reqs)
         if self._may_pipeline(batch, rows):
@@ -173,6 +174,34 @@ class Scheduler:
         self._cache_prompts(batch, reqs)
         self._complete(batch, reqs, output)
         return True
+
+    def _end_what_cannot_fit(self) -> bool:
+        """Nothing could be planned and nothing runs: the request the plan would take first (the
+        one part-prefilled, else the head of the policy's order) found no room even alone, so
+        the free and evictable slots cannot hold it (pinned prefixes hold the rest); it would
+        wait forever and hold the queue: it ends with an error. Returns whether one ended."""
+        table, cache = self.table, self.cache
+        if self._in_flight is not None or table.running or table.prefilling:
+            return False
+        if table.chunked is not None:
+            req, done = table.chunked, table.chunked.kv_len
+        else:
+            ordered = [req for req in self.prefill.policy.order(
+                table.waiting, cache.cache, self.stats.forward_passes) if cache.prefetched(req)]
+            if not ordered:
+                return False  # its disk pages are being read
+            req = ordered[0]
+            done = cache.match(req).length
+        need = req.fill_len - done + 1  # the rest of the prompt and a first output token
+        self._finish(table.states[req.rid], finish_abort(self._no_room(need)))
+        self._flush()
+        return True
+
+    def _no_room(self, need: int) -> str:
+        cache = self.cache
+        return (f"out of KV cache: {need} more slots needed, {cache.room()} free or evictable of "
+                f"{cache.allocator.size} ({cache.cache.protected_size()} held by pinned prefixes "
+                "and live requests); unpin prefixes or raise max_total_tokens")
 
     def _rows(self, batch: Batch, reqs: list[Req]) -> list[ReqState]:
         return [self.table.states[req.rid] for req, s in zip(reqs, batch.samples, strict=True)
@@ -215,11 +244,11 @@ class Scheduler:
             output = current.pending.result()
         except Exception as error:
             # the next pass read this one's tokens or KV: it is void too
-            voided = self._in_flight.reqs if self._in_flight is not None else []
+            following = self._in_flight
             self._drain_in_flight()
-            self._fail([*current.reqs, *voided], error)
-            if current.is_prefill:  # its prompts were cached at launch: their KV is void
-                self.cache.drop_evictable()
+            self._fail([*current.reqs, *(following.reqs if following else [])], error)
+            if current.is_prefill or (following is not None and following.is_prefill):
+                self.cache.drop_evictable()  # prompts cached at launch: their KV is void
             return
         self._complete(current.batch, current.reqs, output)
 
@@ -325,9 +354,23 @@ class Scheduler:
         if not running:
             return None
         retracted = self.decode.retract_until_decodable(running)
+        chunked = self.table.chunked
+        if self.cache.room() < len(running) and chunked is not None:
+            # a long prompt's locked chunks took the room its admission left (the reserve is an
+            # estimate): it goes back to the queue, its chunks cached and evictable
+            self.table.chunked = None
+            self.cache.cache_finished(chunked)
+            chunked.retractions += 1
+            retracted.append(chunked)
         for req in reversed(retracted):
             self.stats.retractions += 1
             self.table.requeue_front(req)
+        if self.cache.room() < len(running):  # one request, and pinned prefixes hold the rest
+            for req in running[self.cache.room():]:
+                self._finish(self.table.states[req.rid], finish_abort(self._no_room(1)))
+            self._flush()
+            if not running:
+                return None
         self.decode.decayed()
         reqs = list(running)
         if self.speculator is not None:
