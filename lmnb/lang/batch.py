@@ -16,7 +16,7 @@ from typing import Any
 from lmnb.lang.backends.base import Backend
 from lmnb.lang.backends.submit_chunks import whole_turns
 from lmnb.lang.batch_waves import start_waves
-from lmnb.lang.event_loop import program_loop, run_body, wait_queue
+from lmnb.lang.event_loop import block_on, in_body, program_loop, run_body, wait_queue
 from lmnb.lang.gil_share import sharing_the_gil
 from lmnb.lang.global_config import global_config
 from lmnb.lang.program_run import ProgramRun
@@ -162,13 +162,23 @@ class BatchJob:
         try/finally covers the start too, so an interrupt landing anywhere after the first
         program may have started (e.g. while the batch is being set up on a loaded machine)
         aborts the batch."""
-        finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # A body on the program loop (a nested run_batch) suspends on an asyncio queue: the
+        # deliveries come from this very loop, which a blocking get would stop for good.
+        nested = in_body()
+        finished: queue.SimpleQueue[Any] | asyncio.Queue[Any] = (
+            asyncio.Queue() if nested else queue.SimpleQueue())
+        put = finished.put_nowait if isinstance(finished, asyncio.Queue) else finished.put
         with (tqdm_bar(total=len(self.batch), desc=self.name) if progress_bar
               else nullcontext()) as bar:
-            def deliver(states: list[tuple[int, ProgramState]]) -> None:
-                finished.put(states)
+            def deliver(states: list[tuple[int, ProgramState]]) -> None:  # on the loop
+                put(states)
                 if bar is not None:
                     bar.update(len(states))
+
+            def next_states() -> Any:
+                if isinstance(finished, asyncio.Queue):
+                    return block_on(finished.get())
+                return wait_queue(finished)
 
             batch_run = _BatchRun(self.execute, self.batch,
                                   limit=_program_limit(num_threads, len(self.batch)),
@@ -176,8 +186,9 @@ class BatchJob:
             future: Future[None] | None = None
             try:
                 future = self._start(batch_run)
-                future.add_done_callback(lambda _: finished.put(_DONE))
-                while (states := wait_queue(finished)) is not _DONE:
+                future.add_done_callback(
+                    lambda _: program_loop().call_soon_threadsafe(put, _DONE))
+                while (states := next_states()) is not _DONE:
                     yield from states
                 future.result()  # raises what stopped the batch
             finally:

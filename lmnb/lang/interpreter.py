@@ -88,6 +88,18 @@ def _dispatcher(cls: type) -> Callable[[type], Callable[..., Coroutine[Any, Any,
     raise TypeError(f"{cls.__name__} has no _execute")
 
 
+def written_names(expr: Expr) -> set[str]:
+    """The variables running `expr` sets (its gens, selects, var scopes, set vars)."""
+    if isinstance(expr, ExprList):
+        return set().union(*map(written_names, expr.items))
+    if isinstance(expr, Gen | Select) and expr.name is not None:
+        reasoning = {reasoning_name(expr.name)} if expr.reasoning is not None else set()
+        return {expr.name, *reasoning}
+    if isinstance(expr, VarScopeEnd | SetVar):
+        return {expr.name}
+    return set()
+
+
 class StreamExecutor:
     def __init__(self, backend: Backend, *, defaults: GenParams, stream: bool = False,
                  num_api_spec_tokens: int | None = None) -> None:
@@ -139,6 +151,9 @@ class StreamExecutor:
     def submit(self, expr: Expr) -> None:
         if self._closed:
             raise ProgramError("this program state is closed")
+        # a variable written again is not final until the new value is (SGLang's submit resets
+        # its event): `s += gen("x"); s["x"]` in a loop reads each gen's own value
+        self._finished.difference_update(written_names(expr))
         self._push(expr)
 
     def close(self) -> None:
@@ -244,7 +259,8 @@ class StreamExecutor:
             branch.meta_info = dict(self.meta_info)
             branch._role, branch._role_start = self._role, self._role_start
             branch.fork_point = len(self.text_)
-            branch._spec, branch._spec_turn = self._spec, self._spec_turn
+            # a branch samples on its own: the parent's speculated continuation is one sample
+            branch._spec_turn = self._spec_turn
             branch.spans = list(self.spans)
             branch.media_ = list(self.media_)  # the same prepared items: one hash, one KV span
             branch.turns = list(self.turns)
@@ -318,7 +334,7 @@ class StreamExecutor:
             self._fail(error)
 
     def _fail(self, error: BaseException) -> None:
-        self.error = error
+        self.error = self.error or error  # the first error is the cause (a body's, then its abort)
         self._listeners.end_all(FAILED)
         self._wake()
         self._emit("error", error=error)

@@ -112,7 +112,9 @@ class Program:
             # Kept, raised where the state is read; and at once from `run()` as in SGLang (a
             # streamed run returns its state first, so its reader sees it).
             executor.error = executor.error or error
-            # Nothing more runs. The error's frames hold `s`: a live worker would keep it forever.
+            # Nothing more runs: a gen in flight is aborted (its KV freed). The error's frames
+            # hold `s`: a live worker would keep it forever.
+            executor.abort()
             executor.close()
             if not stream and raise_body_error:
                 raise
