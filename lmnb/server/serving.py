@@ -91,7 +91,15 @@ def _run(server: uvicorn.Server, sock: socket.socket) -> None:
     try:
         loop.run_until_complete(server.serve(sockets=[sock]))
     finally:
-        loop.close()
+        try:  # as asyncio.run ends: open responses are cancelled and run their cleanup (a
+            # stream's close aborts its requests), async generators are finalized
+            tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
 
 
 def serve(runtime: Any, *, host: str = "127.0.0.1", port: int = 8000,
