@@ -135,3 +135,29 @@ def test_a_body_error_aborts_the_gen_in_flight():
         assert _aborted_within(backend), "run() raised; its request keeps running (KV held)"
     finally:
         _release(backend)
+
+
+class FailingBackend(CountingBackend):
+    async def agenerate(self, prompt: str, params: GenParams, **kwargs: Any) -> Generation:
+        if "fail" in prompt:
+            raise RuntimeError("backend failed")
+        return await super().agenerate(prompt, params, **kwargs)
+
+
+def test_a_branch_failure_aborts_the_siblings_request():
+    backend = FailingBackend(hold_word="hold")
+
+    @lmnb.function
+    def f(s):
+        s += "start "
+        forks = s.fork(2)
+        forks[0] += "fail " + gen("x", max_tokens=2)
+        forks[1] += "hold " + gen("x", max_tokens=2)
+        forks.join()
+
+    state = with_timeout(lambda: f.run(backend=backend))
+    try:
+        assert state.error() is not None  # the run has failed and returned ...
+        assert _aborted_within(backend), "... while its other branch's request still runs"
+    finally:
+        _release(backend)

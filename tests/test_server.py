@@ -510,3 +510,26 @@ def test_stop_with_an_open_stream_aborts_it(rt):
     stats = wait_idle(rt)
     assert stats["generated_tokens"] - before < 8 * 400
     rt.check_integrity()
+
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                  "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_native_generate_output_ids_after_jump_forward(http, rt):
+    """`/generate`'s output_ids are the request's output ids, whole or streamed, also after a
+    jump-forward re-tokenized the output (an incremental chunk then carries
+    `replace_output_ids`)."""
+    params = {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(PERSON_SCHEMA)}
+    direct = rt.generate("Person:", params)
+    assert direct["meta_info"].get("jump_forward_steps", 0) > 0
+    out = http.post("/generate", json={"text": "Person:", "sampling_params": params}).json()
+    body = {"text": "Person:", "sampling_params": params, "stream": True}
+    with http.stream("POST", "/generate", json=body) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert out["text"] == direct["text"]
+    assert out["output_ids"] == direct["output_ids"]
+    assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
+    assert events[-1]["output_ids"] == direct["output_ids"]

@@ -602,7 +602,10 @@ class StreamExecutor:
         self._spec = None
         for branch in expr.branches:
             await branch.drained()
-            branch.raise_error()
+            if branch.error is not None:  # the join fails: the other branches' gens stop too
+                for other in expr.branches:
+                    other.abort()
+                branch.raise_error()
         if expr.mode == "gather_variable":
             # As SGLang: a variable the parent has already is kept as it is.
             names = {name for branch in expr.branches for name in branch.variables

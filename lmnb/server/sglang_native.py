@@ -141,7 +141,10 @@ async def _events(stream: Any, batch: bool, token_text: TokenTexts | None) -> As
     async for chunk in chunks(stream):
         index = chunk_index(chunk)
         texts[index] = texts.get(index, "") + chunk["text"]
-        ids.setdefault(index, []).extend(chunk["output_ids"])
+        if "replace_output_ids" in chunk:  # a jump-forward re-tokenized the output
+            ids[index] = list(chunk["replace_output_ids"])
+        else:
+            ids.setdefault(index, []).extend(chunk["output_ids"])
         meta = sglang_meta(chunk["meta_info"], token_text)
         meta.setdefault("completion_tokens", len(ids[index]))
         out: Chunk = {"text": texts[index], "output_ids": list(ids[index]), "meta_info": meta}

@@ -233,6 +233,8 @@ class OutputProcessor:
                         else with_token_texts(event.meta, state.token_texts))
         if stream.incremental:
             chunk = {"text": delta, "output_ids": list(event.new_token_ids), "meta_info": meta}
+            if event.replace_output_ids is not None:  # jump-forward re-tokenized the output
+                chunk["replace_output_ids"] = list(event.replace_output_ids)
         else:
             chunk = {"text": "".join(state.pieces), "output_ids": list(state.output_ids),
                      "meta_info": meta}

@@ -171,8 +171,8 @@ class OutputStream:
 
     def results(self) -> list[Chunk]:
         """Blocks until every request ends; one whole result per request, in `rids` order
-        (texts and ids concatenated; give whole ids with `incremental=False`, since a
-        jump-forward re-tokenizes ids already streamed)."""
+        (texts and ids concatenated; a chunk's `replace_output_ids`, after a jump-forward
+        re-tokenized the output, replaces the ids so far)."""
         return self.merge(list(self))
 
     async def aresults(self) -> list[Chunk]:
@@ -189,7 +189,10 @@ class OutputStream:
         for chunk in chunks:
             i = self.index[self._by_id[chunk["meta_info"]["id"]]]
             texts[i].append(chunk["text"])
-            ids[i].extend(chunk["output_ids"])
+            if "replace_output_ids" in chunk:
+                ids[i] = list(chunk["replace_output_ids"])
+            else:
+                ids[i].extend(chunk["output_ids"])
             metas[i] = chunk["meta_info"]
         return [{"text": "".join(t), "output_ids": o, "meta_info": m}
                 for t, o, m in zip(texts, ids, metas, strict=True)]
