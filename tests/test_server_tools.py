@@ -390,3 +390,21 @@ def test_plans_parse_and_stream_what_their_regexes_match():
         assert arguments == [c.arguments for c in calls]
         cut = parse_calls(region[:region.index('"unit"')], fmt)
         assert cut[-1].name == "get_weather" and not cut[-1].complete
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_a_refused_streaming_request_is_a_400_with_or_without_tools(server, client, tools):
+    """A request the runtime refuses (top_p > 1) is a 400 before any byte is streamed, with
+    tools too (their first request is opened before the response starts), in both APIs."""
+    extra = dict(tools=TOOLS, tool_choice="required") if tools else {}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, stream=True,
+                                       top_p=5.0, **extra)
+    claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    extra = dict(tools=[{"name": name, "input_schema": schema} for name, schema in PARAMS.items()],
+                 tool_choice={"type": "any"}) if tools else {}
+    with pytest.raises(anthropic.BadRequestError):
+        with claude.messages.stream(model="tiny", max_tokens=4, messages=ASK,
+                                    extra_body={"top_p": 5.0},
+                                    **extra) as stream:
+            stream.get_final_message()

@@ -94,6 +94,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         if plan is not None:
             run = ToolRun(runtime, plan, prompt, params)
             if body.stream:
+                await run.start()  # a refused request is a 400 before the stream starts
                 return StreamingResponse(guarded(_tool_events(run, message, stops),
                                                  _error_event),
                                          media_type="text/event-stream")

@@ -255,6 +255,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                                "tools unless tool_choice is 'none'", param="tool_choice")
             run = ToolRun(runtime, plan, prompt, params, **generate_kwargs)
             if body.stream:
+                await run.start()  # a refused request is a 400 before the stream starts
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return _sse_response(_tool_chat_events(run, head, body.n, include_usage,
                                                        body.logprobs, token_text))

@@ -82,7 +82,25 @@ class ToolRun:
         self.n = int(params.get("n", 1))
         self.generate_kwargs = generate_kwargs
         self._streams: list[OutputStream] = []
+        self._first: OutputStream | None = None  # opened by `start`
         self._closed = False
+
+    def _first_params(self) -> dict[str, Any]:
+        if self.plan.forced:
+            return {**self.params, "regex": self.plan.calls_regex, "stop": []}
+        return {**self.params, "stop": [*_stops(self.params.get("stop")),
+                                        self.plan.format.marker]}
+
+    async def start(self) -> None:
+        """Opens the first request now: a request the runtime refuses raises here, before a
+        streamed response has started (a 400, not an error event)."""
+        if self._first is None:
+            self._first = await self._open(self.prompt, self._first_params())
+
+    async def _first_stream(self) -> OutputStream:
+        await self.start()
+        assert self._first is not None
+        return self._first
 
     async def _open(self, prompt: str, params: dict[str, Any]) -> OutputStream:
         stream = await open_stream(self.runtime, prompt, params, **self.generate_kwargs)
@@ -99,8 +117,7 @@ class ToolRun:
     async def pieces(self) -> AsyncIterator[Piece]:
         try:
             if self.plan.forced:
-                params = {**self.params, "regex": self.plan.calls_regex, "stop": []}
-                async for chunk in await self._open(self.prompt, params):
+                async for chunk in await self._first_stream():
                     meta = chunk["meta_info"]
                     yield Piece(chunk_index(chunk), meta, calls=chunk["text"],
                                 done=meta.get("finish_reason") is not None)
@@ -114,10 +131,9 @@ class ToolRun:
     async def _auto(self) -> AsyncIterator[Piece]:
         marker = self.plan.format.marker
         stops = _stops(self.params.get("stop"))
-        first = {**self.params, "stop": [*stops, marker]}
         contents: dict[int, list[str]] = {}  # per choice, its text so far
         continuations: list[_Continuation] = []
-        async for chunk in await self._open(self.prompt, first):
+        async for chunk in await self._first_stream():
             index, meta = chunk_index(chunk), chunk["meta_info"]
             if chunk["text"]:
                 contents.setdefault(index, []).append(chunk["text"])
