@@ -54,11 +54,18 @@ def test_stop_with_an_open_request_aborts_it(rt, stream, tools):
         except httpx.HTTPError:
             pass
 
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    time.sleep(0.5)
-    handle.stop()
-    thread.join(10)
+    rt.set_batch_hook(lambda batch: time.sleep(0.02))  # the requests outlast the stop anywhere
+    try:
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while rt.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rt.stats()["running"] > 0
+        handle.stop()
+        thread.join(10)
+    finally:
+        rt.set_batch_hook(None)
     client_ended = not thread.is_alive()  # the server closed the connection
     stats = wait_idle(rt)
     generated = stats["generated_tokens"] - before
