@@ -105,7 +105,7 @@ def test_fork_branches_do_not_all_take_the_parents_speculated_sample():
     assert state["b"] != ["s1", "s1", "s1"]
 
 
-def _aborted_within(backend: CountingBackend, seconds: float = 2.0) -> bool:
+def _aborted_within(backend: CountingBackend, seconds: float = 10.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if backend.aborted:
