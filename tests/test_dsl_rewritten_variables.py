@@ -74,6 +74,18 @@ def with_timeout(fn: Callable[[], Any], timeout: float = GUARD_S) -> Any:
         pool.shutdown(wait=False)
 
 
+def release_once_held(backend: CountingBackend) -> None:
+    """Opens the held gen, on the loop, once it is held and a moment has passed (a read that
+    does not wait for it returns in that moment)."""
+    import time
+    deadline = time.monotonic() + GUARD_S
+    while backend.held == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    loop_ = lmnb.lang.event_loop.program_loop()
+    loop_.call_soon_threadsafe(lambda: backend.release and backend.release.set())
+
+
 def test_reading_a_variable_that_a_later_gen_rewrites_waits_for_the_new_value():
     backend = CountingBackend(hold_word="r1")  # the second gen's prompt holds "r1"
 
@@ -85,11 +97,8 @@ def test_reading_a_variable_that_a_later_gen_rewrites_waits_for_the_new_value():
             seen.append(s["x"])
         return seen
 
-    def release_later() -> None:  # opens the held gen after a while, on the loop
-        import time
-        time.sleep(0.5)
-        loop_ = lmnb.lang.event_loop.program_loop()
-        loop_.call_soon_threadsafe(lambda: backend.release and backend.release.set())
+    def release_later() -> None:
+        release_once_held(backend)
 
     threading.Thread(target=release_later, daemon=True).start()
     state = with_timeout(lambda: loop.run(backend=backend))
@@ -111,10 +120,7 @@ def test_a_fork_reading_a_variable_it_generates_again_waits_for_its_own_value():
         return branch["x"]
 
     def release_later() -> None:
-        import time
-        time.sleep(0.5)
-        loop_ = lmnb.lang.event_loop.program_loop()
-        loop_.call_soon_threadsafe(lambda: backend.release and backend.release.set())
+        release_once_held(backend)
 
     threading.Thread(target=release_later, daemon=True).start()
     state = with_timeout(lambda: tree.run(backend=backend))
