@@ -96,7 +96,8 @@ def _run(server: uvicorn.Server, sock: socket.socket) -> None:
             tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
             for task in tasks:
                 task.cancel()
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            if tasks:  # (gather of nothing asks for this thread's current loop: there is none)
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()
