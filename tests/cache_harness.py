@@ -132,7 +132,9 @@ class World:
                                           write_through=write_through)
         else:
             self.cache = RadixCache(self.allocator)
-        self.manager = CacheManager(self.cache, self.allocator, ReqToTokenPool(max_reqs, 256, CPU))
+        self.pins = PrefixPins(self.cache)
+        self.manager = CacheManager(self.cache, self.allocator, ReqToTokenPool(max_reqs, 256, CPU),
+                                    self.pins)
         self.reqs: dict[int, Req] = {}
         self.runner = CheckingRunner(self.kv, self.manager.table, self.reqs, self.rng)
         self.scheduler = Scheduler(
@@ -141,7 +143,6 @@ class World:
                                    in_batch_prefix_min_tokens=4, overlap_schedule=overlap),
             stop_rules=StopRules({EOS}), sink=Sink())
         self.runner.fail_rate = fail_rate
-        self.pins = PrefixPins(self.cache)
         self.pin_ids: list[int] = []
         self.bases = [[self.rng.randrange(3, 7) for _ in range(self.rng.randrange(6, 30))]
                       for _ in range(3)]

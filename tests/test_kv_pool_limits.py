@@ -33,7 +33,7 @@ def _pinned_scheduler(pool: int, pinned: list[int]):
     scheduler.add(request(pinned, max_new_tokens=0))  # cache_prefix
     while scheduler.step():
         pass
-    pins = PrefixPins(scheduler.cache.cache)
+    pins = scheduler.cache.pins = PrefixPins(scheduler.cache.cache)  # counted by the checks
     assert pins.pin(pinned) is not None
     return scheduler, pins
 
@@ -72,7 +72,8 @@ def test_a_pin_taken_between_chunks_ends_the_request_it_starves() -> None:
     scheduler.add(big)
     assert scheduler.step()  # first chunk
     assert scheduler.table.chunked is big.req
-    assert PrefixPins(scheduler.cache.cache).pin(cached) is not None
+    pins = scheduler.cache.pins = PrefixPins(scheduler.cache.cache)  # counted by the checks
+    assert pins.pin(cached) is not None
     for _ in range(100):
         if not scheduler.step():
             break

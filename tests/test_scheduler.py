@@ -434,3 +434,18 @@ def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(s
     assert len(extends) == 1 + state.req.jumps - ended_by_a_jump
     assert all(b.prefix_lens[0] > 0 for b in extends[1:])
     assert state.req.cached_tokens == 0  # counted once, at the first admission
+
+
+def test_check_integrity_finds_a_lock_that_nothing_holds() -> None:
+    """A lock held by no live request and no pin passes the slot sums (its tokens only move from
+    evictable to protected) but never comes off: the lock counts are checked too."""
+    from lmnb.runtime.scheduler.cache_manager import IntegrityError
+
+    scheduler = make(pool=32)
+    scheduler.add(request(list(range(10, 20)), max_new_tokens=1))
+    run_to_end(scheduler)
+    scheduler.check_integrity()
+    cache = scheduler.cache.cache
+    cache.lock(cache.handle_of(list(range(10, 20))))
+    with pytest.raises(IntegrityError, match="locked 1 times, held 0 times"):
+        scheduler.check_integrity()

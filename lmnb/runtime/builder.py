@@ -186,8 +186,9 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
                   if speculative is not None else None)
     outputs = OutputProcessor()
     outputs.start()
+    pins = PrefixPins(cache)
     scheduler = Scheduler(
-        runner=runner, cache=CacheManager(cache, allocator, runner.req_to_token_pool),
+        runner=runner, cache=CacheManager(cache, allocator, runner.req_to_token_pool, pins),
         policy=make_policy(config.schedule_policy), config=scheduler_config,
         stop_rules=StopRules(model.eos_token_ids), sink=outputs, tokenizer=model.tokenizer,
         jump_forward=None if config.disable_jump_forward else JumpForward(model.tokenizer),
@@ -196,5 +197,5 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
     thread = SchedulerThread(scheduler)
     grammars = GrammarFactory(model.tokenizer, vocab_size=model.model_config.vocab_size,
                               eos_token_ids=model.eos_token_ids, backend=config.grammar_backend)
-    return ServingParts(allocator=allocator, cache=cache, pins=PrefixPins(cache),
+    return ServingParts(allocator=allocator, cache=cache, pins=pins,
                         outputs=outputs, scheduler=thread, grammars=grammars)

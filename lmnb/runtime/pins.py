@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmnb.runtime.prefix_cache import PrefixCache
+from lmnb.runtime.prefix_cache import CacheHandle, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class PrefixPins:
         pin_id = next(self._ids)
         self._pins[pin_id] = Pin(match.handle, len(input_ids))
         return pin_id
+
+    def handles(self) -> list[CacheHandle]:
+        """The handles the pins hold locked (one lock each)."""
+        return [pin.handle for pin in self._pins.values()]
 
     def unpin(self, pin_id: int) -> bool:
         """Releases pin `pin_id` (its tokens become evictable like any cached ones); False if no

@@ -193,6 +193,10 @@ class PrefixCache(ABC):
         """Frees up to `num_tokens` unlocked cached slots, least recently used first; returns how
         many were freed."""
 
+    def check_locks(self, holders: Sequence[CacheHandle]) -> None:  # noqa: B027
+        """Self-check for tests: every entry's lock count is the number of `holders` (handles
+        locked once each: live requests', pins') whose path holds it."""
+
     def drop_unlocked(self) -> None:
         """Drops every unlocked entry, keeping no copy of it anywhere (its KV was never
         written: a failed pass's prompts cached at launch; or `flush_cache`)."""

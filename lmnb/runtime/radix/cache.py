@@ -316,6 +316,17 @@ class RadixCache(PrefixCache):
                 stack.append(child)
         return rows
 
+    def check_locks(self, holders: Sequence[TreeNode | None]) -> None:
+        expected: dict[int, int] = {}
+        for node in holders:
+            while node is not None and node is not self.root:
+                expected[node.id] = expected.get(node.id, 0) + 1
+                node = node.parent
+        for node in self._nodes():
+            assert node.lock_ref == expected.get(node.id, 0), (
+                f"radix node {node.id} is locked {node.lock_ref} times, held "
+                f"{expected.get(node.id, 0)} times by live requests and pins")
+
     def check(self) -> None:
         """Self-check for tests: sizes add up, children are keyed by their first token."""
         evictable = protected = 0

@@ -13,6 +13,7 @@ import torch
 from lmnb.runtime.core import Req
 from lmnb.runtime.kernels.metadata import host_int64
 from lmnb.runtime.memory import KVAllocator, ReqToTokenPool
+from lmnb.runtime.pins import PrefixPins
 from lmnb.runtime.prefix_cache import MatchResult, PrefixCache
 
 
@@ -22,8 +23,9 @@ class IntegrityError(AssertionError):
 
 class CacheManager:
     def __init__(self, cache: PrefixCache, allocator: KVAllocator,
-                 req_to_token_pool: ReqToTokenPool) -> None:
+                 req_to_token_pool: ReqToTokenPool, pins: PrefixPins | None = None) -> None:
         self.cache = cache
+        self.pins = pins  # their locks count in `check_integrity`
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.table = req_to_token_pool.req_to_token
@@ -268,9 +270,13 @@ class CacheManager:
     # ---- accounting ----------------------------------------------------------------------------
     def check_integrity(self, live: list[Req], waiting: list[Req]) -> None:
         """KV slots are conserved: free + evictable + protected + owned by requests == total;
-        the cache's own invariants hold (`PrefixCache.check`)."""
+        the cache's own invariants hold (`PrefixCache.check`), and its locks are those of the
+        live requests and the pins (a leaked lock keeps slots from eviction for good)."""
+        holders = [req.cache_handle for req in live]
+        holders += self.pins.handles() if self.pins is not None else []
         try:
             self.cache.check()
+            self.cache.check_locks(holders)
         except AssertionError as error:
             raise IntegrityError(f"prefix cache: {error}") from error
         owned = sum(req.owned_kv_len for req in live)
