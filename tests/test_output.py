@@ -257,7 +257,9 @@ def test_replace_output_ids(processor):
     chunks = drain(stream)
     assert [c["text"] for c in chunks] == ["ab", "cdef", "!"]
     assert chunks[1]["output_ids"] == [300, 301]
+    assert chunks[1]["meta_info"]["output_ids_from"] == 0  # they replace the ids so far
     assert chunks[-1]["meta_info"]["completion_tokens"] == 3
+    assert stream.merge(chunks)[0]["output_ids"] == [300, 301, *ids_of("!")]
     # Non-incremental: the whole ids are the replaced ones.
     whole = open_stream(processor, [1], incremental=False)
     processor.put([TokenEvent(1, ids_of("ab"))])

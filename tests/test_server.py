@@ -519,8 +519,8 @@ PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "ma
 
 def test_native_generate_output_ids_after_jump_forward(http, rt):
     """`/generate`'s output_ids are the request's output ids, whole or streamed, also after a
-    jump-forward re-tokenized the output (an incremental chunk then carries
-    `replace_output_ids`)."""
+    jump-forward re-tokenized the output (an incremental chunk then says where its ids go:
+    `output_ids_from`)."""
     params = {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(PERSON_SCHEMA)}
     direct = rt.generate("Person:", params)
     assert direct["meta_info"].get("jump_forward_steps", 0) > 0

@@ -21,6 +21,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
+from lmnb.runtime.output.stream import extend_output_ids
 from lmnb.server.errors import APIError
 from lmnb.server.media import media_kwargs, media_tokens
 from lmnb.server.streams import (
@@ -141,10 +142,7 @@ async def _events(stream: Any, batch: bool, token_text: TokenTexts | None) -> As
     async for chunk in chunks(stream):
         index = chunk_index(chunk)
         texts[index] = texts.get(index, "") + chunk["text"]
-        if "replace_output_ids" in chunk:  # a jump-forward re-tokenized the output
-            ids[index] = list(chunk["replace_output_ids"])
-        else:
-            ids.setdefault(index, []).extend(chunk["output_ids"])
+        extend_output_ids(ids.setdefault(index, []), chunk)
         meta = sglang_meta(chunk["meta_info"], token_text)
         meta.setdefault("completion_tokens", len(ids[index]))
         out: Chunk = {"text": texts[index], "output_ids": list(ids[index]), "meta_info": meta}

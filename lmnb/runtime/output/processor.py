@@ -228,13 +228,15 @@ class OutputProcessor:
         if reason is not None:
             meta["completion_tokens"] = len(state.output_ids)
             meta["e2e_latency"] = time.perf_counter() - state.created_at
+        if stream.incremental and event.replace_output_ids is not None:
+            # a jump-forward re-tokenized the tail: the chunk's ids go from here on (the
+            # position token origins' live meta gives too)
+            meta["output_ids_from"] = len(event.replace_output_ids) - len(event.new_token_ids)
         if event.meta:
             meta.update(event.meta if state.token_texts is None
                         else with_token_texts(event.meta, state.token_texts))
         if stream.incremental:
             chunk = {"text": delta, "output_ids": list(event.new_token_ids), "meta_info": meta}
-            if event.replace_output_ids is not None:  # jump-forward re-tokenized the output
-                chunk["replace_output_ids"] = list(event.replace_output_ids)
         else:
             chunk = {"text": "".join(state.pieces), "output_ids": list(state.output_ids),
                      "meta_info": meta}

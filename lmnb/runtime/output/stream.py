@@ -18,6 +18,13 @@ _EMPTY = object()
 _END = object()
 
 
+def extend_output_ids(ids: list[int], chunk: Chunk) -> None:
+    """Adds a chunk's `output_ids` to its request's `ids` so far: at the end, or from
+    `meta_info["output_ids_from"]` on, where a jump-forward re-tokenized the tail."""
+    del ids[chunk["meta_info"].get("output_ids_from", len(ids)):]
+    ids.extend(chunk["output_ids"])
+
+
 class OutputStream:
     """Chunks `{"text", "output_ids", "meta_info"}` (plus `"index"` when `tagged`) of the requests
     `rids`, in arrival order; each request's last chunk has `meta_info["finish_reason"]` set.
@@ -171,8 +178,7 @@ class OutputStream:
 
     def results(self) -> list[Chunk]:
         """Blocks until every request ends; one whole result per request, in `rids` order
-        (texts and ids concatenated; a chunk's `replace_output_ids`, after a jump-forward
-        re-tokenized the output, replaces the ids so far)."""
+        (texts concatenated, ids placed by `extend_output_ids`)."""
         return self.merge(list(self))
 
     async def aresults(self) -> list[Chunk]:
@@ -189,10 +195,7 @@ class OutputStream:
         for chunk in chunks:
             i = self.index[self._by_id[chunk["meta_info"]["id"]]]
             texts[i].append(chunk["text"])
-            if "replace_output_ids" in chunk:
-                ids[i] = list(chunk["replace_output_ids"])
-            else:
-                ids[i].extend(chunk["output_ids"])
+            extend_output_ids(ids[i], chunk)
             metas[i] = chunk["meta_info"]
         return [{"text": "".join(t), "output_ids": o, "meta_info": m}
                 for t, o, m in zip(texts, ids, metas, strict=True)]
