@@ -249,7 +249,7 @@ class CacheManager:
         self.cache.unlock(req.cache_handle)
         self._release_row(req)
 
-    def drop_evictable(self) -> None:
+    def drop_unlocked(self) -> None:
         """Drops every unlocked cached entry, copies in lower tiers too (after a failed prefill
         pass whose prompts were cached at launch: their KV was never written)."""
         self.cache.drop_unlocked()

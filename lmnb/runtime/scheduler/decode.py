@@ -41,21 +41,29 @@ class DecodeManager:
         """Admitted by its exact peak (`kv_peak.py`) rather than a reserve."""
         return self.exact_length_admission and ends_by_length_only(req.sampling_params)
 
-    def retract_until_decodable(self, running: list[Req]) -> list[Req]:
+    def retract_until_decodable(self, running: list[Req], chunked: Req | None = None
+                                ) -> list[Req]:
         """Removes requests from `running` (in place) until each remaining one can get a slot;
-        returns them, KV already handed to the cache."""
+        returns them, KV already handed to the cache. The last running request is kept: then
+        `chunked`, a long prompt whose locked chunks took the room its admission left (the
+        reserve is an estimate), goes back instead (returned last; its chunks cached)."""
         if self.cache.room() >= len(running):
             return []
         victims = sorted(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-        retracted = []
+        retracted: list[Req] = []
         while len(running) > 1 and self.cache.room() < len(running):
             victim = victims.pop(0)
             running.remove(victim)
-            self.cache.cache_finished(victim)
-            victim.retractions += 1
-            retracted.append(victim)
+            self._retract(victim, retracted)
+        if chunked is not None and self.cache.room() < len(running):
+            self._retract(chunked, retracted)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
         return retracted
+
+    def _retract(self, victim: Req, retracted: list[Req]) -> None:
+        self.cache.cache_finished(victim)
+        victim.retractions += 1
+        retracted.append(victim)
 
     def decayed(self) -> None:
         self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_new_token_ratio)

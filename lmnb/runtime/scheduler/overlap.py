@@ -82,8 +82,7 @@ def decode_after_prefill(current: InFlight, table: RequestTable, *, room: int
     for req, samples in zip(current.reqs, current.batch.samples, strict=True):
         if not samples:
             continue
-        state = table.states.get(req.rid)
-        live = state is not None and state.req is req  # not aborted while its pass runs
+        live = table.state_of(req) is not None  # not aborted while its pass runs
         if live and by_length(req.sampling_params, len(req.output_ids) + 1) is None:
             going.append(req)
             rows.append(sampled)

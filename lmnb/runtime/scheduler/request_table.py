@@ -29,6 +29,12 @@ class RequestTable:
     def get(self, rid: int) -> ReqState | None:
         return self.states.get(rid)
 
+    def state_of(self, req: Req) -> ReqState | None:
+        """`req`'s state while it is live; None once it ended (e.g. aborted while a pass it is
+        in was in flight: that pass's results for it are dropped)."""
+        state = self.states.get(req.rid)
+        return state if state is not None and state.req is req else None
+
     def live(self) -> list[Req]:
         """Requests holding KV."""
         return [*self.running, *([self.chunked] if self.chunked is not None else []),

@@ -248,7 +248,7 @@ class Scheduler:
             self._drain_in_flight()
             self._fail([*current.reqs, *(following.reqs if following else [])], error)
             if current.is_prefill or (following is not None and following.is_prefill):
-                self.cache.drop_evictable()  # prompts cached at launch: their KV is void
+                self.cache.drop_unlocked()  # prompts cached at launch: their KV is void
             return
         self._complete(current.batch, current.reqs, output)
 
@@ -353,15 +353,10 @@ class Scheduler:
         running = self.table.running
         if not running:
             return None
-        retracted = self.decode.retract_until_decodable(running)
         chunked = self.table.chunked
-        if self.cache.room() < len(running) and chunked is not None:
-            # a long prompt's locked chunks took the room its admission left (the reserve is an
-            # estimate): it goes back to the queue, its chunks cached and evictable
+        retracted = self.decode.retract_until_decodable(running, chunked)
+        if retracted and retracted[-1] is chunked:
             self.table.chunked = None
-            self.cache.cache_finished(chunked)
-            chunked.retractions += 1
-            retracted.append(chunked)
         for req in reversed(retracted):
             self.stats.retractions += 1
             self.table.requeue_front(req)
@@ -473,8 +468,8 @@ class Scheduler:
             return
         seq_lens = batch.seq_lens
         for i, req in enumerate(reqs):
-            state = self.table.states.get(req.rid)
-            if state is None or state.req is not req:
+            state = self.table.state_of(req)
+            if state is None:
                 continue  # ended while its pass was in flight (overlap): the token is dropped
             req.forward_passes += 1
             filled = seq_lens[i] == req.fill_len  # else a chunk: it goes on (maybe in flight)
@@ -503,8 +498,8 @@ class Scheduler:
         every rule; ending (or jumping forward) mid-chain gives back the KV past that token, so
         the prefix cache only ever receives accepted tokens."""
         for i, req in enumerate(reqs):
-            state = self.table.states.get(req.rid)
-            if state is None or state.req is not req:
+            state = self.table.state_of(req)
+            if state is None:
                 continue
             req.forward_passes += 1
             drafted, tokens = len(batch.drafts[i]), output.tokens[i]
@@ -527,7 +522,7 @@ class Scheduler:
         states, events, rules = self.table.states, self._events, self.stop_rules
         plain = 0
         for i, (req, token) in enumerate(zip(reqs, output.next_token_ids, strict=True)):
-            state = states.get(req.rid)
+            state = states.get(req.rid)  # `RequestTable.state_of`, inline: once a request a step
             if state is None or state.req is not req:
                 continue  # ended while its pass was in flight (overlap): the token is dropped
             req.forward_passes += 1
