@@ -91,15 +91,11 @@ class ToolRun:
         return {**self.params, "stop": [*_stops(self.params.get("stop")),
                                         self.plan.format.marker]}
 
-    async def start(self) -> None:
-        """Opens the first request now: a request the runtime refuses raises here, before a
-        streamed response has started (a 400, not an error event)."""
+    async def start(self) -> OutputStream:
+        """Opens the first request (once; its stream): called before a streamed response starts,
+        a request the runtime refuses raises here (a 400, not an error event)."""
         if self._first is None:
             self._first = await self._open(self.prompt, self._first_params())
-
-    async def _first_stream(self) -> OutputStream:
-        await self.start()
-        assert self._first is not None
         return self._first
 
     async def _open(self, prompt: str, params: dict[str, Any]) -> OutputStream:
@@ -117,7 +113,7 @@ class ToolRun:
     async def pieces(self) -> AsyncIterator[Piece]:
         try:
             if self.plan.forced:
-                async for chunk in await self._first_stream():
+                async for chunk in await self.start():
                     meta = chunk["meta_info"]
                     yield Piece(chunk_index(chunk), meta, calls=chunk["text"],
                                 done=meta.get("finish_reason") is not None)
@@ -133,7 +129,7 @@ class ToolRun:
         stops = _stops(self.params.get("stop"))
         contents: dict[int, list[str]] = {}  # per choice, its text so far
         continuations: list[_Continuation] = []
-        async for chunk in await self._first_stream():
+        async for chunk in await self.start():
             index, meta = chunk_index(chunk), chunk["meta_info"]
             if chunk["text"]:
                 contents.setdefault(index, []).append(chunk["text"])
