@@ -533,3 +533,51 @@ def test_native_generate_output_ids_after_jump_forward(http, rt):
     assert out["output_ids"] == direct["output_ids"]
     assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
     assert events[-1]["output_ids"] == direct["output_ids"]
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("tools", [None, WEATHER])
+def test_stop_with_an_open_chat_stream_aborts_it(rt, tools):
+    """`ServerHandle.stop()` with a chat stream of n choices open, with tools or without: its
+    requests are aborted and the client's connection ends."""
+    import threading
+    import time
+
+    tokens, n = 400, 4
+    before = wait_idle(rt)["generated_tokens"]
+    handle = ServerHandle.start(rt)
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": tokens, "n": n,
+            "ignore_eos": True, "stream": True}
+    if tools:
+        body.update(tools=tools, tool_choice="required")
+
+    def client() -> None:
+        try:
+            with httpx.Client(base_url=handle.url, timeout=20) as c:
+                with c.stream("POST", "/v1/chat/completions", json=body) as response:
+                    for _ in response.iter_lines():
+                        pass
+        except httpx.HTTPError:
+            pass
+
+    rt.set_batch_hook(lambda batch: time.sleep(0.02))  # the requests outlast the stop anywhere
+    try:
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while rt.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rt.stats()["running"] > 0
+        handle.stop()
+        thread.join(10)
+    finally:
+        rt.set_batch_hook(None)
+    client_ended = not thread.is_alive()  # the server closed the connection
+    stats = wait_idle(rt)
+    generated = stats["generated_tokens"] - before
+    rt.check_integrity()
+    assert generated < n * tokens * 0.9, generated
+    assert client_ended, "the client still waits on a connection the stopped server left open"
