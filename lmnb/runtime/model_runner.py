@@ -14,7 +14,7 @@ from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode, StepOutput, VerifyOutput
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
-from lmnb.runtime.kernels.metadata import host_int64
+from lmnb.runtime.kernels.metadata import host_int64, to_device
 from lmnb.runtime.kernels.registry import (
     attention_backend_class,
     create_attention_backend,
@@ -70,8 +70,7 @@ def rows_of(hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     copies the list there blockingly, which waits for the whole pass just enqueued."""
     if len(rows) == len(hidden):
         return hidden
-    index = host_int64(rows, pin=hidden.device.type == "cuda")
-    return hidden.index_select(0, index.to(hidden.device, non_blocking=True))
+    return hidden.index_select(0, to_device(host_int64(rows), hidden.device))
 
 
 class ModelRunner:
