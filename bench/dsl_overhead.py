@@ -432,15 +432,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--model and --dummy-config exclude each other")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    if args.batch_switch_interval != "default":
-        lmnb.global_config.batch_switch_interval = (
-            None if args.batch_switch_interval == "none" else float(args.batch_switch_interval))
-    if args.batch_wave != "default":
-        lmnb.global_config.batch_wave = (
-            None if args.batch_wave == "none" else int(args.batch_wave))
-    if args.batch_lead_wave != "default":
-        lmnb.global_config.batch_lead_wave = (
-            None if args.batch_lead_wave == "none" else int(args.batch_lead_wave))
+    for name, parse, _ in BATCH_SETTINGS:
+        if (value := getattr(args, name)) != "default":
+            setattr(lmnb.global_config, name, setting(value, parse))
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
@@ -499,18 +493,6 @@ def switched(interval: float, work: Callable[[], Any]) -> Callable[[], Any]:
     return run_switched
 
 
-def batch_switched(interval: float | None, work: Callable[[], Any]) -> Callable[[], Any]:
-    """`work` with `global_config.batch_switch_interval` set to `interval` while it runs."""
-    def run_batch_switched() -> Any:
-        previous = lmnb.global_config.batch_switch_interval
-        lmnb.global_config.batch_switch_interval = interval
-        try:
-            return work()
-        finally:
-            lmnb.global_config.batch_switch_interval = previous
-    return run_batch_switched
-
-
 def simulate_gpu(ops: int, *, from_launch_start: bool = False) -> None:
     """`--simulate-gpu`: `ModelRunner.launch` makes `ops` tiny torch calls first, and each
     launched pass's `result()` waits until its simulated device time has passed: counted from
@@ -544,6 +526,18 @@ def simulate_gpu(ops: int, *, from_launch_start: bool = False) -> None:
 
     ModelRunner.launch = simulated_launch  # type: ignore[method-assign]
     PendingStep.result = simulated_result  # type: ignore[method-assign]
+
+
+# The run_batch settings of `global_config` the bench sets (`--batch-wave`, ...) and compares
+# (`--compare-batch-waves`, ...): (name, its values' type, the label of a compared run).
+BATCH_SETTINGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("batch_switch_interval", float, "batch switch"), ("batch_wave", int, "wave"),
+    ("batch_lead_wave", int, "lead wave"))
+
+
+def setting(value: str, parse: Callable[[str], Any]) -> Any:
+    """A command-line value of a `BATCH_SETTINGS` entry: 'none' is None."""
+    return None if value == "none" else parse(value)
 
 
 def configured(name: str, value: Any, work: Callable[[], Any]) -> Callable[[], Any]:
@@ -594,15 +588,11 @@ def run(args: argparse.Namespace, runtime: Any, backend_type: type,
         paths[SWITCH_DSL + tag] = switched(args.compare_switch_interval, paths["dsl run_batch"])
         paths[SWITCH_RAW + tag] = switched(args.compare_switch_interval,
                                            paths["raw generate, text"])
-    for value in filter(None, (v.strip() for v in args.compare_batch_switch_intervals.split(","))):
-        paths[f"{SWITCH_DSL} @ batch switch {value}"] = batch_switched(
-            None if value == "none" else float(value), paths[SWITCH_DSL])
-    for value in filter(None, (v.strip() for v in args.compare_batch_waves.split(","))):
-        paths[f"{SWITCH_DSL} @ wave {value}"] = configured(
-            "batch_wave", None if value == "none" else int(value), paths[SWITCH_DSL])
-    for value in filter(None, (v.strip() for v in args.compare_batch_lead_waves.split(","))):
-        paths[f"{SWITCH_DSL} @ lead wave {value}"] = configured(
-            "batch_lead_wave", None if value == "none" else int(value), paths[SWITCH_DSL])
+    for name, parse, label in BATCH_SETTINGS:
+        compared = getattr(args, f"compare_{name}s").split(",")
+        for value in filter(None, (v.strip() for v in compared)):
+            paths[f"{SWITCH_DSL} @ {label} {value}"] = configured(
+                name, setting(value, parse), paths[SWITCH_DSL])
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in paths}
     for _ in range(args.repeats):  # interleaved: drift in the machine's load hits every path
         for label, work in paths.items():
