@@ -110,16 +110,18 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def decode_step_ms(rt: Runtime, *, steps: int, repeats: int, device: torch.device) -> float:
-    """ms per batch-1 decode step: (T(16 + steps) - T(16)) / steps, medians of `repeats`."""
-    prompt = list(range(1000, 1128))
+def decode_step_ms(rt: Runtime, *, steps: int, repeats: int, device: torch.device,
+                   batch: int = 1) -> float:
+    """ms per decode step of `batch` 128-id prompts: (T(16 + steps) - T(16)) / steps, medians of
+    `repeats`."""
+    prompts = [list(range(1000 + 200 * i, 1128 + 200 * i)) for i in range(batch)]
 
     def timed(new_tokens: int) -> float:
         times = []
         for _ in range(repeats):
             rt.flush_cache()
             with stopwatch(device) as t:
-                rt.generate(input_ids=prompt, sampling_params={
+                rt.generate(input_ids=prompts if batch > 1 else prompts[0], sampling_params={
                     "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
             times.append(t["seconds"])
         return statistics.median(times)
@@ -275,7 +277,8 @@ def run_speed(args: argparse.Namespace, device: torch.device,
                 row["weight_gb"] = rt.weight_bytes / 1e9
                 row["kv_tokens"] = rt.max_total_tokens
                 if "decode" in parts:
-                    ms = decode_step_ms(rt, steps=args.steps, repeats=args.repeats, device=device)
+                    ms = decode_step_ms(rt, steps=args.steps, repeats=args.repeats, device=device,
+                                        batch=args.decode_batch)
                     row |= {"decode_ms_per_step": ms, "decode_tok_s": 1e3 / ms}
                     if bandwidth:
                         floor_ms = rt.weight_bytes / bandwidth * 1e3
@@ -315,6 +318,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder for the random model (default: SmolLM2's)")
     parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--decode-batch", type=int, default=1,
+                        help="requests decoded together in the decode part")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=1024)
@@ -372,7 +377,8 @@ def main() -> None:
             "weight_gb", "decode_ms_per_step", "decode_tok_s", "fraction_of_floor",
             "offline_tok_s", "kv_tokens"))] for name in args.variants]
         print(f"{speed['model']}, copy bandwidth {speed['copy_bandwidth_gbs']} GB/s")
-        print(format_table(["variant", "weights GB", "b1 ms/step", "b1 tok/s", "of floor",
+        b = f"b{args.decode_batch}"
+        print(format_table(["variant", "weights GB", f"{b} ms/step", f"{b} tok/s", "of floor",
                             "offline tok/s", "KV tokens"], rows))
         results["ratios"] = _ratios(speed)
         for key, value in results["ratios"].items():

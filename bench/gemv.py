@@ -301,6 +301,7 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
         weights.append(fp8.quantize_rows(
             torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5))
     norm, gated, rotary = FP8_FUSED.get(op, UNFUSED) if fused else UNFUSED
+    prologue = norm and m <= fp8.NORM_PROLOGUE_MAX_ROWS  # else the model's norm runs apart
     rope = rotary_store(m, kv_fp8=kv_fp8) if rotary else None
     residual = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     norm_weight = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(dtype)
@@ -329,24 +330,30 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
                 "pct_copy_bw": 100 * bandwidth / copy_bw}
 
     def run(config: Fp8GemvConfig | None):
-        if norm:
+        """The model's decode path: one kernel at one row, else the norm and the rotary apart
+        (`fp8.norm_prologue_rows`) around the GEMM with gate_up's SiLU in its epilogue."""
+        if prologue:
             norm_in = RmsNormInput(residual, norm_weight, eps)
             return lambda x, ws: fp8_norm_gemv(x, norm_in, ws[0], ws[1], None, config,
                                                gated=gated, rope=rope)[0]
+        if norm:
+            return lambda x, ws: apart(x, ws, config, gated_epilogue=gated)
         return lambda x, ws: fp8_gemv(x, ws[0], ws[1], None, config)
 
-    def apart(x: torch.Tensor, ws: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The unfused ops the fused kernel replaces: rms_norm, the GEMM, silu_and_mul or
-        rotary_qkv (k and v to the pool)."""
+    def apart(x: torch.Tensor, ws: tuple[torch.Tensor, torch.Tensor],
+              config: Fp8GemvConfig | None = None, *, gated_epilogue: bool = False
+              ) -> torch.Tensor:
+        """The unfused ops the fused kernel replaces: rms_norm, the GEMM, silu_and_mul
+        (`gated_epilogue`: in the GEMM's epilogue) or rotary_qkv (k and v to the pool)."""
         if norm:
             x, _ = rms_norm(x, norm_weight, eps, residual)
-        out = fp8_gemv(x, ws[0], ws[1])
+        out = fp8_gemv(x, ws[0], ws[1], None, config, gated=gated_epilogue)
         if rope is not None:
             out, _ = rotary_qkv(rope.positions, out, rope.cos, rope.sin,
                                 num_heads=rope.num_heads, num_kv_heads=rope.num_kv_heads,
                                 head_dim=rope.head_dim, kv_buffers=(rope.k_buffer, rope.v_buffer),
                                 slots=rope.slots, kv_scales=rope.kv_scales)
-        return silu_and_mul(out) if gated else out
+        return silu_and_mul(out) if gated and not gated_epilogue else out
 
     result: dict[str, Any] = {"model": FP8_MODEL, "op": op, "m": m, "n": n, "k": k,
                               "fp8_mb": fp8_bytes / 1e6, "copies": len(weights),
@@ -371,7 +378,7 @@ def bench_fp8_shape(op: str, n: int, k: int, m: int, copy_bw: float, replays: in
     if sweep:
         tried = []
         for config in dict.fromkeys([fp8_gemv_config(m, n, k), *fp8_sweep_grid(m, n, k)]):
-            if (norm and config.split_k > 1) or ((gated or rotary) and config.block_n % 2):
+            if (prologue and config.split_k > 1) or ((gated or rotary) and config.block_n % 2):
                 continue  # the fused kernel would run another config (no split; pairs)
             try:
                 err = error(run(config)(xs[0], weights[0]))

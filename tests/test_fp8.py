@@ -320,12 +320,17 @@ def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
             return op(x, *args, **kwargs)
         return call
 
-    for name in ("fp8_norm_linear", "fp8_norm_rotary_linear"):
+    for name in ("fp8_norm_linear", "fp8_norm_rotary_linear", "fp8_silu_linear"):
         monkeypatch.setattr(fp8, name, counting(name))
     fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
     layers = config.num_layers
     assert calls.count(("fp8_norm_rotary_linear", 1)) == 2 * layers  # 2 decode steps
     assert calls.count(("fp8_norm_linear", 1)) == 2 * layers  # gate_up
+    calls.clear()  # two rows: the norms and the rotary apart, SiLU still in gate_up's epilogue
+    _passes(runner, [[5, 900, 31], [8, 2, 77]], [7, 9])
+    assert calls.count(("fp8_silu_linear", 2)) == layers  # the decode pass (prefill: 6 rows)
+    assert {name for name, _ in calls} == {"fp8_silu_linear"}
+    calls.clear()
     monkeypatch.setattr(linear, "FP8_DECODE_FUSIONS", False)  # the ablation switch
     calls.clear()
     assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens
@@ -356,9 +361,10 @@ def test_decode_fusions_over_an_fp8_pool_store_kv_in_the_qkv_gemv(tiny_models, m
         monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name, _rows=rows, **k: (
             calls.append((_name, a[_rows].shape[0])), _op(*a, **k))[1])
     fused_tokens = _greedy(runner, [5, 900, 31, 7], 2)
-    # two prefills (3 and 4 rows: skinny too) and a decode step after each, every layer
-    assert calls == [("fp8_norm_rotary_linear", rows) for rows in (3, 1, 4, 1)
-                     for _ in range(config.num_layers)]
+    # two prefills (3 and 4 rows: skinny, the norm and the rotary apart) and a decode step
+    # after each (one row: one kernel), every layer
+    assert calls == [("rotary_qkv" if rows > 1 else "fp8_norm_rotary_linear", rows)
+                     for rows in (3, 1, 4, 1) for _ in range(config.num_layers)]
     monkeypatch.setattr(linear, "FP8_DECODE_FUSIONS", False)
     calls.clear()
     assert _greedy(runner, [5, 900, 31, 7], 2) == fused_tokens

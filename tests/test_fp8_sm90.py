@@ -46,14 +46,20 @@ for use_dot, gated, norm, rotary in (
                       "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": not use_dot,
                       "PACKED": packed, "X_BF16": True, "ASM_CVT": True, "GATED": gated,
                       "NORM": norm, "HAS_RES": norm, "ROPE": rotary, "HEAD_DIM": 128, "HALF": 64,
-                      "KV_FP8": rotary, "BLOCK_HALF": 64, "HEADS_A_PROGRAM": 2 if use_dot else 1},
+                      "KV_FP8": rotary, "BLOCK_HALF": 64, "HEADS_A_PROGRAM": 2 if use_dot else 1,
+                      "USE_PDL": True},
                      aligned=[name for name in args if name not in ("M", "eps")])
     loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
     if not use_dot:  # weight and x loads share one register layout: no shuffle in the loop
         assert "convert_layout" not in loop and "local_alloc" not in loop, loop
         ptx = kernel.asm["ptx"]
         assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in ptx
-        assert ptx.count("cvt.rn.f16x2.e4m3x2") == 8  # 2 rows x 8 weights a step, a pair each
+        # 2 rows x 8 weights a step, a pair each; the norm's loop has its first step apart
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == (16 if norm else 8)
+        # the first weight tile is read before the wait for the kernel in front (PDL)
+        wait = ptx.index("griddepcontrol.wait")
+        assert ptx.index("ld.global.L1::evict_first") < wait
+        assert "ld.global" not in ptx[:wait].replace("ld.global.L1::evict_first", "")
         assert ("ex2.approx" in ptx) == gated  # silu's exp in the epilogue
         assert ("rsqrt" in ptx) == norm  # the norm's x + r and s * g: bf16x2 instructions
         assert ("add.rn.bf16x2" in ptx) == ("mul.rn.bf16x2" in ptx) == norm

@@ -98,6 +98,11 @@ def test_greedy_rows_and_verdicts_in_the_same_read(device: str, dtype: torch.dty
     subset = torch.tensor([11, 0, 8]).to(device)  # some rows, in any order
     got = race.sample_rows(args[0], subset, *(t[subset] for t in args[2:]))
     assert got.cpu().tolist() == [expected[11], expected[0], expected[8]]
+    all_greedy = _reference(logits, torch.zeros(12), floors, seeds)
+    assert all_greedy[:10] == [*expected[:7], all_greedy[7], 1024, NOT_FINITE]
+    for splits in (None, 1, 3):  # `greedy_rows`: the kernels without the race, rows 0..n-1
+        got = race.greedy_rows(args[0], splits=splits)
+        assert got.dtype == torch.int64 and got.cpu().tolist() == all_greedy, splits
 
 
 def _rows(device: str, repetition: float) -> list[ReqState]:
@@ -170,20 +175,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lmnb.runtime.sampling import race
-for logits in ("*fp32", "*bf16"):
+for logits, greedy in (("*fp32", False), ("*bf16", False), ("*bf16", True)):
     signature = {"LOGITS": logits, "ROWS": "*i64", "TEMPS": "*fp32", "FLOORS": "*fp32",
                  "SEEDS": "*i64", "TOP": "*fp32", "TOP_ID": "*i32", "BEST": "*fp32",
                  "BEST_ID": "*i32", "vocab": "i32", "stride": "i32", "chunk": "i32",
-                 "BLOCK": "constexpr"}
+                 "BLOCK": "constexpr", "GREEDY": "constexpr"}
     triton.compile(ASTSource(fn=race._sample_rows_kernel, signature=signature,
-                             constexprs={"BLOCK": race.BLOCK}),
+                             constexprs={"BLOCK": race.BLOCK, "GREEDY": greedy}),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-signature = {"TOP": "*fp32", "TOP_ID": "*i32", "BEST": "*fp32", "BEST_ID": "*i32",
-             "TEMPS": "*fp32", "IDS": "*i64", "n": "i32", "splits": "i32", "ROWS": "constexpr",
-             "SPLITS": "constexpr"}
-triton.compile(ASTSource(fn=race._pick_kernel, signature=signature,
-                         constexprs={"ROWS": 64, "SPLITS": 8}),
-               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+for greedy in (False, True):
+    signature = {"TOP": "*fp32", "TOP_ID": "*i32", "BEST": "*fp32", "BEST_ID": "*i32",
+                 "TEMPS": "*fp32", "IDS": "*i64", "n": "i32", "splits": "i32",
+                 "ROWS": "constexpr", "SPLITS": "constexpr", "GREEDY": "constexpr"}
+    triton.compile(ASTSource(fn=race._pick_kernel, signature=signature,
+                             constexprs={"ROWS": 64, "SPLITS": 8, "GREEDY": greedy}),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("compiled")
 """
 

@@ -76,19 +76,25 @@ def _hash32_tl(x):
 
 @triton.jit
 def _sample_rows_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, TOP, TOP_ID, BEST, BEST_ID, vocab,
-                        stride, chunk, BLOCK: tl.constexpr):
+                        stride, chunk, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
     """Program (i, s) reads row ROWS[i]'s tokens s * chunk : (s + 1) * chunk and stores at [i, s]
     their largest logit (NaN if one is NaN) with its first index, and, for a row with TEMPS > 0,
-    the race's best score with the smallest id among equal scores."""
+    the race's best score with the smallest id among equal scores. GREEDY: row i of every row,
+    no race (ROWS, TEMPS, FLOORS, SEEDS, BEST and BEST_ID unread)."""
     i = tl.program_id(0)
     part = tl.program_id(1)
     at = i * tl.num_programs(1) + part
-    row = tl.load(ROWS + i).to(tl.int64)
-    temperature = tl.load(TEMPS + i)
-    races = temperature > 0
-    inv_t = 1.0 / tl.where(races, temperature, 1.0)
-    floor = tl.load(FLOORS + i)  # logits below it are out of the support (min-p); -inf: none
-    seed = tl.load(SEEDS + i).to(tl.uint32)
+    if GREEDY:
+        row = i.to(tl.int64)
+        races = False
+        inv_t, floor, seed = 1.0, float("-inf"), 0
+    else:
+        row = tl.load(ROWS + i).to(tl.int64)
+        temperature = tl.load(TEMPS + i)
+        races = temperature > 0
+        inv_t = 1.0 / tl.where(races, temperature, 1.0)
+        floor = tl.load(FLOORS + i)  # logits below it are out of the support (min-p); -inf: none
+        seed = tl.load(SEEDS + i).to(tl.uint32)
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     top_id = tl.zeros([BLOCK], tl.int32)
     nan = tl.zeros([BLOCK], tl.int32)
@@ -114,17 +120,19 @@ def _sample_rows_kernel(LOGITS, ROWS, TEMPS, FLOORS, SEEDS, TOP, TOP_ID, BEST, B
     largest = tl.max(top, 0)
     tl.store(TOP_ID + at, tl.min(tl.where(top == largest, top_id, vocab), 0))
     tl.store(TOP + at, tl.where(tl.max(nan, 0) > 0, float("nan"), largest))
-    score = tl.max(best, 0)
-    tl.store(BEST + at, score)
-    tl.store(BEST_ID + at, tl.min(tl.where(best == score, best_id, vocab), 0))
+    if not GREEDY:
+        score = tl.max(best, 0)
+        tl.store(BEST + at, score)
+        tl.store(BEST_ID + at, tl.min(tl.where(best == score, best_id, vocab), 0))
 
 
 @triton.jit
 def _pick_kernel(TOP, TOP_ID, BEST, BEST_ID, TEMPS, IDS, n, splits, ROWS: tl.constexpr,
-                 SPLITS: tl.constexpr):
+                 SPLITS: tl.constexpr, GREEDY: tl.constexpr):
     """Per row: the first slice holding the largest score wins (so ties go to the smallest id,
     as in one pass); the race's winner for a row with TEMPS > 0, else the first maximal logit;
-    MASKED / NOT_FINITE when the largest logit is -inf / NaN or +inf."""
+    MASKED / NOT_FINITE when the largest logit is -inf / NaN or +inf. GREEDY: no row races
+    (BEST, BEST_ID and TEMPS unread)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     slices = tl.arange(0, SPLITS)[None, :]
     live = rows < n
@@ -137,11 +145,15 @@ def _pick_kernel(TOP, TOP_ID, BEST, BEST_ID, TEMPS, IDS, n, splits, ROWS: tl.con
     first = tl.min(tl.where(top == largest[:, None], slices, SPLITS), 1)
     greedy = tl.sum(tl.where(slices == first[:, None], tl.load(TOP_ID + at, mask=mask, other=0),
                              0), 1)
-    best = tl.load(BEST + at, mask=mask, other=float("-inf"))
-    first = tl.min(tl.where(best == tl.max(best, 1)[:, None], slices, SPLITS), 1)
-    drawn = tl.sum(tl.where(slices == first[:, None], tl.load(BEST_ID + at, mask=mask, other=0),
-                            0), 1)
-    ids = tl.where(tl.load(TEMPS + rows, mask=live, other=0.0) > 0, drawn, greedy).to(tl.int64)
+    if GREEDY:
+        ids = greedy.to(tl.int64)
+    else:
+        best = tl.load(BEST + at, mask=mask, other=float("-inf"))
+        first = tl.min(tl.where(best == tl.max(best, 1)[:, None], slices, SPLITS), 1)
+        drawn = tl.sum(tl.where(slices == first[:, None],
+                                tl.load(BEST_ID + at, mask=mask, other=0), 0), 1)
+        ids = tl.where(tl.load(TEMPS + rows, mask=live, other=0.0) > 0, drawn,
+                       greedy).to(tl.int64)
     ids = tl.where(largest == float("-inf"), _MASKED, ids)
     ids = tl.where(nan | (largest == float("inf")), _NOT_FINITE, ids)
     tl.store(IDS + rows, ids, mask=live)
@@ -175,23 +187,42 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Te
     float32 and `seeds` [n] int64, contiguous. Each row's vocabulary is cut into `splits` slices
     read by separate programs (default: enough for ~2,000 programs, each slice >= 8 blocks of
     `block` tokens; `warps` per program); the draw does not depend on them. No host sync."""
+    return _launch(logits, len(rows), (rows, temperatures, floors, seeds), splits, block, warps)
+
+
+def greedy_rows(logits: torch.Tensor, *, splits: int | None = None) -> torch.Tensor:
+    """[bs] int64 ids: each row's first maximal logit of `logits` [bs, V], MASKED / NOT_FINITE as
+    `sample_rows` gives them (its kernels without the race: the ids of `sample_rows` with every
+    temperature 0, in one read of each row and no tensor besides the result's)."""
+    return _launch(logits, logits.shape[0], None, splits, BLOCK, WARPS)
+
+
+def _launch(logits: torch.Tensor, n: int,
+            race: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+            splits: int | None, block: int, warps: int) -> torch.Tensor:
+    """The (row, slice) pass and the pick over `n` rows; `race` (rows, temperatures, floors,
+    seeds), or None for greedy rows 0..n-1."""
     assert logits.stride(1) == 1 and logits.dtype in (torch.float32, torch.bfloat16,
                                                        torch.float16)
-    n, vocab = len(rows), logits.shape[1]
+    vocab = logits.shape[1]
     blocks = triton.cdiv(vocab, block)
     if splits is None:
         splits = max(1, min(triton.cdiv(_PROGRAMS, max(n, 1)), blocks // 8))
     chunk = triton.cdiv(blocks, splits) * block
     splits = triton.cdiv(vocab, chunk)
     device = logits.device
-    scores = torch.empty((2, n, splits), dtype=torch.float32, device=device)  # top, best
-    at = torch.empty((2, n, splits), dtype=torch.int32, device=device)  # their ids
+    greedy = race is None
+    scores = torch.empty((1 if greedy else 2, n, splits), dtype=torch.float32,
+                         device=device)  # top, best
+    at = torch.empty_like(scores, dtype=torch.int32)  # their ids
     ids = torch.empty(n, dtype=torch.int64, device=device)
+    rows, temperatures, floors, seeds = race or (logits,) * 4  # unread when greedy
+    best, best_id = (scores[0], at[0]) if greedy else (scores[1], at[1])
     if n:
         _sample_rows_kernel[(n, splits)](
-            logits, rows, temperatures, floors, seeds, scores[0], at[0], scores[1], at[1], vocab,
-            logits.stride(0), chunk, BLOCK=block, num_warps=warps)
+            logits, rows, temperatures, floors, seeds, scores[0], at[0], best, best_id, vocab,
+            logits.stride(0), chunk, BLOCK=block, GREEDY=greedy, num_warps=warps)
         _pick_kernel[(triton.cdiv(n, _PICK_ROWS),)](
-            scores[0], at[0], scores[1], at[1], temperatures, ids, n, splits, ROWS=_PICK_ROWS,
-            SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4)
+            scores[0], at[0], best, best_id, temperatures, ids, n, splits, ROWS=_PICK_ROWS,
+            SPLITS=max(2, triton.next_power_of_2(splits)), GREEDY=greedy, num_warps=4)
     return ids

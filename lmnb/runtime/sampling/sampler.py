@@ -25,7 +25,7 @@ from lmnb.runtime.sampling.batch_info import RowGroup, SamplingBatchInfo, Sampli
 from lmnb.runtime.sampling.bitmask import apply_bitmask_
 from lmnb.runtime.sampling.logprob_kernel import MAX_K, packed_logprobs
 from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, SampleOutput
-from lmnb.runtime.sampling.race import race_logits, row_seeds, sample_rows
+from lmnb.runtime.sampling.race import greedy_rows, race_logits, row_seeds, sample_rows
 from lmnb.runtime.sampling.thresholds import cut_floors, reference_floors
 
 _NEG_INF = float("-inf")
@@ -158,7 +158,12 @@ def _cut_floors(work: torch.Tensor, cut: RowGroup) -> torch.Tensor:
 
 
 def _greedy_ids(work: torch.Tensor) -> torch.Tensor:
-    best, ids = work.max(dim=-1)  # first maximal index, like argmax; one read of each row
+    """[bs] each row's first maximal index, like argmax, with the verdicts; one read of each row
+    (on the kernel devices in one (row, slice) pass: torch's max over one long row is one slow
+    block, 28 us for a 128k vocabulary on an H200 against 6)."""
+    if work.device.type in KERNEL_DEVICES and work.stride(1) == 1:
+        return greedy_rows(work)
+    best, ids = work.max(dim=-1)
     return _with_verdicts(ids, best)
 
 

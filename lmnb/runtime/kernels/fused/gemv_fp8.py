@@ -85,17 +85,20 @@ class Fp8GemvConfig(NamedTuple):
 def _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K: tl.constexpr):
     """The weight tile [BLOCK_N, BLOCK_K] and x tile [BLOCK_M, BLOCK_K] at column k; nothing
     is read at or past k_end (a prefetch past the last step reads nothing)."""
+    return (_load_w(w_ptrs, k, k_end, offs_k, mask_n, EVEN_K),
+            _load_x(x_ptrs, k, k_end, offs_k, mask_m, EVEN_K))
+
+
+@triton.jit
+def _load_w(w_ptrs, k, k_end, offs_k, mask_n, EVEN_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at column k, as `_load_step` reads it."""
     if EVEN_K:
         inside = (tl.zeros((1, 1), dtype=tl.int32) + k) < k_end  # [1, 1]: the interpreter's too
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & inside, other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & inside, other=0.0)
+        return tl.load(w_ptrs, mask=mask_n[:, None] & inside, other=0.0,
+                       eviction_policy="evict_first")
     else:
-        mask_k = (k + offs_k) < k_end
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-    return w, x
+        return tl.load(w_ptrs, mask=mask_n[:, None] & ((k + offs_k) < k_end)[None, :],
+                       other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -282,7 +285,6 @@ def _fp8_gemv_kernel(
     KV_FP8: tl.constexpr = False, BLOCK_HALF: tl.constexpr = 1, HEADS_A_PROGRAM: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):
-    wait_for_previous(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -308,6 +310,10 @@ def _fp8_gemv_kernel(
     k_end = tl.minimum(k_start + k_span, K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    if not USE_DOT:  # no kernel writes a weight: its first tile is read before the wait (PDL),
+        w_first = _load_w(w_ptrs, k_start, k_end, offs_k, mask_n, EVEN_K)  # beside the tail
+        w_ptrs += BLOCK_K  # of the kernel before
+    wait_for_previous(USE_PDL)
     if ROPE:
         cos, sin, slot = rotary_inputs(pid_n, offs_m, mask_m, N, POS, COS, SIN, SLOTS,
                                        stride_cos, BLOCK_N, HALF)
@@ -341,8 +347,18 @@ def _fp8_gemv_kernel(
     else:  # a few partial sums a thread and row
         acc2 = tl.zeros((BLOCK_N, BLOCK_K if PACKED else BLOCK_K // VEC_K), dtype=tl.float32)
         ss = tl.zeros((1, BLOCK_K), dtype=tl.float32)  # NORM: s^2 a lane
+        # the first step's weight tile was read before the wait (`w_first`); its step runs on
+        # its own, then the loop from the second step as it would from the first
         if NORM:  # r and g are read as the step runs (L1 hits), not prefetched
-            for k in range(k_start, k_end, BLOCK_K):
+            x = _load_x(x_ptrs, k_start, k_end, offs_k, mask_m, EVEN_K)
+            r = _load_x(r_ptrs, k_start, k_end, offs_k, mask_m, EVEN_K)
+            g = _load_k(g_ptrs, k_start, k_end, offs_k, EVEN_K)
+            acc2, ss = _norm_fma_step(acc2, ss, w_first, x, r, g, BLOCK_N, BLOCK_K, VEC_K,
+                                      PACKED, X_BF16, ASM_CVT, HAS_RES, RES_OUT.dtype.element_ty)
+            x_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
                 w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
                 r = _load_x(r_ptrs, k, k_end, offs_k, mask_m, EVEN_K)
                 g = _load_k(g_ptrs, k, k_end, offs_k, EVEN_K)
@@ -353,17 +369,21 @@ def _fp8_gemv_kernel(
                 r_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
         elif PREFETCH:  # the next step's loads are issued before this step's FMAs
-            w_next, x_next = _load_step(w_ptrs, x_ptrs, k_start, k_end, offs_k, mask_n, mask_m,
-                                        EVEN_K)
+            w_next = w_first
+            x_next = _load_x(x_ptrs, k_start, k_end, offs_k, mask_m, EVEN_K)
+            x_ptrs += BLOCK_K
             for k in range(k_start, k_end, BLOCK_K):
                 w, x = w_next, x_next
-                w_ptrs += BLOCK_K
-                x_ptrs += BLOCK_K
                 w_next, x_next = _load_step(w_ptrs, x_ptrs, k + BLOCK_K, k_end, offs_k, mask_n,
                                             mask_m, EVEN_K)
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
                 acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
         else:
-            for k in range(k_start, k_end, BLOCK_K):
+            x = _load_x(x_ptrs, k_start, k_end, offs_k, mask_m, EVEN_K)
+            acc2 = _fma_step(acc2, w_first, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
+            x_ptrs += BLOCK_K
+            for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
                 w, x = _load_step(w_ptrs, x_ptrs, k, k_end, offs_k, mask_n, mask_m, EVEN_K)
                 acc2 = _fma_step(acc2, w, x, BLOCK_N, BLOCK_K, VEC_K, PACKED, X_BF16, ASM_CVT)
                 w_ptrs += BLOCK_K

@@ -145,6 +145,19 @@ def skinny_rows(x: torch.Tensor) -> bool:
     return 1 <= x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_ROWS
 
 
+# The RMSNorm prologue (and qkv's rotary epilogue with it) only for one row: over 2-16 rows the
+# skinny kernel's dot path re-reads every row of x, the residual and the norm weight from L2 in
+# each program and normalises them again, and the fused kernels are slower than their parts
+# (H200, `python bench/gemv.py --fp8 --rows 1 2 4 8 16`: Llama-3-8B's qkv 36 us fused against
+# 15-17 us apart, gate_up 112-115 against 39; at one row 10.9 against 10.5 and 29.3 against 30.8).
+NORM_PROLOGUE_MAX_ROWS = 1
+
+
+def norm_prologue_rows(x: torch.Tensor) -> bool:
+    """Whether x [..., K] has few enough rows for the skinny kernel's RMSNorm prologue."""
+    return 1 <= x.numel() // max(x.shape[-1], 1) <= NORM_PROLOGUE_MAX_ROWS
+
+
 def fp8_silu_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """silu(gate) * up for gate_up's FP8 weight [gate (I rows) | up (I rows), K]: x [..., K]

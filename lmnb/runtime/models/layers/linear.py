@@ -272,10 +272,11 @@ class MergedColumnParallelLinear(FusableLinear):
         """`norm` in front of this layer (and `act` behind it: `forward_gated`, `fp8_out` as
         there) -> (out, the residual stream: x + residual, or x without a residual), as the
         pre-norm decoder passes them along. One kernel where decode takes the fused FP8 skinny
-        path (the norm in the GEMM's prologue); the norm emitting FP8 rows where this layer
-        `takes_fp8_rows`; else the norm's and the layer's own paths."""
-        if (self._fp8_skinny(x) and norm.fused and norm.weight.dtype == x.dtype
-                and (act is None or self._fuses(act))):
+        path at one row (the norm in the GEMM's prologue: `fp8.norm_prologue_rows`); the norm
+        emitting FP8 rows where this layer `takes_fp8_rows`; else the norm's and the layer's
+        own paths."""
+        if (self._fp8_skinny(x) and fp8.norm_prologue_rows(x) and norm.fused
+                and norm.weight.dtype == x.dtype and (act is None or self._fuses(act))):
             return fp8.fp8_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
                                        self.weight_scale, self.bias, gated=act is not None)
         if (norm.fused and norm.weight.dtype == x.dtype and x.dim() == 2
@@ -333,9 +334,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         """`norm`, this projection and the fused rotary (k and v stored at `slots` of
         `kv_buffers`, an FP8 pool's with `kv_scales`, as `rotary.rotate_qkv(...)` does) as one
         kernel -> (q, the residual stream); None where that kernel does not run (other than
-        decode's fused FP8 path): the caller then takes `forward_normed` and the rotary apart."""
-        if not (self._fp8_skinny(x) and rotary.fused and norm.fused
-                and norm.weight.dtype == x.dtype and x.dim() == 2):
+        decode's fused FP8 path at one row): the caller then takes `forward_normed` and the
+        rotary apart."""
+        if not (self._fp8_skinny(x) and fp8.norm_prologue_rows(x) and rotary.fused
+                and norm.fused and norm.weight.dtype == x.dtype and x.dim() == 2):
             return None
         from lmnb.runtime.kernels.fused.gemv_fp8 import RotaryStore
 
