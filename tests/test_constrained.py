@@ -424,6 +424,51 @@ def test_jump_forward_never_changes_the_prompt(rt, rt_nojump) -> None:
     rt.check_integrity()
 
 
+def test_a_complete_grammar_outranks_min_new_tokens(rt) -> None:
+    """A grammar whose text is complete before the first token (`(x){0}` matches only "") allows
+    only EOS, which min_new_tokens=1 blocks: the grammar wins and the request ends with its
+    empty match; the request beside it, unconstrained, is not touched."""
+    plain = {"max_new_tokens": 4, "temperature": 0.0}
+    constrained = {"regex": "(x){0}", "max_new_tokens": 4, "min_new_tokens": 1}
+    outs = rt.generate(["Tell me a story", "Hi"], [plain, constrained])
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "length", outs[0]["meta_info"]
+    assert len(outs[0]["output_ids"]) == 4
+    assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop", outs[1]["meta_info"]
+    assert outs[1]["text"] == ""
+
+
+def test_a_row_that_cannot_sample_ends_alone(rt) -> None:
+    """Every token of one request masked (its stop ids are the whole vocabulary and
+    min_new_tokens blocks them): that request ends with the sampler's reason; the others in its
+    passes go on as if it were not there."""
+    plain = {"max_new_tokens": 4, "temperature": 0.0}
+    stuck = {"max_new_tokens": 4, "min_new_tokens": 2,
+             "stop_token_ids": list(range(rt.model_config.vocab_size))}
+    alone = rt.generate("Tell me a story", plain)
+    outs = rt.generate(["Tell me a story", "Hi"], [plain, stuck])
+    assert outs[0]["output_ids"] == alone["output_ids"]
+    reason = outs[1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "every token is masked" in reason["message"], reason
+    assert rt.generate("Hi", plain)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_stop_string_inside_a_jump_ends_the_output_ids_there(rt) -> None:
+    """A stop string inside the text a jump appends: the output (text, ids, completion tokens)
+    ends at the token completing it, as decoding token by token would; nothing of the forced
+    text after it is output."""
+    schema = {"const": "hello world and more words to force"}
+    out = rt.generate("hi", {"json_schema": schema, "stop": ["world"], "max_new_tokens": 40,
+                             "temperature": 0.0})
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": "world"}, meta
+    assert out["text"] == '"hello ', out["text"]
+    assert meta["jump_forward_steps"] >= 1
+    ids = out["output_ids"]
+    assert "world" in rt.tokenizer.decode(ids) and "world" not in rt.tokenizer.decode(ids[:-1])
+    assert "more" not in rt.tokenizer.decode(ids)
+    assert meta["completion_tokens"] == len(ids)
+
+
 def test_invalid_patterns_fail_alone(rt) -> None:
     bad: list[dict[str, Any]] = [{"regex": "(a"}, {"regex": "(?=a)b"}, {"regex": r"a\1"},
                                  {"json_schema": {"type": "strange"}},

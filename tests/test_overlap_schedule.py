@@ -62,6 +62,39 @@ def run_workload(overlap: bool, *, arrivals_at: int | None = None):
     return scheduler, [(s.req.output_ids, s.req.finished_reason) for s in states]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("fails_at", [0, 2])  # its first token (prefill pass), a decode step
+def test_a_row_that_cannot_sample_ends_alone(overlap: bool, fails_at: int) -> None:
+    """One request's row cannot sample (StepOutput.failed): it alone ends, with the reason,
+    after the tokens it had; the others give the outputs of a run without it, pipelined or not
+    (the pass launched behind the failed one drops that row)."""
+    def token_for(row):
+        if row.origin_input_ids[0] == 30 and len(row.output_ids) == fails_at:
+            return "every token is masked"
+        return eos_after({10: 3, 20: 7})(row)
+
+    def run(with_failing: bool):
+        runner = PipelinedFakeRunner(token_for) if overlap else FakeRunner(token_for)
+        scheduler = make(chunk=64, runner=runner)
+        scheduler.config.overlap_schedule = overlap
+        states = [request([10 * k, 1, 2, 3], max_new_tokens=m)
+                  for k, m in ((1, 9), (2, 12), (3, 5), (4, 8)) if with_failing or k != 3]
+        for state in states:
+            scheduler.add(state)
+        steps = 0
+        while scheduler.step():
+            steps += 1
+            assert steps < 200
+        return {s.req.origin_input_ids[0]: (s.req.output_ids, s.req.finished_reason)
+                for s in states}
+
+    got, expected = run(True), run(False)
+    ids, reason = got.pop(30)
+    assert got == expected
+    assert len(ids) == fails_at and reason["type"] == "abort"
+    assert "every token is masked" in reason["message"]
+
+
 @pytest.mark.parametrize("arrivals_at", [None, 4])
 def test_pipelined_decode_gives_the_synchronous_outputs(arrivals_at) -> None:
     sync, expected = run_workload(False, arrivals_at=arrivals_at)

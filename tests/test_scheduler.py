@@ -26,7 +26,8 @@ EOS = 2
 
 
 class FakeRunner:
-    """Samples `token_for(row)` for each sampling request; records the batches it ran."""
+    """Samples `token_for(row)` for each sampling request (a str: the row could not sample, for
+    that reason); records the batches it ran."""
 
     def __init__(self, token_for=None) -> None:
         self.batches = []
@@ -38,7 +39,11 @@ class FakeRunner:
         sampling = iter(rows)
         for i, samples in enumerate(batch.samples):
             if samples:
-                out.next_token_ids[i] = self.token_for(next(sampling))
+                token = self.token_for(next(sampling))
+                if isinstance(token, str):
+                    out.failed[i] = token
+                    continue
+                out.next_token_ids[i] = token
                 out.next_token_logprobs[i] = -1.0
         return out
 

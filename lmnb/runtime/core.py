@@ -210,6 +210,8 @@ class StepOutput:
     `next_top_logprobs[i]`. `input_logprobs[i]`: (logprob, token) of the prompt tokens this pass
     scored for request i (logprob None for a media pad id), empty unless it asked;
     `input_top_logprobs[i]` aligned with them (None entries without `top_logprobs_num`).
+    `failed[i]`: why request i could not sample (every token masked, NaN logits); its
+    `next_token_ids[i]` is then None and it alone ends with that error.
     """
 
     next_token_ids: list[int | None]
@@ -217,6 +219,7 @@ class StepOutput:
     next_top_logprobs: list[TopLogprobs | None]
     input_logprobs: list[list[tuple[float | None, int]]]
     input_top_logprobs: list[list[TopLogprobs | None]]
+    failed: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, size: int) -> StepOutput:

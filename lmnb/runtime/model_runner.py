@@ -376,8 +376,12 @@ class ModelRunner:
     def _previous_tokens(self, batch: Batch) -> torch.Tensor:
         """The input ids of a `follows_previous` batch: the last launch's sampled tokens (all,
         or the `previous_rows` of the requests that go on), still on the device; rows -1 take
-        their id from `batch.input_ids`."""
+        their id from `batch.input_ids`. A row that could not sample (MASKED, NOT_FINITE) reads
+        id 0: its request ends when the last pass's result is read, and this pass's row for it
+        is dropped."""
         last, rows = self._last_sampled, batch.previous_rows
+        if last is not None:
+            last = last.clamp(min=0)
         known = last.numel() if last is not None else -1
         if rows is None and known == batch.size:
             return last
@@ -544,10 +548,14 @@ class PendingStep:
             self._runner.fill_input_logprobs(batch, self._hidden, out)
         sampled = self._sampled
         if sampled is not None:
-            token_ids = sampled.token_ids()  # the step's one wait for the device
+            failed = sampled.wait()  # the step's one wait for the device
+            token_ids = sampled.token_ids()
             logprobs = sampled.logprobs()
             top_logprobs = sampled.top_logprobs()
             for row, i in enumerate(self._sample_rows):
+                if row in failed:  # it alone ends, with the reason
+                    out.failed[i] = failed[row]
+                    continue
                 out.next_token_ids[i] = token_ids[row]
                 out.next_token_logprobs[i] = 0.0 if logprobs is None else logprobs[row]
                 if top_logprobs is not None:

@@ -24,8 +24,9 @@ class SampleOutput:
     once), optional logprobs of the rows that asked (`logprob_positions`, all rows by default),
     and their host copies, started when the output is created.
 
-    Call `synchronize()` (or any of the list accessors) once per step: it waits for the copies and
-    raises RuntimeError for a row that could not be sampled.
+    Call `wait()` (or any of the list accessors) once per step: it waits for the copies and names
+    the rows that could not be sampled (their ids are MASKED / NOT_FINITE); `synchronize()` raises
+    RuntimeError for the first of them instead.
     """
 
     def __init__(self, next_token_ids: torch.Tensor, *, packed_logprobs: torch.Tensor | None,
@@ -56,27 +57,32 @@ class SampleOutput:
         if next_token_ids.device.type == "cuda":
             self._event = torch.cuda.Event()
             self._event.record()
-        self._checked = False
+        self._failed: dict[int, str] | None = None  # set by `wait`
 
-    def synchronize(self) -> None:
-        """Waits for the host copies; raises RuntimeError naming the first row that failed."""
-        if self._checked:
-            return
+    def wait(self) -> dict[int, str]:
+        """Waits for the host copies -> {row: why nothing could be sampled there}, empty when
+        every row sampled a token."""
+        if self._failed is not None:
+            return self._failed
         if self._event is not None:
             self._event.synchronize()
         if self.next_token_ids_cpu is None:
             assert self._logprobs_cpu is not None
             self.next_token_ids_cpu = self._logprobs_cpu[:, 0].to(torch.int64)
         ids = self.next_token_ids_cpu
-        bad = (ids < 0).nonzero()
-        if len(bad):
-            row = int(bad[0, 0])
-            if int(ids[row]) == MASKED:
-                raise RuntimeError(
-                    f"{self._label(row)}: every token is masked (min_new_tokens EOS/stop ids, "
-                    "grammar mask or -inf logits); nothing can be sampled")
-            raise RuntimeError(f"{self._label(row)}: logits contain nan or +inf")
-        self._checked = True
+        self._failed = {}
+        for row in (ids < 0).nonzero().flatten().tolist():
+            self._failed[row] = (
+                f"{self._label(row)}: every token is masked (min_new_tokens EOS/stop ids, "
+                "grammar mask or -inf logits); nothing can be sampled"
+                if int(ids[row]) == MASKED else f"{self._label(row)}: logits contain nan or +inf")
+        return self._failed
+
+    def synchronize(self) -> None:
+        """`wait`, raising RuntimeError for the first row that could not be sampled."""
+        failed = self.wait()
+        if failed:
+            raise RuntimeError(failed[min(failed)])
 
     def host_copies(self) -> list[torch.Tensor]:
         """The host tensors the device's results are copied into (pinned on CUDA): one when
@@ -110,13 +116,14 @@ class SampleOutput:
         return self._rows
 
     def token_ids(self) -> list[int]:
-        self.synchronize()
+        """Per row its id (MASKED / NOT_FINITE where `wait` names the row)."""
+        self.wait()
         return self.next_token_ids_cpu.tolist()
 
     def logprobs(self) -> list[float] | None:
         """Per row the raw log-softmax of its sampled token (0.0 for a row that did not ask), or
         None when no row asked."""
-        self.synchronize()
+        self.wait()
         if self._logprobs_cpu is None:
             return None
         values = [row[1] for row in self._host_rows()]
@@ -129,7 +136,7 @@ class SampleOutput:
 
     def top_logprobs(self) -> list[list[tuple[float, int]]] | None:
         """Per row its `top_logprobs_num` best (logprob, id), best first; None when no row asked."""
-        self.synchronize()
+        self.wait()
         if not self.top_width or self._logprobs_cpu is None:
             return None
         width = self.top_width

@@ -113,11 +113,23 @@ class Sampler:
         work = raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if info.penalties is not None:
             info.penalties.apply_(work)
-        if info.min_new_tokens is not None and info.min_new_tokens.active:
-            info.min_new_tokens.apply_(work)
-        if bitmask is not None:
+        blocks = info.min_new_tokens is not None and info.min_new_tokens.active
+        if bitmask is None:
+            if blocks:
+                info.min_new_tokens.apply_(work)
+            return work
+        if not blocks:
             apply_bitmask_(work, bitmask)
-        return work
+            return work
+        # A grammar whose text is complete (or at a dead end) allows only the stop ids: it
+        # outranks min_new_tokens there, so that the request ends instead of every token of
+        # its row being masked.
+        blocked = work.clone()
+        info.min_new_tokens.apply_(blocked)
+        apply_bitmask_(blocked, bitmask)
+        apply_bitmask_(work, bitmask)
+        stuck = (blocked == _NEG_INF).all(dim=-1, keepdim=True)
+        return torch.where(stuck, work, blocked)
 
     def _draw(self, work: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """[bs] ids of a batch with sampled rows (MASKED / NOT_FINITE for rows that cannot be

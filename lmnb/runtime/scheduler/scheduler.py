@@ -243,14 +243,18 @@ class Scheduler:
         try:
             output = current.pending.result()
         except Exception as error:
-            # the next pass read this one's tokens or KV: it is void too
-            following = self._in_flight
-            self._drain_in_flight()
-            self._fail([*current.reqs, *(following.reqs if following else [])], error)
-            if current.is_prefill or (following is not None and following.is_prefill):
-                self.cache.drop_unlocked()  # prompts cached at launch: their KV is void
+            self._void_pipeline(current, error)
             return
         self._complete(current.batch, current.reqs, output)
+
+    def _void_pipeline(self, current: InFlight, error: Exception) -> None:
+        """The pass in flight failed: it and the pass launched after it (which read its tokens
+        or KV) end their requests with the error."""
+        following = self._in_flight
+        self._drain_in_flight()
+        self._fail([*current.reqs, *(following.reqs if following else [])], error)
+        if current.is_prefill or (following is not None and following.is_prefill):
+            self.cache.drop_unlocked()  # prompts cached at launch: their KV is void
 
     def _following_extend(self, current: InFlight) -> tuple[Batch, list[Req]] | None:
         if not (self.config.overlap_extend and may_follow_extend(current, self.table)):
@@ -463,6 +467,10 @@ class Scheduler:
         if isinstance(output, VerifyOutput):
             self._process_verify(batch, reqs, output)
             return
+        for i, why in output.failed.items():  # nothing could be sampled: it alone ends
+            logger.error("request %s: %s", reqs[i].rid, why)
+            if (state := self.table.state_of(reqs[i])) is not None:
+                self._finish(state, finish_abort(f"sampling failed: {why}"), cache_kv=False)
         if batch.mode is not ForwardMode.EXTEND:
             self._process_decode(reqs, output)
             return
@@ -594,27 +602,29 @@ class Scheduler:
             return  # past max_new_tokens (which also keeps the context length): decode instead
         self.table.detach(req)
         self.cache.cache_finished(req)  # keyed by the old output ids
-        req.output_ids = list(plan.new_output_ids)
+        new_ids = list(plan.new_output_ids)
+        if state.stop_text is not None:  # a stop inside the jump: the output ends at its token
+            state.stop_text, new_ids = self._stop_text_over(req, new_ids, plan.keep)
+        appended = new_ids[plan.keep:]
+        req.output_ids = new_ids
         if req.return_logprob:  # re-tokenized tokens were not sampled: they have no logprob
             logprobs = state.logprobs
             logprobs.output_token = (logprobs.output_token[:plan.keep]
-                                     + [(None, token) for token in plan.appended])
+                                     + [(None, token) for token in appended])
             if req.top_logprobs_num:
-                logprobs.output_top = logprobs.output_top[:plan.keep] + [[] for _ in plan.appended]
+                logprobs.output_top = logprobs.output_top[:plan.keep] + [[] for _ in appended]
         if state.origins is not None:
             # re-tokenized old text counts as generated; tokens of forced text only as jumped
-            forced_from = plan.keep if plan.forced_from is None else plan.forced_from
+            forced_from = min(plan.keep if plan.forced_from is None else plan.forced_from,
+                              len(new_ids))
             state.origins.truncate(plan.keep)
             state.origins.add(GENERATED, forced_from - plan.keep)
-            state.origins.add(JUMP_FORWARD, len(plan.new_output_ids) - forced_from)
+            state.origins.add(JUMP_FORWARD, len(new_ids) - forced_from)
         state.grammar.advance_text(forced)
         req.jumps += 1
-        self.stats.jump_forward_tokens += len(plan.appended)
-        state.jumped_tokens += len(plan.appended)
-        if state.stop_text is not None:
-            state.stop_text = StopText(self.tokenizer, req.text_prompt_ids, req.sampling_params)
-            state.stop_text.add(list(req.output_ids))
-        event = TokenEvent(req.rid, list(plan.appended), replace_output_ids=list(req.output_ids),
+        self.stats.jump_forward_tokens += len(appended)
+        state.jumped_tokens += len(appended)
+        event = TokenEvent(req.rid, appended, replace_output_ids=list(new_ids),
                            meta=None if state.origins is None else live_meta(state, plan.keep))
         reason = self.stop_rules.after_text(state.stop_text, state.grammar, req.sampling_params,
                                             len(req.output_ids))
@@ -624,6 +634,19 @@ class Scheduler:
         else:
             self._events.append(event)
             self.table.requeue_front(req)
+
+    def _stop_text_over(self, req: Req, output_ids: list[int], keep: int
+                        ) -> tuple[StopText, list[int]]:
+        """The stop rules' text over a jump's new output ids (the first `keep` unchanged): each
+        token after those is added in turn, and the ids end at the one completing a stop string
+        or regex, as they would decoding one token at a time."""
+        stop_text = StopText(self.tokenizer, req.text_prompt_ids, req.sampling_params)
+        stop_text.add(output_ids[:keep])
+        for end in range(keep, len(output_ids)):
+            if stop_text.matched is not None:
+                return stop_text, output_ids[:end]
+            stop_text.add([output_ids[end]])
+        return stop_text, output_ids
 
     def _finish(self, state: ReqState, reason: dict[str, Any], *, new_ids: list[int] | None = None,
                 cache_kv: bool = True, cache_after_flush: bool = False) -> None:
