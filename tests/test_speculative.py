@@ -151,6 +151,22 @@ def test_verify_keeps_the_distribution_along_the_chain(params) -> None:
     assert len(after) > 2000 and 0.5 * (freq1 - target[1]).abs().sum() < 0.04
 
 
+def test_a_request_that_cannot_draw_fails_alone_in_its_verify_pass() -> None:
+    """Greedy rows: request 0 accepts its draft and draws; request 1's first position is all
+    -inf (nothing can be drawn): it alone is named in `failed`, with empty lists."""
+    vocab = 8
+    logits = torch.randn(4, vocab)
+    logits[0, 3], logits[1, 5] = 50.0, 50.0  # request 0: draft 3 accepted, then 5
+    logits[2:] = float("-inf")  # request 1's two positions
+    sampler = Sampler(vocab, eos_token_ids=[])
+    params = SamplingParams(temperature=0.0)
+    drafts = [[3], [2]]
+    info = sampler.batch_info(expanded_rows([_Row(params), _Row(params)], drafts), "cpu")
+    out = verify_drafts(sampler, logits, info, None, drafts)
+    assert out.tokens == [[3, 5], []] and list(out.failed) == [1]
+    assert "every token is masked" in out.failed[1]
+
+
 # ---- the runtime --------------------------------------------------------------------------------
 def test_greedy_outputs_are_identical_and_drafts_are_accepted(runtimes) -> None:
     base, spec = runtimes

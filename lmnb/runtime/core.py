@@ -233,11 +233,13 @@ class VerifyOutput:
     """What the model runner gives back for a verify `Batch`, per request in batch order: the
     tokens it keeps (`tokens[i]`: its accepted drafts, then the token the target drew at the first
     rejected draft, or after the last one), their raw logprobs (0.0 when no request of the batch
-    asked) and, when asked, their top logprobs."""
+    asked) and, when asked, their top logprobs; `failed[i]` as in `StepOutput` (its lists then
+    empty)."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     top_logprobs: list[list[TopLogprobs | None]]
+    failed: dict[int, str] = field(default_factory=dict)
 
     def accepted(self, i: int) -> int:
         """Draft tokens request i accepted."""

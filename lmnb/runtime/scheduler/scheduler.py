@@ -464,13 +464,13 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------
     def _process(self, batch: Batch, reqs: list[Req], output: StepOutput | VerifyOutput
                  ) -> None:
-        if isinstance(output, VerifyOutput):
-            self._process_verify(batch, reqs, output)
-            return
         for i, why in output.failed.items():  # nothing could be sampled: it alone ends
             logger.error("request %s: %s", reqs[i].rid, why)
             if (state := self.table.state_of(reqs[i])) is not None:
                 self._finish(state, finish_abort(f"sampling failed: {why}"), cache_kv=False)
+        if isinstance(output, VerifyOutput):
+            self._process_verify(batch, reqs, output)
+            return
         if batch.mode is not ForwardMode.EXTEND:
             self._process_decode(reqs, output)
             return

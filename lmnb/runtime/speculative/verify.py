@@ -125,16 +125,21 @@ def _collect(drafts: Sequence[Sequence[int]], accepted: list[int], token: list[i
         top_values, top_ids = (t.tolist() for t in top)
     out = VerifyOutput([], [], [])
     start = 0
-    for d in drafts:
+    for i, d in enumerate(drafts):
         a = 0
         while a < len(d) and accepted[start + a]:
             a += 1
         row = start + a
-        if token[row] < 0:
+        if token[row] < 0:  # it alone ends, with the reason
             what = ("every token is masked (min_new_tokens EOS/stop ids, grammar mask or -inf "
                     "logits); nothing can be sampled" if token[row] == MASKED
                     else "logits contain nan or +inf")
-            raise RuntimeError(f"{info.label(row)}: {what}")
+            out.failed[i] = f"{info.label(row)}: {what}"
+            out.tokens.append([])
+            out.logprobs.append([])
+            out.top_logprobs.append([])
+            start += len(d) + 1
+            continue
         out.tokens.append([*d[:a], token[row]])
         if lp_draft is not None and lp_token is not None:
             out.logprobs.append([*lp_draft[start:row], lp_token[row]])
