@@ -150,6 +150,20 @@ def test_byte_fsm_shape() -> None:
     assert compile_regex(r"(abc|abd)") is compile_regex(r"(abc|abd)")
 
 
+@pytest.mark.parametrize("pattern, states, example", [
+    ("a" * 5000, 5001, "a" * 5000),  # a chain: Moore's rounds were quadratic here (25 s)
+    (r"(a|b)*abb", 4, "babb"),  # the textbook minimal DFA
+    (r"(ab|ac)*d", 3, "abacd"),
+    (r"[0-9]{1,40}", 41, "0123"),
+    (r"(x|xx|xxx)(y|yy)", 6, "xxxyy"),
+])
+def test_minimal_state_counts(pattern: str, states: int, example: str) -> None:
+    """ASCII patterns (one byte a code point): the byte FSM has the minimal DFA's states."""
+    fsm = compile_regex(pattern)
+    assert fsm.num_states == states
+    assert fsm.fullmatch(example) and not fsm.fullmatch(example + "!")
+
+
 @pytest.mark.parametrize("pattern, message", [
     (r"(?=a)a", "lookahead"),
     (r"a(?<!b)", "lookahead/lookbehind"),
