@@ -18,6 +18,7 @@ from lmnb.runtime.fsm.token_bytes import token_byte_table
 from lmnb.runtime.output.logprob_text import TokenTexts
 from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
+from lmnb.server.messages import openai_roles
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
@@ -250,7 +251,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
         messages, images = chat_media(
-            body.messages, takes_images=runtime.model_config.image_token_id is not None)
+            openai_roles(body.messages),
+            takes_images=runtime.model_config.image_token_id is not None)
         tools = openai_tools(body.tools)
         tool_choice = openai_tool_choice(body.tool_choice, body.parallel_tool_calls, tools)
         plan = tool_plan(tools, tool_choice, runtime.tokenizer)
