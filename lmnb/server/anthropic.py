@@ -64,7 +64,9 @@ def _stop_reason(meta: dict[str, Any], stops: list[str]) -> tuple[str, str | Non
 
 
 def _usage(meta: dict[str, Any], output_tokens: int | None = None) -> dict[str, Any]:
-    """Anthropic's meaning: `input_tokens` are the prompt tokens not read from the cache."""
+    """Anthropic's meaning: `input_tokens` are the prompt tokens not read from the cache. A
+    stream's message_delta carries the totals from the last meta_info (the SDK takes them over
+    message_start's, which come before the cached prefix is known)."""
     cached = meta.get("cached_tokens", 0)
     return {"input_tokens": meta.get("prompt_tokens", 0) - cached,
             "output_tokens": (meta.get("completion_tokens", 0) if output_tokens is None
@@ -139,8 +141,7 @@ async def _events(stream: Any, message: dict[str, Any], stops: list[str]) -> Asy
             yield sse({"type": "content_block_stop", "index": 0}, event="content_block_stop")
             yield sse({"type": "message_delta",
                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                       "usage": {"output_tokens": meta.get("completion_tokens",
-                                                           output_tokens)}},
+                       "usage": _usage(meta, meta.get("completion_tokens", output_tokens))},
                       event="message_delta")
             yield sse({"type": "message_stop"}, event="message_stop")
 
@@ -217,7 +218,7 @@ async def _tool_events(run: ToolRun, message: dict[str, Any], stops: list[str]
                 stop_reason, stop_sequence = _tool_stop(piece.meta, len(calls.calls), stops)
                 yield sse({"type": "message_delta",
                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                           "usage": {"output_tokens": piece.meta.get("completion_tokens", 0)}},
+                           "usage": _usage(piece.meta)},
                           event="message_delta")
                 yield sse({"type": "message_stop"}, event="message_stop")
 
