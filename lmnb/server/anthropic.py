@@ -237,11 +237,17 @@ class CountTokensRequest(BaseModel):
 def _prompt(runtime: ServedRuntime, system: str | list[dict[str, Any]] | None,
             messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
             tool_choice: dict[str, Any] | None) -> tuple[str, ToolPlan | None]:
-    """The prompt `/v1/messages` generates from (and `count_tokens` counts), and its tool plan."""
+    """The prompt `/v1/messages` generates from (and `count_tokens` counts), and its tool plan.
+    A last assistant message of text is a prefill: the reply continues it, so the earlier turns
+    are rendered with the generation prompt and its text follows."""
     chat = anthropic_chat(system, messages)
     parsed = anthropic_tools(tools)
     plan = tool_plan(parsed, anthropic_tool_choice(tool_choice, parsed), runtime.tokenizer)
-    return runtime.apply_chat_template(chat, tools=plan.prompt_tools() if plan else None), plan
+    prompt_tools = plan.prompt_tools() if plan else None
+    last = chat[-1] if chat else {}
+    if last.get("role") == "assistant" and not last.get("tool_calls"):
+        return runtime.apply_chat_template(chat[:-1], tools=prompt_tools) + last["content"], plan
+    return runtime.apply_chat_template(chat, tools=prompt_tools), plan
 
 
 def count_tokens_router(runtime: ServedRuntime) -> APIRouter:
