@@ -38,11 +38,28 @@ _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
             "frequency_penalty": "frequency_penalty"}
 
 
+class Options(BaseModel):
+    """The `options` lmnb uses (others, e.g. `num_ctx`, are ignored), typed as Ollama's are:
+    a value of the wrong type is a 400."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    num_predict: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
 class _OllamaRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     stream: bool = True
-    options: dict[str, Any] | None = None
+    options: Options | None = None
     format: str | dict[str, Any] | None = None
 
 
@@ -105,10 +122,10 @@ def parameter_size(count: int) -> str:
 
 def _params(body: _OllamaRequest) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    for key, value in (body.options or {}).items():
-        if key in _OPTIONS and value is not None:
-            name = _OPTIONS[key]
-            params[name] = value if name != "max_new_tokens" or value >= 0 else 1 << 30
+    options = body.options.model_dump(exclude_none=True) if body.options else {}
+    for key, value in options.items():
+        name = _OPTIONS[key]
+        params[name] = value if name != "max_new_tokens" or value >= 0 else 1 << 30
     if body.format == "json":
         params["json_schema"] = {"type": "object"}
     elif isinstance(body.format, dict):
@@ -166,10 +183,18 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         return {"model": model, "created_at": _now(), **piece(result["text"]),
                 **_final(result["meta_info"], started)}
 
+    def loaded(body: _OllamaRequest, piece: dict[str, Any]) -> dict[str, Any]:
+        """Ollama's answer to a request without a prompt: the model is loaded (it always is),
+        nothing is generated; one JSON object, streamed or not."""
+        return {"model": body.model or model_name, "created_at": _now(), **piece,
+                "done": True, "done_reason": "load"}
+
     @router.post("/api/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
         if body.images:
             raise _no_images(runtime, "images")
+        if not body.prompt:
+            return loaded(body, {"response": ""})
         if body.raw:
             prompt = body.prompt
         else:
@@ -180,6 +205,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/chat", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
+        if not body.messages:
+            return loaded(body, {"message": {"role": "assistant", "content": ""}})
         for i, message in enumerate(body.messages):
             if isinstance(message, dict) and message.get("images"):
                 raise _no_images(runtime, f"messages.{i}.images")
