@@ -238,7 +238,7 @@ def test_ollama_show_and_ps(server, rt):
     assert shown.details.family == "llama" and shown.details.format == "safetensors"
     assert shown.details.parameter_size == f"{parameters / 1e6:.2f}M"
     assert shown.details.quantization_level == "F32"
-    assert shown.capabilities == ["completion"] and "im_start" in shown.template
+    assert shown.capabilities == ["completion", "tools"] and "im_start" in shown.template
     assert llama.show("tiny:latest").details == shown.details
     with pytest.raises(ollama.ResponseError) as caught:
         llama.show("llama3")
