@@ -325,6 +325,17 @@ def test_anthropic_tool_use_and_result(server):
     assert [b.type for b in none.content] == ["text"]
 
 
+# ---- Ollama ------------------------------------------------------------------------------------
+def test_ollama_chat_tools_reach_the_prompt(server):
+    """The `ollama` client's `tools` on /api/chat are in the prompt (and calls can come back:
+    `test_auto_continues_a_started_call_under_the_schema`), not silently dropped."""
+    client = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {KEY}"})
+    plain = client.chat(model="tiny", messages=ASK, options={"num_predict": 1})
+    with_tools = client.chat(model="tiny", messages=ASK, tools=TOOLS,
+                             options={"num_predict": 1})
+    assert with_tools.prompt_eval_count > plain.prompt_eval_count
+
+
 def test_disconnect_mid_call_frees_kv(rt):
     """A client gone while continuations generate calls aborts them: they would run for over
     `items` decode steps each (up to the tiny model's context), the client leaves after ~5."""
