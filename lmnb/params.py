@@ -24,6 +24,8 @@ class InvalidRequestError(ValueError):
 
 
 TOP_K_ALL = -1
+# What a torch.Generator takes as a seed; sample i of a request is seeded with seed + i.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 def stop_regex_patterns(value: str | Sequence[str] | None) -> list[str]:
@@ -106,6 +108,9 @@ class SamplingParams:
              "stop_token_ids must be a list of ints")
         need(self.seed is None or isinstance(self.seed, int),
              f"seed must be an int, got {self.seed!r}")
+        need(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
+             f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (seed + n - 1 seeds the "
+             f"last sample, at most {SEED_MAX}), got {self.seed}")
         need(self.ebnf is None or (isinstance(self.ebnf, str) and bool(self.ebnf.strip())),
              f"ebnf must be a non-empty grammar string, got {self.ebnf!r}")
         constraints = [n for n in ("regex", "json_schema", "ebnf") if getattr(self, n) is not None]

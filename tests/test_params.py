@@ -64,6 +64,9 @@ BAD_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
     "stop": ({"stop": ["a", 3]}, "stop must be a string or list of strings"),
     "stop-ids": ({"stop_token_ids": ["x"]}, "stop_token_ids must be a list of ints"),
     "seed": ({"seed": "7"}, "seed must be an int, got '7'"),
+    "seed-too-big": ({"seed": 2**64}, f"seed must be in [{-2**63}, {2**64 - 1}]"),
+    "seed-too-small": ({"seed": -2**63 - 1}, "seed must be in ["),
+    "seed-plus-n": ({"seed": 2**64 - 1, "n": 2}, f"seed must be in [{-2**63}, {2**64 - 2}]"),
     "stop-regex": ({"stop_regex": ["ok", "(unclosed"]}, "stop_regex '(unclosed' is not a regex"),
     "stop-regex-type": ({"stop_regex": [1]}, "stop_regex must be a string or a list of strings"),
 }

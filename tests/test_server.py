@@ -8,8 +8,10 @@ import asyncio
 import json
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import jsonschema
+import ollama
 import openai
 import pytest
 
@@ -39,6 +41,11 @@ def server(rt) -> Iterator[ServerHandle]:
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
 
 
 @pytest.fixture()
@@ -174,6 +181,30 @@ def test_streamed_logprobs_cover_every_token(client):
     assert len(content) == 6
 
 
+def test_chat_logprob_bytes_rebuild_a_character_split_over_tokens(client, rt):
+    """`bytes` are each token's own: the tokens spelling one character (an emoji is three
+    byte-level tokens) each decode alone to U+FFFD, but their bytes concatenated are it."""
+    assert len(rt.tokenizer.encode("🦒", add_special_tokens=False)) > 1
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10,
+                                         logprobs=True, extra_body={"regex": "🦒"})
+    choice = out.choices[0]
+    assert choice.message.content == "🦒"
+    raw = bytes(b for token in choice.logprobs.content for b in token.bytes)
+    assert raw.decode("utf-8") == "🦒", raw
+
+
+def test_developer_role_is_accepted_as_the_system_prompt(client):
+    """OpenAI's `developer` role replaces `system` (newer models, agent frameworks)."""
+    system = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."}, *CHAT],
+        max_tokens=5, temperature=0)
+    developer = client.chat.completions.create(
+        model="tiny", messages=[{"role": "developer", "content": "Be brief."}, *CHAT],
+        max_tokens=5, temperature=0)
+    assert developer.choices[0].message.content == system.choices[0].message.content
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -202,6 +233,8 @@ def test_bad_requests_are_400_and_runtime_stays_usable(http, client, rt):
         assert response.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x", max_tokens=-3)
+    with pytest.raises(openai.BadRequestError, match="seed must be in"):  # torch cannot take it
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, seed=2**64)
     assert http.post("/generate", json={"text": "x", "sampling_params": {"nope": 1}}
                      ).status_code == 400
     assert http.post("/generate", json={"sampling_params": {}}).status_code == 400
@@ -298,6 +331,72 @@ def test_native_generate_stream_is_cumulative(http):
     assert {e["index"] for e in events} == {0, 1}
 
 
+def test_native_generate_reports_the_given_rid(http):
+    """SGLang's `rid` comes back as `meta_info.id`: a string for one request, `rid_i` per
+    result of a batch or of n > 1, a list with one id per prompt."""
+    params = {"max_new_tokens": 2}
+    out = http.post("/generate", json={"text": "Hi", "rid": "rid-one",
+                                       "sampling_params": params}).json()
+    assert out["meta_info"]["id"] == "rid-one"
+    batch = http.post("/generate", json={"text": ["a", "b"], "rid": ["rid-a", "rid-b"],
+                                         "sampling_params": {**params, "n": 2}}).json()
+    assert [r["meta_info"]["id"] for r in batch] == ["rid-a_0", "rid-a_1", "rid-b_0",
+                                                      "rid-b_1"]
+    named = http.post("/generate", json={"text": ["a", "b"], "rid": "rid-batch",
+                                         "sampling_params": params}).json()
+    assert [r["meta_info"]["id"] for r in named] == ["rid-batch_0", "rid-batch_1"]
+    with http.stream("POST", "/generate", json={"text": ["a", "b"], "rid": ["s-a", "s-b"],
+                                                "stream": True, "sampling_params": params}
+                     ) as response:
+        events = sse_data(response.iter_lines())
+    assert {(e["index"], e["meta_info"]["id"]) for e in events} == {(0, "s-a"), (1, "s-b")}
+    wrong = http.post("/generate", json={"text": ["a", "b"], "rid": ["only-one"],
+                                         "sampling_params": params})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "rid"
+
+
+def test_native_abort_request_stops_a_running_request(server, http, rt):
+    """`POST /abort_request {"rid"}` ends a running request with finish_reason abort (its KV
+    freed), streamed or not; an unknown rid is a no-op 200, as in SGLang; a rid in flight is
+    not taken twice."""
+    params = {"max_new_tokens": 400, "ignore_eos": True}
+    body = {"text": "Go on", "rid": "abort-1", "stream": True, "sampling_params": params}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as streaming:
+        with streaming.stream("POST", "/generate", json=body) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+            taken = http.post("/generate", json={**body, "stream": False})
+            assert taken.status_code == 400 and "abort-1" in taken.json()["error"]["message"]
+            aborted = http.post("/abort_request", json={"rid": "abort-1"})
+            assert aborted.status_code == 200, aborted.text
+            events = sse_data(lines)
+    last = events[-1]["meta_info"]
+    assert last["finish_reason"]["type"] == "abort" and last["id"] == "abort-1"
+    assert last["completion_tokens"] == len(events[-1]["output_ids"]) < 400
+    assert http.post("/abort_request", json={"rid": "abort-1"}).status_code == 200
+    wait_idle(rt)
+    rt.check_integrity()
+
+    async def whole_then_abort() -> list:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c:
+            task = asyncio.create_task(c.post("/generate", json={
+                "text": ["x", "y"], "rid": ["abort-2a", "abort-2b"],
+                "sampling_params": params}))
+            while not task.done():  # until the call is in flight and aborted
+                await asyncio.sleep(0.02)
+                assert (await c.post("/abort_request", json={"abort_all": True})
+                        ).status_code == 200
+            return task.result().json()
+
+    results = asyncio.run(whole_then_abort())
+    assert [r["meta_info"]["id"] for r in results] == ["abort-2a", "abort-2b"]
+    assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
+    assert all(r["meta_info"]["completion_tokens"] < 400 for r in results)
+    wait_idle(rt)
+    rt.check_integrity()
+
+
 def test_native_info_routes(http, rt):
     info = http.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"]
@@ -335,6 +434,35 @@ def test_anthropic_messages(http):
     assert cut["content"][0]["text"] == text[:text.index(text[2:4])]
 
 
+def test_anthropic_streamed_usage_equals_the_whole_response(claude):
+    """The SDK takes a stream's usage totals from message_delta (message_start comes before
+    the cached prefix is known): a cached prompt counts as cache reads, streamed or not."""
+    kwargs = dict(model="tiny", max_tokens=4, system="Usage review.",
+                  messages=[{"role": "user", "content": "Count my tokens."}])
+    claude.messages.create(**kwargs)  # the prompt is cached from now on
+    whole = claude.messages.create(**kwargs).usage
+    assert whole.cache_read_input_tokens > 0
+    with claude.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message().usage
+    assert (streamed.input_tokens, streamed.cache_read_input_tokens) == (
+        whole.input_tokens, whole.cache_read_input_tokens)
+
+
+def test_anthropic_assistant_prefill_is_continued(claude, rt):
+    """Anthropic: 'if the final message uses the assistant role, the response content will
+    continue immediately from the content in that message'."""
+    prefill = "The colour is"
+    messages = [*CHAT, {"role": "assistant", "content": prefill}]
+    out = claude.messages.create(model="tiny", max_tokens=4, extra_body={"temperature": 0},
+                                 messages=messages)
+    prompt = rt.apply_chat_template(CHAT) + prefill
+    direct = rt.generate(prompt, {"temperature": 0, "max_new_tokens": 4})
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == len(rt.encode(prompt))
+    assert out.content[0].text == direct["text"]
+    counted = claude.messages.count_tokens(model="tiny", messages=messages)
+    assert counted.input_tokens == len(rt.encode(prompt))
+
+
 def test_ollama_generate_and_chat(http):
     options = {"temperature": 0, "num_predict": 5}
     whole = http.post("/api/generate", json={"model": "tiny", "prompt": "Hi",
@@ -358,6 +486,39 @@ def test_ollama_generate_and_chat(http):
     shaped = http.post("/api/chat", json={"model": "tiny", "messages": CHAT, "stream": False,
                                           "format": schema, "options": {"num_predict": 30}})
     jsonschema.validate(json.loads(shaped.json()["message"]["content"]), schema)
+
+
+def test_ollama_bad_requests_are_400_with_ollama_error_bodies(server, http):
+    """Ollama's error body is `{"error": "message"}` (the client's `ResponseError.error` is
+    that string); an option of the wrong type is a 400, not a comparison failing deep down."""
+    response = http.post("/api/generate", json={"model": "tiny", "prompt": "Hi",
+                                                "stream": False,
+                                                "options": {"num_predict": "5"}})
+    assert response.status_code == 400 and "num_predict" in response.json()["error"]
+    client = ollama.Client(host=server.url, headers=AUTH)
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model="tiny", messages=[{"role": "wizard", "content": "x"}],
+                    options={"num_predict": 2})
+    assert caught.value.status_code == 400
+    assert isinstance(caught.value.error, str) and "wizard" in caught.value.error
+    unauthorized = httpx.post(f"{server.url}/api/chat", json={"messages": CHAT})
+    assert unauthorized.status_code == 401 and isinstance(unauthorized.json()["error"], str)
+
+
+def test_ollama_empty_prompt_loads_the_model_without_generating(server, rt):
+    """Ollama: 'If an empty prompt is provided, the model will be loaded into memory': an
+    empty `response` with `done_reason: "load"` (clients preload models so); the same for a
+    chat without messages."""
+    before = wait_idle(rt)["generated_tokens"]
+    client = ollama.Client(host=server.url, headers=AUTH)
+    out = client.generate(model="tiny", stream=False)
+    assert out.response == "" and out.done
+    assert out.done_reason == "load" and not out.eval_count
+    (streamed,) = list(client.generate(model="tiny", stream=True))
+    assert streamed.done_reason == "load"
+    chat = client.chat(model="tiny", messages=[])
+    assert chat.done_reason == "load" and chat.message.content == ""
+    assert wait_idle(rt)["generated_tokens"] == before
 
 
 # ---- many streams at once ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 import anthropic
 import httpx
 import jsonschema
+import ollama
 import openai
 import pytest
 
@@ -223,6 +224,28 @@ def test_auto_continues_a_started_call_under_the_schema(rt):
             c.function.arguments for c in choice.message.tool_calls]
         # both phases' tokens count; the second phase's prompt was a cache hit
         assert whole.usage.completion_tokens > len(rt.encode("Let me look.\n<tool_call>"))
+        # Ollama's /api/chat: the same calls, arguments as objects, whole or streamed (sent
+        # with httpx: the ollama client's Tool model drops schema keywords such as maxLength)
+        body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "stream": False,
+                "options": {"num_predict": 120, "temperature": 0}}
+        with httpx.Client(base_url=handle.url, timeout=60) as http:
+            out = http.post("/api/chat", json=body).json()
+            lines = [json.loads(line) for line in http.post(
+                "/api/chat", json={**body, "stream": True}).text.splitlines()]
+        message = out["message"]
+        assert message["content"] == choice.message.content and out["done_reason"] == "stop"
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in message["tool_calls"]] == [
+            (c.function.name, valid_call(c.function.name, c.function.arguments))
+            for c in choice.message.tool_calls]
+        assert "".join(line["message"]["content"] for line in lines) == message["content"]
+        assert [c for line in lines for c in line["message"].get("tool_calls", ())] == (
+            message["tool_calls"])
+        history = [*ASK, message, {"role": "tool", "tool_name": "get_weather",
+                                   "content": "22 C"}]
+        reply = ollama.Client(host=handle.url).chat(model="tiny", messages=history,
+                                                    tools=TOOLS, options={"num_predict": 2})
+        assert reply.prompt_eval_count > out["prompt_eval_count"]
 
 
 def test_llama3_json_format_from_the_template(rt):
@@ -302,6 +325,17 @@ def test_anthropic_tool_use_and_result(server):
     assert [b.type for b in none.content] == ["text"]
 
 
+# ---- Ollama ------------------------------------------------------------------------------------
+def test_ollama_chat_tools_reach_the_prompt(server):
+    """The `ollama` client's `tools` on /api/chat are in the prompt (and calls can come back:
+    `test_auto_continues_a_started_call_under_the_schema`), not silently dropped."""
+    client = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {KEY}"})
+    plain = client.chat(model="tiny", messages=ASK, options={"num_predict": 1})
+    with_tools = client.chat(model="tiny", messages=ASK, tools=TOOLS,
+                             options={"num_predict": 1})
+    assert with_tools.prompt_eval_count > plain.prompt_eval_count
+
+
 def test_disconnect_mid_call_frees_kv(rt):
     """A client gone while continuations generate calls aborts them: they would run for over
     `items` decode steps each (up to the tiny model's context), the client leaves after ~5."""
@@ -353,7 +387,10 @@ def test_bad_tool_requests_are_400(server, client, rt):
         response = http.post("/v1/messages", json={
             "model": "tiny", "max_tokens": 4, "messages": ASK,
             "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
-    assert response.status_code == 400 and "web_search" in response.json()["error"]["message"]
+        assert response.status_code == 400 and "web_search" in response.json()["error"]["message"]
+        ollama_format = http.post("/api/chat", json={"model": "tiny", "messages": ASK,
+                                                     "tools": TOOLS, "format": "json"})
+    assert ollama_format.status_code == 400 and "tools" in ollama_format.json()["error"]
     assert client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
                                           tool_choice="required", max_tokens=60).choices
     rt.check_integrity()

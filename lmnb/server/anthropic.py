@@ -64,7 +64,9 @@ def _stop_reason(meta: dict[str, Any], stops: list[str]) -> tuple[str, str | Non
 
 
 def _usage(meta: dict[str, Any], output_tokens: int | None = None) -> dict[str, Any]:
-    """Anthropic's meaning: `input_tokens` are the prompt tokens not read from the cache."""
+    """Anthropic's meaning: `input_tokens` are the prompt tokens not read from the cache. A
+    stream's message_delta carries the totals from the last meta_info (the SDK takes them over
+    message_start's, which come before the cached prefix is known)."""
     cached = meta.get("cached_tokens", 0)
     return {"input_tokens": meta.get("prompt_tokens", 0) - cached,
             "output_tokens": (meta.get("completion_tokens", 0) if output_tokens is None
@@ -139,8 +141,7 @@ async def _events(stream: Any, message: dict[str, Any], stops: list[str]) -> Asy
             yield sse({"type": "content_block_stop", "index": 0}, event="content_block_stop")
             yield sse({"type": "message_delta",
                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                       "usage": {"output_tokens": meta.get("completion_tokens",
-                                                           output_tokens)}},
+                       "usage": _usage(meta, meta.get("completion_tokens", output_tokens))},
                       event="message_delta")
             yield sse({"type": "message_stop"}, event="message_stop")
 
@@ -217,7 +218,7 @@ async def _tool_events(run: ToolRun, message: dict[str, Any], stops: list[str]
                 stop_reason, stop_sequence = _tool_stop(piece.meta, len(calls.calls), stops)
                 yield sse({"type": "message_delta",
                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                           "usage": {"output_tokens": piece.meta.get("completion_tokens", 0)}},
+                           "usage": _usage(piece.meta)},
                           event="message_delta")
                 yield sse({"type": "message_stop"}, event="message_stop")
 
@@ -236,11 +237,17 @@ class CountTokensRequest(BaseModel):
 def _prompt(runtime: ServedRuntime, system: str | list[dict[str, Any]] | None,
             messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
             tool_choice: dict[str, Any] | None) -> tuple[str, ToolPlan | None]:
-    """The prompt `/v1/messages` generates from (and `count_tokens` counts), and its tool plan."""
+    """The prompt `/v1/messages` generates from (and `count_tokens` counts), and its tool plan.
+    A last assistant message of text is a prefill: the reply continues it, so the earlier turns
+    are rendered with the generation prompt and its text follows."""
     chat = anthropic_chat(system, messages)
     parsed = anthropic_tools(tools)
     plan = tool_plan(parsed, anthropic_tool_choice(tool_choice, parsed), runtime.tokenizer)
-    return runtime.apply_chat_template(chat, tools=plan.prompt_tools() if plan else None), plan
+    prompt_tools = plan.prompt_tools() if plan else None
+    last = chat[-1] if chat else {}
+    if last.get("role") == "assistant" and not last.get("tool_calls"):
+        return runtime.apply_chat_template(chat[:-1], tools=prompt_tools) + last["content"], plan
+    return runtime.apply_chat_template(chat, tools=prompt_tools), plan
 
 
 def count_tokens_router(runtime: ServedRuntime) -> APIRouter:

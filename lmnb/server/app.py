@@ -37,7 +37,8 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         body = json.dumps(error_body("missing or wrong API key (Authorization: Bearer KEY)",
-                                     type="authentication_error", code="invalid_api_key"))
+                                     type="authentication_error", code="invalid_api_key",
+                                     path=scope["path"]))
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"www-authenticate", b"Bearer")]})

@@ -1,4 +1,5 @@
-"""Errors as HTTP responses: one OpenAI-style body for every route."""
+"""Errors as HTTP responses: OpenAI's body for every route but Ollama's (under `/api/`), whose
+body is `{"error": message}`."""
 
 from __future__ import annotations
 
@@ -22,14 +23,20 @@ class APIError(Exception):
             message, status, type, param, code)
 
 
+OLLAMA_PREFIX = "/api/"
+
+
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
+               code: str | int | None = None, path: str = "") -> dict[str, Any]:
+    """The error body of a response to `path`."""
+    if path.startswith(OLLAMA_PREFIX):
+        return {"error": message}
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, path: str) -> JSONResponse:
     return JSONResponse(error_body(error.message, type=error.type, param=error.param,
-                                   code=error.code), status_code=error.status)
+                                   code=error.code, path=path), status_code=error.status)
 
 
 _JSON_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number",
@@ -71,28 +78,28 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, error: InvalidRequestError) -> JSONResponse:
-        return JSONResponse(error_body(str(error)), status_code=400)
+        return error_response(APIError(str(error)), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
         details = error.errors()
         problem = details and _body_problem(details[0], request.headers.get("content-type"))
         if problem:
-            return error_response(problem)
+            return error_response(problem, request.url.path)
         message, param = _validation_message(error)
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        return error_response(APIError(message, param=param), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"{type(error).__name__}: {error}", type="server_error"),
-                            status_code=500)
+        return error_response(APIError(f"{type(error).__name__}: {error}", status=500,
+                                       type="server_error"), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, error: HTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(error.detail), type=kind),
-                            status_code=error.status_code)
+        return error_response(APIError(str(error.detail), status=error.status_code, type=kind),
+                              request.url.path)

@@ -54,7 +54,7 @@ class BodyLimit:
                 return
             drain = declared <= 2 * self.max_bytes and b"100-continue" not in headers.get(
                 b"expect", b"").lower()
-            await self._refuse(receive, send, declared, drain=declared if drain else 0)
+            await self._refuse(scope, receive, send, declared, drain=declared if drain else 0)
             return
         if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
             await self.app(scope, receive, send)  # no body
@@ -69,13 +69,14 @@ class BodyLimit:
             if size > self.max_bytes:
                 parts.clear()
                 more = message.get("more_body", False)
-                await self._refuse(receive, send, None, drain=self.max_bytes if more else 0)
+                await self._refuse(scope, receive, send, None,
+                                   drain=self.max_bytes if more else 0)
                 return
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(parts), receive), send)
 
-    async def _refuse(self, receive: Receive, send: Send, size: int | None, *,
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int | None, *,
                       drain: int) -> None:
         """413 after reading and dropping up to `drain` more bytes of the body; `size` is the
         declared length (None: a chunked body, counted)."""
@@ -88,7 +89,8 @@ class BodyLimit:
         has = " is" if size is None else f" has {size:,} bytes,"
         message = (f"the request body{has} over the limit of {self.max_bytes:,} bytes (the "
                    "server's `--max-request-bytes`)")
-        body = json.dumps(error_body(message, code="request_too_large")).encode()
+        body = json.dumps(error_body(message, code="request_too_large",
+                                     path=scope["path"])).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),

@@ -39,6 +39,18 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for i, m in enumerate(messages)]
 
 
+# OpenAI's role names that the chat template knows by another: `developer` replaced `system`
+# for newer models; the runtime's chat stays strict.
+OPENAI_ROLE_ALIASES = {"developer": "system"}
+
+
+def openai_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages with their roles as the chat template names them."""
+    return [{**m, "role": OPENAI_ROLE_ALIASES[m["role"]]}
+            if isinstance(m, dict) and m.get("role") in OPENAI_ROLE_ALIASES else m
+            for m in messages]
+
+
 def anthropic_chat(system: str | list[dict[str, Any]] | None,
                    messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Anthropic Messages as OpenAI-shaped chat messages: `system` first, an assistant's

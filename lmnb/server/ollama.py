@@ -10,6 +10,7 @@ import math
 import struct
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,11 +26,14 @@ from lmnb.server.messages import chat_messages
 from lmnb.server.streams import (
     ServedRuntime,
     chunks,
+    closed_on_disconnect,
     collect,
     finish_type,
     guarded,
     open_stream,
 )
+from lmnb.server.tool_run import ToolRun
+from lmnb.server.tools import CallStream, ParsedCall, ToolChoice, ToolPlan, openai_tools, tool_plan
 
 # Ollama's `options` -> SGLang's sampling parameter names.
 _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -38,11 +42,28 @@ _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
             "frequency_penalty": "frequency_penalty"}
 
 
+class Options(BaseModel):
+    """The `options` lmnb uses (others, e.g. `num_ctx`, are ignored), typed as Ollama's are:
+    a value of the wrong type is a 400."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    num_predict: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
 class _OllamaRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     stream: bool = True
-    options: dict[str, Any] | None = None
+    options: Options | None = None
     format: str | dict[str, Any] | None = None
 
 
@@ -55,6 +76,7 @@ class GenerateRequest(_OllamaRequest):
 
 class ChatRequest(_OllamaRequest):
     messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # OpenAI's shape; the model chooses (auto)
 
 
 class ShowRequest(BaseModel):
@@ -105,10 +127,10 @@ def parameter_size(count: int) -> str:
 
 def _params(body: _OllamaRequest) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    for key, value in (body.options or {}).items():
-        if key in _OPTIONS and value is not None:
-            name = _OPTIONS[key]
-            params[name] = value if name != "max_new_tokens" or value >= 0 else 1 << 30
+    options = body.options.model_dump(exclude_none=True) if body.options else {}
+    for key, value in options.items():
+        name = _OPTIONS[key]
+        params[name] = value if name != "max_new_tokens" or value >= 0 else 1 << 30
     if body.format == "json":
         params["json_schema"] = {"type": "object"}
     elif isinstance(body.format, dict):
@@ -159,17 +181,46 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
         if body.stream:
             return StreamingResponse(guarded(_lines(stream, model, piece, started),
-                                             lambda error: json.dumps({"error": str(error)})
-                                             + "\n"),
+                                             _error_line),
                                      media_type="application/x-ndjson")
         (result,) = await collect(request, stream)
         return {"model": model, "created_at": _now(), **piece(result["text"]),
                 **_final(result["meta_info"], started)}
 
+    async def run_tools(request: Request, body: ChatRequest, prompt: str,
+                        plan: ToolPlan) -> Any:
+        started = time.perf_counter()
+        params = _params(body)
+        if "json_schema" in params:
+            raise APIError("format cannot be combined with tools", param="format")
+        params.setdefault("max_new_tokens", runtime.context_len)
+        tool_run = ToolRun(runtime, plan, prompt, params)
+        model = body.model or model_name
+        if body.stream:
+            await tool_run.start()  # a refused request is a 400 before the stream starts
+            return StreamingResponse(guarded(_tool_lines(tool_run, model, started),
+                                             _error_line),
+                                     media_type="application/x-ndjson")
+        async with closed_on_disconnect(request, tool_run):
+            (result,) = await tool_run.results()
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if calls := _tool_calls(result.calls):
+            message["tool_calls"] = calls
+        return {"model": model, "created_at": _now(), "message": message,
+                **_final(result.meta, started)}
+
+    def loaded(body: _OllamaRequest, piece: dict[str, Any]) -> dict[str, Any]:
+        """Ollama's answer to a request without a prompt: the model is loaded (it always is),
+        nothing is generated; one JSON object, streamed or not."""
+        return {"model": body.model or model_name, "created_at": _now(), **piece,
+                "done": True, "done_reason": "load"}
+
     @router.post("/api/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
         if body.images:
             raise _no_images(runtime, "images")
+        if not body.prompt:
+            return loaded(body, {"response": ""})
         if body.raw:
             prompt = body.prompt
         else:
@@ -180,10 +231,17 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/chat", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
+        if not body.messages:
+            return loaded(body, {"message": {"role": "assistant", "content": ""}})
         for i, message in enumerate(body.messages):
             if isinstance(message, dict) and message.get("images"):
                 raise _no_images(runtime, f"messages.{i}.images")
-        prompt = runtime.apply_chat_template(chat_messages(body.messages))
+        tools = openai_tools(body.tools)
+        plan = tool_plan(tools, ToolChoice("auto" if tools else "none"), runtime.tokenizer)
+        prompt = runtime.apply_chat_template(chat_messages(body.messages),
+                                             tools=plan.prompt_tools() if plan else None)
+        if plan is not None:
+            return await run_tools(request, body, prompt, plan)
         return await run(request, body, prompt, chat=True)
 
     checkpoint = Checkpoint.read(runtime.model_dir)
@@ -206,7 +264,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 "parameters": f"num_ctx {runtime.context_len}",
                 "template": template if isinstance(template, str) else "",
                 "details": details, "model_info": _model_info(runtime.model_config, checkpoint),
-                "capabilities": ["completion"], "modified_at": modified_at}
+                "capabilities": ["completion", "tools"], "modified_at": modified_at}
 
     @router.get("/api/ps")
     async def ps() -> dict[str, Any]:
@@ -262,6 +320,14 @@ def _model_info(config: ModelConfig, checkpoint: Checkpoint | None) -> dict[str,
     return info
 
 
+def _line(value: dict[str, Any]) -> str:
+    return json.dumps(value, ensure_ascii=False) + "\n"
+
+
+def _error_line(error: Exception) -> str:
+    return _line({"error": str(error)})
+
+
 async def _lines(stream: Any, model: str, piece: Any, started: float) -> AsyncIterator[str]:
     async for chunk in chunks(stream):
         meta = chunk["meta_info"]
@@ -270,4 +336,30 @@ async def _lines(stream: Any, model: str, piece: Any, started: float) -> AsyncIt
             line.update(_final(meta, started))
         else:
             line["done"] = False
-        yield json.dumps(line, ensure_ascii=False) + "\n"
+        yield _line(line)
+
+
+def _tool_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    """Ollama's `message.tool_calls` (arguments as an object) of the whole calls."""
+    return [{"function": {"index": i, "name": c.name, "arguments": json.loads(c.arguments)}}
+            for i, c in enumerate(c for c in calls if c.complete)]
+
+
+async def _tool_lines(run: ToolRun, model: str, started: float) -> AsyncIterator[str]:
+    """Content as it comes; the calls, each whole, in one line when the reply ends (as Ollama
+    streams them); then the last line."""
+    calls = CallStream(run.plan.format)
+
+    def line(message: dict[str, Any], **rest: Any) -> str:
+        return _line({"model": model, "created_at": _now(),
+                      "message": {"role": "assistant", **message}, **rest})
+
+    async with aclosing(run.pieces()) as pieces:
+        async for piece in pieces:
+            calls.feed(piece.calls)
+            if piece.text:
+                yield line({"content": piece.text}, done=False)
+            if piece.done:
+                if whole := _tool_calls(calls.calls):
+                    yield line({"content": "", "tool_calls": whole}, done=False)
+                yield line({"content": ""}, **_final(piece.meta, started))

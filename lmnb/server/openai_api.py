@@ -14,9 +14,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from lmnb.runtime.fsm.token_bytes import token_byte_table
 from lmnb.runtime.output.logprob_text import TokenTexts
 from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
+from lmnb.server.messages import openai_roles
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
@@ -146,15 +148,35 @@ def _usage(results: list[Chunk], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _chat_logprobs(meta: dict[str, Any], token_text: TokenTexts) -> dict[str, Any]:
+class TokenPieces:
+    """Token id -> OpenAI's `token` (its text, decoded alone) and `bytes` (the vocabulary
+    entry's raw bytes: the byte-level tokens that spell one character each decode alone to
+    U+FFFD, but their bytes concatenated are the character). A special token, or a vocabulary
+    whose byte scheme is unknown, gives its text's UTF-8."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.text = TokenTexts(tokenizer)
+        self._tokenizer = tokenizer
+        self._table: list[bytes | None] | None = None
+
+    def raw(self, token_id: int) -> bytes:
+        if self._table is None:
+            try:
+                self._table = token_byte_table(self._tokenizer)
+            except ValueError:  # neither byte-level BPE nor SentencePiece with byte fallback
+                self._table = []
+        data = self._table[token_id] if 0 <= token_id < len(self._table) else None
+        return self.text(token_id).encode() if data is None else data
+
+
+def _chat_logprobs(meta: dict[str, Any], tokens: TokenPieces) -> dict[str, Any]:
     """`{"content": [{token, logprob, bytes, top_logprobs}]}` from SGLang-style meta_info lists
     (a token forced by jump-forward has no logprob: reported as 0.0, probability 1 under the
     constraint)."""
 
     def entry(logprob: float | None, token_id: int) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": 0.0 if logprob is None else logprob,
-                "bytes": list(text.encode())}
+        return {"token": tokens.text(token_id), "logprob": 0.0 if logprob is None else logprob,
+                "bytes": list(tokens.raw(token_id))}
 
     tops = meta.get("output_top_logprobs") or []
     content = []
@@ -165,24 +187,24 @@ def _chat_logprobs(meta: dict[str, Any], token_text: TokenTexts) -> dict[str, An
     return {"content": content}
 
 
-def _completion_logprobs(meta: dict[str, Any], token_text: TokenTexts) -> dict[str, Any]:
-    tokens, logprobs, offsets, top = [], [], [], []
+def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces) -> dict[str, Any]:
+    texts, logprobs, offsets, top = [], [], [], []
     offset = 0
     tops = meta.get("output_top_logprobs") or []
     for i, (logprob, token_id) in enumerate(meta.get("output_token_logprobs") or []):
-        text = token_text(token_id)
-        tokens.append(text)
+        text = tokens.text(token_id)
+        texts.append(text)
         logprobs.append(0.0 if logprob is None else logprob)
         offsets.append(offset)
         offset += len(text)
-        top.append({token_text(tid): lp for lp, tid in (tops[i] if i < len(tops) else [])})
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top,
+        top.append({tokens.text(tid): lp for lp, tid in (tops[i] if i < len(tops) else [])})
+    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": top,
             "text_offset": offsets}
 
 
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
-    token_text = TokenTexts(runtime.tokenizer)
+    tokens = TokenPieces(runtime.tokenizer)
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "lmnb",
             "root": model_name, "max_model_len": runtime.context_len}
@@ -217,10 +239,10 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse_response(_completion_events(stream, head, body.n, include_usage,
-                                                    body.logprobs is not None, token_text))
+                                                    body.logprobs is not None, tokens))
         results = await collect(request, stream)
         choices = [{"index": i, "text": r["text"],
-                    "logprobs": (_completion_logprobs(r["meta_info"], token_text)
+                    "logprobs": (_completion_logprobs(r["meta_info"], tokens)
                                  if body.logprobs is not None else None),
                     "finish_reason": finish_type(r["meta_info"])}
                    for i, r in enumerate(results)]
@@ -229,7 +251,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
         messages, images = chat_media(
-            body.messages, takes_images=runtime.model_config.image_token_id is not None)
+            openai_roles(body.messages),
+            takes_images=runtime.model_config.image_token_id is not None)
         tools = openai_tools(body.tools)
         tool_choice = openai_tool_choice(body.tool_choice, body.parallel_tool_calls, tools)
         plan = tool_plan(tools, tool_choice, runtime.tokenizer)
@@ -258,10 +281,10 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 await run.start()  # a refused request is a 400 before the stream starts
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return _sse_response(_tool_chat_events(run, head, body.n, include_usage,
-                                                       body.logprobs, token_text))
+                                                       body.logprobs, tokens))
             async with closed_on_disconnect(request, run):
                 tool_results = await run.results()
-            choices = [_tool_choice_body(i, r, body.logprobs, token_text)
+            choices = [_tool_choice_body(i, r, body.logprobs, tokens)
                        for i, r in enumerate(tool_results)]
             return {**head, "object": "chat.completion", "choices": choices,
                     "usage": _usage([{"meta_info": r.meta} for r in tool_results], body.n)}
@@ -269,10 +292,10 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse_response(_chat_events(stream, head, body.n, include_usage,
-                                              body.logprobs, token_text))
+                                              body.logprobs, tokens))
         results = await collect(request, stream)
         choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
-                    "logprobs": (_chat_logprobs(r["meta_info"], token_text)
+                    "logprobs": (_chat_logprobs(r["meta_info"], tokens)
                                  if body.logprobs else None),
                     "finish_reason": finish_type(r["meta_info"])}
                    for i, r in enumerate(results)]
@@ -293,7 +316,7 @@ def _tool_finish(meta: dict[str, Any], calls: int) -> str | None:
 
 
 def _tool_choice_body(index: int, result: ChoiceResult, logprobs: bool,
-                      token_text: TokenTexts) -> dict[str, Any]:
+                      tokens: TokenPieces) -> dict[str, Any]:
     calls = [{"id": _call_id(), "type": "function",
               "function": {"name": c.name, "arguments": c.arguments}} for c in result.calls]
     message: dict[str, Any] = {"role": "assistant",
@@ -301,7 +324,7 @@ def _tool_choice_body(index: int, result: ChoiceResult, logprobs: bool,
     if calls:
         message["tool_calls"] = calls
     return {"index": index, "message": message,
-            "logprobs": _chat_logprobs(result.meta, token_text) if logprobs else None,
+            "logprobs": _chat_logprobs(result.meta, tokens) if logprobs else None,
             "finish_reason": _tool_finish(result.meta, len(calls))}
 
 
@@ -325,7 +348,7 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
-                             logprobs: bool, token_text: TokenTexts) -> AsyncIterator[str]:
+                             logprobs: bool, tokens: TokenPieces) -> AsyncIterator[str]:
     finals: dict[int, Chunk] = {}
     async for chunk in chunks(stream):
         meta = chunk["meta_info"]
@@ -336,7 +359,7 @@ async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_
         if not chunk["text"] and not done:
             continue
         choice = {"index": index, "text": chunk["text"],
-                  "logprobs": (_completion_logprobs(meta, token_text)
+                  "logprobs": (_completion_logprobs(meta, tokens)
                                if logprobs and done else None),
                   "finish_reason": finish_type(meta) if done else None}
         yield sse({**head, "choices": [choice]})
@@ -347,7 +370,7 @@ async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_
 
 
 async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
-                       logprobs: bool, token_text: TokenTexts) -> AsyncIterator[str]:
+                       logprobs: bool, tokens: TokenPieces) -> AsyncIterator[str]:
     """Per choice: a first delta with the role, content deltas, and a last chunk with the
     finish reason (carrying every token's logprobs: the runtime reports them at the end)."""
     head = {**head, "object": "chat.completion.chunk"}
@@ -369,7 +392,7 @@ async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage:
             finals[index] = chunk
             yield sse({**head, "choices": [{
                 "index": index, "delta": {},
-                "logprobs": _chat_logprobs(meta, token_text) if logprobs else None,
+                "logprobs": _chat_logprobs(meta, tokens) if logprobs else None,
                 "finish_reason": finish_type(meta)}]})
     if include_usage:
         results = [finals[i] for i in sorted(finals)]
@@ -378,7 +401,7 @@ async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage:
 
 
 async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, include_usage: bool,
-                            logprobs: bool, token_text: TokenTexts) -> AsyncIterator[str]:
+                            logprobs: bool, tokens: TokenPieces) -> AsyncIterator[str]:
     """`_chat_events` with calls: a call's first delta has its index, id, type and name (empty
     arguments), the next ones argument fragments."""
     head = {**head, "object": "chat.completion.chunk"}
@@ -389,7 +412,7 @@ async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, include_
               meta: dict[str, Any] | None = None) -> str:
         return sse({**head, "choices": [{
             "index": index, "delta": body, "finish_reason": finish,
-            "logprobs": _chat_logprobs(meta, token_text) if logprobs and meta else None}]})
+            "logprobs": _chat_logprobs(meta, tokens) if logprobs and meta else None}]})
 
     async with aclosing(run.pieces()) as pieces:
         async for piece in pieces:

@@ -1,12 +1,17 @@
-"""SGLang's native API over the runtime, field for field: `/generate`, `/get_model_info`,
-`/get_server_info`, `/flush_cache`, `/health`, `/health_generate`.
+"""SGLang's native API over the runtime, field for field: `/generate`, `/abort_request`,
+`/get_model_info`, `/get_server_info`, `/flush_cache`, `/health`, `/health_generate`.
 
 `/generate` streams like SGLang's default: every event carries the text and ids so far
 (cumulative), `meta_info` with the counts so far, `index` for batch requests, then
 `data: [DONE]`. Logprobs are `[logprob, token_id, text or None]` triples (text with
 `return_text_in_logprobs`); `max_new_tokens` 0 with `top_logprobs_num` k gives one
 `output_top_logprobs` row, the next token's top k. `sampling_params` takes every name of SGLang
-0.5's (`lmnb.params`): unimplemented ones only with their defaults, else a 400 naming them."""
+0.5's (`lmnb.params`): unimplemented ones only with their defaults, else a 400 naming them.
+
+`rid` names the requests as SGLang does: a string is the id of a single request (`rid_i` for
+each result of a batch or of `n` > 1), a list has one id per prompt (`rid_k` for sample k with
+`n` > 1); `meta_info.id` reports it, and `/abort_request {"rid"}` (or `{"abort_all": true}`)
+ends the request with finish_reason `abort`."""
 
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
-from lmnb.runtime.output.stream import extend_output_ids
+from lmnb.runtime.output.stream import OutputStream, extend_output_ids
 from lmnb.server.errors import APIError
 from lmnb.server.media import media_kwargs, media_tokens
+from lmnb.server.open_requests import OpenRequests
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
@@ -52,6 +58,38 @@ class GenerateRequest(BaseModel):
     image_data: Any = None  # per prompt one item or a list: path, data: URL or base64
     video_data: Any = None
 
+    def prompts(self) -> int:
+        data = self.text if self.text is not None else self.input_ids
+        batch = isinstance(data, list) and bool(data) and isinstance(data[0], list | str)
+        return len(data) if batch and isinstance(data, list) else 1
+
+    def samples(self) -> list[int]:
+        """Results per prompt (`n`); read once the runtime has accepted the parameters."""
+        params = self.sampling_params
+        per = params if isinstance(params, list) else [params] * self.prompts()
+        return [int(p.get("n") or 1) if isinstance(p, dict) else 1 for p in per]
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    rid: str = ""
+    abort_all: bool = False
+
+
+def _caller_ids(rid: str | list[str], samples: list[int]) -> list[str]:
+    """The id of each result, in order (prompt-major), from the caller's `rid`."""
+    if isinstance(rid, str):
+        total = sum(samples)
+        return [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
+    return [r if n == 1 else f"{r}_{k}" for r, n in zip(rid, samples, strict=True)
+            for k in range(n)]
+
+
+def _aborted(meta: dict[str, Any], rid: str, output_ids: list[int]) -> dict[str, Any]:
+    """The last meta_info of a request ended by `/abort_request` (its stream was closed)."""
+    return {**meta, "id": rid, "finish_reason": {"type": "abort", "message": "aborted"},
+            "completion_tokens": len(output_ids)}
+
 
 def sglang_meta(meta: dict[str, Any], token_text: TokenTexts | None) -> dict[str, Any]:
     """The runtime's meta_info with logprobs as SGLang's triples (text None unless
@@ -70,6 +108,7 @@ def _jsonable(value: Any) -> Any:
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
     token_text = TokenTexts(runtime.tokenizer)
+    open_requests = OpenRequests()
 
     @router.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
@@ -77,6 +116,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             raise APIError("give exactly one of text or input_ids", param="text")
         batch = isinstance(body.text, list) or bool(
             body.input_ids and isinstance(body.input_ids[0], list))
+        if isinstance(body.rid, list) and len(body.rid) != body.prompts():
+            raise APIError(f"rid has {len(body.rid)} ids for {body.prompts()} prompts",
+                           param="rid")
         stream = await open_stream(
             runtime, body.text, body.sampling_params, input_ids=body.input_ids,
             return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
@@ -84,12 +126,30 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             **({"return_token_origins": True} if body.return_token_origins else {}),
             **media_kwargs(body.image_data, body.video_data))
         texts = token_text if body.return_text_in_logprobs else None
+        ids = ([str(rid) for rid in stream.rids] if body.rid is None
+               else _caller_ids(body.rid, body.samples()))
         if body.stream:
-            return StreamingResponse(guarded(_events(stream, batch, texts), sse_error),
+            open_requests.check_free(ids, stream)  # a 400 before the stream starts
+            events = _events(stream, batch, texts, ids, open_requests)
+            return StreamingResponse(guarded(events, sse_error),
                                      media_type="text/event-stream")
-        results = [{**r, "meta_info": sglang_meta(r["meta_info"], texts)}
-                   for r in await collect(request, stream)]
+        with open_requests.tracked(ids, stream):
+            results = await collect(request, stream)
+        results = [{**r, "meta_info": {**sglang_meta(r["meta_info"], texts), "id": rid}
+                    if r["meta_info"].get("finish_reason") is not None
+                    else _aborted(r["meta_info"], rid, r["output_ids"])}
+                   for r, rid in zip(results, ids, strict=True)]
         return results if batch or len(results) > 1 else results[0]
+
+    @router.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> Response:
+        """Aborts the `/generate` request `rid` (all of them with `abort_all`); an unknown or
+        finished rid is a no-op, as in SGLang."""
+        if body.abort_all:
+            open_requests.abort_all()
+        elif body.rid:
+            open_requests.abort(body.rid)
+        return Response(status_code=200)
 
     @router.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
@@ -136,17 +196,35 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     return router
 
 
-async def _events(stream: Any, batch: bool, token_text: TokenTexts | None) -> AsyncIterator[str]:
+async def _events(stream: OutputStream, batch: bool, token_text: TokenTexts | None,
+                  rids: list[str], open_requests: OpenRequests) -> AsyncIterator[str]:
+    """Cumulative events; a request that `/abort_request` ended (its stream closed, no last
+    chunk) gets a last event with finish_reason `abort`."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
-    async for chunk in chunks(stream):
-        index = chunk_index(chunk)
-        texts[index] = texts.get(index, "") + chunk["text"]
-        extend_output_ids(ids.setdefault(index, []), chunk)
-        meta = sglang_meta(chunk["meta_info"], token_text)
-        meta.setdefault("completion_tokens", len(ids[index]))
-        out: Chunk = {"text": texts[index], "output_ids": list(ids[index]), "meta_info": meta}
-        if batch or "index" in chunk:
+    metas: dict[int, dict[str, Any]] = {}
+    finished: set[int] = set()
+    tagged = batch or len(rids) > 1  # as the runtime tags a stream's chunks
+
+    def event(index: int, meta: dict[str, Any]) -> str:
+        out: Chunk = {"text": texts.get(index, ""), "output_ids": list(ids.get(index, [])),
+                      "meta_info": meta}
+        if tagged:
             out["index"] = index
-        yield sse(out)
+        return sse(out)
+
+    with open_requests.tracked(rids, stream):
+        async for chunk in chunks(stream):
+            index = chunk_index(chunk)
+            texts[index] = texts.get(index, "") + chunk["text"]
+            extend_output_ids(ids.setdefault(index, []), chunk)
+            meta = {**sglang_meta(chunk["meta_info"], token_text), "id": rids[index]}
+            meta.setdefault("completion_tokens", len(ids[index]))
+            metas[index] = meta
+            if meta.get("finish_reason") is not None:
+                finished.add(index)
+            yield event(index, meta)
+    for index, rid in enumerate(rids):
+        if index not in finished:
+            yield event(index, _aborted(metas.get(index, {}), rid, ids.get(index, [])))
     yield sse("[DONE]")

@@ -1,6 +1,6 @@
-"""Tool calling, one definition for OpenAI's and Anthropic's routes: the request's tools and tool
-choice, the model's call format, the regex every call is generated under, and the parser of
-generated calls.
+"""Tool calling, one definition for OpenAI's, Anthropic's and Ollama's routes: the request's
+tools and tool choice, the model's call format, the regex every call is generated under, and the
+parser of generated calls.
 
 A call region is text in the model's format, e.g. (Hermes/Qwen, the default)
 `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>` repeated with "\\n" between
