@@ -428,6 +428,40 @@ def test_an_error_in_the_stream_is_raised_where_read(rt):
     assert_usable(rt)
 
 
+class AbortedBackend(FakeBackend):
+    """Replies as the runtime does to a request it aborted: the text so far, finish reason
+    `{"type": "abort", ...}`; with `by_program`, the program had cancelled the call itself."""
+
+    def __init__(self, *, by_program: bool = False) -> None:
+        super().__init__()
+        self.by_program = by_program
+
+    def generate(self, prompt: str, params: GenParams, *,
+                 on_delta: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None) -> Generation:
+        self.events.append(("generate", prompt))
+        if self.by_program and cancel is not None:
+            cancel.set()
+        return Generation("ab", {"finish_reason": {"type": "abort", "message": "out of KV"}})
+
+
+def test_a_gen_the_runtime_aborted_fails_the_program():
+    @lmnb.function
+    def two(s):
+        s += "a" + gen("x", max_tokens=8)
+        s += "b" + gen("y")
+
+    backend = AbortedBackend()
+    state = two.run(backend=backend)
+    with pytest.raises(ProgramError, match="aborted the request: out of KV") as info:
+        state.text()
+    assert info.value.__cause__.lmnb_where[1] > 0  # the gen's line
+    assert len(backend.events) == 1  # nothing after the aborted gen ran
+    # The program's own abort (an interrupt, a failed sibling) stays an interruption.
+    state = two.run(backend=AbortedBackend(by_program=True))
+    assert isinstance(state.error(), ProgramAborted)
+
+
 def test_missing_variable_raises_key_error_once_done():
     @lmnb.function
     def one(s):

@@ -249,6 +249,35 @@ def test_runtime_errors_point_at_the_gen_line(loaded: InteractiveShell, capsys) 
     runtime_of(loaded).check_integrity()
 
 
+class FailingStep:
+    """The scheduler's `step`, failing once (as a CUDA out-of-memory in a forward pass would)
+    on the first step that has work, then the real one."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.real = scheduler.step
+        self.failed = threading.Event()
+
+    def __call__(self) -> bool:
+        if not self.failed.is_set() and self.scheduler.has_work:
+            self.failed.set()
+            raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.real()
+
+
+def test_a_gen_the_runtime_aborted_fails_the_cell(loaded: InteractiveShell,
+                                                  monkeypatch) -> None:
+    """A request the runtime aborts (a failed step here; also out of KV cache, `%lmnb close`
+    under a --bg cell) ends with finish reason {"type": "abort", ...}: the cell fails at the
+    gen's line with the runtime's message, and the rest of the body does not run."""
+    scheduler = runtime_of(loaded)._scheduler.scheduler
+    failing = FailingStep(scheduler)
+    monkeypatch.setattr(scheduler, "step", failing)
+    with pytest.raises(LMProgramError, match="out of memory") as info:
+        cell(loaded, "", 's += "Count:" + gen("x", max_tokens=8)\ns += " and more"\n')
+    assert failing.failed.is_set() and info.value.lineno == 2
+
+
 def test_results_render_as_a_chat(loaded: InteractiveShell) -> None:
     from lmnb.magics.result import _COLORS
 
