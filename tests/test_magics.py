@@ -20,6 +20,7 @@ from traitlets.config import Config
 
 import lmnb
 from lmnb.lang import program as program_module
+from lmnb.lang.backends.base import ProgramAborted
 from lmnb.magics import LMProgramError, ProgramResult
 from lmnb.magics.live import LiveView
 from lmnb.magics.status import StatusSummary
@@ -276,6 +277,26 @@ def test_a_gen_the_runtime_aborted_fails_the_cell(loaded: InteractiveShell,
     with pytest.raises(LMProgramError, match="out of memory") as info:
         cell(loaded, "", 's += "Count:" + gen("x", max_tokens=8)\ns += " and more"\n')
     assert failing.failed.is_set() and info.value.lineno == 2
+
+
+def test_a_failing_cell_body_aborts_its_forks(loaded: InteractiveShell) -> None:
+    """The body forks, starts long gens in the branches, then raises: the cell fails with the
+    body's error once the branches' requests are aborted and stopped (their KV freed)."""
+    box: list[Any] = []
+    loaded.user_ns["box"] = box
+    body = ('box.append(s)\n'
+            's += "Ideas:"\n'
+            'f = s.fork(2)\n'
+            'f += gen("idea", max_tokens=400, ignore_eos=True)\n'
+            'undefined_name\n')
+    with pytest.raises(LMProgramError, match="NameError"):
+        cell(loaded, "", body)
+    state = box[0]
+    forks = [e for e in state.run.executors if e is not state.executor]
+    assert len(forks) == 2 and all(fork.idle for fork in forks)  # settled before the raise
+    assert all(isinstance(fork.error, ProgramAborted) for fork in forks), \
+        [(fork.error, fork.meta_info.get("idea", {}).get("completion_tokens")) for fork in forks]
+    wait_idle(runtime_of(loaded))
 
 
 def test_results_render_as_a_chat(loaded: InteractiveShell) -> None:
