@@ -667,6 +667,29 @@ def test_backend_per_call_default_and_none(rt, no_default_backend):
     assert hello.run(backend=fake)["a"] == "zz"  # per call wins over the default
 
 
+def test_a_backend_source_default_gives_each_run_its_current_backend(no_default_backend):
+    """A default that stands for another backend (the kernel's, following `%lmnb load`) gives
+    every run, and SGLang's backend calls, the backend current when they start."""
+
+    class Source:
+        def __init__(self) -> None:
+            self.current = FakeBackend(reply="one")
+
+        def current_backend(self) -> Backend:
+            return self.current
+
+    @lmnb.function
+    def hello(s):
+        s += "Hi" + gen("a")
+
+    source = Source()
+    lmnb.set_default_backend(source)
+    assert lmnb.default_backend() is source and hello.run()["a"] == "one"
+    source.current = FakeBackend(reply="two")
+    state = hello.run()
+    assert state["a"] == "two" and state.executor.backend is source.current
+
+
 # ---- the interpreter ----------------------------------------------------------------------------
 def test_submitting_never_blocks():
     gate = threading.Event()

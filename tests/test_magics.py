@@ -9,6 +9,7 @@ import _thread
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,29 @@ def test_named_program_runs_from_python(loaded: InteractiveShell) -> None:
         cell(loaded, "qa", "s += 'x'\n")
     with pytest.raises(UsageError, match="--bg"):
         cell(loaded, "qa(q) --bg", "s += q\n")
+
+
+def test_python_runs_get_the_kernels_local_backend(loaded: InteractiveShell) -> None:
+    """The default backend after %load_ext stands for the kernel's current runtime: a named
+    program run from Python, `pin()` and SGLang's backend calls get its `LocalBackend` (token
+    view, pinning, awaited gens, runtime stats), not a stand-in that lacks them."""
+    from lmnb.lang.backends.local import LocalBackend
+    from lmnb.widgets.metrics import runtime_stats
+
+    cell(loaded, "qa(q)", 's += "A long constant instruction prefix for every call. " + q\n'
+                          's += gen("a", max_tokens=2)\n')
+    qa = loaded.user_ns["qa"]
+    state = qa.run(q="Hello", token_view=True)
+    assert state.token_trace is not None and isinstance(state.executor.backend, LocalBackend)
+    assert runtime_of(loaded) is state.executor.backend.runtime
+    assert runtime_stats(state)["max_total_tokens"] == 4096
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot pin a prefix; ... cached" fallback
+        qa.pin()
+    assert runtime_of(loaded).stats()["pinned_tokens"] > 0
+    assert qa.unpin() and runtime_of(loaded).stats()["pinned_tokens"] == 0
+    assert lmnb.flush_cache() is True
+    assert lmnb.get_server_info()["max_total_num_tokens"] == 4096
 
 
 def test_unnamed_cell_result_and_capture(loaded: InteractiveShell) -> None:
