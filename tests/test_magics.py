@@ -290,17 +290,25 @@ class FailingStep:
         return self.real()
 
 
-def test_a_gen_the_runtime_aborted_fails_the_cell(loaded: InteractiveShell,
-                                                  monkeypatch) -> None:
+def test_a_gen_the_runtime_aborted_fails_the_cell(loaded: InteractiveShell, monkeypatch,
+                                                  capsys) -> None:
     """A request the runtime aborts (a failed step here; also out of KV cache, `%lmnb close`
     under a --bg cell) ends with finish reason {"type": "abort", ...}: the cell fails at the
-    gen's line with the runtime's message, and the rest of the body does not run."""
+    gen's line with the runtime's message, and the rest of the body does not run. Later cells
+    fail with "the scheduler failed", shown with the error it came from and a hint to reload."""
     scheduler = runtime_of(loaded)._scheduler.scheduler
     failing = FailingStep(scheduler)
     monkeypatch.setattr(scheduler, "step", failing)
     with pytest.raises(LMProgramError, match="out of memory") as info:
         cell(loaded, "", 's += "Count:" + gen("x", max_tokens=8)\ns += " and more"\n')
     assert failing.failed.is_set() and info.value.lineno == 2
+    assert runtime_of(loaded).failed and "%lmnb load" in info.value.notes[-1]
+
+    capsys.readouterr()
+    loaded.run_cell('%%lmprogram\ns += "Hi" + gen("x", max_tokens=2)\n')
+    shown = capsys.readouterr().out
+    assert "RuntimeError: the scheduler failed" in shown
+    assert "caused by: MemoryError: CUDA out of memory" in shown and "%lmnb load" in shown
 
 
 def test_a_failing_cell_body_aborts_its_forks(loaded: InteractiveShell) -> None:

@@ -239,7 +239,14 @@ class LMNB(Magics):
         if (error := result.state.error()) is None:
             return
         abort_and_settle(result.state)
-        raise LMProgramError(error, source) from error
+        raise LMProgramError(error, source, hint=self._failed_runtime_hint()) from error
+
+    def _failed_runtime_hint(self) -> str | None:
+        runtime = self.session.runtime
+        if runtime is None or not runtime.failed:
+            return None
+        return ("hint: the runtime has failed and refuses every request; `%lmnb load [MODEL]` "
+                "loads a new one")
 
 
 LMNB.lmnb.__doc__ = full_help(lmnb_parser())
