@@ -226,6 +226,12 @@ def test_namespace_layering(loaded: InteractiveShell) -> None:
     cell(loaded, "about()", 's += "About " + topic\n')
     assert ns["about"].run().text() == "About dogs"
 
+    ns["n"] = 0  # `global n`: the notebook's n, written back and read back as in any cell
+    assert cell(loaded, "", 'global n\nn = 5\ns += "n=" + str(n)\n').text() == "n=5"
+    assert ns["n"] == 5
+    cell(loaded, "count()", 'global n\nn += 1\ns += str(n)\n')
+    assert [ns["count"].run().text() for _ in range(2)] == ["6", "7"] and ns["n"] == 7
+
 
 def test_errors_point_at_the_cell_line(loaded: InteractiveShell, capsys) -> None:
     body = 's += "a"\ns += gen("x", max_tokens=undefined_name)\n'
