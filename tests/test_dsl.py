@@ -428,6 +428,40 @@ def test_an_error_in_the_stream_is_raised_where_read(rt):
     assert_usable(rt)
 
 
+class AbortedBackend(FakeBackend):
+    """Replies as the runtime does to a request it aborted: the text so far, finish reason
+    `{"type": "abort", ...}`; with `by_program`, the program had cancelled the call itself."""
+
+    def __init__(self, *, by_program: bool = False) -> None:
+        super().__init__()
+        self.by_program = by_program
+
+    def generate(self, prompt: str, params: GenParams, *,
+                 on_delta: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None) -> Generation:
+        self.events.append(("generate", prompt))
+        if self.by_program and cancel is not None:
+            cancel.set()
+        return Generation("ab", {"finish_reason": {"type": "abort", "message": "out of KV"}})
+
+
+def test_a_gen_the_runtime_aborted_fails_the_program():
+    @lmnb.function
+    def two(s):
+        s += "a" + gen("x", max_tokens=8)
+        s += "b" + gen("y")
+
+    backend = AbortedBackend()
+    state = two.run(backend=backend)
+    with pytest.raises(ProgramError, match="aborted the request: out of KV") as info:
+        state.text()
+    assert info.value.__cause__.lmnb_where[1] > 0  # the gen's line
+    assert len(backend.events) == 1  # nothing after the aborted gen ran
+    # The program's own abort (an interrupt, a failed sibling) stays an interruption.
+    state = two.run(backend=AbortedBackend(by_program=True))
+    assert isinstance(state.error(), ProgramAborted)
+
+
 def test_missing_variable_raises_key_error_once_done():
     @lmnb.function
     def one(s):
@@ -631,6 +665,29 @@ def test_backend_per_call_default_and_none(rt, no_default_backend):
     assert hello.run(temperature=0)["a"] == greedy(rt, PROMPT, 2)["text"]
     fake = FakeBackend(reply="zz")
     assert hello.run(backend=fake)["a"] == "zz"  # per call wins over the default
+
+
+def test_a_backend_source_default_gives_each_run_its_current_backend(no_default_backend):
+    """A default that stands for another backend (the kernel's, following `%lmnb load`) gives
+    every run, and SGLang's backend calls, the backend current when they start."""
+
+    class Source:
+        def __init__(self) -> None:
+            self.current = FakeBackend(reply="one")
+
+        def current_backend(self) -> Backend:
+            return self.current
+
+    @lmnb.function
+    def hello(s):
+        s += "Hi" + gen("a")
+
+    source = Source()
+    lmnb.set_default_backend(source)
+    assert lmnb.default_backend() is source and hello.run()["a"] == "one"
+    source.current = FakeBackend(reply="two")
+    state = hello.run()
+    assert state["a"] == "two" and state.executor.backend is source.current
 
 
 # ---- the interpreter ----------------------------------------------------------------------------

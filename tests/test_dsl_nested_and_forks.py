@@ -105,10 +105,10 @@ def test_fork_branches_do_not_all_take_the_parents_speculated_sample():
     assert state["b"] != ["s1", "s1", "s1"]
 
 
-def _aborted_within(backend: CountingBackend, seconds: float = 10.0) -> bool:
+def _aborted_within(backend: CountingBackend, seconds: float = 10.0, count: int = 1) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if backend.aborted:
+        if backend.aborted >= count:
             return True
         time.sleep(0.02)
     return False
@@ -133,6 +133,25 @@ def test_a_body_error_aborts_the_gen_in_flight():
         with pytest.raises(ValueError):
             with_timeout(lambda: p.run(backend=backend))
         assert _aborted_within(backend), "run() raised; its request keeps running (KV held)"
+    finally:
+        _release(backend)
+
+
+def test_a_body_error_aborts_the_forks_gens_in_flight():
+    backend = CountingBackend(hold_word="hold")
+
+    @lmnb.function
+    def p(s):
+        forks = s.fork(2)
+        forks += "hold " + gen("a", max_tokens=2)
+        while backend.held < 2:  # both branches' gens are in flight
+            time.sleep(0.01)
+        raise ValueError("boom")
+
+    try:
+        with pytest.raises(ValueError):
+            with_timeout(lambda: p.run(backend=backend))
+        assert _aborted_within(backend, count=2), "the branches' requests keep running"
     finally:
         _release(backend)
 

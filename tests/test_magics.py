@@ -9,6 +9,7 @@ import _thread
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from traitlets.config import Config
 
 import lmnb
 from lmnb.lang import program as program_module
+from lmnb.lang.backends.base import ProgramAborted
 from lmnb.magics import LMProgramError, ProgramResult
 from lmnb.magics.live import LiveView
 from lmnb.magics.status import StatusSummary
@@ -171,6 +173,29 @@ def test_named_program_runs_from_python(loaded: InteractiveShell) -> None:
         cell(loaded, "qa(q) --bg", "s += q\n")
 
 
+def test_python_runs_get_the_kernels_local_backend(loaded: InteractiveShell) -> None:
+    """The default backend after %load_ext stands for the kernel's current runtime: a named
+    program run from Python, `pin()` and SGLang's backend calls get its `LocalBackend` (token
+    view, pinning, awaited gens, runtime stats), not a stand-in that lacks them."""
+    from lmnb.lang.backends.local import LocalBackend
+    from lmnb.widgets.metrics import runtime_stats
+
+    cell(loaded, "qa(q)", 's += "A long constant instruction prefix for every call. " + q\n'
+                          's += gen("a", max_tokens=2)\n')
+    qa = loaded.user_ns["qa"]
+    state = qa.run(q="Hello", token_view=True)
+    assert state.token_trace is not None and isinstance(state.executor.backend, LocalBackend)
+    assert runtime_of(loaded) is state.executor.backend.runtime
+    assert runtime_stats(state)["max_total_tokens"] == 4096
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot pin a prefix; ... cached" fallback
+        qa.pin()
+    assert runtime_of(loaded).stats()["pinned_tokens"] > 0
+    assert qa.unpin() and runtime_of(loaded).stats()["pinned_tokens"] == 0
+    assert lmnb.flush_cache() is True
+    assert lmnb.get_server_info()["max_total_num_tokens"] == 4096
+
+
 def test_unnamed_cell_result_and_capture(loaded: InteractiveShell) -> None:
     body = 's += "The answer is" + gen("x", max_tokens=4)\n'
     result = cell(loaded, "", body)
@@ -200,6 +225,12 @@ def test_namespace_layering(loaded: InteractiveShell) -> None:
     ns["topic"] = "dogs"  # named programs read notebook variables when they run
     cell(loaded, "about()", 's += "About " + topic\n')
     assert ns["about"].run().text() == "About dogs"
+
+    ns["n"] = 0  # `global n`: the notebook's n, written back and read back as in any cell
+    assert cell(loaded, "", 'global n\nn = 5\ns += "n=" + str(n)\n').text() == "n=5"
+    assert ns["n"] == 5
+    cell(loaded, "count()", 'global n\nn += 1\ns += str(n)\n')
+    assert [ns["count"].run().text() for _ in range(2)] == ["6", "7"] and ns["n"] == 7
 
 
 def test_errors_point_at_the_cell_line(loaded: InteractiveShell, capsys) -> None:
@@ -247,6 +278,63 @@ def test_runtime_errors_point_at_the_gen_line(loaded: InteractiveShell, capsys) 
     assert (info.value.filename, info.value.lineno) == ("<lmprogram bad>", 3)
     assert 'gen("z", regex="(")' in "\n".join(info.value._render_traceback_())
     runtime_of(loaded).check_integrity()
+
+
+class FailingStep:
+    """The scheduler's `step`, failing once (as a CUDA out-of-memory in a forward pass would)
+    on the first step that has work, then the real one."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.real = scheduler.step
+        self.failed = threading.Event()
+
+    def __call__(self) -> bool:
+        if not self.failed.is_set() and self.scheduler.has_work:
+            self.failed.set()
+            raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.real()
+
+
+def test_a_gen_the_runtime_aborted_fails_the_cell(loaded: InteractiveShell, monkeypatch,
+                                                  capsys) -> None:
+    """A request the runtime aborts (a failed step here; also out of KV cache, `%lmnb close`
+    under a --bg cell) ends with finish reason {"type": "abort", ...}: the cell fails at the
+    gen's line with the runtime's message, and the rest of the body does not run. Later cells
+    fail with "the scheduler failed", shown with the error it came from and a hint to reload."""
+    scheduler = runtime_of(loaded)._scheduler.scheduler
+    failing = FailingStep(scheduler)
+    monkeypatch.setattr(scheduler, "step", failing)
+    with pytest.raises(LMProgramError, match="out of memory") as info:
+        cell(loaded, "", 's += "Count:" + gen("x", max_tokens=8)\ns += " and more"\n')
+    assert failing.failed.is_set() and info.value.lineno == 2
+    assert runtime_of(loaded).failed and "%lmnb load" in info.value.notes[-1]
+
+    capsys.readouterr()
+    loaded.run_cell('%%lmprogram\ns += "Hi" + gen("x", max_tokens=2)\n')
+    shown = capsys.readouterr().out
+    assert "RuntimeError: the scheduler failed" in shown
+    assert "caused by: MemoryError: CUDA out of memory" in shown and "%lmnb load" in shown
+
+
+def test_a_failing_cell_body_aborts_its_forks(loaded: InteractiveShell) -> None:
+    """The body forks, starts long gens in the branches, then raises: the cell fails with the
+    body's error once the branches' requests are aborted and stopped (their KV freed)."""
+    box: list[Any] = []
+    loaded.user_ns["box"] = box
+    body = ('box.append(s)\n'
+            's += "Ideas:"\n'
+            'f = s.fork(2)\n'
+            'f += gen("idea", max_tokens=400, ignore_eos=True)\n'
+            'undefined_name\n')
+    with pytest.raises(LMProgramError, match="NameError"):
+        cell(loaded, "", body)
+    state = box[0]
+    forks = [e for e in state.run.executors if e is not state.executor]
+    assert len(forks) == 2 and all(fork.idle for fork in forks)  # settled before the raise
+    assert all(isinstance(fork.error, ProgramAborted) for fork in forks), \
+        [(fork.error, fork.meta_info.get("idea", {}).get("completion_tokens")) for fork in forks]
+    wait_idle(runtime_of(loaded))
 
 
 def test_results_render_as_a_chat(loaded: InteractiveShell) -> None:

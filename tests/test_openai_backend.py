@@ -88,6 +88,24 @@ def test_cancel_stops_a_streaming_gen():
     assert len(deltas) == 1
 
 
+class AbortingEndpoint(FakeEndpoint):
+    def complete(self, text: str, body: dict) -> tuple[str, str, str | None, int]:
+        return " Har", "abort", None, 2  # the server aborted the request (SGLang's reason)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_gen_the_server_aborted_fails_the_program(stream):
+    from lmnb.lang.interpreter import ProgramError
+
+    @function
+    def name(s):
+        s += INTRO + "Name:" + gen("name", stop="\n")
+
+    state = name.run(backend=backend(AbortingEndpoint(DOCUMENT), chat=False), stream=stream)
+    with pytest.raises(ProgramError, match="aborted the request"):
+        state.text()
+
+
 def test_params_pass_through_and_extensions_only_when_set():
     endpoint = FakeEndpoint(DOCUMENT)
     api = backend(endpoint, chat=False)

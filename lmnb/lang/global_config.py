@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmnb.lang.backends.base import Backend
-from lmnb.lang.default_backend import default_backend, set_default_backend
+from lmnb.lang.default_backend import BackendSource, default_backend, set_default_backend
 from lmnb.runtime.prompts import FIRST_CHUNK
 
 
@@ -35,7 +35,7 @@ class GlobalConfig:
         self.batch_lead_wave: int | None = FIRST_CHUNK
 
     @property
-    def default_backend(self) -> Backend | None:
+    def default_backend(self) -> Backend | BackendSource | None:
         return default_backend()
 
     @default_backend.setter

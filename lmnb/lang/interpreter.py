@@ -468,8 +468,15 @@ class StreamExecutor:
             extra["chat"] = chat
         if self.token_trace is not None:
             extra["trace"] = self.token_trace
-        return await self._calls.generate(self, prompt, params, cancel=self.cancel,
-                                          on_delta=on_delta, **extra)
+        generation = await self._calls.generate(self, prompt, params, cancel=self.cancel,
+                                                on_delta=on_delta, **extra)
+        if (message := generation.abort_message()) is not None:
+            # The program's own abort (an interrupt, a failed sibling) stays an interruption;
+            # the runtime's fails the program: the text is cut short.
+            if self.cancel.is_set():
+                raise ProgramAborted("the program was interrupted")
+            raise ProgramError(f"the runtime aborted the request: {message}")
+        return generation
 
     async def _speculated(self, params: GenParams) -> Served | None:
         """The gen served from speculated text, making the speculative call if none is live;

@@ -94,9 +94,11 @@ class Program:
     def _execute(self, backend: Backend, arguments: dict[str, Any], defaults: GenParams,
                  stream: bool, run: ProgramRun | None = None, *,
                  raise_body_error: bool = True, token_view: bool = False,
-                 wait: bool = True) -> ProgramState:
+                 wait: bool = True, nested: bool = False) -> ProgramState:
         """Runs the body; the state is returned once done unless `stream` or not `wait` (a
-        batch's program: its task awaits `executor.drained()`)."""
+        batch's program: its task awaits `executor.drained()`). A body that raises aborts its
+        run (forks included), unless it is `nested` in a caller's run: the caller gets the
+        error and decides."""
         executor = StreamExecutor(backend, defaults=defaults, stream=stream,
                                   num_api_spec_tokens=self.num_api_spec_tokens)
         if token_view:
@@ -112,9 +114,12 @@ class Program:
             # Kept, raised where the state is read; and at once from `run()` as in SGLang (a
             # streamed run returns its state first, so its reader sees it).
             executor.error = executor.error or error
-            # Nothing more runs: a gen in flight is aborted (its KV freed). The error's frames
-            # hold `s`: a live worker would keep it forever.
-            executor.abort()
+            # Nothing more runs: the gens in flight, the forks' too, are aborted (their KV
+            # freed). The error's frames hold `s`: a live worker would keep it forever.
+            if nested:
+                executor.abort()
+            else:
+                state.run.abort()
             executor.close()
             if not stream and raise_body_error:
                 raise
@@ -267,7 +272,8 @@ class _RunningCaller:
         stream = bool(kwargs.pop("stream", False))
         arguments, sampling = program.split_arguments(args, dict(kwargs))
         defaults = run_defaults({**self.defaults.set_values(), **sampling})
-        state = program._execute(self.backend, arguments, defaults, stream, self.run)
+        state = program._execute(self.backend, arguments, defaults, stream, self.run,
+                                 nested=True)
         if not stream:
             state.executor.raise_error()
         return state

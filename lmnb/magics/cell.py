@@ -3,15 +3,18 @@
 The body becomes `def NAME(s, ARGS): BODY`, built from the body's own syntax tree (strings are not
 re-indented) with line numbers shifted to the cell's: the magic line is line 1, the body starts at
 line 2. The function's globals are a `CellNamespace`: a name resolves in the notebook's namespace
-first, then among the DSL names (`gen`, `select`, roles, ...), then in builtins. Nothing is written
-into the notebook's namespace, so a notebook variable named like a DSL name shadows it inside cells
-and is never overwritten. Assignments in the body are local to the program, as in a function.
+first, then among the DSL names (`gen`, `select`, roles, ...), then in builtins. A notebook
+variable named like a DSL name shadows it inside cells and is never overwritten. Assignments in the
+body are local to the program, as in a function; a name the body declares `global` is the
+notebook's, as in any cell: the body reads its own writes back, and they reach the notebook's
+namespace once the body has run.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import linecache
 from collections import ChainMap
 from collections.abc import Callable
@@ -41,15 +44,26 @@ def dsl_namespace() -> dict[str, Any]:
 class CellNamespace(dict):
     """Globals of a cell program. CPython reads a non-exact dict's globals through `__getitem__`,
     so the notebook's names stay live; the dict's own items (the DSL names and `__builtins__`) are
-    the fallback and also serve CPython's raw lookups. `global x` writes stay in here."""
+    the fallback and also serve CPython's raw lookups. A `global x` write goes into the dict
+    (CPython's STORE_GLOBAL skips `__setitem__`): it is read first, and `publish()` moves it into
+    the notebook's namespace."""
 
     def __init__(self, user_ns: dict[str, Any]) -> None:
-        super().__init__(dsl_namespace())
+        fallbacks = {**dsl_namespace(), "__builtins__": user_ns.get("__builtins__", builtins),
+                     "__name__": user_ns.get("__name__", "__main__")}
+        super().__init__(fallbacks)
         self.user_ns = user_ns
-        dict.__setitem__(self, "__builtins__", user_ns.get("__builtins__", builtins))
-        dict.__setitem__(self, "__name__", user_ns.get("__name__", "__main__"))
+        self._fallbacks = fallbacks
+
+    def _set_by_cell(self, key: str) -> bool:
+        if not dict.__contains__(self, key):
+            return False
+        fallback = self._fallbacks.get(key, _NONE)
+        return dict.__getitem__(self, key) is not fallback
 
     def __getitem__(self, key: str) -> Any:
+        if self._set_by_cell(key):
+            return dict.__getitem__(self, key)
         try:
             return self.user_ns[key]
         except KeyError:
@@ -60,6 +74,16 @@ class CellNamespace(dict):
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
+
+    def publish(self) -> None:
+        """Moves the names the cell set (`global x; x = ...`) into the notebook's namespace."""
+        for key in [k for k in dict.keys(self) if self._set_by_cell(k)]:
+            self.user_ns[key] = dict.pop(self, key)
+            if key in self._fallbacks:
+                dict.__setitem__(self, key, self._fallbacks[key])
+
+
+_NONE = object()
 
 
 @dataclass(frozen=True)
@@ -118,4 +142,15 @@ def compile_cell(source: CellSource, *, namespace: CellNamespace, name: str = CE
     ast.fix_missing_locations(module)
     scope: ChainMap = ChainMap({}, namespace)  # `def` binds in the fresh first map only
     exec(compile(module, source.filename, "exec"), namespace, scope)
-    return scope.maps[0][name]
+    func = scope.maps[0][name]
+    if not any(isinstance(node, ast.Global) for node in ast.walk(tree)):
+        return func
+
+    @functools.wraps(func)
+    def publishing(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        finally:
+            namespace.publish()
+
+    return publishing

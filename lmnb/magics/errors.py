@@ -16,6 +16,19 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
+def _causes(error: BaseException, limit: int = 3) -> list[BaseException]:
+    """The errors `error` was raised from (its `__cause__` chain), wrappers left out."""
+    from lmnb.lang.interpreter import ProgramError
+
+    causes: list[BaseException] = []
+    cause = error.__cause__
+    while cause is not None and len(causes) < limit and cause is not error:
+        if not isinstance(cause, ProgramError):
+            causes.append(cause)
+        cause = cause.__cause__
+    return causes
+
+
 def _cell_lineno(error: BaseException, filename: str) -> int | None:
     if isinstance(error, SyntaxError) and error.filename == filename:
         return error.lineno
@@ -39,11 +52,14 @@ class LMProgramError(Exception):
     """An error raised by a `%%lmprogram` cell; `error` is the original exception, `lineno` the
     line it points at: of the gen or select that failed in the runtime (invalid regex, prompt
     too long), else of the cell code that raised; None when neither is known. `filename` is the
-    cell's, or a named program's cell when a gen of a program it called failed."""
+    cell's, or a named program's cell when a gen of a program it called failed. `hint` is a
+    last line saying what to do (the runtime failed: reload it)."""
 
-    def __init__(self, error: BaseException, source: CellSource) -> None:
+    def __init__(self, error: BaseException, source: CellSource, *,
+                 hint: str | None = None) -> None:
         self.error = error
         self.cause = _root_cause(error)
+        self.hint = hint
         self.source = source
         self.filename = source.filename
         gen_line = _gen_line(self.cause) or _gen_line(error)
@@ -65,9 +81,16 @@ class LMProgramError(Exception):
             return f"SyntaxError: {self.cause.msg}"
         return f"{type(self.cause).__name__}: {self.cause}"
 
+    @property
+    def notes(self) -> list[str]:
+        """What the summary leaves out: the errors it was raised from, and the hint."""
+        notes = [f"caused by: {type(cause).__name__}: {cause}" for cause in _causes(self.cause)]
+        return notes if self.hint is None else [*notes, self.hint]
+
     def _render_traceback_(self) -> list[str]:
         if self.lineno is None:
-            return [f"  {self.source.filename}, while running the program", self.summary]
+            return [f"  {self.source.filename}, while running the program", self.summary,
+                    *self.notes]
         lines = [f"  {self.filename}, line {self.lineno}"]
         if self.line is not None:
             code = self.line.lstrip()
@@ -76,8 +99,7 @@ class LMProgramError(Exception):
             if isinstance(self.cause, SyntaxError) and offset:
                 column = offset - 1 - (len(self.line) - len(code))
                 lines.append("    " + " " * max(column, 0) + "^")
-        lines.append(self.summary)
-        return lines
+        return [*lines, self.summary, *self.notes]
 
 
 class LMProgramInterrupted(KeyboardInterrupt):

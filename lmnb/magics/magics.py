@@ -14,7 +14,12 @@ from traitlets import Bool, Float, Int, TraitError, Unicode, validate
 from lmnb.lang.program import Program, set_default_backend
 from lmnb.magics.cell import CELL_FUNCTION, CellNamespace, CellSource, SignatureError, compile_cell
 from lmnb.magics.errors import LMProgramError
-from lmnb.magics.execution import run_background, run_foreground, run_streaming
+from lmnb.magics.execution import (
+    abort_and_settle,
+    run_background,
+    run_foreground,
+    run_streaming,
+)
 from lmnb.magics.loading import describe
 from lmnb.magics.parsing import (
     HelpShown,
@@ -24,6 +29,7 @@ from lmnb.magics.parsing import (
     lmprogram_parser,
     parse_program_line,
 )
+from lmnb.magics.result import ProgramResult
 from lmnb.magics.session import KernelSession
 from lmnb.magics.status import status_view
 from lmnb.magics.token_run import run_with_tokens
@@ -212,8 +218,8 @@ class LMNB(Magics):
         if options.tokens:
             result = run_with_tokens(func, backend, {**sampling, "token_view": True},
                                      background=options.bg)
-            if not options.bg and (error := result.state.error()) is not None:
-                raise LMProgramError(error, source) from error
+            if not options.bg:
+                self._raise_failure(result, source)
         elif options.bg:
             result = run_background(func, backend, sampling, live=stream)
         else:
@@ -221,12 +227,26 @@ class LMNB(Magics):
                 result = run_streaming(func, backend, sampling, hz=self.stream_hz)
             else:
                 result = run_foreground(func, backend, sampling)
-            if (error := result.state.error()) is not None:
-                raise LMProgramError(error, source) from error
+            self._raise_failure(result, source)
         if parsed.capture is not None:
             self.shell.user_ns[parsed.capture] = result
             return None
         return result
+
+    def _raise_failure(self, result: ProgramResult, source: CellSource) -> None:
+        """Raises the failed cell's error once every request of its run (forks included) has
+        stopped."""
+        if (error := result.state.error()) is None:
+            return
+        abort_and_settle(result.state)
+        raise LMProgramError(error, source, hint=self._failed_runtime_hint()) from error
+
+    def _failed_runtime_hint(self) -> str | None:
+        runtime = self.session.runtime
+        if runtime is None or not runtime.failed:
+            return None
+        return ("hint: the runtime has failed and refuses every request; `%lmnb load [MODEL]` "
+                "loads a new one")
 
 
 LMNB.lmnb.__doc__ = full_help(lmnb_parser())

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from lmnb.lang.backends.local import LocalBackend
 from lmnb.magics.loading import load_runtime
 
 
@@ -15,21 +16,19 @@ class KernelSession:
         self._defaults = defaults  # the magics' current %config options for a lazy load
         self._lock = threading.RLock()
         self.runtime: Any = None
-        self._local: Any = None
+        self._local: LocalBackend | None = None
         self.server: Any = None  # lmnb.server.ServerHandle over `runtime`, while serving
         self.backend = KernelBackend(self)
 
     def load(self, model: str | None, *, progress: bool = True, **options: Any) -> Any:
         """Loads a model in place of the current one, which is closed once the new model's files
         are found (a mistyped path leaves it running)."""
-        from lmnb.lang.backends.local import LocalBackend
-
         with self._lock:
             runtime = load_runtime(model, progress=progress, on_found=self.close, **options)
             self.runtime, self._local = runtime, LocalBackend(runtime)
             return runtime
 
-    def local_backend(self) -> Any:
+    def local_backend(self) -> LocalBackend:
         """The current runtime's backend, loading the configured default model if none is."""
         with self._lock:
             if self.runtime is None:
@@ -67,11 +66,9 @@ class KernelSession:
 
 
 class KernelBackend:
-    """The default backend while the extension is loaded: whatever runtime the kernel has now,
-    so that named programs run from Python (`qa.run(...)`) follow `%lmnb load`."""
-
-    is_chat_model = False  # as the LocalBackend it stands for
-    reports_token_texts = False
+    """The default backend while the extension is loaded (a `BackendSource`): each run gets the
+    `LocalBackend` of the runtime the kernel has when it starts, so that named programs run from
+    Python (`qa.run(...)`, `qa.pin()`, `lmnb.flush_cache()`) follow `%lmnb load`."""
 
     def __init__(self, session: KernelSession) -> None:
         self.session = session
@@ -81,19 +78,5 @@ class KernelBackend:
         """The kernel's Runtime (loading the configured model on first use)."""
         return self.session.local_backend().runtime
 
-    @property
-    def chat_template(self) -> Any:
-        return self.session.local_backend().chat_template
-
-    def generate(self, prompt: str, params: Any, **kwargs: Any) -> Any:
-        return self.session.local_backend().generate(prompt, params, **kwargs)
-
-    def select(self, prompt: str, choices: tuple[str, ...], method: str,
-               **kwargs: Any) -> tuple[str, dict]:
-        return self.session.local_backend().select(prompt, choices, method, **kwargs)
-
-    def cache_prefix(self, prompt: str, **kwargs: Any) -> None:
-        self.session.local_backend().cache_prefix(prompt, **kwargs)
-
-    def prepare_media(self, kind: str, source: Any, **kwargs: Any) -> Any:
-        return self.session.local_backend().prepare_media(kind, source, **kwargs)
+    def current_backend(self) -> LocalBackend:
+        return self.session.local_backend()

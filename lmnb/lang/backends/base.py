@@ -84,6 +84,16 @@ class Generation:
     text: str | list[str]  # a list when n > 1
     meta_info: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
 
+    def abort_message(self) -> str | None:
+        """Why the backend's runtime aborted a sample (its finish reason is `{"type": "abort",
+        "message": ...}`: out of KV cache, a failed step, a closed runtime), else None."""
+        metas = self.meta_info if isinstance(self.meta_info, list) else [self.meta_info]
+        for meta in metas:
+            reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+            if isinstance(reason, dict) and reason.get("type") == "abort":
+                return str(reason.get("message") or "no reason given")
+        return None
+
 
 @dataclass(frozen=True)
 class ChatPrompt:
