@@ -291,3 +291,20 @@ def test_smollm2_other_methods_agree_on_the_capital(smollm2, method):
     result = select_choice(RuntimeChoiceScorer(smollm2), "The capital of France is",
                            [" Paris", " London", " a banana"], method)
     assert result.choice == " Paris"
+
+
+def test_a_scoring_request_the_runtime_aborts_fails_the_select(folder):
+    """Pinned prefixes hold the pool: the runtime aborts the scoring requests (out of KV), and
+    the select says so rather than scoring from what came back; unpinned, it scores again."""
+    from lmnb.lang.program_error import ProgramError
+
+    with Runtime(folder, dtype="float32", device="cpu", max_total_tokens=160) as rt:
+        pinned = " ".join(f"w{i}" for i in range(40))
+        prompt = " ".join(f"q{i}" for i in range(25))
+        assert len(rt.encode(pinned)) + len(rt.encode(prompt)) > 160 > len(rt.encode(pinned))
+        pin = rt.pin_prefix(pinned)
+        with pytest.raises(ProgramError, match="aborted a select's scoring request: out of KV"):
+            select_choice(RuntimeChoiceScorer(rt), prompt, ["yes", "no"])
+        assert rt.unpin_prefix(pin)
+        assert select_choice(RuntimeChoiceScorer(rt), prompt, ["yes", "no"]).choice in {"yes",
+                                                                                         "no"}

@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from lmnb.lang.program_error import ProgramError, runtime_abort_message
+
 METHODS = ("token_length_normalized", "greedy_token_selection",
            "unconditional_likelihood_normalized")
 
@@ -272,6 +274,9 @@ class RuntimeChoiceScorer:
                 sampling_params={"max_new_tokens": 0}, return_logprob=True,
                 logprob_start_len=start + shift, **extra)
             for i, output in zip(group, outputs, strict=True):
+                if (message := runtime_abort_message(output["meta_info"])) is not None:
+                    raise ProgramError(f"the runtime aborted a select's scoring request: "
+                                       f"{message}")
                 pairs = output["meta_info"]["input_token_logprobs"]
                 if [token for _, token in pairs] != list(input_ids[i][start:]):
                     raise RuntimeError("the runtime's prompt logprobs do not match the tokens "

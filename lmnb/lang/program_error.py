@@ -4,12 +4,22 @@ program line."""
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Any
 
 from lmnb.lang.ir import SourceLocation
 
 
 class ProgramError(RuntimeError):
     """An error raised inside a program, re-raised where its result is read."""
+
+
+def runtime_abort_message(meta_info: Any) -> str | None:
+    """Why a runtime aborted a request, from its `meta_info` (finish reason `{"type": "abort",
+    "message": ...}`: out of KV cache, a failed step, a closed runtime), else None."""
+    reason = meta_info.get("finish_reason") if isinstance(meta_info, dict) else None
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        return str(reason.get("message") or "no reason given")
+    return None
 
 
 class located:

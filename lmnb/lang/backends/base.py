@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.choices import ChoicesMethod
 from lmnb.lang.ir import GenParams
+from lmnb.lang.program_error import runtime_abort_message
 
 
 class CancelEvent(threading.Event):
@@ -88,11 +89,7 @@ class Generation:
         """Why the backend's runtime aborted a sample (its finish reason is `{"type": "abort",
         "message": ...}`: out of KV cache, a failed step, a closed runtime), else None."""
         metas = self.meta_info if isinstance(self.meta_info, list) else [self.meta_info]
-        for meta in metas:
-            reason = meta.get("finish_reason") if isinstance(meta, dict) else None
-            if isinstance(reason, dict) and reason.get("type") == "abort":
-                return str(reason.get("message") or "no reason given")
-        return None
+        return next(filter(None, map(runtime_abort_message, metas)), None)
 
 
 @dataclass(frozen=True)
