@@ -103,6 +103,8 @@ def test_hash_tells_pixels_apart(astronaut):
     (np.zeros((4, 4, 3), np.float32), "uint8"),
     (np.zeros((4, 4, 5), np.uint8), "shape"),
     (np.zeros((0, 4, 3), np.uint8), "empty"),
+    (np.zeros((0, 8), np.uint8), "empty"),
+    (Image.new("RGB", (0, 0)), "empty"),
 ])
 def test_bad_images_are_clear_errors(source, message):
     with pytest.raises(MediaError, match=message) as info:

@@ -276,6 +276,8 @@ def test_bad_media_are_clear_errors_and_the_runtime_goes_on(tmp_path, runtimes, 
         ({"image_data": b"garbage"}, "cannot decode"),
         ({"image_data": "https://example.com/cat.png"}, "not fetched"),
         ({"image_data": 42}, "unsupported image type"),
+        ({"image_data": Image.new("RGB", (0, 0))}, "empty image"),
+        ({"image_data": np.zeros((0, 8), np.uint8)}, "empty image"),
         ({"image_data": [images["coffee"], images["coffee"]]}, "1 image token"),
         ({"video_data": images["coffee"]}, "0 video token|unsupported video type"),
     ]
