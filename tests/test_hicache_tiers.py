@@ -390,3 +390,31 @@ def test_evicting_a_loaded_node_after_a_save_drained_the_loads() -> None:
             machine.consistent()
     finally:
         machine.teardown()
+
+
+def test_a_write_that_fills_the_disk_leaves_no_partial_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page write that fails with ENOSPC removes its partial temporary file and forgets the
+    page: a later offer queues it again."""
+    import errno
+
+    kv, _ = _filled()
+    disk = DiskTier(tmp_path, "model-a", kv, max_bytes=1 << 20, page_tokens=PAGE)
+    real_write_bytes = Path.write_bytes
+
+    def full_disk(self: Path, data: bytes) -> int:
+        if self.suffix != ".tmp":
+            return real_write_bytes(self, data)
+        with open(self, "wb") as f:  # what a write into a full file system leaves: a part
+            f.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    key = list(range(2 * PAGE))
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_bytes", full_disk)
+        assert disk.offer(key, torch.arange(2 * PAGE)) == 2
+        disk.flush()
+    assert not list(disk.dir.glob("*.tmp")) and disk.written_pages == 0
+    assert disk.offer(key, torch.arange(2 * PAGE)) == 2
+    disk.close()
+    assert disk.written_pages == 2
