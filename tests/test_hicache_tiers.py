@@ -313,6 +313,31 @@ def test_model_identity_tells_weights_dtype_and_layout_apart() -> None:
     assert len({key(0), key(1), key(0, torch.bfloat16), key(0, kv_storage=other_layout)}) == 4
 
 
+def test_model_identity_follows_the_media_preprocessing(tmp_path: Path) -> None:
+    """A span's pad ids hash the raw pixels, its KV depends on the preprocessed ones: another
+    preprocessing (an edited preprocessor_config.json, or a second folder with the same
+    weights) is another model key."""
+    from lmnb.runtime.hicache.identity import model_key
+
+    kv, _ = _filled()
+    folder = tmp_path / "llava"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+
+    def key() -> str:
+        return model_key(model_dir=folder, model_config={"layers": 2}, dtype=torch.float32,
+                         load_format="auto", tokenizer_vocab={"a": 0}, kv=kv, parameters="p")
+
+    keys = [key()]
+    for name in ("preprocessor_config.json", "processor_config.json",
+                 "video_preprocessor_config.json"):
+        (folder / name).write_text('{"image_mean": [0.5, 0.5, 0.5]}')
+        keys.append(key())
+        (folder / name).write_text('{"image_mean": [0.4, 0.5, 0.5]}')
+        keys.append(key())
+    assert len(set(keys)) == len(keys) and key() == keys[-1]
+
+
 def test_host_pool_size_from_options_and_available_memory() -> None:
     from lmnb.runtime.config import EngineConfig
     from lmnb.runtime.hicache.factory import GB, host_pool_tokens
