@@ -96,6 +96,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
                 self.kv.set_kv(layer, slots, rows[0, layer], rows[1, layer])
             value = torch.cat((match.indices, slots))
             already = cache.insert(key, value)
+            cache.persist(key, value)  # computed: the request finished
             self.allocator.free(value[got:max(already, got)].clone())
         finally:
             cache.unlock(match.handle)
@@ -150,8 +151,8 @@ def _filled(size: int = 32) -> tuple[KVStorage, KVAllocator]:
 
 
 def _request(cache: TieredRadixCache, kv: KVStorage, key: list[int]) -> int:
-    """Computes `key` past its match (writing the reference KV) and caches it; returns the
-    matched length after loading back."""
+    """Computes `key` past its match (writing the reference KV) and caches it (the disk tier
+    too); returns the matched length after loading back."""
     cache.prefetch(key)
     cache.wait_prefetch(key)
     cache.load_back(key, room=cache.allocator.available() + cache.evictable_size())
@@ -164,6 +165,7 @@ def _request(cache: TieredRadixCache, kv: KVStorage, key: list[int]) -> int:
         kv.set_kv(layer, slots, rows[0, layer], rows[1, layer])
     value = torch.cat((match.indices, slots))
     already = cache.insert(key, value)
+    cache.persist(key, value)
     cache.allocator.free(value[got:max(already, got)].clone())
     return got
 
@@ -388,7 +390,7 @@ def test_processes_sharing_the_directory_see_whole_pages(tmp_path: Path) -> None
 
 def test_pages_wait_for_a_writer_that_is_behind(tmp_path: Path) -> None:
     """Past `max_queued_bytes` of pages waiting for the writer, pages are not queued (nor
-    remembered): a later insert offers them again."""
+    remembered): a later persist offers them again."""
     kv, allocator = _filled()
     disk = DiskTier(tmp_path, "model-a", kv, max_bytes=1 << 20, page_tokens=PAGE,
                     max_queued_bytes=0)
