@@ -117,3 +117,45 @@ def test_flush_cache_with_a_pin_drops_the_host_tier_too(tiny_models) -> None:
         assert stats["hicache_host_loaded_tokens"] == 0
         assert stats["hicache_host_only_tokens"] == 0
         runtime.check_integrity()
+
+
+def test_a_failed_pass_leaves_no_kv_on_disk(tiny_models, reference, tmp_path: Path) -> None:
+    """With the overlap schedule a prefill pass's prompts are cached when it is launched; when
+    its result then fails, `drop_unlocked` empties the device and host tiers. The disk tier
+    gets only computed KV (`persist`, a finished request's): no page of the failed pass is
+    written, so neither a retry nor a new runtime is served KV that was never computed."""
+    prompt = _prompts()[1][0]  # 152 tokens: two full pages in the first pass
+    options = dict(OPTIONS, chunked_prefill_size=256, enable_hierarchical_cache=True,
+                   hicache_ratio=2.0, hicache_storage_backend="file",
+                   hicache_storage_dir=str(tmp_path), disable_overlap_schedule=False)
+
+    class DeviceFault(RuntimeError):
+        pass
+
+    class FaultyPass:  # what a pass whose kernels failed reports at its first wait
+        def result(self) -> None:
+            raise DeviceFault("the device failed while running the pass")
+
+    with Runtime(tiny_models["llama-gqa"], **options) as runtime:
+        runner = runtime._runner
+        real_launch, faults = runner.launch, []
+
+        def launch(batch, rows):
+            if not faults and batch.mode.name == "EXTEND":
+                faults.append(batch)
+                return FaultyPass()
+            return real_launch(batch, rows)
+
+        runner.launch = launch
+        try:
+            failed = runtime.generate(input_ids=prompt, sampling_params=GREEDY)
+        finally:
+            runner.launch = real_launch
+        assert faults and failed["meta_info"]["finish_reason"]["type"] == "abort"
+        runtime._cache.disk.flush()
+        again = runtime.generate(input_ids=prompt, sampling_params=GREEDY)  # a retry
+        runtime.check_integrity()
+    with Runtime(tiny_models["llama-gqa"], **options) as runtime:  # a restart
+        later = runtime.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert later["meta_info"]["cached_tokens"] == 128  # the retry's pages
+    assert again["output_ids"] == later["output_ids"] == reference["prompts"][0]

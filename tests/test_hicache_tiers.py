@@ -96,6 +96,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
                 self.kv.set_kv(layer, slots, rows[0, layer], rows[1, layer])
             value = torch.cat((match.indices, slots))
             already = cache.insert(key, value)
+            cache.persist(key, value)  # computed: the request finished
             self.allocator.free(value[got:max(already, got)].clone())
         finally:
             cache.unlock(match.handle)
@@ -150,8 +151,8 @@ def _filled(size: int = 32) -> tuple[KVStorage, KVAllocator]:
 
 
 def _request(cache: TieredRadixCache, kv: KVStorage, key: list[int]) -> int:
-    """Computes `key` past its match (writing the reference KV) and caches it; returns the
-    matched length after loading back."""
+    """Computes `key` past its match (writing the reference KV) and caches it (the disk tier
+    too); returns the matched length after loading back."""
     cache.prefetch(key)
     cache.wait_prefetch(key)
     cache.load_back(key, room=cache.allocator.available() + cache.evictable_size())
@@ -164,6 +165,7 @@ def _request(cache: TieredRadixCache, kv: KVStorage, key: list[int]) -> int:
         kv.set_kv(layer, slots, rows[0, layer], rows[1, layer])
     value = torch.cat((match.indices, slots))
     already = cache.insert(key, value)
+    cache.persist(key, value)
     cache.allocator.free(value[got:max(already, got)].clone())
     return got
 
@@ -313,6 +315,31 @@ def test_model_identity_tells_weights_dtype_and_layout_apart() -> None:
     assert len({key(0), key(1), key(0, torch.bfloat16), key(0, kv_storage=other_layout)}) == 4
 
 
+def test_model_identity_follows_the_media_preprocessing(tmp_path: Path) -> None:
+    """A span's pad ids hash the raw pixels, its KV depends on the preprocessed ones: another
+    preprocessing (an edited preprocessor_config.json, or a second folder with the same
+    weights) is another model key."""
+    from lmnb.runtime.hicache.identity import model_key
+
+    kv, _ = _filled()
+    folder = tmp_path / "llava"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+
+    def key() -> str:
+        return model_key(model_dir=folder, model_config={"layers": 2}, dtype=torch.float32,
+                         load_format="auto", tokenizer_vocab={"a": 0}, kv=kv, parameters="p")
+
+    keys = [key()]
+    for name in ("preprocessor_config.json", "processor_config.json",
+                 "video_preprocessor_config.json"):
+        (folder / name).write_text('{"image_mean": [0.5, 0.5, 0.5]}')
+        keys.append(key())
+        (folder / name).write_text('{"image_mean": [0.4, 0.5, 0.5]}')
+        keys.append(key())
+    assert len(set(keys)) == len(keys) and key() == keys[-1]
+
+
 def test_host_pool_size_from_options_and_available_memory() -> None:
     from lmnb.runtime.config import EngineConfig
     from lmnb.runtime.hicache.factory import GB, host_pool_tokens
@@ -363,7 +390,7 @@ def test_processes_sharing_the_directory_see_whole_pages(tmp_path: Path) -> None
 
 def test_pages_wait_for_a_writer_that_is_behind(tmp_path: Path) -> None:
     """Past `max_queued_bytes` of pages waiting for the writer, pages are not queued (nor
-    remembered): a later insert offers them again."""
+    remembered): a later persist offers them again."""
     kv, allocator = _filled()
     disk = DiskTier(tmp_path, "model-a", kv, max_bytes=1 << 20, page_tokens=PAGE,
                     max_queued_bytes=0)
@@ -390,3 +417,31 @@ def test_evicting_a_loaded_node_after_a_save_drained_the_loads() -> None:
             machine.consistent()
     finally:
         machine.teardown()
+
+
+def test_a_write_that_fills_the_disk_leaves_no_partial_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page write that fails with ENOSPC removes its partial temporary file and forgets the
+    page: a later offer queues it again."""
+    import errno
+
+    kv, _ = _filled()
+    disk = DiskTier(tmp_path, "model-a", kv, max_bytes=1 << 20, page_tokens=PAGE)
+    real_write_bytes = Path.write_bytes
+
+    def full_disk(self: Path, data: bytes) -> int:
+        if self.suffix != ".tmp":
+            return real_write_bytes(self, data)
+        with open(self, "wb") as f:  # what a write into a full file system leaves: a part
+            f.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    key = list(range(2 * PAGE))
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_bytes", full_disk)
+        assert disk.offer(key, torch.arange(2 * PAGE)) == 2
+        disk.flush()
+    assert not list(disk.dir.glob("*.tmp")) and disk.written_pages == 0
+    assert disk.offer(key, torch.arange(2 * PAGE)) == 2
+    disk.close()
+    assert disk.written_pages == 2

@@ -103,6 +103,8 @@ def test_hash_tells_pixels_apart(astronaut):
     (np.zeros((4, 4, 3), np.float32), "uint8"),
     (np.zeros((4, 4, 5), np.uint8), "shape"),
     (np.zeros((0, 4, 3), np.uint8), "empty"),
+    (np.zeros((0, 8), np.uint8), "empty"),
+    (Image.new("RGB", (0, 0)), "empty"),
 ])
 def test_bad_images_are_clear_errors(source, message):
     with pytest.raises(MediaError, match=message) as info:
@@ -183,6 +185,12 @@ def test_overlapping_spans_and_pad_ids():
     assert [(i.hash, lo, hi) for i, lo, hi in inputs.overlapping(3, 9)] == [(1, 1, 4), (2, 0, 1)]
     assert inputs.overlapping(6, 8) == []
     assert pad_token_id(5, 100) >= 100 and pad_token_id(5, 100) != pad_token_id(6, 100)
+    # all of the hash's bits, within a tokenizer's u32 ids (hashes equal in their low 30 bits
+    # once shared ids)
+    low = 12345
+    ids = {pad_token_id(low + (high << 30), 49152) for high in (0, 1, 2, 4, (1 << 33) - 1)}
+    assert len(ids) == 5 and max(ids) < 1 << 32
+    assert 49152 <= pad_token_id((1 << 63) - 1, 49152) < 1 << 32
 
 
 def test_embedding_cache_runs_each_item_once_and_evicts_by_bytes():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from lmnb.multimodal.hashing import image_hash
 from lmnb.multimodal.items import pad_token_id
 from lmnb.multimodal.media import sample_video_path
 from lmnb.params import InvalidRequestError
@@ -206,6 +207,37 @@ def test_repeated_image_hits_its_whole_span(tmp_path, tiny_llavas, runtimes, ima
     assert_integrity(rt)
 
 
+def _images_alike_in_30_bits() -> tuple[np.ndarray, np.ndarray]:
+    """Two different 2x2 images whose content hashes agree in their low 30 bits (a birthday
+    search over ~2**15 images: milliseconds), which gave them equal pad ids once."""
+    seen: dict[int, np.ndarray] = {}
+    for i in range(1 << 20):
+        pixels = np.frombuffer(i.to_bytes(12, "little"), dtype=np.uint8).reshape(2, 2, 3)
+        pixels = (pixels * 97 + 31).astype(np.uint8)  # far apart, not only in their low bytes
+        other = seen.setdefault(image_hash(pixels) % (1 << 30), pixels)
+        if other is not pixels:
+            return other, pixels
+    raise AssertionError("no pair found")
+
+
+def test_images_never_share_kv_by_part_of_their_hash(runtimes):
+    """The radix tree keys a span by its pad ids; they depend on all of the hash, so a prompt with
+    an image never seen shares only the text before its span."""
+    rt = runtimes("llava-1.5")
+    first, second = _images_alike_in_30_bits()
+    assert image_hash(first) != image_hash(second)
+    params = dict(GREEDY, max_new_tokens=1)
+    assert rt.flush_cache()
+    reference = rt.generate(PROMPT, params, image_data=second, return_logprob=True)
+    assert rt.flush_cache()
+    rt.generate(PROMPT, params, image_data=first)
+    out = rt.generate(PROMPT, params, image_data=second, return_logprob=True)
+    assert out["meta_info"]["cached_tokens"] == rt.encode(PROMPT).index(IMAGE_TOKEN_ID)
+    assert out["meta_info"]["output_token_logprobs"][0][0] == pytest.approx(
+        reference["meta_info"]["output_token_logprobs"][0][0], abs=1e-4)
+    assert_integrity(rt)
+
+
 def test_chunked_prefill_splits_a_span(tiny_llavas, runtimes, images):
     variant = "llava-next"
     folder = tiny_llavas[variant]
@@ -276,6 +308,8 @@ def test_bad_media_are_clear_errors_and_the_runtime_goes_on(tmp_path, runtimes, 
         ({"image_data": b"garbage"}, "cannot decode"),
         ({"image_data": "https://example.com/cat.png"}, "not fetched"),
         ({"image_data": 42}, "unsupported image type"),
+        ({"image_data": Image.new("RGB", (0, 0))}, "empty image"),
+        ({"image_data": np.zeros((0, 8), np.uint8)}, "empty image"),
         ({"image_data": [images["coffee"], images["coffee"]]}, "1 image token"),
         ({"video_data": images["coffee"]}, "0 video token|unsupported video type"),
     ]

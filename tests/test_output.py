@@ -437,6 +437,22 @@ def test_a_failing_tokenizer_fails_only_its_stream(processor):
     assert good.results()[0]["text"] == "ok"
 
 
+def test_a_tokenizer_failing_on_the_prompt_fails_only_its_stream(running):
+    """The prompt's tail is decoded when the request is registered, on the output thread: a
+    failure there ends that stream, and the thread goes on serving the others."""
+    class Broken:
+        def decode(self, ids, skip_special_tokens=True):
+            raise OverflowError("number too large to fit in target type")
+
+    bad, good = OutputStream([0]), OutputStream([1])
+    running.register(bad, 0, tokenizer=Broken(), prompt_ids=ids_of("Q: "))
+    running.register(good, 1, tokenizer=BYTES, prompt_ids=ids_of("Q: "))
+    running.put([TokenEvent(0, ids_of("no"), LENGTH), TokenEvent(1, ids_of("ok"), LENGTH)])
+    with pytest.raises(OverflowError, match="too large"):
+        bad.results()
+    assert good.results()[0]["text"] == "ok"
+
+
 def test_stops_completed_by_one_jump_end_first_wins(tok):
     ids = _encode(tok, "xx abcdef yy")
     for stops in (["abcdef", "cd"], ["cd", "abcdef"], ["bcde", "abcd"]):

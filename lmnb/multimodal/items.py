@@ -4,6 +4,12 @@ A prompt's media span is a run of `num_tokens` identical pad ids derived from th
 (`pad_token_id`): the radix cache then shares a span exactly when the media are the same, and
 text before it as usual. Pad ids are >= the vocabulary size, so they never equal a text token;
 the model runner replaces their embeddings with the media's.
+
+The radix tree (and the disk tier's page names) key a span by its ids, and already the KV of its
+first token depends on the whole picture, so two media whose pad ids agree would share it: a
+pad id keeps as much of the hash as a token id can hold. Tokenizers decode u32 ids (the output
+side decodes a prompt's tail, pad ids included), so that is 32 bits less the vocabulary
+(SGLang keeps 30): two media behind the same text collide once in ~2**32 pairs.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-PAD_ID_RANGE = 1 << 30
+ID_LIMIT = 1 << 32  # tokenizers take u32 ids
 
 
 def pad_token_id(media_hash: int, vocab_size: int) -> int:
-    """The id every token of a media span carries (>= vocab_size)."""
-    return vocab_size + media_hash % PAD_ID_RANGE
+    """The id every token of a media span carries, in [vocab_size, 2**32): the hash modulo
+    2**32 - vocab_size, so it depends on all of the hash's bits."""
+    return vocab_size + media_hash % (ID_LIMIT - vocab_size)
 
 
 @dataclass(slots=True)

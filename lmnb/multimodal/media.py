@@ -86,13 +86,17 @@ def load_image(source: ImageSource) -> Any:
     from PIL import Image
 
     if isinstance(source, Image.Image):
-        return _to_rgb(source)
-    if isinstance(source, np.ndarray):
-        return _image_from_array(source)
-    if isinstance(source, str | bytes | bytearray | memoryview | os.PathLike):
-        data = _read_source(source, "image")
-        return _decode_image(data, source)
-    raise MediaError(f"unsupported image type {type(source).__name__}: give {_SOURCE_HELP}")
+        image = _to_rgb(source)
+    elif isinstance(source, np.ndarray):
+        image = _image_from_array(source)
+    elif isinstance(source, str | bytes | bytearray | memoryview | os.PathLike):
+        image = _decode_image(_read_source(source, "image"), source)
+    else:
+        raise MediaError(f"unsupported image type {type(source).__name__}: give {_SOURCE_HELP}")
+    width, height = image.size
+    if not width or not height:
+        raise MediaError(f"empty image ({width}x{height} pixels)")
+    return image
 
 
 def _to_rgb(image: Any) -> Any:
@@ -120,8 +124,6 @@ def _image_from_array(array: np.ndarray) -> Any:
     if array.ndim != 3 or array.shape[2] not in (3, 4):
         raise MediaError(f"an image array must be [H, W], [H, W, 3] or [H, W, 4], "
                          f"got shape {tuple(array.shape)}")
-    if array.shape[0] == 0 or array.shape[1] == 0:
-        raise MediaError(f"empty image array of shape {tuple(array.shape)}")
     image = Image.fromarray(np.ascontiguousarray(array), mode="RGB" if array.shape[2] == 3
                             else "RGBA")
     return _to_rgb(image)

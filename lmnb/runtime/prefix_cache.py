@@ -130,6 +130,14 @@ class PrefixCache(ABC):
         cache owns `indices[returned:]` from now on (it may free them at once); the leading
         duplicates stay the caller's to free or keep."""
 
+    def persist(self, key: Sequence[int], indices: torch.Tensor,  # noqa: B027
+                extra_key: Hashable = None) -> None:
+        """`key`'s KV in `indices` is computed (a finished request's, its passes' results
+        read): a tier that outlives the process may copy it now. `insert` does not offer to
+        such a tier: a pass's prompts are inserted when it is launched, before its KV exists,
+        and a failed pass's entries are dropped only from the device and host tiers. The
+        default keeps no such tier."""
+
     def insert_tail(self, key: Sequence[int], start: int, slots: torch.Tensor,
                     extra_key: Hashable = None) -> tuple[int, CacheHandle]:
         """Offers `key` whose first `start` tokens are cached and locked by the caller, with

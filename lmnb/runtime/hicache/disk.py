@@ -13,8 +13,9 @@ layout) asking for the same tokens. A file is
 with the payload [2 (K, V), layers, page_tokens, kv_heads, head_dim]. Anything that does not
 check out (crc, header, length) is a miss and the file is removed: never wrong KV. Files are
 written to a temporary name and renamed (atomic: other processes sharing the directory see
-whole files or none); a read refreshes the file's mtime, and when the directory holds more than
-its bound, the files with the oldest mtimes go. Writes run on a background thread.
+whole files or none; a failed write removes its temporary file); a read refreshes the file's
+mtime, and when the directory holds more than its bound, the files with the oldest mtimes go.
+Writes run on a background thread.
 """
 
 from __future__ import annotations
@@ -190,8 +191,13 @@ class DiskTier:
         blob = body + struct.pack("<I", zlib.crc32(body))
         path = self.dir / f"{page_hash}{SUFFIX}"
         temp = self.dir / f".{page_hash}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        temp.write_bytes(blob)
-        os.replace(temp, path)  # atomic: readers see the whole file or none
+        try:
+            temp.write_bytes(blob)
+            os.replace(temp, path)  # atomic: readers see the whole file or none
+        except OSError:  # a full disk: no partial file stays, the page may be offered again
+            temp.unlink(missing_ok=True)
+            self._known.discard(page_hash)
+            raise
         with self._lock:
             self.written_pages += 1
             self._bytes += len(blob)

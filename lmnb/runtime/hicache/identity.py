@@ -1,5 +1,7 @@
 """The model identity that names the disk tier's pages: KV computed by one runtime is reused only
-by a runtime whose KV would be the same bits (same weights, config, dtype, tokenizer, layout)."""
+by a runtime whose KV would be the same bits (same weights, config, dtype, tokenizer, layout, and
+for a multimodal model the media preprocessing: a span's pad ids hash the raw pixels, its KV
+depends on the preprocessed ones)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from lmnb.runtime.memory import KVStorage
 
 FORMAT_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_PREPROCESSING_FILES = ("preprocessor_config.json", "processor_config.json",
+                        "video_preprocessor_config.json")
 
 
 def _weight_files(model_dir: Path | None) -> list[tuple[str, int]]:
@@ -23,6 +27,14 @@ def _weight_files(model_dir: Path | None) -> list[tuple[str, int]]:
         return [(model_dir.name, model_dir.stat().st_size)]
     return sorted((p.name, p.stat().st_size) for p in model_dir.iterdir()
                   if p.name.endswith(_WEIGHT_SUFFIXES))
+
+
+def _preprocessing(model_dir: Path | None) -> dict[str, str]:
+    """sha256 of each media preprocessing config the folder has."""
+    if model_dir is None or not model_dir.is_dir():
+        return {}
+    return {name: hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
+            for name in _PREPROCESSING_FILES if (model_dir / name).is_file()}
 
 
 def parameter_fingerprint(named: Iterable[tuple[str, torch.Tensor]], sample: int = 32) -> str:
@@ -45,6 +57,7 @@ def model_key(*, model_dir: Path | None, model_config: object, dtype: torch.dtyp
     parts = {
         "version": FORMAT_VERSION,
         "weights": _weight_files(model_dir),
+        "preprocessing": _preprocessing(model_dir),
         "config": repr(model_config),
         "dtype": str(dtype),
         "load_format": load_format,

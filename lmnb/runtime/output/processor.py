@@ -158,7 +158,10 @@ class OutputProcessor:
             return False
         if isinstance(item, _Registrations):
             for registration in item.items:
-                self._requests[registration.rid] = self._request_output(registration)
+                try:
+                    self._requests[registration.rid] = self._request_output(registration)
+                except Exception as error:  # its tokenizer failed on the prompt: its stream only
+                    registration.stream.fail(error)
         else:
             start = time.thread_time()
             self.process(item)

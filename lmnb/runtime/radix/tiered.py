@@ -257,16 +257,16 @@ class TieredRadixCache(RadixCache):
         return self.allocator.alloc(n)
 
     # ---- inserting -------------------------------------------------------------------------------
-    def insert(self, key: Sequence[int], value: torch.Tensor, extra_key: Hashable = None) -> int:
-        """As RadixCache.insert; host-only nodes on the path take the caller's slots (they are
-        device nodes again), and the cached length returned counts device tokens only."""
-        cached = super().insert(key, value, extra_key)
+    def persist(self, key: Sequence[int], indices: torch.Tensor,
+                extra_key: Hashable = None) -> None:
+        """The full pages of `key` go to the disk tier (rows gathered now)."""
         if self.disk is not None and extra_key is None:
-            self.disk.offer(key, value)
-        return cached
+            self.disk.offer(key, indices)
 
     def _inserted(self, node: TreeNode, done: int, value: torch.Tensor,
                   leaf: TreeNode | None) -> int:
+        """Host-only nodes on the path take the caller's slots (they are device nodes again);
+        the cached length returned counts device tokens only."""
         cached = done
         while node is not self.root and node.value is None:  # host-only: a suffix of the path
             cached -= len(node.key)
@@ -389,7 +389,8 @@ class TieredRadixCache(RadixCache):
     def drop_unlocked(self) -> None:
         """Evicts every unlocked device entry without saving it, then drops the host pool's
         entries (host-only nodes, host copies of device nodes): a write-through or an earlier
-        eviction may hold a copy of KV that was never written."""
+        eviction may hold a copy of KV that was never written. The disk holds none: only
+        `persist` (computed KV) offers to it."""
         self._back_up = False
         try:
             self.evict(self.evictable_size())

@@ -243,7 +243,9 @@ class CacheManager:
         """A request that is done (finished, retracted or jumping) hands its KV to the cache."""
         self.write_bound_prefixes()
         slots = self.table[req.req_pool_idx, :req.kv_len]
-        already = self.cache.insert(req.fill_slice(0, req.kv_len), slots, req.extra_key)
+        key = req.fill_slice(0, req.kv_len)
+        already = self.cache.insert(key, slots, req.extra_key)
+        self.cache.persist(key, slots, req.extra_key)  # its passes' results were read
         if already > req.prefix_len:  # a copy: the row is reused by the next request
             self.allocator.free(slots[req.prefix_len:already].clone())
         self.cache.unlock(req.cache_handle)
