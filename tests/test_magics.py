@@ -136,6 +136,32 @@ def test_status_counts_since_the_runtime_started(loaded: InteractiveShell) -> No
         dashboard.close()
 
 
+def _widget_pollers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "lmnb-widget-poll" and t.is_alive()}
+
+
+def test_repeating_status_leaves_one_live_dashboard(loaded: InteractiveShell) -> None:
+    """Each `%lmnb status` polls the runtime (a metrics bar and a dashboard, 10 times a second);
+    the views of the one before stop polling and say so, keeping what they show."""
+    pytest.importorskip("anywidget")
+    before = _widget_pollers()
+    first = loaded.run_line_magic("lmnb", "status")
+    first_pollers = _widget_pollers() - before
+    assert first.polling and len(first_pollers) == 2  # the bar and the dashboard
+    second = loaded.run_line_magic("lmnb", "status")
+    try:
+        assert not first.polling and first.status == "stopped: a later %lmnb status is live"
+        assert second.polling and second.status == "live"
+        for thread in first_pollers:
+            thread.join(timeout=30)
+        assert len(_widget_pollers() - before) == 2
+        first.refresh()  # a stopped view still reads the runtime when asked
+        assert first.series[-1]["prompt_tokens"] == runtime_of(loaded).stats()["prompt_tokens"]
+    finally:
+        second.close()
+        first.close()
+
+
 def test_config_options_and_lazy_load(ip: InteractiveShell, model: Path, capsys) -> None:
     ip.run_line_magic("config", f"LMNB.model = {str(model)!r}")
     ip.run_line_magic("config", "LMNB.max_total_tokens = 2048")

@@ -31,7 +31,7 @@ from lmnb.magics.parsing import (
 )
 from lmnb.magics.result import ProgramResult
 from lmnb.magics.session import KernelSession
-from lmnb.magics.status import status_view
+from lmnb.magics.status import LiveView, status_views
 from lmnb.magics.token_run import run_with_tokens
 from lmnb.params import PARAM_HELP, default_sampling_params
 
@@ -74,6 +74,7 @@ class LMNB(Magics):
         self.session = KernelSession(self.load_options)
         self._lmnb_parser = lmnb_parser()
         self._program_parser = lmprogram_parser()
+        self._live_views: dict[str, list[LiveView]] = {}  # the last views of each %lmnb command
 
     def load_options(self) -> dict[str, Any]:
         return {"model": self.model, "dtype": self.dtype, "device": self.device,
@@ -120,7 +121,13 @@ class LMNB(Magics):
         if runtime is None:
             print("lmnb: no runtime loaded; `%lmnb load [MODEL]` loads one")
             return None
-        return status_view(runtime, describe(runtime))
+        from IPython.display import display
+
+        *shown, returned = status_views(runtime, describe(runtime))
+        self._replace_live_views("status", [*shown, returned])
+        for view in shown:
+            display(view)
+        return returned
 
     def _media(self, args: argparse.Namespace) -> Any:
         runtime = self.session.runtime
@@ -129,7 +136,16 @@ class LMNB(Magics):
             return None
         from lmnb.widgets import MediaReuseView
 
-        return MediaReuseView(runtime)
+        view = MediaReuseView(runtime)
+        self._replace_live_views("media", [view])
+        return view
+
+    def _replace_live_views(self, command: str, views: list[Any]) -> None:
+        """The views of the last `%lmnb <command>` stop polling (they keep what they show): the
+        new ones poll instead, so repeating a command does not add pollers of the runtime."""
+        for view in self._live_views.pop(command, []):
+            view.stop_polling(f"stopped: a later %lmnb {command} is live")
+        self._live_views[command] = [view for view in views if isinstance(view, LiveView)]
 
     def _flush(self, args: argparse.Namespace) -> None:
         runtime = self.session.runtime

@@ -5,7 +5,7 @@ HTML table (and plain text)."""
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 _ROWS = (
     ("cache hit rate", "cache_hit_rate", "{:.1%}"),
@@ -58,14 +58,19 @@ class StatusSummary:
         return "\n".join(lines)
 
 
-def status_view(runtime: Any, title: str) -> Any:
-    """The dashboard, after a live metrics bar it displays first (widgets installed)."""
+@runtime_checkable
+class LiveView(Protocol):
+    """A widget that polls the runtime until told to stop (`lmnb.widgets.PollingWidget`)."""
+
+    def stop_polling(self, status: str) -> None: ...
+
+
+def status_views(runtime: Any, title: str) -> list[Any]:
+    """What `%lmnb status` shows, in order: a live metrics bar and the dashboard (widgets
+    installed), else the summary."""
     try:
         from lmnb.widgets import CacheDashboard
         from lmnb.widgets.metrics_bar import MetricsBar
     except ImportError:
-        return StatusSummary(title, runtime.stats())
-    from IPython.display import display
-
-    display(MetricsBar(runtime))
-    return CacheDashboard(runtime, since_runtime_start=True)
+        return [StatusSummary(title, runtime.stats())]
+    return [MetricsBar(runtime), CacheDashboard(runtime, since_runtime_start=True)]

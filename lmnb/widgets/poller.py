@@ -66,16 +66,20 @@ class PollingWidget:
     _runtime: object | None
     status: str
 
-    def close(self) -> None:
-        """Stops polling and lets go of the runtime."""
+    def stop_polling(self, status: str) -> None:
+        """Stops polling, keeping what the widget shows, with `status` (why) if it was live."""
         if self._poller is not None:
             self._poller.stop()
-        self._runtime = None
         if self.status == "live":
-            self.status = "stopped"
+            self.status = status
         update_saved_text = getattr(self, "update_saved_text", None)
         if update_saved_text is not None:
             update_saved_text()
+
+    def close(self) -> None:
+        """Stops polling and lets go of the runtime."""
+        self.stop_polling("stopped")
+        self._runtime = None
         super().close()  # type: ignore[misc]
 
     @property
