@@ -374,11 +374,15 @@ def test_bad_tool_requests_are_400(server, client, rt):
                "type": "object", "properties": {"x": {"not": {}}}}}}]}, "tools"),
            ({"tools": TOOLS + TOOLS[:1]}, "tools"),
            ({"tools": TOOLS, "tool_choice": "required",
-             "response_format": {"type": "json_object"}}, "tool_choice")]
+             "response_format": {"type": "json_object"}}, "tool_choice"),
+           ({"tools": TOOLS, "extra_body": {"ebnf": 'root ::= "yes" | "no"'}}, "tool_choice"),
+           ({"tools": TOOLS, "extra_body": {"regex": "(yes|no)"}}, "tool_choice")]
     for extra, param in bad:
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **extra)
         assert error.value.body["param"] == param, extra
+        if {"response_format", "extra_body"} & extra.keys():
+            assert "cannot be combined with tools" in error.value.body["message"], extra
     history = [*ASK, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
     with pytest.raises(openai.BadRequestError, match="not valid JSON"):

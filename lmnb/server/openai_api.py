@@ -273,9 +273,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": model_name}
         if plan is not None:
-            if "regex" in params or "json_schema" in params:
-                raise APIError("response_format, regex and json_schema cannot be combined with "
-                               "tools unless tool_choice is 'none'", param="tool_choice")
+            if any(key in params for key in ("regex", "json_schema", "ebnf")):
+                raise APIError("response_format, regex, json_schema and ebnf cannot be combined "
+                               "with tools unless tool_choice is 'none'", param="tool_choice")
             run = ToolRun(runtime, plan, prompt, params, **generate_kwargs)
             if body.stream:
                 await run.start()  # a refused request is a 400 before the stream starts
