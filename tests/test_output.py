@@ -484,6 +484,24 @@ def test_registrations_of_many_requests_are_one_message(processor):
     assert [stream.results()[0]["text"] for stream in streams] == ["r0", "r1", "r2"]
 
 
+def test_aborting_one_request_of_a_stream(processor):
+    aborted: list[list[int]] = []
+    stream = OutputStream([3, 4], on_close=aborted.append)
+    for rid in (3, 4):
+        processor.register(stream, rid, tokenizer=BYTES, prompt_ids=[])
+    processor.put([TokenEvent(4, ids_of("done"), LENGTH)])
+    processor.pump()
+    stream.abort(4)  # finished: nothing to abort
+    stream.abort(3)
+    assert aborted == [[3]]
+    with pytest.raises(ValueError, match="not one of"):
+        stream.abort(5)
+    processor.put([TokenEvent(3, [], {"type": "abort", "message": "interrupted"})])
+    processor.pump()
+    assert [r["meta_info"]["finish_reason"]["type"] for r in stream.results()] == ["abort",
+                                                                                   "length"]
+
+
 def test_registering_after_close_fails_the_streams():
     processor = OutputProcessor()
     processor.close()

@@ -397,6 +397,28 @@ def test_native_abort_request_stops_a_running_request(server, http, rt):
     rt.check_integrity()
 
 
+def test_native_abort_request_ends_one_request_of_a_batch(server, http, rt):
+    """A `/generate` call of two prompts: aborting one rid ends that request alone (finish_reason
+    abort, its KV freed); the other runs to its length."""
+    params = {"max_new_tokens": 300, "ignore_eos": True}
+    body = {"text": ["Go on", "Tell me"], "rid": ["one-a", "one-b"], "stream": True,
+            "sampling_params": params}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as streaming:
+        with streaming.stream("POST", "/generate", json=body) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            assert http.post("/abort_request", json={"rid": "one-a"}).status_code == 200
+            events = sse_data(lines)
+    last = {event["meta_info"]["id"]: event for event in events
+            if event["meta_info"]["finish_reason"] is not None}
+    assert last["one-a"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["one-a"]["meta_info"]["completion_tokens"] < 300
+    assert last["one-b"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(last["one-b"]["output_ids"]) == 300
+    wait_idle(rt)
+    rt.check_integrity()
+
+
 def test_native_info_routes(http, rt):
     info = http.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"]

@@ -198,8 +198,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
 async def _events(stream: OutputStream, batch: bool, token_text: TokenTexts | None,
                   rids: list[str], open_requests: OpenRequests) -> AsyncIterator[str]:
-    """Cumulative events; a request that `/abort_request` ended (its stream closed, no last
-    chunk) gets a last event with finish_reason `abort`."""
+    """Cumulative events; a request ended by `/abort_request {"abort_all"}` (its stream closed,
+    no last chunk) gets a last event with finish_reason `abort` (one aborted by its rid gets the
+    runtime's)."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
     metas: dict[int, dict[str, Any]] = {}

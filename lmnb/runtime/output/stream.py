@@ -109,6 +109,16 @@ class OutputStream:
         if unfinished and self._on_close is not None:
             self._on_close(unfinished)
 
+    def abort(self, rid: int) -> None:
+        """Aborts one request of the stream (if unfinished): the engine ends it, and its last
+        chunk, finish_reason `abort`, still arrives; the others go on."""
+        if rid not in self.index:
+            raise ValueError(f"request {rid!r} is not one of the stream's {self.rids}")
+        with self._cond:
+            unfinished = not self._closed and rid not in self._delivered_final
+        if unfinished and self._on_close is not None:
+            self._on_close([rid])
+
     def _take(self) -> Any:
         """Under the lock: the next chunk, `_END`, or `_EMPTY`; raises a delivered error."""
         if self._chunks:
