@@ -125,3 +125,24 @@ def test_a_fork_reading_a_variable_it_generates_again_waits_for_its_own_value():
     threading.Thread(target=release_later, daemon=True).start()
     state = with_timeout(lambda: tree.run(backend=backend))
     assert state.ret_value == "r2"  # got the parent's "r1" while the branch's gen was held
+
+
+def test_meta_info_of_a_variable_a_later_gen_rewrites_waits_for_the_new_gen():
+    class MetaBackend(CountingBackend):
+        async def agenerate(self, prompt: str, params: GenParams, **extra: Any) -> Generation:
+            generation = await super().agenerate(prompt, params, **extra)
+            return Generation(generation.text, {"reply": generation.text})
+
+    backend = MetaBackend(hold_word="r1")
+
+    @lmnb.function
+    def loop(s):
+        seen = []
+        for _ in range(2):
+            s += "Q: " + gen("x", max_tokens=4) + "\n"
+            seen.append(s.get_meta_info("x")["reply"])
+        return seen
+
+    threading.Thread(target=lambda: release_once_held(backend), daemon=True).start()
+    state = with_timeout(lambda: loop.run(backend=backend))
+    assert state.ret_value == ["r1", "r2"]  # was ["r1", "r1"]: the first gen's meta info

@@ -207,6 +207,14 @@ class StreamExecutor:
             raise KeyError(f"the program set no variable {name!r}")
         return self.variables[name]
 
+    def get_meta_info(self, name: str) -> Any:
+        """The meta info of `name` once its value is final (None if it has none)."""
+        if name not in self._finished and self.error is None and not self.idle:
+            block_on(self.var_ready(name))
+        if name not in self._finished:
+            self.raise_error()
+        return self.meta_info.get(name)
+
     def text(self) -> str:
         self.sync()
         self.raise_error()

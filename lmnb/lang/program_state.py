@@ -54,15 +54,9 @@ class ProgramState(StateWriter):
         return self[name]
 
     def get_meta_info(self, name: str) -> Any:
-        """The meta info of gen/select `name` once it is done; None if the program sets no such
-        variable (as SGLang)."""
-        executor = self._executor
-        if name not in executor.variables:
-            self.sync()
-            if name not in executor.variables:
-                executor.raise_error()
-                return None
-        return executor.meta_info.get(name)
+        """The meta info of gen/select `name` once it is done (a gen writing it again is waited
+        for, as `s[name]`); None if the program sets no such variable (as SGLang)."""
+        return self._executor.get_meta_info(name)
 
     def text(self) -> str:
         return self._executor.text()
