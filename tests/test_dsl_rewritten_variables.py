@@ -146,3 +146,18 @@ def test_meta_info_of_a_variable_a_later_gen_rewrites_waits_for_the_new_gen():
     threading.Thread(target=lambda: release_once_held(backend), daemon=True).start()
     state = with_timeout(lambda: loop.run(backend=backend))
     assert state.ret_value == ["r1", "r2"]  # was ["r1", "r1"]: the first gen's meta info
+
+
+def test_text_iter_of_a_variable_a_later_gen_rewrites_streams_the_new_gen():
+    backend = CountingBackend(hold_word="r1")
+
+    @lmnb.function
+    def twice(s):
+        s += "Q: " + gen("x", max_tokens=4) + "\n"
+        s["x"]
+        s += "Q: " + gen("x", max_tokens=4) + "\n"
+        return list(s.text_iter("x"))
+
+    threading.Thread(target=lambda: release_once_held(backend), daemon=True).start()
+    state = with_timeout(lambda: twice.run(backend=backend))
+    assert state.ret_value == ["r2"]  # was ["r1"]: the first gen's value, as if final

@@ -245,8 +245,8 @@ class StreamExecutor:
         streaming = self._streaming
         if var is None:
             already, finished = self.text_, False
-        elif var in self.variables:
-            already, finished = self.variables[var], True
+        elif var in self._finished:  # not a variable a submitted gen writes again
+            already, finished = self.variables.get(var, ""), True
         elif streaming is not None and streaming[0] == var:
             already, finished = self.text_[streaming[1]:], False
         else:
