@@ -55,6 +55,19 @@ def test_separate_reasoning_arguments():
     assert split_reasoning(["<think>a</think>B", "C"], "qwen3") == (["B", "C"], ["a", ""])
 
 
+def test_separate_reasoning_strips_as_sglangs_parser():
+    from lmnb.lang.reasoning import split_reasoning
+
+    # As SGLang's detect_and_parse: start markers dropped, the text and the answer stripped
+    # (was: answer "\n\nFour.", reasoning "\nTwo and two.\n")
+    assert split_reasoning("<think>\nTwo and two.\n</think>\n\nFour.", "qwen3") == (
+        "Four.", "Two and two.\n")
+    assert split_reasoning("\nTwo and two.\n</think>\n\nFour.\n", "deepseek-r1") == (
+        "Four.", "Two and two.\n")
+    assert split_reasoning("  <think>\ncut off ", "qwen3") == ("", "cut off")
+    assert split_reasoning(" plain answer ", "qwen3") == (" plain answer ", "")
+
+
 # ---- a @function calling another ----------------------------------------------------------------
 @sgl.function
 def expert_answer(s, topic, style="in one word"):

@@ -7,9 +7,10 @@ thinking part and the rest.
 
 Each model type names its markers and whether the output starts inside the reasoning without an
 opening marker (DeepSeek-R1 writes no "<think>": everything before "</think>" is reasoning). The
-split follows SGLang's non-streaming reasoning parser: leading start markers are dropped; with no
+split follows SGLang's non-streaming reasoning parser: start markers are dropped and the text
+stripped, as is the answer ("<think>\nA\n</think>\n\nB" -> reasoning "A\n", answer "B"); with no
 end marker the whole output is reasoning (cut off while thinking); an output that never enters
-reasoning is all answer, with an empty reasoning part.
+reasoning is all answer, unstripped, with an empty reasoning part.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ class ReasoningFormat:
         """(reasoning, answer) of one output."""
         if not (self.starts_in_reasoning or self.start in text):
             return "", text
-        while text.startswith(self.start):
-            text = text[len(self.start):]
+        text = text.replace(self.start, "").strip()
         reasoning, found, answer = text.partition(self.end)
-        return (reasoning, answer) if found else (text, "")
+        return (reasoning, answer.strip()) if found else (text, "")
 
 
 _THINK = ("<think>", "</think>")
