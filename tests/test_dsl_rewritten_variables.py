@@ -161,3 +161,33 @@ def test_text_iter_of_a_variable_a_later_gen_rewrites_streams_the_new_gen():
     threading.Thread(target=lambda: release_once_held(backend), daemon=True).start()
     state = with_timeout(lambda: twice.run(backend=backend))
     assert state.ret_value == ["r2"]  # was ["r1"]: the first gen's value, as if final
+
+
+def test_a_read_after_several_gens_writing_a_variable_waits_for_the_last():
+    backend = CountingBackend(hold_word="R: ")  # the second gen is held, the first is not
+
+    @lmnb.function
+    def steps(s):
+        s += "Q: " + gen("x", max_tokens=4) + "\n"
+        s += "R: " + gen("x", max_tokens=4) + "\n"
+        return s["x"]
+
+    threading.Thread(target=lambda: release_once_held(backend), daemon=True).start()
+    state = with_timeout(lambda: steps.run(backend=backend))
+    assert state.ret_value == "r2"  # was "r1": the first gen's end marked "x" final
+
+
+def test_a_gen_after_a_join_that_gathers_its_variable_is_waited_for():
+    backend = CountingBackend(hold_word="after")
+
+    @lmnb.function
+    def gathered(s):
+        forks = s.fork(2)
+        forks += "F: " + gen("y", max_tokens=4)
+        s.join(forks)
+        s += "after: " + gen("y", max_tokens=4)
+        return s["y"]
+
+    threading.Thread(target=lambda: release_once_held(backend), daemon=True).start()
+    state = with_timeout(lambda: gathered.run(backend=backend))
+    assert state.ret_value == "r3"  # SGLang keeps a variable the parent has: the gen's value

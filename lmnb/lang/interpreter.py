@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from functools import singledispatchmethod
 from typing import TYPE_CHECKING, Any
@@ -130,6 +130,7 @@ class StreamExecutor:
         self._spec: Speculation | None = None  # API speculation: what the model should write next
         self._spec_turn: int | None = None  # chat: the turn (its start) speculated already
         self._finished: set[str] = set()  # variables whose value is final
+        self._last_write: dict[str, int] = {}  # per variable, the last item submitted writing it
         self._listeners = TextListeners()
         self._waiters: list[asyncio.Future[None]] = []  # loop-side waits, woken on any progress
         # The queue: items appended from any thread, run in order by one task at a time.
@@ -152,16 +153,19 @@ class StreamExecutor:
         if self._closed:
             raise ProgramError("this program state is closed")
         # a variable written again is not final until the new value is (SGLang's submit resets
-        # its event): `s += gen("x"); s["x"]` in a loop reads each gen's own value
-        self._finished.difference_update(written_names(expr))
-        self._push(expr)
+        # its event): `s += gen("x"); s["x"]` in a loop reads each gen's own value, and a read
+        # after several gens writing it, the last one's
+        self._push(expr, written_names(expr))
 
     def close(self) -> None:
         """Ends the state once what was submitted has run (later submits are dropped)."""
         self._push(_CLOSE)
 
-    def _push(self, item: Any) -> None:
+    def _push(self, item: Any, writes: Collection[str] = ()) -> None:
         with self._lock:
+            for name in writes:
+                self._last_write[name] = self._submitted
+            self._finished.difference_update(writes)
             self._items.append(item)
             self._submitted += 1
             if self._draining:
@@ -360,7 +364,9 @@ class StreamExecutor:
             await waiter
 
     def _finish_var(self, name: str) -> None:
-        self._finished.add(name)
+        with self._lock:  # final unless a later item (`_done`: the one running) writes it
+            if self._last_write.get(name, -1) <= self._done:
+                self._finished.add(name)
         if self._listeners:
             self._listeners.finish(name)
         if self._waiters:
