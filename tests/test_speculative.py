@@ -273,7 +273,7 @@ def test_regex_drafts_pass_the_fsm_and_jump_forward_still_applies(runtimes) -> N
 
 def test_sampling_with_speculation_stays_in_the_support_and_frees_kv(runtimes) -> None:
     _, spec = runtimes
-    outs = spec.generate([COPY_PROMPTS[0]] * 4, {"temperature": 0.8, "top_k": 5,
+    outs = spec.generate([COPY_PROMPTS[0]] * 4, {"temperature": 0.5, "top_k": 5,
                                                  "max_new_tokens": 32},
                          return_logprob=True, top_logprobs_num=5)
     assert sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs) > 0
@@ -504,3 +504,15 @@ def test_a_seeded_sampled_request_gives_the_same_text_with_a_corpus_of_its_own(r
     want = base.generate(COPY_PROMPTS[0], params)["output_ids"]
     assert spec.generate(COPY_PROMPTS[0], params)["output_ids"] == want
     assert spec.generate(COPY_PROMPTS[0], params)["output_ids"] == want  # now in the corpus
+
+
+def test_a_seeded_sampled_request_beside_drafting_requests_gives_the_same_text(runtimes) -> None:
+    """A seeded sampled request that does not draft, in a verify pass of requests that do,
+    draws its token as a decode step would (its seed's stream does not follow the batch)."""
+    base, spec = runtimes
+    seeded = {"temperature": 0.7, "top_k": 5, "max_new_tokens": 40, "seed": 11}
+    want = base.generate(COPY_PROMPTS[1], seeded)["output_ids"]
+    outs = spec.generate([COPY_PROMPTS[0], COPY_PROMPTS[1]], [GREEDY, seeded])
+    assert outs[0]["meta_info"].get("spec_verify_ct", 0) > 0
+    assert outs[1]["output_ids"] == want
+    spec.check_integrity()

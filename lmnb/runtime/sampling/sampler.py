@@ -62,7 +62,7 @@ class Sampler:
         other adjustment. No host sync: the result's `synchronize()` is the step's one wait."""
         raw = self._raw(logits, info)
         work = self._adjusted(raw, info, bitmask)
-        ids = _greedy_ids(work) if info.all_greedy else self._draw(work, info)
+        ids = _greedy_ids(work) if info.all_greedy else self.draw(work, info)
         packed = _token_logprobs(raw, ids, info) if info.need_logprobs else None
         return SampleOutput(ids, packed_logprobs=packed, top_width=info.max_top_logprobs,
                             top_logprobs_nums=info.top_logprobs_nums, label=info.label,
@@ -131,12 +131,13 @@ class Sampler:
         stuck = (blocked == _NEG_INF).all(dim=-1, keepdim=True)
         return torch.where(stuck, work, blocked)
 
-    def _draw(self, work: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """[bs] ids of a batch with sampled rows (MASKED / NOT_FINITE for rows that cannot be
-        sampled): greedy rows take their first maximal logit, the others race above their floor
-        (min-p; cut rows: `thresholds`). Seeded rows take their seed from their own generator.
-        On a GPU one read of each row gives the draws, the greedy rows' ids and every row's
-        verdict (`race.sample_rows`), after the cut rows' threshold passes."""
+    def draw(self, work: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """[bs] ids of a batch with sampled rows from `work` (`adjusted_logits`; MASKED /
+        NOT_FINITE for rows that cannot be sampled): greedy rows take their first maximal logit,
+        the others race above their floor (min-p; cut rows: `thresholds`). Seeded rows take their
+        seed from their own generator. On a GPU one read of each row gives the draws, the greedy
+        rows' ids and every row's verdict (`race.sample_rows`), after the cut rows' threshold
+        passes."""
         seeds = row_seeds(info.batch_size, info.generators, work.device)
         full, cut, race = info.full, info.cut, info.race
         assert race is not None

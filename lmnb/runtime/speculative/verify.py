@@ -57,15 +57,6 @@ def draft_bitmasks(rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]],
     return stack_bitmasks(masks, info.num_words)
 
 
-def _uniforms(info: SamplingBatchInfo, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two uniforms per row; seeded rows draw theirs from their own generator."""
-    uniform = torch.rand(2, info.batch_size, device=device)
-    for row, generator in info.generators:
-        uniform[:, row] = torch.rand(2, generator=generator,
-                                     device=generator.device).to(device)
-    return uniform[0], uniform[1]
-
-
 def _sampled_rows(info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:
     sampled = torch.zeros(info.batch_size, dtype=torch.bool, device=device)
     for group in (info.full, info.cut):
@@ -89,9 +80,12 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, info: SamplingBatchInf
     if info.all_greedy:
         accepted, token = greedy_accepted, greedy_ids
     else:
+        # Rows without a draft draw as a decode step would (a seeded row, which never drafts,
+        # from its own generator); a rejected draft's row resamples from the residual.
         probs = sampler.probabilities(work, info, greedy_ids)
-        u_accept, u_draw = _uniforms(info, device)
-        accepted, token = accept_or_resample(probs, draft_ids, u_accept, u_draw)
+        u_accept, u_draw = torch.rand(2, info.batch_size, device=device)
+        accepted, resampled = accept_or_resample(probs, draft_ids, u_accept, u_draw)
+        token = torch.where(has_draft, resampled, sampler.draw(work, info))
         sampled = _sampled_rows(info, device)
         accepted = torch.where(sampled, accepted, greedy_accepted)
         token = torch.where(sampled, token, greedy_ids)
