@@ -403,6 +403,7 @@ def test_a_custom_backend_subclassing_base_backend():
         s += sgl.gen("count", max_tokens=7, stop="\n", temperature=0.5)
         s += " Pick:" + sgl.select("pick", ["x", "yyy", "zz"],
                                    choices_method=sgl.greedy_token_selection)
+        s += sgl.gen("default_pick", choices=["a", "bb"], choices_method=None)  # SGLang's default
         forks = s.fork(2)
         forks += sgl.gen("branch", max_tokens=2)
         forks.join()
@@ -414,8 +415,9 @@ def test_a_custom_backend_subclassing_base_backend():
     assert state["pick"] == "yyy"
     assert state.get_meta_info("pick") == {"method": "greedy_token_selection",
                                            "prompt": "Tell me about cats. 4 words Pick:"}
+    assert state.get_meta_info("default_pick")["method"] == "token_length_normalized"
     assert state["branch"] == [" 7 words", " 7 words"]
-    assert state.text() == "Tell me about cats. 4 words Pick:yyy"
+    assert state.text() == "Tell me about cats. 4 words Pick:yyybb"
     kinds = [call[0] for call in backend.calls]
     assert ("generate", 7, ["\n"], 0.5) in backend.calls
     assert ("commit", state.text()) in backend.calls and ("fork", 2, state.text()) in backend.calls

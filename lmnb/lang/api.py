@@ -77,7 +77,7 @@ def gen(
     return_text_in_logprobs: bool | None = None,
     dtype: type | str | None = None,
     choices: Sequence[str] | None = None,
-    choices_method: str = "token_length_normalized",
+    choices_method: str | None = None,
     regex: str | None = None,
     json_schema: Any = None,
     seed: int | None = None,
@@ -93,8 +93,8 @@ def gen(
     the output. With
     `return_logprob`, logprobs in `meta_info` are `(logprob, token_id)` pairs, or
     `(logprob, token_id, text)` with `return_text_in_logprobs` (SGLang's triples)."""
-    if choices is not None:
-        return select(name, choices, choices_method=choices_method)
+    if choices is not None:  # a select; no choices_method: its default, as SGLang's gen
+        return select(name, choices, choices_method=choices_method or "token_length_normalized")
     if dtype is not None:
         kind = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         if kind not in DTYPE_REGEXES:
