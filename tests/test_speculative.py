@@ -382,6 +382,9 @@ def test_speculative_options_are_validated() -> None:
         EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1)
     with pytest.raises(ValueError, match="speculative_verify_mode"):
         EngineConfig(speculative_algorithm="NGRAM", speculative_verify_mode="tree")
+    # a continuation matches >= 2 context tokens: a depth of 1 would never draft
+    with pytest.raises(ValueError, match="speculative_ngram_max_trie_depth must be >= 2"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_ngram_max_trie_depth=1)
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(speculative_algorithm="NGRAM", tp_size=2)
     from lmnb.__main__ import build_parser

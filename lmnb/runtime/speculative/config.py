@@ -14,6 +14,9 @@ VERIFY_MODES = ("auto", "extend", "decode")
 DEFAULT_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM
 
 
+NGRAM_MIN_MATCH = 2  # context tokens a continuation must match (one token alone rarely predicts)
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """`num_draft_tokens` counts, as in SGLang, the verify pass's positions: the request's last
@@ -53,7 +56,7 @@ class SpeculativeConfig:
         _at_least("speculative_ngram_min_bfs_breadth", self.ngram_min_bfs_breadth, 1)
         _at_least("speculative_ngram_max_bfs_breadth", self.ngram_max_bfs_breadth,
                   self.ngram_min_bfs_breadth)
-        _at_least("speculative_ngram_max_trie_depth", self.ngram_max_trie_depth, 1)
+        _at_least("speculative_ngram_max_trie_depth", self.ngram_max_trie_depth, NGRAM_MIN_MATCH)
         _at_least("speculative_ngram_capacity", self.ngram_capacity, 1)
         _at_least("speculative_max_batch_size", self.max_batch_size, 1)
         if self.ngram_match_type not in MATCH_TYPES:

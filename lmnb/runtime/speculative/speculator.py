@@ -20,12 +20,10 @@ import torch
 from lmnb.runtime.core import Batch, ForwardMode, Req
 from lmnb.runtime.fsm.protocol import Grammar
 from lmnb.runtime.scheduler.request_state import ReqState
-from lmnb.runtime.speculative.config import SpeculativeConfig
+from lmnb.runtime.speculative.config import NGRAM_MIN_MATCH, SpeculativeConfig
 from lmnb.runtime.speculative.cost import PassCost
 from lmnb.runtime.speculative.gate import RequestGate, best_draft_length
 from lmnb.runtime.speculative.ngram import NgramCorpus, TokenSequence
-
-MIN_MATCH = 2  # context tokens a continuation must match (one token alone rarely predicts)
 
 
 @dataclass(slots=True)
@@ -258,7 +256,7 @@ class NgramSource:
 
     def _find(self, sequence: TokenSequence, k: int) -> list[int]:
         config = self.config
-        options = dict(k=k, max_depth=config.ngram_max_trie_depth, min_depth=MIN_MATCH,
+        options = dict(k=k, max_depth=config.ngram_max_trie_depth, min_depth=NGRAM_MIN_MATCH,
                        prefer_frequent=config.ngram_match_type == "PROB")
         own = sequence.find(sequence.tokens, periodic=True, **options)
         if own is not None and own.depth >= config.ngram_max_trie_depth:
