@@ -74,6 +74,29 @@ def test_ignore_lists_written_for_llava_names_are_honoured():
     assert quant.quantizes("layers.11.mlp.down_proj") and quant.quantizes("layers.1.mlp.up_proj")
 
 
+def test_ignore_regexes_match_from_the_start_of_a_name(tiny_models, tmp_path):
+    """compressed-tensors (and vLLM, SGLang) match an `ignore` 're:' entry with `re.match`: a
+    prefix such as 're:model.layers.1' leaves every linear of layer 1 16-bit, and the loader keeps
+    that layer's 16-bit weights as they are instead of quantizing them."""
+    quant = checkpoint_quantization({"quant_method": "compressed-tensors",
+                                     "config_groups": {"g": _group(False)},
+                                     "ignore": ["lm_head", "re:model.layers.1"]})
+    assert not quant.quantizes("layers.1.mlp.down_proj")
+    assert quant.quantizes("layers.0.mlp.down_proj")
+    out = write_fp8_checkpoint(tiny_models["llama-gqa"], tmp_path / "fp8",
+                               calib=torch.arange(3, 19), skip_layers=(1,))
+    config_file = out / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", "re:model.layers.1"]
+    config_file.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="reference path"):
+        model = _load(out, loader.load_model_config(out))
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8
+    kept = model.model.layers[1]
+    assert kept.mlp.down_proj.weight_scale is None and kept.self_attn.qkv_proj.weight_scale is None
+    assert kept.mlp.gate_up_proj.weight.dtype == torch.float32
+
+
 def test_weight_only_linear_keeps_activations_16_bit():
     """W8A16 for many rows: the dequantized weight times the unquantized activations (not the
     W8A8 reference, whose per-token FP8 activations change the result)."""

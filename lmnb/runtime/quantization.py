@@ -58,14 +58,16 @@ class Fp8Config:
         """Whether decoder linear `module` (named as in a Llama checkpoint without its prefix:
         'layers.3.mlp.down_proj') is FP8, i.e. not in the checkpoint's `ignore` list: full
         names or 're:' regular expressions, written for the decoder under any of its
-        checkpoint names (`DECODER_PREFIXES`: Llama's, or LLaVA's language model's). An entry
+        checkpoint names (`DECODER_PREFIXES`: Llama's, or LLaVA's language model's); a regular
+        expression matches from the name's start (`re.match`, as compressed-tensors and vLLM
+        match: 're:model.layers.0.mlp' ignores that layer's MLP linears). An entry
         naming another module with the same tail (the vision tower's 'layers.3.self_attn.q_proj')
         is not the decoder's."""
         names = [prefix + module for prefix in DECODER_PREFIXES]
         for entry in self.ignored:
             if entry.startswith("re:"):
                 pattern = re.compile(entry[3:])
-                if any(pattern.fullmatch(name) for name in names):
+                if any(pattern.match(name) for name in names):
                     return False
             elif entry in names:
                 return False
