@@ -97,6 +97,31 @@ def test_ignore_regexes_match_from_the_start_of_a_name(tiny_models, tmp_path):
     assert kept.mlp.gate_up_proj.weight.dtype == torch.float32
 
 
+def test_only_the_linears_a_config_group_targets_are_fp8(tiny_models, tmp_path):
+    """A compressed-tensors checkpoint quantizes only its config groups' `targets` (class names
+    such as 'Linear', full names, 're:' expressions): the linears none of them names keep the
+    checkpoint's 16-bit weights (they were quantized at load)."""
+    group = {**_group(False), "targets": ["re:.*self_attn"]}
+    quant = checkpoint_quantization({"quant_method": "compressed-tensors",
+                                     "config_groups": {"g": group}})
+    assert quant.quantizes("layers.0.self_attn.o_proj")
+    assert not quant.quantizes("layers.0.mlp.down_proj")
+    out = write_fp8_checkpoint(tiny_models["llama-gqa"], tmp_path / "fp8",
+                               calib=torch.arange(3, 19), skip_layers=(1,))
+    config_file = out / "config.json"
+    config = json.loads(config_file.read_text())
+    qc = config["quantization_config"]
+    qc["config_groups"]["group_0"]["targets"] = ["re:model\\.layers\\.0\\."]
+    qc["ignore"] = ["lm_head"]
+    config_file.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="reference path"):
+        model = _load(out, loader.load_model_config(out))
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8
+    kept = model.model.layers[1]
+    assert kept.mlp.down_proj.weight_scale is None and kept.self_attn.qkv_proj.weight_scale is None
+    assert kept.mlp.gate_up_proj.weight.dtype == torch.float32
+
+
 def test_weight_only_linear_keeps_activations_16_bit():
     """W8A16 for many rows: the dequantized weight times the unquantized activations (not the
     W8A8 reference, whose per-token FP8 activations change the result)."""

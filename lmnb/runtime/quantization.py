@@ -46,32 +46,41 @@ class Fp8Config:
 
     `prequantized`: the checkpoint holds FP8 weights and their `weight_scale` (compressed-tensors;
     per channel or per tensor, which becomes per channel); else 16/32-bit weights are quantized
-    while they load. `ignored`: the checkpoint's `ignore` list (modules it left unquantized)."""
+    while they load. `ignored`: the checkpoint's `ignore` list (modules it left unquantized);
+    `targets`: its config groups' targets (the modules it quantized; empty: every linear)."""
 
     prequantized: bool = False
     weight_strategy: str = "channel"  # the checkpoint's: 'channel' | 'tensor'
     static_input_scale: bool = False  # the checkpoint has `input_scale` tensors (not used)
     ignored: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
     weight_only: bool = False  # W8A16: activations stay 16-bit (no `input_activations`)
 
     def quantizes(self, module: str) -> bool:
         """Whether decoder linear `module` (named as in a Llama checkpoint without its prefix:
-        'layers.3.mlp.down_proj') is FP8, i.e. not in the checkpoint's `ignore` list: full
-        names or 're:' regular expressions, written for the decoder under any of its
-        checkpoint names (`DECODER_PREFIXES`: Llama's, or LLaVA's language model's); a regular
-        expression matches from the name's start (`re.match`, as compressed-tensors and vLLM
-        match: 're:model.layers.0.mlp' ignores that layer's MLP linears). An entry
-        naming another module with the same tail (the vision tower's 'layers.3.self_attn.q_proj')
-        is not the decoder's."""
+        'layers.3.mlp.down_proj') is FP8, i.e. matched by one of the checkpoint's `targets`
+        (when it has any) and by no entry of its `ignore` list. Entries are full names, 're:'
+        regular expressions or, among targets, a class name ('Linear'), written for the decoder
+        under any of its checkpoint names (`DECODER_PREFIXES`: Llama's, or LLaVA's language
+        model's); a regular expression matches from the name's start (`re.match`, as
+        compressed-tensors and vLLM match: 're:model.layers.0.mlp' ignores that layer's MLP
+        linears). An entry naming another module with the same tail (the vision tower's
+        'layers.3.self_attn.q_proj') is not the decoder's."""
         names = [prefix + module for prefix in DECODER_PREFIXES]
-        for entry in self.ignored:
-            if entry.startswith("re:"):
-                pattern = re.compile(entry[3:])
-                if any(pattern.match(name) for name in names):
-                    return False
-            elif entry in names:
-                return False
-        return True
+        if self.targets and not any(_names_match(t, names) or t.lower() in _LINEAR_CLASS
+                                    for t in self.targets):
+            return False
+        return not any(_names_match(entry, names) for entry in self.ignored)
+
+
+_LINEAR_CLASS = "linear"  # a target naming the class of the modules (torch's `Linear`)
+
+
+def _names_match(entry: str, names: list[str]) -> bool:
+    if entry.startswith("re:"):
+        pattern = re.compile(entry[3:])
+        return any(pattern.match(name) for name in names)
+    return entry in names
 
 
 # LLaVA's decoder in its checkpoints: the llava-hf hub's layout (transformers < 4.52) and after
@@ -111,8 +120,9 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None) -> Fp
     if not groups:
         raise UnsupportedQuantizationError("compressed-tensors quantization_config has no "
                                            "config_groups")
-    strategies, static, with_inputs = set(), False, set()
+    strategies, static, with_inputs, targets = set(), False, set(), []
     for name, group in groups.items():
+        targets.extend(str(t) for t in group.get("targets") or ())
         weights = group.get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise UnsupportedQuantizationError(
@@ -140,7 +150,7 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None) -> Fp
     ignored = tuple(str(n) for n in quantization_config.get("ignore") or ())
     return Fp8Config(prequantized=True,
                      weight_strategy="tensor" if "tensor" in strategies else "channel",
-                     static_input_scale=static, ignored=ignored,
+                     static_input_scale=static, ignored=ignored, targets=tuple(targets),
                      weight_only=with_inputs == {False})
 
 
