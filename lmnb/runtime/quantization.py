@@ -93,15 +93,15 @@ DECODER_PREFIXES = ("", "model.", *LLAVA_DECODER_PREFIXES)
 
 def module_quantization(quant: Fp8Config | None, modules: list[str]) -> Fp8Config | None:
     """The FP8 config of one linear made of checkpoint `modules` (q/k/v or gate/up fused):
-    None where the checkpoint's `ignore` leaves them 16-bit; an error where it leaves only
-    some of them (a fused weight has one format)."""
+    None where the checkpoint leaves them 16-bit (`Fp8Config.quantizes`); an error where it
+    leaves only some of them (a fused weight has one format)."""
     if quant is None:
         return None
     kept = {quant.quantizes(m) for m in modules}
     if len(kept) > 1:
         raise UnsupportedQuantizationError(
-            f"the checkpoint's ignore list leaves only some of {modules} unquantized; lmnb fuses "
-            "them into one FP8 or 16-bit weight")
+            f"the checkpoint's targets or ignore list leave only some of {modules} unquantized; "
+            "lmnb fuses them into one FP8 or 16-bit weight")
     return quant if kept == {True} else None
 
 
