@@ -48,7 +48,12 @@ RAW_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral-bare": {"model_type": "mistral"},
     "mistral-head-dim-null": {"model_type": "mistral", "head_dim": None,
                               "num_attention_heads": 16, "architectures": ["MistralForCausalLM"]},
+    "mistral-window": {"model_type": "mistral", "sliding_window": 512},
     "qwen2-bare": {"model_type": "qwen2"},
+    "qwen2-window-on-upper-layers": {"model_type": "qwen2", "use_sliding_window": True,
+                                     "sliding_window": 256, "max_window_layers": 20},
+    "qwen2-window-on-no-layer": {"model_type": "qwen2", "use_sliding_window": True,
+                                 "max_window_layers": 32},
     "qwen2-extras": {"model_type": "qwen2", "head_dim": 64, "attention_bias": False,
                      "use_sliding_window": True, "quantization_config": None},
     "llava-no-subconfigs": {"model_type": "llava"},
@@ -125,3 +130,22 @@ def test_autoconfig_fallback_serves_uncovered_model_types(tmp_path: Path) -> Non
     assert config == ModelConfig.from_hf(loader.load_config(folder).to_dict())
     assert (config.model_type, config.max_position_embeddings, config.num_kv_heads) == (
         "qwen3", 128, 2)
+
+
+@pytest.mark.parametrize(("fields", "context"), [
+    ({"model_type": "mistral"}, 4096),  # MistralConfig's default window
+    ({"model_type": "mistral", "sliding_window": None}, 4096 * 32),
+    ({"model_type": "mistral", "sliding_window": 512, "max_position_embeddings": 256}, 256),
+    ({"model_type": "qwen2", "sliding_window": 256}, 32768),  # use_sliding_window is off
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 256}, 256),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 256,
+      "max_window_layers": 32}, 32768),  # no layer at or past max_window_layers slides
+    ({"model_type": "llama", "sliding_window": 256}, 2048),  # Llama has no window
+])
+def test_a_sliding_window_bounds_the_context(tmp_path: Path, fields: dict[str, Any],
+                                             context: int) -> None:
+    """lmnb attends to the whole context: it serves a windowed model up to its window, where
+    the two agree, as vLLM does for models it runs without the window."""
+    folder = _write(tmp_path / "model", fields)
+    _assert_same(folder)
+    assert loader.load_model_config(folder).context_length == context

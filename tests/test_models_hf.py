@@ -111,3 +111,27 @@ def test_retraction_under_tiny_pool_keeps_tokens_exact(tiny_models, hf_models):
         rt.check_integrity()
         stats = rt.stats()
         assert stats["free_tokens"] + stats["evictable_tokens"] == 128  # nothing held
+
+
+def test_a_windowed_model_is_served_up_to_its_window(tiny_models, tmp_path):
+    """A Mistral with a 24-token sliding window: lmnb's full attention equals HF's windowed one
+    within the window, which bounds the context; a longer prompt is a clear error."""
+    import json
+    import shutil
+
+    from lmnb.params import InvalidRequestError
+
+    folder = tmp_path / "mistral-window"
+    shutil.copytree(tiny_models["mistral"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 24}))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert hf.config.sliding_window == 24
+    prompt = _prompts(1, seed=5)[0][:12]
+    with Runtime(folder, dtype="float32", device="cpu", max_total_tokens=512) as rt:
+        assert rt.context_len == 24
+        out = rt.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12,
+                                                             "temperature": 0})
+        assert out["output_ids"] == _hf_greedy(hf, prompt, 12)
+        with pytest.raises(InvalidRequestError, match="context length is 24"):
+            rt.generate(input_ids=list(range(3, 30)), sampling_params={"max_new_tokens": 1})

@@ -290,6 +290,23 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return ()
 
 
+def _sliding_window(text: Mapping[str, Any]) -> int | None:
+    """The decoder's attention window where any layer has one (Mistral's `sliding_window`;
+    Qwen2's with `use_sliding_window`, for the `layer_types` marked sliding), else None. Llama
+    has none, whatever its config.json says."""
+    if text.get("model_type") == "llama":
+        return None
+    window = text.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return None
+    layer_types = text.get("layer_types")
+    if isinstance(layer_types, list) and "sliding_attention" not in layer_types:
+        return None
+    if text.get("use_sliding_window") is False:
+        return None
+    return window
+
+
 def _rope(text: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling or None) from transformers 4 (`rope_theta` + `rope_scaling`) or 5
     (`rope_parameters`); the scaling dict has `rope_type` and no theta."""
@@ -463,6 +480,7 @@ class ModelConfig:
     video_token_id: int | None = None  # LLaVA-NeXT-Video
     multimodal: MultimodalConfig | None = None  # vision tower, projector, anyres, pooling
     quantization: Fp8Config | None = None  # FP8 decoder linears (the checkpoint's, or asked for)
+    sliding_window: int | None = None  # some layers attend to the last this many tokens only
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -476,6 +494,10 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
+        """The longest sequence served: the model's, or its sliding window where it has one
+        (lmnb's attention is full; within the window the two are the same)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
     @property
@@ -556,4 +578,5 @@ class ModelConfig:
             video_token_id=multimodal.video_token_id if multimodal else None,
             multimodal=multimodal,
             quantization=checkpoint_quantization(hf_config.get("quantization_config")),
+            sliding_window=_sliding_window(text),
         )

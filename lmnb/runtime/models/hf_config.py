@@ -32,12 +32,13 @@ _MISTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num
                 num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
                 max_position_embeddings=4096 * 32, initializer_range=0.02, rms_norm_eps=1e-6,
                 bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rope_parameters=None,
-                dtype=None)
+                sliding_window=4096, dtype=None)
 _QWEN2 = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
               num_attention_heads=32, num_key_value_heads=32, hidden_act="silu",
               max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
               tie_word_embeddings=False, rope_parameters=None, bos_token_id=None,
-              eos_token_id=None, dtype=None)
+              eos_token_id=None, use_sliding_window=False, sliding_window=4096,
+              max_window_layers=28, layer_types=None, dtype=None)
 _CLIP_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                     num_attention_heads=12, num_channels=3, image_size=224, patch_size=32,
                     hidden_act="quick_gelu", layer_norm_eps=1e-5, dtype=None)
@@ -65,6 +66,13 @@ def _llama_post_init(fields: dict[str, Any]) -> None:
 def _qwen2_post_init(fields: dict[str, Any]) -> None:
     if fields["num_key_value_heads"] is None:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if not fields["use_sliding_window"]:
+        fields["sliding_window"] = None
+    if fields["layer_types"] is None:
+        fields["layer_types"] = [
+            "sliding_attention" if fields["sliding_window"] is not None
+            and i >= fields["max_window_layers"] else "full_attention"
+            for i in range(fields["num_hidden_layers"])]
 
 
 _DECODERS: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any]], None]]] = {
