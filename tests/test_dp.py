@@ -273,6 +273,26 @@ def test_dp_streams_like_one_runtime(dp, single) -> None:
     assert list(zip(texts, ids, strict=True)) == _texts_and_ids(expected)
 
 
+def test_aborting_one_request_of_a_dp_stream_ends_it_alone(dp) -> None:
+    """`OutputStream.abort(rid)` (the server's `/abort_request`) ends that request with
+    finish_reason abort and the others go on, as on one runtime (it cancelled every replica's
+    call and delivered nothing: the reader waited forever)."""
+    long_params = {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}
+    stream = dp.generate(PROMPTS[:3], [long_params, GREEDY, GREEDY], stream=True)
+    finishes: dict[int, str] = {}
+    with stream:
+        first = stream.get(timeout=HANG_GUARD_S)
+        stream.abort(stream.rids[0])
+        chunk = first
+        while chunk is not None:
+            reason = chunk["meta_info"]["finish_reason"]
+            if reason is not None:
+                finishes[chunk["index"]] = reason["type"]
+            chunk = stream.get(timeout=HANG_GUARD_S)
+    assert finishes == {0: "abort", 1: "length", 2: "length"}
+    assert dp.stats()["router"]["in_flight"] == [0, 0]
+
+
 def test_dsl_runs_unchanged_and_branches_stay_on_one_replica(dp, single) -> None:
     import lmnb
     from lmnb.lang.backends.local import LocalBackend

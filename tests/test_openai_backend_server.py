@@ -11,7 +11,7 @@ pytest.importorskip("openai")
 server = pytest.importorskip("lmnb.server")
 
 import lmnb  # noqa: E402
-from lmnb import assistant, function, gen, system, user  # noqa: E402
+from lmnb import assistant, function, gen, select, system, user  # noqa: E402
 from lmnb.lang.backends.base import Backend  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
 
@@ -52,6 +52,23 @@ def test_api_and_local_backends_give_the_same_greedy_text(tiny):
         in_process = program.run(backend=local, temperature=0, **arguments)
         assert over_api.variables() == in_process.variables()
         assert api.token_usage.calls == (2 if not chat else 1)
+
+
+def test_select_over_the_api_picks_what_the_local_backend_picks(tiny):
+    """`select` scores choices by completions with `echo` + `logprobs`, which the lmnb server
+    refused (echo was a 400)."""
+    runtime, url = tiny
+
+    @function
+    def pick(s):
+        s += "The best colour is" + select("colour", choices=[" red", " green", " blue sky"])
+
+    api = lmnb.OpenAI("m", base_url=url, is_chat_model=False)
+    over_api = pick.run(backend=api)
+    in_process = pick.run(backend=lmnb.LocalBackend(runtime))
+    assert over_api["colour"] == in_process["colour"]
+    assert over_api.get_meta_info("colour")["normalized_prompt_logprobs"] == pytest.approx(
+        in_process.get_meta_info("colour")["normalized_prompt_logprobs"], abs=1e-4)
 
 
 @pytest.mark.slow

@@ -111,6 +111,38 @@ def test_completion_n_and_stop(client, rt):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_completion_echo_repeats_the_prompt_with_its_logprobs(client, rt):
+    """`echo` (with integer `logprobs`), as vLLM and SGLang serve it: the prompt before the
+    completion, its tokens' logprobs first (the first one null); it was a 400."""
+    prompt = "The sky is blue and"
+    direct = rt.generate(prompt, {"temperature": 0, "max_new_tokens": 3}, return_logprob=True,
+                         logprob_start_len=0, top_logprobs_num=1)
+    meta = direct["meta_info"]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == prompt + direct["text"]
+    pairs = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+    assert len(choice.logprobs.tokens) == out.usage.prompt_tokens + 3 == len(pairs)
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _ in pairs[1:]],
+                                                               abs=1e-4)
+    assert "".join(choice.logprobs.tokens) == choice.text
+    ids = rt.encode(prompt)
+    by_ids = client.completions.create(model="tiny", prompt=[ids, ids], max_tokens=3,
+                                       temperature=0, echo=True)
+    assert [c.text for c in by_ids.choices] == [rt.tokenizer.decode(ids) + direct["text"]] * 2
+    streamed = client.completions.create(model="tiny", prompt=[prompt, "Hi"], max_tokens=3,
+                                         temperature=0, echo=True, n=2, stream=True)
+    texts: dict[int, str] = {}
+    for event in streamed:
+        for c in event.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts[0] == texts[1] == prompt + direct["text"] and texts[2].startswith("Hi")
+    only = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True)
+    assert only.choices[0].text == prompt
+
+
 def test_streaming_chat_equals_whole(client):
     whole = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0,
                                            max_tokens=10)

@@ -187,17 +187,31 @@ def _chat_logprobs(meta: dict[str, Any], tokens: TokenPieces) -> dict[str, Any]:
     return {"content": content}
 
 
-def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces) -> dict[str, Any]:
-    texts, logprobs, offsets, top = [], [], [], []
+def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces,
+                         echo: bool = False) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of the output tokens; with `echo`, the prompt's tokens first
+    (the first of them has no logprob: null, as in vLLM)."""
+    texts: list[str] = []
+    logprobs: list[float | None] = []
+    offsets: list[int] = []
+    top: list[dict[str, float] | None] = []
     offset = 0
-    tops = meta.get("output_top_logprobs") or []
-    for i, (logprob, token_id) in enumerate(meta.get("output_token_logprobs") or []):
-        text = tokens.text(token_id)
-        texts.append(text)
-        logprobs.append(0.0 if logprob is None else logprob)
-        offsets.append(offset)
-        offset += len(text)
-        top.append({tokens.text(tid): lp for lp, tid in (tops[i] if i < len(tops) else [])})
+
+    def add(pairs: list[Any], tops: list[Any], prompt: bool) -> None:
+        nonlocal offset
+        for i, (logprob, token_id) in enumerate(pairs):
+            text = tokens.text(token_id)
+            texts.append(text)
+            first = prompt and logprob is None
+            logprobs.append(None if first else 0.0 if logprob is None else logprob)
+            offsets.append(offset)
+            offset += len(text)
+            row = tops[i] if i < len(tops) else None
+            top.append(None if first else {tokens.text(tid): lp for lp, tid in row or []})
+
+    if echo:
+        add(meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or [], True)
+    add(meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or [], False)
     return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": top,
             "text_offset": offsets}
 
@@ -223,27 +237,28 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        if body.echo:
-            raise APIError("echo is not supported", param="echo")
         if body.suffix:
             raise APIError("suffix is not supported", param="suffix")
         prompt, input_ids = _completion_prompt(body.prompt)
         top = body.logprobs or 0
+        with_logprobs = body.logprobs is not None
         stream = await open_stream(
             runtime, prompt, body.sampling_params(16 if body.max_tokens is None
                                                   else body.max_tokens),
-            input_ids=input_ids, return_logprob=body.logprobs is not None,
-            top_logprobs_num=top)
+            input_ids=input_ids, return_logprob=with_logprobs, top_logprobs_num=top,
+            logprob_start_len=0 if body.echo and with_logprobs else None)
+        echoed = _echoed(prompt, input_ids, runtime.tokenizer) if body.echo else None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse_response(_completion_events(stream, head, body.n, include_usage,
-                                                    body.logprobs is not None, tokens))
+                                                    with_logprobs, tokens, echoed))
         results = await collect(request, stream)
-        choices = [{"index": i, "text": r["text"],
-                    "logprobs": (_completion_logprobs(r["meta_info"], tokens)
-                                 if body.logprobs is not None else None),
+        choices = [{"index": i,
+                    "text": (echoed[i // body.n] if echoed else "") + r["text"],
+                    "logprobs": (_completion_logprobs(r["meta_info"], tokens, body.echo)
+                                 if with_logprobs else None),
                     "finish_reason": finish_type(r["meta_info"])}
                    for i, r in enumerate(results)]
         return {**head, "choices": choices, "usage": _usage(results, body.n)}
@@ -342,24 +357,40 @@ def _completion_prompt(prompt: Any) -> tuple[Any, Any]:
                    "of lists of token ids", param="prompt")
 
 
+def _echoed(prompt: Any, input_ids: Any, tokenizer: Any) -> list[str]:
+    """Each prompt's text as `echo` repeats it (prompts of ids decoded, as vLLM does)."""
+    if prompt is not None:
+        return [prompt] if isinstance(prompt, str) else list(prompt)
+    lists = input_ids if isinstance(input_ids[0], list) else [input_ids]
+    return [tokenizer.decode(ids) for ids in lists]
+
+
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(guarded(events, sse_error), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
 async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
-                             logprobs: bool, tokens: TokenPieces) -> AsyncIterator[str]:
+                             logprobs: bool, tokens: TokenPieces,
+                             echoed: list[str] | None) -> AsyncIterator[str]:
+    """A chunk per text delta of each choice (with `echo`, its prompt first), the finish reason
+    and logprobs in its last."""
     finals: dict[int, Chunk] = {}
+    started: set[int] = set()
     async for chunk in chunks(stream):
         meta = chunk["meta_info"]
         done = meta.get("finish_reason") is not None
         index = chunk_index(chunk)
         if done:
             finals[index] = chunk
-        if not chunk["text"] and not done:
+        text = chunk["text"]
+        if echoed and index not in started:
+            text = echoed[index // n] + text
+        if not text and not done:
             continue
-        choice = {"index": index, "text": chunk["text"],
-                  "logprobs": (_completion_logprobs(meta, tokens)
+        started.add(index)
+        choice = {"index": index, "text": text,
+                  "logprobs": (_completion_logprobs(meta, tokens, echoed is not None)
                                if logprobs and done else None),
                   "finish_reason": finish_type(meta) if done else None}
         yield sse({**head, "choices": [choice]})

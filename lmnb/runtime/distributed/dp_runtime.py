@@ -36,6 +36,7 @@ from lmnb.runtime.distributed.replica import (
     ProcessReplica,
     Replica,
     ReplicaDiedError,
+    output_names,
 )
 from lmnb.runtime.distributed.router import Router, RouterConfig
 from lmnb.runtime.media_requests import MediaInput
@@ -473,23 +474,30 @@ class DataParallelRuntime:
         rids = [next(self._rids) for _ in range(sum(counts))]
         single = not is_batch and len(rids) == 1
         calls: list[concurrent.futures.Future] = []
+        first = list(itertools.accumulate([0, *counts]))
+        keys = [f"lmnb-dp-{rids[first[p]]}" for p in range(len(token_lists))]
+        names: dict[int, tuple[int, str]] = {}  # rid -> (replica, its name there)
         output = OutputStream(rids, incremental=stream and incremental,
                               tagged=stream and not single,
-                              on_close=lambda _unfinished: self._cancel(calls),
+                              on_close=lambda unfinished: self._end(output, calls, names,
+                                                                    unfinished),
                               poll=self._check_open)
-        first = list(itertools.accumulate([0, *counts]))
         token_texts = (TokenTexts(self.tokenizer) if return_logprob and return_text_in_logprobs
                        else None)  # logprobs as (logprob, id, text) triples
         for replica in sorted(set(choices)):
             prompts = [p for p, c in enumerate(choices) if c == replica]
             request = {"input_ids": [token_lists[p] for p in prompts],
                        "sampling_params": [params_list[p] for p in prompts],
+                       "rid": [keys[p] for p in prompts],
                        "return_logprob": return_logprob,
                        "logprob_start_len": logprob_start_len,
                        "top_logprobs_num": top_logprobs_num,
                        "return_token_origins": return_token_origins}
             outputs = [(rids[first[p] + k], token_lists[p]) for p in prompts
                        for k in range(counts[p])]
+            names.update(zip((rid for rid, _ in outputs),
+                             ((replica, name) for name in output_names(
+                                 request["rid"], [counts[p] for p in prompts])), strict=True))
             call = self._loop.spawn(self._serve(replica, request, output.incremental, outputs,
                                                 output, token_texts=token_texts))
             calls.append(call)
@@ -507,10 +515,24 @@ class DataParallelRuntime:
         call per replica, served by the replica's own runtime as it arrives."""
         yield
 
-    @staticmethod
-    def _cancel(calls: list[concurrent.futures.Future]) -> None:
-        for call in calls:
-            call.cancel()
+    def _end(self, output: OutputStream, calls: list[concurrent.futures.Future],
+             names: dict[int, tuple[int, str]], unfinished: list[int]) -> None:
+        """A closed stream cancels its calls (the replicas abort what they serve); an abort of
+        some of its requests asks their replicas to end them, and their last chunks (finish
+        reason abort) still arrive."""
+        if output.closed:
+            for call in calls:
+                call.cancel()
+            return
+        for rid in unfinished:
+            replica, name = names[rid]
+            self._loop.spawn(self._abort(replica, name))
+
+    async def _abort(self, replica: int, name: str) -> None:
+        try:
+            await self.replicas[replica].abort(name)
+        except Exception:  # a replica that died fails the request's own call
+            pass
 
     async def _serve(self, replica: int, request: dict[str, Any], stream: bool,
                      outputs: list[tuple[int, list[int]]], output: OutputStream, *,

@@ -15,7 +15,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lmnb.runtime.distributed.replica import ReplicaDiedError, ReplicaError
+from lmnb.runtime.distributed.replica import ReplicaDiedError, ReplicaError, output_names
 
 Chunk = dict[str, Any]
 
@@ -27,6 +27,7 @@ class ReplicaActor:
         from lmnb.runtime.engine import Runtime
 
         self.runtime = Runtime(model_path, **options)
+        self._open_outputs: dict[str, tuple[Any, int]] = {}  # name -> (stream, engine rid)
 
     async def info(self) -> dict[str, Any]:
         import ray
@@ -44,18 +45,41 @@ class ReplicaActor:
             top_logprobs_num=request.get("top_logprobs_num"),
             return_token_origins=request.get("return_token_origins", False), stream=True)
 
+    def _name(self, request: dict[str, Any], stream: Any) -> list[str]:
+        """Registers the request's outputs under their names (`abort` finds them)."""
+        counts = [params.get("n", 1) for params in request["sampling_params"]]
+        names = output_names(request["rid"], counts) if request.get("rid") else []
+        self._open_outputs.update(zip(names, ((stream, rid) for rid in stream.rids), strict=False))
+        return names
+
+    def _forget(self, names: list[str]) -> None:
+        for name in names:
+            self._open_outputs.pop(name, None)
+
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[Chunk]:
         """Incremental chunks, tagged with `index` (a Ray streaming generator)."""
         stream = await self._open(request)
+        names = self._name(request, stream)
         try:
             async for chunk in stream:
                 yield chunk
         finally:
+            self._forget(names)
             stream.close()  # cancelled or done: unfinished requests are aborted
 
     async def generate_whole(self, request: dict[str, Any]) -> list[Chunk]:
         stream = await self._open(request)
-        return await stream.aresults()  # a cancelled await closes the stream (aborts)
+        names = self._name(request, stream)
+        try:
+            return await stream.aresults()  # a cancelled await closes the stream (aborts)
+        finally:
+            self._forget(names)
+
+    async def abort(self, name: str) -> None:
+        """Ends the output `name` with finish_reason abort (a finished one: nothing)."""
+        if name in self._open_outputs:
+            stream, rid = self._open_outputs[name]
+            stream.abort(rid)
 
     async def cache_events(self, since: int) -> dict[str, Any]:
         return await asyncio.to_thread(self.runtime.cache_events, since)
@@ -172,6 +196,9 @@ class RayReplica:
             return await getattr(self.actor, method).remote(*args)
         except ray.exceptions.RayError as error:
             raise self._error(error) from None
+
+    async def abort(self, name: str) -> None:
+        await self._call("abort", name)
 
     async def cache_events(self, since: int) -> dict[str, Any]:
         return await self._call("cache_events", since)

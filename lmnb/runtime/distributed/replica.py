@@ -45,8 +45,9 @@ class Replica(Protocol):
     for the request's outputs (`index` counts outputs in order, `n` samples per prompt
     consecutive): incremental ones with `stream=True`, one whole chunk per output at its end
     otherwise. Logprobs come as `(logprob, token_id)` pairs, as `Runtime.generate` gives them.
-    Cancelling the consuming task aborts the replica's requests. A dead replica raises
-    `ReplicaDiedError`."""
+    Cancelling the consuming task aborts the replica's requests; `abort(name)` ends one of them
+    (named by `output_names` from the request's `rid` keys) with finish_reason `abort`, which
+    its stream still delivers. A dead replica raises `ReplicaDiedError`."""
 
     index: int
     description: str
@@ -54,12 +55,20 @@ class Replica(Protocol):
     max_total_tokens: int
 
     def generate(self, request: dict[str, Any], *, stream: bool) -> AsyncIterator[Chunk]: ...
+    async def abort(self, name: str) -> None: ...
     async def cache_events(self, since: int) -> dict[str, Any]: ...
     async def stats(self) -> dict[str, Any]: ...
     async def flush_cache(self) -> bool: ...
     async def aclose(self) -> None: ...
     def begin_close(self) -> None: ...
     def close(self) -> None: ...
+
+
+def output_names(keys: list[str], counts: list[int]) -> list[str]:
+    """The name of each output of a request whose prompts have `rid` `keys` and `counts`
+    samples (SGLang's: the key itself, or `key_k` for sample k of `n` > 1), in output order."""
+    return [key if n == 1 else f"{key}_{k}" for key, n in zip(keys, counts, strict=True)
+            for k in range(n)]
 
 
 def as_pairs(meta: dict[str, Any]) -> dict[str, Any]:
@@ -244,6 +253,14 @@ class ProcessReplica:
         if response.status_code != 200:
             raise self._request_error(response.status_code, response.text)
         return response.json()
+
+    async def abort(self, name: str) -> None:
+        import httpx
+
+        try:
+            await self._http().post("/abort_request", json={"rid": name})
+        except httpx.TransportError:  # a dead replica fails the request's call itself
+            pass
 
     async def cache_events(self, since: int) -> dict[str, Any]:
         return await self._get("/lmnb/cache_events", since=since)
