@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmnb.params import InvalidRequestError
 from lmnb.runtime.distributed.events import CacheEventLog
 from lmnb.runtime.distributed.meta_tree import MetaTree
 from lmnb.runtime.distributed.replica import ReplicaDiedError
@@ -320,6 +321,14 @@ def test_dsl_runs_unchanged_and_branches_stay_on_one_replica(dp, single) -> None
     assert {state["ranks"][0] for state in states} == {0, 1}
     stats = dp.stats()["router"]
     assert stats["cache_routed"] >= 3 * len(topics)  # branches followed their trunk's prefix
+
+    @lmnb.function
+    def fixed(s):
+        s += "A constant preamble every run shares. " + lmnb.gen("x", max_tokens=2)
+
+    with pytest.raises(InvalidRequestError, match="pin_prefix is not supported with dp_size"):
+        fixed.pin(backend=LocalBackend(dp))  # was an AttributeError
+    assert not dp.unpin_prefix(0)
 
 
 def _few_shot_prompts(tokenizer, *, prefixes: int = 4, questions: int = 8) -> list[str]:

@@ -433,6 +433,18 @@ class DataParallelRuntime:
             raise InvalidRequestError("cache_prefix takes one prompt")
         return out["meta_info"]["prompt_tokens"]
 
+    def pin_prefix(self, prompt: str | None = None, *,
+                   input_ids: Sequence[int] | None = None) -> int:
+        """Not served: each replica has a cache of its own, and a pin would hold one of them
+        while the router may send the prefix's requests to another."""
+        raise InvalidRequestError("pin_prefix is not supported with dp_size > 1 (each replica "
+                                  "caches on its own); cache_prefix caches a prefix on the "
+                                  "replica its requests are routed to")
+
+    def unpin_prefix(self, pin_id: int) -> bool:
+        """No pins are held (`pin_prefix`)."""
+        return False
+
     def generate(
         self,
         prompt: PromptInput = None,
