@@ -5,20 +5,28 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lmnb.server.errors import error_body
+from lmnb.server.streams import ServedRuntime
 
 
-def make_router(runtime: Any, model_name: str) -> APIRouter:
+@runtime_checkable
+class CacheEventSource(Protocol):
+    """A runtime whose prefix cache reports its events (`Runtime`; not a data-parallel one)."""
+
+    def cache_events(self, since: int) -> dict[str, Any]: ...
+
+
+def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
 
     @router.get("/lmnb/cache_events", response_model=None)
     async def cache_events(since: int = 0) -> Any:
-        if not hasattr(runtime, "cache_events"):
+        if not isinstance(runtime, CacheEventSource):
             return JSONResponse(error_body("this runtime reports no cache events",
                                            type="not_found_error"), status_code=404)
         return await asyncio.to_thread(runtime.cache_events, since)
