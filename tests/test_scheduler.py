@@ -268,6 +268,21 @@ def test_a_low_conservativeness_admits_more_and_retracts_when_kv_runs_out(factor
     scheduler.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_cache_aware_policies_admit_a_hit_before_a_request_that_would_evict_it(policy) -> None:
+    """A cached prefix in a full pool: the request hitting it goes first and keeps the hit; the
+    one sharing nothing (admitted first, it would evict the prefix) waits for it."""
+    scheduler = make(pool=16, chunk=64, policy=policy)
+    scheduler.add(request([1] * 10 + [5], max_new_tokens=1))
+    run_to_end(scheduler)
+    fresh, hit = request([9] * 12, max_new_tokens=1), request([1] * 10 + [6], max_new_tokens=1)
+    scheduler.add(fresh)
+    scheduler.add(hit)
+    run_to_end(scheduler)
+    assert [b.rids for b in scheduler.runner.batches[-2:]] == [[hit.rid], [fresh.rid]]
+    assert hit.req.cached_tokens == 10
+
+
 def test_abort_mid_prefill_frees_its_kv_and_unlocks_its_prefix() -> None:
     scheduler = make(chunk=8)
     shared = list(range(50, 60))
