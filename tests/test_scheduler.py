@@ -27,7 +27,8 @@ EOS = 2
 
 class FakeRunner:
     """Samples `token_for(row)` for each sampling request (a str: the row could not sample, for
-    that reason); records the batches it ran."""
+    that reason), scores the prompt tokens a batch asks for (logprob -1.0); records the batches
+    it ran."""
 
     def __init__(self, token_for=None) -> None:
         self.batches = []
@@ -37,6 +38,10 @@ class FakeRunner:
         self.batches.append(batch)
         out = StepOutput.empty(batch.size)
         sampling = iter(rows)
+        for i, span in enumerate(batch.input_logprobs):
+            if span is not None:
+                out.input_logprobs[i] = [(-1.0, token) for token in span.targets]
+                out.input_top_logprobs[i] = [None] * len(span.targets)
         for i, samples in enumerate(batch.samples):
             if samples:
                 token = self.token_for(next(sampling))
@@ -419,7 +424,9 @@ def test_policies_conserve_slots_under_pressure(policy: str) -> None:
     assert scheduler.stats.cached_tokens > 0
 
 
-def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(smollm2_dir):
+@pytest.mark.parametrize("prompt_logprobs", [False, True])
+def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(
+        smollm2_dir, prompt_logprobs: bool):
     from lmnb.runtime.fsm.grammar import RequestGrammar
     from lmnb.runtime.fsm.index import get_token_index
     from lmnb.runtime.fsm.jump import JumpForward
@@ -436,6 +443,8 @@ def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(s
                      jump_forward=JumpForward(tokenizer), chunk=64)
     state = request(tokenizer.encode("Give me JSON:"), max_new_tokens=40)
     state.grammar = RequestGrammar(index, pattern)
+    if prompt_logprobs:  # scored once, at the first prefill: later ones reuse the cache too
+        state.req.return_logprob, state.req.logprob_start_len = True, 0
     scheduler.add(state)
     run_to_end(scheduler)
 
@@ -452,8 +461,11 @@ def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(s
     last, before = scheduler.sink.events[-1], scheduler.sink.events[-2]
     ended_by_a_jump = last.new_token_ids == [] and before.replace_output_ids is not None
     assert len(extends) == 1 + state.req.jumps - ended_by_a_jump
-    assert all(b.prefix_lens[0] > 0 for b in extends[1:])
+    prompt_len = len(state.req.origin_input_ids)
+    assert all(b.prefix_lens[0] >= prompt_len for b in extends[1:])
     assert state.req.cached_tokens == 0  # counted once, at the first admission
+    if prompt_logprobs:
+        assert len(state.logprobs.input_token) == prompt_len
 
 
 def test_check_integrity_finds_a_lock_that_nothing_holds() -> None:
