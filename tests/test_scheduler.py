@@ -113,6 +113,24 @@ def test_admission_fills_the_token_budget_and_chunks_the_last_request() -> None:
     assert not scheduler.has_work
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_the_last_chunk_of_a_prompt_keeps_its_decode_reserve(chunk: int) -> None:
+    """A request that may stop early decodes after its prompt's last chunk: its reserve counts
+    when others are admitted beside that chunk, as when its prompt fits one pass (the second
+    request was admitted beside the last chunk, then retracted)."""
+    scheduler = make(pool=64, chunk=chunk)
+    long = request(range(3, 23), max_new_tokens=40)
+    other = request(range(30, 40), max_new_tokens=40)
+    scheduler.add(long)
+    scheduler.add(other)
+    while long.req.kv_len < 20:
+        scheduler.step()
+    assert scheduler.table.waiting == [other.req]  # 20 + 0.7 * 40 kept of 64: 10 + 28 won't fit
+    run_to_end(scheduler)
+    assert scheduler.stats.retractions == 0
+    assert other.req.output_ids == long.req.output_ids == list(range(100, 140))
+
+
 def test_long_prompt_is_prefilled_in_chunks_and_samples_only_after_the_last() -> None:
     scheduler = make(chunk=16)
     state = request(range(3, 43), max_new_tokens=1)
