@@ -10,15 +10,27 @@ from tests.test_scheduler import make, request
 
 def test_a_chunked_prefill_beside_the_last_decoding_request_is_retracted_not_fatal() -> None:
     """A decoding request (may stop early: admitted by a reserve) and a long prompt being
-    chunk-prefilled beside it: the chunks take the room the reserve left and the decode step
-    finds no slot. The chunked request goes back to the queue (its chunks cached); before, the
-    allocation raised from `step()` and the scheduler thread aborted every request."""
+    chunk-prefilled beside it; a pin taken between the chunks leaves less room than the prompt
+    was admitted with, and its chunks take what the decoding request needed. The chunked
+    request goes back to the queue (its chunks cached); before, the allocation raised from
+    `step()` and the scheduler thread aborted every request."""
+    from lmnb.runtime.pins import PrefixPins
+
     scheduler = make(pool=24, chunk=4)  # default conservativeness
+    pinned = list(range(200, 206))
+    scheduler.add(request(pinned, max_new_tokens=0))  # cached, evictable: counted as room
+    while scheduler.step():
+        pass
+    pins = scheduler.cache.pins = PrefixPins(scheduler.cache.cache)  # counted by the checks
     a = request(list(range(10, 16)), max_new_tokens=8)  # 14 tokens at most: fits
     scheduler.add(a)
-    scheduler.step()  # a prefilled, now decoding
-    b = request(list(range(100, 116)), max_new_tokens=1)  # 16 tokens: fits the 24-slot pool
+    while a.req not in scheduler.table.running:
+        scheduler.step()
+    b = request(list(range(100, 112)), max_new_tokens=1)  # fits beside a's reserve
     scheduler.add(b)
+    scheduler.step()
+    assert scheduler.table.chunked is b.req
+    assert pins.pin(pinned) is not None
     for _ in range(200):
         if not scheduler.step():
             break

@@ -812,3 +812,20 @@ def test_common_prefix_length_matches_a_plain_scan():
         expected = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
         assert common_prefix_length(a, b) == expected
         assert common_prefix_length(b, a) == expected
+
+
+def test_shared_prefixes_of_handles_deep_in_a_long_chain_of_nodes() -> None:
+    """Each turn of a long conversation extends the last key: one node more down one chain.
+    The depths are summed without recursion (a chain of 1,500 nodes raised RecursionError)."""
+    cache, pool, _ = make_cache(1600)
+    key: list[int] = []
+    for k in range(1500):
+        key.append(3 + k)
+        cache.insert(key, torch.cat((torch.zeros(len(key) - 1, dtype=torch.int64), pool.alloc(1))))
+    for last in (1, 2):
+        cache.insert(key + [last], torch.cat((torch.zeros(len(key), dtype=torch.int64),
+                                              pool.alloc(1))))
+    handles = [cache.handle_of(key + [1]), cache.handle_of(key + [2]), cache.handle_of(key[:90])]
+    assert cache.node_count() == 1502
+    assert cache.shared_prefixes(handles[:2], 64) == [(1500, [0, 1])]
+    assert cache.shared_prefixes([handles[0], handles[2]], 64) == [(90, [0, 1])]

@@ -155,6 +155,15 @@ def test_dfs_weight_groups_requests_of_a_subtree_heaviest_first():
     assert order[:3] == [a1, a2, a3] and order[3:] == [b1, b2]
 
 
+def test_dfs_weight_puts_a_nodes_own_requests_after_its_subtrees():
+    """As SGLang's `_get_dfs_priority` (post-order): deeper hits first, requests that match
+    nothing cached last."""
+    cache = _cache_with([[1, 1, 1, 1, 2, 2]])
+    none, shallow, deep = _req([9, 9, 9]), _req([1, 1, 1, 1, 5]), _req([1, 1, 1, 1, 2, 2, 7])
+    order = make_policy("dfs-weight").order([none, shallow, deep], cache, 0)
+    assert order == [deep, shallow, none]
+
+
 def test_lpm_fair_bounds_waiting():
     cache = _cache_with([[1, 2, 3, 4, 5, 6]])
     old = _req([9, 9, 9], arrival=0)

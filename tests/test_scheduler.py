@@ -27,7 +27,8 @@ EOS = 2
 
 class FakeRunner:
     """Samples `token_for(row)` for each sampling request (a str: the row could not sample, for
-    that reason); records the batches it ran."""
+    that reason), scores the prompt tokens a batch asks for (logprob -1.0); records the batches
+    it ran."""
 
     def __init__(self, token_for=None) -> None:
         self.batches = []
@@ -37,6 +38,10 @@ class FakeRunner:
         self.batches.append(batch)
         out = StepOutput.empty(batch.size)
         sampling = iter(rows)
+        for i, span in enumerate(batch.input_logprobs):
+            if span is not None:
+                out.input_logprobs[i] = [(-1.0, token) for token in span.targets]
+                out.input_top_logprobs[i] = [None] * len(span.targets)
         for i, samples in enumerate(batch.samples):
             if samples:
                 token = self.token_for(next(sampling))
@@ -106,6 +111,24 @@ def test_admission_fills_the_token_budget_and_chunks_the_last_request() -> None:
         assert state.req.output_ids == [100, 101]
         assert state.req.finished_reason == {"type": "length", "length": 2}
     assert not scheduler.has_work
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_the_last_chunk_of_a_prompt_keeps_its_decode_reserve(chunk: int) -> None:
+    """A request that may stop early decodes after its prompt's last chunk: its reserve counts
+    when others are admitted beside that chunk, as when its prompt fits one pass (the second
+    request was admitted beside the last chunk, then retracted)."""
+    scheduler = make(pool=64, chunk=chunk)
+    long = request(range(3, 23), max_new_tokens=40)
+    other = request(range(30, 40), max_new_tokens=40)
+    scheduler.add(long)
+    scheduler.add(other)
+    while long.req.kv_len < 20:
+        scheduler.step()
+    assert scheduler.table.waiting == [other.req]  # 20 + 0.7 * 40 kept of 64: 10 + 28 won't fit
+    run_to_end(scheduler)
+    assert scheduler.stats.retractions == 0
+    assert other.req.output_ids == long.req.output_ids == list(range(100, 140))
 
 
 def test_long_prompt_is_prefilled_in_chunks_and_samples_only_after_the_last() -> None:
@@ -268,6 +291,21 @@ def test_a_low_conservativeness_admits_more_and_retracts_when_kv_runs_out(factor
     scheduler.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_cache_aware_policies_admit_a_hit_before_a_request_that_would_evict_it(policy) -> None:
+    """A cached prefix in a full pool: the request hitting it goes first and keeps the hit; the
+    one sharing nothing (admitted first, it would evict the prefix) waits for it."""
+    scheduler = make(pool=16, chunk=64, policy=policy)
+    scheduler.add(request([1] * 10 + [5], max_new_tokens=1))
+    run_to_end(scheduler)
+    fresh, hit = request([9] * 12, max_new_tokens=1), request([1] * 10 + [6], max_new_tokens=1)
+    scheduler.add(fresh)
+    scheduler.add(hit)
+    run_to_end(scheduler)
+    assert [b.rids for b in scheduler.runner.batches[-2:]] == [[hit.rid], [fresh.rid]]
+    assert hit.req.cached_tokens == 10
+
+
 def test_abort_mid_prefill_frees_its_kv_and_unlocks_its_prefix() -> None:
     scheduler = make(chunk=8)
     shared = list(range(50, 60))
@@ -404,7 +442,9 @@ def test_policies_conserve_slots_under_pressure(policy: str) -> None:
     assert scheduler.stats.cached_tokens > 0
 
 
-def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(smollm2_dir):
+@pytest.mark.parametrize("prompt_logprobs", [False, True])
+def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(
+        smollm2_dir, prompt_logprobs: bool):
     from lmnb.runtime.fsm.grammar import RequestGrammar
     from lmnb.runtime.fsm.index import get_token_index
     from lmnb.runtime.fsm.jump import JumpForward
@@ -421,6 +461,8 @@ def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(s
                      jump_forward=JumpForward(tokenizer), chunk=64)
     state = request(tokenizer.encode("Give me JSON:"), max_new_tokens=40)
     state.grammar = RequestGrammar(index, pattern)
+    if prompt_logprobs:  # scored once, at the first prefill: later ones reuse the cache too
+        state.req.return_logprob, state.req.logprob_start_len = True, 0
     scheduler.add(state)
     run_to_end(scheduler)
 
@@ -437,8 +479,11 @@ def test_jump_forward_requeues_the_request_and_reprefills_on_its_cached_prefix(s
     last, before = scheduler.sink.events[-1], scheduler.sink.events[-2]
     ended_by_a_jump = last.new_token_ids == [] and before.replace_output_ids is not None
     assert len(extends) == 1 + state.req.jumps - ended_by_a_jump
-    assert all(b.prefix_lens[0] > 0 for b in extends[1:])
+    prompt_len = len(state.req.origin_input_ids)
+    assert all(b.prefix_lens[0] >= prompt_len for b in extends[1:])
     assert state.req.cached_tokens == 0  # counted once, at the first admission
+    if prompt_logprobs:
+        assert len(state.logprobs.input_token) == prompt_len
 
 
 def test_check_integrity_finds_a_lock_that_nothing_holds() -> None:

@@ -73,7 +73,8 @@ class LongestOutputFirst(SchedulePolicy):
 @register_policy("dfs-weight")
 class DepthFirstWeight(SchedulePolicy):
     """Walks the radix tree depth first, heavier subtrees (more waiting requests) first, so that
-    requests sharing a subtree run together while it is cached."""
+    requests sharing a subtree run together while it is cached; as SGLang's, a node's own
+    requests come after its subtrees' (those matching nothing cached go last)."""
 
     def order(self, waiting: list[Req], cache: PrefixCache, clock: int) -> list[Req]:
         if not isinstance(cache, RadixCache) or len(waiting) > LPM_MAX_QUEUE:
@@ -92,12 +93,16 @@ class DepthFirstWeight(SchedulePolicy):
                 weight[node.id] += len(reqs)
                 node = node.parent
         ordered: list[Req] = []
-        stack = [root]
+        stack = [(root, False)]
         while stack:
-            node = stack.pop()
-            ordered.extend(at_node.get(node.id, ()))
+            node, expanded = stack.pop()
+            if expanded:  # its subtrees are done
+                ordered.extend(at_node.get(node.id, ()))
+                continue
+            stack.append((node, True))
             children = [c for c in node.children.values() if weight.get(c.id)]
-            stack.extend(sorted(children, key=lambda c: weight[c.id]))  # heaviest popped first
+            stack.extend((child, False) for child in  # heaviest popped first
+                         sorted(children, key=lambda c: weight[c.id]))
         return ordered
 
 

@@ -167,23 +167,20 @@ class RadixCache(PrefixCache):
                 sharers[node] = sharers.get(node, 0) + 1
                 node = node.parent
             chains.append(chain)
-        depths: dict[TreeNode, int] = {}
-
-        def depth(node: TreeNode) -> int:
-            if node not in depths:
-                parent = node.parent
-                depths[node] = len(node.key) + (
-                    depth(parent) if parent is not None and parent is not self.root else 0)
-            return depths[node]
-
+        depths: dict[TreeNode, int] = {}  # tokens from the root through the node's edge
+        for chain in chains:  # summed from the root down (a deep tree: no recursion)
+            total = 0
+            for node in reversed(chain):
+                total += len(node.key)
+                depths[node] = total
         groups: dict[TreeNode, list[int]] = {}
         for row, chain in enumerate(chains):
             for node in chain:
                 if sharers[node] >= 2:
-                    if depth(node) >= min_tokens:
+                    if depths[node] >= min_tokens:
                         groups.setdefault(node, []).append(row)
                     break
-        return [(depth(node), rows) for node, rows in groups.items()]
+        return [(depths[node], rows) for node, rows in groups.items()]
 
     def note_hit(self, node: TreeNode | None) -> None:
         while node is not None and node is not self.root:

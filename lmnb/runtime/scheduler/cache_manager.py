@@ -45,8 +45,11 @@ class CacheManager:
     @staticmethod
     def _key(req: Req) -> list[int]:
         key = req.fill_ids
-        if req.wants_input_logprobs:  # scored positions must be computed
-            key = key[:max(req.input_logprobs_needed_from, 1)]
+        needed_from = req.input_logprobs_needed_from
+        # prompt positions still to score must be computed (once scored, a request prefilled
+        # again after a retraction or a jump reuses its cached prompt and output)
+        if req.wants_input_logprobs and needed_from < len(req.origin_input_ids):
+            key = key[:max(needed_from, 1)]
         return key
 
     def prefetched(self, req: Req) -> bool:

@@ -73,6 +73,8 @@ class PrefillManager:
             if take < remaining:
                 plan.chunked = chunked
                 return plan
+            if not self.length_known(chunked):  # it decodes after this pass: its reserve too
+                planned += int(tokens_left(chunked) * new_token_ratio)
         ordered = self.policy.order(waiting, self.cache.cache, clock)
         if ordered and not (any_running or plan.reqs
                             or any(map(self.cache.prefetched, ordered))):
