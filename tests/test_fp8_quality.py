@@ -83,18 +83,8 @@ def test_ignore_regexes_match_from_the_start_of_a_name(tiny_models, tmp_path):
                                      "ignore": ["lm_head", "re:model.layers.1"]})
     assert not quant.quantizes("layers.1.mlp.down_proj")
     assert quant.quantizes("layers.0.mlp.down_proj")
-    out = write_fp8_checkpoint(tiny_models["llama-gqa"], tmp_path / "fp8",
-                               calib=torch.arange(3, 19), skip_layers=(1,))
-    config_file = out / "config.json"
-    config = json.loads(config_file.read_text())
-    config["quantization_config"]["ignore"] = ["lm_head", "re:model.layers.1"]
-    config_file.write_text(json.dumps(config))
-    with pytest.warns(UserWarning, match="reference path"):
-        model = _load(out, loader.load_model_config(out))
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8
-    kept = model.model.layers[1]
-    assert kept.mlp.down_proj.weight_scale is None and kept.self_attn.qkv_proj.weight_scale is None
-    assert kept.mlp.gate_up_proj.weight.dtype == torch.float32
+    _assert_layer_1_loads_unquantized(tiny_models, tmp_path, {
+        "ignore": ["lm_head", "re:model.layers.1"]})
 
 
 def test_only_the_linears_a_config_group_targets_are_fp8(tiny_models, tmp_path):
@@ -106,13 +96,21 @@ def test_only_the_linears_a_config_group_targets_are_fp8(tiny_models, tmp_path):
                                      "config_groups": {"g": group}})
     assert quant.quantizes("layers.0.self_attn.o_proj")
     assert not quant.quantizes("layers.0.mlp.down_proj")
+    _assert_layer_1_loads_unquantized(tiny_models, tmp_path, {
+        "ignore": ["lm_head"], "targets": ["re:model\\.layers\\.0\\."]})
+
+
+def _assert_layer_1_loads_unquantized(tiny_models, tmp_path, edit: dict) -> None:
+    """A checkpoint written with layer 1 left 16-bit, its quantization_config's `ignore` and
+    (given) its group's `targets` set from `edit`: layer 0 loads FP8, layer 1 as written."""
     out = write_fp8_checkpoint(tiny_models["llama-gqa"], tmp_path / "fp8",
                                calib=torch.arange(3, 19), skip_layers=(1,))
     config_file = out / "config.json"
     config = json.loads(config_file.read_text())
     qc = config["quantization_config"]
-    qc["config_groups"]["group_0"]["targets"] = ["re:model\\.layers\\.0\\."]
-    qc["ignore"] = ["lm_head"]
+    qc["ignore"] = edit["ignore"]
+    if "targets" in edit:
+        qc["config_groups"]["group_0"]["targets"] = edit["targets"]
     config_file.write_text(json.dumps(config))
     with pytest.warns(UserWarning, match="reference path"):
         model = _load(out, loader.load_model_config(out))
