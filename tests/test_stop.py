@@ -144,3 +144,12 @@ def test_speculation_cuts_where_a_real_call_stops():
     assert served.rest.text == "cdefyy"
     assert not speculation.runs_out(params)
     assert speculation.runs_out(GenParams(stop=("zz",), max_new_tokens=50, temperature=0.0))
+
+
+def test_a_stop_regex_match_in_text_held_for_a_stop_string_ends_the_output_at_once():
+    # "b" may begin the stop string "bc", so the detokenizer holds it back; the regex "ab"
+    # has matched all the same and ends the request at this token, not one token later.
+    params = SamplingParams(stop=["bc"], stop_regex=["ab"])
+    assert watch([ids_of("xab"), ids_of("d")], params) == (1, "ab")
+    assert output_text([ids_of("xab")], {"type": "stop", "matched": "ab"}, stop=["bc"],
+                       stop_regex=["ab"]) == ("x", "x")

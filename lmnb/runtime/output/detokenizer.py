@@ -84,6 +84,12 @@ class IncrementalDetokenizer:
             self._chunks = [self._text]
         return self._text
 
+    @property
+    def decoded_text(self) -> str:
+        """`text` and the tail held back because it may begin a stop string: all the text the
+        output has decoded to so far (what a stop regex is searched in)."""
+        return self.text + self._pending
+
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed newly generated ids; returns the new text that is safe to stream."""
         if self.finished or len(token_ids) == 0:

@@ -30,13 +30,13 @@ class StopText:
         return bool(params.stop or params.stop_regex)
 
     def add(self, ids: list[int]) -> None:
-        before = len(self.detokenizer.text)
+        before = len(self.detokenizer.decoded_text)
         self.detokenizer.add(ids)
         if self.detokenizer.matched_stop is not None:
             self.matched = self.detokenizer.matched_stop
             return
         if self.patterns:
-            text = self.detokenizer.text
+            text = self.detokenizer.decoded_text  # a match may end in text held for a stop
             match = first_stop_regex_match(self.patterns, text,
                                            max(before - STOP_REGEX_WINDOW, 0))
             if match is not None:
