@@ -12,6 +12,8 @@ None stands for a field's default.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -31,6 +33,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 def stop_regex_patterns(value: str | Sequence[str] | None) -> list[str]:
     """`stop_regex` as a list of patterns (a string is one pattern; empty ones are dropped),
     each checked with `re.compile`."""
+    if not isinstance(value, str | list | tuple | None):
+        raise InvalidRequestError("invalid sampling params: stop_regex must be a string or "
+                                  f"a list of strings, got {value!r}")
     patterns = [value] if isinstance(value, str) else list(value or [])
     for pattern in patterns:
         if not isinstance(pattern, str):
@@ -71,6 +76,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name, single in (("stop", str), ("stop_token_ids", int)):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple | single | None):
+                raise InvalidRequestError(f"invalid sampling params: {name} must be a list, "
+                                          f"got {value!r}")
         self.stop = [s for s in (self.stop or []) if s]
         if isinstance(self.stop_token_ids, int):
             self.stop_token_ids = [self.stop_token_ids]
@@ -85,15 +95,30 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(f"invalid sampling params: {message}")
 
-        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, int) and not isinstance(value, bool)),
+                 f"{name} must be an int, got {value!r}")
+        for name in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            need(isinstance(value, numbers.Real) and not isinstance(value, bool)
+                 and not math.isinf(value), f"{name} must be a finite number, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            need(isinstance(getattr(self, name), bool),
+                 f"{name} must be true or false, got {getattr(self, name)!r}")
+        need(self.regex is None or isinstance(self.regex, str),
+             f"regex must be a string, got {self.regex!r}")
+        need(self.json_schema is None or isinstance(self.json_schema, str | dict),
+             f"json_schema must be a string or a dict, got {self.json_schema!r}")
+        need(self.max_new_tokens >= 0,
              f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        need(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
+        need(0 <= self.min_new_tokens,
              f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
         need(self.min_new_tokens <= self.max_new_tokens,
              f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
         need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        need(isinstance(self.top_k, int) and (self.top_k == TOP_K_ALL or self.top_k >= 1),
+        need(self.top_k == TOP_K_ALL or self.top_k >= 1,
              f"top_k must be -1 (all) or >= 1, got {self.top_k!r}")
         need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         need(-2.0 <= self.frequency_penalty <= 2.0,
@@ -102,12 +127,10 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(0.0 < self.repetition_penalty <= 2.0,
              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        need(isinstance(self.n, int) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
+        need(self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
         need(all(isinstance(s, str) for s in self.stop), "stop must be a string or list of strings")
-        need(all(isinstance(t, int) for t in self.stop_token_ids),
+        need(all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids),
              "stop_token_ids must be a list of ints")
-        need(self.seed is None or isinstance(self.seed, int),
-             f"seed must be an int, got {self.seed!r}")
         need(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
              f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (seed + n - 1 seeds the "
              f"last sample, at most {SEED_MAX}), got {self.seed}")
@@ -168,6 +191,9 @@ class SamplingParams:
 
 
 SAMPLING_PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed")
+_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty")
 _NONE_DEFAULTS = frozenset(f.name for f in fields(SamplingParams) if f.default is None)
 
 # SGLang's names for lmnb's parameters: {SGLang's name: lmnb's}.
