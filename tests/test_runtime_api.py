@@ -521,6 +521,10 @@ BAD_REQUESTS = {
     "equal-dicts-then-a-bad-one": dict(prompt=["a", "b"], sampling_params=[
         {"stop_token_ids": [16]}, {"stop_token_ids": [16.0]}]),
     "logprob-start": dict(input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=3),
+    "logprob-start-float": dict(input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=0.0),
+    "logprob-start-str": dict(input_ids=[1, 2, 3], return_logprob=True, logprob_start_len="0"),
+    "top-logprobs-float": dict(prompt="hi", return_logprob=True, top_logprobs_num=2.5),
+    "top-logprobs-str": dict(prompt="hi", return_logprob=True, top_logprobs_num="2"),
 }
 
 

@@ -61,6 +61,9 @@ def logprob_options(return_logprob: bool, logprob_start_len: int | None,
     """(logprob_start_len, top_logprobs_num) as requests carry them, checked."""
     start = -1 if logprob_start_len is None else logprob_start_len
     top = top_logprobs_num or 0
+    for name, value in (("logprob_start_len", start), ("top_logprobs_num", top)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be an int, got {value!r}")
     if top < 0 or top > vocab_size:
         raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab_size}], got {top}")
     return (start, top) if return_logprob else (-1, 0)
