@@ -515,6 +515,19 @@ def test_recursion_is_bounded() -> None:
                                               "minItems": 1}}, "$ref": "#/$defs/A"})
 
 
+def test_recursion_through_all_of_is_bounded() -> None:
+    # `allOf: [{"$ref": ...}]` (a ref with a description beside it) counts like a plain $ref;
+    # it recursed until RecursionError.
+    node = {"type": "object", "properties": {
+        "next": {"allOf": [{"$ref": "#/$defs/N"}], "description": "the tail"}}}
+    regex = json_schema_to_regex({"$defs": {"N": node}, "$ref": "#/$defs/N"})
+    assert re.fullmatch(regex, '{"next": {"next": {}}}')
+    assert not re.fullmatch(regex, '{"next": {"next": {"next": {"next": {}}}}}')
+    with pytest.raises(InvalidSchemaError, match="recursion"):
+        json_schema_to_regex({"$defs": {"A": {"allOf": [{"$ref": "#/$defs/A"}]}},
+                              "$ref": "#/$defs/A"})
+
+
 @settings(max_examples=300, deadline=None)
 @given(lo=st.none() | st.integers(-3000, 3000), span=st.integers(0, 5000),
        hi_none=st.booleans(), exclusive=st.booleans(), value=st.integers(-6000, 6000))

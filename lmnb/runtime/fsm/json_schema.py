@@ -189,8 +189,7 @@ class _Builder:
         if "$ref" in schema:
             return self._ref(schema)
         if "allOf" in schema:
-            merged = self._merge_all(schema)
-            return None if merged is None else self.build(merged)
+            return self._all_of(schema)
         for keyword in ("anyOf", "oneOf"):
             if keyword in schema:
                 return self._union(schema, keyword)
@@ -234,17 +233,29 @@ class _Builder:
         siblings = {k: v for k, v in schema.items() if k != "$ref"}
         if target is True:
             target = {}
-        if self.expanding.get(ref, 0) >= self.max_recursion:
-            return None
-        self.expanding[ref] = self.expanding.get(ref, 0) + 1
-        try:
-            if isinstance(target, dict) and set(siblings) - _ANNOTATIONS:
-                return self.build(_merge(target, siblings, where=f"'$ref' {ref!r}"))
-            return self.build(target)
-        finally:
-            self.expanding[ref] -= 1
+        if isinstance(target, dict) and set(siblings) - _ANNOTATIONS:
+            target = _merge(target, siblings, where=f"'$ref' {ref!r}")
+        return self._expand(target, [ref])
 
-    def _merge_all(self, schema: dict) -> dict | None:
+    def _expand(self, schema: Any, refs: list[str]) -> str | None:
+        """`schema`, reached through `refs`, each counted against `max_recursion`."""
+        if any(self.expanding.get(ref, 0) >= self.max_recursion for ref in refs):
+            return None
+        for ref in refs:
+            self.expanding[ref] = self.expanding.get(ref, 0) + 1
+        try:
+            return self.build(schema)
+        finally:
+            for ref in refs:
+                self.expanding[ref] -= 1
+
+    def _all_of(self, schema: dict) -> str | None:
+        refs: list[str] = []
+        merged = self._merge_all(schema, refs)
+        return None if merged is None else self._expand(merged, list(dict.fromkeys(refs)))
+
+    def _merge_all(self, schema: dict, refs: list[str]) -> dict | None:
+        """`schema`'s `allOf` items merged into it; the `$ref`s inlined are added to `refs`."""
         items = schema["allOf"]
         if not isinstance(items, list) or not items:
             raise InvalidSchemaError("'allOf' must be a non-empty list")
@@ -255,6 +266,7 @@ class _Builder:
                 if item["$ref"] in seen:
                     raise InvalidSchemaError(f"circular '$ref' {item['$ref']!r} in 'allOf'")
                 seen.add(item["$ref"])
+                refs.append(item["$ref"])
                 target = self._resolve(item["$ref"])
                 rest = {k: v for k, v in item.items() if k != "$ref"}
                 item = _merge(target, rest, where="'allOf'") if isinstance(target, dict) else target
