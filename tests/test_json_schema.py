@@ -528,6 +528,32 @@ def test_recursion_through_all_of_is_bounded() -> None:
                               "$ref": "#/$defs/A"})
 
 
+def test_refs_by_percent_encoded_pointer_and_by_anchor() -> None:
+    """A `$ref` is a URI fragment: a JSON pointer is percent-decoded (then '~1' is '/', '~0'
+    '~'), and a plain name is an `$anchor` (or a pre-2019 `$id: "#name"`)."""
+    defs = {"a b": {"type": "integer", "minimum": 0, "maximum": 9},
+            "x/y~": {"type": "boolean"},
+            "anchored": {"$anchor": "flag", "enum": ["on", "off"]},
+            "old": {"$id": "#legacy", "type": "null"}}
+    schema = {"$defs": defs, "type": "object", "properties": {
+        "n": {"$ref": "#/$defs/a%20b"}, "b": {"$ref": "#/$defs/x~1y~0"},
+        "f": {"$ref": "#flag"}, "z": {"$ref": "#legacy"}},
+        "required": ["n", "b", "f", "z"]}
+    regex = json_schema_to_regex(schema)
+    document = {"n": 7, "b": True, "f": "off", "z": None}
+    assert re.fullmatch(regex, json.dumps(document))
+    # as jsonschema resolves them (2020-12, which no longer takes '$id' fragments)
+    modern = {**schema, "$defs": {k: v for k, v in defs.items() if k != "old"},
+              "properties": {k: v for k, v in schema["properties"].items() if k != "z"},
+              "required": ["n", "b", "f"]}
+    jsonschema.validate({k: v for k, v in document.items() if k != "z"}, modern)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"n": 7, "b": True, "f": "maybe"}, modern)
+    assert not re.fullmatch(regex, json.dumps({**document, "f": "maybe"}))
+    with pytest.raises(InvalidSchemaError, match="no '\\$anchor'"):
+        json_schema_to_regex({"$ref": "#nowhere"})
+
+
 @settings(max_examples=300, deadline=None)
 @given(lo=st.none() | st.integers(-3000, 3000), span=st.integers(0, 5000),
        hi_none=st.booleans(), exclusive=st.booleans(), value=st.integers(-6000, 6000))

@@ -42,6 +42,7 @@ import json
 import re
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any
+from urllib.parse import unquote
 
 from lmnb.runtime.fsm.json_numbers import decimal_range, integer_range
 from lmnb.runtime.fsm.regex_text import alternatives, group, literal_text, repeat
@@ -216,16 +217,35 @@ class _Builder:
         return names
 
     def _resolve(self, ref: Any) -> Any:
+        """A local `$ref`: a JSON pointer in a URI fragment ('#/$defs/a%20b': percent-decoded,
+        then '~1' and '~0' unescaped), or a plain-name fragment naming an `$anchor` ('#node')."""
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise InvalidSchemaError(f"only local '$ref's ('#/$defs/...') are supported: {ref!r}")
+        fragment = unquote(ref[1:])
+        if fragment and not fragment.startswith("/"):
+            return self._anchor(fragment, ref)
         node: Any = self.root
-        for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else []:
+        for part in fragment.split("/")[1:] if fragment not in ("", "/") else []:
             key = part.replace("~1", "/").replace("~0", "~")
             try:
                 node = node[int(key)] if isinstance(node, list) else node[key]
             except (KeyError, IndexError, ValueError, TypeError):
                 raise InvalidSchemaError(f"'$ref' {ref!r} does not resolve") from None
         return node
+
+    def _anchor(self, name: str, ref: str) -> Any:
+        """The subschema whose `$anchor` is `name` (or, in drafts before 2019-09, whose `$id`
+        is '#name')."""
+        pending: list[Any] = [self.root]
+        while pending:
+            node = pending.pop()
+            if isinstance(node, dict):
+                if node.get("$anchor") == name or node.get("$id") == f"#{name}":
+                    return node
+                pending.extend(node.values())
+            elif isinstance(node, list):
+                pending.extend(node)
+        raise InvalidSchemaError(f"'$ref' {ref!r} names no '$anchor' of the schema")
 
     def _ref(self, schema: dict) -> str | None:
         ref = schema["$ref"]
