@@ -11,6 +11,14 @@ NOT_FINITE = -2  # ... of a row whose logits hold NaN or +inf
 _CPU = torch.device("cpu")
 
 
+def unsampled_reason(token_id: int) -> str:
+    """Why a row whose sampled id is MASKED / NOT_FINITE has no token."""
+    if token_id == MASKED:
+        return ("every token is masked (min_new_tokens EOS/stop ids, grammar mask or -inf "
+                "logits); nothing can be sampled")
+    return "logits contain nan or +inf"
+
+
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """Starts a non-blocking copy into pinned memory (CUDA: one dispatch, the copy allocates its
     pinned output); on the CPU the tensor itself."""
@@ -72,10 +80,7 @@ class SampleOutput:
         ids = self.next_token_ids_cpu
         self._failed = {}
         for row in (ids < 0).nonzero().flatten().tolist():
-            self._failed[row] = (
-                f"{self._label(row)}: every token is masked (min_new_tokens EOS/stop ids, "
-                "grammar mask or -inf logits); nothing can be sampled"
-                if int(ids[row]) == MASKED else f"{self._label(row)}: logits contain nan or +inf")
+            self._failed[row] = f"{self._label(row)}: {unsampled_reason(int(ids[row]))}"
         return self._failed
 
     def synchronize(self) -> None:

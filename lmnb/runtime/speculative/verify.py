@@ -21,7 +21,7 @@ import torch
 from lmnb.runtime.core import TopLogprobs, VerifyOutput
 from lmnb.runtime.fsm.protocol import Grammar
 from lmnb.runtime.sampling import Sampler, SamplingBatchInfo, all_allowed, stack_bitmasks
-from lmnb.runtime.sampling.output import MASKED, NOT_FINITE
+from lmnb.runtime.sampling.output import MASKED, NOT_FINITE, unsampled_reason
 from lmnb.runtime.sampling.rejection import NO_DRAFT, accept_or_resample
 from lmnb.runtime.sampling.row import SamplingRow
 
@@ -125,10 +125,7 @@ def _collect(drafts: Sequence[Sequence[int]], accepted: list[int], token: list[i
             a += 1
         row = start + a
         if token[row] < 0:  # it alone ends, with the reason
-            what = ("every token is masked (min_new_tokens EOS/stop ids, grammar mask or -inf "
-                    "logits); nothing can be sampled" if token[row] == MASKED
-                    else "logits contain nan or +inf")
-            out.failed[i] = f"{info.label(row)}: {what}"
+            out.failed[i] = f"{info.label(row)}: {unsampled_reason(token[row])}"
             out.tokens.append([])
             out.logprobs.append([])
             out.top_logprobs.append([])
