@@ -140,9 +140,9 @@ def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor
     return _rows_reference(x, weight, weight_scale, bias)
 
 
-def skinny_rows(x: torch.Tensor) -> bool:
-    """Whether x [..., K] has few enough rows (1..SKINNY_MAX_ROWS) for the skinny kernels."""
-    return 1 <= x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_ROWS
+def skinny_rows(x: torch.Tensor, max_rows: int = SKINNY_MAX_ROWS) -> bool:
+    """Whether x [..., K] has few enough rows (1..max_rows) for the skinny kernels."""
+    return 1 <= x.numel() // max(x.shape[-1], 1) <= max_rows
 
 
 # The RMSNorm prologue (and qkv's rotary epilogue with it) only for one row: over 2-16 rows the
@@ -155,7 +155,7 @@ NORM_PROLOGUE_MAX_ROWS = 1
 
 def norm_prologue_rows(x: torch.Tensor) -> bool:
     """Whether x [..., K] has few enough rows for the skinny kernel's RMSNorm prologue."""
-    return 1 <= x.numel() // max(x.shape[-1], 1) <= NORM_PROLOGUE_MAX_ROWS
+    return skinny_rows(x, NORM_PROLOGUE_MAX_ROWS)
 
 
 def fp8_silu_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
