@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from lmnb.runtime.distributed.replica import output_names
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.output.stream import OutputStream, extend_output_ids
 from lmnb.server.errors import APIError
@@ -81,8 +82,7 @@ def _caller_ids(rid: str | list[str], samples: list[int]) -> list[str]:
     if isinstance(rid, str):
         total = sum(samples)
         return [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
-    return [r if n == 1 else f"{r}_{k}" for r, n in zip(rid, samples, strict=True)
-            for k in range(n)]
+    return output_names(rid, samples)
 
 
 def _aborted(meta: dict[str, Any], rid: str, output_ids: list[int]) -> dict[str, Any]:
