@@ -67,7 +67,7 @@ class Fp8Config:
         linears). An entry naming another module with the same tail (the vision tower's
         'layers.3.self_attn.q_proj') is not the decoder's."""
         names = [prefix + module for prefix in DECODER_PREFIXES]
-        if self.targets and not any(_names_match(t, names) or t.lower() in _LINEAR_CLASS
+        if self.targets and not any(_names_match(t, names) or t.lower() == _LINEAR_CLASS
                                     for t in self.targets):
             return False
         return not any(_names_match(entry, names) for entry in self.ignored)
