@@ -224,8 +224,9 @@ def test_dp_outputs_equal_one_runtime(dp, single) -> None:
     assert {r["meta_info"]["dp_rank"] for r in got} == {0, 1}  # both replicas served
     # one prompt, n samples, logprobs
     params = {**GREEDY, "n": 2}
-    one = dp.generate(PROMPTS[0], params, return_logprob=True, top_logprobs_num=2)
-    ref = single.generate(PROMPTS[0], params, return_logprob=True, top_logprobs_num=2)
+    asked = dict(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[5, 9, 5])
+    one = dp.generate(PROMPTS[0], params, **asked)
+    ref = single.generate(PROMPTS[0], params, **asked)
     assert _texts_and_ids(one) == _texts_and_ids(ref)
     for a, b in zip(one, ref, strict=True):
         got_lp, ref_lp = a["meta_info"]["output_token_logprobs"], \
@@ -233,6 +234,10 @@ def test_dp_outputs_equal_one_runtime(dp, single) -> None:
         assert [t for _, t in got_lp] == [t for _, t in ref_lp]
         assert [lp for lp, _ in got_lp] == pytest.approx([lp for lp, _ in ref_lp], abs=1e-4)
         assert len(a["meta_info"]["output_top_logprobs"][0]) == 2
+        got_ids, ref_ids = (r["meta_info"]["output_token_ids_logprobs"] for r in (a, b))
+        assert [[t for _, t in row] for row in got_ids] == [[5, 9, 5]] * len(ref_ids)
+        assert [lp for row in got_ids for lp, _ in row] == pytest.approx(
+            [lp for row in ref_ids for lp, _ in row], abs=1e-4)
 
 
 def test_dp_rejects_bad_requests_as_one_runtime_and_gives_logprob_texts(dp, single) -> None:
@@ -242,6 +247,7 @@ def test_dp_rejects_bad_requests_as_one_runtime_and_gives_logprob_texts(dp, sing
            dict(input_ids=[1, 10**9]),
            dict(input_ids=[1] * 5000),
            dict(prompt="a", return_logprob=True, top_logprobs_num=10**9),
+           dict(prompt="a", return_logprob=True, token_ids_logprob=[3, 10**9]),
            dict(input_ids=[1, 2], return_logprob=True, logprob_start_len=2)]
     for kwargs in bad:
         with pytest.raises(InvalidRequestError) as expected:

@@ -17,9 +17,10 @@ EOS = 0
 
 def make_req(prompt: tuple[int, ...] = (1, 2, 3), output: tuple[int, ...] = (),
              seed: int | None = None, top_logprobs_num: int = 0, return_logprob: bool = True,
-             **params: object) -> ReqState:
+             token_ids_logprob: list[int] | None = None, **params: object) -> ReqState:
     req = Req(origin_input_ids=list(prompt), sampling_params=SamplingParams(**params),
-              top_logprobs_num=top_logprobs_num, return_logprob=return_logprob)
+              top_logprobs_num=top_logprobs_num, return_logprob=return_logprob,
+              token_ids_logprob=token_ids_logprob)
     req.output_ids = list(output)
     state = ReqState(req)
     if seed is not None:
@@ -117,6 +118,41 @@ def test_logprobs_only_for_rows_that_ask() -> None:
     tops = out.top_logprobs()
     assert tops is not None and tops[0] == tops[2] == tops[3] == []
     assert [t for _, t in tops[1]] == reference[1].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_token_ids_logprobs_of_the_rows_that_name_ids(kernel: bool, monkeypatch) -> None:
+    """Rows naming ids get those ids' raw logprobs in their order (duplicates kept), packed
+    after the top logprobs of the widest row: neither those nor the sampled logprobs move; rows
+    naming none (asking for logprobs or not) get None."""
+    if kernel:  # the Triton kernel's packing (in its interpreter) before the appended columns
+        monkeypatch.setattr("lmnb.runtime.sampling.sampler.KERNEL_DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(7)
+    logits = torch.randn(5, 300) * 2
+    asked = [[299, 0, 17], None, [5], None, [17, 17]]
+    reqs = [make_req(temperature=0.0, token_ids_logprob=asked[0], top_logprobs_num=2),
+            make_req(return_logprob=False, temperature=0.0),
+            make_req(return_logprob=False, temperature=0.0, token_ids_logprob=asked[2]),
+            make_req(temperature=0.0, top_logprobs_num=4),
+            make_req(temperature=0.0, token_ids_logprob=asked[4])]
+    out = sample(300, logits, reqs)
+    reference = torch.log_softmax(logits, -1)
+    rows = out.token_ids_logprobs()
+    assert rows is not None and rows[1] is None and rows[3] is None
+    for row in (0, 2, 4):
+        assert [t for _, t in rows[row]] == asked[row]
+        torch.testing.assert_close(torch.tensor([v for v, _ in rows[row]]),
+                                   reference[row, asked[row]], atol=1e-5, rtol=0)
+    tops = out.top_logprobs()
+    assert tops is not None
+    for row, n in ((0, 2), (3, 4)):
+        assert [t for _, t in tops[row]] == reference[row].topk(n).indices.tolist()
+    logprobs = out.logprobs()
+    assert logprobs is not None and logprobs[1] == 0.0
+    for row in (0, 2, 3, 4):
+        assert logprobs[row] == pytest.approx(float(reference[row].max()), abs=1e-5)
+    plain = sample(300, logits[:2], [make_req(temperature=0.0, top_logprobs_num=2)] * 2)
+    assert plain.token_ids_logprobs() is None
 
 
 def test_top_logprobs_sorted_with_requested_length() -> None:

@@ -126,6 +126,7 @@ class _Row:
     grammar: None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
 
 
 @pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 3}])
@@ -253,6 +254,23 @@ def test_logprobs_are_the_targets_for_accepted_tokens(runtimes) -> None:
         [lp for lp, _ in w["output_token_logprobs"]], abs=1e-4)
     assert [[t for _, t in top] for top in g["output_top_logprobs"]] == \
         [[t for _, t in top] for top in w["output_top_logprobs"]]
+
+
+def test_token_ids_logprobs_are_the_targets_for_accepted_tokens(runtimes) -> None:
+    """A verify pass reports the named ids' logprobs at each kept token, accepted drafts
+    included: those of the runtime without speculation."""
+    base, spec = runtimes
+    params = {**GREEDY, "max_new_tokens": 24}
+    kwargs = dict(return_logprob=True, token_ids_logprob=[11, 4, 11])
+    want = base.generate(COPY_PROMPTS[0], params, **kwargs)
+    got = spec.generate(COPY_PROMPTS[0], params, **kwargs)
+    assert got["meta_info"]["spec_accept_token_num"] > 0
+    assert got["output_ids"] == want["output_ids"]
+    g, w = (r["meta_info"]["output_token_ids_logprobs"] for r in (got, want))
+    assert len(g) == len(got["output_ids"])
+    assert [[t for _, t in row] for row in g] == [[11, 4, 11]] * len(g)
+    assert [lp for row in g for lp, _ in row] == pytest.approx(
+        [lp for row in w for lp, _ in row], abs=1e-4)
 
 
 def test_regex_drafts_pass_the_fsm_and_jump_forward_still_applies(runtimes) -> None:

@@ -59,6 +59,8 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # SGLang's token_ids_logprob: ids whose logprobs are reported at every scored position.
+    token_ids_logprob: list[int] | None = None
     rid: int = field(default_factory=next_rid)
     sample_index: int = 0  # which of the n samples of its prompt
     extra_key: Hashable = None  # prefix-cache namespace: equal tokens in other namespaces differ
@@ -137,11 +139,13 @@ class Req:
 @dataclass(slots=True)
 class InputLogprobSpan:
     """Prompt logprobs one request of an EXTEND pass asks for: the tokens `targets` at positions
-    `first_target ...`, each scored by the logits one position earlier."""
+    `first_target ...`, each scored by the logits one position earlier; `token_ids`: ids whose
+    logprobs it also wants at those positions."""
 
     first_target: int
     targets: list[int]
     top_logprobs_num: int
+    token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -210,6 +214,8 @@ class StepOutput:
     `next_top_logprobs[i]`. `input_logprobs[i]`: (logprob, token) of the prompt tokens this pass
     scored for request i (logprob None for a media pad id), empty unless it asked;
     `input_top_logprobs[i]` aligned with them (None entries without `top_logprobs_num`).
+    `next_token_ids_logprobs[i]` / `input_token_ids_logprobs[i]`: likewise the (logprob, id) of
+    each id of its `token_ids_logprob`, in its order (None when it has none).
     `failed[i]`: why request i could not sample (every token masked, NaN logits); its
     `next_token_ids[i]` is then None and it alone ends with that error.
     """
@@ -219,13 +225,16 @@ class StepOutput:
     next_top_logprobs: list[TopLogprobs | None]
     input_logprobs: list[list[tuple[float | None, int]]]
     input_top_logprobs: list[list[TopLogprobs | None]]
+    next_token_ids_logprobs: list[TopLogprobs | None]
+    input_token_ids_logprobs: list[list[TopLogprobs | None]]
     failed: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, size: int) -> StepOutput:
         """Nothing sampled, nothing scored, for a batch of `size` requests."""
         return cls([None] * size, [None] * size, [None] * size,
-                   [[] for _ in range(size)], [[] for _ in range(size)])
+                   [[] for _ in range(size)], [[] for _ in range(size)],
+                   [None] * size, [[] for _ in range(size)])
 
 
 @dataclass(slots=True)
@@ -233,12 +242,13 @@ class VerifyOutput:
     """What the model runner gives back for a verify `Batch`, per request in batch order: the
     tokens it keeps (`tokens[i]`: its accepted drafts, then the token the target drew at the first
     rejected draft, or after the last one), their raw logprobs (0.0 when no request of the batch
-    asked) and, when asked, their top logprobs; `failed[i]` as in `StepOutput` (its lists then
-    empty)."""
+    asked) and, when asked, their top logprobs and their `token_ids_logprob` logprobs;
+    `failed[i]` as in `StepOutput` (its lists then empty)."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     top_logprobs: list[list[TopLogprobs | None]]
+    token_ids_logprobs: list[list[TopLogprobs | None]]
     failed: dict[int, str] = field(default_factory=dict)
 
     def accepted(self, i: int) -> int:

@@ -36,6 +36,7 @@ from lmnb.runtime.prompts import (
     prompt_id_lists,
     split_prompts,
 )
+from lmnb.runtime.request_checks import TokenIdsInput
 from lmnb.runtime.scheduler import ReqState
 from lmnb.runtime.scheduler.held import HeldSubmissions
 
@@ -294,6 +295,7 @@ class Runtime:
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        token_ids_logprob: TokenIdsInput = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         return_token_origins: bool = False,
@@ -310,7 +312,11 @@ class Runtime:
         With `return_logprob`, `meta_info` lists `(logprob, token_id)` pairs, or SGLang's
         `(logprob, token_id, text)` triples with `return_text_in_logprobs`; with
         `max_new_tokens` 0 and `top_logprobs_num` k, `output_top_logprobs` has one row: the top k
-        of the token that would come next (SGLang's).
+        of the token that would come next (SGLang's). `token_ids_logprob` (SGLang's; ids for
+        every prompt, or a list per prompt) adds the logprobs of those ids, in that order, at
+        every output position (`output_token_ids_logprobs`) and, with `logprob_start_len`, every
+        prompt position (`input_token_ids_logprobs`), rows like `output_top_logprobs`'; with
+        `max_new_tokens` 0 one output row, for the token that would come next (SGLang's scoring).
 
         `return_token_origins` (implies `return_logprob`) adds where each token came from:
         `prompt_token_origins` and `output_token_origins` spans (cached / computed prompt,
@@ -331,9 +337,12 @@ class Runtime:
         logprob_start, top_logprobs = request_checks.logprob_options(
             return_logprob, logprob_start_len, top_logprobs_num,
             vocab_size=self.model_config.vocab_size)
+        token_ids = request_checks.token_ids_option(
+            token_ids_logprob, return_logprob=return_logprob, count=len(prompts),
+            is_batch=prompts.is_batch, vocab_size=self.model_config.vocab_size)
         return self._start(prompts, params_list, image_data=image_data, video_data=video_data,
                            return_logprob=return_logprob, logprob_start=logprob_start,
-                           top_logprobs=top_logprobs,
+                           top_logprobs=top_logprobs, token_ids=token_ids,
                            return_text_in_logprobs=return_text_in_logprobs, stream=stream,
                            return_token_origins=return_token_origins, incremental=incremental,
                            ids_trusted=prompts.encoded and self._tokenizer_ids_fit)
@@ -355,7 +364,7 @@ class Runtime:
         output = self._start(Prompts(None, [ids], False), [params], image_data=None,
                              video_data=None, return_logprob=return_logprob,
                              logprob_start=logprob_start, top_logprobs=top_logprobs,
-                             return_text_in_logprobs=False, stream=True,
+                             token_ids=[None], return_text_in_logprobs=False, stream=True,
                              return_token_origins=return_token_origins,
                              incremental=incremental, ids_trusted=self._tokenizer_ids_fit)
         assert isinstance(output, OutputStream)
@@ -363,7 +372,8 @@ class Runtime:
 
     def _start(self, prompts: Prompts, params_list: list[SamplingParams], *,
                image_data: MediaInput, video_data: MediaInput, return_logprob: bool,
-               logprob_start: int, top_logprobs: int, return_text_in_logprobs: bool,
+               logprob_start: int, top_logprobs: int, token_ids: list[list[int] | None],
+               return_text_in_logprobs: bool,
                stream: bool, return_token_origins: bool, incremental: bool,
                ids_trusted: bool) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
         """`generate` of prompts and parameters that passed its shape checks: each prompt is
@@ -394,7 +404,8 @@ class Runtime:
                         self._make_state(ids, params, rid=rids[first_state[index] + k],
                                          sample_index=k, return_logprob=return_logprob,
                                          logprob_start_len=logprob_start,
-                                         top_logprobs_num=top_logprobs, mm_inputs=mm,
+                                         top_logprobs_num=top_logprobs,
+                                         token_ids_logprob=token_ids[index], mm_inputs=mm,
                                          token_origins=return_token_origins)
                         for k in range(params.n))
                 registrations = [self._outputs.registration(
@@ -452,14 +463,15 @@ class Runtime:
 
     def _make_state(self, ids: list[int], params: SamplingParams, *, rid: int,
                     sample_index: int, return_logprob: bool, logprob_start_len: int,
-                    top_logprobs_num: int,
+                    top_logprobs_num: int, token_ids_logprob: list[int] | None = None,
                     mm_inputs: MultimodalInputs | None = None,
                     token_origins: bool = False) -> ReqState:
         """The request of a prompt that passed `request_checks.check_prompt` (with the params it
         returned)."""
         req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                   logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                  rid=rid, sample_index=sample_index, mm_inputs=mm_inputs)
+                  token_ids_logprob=token_ids_logprob, rid=rid, sample_index=sample_index,
+                  mm_inputs=mm_inputs)
         state = ReqState(req, created_at=time.perf_counter(),
                          origins=OutputOrigins() if token_origins else None)
         state.grammar = self._grammar(params)

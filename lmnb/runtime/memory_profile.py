@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import torch
@@ -225,7 +225,7 @@ class ProfileShape:
 @dataclass
 class _ProfileRow:
     """A `SamplingRow` that takes the sampler's heaviest path (top-p over the whole vocabulary on
-    CUDA, penalties, min-p, logprobs)."""
+    CUDA, penalties, min-p, logprobs, the logprobs of named ids: one more log-softmax)."""
 
     sampling_params: SamplingParams
     origin_input_ids: list[int]
@@ -234,6 +234,7 @@ class _ProfileRow:
     grammar: None = None
     return_logprob: bool = True
     top_logprobs_num: int = 5
+    token_ids_logprob: list[int] | None = field(default_factory=lambda: [0, 1])
 
 
 def _heavy_rows(n: int, vocab_size: int) -> list[_ProfileRow]:

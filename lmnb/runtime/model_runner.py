@@ -518,6 +518,12 @@ class ModelRunner:
                     for v, t in zip(values.tolist(), ids.tolist(), strict=True)]
             else:
                 out.input_top_logprobs[i] = [None] * len(span.targets)
+            if span.token_ids:
+                asked = logprobs[:, torch.tensor(span.token_ids, device=logprobs.device)]
+                out.input_token_ids_logprobs[i] = [list(zip(row, span.token_ids, strict=True))
+                                                   for row in asked.tolist()]
+            else:
+                out.input_token_ids_logprobs[i] = [None] * len(span.targets)
 
 
 class PendingStep:
@@ -552,6 +558,7 @@ class PendingStep:
             token_ids = sampled.token_ids()
             logprobs = sampled.logprobs()
             top_logprobs = sampled.top_logprobs()
+            asked = sampled.token_ids_logprobs()
             for row, i in enumerate(self._sample_rows):
                 if row in failed:  # it alone ends, with the reason
                     out.failed[i] = failed[row]
@@ -560,5 +567,7 @@ class PendingStep:
                 out.next_token_logprobs[i] = 0.0 if logprobs is None else logprobs[row]
                 if top_logprobs is not None:
                     out.next_top_logprobs[i] = top_logprobs[row]
+                if asked is not None:
+                    out.next_token_ids_logprobs[i] = asked[row]
         self._hidden = self._sampled = None
         return out

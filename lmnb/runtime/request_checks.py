@@ -14,6 +14,8 @@ from lmnb.runtime.media_requests import check_prompt_ids
 from lmnb.runtime.output.stop import within_context
 
 SamplingInput = dict[str, Any] | Sequence[dict[str, Any]] | None
+# SGLang's token_ids_logprob: ids for every prompt, or (a list of prompts) a list per prompt
+TokenIdsInput = Sequence[int] | Sequence[Sequence[int] | None] | None
 
 
 def _check_count(sampling_params: SamplingInput, count: int) -> bool:
@@ -67,6 +69,42 @@ def logprob_options(return_logprob: bool, logprob_start_len: int | None,
     if top < 0 or top > vocab_size:
         raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab_size}], got {top}")
     return (start, top) if return_logprob else (-1, 0)
+
+
+def token_ids_option(token_ids_logprob: TokenIdsInput, *, return_logprob: bool, count: int,
+                     is_batch: bool, vocab_size: int) -> list[list[int] | None]:
+    """Per prompt the ids whose logprobs it reports at every scored position (SGLang's
+    `token_ids_logprob`), checked: None or [] for none; a list of ids for every prompt; for a
+    list of prompts also one list (or None) per prompt. All None without `return_logprob`."""
+    if token_ids_logprob is None or (isinstance(token_ids_logprob, list | tuple)
+                                     and len(token_ids_logprob) == 0):
+        return [None] * count
+    if not isinstance(token_ids_logprob, list | tuple):
+        raise InvalidRequestError(
+            f"token_ids_logprob must be a list of token ids, got {token_ids_logprob!r}")
+    if all(_is_int(item) for item in token_ids_logprob):
+        per_prompt: Sequence[Any] = [token_ids_logprob] * count
+    elif is_batch and all(item is None or isinstance(item, list | tuple)
+                          for item in token_ids_logprob):
+        if len(token_ids_logprob) != count:
+            raise InvalidRequestError(
+                f"{len(token_ids_logprob)} token_ids_logprob lists for {count} prompts")
+        per_prompt = token_ids_logprob
+    else:
+        shape = "a list of token ids" + (" or one list per prompt" if is_batch else "")
+        raise InvalidRequestError(f"token_ids_logprob must be {shape}, got {token_ids_logprob!r}")
+    out: list[list[int] | None] = []
+    for ids in per_prompt:
+        for token in ids or ():
+            if not _is_int(token) or not 0 <= token < vocab_size:
+                raise InvalidRequestError(
+                    f"token_ids_logprob: {token!r} is not a token id in [0, {vocab_size})")
+        out.append(list(ids) if ids and return_logprob else None)
+    return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _media_note(mm_inputs: MultimodalInputs) -> str:

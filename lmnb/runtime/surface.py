@@ -16,7 +16,7 @@ from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.media_requests import MediaInput
 from lmnb.runtime.output import OutputStream
 from lmnb.runtime.prompts import IdsInput, PromptInput
-from lmnb.runtime.request_checks import SamplingInput
+from lmnb.runtime.request_checks import SamplingInput, TokenIdsInput
 
 GenerateResult = dict[str, Any] | list[dict[str, Any]] | OutputStream
 
@@ -55,7 +55,7 @@ class EngineSurface(Protocol):
                  input_ids: IdsInput = None, image_data: MediaInput = None,
                  video_data: MediaInput = None, return_logprob: bool = False,
                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-                 return_text_in_logprobs: bool = False,
+                 token_ids_logprob: TokenIdsInput = None, return_text_in_logprobs: bool = False,
                  stream: bool = False, return_token_origins: bool = False,
                  incremental: bool = True) -> GenerateResult:
         """A dict for one prompt, a list for a list (n per prompt), an `OutputStream` with

@@ -44,7 +44,7 @@ from lmnb.runtime.models import loader
 from lmnb.runtime.output import OutputStream
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.prompts import IdsInput, PromptInput, prompt_id_lists
-from lmnb.runtime.request_checks import SamplingInput
+from lmnb.runtime.request_checks import SamplingInput, TokenIdsInput
 
 REPLICA_BACKENDS = ("process", "ray")
 
@@ -456,6 +456,7 @@ class DataParallelRuntime:
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        token_ids_logprob: TokenIdsInput = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         return_token_origins: bool = False,
@@ -475,6 +476,9 @@ class DataParallelRuntime:
         logprob_start, _ = request_checks.logprob_options(
             return_logprob, logprob_start_len, top_logprobs_num,
             vocab_size=self.model_config.vocab_size)
+        token_ids = request_checks.token_ids_option(
+            token_ids_logprob, return_logprob=return_logprob, count=len(token_lists),
+            is_batch=is_batch, vocab_size=self.model_config.vocab_size)
         for ids, params in zip(token_lists, parsed, strict=True):
             request_checks.check_prompt(ids, params, context_len=self.context_len,
                                         vocab_size=self.model_config.vocab_size,
@@ -504,6 +508,7 @@ class DataParallelRuntime:
                        "return_logprob": return_logprob,
                        "logprob_start_len": logprob_start_len,
                        "top_logprobs_num": top_logprobs_num,
+                       "token_ids_logprob": [token_ids[p] for p in prompts],
                        "return_token_origins": return_token_origins}
             outputs = [(rids[first[p] + k], token_lists[p]) for p in prompts
                        for k in range(counts[p])]

@@ -43,6 +43,7 @@ class ReplicaActor:
             return_logprob=request.get("return_logprob", False),
             logprob_start_len=request.get("logprob_start_len"),
             top_logprobs_num=request.get("top_logprobs_num"),
+            token_ids_logprob=request.get("token_ids_logprob"),
             return_token_origins=request.get("return_token_origins", False), stream=True)
 
     def _name(self, request: dict[str, Any], stream: Any) -> list[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmnb.params import InvalidRequestError
+from lmnb.runtime.output.logprob_text import TOKEN_LOGPROB_KEYS, TOP_LOGPROB_KEYS
 
 READY_PREFIX = "lmnb: serving on "  # `python -m lmnb serve --port 0` prints this + its URL
 
@@ -78,10 +79,10 @@ def as_pairs(meta: dict[str, Any]) -> dict[str, Any]:
         return item[0], item[1]
 
     out = dict(meta)
-    for key in ("input_token_logprobs", "output_token_logprobs"):
+    for key in TOKEN_LOGPROB_KEYS:
         if out.get(key) is not None:
             out[key] = [pair(p) for p in out[key]]
-    for key in ("input_top_logprobs", "output_top_logprobs"):
+    for key in TOP_LOGPROB_KEYS:
         if out.get(key) is not None:
             out[key] = [None if row is None else [pair(p) for p in row] for row in out[key]]
     return out

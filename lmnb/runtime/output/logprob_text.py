@@ -2,9 +2,10 @@
 
 The runtime reports logprobs as `(logprob, token_id)` pairs (`meta_info`'s
 `input_token_logprobs`, `output_token_logprobs`) and rows of them (`input_top_logprobs`,
-`output_top_logprobs`; a row may be None: the first prompt token has no logprob). With the text,
-each pair becomes a `(logprob, token_id, text)` triple, the text being the token decoded alone
-with its special tokens kept."""
+`output_top_logprobs`, and of the ids a request named, `input_token_ids_logprobs`,
+`output_token_ids_logprobs`; a row may be None: the first prompt token has no logprob). With
+the text, each pair becomes a `(logprob, token_id, text)` triple, the text being the token
+decoded alone with its special tokens kept."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Any
 from lmnb.runtime.output.detokenizer import Decoder
 
 TOKEN_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
-TOP_LOGPROB_KEYS = ("input_top_logprobs", "output_top_logprobs")
+# rows of pairs: the top logprobs, and those of the ids a request named (`token_ids_logprob`)
+TOP_LOGPROB_KEYS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
+                    "output_token_ids_logprobs")
 
 
 _SHARED: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmnb.runtime.kernels.metadata import device_tensor
+from lmnb.runtime.kernels.metadata import device_tensor, to_device
 from lmnb.runtime.sampling.bitmask import num_words
 from lmnb.runtime.sampling.penalties import MinNewTokens, Penalties
 from lmnb.runtime.sampling.row import SamplingRow
@@ -118,13 +118,23 @@ class SamplingBatchInfo:
         self.top_logprobs_nums = [min(max(row.top_logprobs_num, 0), vocab_size)
                                   for row in self.rows]
         self.max_top_logprobs = max(self.top_logprobs_nums, default=0)
+        self.token_ids_logprobs = [row.token_ids_logprob or None for row in self.rows]
+        self.token_ids_width = max(map(len, filter(None, self.token_ids_logprobs)), default=0)
         # Rows whose logprobs are computed (the others pay nothing); their indices on the device
         # when they are not the whole batch.
         self.logprob_positions = [i for i, row in enumerate(self.rows)
-                                  if row.return_logprob or self.top_logprobs_nums[i] > 0]
+                                  if row.return_logprob or self.top_logprobs_nums[i] > 0
+                                  or self.token_ids_logprobs[i]]
         self.need_logprobs = bool(self.logprob_positions)
         self.logprob_rows = (None if len(self.logprob_positions) == self.batch_size
                              else device_tensor(self.logprob_positions, torch.int64, device))
+        # [logprob rows, token_ids_width] the ids each asked for (padded with 0); None if none did
+        self.token_ids_matrix = None
+        if self.token_ids_width:
+            asked = [self.token_ids_logprobs[i] or [] for i in self.logprob_positions]
+            self.token_ids_matrix = to_device(torch.tensor(
+                [ids + [0] * (self.token_ids_width - len(ids)) for ids in asked],
+                dtype=torch.int64), device)
         self.has_grammar = any(row.grammar is not None for row in self.rows)
         self.penalties = Penalties.build(self.rows, vocab_size, device)
         self.min_new_tokens = MinNewTokens.build(self.rows, self.stop_ids, vocab_size, device)

@@ -39,14 +39,17 @@ class SampleOutput:
 
     def __init__(self, next_token_ids: torch.Tensor, *, packed_logprobs: torch.Tensor | None,
                  top_width: int, top_logprobs_nums: list[int], label: Callable[[int], str],
-                 logprob_positions: list[int] | None = None) -> None:
+                 logprob_positions: list[int] | None = None,
+                 token_ids_logprobs: list[list[int] | None] | None = None) -> None:
         self.next_token_ids = next_token_ids
-        # Of the rows that asked, in one float32 tensor: [n, 2 + 2 * k], per row its sampled id
-        # (or MASKED / NOT_FINITE), the id's logprob, the k best logprobs (best first) and their
-        # ids (ids are exact in float32: < 2**24); None when no row asked.
+        # Of the rows that asked, in one float32 tensor: [n, 2 + 2 * k (+ m)], per row its
+        # sampled id (or MASKED / NOT_FINITE), the id's logprob, the k best logprobs (best
+        # first) and their ids (ids are exact in float32: < 2**24), then the logprobs of its
+        # `asked_token_ids[row]` (m: the most ids a row asked for); None when no row asked.
         self.packed_logprobs = packed_logprobs
         self.top_width = top_width  # k: the most top logprobs a row asked for
         self.top_logprobs_nums = top_logprobs_nums
+        self.asked_token_ids = token_ids_logprobs or [None] * len(top_logprobs_nums)
         self.logprob_positions = (list(range(len(top_logprobs_nums)))
                                   if logprob_positions is None else logprob_positions)
         self._label = label
@@ -111,7 +114,7 @@ class SampleOutput:
         """[n, k] int64 ids of `top_logprob_values` (device); None without top logprobs."""
         if self.packed_logprobs is None or not self.top_width:
             return None
-        return self.packed_logprobs[:, 2 + self.top_width:].long()
+        return self.packed_logprobs[:, 2 + self.top_width:2 + 2 * self.top_width].long()
 
     def _host_rows(self) -> list[list[float]]:
         """The packed host copy as lists (after `synchronize`), converted once per step."""
@@ -151,4 +154,17 @@ class SampleOutput:
             if n := nums[row]:
                 out[row] = list(zip(packed[2:2 + n], map(int, packed[2 + width:2 + width + n]),
                                     strict=True))
+        return out
+
+    def token_ids_logprobs(self) -> list[list[tuple[float, int]] | None] | None:
+        """Per row the (logprob, id) of each id it asked for (`asked_token_ids`), in its
+        order (None for a row that asked for none); None when no row asked."""
+        self.wait()
+        if self._logprobs_cpu is None or not any(self.asked_token_ids):
+            return None
+        first = 2 + 2 * self.top_width
+        out: list[list[tuple[float, int]] | None] = [None] * len(self.top_logprobs_nums)
+        for row, packed in zip(self.logprob_positions, self._host_rows(), strict=True):
+            if ids := self.asked_token_ids[row]:
+                out[row] = list(zip(packed[first:first + len(ids)], ids, strict=True))
         return out

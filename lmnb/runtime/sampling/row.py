@@ -21,3 +21,4 @@ class SamplingRow(Protocol):
     grammar: Grammar | None
     return_logprob: bool
     top_logprobs_num: int
+    token_ids_logprob: list[int] | None  # ids whose logprobs it wants (SGLang's)

@@ -66,7 +66,8 @@ class Sampler:
         packed = _token_logprobs(raw, ids, info) if info.need_logprobs else None
         return SampleOutput(ids, packed_logprobs=packed, top_width=info.max_top_logprobs,
                             top_logprobs_nums=info.top_logprobs_nums, label=info.label,
-                            logprob_positions=info.logprob_positions)
+                            logprob_positions=info.logprob_positions,
+                            token_ids_logprobs=info.token_ids_logprobs)
 
     def adjusted_logits(self, logits: torch.Tensor, info: SamplingBatchInfo,
                         bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,8 +191,9 @@ def _with_verdicts(ids: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
 def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo
                     ) -> torch.Tensor:
     """Of the rows that asked (`info.logprob_positions`, in order), packed for one copy to the
-    host (`SampleOutput.packed_logprobs`): [n, 2 + 2 * max_top_logprobs] float32, the sampled
-    id, its raw logprob, then the best (logprob, id)s. At batch 1 the host pays every op here
+    host (`SampleOutput.packed_logprobs`): [n, 2 + 2 * max_top_logprobs (+ token_ids_width)]
+    float32, the sampled id, its raw logprob, the best (logprob, id)s, then (when a row asked
+    for `token_ids_logprob`) the logprobs of its ids. At batch 1 the host pays every op here
     per token: on a GPU one Triton launch (`logprob_kernel`; `torch.topk` alone launches a dozen
     kernels); elsewhere, or for wider top-k, one fused log-softmax pass (on the CPU a logsumexp
     costs several passes and a thread fork per call), a gather, a top-k and the packing `cat`
@@ -200,8 +202,14 @@ def _token_logprobs(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInf
         raw, ids = raw[info.logprob_rows], ids[info.logprob_rows]
     k = info.max_top_logprobs
     if raw.device.type in KERNEL_DEVICES and k <= MAX_K:
-        return packed_logprobs(raw, ids, k)
-    return torch_packed_logprobs(raw, ids, k)
+        packed = packed_logprobs(raw, ids, k)
+    else:
+        packed = torch_packed_logprobs(raw, ids, k)
+    if info.token_ids_matrix is None:
+        return packed
+    # Rows that asked for given ids (rare): one more log-softmax, its columns packed after.
+    asked = torch.log_softmax(raw, dim=-1, dtype=torch.float32).gather(1, info.token_ids_matrix)
+    return torch.cat([packed, asked], dim=1)
 
 
 def torch_packed_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -154,10 +154,12 @@ class PrefillManager:
 
 def samples_after_fill(req: Req) -> bool:
     """Whether the pass that completes `req`'s fill samples a token: it has tokens left to
-    generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs."""
+    generate, or (`max_new_tokens` 0, SGLang's) it asks for the next token's top logprobs or
+    the logprobs of given ids (`token_ids_logprob`: SGLang's scoring)."""
     params = req.sampling_params
     return (by_length(params, len(req.output_ids)) is None
-            or (params.max_new_tokens == 0 and req.top_logprobs_num > 0))
+            or (params.max_new_tokens == 0
+                and (req.top_logprobs_num > 0 or bool(req.token_ids_logprob))))
 
 
 def input_logprob_span(req: Req, start: int, extend_len: int) -> InputLogprobSpan | None:
@@ -169,4 +171,4 @@ def input_logprob_span(req: Req, start: int, extend_len: int) -> InputLogprobSpa
     if first_target > last_target:
         return None
     return InputLogprobSpan(first_target, req.origin_input_ids[first_target:last_target + 1],
-                            req.top_logprobs_num)
+                            req.top_logprobs_num, req.token_ids_logprob)

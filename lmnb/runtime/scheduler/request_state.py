@@ -25,13 +25,16 @@ class RequestLogprobs:
     input_top: list[TopLogprobs | None] = field(default_factory=list)
     output_token: list[Logprob] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)
+    # of the ids a request asked for (`token_ids_logprob`), like `input_top` / `output_top`
+    input_token_ids: list[TopLogprobs | None] = field(default_factory=list)
+    output_token_ids: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
 class ReqState:
     """One live request: `req` plus its per-request state. Satisfies the sampler's SamplingRow
     protocol (sampling_params, origin_input_ids, output_ids, generator, grammar, return_logprob,
-    top_logprobs_num)."""
+    top_logprobs_num, token_ids_logprob)."""
 
     req: Req
     grammar: Grammar | None = None  # of a regex / JSON-schema / EBNF constrained request
@@ -66,3 +69,7 @@ class ReqState:
     @property
     def top_logprobs_num(self) -> int:
         return self.req.top_logprobs_num
+
+    @property
+    def token_ids_logprob(self) -> list[int] | None:
+        return self.req.token_ids_logprob

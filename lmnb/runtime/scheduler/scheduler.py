@@ -459,6 +459,7 @@ class Scheduler:
         if req.wants_input_logprobs and req.logprob_start_len == 0 and req.input_logprobs_done == 0:
             state.logprobs.input_token.append((None, req.origin_input_ids[0]))
             state.logprobs.input_top.append(None)
+            state.logprobs.input_token_ids.append(None)
             req.input_logprobs_done = 1
 
     # ---- results ------------------------------------------------------------------------------
@@ -486,17 +487,23 @@ class Scheduler:
             if output.input_logprobs[i]:
                 state.logprobs.input_token.extend(output.input_logprobs[i])
                 state.logprobs.input_top.extend(output.input_top_logprobs[i])
+                state.logprobs.input_token_ids.extend(output.input_token_ids_logprobs[i])
                 req.input_logprobs_done += len(output.input_logprobs[i])
             token = output.next_token_ids[i]
             if token is not None and req.sampling_params.max_new_tokens == 0:
-                # Only the next token's top logprobs were asked for: the token is not output.
-                state.logprobs.output_top.append(output.next_top_logprobs[i] or [])
+                # Only the next token's top logprobs (or given ids' logprobs) were asked for:
+                # the token is not output.
+                if req.top_logprobs_num:
+                    state.logprobs.output_top.append(output.next_top_logprobs[i] or [])
+                if req.token_ids_logprob:
+                    state.logprobs.output_token_ids.append(
+                        output.next_token_ids_logprobs[i] or [])
                 self._finish(state, finish_length(0))
             elif token is not None:
                 req.status = ReqStatus.RUNNING
                 self.table.running.append(req)
                 self._append_token(state, token, output.next_token_logprobs[i],
-                                   output.next_top_logprobs[i])
+                                   output.next_top_logprobs[i], output.next_token_ids_logprobs[i])
             elif filled:  # prompt done, nothing to generate
                 self._finish(state, finish_length(len(req.output_ids)))
 
@@ -516,7 +523,8 @@ class Scheduler:
             held = self.cache.hold_tail(req, req.kv_len - drafted, keep=accepted)
             for m, token in enumerate(tokens):
                 self._append_token(state, token, output.logprobs[i][m],
-                                   output.top_logprobs[i][m], speculated=m < accepted)
+                                   output.top_logprobs[i][m], output.token_ids_logprobs[i][m],
+                                   speculated=m < accepted)
                 if req.req_pool_idx is None:  # ended or jumped at this token
                     self.cache.free_slots(held[m:])
                     break
@@ -538,7 +546,8 @@ class Scheduler:
                     or state.stop_text is not None):
                 if token is not None:
                     self._append_token(state, token, output.next_token_logprobs[i],
-                                       output.next_top_logprobs[i])
+                                       output.next_top_logprobs[i],
+                                       output.next_token_ids_logprobs[i])
                 elif req.kv_len == req.fill_len:
                     self._finish(state, finish_length(len(req.output_ids)))
                 continue
@@ -553,9 +562,11 @@ class Scheduler:
         self.stats.generated_tokens += plain
 
     def _append_token(self, state: ReqState, token: int, logprob: float | None,
-                      top: list[tuple[float, int]] | None, *, speculated: bool = False) -> None:
-        """Appends one output token through every rule; `speculated`: an accepted draft token
-        of a verify pass (not sampled by this step)."""
+                      top: list[tuple[float, int]] | None,
+                      asked: list[tuple[float, int]] | None, *, speculated: bool = False) -> None:
+        """Appends one output token through every rule (`asked`: the logprobs of the request's
+        `token_ids_logprob` there); `speculated`: an accepted draft token of a verify pass (not
+        sampled by this step)."""
         req, params = state.req, state.sampling_params
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
@@ -571,6 +582,8 @@ class Scheduler:
             state.logprobs.output_token.append((logprob, token))
             if req.top_logprobs_num:
                 state.logprobs.output_top.append(top or [])
+            if req.token_ids_logprob:
+                state.logprobs.output_token_ids.append(asked or [])
         reason = self.stop_rules.by_token(token, params, len(req.output_ids))
         if reason is not None:
             self._finish(state, reason, new_ids=[token])
@@ -613,6 +626,9 @@ class Scheduler:
                                      + [(None, token) for token in appended])
             if req.top_logprobs_num:
                 logprobs.output_top = logprobs.output_top[:plan.keep] + [[] for _ in appended]
+            if req.token_ids_logprob:
+                logprobs.output_token_ids = (logprobs.output_token_ids[:plan.keep]
+                                             + [[] for _ in appended])
         if state.origins is not None:
             # re-tokenized old text counts as generated; tokens of forced text only as jumped
             forced_from = min(plan.keep if plan.forced_from is None else plan.forced_from,

@@ -72,6 +72,10 @@ def request_meta(state: ReqState) -> dict[str, Any]:
             meta["output_top_logprobs"] = list(logprobs.output_top)
             if req.logprob_start_len >= 0:
                 meta["input_top_logprobs"] = list(logprobs.input_top)
+        if req.token_ids_logprob:
+            meta["output_token_ids_logprobs"] = list(logprobs.output_token_ids)
+            if req.logprob_start_len >= 0:
+                meta["input_token_ids_logprobs"] = list(logprobs.input_token_ids)
     if state.origins is not None:
         meta["prompt_token_origins"] = prompt_spans(len(req.origin_input_ids), req.cached_tokens)
         meta["output_token_origins"] = state.origins.spans()

@@ -39,6 +39,7 @@ class _GreedyRow:
     grammar: None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -95,6 +95,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, info: SamplingBatchInf
     columns = [accepted.to(torch.int64), token]
     logprob_rows: torch.Tensor | None = None
     top: tuple[torch.Tensor, torch.Tensor] | None = None
+    asked: torch.Tensor | None = None
     if info.need_logprobs:
         lse = torch.logsumexp(raw, dim=-1)
         logprob_rows = torch.stack([
@@ -103,21 +104,27 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, info: SamplingBatchInf
         if info.max_top_logprobs:
             values, ids = raw.topk(info.max_top_logprobs, dim=-1)
             top = ((values - lse[:, None]).cpu(), ids.cpu())
+        if width := info.token_ids_width:
+            index = torch.tensor([(ids or []) + [0] * (width - len(ids or []))
+                                  for ids in info.token_ids_logprobs], dtype=torch.int64)
+            asked = (raw.gather(1, index.to(device)) - lse[:, None]).cpu()
     accepted_host, token_host = torch.stack(columns).cpu().tolist()
-    return _collect(drafts, accepted_host, token_host, logprob_rows, top, info)
+    return _collect(drafts, accepted_host, token_host, logprob_rows, top, asked, info)
 
 
 def _collect(drafts: Sequence[Sequence[int]], accepted: list[int], token: list[int],
              logprob_rows: torch.Tensor | None, top: tuple[torch.Tensor, torch.Tensor] | None,
-             info: SamplingBatchInfo) -> VerifyOutput:
-    """Walks each request's rows on the host: its accepted prefix, then the drawn token."""
+             asked: torch.Tensor | None, info: SamplingBatchInfo) -> VerifyOutput:
+    """Walks each request's rows on the host: its accepted prefix, then the drawn token.
+    `asked` [positions, token_ids_width]: the logprobs of each row's `token_ids_logprob`."""
     lp_draft = lp_token = None
     if logprob_rows is not None:
         lp_draft, lp_token = logprob_rows.tolist()
     top_values = top_ids = None
     if top is not None:
         top_values, top_ids = (t.tolist() for t in top)
-    out = VerifyOutput([], [], [])
+    asked_rows = None if asked is None else asked.tolist()
+    out = VerifyOutput([], [], [], [])
     start = 0
     for i, d in enumerate(drafts):
         a = 0
@@ -129,6 +136,7 @@ def _collect(drafts: Sequence[Sequence[int]], accepted: list[int], token: list[i
             out.tokens.append([])
             out.logprobs.append([])
             out.top_logprobs.append([])
+            out.token_ids_logprobs.append([])
             start += len(d) + 1
             continue
         out.tokens.append([*d[:a], token[row]])
@@ -142,5 +150,9 @@ def _collect(drafts: Sequence[Sequence[int]], accepted: list[int], token: list[i
                              top_ids[r][:info.top_logprobs_nums[r]], strict=True))
                     for r in range(start, row + 1)]
         out.top_logprobs.append(tops)
+        out.token_ids_logprobs.append(
+            [None if asked_rows is None or not (ids := info.token_ids_logprobs[r])
+             else list(zip(asked_rows[r][:len(ids)], ids, strict=True))
+             for r in range(start, row + 1)])
         start += len(d) + 1
     return out
