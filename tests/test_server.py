@@ -334,6 +334,36 @@ def test_native_generate_shapes(http, rt):
     assert plain["meta_info"]["output_token_logprobs"][0][2] is None
 
 
+def test_native_generate_token_ids_logprob(http, rt):
+    """SGLang's `token_ids_logprob` on `/generate`: `[logprob, id, text or None]` rows in the
+    order asked, at every output and (with `logprob_start_len`) prompt position, as the runtime
+    computes them; one list per prompt of a batch; a bad id is a 400 that names it."""
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    ids = [7, 3, 7]
+    body = {"text": "Hello", "sampling_params": params, "return_logprob": True,
+            "logprob_start_len": 0, "token_ids_logprob": ids}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    want = rt.generate("Hello", params, return_logprob=True, logprob_start_len=0,
+                       token_ids_logprob=ids)["meta_info"]
+    rows = meta["output_token_ids_logprobs"]
+    assert len(rows) == 4 and all([t for _, t, _ in row] == ids for row in rows)
+    assert all(text is None for row in rows for _, _, text in row)
+    assert [lp for row in rows for lp, _, _ in row] == pytest.approx(
+        [lp for row in want["output_token_ids_logprobs"] for lp, _ in row], abs=1e-5)
+    inputs = meta["input_token_ids_logprobs"]
+    assert len(inputs) == meta["prompt_tokens"] and inputs[0] is None
+    assert all([t for _, t, _ in row] == ids for row in inputs[1:])
+    texts = http.post("/generate", json={**body, "return_text_in_logprobs": True}).json()
+    assert all(isinstance(text, str) for _, _, text in
+               texts["meta_info"]["output_token_ids_logprobs"][0])
+    batch = http.post("/generate", json={**body, "text": ["Hello", "Bye"],
+                                         "token_ids_logprob": [[1], None]}).json()
+    assert [t for _, t, _ in batch[0]["meta_info"]["output_token_ids_logprobs"][0]] == [1]
+    assert "output_token_ids_logprobs" not in batch[1]["meta_info"]
+    bad = http.post("/generate", json={**body, "token_ids_logprob": [1, 10**9]})
+    assert bad.status_code == 400 and "1000000000" in bad.text
+
+
 def test_native_generate_token_origins(http):
     """lmnb's `return_token_origins` on SGLang's route: spans over the prompt and the output."""
     params = {"temperature": 0, "max_new_tokens": 6, "regex": "[0-9]{2}, [0-9]{2}"}

@@ -5,8 +5,10 @@
 (cumulative), `meta_info` with the counts so far, `index` for batch requests, then
 `data: [DONE]`. Logprobs are `[logprob, token_id, text or None]` triples (text with
 `return_text_in_logprobs`); `max_new_tokens` 0 with `top_logprobs_num` k gives one
-`output_top_logprobs` row, the next token's top k. `sampling_params` takes every name of SGLang
-0.5's (`lmnb.params`): unimplemented ones only with their defaults, else a 400 naming them.
+`output_top_logprobs` row, the next token's top k (and with `token_ids_logprob` one
+`output_token_ids_logprobs` row: those ids' logprobs, SGLang's scoring). `sampling_params`
+takes every name of SGLang 0.5's (`lmnb.params`): unimplemented ones only with their defaults,
+else a 400 naming them.
 
 `rid` names the requests as SGLang does: a string is the id of a single request (`rid_i` for
 each result of a batch or of `n` > 1), a list has one id per prompt (`rid_k` for sample k with
@@ -53,6 +55,9 @@ class GenerateRequest(BaseModel):
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
+    # ids for every prompt, or one list per prompt; the runtime checks them (a 400 naming the bad
+    # value, where a typed field would coerce "3" or 3.0)
+    token_ids_logprob: list[Any] | None = None
     return_text_in_logprobs: bool = False
     return_token_origins: bool = False  # lmnb's: where each token came from (token_origins.py)
     rid: str | list[str] | None = None
@@ -122,7 +127,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         stream = await open_stream(
             runtime, body.text, body.sampling_params, input_ids=body.input_ids,
             return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
-            top_logprobs_num=body.top_logprobs_num,
+            top_logprobs_num=body.top_logprobs_num, token_ids_logprob=body.token_ids_logprob,
             **({"return_token_origins": True} if body.return_token_origins else {}),
             **media_kwargs(body.image_data, body.video_data))
         texts = token_text if body.return_text_in_logprobs else None
