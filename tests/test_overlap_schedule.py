@@ -349,3 +349,73 @@ def test_a_subset_pass_waits_while_min_new_tokens_needs_the_token_in_flight(
     first_subset = next((b for b in runner.batches if b.previous_rows is not None), None)
     assert (first_subset is not None and first_subset.rids == [goes_on.rid]) is subset
     scheduler.check_integrity()
+
+
+def test_abort_all_after_a_second_failure_drops_the_prompts_cached_at_its_launch() -> None:
+    """A scheduler error (the first failure) while a prefill pass is in flight: `abort_all`
+    drains that pass, which fails too (the second). Its prompt was cached at launch and its KV
+    never written: no later request may hit it."""
+    failing = []
+
+    def fail_on(batch):
+        return batch.rids and batch.rids[0] in failing
+
+    runner = PipelinedFakeRunner(fail_on=fail_on)
+    scheduler = make(chunk=64, runner=runner)
+    scheduler.config.overlap_schedule = True
+    a = request([1, 2, 3, 4, 5, 6], max_new_tokens=4)
+    b = request([40, 41, 42, 43, 44, 45, 46, 47], max_new_tokens=4)
+    scheduler.add(a)
+    assert scheduler.step() and scheduler.pass_in_flight  # a's prefill
+    scheduler.add(b)
+    failing.append(b.rid)
+
+    def scheduler_error(batch):
+        raise RuntimeError("a bug while processing a pass")
+
+    scheduler.batch_hook = scheduler_error
+    with pytest.raises(RuntimeError, match="a bug"):  # b's prefill launched, then a's processed
+        scheduler.step()
+    assert scheduler.pass_in_flight
+    scheduler.batch_hook = None
+    scheduler.abort_all("scheduler error")  # what the scheduler thread does next
+    assert b.req.finished_reason["type"] == "abort"
+    again = request(b.req.origin_input_ids, max_new_tokens=2)
+    scheduler.add(again)
+    run_to_end(scheduler)
+    assert again.req.cached_tokens == 0  # b's void KV was not reused
+    assert again.req.output_ids == [100, 101]
+    scheduler.check_integrity()
+
+
+def test_a_pass_in_flight_stays_drainable_when_planning_the_next_one_fails() -> None:
+    """A scheduler error while planning the pass to launch behind a prefill pass in flight: that
+    pass stays in flight for `abort_all`, which drains it; it fails, so its prompt, cached at
+    launch, is dropped."""
+    failing = []
+    runner = PipelinedFakeRunner(fail_on=lambda batch: batch.rids[0] in failing)
+    scheduler = make(chunk=64, runner=runner)
+    scheduler.config.overlap_schedule = True
+    a = request([1, 2, 3, 4, 5, 6], max_new_tokens=4)
+    scheduler.add(a)
+    assert scheduler.step() and scheduler.pass_in_flight  # a's prefill, failing when read
+    failing.append(a.rid)
+    policy = scheduler.prefill.policy
+
+    class Exploding:
+        def order(self, *args, **kwargs):
+            raise RuntimeError("a bug while planning")
+
+    scheduler.prefill.policy = Exploding()
+    scheduler.add(request([40, 41, 42], max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="a bug"):
+        scheduler.step()
+    assert scheduler.pass_in_flight
+    scheduler.prefill.policy = policy
+    scheduler.abort_all("scheduler error")
+    assert not scheduler.pass_in_flight and a.req.finished_reason["type"] == "abort"
+    again = request(a.req.origin_input_ids, max_new_tokens=2)
+    scheduler.add(again)
+    run_to_end(scheduler)
+    assert again.req.cached_tokens == 0 and again.req.output_ids == [100, 101]
+    scheduler.check_integrity()

@@ -122,12 +122,18 @@ class Scheduler:
         return True
 
     def abort_all(self, message: str) -> None:
-        self._drain_in_flight()
+        """Ends every live request (after a scheduler error, or at close), draining a pass in
+        flight first. If that pass fails too and is a prefill pass, the prompts it cached at
+        launch hold KV never written: once the requests have let go of them, the unlocked
+        entries are dropped, as after any failed prefill pass (`_void_pipeline`)."""
+        void = self._drain_in_flight()
         while self._ended_kv:  # ended, their KV not yet handed over (a failed step): freed
             self.cache.free(self._ended_kv.pop())
         for req in self.table.all():
             self._finish(self.table.states[req.rid], finish_abort(message), cache_kv=False)
         self._flush()
+        if void:
+            self.cache.drop_unlocked()
 
     @property
     def has_work(self) -> bool:
@@ -231,8 +237,12 @@ class Scheduler:
     def _step_pipelined(self) -> None:
         """Launch the next pass (when it may follow), then process the one in flight."""
         current, self._in_flight = self._in_flight, None
-        following = (self._following_extend(current) or self._following_decode(current)
-                     or self._decode_after_prefill(current))
+        try:
+            following = (self._following_extend(current) or self._following_decode(current)
+                         or self._decode_after_prefill(current))
+        except BaseException:  # still in flight: `abort_all` drains it
+            self._in_flight = current
+            raise
         if following is not None:
             batch, reqs = following
             if current.is_prefill:
@@ -286,14 +296,18 @@ class Scheduler:
         return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs),
                                 follows_previous=True, previous_rows=previous_rows), reqs
 
-    def _drain_in_flight(self) -> None:
-        """Waits for a pass in flight and drops its results (its requests are being ended)."""
+    def _drain_in_flight(self) -> bool:
+        """Waits for a pass in flight and drops its results (its requests are being ended).
+        Returns whether it was a prefill pass that failed (the prompts it cached at launch hold
+        KV never written)."""
         current, self._in_flight = self._in_flight, None
-        if current is not None:
-            try:
-                current.pending.result()
-            except Exception:  # its requests are ended by the caller
-                pass
+        if current is None:
+            return False
+        try:
+            current.pending.result()
+        except Exception:  # its requests are ended by the caller
+            return current.is_prefill
+        return False
 
     def _fail(self, reqs: list[Req], error: Exception) -> None:
         logger.exception("forward pass failed")
