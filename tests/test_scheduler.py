@@ -499,3 +499,34 @@ def test_check_integrity_finds_a_lock_that_nothing_holds() -> None:
     cache.lock(cache.handle_of(list(range(10, 20))))
     with pytest.raises(IntegrityError, match="locked 1 times, held 0 times"):
         scheduler.check_integrity()
+
+
+def _logprob_request(prompt: list[int], start: int) -> ReqState:
+    return ReqState(Req(origin_input_ids=list(prompt), return_logprob=True,
+                        logprob_start_len=start,
+                        sampling_params=SamplingParams(max_new_tokens=2)))
+
+
+def test_a_prompt_logprob_request_is_held_back_only_for_a_prefix_it_can_reuse() -> None:
+    """A request sharing a long uncached prefix with one admitted before it waits a pass to hit
+    it, unless the prompt positions it still has to score cover that prefix: those are computed
+    whatever the cache holds, so waiting would gain nothing (from position 0: nothing at all;
+    from 40: the 40 tokens before it, past the 32-token threshold)."""
+    runner = FakeRunner()
+    scheduler = make(pool=512, chunk=512, runner=runner)
+    prompt = list(range(1000, 1060))
+    states = [request(prompt, max_new_tokens=2), _logprob_request(prompt, 0),
+              _logprob_request(prompt, 8), _logprob_request(prompt, 40),
+              request(prompt, max_new_tokens=2)]
+    for state in states:
+        scheduler.add(state)
+    assert scheduler.step()
+    first = set(runner.batches[0].rids)
+    assert first == {states[0].rid, states[1].rid, states[2].rid}
+    run_to_end(scheduler)
+    for state in states[1:4]:  # every prompt position from its start is scored, once
+        start = state.req.logprob_start_len
+        assert [t for _, t in state.logprobs.input_token] == prompt[start:]
+    # waiting paid off where it was taken: 39 of the 40 ids before position 40, 59 of 60
+    assert [state.req.cached_tokens for state in states] == [0, 0, 0, 39, 59]
+    scheduler.check_integrity()

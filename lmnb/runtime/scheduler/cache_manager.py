@@ -43,7 +43,9 @@ class CacheManager:
 
     # ---- binding a request to its prefix -------------------------------------------------------
     @staticmethod
-    def _key(req: Req) -> list[int]:
+    def match_key(req: Req) -> list[int]:
+        """The ids whose cached prefix `req` may reuse: its fill ids, up to the first prompt
+        position it still has to score (that position's logits must be computed)."""
         key = req.fill_ids
         needed_from = req.input_logprobs_needed_from
         # prompt positions still to score must be computed (once scored, a request prefilled
@@ -57,17 +59,17 @@ class CacheManager:
         read starts now if it had not)."""
         if not self.cache.prefetches:
             return True
-        key = self._key(req)
+        key = self.match_key(req)
         self.cache.prefetch(key, req.extra_key)
         return not self.cache.prefetching(key, req.extra_key)
 
     def wait_prefetch(self, req: Req) -> None:
         if self.cache.prefetches:
-            self.cache.wait_prefetch(self._key(req), req.extra_key)
+            self.cache.wait_prefetch(self.match_key(req), req.extra_key)
 
     def match(self, req: Req) -> MatchResult:
         """`req`'s cached prefix on the device."""
-        return self.cache.match_prefix(self._key(req), req.extra_key)
+        return self.cache.match_prefix(self.match_key(req), req.extra_key)
 
     def bind(self, req: Req, match: MatchResult) -> None:
         """Gives `req` a request row holding its matched prefix, locked."""
@@ -89,7 +91,7 @@ class CacheManager:
         `req` is bound to the longer prefix; returns how many tokens it gained."""
         if room <= 0:
             return 0
-        key = self._key(req)
+        key = self.match_key(req)
         if not self.cache.load_back(key, req.extra_key, room=room):
             return 0
         match = self.cache.match_prefix(key, req.extra_key)

@@ -133,13 +133,17 @@ class PrefillManager:
     def _defer_for_shared_prefix(self, req: Req, cached_len: int, admitted: list[Req]) -> bool:
         """Holds back a request whose uncached prefix an admitted one is about to compute: once
         that one's prompt is in the cache, this one hits it. `cached_len`: its prefix on the
-        device or in a lower tier."""
+        device or in a lower tier. Only the prefix it may reuse counts (`match_key`: a request
+        scoring prompt logprobs computes the positions it scores whatever the cache holds)."""
         threshold = self.in_batch_prefix_min_tokens
         if not self.cache.cache.reuses_kv or threshold <= 0:
             return False
-        ids = req.fill_ids
+        ids = self.cache.match_key(req)
+        whole = len(ids) == req.fill_len
         uncached = len(ids) - cached_len
-        first = ids[cached_len] if uncached > 0 else None
+        if uncached <= 0:
+            return False
+        first = ids[cached_len]
         for other in admitted:
             other_ids = other.fill_ids if other.output_ids else other.origin_input_ids
             if (other.extra_key != req.extra_key or len(other_ids) <= cached_len
@@ -147,7 +151,7 @@ class PrefillManager:
                 continue
             shared = common_prefix_length(ids, other.fill_ids) - cached_len
             # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples).
-            if shared >= threshold or (shared > 0 and shared >= uncached - 1):
+            if shared >= threshold or (whole and shared > 0 and shared >= uncached - 1):
                 return True
         return False
 
