@@ -45,6 +45,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 _MIN_SCALE = 1e-12  # all-zero rows: any positive scale gives zero back
 SKINNY_MAX_ROWS = 16  # = kernels.fused.gemv.SKINNY_MAX_ROWS (not imported: triton is optional)
+# Rows up to which fused W8A8 layers take the skinny W8A16 kernel (decode); above it, per-token
+# FP8 rows through `_scaled_mm`. Read when a forward runs (bench/fp8.py's "fp8-w8a8-rows"
+# variant sets 1: rows 2-16 on FP8 tensor cores; set it before a Runtime captures its graphs).
+W8A16_MAX_ROWS = SKINNY_MAX_ROWS
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -126,7 +130,7 @@ def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, f
                      weight_only: bool) -> bool:
     """Whether `fp8_linear` quantizes `rows` rows of input on `device` per token (W8A8:
     `_scaled_mm`, or the reference off CUDA), so that it may take them as `Fp8Rows`."""
-    if weight_only or rows <= 0 or (fused and rows <= SKINNY_MAX_ROWS):
+    if weight_only or rows <= 0 or (fused and rows <= W8A16_MAX_ROWS):
         return False
     return device.type != "cuda" or _scaled_mm_shapes(weight.shape[1], weight.shape[0])
 
@@ -140,9 +144,11 @@ def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor
     return _rows_reference(x, weight, weight_scale, bias)
 
 
-def skinny_rows(x: torch.Tensor, max_rows: int = SKINNY_MAX_ROWS) -> bool:
-    """Whether x [..., K] has few enough rows (1..max_rows) for the skinny kernels."""
-    return 1 <= x.numel() // max(x.shape[-1], 1) <= max_rows
+def skinny_rows(x: torch.Tensor, max_rows: int | None = None) -> bool:
+    """Whether x [..., K] has few enough rows (1..max_rows, by default `W8A16_MAX_ROWS`) for
+    the skinny kernels."""
+    limit = W8A16_MAX_ROWS if max_rows is None else max_rows
+    return 1 <= x.numel() // max(x.shape[-1], 1) <= limit
 
 
 # The RMSNorm prologue (and qkv's rotary epilogue with it) only for one row: over 2-16 rows the
@@ -211,7 +217,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     rows = x.numel() // max(k, 1)
     n = weight.shape[0]
     x2 = x.reshape(rows, k)
-    if fused and 1 <= rows <= SKINNY_MAX_ROWS:
+    if fused and 1 <= rows <= (SKINNY_MAX_ROWS if weight_only else W8A16_MAX_ROWS):
         from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
         out = fp8_gemv(x2.contiguous(), weight, weight_scale, bias)
