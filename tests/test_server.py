@@ -168,6 +168,42 @@ def test_streaming_completion(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def running_usage(events: list) -> dict[int, list]:
+    """Per choice index, the `usage` of each of its chunks (`continuous_usage_stats`)."""
+    usages: dict[int, list] = {}
+    for event in events:
+        for choice in event.choices:
+            usages.setdefault(choice.index, []).append(event.usage)
+    return usages
+
+
+def test_continuous_usage_stats_count_each_choice_so_far(client, rt):
+    """`stream_options.continuous_usage_stats` (SGLang's and vLLM's): every chunk has the usage
+    of its choice so far; it was ignored (no usage before the final chunk)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, n=2, stream=True, stream_options=options,
+        extra_body={"ignore_eos": True}))
+    text = list(client.completions.create(
+        model="tiny", prompt="Once", max_tokens=5, n=2, stream=True, stream_options=options,
+        extra_body={"ignore_eos": True}))
+    prompts = {"chat": len(rt.encode(rt.apply_chat_template(CHAT))),
+               "text": len(rt.encode("Once"))}
+    for kind, events in (("chat", chat), ("text", text)):
+        usages = running_usage(events)
+        assert sorted(usages) == [0, 1], kind
+        for usage in usages.values():
+            assert all(u is not None for u in usage), kind
+            counts = [u.completion_tokens for u in usage]
+            assert counts == sorted(counts) and counts[-1] == 5, (kind, counts)
+            assert {u.prompt_tokens for u in usage} == {prompts[kind]}
+            assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usage)
+        assert events[-1].choices == [] and events[-1].usage.completion_tokens == 10
+    plain = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                                stream=True))
+    assert all(e.usage is None for e in plain)
+
+
 def test_json_schema_output_validates(client):
     schema = {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 6},

@@ -175,6 +175,19 @@ def test_streamed_calls_equal_the_whole_response(client):
     assert events[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_streamed_calls_report_continuous_usage(client):
+    """`continuous_usage_stats` with tools: every chunk has the usage so far; it was ignored."""
+    events = list(client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
+        temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    usages = [e.usage for e in events if e.choices]
+    assert usages and all(u is not None for u in usages)
+    counts = [u.completion_tokens for u in usages]
+    assert counts == sorted(counts) and counts[-1] == events[-1].usage.completion_tokens
+    assert {u.prompt_tokens for u in usages} == {events[-1].usage.prompt_tokens}
+
+
 def test_auto_and_none_without_a_call_give_text(client, rt):
     for choice in ("auto", "none"):
         out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,

@@ -46,7 +46,20 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
 class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with the whole usage; `continuous_usage_stats` (SGLang's
+    and vLLM's): every chunk with its choice's usage so far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    def chunk(self, head: dict[str, Any], choice: dict[str, Any], meta: dict[str, Any]) -> str:
+        """The event of one choice's chunk; `meta` is its request's meta_info so far."""
+        body = {**head, "choices": [choice]}
+        if self.continuous_usage_stats:
+            prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+        return sse(body)
 
 
 class ResponseFormat(BaseModel):
@@ -82,6 +95,10 @@ class _Sampling(BaseModel):
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
     ebnf: str | None = None
+
+    @property
+    def streamed(self) -> StreamOptions:
+        return self.stream_options or StreamOptions()
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         if self.logit_bias:
@@ -251,8 +268,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse_response(_completion_events(stream, head, body.n, include_usage,
+            return _sse_response(_completion_events(stream, head, body.n, body.streamed,
                                                     with_logprobs, tokens, echoed))
         results = await collect(request, stream)
         choices = [{"index": i,
@@ -294,8 +310,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             run = ToolRun(runtime, plan, prompt, params, **generate_kwargs)
             if body.stream:
                 await run.start()  # a refused request is a 400 before the stream starts
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return _sse_response(_tool_chat_events(run, head, body.n, include_usage,
+                return _sse_response(_tool_chat_events(run, head, body.n, body.streamed,
                                                        body.logprobs, tokens))
             async with closed_on_disconnect(request, run):
                 tool_results = await run.results()
@@ -305,8 +320,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                     "usage": _usage([{"meta_info": r.meta} for r in tool_results], body.n)}
         stream = await open_stream(runtime, prompt, params, **generate_kwargs)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse_response(_chat_events(stream, head, body.n, include_usage,
+            return _sse_response(_chat_events(stream, head, body.n, body.streamed,
                                               body.logprobs, tokens))
         results = await collect(request, stream)
         choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
@@ -370,7 +384,7 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
+async def _completion_events(stream: Any, head: dict[str, Any], n: int, options: StreamOptions,
                              logprobs: bool, tokens: TokenPieces,
                              echoed: list[str] | None) -> AsyncIterator[str]:
     """A chunk per text delta of each choice (with `echo`, its prompt first), the finish reason
@@ -393,14 +407,14 @@ async def _completion_events(stream: Any, head: dict[str, Any], n: int, include_
                   "logprobs": (_completion_logprobs(meta, tokens, echoed is not None)
                                if logprobs and done else None),
                   "finish_reason": finish_type(meta) if done else None}
-        yield sse({**head, "choices": [choice]})
-    if include_usage:
+        yield options.chunk(head, choice, meta)
+    if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
         yield sse({**head, "choices": [], "usage": _usage(results, n)})
     yield sse("[DONE]")
 
 
-async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage: bool,
+async def _chat_events(stream: Any, head: dict[str, Any], n: int, options: StreamOptions,
                        logprobs: bool, tokens: TokenPieces) -> AsyncIterator[str]:
     """Per choice: a first delta with the role, content deltas, and a last chunk with the
     finish reason (carrying every token's logprobs: the runtime reports them at the end)."""
@@ -413,25 +427,25 @@ async def _chat_events(stream: Any, head: dict[str, Any], n: int, include_usage:
         done = meta.get("finish_reason") is not None
         if index not in started:
             started.add(index)
-            yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant",
-                                                                       "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
+            yield options.chunk(head, {"index": index, "delta": {"role": "assistant",
+                                                                 "content": ""},
+                                       "logprobs": None, "finish_reason": None}, meta)
         if chunk["text"]:
-            yield sse({**head, "choices": [{"index": index, "delta": {"content": chunk["text"]},
-                                            "logprobs": None, "finish_reason": None}]})
+            yield options.chunk(head, {"index": index, "delta": {"content": chunk["text"]},
+                                       "logprobs": None, "finish_reason": None}, meta)
         if done:
             finals[index] = chunk
-            yield sse({**head, "choices": [{
+            yield options.chunk(head, {
                 "index": index, "delta": {},
                 "logprobs": _chat_logprobs(meta, tokens) if logprobs else None,
-                "finish_reason": finish_type(meta)}]})
-    if include_usage:
+                "finish_reason": finish_type(meta)}, meta)
+    if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
         yield sse({**head, "choices": [], "usage": _usage(results, n)})
     yield sse("[DONE]")
 
 
-async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, include_usage: bool,
+async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, options: StreamOptions,
                             logprobs: bool, tokens: TokenPieces) -> AsyncIterator[str]:
     """`_chat_events` with calls: a call's first delta has its index, id, type and name (empty
     arguments), the next ones argument fragments."""
@@ -439,32 +453,32 @@ async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, include_
     calls: dict[int, CallStream] = {}
     finals: dict[int, Chunk] = {}
 
-    def delta(index: int, body: dict[str, Any], finish: str | None = None,
-              meta: dict[str, Any] | None = None) -> str:
-        return sse({**head, "choices": [{
+    def delta(index: int, body: dict[str, Any], meta: dict[str, Any],
+              finish: str | None = None) -> str:
+        return options.chunk(head, {
             "index": index, "delta": body, "finish_reason": finish,
-            "logprobs": _chat_logprobs(meta, tokens) if logprobs and meta else None}]})
+            "logprobs": _chat_logprobs(meta, tokens) if logprobs and finish else None}, meta)
 
     async with aclosing(run.pieces()) as pieces:
         async for piece in pieces:
             index = piece.index
             if index not in calls:
                 calls[index] = CallStream(run.plan.format)
-                yield delta(index, {"role": "assistant", "content": ""})
+                yield delta(index, {"role": "assistant", "content": ""}, piece.meta)
             if piece.text:
-                yield delta(index, {"content": piece.text})
+                yield delta(index, {"content": piece.text}, piece.meta)
             for event in calls[index].feed(piece.calls):
                 if isinstance(event, ArgumentsDelta):
                     call = {"index": event.index, "function": {"arguments": event.text}}
                 else:
                     call = {"index": event.index, "id": _call_id(), "type": "function",
                             "function": {"name": event.name, "arguments": ""}}
-                yield delta(index, {"tool_calls": [call]})
+                yield delta(index, {"tool_calls": [call]}, piece.meta)
             if piece.done:
                 finals[index] = {"meta_info": piece.meta}
-                yield delta(index, {}, _tool_finish(piece.meta, len(calls[index].calls)),
-                            piece.meta)
-    if include_usage:
+                yield delta(index, {}, piece.meta,
+                            _tool_finish(piece.meta, len(calls[index].calls)))
+    if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
         yield sse({**head, "choices": [], "usage": _usage(results, n)})
     yield sse("[DONE]")
