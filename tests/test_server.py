@@ -312,6 +312,24 @@ def test_bad_requests_are_400_and_runtime_stays_usable(http, client, rt):
     rt.check_integrity()
 
 
+def test_bad_logprob_counts_are_400s_that_name_their_parameter(client):
+    """`top_logprobs` without `logprobs: true` is refused as vLLM refuses it (it was ignored:
+    no logprobs came back), and a negative count names the client's parameter (it named
+    lmnb's `top_logprobs_num`, with no `param`)."""
+    cases = [(client.chat.completions.create, {"messages": CHAT, "top_logprobs": 2},
+              "top_logprobs"),
+             (client.chat.completions.create,
+              {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+             (client.completions.create, {"prompt": "Hi", "logprobs": -1}, "logprobs")]
+    for create, kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            create(model="tiny", max_tokens=2, **kwargs)
+        assert error.value.param == param and "top_logprobs_num" not in error.value.message
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                         top_logprobs=0)
+    assert out.choices[0].logprobs is None
+
+
 def test_disconnect_mid_stream_frees_kv(server, rt):
     """Dropped clients abort their requests: far fewer tokens are generated than asked for,
     and every KV slot and lock comes back."""

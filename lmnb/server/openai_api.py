@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from lmnb.runtime.fsm.token_bytes import token_byte_table
 from lmnb.runtime.output.logprob_text import TokenTexts
@@ -121,7 +121,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
 
@@ -130,11 +130,18 @@ class ChatRequest(_Sampling):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+    def logprob_kwargs(self) -> dict[str, Any]:
+        """`generate`'s logprob arguments; `top_logprobs` asks for nothing without `logprobs`
+        (refused, as vLLM does)."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return {"return_logprob": self.logprobs, "top_logprobs_num": self.top_logprobs or 0}
 
 
 def _response_format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
@@ -297,8 +304,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 raise APIError("give either response_format or regex / json_schema / ebnf",
                                param="response_format")
             params["json_schema"] = schema
-        generate_kwargs: dict[str, Any] = {"return_logprob": body.logprobs,
-                                           "top_logprobs_num": body.top_logprobs or 0}
+        generate_kwargs = body.logprob_kwargs()
         if images:
             generate_kwargs["image_data"] = images
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
