@@ -98,8 +98,8 @@ def test_thread_consumer_gets_every_chunk(running):
     assert "".join(c["text"] for c in chunks) == text
     assert [i for c in chunks for i in c["output_ids"]] == ids_of(text)
     assert len(chunks) == len(steps)  # one chunk per step, also when the text is held back
-    assert all(c["meta_info"] == {"id": "7", "prompt_tokens": 3, "finish_reason": None}
-               for c in chunks[:-1])
+    assert all(c["meta_info"] == {"id": "7", "prompt_tokens": 3, "finish_reason": None,
+                                  "completion_tokens": k} for k, c in enumerate(chunks[:-1], 1))
     last = chunks[-1]["meta_info"]
     assert last["finish_reason"] == LENGTH and last["completion_tokens"] == len(steps)
     assert stream.finished and stream.get(timeout=0) is None

@@ -227,9 +227,9 @@ class OutputProcessor:
         if not stream.incremental and reason is None:
             return None
         meta: dict[str, Any] = {"id": str(event.rid), "prompt_tokens": state.prompt_tokens,
-                                "finish_reason": reason}
+                                "finish_reason": reason,
+                                "completion_tokens": len(state.output_ids)}
         if reason is not None:
-            meta["completion_tokens"] = len(state.output_ids)
             meta["e2e_latency"] = time.perf_counter() - state.created_at
         if stream.incremental and event.replace_output_ids is not None:
             # a jump-forward re-tokenized the tail: the chunk's ids go from here on (the

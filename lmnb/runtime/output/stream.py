@@ -27,7 +27,8 @@ def extend_output_ids(ids: list[int], chunk: Chunk) -> None:
 
 class OutputStream:
     """Chunks `{"text", "output_ids", "meta_info"}` (plus `"index"` when `tagged`) of the requests
-    `rids`, in arrival order; each request's last chunk has `meta_info["finish_reason"]` set.
+    `rids`, in arrival order; each request's last chunk has `meta_info["finish_reason"]` set, and
+    every chunk's `meta_info["completion_tokens"]` counts its request's output ids so far.
 
     The output thread calls `deliver`/`fail`. One consumer at a time: a thread (`get`, `for chunk
     in stream`, `results()`) or an asyncio task (`async for`, `await aresults()`). `incremental`
