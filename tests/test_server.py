@@ -257,6 +257,34 @@ def test_streamed_logprobs_cover_every_token(client):
     assert len(content) == 6
 
 
+def test_streamed_logprobs_come_with_their_own_chunks(client):
+    """A streamed chunk carries the logprobs of its own tokens, as vLLM's and SGLang's do (they
+    all came in the last chunk, after the text): each chunk's tokens spell its text, and all
+    of them are the whole response's."""
+    kwargs = dict(model="tiny", temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+    chat = dict(kwargs, messages=CHAT, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**chat).choices[0].logprobs.content
+    events = [e.choices[0] for e in client.chat.completions.create(**chat, stream=True)
+              if e.choices]
+    texts = [c for c in events if c.delta.content]
+    assert len(texts) > 1
+    for choice in texts:
+        assert "".join(t.token for t in choice.logprobs.content) == choice.delta.content
+    streamed = [t for c in events if c.logprobs for t in c.logprobs.content]
+    assert [(t.token, len(t.top_logprobs)) for t in streamed] == [
+        (t.token, len(t.top_logprobs)) for t in whole]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole], abs=1e-4)
+
+    text = dict(kwargs, prompt="Once", logprobs=1)
+    whole_text = client.completions.create(**text).choices[0].logprobs
+    pieces = [c.choices[0] for c in client.completions.create(**text, stream=True)]
+    assert len([p for p in pieces if p.text]) > 1
+    for piece in pieces:
+        assert "".join(piece.logprobs.tokens) == piece.text
+    assert [t for p in pieces for t in p.logprobs.tokens] == whole_text.tokens
+    assert [o for p in pieces for o in p.logprobs.text_offset] == whole_text.text_offset
+
+
 def test_chat_logprob_bytes_rebuild_a_character_split_over_tokens(client, rt):
     """`bytes` are each token's own: the tokens spelling one character (an emoji is three
     byte-level tokens) each decode alone to U+FFFD, but their bytes concatenated are it."""

@@ -175,6 +175,37 @@ def test_streamed_calls_equal_the_whole_response(client):
     assert events[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def logprob_chunks(client: openai.OpenAI, **kwargs: Any) -> tuple[list, list]:
+    """(the whole response's logprob tokens, the streamed chunks' choices)."""
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    events = [e.choices[0] for e in client.chat.completions.create(**kwargs, stream=True)]
+    return [t.token for t in whole], events
+
+
+def tokens_of(choices: list) -> list[str]:
+    return [t.token for c in choices if c.logprobs for t in c.logprobs.content]
+
+
+def test_streamed_calls_carry_their_own_logprobs(client, rt):
+    """With tools too, each chunk has the logprobs of its new tokens (all came in the last):
+    a forced call, and an `auto` one whose second request's tokens follow the first's (a
+    jump-forward that re-tokenizes tokens given out already cannot take them back: the
+    scripted text's first token differs, the call's tokens are the whole response's)."""
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+                  logprobs=True)
+    whole, events = logprob_chunks(client, **kwargs, tool_choice="required")
+    assert len([c for c in events if c.logprobs]) > 1 and tokens_of(events) == whole
+    runtime = ScriptedRuntime(rt, tokenizer=rt.tokenizer, marker=HERMES.marker,
+                              script=r"Let me look\.\n<tool_call>")
+    handle, scripted = scripted_client(runtime)
+    with handle:
+        whole, events = logprob_chunks(scripted, **kwargs)
+    first_call = next(i for i, c in enumerate(events) if c.delta.tool_calls)
+    call = events[first_call + 1:]
+    assert len([c for c in call if c.logprobs]) > 1
+    assert tokens_of(call) == whole[-len(tokens_of(call)):]
+
+
 def test_streamed_calls_report_continuous_usage(client):
     """`continuous_usage_stats` with tools: every chunk has the usage so far; it was ignored."""
     events = list(client.chat.completions.create(

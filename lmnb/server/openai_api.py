@@ -19,6 +19,7 @@ from lmnb.runtime.output.logprob_text import TokenTexts
 from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
 from lmnb.server.messages import openai_roles
+from lmnb.server.stream_logprobs import RUNNING_LOGPROBS, StreamedLogprobs
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
@@ -141,7 +142,9 @@ class ChatRequest(_Sampling):
         (refused, as vLLM does)."""
         if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        return {"return_logprob": self.logprobs, "top_logprobs_num": self.top_logprobs or 0}
+        running = RUNNING_LOGPROBS if self.logprobs and self.stream else {}
+        return {"return_logprob": self.logprobs, "top_logprobs_num": self.top_logprobs or 0,
+                **running}
 
 
 def _response_format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
@@ -211,15 +214,14 @@ def _chat_logprobs(meta: dict[str, Any], tokens: TokenPieces) -> dict[str, Any]:
     return {"content": content}
 
 
-def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces,
-                         echo: bool = False) -> dict[str, Any]:
-    """OpenAI's legacy logprobs of the output tokens; with `echo`, the prompt's tokens first
-    (the first of them has no logprob: null, as in vLLM)."""
+def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces, echo: bool = False,
+                         offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of the output tokens, the first at text `offset`; with `echo`,
+    the prompt's tokens first (the first of them has no logprob: null, as in vLLM)."""
     texts: list[str] = []
     logprobs: list[float | None] = []
     offsets: list[int] = []
     top: list[dict[str, float] | None] = []
-    offset = 0
 
     def add(pairs: list[Any], tops: list[Any], prompt: bool) -> None:
         nonlocal offset
@@ -266,11 +268,13 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         prompt, input_ids = _completion_prompt(body.prompt)
         top = body.logprobs or 0
         with_logprobs = body.logprobs is not None
+        # an echoed prompt's logprobs come at the end: the output's come with it
+        running = RUNNING_LOGPROBS if with_logprobs and body.stream and not body.echo else {}
         stream = await open_stream(
             runtime, prompt, body.sampling_params(16 if body.max_tokens is None
                                                   else body.max_tokens),
             input_ids=input_ids, return_logprob=with_logprobs, top_logprobs_num=top,
-            logprob_start_len=0 if body.echo and with_logprobs else None)
+            logprob_start_len=0 if body.echo and with_logprobs else None, **running)
         echoed = _echoed(prompt, input_ids, runtime.tokenizer) if body.echo else None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
@@ -393,14 +397,17 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 async def _completion_events(stream: Any, head: dict[str, Any], n: int, options: StreamOptions,
                              logprobs: bool, tokens: TokenPieces,
                              echoed: list[str] | None) -> AsyncIterator[str]:
-    """A chunk per text delta of each choice (with `echo`, its prompt first), the finish reason
-    and logprobs in its last."""
+    """A chunk per text delta of each choice (with `echo`, its prompt first) with the logprobs
+    of its tokens (with `echo`, all in the last), the finish reason in its last."""
     finals: dict[int, Chunk] = {}
     started: set[int] = set()
+    streamed = StreamedLogprobs()
+    offsets: dict[int, int] = {}  # per choice, the text offset of its next logprob token
     async for chunk in chunks(stream):
         meta = chunk["meta_info"]
         done = meta.get("finish_reason") is not None
         index = chunk_index(chunk)
+        streamed.add(index, meta)
         if done:
             finals[index] = chunk
         text = chunk["text"]
@@ -409,9 +416,13 @@ async def _completion_events(stream: Any, head: dict[str, Any], n: int, options:
         if not text and not done:
             continue
         started.add(index)
-        choice = {"index": index, "text": text,
-                  "logprobs": (_completion_logprobs(meta, tokens, echoed is not None)
-                               if logprobs and done else None),
+        new = streamed.take(index) if logprobs and (done or not echoed) else None
+        entries = None
+        if new is not None:  # with `echo`, the prompt's (in `meta`) first
+            entries = _completion_logprobs({**meta, **new}, tokens, echoed is not None,
+                                           offset=offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(map(len, entries["tokens"]))
+        choice = {"index": index, "text": text, "logprobs": entries,
                   "finish_reason": finish_type(meta) if done else None}
         yield options.chunk(head, choice, meta)
     if options.include_usage:
@@ -420,30 +431,42 @@ async def _completion_events(stream: Any, head: dict[str, Any], n: int, options:
     yield sse("[DONE]")
 
 
+def _new_chat_logprobs(streamed: StreamedLogprobs | None, index: int,
+                       tokens: TokenPieces) -> dict[str, Any] | None:
+    """A chat chunk's `logprobs`: those of choice `index`'s tokens not given out yet."""
+    new = streamed.take(index) if streamed is not None else None
+    return None if new is None else _chat_logprobs(new, tokens)
+
+
 async def _chat_events(stream: Any, head: dict[str, Any], n: int, options: StreamOptions,
                        logprobs: bool, tokens: TokenPieces) -> AsyncIterator[str]:
-    """Per choice: a first delta with the role, content deltas, and a last chunk with the
-    finish reason (carrying every token's logprobs: the runtime reports them at the end)."""
+    """Per choice: a first delta with the role, content deltas with their tokens' logprobs,
+    and a last chunk with the finish reason."""
     head = {**head, "object": "chat.completion.chunk"}
     started: set[int] = set()
     finals: dict[int, Chunk] = {}
+    streamed = StreamedLogprobs() if logprobs else None
     async for chunk in chunks(stream):
         meta = chunk["meta_info"]
         index = chunk_index(chunk)
         done = meta.get("finish_reason") is not None
+        if streamed is not None:
+            streamed.add(index, meta)
         if index not in started:
             started.add(index)
             yield options.chunk(head, {"index": index, "delta": {"role": "assistant",
                                                                  "content": ""},
                                        "logprobs": None, "finish_reason": None}, meta)
         if chunk["text"]:
-            yield options.chunk(head, {"index": index, "delta": {"content": chunk["text"]},
-                                       "logprobs": None, "finish_reason": None}, meta)
+            yield options.chunk(head, {
+                "index": index, "delta": {"content": chunk["text"]},
+                "logprobs": _new_chat_logprobs(streamed, index, tokens),
+                "finish_reason": None}, meta)
         if done:
             finals[index] = chunk
             yield options.chunk(head, {
                 "index": index, "delta": {},
-                "logprobs": _chat_logprobs(meta, tokens) if logprobs else None,
+                "logprobs": _new_chat_logprobs(streamed, index, tokens),
                 "finish_reason": finish_type(meta)}, meta)
     if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
@@ -458,16 +481,19 @@ async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, options:
     head = {**head, "object": "chat.completion.chunk"}
     calls: dict[int, CallStream] = {}
     finals: dict[int, Chunk] = {}
+    streamed = StreamedLogprobs() if logprobs else None
 
     def delta(index: int, body: dict[str, Any], meta: dict[str, Any],
               finish: str | None = None) -> str:
-        return options.chunk(head, {
-            "index": index, "delta": body, "finish_reason": finish,
-            "logprobs": _chat_logprobs(meta, tokens) if logprobs and finish else None}, meta)
+        new = None if "role" in body else _new_chat_logprobs(streamed, index, tokens)
+        return options.chunk(head, {"index": index, "delta": body, "finish_reason": finish,
+                                    "logprobs": new}, meta)
 
     async with aclosing(run.pieces()) as pieces:
         async for piece in pieces:
             index = piece.index
+            if streamed is not None:
+                streamed.add(index, piece.meta)
             if index not in calls:
                 calls[index] = CallStream(run.plan.format)
                 yield delta(index, {"role": "assistant", "content": ""}, piece.meta)

@@ -60,14 +60,17 @@ def _stops(value: Any) -> list[str]:
 
 
 def _merged(first: Meta, last: Meta) -> Meta:
-    """The meta_info of a choice made of two requests."""
+    """The meta_info of a choice made of two requests (`last` the second's, running or last):
+    its output positions follow the first's."""
+    done = first.get("completion_tokens", 0)
     meta = {**last, "id": first.get("id"), "prompt_tokens": first.get("prompt_tokens", 0),
             "cached_tokens": first.get("cached_tokens", 0),
-            "completion_tokens": (first.get("completion_tokens", 0)
-                                  + last.get("completion_tokens", 0))}
+            "completion_tokens": done + last.get("completion_tokens", 0)}
+    if "output_ids_from" in last:
+        meta["output_ids_from"] = done + last["output_ids_from"]
     for key in _LOGPROB_LISTS:
-        if key in first or key in last:
-            meta[key] = list(first.get(key) or []) + list(last.get(key) or [])
+        if key in last:
+            meta[key] = list(first.get(key) or []) + list(last[key] or [])
     return meta
 
 
