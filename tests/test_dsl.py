@@ -560,6 +560,24 @@ def test_concat_and_append_join_and_copy():
         state.join([], mode="zip")
 
 
+def test_gather_skips_branches_that_never_set_the_variable():
+    """As SGLang's `gather_variable`: a variable's list holds the values of the branches that
+    set it, in branch order; a branch without it adds nothing (no None in its place)."""
+    backend = FakeBackend(reply="xy")
+
+    @lmnb.function
+    def uneven(s):
+        forks = s.fork(3)
+        forks += lambda i: "skip" if i == 1 else gen("w")
+        forks[1] += gen("only_1")
+        forks.join()
+
+    for program in (uneven, uneven.compile()):
+        state = program.run(backend=backend)
+        assert state["w"] == ["xy", "xy"]
+        assert state["only_1"] == ["xy"]
+
+
 # ---- streaming ----------------------------------------------------------------------------------
 def test_stream_returns_at_once_and_text_iter_streams(rt):
     @lmnb.function

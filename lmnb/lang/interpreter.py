@@ -628,11 +628,13 @@ class StreamExecutor:
                     other.abort()
                 branch.raise_error()
         if expr.mode == "gather_variable":
-            # As SGLang: a variable the parent has already is kept as it is.
+            # As SGLang: a variable the parent has already is kept as it is; the others list
+            # the values of the branches that set them, in branch order (no None for the rest).
             names = {name for branch in expr.branches for name in branch.variables
                      if name not in self.variables}
             for name in sorted(names):
-                self.variables[name] = [branch.variables.get(name) for branch in expr.branches]
+                self.variables[name] = [branch.variables[name] for branch in expr.branches
+                                        if name in branch.variables]
                 self._finish_var(name)
         elif expr.mode == "concat_and_append":
             for branch in expr.branches:

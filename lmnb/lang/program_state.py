@@ -126,8 +126,8 @@ class ProgramState(StateWriter):
     def join(self, forks: ProgramStateGroup | Sequence[ProgramState],
              mode: str = "gather_variable") -> None:
         """Merges branches: `gather_variable` makes each variable the parent does not have a
-        list over branches; `concat_and_append` (or SGLang's `concate_and_append`) appends each
-        branch's new text in order."""
+        list of the values of the branches that set it, in branch order; `concat_and_append`
+        (or SGLang's `concate_and_append`) appends each branch's new text in order."""
         branches = tuple(state.executor for state in forks)
         self._executor.submit(JoinBranches(branches, join_mode(mode)))
 
