@@ -461,6 +461,73 @@ def test_leaving_as_completed_early_aborts_the_rest(rt):
     assert rt.stats()["protected_tokens"] == 0
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_generator_style_yields_every_state_in_the_batch_order(rt, compiled, capfd):
+    """SGLang's `run_batch(generator_style=True)`: a generator of every program's state in the
+    batch's order (the one-token programs finish first, yet come after the 24-token one); the
+    progress bar counts every program."""
+    @lmnb.function
+    def count(s, n):
+        s += "Count:" + gen("x", max_tokens=n, ignore_eos=True, temperature=0)
+
+    program = count.compile() if compiled else count
+    sizes = [24, 1, 8, 1]
+    states = program.run_batch([{"n": n} for n in sizes], backend=LocalBackend(rt),
+                               generator_style=True, progress_bar=True)
+    assert isinstance(states, Iterator) and not isinstance(states, list)
+    assert [state.get_meta_info("x")["completion_tokens"] for state in states] == sizes
+    assert "4/4" in capfd.readouterr().err
+    with pytest.raises(ValueError, match="generator_style"):
+        program.run_batch([{"n": 1}], backend=LocalBackend(rt), generator_style=True,
+                          as_completed=True)
+
+
+class HeldBackend(LocalBackend):
+    """Sends each gen to the runtime; a gen whose prompt holds "hold" sets `streaming` at its
+    first text and never returns before its program is aborted (its `cancel` is kept)."""
+
+    def __init__(self, runtime: lmnb.Runtime) -> None:
+        super().__init__(runtime)
+        self.streaming = threading.Event()
+        self.cancels: list[threading.Event] = []
+
+    async def agenerate(self, prompt: str, params: GenParams, *,
+                        on_delta: Callable[[str], None] | None = None,
+                        cancel: threading.Event | None = None, **extra: Any) -> Generation:
+        if "hold" not in prompt:
+            return await super().agenerate(prompt, params, on_delta=on_delta, cancel=cancel,
+                                           **extra)
+        assert isinstance(cancel, CancelEvent)
+        self.cancels.append(cancel)
+        loop = asyncio.get_running_loop()
+        cancelled = loop.create_future()
+        cancel.on_set(lambda: loop.call_soon_threadsafe(
+            lambda: cancelled.done() or cancelled.set_result(None)))
+        await super().agenerate(prompt, params, on_delta=lambda _: self.streaming.set(),
+                                cancel=cancel, **extra)
+        await asyncio.wait_for(cancelled, GUARD_S)
+        raise ProgramAborted("cancelled")
+
+
+def test_leaving_generator_style_early_aborts_the_rest(rt):
+    @lmnb.function
+    def story(s, topic):
+        s += "Story about " + topic + ":" + gen("x", max_tokens=400 if topic == "hold" else 1,
+                                                ignore_eos=True)
+
+    backend = HeldBackend(rt)
+    batch = [{"topic": t} for t in ("cats", "dogs", "hold", "owls")]
+    states = story.run_batch(batch, backend=backend, generator_style=True)
+    assert [next(states).text().split(":")[0] for _ in range(2)] == [
+        "Story about cats", "Story about dogs"]
+    assert backend.streaming.wait(GUARD_S)  # the held program's request is in the runtime
+    states.close()  # the third cannot finish unless aborted: the consumer stops here
+    assert len(backend.cancels) == 1 and backend.cancels[0].wait(GUARD_S)
+    wait_idle(rt, check_integrity=True)
+    assert rt.stats()["protected_tokens"] == 0
+    assert rt.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
 def test_arun_and_run_batch_iter_leave_the_callers_loop_free(rt):
     @lmnb.function
     def answer(s, q):

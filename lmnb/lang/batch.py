@@ -151,6 +151,36 @@ class BatchJob:
         """The states in the order they finish (the batch starts at the first `next`)."""
         return (state for _, state in self._completed(num_threads, progress_bar))
 
+    def in_order(self, *, num_threads: int | str = "auto",
+                 progress_bar: bool = False) -> Iterator[ProgramState]:
+        """The states in the batch's order, each once it and every earlier one have finished
+        (SGLang's `generator_style`); the batch starts at the first `next`, the progress bar
+        counts programs as they finish."""
+        results = self._completed(num_threads, progress_bar)
+        finished: dict[int, ProgramState] = {}  # finished, waiting for an earlier one
+        next_index = 0
+        try:
+            for index, state in results:
+                finished[index] = state
+                while next_index in finished:
+                    yield finished.pop(next_index)
+                    next_index += 1
+        finally:
+            results.close()  # left early: the programs still running are aborted
+
+    def results(self, *, num_threads: int | str, progress_bar: bool, as_completed: bool,
+                generator_style: bool) -> list[ProgramState] | Iterator[ProgramState]:
+        """What `run_batch` returns: the states in order; with `as_completed` an iterator in
+        the order they finish; with `generator_style` (SGLang's) one in the batch's order."""
+        if as_completed and generator_style:
+            raise ValueError("run_batch: as_completed yields states as they finish, "
+                             "generator_style in the batch's order; pass one of them")
+        if as_completed:
+            return self.completed(num_threads=num_threads, progress_bar=progress_bar)
+        if generator_style:
+            return self.in_order(num_threads=num_threads, progress_bar=progress_bar)
+        return self.states(num_threads=num_threads, progress_bar=progress_bar)
+
     def _start(self, batch_run: _BatchRun) -> Future[None]:
         if self.prefix and len(self.batch) > 1:
             self.backend.cache_prefix(self.prefix)

@@ -431,13 +431,13 @@ class CompiledProgram:
     def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
                   backend: Any = None, num_threads: int | str = "auto",
                   progress_bar: bool = False, as_completed: bool = False,
+                  generator_style: bool = False,
                   **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
         """Runs the graph once per kwargs dict, concurrently, after caching the constant prefix
-        (as `Program.run_batch`, `as_completed` included)."""
+        (as `Program.run_batch`, `as_completed` and `generator_style` included)."""
         job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
-        if as_completed:
-            return job.completed(num_threads=num_threads, progress_bar=progress_bar)
-        return job.states(num_threads=num_threads, progress_bar=progress_bar)
+        return job.results(num_threads=num_threads, progress_bar=progress_bar,
+                           as_completed=as_completed, generator_style=generator_style)
 
     def run_batch_iter(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
                        backend: Any = None, num_threads: int | str = "auto",

@@ -132,17 +132,18 @@ class Program:
     def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
                   backend: Any = None, num_threads: int | str = "auto",
                   progress_bar: bool = False, as_completed: bool = False,
+                  generator_style: bool = False,
                   **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
         """Runs the program once per kwargs dict (or tuple of positional arguments),
         concurrently: every program is a task on one event loop (`num_threads` limits how many
         run at once; "auto": all). The programs' common constant prefix is sent to the
-        backend's cache first, so every run hits it. Returns the states in order, or with
-        `as_completed=True` an iterator of them in the order they finish (leaving it early
-        aborts the rest)."""
+        backend's cache first, so every run hits it. Returns the states in order; with
+        `as_completed=True` an iterator of them in the order they finish; with SGLang's
+        `generator_style=True` one in the batch's order, each state yielded once it and the
+        earlier ones are done. Leaving either iterator early aborts the rest."""
         job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
-        if as_completed:
-            return job.completed(num_threads=num_threads, progress_bar=progress_bar)
-        return job.states(num_threads=num_threads, progress_bar=progress_bar)
+        return job.results(num_threads=num_threads, progress_bar=progress_bar,
+                           as_completed=as_completed, generator_style=generator_style)
 
     def run_batch_iter(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
                        backend: Any = None, num_threads: int | str = "auto",
