@@ -6,6 +6,7 @@ import datetime as dt
 import functools
 import itertools
 import json
+import math
 import random
 import re
 import uuid
@@ -27,6 +28,7 @@ from lmnb.runtime.fsm.json_schema import (
     dtype_regex,
     json_schema_to_regex,
 )
+from lmnb.runtime.fsm.regex import ByteFSM, compile_regex
 
 FLEXIBLE = r"[ \n\t]{0,2}"
 
@@ -600,6 +602,112 @@ def test_number_ranges(lo: float | None, hi: float | None, lo_excl: bool, hi_exc
         assert not inside
         return
     assert bool(re.fullmatch(regex, text)) == inside, (schema, text)
+
+
+def _decimal_text(value: Decimal) -> str:
+    """`value` as a JSON number without an exponent (no trailing fraction zeros)."""
+    text = format(value, "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+@pytest.mark.parametrize("bounds, refused, accepted", [
+    ({"exclusiveMaximum": 1}, ["0.99999999999999999999", "0.99999999999999995"],
+     ["0.9999999999999999", "0.5", "-3"]),
+    ({"exclusiveMinimum": 0.1}, ["0.10000000000000000001", "0.100000000000000005"],
+     ["0.10000000000000002", "7"]),
+    ({"exclusiveMaximum": 1e16}, ["9999999999999999", "9999999999999999.5"],
+     ["9999999999999998", "12.5"]),
+    ({"exclusiveMinimum": 0, "maximum": 1}, ["0." + "0" * 323 + "1", "0." + "0" * 330 + "7"],
+     ["0." + "0" * 322 + "1", "0.5", "1"]),
+    ({"exclusiveMaximum": 0, "minimum": -1}, ["-0." + "0" * 323 + "1"],
+     ["-0." + "0" * 322 + "1", "-1"]),
+])
+def test_exclusive_bounds_hold_after_float_parsing(bounds: dict, refused: list[str],
+                                                   accepted: list[str]) -> None:
+    """A number whose double lands on an exclusive bound (or underflows to 0 past an exclusive 0)
+    is refused; its neighbours that parse inside are not."""
+    regex = json_schema_to_regex({"type": "number", **bounds})
+    fsm = compile_regex(regex)  # the runtime's automaton, beside Python's re
+    for text in refused:
+        assert not re.fullmatch(regex, text) and not fsm.fullmatch(text), (bounds, text)
+    for text in accepted:
+        assert re.fullmatch(regex, text) and fsm.fullmatch(text), (bounds, text)
+        jsonschema.validate(float(text), {"type": "number", **bounds})
+    with pytest.raises(InvalidSchemaError):  # no double lies strictly between two adjacent ones
+        json_schema_to_regex({"type": "number", "exclusiveMinimum": 1.0,
+                              "exclusiveMaximum": 1.0000000000000002})
+
+
+def _near(bound: float) -> set[str]:
+    """Plain decimals around `bound` that float parsing rounds onto it or its neighbours:
+    bound +- 10^-k for growing k, its neighbouring doubles (shortest and exact decimals) and
+    the midpoints between them, just below and above each."""
+    exact = Decimal(bound)
+    texts = set()
+    scale = exact.adjusted() if bound else -300
+    for k in range(0, 32):
+        step = Decimal(10) ** (scale - k)
+        texts.update(_decimal_text(exact + sign * step) for sign in (-1, 1))
+    doubles = [bound]
+    for direction in (-math.inf, math.inf):
+        x = bound
+        for _ in range(2):
+            x = math.nextafter(x, direction)
+            doubles.append(x)
+    for x in doubles:
+        texts.update({_decimal_text(Decimal(repr(x))), _decimal_text(Decimal(x))})
+        for y in (math.nextafter(x, -math.inf), math.nextafter(x, math.inf)):
+            middle = (Decimal(x) + Decimal(y)) / 2
+            tiny = Decimal(10) ** (middle.adjusted() - 30)
+            texts.update(_decimal_text(middle + d) for d in (-tiny, 0, tiny))
+    return texts
+
+
+def _byte_walk(fsm: ByteFSM, rng: random.Random) -> str:
+    """A random text the runtime's automaton accepts (it is trim: every state can still end)."""
+    state, out = fsm.initial, bytearray()
+    while True:
+        moves = list(fsm.transitions[state].items())
+        if not moves or (fsm.is_accepting(state) and rng.random() < 0.2):
+            return out.decode()
+        byte, state = rng.choice(moves)
+        out.append(byte)
+
+
+BOUND_FLOATS = st.sampled_from([0.0, 1.0, 0.1, -0.3, 1e16, 2.0 ** 53, 1e-7, 123.456]) | st.floats(
+    -1e20, 1e20).filter(lambda x: x == 0 or abs(x) >= 1e-20)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(bound=BOUND_FLOATS, upper=st.booleans(), exclusive=st.booleans(),
+       seed=st.integers(0, 999))
+def test_every_accepted_bounded_number_parses_within_its_bound(bound: float, upper: bool,
+                                                               exclusive: bool,
+                                                               seed: int) -> None:
+    keyword = ("exclusiveMaximum" if exclusive else "maximum") if upper else (
+        "exclusiveMinimum" if exclusive else "minimum")
+    regex = json_schema_to_regex({"type": "number", keyword: bound})
+    fsm = compile_regex(regex)
+
+    def within(x: float) -> bool:
+        if upper:
+            return x < bound if exclusive else x <= bound
+        return x > bound if exclusive else x >= bound
+
+    for text in _near(bound):
+        assert bool(re.fullmatch(regex, text)) == fsm.fullmatch(text), (keyword, bound, text)
+        if fsm.fullmatch(text):
+            assert within(float(text)), (keyword, bound, text)
+    # not vacuous: the double next to the bound inside the range is accepted (past an exclusive
+    # 0, from 1e-323 on: smaller ones parse to 0)
+    inside = math.nextafter(bound, -math.inf if upper else math.inf)
+    if bound == 0:
+        inside = math.copysign(1e-323, inside)
+    assert fsm.fullmatch(_decimal_text(Decimal(repr(inside)))), (keyword, bound, inside)
+    rng = random.Random(seed)
+    for _ in range(20):
+        text = _byte_walk(fsm, rng)
+        assert within(float(text)), (keyword, bound, text)
 
 
 def test_strings_and_escapes() -> None:

@@ -1,11 +1,17 @@
-"""Regexes for numeric ranges: integers and decimals between JSON-schema bounds, exactly."""
+"""Regexes for numeric ranges: integers and decimals between JSON-schema bounds, exactly, and
+decimals whose double (parsed rounding to nearest) is within the bounds too."""
 
 from __future__ import annotations
 
+import math
 from decimal import Decimal
 from typing import Any
 
 from lmnb.runtime.fsm.regex_text import alternatives, group, repeat
+
+# Past an exclusive 0, at most this many zeros before a fraction's first other digit: 1e-323
+# parses to a double (4.9e-324 * 2), 1e-324 rounds to 0.0 (under half the least one).
+ZEROS_BEFORE_UNDERFLOW = 322
 
 
 def _digit_class(lo: int, hi: int) -> str:
@@ -71,13 +77,17 @@ def _split(value: Decimal) -> tuple[int, str]:
     return int(whole), fraction.rstrip("0")
 
 
-def _fraction(lo: str | None, lo_excl: bool, hi: str | None, hi_excl: bool
+def _fraction(lo: str | None, lo_excl: bool, hi: str | None, hi_excl: bool, depth: int = 0
               ) -> tuple[str | None, bool]:
     """Digit strings R (read as 0.R) within the bounds: (regex of the non-empty ones, whether the
-    empty one is allowed). Bounds are digit strings without trailing zeros; None is unbounded."""
+    empty one is allowed). Bounds are digit strings without trailing zeros; None is unbounded.
+    `depth` digits come before R; above an exclusive all-zero bound (an exclusive 0: other
+    exclusive bounds reach here made inclusive) R leaves the digits of a double parsed
+    non-zero (`ZEROS_BEFORE_UNDERFLOW`)."""
     empty = (lo is None or (lo == "" and not lo_excl)) and (hi != "" or not hi_excl)
     if hi is None and lo == "" and lo_excl:
-        return "0*[1-9][0-9]*", False
+        zeros = ZEROS_BEFORE_UNDERFLOW - depth
+        return (repeat("0", 0, zeros) + "[1-9][0-9]*" if zeros >= 0 else None), False
     if lo is None or (lo == "" and not lo_excl):
         if hi is None:
             return "[0-9]+", empty
@@ -91,7 +101,7 @@ def _fraction(lo: str | None, lo_excl: bool, hi: str | None, hi_excl: bool
     parts: list[str | None] = []
 
     def follow(digit: str, *bounds: Any) -> str | None:
-        regex, may_end = _fraction(*bounds)
+        regex, may_end = _fraction(*bounds, depth=depth + 1)
         if regex is None:
             return digit if may_end else None
         return digit + (f"({regex})?" if may_end else group(regex))
@@ -137,7 +147,8 @@ def _magnitude_range(lo: Decimal, lo_excl: bool, hi: Decimal | None, hi_excl: bo
 
 def decimal_range(lo: Decimal | None, lo_excl: bool, hi: Decimal | None, hi_excl: bool
                    ) -> str | None:
-    """Plain decimals (no exponent) within the bounds; "-0" / "-0.0" count as zero."""
+    """Plain decimals (no exponent) within the bounds, but for the digits past an exclusive 0
+    that would parse to 0.0 (`_fraction`); "-0" / "-0.0" count as zero."""
     zero = Decimal(0)
     positive = None
     if hi is None or hi >= 0:
@@ -149,3 +160,22 @@ def decimal_range(lo: Decimal | None, lo_excl: bool, hi: Decimal | None, hi_excl
         magnitude = _magnitude_range(low, low_excl, None if lo is None else -lo, lo_excl)
         negative = None if magnitude is None else "-" + group(magnitude)
     return alternatives([positive, negative])
+
+
+def _parsed_inside(bound: Decimal | None, exclusive: bool, inward: float
+                   ) -> tuple[Decimal | None, bool]:
+    """An exclusive bound b other than 0 as the inclusive bound at the shortest decimal of the
+    double next to b towards `inward`: a number up to it parses to that double at most (rounding
+    to nearest is monotonic), never onto b's own. An inclusive bound holds after parsing as is."""
+    if bound is None or not exclusive or bound == 0:
+        return bound, exclusive
+    return Decimal(repr(math.nextafter(float(bound), inward))), False
+
+
+def float_range(lo: Decimal | None, lo_excl: bool, hi: Decimal | None, hi_excl: bool
+                ) -> str | None:
+    """`decimal_range` of the numbers whose double is within the bounds too: past an exclusive
+    bound's neighbouring double, or underflowing past an exclusive 0, none is written (so
+    0.99999999999999999999, which parses to 1.0, is not below an exclusive 1)."""
+    return decimal_range(*_parsed_inside(lo, lo_excl, math.inf),
+                         *_parsed_inside(hi, hi_excl, -math.inf))

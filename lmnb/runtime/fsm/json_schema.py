@@ -19,7 +19,10 @@ valid for the schema. Conventions:
   `$` is ECMA-262's (only the very end); there non-ASCII characters are accepted raw only.
   `format` date, date-time, time (RFC 3339, upper-case "T"/"Z", no leap second), email and uuid
   are enforced; other formats are annotations.
-- Numbers: `minimum`/`maximum`/`exclusive*` are exact; a bounded number is a plain decimal (no
+- Numbers: `minimum`/`maximum`/`exclusive*` hold for the text and for its double (parsed
+  rounding to nearest): past an exclusive bound's neighbouring double, or so small past an
+  exclusive 0 that it parses to 0.0, no number is written (`0.99999999999999999999`, which
+  parses to 1.0, is not below an exclusive 1). A bounded number is a plain decimal (no
   exponent) and an integer is never written `1.0`. `multipleOf` is rejected.
 - `enum`/`const` match each value's canonical JSON (values of another `type` are dropped; other
   keywords beside them are not checked). `oneOf` is `anyOf` (branches assumed disjoint, as in
@@ -44,7 +47,7 @@ from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any
 from urllib.parse import unquote
 
-from lmnb.runtime.fsm.json_numbers import decimal_range, integer_range
+from lmnb.runtime.fsm.json_numbers import float_range, integer_range
 from lmnb.runtime.fsm.regex_text import alternatives, group, literal_text, repeat
 
 
@@ -380,7 +383,7 @@ class _Builder:
         lo, lo_excl, hi, hi_excl = _bounds(schema)
         if lo is None and hi is None:
             return NUMBER
-        return decimal_range(lo, lo_excl, hi, hi_excl)
+        return float_range(lo, lo_excl, hi, hi_excl)
 
     def _string(self, schema: dict) -> str | None:
         lo = _count(schema, "minLength", 0)
