@@ -10,7 +10,7 @@ from typing import Any
 from lmnb.runtime.fsm.regex_text import alternatives, group, repeat
 
 # Past an exclusive 0, at most this many zeros before a fraction's first other digit: 1e-323
-# parses to a double (4.9e-324 * 2), 1e-324 rounds to 0.0 (under half the least one).
+# parses to the double 9.9e-324; 1e-324, under half the least double (4.9e-324), to 0.0.
 ZEROS_BEFORE_UNDERFLOW = 322
 
 
@@ -81,9 +81,9 @@ def _fraction(lo: str | None, lo_excl: bool, hi: str | None, hi_excl: bool, dept
               ) -> tuple[str | None, bool]:
     """Digit strings R (read as 0.R) within the bounds: (regex of the non-empty ones, whether the
     empty one is allowed). Bounds are digit strings without trailing zeros; None is unbounded.
-    `depth` digits come before R; above an exclusive all-zero bound (an exclusive 0: other
-    exclusive bounds reach here made inclusive) R leaves the digits of a double parsed
-    non-zero (`ZEROS_BEFORE_UNDERFLOW`)."""
+    `depth` fraction digits come before R. Above an exclusive all-zero lower bound (an
+    exclusive 0: `float_range` makes other exclusive bounds inclusive) R starts with at most
+    `ZEROS_BEFORE_UNDERFLOW` - depth zeros, so that the number does not parse to 0.0."""
     empty = (lo is None or (lo == "" and not lo_excl)) and (hi != "" or not hi_excl)
     if hi is None and lo == "" and lo_excl:
         zeros = ZEROS_BEFORE_UNDERFLOW - depth
