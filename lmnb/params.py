@@ -22,7 +22,12 @@ from typing import Any
 
 
 class InvalidRequestError(ValueError):
-    """A request that cannot be served as given; raised to the caller, the runtime is untouched."""
+    """A request that cannot be served as given; raised to the caller, the runtime is untouched.
+    `param`: the request field it is about, when one is (the OpenAI error body's `param`)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 TOP_K_ALL = -1
@@ -72,6 +77,8 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | dict | None = None
     ebnf: str | None = None  # an EBNF grammar (xgrammar's GBNF dialect); its `root` is the output
+    # SGLang's and OpenAI's: token id -> added to its logit before sampling ({} is None)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +95,7 @@ class SamplingParams:
         self.stop_regex = stop_regex_patterns(self.stop_regex)
         if self.top_k in (0, None):
             self.top_k = TOP_K_ALL
+        self.logit_bias = logit_bias_entries(self.logit_bias)
         self._check()
 
     def _check(self) -> None:
@@ -176,9 +184,11 @@ class SamplingParams:
         return cls.from_dict(merged_params(defaults, overrides or {}))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field in a new dict (lists copied): `Runtime.generate`'s `sampling_params`."""
+        """Every field in a new dict (lists and dicts copied): `Runtime.generate`'s
+        `sampling_params`."""
         values = {name: getattr(self, name) for name in SAMPLING_PARAM_NAMES}
-        return {name: list(v) if isinstance(v, list) else v for name, v in values.items()}
+        return {name: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+                for name, v in values.items()}
 
     @property
     def is_greedy(self) -> bool:
@@ -208,7 +218,6 @@ UNSUPPORTED_SAMPLING_PARAMS: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "spaces_between_special_tokens": (True,),
     "no_stop_trim": (False,),
     "stream_interval": (None, 1),  # lmnb streams every step's tokens
-    "logit_bias": (None,),
     "custom_params": (None,),
     "watermark": (None,),
 })
@@ -239,6 +248,40 @@ def _check_unsupported(name: str, value: Any, accepted: tuple[Any, ...]) -> None
         shown = " or ".join(repr(a) for a in accepted)
         raise InvalidRequestError(f"unsupported sampling param {name}={value!r}: lmnb does not "
                                   f"implement {name}; leave it out or give {shown}")
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+def logit_bias_entries(value: Any) -> dict[int, float] | None:
+    """`logit_bias` as {token id: bias}, checked: keys are ints or strings of one (JSON's), at
+    most once each; values finite numbers, added as given (SGLang does not clamp them; vLLM
+    clamps to OpenAI's [-100, 100]). None or {} is None. Ids are checked against the
+    vocabulary when a request is made (`request_checks.check_prompt`)."""
+    if value is None:
+        return None
+
+    def bad(message: str) -> InvalidRequestError:
+        return InvalidRequestError(f"invalid sampling params: logit_bias {message}",
+                                   param="logit_bias")
+
+    if not isinstance(value, Mapping):
+        raise bad(f"must be an object of token id -> bias, got {value!r}")
+    entries: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        elif isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+            token = int(key)
+        else:
+            raise bad(f"keys must be token ids (ints, or strings of one), got {key!r}")
+        if token in entries:
+            raise bad(f"names token {token} twice")
+        if not (isinstance(bias, numbers.Real) and not isinstance(bias, bool)
+                and math.isfinite(bias)):
+            raise bad(f"values must be finite numbers, got {bias!r} for token {token}")
+        entries[token] = float(bias)
+    return entries or None
 
 
 def merged_params(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -292,6 +335,7 @@ PARAM_HELP: dict[str, str] = {
     "regex": "the output must match this regex",
     "json_schema": "the output must be JSON valid under this schema",
     "ebnf": "the output must be in this EBNF grammar's language (root rule `root`)",
+    "logit_bias": "token id -> number added to that token's logit before sampling",
     "return_logprob": "return the log-probabilities of prompt and output tokens",
     "logprob_start_len": "first prompt position whose logprob is returned; -1 is none",
     "top_logprobs_num": "also return this many most likely tokens at each position",

@@ -159,13 +159,41 @@ def test_every_sglang_name_is_accepted_with_its_default() -> None:
 
 @pytest.mark.parametrize("name, value", [
     ("spaces_between_special_tokens", False), ("no_stop_trim", True), ("beam_width", 4),
-    ("stream_interval", 8), ("logit_bias", {"42": 5.0}), ("custom_params", {"a": 1}),
+    ("stream_interval", 8), ("custom_params", {"a": 1}),
     ("structural_tag", '{"type": "x"}'), ("watermark", {"key": 1}), ("no_stop_trim", 1),
 ])
 def test_an_unsupported_sglang_param_is_refused_by_name(name: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError,
                        match=f"^unsupported sampling param {name}=.*does not implement {name}"):
         SamplingParams.from_dict({"max_new_tokens": 3, name: value})
+
+
+def test_logit_bias_takes_token_ids_as_ints_or_json_strings() -> None:
+    params = SamplingParams.from_dict({"logit_bias": {"42": 5, 7: -100.0, "0": 0.5}})
+    assert params.logit_bias == {42: 5.0, 7: -100.0, 0: 0.5}
+    assert all(type(v) is float for v in params.logit_bias.values())
+    assert params.to_dict()["logit_bias"] == params.logit_bias
+    assert params.to_dict()["logit_bias"] is not params.logit_bias
+    assert SamplingParams.from_dict({"logit_bias": {"3": 250.0}}).logit_bias == {3: 250.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+@pytest.mark.parametrize("value, problem", [
+    ([[1, 2.0]], "must be an object"),
+    ({"1.0": 1}, "keys must be token ids"),
+    ({" 1": 1}, "keys must be token ids"),
+    ({"x": 1}, "keys must be token ids"),
+    ({True: 1}, "keys must be token ids"),
+    ({1: 1, "1": 2}, "names token 1 twice"),
+    ({"1": "2"}, "values must be finite numbers"),
+    ({"1": True}, "values must be finite numbers"),
+    ({"1": float("nan")}, "values must be finite numbers"),
+    ({"1": float("-inf")}, "values must be finite numbers"),
+])
+def test_a_bad_logit_bias_is_refused_naming_it(value: Any, problem: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"logit_bias {problem}") as raised:
+        SamplingParams.from_dict({"logit_bias": value})
+    assert raised.value.param == "logit_bias"
 
 
 def test_sampling_seed_is_seed() -> None:

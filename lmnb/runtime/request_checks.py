@@ -134,4 +134,10 @@ def check_prompt(ids: list[int], params: SamplingParams, *, context_len: int, vo
     if logprob_start >= len(ids):
         raise InvalidRequestError(
             f"logprob_start_len {logprob_start} is past the prompt's {len(ids)} tokens")
+    if params.logit_bias:
+        outside = [t for t in params.logit_bias if not 0 <= t < vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias: token id(s) {outside[:8]} not in the vocabulary [0, {vocab_size})",
+                param="logit_bias")
     return within_context(params, prompt_len=len(ids), context_len=context_len)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmnb.runtime.kernels.metadata import device_tensor, to_device
+from lmnb.runtime.sampling.bias import LogitBias
 from lmnb.runtime.sampling.bitmask import num_words
 from lmnb.runtime.sampling.penalties import MinNewTokens, Penalties
 from lmnb.runtime.sampling.row import SamplingRow
@@ -137,6 +138,7 @@ class SamplingBatchInfo:
                 dtype=torch.int64), device)
         self.has_grammar = any(row.grammar is not None for row in self.rows)
         self.penalties = Penalties.build(self.rows, vocab_size, device)
+        self.logit_bias = LogitBias.build(self.rows, vocab_size, device)
         self.min_new_tokens = MinNewTokens.build(self.rows, self.stop_ids, vocab_size, device)
         self._outputs = [row.output_ids for row in self.rows]
         self._output_lens = [len(ids) for ids in self._outputs]
@@ -174,8 +176,9 @@ class SamplingBatchInfo:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether penalties or min_new_tokens blocks change the logits this step."""
-        return self.penalties is not None or (
+        """Whether penalties, logit_bias or min_new_tokens blocks change the logits this
+        step."""
+        return self.penalties is not None or self.logit_bias is not None or (
             self.min_new_tokens is not None and self.min_new_tokens.active)
 
     def label(self, row: int) -> str:

@@ -1,5 +1,6 @@
-"""Logits -> next tokens for a whole batch with tensor ops: penalties, min-new-tokens and grammar
-masks, temperature, top-k, top-p, min-p, seeded draws, and logprobs of the raw distribution.
+"""Logits -> next tokens for a whole batch with tensor ops: penalties, logit_bias (after the
+penalties, as in SGLang), min-new-tokens and grammar masks, temperature, top-k, top-p, min-p,
+seeded draws, and logprobs of the raw distribution.
 
 Filtering follows HF transformers' warper chain (temperature, top-k, top-p over the top-k
 renormalised set, min-p), as one floor logit per row (thresholds.py; every token tied with the
@@ -8,10 +9,10 @@ seed over the tokens at or above its floor, so a seeded row's token depends only
 and generator.
 
 Logits come in the model's dtype and are not copied unless something adjusts them (penalties,
-min_new_tokens, a grammar mask: an fp32 copy); kernels and the torch ops that need fp32 upcast
-as they read (exact), so bf16 logits sample exactly as their fp32 upcast would. On a GPU, a batch
-with sampled rows reads each row once (`race.sample_rows`: draws, greedy ids and verdicts), after
-the cut rows' few threshold passes (`thresholds.cut_floors`).
+logit_bias, min_new_tokens, a grammar mask: an fp32 copy); kernels and the torch ops that need
+fp32 upcast as they read (exact), so bf16 logits sample exactly as their fp32 upcast would. On a
+GPU, a batch with sampled rows reads each row once (`race.sample_rows`: draws, greedy ids and
+verdicts), after the cut rows' few threshold passes (`thresholds.cut_floors`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class Sampler:
         """Sample one token per row of `logits` [bs, >= vocab] (any float dtype: bf16 is read as
         it is and upcast where the math needs it, which is exact). `bitmask` ([bs, words] int32,
         see bitmask.py) carries grammar constraints; reported logprobs ignore it, like every
-        other adjustment. No host sync: the result's `synchronize()` is the step's one wait."""
+        other adjustment (logit_bias too: SGLang reports the biased distribution). No host
+        sync: the result's `synchronize()` is the step's one wait."""
         raw = self._raw(logits, info)
         work = self._adjusted(raw, info, bitmask)
         ids = _greedy_ids(work) if info.all_greedy else self.draw(work, info)
@@ -71,7 +73,8 @@ class Sampler:
 
     def adjusted_logits(self, logits: torch.Tensor, info: SamplingBatchInfo,
                         bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits after penalties and masks, before temperature; never modifies `logits`."""
+        """fp32 logits after penalties, logit_bias and masks, before temperature; never modifies
+        `logits`."""
         return self._adjusted(self._raw(logits, info), info, bitmask).float()
 
     def distribution(self, logits: torch.Tensor, info: SamplingBatchInfo,
@@ -114,6 +117,8 @@ class Sampler:
         work = raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if info.penalties is not None:
             info.penalties.apply_(work)
+        if info.logit_bias is not None:  # before the masks: a biased token stays masked
+            info.logit_bias.apply_(work)
         blocks = info.min_new_tokens is not None and info.min_new_tokens.active
         if bitmask is None:
             if blocks:
