@@ -366,6 +366,68 @@ def test_bad_logprob_counts_are_400s_that_name_their_parameter(client):
     assert out.choices[0].logprobs is None
 
 
+def test_logit_bias_forces_and_bans_greedy_tokens(client, rt):
+    """OpenAI's `logit_bias` (string ids, as the client sends them): +100 makes greedy chat and
+    completion output that token, -100 bans the token greedy decoding picks without it (the
+    same request without a bias is unchanged afterwards), and a streamed chat is the same."""
+    blue = rt.encode(" blue")[-1]
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                          temperature=0, logit_bias={str(blue): 100})
+    assert chat.choices[0].message.content == rt.tokenizer.decode([blue] * 3)
+    streamed = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                              temperature=0, logit_bias={str(blue): 100},
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        chat.choices[0].message.content
+    prompt = rt.encode("The sky is")
+    greedy = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    plain = rt.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                  extra_body={"ignore_eos": True})
+    before = client.completions.create(**kwargs).choices[0].text
+    banned = client.completions.create(**kwargs, logit_bias={str(plain[0]): -100})
+    assert before == rt.tokenizer.decode(plain)
+    ids = rt.generate(input_ids=prompt, sampling_params={
+        **greedy, "logit_bias": {plain[0]: -100.0}})["output_ids"]
+    assert ids[0] != plain[0] and banned.choices[0].text == rt.tokenizer.decode(ids) != before
+    assert client.completions.create(**kwargs).choices[0].text == before
+    wait_idle(rt)
+    rt.check_integrity()
+
+
+def test_native_generate_logit_bias_in_a_batch_leaves_the_others_unchanged(http, rt):
+    params = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    texts = ["Hello", "The sky is", "Once upon"]
+    alone = [http.post("/generate", json={"text": t, "sampling_params": params}).json()
+             for t in texts]
+    blue = rt.encode(" blue")[-1]
+    batch = http.post("/generate", json={"text": texts, "sampling_params": [
+        params, {**params, "logit_bias": {str(blue): 100.0}}, params]}).json()
+    assert batch[1]["output_ids"] == [blue] * 5
+    assert [batch[0]["output_ids"], batch[2]["output_ids"]] == \
+        [alone[0]["output_ids"], alone[2]["output_ids"]]
+
+
+def test_bad_logit_bias_is_a_400_naming_it(client, http, rt):
+    vocab = rt.model_config.vocab_size
+    for bias, words in (({str(vocab): 5}, "not in the vocabulary"), ({"-3": 5}, "vocabulary"),
+                        ({"blue": 5}, "keys must be token ids"),
+                        ({"5": "much"}, "logit_bias")):
+        for create, kwargs in ((client.chat.completions.create, {"messages": CHAT}),
+                               (client.completions.create, {"prompt": "Hi"})):
+            with pytest.raises(openai.BadRequestError, match=words) as error:
+                create(model="tiny", max_tokens=2, logit_bias=bias, **kwargs)
+            assert error.value.param == "logit_bias", bias
+    nan = http.post("/v1/completions", content=b'{"prompt": "Hi", "logit_bias": {"5": NaN}}',
+                    headers={"content-type": "application/json"})
+    assert nan.status_code == 400 and nan.json()["error"]["param"] == "logit_bias"
+    native = http.post("/generate", json={"text": "x", "sampling_params": {
+        "max_new_tokens": 2, "logit_bias": {str(vocab + 7): 1.0}}})
+    assert native.status_code == 400 and "logit_bias" in native.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text \
+        is not None
+
+
 def test_disconnect_mid_stream_frees_kv(server, rt):
     """Dropped clients abort their requests: far fewer tokens are generated than asked for,
     and every KV slot and lock comes back."""

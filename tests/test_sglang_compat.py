@@ -331,8 +331,8 @@ def test_generate_route_takes_sglangs_sampling_params(sgl_runtime):
             **frontend_defaults, "max_new_tokens": 4, "sampling_seed": 5}}).json()
         again = sgl_runtime.generate("The sky is", {"max_new_tokens": 4, "seed": 5})
         assert seeded["text"] == again["text"]
-        for name, value in (("no_stop_trim", True), ("logit_bias", {"5": 1.0}),
-                            ("spaces_between_special_tokens", False), ("beam_width", 4)):
+        for name, value in (("no_stop_trim", True), ("spaces_between_special_tokens", False),
+                            ("beam_width", 4)):
             response = http.post("/generate", json={"text": "x", "sampling_params": {
                 "max_new_tokens": 2, name: value}})
             assert response.status_code == 400, name

@@ -82,7 +82,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, error: InvalidRequestError) -> JSONResponse:
-        return error_response(APIError(str(error)), request.url.path)
+        return error_response(APIError(str(error), param=error.param), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:

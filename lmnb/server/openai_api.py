@@ -102,8 +102,6 @@ class _Sampling(BaseModel):
         return self.stream_options or StreamOptions()
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n}
         for ours, value in (("temperature", self.temperature), ("top_p", self.top_p),
                             ("stop", self.stop), ("frequency_penalty", self.frequency_penalty),
@@ -114,7 +112,7 @@ class _Sampling(BaseModel):
                             ("stop_token_ids", self.stop_token_ids),
                             ("skip_special_tokens", self.skip_special_tokens),
                             ("regex", self.regex), ("json_schema", self.json_schema),
-                            ("ebnf", self.ebnf)):
+                            ("ebnf", self.ebnf), ("logit_bias", self.logit_bias)):
             if value is not None:
                 params[ours] = value
         return params
