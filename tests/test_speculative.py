@@ -168,6 +168,22 @@ def test_a_request_that_cannot_draw_fails_alone_in_its_verify_pass() -> None:
     assert "every token is masked" in out.failed[1]
 
 
+def test_verify_judges_drafts_by_the_biased_logits() -> None:
+    """A greedy request whose bias bans its raw argmax: the draft equal to that argmax is
+    rejected and the biased argmax kept (verify reads `Sampler.adjusted_logits`)."""
+    vocab = 8
+    logits = torch.zeros(2, vocab)
+    logits[:, 3], logits[:, 5] = 10.0, 9.0
+    sampler = Sampler(vocab, eos_token_ids=[])
+    drafts = [[3]]
+    plain = sampler.batch_info(expanded_rows([_Row(SamplingParams(temperature=0.0))], drafts),
+                               "cpu")
+    assert verify_drafts(sampler, logits, plain, None, drafts).tokens == [[3, 3]]
+    banned = SamplingParams(temperature=0.0, logit_bias={3: -100.0})
+    info = sampler.batch_info(expanded_rows([_Row(banned)], drafts), "cpu")
+    assert verify_drafts(sampler, logits, info, None, drafts).tokens == [[5]]
+
+
 # ---- the runtime --------------------------------------------------------------------------------
 def test_greedy_outputs_are_identical_and_drafts_are_accepted(runtimes) -> None:
     base, spec = runtimes
@@ -188,6 +204,24 @@ def test_greedy_outputs_are_identical_and_drafts_are_accepted(runtimes) -> None:
         (meta["spec_accept_token_num"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"])
     stats = spec.stats()["speculative"]
     assert stats["verify_passes"] > 0 and stats["accepted_tokens"] > 0
+    spec.check_integrity()
+
+
+def test_logit_bias_outputs_are_identical_with_speculation(runtimes) -> None:
+    """The token the first copy prompt's greedy output repeats most, banned, and a token of the
+    prompt forced on another: the outputs are those without speculation (drafts accepted)."""
+    base, spec = runtimes
+    plain = base.generate(COPY_PROMPTS[0], GREEDY)["output_ids"]
+    common = max(set(plain), key=plain.count)
+    apple = base.tokenizer.encode(" apple", add_special_tokens=False)[0]
+    params = [{**GREEDY, "logit_bias": {common: -100.0}}, GREEDY,
+              {**GREEDY, "logit_bias": {apple: 8.0}}]
+    want = base.generate(COPY_PROMPTS, params)
+    got = spec.generate(COPY_PROMPTS, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert common not in got[0]["output_ids"]
+    assert got[1]["output_ids"] == base.generate(COPY_PROMPTS[1], GREEDY)["output_ids"]
+    assert sum(m.get("spec_accept_token_num", 0) for m in _spec_meta(got)) > 0
     spec.check_integrity()
 
 
