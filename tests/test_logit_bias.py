@@ -4,7 +4,7 @@ biased rows' logits move by exactly the bias after the penalties, other rows are
 batch without a bias makes no copy; greedy and sampled rows follow the bias; grammar masks and
 min_new_tokens blocks hold over it; logprobs stay those of the raw distribution. The runtime API
 on the tiny model: forced and banned tokens, batched beside requests without a bias, constrained
-output, the vocabulary check."""
+output, the vocabulary check, the overlap schedule."""
 
 from __future__ import annotations
 
@@ -219,3 +219,21 @@ def test_ids_outside_the_vocabulary_are_refused_naming_logit_bias(rt) -> None:
     with pytest.raises(InvalidRequestError, match="logit_bias values must be finite"):
         rt.generate(PROMPT, {**GREEDY, "logit_bias": {"5": float("inf")}})
     assert rt.generate(PROMPT, GREEDY)["output_ids"]
+
+
+def test_overlap_schedule_keeps_each_bias_on_its_own_request(rt, tiny_models) -> None:
+    """With the overlap schedule (a pass launched before the previous one is read; requests
+    that end in flight leave the next pass's rows), each request's bias stays on its own row:
+    outputs equal the plain schedule's."""
+    blue = rt.tokenizer.encode(" blue", add_special_tokens=False)[0]
+    prompts = [PROMPT, "Once upon a time", "1, 2, 3, 4,", "def main():"]
+    plain = [rt.generate(p, GREEDY)["output_ids"] for p in prompts]
+    params = [{**GREEDY, "max_new_tokens": 2}, {**GREEDY, "logit_bias": {plain[1][1]: -100.0}},
+              {**GREEDY, "max_new_tokens": 3, "logit_bias": {blue: 100.0}},
+              {**GREEDY, "logit_bias": {plain[3][0]: -100.0, blue: 3.0}}]
+    want = [o["output_ids"] for o in rt.generate(prompts, params)]
+    with Runtime(tiny_models["llama-gqa"], max_total_tokens=4096, disable_overlap_schedule=False,
+                 check_integrity_each_step=True) as overlapped:
+        got = [o["output_ids"] for o in overlapped.generate(prompts, params)]
+        assert overlapped.stats()["overlapped_passes"] > 0
+    assert got == want and want[2] == [blue] * 3 and plain[1][1] not in want[1]
