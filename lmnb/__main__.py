@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="speculative decoding: NGRAM drafts from the prompt and output")
     serve.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
                        help="verify positions per step (the last token + N - 1 drafts)")
+    serve.add_argument("--allow-auto-truncate", action="store_true",
+                       help="cut max_new_tokens to the room a prompt leaves in the context "
+                            "instead of refusing the request (HTTP 400)")
     serve.add_argument("--quantization", default=None, help="fp8 | compressed-tensors")
     serve.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 | bf16")
     serve.add_argument("--engine-options", type=json.loads, default=None, metavar="JSON",
@@ -56,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "kv_cache_dtype": args.kv_cache_dtype}
     if args.max_total_tokens is not None:
         options["max_total_tokens"] = args.max_total_tokens
+    if args.allow_auto_truncate:
+        options["allow_auto_truncate"] = True
     for name in ("speculative_algorithm", "speculative_num_draft_tokens"):
         if vars(args)[name] is not None:
             options[name] = vars(args)[name]

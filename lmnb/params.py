@@ -30,6 +30,18 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt of `prompt_tokens` that with the `max_new_tokens` it asks for (None: the prompt
+    alone) does not fit in the `context_len` tokens of the model's context. The servers give
+    it their API's words and error code."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_new_tokens: int | None,
+                 context_len: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens, self.max_new_tokens = prompt_tokens, max_new_tokens
+        self.context_len = context_len
+
+
 TOP_K_ALL = -1
 # What a torch.Generator takes as a seed; sample i of a request is seeded with seed + i.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -58,7 +70,7 @@ def stop_regex_patterns(value: str | Sequence[str] | None) -> list[str]:
 class SamplingParams:
     """Per-request decoding parameters, validated on construction (`InvalidRequestError`)."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: up to the context length (SGLang's)
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -118,11 +130,11 @@ class SamplingParams:
              f"regex must be a string, got {self.regex!r}")
         need(self.json_schema is None or isinstance(self.json_schema, str | dict),
              f"json_schema must be a string or a dict, got {self.json_schema!r}")
-        need(self.max_new_tokens >= 0,
-             f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        need(0 <= self.min_new_tokens,
+        need(self.max_new_tokens is None or self.max_new_tokens >= 0,
+             f"max_new_tokens must be an int >= 0 or None, got {self.max_new_tokens!r}")
+        need(self.min_new_tokens is not None and 0 <= self.min_new_tokens,
              f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
-        need(self.min_new_tokens <= self.max_new_tokens,
+        need(self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens,
              f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
         need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
@@ -151,8 +163,9 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
         """Parameters from a request's dict (SGLang's `sampling_params`): None values mean the
-        default, `sampling_seed` is `seed`, an unsupported SGLang parameter passes only with
-        its default; unknown keys are rejected with the list of known ones."""
+        default (but max_new_tokens None: up to the context length), `sampling_seed` is `seed`,
+        an unsupported SGLang parameter passes only with its default; unknown keys are rejected
+        with the list of known ones."""
         if params is None:
             return cls()
         if isinstance(params, SamplingParams):
@@ -169,7 +182,7 @@ class SamplingParams:
         for name, accepted in UNSUPPORTED_SAMPLING_PARAMS.items():
             if name in values:
                 _check_unsupported(name, values.pop(name), accepted)
-        values = {k: v for k, v in values.items() if v is not None or k in _NONE_DEFAULTS}
+        values = {k: v for k, v in values.items() if v is not None or k in _NONE_KEPT}
         try:
             return cls(**values)
         except TypeError as error:
@@ -204,7 +217,10 @@ SAMPLING_PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingPar
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed")
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                   "repetition_penalty")
-_NONE_DEFAULTS = frozenset(f.name for f in fields(SamplingParams) if f.default is None)
+# None kept by `from_dict`: the fields whose default is None, and max_new_tokens (None: up to
+# the context length, as SGLang's)
+_NONE_KEPT = frozenset({"max_new_tokens", *(f.name for f in fields(SamplingParams)
+                                            if f.default is None)})
 
 # SGLang's names for lmnb's parameters: {SGLang's name: lmnb's}.
 SAMPLING_PARAM_ALIASES: Mapping[str, str] = MappingProxyType({"sampling_seed": "seed"})

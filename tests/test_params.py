@@ -49,7 +49,7 @@ def test_runtime_core_re_exports_the_same_classes() -> None:
 
 # ---- validation --------------------------------------------------------------------------------
 BAD_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
-    "max-negative": ({"max_new_tokens": -1}, "max_new_tokens must be an int >= 0, got -1"),
+    "max-negative": ({"max_new_tokens": -1}, "max_new_tokens must be an int >= 0 or None, got -1"),
     "max-float": ({"max_new_tokens": 2.5}, "max_new_tokens must be an int, got 2.5"),
     "max-bool": ({"max_new_tokens": True}, "max_new_tokens must be an int, got True"),
     "top-k-float": ({"top_k": 2.0}, "top_k must be an int, got 2.0"),
@@ -151,8 +151,10 @@ def test_every_sglang_name_is_accepted_with_its_default() -> None:
     assert SGLANG_NAMES <= set(ACCEPTED_SAMPLING_PARAM_NAMES)
     assert set(SGLANG_DEFAULTS) == SGLANG_NAMES
     assert SamplingParams.from_dict(SGLANG_DEFAULTS) == SamplingParams()
-    nulls = {name: None for name in SGLANG_NAMES}  # null means the default, as in SGLang
-    assert SamplingParams.from_dict(nulls) == SamplingParams()
+    # null means the default, as in SGLang, but for max_new_tokens: no limit (the scheduler
+    # cuts it to the context's room)
+    nulls = {name: None for name in SGLANG_NAMES}
+    assert SamplingParams.from_dict(nulls) == SamplingParams(max_new_tokens=None)
     equivalents = {"beam_width": 1, "stream_interval": 1, "logit_bias": {}, "custom_params": {}}
     assert SamplingParams.from_dict(equivalents) == SamplingParams()
 

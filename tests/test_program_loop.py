@@ -753,7 +753,7 @@ def test_sharing_the_gil_is_restored_when_its_thread_dies_inside_a_block():
 def test_local_backend_submits_encoded_ids_with_parsed_params(rt):
     """A text prompt goes in as the runtime's own ids with parsed `SamplingParams`
     (`Runtime.submit_encoded`): the same output as `generate(input_ids=...)`, the context length
-    still enforced, max_new_tokens still cut to it, and bad input still a clear error."""
+    still enforced (max_new_tokens that do not fit are refused), and bad input a clear error."""
     from lmnb.params import InvalidRequestError, SamplingParams
 
     backend = LocalBackend(rt)
@@ -777,10 +777,13 @@ def test_local_backend_submits_encoded_ids_with_parsed_params(rt):
     with pytest.raises(InvalidRequestError, match="empty prompt"):
         rt.submit_encoded([], params)
     near = rt.context_len - 3
-    with rt.submit_encoded([5] * near, SamplingParams(max_new_tokens=50),
+    with pytest.raises(InvalidRequestError, match=r"you requested \d+ tokens \(\d+ in the "
+                       r"messages, 50 in the completion\).*at most 3 fit"):
+        rt.submit_encoded([5] * near, SamplingParams(max_new_tokens=50))
+    with rt.submit_encoded([5] * near, SamplingParams(max_new_tokens=3, ignore_eos=True),
                            incremental=False) as stream:
-        (cut,) = list(stream)
-    assert len(cut["output_ids"]) <= 3
+        (fits,) = list(stream)
+    assert len(fits["output_ids"]) == 3
     error = one.run(backend=backend, top_k=-3).error()
     assert isinstance(error, InvalidRequestError) and "top_k" in str(error)
     assert rt.generate("ok", {"max_new_tokens": 1})["text"] is not None  # still usable

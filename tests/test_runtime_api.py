@@ -540,19 +540,42 @@ def test_invalid_requests(rt: Runtime, kwargs: dict) -> None:
 
 
 def test_context_length(model_dir: Path) -> None:
+    """A prompt of the context length or more is refused; so is one whose max_new_tokens do not
+    fit after it (SGLang's Engine refuses too), naming the numbers; an exact fit and None (up to
+    the context) run; `allow_auto_truncate` (SGLang's option) cuts max_new_tokens instead."""
+    ignore_eos = {"ignore_eos": True}
     with Runtime(model_dir, max_total_tokens=1024, context_length=64,
                  check_integrity_each_step=True) as small:
         assert small.context_len == 64
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(InvalidRequestError, match="100 tokens, but this model's maximum "
+                                                      "context length is 64 tokens"):
             small.generate(input_ids=list(range(100, 200)))
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(InvalidRequestError, match="the prompt has 64 tokens"):
             small.generate(input_ids=list(range(100, 164)))
+        before = small.stats()["prompt_tokens"]
+        with pytest.raises(InvalidRequestError, match=r"maximum context length is 64 tokens\. "
+                           r"However, you requested 160 tokens \(60 in the messages, 100 in "
+                           r"the completion\)"):
+            small.generate(input_ids=list(range(100, 160)),
+                           sampling_params={"max_new_tokens": 100, **ignore_eos})
+        with pytest.raises(InvalidRequestError, match=r"in the messages, 64 in the completion"):
+            small.generate(["fits", "x"], input_ids=None, sampling_params=[
+                {"max_new_tokens": 2}, {"max_new_tokens": 64}])  # one bad prompt: none runs
+        assert idle(small)["prompt_tokens"] == before  # nothing was submitted
+        assert_no_kv_held(small.stats())
         small.check_integrity()
-        # max_new_tokens is clipped to the room left in the context
-        out = small.generate(input_ids=list(range(100, 160)),
-                             sampling_params={"max_new_tokens": 100, "ignore_eos": True})
-        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        for limit in (4, None):  # exactly the room; no limit: up to the context
+            out = small.generate(input_ids=list(range(100, 160)),
+                                 sampling_params={"max_new_tokens": limit, **ignore_eos})
+            assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
         assert_usable(small)
+    with Runtime(model_dir, max_total_tokens=1024, context_length=64,
+                 allow_auto_truncate=True) as cutting:
+        out = cutting.generate(input_ids=list(range(100, 160)),
+                               sampling_params={"max_new_tokens": 100, **ignore_eos})
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        with pytest.raises(InvalidRequestError, match="the prompt has 64 tokens"):
+            cutting.generate(input_ids=list(range(100, 164)))
 
 
 # ---- threads, aborts, close ------------------------------------------------------------------

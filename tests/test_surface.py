@@ -82,25 +82,35 @@ def test_logprob_options() -> None:
         options(True, None, 11, vocab_size=10)
 
 
-def test_check_prompt_errors_and_cut_max_new_tokens() -> None:
+def test_check_prompt_errors_refusals_and_cuts() -> None:
+    """A prompt that fills the context, or whose max_new_tokens do not fit after it, is refused
+    naming the numbers (SGLang's and vLLM's servers); `allow_auto_truncate` (SGLang's option)
+    cuts max_new_tokens instead; None (no limit) is the room; an exact fit is kept."""
     params = SamplingParams.from_dict({"max_new_tokens": 100, "min_new_tokens": 50})
 
     def check(ids: list[int], logprob_start: int = -1, **kwargs) -> SamplingParams:
-        return request_checks.check_prompt(ids, params, context_len=8, vocab_size=10,
-                                           logprob_start=logprob_start, **kwargs)
+        return request_checks.check_prompt(ids, kwargs.pop("params", params), context_len=8,
+                                           vocab_size=10, logprob_start=logprob_start, **kwargs)
 
     with pytest.raises(InvalidRequestError, match="empty prompt"):
         check([])
     with pytest.raises(InvalidRequestError, match=r"input_ids must be ints in \[0, 10\)"):
         check([1, 10])
-    with pytest.raises(InvalidRequestError, match="the prompt has 8 tokens; the context "
-                                                  "length is 8"):
-        check([1] * 8)
+    with pytest.raises(InvalidRequestError, match="the prompt has 8 tokens, but this model's "
+                                                  "maximum context length is 8 tokens"):
+        check([1] * 8, allow_auto_truncate=True)
+    with pytest.raises(InvalidRequestError, match=r"maximum context length is 8 tokens\. "
+                       r"However, you requested 103 tokens \(3 in the messages, 100 in the "
+                       r"completion\).*at most 5 fit"):
+        check([1, 2, 3])
     with pytest.raises(InvalidRequestError, match="logprob_start_len 3 is past the prompt's 3"):
-        check([1, 2, 3], logprob_start=3)
-    cut = check([1, 2, 3])
+        check([1, 2, 3], logprob_start=3, params=SamplingParams(max_new_tokens=1))
+    cut = check([1, 2, 3], allow_auto_truncate=True)
     assert (cut.max_new_tokens, cut.min_new_tokens) == (5, 5)
-    assert check([1, 2, 3], ids_trusted=True).max_new_tokens == 5
-    roomy = SamplingParams.from_dict({"max_new_tokens": 2})
-    assert request_checks.check_prompt([1], roomy, context_len=8, vocab_size=10,
-                                       logprob_start=-1) is roomy
+    assert check([1, 2, 3], ids_trusted=True, allow_auto_truncate=True).max_new_tokens == 5
+    unlimited = check([1, 2, 3], params=SamplingParams.from_dict({"max_new_tokens": None}))
+    assert unlimited.max_new_tokens == 5
+    exact = SamplingParams.from_dict({"max_new_tokens": 5})
+    assert check([1, 2, 3], params=exact) is exact
+    with pytest.raises(InvalidRequestError, match="you requested 9 tokens"):
+        check([1, 2, 3], params=SamplingParams(max_new_tokens=6))

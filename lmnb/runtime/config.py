@@ -72,6 +72,9 @@ class EngineConfig:
     dtype: str = "auto"  # 'auto': float32 on CPU, the checkpoint's dtype on GPUs (fp32 -> bf16)
     device: str = "auto"  # 'auto': cuda when available, else cpu
     context_length: int | None = None  # capped by the model's positions and the KV pool
+    # a prompt plus max_new_tokens over the context length: cut max_new_tokens to fit (SGLang's
+    # option) instead of refusing the request (InvalidRequestError; a 400 from the servers)
+    allow_auto_truncate: bool = False
     max_total_tokens: int | None = None  # KV pool size in tokens
     mem_fraction_static: float | None = None  # of device memory for weights + KV pool
     max_running_requests: int | None = None
@@ -159,7 +162,7 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
         for flag in ("disable_radix_cache", "disable_jump_forward", "disable_cuda_graph",
                      "disable_overlap_schedule", "disable_fused_kernels",
-                     "disable_shared_prefix_decode",
+                     "disable_shared_prefix_decode", "allow_auto_truncate",
                      "check_integrity_each_step"):
             if flag == "disable_overlap_schedule" and self.disable_overlap_schedule is None:
                 continue

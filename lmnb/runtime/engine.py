@@ -353,8 +353,8 @@ class Runtime:
                        incremental: bool = True) -> OutputStream:
         """`generate(input_ids=ids, stream=True)` of one prompt whose `ids` this runtime's
         tokenizer made (`encode`'s: no range check when every tokenizer id fits the vocabulary)
-        and whose `params` are already parsed (shared, never mutated; `max_new_tokens` is still
-        cut to the context). `ids` is kept as given (the caller must not change it). The DSL's
+        and whose `params` are already parsed (shared, never mutated; checked against the context
+        as `generate`'s). `ids` is kept as given (the caller must not change it). The DSL's
         local backend submits this way: the public `generate` parses and checks everything."""
         self._check_open()
         return_logprob = return_logprob or return_token_origins
@@ -399,7 +399,8 @@ class Runtime:
                     params = request_checks.check_prompt(
                         ids, params_list[index], context_len=self.context_len,
                         vocab_size=self.model_config.vocab_size, logprob_start=logprob_start,
-                        mm_inputs=mm, ids_trusted=ids_trusted)
+                        mm_inputs=mm, ids_trusted=ids_trusted,
+                        allow_auto_truncate=self.engine_config.allow_auto_truncate)
                     states.extend(
                         self._make_state(ids, params, rid=rids[first_state[index] + k],
                                          sample_index=k, return_logprob=return_logprob,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmnb.multimodal.items import MultimodalInputs
-from lmnb.params import InvalidRequestError, SamplingParams
+from lmnb.params import ContextLengthError, InvalidRequestError, SamplingParams
 from lmnb.runtime.media_requests import check_prompt_ids
 from lmnb.runtime.output.stop import within_context
 
@@ -118,26 +118,39 @@ def _media_note(mm_inputs: MultimodalInputs) -> str:
 
 def check_prompt(ids: list[int], params: SamplingParams, *, context_len: int, vocab_size: int,
                  logprob_start: int, mm_inputs: MultimodalInputs | None = None,
-                 ids_trusted: bool = False) -> SamplingParams:
-    """Raises `InvalidRequestError` for a prompt that cannot be served; returns `params` with
-    max_new_tokens (and min_new_tokens) cut to the room the context length leaves.
+                 ids_trusted: bool = False, allow_auto_truncate: bool = False) -> SamplingParams:
+    """Raises `InvalidRequestError` for a prompt that cannot be served: one of `context_len`
+    tokens or more, or (as SGLang's and vLLM's servers) one whose max_new_tokens does not fit
+    in the room it leaves unless `allow_auto_truncate` (SGLang's option: max_new_tokens is cut
+    to the room instead). Returns `params` with max_new_tokens None (no limit) made the room.
     `ids_trusted`: the ids come from a tokenizer whose ids all fit the vocabulary (no range
     check needed); `logprob_start` as `logprob_options` returns it."""
     if not ids:
         raise InvalidRequestError("empty prompt: it has no tokens")
     if mm_inputs is not None or not ids_trusted:
         check_prompt_ids(ids, mm_inputs, vocab_size)
-    if len(ids) >= context_len:
+    prompt_len, wanted = len(ids), params.max_new_tokens
+    if prompt_len >= context_len:
         media = "" if mm_inputs is None else _media_note(mm_inputs)
+        raise ContextLengthError(
+            f"the prompt has {prompt_len} tokens{media}, but this model's maximum context "
+            f"length is {context_len} tokens (a prompt must leave room for one new token)",
+            prompt_tokens=prompt_len, max_new_tokens=None, context_len=context_len)
+    if wanted is not None and prompt_len + wanted > context_len and not allow_auto_truncate:
+        # vLLM's OpenAI server's words, which clients parse for the three numbers
+        raise ContextLengthError(
+            f"This model's maximum context length is {context_len} tokens. However, you "
+            f"requested {prompt_len + wanted} tokens ({prompt_len} in the messages, {wanted} "
+            f"in the completion). Reduce the prompt or the new tokens asked for: at most "
+            f"{context_len - prompt_len} fit after this prompt",
+            prompt_tokens=prompt_len, max_new_tokens=wanted, context_len=context_len)
+    if logprob_start >= prompt_len:
         raise InvalidRequestError(
-            f"the prompt has {len(ids)} tokens{media}; the context length is {context_len}")
-    if logprob_start >= len(ids):
-        raise InvalidRequestError(
-            f"logprob_start_len {logprob_start} is past the prompt's {len(ids)} tokens")
+            f"logprob_start_len {logprob_start} is past the prompt's {prompt_len} tokens")
     if params.logit_bias:
         outside = [t for t in params.logit_bias if not 0 <= t < vocab_size]
         if outside:
             raise InvalidRequestError(
                 f"logit_bias: token id(s) {outside[:8]} not in the vocabulary [0, {vocab_size})",
                 param="logit_bias")
-    return within_context(params, prompt_len=len(ids), context_len=context_len)
+    return within_context(params, prompt_len=prompt_len, context_len=context_len)

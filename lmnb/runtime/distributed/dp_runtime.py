@@ -482,7 +482,8 @@ class DataParallelRuntime:
         for ids, params in zip(token_lists, parsed, strict=True):
             request_checks.check_prompt(ids, params, context_len=self.context_len,
                                         vocab_size=self.model_config.vocab_size,
-                                        logprob_start=logprob_start)
+                                        logprob_start=logprob_start,
+                                        allow_auto_truncate=self.engine_config.allow_auto_truncate)
         counts = [params.n for params in parsed]
         with self._lock:
             choices = [self.router.route(ids, weight=count)

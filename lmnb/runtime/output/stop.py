@@ -159,9 +159,10 @@ def by_length(params: SamplingParams, output_len: int) -> dict[str, Any] | None:
 def within_context(params: SamplingParams, *, prompt_len: int,
                    context_len: int) -> SamplingParams:
     """`params` with max_new_tokens (and min_new_tokens) cut to the room that a prompt of
-    `prompt_len` tokens leaves in the context (`params` itself when it fits)."""
+    `prompt_len` tokens leaves in the context, and None (no limit) made that room (`params`
+    itself when it fits)."""
     room = context_len - prompt_len
-    if params.max_new_tokens <= room:
+    if params.max_new_tokens is not None and params.max_new_tokens <= room:
         return params
     return SamplingParams.from_dict({**params.to_dict(), "max_new_tokens": room,
                                      "min_new_tokens": min(params.min_new_tokens, room)})
