@@ -936,14 +936,15 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-@pytest.mark.parametrize("tools", [None, WEATHER])
-def test_stop_with_an_open_chat_stream_aborts_it(rt, tools):
+@pytest.mark.parametrize(("tools", "tokens"), [(None, 400), (WEATHER, 300)])
+def test_stop_with_an_open_chat_stream_aborts_it(rt, tools, tokens):
     """`ServerHandle.stop()` with a chat stream of n choices open, with tools or without: its
-    requests are aborted and the client's connection ends."""
+    requests are aborted and the client's connection ends. (`tokens` fit in the context after
+    the prompt, its tools' schemas included.)"""
     import threading
     import time
 
-    tokens, n = 400, 4
+    n = 4
     before = wait_idle(rt)["generated_tokens"]
     handle = ServerHandle.start(rt)
     body = {"model": "tiny", "messages": CHAT, "max_tokens": tokens, "n": n,

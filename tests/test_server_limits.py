@@ -23,6 +23,7 @@ from safetensors import safe_open
 from lmnb.runtime.engine import Runtime
 from lmnb.server import ServerHandle, create_app
 from lmnb.server.limits import PROBE_CHARS_PER_TOKEN
+from tests import idle
 
 KEY = "sk-limits"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -218,6 +219,83 @@ def test_anthropic_count_tokens_matches_messages_usage(server, rt):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.count_tokens(model="tiny", messages=[
             {"role": "user", "content": "word " * (rt.context_len * 400)}])
+
+
+# ---- the context length ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small(tiny_models) -> Iterator[ServerHandle]:
+    """A server over a runtime of a 96-token context: fitting requests run to its end fast."""
+    with Runtime(tiny_models["llama-gqa"], max_total_tokens=1024, context_length=96,
+                 check_integrity_each_step=True) as runtime, \
+            ServerHandle.start(runtime, api_key=KEY, served_model_name="tiny") as handle:
+        yield handle
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_the_numbers(small):
+    """Every API refuses a request whose prompt plus max tokens exceed the context length, as
+    SGLang's and vLLM's servers do (lmnb cut max_tokens silently), in its own error shape with
+    the three numbers and before anything runs; the runtime stays whole, and a request that
+    fits exactly, or gives no limit (up to the context), then runs to the context's end."""
+    rt, context = small.runtime, small.runtime.context_len
+    client = openai.OpenAI(base_url=f"{small.url}/v1", api_key=KEY, max_retries=0)
+    claude = anthropic.Anthropic(base_url=small.url, api_key=KEY, max_retries=0)
+    llama = ollama.Client(host=small.url, headers=AUTH)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt = len(rt.encode(rt.apply_chat_template(messages)))
+    room = context - prompt
+    numbers = (f"This model's maximum context length is {context} tokens. However, you "
+               f"requested {context + 1} tokens ({prompt} in the messages, {room + 1} in the "
+               "completion)")
+    submitted = rt.stats()["prompt_tokens"]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=room + 1,
+                                           stream=stream)
+        assert caught.value.code == "context_length_exceeded" and numbers in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=messages,
+                                       max_completion_tokens=room + 1, max_tokens=1)
+    assert numbers in caught.value.message  # max_completion_tokens is the limit
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=[5] * (context - 4), max_tokens=5)
+    assert f"({context - 4} in the messages, 5 in the completion)" in caught.value.message
+    with httpx.Client(base_url=small.url, headers=AUTH, timeout=60) as http:
+        native = http.post("/generate", json={"input_ids": [5] * (context - 4),
+                                              "sampling_params": {"max_new_tokens": 5}})
+    assert native.status_code == 400
+    assert native.json()["error"]["code"] == "context_length_exceeded"
+    assert f"({context - 4} in the messages, 5 in the completion)" in native.json()["error"][
+        "message"]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model="tiny", messages=messages, max_tokens=room + 1)
+    assert refused.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": f"input length and `max_tokens` exceed context limit: {prompt} + {room + 1} "
+                   f"> {context}, decrease input length or `max_tokens` and try again"}}
+    with pytest.raises(ollama.ResponseError) as caught_ollama:
+        llama.chat(model="tiny", messages=messages, options={"num_predict": room + 1})
+    assert caught_ollama.value.status_code == 400 and numbers in caught_ollama.value.error
+    stats = idle.wait_idle(rt, 30.0, unlocked=True)
+    assert stats["prompt_tokens"] == submitted  # nothing was submitted
+    rt.check_integrity()
+
+    to_the_end = {"ignore_eos": True}
+    for limit in (room, None):  # exactly the room; no max_tokens: up to the context
+        done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=limit,
+                                              extra_body=to_the_end)
+        assert done.choices[0].finish_reason == "length"
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt, room)
+    with httpx.Client(base_url=small.url, headers=AUTH, timeout=60) as http:
+        for limit in (4, None):
+            out = http.post("/generate", json={"input_ids": [5] * (context - 4),
+                                               "sampling_params": {"max_new_tokens": limit,
+                                                                   **to_the_end}}).json()
+            assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    fits = claude.messages.create(model="tiny", messages=messages, max_tokens=room)
+    assert fits.usage.input_tokens + (fits.usage.cache_read_input_tokens or 0) == prompt
+    assert 0 < fits.usage.output_tokens <= room
+    assert llama.chat(model="tiny", messages=messages, options={"num_predict": 2}).message
+    rt.check_integrity()
 
 
 # ---- Ollama's show and ps ----------------------------------------------------------------------

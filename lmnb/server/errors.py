@@ -1,5 +1,6 @@
 """Errors as HTTP responses: OpenAI's body for every route but Ollama's (under `/api/`), whose
-body is `{"error": message}`."""
+body is `{"error": message}`, and Anthropic's (`/v1/messages`), whose body is
+`{"type": "error", "error": {"type": ..., "message": ...}}`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from lmnb.params import InvalidRequestError
+from lmnb.params import ContextLengthError, InvalidRequestError
 
 
 class APIError(Exception):
@@ -24,6 +25,7 @@ class APIError(Exception):
 
 
 OLLAMA_PREFIX = "/api/"
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -31,7 +33,21 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
     """The error body of a response to `path`."""
     if path.startswith(OLLAMA_PREFIX):
         return {"error": message}
+    if path.startswith(ANTHROPIC_PREFIX):
+        return {"type": "error", "error": {"type": type, "message": message}}
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def refused(error: InvalidRequestError, path: str) -> APIError:
+    """The runtime's refusal of a request to `path`: a 400; one over the context length with
+    OpenAI's code `context_length_exceeded`, and in Anthropic's words on its route."""
+    if not isinstance(error, ContextLengthError):
+        return APIError(str(error), param=error.param)
+    if path.startswith(ANTHROPIC_PREFIX) and error.max_new_tokens is not None:
+        return APIError(f"input length and `max_tokens` exceed context limit: "
+                        f"{error.prompt_tokens} + {error.max_new_tokens} > {error.context_len}, "
+                        "decrease input length or `max_tokens` and try again")
+    return APIError(str(error), code="context_length_exceeded")
 
 
 def error_response(error: APIError, path: str) -> JSONResponse:
@@ -82,7 +98,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, error: InvalidRequestError) -> JSONResponse:
-        return error_response(APIError(str(error), param=error.param), request.url.path)
+        return error_response(refused(error, request.url.path), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:

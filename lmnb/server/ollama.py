@@ -130,7 +130,8 @@ def _params(body: _OllamaRequest) -> dict[str, Any]:
     options = body.options.model_dump(exclude_none=True) if body.options else {}
     for key, value in options.items():
         name = _OPTIONS[key]
-        params[name] = value if name != "max_new_tokens" or value >= 0 else 1 << 30
+        # a negative num_predict (Ollama's -1: no limit): up to the context length
+        params[name] = value if name != "max_new_tokens" or value >= 0 else None
     if body.format == "json":
         params["json_schema"] = {"type": "object"}
     elif isinstance(body.format, dict):
@@ -170,7 +171,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     async def run(request: Request, body: _OllamaRequest, prompt: str, chat: bool) -> Any:
         started = time.perf_counter()
         params = _params(body)
-        params.setdefault("max_new_tokens", runtime.context_len)
+        params.setdefault("max_new_tokens", None)  # up to the context length
         stream = await open_stream(runtime, prompt, params)
         model = body.model or model_name
 
@@ -193,7 +194,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         params = _params(body)
         if "json_schema" in params:
             raise APIError("format cannot be combined with tools", param="format")
-        params.setdefault("max_new_tokens", runtime.context_len)
+        params.setdefault("max_new_tokens", None)  # up to the context length
         tool_run = ToolRun(runtime, plan, prompt, params)
         model = body.model or model_name
         if body.stream:

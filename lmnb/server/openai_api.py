@@ -101,7 +101,7 @@ class _Sampling(BaseModel):
     def streamed(self) -> StreamOptions:
         return self.stream_options or StreamOptions()
 
-    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n}
         for ours, value in (("temperature", self.temperature), ("top_p", self.top_p),
                             ("stop", self.stop), ("frequency_penalty", self.frequency_penalty),
@@ -298,8 +298,10 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         plan = tool_plan(tools, tool_choice, runtime.tokenizer)
         prompt = runtime.apply_chat_template(messages,
                                              tools=plan.prompt_tools() if plan else None)
-        limits = (body.max_completion_tokens, body.max_tokens, runtime.context_len)
-        params = body.sampling_params(next(n for n in limits if n is not None))
+        # neither: up to the context length (None), as SGLang's and vLLM's
+        limit = body.max_tokens if body.max_completion_tokens is None else (
+            body.max_completion_tokens)
+        params = body.sampling_params(limit)
         schema = _response_format_schema(body.response_format)
         if schema is not None:
             if body.regex is not None or body.json_schema is not None or body.ebnf is not None:

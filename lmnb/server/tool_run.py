@@ -140,8 +140,10 @@ class ToolRun:
             reason = meta.get("finish_reason")
             if reason is None:
                 continue
-            left = self.params["max_new_tokens"] - meta.get("completion_tokens", 0)
-            if reason.get("type") != "stop" or reason.get("matched") != marker or left <= 0:
+            limit = self.params.get("max_new_tokens")  # None: up to the context length
+            left = None if limit is None else limit - meta.get("completion_tokens", 0)
+            if (reason.get("type") != "stop" or reason.get("matched") != marker
+                    or (left is not None and left <= 0)):
                 yield Piece(index, meta, done=True)
                 continue
             content = "".join(contents.get(index, ()))
