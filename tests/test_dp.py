@@ -246,6 +246,7 @@ def test_dp_rejects_bad_requests_as_one_runtime_and_gives_logprob_texts(dp, sing
     bad = [dict(prompt=["a", "b"], sampling_params=[GREEDY]),
            dict(input_ids=[1, 10**9]),
            dict(input_ids=[1] * 5000),
+           dict(input_ids=[1] * (single.context_len - 2), sampling_params={"max_new_tokens": 3}),
            dict(prompt="a", return_logprob=True, top_logprobs_num=10**9),
            dict(prompt="a", return_logprob=True, token_ids_logprob=[3, 10**9]),
            dict(input_ids=[1, 2], return_logprob=True, logprob_start_len=2)]
