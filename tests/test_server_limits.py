@@ -1,7 +1,8 @@
 """The server's limits, clear errors and accounting, through the real clients (openai, anthropic,
 ollama) and httpx: bodies over `max_request_bytes` are 413s before parsing (declared or
 chunked), prompts far over the context are refused without tokenizing them whole and leave no
-memory behind, non-JSON bodies and images for a text model are clear errors, usage counts a
+memory behind, a prompt plus its max tokens over the context is a 400 naming the numbers in each
+API's shape, non-JSON bodies and images for a text model are clear errors, usage counts a
 prompt once whatever `n`, and Anthropic's count_tokens, Ollama's show and ps answer."""
 
 from __future__ import annotations
