@@ -699,6 +699,34 @@ def test_anthropic_assistant_prefill_is_continued(claude, rt):
     assert counted.input_tokens == len(rt.encode(prompt))
 
 
+def test_anthropic_errors_have_anthropic_bodies(server, claude):
+    """Anthropic's error body is `{"type": "error", "error": {"type", "message"}}` (its SDK's
+    `error.type` reads `error.type`), for a refused request, a body that fails validation and
+    a wrong key alike."""
+    refused = dict(model="tiny", max_tokens=4, messages=CHAT,
+                   tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                   tool_choice={"type": "tool", "name": "g"})
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(**refused)
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": caught.value.api_message}}
+    assert "'g'" in caught.value.api_message and caught.value.type == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": 7}])
+    assert caught.value.body["type"] == "error" and "messages.0.content" in (
+        caught.value.api_message)
+    unvalidated = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY},
+                             json={"model": "tiny", "messages": CHAT})
+    assert unvalidated.status_code == 400
+    assert unvalidated.json()["type"] == "error" and "max_tokens" in (
+        unvalidated.json()["error"]["message"])
+    stranger = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        stranger.messages.create(model="tiny", max_tokens=2, messages=CHAT)
+    assert caught.value.body["type"] == "error"
+    assert caught.value.type == "authentication_error"
+
+
 def test_ollama_generate_and_chat(http):
     options = {"temperature": 0, "num_predict": 5}
     whole = http.post("/api/generate", json={"model": "tiny", "prompt": "Hi",

@@ -20,7 +20,7 @@ OPEN_PATHS = frozenset({"/health"})
 
 class BearerAuth:
     """ASGI middleware: every HTTP path but `OPEN_PATHS` needs `Authorization: Bearer KEY`
-    (or Anthropic's `x-api-key: KEY`); otherwise 401 with the OpenAI error body."""
+    (or Anthropic's `x-api-key: KEY`); otherwise 401 with the route's error body."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

@@ -1,6 +1,6 @@
 """Errors as HTTP responses: OpenAI's body for every route but Ollama's (under `/api/`), whose
-body is `{"error": message}`, and Anthropic's (`/v1/messages`), whose body is
-`{"type": "error", "error": {"type": ..., "message": ...}}`."""
+body is `{"error": message}`, and Anthropic's (`/v1/messages...`), whose body is
+`{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,13 @@ class APIError(Exception):
 
 
 OLLAMA_PREFIX = "/api/"
-ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {"server_error": "api_error"}  # OpenAI's error types Anthropic names otherwise
+
+
+def is_anthropic(path: str) -> bool:
+    """Whether `path` is one of Anthropic's routes (`/v1/messages`, `/v1/messages/...`)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -33,8 +39,10 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
     """The error body of a response to `path`."""
     if path.startswith(OLLAMA_PREFIX):
         return {"error": message}
-    if path.startswith(ANTHROPIC_PREFIX):
-        return {"type": "error", "error": {"type": type, "message": message}}
+    if is_anthropic(path):
+        kind = ("request_too_large" if code == "request_too_large"
+                else _ANTHROPIC_TYPES.get(type, type))
+        return {"type": "error", "error": {"type": kind, "message": message}}
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -43,7 +51,7 @@ def refused(error: InvalidRequestError, path: str) -> APIError:
     OpenAI's code `context_length_exceeded`, and in Anthropic's words on its route."""
     if not isinstance(error, ContextLengthError):
         return APIError(str(error), param=error.param)
-    if path.startswith(ANTHROPIC_PREFIX) and error.max_new_tokens is not None:
+    if is_anthropic(path) and error.max_new_tokens is not None:
         return APIError(f"input length and `max_tokens` exceed context limit: "
                         f"{error.prompt_tokens} + {error.max_new_tokens} > {error.context_len}, "
                         "decrease input length or `max_tokens` and try again")
