@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from typing import Literal
 
 import anthropic
 import httpx
@@ -14,6 +15,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
+from pydantic import BaseModel
 
 from lmnb.runtime.engine import Runtime
 from lmnb.server import ServerHandle
@@ -697,6 +699,35 @@ def test_anthropic_assistant_prefill_is_continued(claude, rt):
     assert out.content[0].text == direct["text"]
     counted = claude.messages.count_tokens(model="tiny", messages=messages)
     assert counted.input_tokens == len(rt.encode(prompt))
+
+
+class Pet(BaseModel):  # the SDK drops string lengths and number bounds from the schema it sends
+    kind: Literal["cat", "dog"]
+    tame: bool
+
+
+def test_anthropic_structured_output_follows_its_schema(claude):
+    """`output_config.format` (the SDK's `messages.parse(output_format=...)`) constrains the
+    text to its JSON schema, whole and streamed; with tools it is refused, not ignored."""
+    kwargs = dict(model="tiny", max_tokens=60, messages=CHAT)
+    for seed in (0, 1):
+        out = claude.messages.parse(**kwargs, output_format=Pet, extra_body={"seed": seed})
+        assert isinstance(out.parsed_output, Pet) and out.stop_reason == "end_turn"
+    with claude.messages.stream(**kwargs, output_format=Pet) as stream:
+        assert isinstance(stream.get_final_message().parsed_output, Pet)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer", "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    raw = claude.messages.create(**kwargs, output_config={
+        "format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(raw.content[0].text), schema)
+    with pytest.raises(anthropic.BadRequestError, match="output_config"):
+        claude.messages.create(**kwargs, output_config={"format": {"type": "json_schema"}})
+    with pytest.raises(anthropic.BadRequestError, match="output_config"):
+        claude.messages.create(**kwargs, output_config={"format": {"type": "json_schema",
+                                                                   "schema": schema}},
+                               tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                               tool_choice={"type": "any"})
 
 
 def test_anthropic_errors_have_anthropic_bodies(server, claude):

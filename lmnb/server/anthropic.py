@@ -1,7 +1,8 @@
 """Anthropic's Messages API over the runtime: `/v1/messages`, whole or as its server-sent
 events (message_start, content_block_start, ping, content_block_delta..., content_block_stop,
 message_delta, message_stop). With `tools`, calls come as `tool_use` blocks (streamed as
-`input_json_delta`s) and `stop_reason: "tool_use"`."""
+`input_json_delta`s) and `stop_reason: "tool_use"`. `output_config.format` (structured outputs)
+constrains the text to its JSON schema."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from lmnb.server.errors import APIError
 from lmnb.server.limits import check_prompt_size
 from lmnb.server.messages import anthropic_chat
 from lmnb.server.streams import (
@@ -51,6 +53,20 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+
+
+def _output_schema(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON schema of `output_config.format` ({"type": "json_schema", "schema": {...}}),
+    or None without a format."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    schema = fmt.get("schema") if isinstance(fmt, dict) else None
+    if fmt.get("type") != "json_schema" or not isinstance(schema, dict):
+        raise APIError("output_config.format must be {\"type\": \"json_schema\", \"schema\": "
+                       f"{{...}}}}, got {fmt!r}", param="output_config")
+    return schema
 
 
 def _stop_reason(meta: dict[str, Any], stops: list[str]) -> tuple[str, str | None]:
@@ -91,6 +107,12 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         for key in ("temperature", "top_p", "top_k"):
             if getattr(body, key) is not None:
                 params[key] = getattr(body, key)
+        schema = _output_schema(body.output_config)
+        if schema is not None:
+            if plan is not None:
+                raise APIError("output_config.format cannot be combined with tools unless "
+                               "tool_choice is {\"type\": \"none\"}", param="output_config")
+            params["json_schema"] = schema
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                    "model": body.model or model_name}
         if plan is not None:
