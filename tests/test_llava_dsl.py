@@ -409,6 +409,7 @@ def test_server_routes_take_images(llava, tmp_path):
     import json
     import urllib.request
 
+    import anthropic
     from PIL import Image
 
     from lmnb.server.serving import ServerHandle
@@ -443,6 +444,18 @@ def test_server_routes_take_images(llava, tmp_path):
                 {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
                 {"type": "text", "text": "What is it?"}]}]})
         assert chat["choices"][0]["message"]["content"] == expected
+        claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": b64}}
+        ask = dict(model="x", max_tokens=4, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}])
+        assert claude.messages.create(**ask).content[0].text == expected
+        with claude.messages.stream(**ask) as stream:
+            assert stream.get_final_message().content[0].text == expected
+        by_url = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+        with pytest.raises(anthropic.BadRequestError, match="messages.0.content.0"):
+            claude.messages.create(**{**ask, "messages": [{"role": "user",
+                                                           "content": [by_url]}]})
         info = json.loads(urllib.request.urlopen(server.url + "/get_model_info").read())
         assert info["has_image_understanding"] and info["image_token"] == "<image>"
     finally:

@@ -174,6 +174,12 @@ def test_images_for_a_text_model_are_a_clear_400(client, http, rt):
     generate = http.post("/api/generate", json={"model": "tiny", "prompt": "What?",
                                                 "images": [PNG_URL[22:]], "stream": False})
     assert generate.status_code == 400
+    claude = anthropic.Anthropic(base_url=str(http.base_url), api_key=KEY, max_retries=0)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": PNG_URL[22:]}}
+    with pytest.raises(anthropic.BadRequestError, match="takes no images"):
+        claude.messages.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [block, {"type": "text", "text": "What is this?"}]}])
     alive(client, rt)
 
 

@@ -2,7 +2,8 @@
 events (message_start, content_block_start, ping, content_block_delta..., content_block_stop,
 message_delta, message_stop). With `tools`, calls come as `tool_use` blocks (streamed as
 `input_json_delta`s) and `stop_reason: "tool_use"`. `output_config.format` (structured outputs)
-constrains the text to its JSON schema."""
+constrains the text to its JSON schema. `image` blocks (base64) go to a LLaVA model as
+OpenAI's `image_url` parts do."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from lmnb.server.errors import APIError
 from lmnb.server.limits import check_prompt_size
+from lmnb.server.media import chat_media
 from lmnb.server.messages import anthropic_chat
 from lmnb.server.streams import (
     ServedRuntime,
@@ -100,8 +102,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/v1/messages", response_model=None)
     async def messages(body: MessagesRequest, request: Request) -> Any:
-        prompt, plan = _prompt(runtime, body.system, body.messages, body.tools,
-                               body.tool_choice)
+        prompt, plan, images = _prompt(runtime, body.system, body.messages, body.tools,
+                                       body.tool_choice)
+        media = {"image_data": images} if images else {}
         stops = body.stop_sequences or []
         params: dict[str, Any] = {"max_new_tokens": body.max_tokens, "stop": stops}
         for key in ("temperature", "top_p", "top_k"):
@@ -116,7 +119,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                    "model": body.model or model_name}
         if plan is not None:
-            run = ToolRun(runtime, plan, prompt, params)
+            run = ToolRun(runtime, plan, prompt, params, **media)
             if body.stream:
                 await run.start()  # a refused request is a 400 before the stream starts
                 return StreamingResponse(guarded(_tool_events(run, message, stops),
@@ -125,7 +128,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             async with closed_on_disconnect(request, run):
                 (tool_result,) = await run.results()
             return {**message, **_tool_message(tool_result, stops)}
-        stream = await open_stream(runtime, prompt, params)
+        stream = await open_stream(runtime, prompt, params, **media)
         if body.stream:
             return StreamingResponse(guarded(_events(stream, message, stops), _error_event),
                                      media_type="text/event-stream")
@@ -258,18 +261,22 @@ class CountTokensRequest(BaseModel):
 
 def _prompt(runtime: ServedRuntime, system: str | list[dict[str, Any]] | None,
             messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            tool_choice: dict[str, Any] | None) -> tuple[str, ToolPlan | None]:
-    """The prompt `/v1/messages` generates from (and `count_tokens` counts), and its tool plan.
-    A last assistant message of text is a prefill: the reply continues it, so the earlier turns
-    are rendered with the generation prompt and its text follows."""
-    chat = anthropic_chat(system, messages)
+            tool_choice: dict[str, Any] | None) -> tuple[str, ToolPlan | None, list[str]]:
+    """The prompt `/v1/messages` generates from (and `count_tokens` counts), its tool plan and
+    its images (data URLs, in prompt order). A last assistant message of text is a prefill:
+    the reply continues it, so the earlier turns are rendered with the generation prompt and
+    its text follows."""
+    chat, images = chat_media(anthropic_chat(system, messages),
+                              takes_images=runtime.model_config.image_token_id is not None)
     parsed = anthropic_tools(tools)
     plan = tool_plan(parsed, anthropic_tool_choice(tool_choice, parsed), runtime.tokenizer)
     prompt_tools = plan.prompt_tools() if plan else None
     last = chat[-1] if chat else {}
-    if last.get("role") == "assistant" and not last.get("tool_calls"):
-        return runtime.apply_chat_template(chat[:-1], tools=prompt_tools) + last["content"], plan
-    return runtime.apply_chat_template(chat, tools=prompt_tools), plan
+    if (last.get("role") == "assistant" and not last.get("tool_calls")
+            and isinstance(last.get("content"), str)):
+        return (runtime.apply_chat_template(chat[:-1], tools=prompt_tools) + last["content"],
+                plan, images)
+    return runtime.apply_chat_template(chat, tools=prompt_tools), plan, images
 
 
 def count_tokens_router(runtime: ServedRuntime) -> APIRouter:
@@ -280,7 +287,8 @@ def count_tokens_router(runtime: ServedRuntime) -> APIRouter:
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
-        prompt, _ = _prompt(runtime, body.system, body.messages, body.tools, body.tool_choice)
+        prompt, _, _ = _prompt(runtime, body.system, body.messages, body.tools,
+                               body.tool_choice)
         return {"input_tokens": await asyncio.to_thread(_count_tokens, runtime, prompt)}
 
     return router

@@ -51,11 +51,30 @@ def openai_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for m in messages]
 
 
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An Anthropic image block (`source` of type base64) as OpenAI's `image_url` part with a
+    data URL."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind != "base64" or not isinstance(source.get("data"), str):
+        raise APIError(f"{where}: an image's source must be {{\"type\": \"base64\", "
+                       f"\"media_type\", \"data\"}}; got source type {kind!r} (lmnb fetches "
+                       "nothing)", param=where)
+    media_type = source.get("media_type") or "image/png"
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,"
+                                                      f"{source['data']}"}}
+
+
+def _is_image_url(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
 def anthropic_chat(system: str | list[dict[str, Any]] | None,
                    messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Anthropic Messages as OpenAI-shaped chat messages: `system` first, an assistant's
     `tool_use` blocks as its `tool_calls`, a user's `tool_result` blocks as `tool` messages
-    (before the rest of that user turn)."""
+    (before the rest of that user turn), `image` blocks as `image_url` parts (the message
+    keeps its parts then, for `lmnb.server.media.chat_media`)."""
     chat: list[dict[str, Any]] = []
     if system:
         chat.append({"role": "system", "content": text_content(system, where="system")})
@@ -76,10 +95,15 @@ def anthropic_chat(system: str | list[dict[str, Any]] | None,
                 results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                                 "content": text_content(block.get("content"),
                                                         where=f"{where}.{j}.content")})
+            elif kind == "image":
+                parts.append(_image_part(block, f"{where}.{j}"))
             else:
                 parts.append(block)
-        text = text_content(parts, where=where)
         chat.extend(results)
+        if not calls and any(_is_image_url(part) for part in parts):
+            chat.append({"role": role, "content": parts})
+            continue
+        text = text_content(parts, where=where)
         if calls:
             chat.append({"role": role, "content": text, "tool_calls": calls})
         elif text or not results:
