@@ -758,6 +758,18 @@ def test_anthropic_errors_have_anthropic_bodies(server, claude):
     assert caught.value.type == "authentication_error"
 
 
+def test_anthropic_turns_are_user_or_assistant_with_content(claude):
+    """Anthropic's messages are user and assistant turns, each with content (the system prompt
+    is the top-level `system`); other roles and a missing content are 400s, not prompts."""
+    for turn, where in (({"role": "system", "content": "Be brief."}, "messages.0.role"),
+                        ({"role": "tool", "content": "22 C"}, "messages.0.role"),
+                        ({"role": "user"}, "messages.0.content")):
+        with pytest.raises(anthropic.BadRequestError, match=where):
+            claude.messages.create(model="tiny", max_tokens=2, messages=[turn, *CHAT])
+        with pytest.raises(anthropic.BadRequestError, match=where):
+            claude.messages.count_tokens(model="tiny", messages=[turn, *CHAT])
+
+
 def test_ollama_generate_and_chat(http):
     options = {"temperature": 0, "num_predict": 5}
     whole = http.post("/api/generate", json={"model": "tiny", "prompt": "Hi",

@@ -71,17 +71,24 @@ def _is_image_url(part: Any) -> bool:
 
 def anthropic_chat(system: str | list[dict[str, Any]] | None,
                    messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Anthropic Messages as OpenAI-shaped chat messages: `system` first, an assistant's
-    `tool_use` blocks as its `tool_calls`, a user's `tool_result` blocks as `tool` messages
-    (before the rest of that user turn), `image` blocks as `image_url` parts (the message
-    keeps its parts then, for `lmnb.server.media.chat_media`)."""
+    """Anthropic Messages (user and assistant turns, each with content) as OpenAI-shaped chat
+    messages: `system` first, an assistant's `tool_use` blocks as its `tool_calls`, a user's
+    `tool_result` blocks as `tool` messages (before the rest of that user turn), `image` blocks
+    as `image_url` parts (the message keeps its parts then, for
+    `lmnb.server.media.chat_media`)."""
     chat: list[dict[str, Any]] = []
     if system:
         chat.append({"role": "system", "content": text_content(system, where="system")})
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         where = f"messages.{i}.content"
-        if not isinstance(content, list):
+        if role not in ("user", "assistant"):
+            raise APIError(f"messages.{i}.role must be 'user' or 'assistant', got {role!r} (the "
+                           "system prompt is the top-level `system`)", param=f"messages.{i}.role")
+        if not isinstance(content, (str, list)):
+            raise APIError(f"{where} must be a string or a list of content blocks",
+                           param=where)
+        if isinstance(content, str):
             chat.append({"role": role, "content": text_content(content, where=where)})
             continue
         parts, calls, results = [], [], []
