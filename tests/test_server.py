@@ -770,6 +770,22 @@ def test_anthropic_turns_are_user_or_assistant_with_content(claude):
             claude.messages.count_tokens(model="tiny", messages=[turn, *CHAT])
 
 
+def test_anthropic_thinking_blocks_of_earlier_turns_leave_the_prompt(claude):
+    """An assistant turn replayed with its `thinking` / `redacted_thinking` blocks (as a
+    client sends back a response) is taken, and, as Anthropic does with earlier turns'
+    thinking, those blocks are not in the prompt."""
+    reply = [{"type": "text", "text": "Blue."}]
+    thought = [{"type": "thinking", "thinking": "Colours: blue, red.", "signature": "c2ln"},
+               {"type": "redacted_thinking", "data": "ZW5j"}]
+    history = [*CHAT, {"role": "assistant", "content": [*thought, *reply]},
+               {"role": "user", "content": "Another?"}]
+    plain = [*CHAT, {"role": "assistant", "content": reply}, history[-1]]
+    counted = claude.messages.count_tokens(model="tiny", messages=history).input_tokens
+    assert counted == claude.messages.count_tokens(model="tiny", messages=plain).input_tokens
+    usage = claude.messages.create(model="tiny", max_tokens=2, messages=history).usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted
+
+
 def test_ollama_generate_and_chat(http):
     options = {"temperature": 0, "num_predict": 5}
     whole = http.post("/api/generate", json={"model": "tiny", "prompt": "Hi",

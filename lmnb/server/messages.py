@@ -65,6 +65,9 @@ def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
                                                       f"{source['data']}"}}
 
 
+_THINKING = ("thinking", "redacted_thinking")  # an assistant turn's blocks of reasoning
+
+
 def _is_image_url(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image_url"
 
@@ -75,7 +78,7 @@ def anthropic_chat(system: str | list[dict[str, Any]] | None,
     messages: `system` first, an assistant's `tool_use` blocks as its `tool_calls`, a user's
     `tool_result` blocks as `tool` messages (before the rest of that user turn), `image` blocks
     as `image_url` parts (the message keeps its parts then, for
-    `lmnb.server.media.chat_media`)."""
+    `lmnb.server.media.chat_media`); an assistant's thinking blocks are left out."""
     chat: list[dict[str, Any]] = []
     if system:
         chat.append({"role": "system", "content": text_content(system, where="system")})
@@ -102,6 +105,8 @@ def anthropic_chat(system: str | list[dict[str, Any]] | None,
                 results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                                 "content": text_content(block.get("content"),
                                                         where=f"{where}.{j}.content")})
+            elif kind in _THINKING and role == "assistant":
+                continue  # as Anthropic drops earlier turns' thinking from the context
             elif kind == "image":
                 parts.append(_image_part(block, f"{where}.{j}"))
             else:
