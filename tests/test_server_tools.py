@@ -31,6 +31,7 @@ from lmnb.server.tools import (
     ToolPlan,
     call_format,
     parse_calls,
+    partial_object,
 )
 from tests.idle import wait_idle
 
@@ -370,6 +371,31 @@ def test_anthropic_tool_use_and_result(server):
     assert [b.type for b in none.content] == ["text"]
 
 
+def test_anthropic_call_cut_by_max_tokens_is_an_incomplete_tool_use(server):
+    """Anthropic: a response cut by max_tokens inside a call has the incomplete tool_use block
+    (stop_reason "max_tokens"); its input is the whole members so far, what the SDK reads
+    from the streamed input_json_delta's. It was left out of the whole response (an empty text
+    block instead) while the stream had it."""
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": WEATHER_PARAMS}]
+    seen = set()
+    for max_tokens in range(20, 40, 2):
+        kwargs = dict(model="tiny", max_tokens=max_tokens, extra_body={"temperature": 0},
+                      tools=tools, tool_choice={"type": "any"},
+                      messages=[{"role": "user", "content": "Weather in Paris?"}])
+        whole = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            streamed = stream.get_final_message()
+        assert whole.stop_reason == streamed.stop_reason
+        assert [(b.type, b.model_dump().get("name"), b.model_dump().get("input"))
+                for b in whole.content] == [
+            (b.type, b.model_dump().get("name"), b.model_dump().get("input"))
+            for b in streamed.content]
+        if whole.stop_reason == "max_tokens" and whole.content[-1].type == "tool_use":
+            seen.add(json.dumps(whole.content[-1].input, sort_keys=True))
+    assert len(seen) >= 2  # cut at more than one place in the call
+
+
 # ---- Ollama ------------------------------------------------------------------------------------
 def test_ollama_chat_tools_reach_the_prompt(server):
     """The `ollama` client's `tools` on /api/chat are in the prompt (and calls can come back:
@@ -476,6 +502,17 @@ def test_plans_parse_and_stream_what_their_regexes_match():
         assert arguments == [c.arguments for c in calls]
         cut = parse_calls(region[:region.index('"unit"')], fmt)
         assert cut[-1].name == "get_weather" and not cut[-1].complete
+        assert partial_object(cut[-1].arguments) == {"city": "Oslo"}
+        # every prefix: the members whole so far (one-digit numbers here: a cut number reads
+        # as the shorter number, as the SDK's parser reads it)
+        for call in calls:
+            whole = json.loads(call.arguments)
+            for end in range(len(call.arguments) + 1):
+                part = partial_object(call.arguments[:end])
+                assert part.items() <= whole.items(), call.arguments[:end]
+            assert part == whole
+    assert partial_object('{"a": [1, {"b": "x"}, "y') == {"a": [1, {"b": "x"}]}
+    assert partial_object('{"a": 1.') == partial_object('{"a": tr') == {}
 
 
 @pytest.mark.parametrize("tools", [False, True])

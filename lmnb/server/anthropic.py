@@ -38,6 +38,7 @@ from lmnb.server.tools import (
     ToolPlan,
     anthropic_tool_choice,
     anthropic_tools,
+    partial_object,
     tool_plan,
 )
 
@@ -182,13 +183,15 @@ def _tool_stop(meta: dict[str, Any], calls: int, stops: list[str]) -> tuple[str,
 
 
 def _tool_message(result: ChoiceResult, stops: list[str]) -> dict[str, Any]:
-    """Content blocks (text, then a `tool_use` per whole call), stop reason and usage."""
-    calls = [c for c in result.calls if c.complete]
+    """Content blocks (text, then a `tool_use` per call: the last one incomplete when
+    max_tokens cut it, as its stream has it), stop reason and usage."""
+    calls = result.calls
     content: list[dict[str, Any]] = []
     if result.text or not calls:
         content.append({"type": "text", "text": result.text})
     content += [{"type": "tool_use", "id": _tool_use_id(), "name": c.name,
-                 "input": json.loads(c.arguments)} for c in calls]
+                 "input": json.loads(c.arguments) if c.complete
+                 else partial_object(c.arguments)} for c in calls]
     stop_reason, stop_sequence = _tool_stop(result.meta, len(calls), stops)
     return {"content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": _usage(result.meta)}

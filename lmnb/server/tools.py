@@ -12,6 +12,7 @@ their schemas (unless `max_tokens` cuts it)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -273,6 +274,48 @@ def parse_calls(region: str, fmt: CallFormat) -> list[ParsedCall]:
             break
         pos = end + 1 + len(fmt.close)
     return calls
+
+
+_SCALAR = re.compile(r"true|false|null|-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
+def partial_object(text: str) -> dict[str, Any]:
+    """A cut call's arguments (a prefix of a JSON object) as clients' partial JSON parsers
+    read them (the `anthropic` SDK's, of streamed `input_json_delta`s): the whole members so
+    far, open arrays and objects closed; a value cut short (a string, a literal, a number not
+    yet a number) is left out with its key."""
+    closers: list[str] = []
+    best = ""  # the longest prefix that closes into a whole value, closed
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        whole = True
+        if ch in "{[":
+            closers.append("}" if ch == "{" else "]")
+            i += 1
+        elif ch in "}]":
+            closers.pop()
+            i += 1
+        elif ch == '"':
+            try:
+                _, end = _DECODER.raw_decode(text, i)
+            except json.JSONDecodeError:
+                break
+            before = text[:i].rstrip()[-1:]
+            whole = not (closers[-1] == "}" and before in ("{", ","))  # a key is not a value
+            i = end
+        elif ch in ",: \n\t":
+            i += 1
+            continue
+        else:
+            match = _SCALAR.match(text, i)
+            if match is None or (match.end() < len(text)
+                                 and text[match.end()] not in ",}] \n\t"):
+                break
+            i = match.end()
+        if whole:
+            best = text[:i] + "".join(reversed(closers))
+    return json.loads(best) if best else {}
 
 
 @dataclass(frozen=True, slots=True)
