@@ -5,6 +5,7 @@ disconnects and many concurrent streams."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 from collections.abc import Iterator
 from typing import Literal
@@ -728,6 +729,19 @@ def test_anthropic_structured_output_follows_its_schema(claude):
                                                                    "schema": schema}},
                                tools=[{"name": "f", "input_schema": {"type": "object"}}],
                                tool_choice={"type": "any"})
+
+
+def test_anthropic_models_list_and_retrieve(claude, rt):
+    """The `anthropic` SDK's models.list / retrieve read Anthropic's model fields from the
+    same `/v1/models` the `openai` client reads (its fields were all None)."""
+    (listed,) = list(claude.models.list())
+    model = claude.models.retrieve("tiny")
+    for info in (listed, model):
+        assert (info.id, info.type, info.display_name) == ("tiny", "model", "tiny")
+        assert isinstance(info.created_at, datetime.datetime)
+        assert info.max_input_tokens == rt.context_len
+    with pytest.raises(anthropic.NotFoundError):
+        claude.models.retrieve("claude-opus")
 
 
 def test_anthropic_errors_have_anthropic_bodies(server, claude):

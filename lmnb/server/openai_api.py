@@ -244,12 +244,16 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
     tokens = TokenPieces(runtime.tokenizer)
 
+    # OpenAI's model fields, then Anthropic's (its SDK's models.list reads the same route)
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "lmnb",
-            "root": model_name, "max_model_len": runtime.context_len}
+            "root": model_name, "max_model_len": runtime.context_len,
+            "type": "model", "display_name": model_name, "created_at": "1970-01-01T00:00:00Z",
+            "max_input_tokens": runtime.context_len}
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card],
+                "has_more": False, "first_id": model_name, "last_id": model_name}
 
     @router.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
