@@ -722,8 +722,9 @@ def test_anthropic_structured_output_follows_its_schema(claude):
     raw = claude.messages.create(**kwargs, output_config={
         "format": {"type": "json_schema", "schema": schema}})
     jsonschema.validate(json.loads(raw.content[0].text), schema)
-    with pytest.raises(anthropic.BadRequestError, match="output_config"):
-        claude.messages.create(**kwargs, output_config={"format": {"type": "json_schema"}})
+    for fmt in ({"type": "json_schema"}, "json"):
+        with pytest.raises(anthropic.BadRequestError, match="output_config"):
+            claude.messages.create(**kwargs, output_config={"format": fmt})
     with pytest.raises(anthropic.BadRequestError, match="output_config"):
         claude.messages.create(**kwargs, output_config={"format": {"type": "json_schema",
                                                                    "schema": schema}},

@@ -66,7 +66,7 @@ def _output_schema(config: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt is None:
         return None
     schema = fmt.get("schema") if isinstance(fmt, dict) else None
-    if fmt.get("type") != "json_schema" or not isinstance(schema, dict):
+    if not isinstance(schema, dict) or fmt.get("type") != "json_schema":
         raise APIError("output_config.format must be {\"type\": \"json_schema\", \"schema\": "
                        f"{{...}}}}, got {fmt!r}", param="output_config")
     return schema
