@@ -87,6 +87,11 @@ def test_bodies_over_the_limit_are_413_declared_or_chunked(client, http, rt):
                          headers={"content-type": "application/json"})
     assert response.status_code == 413, response.text
     assert response.json()["error"]["code"] == "request_too_large"
+    claude = anthropic.Anthropic(base_url=str(http.base_url), api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as refused:  # Anthropic's body and type
+        claude.messages.create(**chat_body("z" * (LIMIT + 1000)))
+    assert refused.value.status_code == 413 and refused.value.type == "request_too_large"
+    assert refused.value.body["type"] == "error"
     small = json.dumps(chat_body("Hello there")).encode()
     response = http.post("/v1/chat/completions", content=chunked(small, size=7),
                          headers={"content-type": "application/json"})
