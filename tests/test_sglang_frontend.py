@@ -106,3 +106,17 @@ def test_next_token_top_logprobs_with_max_tokens_zero(endpoint, sgl_runtime) -> 
     tokenizer = sgl_runtime.tokenizer
     assert [text for _, _, text in top] == [tokenizer.decode([i]) for _, i, _ in top]
     assert greedy["output_ids"][0] == top[0][1]
+
+
+def test_server_info_and_model_info_at_sglangs_paths(endpoint, sgl_runtime) -> None:
+    """SGLang 0.5's frontend reads `/server_info` (`sgl.get_server_info()`); `/model_info` is
+    the newer name of `/get_model_info`. Both old and new paths answer alike."""
+    import httpx
+
+    info = sgl.get_server_info()
+    assert info["max_total_num_tokens"] == sgl_runtime.max_total_tokens
+    assert info["context_length"] == sgl_runtime.context_len
+    assert isinstance(info["internal_states"][0], dict)
+    model_info = httpx.get(endpoint.base_url + "/model_info", timeout=60).json()
+    assert model_info == endpoint.model_info
+    assert model_info["model_path"] == str(sgl_runtime.model_dir)

@@ -1,5 +1,6 @@
 """SGLang's native API over the runtime, field for field: `/generate`, `/abort_request`,
-`/get_model_info`, `/get_server_info`, `/flush_cache`, `/health`, `/health_generate`.
+`/model_info`, `/server_info` (and their older names `/get_model_info`, `/get_server_info`; SGLang
+0.5's frontend reads `/server_info`), `/flush_cache`, `/health`, `/health_generate`.
 
 `/generate` streams like SGLang's default: every event carries the text and ids so far
 (cumulative), `meta_info` with the counts so far, `index` for batch requests, then
@@ -156,6 +157,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             open_requests.abort(body.rid)
         return Response(status_code=200)
 
+    @router.get("/model_info")
     @router.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         config = runtime.model_config
@@ -167,6 +169,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 "has_audio_understanding": False, "model_type": config.model_type,
                 "architectures": [config.architecture] if config.architecture else None}
 
+    @router.get("/server_info")
     @router.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         stats = await asyncio.to_thread(runtime.stats)
