@@ -321,7 +321,11 @@ def test_bad_media_are_clear_errors_and_the_runtime_goes_on(tmp_path, runtimes, 
     with pytest.raises(InvalidRequestError, match="0 image token"):
         rt.generate("User: hello", GREEDY, image_data=images["coffee"])
     with pytest.raises(InvalidRequestError, match="list of 2 entries"):
-        rt.generate([PROMPT, PROMPT], GREEDY, image_data=images["coffee"])
+        rt.generate([PROMPT, PROMPT], GREEDY, image_data=[images["coffee"]])
+    # one image (not a list) for a list of prompts is every prompt's, as in SGLang
+    shared = rt.generate([PROMPT, PROMPT], GREEDY, image_data=images["coffee"])
+    each = rt.generate([PROMPT, PROMPT], GREEDY, image_data=[images["coffee"]] * 2)
+    assert [out["text"] for out in shared] == [out["text"] for out in each]
     pad = pad_token_id(123, rt.model_config.vocab_size)
     with pytest.raises(InvalidRequestError, match="input_ids"):
         rt.generate(input_ids=[1, 2, pad, 3], sampling_params=GREEDY)

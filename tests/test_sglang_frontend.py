@@ -120,3 +120,34 @@ def test_server_info_and_model_info_at_sglangs_paths(endpoint, sgl_runtime) -> N
     model_info = httpx.get(endpoint.base_url + "/model_info", timeout=60).json()
     assert model_info == endpoint.model_info
     assert model_info["model_path"] == str(sgl_runtime.model_dir)
+
+
+def test_select_after_an_image_scores_each_choice_with_it(tiny_llavas, tmp_path) -> None:
+    """SGLang's frontend scores a select's choices in one request of several prompts whose
+    `image_data` is the state's one image, not a list: SGLang gives it to every prompt."""
+    from PIL import Image
+
+    from lmnb.server import ServerHandle
+
+    pic = tmp_path / "pic.png"
+    Image.new("RGB", (30, 20), (200, 30, 30)).save(pic)
+    choices = [" red", " dark blue"]
+
+    @sgl.function
+    def colour(s):
+        s += "Look: " + sgl.image(str(pic)) + " It is"
+        s += sgl.select("colour", choices=choices)
+
+    with lmnb.Runtime(tiny_llavas["llava-1.5"], max_total_tokens=8192) as runtime, \
+            ServerHandle.start(runtime) as server:
+        state = colour.run(backend=sgl.RuntimeEndpoint(server.url))
+        assert state.error() is None
+        rows = state.get_meta_info("colour")["input_token_logprobs"]
+        for choice, row in zip(choices, rows, strict=True):
+            out = runtime.generate("Look: <image> It is" + choice, {"max_new_tokens": 0},
+                                   image_data=pic.read_bytes(), return_logprob=True,
+                                   logprob_start_len=0)
+            expected = out["meta_info"]["input_token_logprobs"][-len(row):]
+            assert [token for _, token, _ in row] == [token for _, token in expected]
+            assert [lp for lp, _, _ in row] == pytest.approx([lp for lp, _ in expected],
+                                                             abs=1e-4)

@@ -326,10 +326,11 @@ class Runtime:
         Multimodal models (SGLang's engine arguments): `image_data` is, for one prompt, an image
         or a list of images in the order of the prompt's image tokens (a path, `PIL.Image`,
         uint8 array, bytes, `data:` URL or a `MediaItem`); for a list of prompts, a list of
-        those (None for a prompt without images). `video_data` likewise with videos (a path,
-        bytes, `data:` URL, uint8 frames [F, H, W, 3], a `MediaItem`, or `{"video": source,
-        "num_frames": n}`; 8 frames by default). Each image/video token of the prompt becomes
-        the item's span of tokens; bad media or a count mismatch is an `InvalidRequestError`."""
+        those (None for a prompt without images) or one image for every prompt. `video_data`
+        likewise with videos (a path, bytes, `data:` URL, uint8 frames [F, H, W, 3], a
+        `MediaItem`, or `{"video": source, "num_frames": n}`; 8 frames by default). Each
+        image/video token of the prompt becomes the item's span of tokens; bad media or a count
+        mismatch is an `InvalidRequestError`."""
         self._check_open()
         return_logprob = return_logprob or return_token_origins
         prompts = split_prompts(prompt, input_ids)

@@ -57,11 +57,14 @@ def _media_lists(processor: MediaProcessor | None, image_data: MediaInput,
     for kind, data in (("image", image_data), ("video", video_data)):
         if data is None:
             continue
-        if is_batch:
-            if not isinstance(data, list | tuple) or len(data) != count:
+        if is_batch and not isinstance(data, list | tuple):
+            groups = [data] * count  # one item for every prompt, as SGLang's
+        elif is_batch:
+            if len(data) != count:
                 raise InvalidRequestError(
-                    f"{kind}_data for a list of {count} prompts must be a list of {count} "
-                    f"entries (an {kind}, a list of them, or None per prompt)")
+                    f"{kind}_data for a list of {count} prompts must be one {kind} for all "
+                    f"or a list of {count} entries (an {kind}, a list of them, or None per "
+                    "prompt)")
             groups = list(data)
         else:
             groups = [data]

@@ -1,9 +1,10 @@
 """Images and videos in requests, as SGLang's and OpenAI's APIs carry them, for `Runtime.generate`.
 
-SGLang's `/generate` takes `image_data` / `video_data`: one item or a list per prompt (a list of
-those for a batch), each a file path, a `data:` URL or bare base64 (lmnb also takes a video as
-`{"video": ..., "num_frames": n}`). OpenAI's chat API takes `image_url` content parts; only
-`data:` URLs are accepted there (nothing is fetched, and a client does not read server files).
+SGLang's `/generate` takes `image_data` / `video_data`: one item or a list per prompt (for a
+batch, a list of those or one item for every prompt), each a file path, a `data:` URL or bare
+base64 (lmnb also takes a video as `{"video": ..., "num_frames": n}`). OpenAI's chat API takes
+`image_url` content parts; only `data:` URLs are accepted there (nothing is fetched, and a
+client does not read server files).
 The runtime's media loader gives the errors (missing file, corrupt data, http URLs)."""
 
 from __future__ import annotations
