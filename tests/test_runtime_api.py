@@ -366,10 +366,10 @@ def test_logprob_start_len(rt: Runtime, hf_model) -> None:
         for offset, (logprob, token) in enumerate(inputs):
             assert abs(logprob - ref[k + offset - 1, token].item()) < 1e-4
         assert len(out["meta_info"]["output_token_logprobs"]) == 2
-    # without logprob_start_len, only output logprobs
+    # without logprob_start_len, only output logprobs (the prompt's list empty, as SGLang's)
     out = rt.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 2},
                       return_logprob=True)
-    assert "input_token_logprobs" not in out["meta_info"]
+    assert out["meta_info"]["input_token_logprobs"] == []
     assert len(out["meta_info"]["output_token_logprobs"]) == 2
     plain = rt.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 2})
     assert "output_token_logprobs" not in plain["meta_info"]

@@ -151,3 +151,23 @@ def test_select_after_an_image_scores_each_choice_with_it(tiny_llavas, tmp_path)
             assert [token for _, token, _ in row] == [token for _, token in expected]
             assert [lp for lp, _, _ in row] == pytest.approx([lp for lp, _ in expected],
                                                              abs=1e-4)
+
+
+def test_logprob_meta_info_has_sglangs_keys_without_a_start(endpoint, sgl_runtime) -> None:
+    """With `return_logprob` SGLang's meta_info always has the prompt's logprob lists (empty
+    without `logprob_start_len`), beside the output's; streamed or not."""
+
+    @sgl.function
+    def scored(s):
+        s += "The sky is"
+        s += sgl.gen("a", max_tokens=2, temperature=0, return_logprob=True, top_logprobs_num=2)
+
+    for stream in (False, True):
+        state = scored.run(stream=stream)
+        assert len("".join(state.text_iter("a"))) > 0
+        meta = state.get_meta_info("a")
+        assert (meta["input_token_logprobs"], meta["input_top_logprobs"]) == ([], []), stream
+        assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 2
+    out = sgl_runtime.generate("The sky is", {"max_new_tokens": 1}, return_logprob=True,
+                               token_ids_logprob=[5, 6])
+    assert out["meta_info"]["input_token_ids_logprobs"] == []

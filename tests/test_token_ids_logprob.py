@@ -59,7 +59,7 @@ def assert_matches_hf(out: dict, hf_model, prompt: list[int], ids: list[int],
     for i, row in enumerate(rows):
         assert_row(row, ref[len(prompt) - 1 + i], ids)
     if logprob_start_len is None:
-        assert "input_token_ids_logprobs" not in meta
+        assert meta["input_token_ids_logprobs"] == []  # as SGLang's: no prompt positions
         return
     inputs = meta["input_token_ids_logprobs"]
     assert len(inputs) == len(prompt) - logprob_start_len

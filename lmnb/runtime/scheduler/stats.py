@@ -63,19 +63,16 @@ def request_meta(state: ReqState) -> dict[str, Any]:
         meta["spec_accept_rate"] = req.spec_accepted_tokens / max(req.spec_draft_tokens, 1)
         meta["spec_accept_length"] = (req.spec_accepted_tokens + req.spec_verify_ct) \
             / req.spec_verify_ct
-    if req.return_logprob:
+    if req.return_logprob:  # the prompt's lists are empty without logprob_start_len, as SGLang's
         logprobs = state.logprobs
+        meta["input_token_logprobs"] = list(logprobs.input_token)
         meta["output_token_logprobs"] = list(logprobs.output_token)
-        if req.logprob_start_len >= 0:
-            meta["input_token_logprobs"] = list(logprobs.input_token)
         if req.top_logprobs_num:
+            meta["input_top_logprobs"] = list(logprobs.input_top)
             meta["output_top_logprobs"] = list(logprobs.output_top)
-            if req.logprob_start_len >= 0:
-                meta["input_top_logprobs"] = list(logprobs.input_top)
         if req.token_ids_logprob:
+            meta["input_token_ids_logprobs"] = list(logprobs.input_token_ids)
             meta["output_token_ids_logprobs"] = list(logprobs.output_token_ids)
-            if req.logprob_start_len >= 0:
-                meta["input_token_ids_logprobs"] = list(logprobs.input_token_ids)
     if state.origins is not None:
         meta["prompt_token_origins"] = prompt_spans(len(req.origin_input_ids), req.cached_tokens)
         meta["output_token_origins"] = state.origins.spans()
