@@ -170,18 +170,30 @@ def test_a_bad_prompt_aborts_the_submitted_chunks(rt, bad_index, monkeypatch):
     _idle(rt)
     assert all(state.req.finished_reason["type"] == "abort" for state in submitted)
     texts[bad_index] = "word " * (rt.context_len + 5)
-    with pytest.raises(InvalidRequestError, match=rf"the context length is {rt.context_len}"):
+    with pytest.raises(InvalidRequestError,
+                       match=rf"maximum context length is {rt.context_len} tokens"):
         rt.generate(texts, GREEDY)
     _idle(rt)
     assert rt.generate(texts[:2], GREEDY)[1]["meta_info"]["completion_tokens"] == 2
 
 
-def test_a_shared_params_dict_is_cut_per_prompt(rt):
-    """One dict for all prompts is parsed once; a prompt near the context length gets its own
-    shorter max_new_tokens, the others keep the dict's."""
+def test_a_shared_params_dict_is_checked_per_prompt(rt):
+    """One dict for all prompts is parsed once but checked against each prompt: max_new_tokens
+    None gives each prompt its own room in the context; a max_new_tokens that one prompt of
+    the batch leaves no room for refuses the batch (SGLang's), naming that prompt's numbers,
+    and submits nothing."""
     long = "word " * (rt.context_len - 20)
     room = rt.context_len - len(rt.encode(long))
-    outputs = rt.generate(["Short one.", long, "Short two."], {**GREEDY, "max_new_tokens": 40})
-    assert [o["meta_info"]["completion_tokens"] for o in outputs] == [40, room, 40]
-    assert room < 40
+    short_room = rt.context_len - len(rt.encode("Short one."))
+    outputs = rt.generate(["Short one.", long], {**GREEDY, "max_new_tokens": None})
+    assert [o["meta_info"]["completion_tokens"] for o in outputs] == [short_room, room]
     _idle(rt)
+    assert room < 40
+    before = rt.stats()["forward_passes"]
+    with pytest.raises(InvalidRequestError, match=rf"\({len(rt.encode(long))} in the messages, "
+                                                  r"40 in the completion\)"):
+        rt.generate(["Short one.", long, "Short two."], {**GREEDY, "max_new_tokens": 40})
+    _idle(rt)
+    assert rt.stats()["forward_passes"] == before
+    outputs = rt.generate(["Short one.", "Short two."], {**GREEDY, "max_new_tokens": 40})
+    assert [o["meta_info"]["completion_tokens"] for o in outputs] == [40, 40]

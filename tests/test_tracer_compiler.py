@@ -217,7 +217,7 @@ def test_abort_reaches_every_branch(rt) -> None:
     def long(s, question):
         s += question
         forks = s.fork(2)
-        forks += lmnb.gen("g", max_tokens=1500, ignore_eos=True)
+        forks += lmnb.gen("g", max_tokens=480, ignore_eos=True)  # fits the 512 context
         forks.join()
         s += " after: " + s["g"]
 
