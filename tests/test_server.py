@@ -843,6 +843,24 @@ def test_ollama_bad_requests_are_400_with_ollama_error_bodies(server, http):
     assert unauthorized.status_code == 401 and isinstance(unauthorized.json()["error"], str)
 
 
+def test_ollama_unknown_model_is_a_404(server):
+    """Ollama answers a model it does not have with a 404 (`model 'x' not found`, the client's
+    `ResponseError.status_code`) on /api/generate and /api/chat, as on /api/show; lmnb served
+    its one model under any name. `name:latest` is the served model."""
+    client = ollama.Client(host=server.url, headers=AUTH)
+    calls = [lambda: client.generate(model="llama3", prompt="Hi", options={"num_predict": 1}),
+             lambda: client.generate(model="llama3"),
+             lambda: client.chat(model="llama3", messages=CHAT, options={"num_predict": 1}),
+             lambda: list(client.chat(model="llama3", messages=CHAT, stream=True))]
+    for call in calls:
+        with pytest.raises(ollama.ResponseError) as caught:
+            call()
+        assert caught.value.status_code == 404
+        assert caught.value.error == "model 'llama3' not found"
+    out = client.generate(model="tiny:latest", prompt="Hi", options={"num_predict": 1})
+    assert out.done and out.model == "tiny:latest"
+
+
 def test_ollama_empty_prompt_loads_the_model_without_generating(server, rt):
     """Ollama: 'If an empty prompt is provided, the model will be loaded into memory': an
     empty `response` with `done_reason: "load"` (clients preload models so); the same for a

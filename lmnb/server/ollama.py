@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.runtime.config import ModelConfig
@@ -168,6 +168,14 @@ def _final(meta: dict[str, Any], started: float) -> dict[str, Any]:
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
 
+    def served(name: str | None) -> str:
+        """The model a request names (the served one if it names none); any other is a 404,
+        as Ollama answers a model it does not have."""
+        name = name or model_name
+        if name not in (model_name, f"{model_name}:latest"):
+            raise APIError(f"model '{name}' not found", status=404, type="not_found_error")
+        return name
+
     async def run(request: Request, body: _OllamaRequest, prompt: str, chat: bool) -> Any:
         started = time.perf_counter()
         params = _params(body)
@@ -218,6 +226,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
+        served(body.model)
         if body.images:
             raise _no_images(runtime, "images")
         if not body.prompt:
@@ -232,6 +241,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/chat", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
+        served(body.model)
         if not body.messages:
             return loaded(body, {"message": {"role": "assistant", "content": ""}})
         for i, message in enumerate(body.messages):
@@ -257,9 +267,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/show", response_model=None)
     async def show(body: ShowRequest) -> Any:
-        name = body.model or body.name
-        if name not in (model_name, f"{model_name}:latest"):
-            return JSONResponse({"error": f"model '{name}' not found"}, status_code=404)
+        served(body.model or body.name)
         template = runtime.tokenizer.chat_template
         return {"license": "", "modelfile": f"# served by lmnb\nFROM {runtime.model_dir}\n",
                 "parameters": f"num_ctx {runtime.context_len}",
