@@ -861,6 +861,29 @@ def test_ollama_unknown_model_is_a_404(server):
     assert out.done and out.model == "tiny:latest"
 
 
+def test_ollama_version_and_what_one_served_model_cannot_do(server, http):
+    """`/api/version` is lmnb's; what a server of one model loaded from its files cannot do
+    (pull another model, push, create, copy, delete, embeddings) is a 501 saying so in
+    Ollama's error body; these were FastAPI's bare 404 `Not Found`, which reads as a missing
+    model. The served model is here already: pulling it succeeds, streamed or not."""
+    from lmnb import __version__
+
+    assert http.get("/api/version").json() == {"version": __version__}
+    client = ollama.Client(host=server.url, headers=AUTH)
+    assert client.pull("tiny").status == "success"
+    assert [p.status for p in client.pull("tiny:latest", stream=True)] == ["success"]
+    calls = {"pull": lambda: client.pull("llama3"), "push": lambda: client.push("tiny"),
+             "create": lambda: client.create(model="mine", from_="tiny"),
+             "copy": lambda: client.copy("tiny", "mine"), "delete": lambda: client.delete("tiny"),
+             "embed": lambda: client.embed(model="tiny", input="Hi"),
+             "embeddings": lambda: client.embeddings(model="tiny", prompt="Hi")}
+    for word, call in calls.items():
+        with pytest.raises(ollama.ResponseError) as caught:
+            call()
+        assert caught.value.status_code == 501, word
+        assert "lmnb" in caught.value.error and word[:5] in caught.value.error
+
+
 def test_ollama_empty_prompt_loads_the_model_without_generating(server, rt):
     """Ollama: 'If an empty prompt is provided, the model will be loaded into memory': an
     empty `response` with `done_reason: "load"` (clients preload models so); the same for a

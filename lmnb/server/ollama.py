@@ -1,6 +1,8 @@
 """Ollama's API over the runtime: `/api/generate`, `/api/chat` (streamed as NDJSON by
 default, as Ollama does), `/api/tags`, `/api/show` (the model's details and GGUF-style
-`model_info`), `/api/ps` (the loaded model and its memory)."""
+`model_info`), `/api/ps` (the loaded model and its memory), `/api/version`, `/api/pull` of the
+served model (here already); what one model loaded from its files cannot do (pull another,
+push, create, copy, delete, embeddings) is a 501 saying so."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -77,6 +79,13 @@ class GenerateRequest(_OllamaRequest):
 class ChatRequest(_OllamaRequest):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None  # OpenAI's shape; the model chooses (auto)
+
+
+class PullRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    name: str | None = None  # the field's name before Ollama 0.4
+    stream: bool = True
 
 
 class ShowRequest(BaseModel):
@@ -284,7 +293,45 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                             "size_vram": size if _on_gpu(runtime.engine_config.device) else 0,
                             "context_length": runtime.context_len}]}
 
+    @router.get("/api/version")
+    async def version() -> dict[str, str]:
+        from lmnb import __version__
+
+        return {"version": __version__}
+
+    @router.post("/api/pull", response_model=None)
+    async def pull(body: PullRequest) -> Any:
+        """The served model is here already: pulling it succeeds at once."""
+        name = body.model or body.name
+        if name not in (model_name, f"{model_name}:latest"):
+            raise _cannot(model_name, f"pull '{name}'")
+        if body.stream:
+            return StreamingResponse(iter([_line({"status": "success"})]),
+                                     media_type="application/x-ndjson")
+        return {"status": "success"}
+
+    for path, methods, what in (
+            ("/api/push", ["POST"], "push models"), ("/api/create", ["POST"], "create models"),
+            ("/api/copy", ["POST"], "copy models"), ("/api/delete", ["DELETE"], "delete models"),
+            ("/api/blobs/{digest}", ["POST", "HEAD"], "take model blobs"),
+            ("/api/embed", ["POST"], "compute embeddings (it generates text)"),
+            ("/api/embeddings", ["POST"], "compute embeddings (it generates text)")):
+        router.add_api_route(path, _refusal(model_name, what), methods=methods)
+
     return router
+
+
+def _cannot(model_name: str, what: str) -> APIError:
+    return APIError(f"lmnb serves one model, '{model_name}', loaded from its files: it cannot "
+                    f"{what}", status=501, type="not_implemented")
+
+
+def _refusal(model_name: str, what: str) -> Callable[[], Awaitable[None]]:
+    """A route that answers every request with `_cannot`'s 501."""
+    async def refuse() -> None:
+        raise _cannot(model_name, what)
+
+    return refuse
 
 
 # The model stays loaded until the runtime closes (Ollama's keep_alive < 0).
