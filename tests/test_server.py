@@ -900,6 +900,24 @@ def test_ollama_empty_prompt_loads_the_model_without_generating(server, rt):
     assert wait_idle(rt)["generated_tokens"] == before
 
 
+def test_ollama_keep_alive_zero_cannot_unload_the_served_model(server, http):
+    """Ollama unloads a model for an empty prompt (or no messages) with `keep_alive` 0 and
+    answers `done_reason: "unload"`; lmnb keeps its one model loaded while it serves, so that
+    is a 501 saying so (it answered "load"). A `keep_alive` that is no duration is a 400, as
+    Ollama's; other durations change nothing."""
+    client = ollama.Client(host=server.url, headers=AUTH)
+    unloads = [lambda: client.generate(model="tiny", keep_alive=0),
+               lambda: client.chat(model="tiny", messages=[], keep_alive="0s")]
+    for call in unloads:
+        with pytest.raises(ollama.ResponseError) as caught:
+            call()
+        assert caught.value.status_code == 501 and "unload" in caught.value.error
+    assert client.generate(model="tiny", keep_alive="5m").done_reason == "load"
+    assert client.chat(model="tiny", messages=[], keep_alive=-1).done_reason == "load"
+    bad = http.post("/api/generate", json={"model": "tiny", "prompt": "Hi", "keep_alive": "soon"})
+    assert bad.status_code == 400 and "soon" in bad.json()["error"]
+
+
 # ---- many streams at once ---------------------------------------------------------------------
 def test_many_concurrent_streams_all_complete(server, rt):
     count, tokens = 200, 6

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,6 +68,23 @@ class _OllamaRequest(BaseModel):
     stream: bool = True
     options: Options | None = None
     format: str | dict[str, Any] | None = None
+    keep_alive: float | str | None = None  # seconds, or a Go duration ("5m"); < 0: forever
+
+
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+_GO_DURATION = re.compile(rf"[-+]?(?:{_NUMBER}(?:ns|us|µs|μs|ms|s|m|h))+")
+
+
+def _unloads(keep_alive: float | str | None) -> bool:
+    """Whether Ollama's `keep_alive` is zero (unload the model now). A string that is no Go
+    duration is a 400, in Go's words as Ollama's."""
+    if isinstance(keep_alive, str):
+        if keep_alive.lstrip("+-") == "0":
+            return True
+        if not _GO_DURATION.fullmatch(keep_alive):
+            raise APIError(f'time: invalid duration "{keep_alive}"', param="keep_alive")
+        return not any(float(number) for number in re.findall(_NUMBER, keep_alive))
+    return keep_alive is not None and 0 <= keep_alive < 1e-9  # under a nanosecond: 0
 
 
 class GenerateRequest(_OllamaRequest):
@@ -229,13 +247,17 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     def loaded(body: _OllamaRequest, piece: dict[str, Any]) -> dict[str, Any]:
         """Ollama's answer to a request without a prompt: the model is loaded (it always is),
-        nothing is generated; one JSON object, streamed or not."""
+        nothing is generated; one JSON object, streamed or not. It stays loaded while the
+        server runs: `keep_alive` 0 (unload) is refused."""
+        if _unloads(body.keep_alive):
+            raise _cannot(model_name, "unload it (keep_alive 0) while it serves")
         return {"model": body.model or model_name, "created_at": _now(), **piece,
                 "done": True, "done_reason": "load"}
 
     @router.post("/api/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
         served(body.model)
+        _unloads(body.keep_alive)  # a 400 if it is no duration
         if body.images:
             raise _no_images(runtime, "images")
         if not body.prompt:
@@ -251,6 +273,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     @router.post("/api/chat", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
         served(body.model)
+        _unloads(body.keep_alive)  # a 400 if it is no duration
         if not body.messages:
             return loaded(body, {"message": {"role": "assistant", "content": ""}})
         for i, message in enumerate(body.messages):
