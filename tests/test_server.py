@@ -918,6 +918,31 @@ def test_ollama_keep_alive_zero_cannot_unload_the_served_model(server, http):
     assert bad.status_code == 400 and "soon" in bad.json()["error"]
 
 
+def test_ollama_generate_context_continues_the_text(server, rt):
+    """/api/generate's last object carries `context`, the tokens of the prompt and the response
+    (not in raw mode), and a request's `context` goes before its prompt, as Ollama's (the
+    client's short conversational memory); lmnb sent none and dropped the one given."""
+    client = ollama.Client(host=server.url, headers=AUTH)
+    options = {"temperature": 0, "num_predict": 4}
+    first = client.generate(model="tiny", prompt="Hi", options=options)
+    prompt = rt.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert first.context == rt.encode(prompt + first.response)
+    *_, last = client.generate(model="tiny", prompt="Hi", options=options, stream=True)
+    assert last.done and last.context == first.context
+    second = client.generate(model="tiny", prompt="More", options=options,
+                             context=first.context)
+    follow = rt.tokenizer.decode(first.context) + rt.apply_chat_template(
+        [{"role": "user", "content": "More"}])
+    direct = rt.generate(follow, {"temperature": 0, "max_new_tokens": 4})
+    assert second.response == direct["text"]
+    assert second.prompt_eval_count == len(rt.encode(follow))
+    assert second.context == rt.encode(follow + second.response)
+    assert client.generate(model="tiny", prompt="Hi", raw=True, options=options).context is None
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.generate(model="tiny", prompt="More", context=[-1])
+    assert caught.value.status_code == 400 and "context" in caught.value.error
+
+
 # ---- many streams at once ---------------------------------------------------------------------
 def test_many_concurrent_streams_all_complete(server, rt):
     count, tokens = 200, 6

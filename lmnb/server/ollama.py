@@ -21,8 +21,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, NonNegativeInt
 
+from lmnb.runtime.chat import strip_added_bos
 from lmnb.runtime.config import ModelConfig
 from lmnb.server.errors import APIError
 from lmnb.server.messages import chat_messages
@@ -92,6 +93,7 @@ class GenerateRequest(_OllamaRequest):
     system: str | None = None
     raw: bool = False
     images: list[str] | None = None
+    context: list[NonNegativeInt] | None = None  # a previous response's: before the prompt
 
 
 class ChatRequest(_OllamaRequest):
@@ -203,7 +205,10 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             raise APIError(f"model '{name}' not found", status=404, type="not_found_error")
         return name
 
-    async def run(request: Request, body: _OllamaRequest, prompt: str, chat: bool) -> Any:
+    async def run(request: Request, body: _OllamaRequest, prompt: str, chat: bool,
+                  context: bool = False) -> Any:
+        """Generates for `prompt`; with `context`, the last object carries the tokens of the
+        prompt and the response (Ollama's `context`, tokenized as Ollama does: the texts)."""
         started = time.perf_counter()
         params = _params(body)
         params.setdefault("max_new_tokens", None)  # up to the context length
@@ -215,13 +220,18 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 return {"message": {"role": "assistant", "content": text}}
             return {"response": text}
 
+        async def ending(text: str) -> dict[str, Any]:
+            if not context:
+                return {}
+            return {"context": await asyncio.to_thread(runtime.encode, prompt + text)}
+
         if body.stream:
-            return StreamingResponse(guarded(_lines(stream, model, piece, started),
+            return StreamingResponse(guarded(_lines(stream, model, piece, started, ending),
                                              _error_line),
                                      media_type="application/x-ndjson")
         (result,) = await collect(request, stream)
         return {"model": model, "created_at": _now(), **piece(result["text"]),
-                **_final(result["meta_info"], started)}
+                **_final(result["meta_info"], started), **await ending(result["text"])}
 
     async def run_tools(request: Request, body: ChatRequest, prompt: str,
                         plan: ToolPlan) -> Any:
@@ -268,7 +278,10 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             messages = [{"role": "system", "content": body.system}] if body.system else []
             prompt = runtime.apply_chat_template(
                 messages + [{"role": "user", "content": body.prompt}])
-        return await run(request, body, prompt, chat=False)
+            if body.context:
+                before = await asyncio.to_thread(runtime.tokenizer.decode, body.context)
+                prompt = strip_added_bos(runtime.tokenizer, before + prompt)
+        return await run(request, body, prompt, chat=False, context=not body.raw)
 
     @router.post("/api/chat", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
@@ -407,12 +420,17 @@ def _error_line(error: Exception) -> str:
     return _line({"error": str(error)})
 
 
-async def _lines(stream: Any, model: str, piece: Any, started: float) -> AsyncIterator[str]:
+async def _lines(stream: Any, model: str, piece: Any, started: float,
+                 ending: Callable[[str], Awaitable[dict[str, Any]]]) -> AsyncIterator[str]:
+    """The stream's objects; the last one adds `ending(the whole text)`."""
+    texts: list[str] = []
     async for chunk in chunks(stream):
         meta = chunk["meta_info"]
+        texts.append(chunk["text"])
         line = {"model": model, "created_at": _now(), **piece(chunk["text"])}
         if meta.get("finish_reason") is not None:
             line.update(_final(meta, started))
+            line.update(await ending("".join(texts)))
         else:
             line["done"] = False
         yield _line(line)
