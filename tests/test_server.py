@@ -943,6 +943,17 @@ def test_ollama_generate_context_continues_the_text(server, rt):
     assert caught.value.status_code == 400 and "context" in caught.value.error
 
 
+def test_ollama_raw_mode_refuses_system_template_and_context(server):
+    """Ollama's raw mode sends the prompt as it is: with `system`, `template` or `context` too
+    it is a 400 in Ollama's words; lmnb dropped them silently."""
+    client = ollama.Client(host=server.url, headers=AUTH)
+    for extra in ({"system": "Be brief."}, {"template": "{{ .Prompt }}"}, {"context": [1, 2]}):
+        with pytest.raises(ollama.ResponseError) as caught:
+            client.generate(model="tiny", prompt="Hi", raw=True, **extra)
+        assert caught.value.status_code == 400
+        assert caught.value.error == "raw mode does not support template, system, or context"
+
+
 # ---- many streams at once ---------------------------------------------------------------------
 def test_many_concurrent_streams_all_complete(server, rt):
     count, tokens = 200, 6

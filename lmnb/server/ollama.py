@@ -94,6 +94,7 @@ class GenerateRequest(_OllamaRequest):
     raw: bool = False
     images: list[str] | None = None
     context: list[NonNegativeInt] | None = None  # a previous response's: before the prompt
+    template: str | None = None  # a Go template (lmnb uses the model's chat template)
 
 
 class ChatRequest(_OllamaRequest):
@@ -268,6 +269,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request) -> Any:
         served(body.model)
         _unloads(body.keep_alive)  # a 400 if it is no duration
+        if body.raw and (body.template or body.system or body.context):
+            raise APIError("raw mode does not support template, system, or context",
+                           param="raw")
         if body.images:
             raise _no_images(runtime, "images")
         if not body.prompt:
