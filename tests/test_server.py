@@ -954,6 +954,29 @@ def test_ollama_raw_mode_refuses_system_template_and_context(server):
         assert caught.value.error == "raw mode does not support template, system, or context"
 
 
+def test_ollama_fields_lmnb_cannot_honour_are_refused(server):
+    """`template` (a Go template lmnb cannot run: the model's chat template is used), `suffix`
+    (fill-in-the-middle, Ollama's `insert` capability) and `think` (lmnb's /api/show lists
+    neither) were dropped silently; they are 400s, the latter two in Ollama's words for a model
+    without the capability. `think: false` asks nothing."""
+    client = ollama.Client(host=server.url, headers=AUTH)
+    refused = [("template", lambda: client.generate(model="tiny", prompt="Hi",
+                                                    template="{{ .Prompt }}")),
+               ('"tiny" does not support insert', lambda: client.generate(
+                   model="tiny", prompt="def f(", suffix="    return x")),
+               ('"tiny" does not support thinking', lambda: client.chat(
+                   model="tiny", messages=CHAT, think=True)),
+               ('"tiny" does not support thinking', lambda: client.generate(
+                   model="tiny", prompt="Hi", think="high"))]
+    for words, call in refused:
+        with pytest.raises(ollama.ResponseError) as caught:
+            call()
+        assert caught.value.status_code == 400 and words in caught.value.error
+    assert "insert" not in client.show("tiny").capabilities
+    assert client.chat(model="tiny", messages=CHAT, think=False,
+                       options={"num_predict": 1}).done
+
+
 # ---- many streams at once ---------------------------------------------------------------------
 def test_many_concurrent_streams_all_complete(server, rt):
     count, tokens = 200, 6

@@ -17,7 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -70,6 +70,7 @@ class _OllamaRequest(BaseModel):
     options: Options | None = None
     format: str | dict[str, Any] | None = None
     keep_alive: float | str | None = None  # seconds, or a Go duration ("5m"); < 0: forever
+    think: bool | Literal["high", "medium", "low", "max"] | None = None
 
 
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
@@ -95,6 +96,7 @@ class GenerateRequest(_OllamaRequest):
     images: list[str] | None = None
     context: list[NonNegativeInt] | None = None  # a previous response's: before the prompt
     template: str | None = None  # a Go template (lmnb uses the model's chat template)
+    suffix: str | None = None  # fill-in-the-middle: the text after the response
 
 
 class ChatRequest(_OllamaRequest):
@@ -169,6 +171,13 @@ def _params(body: _OllamaRequest) -> dict[str, Any]:
     elif body.format not in (None, ""):
         raise APIError("format must be 'json' or a JSON schema", param="format")
     return params
+
+
+def _no_thinking(body: _OllamaRequest, name: str) -> None:
+    """`think` asks for the reasoning apart from the answer, which lmnb does not separate (its
+    /api/show lists no `thinking` capability): Ollama's 400 for such a model."""
+    if body.think not in (None, False):
+        raise APIError(f'"{name}" does not support thinking', param="think")
 
 
 def _timestamp(moment: datetime) -> str:
@@ -267,11 +276,18 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
-        served(body.model)
+        name = served(body.model)
         _unloads(body.keep_alive)  # a 400 if it is no duration
         if body.raw and (body.template or body.system or body.context):
             raise APIError("raw mode does not support template, system, or context",
                            param="raw")
+        if body.template:
+            raise APIError("lmnb cannot run Ollama's Go templates (`template`): the model's "
+                           "chat template is used; send a prompt templated already with "
+                           "raw: true", param="template")
+        if body.suffix:
+            raise APIError(f'"{name}" does not support insert', param="suffix")
+        _no_thinking(body, name)
         if body.images:
             raise _no_images(runtime, "images")
         if not body.prompt:
@@ -289,7 +305,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/chat", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
-        served(body.model)
+        _no_thinking(body, served(body.model))
         _unloads(body.keep_alive)  # a 400 if it is no duration
         if not body.messages:
             return loaded(body, {"message": {"role": "assistant", "content": ""}})
