@@ -977,6 +977,29 @@ def test_ollama_fields_lmnb_cannot_honour_are_refused(server):
                        options={"num_predict": 1}).done
 
 
+def test_ollama_durations_split_the_prompt_from_the_output(server):
+    """Ollama's last object times the prompt (`prompt_eval_duration`, until the first output)
+    apart from the output (`eval_duration`), in nanoseconds; clients divide the counts by
+    them for tokens per second. lmnb sent `prompt_eval_duration: 0` (a division by zero) and
+    the whole time as `eval_duration`. Streamed or not, with tools or without."""
+    client = ollama.Client(host=server.url, headers=AUTH)
+    options = {"temperature": 0, "num_predict": 5}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    replies = [client.generate(model="tiny", prompt="Hi", options=options),
+               list(client.generate(model="tiny", prompt="Hi", options=options,
+                                    stream=True))[-1],
+               client.chat(model="tiny", messages=CHAT, options=options),
+               list(client.chat(model="tiny", messages=CHAT, options=options,
+                                stream=True))[-1],
+               client.chat(model="tiny", messages=CHAT, options=options, tools=[tool]),
+               list(client.chat(model="tiny", messages=CHAT, options=options, tools=[tool],
+                                stream=True))[-1]]
+    for reply in replies:
+        assert reply.done and reply.load_duration == 0
+        assert reply.prompt_eval_duration > 0 and reply.eval_duration >= 0
+        assert reply.prompt_eval_duration + reply.eval_duration == reply.total_duration
+
+
 # ---- many streams at once ---------------------------------------------------------------------
 def test_many_concurrent_streams_all_complete(server, rt):
     count, tokens = 200, 6

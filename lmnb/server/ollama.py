@@ -14,7 +14,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -31,7 +31,6 @@ from lmnb.server.streams import (
     ServedRuntime,
     chunks,
     closed_on_disconnect,
-    collect,
     finish_type,
     guarded,
     open_stream,
@@ -196,12 +195,28 @@ def _no_images(runtime: ServedRuntime, where: str) -> APIError:
     return APIError(f"{where}: {kind}", param=where, code="images_not_supported")
 
 
-def _final(meta: dict[str, Any], started: float) -> dict[str, Any]:
-    total = int((time.perf_counter() - started) * 1e9)
-    return {"done": True, "done_reason": finish_type(meta) or "stop", "total_duration": total,
-            "load_duration": 0, "prompt_eval_count": meta.get("prompt_tokens", 0),
-            "prompt_eval_duration": 0, "eval_count": meta.get("completion_tokens", 0),
-            "eval_duration": total}
+@dataclass(slots=True)
+class _Clock:
+    """Ollama's durations (ns) of one request: the prompt's until its first output arrived,
+    the output's from then on; no load time (the model is loaded while the server runs)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+
+    def output(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def final(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The last object's fields: the end, the reason, the counts and the durations."""
+        end = time.perf_counter()
+        prompt = int(((self.first or end) - self.started) * 1e9)
+        output = int((end - (self.first or end)) * 1e9)
+        return {"done": True, "done_reason": finish_type(meta) or "stop",
+                "total_duration": prompt + output, "load_duration": 0,
+                "prompt_eval_count": meta.get("prompt_tokens", 0),
+                "prompt_eval_duration": prompt,
+                "eval_count": meta.get("completion_tokens", 0), "eval_duration": output}
 
 
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
@@ -219,7 +234,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                   context: bool = False) -> Any:
         """Generates for `prompt`; with `context`, the last object carries the tokens of the
         prompt and the response (Ollama's `context`, tokenized as Ollama does: the texts)."""
-        started = time.perf_counter()
+        clock = _Clock()
         params = _params(body)
         params.setdefault("max_new_tokens", None)  # up to the context length
         stream = await open_stream(runtime, prompt, params)
@@ -236,16 +251,23 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             return {"context": await asyncio.to_thread(runtime.encode, prompt + text)}
 
         if body.stream:
-            return StreamingResponse(guarded(_lines(stream, model, piece, started, ending),
+            return StreamingResponse(guarded(_lines(stream, model, piece, clock, ending),
                                              _error_line),
                                      media_type="application/x-ndjson")
-        (result,) = await collect(request, stream)
-        return {"model": model, "created_at": _now(), **piece(result["text"]),
-                **_final(result["meta_info"], started), **await ending(result["text"])}
+        texts: list[str] = []
+        meta: dict[str, Any] = {}
+        async with closed_on_disconnect(request, stream):  # a disconnect ends the loop
+            async for chunk in stream:
+                clock.output()
+                texts.append(chunk["text"])
+                meta = chunk["meta_info"]
+        text = "".join(texts)
+        return {"model": model, "created_at": _now(), **piece(text), **clock.final(meta),
+                **await ending(text)}
 
     async def run_tools(request: Request, body: ChatRequest, prompt: str,
                         plan: ToolPlan) -> Any:
-        started = time.perf_counter()
+        clock = _Clock()
         params = _params(body)
         if "json_schema" in params:
             raise APIError("format cannot be combined with tools", param="format")
@@ -254,16 +276,16 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         model = body.model or model_name
         if body.stream:
             await tool_run.start()  # a refused request is a 400 before the stream starts
-            return StreamingResponse(guarded(_tool_lines(tool_run, model, started),
+            return StreamingResponse(guarded(_tool_lines(tool_run, model, clock),
                                              _error_line),
                                      media_type="application/x-ndjson")
         async with closed_on_disconnect(request, tool_run):
-            (result,) = await tool_run.results()
+            (result,) = await tool_run.results(on_piece=clock.output)
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         if calls := _tool_calls(result.calls):
             message["tool_calls"] = calls
         return {"model": model, "created_at": _now(), "message": message,
-                **_final(result.meta, started)}
+                **clock.final(result.meta)}
 
     def loaded(body: _OllamaRequest, piece: dict[str, Any]) -> dict[str, Any]:
         """Ollama's answer to a request without a prompt: the model is loaded (it always is),
@@ -440,16 +462,17 @@ def _error_line(error: Exception) -> str:
     return _line({"error": str(error)})
 
 
-async def _lines(stream: Any, model: str, piece: Any, started: float,
+async def _lines(stream: Any, model: str, piece: Any, clock: _Clock,
                  ending: Callable[[str], Awaitable[dict[str, Any]]]) -> AsyncIterator[str]:
     """The stream's objects; the last one adds `ending(the whole text)`."""
     texts: list[str] = []
     async for chunk in chunks(stream):
+        clock.output()
         meta = chunk["meta_info"]
         texts.append(chunk["text"])
         line = {"model": model, "created_at": _now(), **piece(chunk["text"])}
         if meta.get("finish_reason") is not None:
-            line.update(_final(meta, started))
+            line.update(clock.final(meta))
             line.update(await ending("".join(texts)))
         else:
             line["done"] = False
@@ -462,7 +485,7 @@ def _tool_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
             for i, c in enumerate(c for c in calls if c.complete)]
 
 
-async def _tool_lines(run: ToolRun, model: str, started: float) -> AsyncIterator[str]:
+async def _tool_lines(run: ToolRun, model: str, clock: _Clock) -> AsyncIterator[str]:
     """Content as it comes; the calls, each whole, in one line when the reply ends (as Ollama
     streams them); then the last line."""
     calls = CallStream(run.plan.format)
@@ -473,10 +496,11 @@ async def _tool_lines(run: ToolRun, model: str, started: float) -> AsyncIterator
 
     async with aclosing(run.pieces()) as pieces:
         async for piece in pieces:
+            clock.output()
             calls.feed(piece.calls)
             if piece.text:
                 yield line({"content": piece.text}, done=False)
             if piece.done:
                 if whole := _tool_calls(calls.calls):
                     yield line({"content": "", "tool_calls": whole}, done=False)
-                yield line({"content": ""}, **_final(piece.meta, started))
+                yield line({"content": ""}, **clock.final(piece.meta))

@@ -13,7 +13,7 @@ requests' tokens; its `max_tokens` covers both."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -171,12 +171,14 @@ class ToolRun:
                             calls=text if cont.constrained else "",
                             done=chunk["meta_info"].get("finish_reason") is not None)
 
-    async def results(self) -> list[ChoiceResult]:
-        """Every choice whole, in order."""
+    async def results(self, on_piece: Callable[[], None] | None = None) -> list[ChoiceResult]:
+        """Every choice whole, in order; `on_piece()` as each piece comes (a route's clock)."""
         texts: list[list[str]] = [[] for _ in range(self.n)]
         calls = [CallStream(self.plan.format) for _ in range(self.n)]
         metas: list[Meta] = [{} for _ in range(self.n)]
         async for piece in self.pieces():
+            if on_piece is not None:
+                on_piece()
             texts[piece.index].append(piece.text)
             calls[piece.index].feed(piece.calls)
             if piece.done:
