@@ -210,8 +210,8 @@ class _Clock:
     def final(self, meta: dict[str, Any]) -> dict[str, Any]:
         """The last object's fields: the end, the reason, the counts and the durations."""
         end = time.perf_counter()
-        prompt = int(((self.first or end) - self.started) * 1e9)
-        output = int((end - (self.first or end)) * 1e9)
+        first = end if self.first is None else self.first
+        prompt, output = int((first - self.started) * 1e9), int((end - first) * 1e9)
         return {"done": True, "done_reason": finish_type(meta) or "stop",
                 "total_duration": prompt + output, "load_duration": 0,
                 "prompt_eval_count": meta.get("prompt_tokens", 0),
@@ -222,11 +222,13 @@ class _Clock:
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
 
+    names = (model_name, f"{model_name}:latest")  # Ollama's tag defaults to latest
+
     def served(name: str | None) -> str:
         """The model a request names (the served one if it names none); any other is a 404,
         as Ollama answers a model it does not have."""
         name = name or model_name
-        if name not in (model_name, f"{model_name}:latest"):
+        if name not in names:
             raise APIError(f"model '{name}' not found", status=404, type="not_found_error")
         return name
 
@@ -381,7 +383,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     async def pull(body: PullRequest) -> Any:
         """The served model is here already: pulling it succeeds at once."""
         name = body.model or body.name
-        if name not in (model_name, f"{model_name}:latest"):
+        if name not in names:
             raise _cannot(model_name, f"pull '{name}'")
         if body.stream:
             return StreamingResponse(iter([_line({"status": "success"})]),
