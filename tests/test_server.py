@@ -1000,6 +1000,41 @@ def test_ollama_durations_split_the_prompt_from_the_output(server):
         assert reply.prompt_eval_duration + reply.eval_duration == reply.total_duration
 
 
+def test_ollama_logprobs_are_the_chat_completions_ones(server, client):
+    """`logprobs` / `top_logprobs` (the client's, Ollama's `{token, logprob, bytes,
+    top_logprobs}` per output token) come back on /api/generate and /api/chat, streamed (each
+    object its own tokens') or not, with tools too: the same as /v1/chat/completions' for the
+    same prompt; lmnb dropped them silently. `top_logprobs` over 20 is Ollama's 400."""
+    llama = ollama.Client(host=server.url, headers=AUTH)
+    options = {"temperature": 0, "num_predict": 5}
+    asked = {"logprobs": True, "top_logprobs": 2, "options": options}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ask = [{"role": "user", "content": "Hi"}]
+    reference = client.chat.completions.create(model="tiny", messages=ask, temperature=0,
+                                               max_tokens=5, logprobs=True, top_logprobs=2)
+    expected = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+                for e in reference.choices[0].logprobs.content]
+    assert len(expected) == 5
+
+    def entries(replies: list) -> list:
+        return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+                for reply in replies for e in reply.logprobs or ()]
+
+    assert entries([llama.generate(model="tiny", prompt="Hi", **asked)]) == expected
+    assert entries(list(llama.generate(model="tiny", prompt="Hi", stream=True,
+                                       **asked))) == expected
+    assert entries([llama.chat(model="tiny", messages=ask, **asked)]) == expected
+    assert entries(list(llama.chat(model="tiny", messages=ask, stream=True,
+                                   **asked))) == expected
+    with_tools = llama.chat(model="tiny", messages=ask, tools=[tool], **asked)
+    assert len(with_tools.logprobs) == with_tools.eval_count
+    streamed = list(llama.chat(model="tiny", messages=ask, tools=[tool], stream=True, **asked))
+    assert len(entries(streamed)) == streamed[-1].eval_count
+    with pytest.raises(ollama.ResponseError) as caught:
+        llama.generate(model="tiny", prompt="Hi", logprobs=True, top_logprobs=21)
+    assert caught.value.status_code == 400
+
+
 # ---- many streams at once ---------------------------------------------------------------------
 def test_many_concurrent_streams_all_complete(server, rt):
     count, tokens = 200, 6

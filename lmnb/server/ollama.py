@@ -21,12 +21,18 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from lmnb.runtime.chat import strip_added_bos
 from lmnb.runtime.config import ModelConfig
 from lmnb.server.errors import APIError
 from lmnb.server.messages import chat_messages
+from lmnb.server.stream_logprobs import (
+    RUNNING_LOGPROBS,
+    StreamedLogprobs,
+    TokenPieces,
+    chat_logprobs,
+)
 from lmnb.server.streams import (
     ServedRuntime,
     chunks,
@@ -70,6 +76,8 @@ class _OllamaRequest(BaseModel):
     format: str | dict[str, Any] | None = None
     keep_alive: float | str | None = None  # seconds, or a Go duration ("5m"); < 0: forever
     think: bool | Literal["high", "medium", "low", "max"] | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
 
 
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
@@ -219,10 +227,36 @@ class _Clock:
                 "eval_count": meta.get("completion_tokens", 0), "eval_duration": output}
 
 
+class _Logprobs:
+    """Ollama's `logprobs` of one reply, an object at a time: each object carries those of its
+    tokens not given out yet (OpenAI's chat entries); nothing when none were asked for."""
+
+    def __init__(self, body: _OllamaRequest, tokens: TokenPieces) -> None:
+        self.streamed = StreamedLogprobs() if body.logprobs else None
+        self.tokens = tokens
+
+    @staticmethod
+    def kwargs(body: _OllamaRequest) -> dict[str, Any]:
+        """`generate`'s logprob arguments (a stream's running chunks carry their tokens')."""
+        if not body.logprobs:
+            return {}
+        return {"return_logprob": True, "top_logprobs_num": body.top_logprobs,
+                **(RUNNING_LOGPROBS if body.stream else {})}
+
+    def new(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """`{"logprobs": [...]}` of the tokens `meta` brings that were not given out yet."""
+        if self.streamed is None:
+            return {}
+        self.streamed.add(0, meta)
+        new = self.streamed.take(0)
+        return {} if new is None else {"logprobs": chat_logprobs(new, self.tokens)["content"]}
+
+
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
 
     names = (model_name, f"{model_name}:latest")  # Ollama's tag defaults to latest
+    tokens = TokenPieces(runtime.tokenizer)
 
     def served(name: str | None) -> str:
         """The model a request names (the served one if it names none); any other is a 404,
@@ -239,7 +273,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         clock = _Clock()
         params = _params(body)
         params.setdefault("max_new_tokens", None)  # up to the context length
-        stream = await open_stream(runtime, prompt, params)
+        stream = await open_stream(runtime, prompt, params, **_Logprobs.kwargs(body))
+        logprobs = _Logprobs(body, tokens)
         model = body.model or model_name
 
         def piece(text: str) -> dict[str, Any]:
@@ -252,9 +287,23 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 return {}
             return {"context": await asyncio.to_thread(runtime.encode, prompt + text)}
 
+        async def lines() -> AsyncIterator[str]:
+            texts: list[str] = []
+            async for chunk in chunks(stream):
+                clock.output()
+                meta = chunk["meta_info"]
+                texts.append(chunk["text"])
+                line = {"model": model, "created_at": _now(), **piece(chunk["text"]),
+                        **logprobs.new(meta)}
+                if meta.get("finish_reason") is not None:
+                    line.update(clock.final(meta))
+                    line.update(await ending("".join(texts)))
+                else:
+                    line["done"] = False
+                yield _line(line)
+
         if body.stream:
-            return StreamingResponse(guarded(_lines(stream, model, piece, clock, ending),
-                                             _error_line),
+            return StreamingResponse(guarded(lines(), _error_line),
                                      media_type="application/x-ndjson")
         texts: list[str] = []
         meta: dict[str, Any] = {}
@@ -264,8 +313,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 texts.append(chunk["text"])
                 meta = chunk["meta_info"]
         text = "".join(texts)
-        return {"model": model, "created_at": _now(), **piece(text), **clock.final(meta),
-                **await ending(text)}
+        return {"model": model, "created_at": _now(), **piece(text), **logprobs.new(meta),
+                **clock.final(meta), **await ending(text)}
 
     async def run_tools(request: Request, body: ChatRequest, prompt: str,
                         plan: ToolPlan) -> Any:
@@ -274,11 +323,12 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         if "json_schema" in params:
             raise APIError("format cannot be combined with tools", param="format")
         params.setdefault("max_new_tokens", None)  # up to the context length
-        tool_run = ToolRun(runtime, plan, prompt, params)
+        tool_run = ToolRun(runtime, plan, prompt, params, **_Logprobs.kwargs(body))
+        logprobs = _Logprobs(body, tokens)
         model = body.model or model_name
         if body.stream:
             await tool_run.start()  # a refused request is a 400 before the stream starts
-            return StreamingResponse(guarded(_tool_lines(tool_run, model, clock),
+            return StreamingResponse(guarded(_tool_lines(tool_run, model, clock, logprobs),
                                              _error_line),
                                      media_type="application/x-ndjson")
         async with closed_on_disconnect(request, tool_run):
@@ -287,7 +337,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         if calls := _tool_calls(result.calls):
             message["tool_calls"] = calls
         return {"model": model, "created_at": _now(), "message": message,
-                **clock.final(result.meta)}
+                **logprobs.new(result.meta), **clock.final(result.meta)}
 
     def loaded(body: _OllamaRequest, piece: dict[str, Any]) -> dict[str, Any]:
         """Ollama's answer to a request without a prompt: the model is loaded (it always is),
@@ -464,45 +514,30 @@ def _error_line(error: Exception) -> str:
     return _line({"error": str(error)})
 
 
-async def _lines(stream: Any, model: str, piece: Any, clock: _Clock,
-                 ending: Callable[[str], Awaitable[dict[str, Any]]]) -> AsyncIterator[str]:
-    """The stream's objects; the last one adds `ending(the whole text)`."""
-    texts: list[str] = []
-    async for chunk in chunks(stream):
-        clock.output()
-        meta = chunk["meta_info"]
-        texts.append(chunk["text"])
-        line = {"model": model, "created_at": _now(), **piece(chunk["text"])}
-        if meta.get("finish_reason") is not None:
-            line.update(clock.final(meta))
-            line.update(await ending("".join(texts)))
-        else:
-            line["done"] = False
-        yield _line(line)
-
-
 def _tool_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     """Ollama's `message.tool_calls` (arguments as an object) of the whole calls."""
     return [{"function": {"index": i, "name": c.name, "arguments": json.loads(c.arguments)}}
             for i, c in enumerate(c for c in calls if c.complete)]
 
 
-async def _tool_lines(run: ToolRun, model: str, clock: _Clock) -> AsyncIterator[str]:
+async def _tool_lines(run: ToolRun, model: str, clock: _Clock,
+                      logprobs: _Logprobs) -> AsyncIterator[str]:
     """Content as it comes; the calls, each whole, in one line when the reply ends (as Ollama
     streams them); then the last line."""
     calls = CallStream(run.plan.format)
 
-    def line(message: dict[str, Any], **rest: Any) -> str:
+    def line(message: dict[str, Any], meta: dict[str, Any], **rest: Any) -> str:
         return _line({"model": model, "created_at": _now(),
-                      "message": {"role": "assistant", **message}, **rest})
+                      "message": {"role": "assistant", **message}, **logprobs.new(meta),
+                      **rest})
 
     async with aclosing(run.pieces()) as pieces:
         async for piece in pieces:
             clock.output()
             calls.feed(piece.calls)
             if piece.text:
-                yield line({"content": piece.text}, done=False)
+                yield line({"content": piece.text}, piece.meta, done=False)
             if piece.done:
                 if whole := _tool_calls(calls.calls):
-                    yield line({"content": "", "tool_calls": whole}, done=False)
-                yield line({"content": ""}, **clock.final(piece.meta))
+                    yield line({"content": "", "tool_calls": whole}, piece.meta, done=False)
+                yield line({"content": ""}, piece.meta, **clock.final(piece.meta))

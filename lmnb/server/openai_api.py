@@ -14,12 +14,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from lmnb.runtime.fsm.token_bytes import token_byte_table
-from lmnb.runtime.output.logprob_text import TokenTexts
 from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
 from lmnb.server.messages import openai_roles
-from lmnb.server.stream_logprobs import RUNNING_LOGPROBS, StreamedLogprobs
+from lmnb.server.stream_logprobs import (
+    RUNNING_LOGPROBS,
+    StreamedLogprobs,
+    TokenPieces,
+    chat_logprobs,
+)
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
@@ -173,45 +176,6 @@ def _usage(results: list[Chunk], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-class TokenPieces:
-    """Token id -> OpenAI's `token` (its text, decoded alone) and `bytes` (the vocabulary
-    entry's raw bytes: the byte-level tokens that spell one character each decode alone to
-    U+FFFD, but their bytes concatenated are the character). A special token, or a vocabulary
-    whose byte scheme is unknown, gives its text's UTF-8."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.text = TokenTexts(tokenizer)
-        self._tokenizer = tokenizer
-        self._table: list[bytes | None] | None = None
-
-    def raw(self, token_id: int) -> bytes:
-        if self._table is None:
-            try:
-                self._table = token_byte_table(self._tokenizer)
-            except ValueError:  # neither byte-level BPE nor SentencePiece with byte fallback
-                self._table = []
-        data = self._table[token_id] if 0 <= token_id < len(self._table) else None
-        return self.text(token_id).encode() if data is None else data
-
-
-def _chat_logprobs(meta: dict[str, Any], tokens: TokenPieces) -> dict[str, Any]:
-    """`{"content": [{token, logprob, bytes, top_logprobs}]}` from SGLang-style meta_info lists
-    (a token forced by jump-forward has no logprob: reported as 0.0, probability 1 under the
-    constraint)."""
-
-    def entry(logprob: float | None, token_id: int) -> dict[str, Any]:
-        return {"token": tokens.text(token_id), "logprob": 0.0 if logprob is None else logprob,
-                "bytes": list(tokens.raw(token_id))}
-
-    tops = meta.get("output_top_logprobs") or []
-    content = []
-    for i, (logprob, token_id) in enumerate(meta.get("output_token_logprobs") or []):
-        item = entry(logprob, token_id)
-        item["top_logprobs"] = [entry(lp, tid) for lp, tid in (tops[i] if i < len(tops) else [])]
-        content.append(item)
-    return {"content": content}
-
-
 def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces, echo: bool = False,
                          offset: int = 0) -> dict[str, Any]:
     """OpenAI's legacy logprobs of the output tokens, the first at text `offset`; with `echo`,
@@ -338,7 +302,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                                               body.logprobs, tokens))
         results = await collect(request, stream)
         choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
-                    "logprobs": (_chat_logprobs(r["meta_info"], tokens)
+                    "logprobs": (chat_logprobs(r["meta_info"], tokens)
                                  if body.logprobs else None),
                     "finish_reason": finish_type(r["meta_info"])}
                    for i, r in enumerate(results)]
@@ -367,7 +331,7 @@ def _tool_choice_body(index: int, result: ChoiceResult, logprobs: bool,
     if calls:
         message["tool_calls"] = calls
     return {"index": index, "message": message,
-            "logprobs": _chat_logprobs(result.meta, tokens) if logprobs else None,
+            "logprobs": chat_logprobs(result.meta, tokens) if logprobs else None,
             "finish_reason": _tool_finish(result.meta, len(calls))}
 
 
@@ -435,11 +399,11 @@ async def _completion_events(stream: Any, head: dict[str, Any], n: int, options:
     yield sse("[DONE]")
 
 
-def _new_chat_logprobs(streamed: StreamedLogprobs | None, index: int,
+def _newchat_logprobs(streamed: StreamedLogprobs | None, index: int,
                        tokens: TokenPieces) -> dict[str, Any] | None:
     """A chat chunk's `logprobs`: those of choice `index`'s tokens not given out yet."""
     new = streamed.take(index) if streamed is not None else None
-    return None if new is None else _chat_logprobs(new, tokens)
+    return None if new is None else chat_logprobs(new, tokens)
 
 
 async def _chat_events(stream: Any, head: dict[str, Any], n: int, options: StreamOptions,
@@ -464,13 +428,13 @@ async def _chat_events(stream: Any, head: dict[str, Any], n: int, options: Strea
         if chunk["text"]:
             yield options.chunk(head, {
                 "index": index, "delta": {"content": chunk["text"]},
-                "logprobs": _new_chat_logprobs(streamed, index, tokens),
+                "logprobs": _newchat_logprobs(streamed, index, tokens),
                 "finish_reason": None}, meta)
         if done:
             finals[index] = chunk
             yield options.chunk(head, {
                 "index": index, "delta": {},
-                "logprobs": _new_chat_logprobs(streamed, index, tokens),
+                "logprobs": _newchat_logprobs(streamed, index, tokens),
                 "finish_reason": finish_type(meta)}, meta)
     if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
@@ -489,7 +453,7 @@ async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, options:
 
     def delta(index: int, body: dict[str, Any], meta: dict[str, Any],
               finish: str | None = None) -> str:
-        new = None if "role" in body else _new_chat_logprobs(streamed, index, tokens)
+        new = None if "role" in body else _newchat_logprobs(streamed, index, tokens)
         return options.chunk(head, {"index": index, "delta": body, "finish_reason": finish,
                                     "logprobs": new}, meta)
 

@@ -1,11 +1,16 @@
 """The output logprobs of streamed choices a chunk at a time: OpenAI's chunks carry those of
-their own new tokens (as vLLM's and SGLang's do), not all of them in a choice's last chunk."""
+their own new tokens (as vLLM's and SGLang's do), not all of them in a choice's last chunk.
+`chat_logprobs`: OpenAI's chat entries `{token, logprob, bytes, top_logprobs}`, which Ollama's
+`logprobs` share."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
+
+from lmnb.runtime.fsm.token_bytes import token_byte_table
+from lmnb.runtime.output.logprob_text import TokenTexts
 
 Meta = dict[str, Any]
 
@@ -45,3 +50,42 @@ class StreamedLogprobs:
             return None
         self._sent[index] = len(pairs)
         return {"output_token_logprobs": pairs[sent:], "output_top_logprobs": tops[sent:]}
+
+
+class TokenPieces:
+    """Token id -> OpenAI's `token` (its text, decoded alone) and `bytes` (the vocabulary
+    entry's raw bytes: the byte-level tokens that spell one character each decode alone to
+    U+FFFD, but their bytes concatenated are the character). A special token, or a vocabulary
+    whose byte scheme is unknown, gives its text's UTF-8."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.text = TokenTexts(tokenizer)
+        self._tokenizer = tokenizer
+        self._table: list[bytes | None] | None = None
+
+    def raw(self, token_id: int) -> bytes:
+        if self._table is None:
+            try:
+                self._table = token_byte_table(self._tokenizer)
+            except ValueError:  # neither byte-level BPE nor SentencePiece with byte fallback
+                self._table = []
+        data = self._table[token_id] if 0 <= token_id < len(self._table) else None
+        return self.text(token_id).encode() if data is None else data
+
+
+def chat_logprobs(meta: dict[str, Any], tokens: TokenPieces) -> dict[str, Any]:
+    """`{"content": [{token, logprob, bytes, top_logprobs}]}` from SGLang-style meta_info lists
+    (a token forced by jump-forward has no logprob: reported as 0.0, probability 1 under the
+    constraint)."""
+
+    def entry(logprob: float | None, token_id: int) -> dict[str, Any]:
+        return {"token": tokens.text(token_id), "logprob": 0.0 if logprob is None else logprob,
+                "bytes": list(tokens.raw(token_id))}
+
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for i, (logprob, token_id) in enumerate(meta.get("output_token_logprobs") or []):
+        item = entry(logprob, token_id)
+        item["top_logprobs"] = [entry(lp, tid) for lp, tid in (tops[i] if i < len(tops) else [])]
+        content.append(item)
+    return {"content": content}
