@@ -102,7 +102,7 @@ class GenerateRequest(_OllamaRequest):
     raw: bool = False
     images: list[str] | None = None
     context: list[NonNegativeInt] | None = None  # a previous response's: before the prompt
-    template: str | None = None  # a Go template (lmnb uses the model's chat template)
+    template: str | None = None  # a Go template: refused (lmnb cannot run them)
     suffix: str | None = None  # fill-in-the-middle: the text after the response
 
 
