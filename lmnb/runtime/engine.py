@@ -39,6 +39,7 @@ from lmnb.runtime.prompts import (
 from lmnb.runtime.request_checks import TokenIdsInput
 from lmnb.runtime.scheduler import ReqState
 from lmnb.runtime.scheduler.held import HeldSubmissions
+from lmnb.runtime.scheduler.profiler import ProfileOptions
 
 _PIN_ATTEMPTS = 3
 
@@ -94,6 +95,9 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        profiler = self._scheduler.scheduler.profiler
+        if profiler.active and self._scheduler.fatal_error is None:
+            self._scheduler.call(profiler.stop)  # its trace written, torch's profiler freed
         self._scheduler.stop()
         self._outputs.close()
         if (speculator := self._scheduler.scheduler.speculator) is not None:
@@ -194,6 +198,26 @@ class Runtime:
             return True
 
         return self._scheduler.call(flush)
+
+    def start_profile(self, output_dir: str | None = None, *, num_steps: int | None = None,
+                      activities: Sequence[str] | None = None, with_stack: bool | None = None,
+                      record_shapes: bool | None = None) -> Path:
+        """SGLang's `Engine.start_profile`: a torch profiler over the forward passes from now
+        until `stop_profile` (or `num_steps` passes). Returns the directory the Chrome trace goes
+        to (`output_dir`, default a new temporary one). Defaults are `ProfileOptions`'; one
+        profile at a time (InvalidRequestError)."""
+        self._check_open()
+        options = ProfileOptions(output_dir=output_dir, num_steps=num_steps,
+                                 activities=None if activities is None else tuple(activities),
+                                 with_stack=with_stack, record_shapes=record_shapes)
+        profiler = self._scheduler.scheduler.profiler
+        return self._scheduler.call(lambda: profiler.start(options, device=self.device))
+
+    def stop_profile(self) -> Path:
+        """Stops the profile `start_profile` began and writes its trace; returns the trace's
+        path. InvalidRequestError when none runs (never started, or `num_steps` ended it)."""
+        self._check_open()
+        return self._scheduler.call(self._scheduler.scheduler.profiler.stop)
 
     def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
         """The radix tree as plain data (node id, parent, token count, text preview, lock_ref,

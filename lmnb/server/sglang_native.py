@@ -1,6 +1,7 @@
 """SGLang's native API over the runtime, field for field: `/generate`, `/abort_request`,
 `/model_info`, `/server_info` (and their older names `/get_model_info`, `/get_server_info`; SGLang
-0.5's frontend reads `/server_info`), `/flush_cache`, `/health`, `/health_generate`.
+0.5's frontend reads `/server_info`), `/flush_cache`, `/start_profile`, `/stop_profile`,
+`/health`, `/health_generate`.
 
 `/generate` streams like SGLang's default: every event carries the text and ids so far
 (cumulative), `meta_info` with the counts so far, `index` for batch requests, then
@@ -21,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
@@ -75,6 +77,40 @@ class GenerateRequest(BaseModel):
         params = self.sampling_params
         per = params if isinstance(params, list) else [params] * self.prompts()
         return [int(p.get("n") or 1) if isinstance(p, dict) else 1 for p in per]
+
+
+class ProfileRequest(BaseModel):
+    """SGLang's `ProfileReqInput`; `start_step`, `profile_by_stage` and `merge_profiles` only
+    with their defaults."""
+
+    model_config = ConfigDict(extra="ignore")
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    start_step: int | None = None
+    profile_by_stage: bool = False
+    merge_profiles: bool = False
+
+    def check_implemented(self) -> None:
+        asked = [name for name, value in (("start_step", self.start_step is not None),
+                                          ("profile_by_stage", self.profile_by_stage),
+                                          ("merge_profiles", self.merge_profiles)) if value]
+        if asked:
+            raise APIError(f"{', '.join(asked)}: not implemented by lmnb's profiler",
+                           param=asked[0])
+
+
+@runtime_checkable
+class Profiled(Protocol):
+    """A runtime that traces its forward passes (`Runtime`; not a data-parallel one)."""
+
+    def start_profile(self, output_dir: str | None = None, *, num_steps: int | None = None,
+                      activities: Sequence[str] | None = None, with_stack: bool | None = None,
+                      record_shapes: bool | None = None) -> Path: ...
+
+    def stop_profile(self) -> Path: ...
 
 
 class AbortRequest(BaseModel):
@@ -186,6 +222,30 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running or waiting.\n",
                                  status_code=400)
+
+    def profiled() -> Profiled:
+        if not isinstance(runtime, Profiled):
+            raise APIError("profiling traces one runtime's passes; this server runs a "
+                           "data-parallel runtime")
+        return runtime
+
+    @router.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(body: ProfileRequest | None = None) -> Response:
+        """Traces the forward passes until `/stop_profile` or `num_steps` passes; the answer
+        names the trace's directory. A profile already running is a 400."""
+        body = body or ProfileRequest()
+        body.check_implemented()
+        directory = await asyncio.to_thread(
+            profiled().start_profile, body.output_dir, num_steps=body.num_steps,
+            activities=body.activities, with_stack=body.with_stack,
+            record_shapes=body.record_shapes)
+        return PlainTextResponse(f"Start profiling. Traces will be saved to: {directory}\n")
+
+    @router.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        """Writes the trace; a 400 when no profile runs (SGLang: a 500 with the same words)."""
+        trace = await asyncio.to_thread(profiled().stop_profile)
+        return PlainTextResponse(f"Stop profiling. Trace saved to: {trace}\n")
 
     @router.get("/health")
     async def health() -> Response:

@@ -58,6 +58,7 @@ from lmnb.runtime.scheduler.overlap import (
     may_follow_extend,
 )
 from lmnb.runtime.scheduler.prefill import PrefillManager, input_logprob_span, samples_after_fill
+from lmnb.runtime.scheduler.profiler import PassProfiler
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
 from lmnb.runtime.scheduler.stats import SchedulerStats, live_meta, request_meta
@@ -93,6 +94,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.media = MediaLog(vocab_size if vocab_size is not None else 1 << 31)
         self.batch_hook: Callable[[Batch], None] | None = None  # sees every batch that ran
+        self.profiler = PassProfiler()  # `/start_profile`: traces passes, counts them
         self._events: list[TokenEvent] = []
         # Requests a decode pass finished whose KV goes to the cache once their ends are sent
         # (`_complete`): a pass that ends hundreds of requests hands them their results first.
@@ -323,6 +325,7 @@ class Scheduler:
         self.stats.forward_passes += 1
         if self.batch_hook is not None:
             self.batch_hook(batch)
+        self.profiler.passed()
         try:
             self._process(batch, reqs, output)
         finally:  # a failure mid-pass (the loop then aborts the rest) still ends what ended
