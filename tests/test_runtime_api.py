@@ -110,6 +110,19 @@ def test_single_prompt_result(rt: Runtime) -> None:
     assert out["text"]
 
 
+def test_sglang_meta_info_fields(rt: Runtime, model_dir: Path) -> None:
+    """SGLang 0.5's meta_info names: weight_version (the server argument), total_retractions,
+    reasoning_tokens (0 without require_reasoning), output_token_logprobs_length."""
+    meta = rt.generate(PROMPTS[1], GREEDY, return_logprob=True)["meta_info"]
+    assert meta["weight_version"] == "default"
+    assert meta["total_retractions"] == meta["retractions"] == 0
+    assert meta["reasoning_tokens"] == 0
+    assert meta["output_token_logprobs_length"] == len(meta["output_token_logprobs"]) == 12
+    assert "output_token_logprobs_length" not in rt.generate(PROMPTS[1], GREEDY)["meta_info"]
+    with Runtime(model_dir, max_total_tokens=512, weight_version="step-7") as labelled:
+        assert labelled.generate(PROMPTS[1], GREEDY)["meta_info"]["weight_version"] == "step-7"
+
+
 def test_list_of_prompts_and_input_ids(rt: Runtime) -> None:
     singles = [rt.generate(p, GREEDY) for p in PROMPTS[:3]]
     batch = rt.generate(PROMPTS[:3], GREEDY)
@@ -717,6 +730,8 @@ def test_retraction_keeps_outputs(rt: Runtime, model_dir: Path, shared_prefix: b
         stats = idle(tight)
         assert stats["retractions"] > 0
         assert sum(o["meta_info"]["retractions"] for o in outs) == stats["retractions"]
+        assert all(o["meta_info"]["total_retractions"] == o["meta_info"]["retractions"]
+                   for o in outs)  # SGLang's name
         assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
                    for o in outs)
         assert [o["output_ids"] for o in outs] == alone

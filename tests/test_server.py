@@ -345,6 +345,9 @@ def test_bad_requests_are_400_and_runtime_stays_usable(http, client, rt):
     assert http.post("/generate", json={"text": "x", "sampling_params": {"nope": 1}}
                      ).status_code == 400
     assert http.post("/generate", json={"sampling_params": {}}).status_code == 400
+    reasoning = http.post("/generate", json={"text": "x", "require_reasoning": True})
+    assert reasoning.status_code == 400
+    assert reasoning.json()["error"]["param"] == "require_reasoning"
     out = client.completions.create(model="tiny", prompt="still alive", max_tokens=3)
     assert out.choices[0].text is not None
     wait_idle(rt)

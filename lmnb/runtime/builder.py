@@ -173,6 +173,7 @@ def build_serving(config: EngineConfig, model: ModelParts) -> ServingParts:
         overlap_schedule=(device.type == "cuda" if config.disable_overlap_schedule is None
                           else not config.disable_overlap_schedule),
         exact_length_admission=os.environ.get("LMNB_DISABLE_EXACT_ADMISSION") != "1",
+        weight_version=config.weight_version,
     ).conservative(config.schedule_conservativeness)
     allocator = KVAllocator(runner.max_total_tokens, device)
     cache: PrefixCache = (

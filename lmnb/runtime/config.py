@@ -94,6 +94,7 @@ class EngineConfig:
     # decode reads a prefix shared by a group of requests once per group (Triton backend)
     disable_shared_prefix_decode: bool = False
     random_seed: int | None = None
+    weight_version: str = "default"  # the weights' label, in `/model_info` and each meta_info
     tp_size: int = 1  # tensor-parallel ranks: this process and tp_size - 1 spawned workers
     dp_size: int = 1  # > 1: `Runtime` builds a DataParallelRuntime (replicas + router)
     check_integrity_each_step: bool = False  # KV slot accounting after every step (tests)

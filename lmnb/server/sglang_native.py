@@ -64,6 +64,7 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     return_token_origins: bool = False  # lmnb's: where each token came from (token_origins.py)
     rid: str | list[str] | None = None
+    require_reasoning: bool = False  # SGLang's: count reasoning_tokens; lmnb separates none
     image_data: Any = None  # per prompt one item or a list: path, data: URL or base64
     video_data: Any = None
 
@@ -158,6 +159,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             raise APIError("give exactly one of text or input_ids", param="text")
         batch = isinstance(body.text, list) or bool(
             body.input_ids and isinstance(body.input_ids[0], list))
+        if body.require_reasoning:
+            raise APIError("require_reasoning: lmnb does not separate reasoning (meta_info "
+                           "reasoning_tokens is 0)", param="require_reasoning")
         if isinstance(body.rid, list) and len(body.rid) != body.prompts():
             raise APIError(f"rid has {len(body.rid)} ids for {body.prompts()} prompts",
                            param="rid")
@@ -199,7 +203,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         config = runtime.model_config
         return {"model_path": str(runtime.model_dir), "tokenizer_path": str(runtime.model_dir),
                 "served_model_name": model_name, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": "default",
+                "preferred_sampling_params": None,
+                "weight_version": runtime.engine_config.weight_version,
                 "has_image_understanding": config.image_token_id is not None,
                 **media_tokens(runtime),
                 "has_audio_understanding": False, "model_type": config.model_type,

@@ -31,6 +31,7 @@ class SchedulerConfig:
     # requests that only the length limit ends admitted by their exact peak (kv_peak.py); off
     # (ablation, LMNB_DISABLE_EXACT_ADMISSION=1): by the reserve, as requests that may stop early
     exact_length_admission: bool = True
+    weight_version: str = "default"  # reported in each request's meta_info (SGLang's)
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:

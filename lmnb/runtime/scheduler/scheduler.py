@@ -700,7 +700,8 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.finished(req, keep=cache_kv)
         self.table.remove(req)
-        self._events.append(TokenEvent(req.rid, new_ids or [], reason, request_meta(state)))
+        meta = request_meta(state, weight_version=self.config.weight_version)
+        self._events.append(TokenEvent(req.rid, new_ids or [], reason, meta))
 
     def _hand_ended_kv_to_cache(self) -> None:
         while self._ended_kv:  # one at a time: a failure leaves the rest to `abort_all`

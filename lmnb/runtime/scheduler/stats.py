@@ -38,17 +38,23 @@ class SchedulerStats:
         return counters
 
 
-def request_meta(state: ReqState) -> dict[str, Any]:
-    """SGLang-style meta_info of a finished request."""
+def request_meta(state: ReqState, *, weight_version: str) -> dict[str, Any]:
+    """SGLang-style meta_info of a finished request. `total_retractions` is SGLang's name for
+    `retractions` (kept: lmnb's readers use it); `reasoning_tokens` is 0, as SGLang's for a
+    request without `require_reasoning` (lmnb takes none); `output_token_logprobs_length` comes
+    with the logprobs."""
     req = state.req
     meta: dict[str, Any] = {
         "id": str(req.rid),
         "prompt_tokens": len(req.origin_input_ids),
         "completion_tokens": len(req.output_ids),
+        "reasoning_tokens": 0,
         "cached_tokens": req.cached_tokens,
         "finish_reason": req.finished_reason,
+        "weight_version": weight_version,
         "forward_passes": req.forward_passes,
         "retractions": req.retractions,
+        "total_retractions": req.retractions,
         "e2e_latency": time.perf_counter() - state.created_at,
     }
     if state.first_token_at:
@@ -67,6 +73,7 @@ def request_meta(state: ReqState) -> dict[str, Any]:
         logprobs = state.logprobs
         meta["input_token_logprobs"] = list(logprobs.input_token)
         meta["output_token_logprobs"] = list(logprobs.output_token)
+        meta["output_token_logprobs_length"] = len(logprobs.output_token)
         if req.top_logprobs_num:
             meta["input_top_logprobs"] = list(logprobs.input_top)
             meta["output_top_logprobs"] = list(logprobs.output_top)
