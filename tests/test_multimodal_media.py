@@ -55,7 +55,7 @@ def test_image_sources_give_the_same_pixels_and_hash(tmp_path, astronaut):
     data = png_bytes(astronaut)
     url = "data:image/png;base64," + base64.b64encode(data).decode()
     sources = [str(path), path, f"file://{path}", Image.fromarray(astronaut), astronaut, data,
-               bytearray(data), url]
+               bytearray(data), url, base64.b64encode(data).decode()]  # and bare base64
     images = [load_image(source) for source in sources]
     for image in images:
         assert image.mode == "RGB" and image.size == (512, 512)
@@ -91,6 +91,9 @@ def test_hash_tells_pixels_apart(astronaut):
 
 @pytest.mark.parametrize("source, message", [
     ("/no/such/image.png", "not found"),
+    ("/no/such/image", "no file .*, no data: URL and not base64"),
+    ("aGVsbG8", "not base64"),  # unpadded
+    ("aGVsbG8=", "cannot decode"),  # base64, but not of an image
     ("http://example.com/a.png", "URLs are not fetched"),
     ("HTTPS://example.com/a.png", "URLs are not fetched"),
     (b"not an image at all", "cannot decode"),

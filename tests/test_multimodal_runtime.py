@@ -4,6 +4,7 @@ in the radix cache, chunked prefill across a span, and bad media leaving the run
 
 from __future__ import annotations
 
+import base64
 import io
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from PIL import Image
 
 from lmnb.multimodal.hashing import image_hash
 from lmnb.multimodal.items import pad_token_id
-from lmnb.multimodal.media import sample_video_path
+from lmnb.multimodal.media import MediaError, sample_video_path
 from lmnb.params import InvalidRequestError
 from lmnb.runtime import Runtime
 from tests.llava_fixtures import (
@@ -108,6 +109,23 @@ def test_one_image_matches_hf(variant, tiny_llavas, runtimes, images):
     out = rt.generate(PROMPT, GREEDY, image_data=images["chelsea"])
     assert out["output_ids"] == expected
     assert out["meta_info"]["prompt_tokens"] == inputs["input_ids"].shape[1]
+    assert_integrity(rt)
+
+
+def test_base64_image_is_the_file(tmp_path, runtimes, images):
+    """A bare base64 string is read as SGLang's engine reads it, not as a file name."""
+    rt = runtimes("llava-1.5")
+    path = tmp_path / "coffee.png"
+    images["coffee"].save(path)
+    encoded = base64.b64encode(path.read_bytes()).decode()
+    assert rt.flush_cache()
+    from_file = rt.generate(PROMPT, GREEDY, image_data=str(path))
+    assert rt.flush_cache()  # the base64 image is computed afresh, not found cached
+    from_base64 = rt.generate(PROMPT, GREEDY, image_data=encoded)
+    assert from_base64["output_ids"] == from_file["output_ids"]
+    assert from_base64["meta_info"]["cached_tokens"] == 0
+    with pytest.raises(MediaError, match="not base64"):
+        rt.generate(PROMPT, GREEDY, image_data=str(tmp_path / "missing"))
     assert_integrity(rt)
 
 

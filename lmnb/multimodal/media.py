@@ -1,9 +1,12 @@
 """Loading images and videos from what a user has at hand, never from the network.
 
 An image source is a path (`str` or `os.PathLike`), a `PIL.Image.Image`, a numpy array (HWC or
-HW, uint8), encoded bytes, or a `data:` URL (base64). A video source is a path, encoded bytes, a
-`data:` URL, or an already decoded uint8 array of frames [F, H, W, 3]. Videos are decoded with
-`decord` (the `video` extra), sampling `num_frames` frames uniformly over the whole clip.
+HW, uint8), encoded bytes, a `data:` URL or bare base64. A video source is a path, encoded bytes, a
+`data:` URL, bare base64, or an already decoded uint8 array of frames [F, H, W, 3]. A string is
+read as SGLang's loaders read it: an http(s) URL (refused here), a `data:` URL, an existing file
+or a name ending in an image suffix (png, jpg, jpeg, webp, gif: a path), else base64. Videos are
+decoded with `decord` (the `video` extra), sampling `num_frames` frames uniformly over the whole
+clip.
 
 Every failure is a `MediaError` (an `InvalidRequestError`): the request is refused, the runtime
 is untouched.
@@ -25,8 +28,10 @@ from lmnb.params import InvalidRequestError
 ImageSource = Any  # str | os.PathLike | bytes | PIL.Image.Image | np.ndarray
 VideoSource = Any  # str | os.PathLike | bytes | np.ndarray [F, H, W, 3]
 
-_SOURCE_HELP = "a path, a PIL.Image, a uint8 numpy array, bytes or a data: URL"
-_VIDEO_HELP = "a path, bytes, a data: URL or a uint8 array of frames [F, H, W, 3]"
+# names SGLang's `load_image` opens as files before it tries base64
+_IMAGE_SUFFIXES = ("png", "jpg", "jpeg", "webp", "gif")
+_SOURCE_HELP = "a path, a PIL.Image, a uint8 numpy array, bytes, a data: URL or base64"
+_VIDEO_HELP = "a path, bytes, a data: URL, base64 or a uint8 array of frames [F, H, W, 3]"
 
 
 class MediaError(InvalidRequestError):
@@ -39,7 +44,8 @@ def _describe(source: Any) -> str:
 
 
 def _read_source(source: Any, what: str) -> bytes | Path:
-    """Bytes (inline data) or an existing file's path, from a str / PathLike / bytes source."""
+    """Bytes (inline: bytes, a data: URL, bare base64) or an existing file's path, from a str /
+    PathLike / bytes source."""
     if isinstance(source, bytes | bytearray | memoryview):
         data = bytes(source)
         if not data:
@@ -56,12 +62,28 @@ def _read_source(source: Any, what: str) -> bytes | Path:
         return _decode_data_url(text, what)
     if lowered.startswith("file://"):
         text = text[len("file://"):]
+    elif (isinstance(source, str) and not text.lower().endswith(_IMAGE_SUFFIXES)
+          and not os.path.exists(os.path.expanduser(text))):
+        return _decode_bare_base64(text, what)
     path = Path(text).expanduser()
     if not path.exists():
         raise MediaError(f"{what} file not found: {text}")
     if not path.is_file():
         raise MediaError(f"{what} path is not a file: {text}")
     return path
+
+
+def _decode_bare_base64(text: str, what: str) -> bytes:
+    """A str that is no existing file, no URL and no image file name: SGLang's loaders read
+    it as base64 (strictly: only the base64 alphabet)."""
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        data = b""
+    if not data:
+        raise MediaError(f"the {what} is no file (not found: {_describe(text)}), no data: URL "
+                         "and not base64")
+    return data
 
 
 def _decode_data_url(url: str, what: str) -> bytes:

@@ -5,52 +5,24 @@ batch, a list of those or one item for every prompt), each a file path, a `data:
 base64 (lmnb also takes a video as `{"video": ..., "num_frames": n}`). OpenAI's chat API takes
 `image_url` content parts; only `data:` URLs are accepted there (nothing is fetched, and a
 client does not read server files).
-The runtime's media loader gives the errors (missing file, corrupt data, http URLs)."""
+The runtime's media loader reads the items (bare base64 too) and gives the errors (missing file,
+corrupt data, http URLs)."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import os
 from typing import Any
 
 from lmnb.server.errors import APIError
 from lmnb.server.messages import chat_messages, text_content
-
-_MAX_PATH = 4096
-
-
-def media_source(value: Any) -> Any:
-    """One SGLang media item as the runtime's loader takes it: bare base64 decoded to bytes;
-    paths, URLs and `data:` URLs kept; a video dict's `video` converted."""
-    if isinstance(value, dict) and "video" in value:
-        return {**value, "video": media_source(value["video"])}
-    if not isinstance(value, str):
-        return value
-    head = value[:8].lower()
-    if head.startswith(("data:", "http://", "https://", "file://")):
-        return value
-    if len(value) < _MAX_PATH and os.path.exists(value):
-        return value
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        return value  # not base64 either: the loader says the file is not found
-
-
-def _map(data: Any) -> Any:
-    if isinstance(data, list):
-        return [_map(item) for item in data]
-    return media_source(data)
 
 
 def media_kwargs(image_data: Any, video_data: Any) -> dict[str, Any]:
     """`image_data=` / `video_data=` for `Runtime.generate`, given only when set."""
     kwargs = {}
     if image_data is not None:
-        kwargs["image_data"] = _map(image_data)
+        kwargs["image_data"] = image_data
     if video_data is not None:
-        kwargs["video_data"] = _map(video_data)
+        kwargs["video_data"] = video_data
     return kwargs
 
 
