@@ -79,3 +79,12 @@ def test_num_steps_stops_by_itself(rt, tmp_path):
     assert trace_events(trace)
     with pytest.raises(ValueError, match="not in progress"):
         rt.stop_profile()
+
+
+def test_close_ends_a_running_profile_and_writes_its_trace(tiny_models, tmp_path):
+    runtime = Runtime(tiny_models["llama-gqa"], max_total_tokens=512)
+    runtime.start_profile(str(tmp_path))
+    runtime.generate("Hello", GREEDY)
+    runtime.close()
+    [trace] = tmp_path.glob("*.trace.json.gz")
+    assert trace_events(trace)
