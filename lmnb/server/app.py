@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -45,9 +44,8 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body.encode()})
 
 
-def default_model_name(runtime: Any) -> str:
-    model_dir = getattr(runtime, "model_dir", None)
-    return model_dir.name if model_dir is not None else "lmnb"
+def default_model_name(runtime: ServedRuntime) -> str:
+    return runtime.model_dir.name
 
 
 def create_app(runtime: ServedRuntime, *, api_key: str | None = None,

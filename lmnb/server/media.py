@@ -14,6 +14,7 @@ from typing import Any
 
 from lmnb.server.errors import APIError
 from lmnb.server.messages import chat_messages, text_content
+from lmnb.server.streams import ServedRuntime
 
 
 def media_kwargs(image_data: Any, video_data: Any) -> dict[str, Any]:
@@ -75,12 +76,8 @@ def chat_media(messages: list[dict[str, Any]], *,
     return out, images
 
 
-def media_tokens(runtime: Any) -> dict[str, str]:
+def media_tokens(runtime: ServedRuntime) -> dict[str, str]:
     """lmnb's additions to `/get_model_info`: `image_token` / `video_token`, the text of the
     model's media tokens (what a client writes where an image or video goes)."""
-    tokens = {}
-    for kind in ("image", "video"):
-        token = getattr(runtime, f"{kind}_token", None)
-        if token is not None:
-            tokens[f"{kind}_token"] = token
-    return tokens
+    tokens = {"image_token": runtime.image_token, "video_token": runtime.video_token}
+    return {key: token for key, token in tokens.items() if token is not None}
