@@ -15,7 +15,10 @@ cropped back to the image's aspect ratio ("unpadded"), with an `image_newline` a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmnb.runtime.config import ModelConfig, MultimodalConfig
 
 
 def select_best_resolution(image_size: tuple[int, int],
@@ -65,12 +68,12 @@ def unpadded_window(image_size: tuple[int, int], grid_size: tuple[int, int]
     return 0, rows, pad, cols - pad
 
 
-def _features_per_tile(mm: Any) -> int:
+def _features_per_tile(mm: MultimodalConfig) -> int:
     grid = mm.vision.grid
     return grid * grid + (1 if mm.select_strategy == "full" else 0)
 
 
-def num_image_tokens(mm: Any, image_size: tuple[int, int] | None = None) -> int:
+def num_image_tokens(mm: MultimodalConfig, image_size: tuple[int, int] | None = None) -> int:
     """Prompt tokens of one image for a `MultimodalConfig`; `image_size` (height, width) of the
     original image is needed for anyres (LLaVA-NeXT) models."""
     if not mm.anyres:
@@ -87,13 +90,13 @@ def num_image_tokens(mm: Any, image_size: tuple[int, int] | None = None) -> int:
     return grid * grid + rows * (cols + 1)  # base tile + unpadded grid with a newline per row
 
 
-def pooled_grid(mm: Any) -> int:
+def pooled_grid(mm: MultimodalConfig) -> int:
     """Side of one video frame's feature grid after LLaVA-NeXT-Video's spatial pooling."""
     stride = mm.spatial_pool_stride
     return (mm.vision.grid - stride) // stride + 1  # kernel = stride, no padding
 
 
-def num_video_tokens(mm: Any, num_frames: int) -> int:
+def num_video_tokens(mm: MultimodalConfig, num_frames: int) -> int:
     """Prompt tokens of a video of `num_frames` frames (LLaVA-NeXT-Video: pooled frames).
 
     HF's processor counts `grid*grid // 4 * frames`; that equals this (the model's count) for
@@ -108,15 +111,15 @@ def num_video_tokens(mm: Any, num_frames: int) -> int:
     return num_frames * side * side
 
 
-def num_media_tokens(config: Any, kind: str, *, image_size: tuple[int, int] | None = None,
+def num_media_tokens(config: ModelConfig, kind: str, *, image_size: tuple[int, int] | None = None,
                      num_frames: int | None = None) -> int:
     """Prompt tokens an image (`kind='image'`, `image_size` = original (height, width), needed
     for anyres) or a video (`kind='video'`, `num_frames`) takes in a model of `config` (a
     `ModelConfig` whose `multimodal` is set): exactly the rows `embed_media` returns, and what
     HF's processors expand `<image>`/`<video>` into."""
-    mm = getattr(config, "multimodal", None)
+    mm = config.multimodal
     if mm is None:
-        raise ValueError(f"{getattr(config, 'architecture', None)!r} is not a multimodal model")
+        raise ValueError(f"{config.architecture!r} is not a multimodal model")
     if kind == "image":
         return num_image_tokens(mm, image_size)
     if kind == "video":

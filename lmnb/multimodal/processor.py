@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.multimodal.anyres import num_media_tokens
 from lmnb.multimodal.hashing import image_hash, video_hash
@@ -33,6 +33,9 @@ from lmnb.multimodal.media import (
     load_video,
     thumbnail_png,
 )
+
+if TYPE_CHECKING:
+    from lmnb.runtime.config import ModelConfig
 
 DEFAULT_NUM_FRAMES = 8
 RECENT_ITEMS = 32  # preprocessed media kept by hash: a repeated picture skips preprocessing
@@ -58,10 +61,11 @@ class MediaProcessor:
         self._lock = threading.Lock()  # `image`/`video` run on the callers' threads
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, model_config: Any) -> MediaProcessor | None:
+    def from_model_dir(cls, model_dir: str | Path,
+                       model_config: ModelConfig) -> MediaProcessor | None:
         """The processor of a multimodal model folder (`model_config`: its `ModelConfig`, whose
         `multimodal` describes the vision side); None for a text model."""
-        mm = getattr(model_config, "multimodal", None)
+        mm = model_config.multimodal
         if mm is None:
             return None
         from functools import partial
