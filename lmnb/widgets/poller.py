@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from lmnb.widgets.saved_text import SavedText
+
 _log = logging.getLogger(__name__)
 
 
@@ -72,9 +74,8 @@ class PollingWidget:
             self._poller.stop()
         if self.status == "live":
             self.status = status
-        update_saved_text = getattr(self, "update_saved_text", None)
-        if update_saved_text is not None:
-            update_saved_text()
+        if isinstance(self, SavedText):
+            self.update_saved_text()
 
     def close(self) -> None:
         """Stops polling and lets go of the runtime."""
