@@ -482,6 +482,7 @@ class TracingState(StateWriter):
         self._recorder = recorder
         self._state = state
         self.ret_value: Any = None
+        self._copy_of: TracingState | None = None  # set by `copy()`: joined back into it on exit
 
     @property
     def state_id(self) -> int:
@@ -559,7 +560,7 @@ class TracingState(StateWriter):
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        parent = getattr(self, "_copy_of", None)
+        parent = self._copy_of
         if parent is not None and exc_info[0] is None:
             parent.join([self])
 
