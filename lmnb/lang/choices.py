@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from lmnb.lang.program_error import ProgramError, runtime_abort_message
 
@@ -61,8 +61,13 @@ class ChoiceScorer(Protocol):
         start-of-text token when it puts nothing there."""
         ...
 
-    # Optional: `token_text(token_id) -> str`, the text of one token, for the meta_info's
-    # SGLang-style `(logprob, token_id, text)` triples (None where a scorer has no tokenizer).
+
+@runtime_checkable
+class TokenTextScorer(Protocol):
+    """A `ChoiceScorer`'s optional extra: the text of one token, for the meta_info's SGLang-style
+    `(logprob, token_id, text)` triples (None there where a scorer has no tokenizer)."""
+
+    def token_text(self, token_id: int) -> str: ...
 
 
 @dataclass
@@ -159,7 +164,7 @@ _METHODS: dict[str, Callable[[ChoiceScorer, _Spans, dict[str, Any]], int]] = {
 def _triples(scorer: ChoiceScorer, logprobs: list[list[Any]],
              token_ids: list[list[int]]) -> list[list[tuple[Any, int, str | None]]]:
     """Per choice, SGLang's `(logprob, token_id, text)` triples."""
-    token_text = getattr(scorer, "token_text", None)
+    token_text = scorer.token_text if isinstance(scorer, TokenTextScorer) else None
     return [[(logprob, token, None if token_text is None else token_text(token))
              for logprob, token in zip(row, ids, strict=True)]
             for row, ids in zip(logprobs, token_ids, strict=True)]
