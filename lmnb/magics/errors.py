@@ -95,9 +95,8 @@ class LMProgramError(Exception):
         if self.line is not None:
             code = self.line.lstrip()
             lines.append(f"    {code}")
-            offset = getattr(self.cause, "offset", None)
-            if isinstance(self.cause, SyntaxError) and offset:
-                column = offset - 1 - (len(self.line) - len(code))
+            if isinstance(self.cause, SyntaxError) and self.cause.offset:
+                column = self.cause.offset - 1 - (len(self.line) - len(code))
                 lines.append("    " + " " * max(column, 0) + "^")
         return [*lines, self.summary, *self.notes]
 
