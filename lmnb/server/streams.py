@@ -13,6 +13,8 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from lmnb.runtime.output import OutputStream
+from lmnb.runtime.prompts import PromptInput
+from lmnb.runtime.request_checks import SamplingInput
 from lmnb.runtime.surface import EngineSurface
 from lmnb.server.limits import check_prompt_size
 
@@ -22,8 +24,8 @@ Chunk = dict[str, Any]
 ServedRuntime = EngineSurface  # what the server uses of `lmnb.Runtime` (or a DP runtime)
 
 
-async def open_stream(runtime: ServedRuntime, prompt: Any = None, sampling_params: Any = None,
-                      **kwargs: Any) -> OutputStream:
+async def open_stream(runtime: ServedRuntime, prompt: PromptInput = None,
+                      sampling_params: SamplingInput = None, **kwargs: Any) -> OutputStream:
     """`runtime.generate(..., stream=True)` on a worker thread (tokenizing and building a grammar
     must not block the loop). Cancelled while it runs, the stream it returns is closed."""
     loop = asyncio.get_running_loop()
@@ -36,7 +38,7 @@ async def open_stream(runtime: ServedRuntime, prompt: Any = None, sampling_param
         raise
 
 
-def _generate(runtime: ServedRuntime, prompt: Any, sampling_params: Any,
+def _generate(runtime: ServedRuntime, prompt: PromptInput, sampling_params: SamplingInput,
               kwargs: dict[str, Any]) -> OutputStream:
     check_prompt_size(runtime, prompt, kwargs.get("input_ids"))  # before tokenizing it all
     return runtime.generate(prompt, sampling_params, stream=True, **kwargs)
