@@ -7,12 +7,12 @@ import asyncio
 import socket
 import threading
 import time
-from typing import Any
 
 import uvicorn
 
 from lmnb.server.app import create_app
 from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from lmnb.server.streams import ServedRuntime
 
 
 class ServerHandle:
@@ -20,13 +20,13 @@ class ServerHandle:
     it running."""
 
     def __init__(self, server: uvicorn.Server, sock: socket.socket, thread: threading.Thread,
-                 runtime: Any) -> None:
+                 runtime: ServedRuntime) -> None:
         self._server, self._socket, self._thread = server, sock, thread
         self.runtime = runtime
         self.host, self.port = sock.getsockname()[:2]
 
     @classmethod
-    def start(cls, runtime: Any, *, host: str = "127.0.0.1", port: int = 0,
+    def start(cls, runtime: ServedRuntime, *, host: str = "127.0.0.1", port: int = 0,
               api_key: str | None = None, served_model_name: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               log_level: str = "warning", startup_timeout: float = 30.0) -> ServerHandle:
@@ -103,7 +103,7 @@ def _run(server: uvicorn.Server, sock: socket.socket) -> None:
             loop.close()
 
 
-def serve(runtime: Any, *, host: str = "127.0.0.1", port: int = 8000,
+def serve(runtime: ServedRuntime, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None,
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, log_level: str = "info") -> None:
     """Serves `runtime` in the foreground until interrupted (`python -m lmnb serve`)."""
