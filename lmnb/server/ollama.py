@@ -267,7 +267,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         return name
 
     async def run(request: Request, body: _OllamaRequest, prompt: str, chat: bool,
-                  context: bool = False) -> Any:
+                  context: bool = False) -> StreamingResponse | dict[str, Any]:
         """Generates for `prompt`; with `context`, the last object carries the tokens of the
         prompt and the response (Ollama's `context`, tokenized as Ollama does: the texts)."""
         clock = _Clock()
@@ -317,7 +317,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 **clock.final(meta), **await ending(text)}
 
     async def run_tools(request: Request, body: ChatRequest, prompt: str,
-                        plan: ToolPlan) -> Any:
+                        plan: ToolPlan) -> StreamingResponse | dict[str, Any]:
         clock = _Clock()
         params = _params(body)
         if "json_schema" in params:
