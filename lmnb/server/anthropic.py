@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from lmnb.runtime.output import OutputStream
 from lmnb.server.errors import APIError
 from lmnb.server.limits import check_prompt_size
 from lmnb.server.media import chat_media
@@ -143,7 +144,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     return router
 
 
-async def _events(stream: Any, message: dict[str, Any], stops: list[str]) -> AsyncIterator[str]:
+async def _events(stream: OutputStream, message: dict[str, Any],
+                  stops: list[str]) -> AsyncIterator[str]:
     started = False
     output_tokens = 0
     async for chunk in chunks(stream):

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from lmnb.runtime.output import OutputStream
 from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
 from lmnb.server.messages import openai_roles
@@ -362,8 +363,8 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _completion_events(stream: Any, head: dict[str, Any], n: int, options: StreamOptions,
-                             logprobs: bool, tokens: TokenPieces,
+async def _completion_events(stream: OutputStream, head: dict[str, Any], n: int,
+                             options: StreamOptions, logprobs: bool, tokens: TokenPieces,
                              echoed: list[str] | None) -> AsyncIterator[str]:
     """A chunk per text delta of each choice (with `echo`, its prompt first) with the logprobs
     of its tokens (with `echo`, all in the last), the finish reason in its last."""
@@ -406,8 +407,9 @@ def _newchat_logprobs(streamed: StreamedLogprobs | None, index: int,
     return None if new is None else chat_logprobs(new, tokens)
 
 
-async def _chat_events(stream: Any, head: dict[str, Any], n: int, options: StreamOptions,
-                       logprobs: bool, tokens: TokenPieces) -> AsyncIterator[str]:
+async def _chat_events(stream: OutputStream, head: dict[str, Any], n: int,
+                       options: StreamOptions, logprobs: bool,
+                       tokens: TokenPieces) -> AsyncIterator[str]:
     """Per choice: a first delta with the role, content deltas with their tokens' logprobs,
     and a last chunk with the finish reason."""
     head = {**head, "object": "chat.completion.chunk"}
