@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import singledispatch
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import (
@@ -45,6 +45,9 @@ from lmnb.lang.ir import (
 )
 from lmnb.lang.reasoning import reasoning_name
 from lmnb.lang.state_writer import PROGRAM_CALLER, ProgramStateGroup, StateWriter
+
+if TYPE_CHECKING:
+    from lmnb.lang.backends.base import Backend
 
 Ref = Argument | Variable
 
@@ -447,7 +450,7 @@ def _(node: Expr, prefix: _Prefix) -> bool:
     return True
 
 
-def constant_prefix(program: Any, backend: Any) -> str:
+def constant_prefix(program: Any, backend: Backend) -> str:
     """The text every run of `program` starts with (its arguments symbolic), for caching before a
     batch; "" when the program cannot be traced or starts with something not constant."""
     try:  # what was recorded before a tracing failure is still a valid head
