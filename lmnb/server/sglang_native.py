@@ -293,7 +293,6 @@ async def _events(stream: OutputStream, batch: bool, token_text: TokenTexts | No
             texts[index] = texts.get(index, "") + chunk["text"]
             extend_output_ids(ids.setdefault(index, []), chunk)
             meta = {**sglang_meta(chunk["meta_info"], token_text), "id": rids[index]}
-            meta.setdefault("completion_tokens", len(ids[index]))
             metas[index] = meta
             if meta.get("finish_reason") is not None:
                 finished.add(index)
