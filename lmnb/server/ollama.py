@@ -31,7 +31,7 @@ from lmnb.server.stream_logprobs import (
     RUNNING_LOGPROBS,
     StreamedLogprobs,
     TokenPieces,
-    chat_logprobs,
+    new_chat_logprobs,
 )
 from lmnb.server.streams import (
     ServedRuntime,
@@ -248,8 +248,8 @@ class _Logprobs:
         if self.streamed is None:
             return {}
         self.streamed.add(0, meta)
-        new = self.streamed.take(0)
-        return {} if new is None else {"logprobs": chat_logprobs(new, self.tokens)["content"]}
+        entries = new_chat_logprobs(self.streamed, 0, self.tokens)
+        return {} if entries is None else {"logprobs": entries["content"]}
 
 
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:

@@ -23,6 +23,7 @@ from lmnb.server.stream_logprobs import (
     StreamedLogprobs,
     TokenPieces,
     chat_logprobs,
+    new_chat_logprobs,
 )
 from lmnb.server.streams import (
     Chunk,
@@ -400,13 +401,6 @@ async def _completion_events(stream: OutputStream, head: dict[str, Any], n: int,
     yield sse("[DONE]")
 
 
-def _newchat_logprobs(streamed: StreamedLogprobs | None, index: int,
-                       tokens: TokenPieces) -> dict[str, Any] | None:
-    """A chat chunk's `logprobs`: those of choice `index`'s tokens not given out yet."""
-    new = streamed.take(index) if streamed is not None else None
-    return None if new is None else chat_logprobs(new, tokens)
-
-
 async def _chat_events(stream: OutputStream, head: dict[str, Any], n: int,
                        options: StreamOptions, logprobs: bool,
                        tokens: TokenPieces) -> AsyncIterator[str]:
@@ -430,13 +424,13 @@ async def _chat_events(stream: OutputStream, head: dict[str, Any], n: int,
         if chunk["text"]:
             yield options.chunk(head, {
                 "index": index, "delta": {"content": chunk["text"]},
-                "logprobs": _newchat_logprobs(streamed, index, tokens),
+                "logprobs": new_chat_logprobs(streamed, index, tokens),
                 "finish_reason": None}, meta)
         if done:
             finals[index] = chunk
             yield options.chunk(head, {
                 "index": index, "delta": {},
-                "logprobs": _newchat_logprobs(streamed, index, tokens),
+                "logprobs": new_chat_logprobs(streamed, index, tokens),
                 "finish_reason": finish_type(meta)}, meta)
     if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
@@ -455,7 +449,7 @@ async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, options:
 
     def delta(index: int, body: dict[str, Any], meta: dict[str, Any],
               finish: str | None = None) -> str:
-        new = None if "role" in body else _newchat_logprobs(streamed, index, tokens)
+        new = None if "role" in body else new_chat_logprobs(streamed, index, tokens)
         return options.chunk(head, {"index": index, "delta": body, "finish_reason": finish,
                                     "logprobs": new}, meta)
 

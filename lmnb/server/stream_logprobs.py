@@ -89,3 +89,11 @@ def chat_logprobs(meta: dict[str, Any], tokens: TokenPieces) -> dict[str, Any]:
         item["top_logprobs"] = [entry(lp, tid) for lp, tid in (tops[i] if i < len(tops) else [])]
         content.append(item)
     return {"content": content}
+
+
+def new_chat_logprobs(streamed: StreamedLogprobs | None, index: int,
+                      tokens: TokenPieces) -> dict[str, Any] | None:
+    """A chat chunk's `logprobs` (`chat_logprobs`'): those of choice `index`'s tokens not
+    given out yet; None when there are none or none were asked for (`streamed` None)."""
+    new = streamed.take(index) if streamed is not None else None
+    return None if new is None else chat_logprobs(new, tokens)
