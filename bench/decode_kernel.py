@@ -131,7 +131,7 @@ def time_kernel(run: Callable[[], Any]) -> float:
 
 def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,),
                 extra_tiles: tuple[tuple[int, int, int], ...] = (),
-                split_grids: tuple[tuple[int, int], ...] = ()
+                split_grids: tuple[tuple[int, int], ...] = (), heads_first: bool = False
                 ) -> list[tuple[str, Callable[[], Any], dict]]:
     """The default config, the sweep's grid with `sweep`, each (block_n, warps, stages) of
     `extra_tiles` and each (max_splits, min_split) of `split_grids` with the default's other
@@ -160,12 +160,18 @@ def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
                             f"{' k_rows' * k_rows}",
                             default._replace(block_n=block_n, num_warps=warps, num_stages=stages,
                                              prefetch=prefetch, k_rows=k_rows)))
+    if heads_first:
+        for name, config in list(configs):
+            configs.append((f"{name} heads_first", config._replace(heads_first=True)))
     for block_n, warps, stages in extra_tiles:
         configs.append((f"n{block_n} w{warps} s{stages} (default's loop)",
                         default._replace(block_n=block_n, num_warps=warps, num_stages=stages)))
     for max_splits, min_split in split_grids:
-        configs.append((f"max_splits {max_splits} min_split {min_split}",
-                        default._replace(max_splits=max_splits, min_split=min_split)))
+        for order in (False, True) if heads_first else (False,):
+            configs.append((f"max_splits {max_splits} min_split {min_split}"
+                            f"{' heads_first' * order}",
+                            default._replace(max_splits=max_splits, min_split=min_split,
+                                             heads_first=order)))
     runs = []
     for name, config in configs:
         for splits in split_counts if not name.startswith("max_splits") else (config.max_splits,):
@@ -381,6 +387,8 @@ def main() -> None:
     parser.add_argument("--tiles", default="", metavar="N:W:S,...",
                         help="Triton tiles to time besides the default (block_n:warps:stages, "
                         "the default's loop variant and splits), without the whole --sweep")
+    parser.add_argument("--heads-first", action="store_true",
+                        help="also time each config with the (KV head, request) grid order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", default="flashinfer,fa3",
                         help="comma list of the other kernels timed beside Triton's (flashinfer: "
@@ -432,7 +440,8 @@ def main() -> None:
     if not args.kv_fp8:  # the peers read 16-bit KV only
         others += flashinfer_runs(batch) if "flashinfer" in peers else []
         others += fa3_runs(batch) if "fa3" in peers else []
-    runs = triton_runs(batch, args.sweep, split_counts, tiles, split_grids) + others
+    runs = triton_runs(batch, args.sweep, split_counts, tiles, split_grids,
+                       args.heads_first) + others
     for name, run, config in runs:
         try:
             got = run()

@@ -336,7 +336,8 @@ def test_decode_long_splits_of_busy_batches_match_float64(device):
     # and the loop's variants: next block's slots prefetched, K loaded token-major
     for config in (DecodeConfig(64, 256, 2, 2), DecodeConfig(64, 64, 2, 2, max_splits=2),
                    DecodeConfig(64, 64, 2, 2, prefetch=True),
-                   DecodeConfig(64, 64, 2, 2, max_splits=2, prefetch=True, k_rows=True)):
+                   DecodeConfig(64, 64, 2, 2, max_splits=2, prefetch=True, k_rows=True),
+                   DecodeConfig(64, 64, 2, 2, heads_first=True)):
         out = torch.empty_like(q)
         decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
                          *partial_buffers(len(seq_lens), 8, 64, 4, q.device), scale=64**-0.5,
@@ -365,7 +366,8 @@ for skip, variant in ((True, False), (False, False), (False, True)):
                                    "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
              "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
-             "HAS_SKIP": skip, "KV_FP8": False, "PREFETCH": variant, "K_ROWS": variant},
+             "HAS_SKIP": skip, "KV_FP8": False, "PREFETCH": variant, "K_ROWS": variant,
+             "HEADS_FIRST": variant},
             warps=2)
     compile(triton_decode._decode_merge_kernel,
             {"PART_O": "*fp32", "PART_LSE": "*fp32", "KV_INDPTR": i64, "KV_SKIP": i64,

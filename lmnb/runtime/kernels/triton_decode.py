@@ -140,11 +140,15 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
     KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, K_ROWS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # a request's KV heads run side by side: they read each token's whole row
+        kv_head = tl.program_id(0)
+        req = tl.program_id(1)
+    else:
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     kv_begin = tl.load(KV_INDPTR + req)
@@ -258,11 +262,12 @@ class DecodeConfig(NamedTuple):
     max_splits: int = 16  # the launch's split dimension at most (empty programs cost too)
     prefetch: bool = False  # load the next block's slots one iteration ahead
     k_rows: bool = False  # load K token-major and transpose it for the dot
+    heads_first: bool = False  # grid (KV head, request, split): a token's heads read together
 
 
 # (request, KV head) programs above which splitting a request's KV buys no parallelism, only
 # partial writes and a merge: the split length then grows (fewer, longer splits).
-_BUSY_PROGRAMS = (128, 512)
+_BUSY_PROGRAMS = (128, 512, 2048)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
@@ -285,19 +290,27 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
         base = decode_config(head_dim, torch.bfloat16, batch_size=batch_size,
                              num_kv_heads=num_kv_heads)
         if base.block_n == 128:  # the busiest level
-            return base._replace(num_stages=3, prefetch=False, k_rows=False)
+            return base._replace(num_stages=3, prefetch=False, k_rows=False, max_splits=2,
+                                 heads_first=False)
         return base
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 512
     programs = batch_size * num_kv_heads
-    level = (programs >= _BUSY_PROGRAMS[0]) + (programs >= _BUSY_PROGRAMS[1])
+    level = sum(programs >= busy for busy in _BUSY_PROGRAMS)
     # H100, triton 3.6, fp16 head_dim 128, in a CUDA graph: 2 warps beat 4 by up to 1.6x at
     # batch 1 (2k MHA 26 vs 36 us, 8k GQA 28 vs 46 us) and match it at batch 32. The split
     # dimension shrinks with the batch: at batch 256 (contexts 100-2,048) a grid of 2 splits
     # beats 16 by 2% (Llama-3) and 3% (Llama-2): the empty programs of a wide grid are not free.
     # At the busiest level, 128-token tiles over 4 warps with the next block's slots prefetched
     # and K loaded token-major: 414.0 -> 410.8 us a layer (Llama-3, batch 256; FA3 403.8).
-    if level == 2 and not wide:
-        return DecodeConfig(128, 16 * MIN_SPLIT_LEN, 4, 2, 2, prefetch=True, k_rows=True)
+    # From 512 programs the grid runs a request's KV heads side by side (each token's row is
+    # read whole), and from 2,048 each request is one split (no partials, no merge): H200,
+    # contexts 100-2,048 laid out by 600 decode steps in a 243k/500k-slot pool, a layer:
+    # Llama-2 batch 234 976.5 -> 950.7 us (FlashInfer's page-1 decode 962.9), Llama-3 batch
+    # 256 283.3 -> 274.5 us, Llama-2 batch 32 (heads first only) 155.6 -> 154.5 us.
+    if level >= 2 and not wide:
+        return DecodeConfig(128, 16 * MIN_SPLIT_LEN, 4, 2, 2 if level == 2 else 1,
+                            prefetch=True, k_rows=True, heads_first=True)
+    level = min(level, 2)
     return DecodeConfig(32 if wide else 64, (MIN_SPLIT_LEN, 4 * MIN_SPLIT_LEN,
                                              16 * MIN_SPLIT_LEN)[level], 2, 2, (16, 4, 2)[level])
 
@@ -357,7 +370,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         shared_prefix.shared_prefix_partials(
             q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.items, partial_out,
             partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
-    _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
+    grid = ((num_kv_heads, bs, max_kv_splits) if config.heads_first
+            else (bs, num_kv_heads, max_kv_splits))
+    _decode_partial_kernel[grid](
         q, k_buffer, v_buffer, k_scale, v_scale, kv_indptr, kv_indices, kv_skip, partial_out,
         partial_lse, out, scale, *scale_strides,
         q.stride(0), q.stride(1),
@@ -370,8 +385,11 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
         KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
+        HEADS_FIRST=config.heads_first,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(q.device),
     )
+    if max_kv_splits == 1 and shared is None:  # every request's output came from stage 1
+        return out
     block_s = triton.next_power_of_2(max_kv_splits + prefix_splits)
     # heads a merge program takes: its [heads, splits, head_dim] partials ~8k floats at most
     block_heads = min(triton.next_power_of_2(num_heads), max(1, 8192 // (block_s * block_d)))
