@@ -343,6 +343,19 @@ def test_registry_lookup() -> None:
     assert "NopeForCausalLM" in str(info.value)
 
 
+def test_tensor_parallel_is_said_at_registration() -> None:
+    """Only classes registered with `tensor_parallel=True` pass the TP check."""
+    llama = _recorder_config(architecture="LlamaForCausalLM", model_type="llama", num_heads=4,
+                             num_kv_heads=2, intermediate_size=64)
+    assert registry.supports_tensor_parallel(registry.model_class(llama))
+    loader.check_tensor_parallel(llama, 2)
+    recorder = _recorder_config(num_heads=4, num_kv_heads=2, intermediate_size=64)
+    assert not registry.supports_tensor_parallel(RecorderModel)
+    loader.check_tensor_parallel(recorder, 1)
+    with pytest.raises(ValueError, match="RecorderModel does not support tensor parallelism"):
+        loader.check_tensor_parallel(recorder, 2)
+
+
 def test_load_model_dummy_and_from_files(
     tiny_sharded: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:

@@ -170,13 +170,12 @@ class LlamaModel(nn.Module):
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama", "mistral",
-                "qwen2")
+                "qwen2", tensor_parallel=True)  # `tp_size > 1` shards it (models/layers/linear.py)
 class LlamaForCausalLM(nn.Module):
     """Causal LM head over `LlamaModel`; parameter names follow HF, with q/k/v and gate/up fused."""
 
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    supports_tp = True  # `tp_size > 1` shards it (see models/layers/linear.py)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -420,7 +420,7 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     """ValueError unless `config`'s model class shards over `tp_size` ranks (checked before any
     worker starts)."""
     cls = registry.model_class(config)
-    if tp_size > 1 and not getattr(cls, "supports_tp", False):
+    if tp_size > 1 and not registry.supports_tensor_parallel(cls):
         raise ValueError(f"{cls.__name__} does not support tensor parallelism (tp_size > 1)")
     check_tp_model(config, tp_size)
 
@@ -445,7 +445,7 @@ def load_model(
     if not dummy and model_dir is None:
         raise ValueError("load_model needs a model_dir unless dummy=True")
     sharded = tp is not None and tp.size > 1
-    if sharded and not getattr(cls, "supports_tp", False):
+    if sharded and not registry.supports_tensor_parallel(cls):
         raise ValueError(f"{cls.__name__} does not support tensor parallelism (tp_size > 1)")
     check_fp8_device(config, device)
     with torch.device(device), _SkipRandomInit(), building_with(tp):

@@ -1,6 +1,7 @@
 """Model classes by HF architecture name: `@register_model(...)` and `model_class(config)`.
 
 Lookups read a `ModelConfig`'s `architecture` and `model_type` (any object with both works).
+Whether a class shards over tensor-parallel ranks is said when it registers (`tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 _MODELS: dict[str, type] = {}
+_TENSOR_PARALLEL: set[type] = set()  # registered classes that `tp_size > 1` shards
 
 # Modules that register the built-in models; imported on the first lookup that misses.
 _BUILTIN_MODULES = ("lmnb.runtime.models.llama", "lmnb.runtime.models.llava")
@@ -25,14 +27,18 @@ _MODEL_TYPE_ARCHITECTURES = {
 }
 
 
-def register_model(*architectures: str) -> Callable[[type], type]:
-    """Class decorator: serve configs whose `architecture` (or model_type) is one of these."""
+def register_model(*architectures: str, tensor_parallel: bool = False
+                   ) -> Callable[[type], type]:
+    """Class decorator: serve configs whose `architecture` (or model_type) is one of these;
+    `tensor_parallel=True`: the class shards over `tp_size > 1` ranks (models/layers/linear.py)."""
     if not architectures:
         raise TypeError("register_model() needs at least one architecture name")
 
     def decorate(cls: type) -> type:
         for name in architectures:
             _MODELS[name] = cls
+        if tensor_parallel:
+            _TENSOR_PARALLEL.add(cls)
         return cls
 
     return decorate
@@ -70,3 +76,8 @@ def model_class(config: Any) -> type:
         f"model_type={config.model_type!r}; "
         f"supported: {', '.join(sorted(_MODELS)) or 'none registered'}"
     )
+
+
+def supports_tensor_parallel(cls: type) -> bool:
+    """Whether `cls` was registered with `tensor_parallel=True`."""
+    return cls in _TENSOR_PARALLEL
