@@ -133,3 +133,30 @@ def test_runtime_reuses_the_info_and_matches_hf_repetition_penalty(tiny_models,
                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                    do_sample=False, repetition_penalty=1.5, pad_token_id=0)
         assert out["output_ids"] == expected[0, len(ids):].tolist()
+
+
+def test_rows_are_named_by_their_request_id_in_errors() -> None:
+    """A failed draw names the request (`ReqState.rid`); a row of no request by its index."""
+    reqs = [make_req(temperature=0.0), make_req(temperature=0.0)]
+    sampler = Sampler(VOCAB, eos_token_ids=[EOS])
+    logits = torch.randn(2, VOCAB)
+    logits[1] = float("-inf")
+    out = sampler(logits, sampler.batch_info(reqs, "cpu"))
+    failed = out.wait()
+    assert list(failed) == [1] and failed[1].startswith(f"request {reqs[1].rid}: ")
+    draft = SamplingBatchInfo.build([_NamelessRow()], "cpu", VOCAB, {EOS})
+    assert draft.label(0) == "row 0"
+
+
+class _NamelessRow:
+    """A row that is no request's (the draft model's, the memory profile's)."""
+
+    rid = None
+    sampling_params = SamplingParams(temperature=0.0)
+    origin_input_ids = [1]
+    output_ids: list[int] = []
+    generator = None
+    grammar = None
+    return_logprob = False
+    top_logprobs_num = 0
+    token_ids_logprob = None

@@ -127,6 +127,7 @@ class _Row:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
+    rid: int | None = None
 
 
 @pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 3}])

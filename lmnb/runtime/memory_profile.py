@@ -235,6 +235,7 @@ class _ProfileRow:
     return_logprob: bool = True
     top_logprobs_num: int = 5
     token_ids_logprob: list[int] | None = field(default_factory=lambda: [0, 1])
+    rid: int | None = None
 
 
 def _heavy_rows(n: int, vocab_size: int) -> list[_ProfileRow]:

@@ -183,5 +183,5 @@ class SamplingBatchInfo:
 
     def label(self, row: int) -> str:
         """How errors name row `row`."""
-        rid = getattr(self.rows[row], "rid", None)
+        rid = self.rows[row].rid
         return f"request {rid}" if rid is not None else f"row {row}"

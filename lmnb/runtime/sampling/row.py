@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 class SamplingRow(Protocol):
     """What the sampler reads of one request."""
 
+    rid: int | None  # the request's id, in errors (None: a row that is no request's own)
     sampling_params: SamplingParams
     origin_input_ids: list[int]
     output_ids: list[int]

@@ -33,8 +33,8 @@ class RequestLogprobs:
 @dataclass(eq=False, slots=True)
 class ReqState:
     """One live request: `req` plus its per-request state. Satisfies the sampler's SamplingRow
-    protocol (sampling_params, origin_input_ids, output_ids, generator, grammar, return_logprob,
-    top_logprobs_num, token_ids_logprob)."""
+    protocol (rid, sampling_params, origin_input_ids, output_ids, generator, grammar,
+    return_logprob, top_logprobs_num, token_ids_logprob)."""
 
     req: Req
     grammar: Grammar | None = None  # of a regex / JSON-schema / EBNF constrained request

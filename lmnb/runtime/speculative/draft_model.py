@@ -40,6 +40,7 @@ class _GreedyRow:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
+    rid: int | None = None
 
 
 @dataclass(slots=True)
