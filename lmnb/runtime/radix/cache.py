@@ -60,15 +60,18 @@ class RadixCache(PrefixCache):
         super().__init__(allocator)
         self._ids = itertools.count()
         self.eviction_listener: EvictionListener | None = None
-        self.reset()
+        self._new_tree()
 
     def reset(self) -> None:
         listener, self.eviction_listener = self.eviction_listener, None
-        if hasattr(self, "root"):
-            self.evict(self._evictable)  # cached slots go back to the shared pool
+        self.evict(self._evictable)  # cached slots go back to the shared pool
         if listener is not None:
             listener.reset()
         self.eviction_listener = listener
+        self._new_tree()
+
+    def _new_tree(self) -> None:
+        """An empty tree: just the root; no evictions counted."""
         self.root = TreeNode(next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.root.value = torch.empty(0, dtype=torch.int64, device=self.allocator.device)

@@ -88,12 +88,11 @@ class TieredRadixCache(RadixCache):
         super().__init__(allocator)
 
     def reset(self) -> None:
-        if hasattr(self, "root"):
-            self._settle()
-            self._saves.clear()
-            for node in self._nodes():
-                node.host = None
-            self.host_pool.allocator.clear()
+        self._settle()
+        self._saves.clear()
+        for node in self._nodes():
+            node.host = None
+        self.host_pool.allocator.clear()
         self._back_up = False
         try:
             super().reset()
