@@ -7,6 +7,7 @@ import pytest
 
 import lmnb as sgl
 from lmnb.runtime.core import InvalidRequestError
+from tests.fake_backend import TextOnlyFake
 
 POOL = 192  # KV slots: a few prompts fill it, so every new one evicts
 SHARED = "You are a careful assistant who answers questions about tea.\n" * 3
@@ -80,3 +81,50 @@ def test_program_pin_and_unpin_as_sglang(rt, monkeypatch):
     assert state.get_meta_info("answer")["cached_tokens"] >= len(rt.encode(SHARED))
     assert tea.unpin() is True and tea.unpin() is False
     assert rt.stats()["pinned_prefixes"] == 0
+
+
+class _Cached(TextOnlyFake):
+    """A backend with no pinning: `pin()` only caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cached: list[str] = []
+
+    def cache_prefix(self, prompt: str) -> None:
+        self.cached.append(prompt)
+
+
+class _Pinning(_Cached):
+    """Any backend with `pin_prefix` / `unpin_prefix` (`PrefixPinning`) is pinned on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: list[str] = []
+        self.unpinned: list[int] = []
+
+    def pin_prefix(self, prompt: str) -> int:
+        self.pinned.append(prompt)
+        return 7
+
+    def unpin_prefix(self, pin: int) -> bool:
+        self.unpinned.append(pin)
+        return True
+
+
+@sgl.function
+def _tea(s, question):
+    s += SHARED
+    s += "Q: " + question + sgl.gen("answer", max_tokens=3)
+
+
+def test_program_pin_on_backends_with_and_without_pinning():
+    prefix = SHARED + "Q: "  # the program's constant prefix
+    plain = _Cached()
+    with pytest.warns(UserWarning, match="_Cached cannot pin a prefix"):
+        assert _tea.pin(plain) == prefix
+    assert plain.cached == [prefix] and _tea.unpin(plain) is False
+    pinning = _Pinning()
+    assert _tea.pin(pinning) == _tea.pin(pinning) == prefix  # once per backend
+    assert pinning.pinned == [prefix] and pinning.cached == []
+    assert _tea.unpin(pinning) is True and pinning.unpinned == [7]
+    assert _tea.unpin(pinning) is False

@@ -16,8 +16,8 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from lmnb.lang.backends.base import Backend
-from lmnb.lang.backends.local import start_trace
+from lmnb.lang.backends.base import Backend, PrefixPinning
+from lmnb.lang.backends.local import LocalBackend, start_trace
 from lmnb.lang.batch import BatchJob as BatchJob
 from lmnb.lang.compiler import CompiledProgram
 from lmnb.lang.default_backend import as_backend as as_backend
@@ -58,7 +58,7 @@ class Program:
             raise TypeError(f"{func.__name__} must take the program state as its first parameter")
         self._state_name = parameters[0].name
         self.arg_names = [p.name for p in parameters[1:]]
-        self._pins: dict[Any, tuple[Backend, Any]] = {}  # pinned prefix per runtime (`pin`)
+        self._pins: dict[Any, tuple[PrefixPinning, int]] = {}  # pinned prefix per runtime
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
 
@@ -211,20 +211,19 @@ class Program:
     def pin(self, backend: Any = None) -> str:
         """SGLang's `pin`: caches the program's constant prefix (as `cache`) and keeps it in the
         backend's cache until `unpin()`: the runtime's evictions skip it. Once per backend;
-        returns the prefix. A backend that cannot pin (no `pin_prefix`) only caches it."""
+        returns the prefix. A backend that cannot pin (not `PrefixPinning`) only caches it."""
 
         backend = as_backend(backend)
         prefix = constant_prefix(self, backend)
         target = _pin_target(backend)
         if not prefix or target in self._pins:
             return prefix
-        pin_prefix = getattr(backend, "pin_prefix", None)
-        if pin_prefix is None:
+        if not isinstance(backend, PrefixPinning):
             warnings.warn(f"{type(backend).__name__} cannot pin a prefix; {self.__name__}'s "
                           f"prefix is cached, and may be evicted", stacklevel=2)
             backend.cache_prefix(prefix)
             return prefix
-        self._pins[target] = (backend, pin_prefix(prefix))
+        self._pins[target] = (backend, backend.pin_prefix(prefix))
         return prefix
 
     def unpin(self, backend: Any = None) -> bool:
@@ -283,7 +282,7 @@ class _RunningCaller:
 def _pin_target(backend: Backend) -> Any:
     """What a pin lives in: the runtime under a backend (a new `LocalBackend` may wrap it each
     time), else the backend itself."""
-    return getattr(backend, "runtime", backend)
+    return backend.runtime if isinstance(backend, LocalBackend) else backend
 
 
 def function(func: Callable[..., Any] | None = None, **options: Any) -> Any:

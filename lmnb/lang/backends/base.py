@@ -150,6 +150,16 @@ class Backend(Protocol):
         ...
 
 
+@runtime_checkable
+class PrefixPinning(Protocol):
+    """A backend that keeps a prefix cached until it is unpinned (`Program.pin`; `LocalBackend`
+    over a `Runtime`)."""
+
+    def pin_prefix(self, prompt: str) -> int: ...
+
+    def unpin_prefix(self, pin: int) -> bool: ...
+
+
 # ---- SGLang's custom backends --------------------------------------------------------------------
 class ProgramExecutor(Protocol):
     """What an SGLang-style backend hook reads of its `s` (the program's `StreamExecutor`, whose
