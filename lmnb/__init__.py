@@ -53,26 +53,28 @@ if TYPE_CHECKING:
     from lmnb.runtime.launch import Runtime as Engine
 
 
-def _backend_call(name: str, backend: Any) -> Any:
-    from lmnb.lang.program import as_backend
-
-    backend = as_backend(backend)
-    call = getattr(backend, name, None)
-    if call is None:
-        raise NotImplementedError(f"{type(backend).__name__} has no {name}()")
-    return call()
-
-
 def flush_cache(backend: Any = None) -> bool:
     """SGLang's `sgl.flush_cache()`: empties the prefix cache of `backend` (default: the default
     backend); False while requests are running or waiting."""
-    return _backend_call("flush_cache", backend)
+    from lmnb.lang.backends.base import CacheFlushing
+    from lmnb.lang.program import as_backend
+
+    target = as_backend(backend)
+    if not isinstance(target, CacheFlushing):
+        raise NotImplementedError(f"{type(target).__name__} has no flush_cache()")
+    return target.flush_cache()
 
 
 def get_server_info(backend: Any = None) -> dict[str, Any]:
     """SGLang's `sgl.get_server_info()`: the settings and statistics of `backend`'s runtime
     (default: the default backend's)."""
-    return _backend_call("get_server_info", backend)
+    from lmnb.lang.backends.base import ServerInfoSource
+    from lmnb.lang.program import as_backend
+
+    target = as_backend(backend)
+    if not isinstance(target, ServerInfoSource):
+        raise NotImplementedError(f"{type(target).__name__} has no get_server_info()")
+    return target.get_server_info()
 
 
 def load_ipython_extension(ipython: Any) -> None:

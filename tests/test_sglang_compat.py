@@ -22,6 +22,14 @@ def answer(s, question):
 
 
 # ---- names ---------------------------------------------------------------------------------------
+def test_backend_calls_on_a_backend_without_them():
+    """`sgl.flush_cache()` / `sgl.get_server_info()` on a backend lacking the call say so."""
+    with pytest.raises(NotImplementedError, match="TextOnlyFake has no flush_cache"):
+        sgl.flush_cache(TextOnlyFake())
+    with pytest.raises(NotImplementedError, match="TextOnlyFake has no get_server_info"):
+        sgl.get_server_info(TextOnlyFake())
+
+
 def test_module_level_names(sgl_backend):
     assert sgl.Engine is sgl.Runtime
     assert isinstance(sgl_backend, sgl.Engine)

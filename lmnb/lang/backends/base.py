@@ -160,6 +160,20 @@ class PrefixPinning(Protocol):
     def unpin_prefix(self, pin: int) -> bool: ...
 
 
+@runtime_checkable
+class CacheFlushing(Protocol):
+    """A backend that empties its runtime's prefix cache (`lmnb.flush_cache()`)."""
+
+    def flush_cache(self) -> Any: ...
+
+
+@runtime_checkable
+class ServerInfoSource(Protocol):
+    """A backend that reports its runtime's settings and statistics (`lmnb.get_server_info()`)."""
+
+    def get_server_info(self) -> Any: ...
+
+
 # ---- SGLang's custom backends --------------------------------------------------------------------
 class ProgramExecutor(Protocol):
     """What an SGLang-style backend hook reads of its `s` (the program's `StreamExecutor`, whose
