@@ -44,8 +44,12 @@ def as_backend(backend: Any) -> Backend:
 
 
 def _wrapped(backend: Any) -> Backend | BackendSource:
-    if hasattr(backend, "generate") and hasattr(backend, "tokenizer") \
-            and not hasattr(backend, "chat_template"):
+    """`backend`, or a `LocalBackend` over it when it is a runtime (an `EngineSurface`)."""
+    if isinstance(backend, (Backend, BackendSource)):
+        return backend
+    from lmnb.runtime.surface import EngineSurface  # imports torch: only for what may be one
+
+    if isinstance(backend, EngineSurface):
         from lmnb.lang.backends.local import LocalBackend
 
         return LocalBackend(backend)
