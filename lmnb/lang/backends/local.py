@@ -102,11 +102,9 @@ class LocalBackend:
     def __init__(self, runtime: EngineSurface) -> None:
         self.runtime = runtime
         self.chat_template = ChatTemplate(runtime.tokenizer, render=runtime.apply_chat_template)
-        # Prompts go to the runtime as ids, tokenized incrementally (exactly the runtime's ids),
-        # when the runtime tokenizes with its tokenizer's own `encode` (a `Runtime` does).
-        self.prompt_tokens: PromptTokens | None = (
-            prompt_tokens(runtime.tokenizer) if callable(getattr(runtime, "encode", None))
-            else None)
+        # Prompts go to the runtime as ids, tokenized incrementally (exactly the ids of the
+        # runtime's `encode`, its tokenizer's own), when its tokenizer is a fast one.
+        self.prompt_tokens: PromptTokens | None = prompt_tokens(runtime.tokenizer)
         # The program loop's streamed requests, sent to the scheduler in growing chunks.
         self.submits = SubmitChunks(runtime.batched_submits)
         # Text prompts' ids and parsed parameters go straight in (`Runtime.submit_encoded`).
