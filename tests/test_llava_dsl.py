@@ -492,6 +492,16 @@ def _png() -> bytes:
     return buffer.getvalue()
 
 
+def test_media_reuse_view_needs_a_media_runtime():
+    """Only a runtime with `media_snapshot()` (and `stats`, `closed`, `failed`) is shown."""
+    pytest.importorskip("anywidget")
+    from lmnb.widgets import MediaReuseView
+
+    with pytest.raises(TypeError, match="object has no media_snapshot"):
+        MediaReuseView(object(), interval_s=None)
+    MediaReuseView(FakeMediaRuntime(), interval_s=None).close()
+
+
 def test_media_reuse_view_on_a_fake_snapshot():
     pytest.importorskip("anywidget")
     from lmnb.widgets import MediaReuseView

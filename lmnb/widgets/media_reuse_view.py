@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import base64
 import threading
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import anywidget
 import traitlets
 
-from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
+from lmnb.widgets.poller import PolledRuntime, Poller, PollingWidget, runtime_gone
 from lmnb.widgets.saved_text import SavedText
 
 _ESM = r"""
@@ -109,6 +109,15 @@ def _data_url(png: bytes | None) -> str | None:
     return None if not png else "data:image/png;base64," + base64.b64encode(png).decode()
 
 
+@runtime_checkable
+class MediaRuntime(PolledRuntime, Protocol):
+    """What `MediaReuseView` reads of a LLaVA `Runtime`."""
+
+    def media_snapshot(self) -> list[dict[str, Any]]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
 class MediaReuseView(SavedText, PollingWidget, anywidget.AnyWidget):
     """The media of a LLaVA `Runtime` (`Runtime.media_snapshot()`, most recent first) as
     thumbnails with their hash, tokens, requests and hits, and whether their KV span is resident
@@ -127,19 +136,19 @@ class MediaReuseView(SavedText, PollingWidget, anywidget.AnyWidget):
     summary = traitlets.Dict().tag(sync=True)
     status = traitlets.Unicode("live").tag(sync=True)
 
-    def __init__(self, runtime: Any, *, interval_s: float | None = 0.25,
+    def __init__(self, runtime: object, *, interval_s: float | None = 0.25,
                  max_items: int = 64) -> None:
         super().__init__()
-        self._runtime: Any = runtime
+        if not isinstance(runtime, MediaRuntime):
+            raise TypeError(f"{type(runtime).__name__} has no media_snapshot(): MediaReuseView "
+                            f"needs an lmnb Runtime")
+        self._runtime: MediaRuntime | None = runtime
         self._lock = threading.Lock()
         self._max_items = max_items
         self._previous: dict[str, dict[str, Any]] | None = None
         self._counts: tuple[int, int] | None = None
         self._thumbnails: dict[str, str | None] = {}
         self._refreshes = 0
-        if getattr(runtime, "media_snapshot", None) is None:
-            raise TypeError(f"{type(runtime).__name__} has no media_snapshot(): MediaReuseView "
-                            f"needs an lmnb Runtime")
         self.refresh()
         self._poller: Poller | None = None
         if interval_s is not None and self._runtime is not None:
