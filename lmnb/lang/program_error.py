@@ -1,5 +1,5 @@
-"""`ProgramError`, and `located`: an error raised while a gen or select runs carries its
-program line."""
+"""`ProgramError`, and `located` / `location_of`: an error raised while a gen or select runs
+carries its program line."""
 
 from __future__ import annotations
 
@@ -37,9 +37,15 @@ class located:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        if (error is not None and self.where is not None
-                and getattr(error, "lmnb_where", None) is None):
+        if error is not None and self.where is not None and location_of(error) is None:
             try:
                 error.lmnb_where = self.where  # type: ignore[attr-defined]
             except AttributeError:  # an exception type without a __dict__
                 pass
+
+
+def location_of(error: BaseException) -> SourceLocation | None:
+    """The program line `located` recorded on `error` (any exception type: an attribute it
+    carries, read here alone), else None."""
+    where = getattr(error, "lmnb_where", None)
+    return where if isinstance(where, tuple) and len(where) == 2 else None

@@ -44,8 +44,9 @@ def _cell_lineno(error: BaseException, filename: str) -> int | None:
 def _gen_line(error: BaseException) -> tuple[str, int] | None:
     """(file, line) of the gen or select whose run raised `error` (the interpreter records it:
     the worker thread's traceback does not reach the program's code)."""
-    where = getattr(error, "lmnb_where", None)
-    return where if isinstance(where, tuple) and len(where) == 2 else None
+    from lmnb.lang.program_error import location_of
+
+    return location_of(error)
 
 
 class LMProgramError(Exception):
