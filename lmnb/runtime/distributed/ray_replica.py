@@ -190,25 +190,26 @@ class RayReplica:
                 return cause
         return self._failure(error)
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: Any, *args: Any) -> Any:
+        """`method` (one of the actor's `ActorMethod`s) run remotely; Ray's errors as ours."""
         import ray
 
         try:
-            return await getattr(self.actor, method).remote(*args)
+            return await method.remote(*args)
         except ray.exceptions.RayError as error:
             raise self._error(error) from None
 
     async def abort(self, name: str) -> None:
-        await self._call("abort", name)
+        await self._call(self.actor.abort, name)
 
     async def cache_events(self, since: int) -> dict[str, Any]:
-        return await self._call("cache_events", since)
+        return await self._call(self.actor.cache_events, since)
 
     async def stats(self) -> dict[str, Any]:
-        return await self._call("stats")
+        return await self._call(self.actor.stats)
 
     async def flush_cache(self) -> bool:
-        return await self._call("flush_cache")
+        return await self._call(self.actor.flush_cache)
 
     @property
     def alive(self) -> bool:
