@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -89,7 +90,10 @@ class LMNB(Magics):
             return None
         except ValueError as error:  # shlex: unbalanced quotes
             raise UsageError(f"%lmnb: {error}") from None
-        return getattr(self, f"_{args.command or 'help'}")(args)
+        commands: dict[str, Callable[[argparse.Namespace], Any]] = {
+            "load": self._load, "status": self._status, "media": self._media,
+            "flush": self._flush, "close": self._close, "serve": self._serve, "help": self._help}
+        return commands[args.command or "help"](args)
 
     def _load(self, args: argparse.Namespace) -> None:
         options = self.load_options()
