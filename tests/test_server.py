@@ -788,6 +788,22 @@ def test_anthropic_turns_are_user_or_assistant_with_content(claude):
             claude.messages.count_tokens(model="tiny", messages=[turn, *CHAT])
 
 
+def test_anthropic_system_blocks_are_joined_by_newlines(claude, rt):
+    """A `system` given as text blocks is their texts joined by "\\n", empty ones left out, as
+    SGLang's endpoint joins them (they were run together: "Be brief.Answer in French.")."""
+    blocks = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": ""},
+              {"type": "text", "text": "Answer in French.", "cache_control": {"type": "ephemeral"}}]
+    prompt = rt.apply_chat_template([{"role": "system", "content": "Be brief.\nAnswer in French."},
+                                     *CHAT])
+    counted = claude.messages.count_tokens(model="tiny", system=blocks, messages=CHAT)
+    assert counted.input_tokens == len(rt.encode(prompt))
+    out = claude.messages.create(model="tiny", max_tokens=3, extra_body={"temperature": 0},
+                                 system=blocks, messages=CHAT)
+    direct = rt.generate(prompt, {"temperature": 0, "max_new_tokens": 3})
+    assert out.content[0].text == direct["text"]
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == len(rt.encode(prompt))
+
+
 def test_anthropic_thinking_blocks_of_earlier_turns_leave_the_prompt(claude):
     """An assistant turn replayed with its `thinking` / `redacted_thinking` blocks (as a
     client sends back a response) is taken, and, as Anthropic does with earlier turns'

@@ -65,6 +65,15 @@ def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
                                                       f"{source['data']}"}}
 
 
+def _system_text(system: str | list[dict[str, Any]]) -> str:
+    """Anthropic's `system`: a string, or text blocks whose texts are joined by "\\n" (empty
+    ones left out), as SGLang's endpoint joins them."""
+    if isinstance(system, str):
+        return system
+    texts = [text_content([block], where=f"system.{i}") for i, block in enumerate(system)]
+    return "\n".join(text for text in texts if text)
+
+
 _THINKING = ("thinking", "redacted_thinking")  # an assistant turn's blocks of reasoning
 
 
@@ -81,7 +90,7 @@ def anthropic_chat(system: str | list[dict[str, Any]] | None,
     `lmnb.server.media.chat_media`); an assistant's thinking blocks are left out."""
     chat: list[dict[str, Any]] = []
     if system:
-        chat.append({"role": "system", "content": text_content(system, where="system")})
+        chat.append({"role": "system", "content": _system_text(system)})
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         where = f"messages.{i}.content"
