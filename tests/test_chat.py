@@ -141,6 +141,24 @@ def test_tools_in_the_default_format_when_the_template_has_none(tokenizer):
             "role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
 
 
+def test_tool_results_with_images_keep_their_parts_in_the_default_format(tokenizer):
+    """A tool result with images (Anthropic's `tool_result` image blocks) stays parts for a
+    multimodal template (llava-hf's: a message's images, then its text), within the tags
+    and joined to the other results of its turn; it was refused as 'content must be text'."""
+    from lmnb.multimodal.testing import chat_template
+
+    llava_like = copy.copy(tokenizer)
+    llava_like.chat_template = chat_template()
+    history = [*CALL_HISTORY[:3], {**CALL_HISTORY[3], "content": [
+        {"type": "text", "text": "3 C, see:"}, {"type": "image"}]}, CALL_HISTORY[4]]
+    text = apply_chat_template(llava_like, history)
+    assert ("<|im_start|>user\n<image>\n<tool_response>\n3 C, see:\n</tool_response>\n"
+            "<tool_response>\n19 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+    with pytest.raises(InvalidRequestError, match="list of parts"):
+        apply_chat_template(llava_like, [*CALL_HISTORY[:3], {**CALL_HISTORY[3],
+                                                             "content": ["3 C"]}])
+
+
 def test_tools_reach_a_template_that_renders_them(tokenizer):
     """A template with tools of its own gets them as given, and call arguments as mappings."""
     own = copy.copy(tokenizer)

@@ -144,17 +144,47 @@ def _content_text(message: dict[str, Any], i: int) -> str:
     return content
 
 
+Content = str | list[dict[str, Any]]  # text, or content parts (text, image, video)
+
+
+def _response(message: dict[str, Any], i: int) -> Content:
+    """A tool result in its tags: text, or parts when it has images (a multimodal template's
+    `{"type": "image"}` parts)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return _RESPONSE_OPEN + _content_text(message, i) + _RESPONSE_CLOSE
+    if not all(isinstance(part, dict) and "type" in part for part in content):
+        raise InvalidRequestError(f"message {i}: content must be text or a list of parts "
+                                  "with a 'type'")
+    return [_text_part(_RESPONSE_OPEN), *content, _text_part(_RESPONSE_CLOSE)]
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _parts(content: Content) -> list[dict[str, Any]]:
+    return [_text_part(content)] if isinstance(content, str) else content
+
+
+def _joined(first: Content, second: Content) -> Content:
+    """Two tool results of one turn, a line apart."""
+    if isinstance(first, str) and isinstance(second, str):
+        return first + "\n" + second
+    return [*_parts(first), _text_part("\n"), *_parts(second)]
+
+
 def _in_default_format(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool calls and results as text of the default format; consecutive `tool` messages
-    become one user turn."""
+    """Tool calls and results as text of the default format (results with images as parts);
+    consecutive `tool` messages become one user turn."""
     out: list[dict[str, Any]] = []
     responses = False  # whether out[-1] is a turn of tool results
     for i, message in enumerate(messages):
         role = message["role"]
         if role == "tool":
-            response = _RESPONSE_OPEN + _content_text(message, i) + _RESPONSE_CLOSE
+            response = _response(message, i)
             if responses:
-                out[-1]["content"] += "\n" + response
+                out[-1]["content"] = _joined(out[-1]["content"], response)
             else:
                 out.append({"role": "user", "content": response})
         elif role == "assistant" and message.get("tool_calls"):
