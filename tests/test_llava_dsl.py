@@ -462,6 +462,57 @@ def test_server_routes_take_images(llava, tmp_path):
         server.stop()
 
 
+def test_anthropic_tool_result_images_reach_the_model(llava):
+    """Images inside a `tool_result` block go to the model as top-level image blocks do (SGLang's
+    endpoint takes them; they were a 400 'only text'), in prompt order: the tool results come
+    before the rest of their user turn."""
+    import base64
+    import io
+
+    import anthropic
+    from PIL import Image
+
+    from lmnb.server.serving import ServerHandle
+
+    def block(pic: Any) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        Image.fromarray(pic).save(buffer, format="PNG")
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(buffer.getvalue()).decode()}}
+
+    snap, other = picture(25), picture(26)
+    prompt = ("<|im_start|>user\nWhat do you see?<|im_end|>\n"
+              "<|im_start|>assistant\n<tool_call>\n"
+              '{"name": "snap", "arguments": {"zoom": 2}}\n</tool_call><|im_end|>\n'
+              "<|im_start|>user\n<image>\n<tool_response>\nSnapshot:\n</tool_response>"
+              "<|im_end|>\n<|im_start|>user\n<image>\nCompare.<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    direct = llava.generate(prompt, {"max_new_tokens": 4, "temperature": 0},
+                            image_data=[snap, other])
+    expected = direct["text"]
+    swapped = llava.generate(prompt, {"max_new_tokens": 4, "temperature": 0},
+                             image_data=[other, snap])["text"]
+    assert swapped != expected  # the answer tells the images' order
+    messages = [
+        {"role": "user", "content": "What do you see?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "snap",
+                                           "input": {"zoom": 2}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "text", "text": "Snapshot:"}, block(snap)]},
+            block(other), {"type": "text", "text": "Compare."}]}]
+    with ServerHandle.start(llava) as server:
+        claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        ask = dict(model="x", max_tokens=4, extra_body={"temperature": 0}, messages=messages)
+        out = claude.messages.create(**ask)
+        assert out.content[0].text == expected
+        assert out.usage.input_tokens + out.usage.cache_read_input_tokens == (
+            direct["meta_info"]["prompt_tokens"])
+        with claude.messages.stream(**ask) as stream:
+            assert stream.get_final_message().content[0].text == expected
+    llava.check_integrity()
+
+
 # ---- MediaReuseView ------------------------------------------------------------------------------
 class FakeMediaRuntime:
     """`media_snapshot()` and `stats()` as a LLaVA Runtime gives them."""

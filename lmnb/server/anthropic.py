@@ -2,8 +2,8 @@
 events (message_start, content_block_start, ping, content_block_delta..., content_block_stop,
 message_delta, message_stop). With `tools`, calls come as `tool_use` blocks (streamed as
 `input_json_delta`s) and `stop_reason: "tool_use"`. `output_config.format` (structured outputs)
-constrains the text to its JSON schema. `image` blocks (base64) go to a LLaVA model as
-OpenAI's `image_url` parts do."""
+constrains the text to its JSON schema. `image` blocks (base64), in a turn or in a
+`tool_result`, go to a LLaVA model as OpenAI's `image_url` parts do."""
 
 from __future__ import annotations
 
@@ -271,8 +271,9 @@ def _prompt(runtime: ServedRuntime, system: str | list[dict[str, Any]] | None,
     its images (data URLs, in prompt order). A last assistant message of text is a prefill:
     the reply continues it, so the earlier turns are rendered with the generation prompt and
     its text follows."""
-    chat, images = chat_media(anthropic_chat(system, messages),
-                              takes_images=runtime.model_config.image_token_id is not None)
+    takes_images = runtime.model_config.image_token_id is not None
+    chat, images = chat_media(anthropic_chat(system, messages, takes_images=takes_images),
+                              takes_images=takes_images)
     parsed = anthropic_tools(tools)
     plan = tool_plan(parsed, anthropic_tool_choice(tool_choice, parsed), runtime.tokenizer)
     prompt_tools = plan.prompt_tools() if plan else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmnb.server.errors import APIError
-from lmnb.server.messages import chat_messages, text_content
+from lmnb.server.messages import chat_messages, images_refused, text_content
 from lmnb.server.streams import ServedRuntime
 
 
@@ -55,10 +55,7 @@ def chat_media(messages: list[dict[str, Any]], *,
         i, j = next((i, j) for i, m in enumerate(messages) if _has_images(m)
                     for j, p in enumerate(m["content"])
                     if isinstance(p, dict) and p.get("type") == "image_url")
-        where = f"messages.{i}.content.{j}"
-        raise APIError(f"{where}: this model takes no images (it is a text-only model); send "
-                       "text parts only, or serve a vision model (LLaVA)", param=where,
-                       code="images_not_supported")
+        raise images_refused(f"messages.{i}.content.{j}")
     out, images = [], []
     for i, message in enumerate(messages):
         if not _has_images(message):

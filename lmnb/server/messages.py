@@ -51,9 +51,18 @@ def openai_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for m in messages]
 
 
-def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+def images_refused(where: str) -> APIError:
+    """The 400 for an image sent to a text-only model, naming where the image is."""
+    return APIError(f"{where}: this model takes no images (it is a text-only model); send "
+                    "text parts only, or serve a vision model (LLaVA)", param=where,
+                    code="images_not_supported")
+
+
+def _image_part(block: dict[str, Any], where: str, takes_images: bool) -> dict[str, Any]:
     """An Anthropic image block (`source` of type base64) as OpenAI's `image_url` part with a
     data URL."""
+    if not takes_images:
+        raise images_refused(where)
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind != "base64" or not isinstance(source.get("data"), str):
@@ -81,13 +90,26 @@ def _is_image_url(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image_url"
 
 
-def anthropic_chat(system: str | list[dict[str, Any]] | None,
-                   messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _tool_result(content: Any, where: str, takes_images: bool) -> str | list[dict[str, Any]]:
+    """A `tool_result` block's content: its text, or with images its text and `image_url`
+    parts in order (as SGLang's endpoint gives them to the tool message)."""
+    if not isinstance(content, list) or not any(
+            isinstance(block, dict) and block.get("type") == "image" for block in content):
+        return text_content(content, where=where)
+    return [_image_part(block, f"{where}.{k}", takes_images)
+            if isinstance(block, dict) and block.get("type") == "image"
+            else {"type": "text", "text": text_content([block], where=f"{where}.{k}")}
+            for k, block in enumerate(content)]
+
+
+def anthropic_chat(system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]],
+                   *, takes_images: bool) -> list[dict[str, Any]]:
     """Anthropic Messages (user and assistant turns, each with content) as OpenAI-shaped chat
     messages: `system` first, an assistant's `tool_use` blocks as its `tool_calls`, a user's
-    `tool_result` blocks as `tool` messages (before the rest of that user turn), `image` blocks
-    as `image_url` parts (the message keeps its parts then, for
-    `lmnb.server.media.chat_media`); an assistant's thinking blocks are left out."""
+    `tool_result` blocks as `tool` messages (before the rest of that user turn), `image` blocks,
+    in a turn or in a tool result, as `image_url` parts (the message keeps its parts then, for
+    `lmnb.server.media.chat_media`); an assistant's thinking blocks are left out. An image for
+    a text-only model (`takes_images` False) is a 400 naming its block."""
     chat: list[dict[str, Any]] = []
     if system:
         chat.append({"role": "system", "content": _system_text(system)})
@@ -112,12 +134,12 @@ def anthropic_chat(system: str | list[dict[str, Any]] | None,
                     "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
             elif kind == "tool_result" and role == "user":
                 results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                "content": text_content(block.get("content"),
-                                                        where=f"{where}.{j}.content")})
+                                "content": _tool_result(block.get("content"),
+                                                        f"{where}.{j}.content", takes_images)})
             elif kind in _THINKING and role == "assistant":
                 continue  # as Anthropic drops earlier turns' thinking from the context
             elif kind == "image":
-                parts.append(_image_part(block, f"{where}.{j}"))
+                parts.append(_image_part(block, f"{where}.{j}", takes_images))
             else:
                 parts.append(block)
         chat.extend(results)
