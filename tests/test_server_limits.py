@@ -185,6 +185,10 @@ def test_images_for_a_text_model_are_a_clear_400(client, http, rt):
     with pytest.raises(anthropic.BadRequestError, match="takes no images"):
         claude.messages.create(model="tiny", max_tokens=2, messages=[
             {"role": "user", "content": [block, {"type": "text", "text": "What is this?"}]}])
+    with pytest.raises(anthropic.BadRequestError,
+                       match=r"messages\.0\.content\.1: this model takes no images"):
+        claude.messages.create(model="tiny", max_tokens=2, system="Look.", messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, block]}])
     result = {"type": "tool_result", "tool_use_id": "toolu_1",
               "content": [{"type": "text", "text": "Snapshot:"}, block]}
     with pytest.raises(anthropic.BadRequestError,  # Anthropic's indices, whatever `system`
