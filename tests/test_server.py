@@ -678,7 +678,9 @@ def test_anthropic_messages(http):
 
 def test_anthropic_streamed_usage_equals_the_whole_response(claude):
     """The SDK takes a stream's usage totals from message_delta (message_start comes before
-    the cached prefix is known): a cached prompt counts as cache reads, streamed or not."""
+    the cached prefix is known): a cached prompt counts as cache reads, streamed or not.
+    `cache_creation_input_tokens` is 0 (no `cache_control` writes), not missing: Anthropic's
+    total input is input + cache creation + cache read tokens, which a None breaks."""
     kwargs = dict(model="tiny", max_tokens=4, system="Usage review.",
                   messages=[{"role": "user", "content": "Count my tokens."}])
     claude.messages.create(**kwargs)  # the prompt is cached from now on
@@ -688,6 +690,12 @@ def test_anthropic_streamed_usage_equals_the_whole_response(claude):
         streamed = stream.get_final_message().usage
     assert (streamed.input_tokens, streamed.cache_read_input_tokens) == (
         whole.input_tokens, whole.cache_read_input_tokens)
+    counted = claude.messages.count_tokens(model="tiny", system=kwargs["system"],
+                                           messages=kwargs["messages"]).input_tokens
+    for usage in (whole, streamed):
+        assert usage.cache_creation_input_tokens == 0
+        assert (usage.input_tokens + usage.cache_creation_input_tokens
+                + usage.cache_read_input_tokens) == counted
 
 
 def test_anthropic_assistant_prefill_is_continued(claude, rt):

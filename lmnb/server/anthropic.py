@@ -84,14 +84,15 @@ def _stop_reason(meta: dict[str, Any], stops: list[str]) -> tuple[str, str | Non
 
 
 def _usage(meta: dict[str, Any], output_tokens: int | None = None) -> dict[str, Any]:
-    """Anthropic's meaning: `input_tokens` are the prompt tokens not read from the cache. A
-    stream's message_delta carries the totals from the last meta_info (the SDK takes them over
-    message_start's, which come before the cached prefix is known)."""
+    """Anthropic's meaning: `input_tokens` are the prompt tokens not read from the cache;
+    nothing is written to a cache by `cache_control` (0 cache creation tokens, as Anthropic
+    reports without it). A stream's message_delta carries the totals from the last meta_info
+    (the SDK takes them over message_start's, which come before the cached prefix is known)."""
     cached = meta.get("cached_tokens", 0)
     return {"input_tokens": meta.get("prompt_tokens", 0) - cached,
             "output_tokens": (meta.get("completion_tokens", 0) if output_tokens is None
                               else output_tokens),
-            "cache_read_input_tokens": cached}
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _error_event(error: Exception) -> str:
