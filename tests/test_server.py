@@ -784,6 +784,16 @@ def test_anthropic_errors_have_anthropic_bodies(server, claude):
     assert caught.value.type == "authentication_error"
 
 
+def test_anthropic_max_tokens_is_at_least_one(claude):
+    """Anthropic's `max_tokens` is >= 1 (its API and SGLang's endpoint refuse 0); 0 was taken
+    and answered with an empty text and stop_reason "max_tokens"."""
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError, match="max_tokens") as caught:
+            claude.messages.create(model="tiny", max_tokens=0, messages=CHAT, stream=stream)
+        assert caught.value.type == "invalid_request_error"
+    assert claude.messages.create(model="tiny", max_tokens=1, messages=CHAT).usage.output_tokens
+
+
 def test_anthropic_turns_are_user_or_assistant_with_content(claude):
     """Anthropic's messages are user and assistant turns, each with content (the system prompt
     is the top-level `system`); other roles and a missing content are 400s, not prompts."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from lmnb.runtime.output import OutputStream
 from lmnb.server.errors import APIError
@@ -47,7 +47,7 @@ from lmnb.server.tools import (
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    max_tokens: int
+    max_tokens: int = Field(ge=1)
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
