@@ -898,6 +898,28 @@ def test_ollama_unknown_model_is_a_404(server):
     assert out.done and out.model == "tiny:latest"
 
 
+def test_ollama_request_without_a_model_is_refused_in_ollamas_words(server, http):
+    """Ollama serves no default model: /api/chat and /api/show without one are a 400 `model is
+    required`, /api/generate a 404 `model '' not found`, /api/pull a 400 `invalid model name`
+    (server/routes.go and its tests); lmnb served its model to such requests. (The ollama
+    client refuses an empty name itself; curl and other clients send it.)"""
+    refused = [("/api/chat", {"messages": CHAT}, 400, "model is required"),
+               ("/api/chat", {"model": "", "messages": CHAT, "stream": True}, 400,
+                "model is required"),
+               ("/api/chat", {"messages": []}, 400, "model is required"),
+               ("/api/generate", {"prompt": "Hi"}, 404, "model '' not found"),
+               ("/api/generate", {"model": ""}, 404, "model '' not found"),
+               ("/api/show", {}, 400, "model is required"),
+               ("/api/pull", {"model": ""}, 400, "invalid model name")]
+    for path, body, status, words in refused:
+        response = http.post(path, json=body)
+        assert (response.status_code, response.json()) == (status, {"error": words}), body
+    client = ollama.Client(host=server.url, headers=AUTH)
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model=" ", messages=CHAT)
+    assert (caught.value.status_code, caught.value.error) == (400, "model is required")
+
+
 def test_ollama_version_and_what_one_served_model_cannot_do(server, http):
     """`/api/version` is lmnb's; what a server of one model loaded from its files cannot do
     (pull another model, push, create, copy, delete, embeddings) is a 501 saying so in

@@ -258,10 +258,12 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     names = (model_name, f"{model_name}:latest")  # Ollama's tag defaults to latest
     tokens = TokenPieces(runtime.tokenizer)
 
-    def served(name: str | None) -> str:
-        """The model a request names (the served one if it names none); any other is a 404,
-        as Ollama answers a model it does not have."""
-        name = name or model_name
+    def served(name: str | None, unnamed: APIError | None = None) -> str:
+        """The model a request names; any other is a 404, as Ollama answers a model it does
+        not have. A request that names none is `unnamed` (Ollama's answer differs by route),
+        by default /api/chat's and /api/show's 400 `model is required`."""
+        if name is None or not name.strip():
+            raise unnamed or APIError("model is required", param="model")
         if name not in names:
             raise APIError(f"model '{name}' not found", status=404, type="not_found_error")
         return name
@@ -350,7 +352,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/api/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
-        name = served(body.model)
+        # Ollama's /api/generate answers a missing model as a model it does not have
+        name = served(body.model, APIError(f"model '{body.model or ''}' not found", status=404,
+                                           type="not_found_error"))
         _unloads(body.keep_alive)  # a 400 if it is no duration
         if body.raw and (body.template or body.system or body.context):
             raise APIError("raw mode does not support template, system, or context",
@@ -433,6 +437,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     async def pull(body: PullRequest) -> Any:
         """The served model is here already: pulling it succeeds at once."""
         name = body.model or body.name
+        if name is None or not name.strip():
+            raise APIError("invalid model name", param="model")  # Ollama's words
         if name not in names:
             raise _cannot(model_name, f"pull '{name}'")
         if body.stream:
