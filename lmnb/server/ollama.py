@@ -322,8 +322,6 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                         plan: ToolPlan) -> StreamingResponse | dict[str, Any]:
         clock = _Clock()
         params = _params(body)
-        if "json_schema" in params:
-            raise APIError("format cannot be combined with tools", param="format")
         params.setdefault("max_new_tokens", None)  # up to the context length
         tool_run = ToolRun(runtime, plan, prompt, params, **_Logprobs.kwargs(body))
         logprobs = _Logprobs(body, tokens)
@@ -394,8 +392,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         plan = tool_plan(tools, ToolChoice("auto" if tools else "none"), runtime.tokenizer)
         prompt = runtime.apply_chat_template(chat_messages(body.messages),
                                              tools=plan.prompt_tools() if plan else None)
-        if plan is not None:
+        if plan is not None and body.format in (None, ""):
             return await run_tools(request, body, prompt, plan)
+        # with a format, as Ollama: the tools are in the prompt, the reply follows the format
         return await run(request, body, prompt, chat=True)
 
     checkpoint = Checkpoint.read(runtime.model_dir)
