@@ -257,10 +257,11 @@ def small(tiny_models) -> Iterator[ServerHandle]:
 
 
 def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_the_numbers(small):
-    """Every API refuses a request whose prompt plus max tokens exceed the context length, as
-    SGLang's and vLLM's servers do (lmnb cut max_tokens silently), in its own error shape with
-    the three numbers and before anything runs; the runtime stays whole, and a request that
-    fits exactly, or gives no limit (up to the context), then runs to the context's end."""
+    """Every API but Ollama's (`test_ollama_num_ctx_is_the_requests_window`) refuses a request
+    whose prompt plus max tokens exceed the context length, as SGLang's and vLLM's servers do
+    (lmnb cut max_tokens silently), in its own error shape with the three numbers and before
+    anything runs; the runtime stays whole, and a request that fits exactly, or gives no limit
+    (up to the context), then runs to the context's end."""
     rt, context = small.runtime, small.runtime.context_len
     client = openai.OpenAI(base_url=f"{small.url}/v1", api_key=KEY, max_retries=0)
     claude = anthropic.Anthropic(base_url=small.url, api_key=KEY, max_retries=0)
@@ -297,9 +298,6 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_the_numbers(sma
         "type": "invalid_request_error",
         "message": f"input length and `max_tokens` exceed context limit: {prompt} + {room + 1} "
                    f"> {context}, decrease input length or `max_tokens` and try again"}}
-    with pytest.raises(ollama.ResponseError) as caught_ollama:
-        llama.chat(model="tiny", messages=messages, options={"num_predict": room + 1})
-    assert caught_ollama.value.status_code == 400 and numbers in caught_ollama.value.error
     stats = idle.wait_idle(rt, 30.0, unlocked=True)
     assert stats["prompt_tokens"] == submitted  # nothing was submitted
     rt.check_integrity()
@@ -320,6 +318,62 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_the_numbers(sma
     assert fits.usage.input_tokens + (fits.usage.cache_read_input_tokens or 0) == prompt
     assert 0 < fits.usage.output_tokens <= room
     assert llama.chat(model="tiny", messages=messages, options={"num_predict": 2}).message
+    rt.check_integrity()
+
+
+def test_ollama_num_ctx_is_the_requests_window(small):
+    """Ollama's `options.num_ctx` is the request's window (lmnb ignored it): above the context
+    length it is the context length (Ollama clamps it to the trained one); a chat too long for
+    it drops its oldest messages but the system ones and the last (server/prompt.go); a prompt
+    still too long keeps its first `num_keep` tokens (default 4) and its end, leaving about
+    half the rest for the reply (llm/llama_server.go), or is a 400 with `truncate: false`; the
+    reply ends at the window's end. `num_predict` past the room is no 400, as in Ollama."""
+    rt, context = small.runtime, small.runtime.context_len
+    llama = ollama.Client(host=small.url, headers=AUTH)
+    text = " ".join(f"w{i}" for i in range(200))
+    ids = rt.encode(text)
+    bos = int(ids[0] == rt.tokenizer.bos_token_id)
+    assert len(ids) > context
+
+    def cut(size: int, keep: int = 4) -> list[int]:
+        keep = min(keep + bos, size - 1)
+        limit = size - max((size - keep) // 2, 1)
+        return ids[:keep] + ids[len(ids) - (limit - keep):]
+
+    def direct(prompt: list[int], size: int) -> str:
+        params = {"temperature": 0, "max_new_tokens": size - len(prompt)}
+        return rt.generate(None, params, input_ids=prompt)["text"]
+
+    for options, size, keep in (({"num_ctx": 40}, 40, 4), ({"num_ctx": 40, "num_keep": 9}, 40, 9),
+                                ({}, context, 4), ({"num_ctx": 10**6}, context, 4)):
+        out = llama.generate(model="tiny", prompt=text, raw=True,
+                             options={"temperature": 0, "num_predict": 500, **options})
+        prompt = cut(size, keep)
+        assert out.prompt_eval_count == len(prompt), options
+        assert out.response == direct(prompt, size) and out.eval_count <= size - len(prompt)
+    *_, last = llama.generate(model="tiny", prompt=text, raw=True, stream=True,
+                              options={"temperature": 0, "num_ctx": 40})
+    assert last.done and last.prompt_eval_count == len(cut(40))
+    with httpx.Client(base_url=small.url, headers=AUTH, timeout=60) as http:
+        whole = http.post("/api/generate", json={"model": "tiny", "prompt": text, "raw": True,
+                                                 "truncate": False, "stream": False})
+    assert (whole.status_code, whole.json()) == (
+        400, {"error": "the input length exceeds the context length"})
+
+    system = {"role": "system", "content": "Be brief."}
+    old = [{"role": role, "content": " ".join(f"{role}{i}" for i in range(20))}
+           for role in ("user", "assistant", "user", "assistant")]
+    ask = {"role": "user", "content": "Name a colour."}
+    kept = len(rt.encode(rt.apply_chat_template([system, ask])))
+    more = len(rt.encode(rt.apply_chat_template([system, *old[-1:], ask])))
+    assert kept + 6 < more
+    reply = llama.chat(model="tiny", messages=[system, *old, ask],
+                       options={"num_ctx": kept + 6, "temperature": 0})
+    assert reply.prompt_eval_count == kept and reply.eval_count <= 6
+    messages = [{"role": "user", "content": "Name a colour."}]
+    room = context - len(rt.encode(rt.apply_chat_template(messages)))
+    over = llama.chat(model="tiny", messages=messages, options={"num_predict": room + 1})
+    assert over.done and over.eval_count <= room
     rt.check_integrity()
 
 

@@ -60,14 +60,18 @@ def _check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [dict(message) for message in messages]
 
 
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether encoding a text (special tokens added) starts it with the BOS token."""
+    ids = tokenizer.encode("a", add_special_tokens=True)
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
 def strip_added_bos(tokenizer: Any, text: str) -> str:
     """`text` without a leading BOS token text when encoding adds BOS anyway."""
     bos = getattr(tokenizer, "bos_token", None)
     if not bos or not text.startswith(bos):
         return text
-    ids = tokenizer.encode("a", add_special_tokens=True)
-    adds_bos = bool(ids) and ids[0] == tokenizer.bos_token_id
-    return text[len(bos):] if adds_bos else text
+    return text[len(bos):] if adds_bos(tokenizer) else text
 
 
 def renders_tools(tokenizer: Any) -> bool:

@@ -23,10 +23,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
-from lmnb.runtime.chat import strip_added_bos
+from lmnb.runtime.chat import adds_bos, strip_added_bos
 from lmnb.runtime.config import ModelConfig
 from lmnb.server.errors import APIError
 from lmnb.server.messages import chat_messages
+from lmnb.server.ollama_window import Window
 from lmnb.server.stream_logprobs import (
     RUNNING_LOGPROBS,
     StreamedLogprobs,
@@ -52,8 +53,9 @@ _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
 
 
 class Options(BaseModel):
-    """The `options` lmnb uses (others, e.g. `num_ctx`, are ignored), typed as Ollama's are:
-    a value of the wrong type is a 400."""
+    """The `options` lmnb uses (others, e.g. `num_gpu`, are ignored), typed as Ollama's are:
+    a value of the wrong type is a 400. `num_ctx` and `num_keep` shape the request's window
+    (`lmnb.server.ollama_window`)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     temperature: float | None = None
@@ -66,6 +68,8 @@ class Options(BaseModel):
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    num_ctx: int | None = None
+    num_keep: int | None = None
 
 
 class _OllamaRequest(BaseModel):
@@ -78,6 +82,11 @@ class _OllamaRequest(BaseModel):
     think: bool | Literal["high", "medium", "low", "max"] | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
+    truncate: bool = True  # false: a prompt longer than the window is a 400, not cut
+
+    def window(self, context_len: int) -> Window:
+        options = self.options or Options()
+        return Window.of(options.num_ctx, options.num_keep, self.truncate, context_len)
 
 
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
@@ -168,6 +177,8 @@ def _params(body: _OllamaRequest) -> dict[str, Any]:
     params: dict[str, Any] = {}
     options = body.options.model_dump(exclude_none=True) if body.options else {}
     for key, value in options.items():
+        if key not in _OPTIONS:  # the window's
+            continue
         name = _OPTIONS[key]
         # a negative num_predict (Ollama's -1: no limit): up to the context length
         params[name] = value if name != "max_new_tokens" or value >= 0 else None
@@ -257,6 +268,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     names = (model_name, f"{model_name}:latest")  # Ollama's tag defaults to latest
     tokens = TokenPieces(runtime.tokenizer)
+    bos = adds_bos(runtime.tokenizer)
 
     def served(name: str | None, unnamed: APIError | None = None) -> str:
         """The model a request names; any other is a 404, as Ollama answers a model it does
@@ -268,14 +280,17 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             raise APIError(f"model '{name}' not found", status=404, type="not_found_error")
         return name
 
-    async def run(request: Request, body: _OllamaRequest, prompt: str, chat: bool,
-                  context: bool = False) -> StreamingResponse | dict[str, Any]:
-        """Generates for `prompt`; with `context`, the last object carries the tokens of the
-        prompt and the response (Ollama's `context`, tokenized as Ollama does: the texts)."""
+    async def run(request: Request, body: _OllamaRequest, prompt: str, ids: list[int],
+                  chat: bool, context: bool = False) -> StreamingResponse | dict[str, Any]:
+        """Generates for `ids` (`prompt`'s, as the window holds them); with `context`, the last
+        object carries the tokens of the prompt and the response (Ollama's `context`,
+        tokenized as Ollama does: the texts)."""
         clock = _Clock()
         params = _params(body)
-        params.setdefault("max_new_tokens", None)  # up to the context length
-        stream = await open_stream(runtime, prompt, params, **_Logprobs.kwargs(body))
+        params["max_new_tokens"] = body.window(runtime.context_len).max_new_tokens(
+            params.get("max_new_tokens"), len(ids))
+        stream = await open_stream(runtime, None, params, input_ids=ids,
+                                   **_Logprobs.kwargs(body))
         logprobs = _Logprobs(body, tokens)
         model = body.model or model_name
 
@@ -318,11 +333,12 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         return {"model": model, "created_at": _now(), **piece(text), **logprobs.new(meta),
                 **clock.final(meta), **await ending(text)}
 
-    async def run_tools(request: Request, body: ChatRequest, prompt: str,
+    async def run_tools(request: Request, body: ChatRequest, prompt: str, prompt_len: int,
                         plan: ToolPlan) -> StreamingResponse | dict[str, Any]:
         clock = _Clock()
         params = _params(body)
-        params.setdefault("max_new_tokens", None)  # up to the context length
+        params["max_new_tokens"] = body.window(runtime.context_len).max_new_tokens(
+            params.get("max_new_tokens"), prompt_len)
         tool_run = ToolRun(runtime, plan, prompt, params, **_Logprobs.kwargs(body))
         logprobs = _Logprobs(body, tokens)
         model = body.model or model_name
@@ -377,7 +393,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             if body.context:
                 before = await asyncio.to_thread(runtime.tokenizer.decode, body.context)
                 prompt = strip_added_bos(runtime.tokenizer, before + prompt)
-        return await run(request, body, prompt, chat=False, context=not body.raw)
+        ids = body.window(runtime.context_len).cut(
+            await asyncio.to_thread(runtime.encode, prompt), bos)
+        return await run(request, body, prompt, ids, chat=False, context=not body.raw)
 
     @router.post("/api/chat", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
@@ -390,12 +408,34 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 raise _no_images(runtime, f"messages.{i}.images")
         tools = openai_tools(body.tools)
         plan = tool_plan(tools, ToolChoice("auto" if tools else "none"), runtime.tokenizer)
-        prompt = runtime.apply_chat_template(chat_messages(body.messages),
-                                             tools=plan.prompt_tools() if plan else None)
+        window = body.window(runtime.context_len)
+        prompt, ids = await asyncio.to_thread(
+            chat_prompt, chat_messages(body.messages), plan.prompt_tools() if plan else None,
+            window)
+        fitted = window.cut(ids, bos)
         if plan is not None and body.format in (None, ""):
-            return await run_tools(request, body, prompt, plan)
+            if fitted != ids:  # the calls continue the prompt's text: the cut ids' text
+                prompt = strip_added_bos(runtime.tokenizer, await asyncio.to_thread(
+                    runtime.tokenizer.decode, fitted))
+                fitted = await asyncio.to_thread(runtime.encode, prompt)
+            return await run_tools(request, body, prompt, len(fitted), plan)
         # with a format, as Ollama: the tools are in the prompt, the reply follows the format
-        return await run(request, body, prompt, chat=True)
+        return await run(request, body, prompt, fitted, chat=True)
+
+    def chat_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    window: Window) -> tuple[str, list[int]]:
+        """The prompt of the messages the window holds (the oldest dropped first), and its
+        ids."""
+        rendered: dict[tuple[int, ...], tuple[str, list[int]]] = {}
+
+        def render(kept: list[dict[str, Any]]) -> tuple[str, list[int]]:
+            key = tuple(map(id, kept))
+            if key not in rendered:
+                text = runtime.apply_chat_template(kept, tools=tools)
+                rendered[key] = text, runtime.encode(text)
+            return rendered[key]
+
+        return render(window.messages(messages, lambda kept: len(render(kept)[1])))
 
     checkpoint = Checkpoint.read(runtime.model_dir)
     details = _details(runtime.model_config, checkpoint)
