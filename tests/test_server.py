@@ -963,7 +963,7 @@ def test_ollama_keep_alive_zero_cannot_unload_the_served_model(server, http):
     """Ollama unloads a model for an empty prompt (or no messages) with `keep_alive` 0 and
     answers `done_reason: "unload"`; lmnb keeps its one model loaded while it serves, so that
     is a 501 saying so (it answered "load"). A `keep_alive` that is no duration is a 400, as
-    Ollama's; other durations change nothing."""
+    Ollama's; other durations change nothing, nor does 0 with a prompt."""
     client = ollama.Client(host=server.url, headers=AUTH)
     unloads = [lambda: client.generate(model="tiny", keep_alive=0),
                lambda: client.chat(model="tiny", messages=[], keep_alive="0s")]
@@ -973,6 +973,18 @@ def test_ollama_keep_alive_zero_cannot_unload_the_served_model(server, http):
         assert caught.value.status_code == 501 and "unload" in caught.value.error
     assert client.generate(model="tiny", keep_alive="5m").done_reason == "load"
     assert client.chat(model="tiny", messages=[], keep_alive=-1).done_reason == "load"
+    # With a prompt, Ollama generates, then unloads the idle model (server/sched.go): the
+    # reply is what the client asks for, so lmnb gives it as without keep_alive and keeps the
+    # model loaded (`/api/ps` still lists it).
+    options = {"temperature": 0, "num_predict": 4}
+    plain = client.generate(model="tiny", prompt="Hi", options=options)
+    for keep_alive in (0, "0s"):
+        out = client.generate(model="tiny", prompt="Hi", options=options, keep_alive=keep_alive)
+        assert (out.response, out.done_reason) == (plain.response, plain.done_reason)
+        *_, last = client.chat(model="tiny", messages=CHAT, options=options, stream=True,
+                               keep_alive=keep_alive)
+        assert last.done and last.done_reason in ("stop", "length") and last.eval_count
+    assert [m.name for m in client.ps().models] == ["tiny"]
     bad = http.post("/api/generate", json={"model": "tiny", "prompt": "Hi", "keep_alive": "soon"})
     assert bad.status_code == 400 and "soon" in bad.json()["error"]
 
