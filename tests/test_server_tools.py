@@ -426,6 +426,23 @@ def test_ollama_chat_format_with_tools_follows_the_format(server):
     assert "".join(line.message.content for line in lines) == reply.message.content
 
 
+def test_ollama_chat_tools_within_a_small_num_ctx(server, rt):
+    """A chat with tools longer than its `num_ctx` is cut as any other (its first `num_keep`
+    tokens and its end) and its reply, calls included, ends within the window."""
+    client = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {KEY}"})
+    long = [{"role": "user", "content": " ".join(f"w{i}" for i in range(300))}]
+    size = 96
+    assert len(rt.encode(rt.apply_chat_template(long, tools=TOOLS))) > size
+    for stream in (False, True):
+        reply = client.chat(model="tiny", messages=long, tools=TOOLS, stream=stream,
+                            options={"num_ctx": size, "temperature": 0})
+        if stream:
+            *_, reply = reply
+        assert reply.done and reply.prompt_eval_count < size
+        assert reply.prompt_eval_count + reply.eval_count <= size
+    rt.check_integrity()
+
+
 def test_disconnect_mid_call_frees_kv(rt):
     """A client gone while continuations generate calls aborts them: they would run for over
     `items` decode steps each (up to the tiny model's context), the client leaves after ~5."""
