@@ -522,6 +522,30 @@ def test_native_generate_token_ids_logprob(http, rt):
     assert bad.status_code == 400 and "1000000000" in bad.text
 
 
+def test_native_generate_first_prompt_position_has_no_logprob(http, rt):
+    """As SGLang's scheduler, which scores the prompt positions after `logprob_start_len`: the
+    first position returned has no logprob (nor top or asked-for rows) from any start; the
+    positions after it have the runtime's."""
+    ids = rt.encode("The sky is blue and the grass is green")
+    params = {"max_new_tokens": 0}
+    options = {"return_logprob": True, "top_logprobs_num": 2, "token_ids_logprob": [5]}
+    for start in (0, 3):
+        meta = http.post("/generate", json={"input_ids": ids, "sampling_params": params,
+                                            "logprob_start_len": start, **options}
+                         ).json()["meta_info"]
+        want = rt.generate(input_ids=ids, sampling_params=params, logprob_start_len=start,
+                           **options)["meta_info"]
+        rows = meta["input_token_logprobs"]
+        assert [token for _, token, _ in rows] == ids[start:]
+        assert rows[0][0] is None and meta["input_top_logprobs"][0] is None
+        assert meta["input_token_ids_logprobs"][0] is None
+        assert [lp for lp, _, _ in rows[1:]] == pytest.approx(
+            [lp for lp, _ in want["input_token_logprobs"][1:]], abs=1e-5)
+        assert [[t for _, t, _ in row] for row in meta["input_top_logprobs"][1:]] == [
+            [t for _, t in row] for row in want["input_top_logprobs"][1:]]
+        assert len(meta["input_token_ids_logprobs"]) == len(ids) - start
+
+
 def test_native_generate_token_origins(http):
     """lmnb's `return_token_origins` on SGLang's route: spans over the prompt and the output."""
     params = {"temperature": 0, "max_new_tokens": 6, "regex": "[0-9]{2}, [0-9]{2}"}

@@ -85,6 +85,28 @@ def test_select_and_fork(endpoint, sgl_runtime) -> None:
         assert state.text().count(f"Tip {i + 1}:{out['text']}\n") == 1
 
 
+def test_select_scores_as_against_sglangs_server(endpoint, sgl_runtime) -> None:
+    """SGLang's `select` asks the prompt logprobs from two tokens before the prompt's end and
+    averages the values that are not None; SGLang's server has None at the first position
+    returned, so each choice scores the mean over the positions after it."""
+    prompt, choices = "Tips about cooking. Tool:", [" calculator", " search engine", " none"]
+
+    @sgl.function
+    def tool(s):
+        s += prompt
+        s += sgl.select("tool", choices=choices)
+
+    meta = tool.run().get_meta_info("tool")
+    start = len(sgl_runtime.encode(prompt)) - 2
+    for choice, score, rows in zip(choices, meta["normalized_prompt_logprobs"],
+                                   meta["input_token_logprobs"], strict=True):
+        out = sgl_runtime.generate(prompt + choice, {"max_new_tokens": 0}, return_logprob=True,
+                                   logprob_start_len=start + 1)
+        scored = [lp for lp, _ in out["meta_info"]["input_token_logprobs"]]
+        assert rows[0][0] is None and len(rows) == len(scored) + 1
+        assert score == pytest.approx(sum(scored) / len(scored), abs=1e-5)
+
+
 def test_next_token_top_logprobs_with_max_tokens_zero(endpoint, sgl_runtime) -> None:
     """CoT decoding's first step (SGLang's example): max_tokens=0 gives the next token's top k."""
 
@@ -149,8 +171,9 @@ def test_select_after_an_image_scores_each_choice_with_it(tiny_llavas, tmp_path)
                                    logprob_start_len=0)
             expected = out["meta_info"]["input_token_logprobs"][-len(row):]
             assert [token for _, token, _ in row] == [token for _, token in expected]
-            assert [lp for lp, _, _ in row] == pytest.approx([lp for lp, _ in expected],
-                                                             abs=1e-4)
+            assert row[0][0] is None  # SGLang's first position returned has no logprob
+            assert [lp for lp, _, _ in row[1:]] == pytest.approx(
+                [lp for lp, _ in expected[1:]], abs=1e-4)
 
 
 def test_logprob_meta_info_has_sglangs_keys_without_a_start(endpoint, sgl_runtime) -> None:

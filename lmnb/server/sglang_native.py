@@ -8,7 +8,8 @@
 `data: [DONE]`. Logprobs are `[logprob, token_id, text or None]` triples (text with
 `return_text_in_logprobs`); `max_new_tokens` 0 with `top_logprobs_num` k gives one
 `output_top_logprobs` row, the next token's top k (and with `token_ids_logprob` one
-`output_token_ids_logprobs` row: those ids' logprobs, SGLang's scoring). `sampling_params`
+`output_token_ids_logprobs` row: those ids' logprobs, SGLang's scoring); the prompt's lists
+from `logprob_start_len` have None at their first position, as SGLang's. `sampling_params`
 takes every name of SGLang 0.5's (`lmnb.params`): unimplemented ones only with their defaults,
 else a 400 naming them.
 
@@ -136,8 +137,25 @@ def _aborted(meta: dict[str, Any], rid: str, output_ids: list[int]) -> dict[str,
 
 def sglang_meta(meta: dict[str, Any], token_text: TokenTexts | None) -> dict[str, Any]:
     """The runtime's meta_info with logprobs as SGLang's triples (text None unless
-    `token_text` is given)."""
-    return with_token_texts(meta, token_text or _no_text)
+    `token_text` is given), the first prompt position unscored (`_unscored_first_position`)."""
+    return _unscored_first_position(with_token_texts(meta, token_text or _no_text))
+
+
+def _unscored_first_position(meta: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's scheduler scores the prompt positions after `logprob_start_len` only: the first
+    position returned has no logprob whatever the start (lmnb's runtime scores it when the start
+    is past 0). SGLang's frontend `select` averages the non-None values of lists it asks from
+    two tokens before the prompt's end, so the same None gives the same scores."""
+    lists = meta.get("input_token_logprobs")
+    if not lists:
+        return meta
+    out = dict(meta)
+    first = lists[0]
+    out["input_token_logprobs"] = [(None, *first[1:]), *lists[1:]]
+    for key in ("input_top_logprobs", "input_token_ids_logprobs"):
+        if out.get(key):
+            out[key] = [None, *out[key][1:]]
+    return out
 
 
 def _no_text(token_id: int) -> None:

@@ -171,17 +171,21 @@ class _ScoringClient:
     def generate(self, *, input_ids: list[list[int]], sampling_params: dict[str, Any],
                  return_logprob: bool = False, logprob_start_len: int | None = None,
                  **media: Any) -> list[dict[str, Any]]:
+        """`Runtime.generate`'s prompt logprobs: from `logprob_start_len` on, each scored. A
+        server gives none at the first position it returns (SGLang's scheduler scores the
+        positions after it), so they are asked from one position earlier, that one left out."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": return_logprob, **media}
+        earlier = logprob_start_len is not None and logprob_start_len > 0
         if logprob_start_len is not None:
-            body["logprob_start_len"] = logprob_start_len
+            body["logprob_start_len"] = logprob_start_len - 1 if earlier else logprob_start_len
         results = self.endpoint._request("/generate", body)
         results = results if isinstance(results, list) else [results]
         for result in results:  # SGLang's [logprob, id, text] triples -> (logprob, id)
             meta = result["meta_info"]
             if "input_token_logprobs" in meta:
-                meta["input_token_logprobs"] = [(lp, tid) for lp, tid, *_ in
-                                                meta["input_token_logprobs"]]
+                pairs = [(lp, tid) for lp, tid, *_ in meta["input_token_logprobs"]]
+                meta["input_token_logprobs"] = pairs[1:] if earlier else pairs
         return results
 
     def cache_prefix(self, *, input_ids: list[int]) -> None:
