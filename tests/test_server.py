@@ -575,6 +575,36 @@ def test_native_generate_stream_is_cumulative(http):
     assert {e["index"] for e in events} == {0, 1}
 
 
+def test_native_generate_stream_events_carry_sglangs_meta_info(http):
+    """Each streamed event's meta_info has the fields SGLang's tokenizer manager puts in every
+    chunk: the counts, and with `return_logprob` the logprob lists so far (cumulative, as the
+    text is), each with the value the last event gives; only e2e_latency waits for the end."""
+    prompt, params = "The weather today is", {"temperature": 0, "max_new_tokens": 5,
+                                              "ignore_eos": True}
+    http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+    counts = {"id", "prompt_tokens", "weight_version", "total_retractions", "reasoning_tokens",
+              "cached_tokens"}
+    lists = {"input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+             "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs"}
+    logprobs = {"return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2,
+                "token_ids_logprob": [5, 9], "return_text_in_logprobs": True}
+    for extra, keys in (({}, set()), (logprobs, lists)):
+        with http.stream("POST", "/generate", json={"text": prompt, "sampling_params": params,
+                                                    "stream": True, **extra}) as response:
+            events = sse_data(response.iter_lines())
+        last = events[-1]["meta_info"]
+        assert len(events) > 1 and (last["cached_tokens"] > 0 or extra)
+        for event in events[:-1]:
+            meta, count = event["meta_info"], len(event["output_ids"])
+            assert "e2e_latency" not in meta and meta["finish_reason"] is None
+            assert meta["completion_tokens"] == count
+            assert {key: meta[key] for key in counts} == {key: last[key] for key in counts}
+            assert {key: meta[key] for key in keys} == {
+                key: last[key] if key.startswith("input") else last[key][:count] for key in keys}
+            assert meta.get("output_token_logprobs_length", count) == count
+            assert ("output_token_logprobs_length" in meta) == bool(extra)
+
+
 def test_native_generate_reports_the_given_rid(http):
     """SGLang's `rid` comes back as `meta_info.id`: a string for one request, `rid_i` per
     result of a batch or of n > 1, a list with one id per prompt."""

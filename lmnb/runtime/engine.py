@@ -341,6 +341,10 @@ class Runtime:
         every output position (`output_token_ids_logprobs`) and, with `logprob_start_len`, every
         prompt position (`input_token_ids_logprobs`), rows like `output_top_logprobs`'; with
         `max_new_tokens` 0 one output row, for the token that would come next (SGLang's scoring).
+        Streamed, a running chunk carries its new tokens' rows (`new_token_logprobs`,
+        `new_top_logprobs`, `new_token_ids_logprobs`, from output position `output_ids_from`).
+        The first streamed chunk after each admission carries `cached_tokens` and
+        `total_retractions` (and with `return_logprob` the prompt's lists).
 
         `return_token_origins` (implies `return_logprob`) adds where each token came from:
         `prompt_token_origins` and `output_token_origins` spans (cached / computed prompt,

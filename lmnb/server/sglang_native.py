@@ -37,6 +37,7 @@ from lmnb.runtime.output.stream import OutputStream, extend_output_ids
 from lmnb.server.errors import APIError
 from lmnb.server.media import media_kwargs, media_tokens
 from lmnb.server.open_requests import OpenRequests
+from lmnb.server.streamed_meta import StreamedMeta
 from lmnb.server.streams import (
     Chunk,
     ServedRuntime,
@@ -194,7 +195,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                else _caller_ids(body.rid, body.samples()))
         if body.stream:
             open_requests.check_free(ids, stream)  # a 400 before the stream starts
-            events = _events(stream, batch, texts, ids, open_requests)
+            events = _events(stream, batch, texts, ids, open_requests,
+                             runtime.engine_config.weight_version)
             return StreamingResponse(guarded(events, sse_error),
                                      media_type="text/event-stream")
         with open_requests.tracked(ids, stream):
@@ -288,13 +290,15 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
 
 async def _events(stream: OutputStream, batch: bool, token_text: TokenTexts | None,
-                  rids: list[str], open_requests: OpenRequests) -> AsyncIterator[str]:
-    """Cumulative events; a request ended by `/abort_request {"abort_all"}` (its stream closed,
-    no last chunk) gets a last event with finish_reason `abort` (one aborted by its rid gets the
-    runtime's)."""
+                  rids: list[str], open_requests: OpenRequests,
+                  weight_version: str) -> AsyncIterator[str]:
+    """Cumulative events, each with SGLang's meta_info so far (`StreamedMeta`); a request ended
+    by `/abort_request {"abort_all"}` (its stream closed, no last chunk) gets a last event with
+    finish_reason `abort` (one aborted by its rid gets the runtime's)."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
     metas: dict[int, dict[str, Any]] = {}
+    so_far: dict[int, StreamedMeta] = {}
     finished: set[int] = set()
     tagged = batch or len(rids) > 1  # as the runtime tags a stream's chunks
 
@@ -310,7 +314,9 @@ async def _events(stream: OutputStream, batch: bool, token_text: TokenTexts | No
             index = chunk_index(chunk)
             texts[index] = texts.get(index, "") + chunk["text"]
             extend_output_ids(ids.setdefault(index, []), chunk)
-            meta = {**sglang_meta(chunk["meta_info"], token_text), "id": rids[index]}
+            progress = so_far.setdefault(index, StreamedMeta(weight_version))
+            meta = {**sglang_meta(progress.add(chunk["meta_info"]), token_text),
+                    "id": rids[index]}
             metas[index] = meta
             if meta.get("finish_reason") is not None:
                 finished.add(index)

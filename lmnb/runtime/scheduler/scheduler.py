@@ -61,7 +61,12 @@ from lmnb.runtime.scheduler.prefill import PrefillManager, input_logprob_span, s
 from lmnb.runtime.scheduler.profiler import PassProfiler
 from lmnb.runtime.scheduler.request_state import ReqState
 from lmnb.runtime.scheduler.request_table import RequestTable
-from lmnb.runtime.scheduler.stats import SchedulerStats, live_meta, request_meta
+from lmnb.runtime.scheduler.stats import (
+    SchedulerStats,
+    admission_meta,
+    live_meta,
+    request_meta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -520,7 +525,8 @@ class Scheduler:
                 req.status = ReqStatus.RUNNING
                 self.table.running.append(req)
                 self._append_token(state, token, output.next_token_logprobs[i],
-                                   output.next_top_logprobs[i], output.next_token_ids_logprobs[i])
+                                   output.next_top_logprobs[i], output.next_token_ids_logprobs[i],
+                                   admitted=True)
             elif filled:  # prompt done, nothing to generate
                 self._finish(state, finish_length(len(req.output_ids)))
 
@@ -580,10 +586,12 @@ class Scheduler:
 
     def _append_token(self, state: ReqState, token: int, logprob: float | None,
                       top: list[tuple[float, int]] | None,
-                      asked: list[tuple[float, int]] | None, *, speculated: bool = False) -> None:
+                      asked: list[tuple[float, int]] | None, *, speculated: bool = False,
+                      admitted: bool = False) -> None:
         """Appends one output token through every rule (`asked`: the logprobs of the request's
         `token_ids_logprob` there); `speculated`: an accepted draft token of a verify pass (not
-        sampled by this step)."""
+        sampled by this step); `admitted`: the first token since the request was (re)admitted
+        (its event carries `admission_meta`)."""
         req, params = state.req, state.sampling_params
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
@@ -614,7 +622,9 @@ class Scheduler:
         if reason is not None:
             self._finish(state, reason, new_ids=[token])
             return
-        meta = None if state.origins is None else live_meta(state, len(req.output_ids) - 1)
+        meta = live_meta(state, len(req.output_ids) - 1) if req.return_logprob else None
+        if admitted:
+            meta = {**(meta or {}), **admission_meta(state)}
         self._events.append(TokenEvent(req.rid, [token], meta=meta))
         if state.grammar is not None and self.jump_forward is not None:
             self._jump_forward(state)
@@ -658,7 +668,7 @@ class Scheduler:
         self.stats.jump_forward_tokens += len(appended)
         state.jumped_tokens += len(appended)
         event = TokenEvent(req.rid, appended, replace_output_ids=list(new_ids),
-                           meta=None if state.origins is None else live_meta(state, plan.keep))
+                           meta=live_meta(state, plan.keep) if req.return_logprob else None)
         reason = self.stop_rules.after_text(state.stop_text, state.grammar, req.sampling_params,
                                             len(req.output_ids))
         if reason is not None:

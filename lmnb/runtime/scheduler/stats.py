@@ -87,14 +87,34 @@ def request_meta(state: ReqState, *, weight_version: str) -> dict[str, Any]:
 
 
 def live_meta(state: ReqState, start: int) -> dict[str, Any]:
-    """A running request's step `meta_info` when it asked for token origins: the output's
-    spans so far, its cached prompt tokens, where this step's ids go (`output_ids_from`), and
-    their logprobs."""
-    logprobs = state.logprobs
-    meta: dict[str, Any] = {"output_token_origins": state.origins.spans(),
-                            "cached_tokens": state.req.cached_tokens,
-                            "output_ids_from": start,
+    """A running request's step `meta_info` when it asked for logprobs: where this step's ids go
+    (`output_ids_from`) and their logprobs (`new_token_logprobs`, `new_top_logprobs`,
+    `new_token_ids_logprobs` as asked), and with token origins the output's spans so far and its
+    cached prompt tokens."""
+    logprobs, req = state.logprobs, state.req
+    meta: dict[str, Any] = {"output_ids_from": start,
                             "new_token_logprobs": logprobs.output_token[start:]}
-    if state.req.top_logprobs_num:
+    if req.top_logprobs_num:
         meta["new_top_logprobs"] = logprobs.output_top[start:]
+    if req.token_ids_logprob:
+        meta["new_token_ids_logprobs"] = logprobs.output_token_ids[start:]
+    if state.origins is not None:
+        meta["output_token_origins"] = state.origins.spans()
+        meta["cached_tokens"] = req.cached_tokens
+    return meta
+
+
+def admission_meta(state: ReqState) -> dict[str, Any]:
+    """The step `meta_info` of a request's first token after it was (re)admitted: its counts
+    that change only then (`cached_tokens`, `total_retractions`) and, with logprobs, the
+    prompt's lists (complete once it is prefilled), as `request_meta` gives them."""
+    req = state.req
+    meta: dict[str, Any] = {"cached_tokens": req.cached_tokens,
+                            "total_retractions": req.retractions}
+    if req.return_logprob:
+        meta["input_token_logprobs"] = list(state.logprobs.input_token)
+        if req.top_logprobs_num:
+            meta["input_top_logprobs"] = list(state.logprobs.input_top)
+        if req.token_ids_logprob:
+            meta["input_token_ids_logprobs"] = list(state.logprobs.input_token_ids)
     return meta
