@@ -348,6 +348,15 @@ def test_bad_requests_are_400_and_runtime_stays_usable(http, client, rt):
     reasoning = http.post("/generate", json={"text": "x", "require_reasoning": True})
     assert reasoning.status_code == 400
     assert reasoning.json()["error"]["param"] == "require_reasoning"
+    for name, value in (("lora_path", "adapter"), ("return_hidden_states", True),
+                        ("input_embeds", [[0.5, 0.25]]), ("audio_data", "a.wav"),
+                        ("custom_logit_processor", "{}"), ("session_params", {"id": "s"}),
+                        ("return_hidden_states", [False, True])):
+        refused = http.post("/generate", json={"text": "x", name: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == name, name
+    defaults = {"lora_path": None, "return_hidden_states": [False], "return_entropy": False}
+    assert http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1},
+                                        **defaults}).status_code == 200
     out = client.completions.create(model="tiny", prompt="still alive", max_tokens=3)
     assert out.choices[0].text is not None
     wait_idle(rt)

@@ -11,7 +11,9 @@
 `output_token_ids_logprobs` row: those ids' logprobs, SGLang's scoring); the prompt's lists
 from `logprob_start_len` have None at their first position, as SGLang's. `sampling_params`
 takes every name of SGLang 0.5's (`lmnb.params`): unimplemented ones only with their defaults,
-else a 400 naming them.
+else a 400 naming them; so do the request's fields lmnb does not implement (`input_embeds`,
+`audio_data`, `lora_path`, `custom_logit_processor`, `session_params`, `return_hidden_states`,
+`return_routed_experts`, `return_entropy`), where ignoring them would answer another question.
 
 `rid` names the requests as SGLang does: a string is the id of a single request (`rid_i` for
 each result of a batch or of `n` > 1), a list has one id per prompt (`rid_k` for sample k with
@@ -69,6 +71,23 @@ class GenerateRequest(BaseModel):
     require_reasoning: bool = False  # SGLang's: count reasoning_tokens; lmnb separates none
     image_data: Any = None  # per prompt one item or a list: path, data: URL or base64
     video_data: Any = None
+    # SGLang's, which lmnb does not implement: only with their defaults (`check_implemented`)
+    input_embeds: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    return_hidden_states: Any = False
+    return_routed_experts: bool = False
+    return_entropy: bool = False
+
+    def check_implemented(self) -> None:
+        """A 400 naming an SGLang field lmnb would otherwise drop, answering as if it were not
+        given (another model's output, or a meta_info without what was asked)."""
+        for name in _NOT_IMPLEMENTED:
+            value = getattr(self, name)
+            if any(value) if isinstance(value, list) else value:  # a list: one per prompt
+                raise APIError(f"{name}: not implemented by lmnb's /generate", param=name)
 
     def prompts(self) -> int:
         data = self.text if self.text is not None else self.input_ids
@@ -80,6 +99,11 @@ class GenerateRequest(BaseModel):
         params = self.sampling_params
         per = params if isinstance(params, list) else [params] * self.prompts()
         return [int(p.get("n") or 1) if isinstance(p, dict) else 1 for p in per]
+
+
+_NOT_IMPLEMENTED = ("input_embeds", "audio_data", "lora_path", "custom_logit_processor",
+                    "session_params", "return_hidden_states", "return_routed_experts",
+                    "return_entropy")
 
 
 class ProfileRequest(BaseModel):
@@ -174,6 +198,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
+        body.check_implemented()
         if (body.text is None) == (body.input_ids is None):
             raise APIError("give exactly one of text or input_ids", param="text")
         batch = isinstance(body.text, list) or bool(
