@@ -4,7 +4,8 @@
 `/health`, `/health_generate`.
 
 `/generate` streams like SGLang's default: every event carries the text and ids so far
-(cumulative), `meta_info` with the counts so far, `index` for batch requests, then
+(cumulative), `meta_info` with SGLang's per-chunk fields (`streamed_meta`: the counts and the
+logprob lists so far), `index` for batch requests, then
 `data: [DONE]`. Logprobs are `[logprob, token_id, text or None]` triples (text with
 `return_text_in_logprobs`); `max_new_tokens` 0 with `top_logprobs_num` k gives one
 `output_top_logprobs` row, the next token's top k (and with `token_ids_logprob` one
