@@ -403,6 +403,26 @@ def test_runtime_endpoint_sends_media(llava):
         server.stop()
 
 
+def test_select_after_an_image_over_the_endpoint_scores_as_in_process(llava):
+    """lmnb's `RuntimeEndpoint` scores a select's choices past the image span as the in-process
+    runtime does, though the server (as SGLang's) gives no logprob at the first prompt position
+    it returns: the endpoint asks from one position earlier."""
+    from lmnb.server.serving import ServerHandle
+
+    @lmnb.function
+    def is_cat(s, pic):
+        s += user(image(pic) + "Is this a cat?")
+        s += assistant(select("verdict", choices=["yes", "no", "maybe not"]))
+
+    local = is_cat.run(pic=picture(4), backend=llava).get_meta_info("verdict")
+    with ServerHandle.start(llava) as server:
+        remote = is_cat.run(pic=picture(4), backend=lmnb.RuntimeEndpoint(server.url))
+        meta = remote.get_meta_info("verdict")
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(
+        local["normalized_prompt_logprobs"], abs=1e-4)
+    assert meta["input_token_ids"] == local["input_token_ids"]
+
+
 def test_server_routes_take_images(llava, tmp_path):
     import base64
     import io
