@@ -288,6 +288,57 @@ def test_streamed_logprobs_come_with_their_own_chunks(client):
     assert [o for p in pieces for o in p.logprobs.text_offset] == whole_text.text_offset
 
 
+class RecordingRuntime:
+    """`rt` served as it is, each `generate` call's keyword arguments kept in `calls`."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt, self.tokenizer, self.calls = rt, rt.tokenizer, []
+        self.context_len, self.max_total_tokens = rt.context_len, rt.max_total_tokens
+        self.model_config, self.engine_config = rt.model_config, rt.engine_config
+        self.model_dir = rt.model_dir
+
+    def generate(self, prompt=None, sampling_params=None, **kwargs):
+        self.calls.append(kwargs)
+        return self.rt.generate(prompt, sampling_params, **kwargs)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, *, tools=None):
+        return self.rt.apply_chat_template(messages, add_generation_prompt, tools=tools)
+
+    def encode(self, text: str) -> list[int]:
+        return self.rt.encode(text)
+
+    def stats(self) -> dict:
+        return self.rt.stats()
+
+    def flush_cache(self) -> bool:
+        return self.rt.flush_cache()
+
+
+def test_streamed_logprobs_do_not_ask_for_token_origins(rt):
+    """The runtime's running chunks of a logprob request carry their tokens' logprobs: streamed
+    OpenAI and Ollama logprobs ask for `return_logprob` alone, not for origin tracking, and
+    still come a chunk at a time."""
+    recording = RecordingRuntime(rt)
+    with ServerHandle.start(recording, served_model_name="tiny") as handle:
+        client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="x", max_retries=0)
+        kwargs = dict(model="tiny", temperature=0, max_tokens=6, stream=True,
+                      extra_body={"ignore_eos": True})
+        chat = [e.choices[0] for e in client.chat.completions.create(
+            **kwargs, messages=CHAT, logprobs=True, top_logprobs=2) if e.choices]
+        text = [e.choices[0] for e in client.completions.create(**kwargs, prompt="Once",
+                                                                logprobs=1)]
+        llama = list(ollama.Client(host=handle.url).chat(
+            model="tiny", messages=CHAT, stream=True, logprobs=True, top_logprobs=2,
+            options={"temperature": 0, "num_predict": 6}))
+    assert len(recording.calls) == 3
+    for call in recording.calls:
+        assert call["return_logprob"] and not call.get("return_token_origins")
+    assert len([c for c in chat if c.logprobs and c.logprobs.content]) > 1
+    assert len([p for p in text if p.logprobs and p.logprobs.tokens]) > 1
+    assert len([r for r in llama if r.logprobs]) > 1
+    assert sum(len(c.logprobs.content) for c in chat if c.logprobs) == 6
+
+
 def test_chat_logprob_bytes_rebuild_a_character_split_over_tokens(client, rt):
     """`bytes` are each token's own: the tokens spelling one character (an emoji is three
     byte-level tokens) each decode alone to U+FFFD, but their bytes concatenated are it."""

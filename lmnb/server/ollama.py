@@ -29,7 +29,6 @@ from lmnb.server.errors import APIError
 from lmnb.server.messages import chat_messages
 from lmnb.server.ollama_window import Window
 from lmnb.server.stream_logprobs import (
-    RUNNING_LOGPROBS,
     StreamedLogprobs,
     TokenPieces,
     new_chat_logprobs,
@@ -251,8 +250,7 @@ class _Logprobs:
         """`generate`'s logprob arguments (a stream's running chunks carry their tokens')."""
         if not body.logprobs:
             return {}
-        return {"return_logprob": True, "top_logprobs_num": body.top_logprobs,
-                **(RUNNING_LOGPROBS if body.stream else {})}
+        return {"return_logprob": True, "top_logprobs_num": body.top_logprobs}
 
     def new(self, meta: dict[str, Any]) -> dict[str, Any]:
         """`{"logprobs": [...]}` of the tokens `meta` brings that were not given out yet."""

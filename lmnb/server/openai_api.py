@@ -19,7 +19,6 @@ from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
 from lmnb.server.messages import openai_roles
 from lmnb.server.stream_logprobs import (
-    RUNNING_LOGPROBS,
     StreamedLogprobs,
     TokenPieces,
     chat_logprobs,
@@ -145,9 +144,7 @@ class ChatRequest(_Sampling):
         (refused, as vLLM does)."""
         if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        running = RUNNING_LOGPROBS if self.logprobs and self.stream else {}
-        return {"return_logprob": self.logprobs, "top_logprobs_num": self.top_logprobs or 0,
-                **running}
+        return {"return_logprob": self.logprobs, "top_logprobs_num": self.top_logprobs or 0}
 
 
 def _response_format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
@@ -236,13 +233,11 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         prompt, input_ids = _completion_prompt(body.prompt)
         top = body.logprobs or 0
         with_logprobs = body.logprobs is not None
-        # an echoed prompt's logprobs come at the end: the output's come with it
-        running = RUNNING_LOGPROBS if with_logprobs and body.stream and not body.echo else {}
         stream = await open_stream(
             runtime, prompt, body.sampling_params(16 if body.max_tokens is None
                                                   else body.max_tokens),
             input_ids=input_ids, return_logprob=with_logprobs, top_logprobs_num=top,
-            logprob_start_len=0 if body.echo and with_logprobs else None, **running)
+            logprob_start_len=0 if body.echo and with_logprobs else None)
         echoed = _echoed(prompt, input_ids, runtime.tokenizer) if body.echo else None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}

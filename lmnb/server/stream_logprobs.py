@@ -5,19 +5,12 @@ their own new tokens (as vLLM's and SGLang's do), not all of them in a choice's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 from lmnb.runtime.fsm.token_bytes import token_byte_table
 from lmnb.runtime.output.logprob_text import TokenTexts
 
 Meta = dict[str, Any]
-
-# What a stream is asked for so that its running chunks carry their tokens' logprobs
-# (`new_token_logprobs` / `new_top_logprobs` from output position `output_ids_from`).
-RUNNING_LOGPROBS: Mapping[str, Any] = MappingProxyType({"return_token_origins": True})
-
 
 class StreamedLogprobs:
     """Per choice, the `(logprob, token_id)` pairs and top rows received so far, and how many
