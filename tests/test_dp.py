@@ -240,6 +240,35 @@ def test_dp_outputs_equal_one_runtime(dp, single) -> None:
             [lp for row in ref_ids for lp, _ in row], abs=1e-4)
 
 
+def _logprob_ids(meta: dict) -> dict:
+    """Each logprob list of `meta`, by its token ids (row by row); a prompt's list from its
+    second position (replicas are served over SGLang's `/generate`, which leaves the first
+    unscored)."""
+    out = {}
+    for key, value in meta.items():
+        value = value[1:] if key.startswith("input_") else value
+        if key.endswith("token_logprobs"):
+            out[key] = [t for _, t in value]
+        elif key.endswith(("top_logprobs", "ids_logprobs")):
+            out[key] = [None if row is None else [t for _, t in row] for row in value]
+    return out
+
+
+def test_dp_takes_logprob_options_per_prompt_as_one_runtime(dp, single) -> None:
+    """A batch's `return_logprob`, `logprob_start_len` and `top_logprobs_num` one per prompt
+    (SGLang's): each prompt's results have its own lists, as one runtime gives them."""
+    params = {**GREEDY, "max_new_tokens": 3}
+    asked = dict(return_logprob=[True, False, True, True], logprob_start_len=[1, None, None, 2],
+                 top_logprobs_num=[2, 0, 0, 3], token_ids_logprob=[[5], None, None, [9, 5]])
+    got, ref = (runtime.generate(PROMPTS[:4], params, **asked) for runtime in (dp, single))
+    assert {r["meta_info"]["dp_rank"] for r in got} == {0, 1}
+    lists = [_logprob_ids(r["meta_info"]) for r in got]
+    assert lists == [_logprob_ids(r["meta_info"]) for r in ref]
+    assert not lists[1] and "output_top_logprobs" not in lists[2]
+    assert [len(row) for row in lists[0]["output_top_logprobs"]] == [2, 2, 2]
+    assert lists[3]["output_token_ids_logprobs"] == [[9, 5]] * 3
+
+
 def test_dp_rejects_bad_requests_as_one_runtime_and_gives_logprob_texts(dp, single) -> None:
     from lmnb.params import InvalidRequestError
 

@@ -582,6 +582,54 @@ def test_native_generate_token_ids_logprob(http, rt):
     assert bad.status_code == 400 and "1000000000" in bad.text
 
 
+def test_native_generate_batch_takes_logprob_options_per_prompt(http, rt):
+    """SGLang's batch `/generate` takes `return_logprob`, `logprob_start_len`,
+    `top_logprobs_num` (and `token_ids_logprob`) as one value per prompt: each result has the
+    lists its own prompt asked for, as that prompt asked alone; streamed too. A list for one
+    prompt, or of another length than the batch, is a 400 naming the field."""
+    prompts = ["The weather today is", "Once upon a time", "Hello there"]
+    params = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
+    asked = [{"return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2,
+              "token_ids_logprob": [5, 9]},
+             {"return_logprob": False, "logprob_start_len": None, "top_logprobs_num": 0,
+              "token_ids_logprob": None},
+             {"return_logprob": True, "logprob_start_len": None, "top_logprobs_num": 3,
+              "token_ids_logprob": [7]}]
+    per_prompt = {key: [options[key] for options in asked] for key in asked[0]}
+    body = {"text": prompts, "sampling_params": params, **per_prompt}
+    batch = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as response:
+        events = sse_data(response.iter_lines())
+    streamed = {event["index"]: event["meta_info"] for event in events}
+    lists = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+             "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
+
+    def shape(meta: dict) -> dict:  # each list's token ids
+        return {key: [t for _, t, _ in meta[key]] if key.endswith("token_logprobs") else
+                [None if row is None else [t for _, t, _ in row] for row in meta[key]]
+                for key in lists if key in meta}
+
+    for index, (prompt, options) in enumerate(zip(prompts, asked, strict=True)):
+        alone = http.post("/generate", json={"text": prompt, "sampling_params": params,
+                                             **options}).json()
+        meta = batch[index]["meta_info"]
+        assert batch[index]["output_ids"] == alone["output_ids"]
+        assert shape(meta) == shape(alone["meta_info"]) == shape(streamed[index])
+        assert [lp for lp, _, _ in meta.get("output_token_logprobs", [])] == pytest.approx(
+            [lp for lp, _, _ in alone["meta_info"].get("output_token_logprobs", [])], abs=1e-4)
+    first, second, third = (shape(result["meta_info"]) for result in batch)
+    assert set(first) == set(third) == set(lists) and not second
+    assert len(first["input_token_logprobs"]) == batch[0]["meta_info"]["prompt_tokens"] - 1
+    assert [len(row) for row in first["output_top_logprobs"]] == [2, 2, 2]
+    assert [len(row) for row in third["output_top_logprobs"]] == [3, 3, 3]
+    assert first["output_token_ids_logprobs"] == [[5, 9]] * 3
+    assert third["output_token_ids_logprobs"] == [[7]] * 3
+    for wrong in ({"top_logprobs_num": [1, 2, 3, 4]}, {"text": prompts[0]}):
+        refused = http.post("/generate", json={**body, **wrong})
+        assert refused.status_code == 400, refused.text
+        assert "return_logprob" in refused.text or "top_logprobs_num" in refused.text
+
+
 def test_native_generate_first_prompt_position_has_no_logprob(http, rt):
     """As SGLang's scheduler, which scores the prompt positions after `logprob_start_len`: the
     first position returned has no logprob (nor top or asked-for rows) from any start; the

@@ -82,6 +82,27 @@ def test_logprob_options() -> None:
         options(True, None, 11, vocab_size=10)
 
 
+def test_logprob_options_per_prompt() -> None:
+    """SGLang's three logprob fields: one value for every prompt, or for a list of prompts one
+    per prompt; token origins (`always`) ask every prompt for logprobs."""
+    per_prompt = request_checks.logprob_options_per_prompt
+    Options = request_checks.LogprobOptions
+    assert per_prompt(True, 1, 2, count=2, is_batch=True, vocab_size=10) == [
+        Options(True, 1, 2)] * 2
+    assert per_prompt([True, False], [None, 3], 4, count=2, is_batch=True, vocab_size=10) == [
+        Options(True, -1, 4), Options(False, -1, 0)]
+    assert per_prompt([False, False], 1, None, count=2, is_batch=True, vocab_size=10,
+                      always=True) == [Options(True, 1, 0)] * 2
+    with pytest.raises(InvalidRequestError, match="top_logprobs_num has 1 values for 2 prompts"):
+        per_prompt(True, None, [1], count=2, is_batch=True, vocab_size=10)
+    with pytest.raises(InvalidRequestError, match="return_logprob: a list gives one value per"):
+        per_prompt([True], None, None, count=1, is_batch=False, vocab_size=10)
+    with pytest.raises(InvalidRequestError, match=r"top_logprobs_num must be in \[0, 10\]"):
+        per_prompt([True, False], None, [1, 11], count=2, is_batch=True, vocab_size=10)
+    assert request_checks.token_ids_option([[1], [2]], return_logprob=[True, False], count=2,
+                                           is_batch=True, vocab_size=10) == [[1], None]
+
+
 def test_check_prompt_errors_refusals_and_cuts() -> None:
     """A prompt that fills the context, or whose max_new_tokens do not fit after it, is refused
     naming the numbers (SGLang's and vLLM's servers); `allow_auto_truncate` (SGLang's option)

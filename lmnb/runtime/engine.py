@@ -36,7 +36,12 @@ from lmnb.runtime.prompts import (
     prompt_id_lists,
     split_prompts,
 )
-from lmnb.runtime.request_checks import TokenIdsInput
+from lmnb.runtime.request_checks import (
+    LogprobCountInput,
+    LogprobFlagInput,
+    LogprobOptions,
+    TokenIdsInput,
+)
 from lmnb.runtime.scheduler import ReqState
 from lmnb.runtime.scheduler.held import HeldSubmissions
 from lmnb.runtime.scheduler.profiler import ProfileOptions
@@ -316,9 +321,9 @@ class Runtime:
         input_ids: IdsInput = None,
         image_data: MediaInput = None,
         video_data: MediaInput = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
+        return_logprob: LogprobFlagInput = False,
+        logprob_start_len: LogprobCountInput = None,
+        top_logprobs_num: LogprobCountInput = None,
         token_ids_logprob: TokenIdsInput = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
@@ -341,8 +346,10 @@ class Runtime:
         every output position (`output_token_ids_logprobs`) and, with `logprob_start_len`, every
         prompt position (`input_token_ids_logprobs`), rows like `output_top_logprobs`'; with
         `max_new_tokens` 0 one output row, for the token that would come next (SGLang's scoring).
-        Streamed, a running chunk carries its new tokens' rows (`new_token_logprobs`,
-        `new_top_logprobs`, `new_token_ids_logprobs`, from output position `output_ids_from`).
+        For a list of prompts, `return_logprob`, `logprob_start_len` and `top_logprobs_num` may
+        each be a list too, one value per prompt (SGLang's). Streamed, a running chunk carries
+        its new tokens' rows (`new_token_logprobs`, `new_top_logprobs`,
+        `new_token_ids_logprobs`, from output position `output_ids_from`).
         The first streamed chunk after each admission carries `cached_tokens` and
         `total_retractions` (and with `return_logprob` the prompt's lists).
 
@@ -360,18 +367,18 @@ class Runtime:
         image/video token of the prompt becomes the item's span of tokens; bad media or a count
         mismatch is an `InvalidRequestError`."""
         self._check_open()
-        return_logprob = return_logprob or return_token_origins
         prompts = split_prompts(prompt, input_ids)
         params_list = request_checks.params_list(sampling_params, len(prompts))
-        logprob_start, top_logprobs = request_checks.logprob_options(
-            return_logprob, logprob_start_len, top_logprobs_num,
-            vocab_size=self.model_config.vocab_size)
+        logprobs = request_checks.logprob_options_per_prompt(
+            return_logprob, logprob_start_len, top_logprobs_num, count=len(prompts),
+            is_batch=prompts.is_batch, vocab_size=self.model_config.vocab_size,
+            always=return_token_origins)
         token_ids = request_checks.token_ids_option(
-            token_ids_logprob, return_logprob=return_logprob, count=len(prompts),
-            is_batch=prompts.is_batch, vocab_size=self.model_config.vocab_size)
+            token_ids_logprob, return_logprob=[options.return_logprob for options in logprobs],
+            count=len(prompts), is_batch=prompts.is_batch,
+            vocab_size=self.model_config.vocab_size)
         return self._start(prompts, params_list, image_data=image_data, video_data=video_data,
-                           return_logprob=return_logprob, logprob_start=logprob_start,
-                           top_logprobs=top_logprobs, token_ids=token_ids,
+                           logprobs=logprobs, token_ids=token_ids,
                            return_text_in_logprobs=return_text_in_logprobs, stream=stream,
                            return_token_origins=return_token_origins, incremental=incremental,
                            ids_trusted=prompts.encoded and self._tokenizer_ids_fit)
@@ -391,8 +398,9 @@ class Runtime:
             return_logprob, logprob_start_len, top_logprobs_num,
             vocab_size=self.model_config.vocab_size)
         output = self._start(Prompts(None, [ids], False), [params], image_data=None,
-                             video_data=None, return_logprob=return_logprob,
-                             logprob_start=logprob_start, top_logprobs=top_logprobs,
+                             video_data=None,
+                             logprobs=[LogprobOptions(return_logprob, logprob_start,
+                                                      top_logprobs)],
                              token_ids=[None], return_text_in_logprobs=False, stream=True,
                              return_token_origins=return_token_origins,
                              incremental=incremental, ids_trusted=self._tokenizer_ids_fit)
@@ -400,13 +408,14 @@ class Runtime:
         return output
 
     def _start(self, prompts: Prompts, params_list: list[SamplingParams], *,
-               image_data: MediaInput, video_data: MediaInput, return_logprob: bool,
-               logprob_start: int, top_logprobs: int, token_ids: list[list[int] | None],
+               image_data: MediaInput, video_data: MediaInput, logprobs: list[LogprobOptions],
+               token_ids: list[list[int] | None],
                return_text_in_logprobs: bool,
                stream: bool, return_token_origins: bool, incremental: bool,
                ids_trusted: bool) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
-        """`generate` of prompts and parameters that passed its shape checks: each prompt is
-        checked (`request_checks.check_prompt`), its requests registered and submitted."""
+        """`generate` of prompts, parameters and logprob options (one each per prompt) that
+        passed its shape checks: each prompt is checked (`request_checks.check_prompt`), its
+        requests registered and submitted."""
         first_state = list(accumulate((params.n for params in params_list), initial=0))
         rids = [next_rid() for _ in range(first_state[-1])]  # announced before any submit
         single = not prompts.is_batch and len(rids) == 1
@@ -425,16 +434,15 @@ class Runtime:
                     model_name=self.model_config.architecture or "this model")
                 states: list[ReqState] = []
                 for index, (ids, mm) in enumerate(chunk, start):
+                    options = logprobs[index]
                     params = request_checks.check_prompt(
                         ids, params_list[index], context_len=self.context_len,
-                        vocab_size=self.model_config.vocab_size, logprob_start=logprob_start,
+                        vocab_size=self.model_config.vocab_size, logprob_start=options.start,
                         mm_inputs=mm, ids_trusted=ids_trusted,
                         allow_auto_truncate=self.engine_config.allow_auto_truncate)
                     states.extend(
                         self._make_state(ids, params, rid=rids[first_state[index] + k],
-                                         sample_index=k, return_logprob=return_logprob,
-                                         logprob_start_len=logprob_start,
-                                         top_logprobs_num=top_logprobs,
+                                         sample_index=k, logprobs=options,
                                          token_ids_logprob=token_ids[index], mm_inputs=mm,
                                          token_origins=return_token_origins)
                         for k in range(params.n))
@@ -443,7 +451,8 @@ class Runtime:
                     prompt_ids=state.origin_input_ids,  # pads decode ''
                     skip_special_tokens=state.sampling_params.skip_special_tokens,
                     stop=state.sampling_params.stop, stop_regex=state.sampling_params.stop_regex,
-                    token_texts=return_logprob and return_text_in_logprobs) for state in states]
+                    token_texts=state.req.return_logprob and return_text_in_logprobs)
+                    for state in states]
                 if stream:
                     self._held.submit(output, states, registrations)
                 else:  # its caller waits for it here: never held
@@ -492,14 +501,15 @@ class Runtime:
         return max(vocab.values(), default=0) < self.model_config.vocab_size
 
     def _make_state(self, ids: list[int], params: SamplingParams, *, rid: int,
-                    sample_index: int, return_logprob: bool, logprob_start_len: int,
-                    top_logprobs_num: int, token_ids_logprob: list[int] | None = None,
+                    sample_index: int, logprobs: LogprobOptions,
+                    token_ids_logprob: list[int] | None = None,
                     mm_inputs: MultimodalInputs | None = None,
                     token_origins: bool = False) -> ReqState:
         """The request of a prompt that passed `request_checks.check_prompt` (with the params it
         returned)."""
-        req = Req(origin_input_ids=ids, sampling_params=params, return_logprob=return_logprob,
-                  logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+        req = Req(origin_input_ids=ids, sampling_params=params,
+                  return_logprob=logprobs.return_logprob, logprob_start_len=logprobs.start,
+                  top_logprobs_num=logprobs.top,
                   token_ids_logprob=token_ids_logprob, rid=rid, sample_index=sample_index,
                   mm_inputs=mm_inputs)
         state = ReqState(req, created_at=time.perf_counter(),

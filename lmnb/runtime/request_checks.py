@@ -6,6 +6,7 @@ is submitted."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lmnb.multimodal.items import MultimodalInputs
@@ -16,6 +17,10 @@ from lmnb.runtime.output.stop import within_context
 SamplingInput = dict[str, Any] | Sequence[dict[str, Any]] | None
 # SGLang's token_ids_logprob: ids for every prompt, or (a list of prompts) a list per prompt
 TokenIdsInput = Sequence[int] | Sequence[Sequence[int] | None] | None
+# SGLang's return_logprob / logprob_start_len / top_logprobs_num: one value for every prompt, or
+# (a list of prompts) one per prompt
+LogprobFlagInput = bool | Sequence[bool]
+LogprobCountInput = int | Sequence[int | None] | None
 
 
 def _check_count(sampling_params: SamplingInput, count: int) -> bool:
@@ -71,11 +76,51 @@ def logprob_options(return_logprob: bool, logprob_start_len: int | None,
     return (start, top) if return_logprob else (-1, 0)
 
 
-def token_ids_option(token_ids_logprob: TokenIdsInput, *, return_logprob: bool, count: int,
-                     is_batch: bool, vocab_size: int) -> list[list[int] | None]:
+@dataclass(frozen=True, slots=True)
+class LogprobOptions:
+    """One prompt's logprob options as its requests carry them (`logprob_options`')."""
+
+    return_logprob: bool
+    start: int  # logprob_start_len; -1: the output's only
+    top: int  # top_logprobs_num
+
+
+def logprob_options_per_prompt(return_logprob: LogprobFlagInput,
+                               logprob_start_len: LogprobCountInput,
+                               top_logprobs_num: LogprobCountInput, *, count: int,
+                               is_batch: bool, vocab_size: int,
+                               always: bool = False) -> list[LogprobOptions]:
+    """Per prompt its options, checked: each of SGLang's three fields one value for every prompt
+    or, for a list of prompts, a list with one per prompt. `always` (token origins, which imply
+    them) asks every prompt for logprobs."""
+    flags, starts, tops = (_per_prompt(name, value, count, is_batch) for name, value in (
+        ("return_logprob", return_logprob), ("logprob_start_len", logprob_start_len),
+        ("top_logprobs_num", top_logprobs_num)))
+    out = []
+    for flag, start, top in zip(flags, starts, tops, strict=True):
+        flag = bool(flag) or always
+        out.append(LogprobOptions(flag, *logprob_options(flag, start, top,
+                                                         vocab_size=vocab_size)))
+    return out
+
+
+def _per_prompt(name: str, value: Any, count: int, is_batch: bool) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        return [value] * count
+    if not is_batch:
+        raise InvalidRequestError(f"{name}: a list gives one value per prompt of a list of "
+                                  f"prompts; this request has one prompt")
+    if len(value) != count:
+        raise InvalidRequestError(f"{name} has {len(value)} values for {count} prompts")
+    return list(value)
+
+
+def token_ids_option(token_ids_logprob: TokenIdsInput, *, return_logprob: bool | Sequence[bool],
+                     count: int, is_batch: bool, vocab_size: int) -> list[list[int] | None]:
     """Per prompt the ids whose logprobs it reports at every scored position (SGLang's
     `token_ids_logprob`), checked: None or [] for none; a list of ids for every prompt; for a
-    list of prompts also one list (or None) per prompt. All None without `return_logprob`."""
+    list of prompts also one list (or None) per prompt. None for a prompt without
+    `return_logprob` (one flag for all, or one per prompt)."""
     if token_ids_logprob is None or (isinstance(token_ids_logprob, list | tuple)
                                      and len(token_ids_logprob) == 0):
         return [None] * count
@@ -93,13 +138,15 @@ def token_ids_option(token_ids_logprob: TokenIdsInput, *, return_logprob: bool, 
     else:
         shape = "a list of token ids" + (" or one list per prompt" if is_batch else "")
         raise InvalidRequestError(f"token_ids_logprob must be {shape}, got {token_ids_logprob!r}")
+    flags = (list(return_logprob) if isinstance(return_logprob, Sequence)
+             else [return_logprob] * count)
     out: list[list[int] | None] = []
-    for ids in per_prompt:
+    for ids, flag in zip(per_prompt, flags, strict=True):
         for token in ids or ():
             if not _is_int(token) or not 0 <= token < vocab_size:
                 raise InvalidRequestError(
                     f"token_ids_logprob: {token!r} is not a token id in [0, {vocab_size})")
-        out.append(list(ids) if ids and return_logprob else None)
+        out.append(list(ids) if ids and flag else None)
     return out
 
 

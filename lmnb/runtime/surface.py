@@ -16,7 +16,12 @@ from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.media_requests import MediaInput
 from lmnb.runtime.output import OutputStream
 from lmnb.runtime.prompts import IdsInput, PromptInput
-from lmnb.runtime.request_checks import SamplingInput, TokenIdsInput
+from lmnb.runtime.request_checks import (
+    LogprobCountInput,
+    LogprobFlagInput,
+    SamplingInput,
+    TokenIdsInput,
+)
 
 GenerateResult = dict[str, Any] | list[dict[str, Any]] | OutputStream
 
@@ -53,8 +58,9 @@ class EngineSurface(Protocol):
 
     def generate(self, prompt: PromptInput = None, sampling_params: SamplingInput = None, *,
                  input_ids: IdsInput = None, image_data: MediaInput = None,
-                 video_data: MediaInput = None, return_logprob: bool = False,
-                 logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                 video_data: MediaInput = None, return_logprob: LogprobFlagInput = False,
+                 logprob_start_len: LogprobCountInput = None,
+                 top_logprobs_num: LogprobCountInput = None,
                  token_ids_logprob: TokenIdsInput = None, return_text_in_logprobs: bool = False,
                  stream: bool = False, return_token_origins: bool = False,
                  incremental: bool = True) -> GenerateResult:

@@ -10,7 +10,9 @@ logprob lists so far), `index` for batch requests, then
 `return_text_in_logprobs`); `max_new_tokens` 0 with `top_logprobs_num` k gives one
 `output_top_logprobs` row, the next token's top k (and with `token_ids_logprob` one
 `output_token_ids_logprobs` row: those ids' logprobs, SGLang's scoring); the prompt's lists
-from `logprob_start_len` have None at their first position, as SGLang's. `sampling_params`
+from `logprob_start_len` have None at their first position, as SGLang's. In a batch,
+`return_logprob`, `logprob_start_len`, `top_logprobs_num` and `token_ids_logprob` take one value
+for every prompt or a list with one per prompt (SGLang's). `sampling_params`
 takes every name of SGLang 0.5's (`lmnb.params`): unimplemented ones only with their defaults,
 else a 400 naming them; so do the request's fields lmnb does not implement (`input_embeds`,
 `audio_data`, `lora_path`, `custom_logit_processor`, `session_params`, `return_hidden_states`,
@@ -60,9 +62,10 @@ class GenerateRequest(BaseModel):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
+    # one value for every prompt, or (a batch) one per prompt
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int | None] | None = None
+    top_logprobs_num: int | list[int | None] | None = None
     # ids for every prompt, or one list per prompt; the runtime checks them (a 400 naming the bad
     # value, where a typed field would coerce "3" or 3.0)
     token_ids_logprob: list[Any] | None = None

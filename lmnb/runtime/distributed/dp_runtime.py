@@ -44,7 +44,12 @@ from lmnb.runtime.models import loader
 from lmnb.runtime.output import OutputStream
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.prompts import IdsInput, PromptInput, prompt_id_lists
-from lmnb.runtime.request_checks import SamplingInput, TokenIdsInput
+from lmnb.runtime.request_checks import (
+    LogprobCountInput,
+    LogprobFlagInput,
+    SamplingInput,
+    TokenIdsInput,
+)
 
 REPLICA_BACKENDS = ("process", "ray")
 
@@ -453,9 +458,9 @@ class DataParallelRuntime:
         input_ids: IdsInput = None,
         image_data: MediaInput = None,
         video_data: MediaInput = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
+        return_logprob: LogprobFlagInput = False,
+        logprob_start_len: LogprobCountInput = None,
+        top_logprobs_num: LogprobCountInput = None,
         token_ids_logprob: TokenIdsInput = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
@@ -465,7 +470,6 @@ class DataParallelRuntime:
         """As `Runtime.generate`; each prompt (with its `n` samples) goes to the replica the
         router picks, and `meta_info["dp_rank"]` says which. Media inputs are not routed yet."""
         self._check_open()
-        return_logprob = return_logprob or return_token_origins
         if image_data is not None or video_data is not None:
             raise InvalidRequestError("a data-parallel runtime does not take images or videos "
                                       "yet; use a single Runtime")
@@ -473,16 +477,17 @@ class DataParallelRuntime:
         # the checks of `Runtime.generate`, so that errors come before anything is sent
         params_list = request_checks.params_dicts(sampling_params, len(token_lists))
         parsed = request_checks.params_list(params_list, len(token_lists))
-        logprob_start, _ = request_checks.logprob_options(
-            return_logprob, logprob_start_len, top_logprobs_num,
-            vocab_size=self.model_config.vocab_size)
+        logprobs = request_checks.logprob_options_per_prompt(
+            return_logprob, logprob_start_len, top_logprobs_num, count=len(token_lists),
+            is_batch=is_batch, vocab_size=self.model_config.vocab_size,
+            always=return_token_origins)
         token_ids = request_checks.token_ids_option(
-            token_ids_logprob, return_logprob=return_logprob, count=len(token_lists),
-            is_batch=is_batch, vocab_size=self.model_config.vocab_size)
-        for ids, params in zip(token_lists, parsed, strict=True):
+            token_ids_logprob, return_logprob=[options.return_logprob for options in logprobs],
+            count=len(token_lists), is_batch=is_batch, vocab_size=self.model_config.vocab_size)
+        for ids, params, options in zip(token_lists, parsed, logprobs, strict=True):
             request_checks.check_prompt(ids, params, context_len=self.context_len,
                                         vocab_size=self.model_config.vocab_size,
-                                        logprob_start=logprob_start,
+                                        logprob_start=options.start,
                                         allow_auto_truncate=self.engine_config.allow_auto_truncate)
         counts = [params.n for params in parsed]
         with self._lock:
@@ -499,16 +504,16 @@ class DataParallelRuntime:
                               on_close=lambda unfinished: self._end(output, calls, names,
                                                                     unfinished),
                               poll=self._check_open)
-        token_texts = (TokenTexts(self.tokenizer) if return_logprob and return_text_in_logprobs
-                       else None)  # logprobs as (logprob, id, text) triples
+        token_texts = (TokenTexts(self.tokenizer) if return_text_in_logprobs and any(
+            options.return_logprob for options in logprobs) else None)  # (logprob, id, text)
         for replica in sorted(set(choices)):
             prompts = [p for p, c in enumerate(choices) if c == replica]
             request = {"input_ids": [token_lists[p] for p in prompts],
                        "sampling_params": [params_list[p] for p in prompts],
                        "rid": [keys[p] for p in prompts],
-                       "return_logprob": return_logprob,
-                       "logprob_start_len": logprob_start_len,
-                       "top_logprobs_num": top_logprobs_num,
+                       "return_logprob": [logprobs[p].return_logprob for p in prompts],
+                       "logprob_start_len": [logprobs[p].start for p in prompts],
+                       "top_logprobs_num": [logprobs[p].top for p in prompts],
                        "token_ids_logprob": [token_ids[p] for p in prompts],
                        "return_token_origins": return_token_origins}
             outputs = [(rids[first[p] + k], token_lists[p]) for p in prompts
