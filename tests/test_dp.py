@@ -241,12 +241,12 @@ def test_dp_outputs_equal_one_runtime(dp, single) -> None:
 
 
 def _logprob_ids(meta: dict) -> dict:
-    """Each logprob list of `meta`, by its token ids (row by row); a prompt's list from its
-    second position (replicas are served over SGLang's `/generate`, which leaves the first
-    unscored)."""
+    """Each logprob list of `meta`, by its token ids (row by row), and whether each position of
+    the prompt's is scored."""
     out = {}
     for key, value in meta.items():
-        value = value[1:] if key.startswith("input_") else value
+        if key == "input_token_logprobs":
+            out["input_scored"] = [lp is not None for lp, _ in value]
         if key.endswith("token_logprobs"):
             out[key] = [t for _, t in value]
         elif key.endswith(("top_logprobs", "ids_logprobs")):
