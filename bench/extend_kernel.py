@@ -28,7 +28,10 @@ import torch
 from bench.common import environment, format_table, write_json
 from bench.decode_kernel import time_kernel
 
-HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+MODELS = {  # (query heads, KV heads, head_dim, dtype)
+    "llama3": (32, 8, 128, torch.bfloat16),
+    "llama2": (32, 32, 128, torch.float16),
+}
 
 
 class Extend:
@@ -36,13 +39,15 @@ class Extend:
     the same slots) and new_lens[i] new ones, all in one KV pool."""
 
     def __init__(self, *, groups: list[tuple[int, list[int]]], device: torch.device,
-                 seed: int) -> None:
+                 seed: int, model: str = "llama3") -> None:
         torch.manual_seed(seed)
+        self.heads, self.kv_heads, self.head_dim, self.dtype = MODELS[model]
         self.prefix_lens = [prefix for prefix, members in groups for _ in members]
         self.new_lens = [n for _, members in groups for n in members]
         slots = sum(prefix for prefix, _ in groups) + sum(self.new_lens) + 1
-        self.k = torch.randn(slots, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-        self.v = torch.randn(slots, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+        kv_shape = (slots, self.kv_heads, self.head_dim)
+        self.k = torch.randn(kv_shape, dtype=self.dtype, device=device)
+        self.v = torch.randn(kv_shape, dtype=self.dtype, device=device)
         rows, cursor = [], 1
         for prefix, members in groups:
             shared = list(range(cursor, cursor + prefix))
@@ -58,16 +63,17 @@ class Extend:
                                       device=device)
         self.qo_indptr = torch.tensor([0, *itertools.accumulate(self.new_lens)],
                                       dtype=torch.int32, device=device)
-        self.q = torch.randn(sum(self.new_lens), HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-        self.scale = HEAD_DIM ** -0.5
+        self.q = torch.randn(sum(self.new_lens), self.heads, self.head_dim, dtype=self.dtype,
+                             device=device)
+        self.scale = self.head_dim ** -0.5
         # causal FLOPs: each new token t of a request sees prefix + t + 1 keys; 4 flops a
         # (query head, key, dim): q.k and p.v, a multiply and an add each
-        self.flops = sum(4 * HEADS * HEAD_DIM * (p * n + n * (n + 1) // 2)
+        self.flops = sum(4 * self.heads * self.head_dim * (p * n + n * (n + 1) // 2)
                          for p, n in zip(self.prefix_lens, self.new_lens, strict=True))
 
     def reference(self, request: int) -> torch.Tensor:
         idx = torch.tensor(self.rows[request], device=self.q.device).long()
-        group = HEADS // KV_HEADS
+        group = self.heads // self.kv_heads
         k = self.k[idx].float().repeat_interleave(group, 1)
         v = self.v[idx].float().repeat_interleave(group, 1)
         start, n, p = (int(self.qo_indptr[request]), self.new_lens[request],
@@ -80,7 +86,7 @@ class Extend:
         return torch.einsum("htk,khd->thd", scores.softmax(-1), v)
 
 
-def shape(name: str, device: torch.device, seed: int) -> Extend:
+def shape(name: str, device: torch.device, seed: int, model: str = "llama3") -> Extend:
     rng = random.Random(seed)
     if name == "offline":
         lens, total = [], 0
@@ -95,14 +101,23 @@ def shape(name: str, device: torch.device, seed: int) -> Extend:
         groups = [(600, [32] * 4) for _ in range(64)]
     else:
         raise ValueError(name)
-    return Extend(groups=groups, device=device, seed=seed)
+    return Extend(groups=groups, device=device, seed=seed, model=model)
 
 
-def triton_runs(batch: Extend, sweep: bool) -> list[tuple[str, Callable[[], Any], dict]]:
+def triton_runs(batch: Extend, sweep: bool,
+                tiles: tuple[tuple[int, ...], ...] = ()
+                ) -> list[tuple[str, Callable[[], Any], dict]]:
+    """The default config, the sweep's grid with `sweep`, and each (block_m, block_n, warps,
+    stages[, k_rows]) of `tiles`."""
     from lmnb.runtime.kernels import triton_extend as te
 
     out = torch.empty_like(batch.q)
-    configs = [("default", te.extend_config(HEAD_DIM, DTYPE))]
+    group = batch.heads // batch.kv_heads
+    configs = [("default", te.extend_config(batch.head_dim, batch.dtype,
+                                            max_rows=max(batch.new_lens) * group))]
+    for block_m, block_n, warps, stages, *k_rows in tiles:
+        configs.append((f"m{block_m} n{block_n} w{warps} s{stages}{' k_rows' * any(k_rows)}",
+                        te.ExtendConfig(block_m, block_n, warps, stages, any(k_rows))))
     if sweep:
         for block_m, block_n, warps, stages, k_rows in itertools.product(
                 (64, 128), (32, 64, 128), (4, 8), (2, 3), (False, True)):
@@ -130,7 +145,8 @@ def fa3_runs(batch: Extend) -> list[tuple[str, Callable[[], Any], dict]]:
     page = 16
     seq = [p + n for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)]
     pages_per = [(s + page - 1) // page for s in seq]
-    k = torch.randn(sum(pages_per), page, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    k = torch.randn(sum(pages_per), page, batch.kv_heads, batch.head_dim, dtype=batch.dtype,
+                    device=device)
     v = torch.randn_like(k)
     order = torch.randperm(sum(pages_per), device=device).to(torch.int32)
     table = torch.zeros(len(seq), max(pages_per), dtype=torch.int32, device=device)
@@ -158,18 +174,23 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes", default="offline,prefix,fork")
     parser.add_argument("--sweep", action="store_true", help="time a grid of Triton configs")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3")
+    parser.add_argument("--tiles", default="", metavar="M:N:W:S[:K],...",
+                        help="extra Triton configs (K 1: K loaded token-major)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="bench/results/extend_kernel.json")
     args = parser.parse_args()
     device = torch.device(args.device)
     report = {"args": vars(args), "environment": environment(device), "shapes": {}}
     for name in args.shapes.split(","):
-        batch = shape(name, device, args.seed)
+        batch = shape(name, device, args.seed, args.model)
         check = len(batch.new_lens) - 1
         reference = batch.reference(check)
         start, stop = int(batch.qo_indptr[check]), int(batch.qo_indptr[check + 1])
         rows, results = [], []
-        for label, run, config in triton_runs(batch, args.sweep) + fa3_runs(batch):
+        tiles = tuple(tuple(int(v) for v in tile.split(":")) for tile in args.tiles.split(",")
+                      if tile)
+        for label, run, config in triton_runs(batch, args.sweep, tiles) + fa3_runs(batch):
             try:
                 got = run()
                 error = (float((got[start:stop].float() - reference).abs().max())
