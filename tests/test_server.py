@@ -363,6 +363,23 @@ def test_developer_role_is_accepted_as_the_system_prompt(client):
     assert developer.usage.prompt_tokens == system.usage.prompt_tokens
 
 
+def test_null_means_not_given_for_every_field(client):
+    """OpenAI's and vLLM's request fields are nullable: `"n": null`, `"stream": null`,
+    `"logprobs": null`, `"echo": null` (the `openai` client sends them for `n=None`, ...) are
+    their defaults; they were 400s ("Input should be a valid integer")."""
+    given = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4,
+                                           temperature=0)
+    nulls = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4,
+                                           temperature=0, n=None, stream=None, logprobs=None,
+                                           stop=None, stream_options=None)
+    assert nulls.choices[0].message.content == given.choices[0].message.content
+    assert len(nulls.choices) == 1 and nulls.choices[0].logprobs is None
+    text = client.completions.create(model="tiny", prompt="Once", max_tokens=None,
+                                     temperature=0, n=None, stream=None, echo=None,
+                                     logprobs=None)
+    assert len(text.choices) == 1 and text.usage.completion_tokens <= 16  # max_tokens' default
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lmnb.runtime.output import OutputStream
 from lmnb.server.errors import APIError
@@ -100,6 +100,14 @@ class _Sampling(BaseModel):
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
     ebnf: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """A null field is one not given (OpenAI's fields are nullable): its default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     @property
     def streamed(self) -> StreamOptions:
