@@ -71,6 +71,22 @@ def test_select_over_the_api_picks_what_the_local_backend_picks(tiny):
         in_process.get_meta_info("colour")["normalized_prompt_logprobs"], abs=1e-4)
 
 
+def test_continue_final_message_continues_the_assistant_turn_on_the_lmnb_server(tiny):
+    """A gen after text in `assistant()` with `continue_final_message=True`: the lmnb server
+    continues that text as vLLM does (it ignored the flag and opened a new assistant turn)."""
+    runtime, url = tiny
+
+    @function
+    def lead(s):
+        s += user("Name a colour.")
+        s += assistant("My favourite colour is" + gen("rest", max_tokens=8))
+
+    api = lmnb.OpenAI("m", base_url=url, is_chat_model=True, continue_final_message=True)
+    over_api = lead.run(backend=api, temperature=0)
+    in_process = lead.run(backend=lmnb.LocalBackend(runtime), temperature=0)
+    assert over_api["rest"] == in_process["rest"]
+
+
 @pytest.mark.slow
 def test_api_speculation_on_smollm2():
     def sheet(s):

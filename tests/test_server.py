@@ -380,6 +380,33 @@ def test_null_means_not_given_for_every_field(client):
     assert len(text.choices) == 1 and text.usage.completion_tokens <= 16  # max_tokens' default
 
 
+def test_chat_continues_a_final_assistant_message_as_vllm_does(client, rt):
+    """vLLM's and SGLang's `continue_final_message` / `add_generation_prompt` (what
+    `lmnb.OpenAI(..., continue_final_message=True)` sends): the reply continues the last
+    assistant message, or the prompt ends without an assistant opening; both were ignored (a
+    new assistant turn after the given one)."""
+    prefix = "My favourite colour is"
+    messages = [*CHAT, {"role": "assistant", "content": prefix}]
+    continued = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    prompt = rt.apply_chat_template(CHAT) + prefix
+    direct = rt.generate(prompt, {"temperature": 0, "max_new_tokens": 6})
+    assert continued.choices[0].message.content == direct["text"]
+    assert continued.usage.prompt_tokens == len(rt.encode(prompt))
+    bare = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                          extra_body={"add_generation_prompt": False})
+    assert bare.usage.prompt_tokens == len(rt.encode(
+        rt.apply_chat_template(CHAT, add_generation_prompt=False)))
+    for extra, msgs in (({"continue_final_message": True, "add_generation_prompt": True},
+                         messages),
+                        ({"continue_final_message": True}, CHAT)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
+                                           extra_body=extra)
+        assert info.value.body["param"] in ("continue_final_message", "messages"), extra
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200

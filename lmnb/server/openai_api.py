@@ -146,6 +146,27 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's and SGLang's extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def prompt(self, runtime: ServedRuntime, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None) -> str:
+        """The prompt text of `messages`: with `continue_final_message`, the reply continues
+        the last (assistant) message; without `add_generation_prompt`, no assistant opening
+        follows the messages."""
+        if not self.continue_final_message:
+            return runtime.apply_chat_template(messages, self.add_generation_prompt,
+                                               tools=tools)
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise APIError("continue_final_message and add_generation_prompt cannot both be "
+                           "true", param="continue_final_message")
+        last = messages[-1]
+        if (last.get("role") != "assistant" or last.get("tool_calls")
+                or not isinstance(last.get("content"), str)):
+            raise APIError("continue_final_message needs a last assistant message of text",
+                           param="messages")
+        return runtime.apply_chat_template(messages[:-1], tools=tools) + last["content"]
 
     def logprob_kwargs(self) -> dict[str, Any]:
         """`generate`'s logprob arguments; `top_logprobs` asks for nothing without `logprobs`
@@ -269,8 +290,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         tools = openai_tools(body.tools)
         tool_choice = openai_tool_choice(body.tool_choice, body.parallel_tool_calls, tools)
         plan = tool_plan(tools, tool_choice, runtime.tokenizer)
-        prompt = runtime.apply_chat_template(messages,
-                                             tools=plan.prompt_tools() if plan else None)
+        prompt = body.prompt(runtime, messages, plan.prompt_tools() if plan else None)
         # neither: up to the context length (None), as SGLang's and vLLM's
         limit = body.max_tokens if body.max_completion_tokens is None else (
             body.max_completion_tokens)
