@@ -71,6 +71,24 @@ def test_select_over_the_api_picks_what_the_local_backend_picks(tiny):
         in_process.get_meta_info("colour")["normalized_prompt_logprobs"], abs=1e-4)
 
 
+def test_a_gen_stopped_over_the_api_names_its_stop_as_the_local_backend_does(tiny):
+    """The lmnb server sends SGLang's `matched_stop`, which `lmnb.OpenAI` reads into the gen's
+    finish_reason: the same as in-process (it had no `matched`)."""
+    runtime, url = tiny
+
+    @function
+    def first_word(s):
+        s += "Once upon a time" + gen("word", max_tokens=8, stop=[" ", "e"])
+
+    over_api = first_word.run(backend=lmnb.OpenAI("m", base_url=url, is_chat_model=False),
+                              temperature=0)
+    in_process = first_word.run(backend=lmnb.LocalBackend(runtime), temperature=0)
+    reason = in_process.get_meta_info("word")["finish_reason"]
+    assert reason["type"] == "stop" and reason["matched"] in (" ", "e")
+    assert over_api.get_meta_info("word")["finish_reason"] == reason
+    assert over_api["word"] == in_process["word"]
+
+
 def test_continue_final_message_continues_the_assistant_turn_on_the_lmnb_server(tiny):
     """A gen after text in `assistant()` with `continue_final_message=True`: the lmnb server
     continues that text as vLLM does (it ignored the flag and opened a new assistant turn)."""

@@ -407,6 +407,32 @@ def test_chat_continues_a_final_assistant_message_as_vllm_does(client, rt):
         assert info.value.body["param"] in ("continue_final_message", "messages"), extra
 
 
+def test_choices_name_the_stop_that_ended_them(client):
+    """SGLang's `matched_stop` on each finished choice (what `lmnb.OpenAI` reads into a gen's
+    finish_reason): the stop string or token id, null at the length limit; it was absent."""
+    text = client.completions.create(model="tiny", prompt="Hello", max_tokens=12,
+                                     temperature=0).choices[0].text
+    stop = text[1:3]
+    cut = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,
+                                    stop=["zzz", stop])
+    assert cut.choices[0].model_extra["matched_stop"] == stop
+    streamed = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=12,
+                                              temperature=0, stop=stop, stream=True))
+    assert streamed[-1].choices[0].model_extra["matched_stop"] == stop
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].model_extra["matched_stop"] is None
+    word = whole.choices[0].message.content[2:5]
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6,
+                                          temperature=0, stop=[word])
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].model_extra["matched_stop"] == word
+    events = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6,
+                                                 temperature=0, stop=[word], stream=True))
+    assert events[-1].choices[0].model_extra["matched_stop"] == word
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -33,6 +33,7 @@ from lmnb.server.streams import (
     collect,
     finish_type,
     guarded,
+    matched_stop,
     open_stream,
     sse,
     sse_error,
@@ -278,7 +279,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                     "text": (echoed[i // body.n] if echoed else "") + r["text"],
                     "logprobs": (_completion_logprobs(r["meta_info"], tokens, body.echo)
                                  if with_logprobs else None),
-                    "finish_reason": finish_type(r["meta_info"])}
+                    **_finish(r["meta_info"])}
                    for i, r in enumerate(results)]
         return {**head, "choices": choices, "usage": _usage(results, body.n)}
 
@@ -329,7 +330,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
                     "logprobs": (chat_logprobs(r["meta_info"], tokens)
                                  if body.logprobs else None),
-                    "finish_reason": finish_type(r["meta_info"])}
+                    **_finish(r["meta_info"])}
                    for i, r in enumerate(results)]
         return {**head, "object": "chat.completion", "choices": choices,
                 "usage": _usage(results, body.n)}
@@ -341,10 +342,12 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _tool_finish(meta: dict[str, Any], calls: int) -> str | None:
-    """`tool_calls` when the choice made calls and was not cut by max_tokens."""
+def _finish(meta: dict[str, Any], calls: int = 0) -> dict[str, Any]:
+    """A finished choice's `finish_reason` (`tool_calls` when it made calls and was not cut by
+    max_tokens) and SGLang's `matched_stop`."""
     finish = finish_type(meta)
-    return "tool_calls" if calls and finish != "length" else finish
+    return {"finish_reason": "tool_calls" if calls and finish != "length" else finish,
+            "matched_stop": matched_stop(meta)}
 
 
 def _tool_choice_body(index: int, result: ChoiceResult, logprobs: bool,
@@ -357,7 +360,7 @@ def _tool_choice_body(index: int, result: ChoiceResult, logprobs: bool,
         message["tool_calls"] = calls
     return {"index": index, "message": message,
             "logprobs": chat_logprobs(result.meta, tokens) if logprobs else None,
-            "finish_reason": _tool_finish(result.meta, len(calls))}
+            **_finish(result.meta, len(calls))}
 
 
 def _completion_prompt(prompt: Any) -> tuple[Any, Any]:
@@ -416,7 +419,7 @@ async def _completion_events(stream: OutputStream, head: dict[str, Any], n: int,
                                            offset=offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + sum(map(len, entries["tokens"]))
         choice = {"index": index, "text": text, "logprobs": entries,
-                  "finish_reason": finish_type(meta) if done else None}
+                  **(_finish(meta) if done else {"finish_reason": None})}
         yield options.chunk(head, choice, meta)
     if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
@@ -454,7 +457,7 @@ async def _chat_events(stream: OutputStream, head: dict[str, Any], n: int,
             yield options.chunk(head, {
                 "index": index, "delta": {},
                 "logprobs": new_chat_logprobs(streamed, index, tokens),
-                "finish_reason": finish_type(meta)}, meta)
+                **_finish(meta)}, meta)
     if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
         yield sse({**head, "choices": [], "usage": _usage(results, n)})
@@ -471,10 +474,10 @@ async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, options:
     streamed = StreamedLogprobs() if logprobs else None
 
     def delta(index: int, body: dict[str, Any], meta: dict[str, Any],
-              finish: str | None = None) -> str:
+              finish: dict[str, Any] | None = None) -> str:
         new = None if "role" in body else new_chat_logprobs(streamed, index, tokens)
-        return options.chunk(head, {"index": index, "delta": body, "finish_reason": finish,
-                                    "logprobs": new}, meta)
+        return options.chunk(head, {"index": index, "delta": body, "logprobs": new,
+                                    **(finish or {"finish_reason": None})}, meta)
 
     async with aclosing(run.pieces()) as pieces:
         async for piece in pieces:
@@ -495,8 +498,7 @@ async def _tool_chat_events(run: ToolRun, head: dict[str, Any], n: int, options:
                 yield delta(index, {"tool_calls": [call]}, piece.meta)
             if piece.done:
                 finals[index] = {"meta_info": piece.meta}
-                yield delta(index, {}, piece.meta,
-                            _tool_finish(piece.meta, len(calls[index].calls)))
+                yield delta(index, {}, piece.meta, _finish(piece.meta, len(calls[index].calls)))
     if options.include_usage:
         results = [finals[i] for i in sorted(finals)]
         yield sse({**head, "choices": [], "usage": _usage(results, n)})

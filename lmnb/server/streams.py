@@ -97,6 +97,12 @@ def finish_type(meta: dict[str, Any]) -> str | None:
     return reason.get("type") if isinstance(reason, dict) else reason
 
 
+def matched_stop(meta: dict[str, Any]) -> int | str | None:
+    """SGLang's `matched_stop`: the stop string or token id that ended the request, else None."""
+    reason = meta.get("finish_reason")
+    return reason.get("matched") if isinstance(reason, dict) else None
+
+
 def sse(data: Any, event: str | None = None) -> str:
     """One server-sent event; `data` as JSON unless it is a string already."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
