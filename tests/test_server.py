@@ -433,6 +433,18 @@ def test_choices_name_the_stop_that_ended_them(client):
     assert events[-1].choices[0].model_extra["matched_stop"] == word
 
 
+def test_unserved_openai_endpoints_say_so(client):
+    """`/v1/embeddings` (a generative model: a 400, as vLLM's for such a model) and
+    `/v1/responses` (lmnb serves Chat Completions) answer in words; they were bare 404s
+    ("Not Found")."""
+    with pytest.raises(openai.BadRequestError, match="embeddings") as info:
+        client.embeddings.create(model="tiny", input="hello")
+    assert info.value.body["code"] == "unsupported_endpoint"
+    with pytest.raises(openai.NotFoundError, match="/v1/chat/completions") as info:
+        client.responses.create(model="tiny", input="hello")
+    assert info.value.body["code"] == "unsupported_endpoint"
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200

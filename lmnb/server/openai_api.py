@@ -1,5 +1,6 @@
 """OpenAI's API over the runtime: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
-(streaming as server-sent events ending with `data: [DONE]`). The module is not named `openai`
+(streaming as server-sent events ending with `data: [DONE]`); `/v1/embeddings` and
+`/v1/responses` are refused in words. The module is not named `openai`
 so that it never shadows the `openai` package."""
 
 from __future__ import annotations
@@ -255,6 +256,17 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                            f"{model_name!r}", status=404, param="model",
                            code="model_not_found")
         return card
+
+    @router.post("/v1/embeddings")
+    async def embeddings() -> None:
+        raise APIError(f"{model_name!r} is a generative model: lmnb serves no embeddings "
+                       "(/v1/embeddings)", code="unsupported_endpoint")
+
+    @router.post("/v1/responses")
+    async def responses() -> None:
+        raise APIError("lmnb does not serve OpenAI's Responses API (/v1/responses); use Chat "
+                       "Completions (/v1/chat/completions)", status=404,
+                       code="unsupported_endpoint")
 
     @router.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
