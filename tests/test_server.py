@@ -445,6 +445,27 @@ def test_unserved_openai_endpoints_say_so(client):
     assert info.value.body["code"] == "unsupported_endpoint"
 
 
+def test_responses_carry_an_x_request_id(server, client):
+    """Every response has OpenAI's `x-request-id` header (the `openai` client keeps it as
+    `_request_id` and in its errors): the client's own `X-Request-Id` echoed, as vLLM's
+    `--enable-request-id-headers` does, or a new one; there was none."""
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=CHAT,
+                                                           max_tokens=2)
+    made = raw.headers["x-request-id"]
+    assert made.startswith("req_") and raw.parse()._request_id == made
+    again = client.chat.completions.with_raw_response.create(model="tiny", messages=CHAT,
+                                                             max_tokens=2)
+    assert again.headers["x-request-id"] != made
+    mine = {"X-Request-Id": "trace-42"}
+    with client.chat.completions.with_streaming_response.create(
+            model="tiny", messages=CHAT, max_tokens=2, stream=True, extra_headers=mine) as sse:
+        assert sse.headers["x-request-id"] == "trace-42"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[], extra_headers=mine)
+    assert info.value.request_id == "trace-42"
+    assert httpx.get(f"{server.url}/v1/models").headers["x-request-id"].startswith("req_")
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200

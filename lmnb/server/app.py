@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lmnb.server import anthropic, ollama, openai_api, replica_api, sglang_native
 from lmnb.server.errors import error_body, install_error_handlers
 from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, max_token_bytes
+from lmnb.server.request_id import RequestId
 from lmnb.server.streams import ServedRuntime
 
 OPEN_PATHS = frozenset({"/health"})
@@ -53,7 +54,7 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app over `runtime` (not owned: closing the app leaves the runtime running). With
     `api_key`, every route but `/health` needs it. A body over `max_request_bytes` is refused
-    (413) before it is read."""
+    (413) before it is read. Every response has an `x-request-id`."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     name = served_model_name or default_model_name(runtime)
@@ -66,6 +67,7 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     app.state.runtime = runtime
     app.state.served_model_name = name
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    if api_key:  # added last: it runs first, before any body is read
+    if api_key:  # runs before any body is read
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(RequestId)  # added last: runs first, so that every response has it
     return app
