@@ -466,6 +466,23 @@ def test_responses_carry_an_x_request_id(server, client):
     assert httpx.get(f"{server.url}/v1/models").headers["x-request-id"].startswith("req_")
 
 
+def test_an_assistant_refusal_part_is_its_text(client):
+    """OpenAI lets an assistant message carry `refusal` content parts (a history with a refusal
+    sent back); they are that turn's text, as vLLM reads them; they were a 400."""
+    said = "I cannot help with that."
+    history = [*CHAT, None, {"role": "user", "content": "Name a fruit."}]
+    replies = []
+    for content in ([{"type": "refusal", "refusal": said}], said):
+        history[1] = {"role": "assistant", "content": content}
+        replies.append(client.chat.completions.create(model="tiny", messages=history,
+                                                      max_tokens=4, temperature=0))
+    assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="refusal"):
+        client.chat.completions.create(model="tiny", max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "refusal", "refusal": said}]}])
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200

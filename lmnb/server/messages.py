@@ -44,11 +44,24 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 OPENAI_ROLE_ALIASES = {"developer": "system"}
 
 
-def openai_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI chat messages with their roles as the chat template names them."""
-    return [{**m, "role": OPENAI_ROLE_ALIASES[m["role"]]}
-            if isinstance(m, dict) and m.get("role") in OPENAI_ROLE_ALIASES else m
-            for m in messages]
+def _openai_message(message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message
+    role, content = message.get("role"), message.get("content")
+    if role in OPENAI_ROLE_ALIASES:
+        message = {**message, "role": OPENAI_ROLE_ALIASES[role]}
+    if role == "assistant" and isinstance(content, list):
+        message = {**message, "content": [
+            {"type": "text", "text": part.get("refusal", "")}
+            if isinstance(part, dict) and part.get("type") == "refusal" else part
+            for part in content]}
+    return message
+
+
+def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as the chat template takes them: roles as it names them, an
+    assistant's `refusal` parts (its refusal, sent back in a history) as text parts."""
+    return [_openai_message(m) for m in messages]
 
 
 def images_refused(where: str) -> APIError:

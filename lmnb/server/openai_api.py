@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lmnb.runtime.output import OutputStream
 from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
-from lmnb.server.messages import openai_roles
+from lmnb.server.messages import openai_messages
 from lmnb.server.stream_logprobs import (
     StreamedLogprobs,
     TokenPieces,
@@ -298,7 +298,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
         messages, images = chat_media(
-            openai_roles(body.messages),
+            openai_messages(body.messages),
             takes_images=runtime.model_config.image_token_id is not None)
         tools = openai_tools(body.tools)
         tool_choice = openai_tool_choice(body.tool_choice, body.parallel_tool_calls, tools)
