@@ -483,6 +483,26 @@ def test_an_assistant_refusal_part_is_its_text(client):
             {"role": "user", "content": [{"type": "refusal", "refusal": said}]}])
 
 
+def test_chat_template_kwargs_reach_the_template(client, rt, monkeypatch):
+    """SGLang's and vLLM's `chat_template_kwargs` (e.g. Qwen3's `enable_thinking`) are
+    variables of the chat template; they were dropped. A name that is one of the renderer's
+    own arguments (`tokenize`, ...) is a 400 naming the field."""
+    template = rt.tokenizer.chat_template
+    monkeypatch.setattr(rt.tokenizer, "chat_template",
+                        "{% if greeting %}{{ greeting }}\n{% endif %}" + template)
+    plain = rt.apply_chat_template(CHAT)
+    greeted = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=1,
+        extra_body={"chat_template_kwargs": {"greeting": "Ahoy there, matey"}})
+    assert greeted.usage.prompt_tokens == len(rt.encode("Ahoy there, matey\n" + plain))
+    assert client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1
+                                          ).usage.prompt_tokens == len(rt.encode(plain))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert info.value.body["param"] == "chat_template_kwargs"
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -81,9 +81,10 @@ class ScriptedRuntime:
         return self.rt.generate(prompt, params, **kwargs)
 
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, *,
-                            tools: Any = None) -> str:
+                            tools: Any = None, template_kwargs: Any = None) -> str:
         return apply_chat_template(self.tokenizer, messages,
-                                   add_generation_prompt=add_generation_prompt, tools=tools)
+                                   add_generation_prompt=add_generation_prompt, tools=tools,
+                                   template_kwargs=template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return self.rt.encode(text)

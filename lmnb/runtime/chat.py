@@ -14,8 +14,9 @@ within `<tool_response>` tags.
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmnb.runtime.core import InvalidRequestError
@@ -213,17 +214,33 @@ def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any
     return [{"role": "system", "content": prompt}, *messages]
 
 
+def _template_variables(tokenizer: Any, variables: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`variables` for the template, none of them one of the renderer's own arguments."""
+    if not variables:
+        return {}
+    own = inspect.signature(tokenizer.apply_chat_template).parameters
+    taken = sorted(name for name in variables if name in own or not isinstance(name, str))
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(map(str, taken))}"
+                                  ": the renderer's own arguments", param="chat_template_kwargs")
+    return dict(variables)
+
+
 def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
                         add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None) -> str:
+                        tools: list[dict[str, Any]] | None = None,
+                        template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The prompt text of `messages` ([{"role": ..., "content": ...}, ...]) in the tokenizer's
     template; with `add_generation_prompt`, followed by the opening of an assistant turn.
-    `tools` and tool calls in the messages are rendered as the module docstring says.
-    Raises `InvalidRequestError` when the tokenizer has no template or the template rejects
-    the messages (e.g. roles that do not alternate)."""
+    `tools` and tool calls in the messages are rendered as the module docstring says;
+    `template_kwargs` are more variables of the template (SGLang's and vLLM's
+    `chat_template_kwargs`, e.g. `enable_thinking`). Raises `InvalidRequestError` when the
+    tokenizer has no template or the template rejects the messages (e.g. roles that do not
+    alternate)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("the tokenizer has no chat template; format the prompt "
                                   "yourself or load a model whose tokenizer has one")
+    variables = _template_variables(tokenizer, template_kwargs)
     checked = _check_messages(messages)
     has_calls = any(m["role"] == "tool" or m.get("tool_calls") for m in checked)
     if tools or has_calls:
@@ -236,7 +253,8 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
             tools = None
     try:
         text = tokenizer.apply_chat_template(checked, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             **variables)
     except Exception as error:  # jinja's TemplateError (raise_exception in templates) and kin
         raise InvalidRequestError(f"the chat template rejected the messages: {error}") from None
     return strip_added_bos(tokenizer, text)

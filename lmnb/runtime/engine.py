@@ -7,7 +7,7 @@ import functools
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import accumulate
 from pathlib import Path
@@ -563,12 +563,14 @@ class Runtime:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True, *,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text of chat `messages` in the model's own template, ready for
         `generate` (see `lmnb.runtime.chat.apply_chat_template`)."""
         with self._tokenizer_lock:
             return apply_chat_template(self.tokenizer, messages,
-                                       add_generation_prompt=add_generation_prompt, tools=tools)
+                                       add_generation_prompt=add_generation_prompt, tools=tools,
+                                       template_kwargs=template_kwargs)
 
     # ---- SGLang's names ----------------------------------------------------------------------
     def shutdown(self) -> None:

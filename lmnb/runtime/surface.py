@@ -6,7 +6,7 @@ it. Extras of one runtime alone (`Runtime.pin_prefix`, `media_snapshot`, `cache_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -81,7 +81,8 @@ class EngineSurface(Protocol):
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True, *,
-                            tools: list[dict[str, Any]] | None = None) -> str: ...
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str: ...
 
     def get_tokenizer(self) -> Any: ...
 

@@ -151,15 +151,17 @@ class ChatRequest(_Sampling):
     # vLLM's and SGLang's extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def prompt(self, runtime: ServedRuntime, messages: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None) -> str:
-        """The prompt text of `messages`: with `continue_final_message`, the reply continues
-        the last (assistant) message; without `add_generation_prompt`, no assistant opening
-        follows the messages."""
+        """The prompt text of `messages` (`chat_template_kwargs`: more variables of the
+        template): with `continue_final_message`, the reply continues the last (assistant)
+        message; without `add_generation_prompt`, no assistant opening follows the messages."""
+        variables = self.chat_template_kwargs
         if not self.continue_final_message:
             return runtime.apply_chat_template(messages, self.add_generation_prompt,
-                                               tools=tools)
+                                               tools=tools, template_kwargs=variables)
         if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
             raise APIError("continue_final_message and add_generation_prompt cannot both be "
                            "true", param="continue_final_message")
@@ -168,7 +170,8 @@ class ChatRequest(_Sampling):
                 or not isinstance(last.get("content"), str)):
             raise APIError("continue_final_message needs a last assistant message of text",
                            param="messages")
-        return runtime.apply_chat_template(messages[:-1], tools=tools) + last["content"]
+        return runtime.apply_chat_template(messages[:-1], tools=tools,
+                                           template_kwargs=variables) + last["content"]
 
     def logprob_kwargs(self) -> dict[str, Any]:
         """`generate`'s logprob arguments; `top_logprobs` asks for nothing without `logprobs`

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import os
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -420,10 +420,12 @@ class DataParallelRuntime:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True, *,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         with self._tokenizer_lock:
             return apply_chat_template(self.tokenizer, messages,
-                                       add_generation_prompt=add_generation_prompt, tools=tools)
+                                       add_generation_prompt=add_generation_prompt, tools=tools,
+                                       template_kwargs=template_kwargs)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
