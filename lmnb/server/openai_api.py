@@ -1,7 +1,7 @@
 """OpenAI's API over the runtime: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 (streaming as server-sent events ending with `data: [DONE]`); `/v1/embeddings` and
-`/v1/responses` are refused in words. The module is not named `openai`
-so that it never shadows the `openai` package."""
+`/v1/responses` are refused in words. The module is not named `openai` so that it never shadows
+the `openai` package."""
 
 from __future__ import annotations
 
