@@ -503,6 +503,26 @@ def test_chat_template_kwargs_reach_the_template(client, rt, monkeypatch):
     assert info.value.body["param"] == "chat_template_kwargs"
 
 
+def test_completion_best_of_returns_the_likeliest_candidates(client):
+    """OpenAI's `best_of`: `best_of` candidates per prompt generated, the `n` with the highest
+    log probability per token returned (all billed); it was ignored (one sample, n tokens)."""
+    kwargs = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 1.0,
+              "seed": 11, "extra_body": {"ignore_eos": True}}
+    every = client.completions.create(n=4, logprobs=0, **kwargs).choices
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in every]
+    ranked = [c.text for _, c in sorted(zip(means, every, strict=True), key=lambda p: -p[0])]
+    best = client.completions.create(best_of=4, **kwargs)
+    assert [c.text for c in best.choices] == ranked[:1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 4 * 5
+    two = client.completions.create(best_of=4, n=2, logprobs=1, **kwargs)
+    assert [c.text for c in two.choices] == ranked[:2] and [c.index for c in two.choices] == [0, 1]
+    assert len(two.choices[0].logprobs.tokens) == 5
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(best_of=1, n=2, **kwargs)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(best_of=3, stream=True, **kwargs)
+
+
 # ---- errors and auth ---------------------------------------------------------------------------
 def test_api_key_required_except_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200

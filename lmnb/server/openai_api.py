@@ -137,6 +137,19 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    def candidates(self) -> int:
+        """Completions generated per prompt: `best_of` (at least `n`; not streamed unless it is
+        `n`), else `n`."""
+        if self.best_of is None or self.best_of == self.n:
+            return self.n
+        if self.best_of < self.n:
+            raise APIError(f"best_of ({self.best_of}) must be at least n ({self.n})",
+                           param="best_of")
+        if self.stream:
+            raise APIError("best_of greater than n cannot be streamed", param="best_of")
+        return self.best_of
 
 
 class ChatRequest(_Sampling):
@@ -209,6 +222,22 @@ def _usage(results: list[Chunk], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _per_token_logprob(result: Chunk) -> float:
+    logprobs = [lp for lp, _ in result["meta_info"].get("output_token_logprobs") or ()
+                if lp is not None]
+    return sum(logprobs) / len(logprobs) if logprobs else 0.0
+
+
+def _best(results: list[Chunk], candidates: int, n: int) -> list[Chunk]:
+    """Of each prompt's `candidates` results (consecutive), the `n` with the highest log
+    probability per token, likeliest first (OpenAI's `best_of`)."""
+    if candidates == n:
+        return results
+    groups = [results[i:i + candidates] for i in range(0, len(results), candidates)]
+    return [r for group in groups
+            for r in sorted(group, key=_per_token_logprob, reverse=True)[:n]]
+
+
 def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces, echo: bool = False,
                          offset: int = 0) -> dict[str, Any]:
     """OpenAI's legacy logprobs of the output tokens, the first at text `offset`; with `echo`,
@@ -278,10 +307,11 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         prompt, input_ids = _completion_prompt(body.prompt)
         top = body.logprobs or 0
         with_logprobs = body.logprobs is not None
+        candidates = body.candidates()  # ranked by their logprobs when more than n
+        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
         stream = await open_stream(
-            runtime, prompt, body.sampling_params(16 if body.max_tokens is None
-                                                  else body.max_tokens),
-            input_ids=input_ids, return_logprob=with_logprobs, top_logprobs_num=top,
+            runtime, prompt, {**params, "n": candidates}, input_ids=input_ids,
+            return_logprob=with_logprobs or candidates > body.n, top_logprobs_num=top,
             logprob_start_len=0 if body.echo and with_logprobs else None)
         echoed = _echoed(prompt, input_ids, runtime.tokenizer) if body.echo else None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -290,13 +320,15 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             return _sse_response(_completion_events(stream, head, body.n, body.streamed,
                                                     with_logprobs, tokens, echoed))
         results = await collect(request, stream)
+        usage = _usage(results, candidates)
+        results = _best(results, candidates, body.n)
         choices = [{"index": i,
                     "text": (echoed[i // body.n] if echoed else "") + r["text"],
                     "logprobs": (_completion_logprobs(r["meta_info"], tokens, body.echo)
                                  if with_logprobs else None),
                     **_finish(r["meta_info"])}
                    for i, r in enumerate(results)]
-        return {**head, "choices": choices, "usage": _usage(results, body.n)}
+        return {**head, "choices": choices, "usage": usage}
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
