@@ -301,8 +301,10 @@ class RecordingRuntime:
         self.calls.append(kwargs)
         return self.rt.generate(prompt, sampling_params, **kwargs)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, *, tools=None):
-        return self.rt.apply_chat_template(messages, add_generation_prompt, tools=tools)
+    def apply_chat_template(self, messages, add_generation_prompt=True, *, tools=None,
+                            template_kwargs=None):
+        return self.rt.apply_chat_template(messages, add_generation_prompt, tools=tools,
+                                           template_kwargs=template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return self.rt.encode(text)
