@@ -194,3 +194,129 @@ def test_logprob_meta_info_has_sglangs_keys_without_a_start(endpoint, sgl_runtim
     out = sgl_runtime.generate("The sky is", {"max_new_tokens": 1}, return_logprob=True,
                                token_ids_logprob=[5, 6])
     assert out["meta_info"]["input_token_ids_logprobs"] == []
+
+
+def test_json_schema_choices_and_stop_match_lmnb(endpoint, sgl_runtime) -> None:
+    """`gen(json_schema=...)`, `gen(choices=...)` (SGLang's select) and `gen(stop=[...])` give,
+    through SGLang's frontend, what lmnb's DSL gets in process. (The choices' scores differ by
+    design: SGLang's frontend also averages the prompt's last token, lmnb's only the choice's:
+    `lmnb/lang/choices.py`.)"""
+    import json
+
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string",
+                         "maxLength": 6}}, "required": ["name"]})
+
+    def program(dsl: ModuleType) -> Any:
+        @dsl.function
+        def person(s):
+            s += "Person:" + dsl.gen("p", max_tokens=40, temperature=0, json_schema=schema)
+            s += "\nColour:" + dsl.gen("c", choices=[" red", " dark blue", " green"])
+            s += "\nCount: 1, 2," + dsl.gen("n", max_tokens=12, temperature=0, stop=[",", "."])
+
+        return person
+
+    remote = program(sgl).run()
+    local = program(lmnb).run(backend=sgl_runtime)
+    assert remote.error() is None
+    assert set(json.loads(remote["p"])) == {"name"}
+    for name in ("p", "c", "n"):
+        assert remote[name] == local[name], name
+    assert remote.text() == local.text()
+    for key in ("completion_tokens", "finish_reason"):
+        assert remote.get_meta_info("n")[key] == local.get_meta_info("n")[key]
+
+
+def test_gen_logprobs_from_a_start_as_the_runtimes(endpoint, sgl_runtime) -> None:
+    """`gen(return_logprob=True, logprob_start_len=k, top_logprobs_num=2,
+    return_text_in_logprobs=True)`: the prompt's logprobs from token k and the output's, with
+    their texts, as the runtime gives them for the same request."""
+    prompt = "The sky is blue and"
+
+    @sgl.function
+    def scored(s):
+        s += prompt
+        s += sgl.gen("a", max_tokens=3, temperature=0, return_logprob=True,
+                     logprob_start_len=2, top_logprobs_num=2, return_text_in_logprobs=True)
+
+    meta = scored.run().get_meta_info("a")
+    out = sgl_runtime.generate(prompt, {"max_new_tokens": 3, "temperature": 0},
+                               return_logprob=True, logprob_start_len=2, top_logprobs_num=2,
+                               return_text_in_logprobs=True)
+    expected = out["meta_info"]
+    assert len(meta["input_token_logprobs"]) == len(sgl_runtime.encode(prompt)) - 2
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert [row[1:] for row in meta[key]] == [list(row[1:]) for row in expected[key]]
+    # SGLang's server: None at the first prompt position returned (the runtime scores it)
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    assert [row[0] for row in meta["input_token_logprobs"][1:]] == pytest.approx(
+        [row[0] for row in expected["input_token_logprobs"][1:]], abs=1e-5)
+    assert [row[0] for row in meta["output_token_logprobs"]] == pytest.approx(
+        [row[0] for row in expected["output_token_logprobs"]], abs=1e-5)
+    for rows, expected_rows in zip(meta["output_top_logprobs"], expected["output_top_logprobs"],
+                                   strict=True):
+        assert [row[1:] for row in rows] == [list(row[1:]) for row in expected_rows]
+
+
+def test_async_stream_and_run_batch_with_a_progress_bar(endpoint, sgl_runtime, capfd) -> None:
+    """`state.text_async_iter(name)` of a streamed run, and `run_batch(num_threads=2,
+    progress_bar=True)` (SGLang's tqdm bar counts every program)."""
+    import asyncio
+
+    remote, local = qa_program(sgl), qa_program(lmnb)
+    expected = local.run(question="Name a colour.", backend=sgl_runtime)
+
+    async def pieces() -> list[str]:
+        state = remote.run(question="Name a colour.", stream=True)
+        return [piece async for piece in state.text_async_iter("answer")]
+
+    assert "".join(asyncio.run(pieces())) == expected["answer"]
+    capfd.readouterr()
+    questions = ["What is 2 + 3?", "Name a colour.", "Why is the sky blue?", "Say hi."]
+    batch = remote.run_batch([{"question": q} for q in questions], num_threads=2,
+                             progress_bar=True)
+    assert [s["answer"] for s in batch] == [
+        local.run(question=q, backend=sgl_runtime)["answer"] for q in questions]
+    assert "4/4" in capfd.readouterr().err
+
+
+def test_cache_prefix_and_flush_cache(endpoint, sgl_runtime) -> None:
+    """`endpoint.cache_prefix(text)` leaves the text's tokens in the server's prefix cache, so a
+    gen after it reports them as `cached_tokens`; `sgl.flush_cache()` empties the cache."""
+    prefix = "You are a helpful assistant. Answer in one word.\n"
+
+    @sgl.function
+    def ask(s):
+        s += prefix + "Q: Colour of the sky?\nA:" + sgl.gen("a", max_tokens=2, temperature=0)
+
+    sgl.flush_cache()
+    assert ask.run().get_meta_info("a")["cached_tokens"] == 0
+    sgl.flush_cache()
+    endpoint.cache_prefix(prefix)
+    assert ask.run().get_meta_info("a")["cached_tokens"] == len(sgl_runtime.encode(prefix))
+    sgl.flush_cache()
+    assert ask.run().get_meta_info("a")["cached_tokens"] == 0
+
+
+def test_roles_with_a_named_chat_template_match_lmnb(endpoint, sgl_runtime) -> None:
+    """SGLang's frontend renders roles with its own template (named, or guessed from the
+    model path); with "chatml", SmolLM2's own format, the text and the answer equal lmnb's
+    (which renders the model's template); the assistant's gen stops at the turn's end."""
+
+    def program(dsl: ModuleType) -> Any:
+        @dsl.function
+        def chat(s, question):
+            s += dsl.system("You are brief.")
+            s += dsl.user(question)
+            s += dsl.assistant(dsl.gen("answer", max_tokens=6, temperature=0))
+            s += dsl.user("And why?")
+            s += dsl.assistant(dsl.gen("why", max_tokens=6, temperature=0))
+
+        return chat
+
+    backend = sgl.RuntimeEndpoint(endpoint.base_url, chat_template_name="chatml")
+    remote = program(sgl).run(question="Name a colour.", backend=backend)
+    local = program(lmnb).run(question="Name a colour.", backend=sgl_runtime)
+    assert remote.error() is None
+    assert (remote["answer"], remote["why"]) == (local["answer"], local["why"])
+    assert remote.text() == local.text()
+    assert remote.messages() == local.messages()
