@@ -168,30 +168,32 @@ def _with_reasoning(expr: Expr, model_type: str) -> Expr:
     return expr
 
 
-def image(source: Any) -> Image:
-    return Image(source)
+# Parameter names are SGLang's (`image(expr)`, `video(path, num_frames)`, `user(expr)`), so
+# that programs passing them by keyword run unchanged.
+def image(expr: Any) -> Image:
+    return Image(expr)
 
 
-def video(source: Any, num_frames: int = 8) -> Video:
-    return Video(source, num_frames)
+def video(path: Any, num_frames: int = 8) -> Video:
+    return Video(path, num_frames)
 
 
-def _role(role: str, content: Any) -> ExprList:
-    if content is None:
+def _role(role: str, expr: Any) -> ExprList:
+    if expr is None:
         return concat(RoleBegin(role), RoleEnd(role))
-    return concat(RoleBegin(role), content, RoleEnd(role))
+    return concat(RoleBegin(role), expr, RoleEnd(role))
 
 
-def system(content: Any = None) -> ExprList:
-    return _role("system", content)
+def system(expr: Any = None) -> ExprList:
+    return _role("system", expr)
 
 
-def user(content: Any = None) -> ExprList:
-    return _role("user", content)
+def user(expr: Any = None) -> ExprList:
+    return _role("user", expr)
 
 
-def assistant(content: Any = None) -> ExprList:
-    return _role("assistant", content)
+def assistant(expr: Any = None) -> ExprList:
+    return _role("assistant", expr)
 
 
 def system_begin() -> RoleBegin:

@@ -59,21 +59,21 @@ class StateWriter:
         yield
         self._submit(RoleEnd(role))
 
-    def _role(self, role: str, content: Any) -> Any:
-        if content is not None:
-            self._submit(_ROLE_EXPRS[role](content))
+    def _role(self, role: str, expr: Any) -> Any:
+        if expr is not None:
+            self._submit(_ROLE_EXPRS[role](expr))
             return None
         return self._role_scope(role)
 
-    def system(self, content: Any = None) -> Any:
+    def system(self, expr: Any = None) -> Any:
         """`s.system("...")` appends a system message; `with s.system():` opens one."""
-        return self._role("system", content)
+        return self._role("system", expr)
 
-    def user(self, content: Any = None) -> Any:
-        return self._role("user", content)
+    def user(self, expr: Any = None) -> Any:
+        return self._role("user", expr)
 
-    def assistant(self, content: Any = None) -> Any:
-        return self._role("assistant", content)
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role("assistant", expr)
 
     def join(self, forks: ProgramStateGroup | Sequence[Any], mode: str = "gather_variable"
              ) -> None:
