@@ -457,3 +457,49 @@ def test_a_custom_backend_subclassing_base_backend():
     while ("end", executor) not in backend.calls:
         assert time.monotonic() < deadline, "end_program was not called"
         time.sleep(0.02)
+
+
+# ---- SGLang's keyword names ----------------------------------------------------------------------
+def test_run_takes_sglangs_n_and_use_thread(sgl_backend):
+    """SGLang's `run(..., n=1, use_thread=False)` and `run_batch(..., n=1)` run unchanged (one
+    state holds one sample: a run-wide n above 1 is refused, a gen's own n is the way); a
+    program's own parameter named `n` still gets its value."""
+    expected = answer.run(question="What is 1+1?")["answer"]
+    state = answer.run(question="What is 1+1?", n=1, use_thread=False, stop=[],
+                       stop_token_ids=[], stop_regex=[], return_logprob=None)
+    assert state["answer"] == expected
+    assert [s["answer"] for s in answer.run_batch([{"question": "What is 1+1?"}], n=1)] == \
+        [expected]
+    with pytest.raises(ValueError, match=r"run\(n=2\)"):
+        answer.run(question="What is 1+1?", n=2)
+
+    @sgl.function
+    def repeat(s, n):
+        s += "ab" * n
+
+    assert repeat.run(n=3).text() == "ababab"
+
+
+def test_roles_and_media_take_sglangs_keyword_names(sgl_backend):
+    """`sgl.user(expr=...)`, `s.user(expr=...)`, `sgl.image(expr=...)` and
+    `sgl.video(path=..., num_frames=...)`: SGLang's parameter names."""
+    from tests.test_llava_dsl import FakeMediaBackend
+
+    @sgl.function
+    def chat(s):
+        s += sgl.system(expr="Be brief.")
+        s.user(expr="Hi")
+        s += sgl.assistant(expr=sgl.gen("a", max_tokens=2, temperature=0))
+
+    state = chat.run()
+    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant"]
+    assert state.messages()[1]["content"] == "Hi"
+
+    @sgl.function
+    def look(s):
+        s += sgl.user(sgl.image(expr="cat.png") + sgl.video(path="clip.mp4", num_frames=3))
+        s += sgl.assistant(sgl.gen("a"))
+
+    backend = FakeMediaBackend()
+    look.run(backend=backend).sync()
+    assert backend.prepared == [("image", "cat.png", None), ("video", "clip.mp4", 3)]

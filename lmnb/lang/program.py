@@ -31,7 +31,12 @@ from lmnb.lang.program_run import ProgramRun as ProgramRun
 from lmnb.lang.program_state import ProgramState as ProgramState
 from lmnb.lang.run_defaults import RUN_DEFAULTS as RUN_DEFAULTS
 from lmnb.lang.run_defaults import SAMPLING_DEFAULT_KEYS as SAMPLING_DEFAULT_KEYS
-from lmnb.lang.run_defaults import batch_defaults, call_arguments, run_defaults
+from lmnb.lang.run_defaults import (
+    SGLANG_RUN_OPTIONS,
+    batch_defaults,
+    call_arguments,
+    run_defaults,
+)
 from lmnb.lang.state_writer import PROGRAM_CALLER as PROGRAM_CALLER
 from lmnb.lang.state_writer import ProgramStateGroup as ProgramStateGroup
 from lmnb.lang.state_writer import StateWriter as StateWriter
@@ -70,8 +75,10 @@ class Program:
                        num_api_spec_tokens=self.num_api_spec_tokens)
 
     def split_arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict, dict]:
-        """(program arguments, sampling defaults) of a call's arguments."""
-        sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in SAMPLING_DEFAULT_KEYS}
+        """(program arguments, sampling defaults) of a call's arguments. SGLang's `n` and
+        `use_thread` go to the defaults too, unless the program has a parameter of that name."""
+        sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in SAMPLING_DEFAULT_KEYS or (
+            k in SGLANG_RUN_OPTIONS and k not in self._signature.parameters)}
         arguments = dict(self.bound)
         try:
             bound = self._signature.bind_partial(None, *args, **kwargs)

@@ -13,6 +13,9 @@ from lmnb.params import default_sampling_params
 # only make sense per gen (a sample count, an output constraint).
 SAMPLING_DEFAULT_KEYS = tuple(k for k in GEN_PARAM_NAMES
                               if k not in ("n", "regex", "json_schema", "ebnf"))
+# SGLang's `run` keywords that set no gen default here: `n` (a state holds one sample, so 1
+# only; give a gen its own `n`) and `use_thread` (every body runs on the program loop).
+SGLANG_RUN_OPTIONS = ("n", "use_thread")
 # The runtime's own scalar defaults; stop lists stay unset (the chat template may add its own).
 RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
                             if k in SAMPLING_DEFAULT_KEYS and not isinstance(v, list)})
@@ -20,7 +23,7 @@ RUN_DEFAULTS = GenParams(**{k: v for k, v in default_sampling_params().items()
 
 def batch_defaults(sampling: dict[str, Any]) -> GenParams:
     """`run_batch`'s keyword arguments: sampling defaults only."""
-    unknown = sorted(set(sampling) - set(SAMPLING_DEFAULT_KEYS))
+    unknown = sorted(set(sampling) - {*SAMPLING_DEFAULT_KEYS, "n"})
     if unknown:
         raise TypeError(f"run_batch got unknown keyword arguments {unknown}")
     return run_defaults(sampling)
@@ -36,6 +39,11 @@ def call_arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
 
 def run_defaults(sampling: dict[str, Any]) -> GenParams:
     values = dict(sampling)
+    n = values.pop("n", None)
+    values.pop("use_thread", None)
+    if n not in (None, 1):
+        raise ValueError(f"run(n={n!r}): a run's state holds one sample; give the gen its own "
+                         f"n (gen(..., n={n!r}))")
     for key in ("stop", "stop_token_ids"):
         if isinstance(values.get(key), str | int):
             values[key] = (values[key],)
