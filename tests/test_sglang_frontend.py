@@ -320,3 +320,38 @@ def test_roles_with_a_named_chat_template_match_lmnb(endpoint, sgl_runtime) -> N
     assert (remote["answer"], remote["why"]) == (local["answer"], local["why"])
     assert remote.text() == local.text()
     assert remote.messages() == local.messages()
+
+
+def test_gen_after_an_image_matches_lmnb(tiny_llavas, tmp_path) -> None:
+    """`sgl.image` then gens, plain and streamed, through SGLang's frontend on a LLaVA model:
+    every request carries the image, and the text equals lmnb's DSL in process."""
+    from PIL import Image
+
+    from lmnb.server import ServerHandle
+
+    pic = tmp_path / "pic.png"
+    Image.new("RGB", (30, 20), (200, 30, 30)).save(pic)
+
+    def program(dsl: ModuleType) -> Any:
+        @dsl.function
+        def describe(s):
+            s += "Look: " + dsl.image(str(pic)) + " It is"
+            s += dsl.gen("a", max_tokens=5, temperature=0)
+            s += " and" + dsl.gen("b", max_tokens=3, temperature=0)
+
+        return describe
+
+    with lmnb.Runtime(tiny_llavas["llava-1.5"], max_total_tokens=8192) as runtime, \
+            ServerHandle.start(runtime) as server:
+        backend = sgl.RuntimeEndpoint(server.url)
+        local = program(lmnb).run(backend=runtime)
+        remote = program(sgl).run(backend=backend)
+        assert remote.error() is None
+        assert (remote["a"], remote["b"]) == (local["a"], local["b"])
+        assert remote.text() == local.text()
+        streamed = program(sgl).run(backend=backend, stream=True)
+        assert "".join(streamed.text_iter("a")) == local["a"]
+        assert streamed.text() == local.text()
+        alone = runtime.generate("Look: <image> It is", {"max_new_tokens": 5, "temperature": 0},
+                                 image_data=pic.read_bytes())
+        assert alone["text"] == local["a"]
