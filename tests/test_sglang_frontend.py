@@ -355,3 +355,36 @@ def test_gen_after_an_image_matches_lmnb(tiny_llavas, tmp_path) -> None:
         alone = runtime.generate("Look: <image> It is", {"max_new_tokens": 5, "temperature": 0},
                                  image_data=pic.read_bytes())
         assert alone["text"] == local["a"]
+
+
+def test_penalties_min_tokens_and_stop_regex_match_lmnb(endpoint, sgl_runtime) -> None:
+    """The rest of `sgl.gen`'s sampling arguments, which SGLang's frontend sends in
+    `sampling_params` (frequency/presence penalties, min_tokens with ignore_eos, stop_token_ids,
+    stop_regex, top_k/top_p/min_p): the same text and finish reason as lmnb's DSL. The text
+    ends before a stop_regex's match, as `Runtime.generate`'s (lmnb's rule; SGLang 0.5 leaves
+    the match in): an unstreamed `/generate` kept what its internal stream had delivered."""
+
+    def program(dsl: ModuleType) -> Any:
+        @dsl.function
+        def words(s):
+            s += "Words:" + dsl.gen("a", max_tokens=12, temperature=0, frequency_penalty=1.5,
+                                    presence_penalty=1.0)
+            s += "\nMore:" + dsl.gen("b", max_tokens=10, temperature=0, min_tokens=6,
+                                     ignore_eos=True, stop_token_ids=[2])
+            s += "\nAgain:" + dsl.gen("c", max_tokens=10, temperature=0,
+                                      stop_regex=r"(welcome ){2}")
+            s += "\nLast:" + dsl.gen("d", max_tokens=8, temperature=0.7, top_k=1, top_p=0.5,
+                                     min_p=0.2)
+
+        return words
+
+    remote = program(sgl).run()
+    local = program(lmnb).run(backend=sgl_runtime)
+    assert remote.error() is None
+    for name in "abcd":
+        assert remote[name] == local[name], name
+        assert remote.get_meta_info(name)["finish_reason"] == \
+            local.get_meta_info(name)["finish_reason"], name
+    plain = sgl_runtime.generate("Words:", {"max_new_tokens": 12, "temperature": 0})
+    assert plain["text"] != local["a"]  # the penalties changed the greedy text
+    assert remote.get_meta_info("c")["finish_reason"]["type"] == "stop"

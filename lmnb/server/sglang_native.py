@@ -218,7 +218,10 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
             top_logprobs_num=body.top_logprobs_num, token_ids_logprob=body.token_ids_logprob,
             **({"return_token_origins": True} if body.return_token_origins else {}),
-            **media_kwargs(body.image_data, body.video_data))
+            **media_kwargs(body.image_data, body.video_data),
+            # unstreamed: one whole result per request, as `Runtime.generate` returns it (a
+            # stop_regex cut can take back text that an incremental stream has delivered)
+            incremental=body.stream)
         texts = token_text if body.return_text_in_logprobs else None
         ids = ([str(rid) for rid in stream.rids] if body.rid is None
                else _caller_ids(body.rid, body.samples()))
