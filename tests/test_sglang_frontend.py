@@ -388,3 +388,33 @@ def test_penalties_min_tokens_and_stop_regex_match_lmnb(endpoint, sgl_runtime) -
     plain = sgl_runtime.generate("Words:", {"max_new_tokens": 12, "temperature": 0})
     assert plain["text"] != local["a"]  # the penalties changed the greedy text
     assert remote.get_meta_info("c")["finish_reason"]["type"] == "stop"
+
+
+def test_join_concate_and_append_matches_lmnb(endpoint, sgl_runtime) -> None:
+    """`forks.join("concate_and_append")`: SGLang's frontend asks the server to append the
+    forks' KV to the parent (`/concate_and_append_request`, which SGLang 0.5's server lacks),
+    then continues from the joined text: the program's text equals lmnb's DSL."""
+
+    def program(dsl: ModuleType) -> Any:
+        @dsl.function
+        def tips(s):
+            s += "Tips:"
+            forks = s.fork(2)
+            for i in range(2):
+                forks[i] += f" {i + 1}." + dsl.gen("tip", max_tokens=3, temperature=0)
+            forks.join("concate_and_append")
+            s += "\nSo" + dsl.gen("end", max_tokens=3, temperature=0)
+
+        return tips
+
+    import httpx
+
+    # first on its own: without the route, SGLang's frontend waits forever on the failed join
+    answer = httpx.post(endpoint.base_url + "/concate_and_append_request",
+                        json={"src_rids": ["1", "2"], "dst_rid": "0"}, timeout=60)
+    assert answer.status_code == 200
+    remote = program(sgl).run()
+    local = program(lmnb).run(backend=sgl_runtime)
+    assert remote.error() is None
+    assert remote.text() == local.text()
+    assert remote["end"] == local["end"]

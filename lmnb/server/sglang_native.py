@@ -1,7 +1,8 @@
 """SGLang's native API over the runtime, field for field: `/generate`, `/abort_request`,
 `/model_info`, `/server_info` (and their older names `/get_model_info`, `/get_server_info`; SGLang
 0.5's frontend reads `/server_info`), `/flush_cache`, `/start_profile`, `/stop_profile`,
-`/health`, `/health_generate`.
+`/health`, `/health_generate`, and `/concate_and_append_request` (SGLang's frontend's
+`join("concate_and_append")`: a no-op here, the joined text is sent next).
 
 `/generate` streams like SGLang's default: every event carries the text and ids so far
 (cumulative), `meta_info` with SGLang's per-chunk fields (`streamed_meta`: the counts and the
@@ -150,6 +151,12 @@ class AbortRequest(BaseModel):
     abort_all: bool = False
 
 
+class ConcateAndAppendRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    src_rids: list[str]
+    dst_rid: str
+
+
 def _caller_ids(rid: str | list[str], samples: list[int]) -> list[str]:
     """The id of each result, in order (prompt-major), from the caller's `rid`."""
     if isinstance(rid, str):
@@ -247,6 +254,14 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             open_requests.abort_all()
         elif body.rid:
             open_requests.abort(body.rid)
+        return Response(status_code=200)
+
+    @router.api_route("/concate_and_append_request", methods=["GET", "POST"])
+    async def concate_and_append_request(body: ConcateAndAppendRequest) -> Response:
+        """SGLang's frontend calls it on `forks.join("concate_and_append")` (its default
+        `enable_parallel_encoding`; SGLang 0.5's server has no such route): the forks' KV is
+        not spliced into the parent here; the parent's next request sends the joined text,
+        whose prefix the radix cache matches, so the program gets what the text join gives."""
         return Response(status_code=200)
 
     @router.get("/model_info")
