@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-auto-truncate", action="store_true",
                        help="cut max_new_tokens to the room a prompt leaves in the context "
                             "instead of refusing the request (HTTP 400)")
+    serve.add_argument("--sampling-defaults", default=None, choices=["model", "openai"],
+                       help="the defaults of an OpenAI request's omitted temperature, top_p, "
+                            "top_k, min_p, repetition_penalty: the model's generation_config.json "
+                            "(model, the default) or OpenAI's")
     serve.add_argument("--quantization", default=None, help="fp8 | compressed-tensors")
     serve.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 | bf16")
     serve.add_argument("--engine-options", type=json.loads, default=None, metavar="JSON",
@@ -61,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options["max_total_tokens"] = args.max_total_tokens
     if args.allow_auto_truncate:
         options["allow_auto_truncate"] = True
-    for name in ("speculative_algorithm", "speculative_num_draft_tokens"):
+    for name in ("speculative_algorithm", "speculative_num_draft_tokens", "sampling_defaults"):
         if vars(args)[name] is not None:
             options[name] = vars(args)[name]
     options.update(args.engine_options or {})

@@ -99,11 +99,9 @@ class LMNB(Magics):
         options = self.load_options()
         model = args.model if args.model is not None else options.pop("model")
         options.pop("model", None)
-        for key in ("dtype", "device", "max_total_tokens"):
+        for key in ("dtype", "device", "max_total_tokens", "schedule_policy", "sampling_defaults"):
             if getattr(args, key) is not None:
                 options[key] = getattr(args, key)
-        if args.schedule_policy is not None:
-            options["schedule_policy"] = args.schedule_policy
         if args.disable_radix_cache:
             options["disable_radix_cache"] = True
         if args.enable_hierarchical_cache or args.hicache_storage_dir:

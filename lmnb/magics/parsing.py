@@ -57,6 +57,9 @@ def lmnb_parser() -> MagicArgumentParser:
     load.add_argument("--device", help="auto, cpu, cuda, cuda:1, ...")
     load.add_argument("--max-total-tokens", type=int, metavar="N", help="KV cache size in tokens")
     load.add_argument("--schedule-policy", metavar="POLICY", help="lpm (default), fcfs, ...")
+    load.add_argument("--sampling-defaults", choices=["model", "openai"],
+                      help="an OpenAI request's omitted sampling parameters: the model's "
+                      "generation_config.json (model, the default) or OpenAI's")
     load.add_argument("--disable-radix-cache", action="store_true",
                       help="no prefix reuse (for comparisons)")
     load.add_argument("--enable-hierarchical-cache", action="store_true",

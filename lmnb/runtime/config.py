@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from lmnb.runtime.generation_defaults import SAMPLING_DEFAULTS
 from lmnb.runtime.quantization import (
     QUANTIZATION_METHODS,
     Fp8Config,
@@ -75,6 +76,9 @@ class EngineConfig:
     # a prompt plus max_new_tokens over the context length: cut max_new_tokens to fit (SGLang's
     # option) instead of refusing the request (InvalidRequestError; a 400 from the servers)
     allow_auto_truncate: bool = False
+    # where OpenAI requests' omitted temperature, top_p, top_k, min_p and repetition_penalty come
+    # from (SGLang's option): 'model' (generation_config.json's values, else OpenAI's) | 'openai'
+    sampling_defaults: str = "model"
     max_total_tokens: int | None = None  # KV pool size in tokens
     mem_fraction_static: float | None = None  # of device memory for weights + KV pool
     max_running_requests: int | None = None
@@ -173,6 +177,9 @@ class EngineConfig:
                                                    or not self.attention_backend):
             raise ValueError(f"attention_backend must be a backend name or None, "
                              f"got {self.attention_backend!r}")
+        if self.sampling_defaults not in SAMPLING_DEFAULTS:
+            raise ValueError(f"unknown sampling_defaults {self.sampling_defaults!r}; choose one "
+                             f"of: {', '.join(SAMPLING_DEFAULTS)}")
         self._check_policy()
         self._check_grammar_backend()
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -485,6 +492,8 @@ class ModelConfig:
     multimodal: MultimodalConfig | None = None  # vision tower, projector, anyres, pooling
     quantization: Fp8Config | None = None  # FP8 decoder linears (the checkpoint's, or asked for)
     sliding_window: int | None = None  # some layers attend to the last this many tokens only
+    # the sampling parameters generation_config.json recommends (generation_defaults.py)
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",

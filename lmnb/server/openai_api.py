@@ -1,13 +1,15 @@
 """OpenAI's API over the runtime: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 (streaming as server-sent events ending with `data: [DONE]`); `/v1/embeddings` and
-`/v1/responses` are refused in words. The module is not named `openai` so that it never shadows
-the `openai` package."""
+`/v1/responses` are refused in words. A request's omitted temperature, top_p, top_k, min_p and
+repetition_penalty are the model's generation_config.json values, as SGLang's chat and vLLM's
+chat and completions take them, unless the runtime's `sampling_defaults` is 'openai'. The module
+is not named `openai` so that it never shadows the `openai` package."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any, Literal
 
@@ -115,8 +117,10 @@ class _Sampling(BaseModel):
     def streamed(self) -> StreamOptions:
         return self.stream_options or StreamOptions()
 
-    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
-        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n}
+    def sampling_params(self, max_new_tokens: int | None,
+                        defaults: Mapping[str, Any]) -> dict[str, Any]:
+        """`generate`'s parameters: the request's, else `defaults` (the model's), else lmnb's."""
+        params: dict[str, Any] = {**defaults, "max_new_tokens": max_new_tokens, "n": self.n}
         for ours, value in (("temperature", self.temperature), ("top_p", self.top_p),
                             ("stop", self.stop), ("frequency_penalty", self.frequency_penalty),
                             ("presence_penalty", self.presence_penalty), ("seed", self.seed),
@@ -269,6 +273,9 @@ def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces, echo: bool =
 def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     router = APIRouter()
     tokens = TokenPieces(runtime.tokenizer)
+    # generation_config.json's sampling parameters, for the fields a request leaves out
+    defaults = (runtime.model_config.generation_defaults
+                if runtime.engine_config.sampling_defaults == "model" else {})
 
     # OpenAI's model fields, then Anthropic's (its SDK's models.list reads the same route)
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "lmnb",
@@ -308,7 +315,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         top = body.logprobs or 0
         with_logprobs = body.logprobs is not None
         candidates = body.candidates()  # ranked by their logprobs when more than n
-        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
+        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens,
+                                      defaults)
         stream = await open_stream(
             runtime, prompt, {**params, "n": candidates}, input_ids=input_ids,
             return_logprob=with_logprobs or candidates > body.n, top_logprobs_num=top,
@@ -342,7 +350,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         # neither: up to the context length (None), as SGLang's and vLLM's
         limit = body.max_tokens if body.max_completion_tokens is None else (
             body.max_completion_tokens)
-        params = body.sampling_params(limit)
+        params = body.sampling_params(limit, defaults)
         schema = _response_format_schema(body.response_format)
         if schema is not None:
             if body.regex is not None or body.json_schema is not None or body.ebnf is not None:

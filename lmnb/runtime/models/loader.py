@@ -20,6 +20,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from lmnb.runtime.config import ModelConfig, canonical_dtype
 from lmnb.runtime.distributed.group import TPGroup, building_with
+from lmnb.runtime.generation_defaults import read_generation_defaults
 from lmnb.runtime.models import hf_config, registry, tokenizer_choice
 from lmnb.runtime.models.layers.fp8 import is_fp8
 from lmnb.runtime.models.layers.linear import SHARDED_LAYERS, check_tp_model
@@ -255,9 +257,12 @@ def load_config(model_dir: Path) -> PretrainedConfig:
 
 def load_model_config(model_dir: Path) -> ModelConfig:
     """The normalised `ModelConfig` of a resolved model folder (no network): config.json read as
-    plain data for the model types `hf_config` covers, through AutoConfig for the others."""
+    plain data for the model types `hf_config` covers, through AutoConfig for the others; with
+    generation_config.json's recommended sampling parameters."""
     fields = hf_config.read_config(model_dir)
-    return ModelConfig.from_hf(fields if fields is not None else load_config(model_dir).to_dict())
+    config = ModelConfig.from_hf(fields if fields is not None
+                                 else load_config(model_dir).to_dict())
+    return replace(config, generation_defaults=read_generation_defaults(model_dir))
 
 
 def load_tokenizer(model_dir: Path) -> Any:
