@@ -91,6 +91,16 @@ def test_the_model_config_holds_the_recommended_parameters(recommending_model, t
         EngineConfig(sampling_defaults="vllm")
 
 
+def test_recommended_parameters_do_not_key_the_disk_kv(recommending_model, tiny_models):
+    """The disk tier keys KV pages by the model config's repr (`hicache/identity.py`): a
+    generation_config.json's sampling values change no KV, so they are not in it."""
+    from lmnb.runtime.models.loader import load_model_config
+
+    recommending = load_model_config(recommending_model)
+    assert recommending.generation_defaults == RECOMMENDED
+    assert repr(recommending) == repr(load_model_config(tiny_models["llama-gqa"]))
+
+
 def test_omitted_fields_take_the_models_values(model_defaults, monkeypatch):
     runtime, handle = model_defaults
     assert runtime.model_config.generation_defaults == RECOMMENDED

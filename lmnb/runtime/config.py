@@ -492,8 +492,10 @@ class ModelConfig:
     multimodal: MultimodalConfig | None = None  # vision tower, projector, anyres, pooling
     quantization: Fp8Config | None = None  # FP8 decoder linears (the checkpoint's, or asked for)
     sliding_window: int | None = None  # some layers attend to the last this many tokens only
-    # the sampling parameters generation_config.json recommends (generation_defaults.py)
-    generation_defaults: dict[str, float | int] = field(default_factory=dict)
+    # the sampling parameters generation_config.json recommends (generation_defaults.py); not
+    # in the repr, which keys the disk tier's KV pages (`hicache/identity.py`): KV does not
+    # depend on them
+    generation_defaults: dict[str, float | int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
