@@ -310,6 +310,50 @@ def test_dp_streams_like_one_runtime(dp, single) -> None:
     assert list(zip(texts, ids, strict=True)) == _texts_and_ids(expected)
 
 
+def _streamed_logprobs(runtime, prompts: list[str]) -> list[dict]:
+    """Per prompt: its running chunks' new output logprob rows laid at `output_ids_from`, how
+    many running chunks carried the prompt's list, whether any carried an output list whole,
+    and the last chunk's lists."""
+    asked = dict(return_logprob=True, top_logprobs_num=2, logprob_start_len=1)
+    stream = runtime.generate(prompts, {**GREEDY, "max_new_tokens": 5}, stream=True, **asked)
+    seen = [{"rows": [], "tops": [], "prompt_lists": 0, "whole": False}
+            for _ in prompts]
+    with stream:
+        while (chunk := stream.get(timeout=HANG_GUARD_S)) is not None:
+            meta, mine = chunk["meta_info"], seen[chunk["index"]]
+            if meta["finish_reason"] is not None:
+                mine["last"] = {k: meta[k] for k in ("input_token_logprobs",
+                                                     "output_token_logprobs",
+                                                     "output_top_logprobs")}
+                continue
+            mine["whole"] |= "output_token_logprobs" in meta
+            mine["prompt_lists"] += "input_token_logprobs" in meta
+            if "new_token_logprobs" in meta:
+                start = meta["output_ids_from"]
+                mine["rows"][start:] = meta["new_token_logprobs"]
+                mine["tops"][start:] = meta["new_top_logprobs"]
+    return seen
+
+
+def test_dp_streams_logprobs_as_one_runtime(dp, single) -> None:
+    """A streamed logprob request's running chunks over replicas (SGLang's /generate events,
+    every list whole so far) come as one runtime's: each chunk its new rows from
+    `output_ids_from`, the prompt's list once, the last chunk every list whole."""
+    got, ref = (_streamed_logprobs(runtime, PROMPTS[:4]) for runtime in (dp, single))
+    for mine, theirs in zip(got, ref, strict=True):
+        assert not mine["whole"] and mine["prompt_lists"] == theirs["prompt_lists"] == 1
+        assert [t for _, t in mine["rows"]] == [t for _, t in theirs["rows"]]
+        assert [lp for lp, _ in mine["rows"]] == pytest.approx(
+            [lp for lp, _ in theirs["rows"]], abs=1e-4)
+        assert [[t for _, t in row] for row in mine["tops"]] == \
+            [[t for _, t in row] for row in theirs["tops"]]
+        rows = len(mine["rows"])  # the last token's row comes with the last chunk
+        assert rows and [t for _, t in mine["last"]["output_token_logprobs"]][:rows] == \
+            [t for _, t in mine["rows"]]
+        assert [lp is None for lp, _ in mine["last"]["input_token_logprobs"]] == \
+            [lp is None for lp, _ in theirs["last"]["input_token_logprobs"]]
+
+
 def test_aborting_one_request_of_a_dp_stream_ends_it_alone(dp) -> None:
     """`OutputStream.abort(rid)` (the server's `/abort_request`) ends that request with
     finish_reason abort and the others go on, as on one runtime (it cancelled every replica's

@@ -337,8 +337,11 @@ def test_decode_long_splits_of_busy_batches_match_float64(device):
     for config in (DecodeConfig(64, 256, 2, 2), DecodeConfig(64, 64, 2, 2, max_splits=2),
                    DecodeConfig(64, 64, 2, 2, prefetch=True),
                    DecodeConfig(64, 64, 2, 2, max_splits=2, prefetch=True, k_rows=True),
-                   DecodeConfig(64, 64, 2, 2, heads_first=True)):
-        out = torch.empty_like(q)
+                   DecodeConfig(64, 64, 2, 2, heads_first=True),
+                   # one split: every output from stage 1, the merge not launched
+                   DecodeConfig(64, 64, 2, 2, max_splits=1, prefetch=True, k_rows=True,
+                                heads_first=True)):
+        out = torch.full_like(q, float("nan"))
         decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
                          *partial_buffers(len(seq_lens), 8, 64, 4, q.device), scale=64**-0.5,
                          max_kv_splits=4, config=config)

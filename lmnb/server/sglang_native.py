@@ -38,6 +38,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.runtime.distributed.replica import output_names
+from lmnb.runtime.output.logprob_lists import PROMPT_LISTS
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.output.stream import OutputStream, extend_output_ids
 from lmnb.server.errors import APIError
@@ -188,7 +189,7 @@ def _unscored_first_position(meta: dict[str, Any]) -> dict[str, Any]:
     out = dict(meta)
     first = lists[0]
     out["input_token_logprobs"] = [(None, *first[1:]), *lists[1:]]
-    for key in ("input_top_logprobs", "input_token_ids_logprobs"):
+    for key in PROMPT_LISTS[1:]:  # rows: the first row None
         if out.get(key):
             out[key] = [None, *out[key][1:]]
     return out

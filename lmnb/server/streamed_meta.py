@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmnb.runtime.output.logprob_lists import LISTS, RUNNING_ONLY
+
 Meta = dict[str, Any]
 
-# the prompt's list -> (the output's list, the running chunks' key of its new rows)
-_LISTS = {"input_token_logprobs": ("output_token_logprobs", "new_token_logprobs"),
-          "input_top_logprobs": ("output_top_logprobs", "new_top_logprobs"),
-          "input_token_ids_logprobs": ("output_token_ids_logprobs", "new_token_ids_logprobs")}
-_RUNNING_ONLY = ("output_ids_from", *(new for _, new in _LISTS.values()))
 _COUNTS = ("cached_tokens", "total_retractions")
 
 
@@ -33,13 +30,15 @@ class StreamedMeta:
         if meta.get("finish_reason") is not None:
             return meta  # the runtime's last meta_info is whole
         self._counts.update((key, meta[key]) for key in _COUNTS if key in meta)
-        for prompt_key, (output_key, new_key) in _LISTS.items():
+        for prompt_key, (output_key, new_key) in LISTS.items():
             if prompt_key in meta:  # the request has these lists (they come at admission)
                 self._lists[prompt_key] = list(meta[prompt_key])
                 self._lists.setdefault(output_key, [])
             if new_key in meta and output_key in self._lists:
                 self._lists[output_key][meta["output_ids_from"]:] = meta[new_key]
-        out = {key: value for key, value in meta.items() if key not in _RUNNING_ONLY}
+            elif output_key in meta:  # a stream whose events carry the lists whole so far
+                self._lists[output_key] = list(meta[output_key])
+        out = {key: value for key, value in meta.items() if key not in RUNNING_ONLY}
         out.update(self._counts)
         out.update((key, list(rows)) for key, rows in self._lists.items())
         if "output_token_logprobs" in self._lists:

@@ -164,14 +164,14 @@ class PrefixPinning(Protocol):
 class CacheFlushing(Protocol):
     """A backend that empties its runtime's prefix cache (`lmnb.flush_cache()`)."""
 
-    def flush_cache(self) -> Any: ...
+    def flush_cache(self) -> bool: ...
 
 
 @runtime_checkable
 class ServerInfoSource(Protocol):
     """A backend that reports its runtime's settings and statistics (`lmnb.get_server_info()`)."""
 
-    def get_server_info(self) -> Any: ...
+    def get_server_info(self) -> dict[str, Any]: ...
 
 
 # ---- SGLang's custom backends --------------------------------------------------------------------

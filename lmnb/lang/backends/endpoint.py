@@ -30,6 +30,7 @@ from lmnb.lang.backends.base import (
 from lmnb.lang.backends.runtime_gen import GenTexts
 from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
+from lmnb.runtime.output.logprob_lists import asked_start
 
 
 class RuntimeEndpoint:
@@ -178,7 +179,7 @@ class _ScoringClient:
                 "return_logprob": return_logprob, **media}
         earlier = logprob_start_len is not None and logprob_start_len > 0
         if logprob_start_len is not None:
-            body["logprob_start_len"] = logprob_start_len - 1 if earlier else logprob_start_len
+            body["logprob_start_len"] = asked_start(logprob_start_len)
         results = self.endpoint._request("/generate", body)
         results = results if isinstance(results, list) else [results]
         for result in results:  # SGLang's [logprob, id, text] triples -> (logprob, id)

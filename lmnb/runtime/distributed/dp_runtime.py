@@ -42,6 +42,7 @@ from lmnb.runtime.distributed.router import Router, RouterConfig
 from lmnb.runtime.media_requests import MediaInput
 from lmnb.runtime.models import loader
 from lmnb.runtime.output import OutputStream
+from lmnb.runtime.output.logprob_lists import PROMPT_LISTS, asked_start
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.prompts import IdsInput, PromptInput, prompt_id_lists
 from lmnb.runtime.request_checks import (
@@ -514,7 +515,7 @@ class DataParallelRuntime:
                        "sampling_params": [params_list[p] for p in prompts],
                        "rid": [keys[p] for p in prompts],
                        "return_logprob": [logprobs[p].return_logprob for p in prompts],
-                       "logprob_start_len": [_asked_start(logprobs[p].start) for p in prompts],
+                       "logprob_start_len": [asked_start(logprobs[p].start) for p in prompts],
                        "top_logprobs_num": [logprobs[p].top for p in prompts],
                        "token_ids_logprob": [token_ids[p] for p in prompts],
                        "return_token_origins": return_token_origins}
@@ -523,7 +524,7 @@ class DataParallelRuntime:
             names.update(zip((rid for rid, _ in outputs),
                              ((replica, name) for name in output_names(
                                  request["rid"], [counts[p] for p in prompts])), strict=True))
-            shifted = [_asked_start(logprobs[p].start) != logprobs[p].start for p in prompts
+            shifted = [asked_start(logprobs[p].start) != logprobs[p].start for p in prompts
                        for _ in range(counts[p])]
             call = self._loop.spawn(self._serve(replica, request, output.incremental, outputs,
                                                 output, token_texts=token_texts,
@@ -568,7 +569,7 @@ class DataParallelRuntime:
                      shifted: list[bool] | None = None) -> None:
         """Relays one replica's part of a generate call into `output`; keeps loads and the meta
         tree current. `shifted[i]`: output i's prompt lists were asked one position early
-        (`_asked_start`), their first entries are dropped."""
+        (`logprob_lists.asked_start`), their first entries are dropped."""
         produced: dict[int, list[int]] = {}
         done: set[int] = set()
         try:
@@ -577,7 +578,7 @@ class DataParallelRuntime:
                 rid, prompt_ids = outputs[index]
                 meta = {**chunk["meta_info"], "id": str(rid), "dp_rank": replica}
                 if shifted is not None and shifted[index]:
-                    meta.update((key, meta[key][1:]) for key in _PROMPT_LISTS if meta.get(key))
+                    meta.update((key, meta[key][1:]) for key in PROMPT_LISTS if meta.get(key))
                 if token_texts is not None:
                     meta = with_token_texts(meta, token_texts)
                 out = {"text": chunk["text"], "output_ids": chunk["output_ids"],
@@ -610,14 +611,3 @@ class DataParallelRuntime:
         state = "closed" if self._closed else f"{sum(self.router.alive)} alive"
         return (f"DataParallelRuntime({self.model_dir.name}, dp_size={self.dp_size}, "
                 f"{self.replica_backend}, {state})")
-
-
-# a prompt's logprob lists in meta_info (`Runtime.generate`)
-_PROMPT_LISTS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
-
-
-def _asked_start(start: int) -> int:
-    """The `logprob_start_len` a replica is asked for: a replica's SGLang `/generate` leaves the
-    first prompt position it returns unscored, where a `Runtime` scores it past position 0, so
-    a start past 0 is asked one position early and that position dropped (`_serve`)."""
-    return start - 1 if start > 0 else start

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmnb.params import InvalidRequestError
+from lmnb.runtime.output.logprob_lists import running_form
 from lmnb.runtime.output.logprob_text import TOKEN_LOGPROB_KEYS, TOP_LOGPROB_KEYS
 
 READY_PREFIX = "lmnb: serving on "  # `python -m lmnb serve --port 0` prints this + its URL
@@ -196,9 +197,11 @@ class ProcessReplica:
             raise await self._failure(error) from None
 
     async def _deltas(self, response: Any) -> AsyncIterator[Chunk]:
-        """SGLang's cumulative stream events as incremental chunks."""
+        """SGLang's cumulative stream events as incremental chunks, their running meta_info in
+        the runtime's running form (`logprob_lists.running_form`)."""
         texts: dict[int, int] = {}
         ids: dict[int, int] = {}
+        rows: dict[int, int] = {}  # output logprob rows delivered, by index
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -214,6 +217,8 @@ class ProcessReplica:
             meta = as_pairs(event["meta_info"])
             if meta.get("finish_reason") is None:
                 meta.pop("completion_tokens", None)  # the runtime's own chunks count at the end
+                meta, rows[index] = running_form(meta, rows.get(index, 0),
+                                                 with_prompt=index not in rows)
             yield {"index": index, "text": text[texts.get(index, 0):],
                    "output_ids": output_ids[ids.get(index, 0):], "meta_info": meta}
             texts[index], ids[index] = len(text), len(output_ids)

@@ -1,0 +1,46 @@
+"""A request's logprob lists in `meta_info` and how its stream carries them.
+
+The prompt's lists come whole, with the first chunk after each admission; the output's grow: a
+running chunk carries only its own tokens' rows, under the `new_*` key of each output list, from
+output position `output_ids_from` (`scheduler/stats.live_meta`); the last chunk carries every list
+whole. SGLang's `/generate` stream instead repeats every list so far in each event
+(`server/streamed_meta.py`); `running_form` turns such an event back into a running chunk."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# the prompt's list -> (the output's list, a running chunk's key of its new rows)
+LISTS = {"input_token_logprobs": ("output_token_logprobs", "new_token_logprobs"),
+         "input_top_logprobs": ("output_top_logprobs", "new_top_logprobs"),
+         "input_token_ids_logprobs": ("output_token_ids_logprobs", "new_token_ids_logprobs")}
+PROMPT_LISTS = tuple(LISTS)
+RUNNING_ONLY = ("output_ids_from", *(new for _, new in LISTS.values()))
+
+
+def asked_start(start: int) -> int:
+    """The `logprob_start_len` to ask a SGLang `/generate` for, to get a `Runtime`'s prompt
+    logprobs from `start` on: such a server leaves the first position it returns unscored (a
+    `Runtime` scores it past position 0), so a start past 0 is asked one position early and
+    the caller drops that first entry of each prompt list."""
+    return start - 1 if start > 0 else start
+
+
+def running_form(meta: dict[str, Any], rows_before: int, *,
+                 with_prompt: bool) -> tuple[dict[str, Any], int]:
+    """A running event's meta_info whose lists are whole so far (SGLang's stream) as the
+    runtime's running chunk: the output's rows past `rows_before` as `new_*` from
+    `output_ids_from`, the prompt's lists only `with_prompt`; and the output's rows now."""
+    out = dict(meta)
+    rows_now = rows_before
+    for prompt_key, (output_key, new_key) in LISTS.items():
+        if output_key in out:
+            rows = out.pop(output_key)
+            out[new_key] = rows[rows_before:]
+            out["output_ids_from"] = rows_before
+            if output_key == "output_token_logprobs":
+                rows_now = len(rows)
+        if not with_prompt:
+            out.pop(prompt_key, None)
+    out.pop("output_token_logprobs_length", None)
+    return out, rows_now
