@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
 
 import lmnb
 from lmnb.lang import program as program_module
@@ -26,6 +25,7 @@ from lmnb.magics import LMProgramError, ProgramResult
 from lmnb.magics.live import LiveView
 from lmnb.magics.status import StatusSummary
 from tests.idle import wait_idle
+from tests.lmnb_shell import lmnb_shell
 
 LONG = 's += "Count: " + gen("long", max_tokens=400, ignore_eos=True)\n'
 GUARD_S = 60.0  # bounds a failing (hung) test only; no assertion depends on speed
@@ -33,16 +33,8 @@ GUARD_S = 60.0  # bounds a failing (hung) test only; no assertion depends on spe
 
 @pytest.fixture
 def ip() -> Iterator[InteractiveShell]:
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"
-    shell = InteractiveShell.instance(config=config)
-    shell.run_line_magic("load_ext", "lmnb")
-    shell.run_line_magic("config", "LMNB.progress = False")
-    shell.run_line_magic("config", "LMNB.temperature = 0.0")
-    yield shell
-    if "lmnb" in shell.extension_manager.loaded:
-        shell.run_line_magic("unload_ext", "lmnb")
-    InteractiveShell.clear_instance()
+    with lmnb_shell("LMNB.temperature = 0.0") as shell:
+        yield shell
 
 
 @pytest.fixture

@@ -170,19 +170,10 @@ def test_cli_and_magic_pass_the_option(recommending_model, monkeypatch):
                      "--device", "cpu", *flags]) == 0
         assert chosen.pop() == expected
 
-    from IPython.core.interactiveshell import InteractiveShell
-    from traitlets.config import Config
+    from tests.lmnb_shell import lmnb_shell
 
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"
-    shell = InteractiveShell.instance(config=config)
-    try:
-        shell.run_line_magic("load_ext", "lmnb")
-        shell.run_line_magic("config", "LMNB.progress = False")
+    with lmnb_shell() as shell:
         shell.run_line_magic("lmnb", f"load {recommending_model} --max-total-tokens 512 "
                                      "--sampling-defaults openai")
         runtime = shell.magics_manager.registry["LMNB"].session.runtime
         assert runtime.engine_config.sampling_defaults == "openai"
-    finally:
-        shell.run_line_magic("unload_ext", "lmnb")
-        InteractiveShell.clear_instance()

@@ -147,15 +147,9 @@ def test_untraced_runs_have_metrics_but_no_token_view(backend: LocalBackend) -> 
 
 
 def test_lmprogram_tokens_cell(tiny_models) -> None:
-    from IPython.core.interactiveshell import InteractiveShell
-    from traitlets.config import Config
+    from tests.lmnb_shell import lmnb_shell
 
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"
-    ip = InteractiveShell.instance(config=config)
-    try:
-        ip.run_line_magic("load_ext", "lmnb")
-        ip.run_line_magic("config", "LMNB.progress = False")
+    with lmnb_shell() as ip:
         ip.run_line_magic("lmnb", f"load {tiny_models['llama-gqa']} --max-total-tokens 1024")
         shown: list[Any] = []
         ip.display_pub.publish = lambda data, **kwargs: shown.append(data)
@@ -174,10 +168,6 @@ def test_lmprogram_tokens_cell(tiny_models) -> None:
         bars = [d["text/html"] for d in shown if 'class="lmnb-metrics"' in d.get("text/html", "")]
         assert bars and all(f'data-metric="{key}"' in bars[0] for key in (
             "ttft", "tokens_per_s", "cache_hit", "jump_forward", "forward_passes", "kv_pool"))
-    finally:
-        if "lmnb" in ip.extension_manager.loaded:
-            ip.run_line_magic("unload_ext", "lmnb")
-        InteractiveShell.clear_instance()
 
 
 def test_a_retokenized_boundary_keeps_the_earlier_tokens() -> None:
