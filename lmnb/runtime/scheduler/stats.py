@@ -71,14 +71,12 @@ def request_meta(state: ReqState, *, weight_version: str) -> dict[str, Any]:
             / req.spec_verify_ct
     if req.return_logprob:  # the prompt's lists are empty without logprob_start_len, as SGLang's
         logprobs = state.logprobs
-        meta["input_token_logprobs"] = list(logprobs.input_token)
+        meta.update(prompt_lists(state))
         meta["output_token_logprobs"] = list(logprobs.output_token)
         meta["output_token_logprobs_length"] = len(logprobs.output_token)
         if req.top_logprobs_num:
-            meta["input_top_logprobs"] = list(logprobs.input_top)
             meta["output_top_logprobs"] = list(logprobs.output_top)
         if req.token_ids_logprob:
-            meta["input_token_ids_logprobs"] = list(logprobs.input_token_ids)
             meta["output_token_ids_logprobs"] = list(logprobs.output_token_ids)
     if state.origins is not None:
         meta["prompt_token_origins"] = prompt_spans(len(req.origin_input_ids), req.cached_tokens)
@@ -112,9 +110,16 @@ def admission_meta(state: ReqState) -> dict[str, Any]:
     meta: dict[str, Any] = {"cached_tokens": req.cached_tokens,
                             "total_retractions": req.retractions}
     if req.return_logprob:
-        meta["input_token_logprobs"] = list(state.logprobs.input_token)
-        if req.top_logprobs_num:
-            meta["input_top_logprobs"] = list(state.logprobs.input_top)
-        if req.token_ids_logprob:
-            meta["input_token_ids_logprobs"] = list(state.logprobs.input_token_ids)
+        meta.update(prompt_lists(state))
     return meta
+
+
+def prompt_lists(state: ReqState) -> dict[str, Any]:
+    """A logprob request's prompt lists, those it asked for (copies)."""
+    req, logprobs = state.req, state.logprobs
+    lists: dict[str, Any] = {"input_token_logprobs": list(logprobs.input_token)}
+    if req.top_logprobs_num:
+        lists["input_top_logprobs"] = list(logprobs.input_top)
+    if req.token_ids_logprob:
+        lists["input_token_ids_logprobs"] = list(logprobs.input_token_ids)
+    return lists
