@@ -369,14 +369,10 @@ class Runtime:
         self._check_open()
         prompts = split_prompts(prompt, input_ids)
         params_list = request_checks.params_list(sampling_params, len(prompts))
-        logprobs = request_checks.logprob_options_per_prompt(
-            return_logprob, logprob_start_len, top_logprobs_num, count=len(prompts),
-            is_batch=prompts.is_batch, vocab_size=self.model_config.vocab_size,
-            always=return_token_origins)
-        token_ids = request_checks.token_ids_option(
-            token_ids_logprob, return_logprob=[options.return_logprob for options in logprobs],
+        logprobs, token_ids = request_checks.logprob_requests(
+            return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
             count=len(prompts), is_batch=prompts.is_batch,
-            vocab_size=self.model_config.vocab_size)
+            vocab_size=self.model_config.vocab_size, always=return_token_origins)
         return self._start(prompts, params_list, image_data=image_data, video_data=video_data,
                            logprobs=logprobs, token_ids=token_ids,
                            return_text_in_logprobs=return_text_in_logprobs, stream=stream,

@@ -104,6 +104,21 @@ def logprob_options_per_prompt(return_logprob: LogprobFlagInput,
     return out
 
 
+def logprob_requests(return_logprob: LogprobFlagInput, logprob_start_len: LogprobCountInput,
+                     top_logprobs_num: LogprobCountInput, token_ids_logprob: TokenIdsInput, *,
+                     count: int, is_batch: bool, vocab_size: int, always: bool = False
+                     ) -> tuple[list[LogprobOptions], list[list[int] | None]]:
+    """`generate`'s logprob arguments, checked, per prompt: its options
+    (`logprob_options_per_prompt`) and the ids it names (`token_ids_option`)."""
+    logprobs = logprob_options_per_prompt(return_logprob, logprob_start_len, top_logprobs_num,
+                                          count=count, is_batch=is_batch,
+                                          vocab_size=vocab_size, always=always)
+    token_ids = token_ids_option(token_ids_logprob,
+                                 return_logprob=[options.return_logprob for options in logprobs],
+                                 count=count, is_batch=is_batch, vocab_size=vocab_size)
+    return logprobs, token_ids
+
+
 def _per_prompt(name: str, value: Any, count: int, is_batch: bool) -> list[Any]:
     if not isinstance(value, list | tuple):
         return [value] * count

@@ -480,13 +480,10 @@ class DataParallelRuntime:
         # the checks of `Runtime.generate`, so that errors come before anything is sent
         params_list = request_checks.params_dicts(sampling_params, len(token_lists))
         parsed = request_checks.params_list(params_list, len(token_lists))
-        logprobs = request_checks.logprob_options_per_prompt(
-            return_logprob, logprob_start_len, top_logprobs_num, count=len(token_lists),
-            is_batch=is_batch, vocab_size=self.model_config.vocab_size,
+        logprobs, token_ids = request_checks.logprob_requests(
+            return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
+            count=len(token_lists), is_batch=is_batch, vocab_size=self.model_config.vocab_size,
             always=return_token_origins)
-        token_ids = request_checks.token_ids_option(
-            token_ids_logprob, return_logprob=[options.return_logprob for options in logprobs],
-            count=len(token_lists), is_batch=is_batch, vocab_size=self.model_config.vocab_size)
         for ids, params, options in zip(token_lists, parsed, logprobs, strict=True):
             request_checks.check_prompt(ids, params, context_len=self.context_len,
                                         vocab_size=self.model_config.vocab_size,
