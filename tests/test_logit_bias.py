@@ -17,10 +17,10 @@ from tests.triton_modes import DEVICES, SAME_TRITON_MODE
 
 # isort: split
 from lmnb.params import InvalidRequestError
-from lmnb.runtime.core import Req, SamplingParams
 from lmnb.runtime.engine import Runtime
 from lmnb.runtime.sampling import Sampler, pack_mask, sampler
 from lmnb.runtime.scheduler import ReqState
+from tests.test_sampling import make_req
 
 EOS = 0
 # (device, whether the kernel path runs): torch ops on the CPU, and the Triton kernels (greedy
@@ -28,17 +28,6 @@ EOS = 0
 PATHS = [pytest.param(("cpu", False), id="torch")] + [
     pytest.param((p.values[0], True), marks=[*p.marks, SAME_TRITON_MODE],
                  id=f"kernel-{p.values[0]}") for p in DEVICES]
-
-
-def make_req(*, output: tuple[int, ...] = (), seed: int | None = None,
-             **params: object) -> ReqState:
-    req = Req(origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(**params),
-              return_logprob=True)
-    req.output_ids = list(output)
-    state = ReqState(req)
-    if seed is not None:
-        state.generator = torch.Generator().manual_seed(seed)
-    return state
 
 
 @pytest.fixture
