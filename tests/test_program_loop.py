@@ -383,6 +383,18 @@ def test_run_batch_lead_wave_starts_the_engine_before_the_rest_with_the_same_pas
     assert dsl_extends == [size for mode, size in raw if mode == "EXTEND"] == [4, 28]
 
 
+def _watched(cancel: threading.Event | None, cancels: list[threading.Event]) -> asyncio.Future:
+    """A future of the running loop, done when `cancel` (a gen's CancelEvent, kept in
+    `cancels`) is set."""
+    assert isinstance(cancel, CancelEvent)
+    cancels.append(cancel)
+    loop = asyncio.get_running_loop()
+    cancelled = loop.create_future()
+    cancel.on_set(lambda: loop.call_soon_threadsafe(
+        lambda: cancelled.done() or cancelled.set_result(None)))
+    return cancelled
+
+
 class HoldingBackend(LocalBackend):
     """Sends each gen to the runtime; once `expected` of them stream text, interrupts the main
     thread. A gen never returns before its program is cancelled: `run_batch` cannot end before
@@ -397,12 +409,7 @@ class HoldingBackend(LocalBackend):
     async def agenerate(self, prompt: str, params: GenParams, *,
                         on_delta: Callable[[str], None] | None = None,
                         cancel: threading.Event | None = None, **extra: Any) -> Generation:
-        assert isinstance(cancel, CancelEvent)
-        self.cancels.append(cancel)
-        loop = asyncio.get_running_loop()
-        cancelled = loop.create_future()
-        cancel.on_set(lambda: loop.call_soon_threadsafe(
-            lambda: cancelled.done() or cancelled.set_result(None)))
+        cancelled = _watched(cancel, self.cancels)
         first = True
 
         def delta(text: str) -> None:
@@ -497,12 +504,7 @@ class HeldBackend(LocalBackend):
         if "hold" not in prompt:
             return await super().agenerate(prompt, params, on_delta=on_delta, cancel=cancel,
                                            **extra)
-        assert isinstance(cancel, CancelEvent)
-        self.cancels.append(cancel)
-        loop = asyncio.get_running_loop()
-        cancelled = loop.create_future()
-        cancel.on_set(lambda: loop.call_soon_threadsafe(
-            lambda: cancelled.done() or cancelled.set_result(None)))
+        cancelled = _watched(cancel, self.cancels)
         await super().agenerate(prompt, params, on_delta=lambda _: self.streaming.set(),
                                 cancel=cancel, **extra)
         await asyncio.wait_for(cancelled, GUARD_S)
