@@ -387,3 +387,27 @@ def test_stop_in_random_texts(tok):
             stop = [w[rng.randrange(len(w)):][:6] or w, "never-seen-xyz", w[:1] + "\ufffe"]
             for byte_split in (False, True):
                 _stop_case(tok, text, stop, rng, rng.choice([1, 2, 5]), byte_split)
+
+
+def test_fast_decode_is_the_rust_call_when_the_wrapper_cleans_nothing(smollm2, tmp_path):
+    """transformers 5 skips `clean_up_tokenization_spaces` for BPE models: their decode is the
+    backend's, one Rust call. A WordPiece tokenizer's cleanup is applied: the wrapper stays."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from lmnb.runtime.output.detokenizer import fast_decode
+
+    smollm2.save_pretrained(tmp_path / "bpe")
+    bpe = AutoTokenizer.from_pretrained(tmp_path / "bpe", clean_up_tokenization_spaces=True)
+    vocab = {"[UNK]": 0, "a": 1, ".": 2, "b": 3, ",": 4, "'": 5, "s": 6}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
+                                        clean_up_tokenization_spaces=True)
+    for tokenizer, rust in ((bpe, True), (wordpiece, False)):
+        decode = fast_decode(tokenizer, True)
+        assert (decode.func == tokenizer.backend_tokenizer.decode) is rust
+        ids = tokenizer.encode("a . b , a 's b.", add_special_tokens=False)
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert wordpiece.decode(wordpiece.encode("a . b", add_special_tokens=False)) == "a. b"

@@ -17,8 +17,9 @@ such (garbage) output the text keeps them, as SentencePiece's own decoder does.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from lmnb.runtime.output.stop import StopStrings
 
@@ -47,14 +48,34 @@ def prompt_tail(tokenizer: Decoder, prompt_ids: Sequence[int], *,
     return tail
 
 
+# Text that HF's `clean_up_tokenization` changes (a space before . , ! ? and the contractions).
+_CLEANUP_PROBE = "a . b , c ! d ? e 's f n't g 'm h 've i 're j ' k"
+_CLEANUP_IS_NOOP: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def fast_decode(tokenizer: Decoder, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """`tokenizer.decode` as one call into the Rust tokenizer when that is what it amounts to (an
-    HF fast tokenizer that does not clean up spaces): the per-call Python of the wrapper costs
-    more than the decoding of a few ids."""
+    HF fast tokenizer whose decode does not clean up spaces): the per-call Python of the wrapper
+    costs more than the decoding of a few ids."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if backend is not None and _cleanup_is_noop(tokenizer, backend):
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
     return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
+def _cleanup_is_noop(tokenizer: Decoder, backend: Any) -> bool:
+    """Whether the wrapper's decode is the backend's: no `clean_up_tokenization_spaces`, or one
+    the wrapper does not apply (transformers 5 skips it for BPE models), seen on text it would
+    change. Once per tokenizer."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return True
+    known = _CLEANUP_IS_NOOP.get(tokenizer)
+    if known is None:
+        ids = backend.encode(_CLEANUP_PROBE, add_special_tokens=False).ids
+        known = tokenizer.decode(ids, skip_special_tokens=False) == backend.decode(
+            ids, skip_special_tokens=False)
+        _CLEANUP_IS_NOOP[tokenizer] = known
+    return known
 
 
 class IncrementalDetokenizer:
