@@ -641,20 +641,3 @@ def test_media_reuse_view_and_dashboard_on_a_runtime(llava):
     view.close()
     dashboard.close()
     assert view.status == "stopped"
-
-
-def test_media_reuse_view_esm_is_valid_javascript(tmp_path):
-    import shutil
-    import subprocess
-
-    pytest.importorskip("anywidget")
-    from lmnb.widgets import MediaReuseView
-
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed")
-    path = tmp_path / "media_reuse_view.mjs"
-    path.write_text(MediaReuseView._esm)
-    result = subprocess.run([node, "--check", str(path)], capture_output=True, text=True,
-                            timeout=30)
-    assert result.returncode == 0, result.stderr

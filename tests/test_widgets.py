@@ -1,5 +1,6 @@
 """Widgets: ForkView over a forked program, CacheDashboard and RadixTreeView over a live Runtime,
-their synced state (what nbclient saves) and their ESM (valid JavaScript)."""
+their synced state (what nbclient saves) and every widget's ESM (valid JavaScript that renders
+in node against a minimal DOM)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,16 @@ import pytest
 pytest.importorskip("anywidget")
 
 import lmnb  # noqa: E402
-from lmnb.widgets import CacheDashboard, ForkView, RadixTreeView  # noqa: E402
+from lmnb.widgets import (  # noqa: E402
+    CacheDashboard,
+    ForkView,
+    MediaReuseView,
+    RadixTreeView,
+    TokenView,
+)
+from lmnb.widgets.esm_helpers import ESM_HELPERS  # noqa: E402
 from lmnb.widgets.fork_view import segments  # noqa: E402
+from lmnb.widgets.metrics_bar import MetricsBar  # noqa: E402
 from lmnb.widgets.radix_tree_view import tidy_layout  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -299,17 +308,156 @@ def test_radix_tree_view_layout_locks_and_truncation():
 
 
 # ---- ESM ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("widget", [ForkView, CacheDashboard, RadixTreeView])
-def test_esm_is_valid_javascript(widget, tmp_path):
+WIDGETS = [ForkView, CacheDashboard, RadixTreeView, MediaReuseView, TokenView, MetricsBar]
+
+
+def _node() -> str:
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed")
+    return node
+
+
+@pytest.mark.parametrize("widget", WIDGETS)
+def test_esm_is_valid_javascript(widget, tmp_path):
     path = tmp_path / f"{widget.__name__}.mjs"
     path.write_text(widget._esm)
-    result = subprocess.run([node, "--check", str(path)], capture_output=True, text=True,
+    result = subprocess.run([_node(), "--check", str(path)], capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 0, result.stderr
     assert "export default" in widget._esm
+
+
+@pytest.mark.parametrize("widget", WIDGETS)
+def test_esm_starts_with_the_shared_helpers(widget):
+    """One definition of `node`, `svg`, `pct`: the helpers, then the widget's own code."""
+    assert widget._esm.startswith(ESM_HELPERS)
+    own = widget._esm[len(ESM_HELPERS):]
+    for helper in ("function node(", "function svg(", "const SVG ", "const pct "):
+        assert helper not in own
+
+
+# A DOM just deep enough for the widgets' render functions (node has no `document`).
+_FAKE_DOM = r"""
+class El {
+  constructor(tag, text) {
+    Object.assign(this, { tagName: tag, children: [], parentElement: null, dataset: {},
+      className: "", textContent: text ?? "", innerHTML: "", hidden: false, title: "",
+      scrollTop: 0, scrollHeight: 0, clientHeight: 0, attrs: {} });
+    this.style = { setProperty(k, v) { this[k] = v; } };
+  }
+  get firstChild() { return this.children[0] ?? null; }
+  get lastChild() { return this.children[this.children.length - 1] ?? null; }
+  append(...nodes) {
+    for (const n of nodes) {
+      if (n.tagName === "#fragment") { this.append(...n.children); n.children = []; continue; }
+      n.remove();
+      n.parentElement = this;
+      this.children.push(n);
+    }
+  }
+  replaceChildren(...nodes) {
+    for (const n of [...this.children]) n.remove();
+    this.append(...nodes);
+  }
+  remove() {
+    const p = this.parentElement;
+    if (p) p.children.splice(p.children.indexOf(this), 1);
+    this.parentElement = null;
+  }
+  setAttribute(k, v) { this.attrs[k] = v; }
+}
+globalThis.document = {
+  createElement: (tag) => new El(tag),
+  createElementNS: (ns, tag) => new El(tag),
+  createTextNode: (text) => new El("#text", text),
+  createDocumentFragment: () => new El("#fragment"),
+};
+globalThis.requestAnimationFrame = (f) => setTimeout(f, 0);
+"""
+
+_RENDER = r"""
+const state = JSON.parse(process.argv[2]);
+const listeners = new Map();
+const count = () => [...listeners.values()].reduce((n, s) => n + s.size, 0);
+const model = {
+  get: (name) => state[name],
+  on: (name, f) => { if (!listeners.has(name)) listeners.set(name, new Set());
+    listeners.get(name).add(f); },
+  off: (name, f) => listeners.get(name)?.delete(f),
+  send: () => {},
+};
+const el = new El("div");
+const cleanup = widget.render({ model, el });
+for (const [name, fs] of listeners) {
+  if (name.startsWith("change:")) for (const f of [...fs]) f();
+}
+await new Promise((done) => setTimeout(done, 10));
+const drawn = JSON.stringify(el, (k, v) => (k === "parentElement" ? undefined : v));
+const subscribed = count();
+cleanup();
+console.log(JSON.stringify({ subscribed, after: count(), drawn }));
+"""
+
+_FORK = {"title": "ideas", "done": True,
+         "root": {"id": 0, "label": "root", "status": "done", "error": None,
+                  "segments": [{"text": "Topic: ", "var": None}, {"text": "tea", "var": "topic"}]},
+         "branches": [{"id": 1, "label": "branch 1", "status": "error", "error": "ValueError: x",
+                       "parent": 0, "fork_point": 7,
+                       "segments": [{"text": "Idea", "var": "idea"}]}]}
+_DASHBOARD = {"series": [{"t": 0.5, "hit_rate": 0.5, "recent_hit_rate": 0.25, "prompt_tokens": 40,
+                          "cached_tokens": 20, "media_tokens": 8, "cached_media_tokens": 4,
+                          "d_prompt": 10, "d_cached": 5, "evicted_tokens": 3}],
+              "stats": {"max_total_tokens": 100, "free_tokens": 50, "protected_tokens": 10,
+                        "evictable_tokens": 20, "hicache_host_capacity": 64,
+                        "hicache_device_tokens": 1, "hicache_host_tokens": 2,
+                        "hicache_host_loaded_tokens": 3, "hicache_disk_loaded_tokens": 4,
+                        "speculative": {"accept_rate": 0.5, "mean_accept_length": 1.5,
+                                        "algorithm": "ngram", "verify_passes": 2, "state": "on"}},
+              "optimal": 0.75, "requests": [{"prompt": 10, "cached": 5}]}
+_TREE = {"nodes": [{"id": 0, "parent": None, "tokens": 0, "text": "", "state": "root",
+                    "locked": False, "depth": 0, "y": 0.5, "tier": "device", "lock_ref": 0,
+                    "hit_count": 0},
+                   {"id": 1, "parent": 0, "tokens": 4, "text": "hello\nworld", "state": "hit",
+                    "locked": True, "depth": 1, "y": 0.0, "tier": "device", "lock_ref": 1,
+                    "hit_count": 2}],
+         "edges": [[0, 1]], "summary": {"refreshes": 2, "nodes": 2, "tokens": 4}}
+_MEDIA = {"items": [{"hash": "ab" * 16, "short_hash": "abababab", "kind": "image",
+                     "num_tokens": 576, "requests": 2, "hits": 1, "resident": True,
+                     "size": [3, 4], "thumbnail": "data:image/png;base64,", "change": "hit"},
+                    {"hash": "cd" * 16, "short_hash": "cdcdcdcd", "kind": "video",
+                     "num_tokens": 1000, "requests": 1, "hits": 0, "resident": False,
+                     "size": None, "thumbnail": None, "change": "new"}],
+          "summary": {"media": 2, "resident": 1, "evicted": 1, "media_tokens": 1576,
+                      "cached_media_tokens": 576, "media_hit_rate": 0.37}}
+_TOKEN_ROWS = {"0": [["Hi", 0, None, []], [" there", 2, -0.5, [[" you", -1.2]]]]}
+_TOKENS = {"rows": [{"id": 0, "label": "root", "status": "done", "tail": ""}],
+           "snapshot": json.dumps({"seq": 0, "rows": _TOKEN_ROWS})}
+_SAMPLES: dict[type, tuple[dict[str, Any], str]] = {  # a state, and a text its drawing holds
+    ForkView: (_FORK, "ValueError: x"), CacheDashboard: (_DASHBOARD, "50.0%"),
+    RadixTreeView: (_TREE, "4 tok \u00b7 hit"), MediaReuseView: (_MEDIA, "1 of 2 requests hit"),
+    TokenView: (_TOKENS, " there"), MetricsBar: ({"html": "<b>metrics</b>"}, "<b>metrics</b>"),
+}
+
+
+@pytest.mark.parametrize("widget", WIDGETS)
+def test_esm_renders_redraws_and_lets_go(widget, tmp_path):
+    """Each front end draws its state, redraws on every trait change it listens to, and its
+    cleanup removes every listener it added (node, with a minimal DOM)."""
+    defaults = {name: trait.default()
+                for name, trait in widget.class_own_traits(sync=True).items()
+                if not name.startswith("_")}
+    esm = widget._esm.replace("export default { render };", "const widget = { render };")
+    path = tmp_path / f"{widget.__name__}.mjs"
+    path.write_text(_FAKE_DOM + esm + _RENDER)
+    sample, shown = _SAMPLES[widget]
+    for state, text in ((defaults, ""), ({**defaults, **sample}, shown)):
+        result = subprocess.run([_node(), str(path), json.dumps(state)], capture_output=True,
+                                text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        assert out["subscribed"] > 0 and out["after"] == 0
+        assert json.loads(out["drawn"])["children"] and text in out["drawn"]
 
 
 class _FakeStats:

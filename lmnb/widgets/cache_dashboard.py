@@ -11,6 +11,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from lmnb.widgets.esm_helpers import ESM_HELPERS
 from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
 from lmnb.widgets.saved_text import SavedText
 
@@ -26,24 +27,7 @@ _COUNTED = ("prompt_tokens", "cached_tokens", "media_tokens", "cached_media_toke
 _SINCE_CREATED = "since this dashboard started"
 _SINCE_RUNTIME = "since the runtime started"
 
-_ESM = r"""
-const SVG = "http://www.w3.org/2000/svg";
-const pct = (x) => (x === null || x === undefined) ? "n/a" : (100 * x).toFixed(1) + "%";
-
-function node(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-function svg(tag, attrs, text) {
-  const e = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
+_ESM = ESM_HELPERS + r"""
 function card(parent, label, cls) {
   const c = node("div", "lmnb-card " + cls);
   const value = node("div", "lmnb-value");

@@ -11,25 +11,19 @@ import traitlets
 from lmnb.lang.backends.base import ProgramAborted
 from lmnb.lang.interpreter import StreamExecutor
 from lmnb.lang.program import ProgramState
+from lmnb.widgets.esm_helpers import ESM_HELPERS
 from lmnb.widgets.saved_text import SavedText
 from lmnb.widgets.throttle import Throttle
 
 Segment = dict[str, Any]  # {"text": str, "var": str | None}
 
-_ESM = r"""
+_ESM = ESM_HELPERS + r"""
 // A variable's hue, among greens, blues and violets (140-300): never a red that reads as an error.
 const hue = (name) => {
   let h = 0;
   for (const c of name) h = (h * 31 + c.charCodeAt(0)) % 160;
   return 140 + h;
 };
-
-function node(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
 
 function fillText(box, segments) {
   const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 4;

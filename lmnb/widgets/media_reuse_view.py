@@ -11,18 +11,11 @@ from typing import Any, Protocol, runtime_checkable
 import anywidget
 import traitlets
 
+from lmnb.widgets.esm_helpers import ESM_HELPERS
 from lmnb.widgets.poller import PolledRuntime, Poller, PollingWidget, runtime_gone
 from lmnb.widgets.saved_text import SavedText
 
-_ESM = r"""
-function node(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-const pct = (x) => (x === null || x === undefined) ? "n/a" : (100 * x).toFixed(1) + "%";
+_ESM = ESM_HELPERS + r"""
 const num = (x) => (x ?? 0).toLocaleString("en-US");
 
 function card(item) {

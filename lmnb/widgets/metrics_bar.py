@@ -11,14 +11,14 @@ from typing import Any
 import anywidget
 import traitlets
 
+from lmnb.widgets.esm_helpers import ESM_HELPERS
 from lmnb.widgets.metrics import Metrics, metrics_html, metrics_text, runtime_metrics
 from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
 from lmnb.widgets.saved_text import SavedText
 
-_ESM = r"""
+_ESM = ESM_HELPERS + r"""
 function render({ model, el }) {
-  const box = document.createElement("div");
-  box.className = "lmnb-metricsbar";
+  const box = node("div", "lmnb-metricsbar");
   el.append(box);
   const draw = () => {
     box.innerHTML = model.get("html") || "";

@@ -10,32 +10,18 @@ from typing import Any
 import anywidget
 import traitlets
 
+from lmnb.widgets.esm_helpers import ESM_HELPERS
 from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
 from lmnb.widgets.saved_text import SavedText
 
 STATES = ("root", "new", "hit", "locked", "evictable", "evicted")
 _TRACKED = ("parent", "tokens", "lock_ref", "hit_count", "tier")  # a change here is a new refresh
 
-_ESM = r"""
-const SVG = "http://www.w3.org/2000/svg";
+_ESM = ESM_HELPERS + r"""
 const NODE_W = 150, NODE_H = 30, COL = 180, ROW = 38, PAD = 8;
 const LEGEND = [["new", "new since last refresh"], ["hit", "hit since last refresh"],
   ["evictable", "evictable (unlocked)"], ["locked", "locked (in use)"],
   ["evicted", "evicted since last refresh"]];
-
-function svg(tag, attrs, text) {
-  const e = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-function node(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
 
 const short = (text, n) => {
   const t = (text || "").replace(/\n/g, "\u23ce").replace(/\s/g, " ");

@@ -20,6 +20,7 @@ import traitlets
 
 from lmnb.lang.program import ProgramState
 from lmnb.runtime.output.token_origins import ORIGINS
+from lmnb.widgets.esm_helpers import ESM_HELPERS
 from lmnb.widgets.metrics import Metrics, metrics_text
 from lmnb.widgets.saved_text import SavedText
 from lmnb.widgets.token_view_model import (
@@ -36,14 +37,7 @@ from lmnb.widgets.token_view_model import (
 __all__ = ["COLORS", "LABELS", "MAX_FLUSH_SHARE", "TokenView", "generated_color", "rows_html",
            "token_title"]
 
-_ESM = r"""
-function node(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
+_ESM = ESM_HELPERS + r"""
 // Generated tokens: the lower the probability, the stronger the green.
 const genColor = (lp) => {
   const p = Math.exp(lp);
