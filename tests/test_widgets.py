@@ -337,6 +337,33 @@ def test_esm_starts_with_the_shared_helpers(widget):
         assert helper not in own
 
 
+_REDRAW_ON = r"""
+const listeners = new Map();
+const model = {
+  on: (name, f) => listeners.set(name, [...(listeners.get(name) ?? []), f]),
+  off: (name, f) => listeners.set(name, (listeners.get(name) ?? []).filter((g) => g !== f)),
+};
+const fire = (name) => { for (const f of listeners.get(name) ?? []) f(); };
+let draws = 0;
+const stop = redrawOn(model, ["change:a", "change:b"], () => { draws += 1; });
+const seen = [draws];
+fire("change:a"); fire("change:b"); fire("change:c");
+seen.push(draws);
+stop();
+fire("change:a"); fire("change:b");
+seen.push(draws, [...listeners.values()].flat().length);
+console.log(JSON.stringify(seen));
+"""
+
+
+def test_redraw_on_draws_now_on_each_event_and_until_stopped(tmp_path):
+    path = tmp_path / "redraw_on.mjs"
+    path.write_text(ESM_HELPERS + _REDRAW_ON)
+    result = subprocess.run([_node(), str(path)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [1, 3, 3, 0]  # draws now, then per event; none left
+
+
 # A DOM just deep enough for the widgets' render functions (node has no `document`).
 _FAKE_DOM = r"""
 class El {

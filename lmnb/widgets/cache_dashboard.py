@@ -195,9 +195,7 @@ function render({ model, el }) {
   };
   const names = ["change:series", "change:stats", "change:optimal", "change:requests",
     "change:status", "change:scope"];
-  for (const name of names) model.on(name, draw);
-  draw();
-  return () => { for (const name of names) model.off(name, draw); };
+  return redrawOn(model, names, draw);
 }
 
 export default { render };

@@ -25,4 +25,12 @@ function svg(tag, attrs, text) {
 
 // A rate in [0, 1] as a percentage; null or undefined: "n/a".
 const pct = (x) => (x === null || x === undefined) ? "n/a" : (100 * x).toFixed(1) + "%";
+
+// Calls `draw` now and on each of the model's `events` ("change:<trait>"); returns what stops it,
+// for `render` to return (anywidget calls it when the view is removed).
+function redrawOn(model, events, draw) {
+  for (const name of events) model.on(name, draw);
+  draw();
+  return () => { for (const name of events) model.off(name, draw); };
+}
 """

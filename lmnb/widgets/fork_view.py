@@ -101,9 +101,7 @@ function render({ model, el }) {
     }
   };
   const names = ["change:root", "change:branches", "change:title", "change:done"];
-  for (const name of names) model.on(name, draw);
-  draw();
-  return () => { for (const name of names) model.off(name, draw); };
+  return redrawOn(model, names, draw);
 }
 
 export default { render };

@@ -63,9 +63,7 @@ function render({ model, el }) {
     grid.replaceChildren(...(model.get("items") || []).map(card));
   };
   const names = ["change:items", "change:summary", "change:status"];
-  for (const name of names) model.on(name, draw);
-  draw();
-  return () => { for (const name of names) model.off(name, draw); };
+  return redrawOn(model, names, draw);
 }
 
 export default { render };

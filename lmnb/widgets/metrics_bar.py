@@ -24,10 +24,7 @@ function render({ model, el }) {
     box.innerHTML = model.get("html") || "";
     box.dataset.status = model.get("status");
   };
-  model.on("change:html", draw);
-  model.on("change:status", draw);
-  draw();
-  return () => { model.off("change:html", draw); model.off("change:status", draw); };
+  return redrawOn(model, ["change:html", "change:status"], draw);
 }
 export default { render };
 """

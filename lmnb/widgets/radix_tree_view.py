@@ -86,9 +86,7 @@ function render({ model, el }) {
   el.append(box);
   const redraw = () => draw(model, canvas, info);
   const names = ["change:nodes", "change:edges", "change:summary", "change:status"];
-  for (const name of names) model.on(name, redraw);
-  redraw();
-  return () => { for (const name of names) model.off(name, redraw); };
+  return redrawOn(model, names, redraw);
 }
 
 export default { render };
