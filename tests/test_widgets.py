@@ -28,6 +28,7 @@ from lmnb.widgets import (  # noqa: E402
 from lmnb.widgets.esm_helpers import ESM_HELPERS  # noqa: E402
 from lmnb.widgets.fork_view import segments  # noqa: E402
 from lmnb.widgets.metrics_bar import MetricsBar  # noqa: E402
+from lmnb.widgets.poller import PollingWidget  # noqa: E402
 from lmnb.widgets.radix_tree_view import tidy_layout  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -521,3 +522,51 @@ def test_cache_dashboard_thins_its_series_and_stops_on_a_closed_runtime():
     dash.refresh()
     assert dash.status.startswith("stopped") and dash._runtime is None
     dash.close()
+
+
+class _FakePolled(_FakeStats):
+    """Every reader a polling widget calls, each failing like `stats()`."""
+
+    def cache_snapshot(self, preview_tokens: int = 16) -> list[dict[str, Any]]:
+        self.stats()
+        return [_row(0, None), _row(1, 0)]
+
+    def media_snapshot(self) -> list[dict[str, Any]]:
+        self.stats()
+        return []
+
+
+class _Reader(PollingWidget):
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+        self.status = "live"
+
+
+def test_read_runtime_reads_retries_a_passing_error_and_lets_go_of_a_failed_runtime():
+    fake = _FakeStats()
+    reader = _Reader(fake)
+    assert reader.read_runtime(lambda runtime: runtime.stats())["prompt_tokens"] == 10
+    fake.flaky = True  # "Already borrowed": the next poll reads again
+    assert reader.read_runtime(lambda runtime: runtime.stats()) is None
+    assert reader._runtime is fake and reader.status == "live"
+    fake.failed = True  # the error is for good
+    assert reader.read_runtime(lambda runtime: runtime.stats()) is None
+    assert reader._runtime is None and reader.status == "stopped: the runtime is closed"
+    fake.flaky = fake.failed = False
+    assert reader.read_runtime(lambda runtime: runtime.stats()) is None  # let go: never read
+    assert fake.calls == 1
+
+
+@pytest.mark.parametrize("widget", [CacheDashboard, RadixTreeView, MediaReuseView, MetricsBar])
+def test_polling_widgets_poll_on_through_a_passing_error_and_stop_on_a_closed_runtime(widget):
+    fake = _FakePolled()
+    view = widget(fake, interval_s=None)
+    shown = view.get_state()
+    fake.flaky = True
+    assert view._poll() and view.status == "live" and view._runtime is fake
+    assert view.get_state() == shown
+    fake.flaky, fake.closed = False, True
+    assert not view._poll()
+    assert view.status == "stopped: the runtime is closed" and view._runtime is None
+    assert not view._poll()
+    view.close()

@@ -12,7 +12,7 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.esm_helpers import ESM_HELPERS
-from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
+from lmnb.widgets.poller import Poller, PollingWidget
 from lmnb.widgets.saved_text import SavedText
 
 _GAUGES = ("cache_hit_rate", "recent_cache_hit_rate", "prompt_tokens", "cached_tokens",
@@ -354,17 +354,9 @@ class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
 
     # ---- polling ---------------------------------------------------------------------------
     def _read_now(self) -> bool:
-        runtime = self._runtime
-        if runtime is None:
-            return False
-        try:
-            stats = runtime.stats()
-        except RuntimeError:
-            if not runtime_gone(runtime):
-                return True  # passing: try again on the next poll
-            self._runtime = None  # closed (or failed): let it go
-            self.status = "stopped: the runtime is closed"
-            return False
+        stats = self.read_runtime(lambda runtime: runtime.stats())
+        if stats is None:
+            return self._runtime is not None
         self._last = {k: stats[k] for k in _GAUGES if k in stats}
         return True
 

@@ -12,7 +12,7 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.esm_helpers import ESM_HELPERS
-from lmnb.widgets.poller import PolledRuntime, Poller, PollingWidget, runtime_gone
+from lmnb.widgets.poller import PolledRuntime, Poller, PollingWidget
 from lmnb.widgets.saved_text import SavedText
 
 _ESM = ESM_HELPERS + r"""
@@ -158,18 +158,10 @@ class MediaReuseView(SavedText, PollingWidget, anywidget.AnyWidget):
 
     def _refresh(self) -> bool:
         with self._lock:
-            runtime = self._runtime
-            if runtime is None:
-                return False
-            try:
-                rows = runtime.media_snapshot()
-                stats = runtime.stats()
-            except RuntimeError:
-                if not runtime_gone(runtime):
-                    return True  # passing: try again on the next poll
-                self._runtime = None  # closed (or failed): let it go
-                self.status = "stopped: the runtime is closed"
-                return False
+            read = self.read_runtime(lambda runtime: (runtime.media_snapshot(), runtime.stats()))
+            if read is None:
+                return self._runtime is not None
+            rows, stats = read
             counts = (int(stats.get("media_tokens", 0)), int(stats.get("cached_media_tokens", 0)))
             current = {row["hash"]: row for row in rows}
             if (self._previous is not None and counts == self._counts

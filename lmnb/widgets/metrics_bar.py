@@ -13,7 +13,7 @@ import traitlets
 
 from lmnb.widgets.esm_helpers import ESM_HELPERS
 from lmnb.widgets.metrics import Metrics, metrics_html, metrics_text, runtime_metrics
-from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
+from lmnb.widgets.poller import Poller, PollingWidget
 from lmnb.widgets.saved_text import SavedText
 
 _ESM = ESM_HELPERS + r"""
@@ -51,17 +51,9 @@ class MetricsBar(PollingWidget, SavedText, anywidget.AnyWidget):
             self._poller.start()
 
     def _poll(self) -> bool:
-        runtime = self._runtime
-        if runtime is None:
-            return False
-        try:
-            stats = runtime.stats()
-        except RuntimeError:
-            if not runtime_gone(runtime):
-                return True
-            self._runtime = None
-            self.status = "stopped: the runtime is closed"
-            return False
+        stats = self.read_runtime(lambda runtime: runtime.stats())
+        if stats is None:
+            return self._runtime is not None
         now = time.monotonic()
         tokens = stats.get("generated_tokens", 0) + stats.get("jump_forward_tokens", 0)
         with self._lock:

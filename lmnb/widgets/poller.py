@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from lmnb.widgets.saved_text import SavedText
 
 _log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Poller:
@@ -65,8 +67,24 @@ class PollingWidget:
     `self.status`: `close()` stops polling and lets go of the runtime."""
 
     _poller: Poller | None
-    _runtime: object | None
+    _runtime: PolledRuntime | None
     status: str
+
+    def read_runtime(self, read: Callable[[Any], T]) -> T | None:
+        """`read(runtime)`, or None when there is nothing to read: no runtime, or it raised a
+        RuntimeError. If that runtime is closed or failed for good, the widget lets go of it and
+        shows it stopped (`_runtime` is None after); else the error was passing and the next
+        poll reads again."""
+        runtime = self._runtime
+        if runtime is None:
+            return None
+        try:
+            return read(runtime)
+        except RuntimeError:
+            if runtime_gone(runtime):
+                self._runtime = None
+                self.status = "stopped: the runtime is closed"
+            return None
 
     def stop_polling(self, status: str) -> None:
         """Stops polling, keeping what the widget shows, with `status` (why) if it was live."""

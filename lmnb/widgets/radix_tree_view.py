@@ -11,7 +11,7 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.esm_helpers import ESM_HELPERS
-from lmnb.widgets.poller import Poller, PollingWidget, runtime_gone
+from lmnb.widgets.poller import Poller, PollingWidget
 from lmnb.widgets.saved_text import SavedText
 
 STATES = ("root", "new", "hit", "locked", "evictable", "evicted")
@@ -236,17 +236,9 @@ class RadixTreeView(SavedText, PollingWidget, anywidget.AnyWidget):
 
     def _refresh(self) -> bool:
         with self._lock:
-            runtime = self._runtime
-            if runtime is None:
-                return False
-            try:
-                rows = runtime.cache_snapshot(self._preview_tokens)
-            except RuntimeError:
-                if not runtime_gone(runtime):
-                    return True  # passing: try again on the next poll
-                self._runtime = None  # closed (or failed): let it go
-                self.status = "stopped: the runtime is closed"
-                return False
+            rows = self.read_runtime(lambda runtime: runtime.cache_snapshot(self._preview_tokens))
+            if rows is None:
+                return self._runtime is not None
             current = {row["id"]: row for row in rows}
             if self._previous is not None and self._same(current, self._previous):
                 return True
