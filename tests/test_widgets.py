@@ -540,6 +540,25 @@ class _Reader(PollingWidget):
     def __init__(self, runtime: Any) -> None:
         self._runtime = runtime
         self.status = "live"
+        self.polls = 0
+
+    def _poll(self) -> bool:
+        self.polls += 1
+        return self.polls < 3
+
+
+@pytest.mark.parametrize(("runtime", "interval_s"), [(None, 0.05), (_FakeStats(), None)])
+def test_start_polling_without_a_runtime_or_an_interval_polls_never(runtime, interval_s):
+    reader = _Reader(runtime)
+    reader.start_polling(interval_s)
+    assert reader._poller is None and not reader.polling
+
+
+def test_start_polling_polls_until_poll_says_the_runtime_is_gone():
+    reader = _Reader(_FakeStats())
+    reader.start_polling(0.05)
+    _wait(lambda: not reader.polling)
+    assert reader.polls == 3
 
 
 def test_read_runtime_reads_retries_a_passing_error_and_lets_go_of_a_failed_runtime():

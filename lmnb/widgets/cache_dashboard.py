@@ -12,7 +12,7 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.esm_helpers import ESM_HELPERS
-from lmnb.widgets.poller import Poller, PollingWidget
+from lmnb.widgets.poller import PollingWidget
 from lmnb.widgets.saved_text import SavedText
 
 _GAUGES = ("cache_hit_rate", "recent_cache_hit_rate", "prompt_tokens", "cached_tokens",
@@ -296,10 +296,7 @@ class CacheDashboard(SavedText, PollingWidget, anywidget.AnyWidget):
             self._start_from_runtime_start()
         if prompts is not None:
             self.set_workload(prompts)
-        self._poller: Poller | None = None
-        if interval_s is not None and self._runtime is not None:
-            self._poller = Poller(self._poll, interval_s=interval_s)
-            self._poller.start()
+        self.start_polling(interval_s)
 
     # ---- inputs ----------------------------------------------------------------------------
     def reset(self) -> None:

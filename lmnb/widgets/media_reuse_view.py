@@ -12,7 +12,7 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.esm_helpers import ESM_HELPERS
-from lmnb.widgets.poller import PolledRuntime, Poller, PollingWidget
+from lmnb.widgets.poller import PolledRuntime, PollingWidget
 from lmnb.widgets.saved_text import SavedText
 
 _ESM = ESM_HELPERS + r"""
@@ -141,10 +141,7 @@ class MediaReuseView(SavedText, PollingWidget, anywidget.AnyWidget):
         self._thumbnails: dict[str, str | None] = {}
         self._refreshes = 0
         self.refresh()
-        self._poller: Poller | None = None
-        if interval_s is not None and self._runtime is not None:
-            self._poller = Poller(self._poll, interval_s=interval_s)
-            self._poller.start()
+        self.start_polling(interval_s)
 
     def _poll(self) -> bool:
         return self._refresh()

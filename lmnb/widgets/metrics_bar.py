@@ -13,7 +13,7 @@ import traitlets
 
 from lmnb.widgets.esm_helpers import ESM_HELPERS
 from lmnb.widgets.metrics import Metrics, metrics_html, metrics_text, runtime_metrics
-from lmnb.widgets.poller import Poller, PollingWidget
+from lmnb.widgets.poller import PollingWidget
 from lmnb.widgets.saved_text import SavedText
 
 _ESM = ESM_HELPERS + r"""
@@ -44,11 +44,8 @@ class MetricsBar(PollingWidget, SavedText, anywidget.AnyWidget):
         self._runtime = runtime
         self._lock = threading.Lock()
         self._last: tuple[float, int] | None = None  # (time, output tokens) of the last read
-        self._poller: Poller | None = None
         self.refresh()
-        if interval_s is not None:
-            self._poller = Poller(self._poll, interval_s=interval_s)
-            self._poller.start()
+        self.start_polling(interval_s)
 
     def _poll(self) -> bool:
         stats = self.read_runtime(lambda runtime: runtime.stats())

@@ -63,12 +63,25 @@ def runtime_gone(runtime: PolledRuntime) -> bool:
 
 
 class PollingWidget:
-    """Mixin for widgets that poll a Runtime through `self._poller` (a `Poller` or None) and show
-    `self.status`: `close()` stops polling and lets go of the runtime."""
+    """Mixin for widgets that poll a Runtime and show `self.status`: `start_polling()` calls their
+    `_poll()` on a `Poller` (`self._poller`, or None), which reads through `read_runtime()`;
+    `close()` stops polling and lets go of the runtime."""
 
     _poller: Poller | None
     _runtime: PolledRuntime | None
     status: str
+
+    def start_polling(self, interval_s: float | None) -> None:
+        """Calls `_poll()` every `interval_s` seconds on a daemon thread until it returns False
+        or polling stops; None, or no runtime: no thread (`refresh()` reads on demand)."""
+        self._poller = None
+        if interval_s is not None and self._runtime is not None:
+            self._poller = Poller(self._poll, interval_s=interval_s)
+            self._poller.start()
+
+    def _poll(self) -> bool:
+        """Reads the runtime and updates the view; False once the runtime is gone."""
+        raise NotImplementedError
 
     def read_runtime(self, read: Callable[[Any], T]) -> T | None:
         """`read(runtime)`, or None when there is nothing to read: no runtime, or it raised a

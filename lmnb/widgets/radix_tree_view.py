@@ -11,7 +11,7 @@ import anywidget
 import traitlets
 
 from lmnb.widgets.esm_helpers import ESM_HELPERS
-from lmnb.widgets.poller import Poller, PollingWidget
+from lmnb.widgets.poller import PollingWidget
 from lmnb.widgets.saved_text import SavedText
 
 STATES = ("root", "new", "hit", "locked", "evictable", "evicted")
@@ -219,10 +219,7 @@ class RadixTreeView(SavedText, PollingWidget, anywidget.AnyWidget):
         self._previous: dict[int, dict[str, Any]] | None = None
         self._refreshes = 0
         self.refresh()
-        self._poller: Poller | None = None
-        if interval_s is not None and self._runtime is not None:
-            self._poller = Poller(self._poll, interval_s=interval_s)
-            self._poller.start()
+        self.start_polling(interval_s)
 
     def _poll(self) -> bool:
         return self._refresh()
