@@ -143,17 +143,14 @@ class MediaReuseView(SavedText, PollingWidget, anywidget.AnyWidget):
         self.refresh()
         self.start_polling(interval_s)
 
-    def _poll(self) -> bool:
-        return self._refresh()
-
     def refresh(self) -> bool:
         """Reads the runtime's media and redraws them if anything changed; False once the
         runtime is gone."""
-        alive = self._refresh()
+        alive = self._poll()
         self.update_saved_text()
         return alive
 
-    def _refresh(self) -> bool:
+    def _poll(self) -> bool:
         with self._lock:
             read = self.read_runtime(lambda runtime: (runtime.media_snapshot(), runtime.stats()))
             if read is None:

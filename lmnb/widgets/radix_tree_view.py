@@ -221,17 +221,14 @@ class RadixTreeView(SavedText, PollingWidget, anywidget.AnyWidget):
         self.refresh()
         self.start_polling(interval_s)
 
-    def _poll(self) -> bool:
-        return self._refresh()
-
     def refresh(self) -> bool:
         """Reads the runtime's tree and redraws it if it changed since the last refresh;
         False once the runtime is gone."""
-        alive = self._refresh()
+        alive = self._poll()
         self.update_saved_text()
         return alive
 
-    def _refresh(self) -> bool:
+    def _poll(self) -> bool:
         with self._lock:
             rows = self.read_runtime(lambda runtime: runtime.cache_snapshot(self._preview_tokens))
             if rows is None:
