@@ -603,6 +603,24 @@ def test_insert_ending_or_diverging_mid_edge_splits() -> None:
         cache.unlock(leaf)
 
 
+def test_key_diverging_after_a_split_edge_stops_there() -> None:
+    # [1, 2, 3] -> [4, 5]; the key [1, 2, 4] departs 2 tokens into the 3-token edge, whose lower
+    # half ([3]) is shorter than that: the walk must end at the split, not go on below [3] (where
+    # a child starts with 4 too)
+    cache, pool, _ = make_cache(16)
+    a = pool.alloc(5)
+    cache.insert([1, 2, 3], a[:3])
+    assert cache.insert([1, 2, 3, 4, 5], a) == 3
+    assert cache.cached_length([1, 2, 4]) == 2
+    assert cache.handle_of([1, 2, 4]).key == [1, 2]
+    b = pool.alloc(3)
+    assert cache.insert([1, 2, 4], b) == 2
+    assert cache.cached_length([1, 2, 4]) == 3 and cache.cached_length([1, 2, 3, 4, 5]) == 5
+    pool.free(b[:2])
+    assert conserved(cache, pool)
+    cache.check()
+
+
 def test_unfinished_then_finished_req_frees_duplicates_and_balances_locks() -> None:
     cache, pool, req_pool = make_cache(40)
     prompt = list(range(10, 20))

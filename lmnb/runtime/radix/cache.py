@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -94,18 +94,32 @@ class RadixCache(PrefixCache):
         values = []
         now = time.monotonic()
         node.last_access = now
-        while key:
-            child = node.children.get((extra_key, key[0]))
-            if child is None or child.value is None:  # no KV on the device from here on
+        for child, matched in self._edges(self.root, key, 0, extra_key):
+            if child.value is None:  # no KV on the device from here on
                 break
-            matched = common_prefix_length(child.key, key)
             if matched < len(child.key):
                 child = self._split(child, matched)  # the unmatched lower half keeps its time
             child.last_access = now
             values.append(child.value)
             node = child
-            key = key[matched:]
         return MatchResult(values or (self.root.value,), node)
+
+    def _edges(self, node: TreeNode, key: Sequence[int], done: int,
+               extra_key: Hashable) -> Iterator[tuple[TreeNode, int]]:
+        """The edges below `node` that continue `key[done:]`, top down: (child, how many of its
+        tokens the key matches). The walk ends where no child continues the key or after an
+        edge the key matches only in part, so a caller may split that last edge."""
+        while done < len(key):
+            child = node.children.get((extra_key, key[done]))
+            if child is None:
+                return
+            matched = common_prefix_length(child.key, key[done:])
+            partial = matched < len(child.key)  # before the caller may split `child`
+            yield child, matched
+            if partial:
+                return
+            done += matched
+            node = child
 
     def handle_of(self, key: Sequence[int], extra_key: Hashable = None) -> TreeNode:
         return self._descend(list(key), extra_key)[0]
@@ -116,11 +130,7 @@ class RadixCache(PrefixCache):
         reached and how many tokens of `key` lead to it."""
         node, done = self.root, 0
         now = time.monotonic()
-        while done < len(key):
-            child = node.children.get((extra_key, key[done]))
-            if child is None:
-                break
-            matched = common_prefix_length(child.key, key[done:])
+        for child, matched in self._edges(self.root, key, 0, extra_key):
             if matched < len(child.key):
                 child = self._split(child, matched)
             child.last_access = now
@@ -129,17 +139,7 @@ class RadixCache(PrefixCache):
         return node, done
 
     def cached_length(self, key: Sequence[int], extra_key: Hashable = None) -> int:
-        node, done, key = self.root, 0, list(key)
-        while done < len(key):
-            child = node.children.get((extra_key, key[done]))
-            if child is None:
-                break
-            matched = common_prefix_length(child.key, key[done:])
-            done += matched
-            if matched < len(child.key):
-                break
-            node = child
-        return done
+        return sum(matched for _, matched in self._edges(self.root, list(key), 0, extra_key))
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cuts `node`'s edge after `at` tokens; returns the new upper node."""

@@ -33,7 +33,7 @@ from lmnb.runtime.hicache.disk import DiskTier
 from lmnb.runtime.hicache.host_pool import HostKVPool
 from lmnb.runtime.hicache.prefetch import DiskPrefetcher
 from lmnb.runtime.memory import KVAllocator
-from lmnb.runtime.prefix_cache import CacheStats, MatchResult, PrefixCache, common_prefix_length
+from lmnb.runtime.prefix_cache import CacheStats, MatchResult, PrefixCache
 from lmnb.runtime.radix.cache import RadixCache, TreeNode
 
 
@@ -104,17 +104,11 @@ class TieredRadixCache(RadixCache):
         """As RadixCache.match_prefix, with the host-only run that continues the device match
         counted in `host_length` (no split, no LRU touch)."""
         match = super().match_prefix(key, extra_key)
-        node, done, key = match.handle, match.length, key[:len(key) - 1]
-        while done < len(key):
-            child = node.children.get((extra_key, key[done]))
-            if child is None or child.value is not None:  # (a device child: its match ended)
+        for child, matched in self._edges(match.handle, key[:len(key) - 1], match.length,
+                                          extra_key):
+            if child.value is not None:  # (a device child: its match ended)
                 break
-            matched = common_prefix_length(child.key, key[done:])
             match.host_length += matched
-            done += matched
-            if matched < len(child.key):
-                break
-            node = child
         return match
 
     # ---- loading back --------------------------------------------------------------------------
@@ -133,12 +127,8 @@ class TieredRadixCache(RadixCache):
 
     def _host_path(self, key: list[int], extra_key: Hashable) -> tuple[TreeNode, list[TreeNode]]:
         """(last device node, the host-only nodes after it) along `key`."""
-        node, anchor, on_host, done = self.root, self.root, [], 0
-        while done < len(key):
-            child = node.children.get((extra_key, key[done]))
-            if child is None:
-                break
-            matched = common_prefix_length(child.key, key[done:])
+        anchor, on_host = self.root, []
+        for child, matched in self._edges(self.root, key, 0, extra_key):
             if matched < len(child.key):
                 if child.value is not None:
                     break
@@ -147,8 +137,6 @@ class TieredRadixCache(RadixCache):
                 on_host.append(child)
             else:
                 anchor = child
-            done += matched
-            node = child
         return anchor, on_host
 
     def _budget(self, room: int) -> int:
