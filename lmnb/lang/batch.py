@@ -1,13 +1,15 @@
 """`BatchJob`: one `run_batch` (of a `Program` or a `CompiledProgram`), every program a task on
 the program loop, started in the waves of `batch_waves.start_waves`: a lead wave spread over the
-batch, then the rest together (`global_config.batch_wave` None), or in growing waves."""
+batch, then the rest together (`global_config.batch_wave` None), or in growing waves.
+`BatchRunnable`: `run_batch` and `run_batch_iter` of anything that makes a `BatchJob`."""
 
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -249,6 +251,43 @@ class BatchJob:
                 batch_run.abort()
                 if future is not None:
                     future.cancel()
+
+
+BatchArguments = Sequence[dict[str, Any] | Sequence[Any]]  # kwargs dicts or positional tuples
+
+
+class BatchRunnable(ABC):
+    """A program that runs once per item of a batch (`Program`, `CompiledProgram`): it makes
+    the `BatchJob`, `run_batch` and `run_batch_iter` run it."""
+
+    @abstractmethod
+    def batch_job(self, batch_kwargs: BatchArguments, *, backend: Any,
+                  sampling: dict[str, Any]) -> BatchJob:
+        """The job of one batch: `sampling` are the defaults of every `gen`."""
+
+    def run_batch(self, batch_kwargs: BatchArguments, *, backend: Any = None,
+                  num_threads: int | str = "auto", progress_bar: bool = False,
+                  as_completed: bool = False, generator_style: bool = False,
+                  **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
+        """Runs the program once per kwargs dict (or tuple of positional arguments),
+        concurrently: every program is a task on one event loop (`num_threads` limits how many
+        run at once; "auto": all). The programs' common constant prefix is sent to the
+        backend's cache first, so every run hits it. Returns the states in order; with
+        `as_completed=True` an iterator of them in the order they finish; with SGLang's
+        `generator_style=True` one in the batch's order, each state yielded once it and the
+        earlier ones are done. Leaving either iterator early aborts the rest."""
+        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
+        return job.results(num_threads=num_threads, progress_bar=progress_bar,
+                           as_completed=as_completed, generator_style=generator_style)
+
+    def run_batch_iter(self, batch_kwargs: BatchArguments, *, backend: Any = None,
+                       num_threads: int | str = "auto",
+                       **sampling: Any) -> AsyncIterator[ProgramState]:
+        """`run_batch` for asyncio: `async for state in program.run_batch_iter(batch)` yields
+        each state as it finishes, from any event loop (a cell's top-level `async for`); the
+        programs run on the program loop. Leaving the loop early aborts the rest."""
+        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
+        return job.aiter_completed(num_threads=num_threads)
 
 
 class _BatchRuns:

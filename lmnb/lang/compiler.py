@@ -23,13 +23,13 @@ import inspect
 import weakref
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import singledispatchmethod
 from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import Backend, ProgramAborted
-from lmnb.lang.batch import BatchJob
+from lmnb.lang.batch import BatchArguments, BatchJob, BatchRunnable
 from lmnb.lang.default_backend import as_backend
 from lmnb.lang.interpreter import JoinBranches, ProgramError, StreamExecutor
 from lmnb.lang.ir import (
@@ -378,7 +378,7 @@ class _GraphRun:
 
 
 # ---- the compiled program ------------------------------------------------------------------------
-class CompiledProgram:
+class CompiledProgram(BatchRunnable):
     """A program traced once (arguments symbolic, bound ones constant) and run as a graph: the same
     results as `Program.run`, with no Python code of the program run again."""
 
@@ -428,26 +428,8 @@ class CompiledProgram:
             state.sync()
         return state
 
-    def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
-                  backend: Any = None, num_threads: int | str = "auto",
-                  progress_bar: bool = False, as_completed: bool = False,
-                  generator_style: bool = False,
-                  **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
-        """Runs the graph once per kwargs dict, concurrently, after caching the constant prefix
-        (as `Program.run_batch`, `as_completed` and `generator_style` included)."""
-        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
-        return job.results(num_threads=num_threads, progress_bar=progress_bar,
-                           as_completed=as_completed, generator_style=generator_style)
-
-    def run_batch_iter(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
-                       backend: Any = None, num_threads: int | str = "auto",
-                       **sampling: Any) -> AsyncIterator[ProgramState]:
-        """As `Program.run_batch_iter`."""
-        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
-        return job.aiter_completed(num_threads=num_threads)
-
-    def batch_job(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
-                  backend: Any, sampling: dict[str, Any]) -> BatchJob:
+    def batch_job(self, batch_kwargs: BatchArguments, *, backend: Any,
+                  sampling: dict[str, Any]) -> BatchJob:
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
         batch = [self._arguments(*call_arguments(item))[0] for item in batch_kwargs]

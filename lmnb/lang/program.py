@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from lmnb.lang.backends.base import Backend, PrefixPinning
 from lmnb.lang.backends.local import LocalBackend, start_trace
+from lmnb.lang.batch import BatchArguments, BatchRunnable
 from lmnb.lang.batch import BatchJob as BatchJob
 from lmnb.lang.compiler import CompiledProgram
 from lmnb.lang.default_backend import as_backend as as_backend
@@ -43,7 +44,7 @@ from lmnb.lang.state_writer import StateWriter as StateWriter
 from lmnb.lang.tracer import constant_prefix, trace_program
 
 
-class Program:
+class Program(BatchRunnable):
     """A function `f(s, *args)` compiled into a runnable program."""
 
     def __init__(self, func: Callable[..., Any], bound: dict[str, Any] | None = None, *,
@@ -136,31 +137,6 @@ class Program:
             state.sync()
         return state
 
-    def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
-                  backend: Any = None, num_threads: int | str = "auto",
-                  progress_bar: bool = False, as_completed: bool = False,
-                  generator_style: bool = False,
-                  **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
-        """Runs the program once per kwargs dict (or tuple of positional arguments),
-        concurrently: every program is a task on one event loop (`num_threads` limits how many
-        run at once; "auto": all). The programs' common constant prefix is sent to the
-        backend's cache first, so every run hits it. Returns the states in order; with
-        `as_completed=True` an iterator of them in the order they finish; with SGLang's
-        `generator_style=True` one in the batch's order, each state yielded once it and the
-        earlier ones are done. Leaving either iterator early aborts the rest."""
-        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
-        return job.results(num_threads=num_threads, progress_bar=progress_bar,
-                           as_completed=as_completed, generator_style=generator_style)
-
-    def run_batch_iter(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
-                       backend: Any = None, num_threads: int | str = "auto",
-                       **sampling: Any) -> AsyncIterator[ProgramState]:
-        """`run_batch` for asyncio: `async for state in program.run_batch_iter(batch)` yields
-        each state as it finishes, from any event loop (a cell's top-level `async for`); the
-        programs run on the program loop. Leaving the loop early aborts the rest."""
-        job = self.batch_job(batch_kwargs, backend=backend, sampling=sampling)
-        return job.aiter_completed(num_threads=num_threads)
-
     async def arun(self, *args: Any, backend: Any = None, token_view: bool = False,
                    **kwargs: Any) -> ProgramState:
         """`run` for asyncio: `state = await program.arun(...)` (a cell's top-level await). The
@@ -178,8 +154,8 @@ class Program:
             run.abort()
             raise
 
-    def batch_job(self, batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]], *,
-                  backend: Any, sampling: dict[str, Any]) -> BatchJob:
+    def batch_job(self, batch_kwargs: BatchArguments, *, backend: Any,
+                  sampling: dict[str, Any]) -> BatchJob:
         backend = as_backend(backend)
         defaults = batch_defaults(sampling)
         batch = [self.split_arguments(*call_arguments(item))[0] for item in batch_kwargs]
