@@ -40,11 +40,13 @@ from lmnb.runtime.request_checks import (
     LogprobCountInput,
     LogprobFlagInput,
     LogprobOptions,
+    SamplingInput,
     TokenIdsInput,
 )
 from lmnb.runtime.scheduler import ReqState
 from lmnb.runtime.scheduler.held import HeldSubmissions
 from lmnb.runtime.scheduler.profiler import ProfileOptions
+from lmnb.runtime.surface import GenerateResult
 
 _PIN_ATTEMPTS = 3
 
@@ -316,7 +318,7 @@ class Runtime:
     def generate(
         self,
         prompt: PromptInput = None,
-        sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+        sampling_params: SamplingInput = None,
         *,
         input_ids: IdsInput = None,
         image_data: MediaInput = None,
@@ -329,7 +331,7 @@ class Runtime:
         stream: bool = False,
         return_token_origins: bool = False,
         incremental: bool = True,
-    ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
+    ) -> GenerateResult:
         """Generates for one prompt (returns a dict) or a list (returns a list of dicts; with
         `n > 1`, `n` consecutive dicts per prompt). With `stream=True`, an `OutputStream` of
         incremental dicts (`text` and `output_ids` are what is new; the last one per request has
@@ -408,7 +410,7 @@ class Runtime:
                token_ids: list[list[int] | None],
                return_text_in_logprobs: bool,
                stream: bool, return_token_origins: bool, incremental: bool,
-               ids_trusted: bool) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
+               ids_trusted: bool) -> GenerateResult:
         """`generate` of prompts, parameters and logprob options (one each per prompt) that
         passed its shape checks: each prompt is checked (`request_checks.check_prompt`), its
         requests registered and submitted."""

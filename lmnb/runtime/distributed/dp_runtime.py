@@ -51,6 +51,7 @@ from lmnb.runtime.request_checks import (
     SamplingInput,
     TokenIdsInput,
 )
+from lmnb.runtime.surface import GenerateResult
 
 REPLICA_BACKENDS = ("process", "ray")
 
@@ -469,7 +470,7 @@ class DataParallelRuntime:
         stream: bool = False,
         return_token_origins: bool = False,
         incremental: bool = True,
-    ) -> dict[str, Any] | list[dict[str, Any]] | OutputStream:
+    ) -> GenerateResult:
         """As `Runtime.generate`; each prompt (with its `n` samples) goes to the replica the
         router picks, and `meta_info["dp_rank"]` says which. Media inputs are not routed yet."""
         self._check_open()
