@@ -1022,6 +1022,30 @@ def test_anthropic_streamed_usage_equals_the_whole_response(claude):
                 + usage.cache_read_input_tokens) == counted
 
 
+def test_anthropic_usage_has_the_standard_tier_and_no_cache_writes(claude):
+    """A message's `usage` has Anthropic's `service_tier` ("standard": lmnb has no other) and
+    `cache_creation`, the per-TTL split of `cache_creation_input_tokens` (0 each: nothing is
+    written by `cache_control`), whole or streamed (the SDK keeps message_start's), with tools
+    or without; both were missing (None in the SDK). message_delta's usage has only
+    `MessageDeltaUsage`'s fields."""
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    requests = [dict(model="tiny", max_tokens=3, messages=CHAT),
+                dict(model="tiny", max_tokens=3, messages=CHAT, tools=[tool],
+                     tool_choice={"type": "any"})]
+    for kwargs in requests:
+        with claude.messages.stream(**kwargs) as stream:
+            deltas = [event.usage.model_dump(exclude_none=True) for event in stream
+                      if event.type == "message_delta"]
+            streamed = stream.get_final_message().usage
+        for usage in (claude.messages.create(**kwargs).usage, streamed):
+            assert usage.service_tier == "standard"
+            assert usage.cache_creation == anthropic.types.CacheCreation(
+                ephemeral_1h_input_tokens=0, ephemeral_5m_input_tokens=0)
+        (delta,) = deltas
+        assert set(delta) == {"input_tokens", "output_tokens", "cache_creation_input_tokens",
+                              "cache_read_input_tokens"}
+
+
 def test_anthropic_assistant_prefill_is_continued(claude, rt):
     """Anthropic: 'if the final message uses the assistant role, the response content will
     continue immediately from the content in that message'."""

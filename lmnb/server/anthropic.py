@@ -84,15 +84,24 @@ def _stop_reason(meta: dict[str, Any], stops: list[str]) -> tuple[str, str | Non
 
 
 def _usage(meta: dict[str, Any], output_tokens: int | None = None) -> dict[str, Any]:
-    """Anthropic's meaning: `input_tokens` are the prompt tokens not read from the cache;
-    nothing is written to a cache by `cache_control` (0 cache creation tokens, as Anthropic
-    reports without it). A stream's message_delta carries the totals from the last meta_info
-    (the SDK takes them over message_start's, which come before the cached prefix is known)."""
+    """The token counts (message_delta's usage: the SDK's `MessageDeltaUsage`). Anthropic's
+    meaning: `input_tokens` are the prompt tokens not read from the cache; nothing is written
+    to a cache by `cache_control` (0 cache creation tokens, as Anthropic reports without it).
+    A stream's message_delta carries the totals from the last meta_info (the SDK takes them
+    over message_start's, which come before the cached prefix is known)."""
     cached = meta.get("cached_tokens", 0)
     return {"input_tokens": meta.get("prompt_tokens", 0) - cached,
             "output_tokens": (meta.get("completion_tokens", 0) if output_tokens is None
                               else output_tokens),
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _message_usage(meta: dict[str, Any], output_tokens: int | None = None) -> dict[str, Any]:
+    """A message's usage (the SDK's `Usage`, also message_start's): the counts, their cache
+    creation split by TTL (none) and the service tier (lmnb has only "standard")."""
+    return {**_usage(meta, output_tokens),
+            "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+            "service_tier": "standard"}
 
 
 def _error_event(error: Exception) -> str:
@@ -140,7 +149,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         stop_reason, stop_sequence = _stop_reason(meta, stops)
         return {**message, "content": [{"type": "text", "text": result["text"]}],
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": _usage(meta)}
+                "usage": _message_usage(meta)}
 
     return router
 
@@ -156,7 +165,7 @@ async def _events(stream: OutputStream, message: dict[str, Any],
             started = True
             yield sse({"type": "message_start", "message": {
                 **message, "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": _usage(meta, 0)}}, event="message_start")
+                "usage": _message_usage(meta, 0)}}, event="message_start")
             yield sse({"type": "content_block_start", "index": 0,
                        "content_block": {"type": "text", "text": ""}},
                       event="content_block_start")
@@ -197,7 +206,7 @@ def _tool_message(result: ChoiceResult, stops: list[str]) -> dict[str, Any]:
                  else partial_object(c.arguments)} for c in calls]
     stop_reason, stop_sequence = _tool_stop(result.meta, len(calls), stops)
     return {"content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": _usage(result.meta)}
+            "usage": _message_usage(result.meta)}
 
 
 async def _tool_events(run: ToolRun, message: dict[str, Any], stops: list[str]
@@ -226,7 +235,7 @@ async def _tool_events(run: ToolRun, message: dict[str, Any], stops: list[str]
                 started = True
                 yield sse({"type": "message_start", "message": {
                     **message, "content": [], "stop_reason": None, "stop_sequence": None,
-                    "usage": _usage(piece.meta, 0)}}, event="message_start")
+                    "usage": _message_usage(piece.meta, 0)}}, event="message_start")
                 yield sse({"type": "ping"}, event="ping")
             if piece.text:
                 if kind != "text":
