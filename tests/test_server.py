@@ -1104,6 +1104,27 @@ def test_anthropic_models_list_and_retrieve(claude, rt):
         claude.models.retrieve("claude-opus")
 
 
+def test_anthropic_responses_carry_a_request_id(claude):
+    """Anthropic's API names a response's id `request-id` (the `anthropic` SDK's public
+    `message._request_id`, `MessageStream.request_id` and `APIStatusError.request_id`); lmnb
+    sent it only as OpenAI's `x-request-id`, so they were None. Both headers carry one id:
+    a new `req_...`, or the client's own `X-Request-Id`."""
+    message = claude.messages.create(model="tiny", max_tokens=2, messages=CHAT)
+    assert message._request_id.startswith("req_")
+    raw = claude.messages.with_raw_response.create(model="tiny", max_tokens=2, messages=CHAT)
+    assert raw.request_id == raw.headers["x-request-id"] != message._request_id
+    mine = {"X-Request-Id": "trace-7"}
+    with claude.messages.stream(model="tiny", max_tokens=2, messages=CHAT,
+                                extra_headers=mine) as stream:
+        assert stream.request_id == "trace-7"
+    counted = claude.messages.count_tokens(model="tiny", messages=CHAT, extra_headers=mine)
+    assert counted._request_id == "trace-7"
+    assert claude.models.retrieve("tiny")._request_id.startswith("req_")
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model="tiny", max_tokens=0, messages=CHAT, extra_headers=mine)
+    assert caught.value.request_id == "trace-7"
+
+
 def test_anthropic_errors_have_anthropic_bodies(server, claude):
     """Anthropic's error body is `{"type": "error", "error": {"type", "message"}}` (its SDK's
     `error.type` reads `error.type`), for a refused request, a body that fails validation and

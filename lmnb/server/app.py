@@ -54,7 +54,7 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app over `runtime` (not owned: closing the app leaves the runtime running). With
     `api_key`, every route but `/health` needs it. A body over `max_request_bytes` is refused
-    (413) before it is read. Every response has an `x-request-id`."""
+    (413) before it is read. Every response has a request id (`x-request-id`, `request-id`)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     name = served_model_name or default_model_name(runtime)

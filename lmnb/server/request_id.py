@@ -1,6 +1,8 @@
-"""`x-request-id` on every response, as OpenAI's API sends it (the `openai` client keeps it as a
-response's `_request_id` and in its errors): the client's own `X-Request-Id` echoed when it is
-short printable ASCII (as vLLM's `--enable-request-id-headers`), else a new `req_...`."""
+"""A request id on every response, under the name each API gives it: OpenAI's `x-request-id`
+(the `openai` client keeps it as a response's `_request_id` and in its errors) and Anthropic's
+`request-id` (the `anthropic` SDK's `_request_id`, `MessageStream.request_id` and its errors'
+`request_id`), one id for both: the client's own `X-Request-Id` echoed when it is short
+printable ASCII (as vLLM's `--enable-request-id-headers`), else a new `req_...`."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = b"x-request-id"
+HEADERS = (HEADER, b"request-id")  # OpenAI's, Anthropic's
 MAX_LENGTH = 128
 
 
@@ -19,7 +22,7 @@ def _given(value: bytes | None) -> bytes | None:
 
 
 class RequestId:
-    """ASGI middleware adding `x-request-id` to every HTTP response."""
+    """ASGI middleware adding `x-request-id` and `request-id` to every HTTP response."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -33,8 +36,10 @@ class RequestId:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != HEADER]
-                message = {**message, "headers": [*headers, (HEADER, request_id)]}
+                headers = [(k, v) for k, v in message.get("headers", ())
+                           if k.lower() not in HEADERS]
+                message = {**message, "headers": [*headers,
+                                                  *((name, request_id) for name in HEADERS)]}
             await send(message)
 
         await self.app(scope, receive, send_with_id)
