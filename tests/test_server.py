@@ -1191,6 +1191,24 @@ def test_anthropic_system_blocks_are_joined_by_newlines(claude, rt):
     assert out.usage.input_tokens + out.usage.cache_read_input_tokens == len(rt.encode(prompt))
 
 
+def test_anthropic_tool_result_text_blocks_are_joined_by_newlines(claude):
+    """A `tool_result` whose content is text blocks is their texts joined by "\\n", empty ones
+    left out, as a `system` of blocks is and as SGLang's endpoint joins both (they were run
+    together: "22 Csunny")."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {}}
+
+    def counted(content: str | list) -> int:
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}
+        return claude.messages.count_tokens(model="tiny", messages=[
+            *CHAT, {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [result]}]).input_tokens
+
+    blocks = [{"type": "text", "text": "22 C"}, {"type": "text", "text": ""},
+              {"type": "text", "text": "sunny"}]
+    assert counted("22 C\nsunny") != counted("22 Csunny")
+    assert counted(blocks) == counted("22 C\nsunny")
+
+
 def test_anthropic_thinking_blocks_of_earlier_turns_leave_the_prompt(claude):
     """An assistant turn replayed with its `thinking` / `redacted_thinking` blocks (as a
     client sends back a response) is taken, and, as Anthropic does with earlier turns'

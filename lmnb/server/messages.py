@@ -87,12 +87,12 @@ def _image_part(block: dict[str, Any], where: str, takes_images: bool) -> dict[s
                                                       f"{source['data']}"}}
 
 
-def _system_text(system: str | list[dict[str, Any]]) -> str:
-    """Anthropic's `system`: a string, or text blocks whose texts are joined by "\\n" (empty
-    ones left out), as SGLang's endpoint joins them."""
-    if isinstance(system, str):
-        return system
-    texts = [text_content([block], where=f"system.{i}") for i, block in enumerate(system)]
+def _blocks_text(content: Any, where: str) -> str:
+    """Anthropic's text content (a `system`, a `tool_result`'s): a string, or text blocks whose
+    texts are joined by "\\n" (empty ones left out), as SGLang's endpoint joins both."""
+    if not isinstance(content, list):
+        return text_content(content, where=where)
+    texts = [text_content([block], where=f"{where}.{i}") for i, block in enumerate(content)]
     return "\n".join(text for text in texts if text)
 
 
@@ -104,11 +104,11 @@ def _is_image_url(part: Any) -> bool:
 
 
 def _tool_result(content: Any, where: str, takes_images: bool) -> str | list[dict[str, Any]]:
-    """A `tool_result` block's content: its text, or with images its text and `image_url`
-    parts in order (as SGLang's endpoint gives them to the tool message)."""
+    """A `tool_result` block's content: its text (`_blocks_text`), or with images its text and
+    `image_url` parts in order (as SGLang's endpoint gives them to the tool message)."""
     if not isinstance(content, list) or not any(
             isinstance(block, dict) and block.get("type") == "image" for block in content):
-        return text_content(content, where=where)
+        return _blocks_text(content, where)
     return [_image_part(block, f"{where}.{k}", takes_images)
             if isinstance(block, dict) and block.get("type") == "image"
             else {"type": "text", "text": text_content([block], where=f"{where}.{k}")}
@@ -125,7 +125,7 @@ def anthropic_chat(system: str | list[dict[str, Any]] | None, messages: list[dic
     a text-only model (`takes_images` False) is a 400 naming its block."""
     chat: list[dict[str, Any]] = []
     if system:
-        chat.append({"role": "system", "content": _system_text(system)})
+        chat.append({"role": "system", "content": _blocks_text(system, "system")})
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         where = f"messages.{i}.content"
