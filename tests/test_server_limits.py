@@ -10,6 +10,9 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -409,6 +412,25 @@ def test_ollama_show_and_ps(server, rt):
     assert loaded.details == shown.details and loaded.expires_at.year == 9999
     (listed,) = llama.list().models
     assert listed.size == sum(file.stat().st_size for file in files)
+
+
+def test_ollama_list_and_ps_name_the_model_by_a_sha256_digest(server, rt, tmp_path):
+    """/api/tags and /api/ps give the model's `digest` as Ollama's: 64 hex digits (its CLI
+    prints `digest[:12]` in `ollama list` and `ollama ps`, which an empty one, lmnb's, makes
+    panic). It stands for the served files: their headers, sizes and modification times (not
+    a hash of the weights, which would take minutes for a 7B), so it changes when they do."""
+    from lmnb.server.ollama import Checkpoint
+
+    llama = ollama.Client(host=server.url, headers=AUTH)
+    ((listed,), (loaded,)) = llama.list().models, llama.ps().models
+    assert re.fullmatch(r"[0-9a-f]{64}", listed.digest)
+    assert loaded.digest == listed.digest == Checkpoint.read(rt.model_dir).digest
+    copy = tmp_path / "copy"
+    shutil.copytree(rt.model_dir, copy)
+    before = Checkpoint.read(copy).digest
+    (weights, *_) = sorted(copy.glob("*.safetensors"))
+    os.utime(weights, ns=(0, 0))
+    assert Checkpoint.read(copy).digest != before
 
 
 # ---- options -----------------------------------------------------------------------------------

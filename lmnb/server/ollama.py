@@ -7,6 +7,7 @@ push, create, copy, delete, embeddings) is a 501 saying so."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import re
@@ -136,12 +137,15 @@ class ShowRequest(BaseModel):
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """What the model's safetensors headers say: parameters, the dtype most of them have (as
-    Ollama's `quantization_level`: F32, BF16, F16, ...), bytes on disk, last modified."""
+    Ollama's `quantization_level`: F32, BF16, F16, ...), bytes on disk, last modified, and a
+    `digest` (64 hex digits, as Ollama's) of the files' names, sizes, modification times and
+    headers: it changes when they do (hashing the weights would take minutes for a 7B)."""
 
     parameters: int
     dtype: str
     file_bytes: int
     modified_at: str
+    digest: str
 
     @classmethod
     def read(cls, model_dir: Path | None) -> Checkpoint | None:
@@ -149,18 +153,22 @@ class Checkpoint:
         if not files:
             return None
         by_dtype: dict[str, int] = {}
-        for file in files:
+        digest = hashlib.sha256()
+        stats = [file.stat() for file in files]
+        for file, stat in zip(files, stats, strict=True):
             with file.open("rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-            for name, entry in header.items():
+                header = f.read(length)
+            digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode() + header)
+            for name, entry in json.loads(header).items():
                 if name != "__metadata__":
                     dtype = entry["dtype"]
                     by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(entry["shape"])
-        modified = max(file.stat().st_mtime for file in files)
+        modified = max(stat.st_mtime for stat in stats)
         return cls(parameters=sum(by_dtype.values()), dtype=max(by_dtype, key=by_dtype.get),
-                   file_bytes=sum(file.stat().st_size for file in files),
-                   modified_at=_timestamp(datetime.fromtimestamp(modified, timezone.utc)))
+                   file_bytes=sum(stat.st_size for stat in stats),
+                   modified_at=_timestamp(datetime.fromtimestamp(modified, timezone.utc)),
+                   digest=digest.hexdigest())
 
 
 def parameter_size(count: int) -> str:
@@ -438,11 +446,13 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
     checkpoint = Checkpoint.read(runtime.model_dir)
     details = _details(runtime.model_config, checkpoint)
     modified_at = checkpoint.modified_at if checkpoint else _now()
+    digest = (checkpoint.digest if checkpoint  # Ollama's CLI prints its first 12 digits
+              else hashlib.sha256(model_name.encode()).hexdigest())
 
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
         return {"models": [{"name": model_name, "model": model_name, "modified_at": modified_at,
-                            "size": checkpoint.file_bytes if checkpoint else 0, "digest": "",
+                            "size": checkpoint.file_bytes if checkpoint else 0, "digest": digest,
                             "details": details}]}
 
     @router.post("/api/show", response_model=None)
@@ -460,7 +470,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         memory = (await asyncio.to_thread(runtime.stats)).get("memory", {})
         size = int((memory.get("weights_gb", 0.0) + memory.get("kv_gb", 0.0)) * 2**30)
         return {"models": [{"name": model_name, "model": model_name, "size": size,
-                            "digest": "", "details": details, "expires_at": _NEVER,
+                            "digest": digest, "details": details, "expires_at": _NEVER,
                             "size_vram": size if _on_gpu(runtime.engine_config.device) else 0,
                             "context_length": runtime.context_len}]}
 
