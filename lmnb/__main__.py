@@ -13,6 +13,16 @@ import sys
 from collections.abc import Sequence
 
 
+def origins(value: str) -> list[str]:
+    """`--allowed-origins`: `a,b` or vLLM's JSON list `["a", "b"]`."""
+    if value.lstrip().startswith("["):
+        parsed = json.loads(value)
+        if not isinstance(parsed, list) or not all(isinstance(o, str) for o in parsed):
+            raise argparse.ArgumentTypeError(f"not a JSON list of origins: {value!r}")
+        return parsed
+    return [origin.strip() for origin in value.split(",") if origin.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lmnb")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -27,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, metavar="N",
                        help="larger request bodies are refused (HTTP 413) unread; default "
                             "32 MiB")
+    serve.add_argument("--allowed-origins", type=origins, default=["*"], metavar="ORIGINS",
+                       help="origins whose browser pages may call the server (CORS): comma "
+                            "separated, or a JSON list as vLLM's; default * (any); '' none")
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-total-tokens", type=int, default=None)
@@ -73,12 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.watch_stdin:
             serve(runtime, host=args.host, port=args.port, api_key=args.api_key,
                   served_model_name=args.served_model_name,
-                  max_request_bytes=args.max_request_bytes, log_level=args.log_level)
+                  max_request_bytes=args.max_request_bytes,
+                  allowed_origins=args.allowed_origins, log_level=args.log_level)
             return 0
         handle = ServerHandle.start(runtime, host=args.host, port=args.port,
                                     api_key=args.api_key,
                                     served_model_name=args.served_model_name,
                                     max_request_bytes=args.max_request_bytes,
+                                    allowed_origins=args.allowed_origins,
                                     log_level="warning" if args.log_level == "info"
                                     else args.log_level)
         print(f"{READY_PREFIX}{handle.url}", flush=True)

@@ -537,6 +537,35 @@ def test_api_key_required_except_health(server):
         wrong.models.list()
 
 
+def test_browsers_may_call_every_route_cors(server, client, rt):
+    """CORS as SGLang's and vLLM's servers (Starlette's `CORSMiddleware`, every origin, method
+    and header): a browser's preflight is answered without the key, and responses (a 401 too)
+    carry `access-control-allow-origin`; there was none (a notebook's JS could not call the
+    server). `allowed_origins` narrows it, empty turns it off."""
+    origin = {"Origin": "http://localhost:8888"}
+    for path in ("/v1/chat/completions", "/generate", "/v1/messages", "/api/chat"):
+        preflight = httpx.options(f"{server.url}{path}", headers={
+            **origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"})
+        assert preflight.status_code == 200, (path, preflight.text)
+        assert preflight.headers["access-control-allow-origin"] == "*"
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        assert "x-stainless-os" in preflight.headers["access-control-allow-headers"]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=CHAT, max_tokens=2, extra_headers=origin)
+    assert raw.headers["access-control-allow-origin"] == "*"
+    refused = httpx.get(f"{server.url}/v1/models", headers=origin)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    with ServerHandle.start(rt, allowed_origins=["http://localhost:8888"]) as narrow, \
+            ServerHandle.start(rt, allowed_origins=[]) as closed:
+        assert httpx.get(f"{narrow.url}/v1/models", headers=origin).headers[
+            "access-control-allow-origin"] == "http://localhost:8888"
+        other = httpx.get(f"{narrow.url}/v1/models", headers={"Origin": "http://evil.test"})
+        assert "access-control-allow-origin" not in other.headers
+        assert "access-control-allow-origin" not in httpx.get(
+            f"{closed.url}/v1/models", headers=origin).headers
+
+
 def test_bad_requests_are_400_and_runtime_stays_usable(http, client, rt):
     bad_json = http.post("/v1/chat/completions", content=b"{not json",
                          headers={"content-type": "application/json"})
@@ -1558,7 +1587,19 @@ def test_cli_serves_a_model(tiny_models, monkeypatch):
                  "--max-total-tokens", "512", "--device", "cpu"]) == 0
     assert calls == [{"host": "127.0.0.1", "port": 0, "api_key": "k",
                       "served_model_name": None, "max_request_bytes": 32 * 2**20,
-                      "log_level": "info"}]
+                      "allowed_origins": ["*"], "log_level": "info"}]
+
+
+def test_cli_allowed_origins_take_a_list_or_vllms_json():
+    from lmnb.__main__ import build_parser
+
+    def parsed(*argv: str) -> list[str]:
+        return build_parser().parse_args(["serve", *argv]).allowed_origins
+
+    assert parsed() == ["*"]
+    assert parsed("--allowed-origins", "http://a, http://b") == ["http://a", "http://b"]
+    assert parsed("--allowed-origins", '["http://a"]') == ["http://a"]
+    assert parsed("--allowed-origins", "") == []
 
 
 # ---- SmolLM2, where the text matters -----------------------------------------------------------

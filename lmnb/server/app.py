@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Sequence
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmnb.server import anthropic, ollama, openai_api, replica_api, sglang_native
@@ -16,6 +18,7 @@ from lmnb.server.request_id import RequestId
 from lmnb.server.streams import ServedRuntime
 
 OPEN_PATHS = frozenset({"/health"})
+ALL_ORIGINS = ("*",)
 
 
 class BearerAuth:
@@ -51,10 +54,13 @@ def default_model_name(runtime: ServedRuntime) -> str:
 
 def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
                served_model_name: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               allowed_origins: Sequence[str] = ALL_ORIGINS) -> FastAPI:
     """The app over `runtime` (not owned: closing the app leaves the runtime running). With
     `api_key`, every route but `/health` needs it. A body over `max_request_bytes` is refused
-    (413) before it is read. Every response has a request id (`x-request-id`, `request-id`)."""
+    (413) before it is read. Every response has a request id (`x-request-id`, `request-id`).
+    Browsers on `allowed_origins` (default all, as SGLang's and vLLM's servers; none: no CORS
+    headers) may call every route with any method and header; preflights need no key."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     name = served_model_name or default_model_name(runtime)
@@ -69,5 +75,8 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:  # runs before any body is read
         app.add_middleware(BearerAuth, api_key=api_key)
+    if allowed_origins:  # outside the key check: preflights carry no key, and a 401 reaches JS
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(RequestId)  # added last: runs first, so that every response has it
     return app

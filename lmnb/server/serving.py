@@ -7,10 +7,11 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
 import uvicorn
 
-from lmnb.server.app import create_app
+from lmnb.server.app import ALL_ORIGINS, create_app
 from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from lmnb.server.streams import ServedRuntime
 
@@ -29,9 +30,10 @@ class ServerHandle:
     def start(cls, runtime: ServedRuntime, *, host: str = "127.0.0.1", port: int = 0,
               api_key: str | None = None, served_model_name: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              allowed_origins: Sequence[str] = ALL_ORIGINS,
               log_level: str = "warning", startup_timeout: float = 30.0) -> ServerHandle:
         app = create_app(runtime, api_key=api_key, served_model_name=served_model_name,
-                         max_request_bytes=max_request_bytes)
+                         max_request_bytes=max_request_bytes, allowed_origins=allowed_origins)
         # log_config=None: uvicorn leaves the process's (the kernel's) logging setup alone
         config = uvicorn.Config(app, log_level=log_level, log_config=None, access_log=False,
                                 loop="asyncio",
@@ -105,8 +107,9 @@ def _run(server: uvicorn.Server, sock: socket.socket) -> None:
 
 def serve(runtime: ServedRuntime, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, log_level: str = "info") -> None:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          allowed_origins: Sequence[str] = ALL_ORIGINS, log_level: str = "info") -> None:
     """Serves `runtime` in the foreground until interrupted (`python -m lmnb serve`)."""
     app = create_app(runtime, api_key=api_key, served_model_name=served_model_name,
-                     max_request_bytes=max_request_bytes)
+                     max_request_bytes=max_request_bytes, allowed_origins=allowed_origins)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
