@@ -623,6 +623,38 @@ def test_bad_logprob_counts_are_400s_that_name_their_parameter(client):
     assert out.choices[0].logprobs is None
 
 
+def test_logprob_counts_over_twenty_are_400s(client):
+    """Chat's `top_logprobs` is 0..20 (OpenAI's bound) and completions' `logprobs` 0..20
+    (vLLM's `max_logprobs`; OpenAI's is 5); both were unbounded (a 21st alternative came
+    back)."""
+    for create, kwargs, param in (
+            (client.chat.completions.create,
+             {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            (client.completions.create, {"prompt": "Hi", "logprobs": 21}, "logprobs")):
+        with pytest.raises(openai.BadRequestError, match="20") as error:
+            create(model="tiny", max_tokens=2, **kwargs)
+        assert error.value.param == param
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                          logprobs=True, top_logprobs=20)
+    assert all(len(t.top_logprobs) == 20 for t in chat.choices[0].logprobs.content)
+    text = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=20,
+                                     temperature=0)
+    assert all(5 < len(top) <= 20 for top in text.choices[0].logprobs.top_logprobs)
+
+
+def test_stream_options_need_stream(client):
+    """`stream_options` without `stream: true` is a 400 naming it, as OpenAI's API and vLLM
+    answer; it was ignored. Null is not given."""
+    for create, kwargs in ((client.chat.completions.create, {"messages": CHAT}),
+                           (client.completions.create, {"prompt": "Hi"})):
+        for stream in (False, None):
+            with pytest.raises(openai.BadRequestError, match="stream=True") as error:
+                create(model="tiny", max_tokens=2, stream=stream,
+                       stream_options={"include_usage": True}, **kwargs)
+            assert error.value.param == "stream_options"
+        assert create(model="tiny", max_tokens=2, stream_options=None, **kwargs).choices
+
+
 def test_logit_bias_forces_and_bans_greedy_tokens(client, rt):
     """OpenAI's `logit_bias` (string ids, as the client sends them): +100 makes greedy chat and
     completion output that token, -100 bans the token greedy decoding picks without it (the

@@ -52,6 +52,9 @@ from lmnb.server.tools import (
 
 # A JSON object of any shape (`response_format: json_object`).
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+# The most alternatives per token: OpenAI's chat `top_logprobs` bound, and vLLM's
+# `max_logprobs` default, which it applies to completions' `logprobs` too (OpenAI's: 5).
+MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -117,6 +120,12 @@ class _Sampling(BaseModel):
     def streamed(self) -> StreamOptions:
         return self.stream_options or StreamOptions()
 
+    def check_stream_options(self) -> None:
+        """`stream_options` without `stream` is a 400, as OpenAI's API and vLLM refuse it."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError("Stream options can only be defined when `stream=True`.",
+                           param="stream_options")
+
     def sampling_params(self, max_new_tokens: int | None,
                         defaults: Mapping[str, Any]) -> dict[str, Any]:
         """`generate`'s parameters: the request's, else `defaults` (the model's), else lmnb's."""
@@ -138,7 +147,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
@@ -160,7 +169,7 @@ class ChatRequest(_Sampling):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -309,6 +318,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        body.check_stream_options()
         if body.suffix:
             raise APIError("suffix is not supported", param="suffix")
         prompt, input_ids = _completion_prompt(body.prompt)
@@ -340,6 +350,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Any:
+        body.check_stream_options()
         messages, images = chat_media(
             openai_messages(body.messages),
             takes_images=runtime.model_config.image_token_id is not None)
