@@ -5,6 +5,7 @@ disconnects and many concurrent streams."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
 import json
 from collections.abc import Iterator
@@ -1020,6 +1021,61 @@ def test_native_abort_request_ends_one_request_of_a_batch(server, http, rt):
     assert last["one-a"]["meta_info"]["completion_tokens"] < 300
     assert last["one-b"]["meta_info"]["finish_reason"]["type"] == "length"
     assert len(last["one-b"]["output_ids"]) == 300
+    wait_idle(rt)
+    rt.check_integrity()
+
+
+def test_openai_rid_is_aborted_by_abort_request(server, client, http, rt):
+    """SGLang's `rid` on `/v1/chat/completions` and `/v1/completions` names the requests as on
+    `/generate` (`rid_i` for `n` > 1, one id per prompt in a list), so `/abort_request {"rid"}`
+    ends them with finish_reason abort (their KV freed); a rid in flight is a 400. Without a
+    rid, the response's id finds the request (SGLang's response id is its rid), and
+    `abort_all` ends it. `rid` was ignored: nothing could abort an OpenAI request but a
+    disconnect."""
+    long = {"max_tokens": 400, "extra_body": {"ignore_eos": True, "rid": "x"}}
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, stream=True, **long)
+    with stream:
+        chunks = iter(stream)
+        assert next(chunks).choices[0].finish_reason is None
+        with pytest.raises(openai.BadRequestError, match="'x'") as taken:
+            client.completions.create(model="tiny", prompt="Hi", **long)
+        assert taken.value.param == "rid"
+        assert http.post("/abort_request", json={"rid": "x"}).status_code == 200
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "abort" and len(finishes) < 400
+    for abort in ("by its id", {"abort_all": True}):
+        stream = client.chat.completions.create(model="tiny", messages=CHAT, stream=True,
+                                                max_tokens=400, extra_body={"ignore_eos": True})
+        with stream:
+            chunks = iter(stream)
+            first = next(chunks)
+            body = {"rid": first.id} if abort == "by its id" else abort
+            assert http.post("/abort_request", json=body).status_code == 200
+            finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "abort" and len(finishes) < 400, abort
+    wait_idle(rt)
+
+    def completion_then_abort() -> openai.types.Completion:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(client.completions.create, model="tiny",
+                                  prompt=["Go on", "Tell me"], n=2, max_tokens=400,
+                                  extra_body={"ignore_eos": True, "rid": ["p", "q"]})
+            while not running.done():  # until the call is in flight and aborted
+                for rid in ("p_0", "p_1", "q_0", "q_1"):
+                    assert http.post("/abort_request", json={"rid": rid}).status_code == 200
+            return running.result()
+
+    out = completion_then_abort()
+    assert [c.finish_reason for c in out.choices] == ["abort"] * 4
+    assert out.usage.completion_tokens < 4 * 400
+    with pytest.raises(openai.BadRequestError, match="rid has 1 ids for 2 prompts"):
+        client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=1,
+                                  extra_body={"rid": ["only-one"]})
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tools") as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                       tools=[tool], extra_body={"rid": "t"})
+    assert refused.value.param == "rid"
     wait_idle(rt)
     rt.check_integrity()
 

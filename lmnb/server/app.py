@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lmnb.server import anthropic, ollama, openai_api, replica_api, sglang_native
 from lmnb.server.errors import error_body, install_error_handlers
 from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, max_token_bytes
+from lmnb.server.open_requests import OpenRequests
 from lmnb.server.request_id import RequestId
 from lmnb.server.streams import ServedRuntime
 
@@ -67,7 +68,10 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     max_token_bytes(runtime.tokenizer)  # the prompt check's bound, once, before serving
     app = FastAPI(title="lmnb", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    for module in (openai_api, sglang_native, anthropic, ollama, replica_api):
+    open_requests = OpenRequests()  # by rid, for /abort_request
+    app.include_router(openai_api.make_router(runtime, name, open_requests))
+    app.include_router(sglang_native.make_router(runtime, name, open_requests))
+    for module in (anthropic, ollama, replica_api):
         app.include_router(module.make_router(runtime, name))
     app.include_router(anthropic.count_tokens_router(runtime))
     app.state.runtime = runtime

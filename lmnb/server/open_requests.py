@@ -1,18 +1,30 @@
-"""The native API's requests in flight by their ids (the caller's `rid`, else `meta_info.id`):
-what SGLang's `POST /abort_request` finds. Requests of one `/generate` call share a stream;
-aborting one of them ends it alone, the others go on."""
+"""Requests in flight by their ids: what SGLang's `POST /abort_request` finds. The ids are the
+caller's `rid` (SGLang's field on `/generate`, `/v1/completions` and `/v1/chat/completions`),
+else `meta_info.id` on `/generate` and the response's id on the OpenAI routes. Requests of one
+call share a stream; aborting one of them ends it alone, the others go on."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Protocol
 
+from lmnb.runtime.distributed.replica import output_names
 from lmnb.server.errors import APIError
 
 
+def caller_ids(rid: str | list[str], samples: list[int]) -> list[str]:
+    """The id of each result of a call, in order (prompt-major), from the caller's `rid`, as
+    SGLang names them: a string is the id of a single result (`rid_i` for each result of a
+    batch or of `n` > 1), a list has one id per prompt (`rid_k` for sample k with `n` > 1)."""
+    if isinstance(rid, str):
+        total = sum(samples)
+        return [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
+    return output_names(rid, samples)
+
+
 class RequestsStream(Protocol):
-    """The stream of one `/generate` call (`OutputStream`): its requests' engine ids in order."""
+    """The stream of one call (`OutputStream`): its requests' engine ids in order."""
 
     @property
     def rids(self) -> tuple[int, ...]: ...
@@ -25,8 +37,7 @@ class RequestsStream(Protocol):
 class OpenRequests:
     """id -> the stream serving it and the request's engine id, while its response is produced
     (used from the event loop only). Aborting one request has the runtime end it (its KV freed)
-    with finish_reason `abort`, which its stream delivers; `abort_all` closes every stream, and
-    the route ends their unfinished requests with finish_reason `abort`."""
+    with finish_reason `abort`, which its stream delivers; `abort_all` aborts each of them."""
 
     def __init__(self) -> None:
         self._streams: dict[str, tuple[RequestsStream, int]] = {}
@@ -53,6 +64,20 @@ class OpenRequests:
                 if self._streams.get(rid, (None,))[0] is stream:
                     del self._streams[rid]
 
+    def tracked_events(self, ids: Sequence[str], stream: RequestsStream,
+                       events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+        """`events` (a response streaming `stream`) during which `ids` find `stream`; a 400 now,
+        before the response starts, when one of them is in flight already."""
+        self.check_free(ids, stream)
+        return self._tracking(ids, stream, events)
+
+    async def _tracking(self, ids: Sequence[str], stream: RequestsStream,
+                        events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+        async with contextlib.aclosing(events):
+            with self.tracked(ids, stream):
+                async for event in events:
+                    yield event
+
     def abort(self, rid: str) -> None:
         """Aborts the request `rid`; an id not in flight (finished, unknown) is a no-op, as in
         SGLang."""
@@ -61,5 +86,5 @@ class OpenRequests:
             stream.abort(engine_rid)
 
     def abort_all(self) -> None:
-        for stream in {stream for stream, _ in self._streams.values()}:
-            stream.close()
+        for stream, engine_rid in list(self._streams.values()):
+            stream.abort(engine_rid)

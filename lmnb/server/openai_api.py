@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any, Literal
 
@@ -21,6 +21,7 @@ from lmnb.runtime.output import OutputStream
 from lmnb.server.errors import APIError
 from lmnb.server.media import chat_media
 from lmnb.server.messages import openai_messages
+from lmnb.server.open_requests import OpenRequests, caller_ids
 from lmnb.server.stream_logprobs import (
     StreamedLogprobs,
     TokenPieces,
@@ -107,6 +108,8 @@ class _Sampling(BaseModel):
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
     ebnf: str | None = None
+    # SGLang's: the requests' ids for `/abort_request` (a string, or one per prompt)
+    rid: str | list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -125,6 +128,14 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError("Stream options can only be defined when `stream=True`.",
                            param="stream_options")
+
+    def caller_ids(self, response_id: str, prompts: int, samples: int) -> list[str]:
+        """The ids `/abort_request` finds the results of `prompts` prompts of `samples` each
+        by, named as SGLang names them (`caller_ids`): from `rid`, else from the response's
+        id."""
+        if isinstance(self.rid, list) and len(self.rid) != prompts:
+            raise APIError(f"rid has {len(self.rid)} ids for {prompts} prompts", param="rid")
+        return caller_ids(response_id if self.rid is None else self.rid, [samples] * prompts)
 
     def sampling_params(self, max_new_tokens: int | None,
                         defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -279,7 +290,10 @@ def _completion_logprobs(meta: dict[str, Any], tokens: TokenPieces, echo: bool =
             "text_offset": offsets}
 
 
-def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
+def make_router(runtime: ServedRuntime, model_name: str,
+                open_requests: OpenRequests) -> APIRouter:
+    """The OpenAI routes; a request's `rid` finds its requests in `open_requests` while they
+    run (`/abort_request`)."""
     router = APIRouter()
     tokens = TokenPieces(runtime.tokenizer)
     # generation_config.json's sampling parameters, for the fields a request leaves out
@@ -327,17 +341,19 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         candidates = body.candidates()  # ranked by their logprobs when more than n
         params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens,
                                       defaults)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        ids = body.caller_ids(rid, _prompt_count(prompt, input_ids), candidates)
         stream = await open_stream(
             runtime, prompt, {**params, "n": candidates}, input_ids=input_ids,
             return_logprob=with_logprobs or candidates > body.n, top_logprobs_num=top,
             logprob_start_len=0 if body.echo and with_logprobs else None)
         echoed = _echoed(prompt, input_ids, runtime.tokenizer) if body.echo else None
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         if body.stream:
-            return _sse_response(_completion_events(stream, head, body.n, body.streamed,
-                                                    with_logprobs, tokens, echoed))
-        results = await collect(request, stream)
+            return _sse_response(open_requests.tracked_events(ids, stream, _completion_events(
+                stream, head, body.n, body.streamed, with_logprobs, tokens, echoed)))
+        with open_requests.tracked(ids, stream):
+            results = await collect(request, stream)
         usage = _usage(results, candidates)
         results = _best(results, candidates, body.n)
         choices = [{"index": i,
@@ -374,6 +390,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": model_name}
         if plan is not None:
+            if body.rid is not None:
+                raise APIError("rid cannot be combined with tools unless tool_choice is 'none'",
+                               param="rid")
             if any(key in params for key in ("regex", "json_schema", "ebnf")):
                 raise APIError("response_format, regex, json_schema and ebnf cannot be combined "
                                "with tools unless tool_choice is 'none'", param="tool_choice")
@@ -388,11 +407,13 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                        for i, r in enumerate(tool_results)]
             return {**head, "object": "chat.completion", "choices": choices,
                     "usage": _usage([{"meta_info": r.meta} for r in tool_results], body.n)}
+        ids = body.caller_ids(rid, 1, body.n)
         stream = await open_stream(runtime, prompt, params, **generate_kwargs)
         if body.stream:
-            return _sse_response(_chat_events(stream, head, body.n, body.streamed,
-                                              body.logprobs, tokens))
-        results = await collect(request, stream)
+            return _sse_response(open_requests.tracked_events(ids, stream, _chat_events(
+                stream, head, body.n, body.streamed, body.logprobs, tokens)))
+        with open_requests.tracked(ids, stream):
+            results = await collect(request, stream)
         choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
                     "logprobs": (chat_logprobs(r["meta_info"], tokens)
                                  if body.logprobs else None),
@@ -443,6 +464,13 @@ def _completion_prompt(prompt: Any) -> tuple[Any, Any]:
                    "of lists of token ids", param="prompt")
 
 
+def _prompt_count(prompt: Any, input_ids: Any) -> int:
+    """How many prompts `_completion_prompt`'s text or ids are."""
+    if isinstance(prompt, str) or (input_ids is not None and isinstance(input_ids[0], int)):
+        return 1
+    return len(prompt if prompt is not None else input_ids)
+
+
 def _echoed(prompt: Any, input_ids: Any, tokenizer: Any) -> list[str]:
     """Each prompt's text as `echo` repeats it (prompts of ids decoded, as vLLM does)."""
     if prompt is not None:
@@ -458,7 +486,7 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 async def _completion_events(stream: OutputStream, head: dict[str, Any], n: int,
                              options: StreamOptions, logprobs: bool, tokens: TokenPieces,
-                             echoed: list[str] | None) -> AsyncIterator[str]:
+                             echoed: list[str] | None) -> AsyncGenerator[str, None]:
     """A chunk per text delta of each choice (with `echo`, its prompt first) with the logprobs
     of its tokens (with `echo`, all in the last), the finish reason in its last."""
     finals: dict[int, Chunk] = {}
@@ -495,7 +523,7 @@ async def _completion_events(stream: OutputStream, head: dict[str, Any], n: int,
 
 async def _chat_events(stream: OutputStream, head: dict[str, Any], n: int,
                        options: StreamOptions, logprobs: bool,
-                       tokens: TokenPieces) -> AsyncIterator[str]:
+                       tokens: TokenPieces) -> AsyncGenerator[str, None]:
     """Per choice: a first delta with the role, content deltas with their tokens' logprobs,
     and a last chunk with the finish reason."""
     head = {**head, "object": "chat.completion.chunk"}

@@ -37,13 +37,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from lmnb.runtime.distributed.replica import output_names
 from lmnb.runtime.output.logprob_lists import PROMPT_LISTS
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 from lmnb.runtime.output.stream import OutputStream, extend_output_ids
 from lmnb.server.errors import APIError
 from lmnb.server.media import media_kwargs, media_tokens
-from lmnb.server.open_requests import OpenRequests
+from lmnb.server.open_requests import OpenRequests, caller_ids
 from lmnb.server.streamed_meta import StreamedMeta
 from lmnb.server.streams import (
     Chunk,
@@ -158,14 +157,6 @@ class ConcateAndAppendRequest(BaseModel):
     dst_rid: str
 
 
-def _caller_ids(rid: str | list[str], samples: list[int]) -> list[str]:
-    """The id of each result, in order (prompt-major), from the caller's `rid`."""
-    if isinstance(rid, str):
-        total = sum(samples)
-        return [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
-    return output_names(rid, samples)
-
-
 def _aborted(meta: dict[str, Any], rid: str, output_ids: list[int]) -> dict[str, Any]:
     """The last meta_info of a request ended by `/abort_request` (its stream was closed)."""
     return {**meta, "id": rid, "finish_reason": {"type": "abort", "message": "aborted"},
@@ -203,10 +194,12 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
+def make_router(runtime: ServedRuntime, model_name: str,
+                open_requests: OpenRequests) -> APIRouter:
+    """The native routes; `/abort_request` finds the requests in `open_requests` (the OpenAI
+    routes' too)."""
     router = APIRouter()
     token_text = TokenTexts(runtime.tokenizer)
-    open_requests = OpenRequests()
 
     @router.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Any:
@@ -232,7 +225,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             incremental=body.stream)
         texts = token_text if body.return_text_in_logprobs else None
         ids = ([str(rid) for rid in stream.rids] if body.rid is None
-               else _caller_ids(body.rid, body.samples()))
+               else caller_ids(body.rid, body.samples()))
         if body.stream:
             open_requests.check_free(ids, stream)  # a 400 before the stream starts
             events = _events(stream, batch, texts, ids, open_requests,
@@ -249,8 +242,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest) -> Response:
-        """Aborts the `/generate` request `rid` (all of them with `abort_all`); an unknown or
-        finished rid is a no-op, as in SGLang."""
+        """Aborts the request `rid` (of `/generate`, or an OpenAI route's given that `rid`; all
+        of them with `abort_all`); an unknown or finished rid is a no-op, as in SGLang."""
         if body.abort_all:
             open_requests.abort_all()
         elif body.rid:
@@ -340,9 +333,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
 async def _events(stream: OutputStream, batch: bool, token_text: TokenTexts | None,
                   rids: list[str], open_requests: OpenRequests,
                   weight_version: str) -> AsyncIterator[str]:
-    """Cumulative events, each with SGLang's meta_info so far (`StreamedMeta`); a request ended
-    by `/abort_request {"abort_all"}` (its stream closed, no last chunk) gets a last event with
-    finish_reason `abort` (one aborted by its rid gets the runtime's)."""
+    """Cumulative events, each with SGLang's meta_info so far (`StreamedMeta`); a request whose
+    stream closed before its last chunk gets a last event with finish_reason `abort` (one
+    aborted by `/abort_request` gets the runtime's)."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
     metas: dict[int, dict[str, Any]] = {}
