@@ -1,9 +1,10 @@
-"""`/generate`'s streamed meta_info (`server/streamed_meta.py`) and the running form a replica's
-events are turned back into (`runtime/output/logprob_lists.running_form`)."""
+"""`/generate`'s streamed meta_info (`server/streamed_meta.py`), the output lists rebuilt from
+running chunks (`runtime/output/logprob_lists.OutputLists`) and the running form a replica's
+events are turned back into (`logprob_lists.running_form`)."""
 
 from __future__ import annotations
 
-from lmnb.runtime.output.logprob_lists import running_form
+from lmnb.runtime.output.logprob_lists import OutputLists, running_form
 from lmnb.server.streamed_meta import StreamedMeta
 
 PROMPT = [(None, 1), (-0.5, 2)]
@@ -20,6 +21,22 @@ def test_running_chunks_build_the_lists_so_far():
     assert second["output_token_logprobs"] == [(-0.1, 5), (-0.2, 6)]
     assert second["output_token_logprobs_length"] == 2 and second["weight_version"] == "v1"
     assert "new_token_logprobs" not in second and "output_ids_from" not in second
+
+
+def test_output_lists_put_each_chunks_rows_at_its_position():
+    """Several new rows at once (a jump-forward's) replace the tail from `output_ids_from`;
+    a list the chunks never brought (no top logprobs asked) stays absent; a last chunk's
+    whole lists replace the rows so far."""
+    lists = OutputLists()
+    lists.add({"output_ids_from": 0, "new_token_logprobs": [(-0.1, 5)]})
+    lists.add({"output_ids_from": 1, "new_token_logprobs": [(-0.2, 6)]})
+    lists.add({"output_ids_from": 1, "new_token_logprobs": [(None, 7), (None, 8)]})
+    assert lists.rows("output_token_logprobs") == [(-0.1, 5), (None, 7), (None, 8)]
+    assert lists.rows("output_token_logprobs", 2) == [(None, 8)]
+    assert not lists.has("output_top_logprobs") and lists.rows("output_top_logprobs") == []
+    lists.add({"output_token_logprobs": [(-0.1, 5)], "output_top_logprobs": [[(-0.1, 5)]]})
+    assert lists.rows("output_token_logprobs") == [(-0.1, 5)]
+    assert lists.rows("output_top_logprobs") == [[(-0.1, 5)]]
 
 
 def test_events_with_whole_lists_keep_them():

@@ -8,41 +8,34 @@ from __future__ import annotations
 from typing import Any
 
 from lmnb.runtime.fsm.token_bytes import token_byte_table
+from lmnb.runtime.output.logprob_lists import OutputLists
 from lmnb.runtime.output.logprob_text import TokenTexts
 
 Meta = dict[str, Any]
 
 class StreamedLogprobs:
-    """Per choice, the `(logprob, token_id)` pairs and top rows received so far, and how many
-    were given out. A running chunk's lists go from `output_ids_from` on; a last chunk has the
-    whole `output_token_logprobs` / `output_top_logprobs`. A jump-forward re-tokenizes the
-    output's tail: positions given out already are not given again."""
+    """Per choice, its output lists so far (`OutputLists`: `add` every one of its chunks, in
+    order) and how many rows were given out. A jump-forward re-tokenizes the output's tail:
+    positions given out already are not given again."""
 
     def __init__(self) -> None:
-        self._pairs: dict[int, list[Any]] = {}
-        self._tops: dict[int, list[Any]] = {}
+        self._lists: dict[int, OutputLists] = {}
         self._sent: dict[int, int] = {}
 
     def add(self, index: int, meta: Meta) -> None:
         """Reads a chunk of choice `index` (every one, in order)."""
-        pairs = self._pairs.setdefault(index, [])
-        tops = self._tops.setdefault(index, [])
-        if "output_token_logprobs" in meta:
-            pairs[:] = meta["output_token_logprobs"]
-            tops[:] = meta.get("output_top_logprobs") or []
-        elif "new_token_logprobs" in meta:
-            start = meta.get("output_ids_from", len(pairs))
-            pairs[start:] = meta["new_token_logprobs"]
-            tops[start:] = meta.get("new_top_logprobs") or []
+        self._lists.setdefault(index, OutputLists()).add(meta)
 
     def take(self, index: int) -> Meta | None:
         """meta_info-shaped lists of choice `index`'s tokens not given out yet, or None."""
-        pairs, tops = self._pairs.get(index, []), self._tops.get(index, [])
+        lists = self._lists.get(index, OutputLists())
         sent = self._sent.get(index, 0)
-        if len(pairs) <= sent:
+        pairs = lists.rows("output_token_logprobs", sent)
+        if not pairs:
             return None
-        self._sent[index] = len(pairs)
-        return {"output_token_logprobs": pairs[sent:], "output_top_logprobs": tops[sent:]}
+        self._sent[index] = sent + len(pairs)
+        return {"output_token_logprobs": pairs,
+                "output_top_logprobs": lists.rows("output_top_logprobs", sent)}
 
 
 class TokenPieces:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmnb.runtime.output.logprob_lists import LISTS, RUNNING_ONLY
+from lmnb.runtime.output.logprob_lists import LISTS, PROMPT_LISTS, RUNNING_ONLY, OutputLists
 
 Meta = dict[str, Any]
 
@@ -23,24 +23,23 @@ class StreamedMeta:
     def __init__(self, weight_version: str) -> None:
         self._counts: Meta = {"weight_version": weight_version, "total_retractions": 0,
                               "reasoning_tokens": 0, "cached_tokens": 0}
-        self._lists: dict[str, list[Any]] = {}
+        self._prompt: Meta = {}  # the prompt's lists, as the last admission gave them
+        self._output = OutputLists()
 
     def add(self, meta: Meta) -> Meta:
         """The event's meta_info for a chunk whose meta_info is `meta`."""
         if meta.get("finish_reason") is not None:
             return meta  # the runtime's last meta_info is whole
         self._counts.update((key, meta[key]) for key in _COUNTS if key in meta)
-        for prompt_key, (output_key, new_key) in LISTS.items():
-            if prompt_key in meta:  # the request has these lists (they come at admission)
-                self._lists[prompt_key] = list(meta[prompt_key])
-                self._lists.setdefault(output_key, [])
-            if new_key in meta and output_key in self._lists:
-                self._lists[output_key][meta["output_ids_from"]:] = meta[new_key]
-            elif output_key in meta:  # a stream whose events carry the lists whole so far
-                self._lists[output_key] = list(meta[output_key])
+        self._prompt.update((key, list(meta[key])) for key in PROMPT_LISTS if key in meta)
+        self._output.add(meta)
         out = {key: value for key, value in meta.items() if key not in RUNNING_ONLY}
         out.update(self._counts)
-        out.update((key, list(rows)) for key, rows in self._lists.items())
-        if "output_token_logprobs" in self._lists:
-            out["output_token_logprobs_length"] = len(self._lists["output_token_logprobs"])
+        for prompt_key, (output_key, _) in LISTS.items():
+            if prompt_key in self._prompt:
+                out[prompt_key] = list(self._prompt[prompt_key])
+            if self._output.has(output_key):
+                out[output_key] = self._output.rows(output_key)
+        if self._output.has("output_token_logprobs"):
+            out["output_token_logprobs_length"] = len(out["output_token_logprobs"])
         return out
