@@ -208,6 +208,39 @@ def test_streamed_calls_carry_their_own_logprobs(client, rt):
     assert tokens_of(call) == whole[-len(tokens_of(call)):]
 
 
+def test_streamed_content_before_a_call_has_each_tokens_logprobs_once(tiny_models):
+    """An `auto` reply's content chunk carries the logprobs of every token since the last one,
+    those of chunks without text too (the byte tokens of an emoji): the first one's were lost
+    and later ones given twice (OpenAI and Ollama)."""
+    with Runtime(tiny_models["llama-gqa"], max_total_tokens=2048,
+                 disable_jump_forward=True) as plain:  # a token at a time, jumps not in the way
+        runtime = ScriptedRuntime(plain, tokenizer=plain.tokenizer, marker=HERMES.marker,
+                                  script=r"🦒 ok\.\n<tool_call>")
+        handle, client = scripted_client(runtime)
+        with handle:
+            kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=40,
+                          temperature=0, logprobs=True)
+            whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+            events = [e.choices[0] for e in client.chat.completions.create(**kwargs,
+                                                                           stream=True)]
+            llama = ollama.Client(host=handle.url)
+            options = dict(model="tiny", messages=ASK, tools=TOOLS, logprobs=True,
+                           options={"temperature": 0, "num_predict": 40})
+            llama_whole = llama.chat(**options).logprobs
+            lines = list(llama.chat(**options, stream=True))
+    assert whole[0].bytes != list("🦒".encode())  # the emoji is several tokens
+    for choice in events:
+        if choice.delta.content:
+            spelled = bytes(b for t in choice.logprobs.content for b in t.bytes)
+            assert spelled.decode() == choice.delta.content
+    assert [t.bytes for c in events if c.logprobs for t in c.logprobs.content] == [
+        t.bytes for t in whole]
+    assert [len(line.logprobs) for line in lines if line.message.content] == [
+        len(c.logprobs.content) for c in events if c.delta.content]
+    assert [t.token for line in lines for t in line.logprobs or ()] == [
+        t.token for t in llama_whole]
+
+
 def test_streamed_calls_report_continuous_usage(client):
     """`continuous_usage_stats` with tools: every chunk has the usage so far; it was ignored."""
     events = list(client.chat.completions.create(

@@ -260,11 +260,15 @@ class _Logprobs:
             return {}
         return {"return_logprob": True, "top_logprobs_num": body.top_logprobs}
 
-    def new(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """`{"logprobs": [...]}` of the tokens `meta` brings that were not given out yet."""
+    def add(self, meta: dict[str, Any]) -> None:
+        """Reads a chunk's meta_info (every one, in order)."""
+        if self.streamed is not None:
+            self.streamed.add(0, meta)
+
+    def new(self) -> dict[str, Any]:
+        """`{"logprobs": [...]}` of the tokens read that were not given out yet."""
         if self.streamed is None:
             return {}
-        self.streamed.add(0, meta)
         entries = new_chat_logprobs(self.streamed, 0, self.tokens)
         return {} if entries is None else {"logprobs": entries["content"]}
 
@@ -316,8 +320,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 clock.output()
                 meta = chunk["meta_info"]
                 texts.append(chunk["text"])
+                logprobs.add(meta)
                 line = {"model": model, "created_at": _now(), **piece(chunk["text"]),
-                        **logprobs.new(meta)}
+                        **logprobs.new()}
                 if meta.get("finish_reason") is not None:
                     line.update(clock.final(meta))
                     line.update(await ending("".join(texts)))
@@ -336,7 +341,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 texts.append(chunk["text"])
                 meta = chunk["meta_info"]
         text = "".join(texts)
-        return {"model": model, "created_at": _now(), **piece(text), **logprobs.new(meta),
+        logprobs.add(meta)
+        return {"model": model, "created_at": _now(), **piece(text), **logprobs.new(),
                 **clock.final(meta), **await ending(text)}
 
     async def run_tools(request: Request, body: ChatRequest, prompt: str, prompt_len: int,
@@ -358,8 +364,9 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         if calls := _tool_calls(result.calls):
             message["tool_calls"] = calls
+        logprobs.add(result.meta)
         return {"model": model, "created_at": _now(), "message": message,
-                **logprobs.new(result.meta), **clock.final(result.meta)}
+                **logprobs.new(), **clock.final(result.meta)}
 
     def loaded(body: _OllamaRequest, piece: dict[str, Any]) -> dict[str, Any]:
         """Ollama's answer to a request without a prompt: the model is loaded (it always is),
@@ -579,18 +586,18 @@ async def _tool_lines(run: ToolRun, model: str, clock: _Clock,
     streams them); then the last line."""
     calls = CallStream(run.plan.format)
 
-    def line(message: dict[str, Any], meta: dict[str, Any], **rest: Any) -> str:
+    def line(message: dict[str, Any], **rest: Any) -> str:
         return _line({"model": model, "created_at": _now(),
-                      "message": {"role": "assistant", **message}, **logprobs.new(meta),
-                      **rest})
+                      "message": {"role": "assistant", **message}, **logprobs.new(), **rest})
 
     async with aclosing(run.pieces()) as pieces:
         async for piece in pieces:
             clock.output()
+            logprobs.add(piece.meta)
             calls.feed(piece.calls)
             if piece.text:
-                yield line({"content": piece.text}, piece.meta, done=False)
+                yield line({"content": piece.text}, done=False)
             if piece.done:
                 if whole := _tool_calls(calls.calls):
-                    yield line({"content": "", "tool_calls": whole}, piece.meta, done=False)
-                yield line({"content": ""}, piece.meta, **clock.final(piece.meta))
+                    yield line({"content": "", "tool_calls": whole}, done=False)
+                yield line({"content": ""}, **clock.final(piece.meta))

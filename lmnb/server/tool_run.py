@@ -29,7 +29,8 @@ _LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")
 @dataclass(slots=True)
 class Piece:
     """New text of choice `index` with the meta_info so far; `done` on the choice's last piece,
-    whose meta has its usage (both requests') and finish reason."""
+    whose meta has its usage (both requests') and finish reason. Every chunk of the runtime
+    comes as a piece, one without text too: its meta has its tokens' logprob rows."""
 
     index: int
     meta: Meta
@@ -134,9 +135,8 @@ class ToolRun:
         continuations: list[_Continuation] = []
         async for chunk in await self.start():
             index, meta = chunk_index(chunk), chunk["meta_info"]
-            if chunk["text"]:
-                contents.setdefault(index, []).append(chunk["text"])
-                yield Piece(index, meta, text=chunk["text"])
+            contents.setdefault(index, []).append(chunk["text"])
+            yield Piece(index, meta, text=chunk["text"])  # without text too: its logprob rows
             reason = meta.get("finish_reason")
             if reason is None:
                 continue
