@@ -20,6 +20,8 @@ from lmnb.runtime.distributed.meta_tree import MetaTree
 from lmnb.runtime.distributed.replica import ReplicaDiedError
 from lmnb.runtime.distributed.router import Router, RouterConfig
 from lmnb.runtime.memory import KVAllocator
+from lmnb.runtime.output.logprob_lists import OutputLists
+from lmnb.runtime.output.stream import extend_output_ids
 from lmnb.runtime.radix.cache import RadixCache
 from lmnb.runtime.radix.optimal import optimal_hit_rate
 
@@ -352,6 +354,27 @@ def test_dp_streams_logprobs_as_one_runtime(dp, single) -> None:
             [t for _, t in mine["rows"]]
         assert [lp is None for lp, _ in mine["last"]["input_token_logprobs"]] == \
             [lp is None for lp, _ in theirs["last"]["input_token_logprobs"]]
+
+
+def test_dp_streams_a_jump_forwards_new_tail_as_one_runtime(dp, single) -> None:
+    """A jump-forward re-tokenizes the output's tail (the sampled first token becomes part of a
+    longer one): over replicas the chunk after it says where its ids go (`output_ids_from`),
+    and its ids and logprob rows replace the tail, as one runtime's do; the old first id and
+    its row stayed (a stream's ids were not the output's)."""
+    params = {**GREEDY, "max_new_tokens": 30, "regex": r"Let me look\.\n"}
+
+    def streamed(runtime) -> tuple[list[int], list[int]]:
+        ids, lists = [], OutputLists()
+        with runtime.generate("Hello", params, stream=True, return_logprob=True) as stream:
+            while (chunk := stream.get(timeout=HANG_GUARD_S)) is not None:
+                extend_output_ids(ids, chunk)
+                if chunk["meta_info"]["finish_reason"] is None:  # the last one's lists are whole
+                    lists.add(chunk["meta_info"])
+        return ids, [token for _, token in lists.rows("output_token_logprobs")]
+
+    (ids, row_ids), (ref_ids, ref_row_ids) = streamed(dp), streamed(single)
+    assert ref_ids == single.generate("Hello", params)["output_ids"]
+    assert ids == ref_ids and row_ids == ref_row_ids == ref_ids[:len(ref_row_ids)]
 
 
 def test_aborting_one_request_of_a_dp_stream_ends_it_alone(dp) -> None:

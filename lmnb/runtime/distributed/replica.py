@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from lmnb.params import InvalidRequestError
 from lmnb.runtime.output.logprob_lists import running_form
 from lmnb.runtime.output.logprob_text import TOKEN_LOGPROB_KEYS, TOP_LOGPROB_KEYS
+from lmnb.runtime.prefix_cache import common_prefix_length
 
 READY_PREFIX = "lmnb: serving on "  # `python -m lmnb serve --port 0` prints this + its URL
 
@@ -200,8 +201,7 @@ class ProcessReplica:
         """SGLang's cumulative stream events as incremental chunks, their running meta_info in
         the runtime's running form (`logprob_lists.running_form`)."""
         texts: dict[int, int] = {}
-        ids: dict[int, int] = {}
-        rows: dict[int, int] = {}  # output logprob rows delivered, by index
+        ids: dict[int, list[int]] = {}  # by index, the output ids delivered
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -215,13 +215,17 @@ class ProcessReplica:
             index = event.get("index", 0)
             text, output_ids = event["text"], event["output_ids"]
             meta = as_pairs(event["meta_info"])
+            before = ids.get(index)
+            # a jump-forward re-tokenizes the tail: the ids (and rows) from the first it changed
+            start = common_prefix_length(before or [], output_ids)
             if meta.get("finish_reason") is None:
                 meta.pop("completion_tokens", None)  # the runtime's own chunks count at the end
-                meta, rows[index] = running_form(meta, rows.get(index, 0),
-                                                 with_prompt=index not in rows)
+                meta = running_form(meta, start, with_prompt=before is None)
+            if before is not None and start < len(before):
+                meta["output_ids_from"] = start
             yield {"index": index, "text": text[texts.get(index, 0):],
-                   "output_ids": output_ids[ids.get(index, 0):], "meta_info": meta}
-            texts[index], ids[index] = len(text), len(output_ids)
+                   "output_ids": output_ids[start:], "meta_info": meta}
+            texts[index], ids[index] = len(text), output_ids
         raise ReplicaError(f"data-parallel {self.description} ended a stream early")
 
     def _request_error(self, status: int, body: str) -> Exception:

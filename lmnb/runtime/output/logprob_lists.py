@@ -55,21 +55,17 @@ def asked_start(start: int) -> int:
     return start - 1 if start > 0 else start
 
 
-def running_form(meta: dict[str, Any], rows_before: int, *,
-                 with_prompt: bool) -> tuple[dict[str, Any], int]:
+def running_form(meta: dict[str, Any], start: int, *, with_prompt: bool) -> dict[str, Any]:
     """A running event's meta_info whose lists are whole so far (SGLang's stream) as the
-    runtime's running chunk: the output's rows past `rows_before` as `new_*` from
-    `output_ids_from`, the prompt's lists only `with_prompt`; and the output's rows now."""
+    runtime's running chunk: the output's rows from position `start` (the first the chunk's
+    ids add or replace) as `new_*` from `output_ids_from`, the prompt's lists only
+    `with_prompt`."""
     out = dict(meta)
-    rows_now = rows_before
     for prompt_key, (output_key, new_key) in LISTS.items():
         if output_key in out:
-            rows = out.pop(output_key)
-            out[new_key] = rows[rows_before:]
-            out["output_ids_from"] = rows_before
-            if output_key == "output_token_logprobs":
-                rows_now = len(rows)
+            out[new_key] = out.pop(output_key)[start:]
+            out["output_ids_from"] = start
         if not with_prompt:
             out.pop(prompt_key, None)
     out.pop("output_token_logprobs_length", None)
-    return out, rows_now
+    return out
