@@ -617,6 +617,50 @@ def test_text_iter_after_the_stream_began():
     assert "".join(state.text_iter()) == "a123456b123456"
 
 
+def test_text_iter_with_meta_data_on_a_backend_reporting_meta_at_the_end():
+    """A backend that does not stream meta info (`MetaInfoStreaming`): the chunks come with {}
+    and the final meta info as a last ("", meta_info) pair; a select's chunk with its meta."""
+
+    @lmnb.function
+    def two(s):
+        s += "a" + gen("x") + lmnb.select("pick", choices=["p", "q"])
+
+    gate = threading.Event()
+    backend = FakeBackend(reply="123456", gate=gate)
+    state = two.run(backend=backend, stream=True)
+    assert backend.first_piece.wait(GUARD_S)  # "12" is streamed, "34" waits for the gate
+    pairs = state.text_iter("x", return_meta_data=True)
+    assert next(pairs) == ("12", {})
+    gate.set()
+    assert list(pairs) == [("34", {}), ("56", {}), ("", {"completion_tokens": 6})]
+    assert list(state.text_iter("pick", return_meta_data=True)) == [
+        ("p", {"method": "token_length_normalized"})]
+    # a finished variable: its whole text with its final meta info
+    assert list(state.text_iter("x", return_meta_data=True)) == [
+        ("123456", {"completion_tokens": 6})]
+
+
+def test_a_local_backend_subclass_with_the_older_generate_signature_streams(rt):
+    """A subclass overriding `generate` without `on_meta=` is not given it (its text streams;
+    the meta info comes at the end, as from any backend that does not stream it)."""
+
+    class Wrapping(LocalBackend):
+        def generate(self, prompt: str, params: GenParams, *,
+                     on_delta: Callable[[str], None] | None = None,
+                     cancel: threading.Event | None = None) -> Generation:
+            return super().generate(prompt, params, on_delta=on_delta, cancel=cancel)
+
+    @lmnb.function
+    def one(s):
+        s += PROMPT + gen("a", max_tokens=4, temperature=0, ignore_eos=True)
+
+    state = one.run(backend=Wrapping(rt), stream=True)
+    pairs = list(state.text_iter("a", return_meta_data=True))
+    assert "".join(chunk for chunk, _ in pairs) == state["a"]
+    assert pairs[-1][1] == state.get_meta_info("a")
+    assert all(meta == {} for _, meta in pairs[:-1])
+
+
 # ---- run_batch, bind, backends -----------------------------------------------------------------
 @lmnb.function
 def qa(s, question: str):

@@ -186,6 +186,56 @@ def test_state_item_assignment_iterators_and_copy(sgl_backend):
     assert "".join(chat.run(topic="tea", stream=True).text_iter()) == state.text()
 
 
+@sgl.function
+def tale(s):
+    s += "Once upon a time" + sgl.gen("tale", max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def check_meta_pairs(pairs: list, streamed, expected: str) -> None:
+    """`text_iter("tale", return_meta_data=True)`'s pairs of the `streamed` run: the chunks
+    make the text, each meta info is the gen's so far, the last one is the final."""
+    chunks, metas = [chunk for chunk, _ in pairs], [meta for _, meta in pairs]
+    final = streamed.get_meta_info("tale")
+    assert len(pairs) > 1 and "".join(chunks) == streamed["tale"] == expected
+    assert metas[-1] == final
+    assert final["completion_tokens"] == 64 and final["finish_reason"]["type"] == "length"
+    assert all(meta["finish_reason"] is None for meta in metas[:-1])
+    assert all(meta["prompt_tokens"] == final["prompt_tokens"] for meta in metas)
+    counts = [meta["completion_tokens"] for meta in metas]
+    assert counts[0] >= 1 and counts == sorted(counts)
+
+
+def check_meta_pairs_both_ways(backend, expected: str) -> None:
+    """The pairs of `text_iter` and of `text_async_iter`, each of a streamed run."""
+    import asyncio
+
+    async def collect() -> tuple[list, object]:
+        streamed = tale.run(backend=backend, stream=True)
+        return [p async for p in streamed.text_async_iter("tale", return_meta_data=True)], \
+            streamed
+
+    streamed = tale.run(backend=backend, stream=True)
+    check_meta_pairs(list(streamed.text_iter("tale", return_meta_data=True)), streamed,
+                     expected)
+    check_meta_pairs(*asyncio.run(collect()), expected)
+
+
+def test_text_iter_with_meta_data_on_the_runtime(sgl_backend):
+    """SGLang's `text_async_iter(name, return_meta_data=True)`: `(chunk, meta_info)` pairs, the
+    meta info the gen's so far (lmnb's `text_iter` takes it too)."""
+    check_meta_pairs_both_ways(sgl_backend, tale.run()["tale"])
+    with pytest.raises(ValueError, match="variable name"):
+        tale.run(stream=True).text_iter(return_meta_data=True)
+
+
+def test_text_iter_with_meta_data_over_the_server(sgl_runtime):
+    from lmnb.server import ServerHandle
+
+    with ServerHandle.start(sgl_runtime) as server:
+        check_meta_pairs_both_ways(sgl.RuntimeEndpoint(server.url),
+                                   tale.run(backend=sgl_runtime)["tale"])
+
+
 def test_an_exception_in_the_body_surfaces_from_run(sgl_backend):
     @sgl.function
     def failing(s):
@@ -444,6 +494,12 @@ def test_a_custom_backend_subclassing_base_backend():
     assert list(pieces) == [" three"]
     assert streamed["story"] == " one two three"
     assert streamed.get_meta_info("story") == {"piece": " three"}
+    pairs = story.run(backend=backend, stream=True).text_iter("story", return_meta_data=True)
+    assert next(pairs) == (" one", {"piece": " one"})  # generate_stream's meta info
+    backend.next_piece.release()
+    assert next(pairs) == (" two", {"piece": " two"})
+    backend.next_piece.release()
+    assert list(pairs) == [(" three", {"piece": " three"})]
 
     backend.calls.clear()
     states = program.run_batch([{"topic": "owls"}, {"topic": "bats"}], backend=backend)

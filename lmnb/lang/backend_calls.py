@@ -5,6 +5,8 @@ backend's calls on a pool thread whose streamed deltas come back to the loop in 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +19,18 @@ from lmnb.lang.backends.base import (
     ProgramExecutor,
     sglang_generate,
     sglang_select,
+    streams_meta_info,
 )
 from lmnb.lang.ir import GenParams
+
+
+@functools.cache
+def _takes_on_meta(cls: type, *, awaited: bool) -> bool:
+    """Whether the `generate` (`agenerate`) the program calls takes `on_meta=`: a subclass of a
+    `MetaInfoStreaming` backend may override it with the older signature."""
+    method = cls.agenerate if awaited else cls.generate  # type: ignore[attr-defined]
+    parameters = inspect.signature(method).parameters.values()
+    return any(p.name == "on_meta" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 class BackendCalls:
@@ -30,16 +42,25 @@ class BackendCalls:
         self.backend = backend
         self.sglang: BaseBackend | None = backend if isinstance(backend, BaseBackend) else None
         self._awaited = awaited_calls(backend)
+        self._streams_meta = streams_meta_info(backend) and _takes_on_meta(
+            type(backend), awaited="generate" in self._awaited)
 
     async def generate(self, s: ProgramExecutor, prompt: str, params: GenParams, *,
                        cancel: CancelEvent, on_delta: Callable[[str], None] | None = None,
+                       on_meta: Callable[[dict[str, Any]], None] | None = None,
                        **extra: Any) -> Generation:
+        """`on_meta` is given to backends that stream meta info (`streams_meta_info`)."""
         if self.sglang is not None:
             return await in_thread(sglang_generate, self.sglang, s, params,
-                                   on_delta=on_loop_thread(on_delta), cancel=cancel)
+                                   on_delta=on_loop_thread(on_delta),
+                                   on_meta=on_loop_thread(on_meta), cancel=cancel)
+        if on_meta is not None and self._streams_meta:
+            extra["on_meta"] = on_meta
         if "generate" in self._awaited:
             return await self.backend.agenerate(  # type: ignore[attr-defined]
                 prompt, params, on_delta=on_delta, cancel=cancel, **extra)
+        if "on_meta" in extra:
+            extra["on_meta"] = on_loop_thread(on_meta)
         return await in_thread(self.backend.generate, prompt, params,
                                on_delta=on_loop_thread(on_delta), cancel=cancel, **extra)
 

@@ -100,6 +100,14 @@ def written_names(expr: Expr) -> set[str]:
     return set()
 
 
+def first_sample_meta(meta: Any) -> dict[str, Any] | None:
+    """A variable's meta info as its text readers get it (`iter_text(with_meta=True)`): the
+    first sample's when a gen drew several (the state's text is the first sample's)."""
+    if isinstance(meta, list):
+        meta = meta[0] if meta else None
+    return meta if isinstance(meta, dict) else None
+
+
 class StreamExecutor:
     def __init__(self, backend: Backend, *, defaults: GenParams, stream: bool = False,
                  num_api_spec_tokens: int | None = None) -> None:
@@ -126,6 +134,7 @@ class StreamExecutor:
         self._role: str | None = None
         self._role_start = 0
         self._streaming: tuple[str | None, int] | None = None  # (variable, start) of a running gen
+        self._stream_meta: dict[str, Any] = {}  # the running gen's meta info so far
         self._scopes: dict[str, int] = {}
         self._spec: Speculation | None = None  # API speculation: what the model should write next
         self._spec_turn: int | None = None  # chat: the turn (its start) speculated already
@@ -224,10 +233,10 @@ class StreamExecutor:
         self.raise_error()
         return self.text_
 
-    def iter_text(self, var: str | None = None) -> Iterator[str]:
+    def iter_text(self, var: str | None = None, *, with_meta: bool = False) -> Iterator[Any]:
         """Text as it is produced: of variable `var`, or of the whole state (until everything
-        submitted has run)."""
-        listener = block_on(self._listen(var))
+        submitted has run). `with_meta`: `(text, meta_info)` pairs of `var` (`TextListener`)."""
+        listener = block_on(self._listen(var, with_meta))
         try:
             while delivered(item := listener.items.popleft() if listener.items
                             else block_on(listener.get()), self.raise_error):
@@ -235,9 +244,10 @@ class StreamExecutor:
         finally:
             call_soon(self._listeners.close, listener)
 
-    async def aiter_text(self, var: str | None = None) -> AsyncIterator[str]:
+    async def aiter_text(self, var: str | None = None, *,
+                         with_meta: bool = False) -> AsyncIterator[Any]:
         """`iter_text` for any event loop (the kernel's included)."""
-        listener = await on_loop(self._listen(var))
+        listener = await on_loop(self._listen(var, with_meta))
         try:
             while delivered(item := listener.items.popleft() if listener.items
                             else await on_loop(listener.get()), self.raise_error):
@@ -245,18 +255,25 @@ class StreamExecutor:
         finally:
             call_soon(self._listeners.close, listener)
 
-    async def _listen(self, var: str | None) -> TextListener:
+    async def _listen(self, var: str | None, with_meta: bool = False) -> TextListener:
         streaming = self._streaming
+        meta = None
         if var is None:
             already, finished = self.text_, False
         elif var in self._finished:  # not a variable a submitted gen writes again
             already, finished = self.variables.get(var, ""), True
+            meta = self._final_meta(var)
         elif streaming is not None and streaming[0] == var:
             already, finished = self.text_[streaming[1]:], False
+            meta = self._stream_meta
         else:
             already, finished = "", False
         return self._listeners.open(var, already if isinstance(already, str) else "",
-                                    failed=self.error is not None, finished=finished or self.idle)
+                                    failed=self.error is not None, finished=finished or self.idle,
+                                    with_meta=with_meta, meta=meta)
+
+    def _final_meta(self, name: str) -> dict[str, Any] | None:
+        return first_sample_meta(self.meta_info.get(name))
 
     def fork(self, count: int) -> list[StreamExecutor]:
         """New executors that continue from this one's current state (call after `sync`)."""
@@ -368,16 +385,19 @@ class StreamExecutor:
             if self._last_write.get(name, -1) <= self._done:
                 self._finished.add(name)
         if self._listeners:
-            self._listeners.finish(name)
+            self._listeners.finish(name, self._final_meta(name))
         if self._waiters:
             self._wake()
         if self.observer is not None:
             self._emit("variable", name=name)
 
-    def _append(self, text: str, var: str | None = None) -> None:
+    def _append(self, text: str, var: str | None = None,
+                meta: dict[str, Any] | None = None) -> None:
+        """Appends `text`, generated for `var` (None: no variable's) with `meta`, its meta info
+        so far."""
         self.text_ += text
         if self._listeners:
-            self._listeners.notify(var, text)
+            self._listeners.notify(var, text, meta)
         if self.observer is not None:
             self._emit("text", delta=text, var=var)
 
@@ -435,23 +455,30 @@ class StreamExecutor:
             params = replace(params, stop=(*(params.stop or ()), *stops) or None,
                              stop_token_ids=(*(params.stop_token_ids or ()), *stop_ids) or None)
         start = len(self.text_)
+        self._stream_meta = {}
         if self.num_api_spec_tokens and can_serve(params):
             served = await self._speculated(params)
             if served is not None:
                 self._streaming = (expr.name, start)
-                self._append(served.text, expr.name)
+                self._append(served.text, expr.name, served.meta_info)
                 self._finish_gen(expr.name, start, Generation(served.text, served.meta_info),
                                  expr.reasoning)
                 return
         self._streaming = (expr.name, start)
         if self._watched:
-            generation = await self._call(self.text_, params, self._chat_prompt(),
-                                          on_delta=lambda delta: self._append(delta, expr.name))
+            generation = await self._call(
+                self.text_, params, self._chat_prompt(),
+                on_delta=lambda delta: self._append(delta, expr.name, self._stream_meta),
+                on_meta=self._set_stream_meta)
         else:  # nobody reads the text as it comes: one whole result, no wake-up per token
             generation = await self._call(self.text_, params, self._chat_prompt())
             if isinstance(generation.text, str) and generation.text:
-                self._append(generation.text, expr.name)  # as one delta (a late listener's)
+                # as one delta (a late listener's)
+                self._append(generation.text, expr.name, first_sample_meta(generation.meta_info))
         self._finish_gen(expr.name, start, generation, expr.reasoning)
+
+    def _set_stream_meta(self, meta: dict[str, Any]) -> None:
+        self._stream_meta = meta
 
     @property
     def _watched(self) -> bool:
@@ -474,16 +501,17 @@ class StreamExecutor:
         return {"media": media} if media else {}
 
     async def _call(self, prompt: str, params: GenParams, chat: ChatPrompt | None,
-                    on_delta: Callable[[str], None] | None = None) -> Generation:
+                    on_delta: Callable[[str], None] | None = None,
+                    on_meta: Callable[[dict[str, Any]], None] | None = None) -> Generation:
         """One generate call: awaited on the loop (an `AsyncBackend`), or on a pool thread
-        whose streamed deltas come back to the loop."""
+        whose streamed deltas (and meta info, `on_meta`) come back to the loop."""
         extra: dict[str, Any] = self._media_kwargs(prompt)
         if chat is not None:
             extra["chat"] = chat
         if self.token_trace is not None:
             extra["trace"] = self.token_trace
         generation = await self._calls.generate(self, prompt, params, cancel=self.cancel,
-                                                on_delta=on_delta, **extra)
+                                                on_delta=on_delta, on_meta=on_meta, **extra)
         if (message := generation.abort_message()) is not None:
             # The program's own abort (an interrupt, a failed sibling) stays an interruption;
             # the runtime's fails the program: the text is cut short.
@@ -545,8 +573,10 @@ class StreamExecutor:
         if first != streamed:
             self.text_ = self.text_[:start] + first
         self._streaming = None
+        self._stream_meta = {}
         if first.startswith(streamed) and len(first) > len(streamed) and self._listeners:
-            self._listeners.notify(name, first[len(streamed):])
+            self._listeners.notify(name, first[len(streamed):],
+                                   first_sample_meta(generation.meta_info))
         if name is not None:
             self.spans.append((name, start, len(self.text_)))
             self.variables[name] = text
@@ -567,7 +597,7 @@ class StreamExecutor:
             self.variables[reasoning_name(expr.name)] = thought
             self._finish_var(reasoning_name(expr.name))
         start = len(self.text_)
-        self._append(choice, expr.name)
+        self._append(choice, expr.name, meta)
         if expr.name is not None:
             self.spans.append((expr.name, start, len(self.text_)))
             self.variables[expr.name] = choice

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from lmnb.lang.interpreter import JoinBranches, Observer, StreamExecutor
 from lmnb.lang.ir import CommitPrefix, Expr, join_mode
@@ -79,14 +79,39 @@ class ProgramState(StateWriter):
         self.sync()
         return list(self._executor.spans)
 
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """Streams the text of variable `var_name` (or of the whole state) as it is generated."""
-        return self._executor.iter_text(var_name)
+    @overload
+    def text_iter(self, var_name: str | None = None,
+                  return_meta_data: Literal[False] = False) -> Iterator[str]: ...
 
-    def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+    @overload
+    def text_iter(self, var_name: str, return_meta_data: Literal[True]
+                  ) -> Iterator[tuple[str, dict[str, Any]]]: ...
+
+    def text_iter(self, var_name: str | None = None,
+                  return_meta_data: bool = False) -> Iterator[Any]:
+        """Streams the text of variable `var_name` (or of the whole state) as it is generated.
+        `return_meta_data` (as SGLang's `text_async_iter`; needs `var_name`): `(chunk,
+        meta_info)` pairs, `meta_info` the gen's as it stood when the chunk came
+        (`prompt_tokens`, `completion_tokens`, `finish_reason` once it ends, ...; `{}` on a
+        backend that reports it only at the end). The last pair carries the final meta info
+        (`get_meta_info(var_name)`): an extra `("", meta_info)` when the last chunk had not."""
+        _check_meta_request(var_name, return_meta_data)
+        return self._executor.iter_text(var_name, with_meta=return_meta_data)
+
+    @overload
+    def text_async_iter(self, var_name: str | None = None,
+                        return_meta_data: Literal[False] = False) -> AsyncIterator[str]: ...
+
+    @overload
+    def text_async_iter(self, var_name: str, return_meta_data: Literal[True]
+                        ) -> AsyncIterator[tuple[str, dict[str, Any]]]: ...
+
+    def text_async_iter(self, var_name: str | None = None,
+                        return_meta_data: bool = False) -> AsyncIterator[Any]:
         """`text_iter` for asyncio: `async for chunk in state.text_async_iter("answer")`, from
         any event loop."""
-        return self._executor.aiter_text(var_name)
+        _check_meta_request(var_name, return_meta_data)
+        return self._executor.aiter_text(var_name, with_meta=return_meta_data)
 
     def error(self) -> BaseException | None:
         self.sync()
@@ -164,3 +189,9 @@ class ProgramState(StateWriter):
         """SGLang's form, `ProgramState(<text>)`; the text so far while the program runs (a
         repr never waits)."""
         return f"ProgramState({self._executor.text_})"
+
+
+def _check_meta_request(var_name: str | None, return_meta_data: bool) -> None:
+    if return_meta_data and var_name is None:
+        raise ValueError("return_meta_data=True streams one gen's meta info: give its variable "
+                         "name (text_iter(var_name, return_meta_data=True))")

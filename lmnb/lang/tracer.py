@@ -528,7 +528,8 @@ class TracingState(StateWriter):
     def spans(self) -> list[tuple[str, int, int]]:
         self._unknown("the spans")
 
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+    def text_iter(self, var_name: str | None = None,
+                  return_meta_data: bool = False) -> Iterator[str]:
         self._unknown("the text")
 
     def error(self) -> BaseException | None:

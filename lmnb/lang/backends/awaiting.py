@@ -9,7 +9,7 @@ import asyncio
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from lmnb.lang.backends.base import Generation, MediaInput
 from lmnb.lang.ir import GenParams
@@ -59,13 +59,18 @@ def awaited_calls(backend: object) -> frozenset[str]:
     return _awaited_calls(type(backend))
 
 
-def on_loop_thread(on_delta: Callable[[str], None] | None) -> Callable[[str], None] | None:
-    """`on_delta` for a call running on a pool thread: each delta is handed to the loop (in
-    order, before the call's result, which the loop also receives through `call_soon`)."""
-    if on_delta is None:
+_Update = TypeVar("_Update")
+
+
+def on_loop_thread(on_update: Callable[[_Update], None] | None
+                   ) -> Callable[[_Update], None] | None:
+    """`on_delta` (or `on_meta`) for a call running on a pool thread: each update is handed to
+    the loop (in order, before the call's result, which the loop also receives through
+    `call_soon`)."""
+    if on_update is None:
         return None
     loop = asyncio.get_running_loop()
-    return lambda delta: loop.call_soon_threadsafe(on_delta, delta)
+    return lambda update: loop.call_soon_threadsafe(on_update, update)
 
 
 async def in_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

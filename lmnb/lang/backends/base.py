@@ -129,7 +129,8 @@ class Backend(Protocol):
         are also given `chat=ChatPrompt(...)`, the same prompt as messages.
 
         `meta_info` carries at least `finish_reason` (`{"type": "stop" | "length", ...}`) and
-        `completion_tokens` when the backend knows them (API speculation relies on both)."""
+        `completion_tokens` when the backend knows them (API speculation relies on both). A
+        backend that streams its meta info too takes `on_meta=` (`MetaInfoStreaming`)."""
         ...
 
     def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:
@@ -148,6 +149,22 @@ class Backend(Protocol):
         sequence of `MediaInput`, in prompt order) when the prompt has media; every media's
         `token` is in the prompt text where it goes."""
         ...
+
+
+@runtime_checkable
+class MetaInfoStreaming(Protocol):
+    """A backend whose streamed gens report their meta info as it grows (`LocalBackend`,
+    `RuntimeEndpoint`): with `streams_meta_info` true, its `generate` (and `agenerate`) also
+    take `on_meta=`, called with the gen's meta info so far (`prompt_tokens`,
+    `completion_tokens`, `finish_reason` once it ends, ...) before the `on_delta` of the text
+    that came with it. `ProgramState.text_iter(name, return_meta_data=True)` yields them."""
+
+    streams_meta_info: bool
+
+
+def streams_meta_info(backend: object) -> bool:
+    """Whether `backend`'s `generate` takes `on_meta=` (`MetaInfoStreaming`)."""
+    return isinstance(backend, MetaInfoStreaming) and backend.streams_meta_info is True
 
 
 @runtime_checkable
@@ -351,9 +368,11 @@ def _streams(backend: BaseBackend) -> bool:
 
 def sglang_generate(backend: BaseBackend, s: ProgramExecutor, params: GenParams, *,
                     on_delta: Callable[[str], None] | None = None,
+                    on_meta: Callable[[dict[str, Any]], None] | None = None,
                     cancel: threading.Event | None = None) -> Generation:
     """One gen on an SGLang-style backend: `generate_stream` when the program streams and the
-    backend has it (each piece goes to `on_delta`), else `generate`."""
+    backend has it (each piece goes to `on_delta`, after its meta info to `on_meta`), else
+    `generate`."""
     sampling_params = SglSamplingParams.from_gen_params(params)
     name = type(backend).__name__
     if s.stream and _streams(backend):
@@ -365,6 +384,8 @@ def sglang_generate(backend: BaseBackend, s: ProgramExecutor, params: GenParams,
                     raise ProgramAborted("the program was interrupted")
                 piece, meta = _pair(item, f"{name}.generate_stream")
                 text += piece
+                if on_meta is not None and isinstance(meta, dict):
+                    on_meta(dict(meta))
                 if on_delta is not None and piece:
                     on_delta(piece)
         finally:

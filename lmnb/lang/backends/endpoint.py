@@ -39,6 +39,7 @@ class RuntimeEndpoint:
 
     is_chat_model = False  # programs send text; roles are rendered with the model's template
     reports_token_texts = False
+    streams_meta_info = True  # `generate` takes `on_meta=`
 
     def __init__(self, base_url: str, api_key: str | None = None, *,
                  timeout: float = 600.0) -> None:
@@ -110,6 +111,7 @@ class RuntimeEndpoint:
 
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
+                 on_meta: Callable[[dict[str, Any]], None] | None = None,
                  cancel: threading.Event | None = None,
                  media: Sequence[MediaInput] = ()) -> Generation:
         values = params.set_values()
@@ -120,7 +122,7 @@ class RuntimeEndpoint:
                 body[key] = values[key]
         if params.return_text_in_logprobs:
             body["return_text_in_logprobs"] = True
-        gen = GenTexts(params, on_delta)
+        gen = GenTexts(params, on_delta, on_meta)
         for event in self._events(body):  # closing the response aborts the request
             if cancel is not None and cancel.is_set():
                 raise ProgramAborted("the program was interrupted")

@@ -98,6 +98,7 @@ class LocalBackend:
 
     is_chat_model = False  # programs send text; roles are rendered with the model's template
     reports_token_texts = False
+    streams_meta_info = True  # `generate` takes `on_meta=`
 
     def __init__(self, runtime: EngineSurface) -> None:
         self.runtime = runtime
@@ -219,6 +220,7 @@ class LocalBackend:
 
     async def agenerate(self, prompt: str, params: GenParams, *,
                         on_delta: Callable[[str], None] | None = None,
+                        on_meta: Callable[[dict[str, Any]], None] | None = None,
                         cancel: threading.Event | None = None,
                         media: Sequence[MediaInput] = (),
                         trace: TokenTrace | None = None) -> Generation:
@@ -232,7 +234,7 @@ class LocalBackend:
         with self.submits.submitting():
             chunks, record = self._submit(prompt, params, media, trace, whole=on_delta is None,
                                           ids=ids)
-        gen = GenTexts(params, on_delta)
+        gen = GenTexts(params, on_delta, on_meta)
         unregister = cancel.on_set(chunks.close) if isinstance(cancel, CancelEvent) else None
         try:
             async for chunk in chunks:
@@ -248,13 +250,14 @@ class LocalBackend:
 
     def generate(self, prompt: str, params: GenParams, *,
                  on_delta: Callable[[str], None] | None = None,
+                 on_meta: Callable[[dict[str, Any]], None] | None = None,
                  cancel: threading.Event | None = None,
                  media: Sequence[MediaInput] = (),
                  trace: TokenTrace | None = None) -> Generation:
         """`Backend.generate`; with `trace` (a traced program), the request's tokens, origins
         and logprobs go to a new record of it."""
         chunks, record = self._submit(prompt, params, media, trace)
-        gen = GenTexts(params, on_delta)
+        gen = GenTexts(params, on_delta, on_meta)
         wakes = isinstance(cancel, CancelEvent)
         # Setting the cancel event closes the stream, which wakes the wait below.
         unregister = cancel.on_set(chunks.close) if wakes else None

@@ -15,12 +15,15 @@ from lmnb.runtime.output.stop import compile_stop_regex, first_stop_regex_match
 
 class GenTexts:
     """The text and meta_info of a gen's `n` samples as updates arrive; each sample is cut at its
-    first `stop_regex` match, and the first sample's new text goes to `on_delta` (n == 1)."""
+    first `stop_regex` match, and (n == 1) each update's meta_info goes to `on_meta`, then its
+    new text to `on_delta`."""
 
-    def __init__(self, params: GenParams, on_delta: Callable[[str], None] | None) -> None:
+    def __init__(self, params: GenParams, on_delta: Callable[[str], None] | None,
+                 on_meta: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.n = params.n or 1
         self.stop_regex = compile_stop_regex(params.stop_regex)
         self.on_delta = on_delta
+        self.on_meta = on_meta
         self.texts = [""] * self.n
         self.metas: list[dict[str, Any]] = [{} for _ in range(self.n)]
         self._streamed = 0  # characters of texts[0] handed to on_delta
@@ -41,6 +44,8 @@ class GenTexts:
             text = text[:match.start()]
             meta = {**meta, "finish_reason": {"type": "stop", "matched": match.group()}}
         self.texts[index], self.metas[index] = text, meta
+        if self.n == 1 and self.on_meta is not None:
+            self.on_meta(meta)
         if self.n == 1 and self.on_delta is not None and len(self.texts[0]) > self._streamed:
             self.on_delta(self.texts[0][self._streamed:])
             self._streamed = len(self.texts[0])
