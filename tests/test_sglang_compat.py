@@ -247,6 +247,33 @@ def test_an_exception_in_the_body_surfaces_from_run(sgl_backend):
 
 
 # ---- fork / join, run_batch ----------------------------------------------------------------------
+def test_fork_position_ids_offset_is_refused_by_name(sgl_backend):
+    """SGLang's `s.fork(size, position_ids_offset)`: lmnb's runtime offsets no positions, so
+    lmnb's backends (and tracing) refuse an offset by name instead of ignoring it; None runs."""
+
+    def forked(offsets):
+        @sgl.function
+        def tips(s):
+            s += "Tips:"
+            forks = s.fork(2, position_ids_offset=offsets)
+            forks += sgl.gen("tip", max_tokens=2, temperature=0)
+            forks.join()
+            with s.copy(position_ids_offset=None) as draft:
+                draft += sgl.gen("draft", max_tokens=2, temperature=0)
+
+        return tips
+
+    state = forked(None).run()
+    assert len(state["tip"]) == 2 and len(state["draft"]) == 1
+    with pytest.raises(NotImplementedError, match=r"fork\(position_ids_offset=...\) is not "
+                                                  r"supported on LocalBackend"):
+        forked([0, 4]).run()
+    with pytest.raises(NotImplementedError, match=r"position_ids_offset=...\) cannot be traced"):
+        forked([0, 4]).trace()
+    with pytest.raises(ValueError, match=r"one int per branch \(2\), got \[0\]"):
+        forked([0]).run()
+
+
 def test_fork_join_as_sglang(sgl_backend):
     @sgl.function
     def tips(s):
@@ -432,6 +459,8 @@ def test_a_custom_backend_subclassing_base_backend():
 
         def fork_program(self, src, dst, position_ids_offset=None):
             self.calls.append(("fork", len(dst), src.text_))
+            if position_ids_offset is not None:
+                self.calls.append(("offsets", position_ids_offset))
 
         def commit_lazy_operations(self, s):
             self.calls.append(("commit", s.text_))
@@ -500,6 +529,16 @@ def test_a_custom_backend_subclassing_base_backend():
     assert next(pairs) == (" two", {"piece": " two"})
     backend.next_piece.release()
     assert list(pairs) == [(" three", {"piece": " three"})]
+
+    @sgl.function
+    def offset_forks(s):
+        s += "Once"
+        forks = s.fork(2, position_ids_offset=[3, 5])
+        forks += sgl.gen("end", max_tokens=2)
+        forks.join()
+
+    assert offset_forks.run(backend=backend)["end"] == [" 1 words"] * 2
+    assert ("offsets", [3, 5]) in backend.calls
 
     backend.calls.clear()
     states = program.run_batch([{"topic": "owls"}, {"topic": "bats"}], backend=backend)

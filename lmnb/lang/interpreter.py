@@ -31,6 +31,7 @@ from lmnb.lang.backends.base import (
     MediaUnsupported,
     ProgramAborted,
     end_program,
+    takes_position_ids_offset,
 )
 from lmnb.lang.event_loop import block_on, call_soon, on_loop, on_program_loop, program_loop
 from lmnb.lang.ir import (
@@ -275,8 +276,16 @@ class StreamExecutor:
     def _final_meta(self, name: str) -> dict[str, Any] | None:
         return first_sample_meta(self.meta_info.get(name))
 
-    def fork(self, count: int) -> list[StreamExecutor]:
-        """New executors that continue from this one's current state (call after `sync`)."""
+    @property
+    def takes_position_ids_offset(self) -> bool:
+        """`fork(..., position_ids_offset)` has a taker: an SGLang-style backend's own
+        `fork_program` hook (lmnb's runtime offsets no positions)."""
+        return takes_position_ids_offset(self.sglang_backend)
+
+    def fork(self, count: int, *,
+             position_ids_offset: list[int] | None = None) -> list[StreamExecutor]:
+        """New executors that continue from this one's current state (call after `sync`);
+        `position_ids_offset` goes to the SGLang-style backend's `fork_program`."""
         branches = []
         for _ in range(count):
             branch = type(self)(self.backend, defaults=self.defaults, stream=self.stream,
@@ -297,7 +306,10 @@ class StreamExecutor:
             branch.token_trace = None if self.token_trace is None else self.token_trace.fork()
             branches.append(branch)
         if self.sglang_backend is not None:
-            self.sglang_backend.fork_program(self, list(branches))
+            if position_ids_offset is None:  # an override may not take the argument
+                self.sglang_backend.fork_program(self, list(branches))
+            else:
+                self.sglang_backend.fork_program(self, list(branches), position_ids_offset)
         self._emit("fork", branches=branches)
         return branches
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from lmnb.lang.interpreter import JoinBranches, Observer, StreamExecutor
 from lmnb.lang.ir import CommitPrefix, Expr, join_mode
 from lmnb.lang.program_run import ProgramRun
-from lmnb.lang.state_writer import ProgramStateGroup, StateWriter
+from lmnb.lang.state_writer import ProgramStateGroup, StateWriter, position_offsets
 
 if TYPE_CHECKING:
     from lmnb.lang.token_trace import TokenTrace
@@ -121,22 +121,34 @@ class ProgramState(StateWriter):
         self._run.wait(self._executor.sync)
 
     # ---- branching -----------------------------------------------------------------------
-    def fork(self, size: int = 1) -> ProgramStateGroup:
+    def fork(self, size: int = 1,
+             position_ids_offset: Sequence[int] | None = None) -> ProgramStateGroup:
         """`size` copies of this state. The shared text is sent to the backend's cache once
-        before the branches run, so their requests hit it."""
+        before the branches run, so their requests hit it.
+
+        `position_ids_offset` (SGLang's: one int per branch, shifting the positions of each
+        branch's new tokens) goes to an SGLang-style custom backend's own `fork_program` hook;
+        lmnb's backends refuse it, as lmnb's runtime offsets no positions (SGLang's interpreter
+        takes it and passes it nowhere)."""
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
+        offsets = position_offsets(size, position_ids_offset)
+        if offsets is not None and not self._executor.takes_position_ids_offset:
+            raise NotImplementedError(
+                f"fork(position_ids_offset=...) is not supported on "
+                f"{type(self._executor.backend).__name__}: lmnb's runtime gives a branch's "
+                f"tokens the positions that follow its prefix and offsets none")
         if size > 1:
             self._executor.submit(CommitPrefix())
         self.sync()
         self._executor.raise_error()
-        branches = self._executor.fork(size)
+        branches = self._executor.fork(size, position_ids_offset=offsets)
         return ProgramStateGroup([ProgramState(b, self._run) for b in branches], parent=self)
 
-    def copy(self) -> ProgramState:
+    def copy(self, position_ids_offset: Sequence[int] | None = None) -> ProgramState:
         """One fork of this state. As in SGLang, `with s.copy() as c:` joins it back when the
         block ends (`gather_variable`: its new variables become one-item lists in `s`)."""
-        branch = self.fork(1)[0]
+        branch = self.fork(1, position_ids_offset)[0]
         branch._copy_of = self
         return branch
 

@@ -28,6 +28,19 @@ _ROLE_EXPRS = {"system": api.system, "user": api.user, "assistant": api.assistan
 PROGRAM_CALLER: ContextVar[Any] = ContextVar("lmnb_caller", default=None)
 
 
+def position_offsets(size: int, position_ids_offset: Sequence[int] | None) -> list[int] | None:
+    """`fork(size, position_ids_offset)`'s offsets, checked: SGLang's list of one int per
+    branch (or None)."""
+    if position_ids_offset is None:
+        return None
+    offsets = list(position_ids_offset)
+    if len(offsets) != size or not all(isinstance(o, int) and not isinstance(o, bool)
+                                       for o in offsets):
+        raise ValueError(f"position_ids_offset must list one int per branch ({size}), got "
+                         f"{position_ids_offset!r}")
+    return offsets
+
+
 class StateWriter:
     """The writing half of `s`, shared by running and tracing states: `+=`, `set_var`,
     `var_scope`, and the roles as calls (`s.user("hi")`) or blocks (`with s.user(): ...`).

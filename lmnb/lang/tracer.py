@@ -44,7 +44,12 @@ from lmnb.lang.ir import (
     join_mode,
 )
 from lmnb.lang.reasoning import reasoning_name
-from lmnb.lang.state_writer import PROGRAM_CALLER, ProgramStateGroup, StateWriter
+from lmnb.lang.state_writer import (
+    PROGRAM_CALLER,
+    ProgramStateGroup,
+    StateWriter,
+    position_offsets,
+)
 
 if TYPE_CHECKING:
     from lmnb.lang.backends.base import Backend
@@ -542,9 +547,13 @@ class TracingState(StateWriter):
         pass
 
     # ---- branching -----------------------------------------------------------------------
-    def fork(self, size: int = 1) -> ProgramStateGroup:
+    def fork(self, size: int = 1,
+             position_ids_offset: Sequence[int] | None = None) -> ProgramStateGroup:
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
+        if position_offsets(size, position_ids_offset) is not None:
+            raise NotImplementedError("fork(position_ids_offset=...) cannot be traced (compile, "
+                                      "run_batch's prefix hint): run the program with .run()")
         fork_id = self._recorder.forks
         self._recorder.forks += 1
         branches = [self._recorder.new_state(parent=self.state_id, fork_id=fork_id, index=i)
@@ -554,9 +563,9 @@ class TracingState(StateWriter):
             branch._record(ForkItem(self.state_id, fork_id, i))
         return ProgramStateGroup(branches, parent=self)
 
-    def copy(self) -> TracingState:
+    def copy(self, position_ids_offset: Sequence[int] | None = None) -> TracingState:
         """As `ProgramState.copy`: `with s.copy() as c:` joins `c` back at the block's end."""
-        branch = self.fork(1)[0]
+        branch = self.fork(1, position_ids_offset)[0]
         branch._copy_of = self
         return branch
 

@@ -366,6 +366,12 @@ def _streams(backend: BaseBackend) -> bool:
     return type(backend).generate_stream is not BaseBackend.generate_stream
 
 
+def takes_position_ids_offset(backend: BaseBackend | None) -> bool:
+    """Whether `backend` is an SGLang-style one whose `fork_program` hook is its own (it is given
+    `fork(size, position_ids_offset)`'s offsets): lmnb's runtime offsets no positions."""
+    return backend is not None and type(backend).fork_program is not BaseBackend.fork_program
+
+
 def sglang_generate(backend: BaseBackend, s: ProgramExecutor, params: GenParams, *,
                     on_delta: Callable[[str], None] | None = None,
                     on_meta: Callable[[dict[str, Any]], None] | None = None,
