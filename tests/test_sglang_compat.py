@@ -170,7 +170,7 @@ def test_state_item_assignment_iterators_and_copy(sgl_backend):
 
     state = chat.run(topic="tea")
     assert repr(state) == f"ProgramState({state.text()})"
-    assert state["topic"] == "tea"
+    assert state["topic"] == "tea" and state.get_var("topic") == "tea"
     assert state["draft"] == [state["first_draft"]]  # joined back at the block's end
     assert not state.text().count("Draft:")  # the copy's text stays in the copy
 
