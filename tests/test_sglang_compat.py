@@ -193,10 +193,11 @@ def tale(s):
 
 def check_meta_pairs(pairs: list, streamed, expected: str) -> None:
     """`text_iter("tale", return_meta_data=True)`'s pairs of the `streamed` run: the chunks
-    make the text, each meta info is the gen's so far, the last one is the final."""
+    make the text, each meta info is the gen's so far, the last one is the final. (How many
+    pairs depends on when the reader attaches: test_dsl's gated backend pins the streaming.)"""
     chunks, metas = [chunk for chunk, _ in pairs], [meta for _, meta in pairs]
     final = streamed.get_meta_info("tale")
-    assert len(pairs) > 1 and "".join(chunks) == streamed["tale"] == expected
+    assert "".join(chunks) == streamed["tale"] == expected
     assert metas[-1] == final
     assert final["completion_tokens"] == 64 and final["finish_reason"]["type"] == "length"
     assert all(meta["finish_reason"] is None for meta in metas[:-1])
