@@ -411,3 +411,31 @@ def test_fast_decode_is_the_rust_call_when_the_wrapper_cleans_nothing(smollm2, t
         ids = tokenizer.encode("a . b , a 's b.", add_special_tokens=False)
         assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
     assert wordpiece.decode(wordpiece.encode("a . b", add_special_tokens=False)) == "a. b"
+
+
+class _CountingDecoder:
+    """A tokenizer's decode, counting the calls (no `backend_tokenizer`: every decode the
+    detokenizer makes comes here)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls = 0
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.calls += 1
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_token_costs_one_decode_once_its_predecessor_was_decoded_alone(tok):
+    """The window's prefix is mostly the one id read the step before, whose text is kept per
+    tokenizer: a steady stream decodes once per token (the window), and its text is unchanged."""
+    counting = _CountingDecoder(tok)
+    prompt = _encode(tok, "User: say something.\nAssistant:")
+    ids = _encode(tok, TEXTS[0])
+    for run in range(2):
+        det = IncrementalDetokenizer(counting, prompt)
+        counting.calls = 0
+        deltas = [det.add([i]) for i in ids]
+        if run == 1:  # every id's text known: the first step's prefix is the prompt's tail
+            assert counting.calls == len(ids) + 1
+        assert "".join(deltas) + det.finish() == _expected(tok, prompt, ids)

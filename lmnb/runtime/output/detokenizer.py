@@ -17,6 +17,7 @@ such (garbage) output the text keeps them, as SentencePiece's own decoder does.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -63,6 +64,26 @@ def fast_decode(tokenizer: Decoder, skip_special_tokens: bool) -> Callable[[list
     return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
+_SINGLE_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[bool, dict[int, str]]] = \
+    weakref.WeakKeyDictionary()
+_SINGLE_TOKEN_TEXTS_LOCK = threading.Lock()
+
+
+def single_token_texts(tokenizer: Decoder, skip_special_tokens: bool) -> dict[int, str]:
+    """`tokenizer.decode([id], skip_special_tokens=skip_special_tokens)` by id, as far as
+    computed: one dict per tokenizer object and flag for as long as the tokenizer lives, filled
+    by every thread that decodes with it (a decode is a pure function of the ids; a tokenizer
+    that cannot be weakly referenced gets a new dict)."""
+    with _SINGLE_TOKEN_TEXTS_LOCK:
+        try:
+            by_flag = _SINGLE_TOKEN_TEXTS.get(tokenizer)
+            if by_flag is None:
+                by_flag = _SINGLE_TOKEN_TEXTS[tokenizer] = {}
+        except TypeError:
+            by_flag = {}
+        return by_flag.setdefault(skip_special_tokens, {})
+
+
 def _cleanup_is_noop(tokenizer: Decoder, backend: Any) -> bool:
     """Whether the wrapper's decode is the backend's: no `clean_up_tokenization_spaces`, or one
     the wrapper does not apply (transformers 5 skips it for BPE models), seen on text it would
@@ -86,6 +107,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode_ids = fast_decode(tokenizer, skip_special_tokens)
+        # the prefix of a window is mostly the one id read last step
+        self._single_texts = single_token_texts(tokenizer, skip_special_tokens)
         self._stops = StopStrings.of(stop)
         self.stop: tuple[str, ...] = self._stops.strings
         self._ids = prompt_tail(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
@@ -116,10 +139,10 @@ class IncrementalDetokenizer:
         if self.finished or len(token_ids) == 0:
             return ""
         self._ids.extend(map(int, token_ids))
-        self._pending += self._decode_delta(final=False)
-        if not self.stop:  # nothing to match or hold back
-            pending, self._pending = self._pending, ""
-            return self._emit(pending)
+        delta = self._decode_delta(final=False)
+        if not self.stop:  # nothing to match or hold back (nothing pending either)
+            return self._emit(delta)
+        self._pending += delta
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -140,11 +163,17 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
 
     def _decode_delta(self, *, final: bool) -> str:
-        start, read, end = self._prefix_offset, self._read_offset, len(self._ids)
+        ids = self._ids
+        start, read, end = self._prefix_offset, self._read_offset, len(ids)
         if read == end:
             return ""
-        ids, decode = self._ids, self._decode_ids
-        prefix = decode(ids[start:read])
+        decode = self._decode_ids
+        if read - start == 1:
+            prefix = self._single_texts.get(ids[start])
+            if prefix is None:
+                prefix = self._single_texts[ids[start]] = decode(ids[start:read])
+        else:
+            prefix = decode(ids[start:read])
         window = decode(ids[start:end])
         stalled = end - read > _MAX_PENDING
         if final or not window.endswith(_REPLACEMENT):

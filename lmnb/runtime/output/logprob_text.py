@@ -9,12 +9,10 @@ decoded alone with its special tokens kept."""
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lmnb.runtime.output.detokenizer import Decoder
+from lmnb.runtime.output.detokenizer import Decoder, single_token_texts
 
 TOKEN_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
 # rows of pairs: the top logprobs, and those of the ids a request named (`token_ids_logprob`)
@@ -22,30 +20,14 @@ TOP_LOGPROB_KEYS = ("input_top_logprobs", "output_top_logprobs", "input_token_id
                     "output_token_ids_logprobs")
 
 
-_SHARED: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
-_SHARED_LOCK = threading.Lock()
-
-
-def _shared_cache(tokenizer: Decoder) -> dict[int, str]:
-    """One id -> text dict per tokenizer object, for as long as it lives (a new dict for one
-    that cannot be weakly referenced)."""
-    with _SHARED_LOCK:
-        try:
-            cache = _SHARED.get(tokenizer)
-            if cache is None:
-                cache = _SHARED[tokenizer] = {}
-        except TypeError:
-            cache = {}
-    return cache
-
-
 class TokenTexts:
     """Token id -> its text, cached per tokenizer (the same ids recur across rows, requests
-    and program runs: a token view's top-k alternatives are mostly ids seen before)."""
+    and program runs: a token view's top-k alternatives are mostly ids seen before; the cache
+    is `single_token_texts`', which detokenizers keeping special tokens share)."""
 
     def __init__(self, tokenizer: Decoder) -> None:
         self._tokenizer = tokenizer
-        self._cache = _shared_cache(tokenizer)
+        self._cache = single_token_texts(tokenizer, skip_special_tokens=False)
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
