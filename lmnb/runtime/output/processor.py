@@ -52,6 +52,7 @@ class _RequestOutput:
 
     stream: OutputStream
     detokenizer: IncrementalDetokenizer
+    id: str  # meta_info["id"]
     prompt_tail: list[int]
     prompt_tokens: int
     created_at: float
@@ -171,8 +172,8 @@ class OutputProcessor:
 
     def _request_output(self, item: Registration) -> _RequestOutput:
         return _RequestOutput(
-            stream=item.stream, prompt_tail=item.prompt_tail, prompt_tokens=item.prompt_tokens,
-            created_at=item.created_at,
+            stream=item.stream, id=str(item.rid), prompt_tail=item.prompt_tail,
+            prompt_tokens=item.prompt_tokens, created_at=item.created_at,
             stop_regex=compile_stop_regex(item.stop_regex),
             token_texts=self._texts_of(item.tokenizer) if item.token_texts else None,
             detokenizer=IncrementalDetokenizer(
@@ -203,7 +204,6 @@ class OutputProcessor:
             stream.deliver(chunks)
 
     def _apply(self, event: TokenEvent, state: _RequestOutput) -> Chunk | None:
-        detokenizer = state.detokenizer
         reason = event.finished_reason
         if event.replace_output_ids is not None:
             state.output_ids = list(event.replace_output_ids)
@@ -211,9 +211,10 @@ class OutputProcessor:
         else:
             ids = event.new_token_ids
             state.output_ids.extend(ids)
-            delta = detokenizer.add(ids[:-1] if stopped_on_token(reason, ids) else ids)
+            delta = state.detokenizer.add(
+                ids[:-1] if reason is not None and stopped_on_token(reason, ids) else ids)
         if reason is not None:
-            delta += detokenizer.finish()
+            delta += state.detokenizer.finish()
             del self._requests[event.rid]
         if state.skip:
             taken = min(state.skip, len(delta))
@@ -224,21 +225,22 @@ class OutputProcessor:
         if delta:
             state.pieces.append(delta)
         stream = state.stream
-        if not stream.incremental and reason is None:
+        incremental = stream.incremental
+        if reason is None and not incremental:
             return None
-        meta: dict[str, Any] = {"id": str(event.rid), "prompt_tokens": state.prompt_tokens,
+        meta: dict[str, Any] = {"id": state.id, "prompt_tokens": state.prompt_tokens,
                                 "finish_reason": reason,
                                 "completion_tokens": len(state.output_ids)}
         if reason is not None:
             meta["e2e_latency"] = time.perf_counter() - state.created_at
-        if stream.incremental and event.replace_output_ids is not None:
+        if incremental and event.replace_output_ids is not None:
             # a jump-forward re-tokenized the tail: the chunk's ids go from here on (the
             # position token origins' live meta gives too)
             meta["output_ids_from"] = len(event.replace_output_ids) - len(event.new_token_ids)
         if event.meta:
             meta.update(event.meta if state.token_texts is None
                         else with_token_texts(event.meta, state.token_texts))
-        if stream.incremental:
+        if incremental:
             chunk = {"text": delta, "output_ids": list(event.new_token_ids), "meta_info": meta}
         else:
             chunk = {"text": "".join(state.pieces), "output_ids": list(state.output_ids),
