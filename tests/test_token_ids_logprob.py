@@ -13,6 +13,7 @@ import torch
 
 from lmnb.runtime.core import InvalidRequestError
 from lmnb.runtime.engine import Runtime
+from lmnb.runtime.output.logprob_lists import OutputLists
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 TOL = 1e-4
@@ -88,6 +89,34 @@ def test_output_and_prompt_logprobs_match_hf(rt: Runtime, hf_model) -> None:
     first = texts["meta_info"]["output_token_ids_logprobs"][0]
     assert [text for _, _, text in first] == [
         rt.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
+def test_streamed_texts_in_logprobs_are_triples_in_every_chunk(rt: Runtime) -> None:
+    """`return_text_in_logprobs` with `stream=True`: a running chunk's `new_*` rows are
+    `(logprob, id, text)` triples too, as every event of SGLang's stream; put together from
+    `output_ids_from` they are the last chunk's lists."""
+    prompt = rt.encode("Streamed logprob texts: one two three")
+    chunks = list(rt.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True,
+                              top_logprobs_num=2, token_ids_logprob=[0, 17, prompt[2]],
+                              return_text_in_logprobs=True, stream=True))
+    *running, last = (chunk["meta_info"] for chunk in chunks)
+    assert running and all("new_token_logprobs" in meta for meta in running)
+
+    def text_of(token_id: int) -> str:
+        return rt.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    lists = OutputLists()
+    for meta in running:
+        for key, rows in (("new_token_logprobs", [meta["new_token_logprobs"]]),
+                          ("new_top_logprobs", meta["new_top_logprobs"]),
+                          ("new_token_ids_logprobs", meta["new_token_ids_logprobs"])):
+            for row in rows:
+                assert [tuple(item[1:]) for item in row] == [
+                    (token_id, text_of(token_id)) for _, token_id, *_ in row], key
+        lists.add(meta)
+    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+        assert len(lists.rows(key)) == len(last[key]) - 1 == GREEDY["max_new_tokens"] - 1
+        assert lists.rows(key) == last[key][:-1], key
 
 
 def test_prefix_cache_hit_changes_nothing(rt: Runtime, hf_model) -> None:

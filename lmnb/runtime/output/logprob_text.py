@@ -3,7 +3,8 @@
 The runtime reports logprobs as `(logprob, token_id)` pairs (`meta_info`'s
 `input_token_logprobs`, `output_token_logprobs`) and rows of them (`input_top_logprobs`,
 `output_top_logprobs`, and of the ids a request named, `input_token_ids_logprobs`,
-`output_token_ids_logprobs`; a row may be None: the first prompt token has no logprob). With
+`output_token_ids_logprobs`; a row may be None: the first prompt token has no logprob); a
+streamed running chunk has the output's new rows under `new_*` keys instead. With
 the text, each pair becomes a `(logprob, token_id, text)` triple, the text being the token
 decoded alone with its special tokens kept."""
 
@@ -13,11 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from lmnb.runtime.output.detokenizer import Decoder, single_token_texts
+from lmnb.runtime.output.logprob_lists import LISTS
 
-TOKEN_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
+# each with the output's list and a running chunk's new rows of it (`logprob_lists.LISTS`)
+TOKEN_LOGPROB_KEYS = ("input_token_logprobs", *LISTS["input_token_logprobs"])
 # rows of pairs: the top logprobs, and those of the ids a request named (`token_ids_logprob`)
-TOP_LOGPROB_KEYS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
-                    "output_token_ids_logprobs")
+TOP_LOGPROB_KEYS = ("input_top_logprobs", *LISTS["input_top_logprobs"],
+                    "input_token_ids_logprobs", *LISTS["input_token_ids_logprobs"])
 
 
 class TokenTexts:
