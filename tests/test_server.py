@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from lmnb.runtime.engine import Runtime
 from lmnb.server import ServerHandle
 from tests import idle
+from tests.pass_gate import gated_passes
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -1031,38 +1032,47 @@ def test_openai_rid_is_aborted_by_abort_request(server, client, http, rt):
     ends them with finish_reason abort (their KV freed); a rid in flight is a 400. Without a
     rid, the response's id finds the request (SGLang's response id is its rid), and
     `abort_all` ends it. `rid` was ignored: nothing could abort an OpenAI request but a
-    disconnect."""
+    disconnect. The runtime's passes are let through one at a time (`gated_passes`), so a
+    request is still running when the test acts on it, however slow the machine."""
     long = {"max_tokens": 400, "extra_body": {"ignore_eos": True, "rid": "x"}}
-    stream = client.chat.completions.create(model="tiny", messages=CHAT, stream=True, **long)
-    with stream:
-        chunks = iter(stream)
-        assert next(chunks).choices[0].finish_reason is None
-        with pytest.raises(openai.BadRequestError, match="'x'") as taken:
-            client.completions.create(model="tiny", prompt="Hi", **long)
-        assert taken.value.param == "rid"
-        assert http.post("/abort_request", json={"rid": "x"}).status_code == 200
-        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finishes[-1] == "abort" and len(finishes) < 400
-    for abort in ("by its id", {"abort_all": True}):
-        stream = client.chat.completions.create(model="tiny", messages=CHAT, stream=True,
-                                                max_tokens=400, extra_body={"ignore_eos": True})
+    with gated_passes(rt) as gate:
+        gate.allow()  # the prefill: its token is the first chunk
+        stream = client.chat.completions.create(model="tiny", messages=CHAT, stream=True, **long)
         with stream:
             chunks = iter(stream)
-            first = next(chunks)
-            body = {"rid": first.id} if abort == "by its id" else abort
-            assert http.post("/abort_request", json=body).status_code == 200
+            assert next(chunks).choices[0].finish_reason is None
+            with pytest.raises(openai.BadRequestError, match="'x'") as taken:
+                client.completions.create(model="tiny", prompt="Hi", **long)
+            assert taken.value.param == "rid"
+            assert http.post("/abort_request", json={"rid": "x"}).status_code == 200
+            gate.open()
             finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "abort" and len(finishes) < 400
+    for abort in ("by its id", {"abort_all": True}):
+        with gated_passes(rt) as gate:
+            gate.allow()
+            stream = client.chat.completions.create(model="tiny", messages=CHAT, stream=True,
+                                                    max_tokens=400,
+                                                    extra_body={"ignore_eos": True})
+            with stream:
+                chunks = iter(stream)
+                first = next(chunks)
+                body = {"rid": first.id} if abort == "by its id" else abort
+                assert http.post("/abort_request", json=body).status_code == 200
+                gate.open()
+                finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert finishes[-1] == "abort" and len(finishes) < 400, abort
     wait_idle(rt)
 
     def completion_then_abort() -> openai.types.Completion:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, gated_passes(rt) as gate:
             running = pool.submit(client.completions.create, model="tiny",
                                   prompt=["Go on", "Tell me"], n=2, max_tokens=400,
                                   extra_body={"ignore_eos": True, "rid": ["p", "q"]})
             while not running.done():  # until the call is in flight and aborted
                 for rid in ("p_0", "p_1", "q_0", "q_1"):
                     assert http.post("/abort_request", json={"rid": rid}).status_code == 200
+                gate.allow()  # a pass per round: 400 tokens take 400 rounds
             return running.result()
 
     out = completion_then_abort()
