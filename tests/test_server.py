@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from lmnb.runtime.engine import Runtime
 from lmnb.server import ServerHandle
 from tests import idle
-from tests.pass_gate import gated_passes
+from tests.pass_gate import PassGate, gated_passes
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -968,7 +968,9 @@ def test_native_abort_request_stops_a_running_request(server, http, rt):
     not taken twice."""
     params = {"max_new_tokens": 400, "ignore_eos": True}
     body = {"text": "Go on", "rid": "abort-1", "stream": True, "sampling_params": params}
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as streaming:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as streaming, \
+            gated_passes(rt) as gate:  # the request runs until the test lets it
+        gate.allow()  # the prefill: its token is the first event
         with streaming.stream("POST", "/generate", json=body) as response:
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
@@ -977,6 +979,7 @@ def test_native_abort_request_stops_a_running_request(server, http, rt):
             assert taken.status_code == 400 and "abort-1" in taken.json()["error"]["message"]
             aborted = http.post("/abort_request", json={"rid": "abort-1"})
             assert aborted.status_code == 200, aborted.text
+            gate.open()
             events = sse_data(lines)
     last = events[-1]["meta_info"]
     assert last["finish_reason"]["type"] == "abort" and last["id"] == "abort-1"
@@ -985,7 +988,7 @@ def test_native_abort_request_stops_a_running_request(server, http, rt):
     wait_idle(rt)
     rt.check_integrity()
 
-    async def whole_then_abort() -> list:
+    async def whole_then_abort(gate: PassGate) -> list:
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c:
             task = asyncio.create_task(c.post("/generate", json={
                 "text": ["x", "y"], "rid": ["abort-2a", "abort-2b"],
@@ -994,9 +997,11 @@ def test_native_abort_request_stops_a_running_request(server, http, rt):
                 await asyncio.sleep(0.02)
                 assert (await c.post("/abort_request", json={"abort_all": True})
                         ).status_code == 200
+                gate.allow()  # a pass per round: 400 tokens take 400 rounds
             return task.result().json()
 
-    results = asyncio.run(whole_then_abort())
+    with gated_passes(rt) as gate:
+        results = asyncio.run(whole_then_abort(gate))
     assert [r["meta_info"]["id"] for r in results] == ["abort-2a", "abort-2b"]
     assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
     assert all(r["meta_info"]["completion_tokens"] < 400 for r in results)
@@ -1010,11 +1015,14 @@ def test_native_abort_request_ends_one_request_of_a_batch(server, http, rt):
     params = {"max_new_tokens": 300, "ignore_eos": True}
     body = {"text": ["Go on", "Tell me"], "rid": ["one-a", "one-b"], "stream": True,
             "sampling_params": params}
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as streaming:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as streaming, \
+            gated_passes(rt) as gate:  # the requests run until the test lets them
+        gate.allow()  # the prefill: their first tokens
         with streaming.stream("POST", "/generate", json=body) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             assert http.post("/abort_request", json={"rid": "one-a"}).status_code == 200
+            gate.open()
             events = sse_data(lines)
     last = {event["meta_info"]["id"]: event for event in events
             if event["meta_info"]["finish_reason"] is not None}
