@@ -640,6 +640,52 @@ def test_text_iter_with_meta_data_on_a_backend_reporting_meta_at_the_end():
         ("123456", {"completion_tokens": 6})]
 
 
+class MetaFirstBackend(TextOnlyFake):
+    """A `MetaInfoStreaming` backend on a pool thread: "ab" with its meta info, then the last
+    chunk's meta info (finished); `meta_sent` is set, and its text "cd" waits for `gate`."""
+
+    streams_meta_info = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meta_sent, self.gate = threading.Event(), threading.Event()
+
+    def generate(self, prompt: str, params: GenParams, *,
+                 on_delta: Callable[[str], None] | None = None,
+                 on_meta: Callable[[dict[str, Any]], None] | None = None,
+                 cancel: threading.Event | None = None) -> Generation:
+        assert on_delta is not None and on_meta is not None
+        final = {"completion_tokens": 2, "finish_reason": {"type": "length"}}
+        on_meta({"completion_tokens": 1, "finish_reason": None})
+        on_delta("ab")
+        on_meta(final)
+        self.meta_sent.set()
+        assert self.gate.wait(GUARD_S), "the test never opened the gate"
+        on_delta("cd")
+        return Generation("abcd", final)
+
+    def select(self, prompt: str, choices: tuple[str, ...], method: str) -> tuple[str, dict]:
+        return choices[0], {}
+
+
+def test_text_iter_with_meta_data_attached_between_a_chunks_meta_and_its_text():
+    """A reader that attaches after a chunk's meta info reached the program but before its text
+    gets the text so far with the meta info that came with that text: the last chunk's (its
+    finish_reason set) came with the text before it, and then again with its own text."""
+
+    @lmnb.function
+    def one(s):
+        s += "Q:" + gen("x")
+
+    backend = MetaFirstBackend()
+    state = one.run(backend=backend, stream=True)
+    assert backend.meta_sent.wait(GUARD_S)  # the reader's attach is queued on the loop after it
+    pairs = state.text_iter("x", return_meta_data=True)
+    assert next(pairs) == ("ab", {"completion_tokens": 1, "finish_reason": None})
+    backend.gate.set()
+    assert list(pairs) == [("cd", {"completion_tokens": 2, "finish_reason": {"type": "length"}})]
+
+
 def test_a_local_backend_subclass_with_the_older_generate_signature_streams(rt):
     """A subclass overriding `generate` without `on_meta=` is not given it (its text streams;
     the meta info comes at the end, as from any backend that does not stream it)."""

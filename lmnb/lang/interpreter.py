@@ -136,6 +136,7 @@ class StreamExecutor:
         self._role_start = 0
         self._streaming: tuple[str | None, int] | None = None  # (variable, start) of a running gen
         self._stream_meta: dict[str, Any] = {}  # the running gen's meta info so far
+        self._text_meta: dict[str, Any] = {}  # ... as it stood at its last streamed delta
         self._scopes: dict[str, int] = {}
         self._spec: Speculation | None = None  # API speculation: what the model should write next
         self._spec_turn: int | None = None  # chat: the turn (its start) speculated already
@@ -266,7 +267,7 @@ class StreamExecutor:
             meta = self._final_meta(var)
         elif streaming is not None and streaming[0] == var:
             already, finished = self.text_[streaming[1]:], False
-            meta = self._stream_meta
+            meta = self._text_meta
         else:
             already, finished = "", False
         return self._listeners.open(var, already if isinstance(already, str) else "",
@@ -467,7 +468,7 @@ class StreamExecutor:
             params = replace(params, stop=(*(params.stop or ()), *stops) or None,
                              stop_token_ids=(*(params.stop_token_ids or ()), *stop_ids) or None)
         start = len(self.text_)
-        self._stream_meta = {}
+        self._stream_meta = self._text_meta = {}
         if self.num_api_spec_tokens and can_serve(params):
             served = await self._speculated(params)
             if served is not None:
@@ -480,7 +481,7 @@ class StreamExecutor:
         if self._watched:
             generation = await self._call(
                 self.text_, params, self._chat_prompt(),
-                on_delta=lambda delta: self._append(delta, expr.name, self._stream_meta),
+                on_delta=lambda delta: self._stream_delta(expr.name, delta),
                 on_meta=self._set_stream_meta)
         else:  # nobody reads the text as it comes: one whole result, no wake-up per token
             generation = await self._call(self.text_, params, self._chat_prompt())
@@ -491,6 +492,12 @@ class StreamExecutor:
 
     def _set_stream_meta(self, meta: dict[str, Any]) -> None:
         self._stream_meta = meta
+
+    def _stream_delta(self, name: str | None, delta: str) -> None:
+        """A running gen's `delta`, with the meta info reported before it (a reader attaching
+        later gets the text so far with that, not with a meta info whose text is to come)."""
+        self._text_meta = self._stream_meta
+        self._append(delta, name, self._text_meta)
 
     @property
     def _watched(self) -> bool:
@@ -585,7 +592,7 @@ class StreamExecutor:
         if first != streamed:
             self.text_ = self.text_[:start] + first
         self._streaming = None
-        self._stream_meta = {}
+        self._stream_meta = self._text_meta = {}
         if first.startswith(streamed) and len(first) > len(streamed) and self._listeners:
             self._listeners.notify(name, first[len(streamed):],
                                    first_sample_meta(generation.meta_info))
