@@ -554,6 +554,15 @@ def test_start_polling_without_a_runtime_or_an_interval_polls_never(runtime, int
     assert reader._poller is None and not reader.polling
 
 
+def test_a_widget_that_never_started_polling_stops_and_reports_not_polling():
+    """A widget whose construction failed before `start_polling` (its first `refresh()` raised)
+    is still closed by its finaliser: stopping needs no poller."""
+    reader = _Reader(_FakeStats())
+    assert not reader.polling
+    reader.stop_polling("stopped")
+    assert reader.status == "stopped"
+
+
 def test_start_polling_polls_until_poll_says_the_runtime_is_gone():
     reader = _Reader(_FakeStats())
     reader.start_polling(0.05)

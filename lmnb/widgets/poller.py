@@ -67,7 +67,7 @@ class PollingWidget:
     `_poll()` on a `Poller` (`self._poller`, or None), which reads through `read_runtime()`;
     `close()` stops polling and lets go of the runtime."""
 
-    _poller: Poller | None
+    _poller: Poller | None = None  # None until `start_polling` (and without a thread)
     _runtime: PolledRuntime | None
     status: str
 
