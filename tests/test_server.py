@@ -747,6 +747,28 @@ def test_disconnect_mid_stream_frees_kv(server, rt):
     rt.check_integrity()
 
 
+def test_a_failure_building_a_response_aborts_its_requests(client, rt, monkeypatch):
+    """The requests of a completion whose response fails after they were submitted (here its
+    echoed prompt text) are aborted, not left generating with nobody reading."""
+    from lmnb.server import openai_api
+
+    def fail(*args: object) -> list[str]:
+        raise RuntimeError("the echo failed")
+
+    monkeypatch.setattr(openai_api, "_echoed", fail)
+    samples, tokens = 8, 400
+    before = wait_idle(rt)["generated_tokens"]
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError, match="the echo failed"):
+            client.completions.create(model="tiny", prompt="Hi", echo=True, n=samples,
+                                      max_tokens=tokens, stream=stream,
+                                      extra_body={"ignore_eos": True})
+        stats = wait_idle(rt)
+        assert stats["generated_tokens"] - before < samples * tokens
+        rt.check_integrity()
+        before = stats["generated_tokens"]
+
+
 # ---- SGLang native ----------------------------------------------------------------------------
 def test_native_generate_shapes(http, rt):
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}

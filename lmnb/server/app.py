@@ -16,6 +16,7 @@ from lmnb.server.errors import error_body, install_error_handlers
 from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, max_token_bytes
 from lmnb.server.open_requests import OpenRequests
 from lmnb.server.request_id import RequestId
+from lmnb.server.request_streams import RequestStreams
 from lmnb.server.streams import ServedRuntime
 
 OPEN_PATHS = frozenset({"/health"})
@@ -76,6 +77,7 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     app.include_router(anthropic.count_tokens_router(runtime))
     app.state.runtime = runtime
     app.state.served_model_name = name
+    app.add_middleware(RequestStreams)  # innermost: the routes' streams end with the request
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:  # runs before any body is read
         app.add_middleware(BearerAuth, api_key=api_key)

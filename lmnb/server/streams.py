@@ -8,7 +8,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import Request
 
@@ -17,6 +17,7 @@ from lmnb.runtime.prompts import PromptInput
 from lmnb.runtime.request_checks import SamplingInput
 from lmnb.runtime.surface import EngineSurface
 from lmnb.server.limits import check_prompt_size
+from lmnb.server.request_streams import Closable, own
 
 Chunk = dict[str, Any]
 
@@ -27,12 +28,13 @@ ServedRuntime = EngineSurface  # what the server uses of `lmnb.Runtime` (or a DP
 async def open_stream(runtime: ServedRuntime, prompt: PromptInput = None,
                       sampling_params: SamplingInput = None, **kwargs: Any) -> OutputStream:
     """`runtime.generate(..., stream=True)` on a worker thread (tokenizing and building a grammar
-    must not block the loop). Cancelled while it runs, the stream it returns is closed."""
+    must not block the loop). Cancelled while it runs, the stream it returns is closed; else
+    the stream is closed at the latest when the request's handling ends (`RequestStreams`)."""
     loop = asyncio.get_running_loop()
     future = loop.run_in_executor(None, partial(_generate, runtime, prompt, sampling_params,
                                                 kwargs))
     try:
-        return await asyncio.shield(future)
+        return own(await asyncio.shield(future))
     except asyncio.CancelledError:
         future.add_done_callback(_close_result)
         raise
@@ -47,10 +49,6 @@ def _generate(runtime: ServedRuntime, prompt: PromptInput, sampling_params: Samp
 def _close_result(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().close()
-
-
-class Closable(Protocol):
-    def close(self) -> None: ...
 
 
 @contextlib.asynccontextmanager
