@@ -769,6 +769,55 @@ def test_a_failure_building_a_response_aborts_its_requests(client, rt, monkeypat
         before = stats["generated_tokens"]
 
 
+FORCED = [{"type": "function", "function": {"name": "say", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
+UNSTREAMED = {
+    "openai completions": ("/v1/completions", {"prompt": "Hi", "n": 4}),
+    "openai chat": ("/v1/chat/completions", {"messages": CHAT, "n": 4}),
+    "openai chat, tools": ("/v1/chat/completions", {"messages": CHAT, "n": 4, "tools": FORCED,
+                                                    "tool_choice": "required"}),
+    "sglang generate": ("/generate", {"text": "Hi", "sampling_params": {
+        "max_new_tokens": 300, "ignore_eos": True, "n": 4}}),
+    "anthropic": ("/v1/messages", {"messages": CHAT}),
+    "anthropic, tools": ("/v1/messages", {"messages": CHAT, "tools": [
+        {"name": "say", "input_schema": FORCED[0]["function"]["parameters"]}],
+        "tool_choice": {"type": "any"}}),
+    "ollama generate": ("/api/generate", {"prompt": "Hi", "stream": False,
+                                          "options": {"num_predict": 300}}),
+    "ollama chat": ("/api/chat", {"messages": CHAT, "stream": False,
+                                  "options": {"num_predict": 300}}),
+}
+
+
+@pytest.mark.parametrize("route", UNSTREAMED)
+def test_a_client_gone_from_an_unstreamed_request_aborts_it(server, rt, route):
+    """Each API's whole (unstreamed) answer, with tools or without: a client that closes its
+    connection while the requests generate has them aborted (as vLLM and SGLang do), their KV
+    freed; they would run for 300 tokens each, slowed by a batch hook."""
+    import socket
+    import time
+
+    path, fields = UNSTREAMED[route]
+    body = json.dumps({"model": "tiny", "max_tokens": 300, "ignore_eos": True, **fields})
+    before = wait_idle(rt)["generated_tokens"]
+    rt.set_batch_hook(lambda batch: time.sleep(0.02))  # the requests outlast the client
+    try:
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: lmnb\r\nAuthorization: Bearer {KEY}"
+                         f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+                         f"\r\n\r\n{body}".encode())
+            deadline = time.monotonic() + 30
+            while rt.stats()["running"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert rt.stats()["running"] > 0
+        stats = wait_idle(rt)
+    finally:
+        rt.set_batch_hook(None)
+    samples = fields.get("n", 1)
+    assert stats["generated_tokens"] - before < samples * 300 * 0.9
+    rt.check_integrity()
+
+
 # ---- SGLang native ----------------------------------------------------------------------------
 def test_native_generate_shapes(http, rt):
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
