@@ -771,6 +771,53 @@ def test_a_failure_building_a_response_aborts_its_requests(client, rt, monkeypat
         before = stats["generated_tokens"]
 
 
+def test_a_streamed_body_cancelled_mid_write_aborts_its_requests(rt, monkeypatch):
+    """A client that stops reading, then leaves, cancels its streamed body while a write waits:
+    the event generator is left suspended at a `yield`, unclosed. Its requests are aborted when
+    the request ends, not when (if ever) the garbage collector finalizes the generator: here
+    the response is kept alive. Driven as uvicorn drives the app (ASGI spec 2.3)."""
+    from lmnb.server import create_app, openai_api
+
+    kept = []
+    respond = openai_api._sse_response
+    monkeypatch.setattr(openai_api, "_sse_response",
+                        lambda events: kept.append(respond(events)) or kept[-1])
+    samples, tokens = 8, 400
+    body = json.dumps({"model": "tiny", "messages": CHAT, "max_tokens": tokens, "n": samples,
+                       "ignore_eos": True, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def serve() -> dict:
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":  # a write that never drains
+                gone.set()
+                await asyncio.Event().wait()
+
+        await create_app(rt)(scope, receive, send)
+        return await asyncio.to_thread(wait_idle, rt)
+
+    before = wait_idle(rt)["generated_tokens"]
+    stats = asyncio.run(serve())
+    assert kept, "the route did not answer with a stream"
+    assert stats["generated_tokens"] - before < samples * tokens
+    rt.check_integrity()
+
+
 FORCED = [{"type": "function", "function": {"name": "say", "parameters": {
     "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
 UNSTREAMED = {
