@@ -62,7 +62,9 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     `api_key`, every route but `/health` needs it. A body over `max_request_bytes` is refused
     (413) before it is read. Every response has a request id (`x-request-id`, `request-id`).
     Browsers on `allowed_origins` (default all, as SGLang's and vLLM's servers; none: no CORS
-    headers) may call every route with any method and header; preflights need no key."""
+    headers) may call every route with any method and header; preflights need no key. Every
+    runtime stream a request opens is closed when the request ends, whatever ended it
+    (`RequestStreams`)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     name = served_model_name or default_model_name(runtime)
