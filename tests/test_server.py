@@ -771,50 +771,94 @@ def test_a_failure_building_a_response_aborts_its_requests(client, rt, monkeypat
         before = stats["generated_tokens"]
 
 
-def test_a_streamed_body_cancelled_mid_write_aborts_its_requests(rt, monkeypatch):
-    """A client that stops reading, then leaves, cancels its streamed body while a write waits:
-    the event generator is left suspended at a `yield`, unclosed. Its requests are aborted when
-    the request ends, not when (if ever) the garbage collector finalizes the generator: here
-    the response is kept alive. Driven as uvicorn drives the app (ASGI spec 2.3)."""
-    from lmnb.server import create_app, openai_api
+async def write_blocked_then_gone(app, path: str, body: dict) -> None:
+    """Serves a POST of `body` to `path` as uvicorn does (ASGI spec 2.3) to a client that
+    stops reading, then leaves: the first body write never drains, and the disconnect comes
+    while it waits (Starlette cancels the body task inside `send`)."""
+    data = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(data)).encode())]}
+    gone = asyncio.Event()
+    messages = [{"type": "http.request", "body": data, "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            gone.set()
+            await asyncio.Event().wait()
+
+    await app(scope, receive, send)
+
+
+@pytest.fixture()
+def kept_responses(monkeypatch) -> list:
+    """Every streamed response made while the test runs, kept alive (as a reference cycle
+    would keep one until the garbage collector runs)."""
+    from starlette.responses import StreamingResponse
 
     kept = []
-    respond = openai_api._sse_response
-    monkeypatch.setattr(openai_api, "_sse_response",
-                        lambda events: kept.append(respond(events)) or kept[-1])
+    init = StreamingResponse.__init__
+
+    def keep(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        kept.append(self)
+
+    monkeypatch.setattr(StreamingResponse, "__init__", keep)
+    return kept
+
+
+def test_a_streamed_body_cancelled_mid_write_aborts_its_requests(rt, kept_responses):
+    """A client that stops reading, then leaves, cancels its streamed body while a write waits:
+    the event generator is left suspended at a `yield`, unclosed. Its requests are aborted when
+    the request ends, not when (if ever) the garbage collector finalizes the generator."""
+    from lmnb.server import create_app
+
     samples, tokens = 8, 400
-    body = json.dumps({"model": "tiny", "messages": CHAT, "max_tokens": tokens, "n": samples,
-                       "ignore_eos": True, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())]}
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": tokens, "n": samples,
+            "ignore_eos": True, "stream": True}
 
     async def serve() -> dict:
-        gone = asyncio.Event()
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict:
-            if messages:
-                return messages.pop()
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            if message["type"] == "http.response.body":  # a write that never drains
-                gone.set()
-                await asyncio.Event().wait()
-
-        await create_app(rt)(scope, receive, send)
+        await write_blocked_then_gone(create_app(rt), "/v1/chat/completions", body)
         return await asyncio.to_thread(wait_idle, rt)
 
     before = wait_idle(rt)["generated_tokens"]
     stats = asyncio.run(serve())
-    assert kept, "the route did not answer with a stream"
+    assert kept_responses, "the route did not answer with a stream"
     assert stats["generated_tokens"] - before < samples * tokens
+    rt.check_integrity()
+
+
+def test_a_rid_is_free_once_its_stream_was_cancelled_mid_write(rt, kept_responses):
+    """The `rid` of a streamed `/generate` cancelled mid-write names no running request once
+    the request ended: a new request may take it (SGLang refuses only a rid in flight)."""
+    from lmnb.server import create_app
+
+    app = create_app(rt)
+    params = {"max_new_tokens": 400, "ignore_eos": True}
+
+    async def serve() -> httpx.Response:
+        await write_blocked_then_gone(app, "/generate", {"text": "Hi", "rid": "again",
+                                                         "stream": True,
+                                                         "sampling_params": params})
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://lmnb") as c:
+            return await c.post("/generate", json={"text": "Hi", "rid": "again",
+                                                   "sampling_params": {"max_new_tokens": 2}})
+
+    response = asyncio.run(serve())
+    assert kept_responses
+    assert response.status_code == 200, response.text
+    assert response.json()["meta_info"]["id"] == "again"
+    wait_idle(rt)
     rt.check_integrity()
 
 

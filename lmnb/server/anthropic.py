@@ -15,7 +15,6 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmnb.runtime.output import OutputStream
@@ -24,11 +23,11 @@ from lmnb.server.limits import check_prompt_size
 from lmnb.server.media import chat_media
 from lmnb.server.messages import anthropic_chat
 from lmnb.server.streams import (
+    EventStream,
     ServedRuntime,
     chunks,
     closed_on_disconnect,
     collect,
-    guarded,
     open_stream,
     sse,
 )
@@ -134,16 +133,15 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
             run = ToolRun(runtime, plan, prompt, params, **media)
             if body.stream:
                 await run.start()  # a refused request is a 400 before the stream starts
-                return StreamingResponse(guarded(_tool_events(run, message, stops),
-                                                 _error_event),
-                                         media_type="text/event-stream")
+                return EventStream(_tool_events(run, message, stops), _error_event,
+                                   media_type="text/event-stream")
             async with closed_on_disconnect(request, run):
                 (tool_result,) = await run.results()
             return {**message, **_tool_message(tool_result, stops)}
         stream = await open_stream(runtime, prompt, params, **media)
         if body.stream:
-            return StreamingResponse(guarded(_events(stream, message, stops), _error_event),
-                                     media_type="text/event-stream")
+            return EventStream(_events(stream, message, stops), _error_event,
+                               media_type="text/event-stream")
         (result,) = await collect(request, stream)
         meta = result["meta_info"]
         stop_reason, stop_sequence = _stop_reason(meta, stops)

@@ -35,11 +35,11 @@ from lmnb.server.stream_logprobs import (
     new_chat_logprobs,
 )
 from lmnb.server.streams import (
+    EventStream,
     ServedRuntime,
     chunks,
     closed_on_disconnect,
     finish_type,
-    guarded,
     open_stream,
 )
 from lmnb.server.tool_run import ToolRun
@@ -291,7 +291,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         return name
 
     async def run(request: Request, body: _OllamaRequest, prompt: str, ids: list[int],
-                  chat: bool, context: bool = False) -> StreamingResponse | dict[str, Any]:
+                  chat: bool, context: bool = False) -> EventStream | dict[str, Any]:
         """Generates for `ids` (`prompt`'s, as the window holds them); with `context`, the last
         object carries the tokens of the prompt and the response (Ollama's `context`,
         tokenized as Ollama does: the texts)."""
@@ -331,8 +331,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 yield _line(line)
 
         if body.stream:
-            return StreamingResponse(guarded(lines(), _error_line),
-                                     media_type="application/x-ndjson")
+            return EventStream(lines(), _error_line, media_type="application/x-ndjson")
         texts: list[str] = []
         meta: dict[str, Any] = {}
         async with closed_on_disconnect(request, stream):  # a disconnect ends the loop
@@ -346,7 +345,7 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
                 **clock.final(meta), **await ending(text)}
 
     async def run_tools(request: Request, body: ChatRequest, prompt: str, prompt_len: int,
-                        plan: ToolPlan) -> StreamingResponse | dict[str, Any]:
+                        plan: ToolPlan) -> EventStream | dict[str, Any]:
         clock = _Clock()
         params = _params(body)
         params["max_new_tokens"] = body.window(runtime.context_len).max_new_tokens(
@@ -356,9 +355,8 @@ def make_router(runtime: ServedRuntime, model_name: str) -> APIRouter:
         model = body.model or model_name
         if body.stream:
             await tool_run.start()  # a refused request is a 400 before the stream starts
-            return StreamingResponse(guarded(_tool_lines(tool_run, model, clock, logprobs),
-                                             _error_line),
-                                     media_type="application/x-ndjson")
+            return EventStream(_tool_lines(tool_run, model, clock, logprobs), _error_line,
+                               media_type="application/x-ndjson")
         async with closed_on_disconnect(request, tool_run):
             (result,) = await tool_run.results(on_piece=clock.output)
         message: dict[str, Any] = {"role": "assistant", "content": result.text}

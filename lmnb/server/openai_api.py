@@ -14,7 +14,6 @@ from contextlib import aclosing
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lmnb.runtime.output import OutputStream
@@ -30,13 +29,13 @@ from lmnb.server.stream_logprobs import (
 )
 from lmnb.server.streams import (
     Chunk,
+    EventStream,
     ServedRuntime,
     chunk_index,
     chunks,
     closed_on_disconnect,
     collect,
     finish_type,
-    guarded,
     matched_stop,
     open_stream,
     sse,
@@ -479,9 +478,9 @@ def _echoed(prompt: Any, input_ids: Any, tokenizer: Any) -> list[str]:
     return [tokenizer.decode(ids) for ids in lists]
 
 
-def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(guarded(events, sse_error), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+def _sse_response(events: AsyncIterator[str]) -> EventStream:
+    return EventStream(events, sse_error, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache"})
 
 
 async def _completion_events(stream: OutputStream, head: dict[str, Any], n: int,

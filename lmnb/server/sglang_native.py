@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from lmnb.runtime.output.logprob_lists import PROMPT_LISTS
@@ -46,11 +46,11 @@ from lmnb.server.open_requests import OpenRequests, caller_ids
 from lmnb.server.streamed_meta import StreamedMeta
 from lmnb.server.streams import (
     Chunk,
+    EventStream,
     ServedRuntime,
     chunk_index,
     chunks,
     collect,
-    guarded,
     open_stream,
     sse,
     sse_error,
@@ -230,8 +230,7 @@ def make_router(runtime: ServedRuntime, model_name: str,
             open_requests.check_free(ids, stream)  # a 400 before the stream starts
             events = _events(stream, batch, texts, ids, open_requests,
                              runtime.engine_config.weight_version)
-            return StreamingResponse(guarded(events, sse_error),
-                                     media_type="text/event-stream")
+            return EventStream(events, sse_error, media_type="text/event-stream")
         with open_requests.tracked(ids, stream):
             results = await collect(request, stream)
         results = [{**r, "meta_info": {**sglang_meta(r["meta_info"], texts), "id": rid}

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from lmnb.runtime.output import OutputStream
 from lmnb.runtime.prompts import PromptInput
@@ -108,7 +110,7 @@ def sse(data: Any, event: str | None = None) -> str:
 
 
 async def guarded(events: AsyncIterator[str],
-                  on_error: Callable[[Exception], str]) -> AsyncIterator[str]:
+                  on_error: Callable[[Exception], str]) -> AsyncGenerator[str, None]:
     """`events`, ending with `on_error(error)`'s text when the runtime fails mid-stream (the
     status line is sent already, so the error travels in the body)."""
     try:
@@ -118,6 +120,25 @@ async def guarded(events: AsyncIterator[str],
         yield on_error(error)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+class EventStream(StreamingResponse):
+    """A streamed response of `guarded` events, closed when the response ends however it
+    ended: Starlette leaves a body cancelled mid-write (the client left while a write waited)
+    suspended at a `yield`, for the garbage collector to close, so the streams it reads and
+    the rids it holds (`OpenRequests`) would stay open until then."""
+
+    body_iterator: AsyncGenerator[str, None]
+
+    def __init__(self, events: AsyncIterator[str], on_error: Callable[[Exception], str], *,
+                 media_type: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(guarded(events, on_error), media_type=media_type, headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def sse_error(error: Exception) -> str:
