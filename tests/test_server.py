@@ -8,8 +8,8 @@ import asyncio
 import concurrent.futures
 import datetime
 import json
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterator
+from typing import Any, Literal
 
 import anthropic
 import httpx
@@ -1258,6 +1258,110 @@ def test_openai_rid_is_aborted_by_abort_request(server, client, http, rt):
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
                                        tools=[tool], extra_body={"rid": "t"})
     assert refused.value.param == "rid"
+    wait_idle(rt)
+    rt.check_integrity()
+
+
+DIGITS = {"type": "function", "function": {"name": "digits", "parameters": {
+    "type": "object", "properties": {"d": {"type": "array", "minItems": 300, "items": {
+        "type": "integer", "minimum": 0, "maximum": 9}}}, "required": ["d"]}}}
+
+
+def test_abort_all_ends_the_running_requests_of_every_api(server, rt):
+    """`/abort_request {"abort_all": true}` ends every running request, as SGLang's does, on
+    every API: tool runs (forced calls, whose arguments need over 300 tokens), Anthropic's and
+    Ollama's routes too, each ending as its API renders an abort (OpenAI and SGLang:
+    finish_reason `abort`, not `tool_calls`; Ollama: done_reason `abort`; Anthropic, which has
+    no such reason, `end_turn`, not `tool_use`), far short of their 250 tokens, every KV slot
+    back. It reached only the native and OpenAI requests without tools. The runtime's passes
+    are let through one a round until each request has its first token (`gated_passes`): all
+    are running when the abort comes."""
+    tokens = 250  # fits the tiny model's context after the tools' prompt
+
+    async def native(c: httpx.AsyncClient) -> AsyncIterator[dict]:
+        body = {"text": "Go on", "stream": True,
+                "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}
+        async with c.stream("POST", "/generate", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    yield json.loads(line[len("data: "):])
+
+    async def opened(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        return events  # as the clients' `create(stream=True)` give theirs
+
+    async def run(gate: PassGate) -> dict[str, list]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c, \
+                openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY,
+                                   max_retries=0) as gpt, \
+                anthropic.AsyncAnthropic(base_url=server.url, api_key=KEY,
+                                         max_retries=0) as claude, \
+                ollama.AsyncClient(host=server.url, headers=AUTH) as llama:
+            options = {"num_predict": tokens, "temperature": 0}
+            streams = {
+                "sglang": opened(native(c)),
+                "openai tools": gpt.chat.completions.create(
+                    model="tiny", messages=CHAT, tools=[DIGITS], tool_choice="required",
+                    max_tokens=tokens, stream=True, stream_options={"include_usage": True}),
+                "anthropic": claude.messages.create(model="tiny", messages=CHAT,
+                                                    max_tokens=tokens, stream=True,
+                                                    extra_body={"temperature": 0}),
+                # another prompt than the OpenAI tool run's: with the same prompt and
+                # constraint, one of the two at times ran on after its abort (a runtime issue)
+                "anthropic tools": claude.messages.create(
+                    model="tiny", messages=[{"role": "user", "content": "Count."}],
+                    max_tokens=tokens, stream=True,
+                    tools=[{"name": "digits", "input_schema": DIGITS["function"]["parameters"]}],
+                    tool_choice={"type": "any"}),
+                "ollama generate": llama.generate(model="tiny", prompt="Go on", stream=True,
+                                                  options=options),
+                "ollama chat": llama.chat(model="tiny", messages=CHAT, stream=True,
+                                          options=options),
+            }
+            started = {name: asyncio.Event() for name in streams}
+
+            async def read(name: str, opening: Awaitable[AsyncIterable[Any]]) -> list:
+                out = []
+                async for event in await opening:
+                    out.append(event)
+                    started[name].set()
+                return out
+
+            tasks = {name: asyncio.create_task(read(name, opening))
+                     for name, opening in streams.items()}
+            try:
+                while not all(event.is_set() for event in started.values()):
+                    for name, task in tasks.items():  # a request refused: its error, now
+                        if task.done() and not started[name].is_set():
+                            task.result()
+                    gate.allow()  # a pass per round, until every request has its first token
+                    await asyncio.sleep(0.02)
+                assert (await c.post("/abort_request", json={"abort_all": True})
+                        ).status_code == 200
+                gate.open()
+                return {name: await task for name, task in tasks.items()}
+            finally:
+                for task in tasks.values():
+                    task.cancel()
+
+    with gated_passes(rt) as gate:
+        ended = asyncio.run(run(gate))
+    native_last = ended["sglang"][-1]["meta_info"]
+    tool_chunks = ended["openai tools"]
+    deltas = {name: [e for e in ended[name] if e.type == "message_delta"][-1]
+              for name in ("anthropic", "anthropic tools")}
+    endings = {  # (how it ended, the tokens it made)
+        "sglang": (native_last["finish_reason"]["type"], native_last["completion_tokens"]),
+        "openai tools": ([c.choices[0].finish_reason for c in tool_chunks if c.choices][-1],
+                         tool_chunks[-1].usage.completion_tokens),
+        **{name: (delta.delta.stop_reason, delta.usage.output_tokens)
+           for name, delta in deltas.items()},
+        **{name: (ended[name][-1].done_reason, ended[name][-1].eval_count)
+           for name in ("ollama generate", "ollama chat")}}
+    assert {name: how for name, (how, _) in endings.items()} == {
+        "sglang": "abort", "openai tools": "abort", "anthropic": "end_turn",
+        "anthropic tools": "end_turn", "ollama generate": "abort", "ollama chat": "abort"
+    }, endings
+    assert all(made < tokens / 2 for _, made in endings.values()), endings
     wait_idle(rt)
     rt.check_integrity()
 

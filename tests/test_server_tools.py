@@ -6,9 +6,11 @@ given text) stands in for a model that does."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +35,7 @@ from lmnb.server.tools import (
     parse_calls,
     partial_object,
 )
-from tests.idle import wait_idle
+from tests.idle import GUARD_S, wait_idle
 
 KEY = "sk-tools"
 WEATHER_PARAMS = {"type": "object", "properties": {
@@ -483,15 +485,20 @@ def test_ollama_chat_tools_within_a_small_num_ctx(server, rt):
     rt.check_integrity()
 
 
+def digits_tool(items: int) -> dict:
+    """A function whose call takes over `items` tokens: `items` digits or more."""
+    return {"type": "function", "function": {"name": "digits", "parameters": {
+        "type": "object", "properties": {"d": {"type": "array", "minItems": items, "items": {
+            "type": "integer", "minimum": 0, "maximum": 9}}}, "required": ["d"]}}}
+
+
 def test_disconnect_mid_call_frees_kv(rt):
     """A client gone while continuations generate calls aborts them: they would run for over
     `items` decode steps each (up to the tiny model's context), the client leaves after ~5."""
     runtime = ScriptedRuntime(rt, tokenizer=rt.tokenizer, marker=HERMES.marker,
                               script=r"<tool_call>")
     samples, items = 3, 150
-    digits = {"type": "function", "function": {"name": "digits", "parameters": {
-        "type": "object", "properties": {"d": {"type": "array", "minItems": items, "items": {
-            "type": "integer", "minimum": 0, "maximum": 9}}}, "required": ["d"]}}}
+    digits = digits_tool(items)
     before = wait_idle(rt, 30.0, unlocked=True)["generated_tokens"]
     body = {"model": "tiny", "messages": ASK, "tools": [digits], "max_tokens": 4 * items,
             "stream": True, "n": samples}
@@ -505,6 +512,47 @@ def test_disconnect_mid_call_frees_kv(rt):
     # Each sample would write over `items` tokens; aborted, they stop short however loaded the
     # machine is (2 cores under the whole suite: ~190 tokens in all before the abort landed).
     assert stats["generated_tokens"] - before < samples * items
+    rt.check_integrity()
+
+
+class HeldContinuations(ScriptedRuntime):
+    """A `ScriptedRuntime` whose second requests (a started call's continuation) are sent only
+    once `release` is set; `reached` is set when one waits."""
+
+    def __init__(self, rt: Runtime, **script: Any) -> None:
+        super().__init__(rt, **script)
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, **kwargs: Any) -> Any:
+        if self.marker not in (sampling_params or {}).get("stop", ()):
+            self.reached.set()
+            assert self.release.wait(GUARD_S), "the test never released the continuation"
+        return super().generate(prompt, sampling_params, **kwargs)
+
+
+def test_abort_all_aborts_a_continuation_opened_after_it(rt):
+    """`/abort_request {"abort_all": true}` while a call's first request has ended and its
+    continuation is being opened (held here until the abort has been answered): the
+    continuation is aborted as it opens, so the choice ends with finish_reason `abort` (as
+    SGLang's), far short of its 250 tokens, every KV slot back. It ran to its length."""
+    runtime = HeldContinuations(rt, tokenizer=rt.tokenizer, marker=HERMES.marker,
+                                script=r"<tool_call>")
+    tokens = 250  # fits the tiny model's context after the tools' prompt
+    with ServerHandle.start(runtime) as handle, \
+            httpx.Client(base_url=handle.url, timeout=60) as http, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="x", max_retries=0)
+        try:
+            running = pool.submit(client.chat.completions.create, model="tiny", messages=ASK,
+                                  tools=[digits_tool(tokens)], max_tokens=tokens)
+            assert runtime.reached.wait(GUARD_S), "no continuation was opened"
+            assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+        finally:
+            runtime.release.set()
+        out = running.result()
+    assert out.choices[0].finish_reason == "abort"
+    assert out.usage.completion_tokens < tokens / 2
+    wait_idle(rt, 30.0, unlocked=True)
     rt.check_integrity()
 
 

@@ -28,6 +28,7 @@ from lmnb.server.streams import (
     chunks,
     closed_on_disconnect,
     collect,
+    finish_type,
     open_stream,
     sse,
 )
@@ -187,9 +188,11 @@ def _tool_use_id() -> str:
 
 
 def _tool_stop(meta: dict[str, Any], calls: int, stops: list[str]) -> tuple[str, str | None]:
-    stop_reason, stop_sequence = _stop_reason(meta, stops)
-    return ("tool_use", None) if calls and stop_reason != "max_tokens" else (stop_reason,
-                                                                             stop_sequence)
+    """`tool_use` when the reply made calls and stopped of itself; a call cut by max_tokens or
+    an abort ends as a reply without calls does."""
+    if calls and finish_type(meta) == "stop":
+        return "tool_use", None
+    return _stop_reason(meta, stops)
 
 
 def _tool_message(result: ChoiceResult, stops: list[str]) -> dict[str, Any]:

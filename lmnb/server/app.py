@@ -16,7 +16,7 @@ from lmnb.server.errors import error_body, install_error_handlers
 from lmnb.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, max_token_bytes
 from lmnb.server.open_requests import OpenRequests
 from lmnb.server.request_id import RequestId
-from lmnb.server.request_streams import RequestStreams
+from lmnb.server.request_streams import HandledRequests, RequestStreams
 from lmnb.server.streams import ServedRuntime
 
 OPEN_PATHS = frozenset({"/health"})
@@ -63,8 +63,8 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     (413) before it is read. Every response has a request id (`x-request-id`, `request-id`).
     Browsers on `allowed_origins` (default all, as SGLang's and vLLM's servers; none: no CORS
     headers) may call every route with any method and header; preflights need no key. Every
-    runtime stream a request opens is closed when the request ends, whatever ended it
-    (`RequestStreams`)."""
+    runtime stream a request opens is closed when the request ends, whatever ended it, and
+    `/abort_request {"abort_all": true}` aborts those of every request (`RequestStreams`)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     name = served_model_name or default_model_name(runtime)
@@ -72,14 +72,16 @@ def create_app(runtime: ServedRuntime, *, api_key: str | None = None,
     app = FastAPI(title="lmnb", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     open_requests = OpenRequests()  # by rid, for /abort_request
+    handled = HandledRequests()  # every request's streams, for abort_all
     app.include_router(openai_api.make_router(runtime, name, open_requests))
-    app.include_router(sglang_native.make_router(runtime, name, open_requests))
+    app.include_router(sglang_native.make_router(runtime, name, open_requests, handled))
     for module in (anthropic, ollama, replica_api):
         app.include_router(module.make_router(runtime, name))
     app.include_router(anthropic.count_tokens_router(runtime))
     app.state.runtime = runtime
     app.state.served_model_name = name
-    app.add_middleware(RequestStreams)  # innermost: the routes' streams end with the request
+    # innermost: the routes' streams end with the request
+    app.add_middleware(RequestStreams, requests=handled)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:  # runs before any body is read
         app.add_middleware(BearerAuth, api_key=api_key)

@@ -1,16 +1,17 @@
 """Requests in flight by their ids: what SGLang's `POST /abort_request` finds. The ids are the
 caller's `rid` (SGLang's field on `/generate`, `/v1/completions` and `/v1/chat/completions`),
 else `meta_info.id` on `/generate` and the response's id on the OpenAI routes. Requests of one
-call share a stream; aborting one of them ends it alone, the others go on."""
+call share a stream; aborting one of them ends it alone, the others go on. (`abort_all` reaches
+every request of every API: `lmnb.server.request_streams.HandledRequests`.)"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Iterator, Sequence
-from typing import Protocol
 
 from lmnb.runtime.distributed.replica import output_names
 from lmnb.server.errors import APIError
+from lmnb.server.request_streams import RequestsStream
 
 
 def caller_ids(rid: str | list[str], samples: list[int]) -> list[str]:
@@ -23,21 +24,10 @@ def caller_ids(rid: str | list[str], samples: list[int]) -> list[str]:
     return output_names(rid, samples)
 
 
-class RequestsStream(Protocol):
-    """The stream of one call (`OutputStream`): its requests' engine ids in order."""
-
-    @property
-    def rids(self) -> tuple[int, ...]: ...
-
-    def abort(self, rid: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class OpenRequests:
     """id -> the stream serving it and the request's engine id, while its response is produced
     (used from the event loop only). Aborting one request has the runtime end it (its KV freed)
-    with finish_reason `abort`, which its stream delivers; `abort_all` aborts each of them."""
+    with finish_reason `abort`, which its stream delivers."""
 
     def __init__(self) -> None:
         self._streams: dict[str, tuple[RequestsStream, int]] = {}
@@ -83,8 +73,4 @@ class OpenRequests:
         SGLang."""
         if rid in self._streams:
             stream, engine_rid = self._streams[rid]
-            stream.abort(engine_rid)
-
-    def abort_all(self) -> None:
-        for stream, engine_rid in list(self._streams.values()):
             stream.abort(engine_rid)

@@ -429,10 +429,11 @@ def _call_id() -> str:
 
 
 def _finish(meta: dict[str, Any], calls: int = 0) -> dict[str, Any]:
-    """A finished choice's `finish_reason` (`tool_calls` when it made calls and was not cut by
-    max_tokens) and SGLang's `matched_stop`."""
+    """A finished choice's `finish_reason` (`tool_calls` when it made calls and stopped of
+    itself, as SGLang's: a call cut by max_tokens is `length`, an aborted one `abort`) and
+    SGLang's `matched_stop`."""
     finish = finish_type(meta)
-    return {"finish_reason": "tool_calls" if calls and finish != "length" else finish,
+    return {"finish_reason": "tool_calls" if calls and finish == "stop" else finish,
             "matched_stop": matched_stop(meta)}
 
 

@@ -43,6 +43,7 @@ from lmnb.runtime.output.stream import OutputStream, extend_output_ids
 from lmnb.server.errors import APIError
 from lmnb.server.media import media_kwargs, media_tokens
 from lmnb.server.open_requests import OpenRequests, caller_ids
+from lmnb.server.request_streams import HandledRequests
 from lmnb.server.streamed_meta import StreamedMeta
 from lmnb.server.streams import (
     Chunk,
@@ -194,10 +195,10 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def make_router(runtime: ServedRuntime, model_name: str,
-                open_requests: OpenRequests) -> APIRouter:
-    """The native routes; `/abort_request` finds the requests in `open_requests` (the OpenAI
-    routes' too)."""
+def make_router(runtime: ServedRuntime, model_name: str, open_requests: OpenRequests,
+                handled: HandledRequests) -> APIRouter:
+    """The native routes; `/abort_request` finds a rid in `open_requests` (the OpenAI routes'
+    too), and aborts every API's requests with `abort_all` (`handled`)."""
     router = APIRouter()
     token_text = TokenTexts(runtime.tokenizer)
 
@@ -241,10 +242,11 @@ def make_router(runtime: ServedRuntime, model_name: str,
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest) -> Response:
-        """Aborts the request `rid` (of `/generate`, or an OpenAI route's given that `rid`; all
-        of them with `abort_all`); an unknown or finished rid is a no-op, as in SGLang."""
+        """Aborts the request `rid` (of `/generate`, or an OpenAI route's given that `rid`; with
+        `abort_all`, every request of every route, tool calls' included); an unknown or
+        finished rid is a no-op, as in SGLang."""
         if body.abort_all:
-            open_requests.abort_all()
+            handled.abort_all()
         elif body.rid:
             open_requests.abort(body.rid)
         return Response(status_code=200)
