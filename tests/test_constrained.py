@@ -321,6 +321,27 @@ CITY_SCHEMA = {"type": "object", "properties": {
                  "population_in_millions_of_inhabitants", "is_the_capital_city_of_its_country"]}
 
 
+def test_identical_jumping_requests_run_side_by_side(rt) -> None:
+    """Two identical constrained requests (two clients' same forced tool call) that jump
+    forward at every token: each jump sends a request back to the head of the waiting queue,
+    to be prefilled again, while the other's whole prompt but its last token is cached. That
+    one was held back as sharing its uncached prefix with the first (in-batch prefix
+    deferral, which gains nothing for one token, always computed) every pass until the first
+    ended: with 250 tokens to go it made no progress, and an abort meant for both found the
+    first run to its end. Both now share every pass from the second on."""
+    passes: list[list[int]] = []
+    rt.set_batch_hook(lambda batch: passes.append(list(batch.rids)))
+    try:
+        outs = rt.generate(["Count.", "Count."], {"regex": r"([0-9], ){12}", "temperature": 0,
+                                                  "max_new_tokens": 60})
+    finally:
+        rt.set_batch_hook(None)
+    assert all(out["meta_info"]["jump_forward_steps"] >= 6 for out in outs), outs
+    both = set(passes[0]) | set(passes[-1])
+    assert len(both) == 2, passes
+    assert all(set(rids) == both for rids in passes[1:-1]), passes
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_jump_forward_saves_forward_passes(rt, rt_nojump, temperature: float) -> None:
     regex = json_schema_to_regex(CITY_SCHEMA)

@@ -141,8 +141,8 @@ class PrefillManager:
         ids = self.cache.match_key(req)
         whole = len(ids) == req.fill_len
         uncached = len(ids) - cached_len
-        if uncached <= 0:
-            return False
+        if uncached <= 1:  # only its last token, computed whatever the cache holds: no gain
+            return False  # (else a request jumping forward, back first each pass, starves it)
         first = ids[cached_len]
         for other in admitted:
             other_ids = other.fill_ids if other.output_ids else other.origin_input_ids
