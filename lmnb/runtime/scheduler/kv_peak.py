@@ -20,23 +20,28 @@ import bisect
 class KVPeak:
     """Requests as (held, left) pairs; `peak_with` the set's peak with one more, in O(log n).
 
-    Kept in order of `left`, largest first: the set's usage when the k-th request (k from 1)
-    makes its last allocation is `value[k] = cum_held[k] + left[k] * k`, and the peak is the
-    largest value. One more request at place p adds its `held` and one more `left[k]` to the
-    values after it."""
+    Kept as groups of equal `left`, largest first (requests of one length, e.g. one batch's,
+    share one group, so adding them is cheap): the set's usage when the last request of group
+    g (from 1) makes its last allocation is `value[g] = cum_held[g] + left[g] * cum_count[g]`,
+    and the peak is the largest value (a group's earlier requests reach less). One more request
+    before group g adds its `held` and one more `left[g]` to the values from g on."""
 
     def __init__(self, pairs: list[tuple[int, int]] | None = None) -> None:
-        self._pairs: list[tuple[int, int]] = sorted(  # by `left`, largest first
-            ((held, max(left, 0)) for held, left in pairs or ()), key=lambda pair: -pair[1])
-        self._keys = [-left for _, left in self._pairs]  # ascending, for bisect
-        self.held = sum(held for held, _ in self._pairs)  # slots the set holds now
-        self._cum: list[int] = []  # [k]: held of the first k
-        self._best_before: list[int] = []  # [k]: the largest value among the first k
-        self._best_after: list[int] = []  # [k]: the largest value[j] + left[j] for j >= k
+        self._keys: list[int] = []  # -left of each group, ascending (largest left first)
+        self._helds: list[int] = []  # [g]: held summed over the group
+        self._counts: list[int] = []  # [g]: requests in the group
+        self.held = 0  # slots the set holds now
+        self._count = 0
+        for held, left in pairs or ():
+            self._insert(held, left)
+        self._cum: list[int] = []  # [g]: held of the first g groups
+        self._cum_count: list[int] = []  # [g]: requests in the first g groups
+        self._best_before: list[int] = []  # [g]: the largest value among the first g groups
+        self._best_after: list[int] = []  # [g]: the largest value[j] + left[j] for j >= g
         self._rebuild()
 
     def __len__(self) -> int:
-        return len(self._pairs)
+        return self._count
 
     def add(self, held: int, left: int) -> None:
         self._insert(held, left)
@@ -49,23 +54,31 @@ class KVPeak:
         """max over t >= 0 of sum(held_i + t for left_i >= t), the set plus (held, left)."""
         left = max(left, 0)
         place = bisect.bisect_right(self._keys, -left)  # after those with as many left
-        own = self._cum[place] + held + left * (place + 1)
+        own = self._cum[place] + held + left * (self._cum_count[place] + 1)
         return max(self._best_before[place], own, self._best_after[place] + held)
 
     def _insert(self, held: int, left: int) -> None:
-        left = max(left, 0)
-        place = bisect.bisect_right(self._keys, -left)
-        self._keys.insert(place, -left)
-        self._pairs.insert(place, (held, left))
+        key = -max(left, 0)
+        group = bisect.bisect_left(self._keys, key)
+        if group < len(self._keys) and self._keys[group] == key:
+            self._helds[group] += held
+            self._counts[group] += 1
+        else:
+            self._keys.insert(group, key)
+            self._helds.insert(group, held)
+            self._counts.insert(group, 1)
         self.held += held
+        self._count += 1
 
     def _rebuild(self) -> None:
-        cum, before, values = [0], [0], []
-        for k, (held, left) in enumerate(self._pairs, start=1):
+        cum, cum_count, before, values = [0], [0], [0], []
+        for key, held, count in zip(self._keys, self._helds, self._counts, strict=True):
             cum.append(cum[-1] + held)
-            values.append(cum[-1] + left * k)
+            cum_count.append(cum_count[-1] + count)
+            values.append(cum[-1] - key * cum_count[-1])
             before.append(max(before[-1], values[-1]))
         after = [0] * (len(values) + 1)
-        for k in range(len(values) - 1, -1, -1):
-            after[k] = max(after[k + 1], values[k] + self._pairs[k][1])
-        self._cum, self._best_before, self._best_after = cum, before, after
+        for g in range(len(values) - 1, -1, -1):
+            after[g] = max(after[g + 1], values[g] - self._keys[g])
+        self._cum, self._cum_count = cum, cum_count
+        self._best_before, self._best_after = before, after
