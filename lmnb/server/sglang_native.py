@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -228,10 +228,9 @@ def make_router(runtime: ServedRuntime, model_name: str, open_requests: OpenRequ
         ids = ([str(rid) for rid in stream.rids] if body.rid is None
                else caller_ids(body.rid, body.samples()))
         if body.stream:
-            open_requests.check_free(ids, stream)  # a 400 before the stream starts
-            events = _events(stream, batch, texts, ids, open_requests,
-                             runtime.engine_config.weight_version)
-            return EventStream(events, sse_error, media_type="text/event-stream")
+            events = _events(stream, batch, texts, ids, runtime.engine_config.weight_version)
+            return EventStream(open_requests.tracked_events(ids, stream, events), sse_error,
+                               media_type="text/event-stream")
         with open_requests.tracked(ids, stream):
             results = await collect(request, stream)
         results = [{**r, "meta_info": {**sglang_meta(r["meta_info"], texts), "id": rid}
@@ -332,8 +331,7 @@ def make_router(runtime: ServedRuntime, model_name: str, open_requests: OpenRequ
 
 
 async def _events(stream: OutputStream, batch: bool, token_text: TokenTexts | None,
-                  rids: list[str], open_requests: OpenRequests,
-                  weight_version: str) -> AsyncIterator[str]:
+                  rids: list[str], weight_version: str) -> AsyncGenerator[str, None]:
     """Cumulative events, each with SGLang's meta_info so far (`StreamedMeta`); a request whose
     stream closed before its last chunk gets a last event with finish_reason `abort` (one
     aborted by `/abort_request` gets the runtime's)."""
@@ -351,18 +349,16 @@ async def _events(stream: OutputStream, batch: bool, token_text: TokenTexts | No
             out["index"] = index
         return sse(out)
 
-    with open_requests.tracked(rids, stream):
-        async for chunk in chunks(stream):
-            index = chunk_index(chunk)
-            texts[index] = texts.get(index, "") + chunk["text"]
-            extend_output_ids(ids.setdefault(index, []), chunk)
-            progress = so_far.setdefault(index, StreamedMeta(weight_version))
-            meta = {**sglang_meta(progress.add(chunk["meta_info"]), token_text),
-                    "id": rids[index]}
-            metas[index] = meta
-            if meta.get("finish_reason") is not None:
-                finished.add(index)
-            yield event(index, meta)
+    async for chunk in chunks(stream):
+        index = chunk_index(chunk)
+        texts[index] = texts.get(index, "") + chunk["text"]
+        extend_output_ids(ids.setdefault(index, []), chunk)
+        progress = so_far.setdefault(index, StreamedMeta(weight_version))
+        meta = {**sglang_meta(progress.add(chunk["meta_info"]), token_text), "id": rids[index]}
+        metas[index] = meta
+        if meta.get("finish_reason") is not None:
+            finished.add(index)
+        yield event(index, meta)
     for index, rid in enumerate(rids):
         if index not in finished:
             yield event(index, _aborted(metas.get(index, {}), rid, ids.get(index, [])))
