@@ -31,7 +31,6 @@ class KVPeak:
         self._helds: list[int] = []  # [g]: held summed over the group
         self._counts: list[int] = []  # [g]: requests in the group
         self.held = 0  # slots the set holds now
-        self._count = 0
         for held, left in pairs or ():
             self._insert(held, left)
         self._cum: list[int] = []  # [g]: held of the first g groups
@@ -41,7 +40,7 @@ class KVPeak:
         self._rebuild()
 
     def __len__(self) -> int:
-        return self._count
+        return self._cum_count[-1]
 
     def add(self, held: int, left: int) -> None:
         self._insert(held, left)
@@ -68,7 +67,6 @@ class KVPeak:
             self._helds.insert(group, held)
             self._counts.insert(group, 1)
         self.held += held
-        self._count += 1
 
     def _rebuild(self) -> None:
         cum, cum_count, before, values = [0], [0], [0], []
