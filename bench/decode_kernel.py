@@ -262,6 +262,8 @@ def shared_runs(batch: SharedBatch, sweep: bool, parts: str = "prefix,suffix"
     base_prefix = (sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES)
     runs = [("plain (no sharing)", launcher(busy, None, base_prefix), {}),
             ("shared default", launcher(default, batch.shared, base_prefix), {}),
+            ("shared, a 16-split suffix grid", launcher(default._replace(max_splits=16),
+                                                        batch.shared, base_prefix), {}),
             ("shared, suffixes with the batch's own tile", launcher(busy, batch.shared,
                                                                      base_prefix), {})]
     if sweep and "prefix" in parts:

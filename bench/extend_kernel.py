@@ -9,6 +9,10 @@ Shapes (`--shapes`):
             prefix (8 groups of 32 sharing one)
   fork      the fork workload's questions: 256 requests of 32 new tokens after a cached
             600-token document (64 groups of 4)
+  first     the shared-prefix run's first pass: 5 whole 1,540-token prompts and the first 492
+            tokens of a sixth (8,192 new tokens, no prefix)
+  mixed     a later pass of that run: the sixth prompt's other 1,048 tokens, two more whole
+            prompts, and 100 questions of 40 tokens after the five cached 1,500-token prefixes
 
     python bench/extend_kernel.py --device cuda
     python bench/extend_kernel.py --device cuda --sweep --shapes prefix
@@ -99,6 +103,11 @@ def shape(name: str, device: torch.device, seed: int, model: str = "llama3") -> 
         groups = [(1500, [40] * 32) for _ in range(8)]
     elif name == "fork":
         groups = [(600, [32] * 4) for _ in range(64)]
+    elif name == "first":
+        groups = [(0, [1540]) for _ in range(5)] + [(0, [492])]
+    elif name == "mixed":
+        groups = ([(492, [1048]), (0, [1540]), (0, [1540])]
+                  + [(1500, [40] * 20) for _ in range(5)])
     else:
         raise ValueError(name)
     return Extend(groups=groups, device=device, seed=seed, model=model)

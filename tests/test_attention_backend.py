@@ -377,3 +377,19 @@ def test_model_decode_through_capture_hooks_matches_eager(tiny_models):
     assert all(m.attn_backend is None for m in model.modules() if isinstance(m, PooledAttention))
     with pytest.raises(ValueError, match="not bound to this backend"):  # before any CUDA call
         DecodeGraphRunner(model, runner.attn_backend, max_bs=1, device=torch.device("cpu"))
+
+
+def test_triton_metadata_is_int32_while_every_pool_offset_fits():
+    from lmnb.runtime.kernels.triton_backend import kernel_index_dtype
+
+    assert kernel_index_dtype(2**31 - 1) is torch.int32
+    assert kernel_index_dtype(2**31) is torch.int64
+
+
+def test_decode_buffers_cast_the_batch_to_their_index_dtype():
+    buffers = DecodeBuffers(4, 16, torch.device("cpu"), index_dtype=torch.int32)
+    buffers.fill(seq_lens=torch.tensor([3, 2]), kv_indptr=torch.tensor([0, 3, 5]),
+                 kv_indices=torch.tensor([7, 8, 9, 4, 5]), num_kv_tokens=5, bs=4)
+    assert buffers.kv_indptr.dtype == buffers.kv_indices.dtype == torch.int32
+    assert buffers.kv_indptr.tolist() == [0, 3, 5, 6, 7]  # two dummy rows of one slot each
+    assert buffers.kv_indices[:7].tolist() == [7, 8, 9, 4, 5, 0, 0]

@@ -19,7 +19,7 @@ from lmnb.runtime.kernels.shared_prefix import (
     members_per_tile,
     plan_items,
 )
-from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
+from lmnb.runtime.kernels.triton_decode import decode_attention, decode_config, partial_buffers
 
 pytestmark = SAME_TRITON_MODE
 
@@ -51,7 +51,9 @@ def _rows(device: str, gen: torch.Generator, rng: random.Random, groups: list[tu
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "dtype"), [
     (8, 2, 64, torch.float32), (2, 2, 32, torch.bfloat16)])  # GQA 4 (16 members), MHA (64)
-def test_shared_prefix_decode_equals_plain_decode(device, heads, kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("suffix_splits", [3, 1])  # a busy batch's grid: one split a suffix
+def test_shared_prefix_decode_equals_plain_decode(device, heads, kv_heads, head_dim, dtype,
+                                                  suffix_splits):
     if device == "cpu" and heads == kv_heads:
         pytest.skip("the MHA tile (64 members) is slow in the interpreter: compiled only")
     rng, gen = random.Random(heads), torch.Generator().manual_seed(head_dim)
@@ -78,9 +80,11 @@ def test_shared_prefix_decode_equals_plain_decode(device, heads, kv_heads, head_
                                               device=device),
                                  batch_size=bs, num_items=num_items, members=members)
     out = torch.empty_like(q)
+    # the prefix's partials sit after the suffix's splits, however few the config launches
+    config = decode_config(head_dim, dtype, shared=True)._replace(max_splits=suffix_splits)
     decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
                      *partial_buffers(bs, heads, head_dim, splits + PREFIX_SPLITS, q.device),
-                     scale=head_dim**-0.5, max_kv_splits=splits, shared=shared)
+                     scale=head_dim**-0.5, max_kv_splits=splits, config=config, shared=shared)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), expected.double(), atol=tol, rtol=tol)
 

@@ -96,13 +96,15 @@ class DecodeBuffers:
     for bs rows reads valid metadata. The buffers' addresses never change.
     """
 
-    def __init__(self, max_bs: int, kv_capacity: int, device: torch.device) -> None:
+    def __init__(self, max_bs: int, kv_capacity: int, device: torch.device, *,
+                 index_dtype: torch.dtype = torch.int64) -> None:
+        """`index_dtype`: kv_indptr's and kv_indices' (the batch's int64 are cast on `fill`)."""
         self.max_bs = max_bs
         self.kv_capacity = kv_capacity
         self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
-        self.kv_indptr = torch.arange(max_bs + 1, dtype=torch.int64, device=device)
-        self.kv_indices = torch.zeros(kv_capacity + max_bs, dtype=torch.int64, device=device)
-        self._steps = torch.arange(1, max_bs + 1, dtype=torch.int64, device=device)
+        self.kv_indptr = torch.arange(max_bs + 1, dtype=index_dtype, device=device)
+        self.kv_indices = torch.zeros(kv_capacity + max_bs, dtype=index_dtype, device=device)
+        self._steps = torch.arange(1, max_bs + 1, dtype=index_dtype, device=device)
 
     def fits(self, batch_size: int, num_kv_tokens: int) -> bool:
         return batch_size <= self.max_bs and num_kv_tokens <= self.kv_capacity

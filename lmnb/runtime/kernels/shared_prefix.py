@@ -9,8 +9,9 @@ instead of once per request. Each request's own suffix goes through the ordinary
 kernel with its first `kv_skip[i]` tokens skipped, and the merge kernel folds both sets:
 
     partial_out [bs, heads, max_kv_splits + PREFIX_SPLITS, head_dim]
-                 splits 0 .. max_kv_splits-1: the request's suffix (triton_decode.py)
-                 splits max_kv_splits + part : part `part` of its group's prefix (this file)
+                 splits 0 .. S-1: the request's suffix (triton_decode.py; S the launch's split
+                 count, `decode_config`'s max_splits at most)
+                 splits S + part : part `part` of its group's prefix (this file)
     items       [num_items, 4 + members_per_tile] int64:
                  (leader request row, first token, end token, part, member rows..., -1 padding)
                  an item with end <= first is empty (graphs keep a fixed number of rows)

@@ -276,12 +276,16 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
     stages for FP8 pools at the busiest level), the shortest split by how many (request, KV
     head) programs the batch has already. `shared`: the suffixes of requests whose shared
     prefix is read apart (`shared_prefix.py`), mostly short."""
+    programs = batch_size * num_kv_heads
+    level = sum(programs >= busy for busy in _BUSY_PROGRAMS)
     if shared:
         # H200 sweep (`bench/decode_kernel.py --shared G:M:P:S --sweep --shared-sweep suffix`,
         # Llama-3): 32-token tiles over 2 warps, 1 stage, per layer with the prefix kernel and
         # the merge: few-shot 8:32:1500:24 114 us against 131+ for the batch's busy tile, fork
-        # 64:4:600:64 148 us; every 32-token tile within 1%, 128-token tiles the slowest.
-        return DecodeConfig(32, MIN_SPLIT_LEN, 2, 1)
+        # 64:4:600:64 148 us; every 32-token tile within 1%, 128-token tiles the slowest. The
+        # suffixes are short: the split grid shrinks with the batch as the plain kernel's does
+        # (a 16-split grid at batch 256 is 15 empty programs per request and KV head).
+        return DecodeConfig(32, MIN_SPLIT_LEN, 2, 1, (16, 4, 2, 1)[level])
     if dtype == torch.float8_e4m3fn:
         # H100 sweep (`bench/decode_kernel.py --kv-fp8 --sweep`, Llama-3, batch 256, contexts
         # 100-2,048, 600 MB of FP8 K/V and scales a layer): 128-token tiles over 4 warps with 3
@@ -294,8 +298,6 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
                                  heads_first=False)
         return base
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 512
-    programs = batch_size * num_kv_heads
-    level = sum(programs >= busy for busy in _BUSY_PROGRAMS)
     # H100, triton 3.6, fp16 head_dim 128, in a CUDA graph: 2 warps beat 4 by up to 1.6x at
     # batch 1 (2k MHA 26 vs 36 us, 8k GQA 28 vs 46 us) and match it at batch 32. The split
     # dimension shrinks with the batch: at batch 256 (contexts 100-2,048) a grid of 2 splits
@@ -362,9 +364,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     kv_skip, prefix_parts = (kv_indptr, kv_indptr) if shared is None else (shared.kv_skip,
                                                                           shared.prefix_parts)
     prefix_splits = 0
-    if shared is None:  # (with `shared`, its partials sit at offset max_kv_splits: kept there)
-        max_kv_splits = min(max_kv_splits, config.max_splits)
-    else:
+    max_kv_splits = min(max_kv_splits, config.max_splits)
+    if shared is not None:  # the prefix's partials sit after the suffix's splits
         prefix_splits = shared_prefix.PREFIX_SPLITS
         assert partial_out.shape[2] >= max_kv_splits + prefix_splits, "partials too narrow"
         shared_prefix.shared_prefix_partials(
