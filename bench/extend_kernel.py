@@ -123,7 +123,7 @@ def triton_runs(batch: Extend, sweep: bool,
     out = torch.empty_like(batch.q)
     group = batch.heads // batch.kv_heads
     configs = [("default", te.extend_config(batch.head_dim, batch.dtype,
-                                            max_rows=max(batch.new_lens) * group,
+                                            rows=[n * group for n in batch.new_lens],
                                             group=group))]
     for block_m, block_n, warps, stages, *k_rows in tiles:
         configs.append((f"m{block_m} n{block_n} w{warps} s{stages}{' k_rows' * any(k_rows)}",

@@ -123,10 +123,13 @@ def test_extend_kernel_configs_match_float64(device):
     inside the new tokens (the unmasked part then the diagonal), one new token."""
     from lmnb.runtime.kernels.triton_extend import ExtendConfig, extend_config
 
-    assert extend_config(128, torch.bfloat16, max_rows=128, group=4).block_m == 128
-    assert extend_config(128, torch.bfloat16, max_rows=4000, group=4).block_m == 128
-    assert extend_config(128, torch.bfloat16, max_rows=160, group=4).block_m == 64
-    assert extend_config(128, torch.bfloat16, max_rows=4000, group=1).block_m == 64
+    assert extend_config(128, torch.bfloat16, rows=[128], group=4).block_m == 128
+    assert extend_config(128, torch.bfloat16, rows=[4000], group=4).block_m == 128
+    assert extend_config(128, torch.bfloat16, rows=[160], group=4).block_m == 64
+    assert extend_config(128, torch.bfloat16, rows=[4000], group=1).block_m == 64
+    # the batch's rows, not its longest request's: a long chunk beside many short extends
+    assert extend_config(128, torch.bfloat16, rows=[4192, *[160] * 155], group=4).block_m == 64
+    assert extend_config(128, torch.bfloat16, rows=[6160] * 5 + [160], group=4).block_m == 128
     gen = torch.Generator().manual_seed(11)
     prefix_lens, extend_lens = [37, 0, 5], [21, 9, 1]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]

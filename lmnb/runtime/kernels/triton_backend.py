@@ -25,7 +25,7 @@ from lmnb.runtime.kernels.shared_prefix import (
     plan_items,
 )
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
-from lmnb.runtime.kernels.triton_extend import extend_attention
+from lmnb.runtime.kernels.triton_extend import ExtendConfig, extend_attention, extend_config
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 DEFAULT_MAX_KV_SPLITS = 16
@@ -54,6 +54,7 @@ class TritonAttention(AttentionBackend):
     _shared: SharedPrefixes | None  # prefix groups read once per tile (shared_prefix.py)
     # EXTEND: the batch's metadata in the kernels' index dtype
     _max_extend_len: int
+    _extend_config: ExtendConfig  # tiles by the batch's rows
     _qo_indptr: torch.Tensor  # [bs + 1]
     _extend_kv_indptr: torch.Tensor  # [bs + 1]
     _extend_kv_indices: torch.Tensor  # [num_kv_tokens]
@@ -105,6 +106,10 @@ class TritonAttention(AttentionBackend):
                 forward_batch.batch_size, self.num_heads, self.head_dim, splits, self._device)
         else:
             self._max_extend_len = max(forward_batch.extend_lens_cpu, default=1)
+            group = self.num_heads // self.num_kv_heads
+            self._extend_config = extend_config(
+                self.head_dim, self.kv_storage.dtype, group=group,
+                rows=[n * group for n in forward_batch.extend_lens_cpu])
             self._qo_indptr, self._extend_kv_indptr, self._extend_kv_indices = (
                 t.to(self._index_dtype) for t in (forward_batch.qo_indptr,
                                                   forward_batch.kv_indptr,
@@ -164,5 +169,6 @@ class TritonAttention(AttentionBackend):
             extend_attention(q, k_buffer, v_buffer, out, self._qo_indptr,
                              self._extend_kv_indptr, self._extend_kv_indices,
                              max_extend_len=self._max_extend_len, scale=self.scale,
+                             config=self._extend_config,
                              kv_scales=self.kv_storage.scales(layer_id))
         return out.view(q.shape[0], self.num_heads * self.head_dim)

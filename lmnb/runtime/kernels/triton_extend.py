@@ -15,6 +15,7 @@ the mask col <= prefix_len + token; blocks past the row block's causal edge are 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -98,14 +99,14 @@ class ExtendConfig(NamedTuple):
     k_rows: bool = False  # load K token-major and transpose it for the dot
 
 
-def extend_config(head_dim: int, dtype: torch.dtype, *, max_rows: int = 0,
+def extend_config(head_dim: int, dtype: torch.dtype, *, rows: Sequence[int] = (),
                   group: int = 1) -> ExtendConfig:
     """Tile sizes by head size and element width (fp32 heads of 128+ need smaller KV tiles), by
-    the GQA group and by the longest request's rows (new tokens x group). With GQA 128-row
-    blocks over 8 warps, or 64-row blocks where 128 would pad that request's rows by a fifth
-    more (e.g. 160 rows: 256 instead of 192); MHA (group 1) always 64-row
-    blocks. So a request's result may differ in its last bits with the batch it runs
-    in, as the GEMMs' (cuBLAS picks its kernel by the batch's rows) already do."""
+    the GQA group and by the requests' rows (each one's new tokens x group). With GQA 128-row
+    blocks over 8 warps, or 64-row blocks where 128 would pad the batch's rows by a fifth more
+    (e.g. 160 rows a request: 256 instead of 192); MHA (group 1) always 64-row blocks. So a
+    request's result may differ in its last bits with the batch it runs in, as the GEMMs'
+    (cuBLAS picks its kernel by the batch's rows) already do."""
     wide = triton.next_power_of_2(head_dim) * torch.empty((), dtype=dtype).element_size() > 256
     if wide:
         return ExtendConfig(64, 32, 4, 2)
@@ -115,10 +116,12 @@ def extend_config(head_dim: int, dtype: torch.dtype, *, max_rows: int = 0,
     # request) 64-row blocks with K token-major 1,193 us against 1,384.
     # H200, Llama-2 MHA offline chunk (13 requests, 8,192 new tokens, no prefix): 64 x 32 over
     # 4 warps with K token-major 331.8 us against 518.8 for 128 x 32 over 8 warps.
+    # H200, the shared-prefix run's passes (int32 metadata): a long prompt's chunk beside 155
+    # questions of 40 tokens after cached prefixes 1,023 us with 128-row blocks, 902 with 64.
     if group == 1:
         return ExtendConfig(64, 32, 4, 3, k_rows=True)
-    padded = triton.cdiv(max_rows, 128) * 128
-    if padded <= 1.2 * triton.cdiv(max_rows, 64) * 64:
+    padded = sum(triton.cdiv(n, 128) * 128 for n in rows)
+    if padded <= 1.2 * sum(triton.cdiv(n, 64) * 64 for n in rows):
         return ExtendConfig(128, 32, 8, 3)
     return ExtendConfig(64, 32, 4, 3, k_rows=True)
 
@@ -139,8 +142,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
     block_d = triton.next_power_of_2(head_dim)
-    config = config or extend_config(head_dim, k_buffer.dtype,
-                                     max_rows=max_extend_len * group, group=group)
+    config = config or extend_config(head_dim, k_buffer.dtype, rows=[max_extend_len * group],
+                                     group=group)
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
     compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
