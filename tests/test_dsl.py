@@ -366,6 +366,33 @@ def test_role_forms_give_the_same_text(rt):
         assert state.messages() == messages
 
 
+def test_role_methods_return_what_they_appended_and_none_is_a_value_error():
+    """As SGLang's `ProgramState`: `s.user(expr)` returns the role expression it appended, and
+    `s += None` (or `forks += None`) raises ValueError in the program's body."""
+    returned = []
+
+    @lmnb.function
+    def method(s):
+        returned.append(s.system("Be brief."))
+        returned.append(s.user("Hi"))
+
+    method.run(backend=FakeBackend()).sync()
+    assert returned == [system("Be brief."), user("Hi")]
+
+    @lmnb.function
+    def appends_none(s, forked):
+        if forked:
+            forks = s.fork(2)
+            forks += None
+        s += None
+
+    for forked in (False, True):
+        with pytest.raises(ValueError, match="append None"):
+            appends_none.run(forked=forked, backend=FakeBackend())
+        with pytest.raises(ValueError, match="append None"):
+            appends_none.trace(forked=forked)
+
+
 def test_role_errors_are_kept():
     @lmnb.function
     def bad(s):

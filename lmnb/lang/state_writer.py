@@ -41,6 +41,14 @@ def position_offsets(size: int, position_ids_offset: Sequence[int] | None) -> li
     return offsets
 
 
+def appended(value: Any) -> Expr:
+    """What `s += value` appends; None is a ValueError, as in SGLang (a role method or helper
+    that returns nothing, appended by mistake)."""
+    if value is None:
+        raise ValueError("Tried to append None to state: append a str or a DSL expression")
+    return to_expr(value)
+
+
 class StateWriter:
     """The writing half of `s`, shared by running and tracing states: `+=`, `set_var`,
     `var_scope`, and the roles as calls (`s.user("hi")`) or blocks (`with s.user(): ...`).
@@ -50,7 +58,7 @@ class StateWriter:
         raise NotImplementedError
 
     def __iadd__(self, other: Any) -> Any:
-        self._submit(to_expr(other))
+        self._submit(appended(other))
         return self
 
     def set_var(self, name: str, value: Any) -> None:
@@ -74,12 +82,14 @@ class StateWriter:
 
     def _role(self, role: str, expr: Any) -> Any:
         if expr is not None:
-            self._submit(_ROLE_EXPRS[role](expr))
-            return None
+            message = _ROLE_EXPRS[role](expr)
+            self._submit(message)
+            return message
         return self._role_scope(role)
 
     def system(self, expr: Any = None) -> Any:
-        """`s.system("...")` appends a system message; `with s.system():` opens one."""
+        """`s.system("...")` appends a system message and returns it (as SGLang's, an
+        expression); `with s.system():` opens one."""
         return self._role("system", expr)
 
     def user(self, expr: Any = None) -> Any:
@@ -126,7 +136,7 @@ class ProgramStateGroup:
             for state, expr in zip(self.states, other, strict=True):
                 state += expr
         else:
-            expr = to_expr(other)
+            expr = appended(other)
             for state in self.states:
                 state += expr
         return self
