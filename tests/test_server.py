@@ -646,14 +646,21 @@ def test_logprob_counts_over_twenty_are_400s(client):
 
 def test_stream_options_need_stream(client):
     """`stream_options` without `stream: true` is a 400 naming it, as OpenAI's API and vLLM
-    answer; it was ignored. Null is not given."""
+    answer; it was ignored. vLLM refuses any non-empty object (even `{"include_usage": false}`)
+    and accepts an empty one, as SGLang accepts them all: `{}` is not a 400 (it was). Null is
+    not given."""
     for create, kwargs in ((client.chat.completions.create, {"messages": CHAT}),
                            (client.completions.create, {"prompt": "Hi"})):
         for stream in (False, None):
-            with pytest.raises(openai.BadRequestError, match="stream=True") as error:
-                create(model="tiny", max_tokens=2, stream=stream,
-                       stream_options={"include_usage": True}, **kwargs)
-            assert error.value.param == "stream_options"
+            for options in ({"include_usage": True}, {"include_usage": False},
+                            {"continuous_usage_stats": False}):
+                with pytest.raises(openai.BadRequestError, match="stream=True") as error:
+                    create(model="tiny", max_tokens=2, stream=stream, stream_options=options,
+                           **kwargs)
+                assert error.value.param == "stream_options"
+            assert create(model="tiny", max_tokens=2, stream=stream, stream_options={},
+                          **kwargs).choices
+        assert create(model="tiny", max_tokens=2, stream_options={}, **kwargs).choices
         assert create(model="tiny", max_tokens=2, stream_options=None, **kwargs).choices
 
 

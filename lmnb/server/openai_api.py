@@ -59,8 +59,10 @@ MAX_LOGPROBS = 20
 
 class StreamOptions(BaseModel):
     """`include_usage`: a last chunk with the whole usage; `continuous_usage_stats` (SGLang's
-    and vLLM's): every chunk with its choice's usage so far."""
+    and vLLM's): every chunk with its choice's usage so far. Unknown keys are kept only so that
+    `empty` tells `{}` from any other object."""
 
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -72,6 +74,11 @@ class StreamOptions(BaseModel):
             body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
                              "total_tokens": prompt + completion}
         return sse(body)
+
+    @property
+    def empty(self) -> bool:
+        """Sent as `{}` (or built with nothing set)."""
+        return not self.model_fields_set
 
 
 class ResponseFormat(BaseModel):
@@ -123,8 +130,9 @@ class _Sampling(BaseModel):
         return self.stream_options or StreamOptions()
 
     def check_stream_options(self) -> None:
-        """`stream_options` without `stream` is a 400, as OpenAI's API and vLLM refuse it."""
-        if self.stream_options is not None and not self.stream:
+        """`stream_options` without `stream` is a 400, as OpenAI's API and vLLM refuse it;
+        an empty object passes, as in vLLM (SGLang passes any)."""
+        if self.stream_options is not None and not self.stream_options.empty and not self.stream:
             raise APIError("Stream options can only be defined when `stream=True`.",
                            param="stream_options")
 
