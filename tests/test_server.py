@@ -778,17 +778,22 @@ def test_a_failure_building_a_response_aborts_its_requests(client, rt, monkeypat
         before = stats["generated_tokens"]
 
 
+def post_scope(path: str, data: bytes) -> dict:
+    """The ASGI scope of a JSON POST of `data` to `path`, as uvicorn sends it (spec 2.3)."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+            "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(data)).encode())]}
+
+
 async def write_blocked_then_gone(app, path: str, body: dict) -> None:
     """Serves a POST of `body` to `path` as uvicorn does (ASGI spec 2.3) to a client that
     stops reading, then leaves: the first body write never drains, and the disconnect comes
     while it waits (Starlette cancels the body task inside `send`)."""
     data = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-             "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(data)).encode())]}
+    scope = post_scope(path, data)
     gone = asyncio.Event()
     messages = [{"type": "http.request", "body": data, "more_body": False}]
 
@@ -865,6 +870,97 @@ def test_a_rid_is_free_once_its_stream_was_cancelled_mid_write(rt, kept_response
     assert kept_responses
     assert response.status_code == 200, response.text
     assert response.json()["meta_info"]["id"] == "again"
+    wait_idle(rt)
+    rt.check_integrity()
+
+
+STREAMED_RID = {
+    "openai chat": ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 3,
+                                             "stream": True, "rid": "twice"}),
+    "openai completions": ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 3,
+                                               "stream": True, "rid": "twice"}),
+    "sglang generate": ("/generate", {"text": "Hi", "stream": True, "rid": "twice",
+                                      "sampling_params": {"max_new_tokens": 3}}),
+}
+
+
+@pytest.mark.parametrize("route", STREAMED_RID)
+def test_a_streamed_rid_is_claimed_when_the_route_checks_it(rt, route):
+    """Two streamed requests with one `rid`: the second is a plain 400 naming the rid, even
+    while the first one's response has not started its body. The rid was taken only when a
+    body started, so both passed the route's check and the later body failed with an
+    in-stream error event. The first streams to its end; then the rid is free again."""
+    from lmnb.server import create_app
+
+    app = create_app(rt)
+    path, body = STREAMED_RID[route]
+    data = json.dumps(body).encode()
+
+    async def serve() -> tuple[httpx.Response, list[dict], httpx.Response]:
+        started, release = asyncio.Event(), asyncio.Event()
+        messages = [{"type": "http.request", "body": data, "more_body": False}]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # a client that stays
+            raise AssertionError
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                started.set()
+                await release.wait()
+            sent.append(message)
+
+        first = asyncio.create_task(app(post_scope(path, data), receive, send))
+        await started.wait()  # the first response holds its status line, its body unstarted
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://lmnb") as c:
+            second = await c.post(path, json=body)
+            release.set()
+            await first
+            third = await c.post(path, json=body)
+        return second, sent, third
+
+    second, sent, third = asyncio.run(serve())
+    assert second.status_code == 400, second.text
+    assert "'twice' is already in use" in second.json()["error"]["message"]
+    assert sent[0]["status"] == 200
+    streamed = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    assert "error" not in streamed and streamed.endswith("data: [DONE]\n\n"), streamed
+    assert third.status_code == 200 and "error" not in third.text, third.text
+    wait_idle(rt)
+    rt.check_integrity()
+
+
+@pytest.mark.parametrize("route", STREAMED_RID)
+def test_a_rid_claimed_by_a_response_that_never_started_is_freed(rt, route):
+    """The client leaves before the streamed response starts (its body never runs): the rid
+    the route's check claimed is free once the request ended, and its requests are aborted."""
+    from lmnb.server import create_app
+
+    app = create_app(rt)
+    path, body = STREAMED_RID[route]
+    data = json.dumps(body).encode()
+
+    async def serve() -> httpx.Response:
+        messages = [{"type": "http.disconnect"},
+                    {"type": "http.request", "body": data, "more_body": False}]
+
+        async def receive() -> dict:
+            return messages.pop()
+
+        async def send(message: dict) -> None:
+            await asyncio.Event().wait()  # no write drains: the status line is never sent
+
+        await app(post_scope(path, data), receive, send)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://lmnb") as c:
+            return await c.post(path, json=body)
+
+    again = asyncio.run(serve())
+    assert again.status_code == 200 and "error" not in again.text, again.text
     wait_idle(rt)
     rt.check_integrity()
 

@@ -25,48 +25,58 @@ def caller_ids(rid: str | list[str], samples: list[int]) -> list[str]:
 
 
 class OpenRequests:
-    """id -> the stream serving it and the request's engine id, while its response is produced
-    (used from the event loop only). Aborting one request has the runtime end it (its KV freed)
-    with finish_reason `abort`, which its stream delivers."""
+    """id -> the stream serving it and the request's engine id (used from the event loop
+    only). A route claims its ids when it checks them, before its response starts; they are
+    taken until its block (`tracked`) or its events (`tracked_events`) end, or its stream is
+    closed, whichever comes first: a response whose body never ran (its client left first) holds
+    them only until its request's handling ends, which closes the stream (`RequestStreams`).
+    Aborting one request has the runtime end it (its KV freed) with finish_reason `abort`,
+    which its stream delivers."""
 
     def __init__(self) -> None:
         self._streams: dict[str, tuple[RequestsStream, int]] = {}
 
-    def check_free(self, ids: Sequence[str], stream: RequestsStream) -> None:
-        """A 400, closing `stream` (whose requests these are), when one of `ids` is in flight
-        already."""
+    def _claim(self, ids: Sequence[str], stream: RequestsStream) -> None:
+        """Takes `ids` (one per request of `stream`, in order) for `stream`; a 400, closing
+        `stream`, when one of them is taken already."""
+        self._streams = {rid: entry for rid, entry in self._streams.items()
+                         if not entry[0].closed}
         taken = sorted(set(ids) & set(self._streams))
         if taken:
             stream.close()
             raise APIError(f"rid {taken[0]!r} is already in use by a running request",
                            param="rid")
+        self._streams.update(zip(ids, ((stream, rid) for rid in stream.rids), strict=True))
+
+    def _release(self, ids: Sequence[str], stream: RequestsStream) -> None:
+        for rid in ids:
+            if self._streams.get(rid, (None,))[0] is stream:
+                del self._streams[rid]
 
     @contextlib.contextmanager
     def tracked(self, ids: Sequence[str], stream: RequestsStream) -> Iterator[None]:
-        """`ids` (one per request of `stream`, in order) find it within the block (after
-        `check_free`)."""
-        self.check_free(ids, stream)
-        self._streams.update(zip(ids, ((stream, rid) for rid in stream.rids), strict=True))
+        """`ids` find `stream` within the block; a 400 now when one of them is taken."""
+        self._claim(ids, stream)
         try:
             yield
         finally:
-            for rid in ids:
-                if self._streams.get(rid, (None,))[0] is stream:
-                    del self._streams[rid]
+            self._release(ids, stream)
 
     def tracked_events(self, ids: Sequence[str], stream: RequestsStream,
                        events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
-        """`events` (a response streaming `stream`) during which `ids` find `stream`; a 400 now,
-        before the response starts, when one of them is in flight already."""
-        self.check_free(ids, stream)
+        """`events` (a response streaming `stream`), with `ids` claimed from now: a 400 now,
+        before the response starts, when one of them is taken."""
+        self._claim(ids, stream)
         return self._tracking(ids, stream, events)
 
     async def _tracking(self, ids: Sequence[str], stream: RequestsStream,
                         events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
-        async with contextlib.aclosing(events):
-            with self.tracked(ids, stream):
+        try:
+            async with contextlib.aclosing(events):
                 async for event in events:
                     yield event
+        finally:
+            self._release(ids, stream)
 
     def abort(self, rid: str) -> None:
         """Aborts the request `rid`; an id not in flight (finished, unknown) is a no-op, as in

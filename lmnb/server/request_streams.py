@@ -30,6 +30,11 @@ class RequestsStream(Closable, Protocol):
     @property
     def rids(self) -> tuple[int, ...]: ...
 
+    @property
+    def closed(self) -> bool:
+        """Closed: no more output comes, its unfinished requests were aborted."""
+        ...
+
     def abort(self, rid: int) -> None:
         """Ends request `rid` (if unfinished) with finish_reason `abort`, delivered as its last
         chunk."""
