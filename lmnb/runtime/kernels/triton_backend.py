@@ -29,6 +29,7 @@ from lmnb.runtime.kernels.triton_extend import ExtendConfig, extend_attention, e
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
 DEFAULT_MAX_KV_SPLITS = 16
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
 def kernel_index_dtype(buffer_elements: int) -> torch.dtype:
@@ -38,7 +39,6 @@ def kernel_index_dtype(buffer_elements: int) -> torch.dtype:
     Llama-3-8B: the shared-prefix run's extend passes 1.6-1.7x faster, shared-prefix decode
     1.16x, than with int64 metadata); else int64."""
     return torch.int32 if buffer_elements < 2**31 else torch.int64
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
 @register_attention_backend("triton")
