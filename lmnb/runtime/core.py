@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,8 +88,11 @@ class Req:
     spec_accepted_tokens: int = 0  # of those accepted
 
     @property
-    def fill_ids(self) -> list[int]:
-        """All tokens whose KV the request needs before its next decode step."""
+    def fill_ids(self) -> Sequence[int]:
+        """All tokens whose KV the request needs before its next decode step (read-only: the
+        prompt list itself while there is no output, not a copy)."""
+        if not self.output_ids:
+            return self.origin_input_ids
         return self.origin_input_ids + self.output_ids
 
     @property

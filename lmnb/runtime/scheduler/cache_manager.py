@@ -7,6 +7,7 @@ The only place that reads and writes a request's KV fields (`req_pool_idx`, `kv_
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -43,7 +44,7 @@ class CacheManager:
 
     # ---- binding a request to its prefix -------------------------------------------------------
     @staticmethod
-    def match_key(req: Req) -> list[int]:
+    def match_key(req: Req) -> Sequence[int]:
         """The ids whose cached prefix `req` may reuse: its fill ids, up to the first prompt
         position it still has to score (that position's logits must be computed)."""
         key = req.fill_ids

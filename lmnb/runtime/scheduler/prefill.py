@@ -145,11 +145,11 @@ class PrefillManager:
             return False  # (else a request jumping forward, back first each pass, starves it)
         first = ids[cached_len]
         for other in admitted:
-            other_ids = other.fill_ids if other.output_ids else other.origin_input_ids
+            other_ids = other.fill_ids
             if (other.extra_key != req.extra_key or len(other_ids) <= cached_len
                     or other_ids[cached_len] != first):  # shares no uncached token: quick out
                 continue
-            shared = common_prefix_length(ids, other.fill_ids) - cached_len
+            shared = common_prefix_length(ids, other_ids) - cached_len
             # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples).
             if shared >= threshold or (whole and shared > 0 and shared >= uncached - 1):
                 return True
