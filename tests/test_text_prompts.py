@@ -14,7 +14,13 @@ import pytest
 
 from lmnb.runtime.core import InvalidRequestError
 from lmnb.runtime.engine import Runtime
-from lmnb.runtime.prompts import FIRST_CHUNK, chunk_bounds, encode_many, split_prompts
+from lmnb.runtime.prompts import (
+    FIRST_CHUNK,
+    chunk_bounds,
+    encode_many,
+    ids_in_range,
+    split_prompts,
+)
 
 TEXTS = [
     "The capital of France is",
@@ -197,3 +203,9 @@ def test_a_shared_params_dict_is_checked_per_prompt(rt):
     assert rt.stats()["forward_passes"] == before
     outputs = rt.generate(["Short one.", "Short two."], {**GREEDY, "max_new_tokens": 40})
     assert [o["meta_info"]["completion_tokens"] for o in outputs] == [40, 40]
+
+
+def test_ids_in_range_takes_integers_below_the_vocabulary_only():
+    assert ids_in_range([], 10) and ids_in_range([0, 9, True], 10)
+    for bad in ([0, 10], [-1, 3], [1, 2.0], [1, "2"], [1, None], [1, 2**70], [[1]]):
+        assert not ids_in_range(bad, 10), bad
