@@ -530,3 +530,26 @@ def test_a_prompt_logprob_request_is_held_back_only_for_a_prefix_it_can_reuse() 
     # waiting paid off where it was taken: 39 of the 40 ids before position 40, 59 of 60
     assert [state.req.cached_tokens for state in states] == [0, 0, 0, 39, 59]
     scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(("shared", "held"), [(31, False), (32, True), (5, False)])
+def test_a_request_sharing_a_run_of_uncached_tokens_waits_for_it_from_the_threshold(
+        shared: int, held: bool) -> None:
+    """Held back a pass when it shares at least `in_batch_prefix_min_tokens` (32) uncached
+    tokens with a request admitted in the same plan; a whole prompt shared with one admitted
+    (the n samples' case) is held back however short."""
+    runner = FakeRunner()
+    scheduler = make(pool=512, chunk=512, runner=runner)
+    common = list(range(1000, 1000 + shared))
+    first = request(common + list(range(2000, 2010)), max_new_tokens=1)
+    second = request(common + list(range(3000, 3010)), max_new_tokens=1)
+    short, same = request([7, 8, 9], max_new_tokens=1), request([7, 8, 9], max_new_tokens=1)
+    for state in (first, second, short, same):
+        scheduler.add(state)
+    assert scheduler.step()
+    admitted = set(runner.batches[0].rids)
+    assert (second.rid not in admitted) is held
+    assert short.rid in admitted and same.rid not in admitted
+    run_to_end(scheduler)
+    assert second.req.cached_tokens == (shared if held else 0)
+    assert same.req.cached_tokens == 2

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from lmnb.runtime.core import InputLogprobSpan, Req
 from lmnb.runtime.output.stop import by_length
 from lmnb.runtime.policy import SchedulePolicy
-from lmnb.runtime.prefix_cache import common_prefix_length
 from lmnb.runtime.scheduler.cache_manager import CacheManager
 from lmnb.runtime.scheduler.decode import tokens_left
 from lmnb.runtime.scheduler.kv_peak import KVPeak
@@ -143,15 +142,20 @@ class PrefillManager:
         uncached = len(ids) - cached_len
         if uncached <= 1:  # only its last token, computed whatever the cache holds: no gain
             return False  # (else a request jumping forward, back first each pass, starves it)
-        first = ids[cached_len]
+        # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples): the
+        # uncached tokens it must share with an admitted request (one slice compare each).
+        need = max(min(threshold, uncached - 1), 1) if whole else threshold
+        end = cached_len + need
+        if len(ids) < end:
+            return False
+        run = ids[cached_len:end]
+        first = run[0]
         for other in admitted:
             other_ids = other.fill_ids
-            if (other.extra_key != req.extra_key or len(other_ids) <= cached_len
+            if (other.extra_key != req.extra_key or len(other_ids) < end
                     or other_ids[cached_len] != first):  # shares no uncached token: quick out
                 continue
-            shared = common_prefix_length(ids, other_ids) - cached_len
-            # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples).
-            if shared >= threshold or (whole and shared > 0 and shared >= uncached - 1):
+            if other_ids[cached_len:end] == run:
                 return True
         return False
 
