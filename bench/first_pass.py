@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import io
 import json
 import logging
@@ -40,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` import
 
 from bench.common import RESULTS_DIR, environment, format_table, write_json  # noqa: E402
 from bench.dummy_models import write_dummy_model  # noqa: E402
+from bench.instrument import Call, Patches  # noqa: E402
 from bench.vs_vllm import FULL, WORKLOADS, Requests, make_workload  # noqa: E402
 from lmnb.runtime import engine as engine_module  # noqa: E402
 from lmnb.runtime import model_runner, request_checks  # noqa: E402
@@ -91,30 +91,12 @@ class Window:
 
 def instrument(window: Window) -> Callable[[], None]:
     """Wraps the steps, `launch` and the forward; returns what undoes it."""
-    undo: list[Callable[[], None]] = []
+    patches = Patches()
 
-    def wrap(owner: Any, name: str, before: Callable[[], None] | None = None) -> None:
-        original = owner.__dict__[name]
-        label = f"{getattr(owner, '__name__', '').rsplit('.', 1)[-1]}.{name}"
-        function = original.__func__ if isinstance(original, staticmethod) else original
-
-        @functools.wraps(function)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before()
-            if not window.open:
-                return function(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                if window.open:
-                    window.totals[label] += time.perf_counter() - start
-                    window.counts[label] += 1
-
-        setattr(owner, name, staticmethod(timed) if isinstance(original, staticmethod)
-                else timed)
-        undo.append(lambda: setattr(owner, name, original))
+    def timed(call: Call) -> None:
+        if window.open:
+            window.totals[call.label] += call.seconds
+            window.counts[call.label] += 1
 
     def on_launch() -> None:
         if window.launch is None:
@@ -135,13 +117,11 @@ def instrument(window: Window) -> Callable[[], None]:
         raise FirstForward("the bench stops every run at its first forward")
 
     for owner, name in (*CALLER_STEPS, *SCHEDULER_STEPS):
-        wrap(owner, name)
-    wrap(loop.SchedulerThread, "_handle", on_step_start)
-    wrap(model_runner.ModelRunner, "launch", on_launch)
-    original_forward = model_runner.ModelRunner._forward
-    model_runner.ModelRunner._forward = forward  # type: ignore[method-assign]
-    undo.append(lambda: setattr(model_runner.ModelRunner, "_forward", original_forward))
-    return lambda: [step() for step in reversed(undo)] and None
+        patches.wrap(owner, name, timed)
+    patches.wrap(loop.SchedulerThread, "_handle", timed, before=on_step_start)
+    patches.wrap(model_runner.ModelRunner, "launch", timed, before=on_launch)
+    patches.replace(model_runner.ModelRunner, "_forward", forward)
+    return patches.undo
 
 
 def measure(rt: Any, work: Requests, repeats: int, profile: bool) -> dict[str, Any]:
