@@ -808,12 +808,13 @@ def print_report(payload: dict[str, Any]) -> None:
                     print_profile(f"{engine} {model} {cell['label']}", cell["profile"])
 
 
-def print_profile(title: str, summary: dict[str, Any]) -> None:
+def print_profile(title: str, summary: dict[str, Any],
+                  run: str = "one extra profiled run, not timed") -> None:
     from bench.kernel_profile import CATEGORY_HEADERS, category_rows
 
     print(f"\nkernel time by category, {title}: {summary['passes']} passes, wall "
           f"{1e3 * summary['wall_seconds']:.1f} ms, device busy {1e3 * summary['busy_seconds']:.1f}"
-          f" ms (one extra profiled run, not timed)")
+          f" ms ({run})")
     print(format_table(CATEGORY_HEADERS, category_rows(summary)))
     others = [k for k in summary["top_kernels"] if k["category"] == "other"]
     if others:
