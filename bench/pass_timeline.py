@@ -48,7 +48,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -84,6 +84,9 @@ from bench.vs_vllm import (  # noqa: E402
 )
 from lmnb.runtime import model_runner  # noqa: E402
 from lmnb.runtime.scheduler import loop, scheduler  # noqa: E402
+
+if TYPE_CHECKING:
+    from lmnb.runtime.kernels.triton_extend import ExtendConfig
 
 DEFAULT_MODEL = "llama-3-8b"
 EXTEND_KERNEL = "_extend_kernel"  # triton_extend.py's kernel, as the profiler names it
@@ -177,7 +180,9 @@ class PassTimeline:
     def report(self, end: float) -> dict[str, Any]:
         """The run that started at `restart()` and ended at `end`: per pass its times (ms after
         the start, durations in ms) and the loop's totals within the run."""
-        at = lambda t: (t - self.start) * 1e3  # noqa: E731
+        def at(stamp: float) -> float:
+            return (stamp - self.start) * 1e3
+
         rows = []
         previous_end = self.start
         for index, entry in enumerate(self.passes):
@@ -256,7 +261,7 @@ class Captured:
     kv_indices: torch.Tensor
     max_extend_len: int
     scale: float
-    config: Any  # triton_extend.ExtendConfig | None
+    config: ExtendConfig | None
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None
 
 
@@ -306,8 +311,9 @@ def time_captured(capture: Captured) -> dict[str, Any]:
     layouts = {"pool": (c.k, c.v, c.kv_indices, c.kv_scales),
                "compact": (c.k[slots].contiguous(), c.v[slots].contiguous(), inverse,
                            compact_scales)}
-    configs = {"lmnb": c.config, **{name: triton_extend.ExtendConfig(*tile)
-                                    for name, tile in CAPTURE_TILES.items()}}
+    configs: dict[str, ExtendConfig | None] = {"lmnb": c.config}
+    for name, tile in CAPTURE_TILES.items():
+        configs[name] = triton_extend.ExtendConfig(*tile)
     out = torch.empty_like(c.q)
     timings: dict[str, dict[str, float]] = {}
     for layout, (k, v, indices, scales) in layouts.items():
@@ -318,7 +324,8 @@ def time_captured(capture: Captured) -> dict[str, Any]:
             column = timings.setdefault(f"{layout} {str(dtype).removeprefix('torch.')}", {})
             for name, config in configs.items():
                 def run(k: torch.Tensor = k, v: torch.Tensor = v, metadata: tuple = metadata,
-                        config: Any = config, scales: Any = scales) -> torch.Tensor:
+                        config: ExtendConfig | None = config,
+                        scales: tuple[torch.Tensor, ...] | None = scales) -> torch.Tensor:
                     return triton_extend.extend_attention(
                         c.q, k, v, out, *metadata, max_extend_len=c.max_extend_len,
                         scale=c.scale, config=config, kv_scales=scales)

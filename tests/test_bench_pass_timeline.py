@@ -45,7 +45,9 @@ def test_tiny_run_has_one_entry_per_forward_pass(tmp_path, capsys):
         for p in passes:  # every pass planned, launched, waited for and completed
             assert all(p[key] is not None and p[key] >= 0
                        for key in ("plan_ms", "launch_ms", "wait_ms", "complete_ms"))
-            assert p["launch_at_ms"] <= p["completed_at_ms"] <= run["wall_ms"]
+            # (the last pass's `_complete` may end after `generate` returned: its KV goes to
+            # the cache once the outputs are sent)
+            assert p["launch_at_ms"] <= p["completed_at_ms"] and p["launch_at_ms"] <= run["wall_ms"]
         assert [p["launch_at_ms"] for p in passes] == sorted(p["launch_at_ms"] for p in passes)
         assert run["first_launch_ms"] == passes[0]["launch_at_ms"]
         assert run["loop_calls"]["Scheduler.step"] >= len(passes)
