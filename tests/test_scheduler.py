@@ -553,3 +553,22 @@ def test_a_request_sharing_a_run_of_uncached_tokens_waits_for_it_from_the_thresh
     run_to_end(scheduler)
     assert second.req.cached_tokens == (shared if held else 0)
     assert same.req.cached_tokens == 2
+
+
+def test_a_request_is_not_held_back_for_a_run_after_another_cached_prefix() -> None:
+    """The admitted request must share the whole prefix up to the end of the run, not only the
+    run: one whose cached prefix differs (the same length, other tokens) computes KV this
+    request can never hit, so waiting for it gains nothing."""
+    runner = FakeRunner()
+    scheduler = make(pool=512, chunk=512, runner=runner)
+    mine, theirs, run = list(range(500, 510)), list(range(600, 610)), list(range(1000, 1040))
+    scheduler.add(request([*mine, 7], max_new_tokens=1))
+    run_to_end(scheduler)  # `mine` is in the cache: the request below has 10 cached tokens
+    other = request([*theirs, *run, 8], max_new_tokens=1)
+    state = request([*mine, *run, 9], max_new_tokens=1)
+    for s in (other, state):
+        scheduler.add(s)
+    assert scheduler.step()
+    assert set(runner.batches[-1].rids) == {other.rid, state.rid}
+    run_to_end(scheduler)
+    assert state.req.cached_tokens == len(mine)

@@ -143,7 +143,8 @@ class PrefillManager:
         if uncached <= 1:  # only its last token, computed whatever the cache holds: no gain
             return False  # (else a request jumping forward, back first each pass, starves it)
         # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples): the
-        # uncached tokens it must share with an admitted request (one slice compare each).
+        # uncached tokens it must share with an admitted request (one slice compare each), after
+        # the same cached prefix (else the other's KV is never a prefix of this one's).
         need = max(min(threshold, uncached - 1), 1) if whole else threshold
         end = cached_len + need
         if len(ids) < end:
@@ -155,7 +156,7 @@ class PrefillManager:
             if (other.extra_key != req.extra_key or len(other_ids) < end
                     or other_ids[cached_len] != first):  # shares no uncached token: quick out
                 continue
-            if other_ids[cached_len:end] == run:
+            if other_ids[cached_len:end] == run and other_ids[:cached_len] == ids[:cached_len]:
                 return True
         return False
 
