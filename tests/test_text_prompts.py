@@ -4,12 +4,14 @@ prompt in a later chunk aborts the chunks already submitted (no KV leak)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lmnb.runtime.core import InvalidRequestError
@@ -209,3 +211,26 @@ def test_ids_in_range_takes_integers_below_the_vocabulary_only():
     assert ids_in_range([], 10) and ids_in_range([0, 9, True], 10)
     for bad in ([0, 10], [-1, 3], [1, 2.0], [1, "2"], [1, None], [1, 2**70], [[1]]):
         assert not ids_in_range(bad, 10), bad
+
+
+def test_nested_numpy_integer_ids_are_kept_as_python_ints():
+    """NumPy integers (or a 0-d tensor's) pass the range check; they are copied as Python ints,
+    so that the outputs' token ids and JSON bodies (a data-parallel replica's, a disk page's
+    header) hold ints. Values that are not integers stay for the range check to refuse."""
+    import torch
+
+    lists = split_prompts(None, [[np.int64(3), np.int32(4), torch.tensor(5), True], [1, 2.0],
+                                 [1, "2"], [np.uint64(2**64 - 1)]]).id_lists
+    assert lists[0] == [3, 4, 5, 1] and {type(v) for v in lists[0]} == {int}
+    assert [type(v) for v in lists[1]] == [int, float] and lists[2] == [1, "2"]
+    assert not any(ids_in_range(ids, 10) for ids in lists[1:])
+
+
+def test_numpy_integer_ids_generate_json_serializable_outputs(rt):
+    ids = list(range(300, 340))
+    options = dict(sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+    plain = rt.generate(input_ids=[ids], **options)
+    given = rt.generate(input_ids=[[np.int64(v) for v in ids]], **options)
+    assert given[0]["output_ids"] == plain[0]["output_ids"]
+    assert [t for _, t in given[0]["meta_info"]["input_token_logprobs"]] == ids
+    json.dumps(given)  # every token id a Python int

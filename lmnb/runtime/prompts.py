@@ -5,6 +5,7 @@ rest are still being encoded."""
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,21 @@ def ids_in_range(ids: Sequence[object], vocab_size: int) -> bool:
     except (TypeError, OverflowError):
         return False
     return bool(values.min() >= 0 and values.max() < vocab_size)
+
+
+def plain_ids(ids: Sequence[object]) -> list[object]:
+    """A copy of `ids` whose integers are Python ints: NumPy's (and anything else
+    `operator.index` takes, e.g. a 0-d integer tensor) would otherwise reach the outputs' token
+    ids, JSON bodies and disk pages as given. Other values are kept for `ids_in_range` to refuse.
+    Plain ints cost one C-speed sum (ints and bools add up to an int; a NumPy integer makes the
+    sum its own type)."""
+    copy = list(ids)
+    try:
+        if type(sum(copy)) is int:
+            return copy
+        return list(map(operator.index, copy))
+    except (TypeError, OverflowError):  # not integers: refused by the range check
+        return copy
 
 
 def encode_many(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
@@ -112,7 +128,7 @@ def split_prompts(prompt: PromptInput, input_ids: IdsInput) -> Prompts:
     if all_ints(input_ids):
         return Prompts(None, [list(input_ids)], False)
     if all(isinstance(ids, list | tuple) for ids in input_ids):
-        return Prompts(None, [list(ids) for ids in input_ids], True)
+        return Prompts(None, [plain_ids(ids) for ids in input_ids], True)
     raise InvalidRequestError("input_ids must be a list of ints or a list of lists of ints")
 
 
