@@ -411,3 +411,27 @@ def test_attention_kernels_compile_for_a_hopper_gpu():
     without a shared prefix), merge, shared-prefix and extend kernels for sm_90 ahead of time
     (no GPU needed) in a process without TRITON_INTERPRET."""
     assert_compiles_for_sm90(_COMPILE_FOR_HOPPER)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extend_rows_past_int32_element_offsets(device):
+    """int32 metadata (a pool whose offsets fit: `kernel_index_dtype`) with q/out rows whose
+    element offsets pass 2^31 (a long prefill: tokens x heads x head_dim), here through a row
+    stride of 2^30 elements: rows are addressed in 64 bits (in 32 the last row's offset wraps
+    negative: an illegal address, a segfault in the interpreter). The 4 GiB buffer stays
+    untouched but for its three rows (no memory is committed to the rest)."""
+    heads, kv_heads, head_dim, n = 2, 1, 64, 3
+    width, row = heads * head_dim, 2**30
+    buffer = torch.empty((n - 1) * row + 2 * width, dtype=torch.float16, device=device)
+    q, out = (buffer.as_strided((n, heads, head_dim), (row, head_dim, 1), offset)
+              for offset in (0, width))  # row i: q's then out's, token 2 from element 2^31
+    q.copy_(torch.randn(n, heads, head_dim, device=device))
+    out.zero_()
+    k_buffer, v_buffer = _pool(n, kv_heads, head_dim, torch.float16, device)
+    indptr = torch.tensor([0, n], dtype=torch.int32, device=device)
+    slots = torch.arange(1, n + 1, dtype=torch.int32, device=device)
+    extend_attention(q, k_buffer, v_buffer, out, indptr, indptr, slots, max_extend_len=n,
+                     scale=head_dim**-0.5)
+    expected = _reference(q, k_buffer, v_buffer, slots.long(), 0)
+    tol = TOLERANCE[torch.float16]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)

@@ -55,7 +55,10 @@ def _extend_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         mask_m = rows < extend_len
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(Q + (q_begin + rows)[:, None] * stride_qt + heads[:, None] * stride_qh
+        # q/out rows in 64 bits: a pass's tokens x heads x head_dim may pass 2^31 where the pool's
+        # offsets (int32 metadata, `kernel_index_dtype`) do not
+        tokens = (q_begin + rows).to(tl.int64)
+        q = tl.load(Q + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
                     + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         if KV_FP8:  # FP8 pool: K/V dequantized to q's dtype in attend_block
             q = dot_operand(q, UPCAST)
@@ -86,7 +89,7 @@ def _extend_kernel(
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 True, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
         out = acc / l_i[:, None]
-        tl.store(OUT + (q_begin + rows)[:, None] * stride_ot + heads[:, None] * stride_oh
+        tl.store(OUT + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
                  mask=mask_m[:, None] & mask_d[None, :])
 
