@@ -226,6 +226,13 @@ def test_nested_numpy_integer_ids_are_kept_as_python_ints():
     assert not any(ids_in_range(ids, 10) for ids in lists[1:])
 
 
+def test_a_flat_list_of_numpy_integers_is_one_prompt_of_python_ints():
+    """As a nested list's: one prompt, its ids Python ints (before: refused as no id list)."""
+    prompts = split_prompts(None, list(np.arange(3, 7)))
+    assert not prompts.is_batch and prompts.id_lists == [[3, 4, 5, 6]]
+    assert {type(v) for v in prompts.id_lists[0]} == {int}
+
+
 def test_numpy_integer_ids_generate_json_serializable_outputs(rt):
     ids = list(range(300, 340))
     options = dict(sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)

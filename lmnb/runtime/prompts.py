@@ -5,6 +5,7 @@ rest are still being encoded."""
 
 from __future__ import annotations
 
+import numbers
 import operator
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -23,9 +24,10 @@ FIRST_CHUNK = 8
 
 
 def all_ints(values: Sequence[object]) -> bool:
-    """Whether every value is an int (bools included, as `isinstance` says), checked at C speed
-    for the usual plain-int lists; other int subclasses take the per-item check."""
-    return set(map(type, values)) <= {int} or all(isinstance(v, int) for v in values)
+    """Whether every value is an integer (bools and NumPy's included, as `numbers.Integral`
+    says), checked at C speed for the usual plain-int lists; others take the per-item check."""
+    return (set(map(type, values)) <= {int}
+            or all(isinstance(v, numbers.Integral) for v in values))
 
 
 def ids_in_range(ids: Sequence[object], vocab_size: int) -> bool:
@@ -126,7 +128,7 @@ def split_prompts(prompt: PromptInput, input_ids: IdsInput) -> Prompts:
     if not input_ids:
         raise InvalidRequestError("empty input_ids")
     if all_ints(input_ids):
-        return Prompts(None, [list(input_ids)], False)
+        return Prompts(None, [plain_ids(input_ids)], False)
     if all(isinstance(ids, list | tuple) for ids in input_ids):
         return Prompts(None, [plain_ids(ids) for ids in input_ids], True)
     raise InvalidRequestError("input_ids must be a list of ints or a list of lists of ints")
