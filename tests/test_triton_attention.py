@@ -435,3 +435,32 @@ def test_extend_rows_past_int32_element_offsets(device):
     expected = _reference(q, k_buffer, v_buffer, slots.long(), 0)
     tol = TOLERANCE[torch.float16]
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernels_get_int32_metadata_eager_and_replayed(device, monkeypatch):
+    """int64 indptrs and slots make the kernels' address and mask arithmetic 64-bit (1.6x slower
+    prefill attention on an H200): the backend hands them int32 for a pool that fits."""
+    from lmnb.runtime.kernels import triton_backend as tb
+
+    seen: list[torch.dtype] = []
+
+    def recording(kernel):
+        def call(q, k_buffer, v_buffer, out, *index, **kwargs):
+            seen.extend(t.dtype for t in index if isinstance(t, torch.Tensor)
+                        and t.dtype in (torch.int32, torch.int64))
+            return kernel(q, k_buffer, v_buffer, out, *index, **kwargs)
+        return call
+
+    monkeypatch.setattr(tb, "extend_attention", recording(tb.extend_attention))
+    monkeypatch.setattr(tb, "decode_attention", recording(tb.decode_attention))
+    backend, _ = _backends(device)
+    allocator = KVAllocator(4096, torch.device(device))
+    rng = random.Random(4)
+    for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        _run(backend, *_batch(backend, rng, allocator, mode, 3))
+    fb, q, k, v = _batch(backend, rng, allocator, ForwardMode.DECODE, 2)
+    backend.init_capture(max_bs=4, kv_capacity=600)
+    backend.prepare_for_replay(fb, 2)
+    backend.forward(q, k, v, 0, fb)
+    assert len(seen) == 3 + 2 + 2 and set(seen) == {torch.int32}  # extend, decode, replay
