@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
 
 
 class InvalidRequestError(ValueError):
@@ -66,6 +66,10 @@ def stop_regex_patterns(value: str | Sequence[str] | None) -> list[str]:
     return [p for p in patterns if p]
 
 
+def _invalid(message: str) -> NoReturn:
+    raise InvalidRequestError(f"invalid sampling params: {message}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request decoding parameters, validated on construction (`InvalidRequestError`)."""
@@ -111,54 +115,60 @@ class SamplingParams:
         self._check()
 
     def _check(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise InvalidRequestError(f"invalid sampling params: {message}")
-
+        # Each message is formatted only when its check fails (a request's parameters are
+        # parsed on the caller's path to the first pass).
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            need(value is None or (isinstance(value, int) and not isinstance(value, bool)),
-                 f"{name} must be an int, got {value!r}")
+            if not (value is None or (isinstance(value, int) and not isinstance(value, bool))):
+                _invalid(f"{name} must be an int, got {value!r}")
         for name in _NUMBER_FIELDS:
             value = getattr(self, name)
-            need(isinstance(value, numbers.Real) and not isinstance(value, bool)
-                 and not math.isinf(value), f"{name} must be a finite number, got {value!r}")
+            if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                    and not math.isinf(value)):
+                _invalid(f"{name} must be a finite number, got {value!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
-            need(isinstance(getattr(self, name), bool),
-                 f"{name} must be true or false, got {getattr(self, name)!r}")
-        need(self.regex is None or isinstance(self.regex, str),
-             f"regex must be a string, got {self.regex!r}")
-        need(self.json_schema is None or isinstance(self.json_schema, str | dict),
-             f"json_schema must be a string or a dict, got {self.json_schema!r}")
-        need(self.max_new_tokens is None or self.max_new_tokens >= 0,
-             f"max_new_tokens must be an int >= 0 or None, got {self.max_new_tokens!r}")
-        need(self.min_new_tokens is not None and 0 <= self.min_new_tokens,
-             f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
-        need(self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens,
-             f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
-        need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        need(self.top_k == TOP_K_ALL or self.top_k >= 1,
-             f"top_k must be -1 (all) or >= 1, got {self.top_k!r}")
-        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        need(-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        need(-2.0 <= self.presence_penalty <= 2.0,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        need(0.0 < self.repetition_penalty <= 2.0,
-             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        need(self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
-        need(all(isinstance(s, str) for s in self.stop), "stop must be a string or list of strings")
-        need(all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids),
-             "stop_token_ids must be a list of ints")
-        need(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
-             f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (seed + n - 1 seeds the "
-             f"last sample, at most {SEED_MAX}), got {self.seed}")
-        need(self.ebnf is None or (isinstance(self.ebnf, str) and bool(self.ebnf.strip())),
-             f"ebnf must be a non-empty grammar string, got {self.ebnf!r}")
+            if not isinstance(getattr(self, name), bool):
+                _invalid(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not (self.regex is None or isinstance(self.regex, str)):
+            _invalid(f"regex must be a string, got {self.regex!r}")
+        if not (self.json_schema is None or isinstance(self.json_schema, str | dict)):
+            _invalid(f"json_schema must be a string or a dict, got {self.json_schema!r}")
+        if not (self.max_new_tokens is None or self.max_new_tokens >= 0):
+            _invalid(f"max_new_tokens must be an int >= 0 or None, got {self.max_new_tokens!r}")
+        if not (self.min_new_tokens is not None and 0 <= self.min_new_tokens):
+            _invalid(f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
+        if not (self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens):
+            _invalid(f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens "
+                     f"({self.max_new_tokens})")
+        if not self.temperature >= 0.0:
+            _invalid(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            _invalid(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.top_k == TOP_K_ALL or self.top_k >= 1):
+            _invalid(f"top_k must be -1 (all) or >= 1, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _invalid(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            _invalid(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            _invalid(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            _invalid(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not self.n >= 1:
+            _invalid(f"n must be an int >= 1, got {self.n!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            _invalid("stop must be a string or list of strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            _invalid("stop_token_ids must be a list of ints")
+        if not (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)):
+            _invalid(f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (seed + n - 1 "
+                     f"seeds the last sample, at most {SEED_MAX}), got {self.seed}")
+        if not (self.ebnf is None or (isinstance(self.ebnf, str) and bool(self.ebnf.strip()))):
+            _invalid(f"ebnf must be a non-empty grammar string, got {self.ebnf!r}")
         constraints = [n for n in ("regex", "json_schema", "ebnf") if getattr(self, n) is not None]
-        need(len(constraints) <= 1,
-             f"give at most one of regex, json_schema and ebnf, got {' and '.join(constraints)}")
+        if len(constraints) > 1:
+            _invalid(f"give at most one of regex, json_schema and ebnf, got "
+                     f"{' and '.join(constraints)}")
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
