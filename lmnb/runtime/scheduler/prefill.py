@@ -145,7 +145,7 @@ class PrefillManager:
         # Long shared runs pay off; so does a whole shared prompt (e.g. the n samples): the
         # uncached tokens it must share with an admitted request (one slice compare each), after
         # the same cached prefix (else the other's KV is never a prefix of this one's).
-        need = max(min(threshold, uncached - 1), 1) if whole else threshold
+        need = min(threshold, uncached - 1) if whole else threshold  # >= 1 either way
         end = cached_len + need
         if len(ids) < end:
             return False
