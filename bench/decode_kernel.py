@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import triton
 
 from bench.common import environment, format_table, write_json
 
@@ -215,24 +216,34 @@ class SharedBatch:
                                       device=device)
         self.q = torch.randn(bs, heads, head_dim, dtype=dtype, device=device)
         self.scale = head_dim ** -0.5
-        members_per_tile = sp.members_per_tile(heads, kv_heads)
-        plan = sp.plan_items([(prefix, list(range(g * members, (g + 1) * members)))
-                              for g in range(groups)], batch_size=bs, members=members_per_tile,
-                             max_items=sp.GRAPH_ITEMS)
-        flat = torch.tensor(plan.flat(sp.GRAPH_ITEMS, members_per_tile), dtype=torch.int64,
-                            device=device)
-        self.shared = sp.SharedPrefixes.view(flat, batch_size=bs, num_items=sp.GRAPH_ITEMS,
-                                             members=members_per_tile)
+        self.groups = [(prefix, list(range(g * members, (g + 1) * members)))
+                       for g in range(groups)]
+        self.shared = self.shared_for(sp.BLOCK_M)
         # bytes each approach must read: every row's KV, or each prefix once plus the suffixes
         per_token = 2 * kv_heads * head_dim * self.k.element_size()
         self.kv_bytes_plain = sum(self.lens) * per_token
         self.kv_bytes = (groups * prefix + bs * suffix) * per_token
 
+    def shared_for(self, rows: int) -> Any:
+        """The groups' work items (int32, as the runtime hands them) in tiles of `rows` query
+        rows: `SharedPrefixes`."""
+        from lmnb.runtime.kernels import shared_prefix as sp
 
-def shared_runs(batch: SharedBatch, sweep: bool, parts: str = "prefix,suffix"
-                ) -> list[tuple[str, Callable[[], Any], dict]]:
+        members = sp.members_per_tile(self.heads, self.kv_heads, rows)
+        plan = sp.plan_items(self.groups, batch_size=len(self.lens), members=members,
+                             max_items=sp.GRAPH_ITEMS)
+        flat = torch.tensor(plan.flat(sp.GRAPH_ITEMS, members), dtype=torch.int32,
+                            device=self.q.device)
+        return sp.SharedPrefixes.view(flat, batch_size=len(self.lens), num_items=sp.GRAPH_ITEMS,
+                                      members=members)
+
+
+def shared_runs(batch: SharedBatch, sweep: bool, parts: str = "prefix,suffix",
+                prefix_rows: tuple[int, ...] = ()) -> list[tuple[str, Callable[[], Any], dict]]:
     """The plain kernel, the shared default, and with `sweep` a grid of the prefix kernel's
-    tiles and of the suffix kernel's configs (`parts`: which of the two grids)."""
+    tiles and of the suffix kernel's configs (`parts`: which of the two grids). Each height
+    of `prefix_rows` (query rows a prefix tile stacks, a key of `PREFIX_TILES`) adds its
+    default tile and, with the prefix sweep, its grid."""
     from lmnb.runtime.kernels import shared_prefix as sp
     from lmnb.runtime.kernels import triton_decode as td
 
@@ -245,38 +256,48 @@ def shared_runs(batch: SharedBatch, sweep: bool, parts: str = "prefix,suffix"
     busy = td.decode_config(batch.head_dim, batch.dtype, batch_size=bs,
                             num_kv_heads=batch.kv_heads)
 
-    def launcher(config: td.DecodeConfig, shared: Any, prefix: tuple[int, int, int]
+    def launcher(config: td.DecodeConfig, shared: Any, prefix: sp.PrefixTile | None = None
                  ) -> Callable[[], Any]:
+        rows = (None if shared is None else
+                (shared.items.shape[1] - sp.ITEM_HEAD)
+                * triton.next_power_of_2(batch.heads // batch.kv_heads))
+
         def run() -> torch.Tensor:
-            saved = sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES
-            sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES = prefix
+            saved = dict(sp.PREFIX_TILES)
+            if prefix is not None:
+                sp.PREFIX_TILES[rows] = prefix
             try:
                 return td.decode_attention(batch.q, batch.k, batch.v, out, batch.kv_indptr,
                                            batch.kv_indices, part_o, part_lse,
                                            scale=batch.scale, max_kv_splits=splits,
                                            config=config, shared=shared)
             finally:
-                sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES = saved
+                sp.PREFIX_TILES.update(saved)
         return run
 
-    base_prefix = (sp.PREFIX_BLOCK_N, sp.PREFIX_NUM_WARPS, sp.PREFIX_NUM_STAGES)
-    runs = [("plain (no sharing)", launcher(busy, None, base_prefix), {}),
-            ("shared default", launcher(default, batch.shared, base_prefix), {}),
+    runs = [("plain (no sharing)", launcher(busy, None), {}),
+            ("shared default", launcher(default, batch.shared), {}),
             ("shared, a 16-split suffix grid", launcher(default._replace(max_splits=16),
-                                                        batch.shared, base_prefix), {}),
-            ("shared, suffixes with the batch's own tile", launcher(busy, batch.shared,
-                                                                     base_prefix), {})]
-    if sweep and "prefix" in parts:
-        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
-            runs.append((f"shared prefix n{block_n} w{warps} s{stages}",
-                         launcher(default, batch.shared, (block_n, warps, stages)),
-                         {"prefix": [block_n, warps, stages]}))
+                                                        batch.shared), {}),
+            ("shared, suffixes with the batch's own tile", launcher(busy, batch.shared), {})]
+    heights = {sp.BLOCK_M: batch.shared} | {rows: batch.shared_for(rows) for rows in prefix_rows
+                                            if rows != sp.BLOCK_M}
+    for rows, shared in heights.items():
+        if rows != sp.BLOCK_M:
+            runs.append((f"shared, {rows}-row prefix tiles", launcher(default, shared),
+                         {"prefix_rows": rows}))
+        if sweep and "prefix" in parts:
+            for block_n, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8),
+                                                            (1, 2, 3)):
+                runs.append((f"shared prefix {rows} rows n{block_n} w{warps} s{stages}",
+                             launcher(default, shared, sp.PrefixTile(block_n, warps, stages)),
+                             {"prefix_rows": rows, "prefix": [block_n, warps, stages]}))
     if sweep and "suffix" in parts:
         for block_n, warps, stages, min_split in itertools.product(
                 (32, 64, 128), (1, 2, 4), (1, 2), (64, default.min_split)):
             config = td.DecodeConfig(block_n, min_split, warps, stages)
             runs.append((f"shared suffix {block_n} w{warps} s{stages} m{min_split}",
-                         launcher(config, batch.shared, base_prefix), config._asdict()))
+                         launcher(config, batch.shared), config._asdict()))
     return runs
 
 
@@ -379,6 +400,9 @@ def main() -> None:
     parser.add_argument("--shared", default=None, metavar="GROUPS:MEMBERS:PREFIX:SUFFIX",
                         help="a shared-prefix decode step instead (e.g. 64:4:600:64 fork-heavy, "
                              "8:32:1500:48 few-shot): plain vs shared-prefix kernels")
+    parser.add_argument("--prefix-rows", default="",
+                        help="with --shared: comma list of prefix tile heights (query rows: "
+                             "members x padded GQA group; 16, 32, 64) timed besides the default")
     parser.add_argument("--max-kv-splits", default="16",
                         help="comma list: the split grid dimension(s) of the Triton launches")
     parser.add_argument("--split-grids", default="", metavar="S:M,...",
@@ -411,7 +435,8 @@ def main() -> None:
                              heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                              device=device)
         rows = []
-        for name, run, _config in shared_runs(shared, args.sweep, args.shared_sweep):
+        heights = tuple(int(rows) for rows in args.prefix_rows.split(",") if rows)
+        for name, run, _config in shared_runs(shared, args.sweep, args.shared_sweep, heights):
             try:
                 ms = time_kernel(run)
             except Exception as failure:  # noqa: BLE001

@@ -383,15 +383,16 @@ for skip, variant in ((True, False), (False, False), (False, True)):
                                    "stride_plh", "stride_ot", "stride_oh", "num_heads")}},
             {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "MAX_SPLITS": 16, "BLOCK_S": 32,
              "MIN_SPLIT": 64, "HAS_SKIP": skip, "BLOCK_HEADS": 2})
-compile(shared_prefix._shared_prefix_kernel,
+for rows, tile in shared_prefix.PREFIX_TILES.items():  # every tile height the plan may pick
+  compile(shared_prefix._shared_prefix_kernel,
         {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "KV_INDPTR": i64, "KV_INDICES": i64,
          "ITEMS": i64, "PART_O": "*fp32", "PART_LSE": "*fp32", "scale": "fp32",
          **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                "stride_vh", "stride_pob", "stride_poh", "stride_pos",
                                "stride_plb", "stride_plh", "stride_item")}},
-        {"GROUP": 4, "GROUP_P2": 4, "MEMBERS": 16, "HEAD_DIM": 128, "BLOCK_D": 128,
-         "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_OFFSET": 16, "HEAD": 4, "PRECISION": "tf32",
-         "UPCAST": False})
+        {"GROUP": 4, "GROUP_P2": 4, "MEMBERS": rows // 4, "HEAD_DIM": 128, "BLOCK_D": 128,
+         "BLOCK_M": rows, "BLOCK_N": tile.block_n, "SPLIT_OFFSET": 16, "HEAD": 4,
+         "PRECISION": "tf32", "UPCAST": False}, warps=tile.num_warps)
 for k_rows in (False, True):
   compile(triton_extend._extend_kernel,
         {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "K_SCALE": i64, "V_SCALE": i64,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,16 +32,27 @@ from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_up
 
 PREFIX_SPLITS = 8  # most parts a prefix is cut into
 PART_MIN_TOKENS = 256  # shorter parts cost more in partial writes than they add in parallelism
-PREFIX_BLOCK_N = 32  # H100 sweep (bench/decode_kernel.py --shared): 32 x 4 warps x 2 stages best
-PREFIX_NUM_WARPS = 4
-PREFIX_NUM_STAGES = 2
-BLOCK_M = 64  # query rows of a tile program: members x padded GQA group
+BLOCK_M = 64  # query rows of a tile program (members x padded GQA group) the runtime plans
 GRAPH_ITEMS = 128  # work items a captured graph launches (empty ones exit at once)
 ITEM_HEAD = 4  # leader, first, end, part
 
 
-def members_per_tile(num_heads: int, num_kv_heads: int) -> int:
-    return BLOCK_M // triton.next_power_of_2(num_heads // num_kv_heads)
+class PrefixTile(NamedTuple):
+    block_n: int  # KV tokens a step
+    num_warps: int
+    num_stages: int
+
+
+# By tile height (query rows). 64: H100 sweep (bench/decode_kernel.py --shared --sweep), 32
+# tokens x 4 warps x 2 stages. 32 and 16: H200 sweep (`--prefix-rows 64,32,16 --sweep`, the
+# fork step 64:4:600:64 and 32:8:1000:48): 64 x 2 x 2 and 32 x 2 x 2.
+PREFIX_TILES = {64: PrefixTile(32, 4, 2), 32: PrefixTile(64, 2, 2), 16: PrefixTile(32, 2, 2)}
+
+
+def members_per_tile(num_heads: int, num_kv_heads: int, rows: int = BLOCK_M) -> int:
+    """Requests a tile of `rows` query rows stacks (each brings its GQA group, padded to a
+    power of two)."""
+    return rows // triton.next_power_of_2(num_heads // num_kv_heads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +180,15 @@ def shared_prefix_partials(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
                            partial_lse: torch.Tensor, *, scale: float, split_offset: int,
                            precision: str) -> None:
     """Writes each item's members' partials over its part of the prefix (slots first..end of
-    the leader's KV row) into split `split_offset + part` of the partial buffers."""
+    the leader's KV row) into split `split_offset + part` of the partial buffers. The items'
+    width gives the tile height: (members x padded GQA group) rows, a key of PREFIX_TILES."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
     members = items.shape[1] - ITEM_HEAD
-    assert members == members_per_tile(num_heads, num_kv_heads), "items of another model shape"
+    block_m = members * triton.next_power_of_2(group)  # the tile height the plan chose
+    assert block_m in PREFIX_TILES, f"{members}-member tiles: no {block_m}-row prefix tile"
+    tile = PREFIX_TILES[block_m]
     _shared_prefix_kernel[(items.shape[0], num_kv_heads)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, items, partial_out, partial_lse,
         scale,
@@ -184,8 +199,8 @@ def shared_prefix_partials(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         partial_lse.stride(0), partial_lse.stride(1),
         items.stride(0),
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), MEMBERS=members,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
-        BLOCK_N=PREFIX_BLOCK_N, SPLIT_OFFSET=split_offset, HEAD=ITEM_HEAD,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
+        BLOCK_N=tile.block_n, SPLIT_OFFSET=split_offset, HEAD=ITEM_HEAD,
         PRECISION=precision, UPCAST=dot_upcast(k_buffer.dtype),
-        num_warps=PREFIX_NUM_WARPS, num_stages=PREFIX_NUM_STAGES,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
