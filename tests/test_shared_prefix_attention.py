@@ -13,11 +13,14 @@ from tests.triton_modes import DEVICES, SAME_TRITON_MODE
 
 # isort: split
 from lmnb.runtime.kernels.shared_prefix import (
+    BLOCK_M,
     PART_MIN_TOKENS,
     PREFIX_SPLITS,
+    SMALL_TILE_ROWS,
     SharedPrefixes,
     members_per_tile,
     plan_items,
+    tile_rows_for,
 )
 from lmnb.runtime.kernels.triton_decode import decode_attention, decode_config, partial_buffers
 
@@ -133,4 +136,60 @@ def test_runtime_groups_forks_and_matches_plain_decode(device, tiny_models):
         if not disabled:
             assert sorted(len(rows) for _, rows in groups[-1]) == [3, 3]
             assert {length for length, _ in groups[-1]} == {70}
+    assert outputs[False] == outputs[True]
+
+
+def test_tile_rows_follow_the_largest_group():
+    assert SMALL_TILE_ROWS == 16 and BLOCK_M == 64
+    fork, few_shot = (600, [0, 1, 2, 3]), (1500, list(range(4, 36)))
+    # GQA 4: two 16-row tiles hold 8 members
+    assert tile_rows_for([fork], 32, 8) == 16
+    assert tile_rows_for([fork, (90, list(range(40, 48)))], 32, 8) == 16
+    assert tile_rows_for([fork, few_shot], 32, 8) == 64
+    assert tile_rows_for([(90, list(range(9)))], 32, 8) == 64
+    assert tile_rows_for([fork], 32, 32) == 16  # MHA: 32 members
+    assert tile_rows_for([fork], 32, 1) == 64  # a GQA group of 32 is two 16-row tiles' worth
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_variants_follow_the_groups_tile_height(device, tiny_models, monkeypatch):
+    """Forks of 3 replay the 16-row shared-prefix graphs, a group of 18 the 64-row ones (on the
+    CPU: the graph runner's padded static batches run eagerly), with the greedy tokens of
+    decoding without groups."""
+    import functools
+
+    import lmnb
+    from lmnb.runtime import model_runner
+    from lmnb.runtime.graph_runner import DecodeGraphRunner
+    from lmnb.runtime.kernels.triton_backend import TritonAttention
+
+    if device == "cpu":
+        monkeypatch.setattr(model_runner, "graph_max_bs", lambda **_: 32)
+        monkeypatch.setattr(model_runner, "DecodeGraphRunner",
+                            functools.partial(DecodeGraphRunner, capture=False))
+    picked: list[int] = []
+    pick = TritonAttention.prefix_rows
+
+    def spy(self, forward_batch):
+        picked.append(pick(self, forward_batch))
+        return picked[-1]
+
+    monkeypatch.setattr(TritonAttention, "prefix_rows", spy)
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(70)] for _ in range(3)]
+    forks = [p + [rng.randrange(100, 40000) for _ in range(3)] for p in prefixes[:2]
+             for _ in range(3)]
+    crowd = [prefixes[2] + [rng.randrange(100, 40000) for _ in range(3)] for _ in range(18)]
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}  # one decode step
+    outputs = {}
+    for disabled in (False, True):
+        with lmnb.Runtime(tiny_models["llama-gqa"], attention_backend="triton", device=device,
+                          dtype="float32", check_integrity_each_step=True,
+                          disable_shared_prefix_decode=disabled) as rt:
+            outputs[disabled] = [[o["output_ids"] for o in rt.generate(input_ids=prompts,
+                                                                       sampling_params=params)]
+                                 for prompts in (forks, crowd)]
+            if not disabled:
+                assert rt.stats()["cuda_graph_replays"] > 0
+                assert {16, 64} <= set(picked)
     assert outputs[False] == outputs[True]

@@ -84,12 +84,12 @@ class DecodeGraphRunner:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.capture = capture
-        # keyed by (batch size, shared-prefix variant)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
-        self.variants = (False, True) if backend.supports_shared_prefixes else (False,)
-        self.keys = {(bs, shared) for bs in self.ladder for shared in self.variants
-                     if bs >= SHARED_MIN_BS or not shared}
+        # keyed by (batch size, shared-prefix variant: its tile height, 0 for plain decode)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.variants = (0, *backend.prefix_variants) if backend.supports_shared_prefixes else (0,)
+        self.keys = {(bs, rows) for bs in self.ladder for rows in self.variants
+                     if bs >= SHARED_MIN_BS or not rows}
         self.replays = 0
         self._pool: Any = None
         start = time.perf_counter()
@@ -97,9 +97,9 @@ class DecodeGraphRunner:
         if capture:
             with torch.inference_mode():
                 for bs in reversed(self.ladder):  # the largest first: smaller ones reuse its pool
-                    for shared in self.variants:
-                        if (bs, shared) in self.keys:
-                            self._capture(bs, shared=shared)
+                    for rows in self.variants:  # plain first: the others write its logits
+                        if (bs, rows) in self.keys:
+                            self._capture(bs, prefix_rows=rows)
             torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
 
@@ -122,8 +122,10 @@ class DecodeGraphRunner:
             static[:n].copy_(value, non_blocking=True)
             if bs > n:
                 static[n:bs].zero_()
-        key = (bs, bool(forward_batch.shared_prefixes) and (bs, True) in self.keys)
-        self.backend.prepare_for_replay(forward_batch, bs, shared=key[1])
+        key = (bs, self.backend.prefix_rows(forward_batch))
+        if key not in self.keys:  # below SHARED_MIN_BS: plain decode
+            key = (bs, 0)
+        self.backend.prepare_for_replay(forward_batch, bs, prefix_rows=key[1])
         self.replays += 1
         if not self.capture:  # the padded static batch, eagerly
             return self._forward(self._static_batch(bs))[:n]
@@ -147,18 +149,24 @@ class DecodeGraphRunner:
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, bs: int, *, shared: bool) -> None:
+    def _capture(self, bs: int, *, prefix_rows: int) -> None:
+        """The graph of `bs` rows in one variant. A shared-prefix variant copies its logits into
+        the plain graph's (one [bs, vocab] buffer a batch size, not one a variant: 0.7 GB of
+        Llama-3 logits a variant over the ladder)."""
         forward_batch = self._static_batch(bs)
-        self.backend.prepare_for_capture(bs, shared=shared)
+        self.backend.prepare_for_capture(bs, prefix_rows=prefix_rows)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        first = not any(key[1] == shared for key in self.graphs)
+        first = not any(key[1] == prefix_rows for key in self.graphs)
         with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy inits)
             for _ in range(2 if first else 1):
                 self._forward(forward_batch)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self.logits[bs, shared] = self._forward(forward_batch)
+            logits = self._forward(forward_batch)
+            if prefix_rows:
+                self.logits[bs, 0].copy_(logits)
+        self.logits[bs, prefix_rows] = self.logits[bs, 0] if prefix_rows else logits
         self._pool = graph.pool()
-        self.graphs[bs, shared] = graph
+        self.graphs[bs, prefix_rows] = graph

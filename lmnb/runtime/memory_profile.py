@@ -24,7 +24,7 @@ import torch
 from lmnb.params import SamplingParams
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
-from lmnb.runtime.graph_runner import SHARED_MIN_BS, batch_size_ladder
+from lmnb.runtime.graph_runner import batch_size_ladder
 from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
@@ -282,9 +282,9 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
         ladder = batch_size_ladder(shape.graph_max_bs)
         for bs in ladder:
             backend.prepare_for_capture(bs)
-        rows = sum(ladder[:-1])  # each graph keeps its logits (the largest: in the pool)
-        if backend.supports_shared_prefixes:  # and so does each shared-prefix variant
-            rows += sum(bs for bs in ladder if bs >= SHARED_MIN_BS)
+        # each batch size's plain graph keeps its logits (the largest: in the pool); its
+        # shared-prefix variants write into them
+        rows = sum(ladder[:-1])
         logits_bytes = dtype.itemsize * vocab_size * rows  # the model's dtype
         graph_static = meter.allocated() - before + logits_bytes
     del run, backend, storage, req_pool

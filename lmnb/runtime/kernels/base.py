@@ -61,6 +61,8 @@ class AttentionBackend(ABC):
     supports_capture: ClassVar[bool] = False
     # DECODE reads a group's shared prefix once (`ForwardBatch.shared_prefixes`); others ignore it
     supports_shared_prefixes: ClassVar[bool] = False
+    # the variants of such decode a graph is captured in (tile heights, `prefix_rows`)
+    prefix_variants: ClassVar[tuple[int, ...]] = ()
     choice: BackendChoice | None = None  # set by `create_attention_backend`: name and why
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -113,17 +115,24 @@ class AttentionBackend(ABC):
         """Allocate the static decode metadata for graphs of up to `max_bs` requests."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA-graph capture")
 
-    def prepare_for_capture(self, bs: int, *, shared: bool = False) -> None:
+    def prepare_for_capture(self, bs: int, *, prefix_rows: int = 0) -> None:
         """Make DECODE `forward` read the static buffers of a padded batch of `bs` requests
-        (`shared`: the variant that reads groups' shared prefixes once per tile)."""
+        (`prefix_rows`, one of `prefix_variants`: the variant that reads groups' shared
+        prefixes once per tile of that many query rows; 0: none)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA-graph capture")
+
+    def prefix_rows(self, forward_batch: ForwardBatch) -> int:
+        """The variant (one of `prefix_variants`, 0: plain) that reads this DECODE batch's
+        `shared_prefixes`."""
+        return 0
 
     def can_replay(self, forward_batch: ForwardBatch) -> bool:
         """Whether the static buffers of `init_capture` hold this DECODE batch (else: eager)."""
         return False
 
     def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None, *,
-                           shared: bool = False) -> None:
+                           prefix_rows: int = 0) -> None:
         """Copy a DECODE batch's metadata into the static buffers of the graph of size `bs`
-        (`shared`: of its shared-prefix variant, `forward_batch.shared_prefixes` included)."""
+        (`prefix_rows`: of that shared-prefix variant, `forward_batch.shared_prefixes`
+        included)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA-graph capture")

@@ -138,7 +138,7 @@ class FlashInferAttention(AttentionBackend):
                                                          device=self.device))
         return wrapper
 
-    def prepare_for_capture(self, bs: int, *, shared: bool = False) -> None:
+    def prepare_for_capture(self, bs: int, *, prefix_rows: int = 0) -> None:
         wrapper = self._graph_wrapper(bs)
         dummy = torch.zeros(bs, dtype=torch.int64, device=self.device)  # each row: slot 0
         self._plan_decode(wrapper, [1] * bs, dummy)
@@ -149,7 +149,7 @@ class FlashInferAttention(AttentionBackend):
                 and forward_batch.num_kv_tokens <= self._graph_kv_capacity)
 
     def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None, *,
-                           shared: bool = False) -> None:
+                           prefix_rows: int = 0) -> None:
         n = forward_batch.batch_size
         bs = n if bs is None else bs
         wrapper = self._graph_wrapper(bs)

@@ -49,10 +49,27 @@ class PrefixTile(NamedTuple):
 PREFIX_TILES = {64: PrefixTile(32, 4, 2), 32: PrefixTile(64, 2, 2), 16: PrefixTile(32, 2, 2)}
 
 
+# The heights a decode pass may plan its tiles in (graphs capture a variant for each): 16 rows
+# while every group fits two 16-row tiles, else BLOCK_M. H200, Llama-3 (GQA 4), a decode
+# step's attention a layer (`bench/decode_kernel.py --shared G:M:P:S --prefix-rows 16`): forks
+# of 4 members (64:4:600:64) 102.6 -> 79.6 us, of 8 (32:8:1000:48) 86.0 -> 79.4 us; a few-shot
+# group of 32 (8:32:1500:48) 79.0 -> 93.6 us (8 tiles each reading the prefix).
+SMALL_TILE_ROWS = 16
+TILE_HEIGHTS = (BLOCK_M, SMALL_TILE_ROWS)
+
+
 def members_per_tile(num_heads: int, num_kv_heads: int, rows: int = BLOCK_M) -> int:
     """Requests a tile of `rows` query rows stacks (each brings its GQA group, padded to a
     power of two)."""
     return rows // triton.next_power_of_2(num_heads // num_kv_heads)
+
+
+def tile_rows_for(groups: Sequence[tuple[int, Sequence[int]]], num_heads: int,
+                  num_kv_heads: int) -> int:
+    """The tile height (a key of TILE_HEIGHTS) a pass's (prefix length, rows) groups are
+    planned in."""
+    small = 2 * members_per_tile(num_heads, num_kv_heads, SMALL_TILE_ROWS)
+    return SMALL_TILE_ROWS if all(len(rows) <= small for _, rows in groups) else BLOCK_M
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,12 +49,12 @@ class TorchNativeAttention(AttentionBackend):
         return (self._buffers.fits(forward_batch.batch_size, forward_batch.num_kv_tokens)
                 and max(forward_batch.seq_lens_cpu) <= self._max_kv_len)
 
-    def prepare_for_capture(self, bs: int, *, shared: bool = False) -> None:
+    def prepare_for_capture(self, bs: int, *, prefix_rows: int = 0) -> None:
         self._slots = self._static_slots[:bs]
         self._mask = self._static_valid[:bs, None, None, :]
 
     def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None, *,
-                           shared: bool = False) -> None:
+                           prefix_rows: int = 0) -> None:
         bs = forward_batch.batch_size if bs is None else bs
         buffers = self._buffers
         buffers.fill(seq_lens=forward_batch.seq_lens, kv_indptr=forward_batch.kv_indptr,

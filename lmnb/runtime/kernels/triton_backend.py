@@ -20,9 +20,12 @@ from lmnb.runtime.kernels.shared_prefix import (
     GRAPH_ITEMS,
     ITEM_HEAD,
     PREFIX_SPLITS,
+    TILE_HEIGHTS,
+    PrefixPlan,
     SharedPrefixes,
     members_per_tile,
     plan_items,
+    tile_rows_for,
 )
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
 from lmnb.runtime.kernels.triton_extend import ExtendConfig, extend_attention, extend_config
@@ -45,6 +48,7 @@ def kernel_index_dtype(buffer_elements: int) -> torch.dtype:
 class TritonAttention(AttentionBackend):
     supports_capture = True
     supports_shared_prefixes = True
+    prefix_variants = TILE_HEIGHTS
 
     # DECODE: what `forward` reads; eager tensors of this step or views of the static buffers.
     _kv_indptr: torch.Tensor  # [bs + 1]
@@ -77,11 +81,12 @@ class TritonAttention(AttentionBackend):
             raise ValueError(f"Triton attention: {reason}")
         self.max_kv_splits = max_kv_splits
         self._device = req_to_token_pool.req_to_token.device
-        self._members = members_per_tile(num_heads, num_kv_heads)
         self._index_dtype = kernel_index_dtype(
             (kv_storage.size + 1) * kv_storage.kv_heads * kv_storage.head_dim)
         self._shared = None
-        if kv_storage.is_fp8:  # the shared-prefix kernel reads 16/32-bit KV only
+        # heights whose tile holds a whole GQA group (a group of 32 query heads fills 32 rows)
+        self.prefix_variants = tuple(rows for rows in TILE_HEIGHTS if self._members(rows))
+        if kv_storage.is_fp8 or not self.prefix_variants:  # the kernel reads 16/32-bit KV only
             self.supports_shared_prefixes = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -91,16 +96,15 @@ class TritonAttention(AttentionBackend):
                                                   forward_batch.kv_indices))
             self._shared = None
             if forward_batch.shared_prefixes:
-                plan = plan_items(forward_batch.shared_prefixes,
-                                  batch_size=forward_batch.batch_size, members=self._members,
-                                  max_items=GRAPH_ITEMS)
+                members, plan = self._plan(forward_batch, forward_batch.batch_size,
+                                           self.prefix_rows(forward_batch))
                 if plan.items:
                     num_items = len(plan.items)
                     self._shared = SharedPrefixes.view(
-                        device_tensor(plan.flat(num_items, self._members), self._index_dtype,
+                        device_tensor(plan.flat(num_items, members), self._index_dtype,
                                       self._device),
                         batch_size=forward_batch.batch_size, num_items=num_items,
-                        members=self._members)
+                        members=members)
             splits = self.max_kv_splits + (PREFIX_SPLITS if self._shared else 0)
             self._partial_out, self._partial_lse = partial_buffers(
                 forward_batch.batch_size, self.num_heads, self.head_dim, splits, self._device)
@@ -124,32 +128,46 @@ class TritonAttention(AttentionBackend):
         self._static_partials = partial_buffers(max_bs, self.num_heads, self.head_dim,
                                                 self.max_kv_splits + PREFIX_SPLITS, self._device)
         # kv_skip, prefix_parts, items: one buffer, filled by one copy a replay
-        width = ITEM_HEAD + self._members
+        width = ITEM_HEAD + self._members(max(TILE_HEIGHTS))
         self._static_shared_flat = torch.zeros(2 * max_bs + GRAPH_ITEMS * width,
                                                dtype=self._index_dtype, device=self._device)
 
     def can_replay(self, forward_batch: ForwardBatch) -> bool:
         return self._buffers.fits(forward_batch.batch_size, forward_batch.num_kv_tokens)
 
-    def prepare_for_capture(self, bs: int, *, shared: bool = False) -> None:
+    def prefix_rows(self, forward_batch: ForwardBatch) -> int:
+        if not forward_batch.shared_prefixes:
+            return 0
+        return tile_rows_for(forward_batch.shared_prefixes, self.num_heads, self.num_kv_heads)
+
+    def _members(self, rows: int) -> int:
+        return members_per_tile(self.num_heads, self.num_kv_heads, rows)
+
+    def _plan(self, forward_batch: ForwardBatch, bs: int, rows: int) -> tuple[int, PrefixPlan]:
+        """Members a tile of `rows` query rows, and the work items of the batch's groups."""
+        members = self._members(rows)
+        return members, plan_items(forward_batch.shared_prefixes, batch_size=bs,
+                                   members=members, max_items=GRAPH_ITEMS)
+
+    def prepare_for_capture(self, bs: int, *, prefix_rows: int = 0) -> None:
         buffers = self._buffers
         self._kv_indptr, self._kv_indices = buffers.kv_indptr[:bs + 1], buffers.kv_indices
         self._partial_out, self._partial_lse = (t[:bs] for t in self._static_partials)
         self._shared = SharedPrefixes.view(self._static_shared_flat, batch_size=bs,
                                            num_items=GRAPH_ITEMS,
-                                           members=self._members) if shared else None
+                                           members=self._members(prefix_rows)
+                                           ) if prefix_rows else None
 
     def prepare_for_replay(self, forward_batch: ForwardBatch, bs: int | None = None, *,
-                           shared: bool = False) -> None:
+                           prefix_rows: int = 0) -> None:
         bs = forward_batch.batch_size if bs is None else bs
         self._buffers.fill(seq_lens=forward_batch.seq_lens, kv_indptr=forward_batch.kv_indptr,
                            kv_indices=forward_batch.kv_indices,
                            num_kv_tokens=forward_batch.num_kv_tokens, bs=bs)
-        self.prepare_for_capture(bs, shared=shared)
-        if shared:  # one copy of the groups' items; padding rows skip nothing, empty items
-            plan = plan_items(forward_batch.shared_prefixes, batch_size=bs,
-                              members=self._members, max_items=GRAPH_ITEMS)
-            flat = plan.flat(GRAPH_ITEMS, self._members)
+        self.prepare_for_capture(bs, prefix_rows=prefix_rows)
+        if prefix_rows:  # one copy of the groups' items; padding rows skip nothing, empty items
+            members, plan = self._plan(forward_batch, bs, prefix_rows)
+            flat = plan.flat(GRAPH_ITEMS, members)
             host = host_int64(flat).to(self._index_dtype)
             self._static_shared_flat[:len(flat)].copy_(
                 host.pin_memory() if self._device.type == "cuda" else host, non_blocking=True)
