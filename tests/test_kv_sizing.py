@@ -141,6 +141,31 @@ def test_profile_routine_runs_every_pass_on_cpu(tiny_models) -> None:
     assert len(layers) == config.num_layers and all(m.attn_backend is None for m in layers)
 
 
+def test_profile_reserves_the_shared_prefix_variants_temporary_logits(tiny_models,
+                                                                      monkeypatch) -> None:
+    """A backend with shared-prefix graph variants: each variant writes its logits into the
+    plain graph's, but while it is captured its own logits sit in the pool beside them, so the
+    pool holds one more [max_bs, vocab] block than the measured plain decode."""
+    from lmnb.runtime.kernels.torch_native import TorchNativeAttention
+
+    monkeypatch.setattr(TorchNativeAttention, "supports_shared_prefixes", True)
+    monkeypatch.setattr(TorchNativeAttention, "prefix_variants", (64, 16))
+    folder = tiny_models["llama-gqa"]
+    config = loader.load_model_config(folder)
+    model = loader.load_model(folder, config, dtype=torch.float32, device=torch.device("cpu"))
+    meter = FakeMeter(free=GIB, total=2 * GIB, peak=3 * MIB)
+    profile = profile_activations(
+        model, ProfileShape(prefill_tokens=40, max_running_requests=8, graph_max_bs=8,
+                            context_len=16), meter,
+        attention_backend="torch_native", q_heads=config.num_heads,
+        kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        num_layers=config.num_layers, dtype=torch.float32, device=torch.device("cpu"),
+        vocab_size=config.vocab_size, sampler=Sampler(config.vocab_size, {2}))
+    # graphs 1, 2 and 4 keep their logits; graph 8's are in the measured pool, and so many
+    # rows again for its variants' logits while captured
+    assert profile.graph_bytes == 3 * MIB + 4 * config.vocab_size * (1 + 2 + 4 + 8)
+
+
 def test_runtime_sized_by_profile_generates_like_one_without(tiny_models, monkeypatch) -> None:
     """A profile run before the pools exist leaves nothing behind: same greedy tokens."""
     folder = tiny_models["llama-gqa"]

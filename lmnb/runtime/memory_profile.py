@@ -24,7 +24,7 @@ import torch
 from lmnb.params import SamplingParams
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
-from lmnb.runtime.graph_runner import batch_size_ladder
+from lmnb.runtime.graph_runner import SHARED_MIN_BS, batch_size_ladder
 from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
@@ -283,8 +283,12 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
         for bs in ladder:
             backend.prepare_for_capture(bs)
         # each batch size's plain graph keeps its logits (the largest: in the pool); its
-        # shared-prefix variants write into them
+        # shared-prefix variants write into them, but a variant's own logits are a temporary
+        # of the pool while it is captured, beside the plain graph's: one more [bs, vocab]
+        # block the pool keeps (freed, reused by the next captures), the largest batch's
         rows = sum(ladder[:-1])
+        if backend.supports_shared_prefixes and ladder[-1] >= SHARED_MIN_BS:
+            rows += ladder[-1]
         logits_bytes = dtype.itemsize * vocab_size * rows  # the model's dtype
         graph_static = meter.allocated() - before + logits_bytes
     del run, backend, storage, req_pool
