@@ -149,6 +149,29 @@ def test_tile_rows_follow_the_largest_group():
     assert tile_rows_for([(90, list(range(9)))], 32, 8) == 64
     assert tile_rows_for([fork], 32, 32) == 16  # MHA: 32 members
     assert tile_rows_for([fork], 32, 1) == 64  # a GQA group of 32 is two 16-row tiles' worth
+    # GQA 16: a 16-row tile holds one request, whose prefix it reads alone: a pair would form
+    # two one-member tiles that save nothing, and lose its group (64 rows: one tile of two)
+    pair = (600, [0, 1])
+    assert not plan_items([pair], batch_size=2, members=members_per_tile(32, 2, 16),
+                          max_items=8).items
+    assert tile_rows_for([pair], 32, 2) == 64
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "variants"), [
+    (8, 2, (64, 16)), (2, 2, (64, 16)), (32, 4, (64, 16)),  # GQA 4, MHA, GQA 8 (2 a tile)
+    (32, 2, (64,)), (32, 1, (64,)),  # GQA 16 and 32: 16 rows hold no two requests
+    (64, 1, ())])  # GQA 64: a 64-row tile holds one request: no shared-prefix decode
+def test_backend_variants_are_the_heights_whose_tiles_share(heads, kv_heads, variants):
+    from lmnb.runtime.kernels.triton_backend import TritonAttention
+    from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+
+    pool = ReqToTokenPool(4, 64, torch.device("cpu"))
+    storage = KVStorage(64, num_layers=1, kv_heads=kv_heads, head_dim=16, dtype=torch.float32,
+                        device=torch.device("cpu"))
+    backend = TritonAttention(num_heads=heads, num_kv_heads=kv_heads, head_dim=16,
+                              req_to_token_pool=pool, kv_storage=storage)
+    assert backend.prefix_variants == variants
+    assert backend.supports_shared_prefixes == bool(variants)
 
 
 @pytest.mark.parametrize("device", DEVICES)

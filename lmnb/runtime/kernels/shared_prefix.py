@@ -56,6 +56,9 @@ PREFIX_TILES = {64: PrefixTile(32, 4, 2), 32: PrefixTile(64, 2, 2), 16: PrefixTi
 # group of 32 (8:32:1500:48) 79.0 -> 93.6 us (8 tiles each reading the prefix).
 SMALL_TILE_ROWS = 16
 TILE_HEIGHTS = (BLOCK_M, SMALL_TILE_ROWS)
+# A tile of one request reads its prefix as often as plain decode: `plan_items` keeps no group
+# in such tiles (nothing saved), so a height whose tile holds fewer members is never planned.
+MIN_TILE_MEMBERS = 2
 
 
 def members_per_tile(num_heads: int, num_kv_heads: int, rows: int = BLOCK_M) -> int:
@@ -68,8 +71,10 @@ def tile_rows_for(groups: Sequence[tuple[int, Sequence[int]]], num_heads: int,
                   num_kv_heads: int) -> int:
     """The tile height (a key of TILE_HEIGHTS) a pass's (prefix length, rows) groups are
     planned in."""
-    small = 2 * members_per_tile(num_heads, num_kv_heads, SMALL_TILE_ROWS)
-    return SMALL_TILE_ROWS if all(len(rows) <= small for _, rows in groups) else BLOCK_M
+    members = members_per_tile(num_heads, num_kv_heads, SMALL_TILE_ROWS)
+    if members < MIN_TILE_MEMBERS:  # a GQA group of 16+ heads: 16 rows hold one request
+        return BLOCK_M
+    return SMALL_TILE_ROWS if all(len(rows) <= 2 * members for _, rows in groups) else BLOCK_M
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from lmnb.runtime.kernels.registry import register_attention_backend
 from lmnb.runtime.kernels.shared_prefix import (
     GRAPH_ITEMS,
     ITEM_HEAD,
+    MIN_TILE_MEMBERS,
     PREFIX_SPLITS,
     TILE_HEIGHTS,
     PrefixPlan,
@@ -84,8 +85,10 @@ class TritonAttention(AttentionBackend):
         self._index_dtype = kernel_index_dtype(
             (kv_storage.size + 1) * kv_storage.kv_heads * kv_storage.head_dim)
         self._shared = None
-        # heights whose tile holds a whole GQA group (a group of 32 query heads fills 32 rows)
-        self.prefix_variants = tuple(rows for rows in TILE_HEIGHTS if self._members(rows))
+        # heights whose tile holds two requests' GQA groups or more (one request's shares no
+        # prefix read: a group of 16 query heads fills a 16-row tile)
+        self.prefix_variants = tuple(rows for rows in TILE_HEIGHTS
+                                     if self._members(rows) >= MIN_TILE_MEMBERS)
         if kv_storage.is_fp8 or not self.prefix_variants:  # the kernel reads 16/32-bit KV only
             self.supports_shared_prefixes = False
 
