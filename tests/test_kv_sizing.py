@@ -119,19 +119,27 @@ def test_cpu_policy() -> None:
         cpu_kv_tokens(available=MIB, per_token=MIB, mem_fraction_static=None)
 
 
-def test_profile_routine_runs_every_pass_on_cpu(tiny_models) -> None:
-    """The profile's passes (graph buffers included) on a tiny model; fake readings."""
+def _tiny_profile(tiny_models, *, max_running_requests: int, graph_max_bs: int):
+    """The tiny GQA model's activation profile (torch-native attention, 40 prefill tokens,
+    contexts of 16) over a fake meter: (model, config, meter, profile)."""
     folder = tiny_models["llama-gqa"]
     config = loader.load_model_config(folder)
     model = loader.load_model(folder, config, dtype=torch.float32, device=torch.device("cpu"))
     meter = FakeMeter(free=GIB, total=2 * GIB, peak=3 * MIB)
     profile = profile_activations(
-        model, ProfileShape(prefill_tokens=40, max_running_requests=6, graph_max_bs=4,
-                            context_len=16), meter,  # the chunk spans 3 requests
+        model, ProfileShape(prefill_tokens=40, max_running_requests=max_running_requests,
+                            graph_max_bs=graph_max_bs, context_len=16), meter,
         attention_backend="torch_native", q_heads=config.num_heads,
         kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         num_layers=config.num_layers, dtype=torch.float32, device=torch.device("cpu"),
         vocab_size=config.vocab_size, sampler=Sampler(config.vocab_size, {2}))
+    return model, config, meter, profile
+
+
+def test_profile_routine_runs_every_pass_on_cpu(tiny_models) -> None:
+    """The profile's passes (graph buffers included) on a tiny model; fake readings."""
+    model, config, meter, profile = _tiny_profile(tiny_models, max_running_requests=6,
+                                                  graph_max_bs=4)  # the chunk spans 3 requests
     assert meter.starts == 3  # prefill, decode, graph-size decode
     assert profile.activation_bytes == 3 * MIB
     # the pool's measured peak, plus the logits outputs graphs 1 and 2 keep
@@ -150,17 +158,7 @@ def test_profile_reserves_the_shared_prefix_variants_temporary_logits(tiny_model
 
     monkeypatch.setattr(TorchNativeAttention, "supports_shared_prefixes", True)
     monkeypatch.setattr(TorchNativeAttention, "prefix_variants", (64, 16))
-    folder = tiny_models["llama-gqa"]
-    config = loader.load_model_config(folder)
-    model = loader.load_model(folder, config, dtype=torch.float32, device=torch.device("cpu"))
-    meter = FakeMeter(free=GIB, total=2 * GIB, peak=3 * MIB)
-    profile = profile_activations(
-        model, ProfileShape(prefill_tokens=40, max_running_requests=8, graph_max_bs=8,
-                            context_len=16), meter,
-        attention_backend="torch_native", q_heads=config.num_heads,
-        kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        num_layers=config.num_layers, dtype=torch.float32, device=torch.device("cpu"),
-        vocab_size=config.vocab_size, sampler=Sampler(config.vocab_size, {2}))
+    _, config, _, profile = _tiny_profile(tiny_models, max_running_requests=8, graph_max_bs=8)
     # graphs 1, 2 and 4 keep their logits; graph 8's are in the measured pool, and so many
     # rows again for its variants' logits while captured
     assert profile.graph_bytes == 3 * MIB + 4 * config.vocab_size * (1 + 2 + 4 + 8)
