@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import triton
 
 from bench.common import environment, format_table, write_json
 
@@ -259,8 +258,7 @@ def shared_runs(batch: SharedBatch, sweep: bool, parts: str = "prefix,suffix",
     def launcher(config: td.DecodeConfig, shared: Any, prefix: sp.PrefixTile | None = None
                  ) -> Callable[[], Any]:
         rows = (None if shared is None else
-                (shared.items.shape[1] - sp.ITEM_HEAD)
-                * triton.next_power_of_2(batch.heads // batch.kv_heads))
+                sp.tile_height(shared.items.shape[1] - sp.ITEM_HEAD, batch.heads, batch.kv_heads))
 
         def run() -> torch.Tensor:
             saved = dict(sp.PREFIX_TILES)

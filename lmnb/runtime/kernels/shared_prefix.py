@@ -67,13 +67,25 @@ def members_per_tile(num_heads: int, num_kv_heads: int, rows: int = BLOCK_M) -> 
     return rows // triton.next_power_of_2(num_heads // num_kv_heads)
 
 
+def tile_height(members: int, num_heads: int, num_kv_heads: int) -> int:
+    """Query rows of a tile of `members` requests (the inverse of `members_per_tile`)."""
+    return members * triton.next_power_of_2(num_heads // num_kv_heads)
+
+
+def tile_heights(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
+    """The heights of TILE_HEIGHTS whose tile holds MIN_TILE_MEMBERS requests or more (a GQA
+    group of 16 query heads fills a 16-row tile alone)."""
+    return tuple(rows for rows in TILE_HEIGHTS
+                 if members_per_tile(num_heads, num_kv_heads, rows) >= MIN_TILE_MEMBERS)
+
+
 def tile_rows_for(groups: Sequence[tuple[int, Sequence[int]]], num_heads: int,
                   num_kv_heads: int) -> int:
-    """The tile height (a key of TILE_HEIGHTS) a pass's (prefix length, rows) groups are
+    """The tile height (one of `tile_heights`) a pass's (prefix length, rows) groups are
     planned in."""
-    members = members_per_tile(num_heads, num_kv_heads, SMALL_TILE_ROWS)
-    if members < MIN_TILE_MEMBERS:  # a GQA group of 16+ heads: 16 rows hold one request
+    if SMALL_TILE_ROWS not in tile_heights(num_heads, num_kv_heads):
         return BLOCK_M
+    members = members_per_tile(num_heads, num_kv_heads, SMALL_TILE_ROWS)
     return SMALL_TILE_ROWS if all(len(rows) <= 2 * members for _, rows in groups) else BLOCK_M
 
 
@@ -208,7 +220,7 @@ def shared_prefix_partials(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
     members = items.shape[1] - ITEM_HEAD
-    block_m = members * triton.next_power_of_2(group)  # the tile height the plan chose
+    block_m = tile_height(members, num_heads, num_kv_heads)  # the height the plan chose
     assert block_m in PREFIX_TILES, f"{members}-member tiles: no {block_m}-row prefix tile"
     tile = PREFIX_TILES[block_m]
     _shared_prefix_kernel[(items.shape[0], num_kv_heads)](

@@ -19,13 +19,13 @@ from lmnb.runtime.kernels.registry import register_attention_backend
 from lmnb.runtime.kernels.shared_prefix import (
     GRAPH_ITEMS,
     ITEM_HEAD,
-    MIN_TILE_MEMBERS,
     PREFIX_SPLITS,
     TILE_HEIGHTS,
     PrefixPlan,
     SharedPrefixes,
     members_per_tile,
     plan_items,
+    tile_heights,
     tile_rows_for,
 )
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
@@ -49,7 +49,6 @@ def kernel_index_dtype(buffer_elements: int) -> torch.dtype:
 class TritonAttention(AttentionBackend):
     supports_capture = True
     supports_shared_prefixes = True
-    prefix_variants = TILE_HEIGHTS
 
     # DECODE: what `forward` reads; eager tensors of this step or views of the static buffers.
     _kv_indptr: torch.Tensor  # [bs + 1]
@@ -85,10 +84,7 @@ class TritonAttention(AttentionBackend):
         self._index_dtype = kernel_index_dtype(
             (kv_storage.size + 1) * kv_storage.kv_heads * kv_storage.head_dim)
         self._shared = None
-        # heights whose tile holds two requests' GQA groups or more (one request's shares no
-        # prefix read: a group of 16 query heads fills a 16-row tile)
-        self.prefix_variants = tuple(rows for rows in TILE_HEIGHTS
-                                     if self._members(rows) >= MIN_TILE_MEMBERS)
+        self.prefix_variants = tile_heights(num_heads, num_kv_heads)
         if kv_storage.is_fp8 or not self.prefix_variants:  # the kernel reads 16/32-bit KV only
             self.supports_shared_prefixes = False
 
