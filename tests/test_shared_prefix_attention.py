@@ -17,6 +17,7 @@ from lmnb.runtime.kernels.shared_prefix import (
     PART_MIN_TOKENS,
     PREFIX_SPLITS,
     SMALL_TILE_ROWS,
+    TILE_HEIGHTS,
     SharedPrefixes,
     members_per_tile,
     plan_items,
@@ -139,7 +140,21 @@ def test_runtime_groups_forks_and_matches_plain_decode(device, tiny_models):
     assert outputs[False] == outputs[True]
 
 
-def test_tile_rows_follow_the_largest_group():
+def test_only_the_full_height_is_captured_by_default():
+    """16-row variants cost more start than they save (shared_prefix.TILE_HEIGHTS)."""
+    assert TILE_HEIGHTS == (BLOCK_M,)
+    assert tile_rows_for([(600, [0, 1, 2, 3])], 32, 8) == BLOCK_M
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """The 16-row height among the captured ones."""
+    from lmnb.runtime.kernels import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "TILE_HEIGHTS", (BLOCK_M, SMALL_TILE_ROWS))
+
+
+def test_tile_rows_follow_the_largest_group(small_tiles):
     assert SMALL_TILE_ROWS == 16 and BLOCK_M == 64
     fork, few_shot = (600, [0, 1, 2, 3]), (1500, list(range(4, 36)))
     # GQA 4: two 16-row tiles hold 8 members
@@ -161,7 +176,8 @@ def test_tile_rows_follow_the_largest_group():
     (8, 2, (64, 16)), (2, 2, (64, 16)), (32, 4, (64, 16)),  # GQA 4, MHA, GQA 8 (2 a tile)
     (32, 2, (64,)), (32, 1, (64,)),  # GQA 16 and 32: 16 rows hold no two requests
     (64, 1, ())])  # GQA 64: a 64-row tile holds one request: no shared-prefix decode
-def test_backend_variants_are_the_heights_whose_tiles_share(heads, kv_heads, variants):
+def test_backend_variants_are_the_heights_whose_tiles_share(heads, kv_heads, variants,
+                                                           small_tiles):
     from lmnb.runtime.kernels.triton_backend import TritonAttention
     from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 
@@ -175,7 +191,8 @@ def test_backend_variants_are_the_heights_whose_tiles_share(heads, kv_heads, var
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_graph_variants_follow_the_groups_tile_height(device, tiny_models, monkeypatch):
+def test_graph_variants_follow_the_groups_tile_height(device, tiny_models, monkeypatch,
+                                                     small_tiles):
     """Forks of 3 replay the 16-row shared-prefix graphs, a group of 18 the 64-row ones (on the
     CPU: the graph runner's padded static batches run eagerly), with the greedy tokens of
     decoding without groups."""

@@ -49,13 +49,14 @@ class PrefixTile(NamedTuple):
 PREFIX_TILES = {64: PrefixTile(32, 4, 2), 32: PrefixTile(64, 2, 2), 16: PrefixTile(32, 2, 2)}
 
 
-# The heights a decode pass may plan its tiles in (graphs capture a variant for each): 16 rows
-# while every group fits two 16-row tiles, else BLOCK_M. H200, Llama-3 (GQA 4), a decode
-# step's attention a layer (`bench/decode_kernel.py --shared G:M:P:S --prefix-rows 16`): forks
-# of 4 members (64:4:600:64) 102.6 -> 79.6 us, of 8 (32:8:1000:48) 86.0 -> 79.4 us; a few-shot
-# group of 32 (8:32:1500:48) 79.0 -> 93.6 us (8 tiles each reading the prefix).
+# The heights a decode pass may plan its tiles in (graphs capture a variant for each, ~90 ms
+# a batch size): with SMALL_TILE_ROWS among them, 16 rows while every group fits two 16-row
+# tiles, else BLOCK_M. The kernel alone (H200, Llama-3, `bench/decode_kernel.py --shared
+# G:M:P:S --prefix-rows 16`) gains 22% on forks of 4 (64:4:600:64), 8% on forks of 8 and loses
+# 18% on a few-shot group of 32; end to end (`bench/vs_vllm.py` fork, same call) the fork run
+# gained 0.6% (1.793 -> 1.782 s) for 2.2 s more of graph capture at start: not captured.
 SMALL_TILE_ROWS = 16
-TILE_HEIGHTS = (BLOCK_M, SMALL_TILE_ROWS)
+TILE_HEIGHTS: tuple[int, ...] = (BLOCK_M,)
 # A tile of one request reads its prefix as often as plain decode: `plan_items` keeps no group
 # in such tiles (nothing saved), so a height whose tile holds fewer members is never planned.
 MIN_TILE_MEMBERS = 2
