@@ -29,6 +29,7 @@ import torch
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
+from lmnb.runtime.kernels.precompile import compile_side_by_side
 from lmnb.runtime.models.layers.attention import bound_to
 
 SHARED_MIN_BS = 8  # smallest batch captured in the shared-prefix variant too
@@ -91,11 +92,13 @@ class DecodeGraphRunner:
         self.keys = {(bs, rows) for bs in self.ladder for rows in self.variants
                      if bs >= SHARED_MIN_BS or not rows}
         self.replays = 0
+        self.precompiled_kernels = 0
         self._pool: Any = None
         start = time.perf_counter()
         backend.init_capture(max_bs)
         if capture:
             with torch.inference_mode():
+                self.precompiled_kernels = compile_side_by_side(self._dry_forwards, device)
                 for bs in reversed(self.ladder):  # the largest first: smaller ones reuse its pool
                     for rows in self.variants:  # plain first: the others write its logits
                         if (bs, rows) in self.keys:
@@ -148,6 +151,16 @@ class DecodeGraphRunner:
     def _forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         return self.model.compute_logits(hidden)
+
+    def _dry_forwards(self) -> None:
+        """Every captured (batch size, variant)'s forward once, eagerly, as its capture will
+        launch it (its Triton kernels recorded and skipped by `compile_side_by_side`: the
+        outputs are garbage, read by nothing)."""
+        for bs in reversed(self.ladder):
+            for rows in self.variants:
+                if (bs, rows) in self.keys:
+                    self.backend.prepare_for_capture(bs, prefix_rows=rows)
+                    self._forward(self._static_batch(bs))
 
     def _capture(self, bs: int, *, prefix_rows: int) -> None:
         """The graph of `bs` rows in one variant. A shared-prefix variant copies its logits into

@@ -241,6 +241,7 @@ class ModelRunner:
             "cuda_graph_batch_sizes": list(graphs.ladder) if graphs else [],
             "cuda_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
             "cuda_graph_replays": graphs.replays if graphs else 0,
+            "cuda_graph_precompiled_kernels": graphs.precompiled_kernels if graphs else 0,
             "verify_graph_replays": self.verify_graph_replays,
             "memory": self.memory_report(), "device_memory": device_memory(self.device),
             **self.media_counters()}

@@ -62,3 +62,60 @@ def test_graph_decode_matches_eager(tiny_models, dtype: str, backend: str) -> No
         same = sum(a == b for g, e in zip(got, expected, strict=True)
                    for a, b in zip(g["output_ids"], e["output_ids"], strict=True))
         assert same >= 0.8 * sum(len(e["output_ids"]) for e in expected)
+
+
+_COLD_START = """
+import json, sys
+from triton import knobs
+
+compiles = []
+knobs.runtime.jit_post_compile_hook = (
+    lambda *, fn, is_manual_warmup, **_: compiles.append([fn.name, is_manual_warmup]))
+import torch
+from lmnb.runtime.engine import Runtime
+
+torch.backends.cuda.matmul.allow_tf32 = False
+prompts = json.loads(sys.argv[2])
+options = dict(device="cuda", dtype="float32", max_total_tokens=8192, context_length=512,
+               attention_backend="triton", max_running_requests=16)
+params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 12}
+with Runtime(sys.argv[1], **options) as rt:
+    start = list(compiles)
+    precompiled = rt.stats()["cuda_graph_precompiled_kernels"]
+    got = [o["output_ids"] for o in rt.generate(input_ids=prompts, sampling_params=params)]
+with Runtime(sys.argv[1], **options) as again:  # this process has them all: nothing recorded
+    again_precompiled = again.stats()["cuda_graph_precompiled_kernels"]
+with Runtime(sys.argv[1], disable_cuda_graph=True, **options) as eager:
+    expected = [o["output_ids"] for o in eager.generate(input_ids=prompts,
+                                                         sampling_params=params)]
+print("RESULT", json.dumps({"start": start, "precompiled": precompiled, "got": got,
+                            "expected": expected, "again": again_precompiled}))
+"""
+
+
+def test_a_cold_start_compiles_the_graphs_kernels_side_by_side(tiny_models, tmp_path) -> None:
+    """With an empty Triton cache every kernel the decode graphs launch is compiled by the
+    side-by-side pass (Triton's warm-up compiles), none at capture, and the graphs decode the
+    greedy tokens of eager decode (fp32)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    prompts = _prompts(11, seed=5)
+    done = subprocess.run([sys.executable, "-c", _COLD_START, str(tiny_models["llama-gqa"]),
+                           json.dumps(prompts)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    start = result["start"]
+    first = next(i for i, (_, warm_up) in enumerate(start) if warm_up)
+    assert len(start[first:]) == result["precompiled"] > 0
+    assert all(warm_up for _, warm_up in start[first:]), start  # nothing compiled at capture
+    assert "_decode_partial_kernel" in {name for name, _ in start[first:]}
+    assert result["again"] == 0
+    assert result["got"] == result["expected"]
