@@ -157,12 +157,12 @@ for mass in (False, True):
     signature = {"LOGITS": "*bf16", "ROWS": "*i64", "TEMPS": "*fp32", "TOP_KS": "*i64",
                  "TOP_PS": "*fp32", "FLOORS": "*fp32", "BESTS": "*fp32",
                  **{name + "_IN": kind for name, kind in state.items()}, **state,
-                 "vocab": "i32", "stride": "i32", "chunk": "i32"}
-    signature.update(dict.fromkeys(("shift", "MASS", "FIRST", "SECOND", "BLOCK", "SPLITS",
+                 "vocab": "i32", "stride": "i32", "chunk": "i32", "shift": "i32"}
+    signature.update(dict.fromkeys(("MASS", "FIRST", "SECOND", "BLOCK", "SPLITS",
                                     "SKIP"), "constexpr"))
     for first, second in ((True, False), (False, True), (False, False)):
         triton.compile(ASTSource(fn=th._digits_kernel, signature=signature, constexprs={
-            "shift": 20, "MASS": mass, "FIRST": first, "SECOND": second, "BLOCK": th.BLOCK,
+            "MASS": mass, "FIRST": first, "SECOND": second, "BLOCK": th.BLOCK,
             "SPLITS": 16, "SKIP": not first}), target=target, options={"num_warps": th.WARPS})
     signature = {"TOP_KS": "*i64", "TOP_PS": "*fp32", **state, "FLOORS": "*fp32",
                  "vocab": "i32", "splits": "i32", "MASS": "constexpr", "PASSES": "constexpr",

@@ -13,6 +13,7 @@ device for weights + KV), that fraction, checked against the measured needs.
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 import warnings
@@ -26,6 +27,7 @@ from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import SHARED_MIN_BS, batch_size_ladder
 from lmnb.runtime.kernels.base import AttentionBackend
+from lmnb.runtime.kernels.precompile import compile_side_by_side
 from lmnb.runtime.kernels.registry import create_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.models.layers.attention import bind_attention_backend
@@ -268,6 +270,8 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
     run = _PassRunner(model, backend, req_pool, sampler, vocab_size)
     bind_attention_backend(model, backend)
     try:
+        if device.type == "cuda":  # the passes' forward kernels compiled side by side first
+            compile_side_by_side(functools.partial(run.forwards, shape, meter), device)
         prefill = run.extend(shape.prefill_tokens, min(shape.max_running_requests,
                                                         shape.prefill_tokens), meter)
         decode = run.decode(shape.max_running_requests, meter, sample=True)
@@ -309,10 +313,18 @@ class _PassRunner:
         self.vocab_size = vocab_size
         self.device = req_pool.req_to_token.device
 
-    def extend(self, tokens: int, requests: int, meter: MemoryMeter) -> int:
+    def forwards(self, shape: ProfileShape, meter: MemoryMeter) -> None:
+        """The profile's passes without sampling (their forward kernels, for
+        `compile_side_by_side`: nothing reads their outputs)."""
+        self.extend(shape.prefill_tokens, min(shape.max_running_requests, shape.prefill_tokens),
+                    meter, sample=False)
+        self.decode(shape.max_running_requests, meter, sample=False)
+
+    def extend(self, tokens: int, requests: int, meter: MemoryMeter, *,
+               sample: bool = True) -> int:
         """One EXTEND pass of `tokens` new tokens (at most a full context per request) over
-        `requests` requests, every one sampling: the first ones as long as the context allows,
-        the last ones one token each."""
+        `requests` requests, every one sampling (`sample`): the first ones as long as the
+        context allows, the last ones one token each."""
         context = self.req_pool.max_context_len - 1
         extend_lens = []
         remaining = min(tokens, requests * context)
@@ -327,7 +339,7 @@ class _PassRunner:
             table[i, :n] = out[offset:offset + n]
             offset += n
         return self._run(ForwardMode.EXTEND, [0] * requests, extend_lens, out, meter,
-                         sample=True)
+                         sample=sample)
 
     def decode(self, rows: int, meter: MemoryMeter, *, sample: bool) -> int:
         """One DECODE pass of `rows` requests with one cached token each."""

@@ -91,7 +91,7 @@ def _any(live, SKIP: tl.constexpr):
 
 
 @triton.jit
-def _slice_digits(base, start, end, prefix, shift: tl.constexpr, floor, best, inv_t,
+def _slice_digits(base, start, end, prefix, shift, floor, best, inv_t,
                   BLOCK: tl.constexpr, SKIP: tl.constexpr, MASS: tl.constexpr):
     """[16] float32 sums over the tokens start:end whose image matches `prefix` above bit
     shift + 4, by their digit at `shift` (accumulated per lane, reduced once): their counts
@@ -147,7 +147,7 @@ def _max_kernel(LOGITS, ROWS, TOP_PS, MIN_PS, BESTS, vocab, stride, chunk,
 
 @triton.jit
 def _next_prefix(TOP_KS, TOP_PS, PARTS, PREFIXES, ABOVES, TARGETS, i, splits,
-                 shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
+                 shift, MASS: tl.constexpr, FIRST: tl.constexpr,
                  SPLITS: tl.constexpr):
     """Row i after a pass: (prefix, above, target) with its digit at `shift` picked from its
     slices' buckets PARTS[i, :splits, :16] (the largest digit whose bucket and those above reach
@@ -181,10 +181,12 @@ def _active(TOP_KS, TOP_PS, i, vocab, MASS: tl.constexpr):
         return tl.load(TOP_KS + i) < vocab
 
 
-@triton.jit
+# `shift` a plain argument, never specialized: the 4-8 passes of a row share 3 compiles (first,
+# second, the rest), not one each (an engine's start compiles them).
+@triton.jit(do_not_specialize=["shift"])
 def _digits_kernel(LOGITS, ROWS, TEMPS, TOP_KS, TOP_PS, FLOORS, BESTS, PARTS_IN, PREFIXES_IN,
                    ABOVES_IN, TARGETS_IN, PARTS, PREFIXES, ABOVES, TARGETS, vocab, stride, chunk,
-                   shift: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr,
+                   shift, MASS: tl.constexpr, FIRST: tl.constexpr,
                    SECOND: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
                    SKIP: tl.constexpr):
     """Program (i, s), one pass: row ROWS[i]'s prefix from the previous pass (its buckets
