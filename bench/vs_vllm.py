@@ -23,7 +23,9 @@ Workloads (`--workloads`, default all on Llama-3-8B, `offline` only on Llama-2-7
                (T(16 + 128 tokens) - T(16 tokens)) / 128 from the median times of the two lengths
   decode-b1    one 128-id prompt, the same way with 256 steps
 and always `start`: seconds from the child process's start (/proc) to a ready engine (imports,
-weights, compilation, CUDA graphs), and the engine constructor alone.
+weights, compilation, CUDA graphs), and the engine constructor alone. `--cold-caches` gives each
+child empty compile caches (Triton, TorchInductor, vLLM's, FlashInfer's JIT), so that the start
+is a fresh machine's whichever engine ran before on the same one.
 
 Both engines get the same prompts (ids or strings); each child reports a digest of every
 workload and the prompt/output token counts it saw, and the parent flags a row where they differ.
@@ -675,6 +677,19 @@ def child_env(vllm_site: Path | None, base: dict[str, str] | None = None) -> dic
     return env
 
 
+# Where each engine keeps its compiled kernels between processes (empty: a fresh machine's start)
+COMPILE_CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT",
+                           "FLASHINFER_WORKSPACE_BASE")
+
+
+def cold_cache_env(env: dict[str, str], root: Path) -> dict[str, str]:
+    """`env` with every compile cache in a new empty folder under `root`."""
+    folders = {name: root / name.lower() for name in COMPILE_CACHE_VARIABLES}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    return {**env, **{name: str(folder) for name, folder in folders.items()}}
+
+
 def child_command(engine: str, model: str, model_dir: Path, workloads: Sequence[str],
                   json_out: Path, args: argparse.Namespace) -> list[str]:
     command = [sys.executable, str(Path(__file__).resolve()), "--engine", engine,
@@ -763,7 +778,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                    "lmnb_mem_fraction": args.lmnb_mem_fraction, "lmnb_chunk": args.lmnb_chunk,
                    "lmnb_conservativeness": args.lmnb_conservativeness,
                    "lmnb_policy": args.lmnb_policy,
-                   "profile": args.profile},
+                   "profile": args.profile, "cold_caches": args.cold_caches},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": _git_commit()}
     with tempfile.TemporaryDirectory(prefix="lmnb-vs-vllm-") as scratch:
         for model in args.models:
@@ -776,7 +791,10 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             for engine in engines:
                 json_out = Path(scratch) / f"{model}-{engine}.json"
                 command = child_command(engine, model, model_dir, workloads, json_out, args)
-                runs[engine] = run_engine_process(command, env, json_out, args.child_timeout)
+                engine_env = (cold_cache_env(env, Path(scratch) / f"{model}-{engine}-caches")
+                              if args.cold_caches else env)
+                runs[engine] = run_engine_process(command, engine_env, json_out,
+                                                  args.child_timeout)
                 _write(payload, args.output)
     print_report(payload)
     path = _write(payload, args.output)
@@ -892,6 +910,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", dest="dtype_override", default=None,
                         help="default: the architecture's (bf16 Llama-3-8B, fp16 Llama-2-7B)")
     parser.add_argument("--device", default="auto", help="lmnb's device (vLLM: its own)")
+    parser.add_argument("--cold-caches", action="store_true",
+                        help="each engine's process starts with empty compile caches (Triton, "
+                             "TorchInductor, vLLM, FlashInfer): a fresh machine's start")
     parser.add_argument("--profile", action="store_true",
                         help="after each lmnb workload's timed runs, one more run under "
                              "torch.profiler: kernel time by category")

@@ -127,3 +127,19 @@ def test_children_command_lines_and_environment(tmp_path: Path) -> None:
     assert env["VLLM_NO_USAGE_STATS"] == "1" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1"
     assert vs_vllm.child_env(tmp_path / "missing", {})["PYTHONPATH"] == str(vs_vllm.REPO_ROOT)
+
+
+def test_cold_caches_give_each_engine_empty_compile_caches(tmp_path: Path) -> None:
+    assert vs_vllm.parse_args(["--cold-caches"]).cold_caches
+    assert not vs_vllm.parse_args([]).cold_caches
+    base = {"PATH": "/bin", "TRITON_CACHE_DIR": "/warm/triton"}
+    envs = [vs_vllm.cold_cache_env(base, tmp_path / engine) for engine in vs_vllm.ENGINES]
+    for env, engine in zip(envs, vs_vllm.ENGINES, strict=True):
+        assert env["PATH"] == "/bin"
+        for name in vs_vllm.COMPILE_CACHE_VARIABLES:
+            folder = Path(env[name])
+            assert folder.is_dir() and not any(folder.iterdir())
+            assert folder.is_relative_to(tmp_path / engine)
+    assert base["TRITON_CACHE_DIR"] == "/warm/triton"  # the parent's own is untouched
+    assert {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT",
+            "FLASHINFER_WORKSPACE_BASE"} <= set(vs_vllm.COMPILE_CACHE_VARIABLES)
