@@ -34,7 +34,8 @@
 #                   The vs-vllm stages need vLLM in $VLLM_SITE (default /tmp/vllm-site: run
 #                   bench/vllm_peer.sh first) and the Llama-3 tokenizer in .gpu/tokenizer-llama3
 #                   (bench/fetch_tokenizers.sh, here); $VS_VLLM_ARGS adds options (e.g.
-#                   "--repeats 5 --lmnb-backend triton --profile", or "--skip-vllm"). vLLM's
+#                   "--repeats 5 --lmnb-backend triton --profile", "--skip-vllm", or
+#                   "--cold-caches": each engine's start as a fresh machine's). vLLM's
 #                   flashinfer-python 0.6.14 comes first on their PYTHONPATH, for lmnb too.
 # FlashInfer: wheels in .gpu/whl are installed into /tmp/site when present (no network); its JIT
 # output goes to build/flashinfer (ignored and not carried, so a warm machine keeps it between
