@@ -12,6 +12,7 @@ interpreter) and loads each onto the device. The launches that follow find them 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ from triton.knobs import JITHookCompileInfo
 from triton.runtime.jit import JITFunction, JitFunctionInfo
 
 MAX_WORKERS = 16
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,25 +57,28 @@ def record_compiles(launches: Callable[[], None]) -> list[Specialization]:
 
 
 def compile_all(specializations: list[Specialization], device: torch.device,
-                workers: int | None = None) -> None:
+                workers: int | None = None) -> int:
     """Compiles and loads each specialization in a pool of threads (into its kernel's cache, as
-    its first launch would)."""
+    its first launch would); how many were. One that fails here is left to its first launch,
+    which compiles it as without this pass (and raises there if it must)."""
     if not specializations:
-        return
+        return 0
     workers = workers or min(MAX_WORKERS, os.cpu_count() or 1, len(specializations))
 
-    def build(spec: Specialization) -> None:
-        with torch.cuda.device(device):
-            compiled = spec.kernel.preload(spec.data)
-            compiled.run  # noqa: B018  # loads the module and builds its launcher
+    def build(spec: Specialization) -> bool:
+        try:
+            with torch.cuda.device(device):
+                compiled = spec.kernel.preload(spec.data)
+                compiled.run  # noqa: B018  # loads the module and builds its launcher
+        except Exception:  # noqa: BLE001  # see the docstring: its launch compiles it
+            logger.debug("preloading %s failed", spec.kernel, exc_info=True)
+            return False
+        return True
 
     with ThreadPoolExecutor(workers, thread_name_prefix="lmnb-compile") as pool:
-        for done in [pool.submit(build, spec) for spec in specializations]:
-            done.result()
+        return sum(pool.map(build, specializations))
 
 
 def compile_side_by_side(launches: Callable[[], None], device: torch.device) -> int:
     """`record_compiles(launches)` then `compile_all`; the number of kernels compiled."""
-    specializations = record_compiles(launches)
-    compile_all(specializations, device)
-    return len(specializations)
+    return compile_all(record_compiles(launches), device)
