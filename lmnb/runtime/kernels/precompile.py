@@ -1,4 +1,5 @@
-"""Triton kernels compiled side by side before the decode graphs are captured.
+"""Triton kernels compiled side by side before a pass launches them (the memory profile's passes,
+the decode graphs' captures).
 
 A fresh machine (no Triton cache) spends most of an engine's start compiling kernels one at a
 time, each when it is first launched: MLIR and LLVM passes, then ptxas and the C compiler of its
