@@ -76,8 +76,8 @@ from lmnb.runtime.engine import Runtime
 
 torch.backends.cuda.matmul.allow_tf32 = False
 prompts = json.loads(sys.argv[2])
-options = dict(device="cuda", dtype="float32", max_total_tokens=8192, context_length=512,
-               attention_backend="triton", max_running_requests=16)
+options = dict(device="cuda", dtype="float32", context_length=512, attention_backend="triton",
+               max_running_requests=16, **json.loads(sys.argv[3]))
 params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 12}
 with Runtime(sys.argv[1], **options) as rt:
     start = list(compiles)
@@ -93,10 +93,9 @@ print("RESULT", json.dumps({"start": start, "precompiled": precompiled, "got": g
 """
 
 
-def test_a_cold_start_compiles_the_graphs_kernels_side_by_side(tiny_models, tmp_path) -> None:
-    """With an empty Triton cache every kernel the decode graphs launch is compiled by the
-    side-by-side pass (Triton's warm-up compiles), none at capture, and the graphs decode the
-    greedy tokens of eager decode (fp32)."""
+def _cold_start(folder, tmp_path, options: dict) -> dict:
+    """`_COLD_START` in a fresh process with an empty Triton cache: what it compiled while the
+    engine started ([kernel, compiled by a warm-up], in order) and the tokens."""
     import json
     import os
     import subprocess
@@ -106,16 +105,33 @@ def test_a_cold_start_compiles_the_graphs_kernels_side_by_side(tiny_models, tmp_
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    prompts = _prompts(11, seed=5)
-    done = subprocess.run([sys.executable, "-c", _COLD_START, str(tiny_models["llama-gqa"]),
-                           json.dumps(prompts)], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _COLD_START, str(folder),
+                           json.dumps(_prompts(11, seed=5)), json.dumps(options)], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    return json.loads(done.stdout.split("RESULT ", 1)[1])
+
+
+def test_a_cold_start_compiles_the_graphs_kernels_side_by_side(tiny_models, tmp_path) -> None:
+    """With an empty Triton cache every kernel the decode graphs launch is compiled by the
+    side-by-side pass (Triton's warm-up compiles), none at capture, and the graphs decode the
+    greedy tokens of eager decode (fp32). A given KV size: no memory profile."""
+    result = _cold_start(tiny_models["llama-gqa"], tmp_path, {"max_total_tokens": 8192})
     start = result["start"]
     first = next(i for i, (_, warm_up) in enumerate(start) if warm_up)
     assert len(start[first:]) == result["precompiled"] > 0
     assert all(warm_up for _, warm_up in start[first:]), start  # nothing compiled at capture
     assert "_decode_partial_kernel" in {name for name, _ in start[first:]}
     assert result["again"] == 0
+    assert result["got"] == result["expected"]
+
+
+def test_a_cold_start_compiles_the_memory_profiles_forward_side_by_side(tiny_models,
+                                                                        tmp_path) -> None:
+    """The KV pool sized by the memory profile: its passes' forward kernels (the prefill
+    attention among them) compile in their side-by-side pass, and the engine decodes eager's
+    greedy tokens."""
+    result = _cold_start(tiny_models["llama-gqa"], tmp_path, {"mem_fraction_static": 0.3})
+    warm_ups = {name for name, warm_up in result["start"] if warm_up}
+    assert {"_extend_kernel", "_decode_partial_kernel"} <= warm_ups, result["start"]
     assert result["got"] == result["expected"]
