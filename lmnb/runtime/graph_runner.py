@@ -99,10 +99,8 @@ class DecodeGraphRunner:
         if capture:
             with torch.inference_mode():
                 self.precompiled_kernels = compile_side_by_side(self._dry_forwards, device)
-                for bs in reversed(self.ladder):  # the largest first: smaller ones reuse its pool
-                    for rows in self.variants:  # plain first: the others write its logits
-                        if (bs, rows) in self.keys:
-                            self._capture(bs, prefix_rows=rows)
+                for bs, rows in self._capture_order():
+                    self._capture(bs, prefix_rows=rows)
             torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
 
@@ -152,15 +150,19 @@ class DecodeGraphRunner:
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         return self.model.compute_logits(hidden)
 
+    def _capture_order(self) -> list[tuple[int, int]]:
+        """The keys in capture order: the largest batch first (smaller ones reuse its pool),
+        plain before its variants (they write its logits)."""
+        return [(bs, rows) for bs in reversed(self.ladder) for rows in self.variants
+                if (bs, rows) in self.keys]
+
     def _dry_forwards(self) -> None:
         """Every captured (batch size, variant)'s forward once, eagerly, as its capture will
         launch it (its Triton kernels recorded and skipped by `compile_side_by_side`: the
         outputs are garbage, read by nothing)."""
-        for bs in reversed(self.ladder):
-            for rows in self.variants:
-                if (bs, rows) in self.keys:
-                    self.backend.prepare_for_capture(bs, prefix_rows=rows)
-                    self._forward(self._static_batch(bs))
+        for bs, rows in self._capture_order():
+            self.backend.prepare_for_capture(bs, prefix_rows=rows)
+            self._forward(self._static_batch(bs))
 
     def _capture(self, bs: int, *, prefix_rows: int) -> None:
         """The graph of `bs` rows in one variant. A shared-prefix variant copies its logits into

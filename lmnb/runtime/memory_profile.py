@@ -271,12 +271,9 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
     bind_attention_backend(model, backend)
     try:
         if device.type == "cuda":  # the passes' forward kernels compiled side by side first
-            compile_side_by_side(functools.partial(run.forwards, shape, meter), device)
-        prefill = run.extend(shape.prefill_tokens, min(shape.max_running_requests,
-                                                        shape.prefill_tokens), meter)
-        decode = run.decode(shape.max_running_requests, meter, sample=True)
-        graph_pool = (run.decode(shape.graph_max_bs, meter, sample=False)
-                      if shape.graph_max_bs else 0)
+            compile_side_by_side(functools.partial(run.passes, shape, meter, sample=False),
+                                 device)
+        prefill, decode, graph_pool = run.passes(shape, meter)
     finally:
         bind_attention_backend(model, None)
     graph_static = 0
@@ -313,12 +310,19 @@ class _PassRunner:
         self.vocab_size = vocab_size
         self.device = req_pool.req_to_token.device
 
-    def forwards(self, shape: ProfileShape, meter: MemoryMeter) -> None:
-        """The profile's passes without sampling (their forward kernels, for
-        `compile_side_by_side`: nothing reads their outputs)."""
-        self.extend(shape.prefill_tokens, min(shape.max_running_requests, shape.prefill_tokens),
-                    meter, sample=False)
-        self.decode(shape.max_running_requests, meter, sample=False)
+    def passes(self, shape: ProfileShape, meter: MemoryMeter, *,
+               sample: bool = True) -> tuple[int, int, int]:
+        """The profile's passes and their peaks: EXTEND of the largest chunk and DECODE at
+        `max_running_requests` (both sampling with `sample`), DECODE at the graphs' largest
+        batch (forward and logits). `sample=False` for `compile_side_by_side`: nothing reads
+        their outputs."""
+        prefill = self.extend(shape.prefill_tokens,
+                              min(shape.max_running_requests, shape.prefill_tokens), meter,
+                              sample=sample)
+        decode = self.decode(shape.max_running_requests, meter, sample=sample)
+        graph_pool = (self.decode(shape.graph_max_bs, meter, sample=False)
+                      if shape.graph_max_bs else 0)
+        return prefill, decode, graph_pool
 
     def extend(self, tokens: int, requests: int, meter: MemoryMeter, *,
                sample: bool = True) -> int:

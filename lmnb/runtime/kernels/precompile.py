@@ -37,7 +37,7 @@ class Specialization:
     data: str
 
 
-def record_compiles(launches: Callable[[], None]) -> list[Specialization]:
+def record_compiles(launches: Callable[[], object]) -> list[Specialization]:
     """Runs `launches` with every launch that would compile recorded and skipped (see the module
     docstring); each specialization once. Nothing when `launches` fails: the caller's real
     launches compile one by one as without this pass (and raise the error there)."""
@@ -84,6 +84,6 @@ def compile_all(specializations: list[Specialization], device: torch.device,
         return sum(pool.map(build, specializations))
 
 
-def compile_side_by_side(launches: Callable[[], None], device: torch.device) -> int:
+def compile_side_by_side(launches: Callable[[], object], device: torch.device) -> int:
     """`record_compiles(launches)` then `compile_all`; the number of kernels compiled."""
     return compile_all(record_compiles(launches), device)
