@@ -270,9 +270,10 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
     run = _PassRunner(model, backend, req_pool, sampler, vocab_size)
     bind_attention_backend(model, backend)
     try:
-        if device.type == "cuda":  # the passes' forward kernels compiled side by side first
-            compile_side_by_side(functools.partial(run.passes, shape, meter, sample=False),
-                                 device)
+        if device.type == "cuda":  # the passes' kernels (sampling's too) compiled side by side
+            # first; safe to skip launches: the sampler's kernels address memory only through
+            # host-built rows and `packed_logprobs` clamps the ids it reads at
+            compile_side_by_side(functools.partial(run.passes, shape, meter), device)
         prefill, decode, graph_pool = run.passes(shape, meter)
     finally:
         bind_attention_backend(model, None)
@@ -310,24 +311,20 @@ class _PassRunner:
         self.vocab_size = vocab_size
         self.device = req_pool.req_to_token.device
 
-    def passes(self, shape: ProfileShape, meter: MemoryMeter, *,
-               sample: bool = True) -> tuple[int, int, int]:
+    def passes(self, shape: ProfileShape, meter: MemoryMeter) -> tuple[int, int, int]:
         """The profile's passes and their peaks: EXTEND of the largest chunk and DECODE at
-        `max_running_requests` (both sampling with `sample`), DECODE at the graphs' largest
-        batch (forward and logits). `sample=False` for `compile_side_by_side`: nothing reads
-        their outputs."""
+        `max_running_requests` (both sampling), DECODE at the graphs' largest batch (forward
+        and logits)."""
         prefill = self.extend(shape.prefill_tokens,
-                              min(shape.max_running_requests, shape.prefill_tokens), meter,
-                              sample=sample)
-        decode = self.decode(shape.max_running_requests, meter, sample=sample)
+                              min(shape.max_running_requests, shape.prefill_tokens), meter)
+        decode = self.decode(shape.max_running_requests, meter, sample=True)
         graph_pool = (self.decode(shape.graph_max_bs, meter, sample=False)
                       if shape.graph_max_bs else 0)
         return prefill, decode, graph_pool
 
-    def extend(self, tokens: int, requests: int, meter: MemoryMeter, *,
-               sample: bool = True) -> int:
+    def extend(self, tokens: int, requests: int, meter: MemoryMeter) -> int:
         """One EXTEND pass of `tokens` new tokens (at most a full context per request) over
-        `requests` requests, every one sampling (`sample`): the first ones as long as the
+        `requests` requests, every one sampling: the first ones as long as the
         context allows, the last ones one token each."""
         context = self.req_pool.max_context_len - 1
         extend_lens = []
@@ -343,7 +340,7 @@ class _PassRunner:
             table[i, :n] = out[offset:offset + n]
             offset += n
         return self._run(ForwardMode.EXTEND, [0] * requests, extend_lens, out, meter,
-                         sample=sample)
+                         sample=True)
 
     def decode(self, rows: int, meter: MemoryMeter, *, sample: bool) -> int:
         """One DECODE pass of `rows` requests with one cached token each."""
