@@ -9,19 +9,24 @@ those kernels are left unwritten, so `launches` must be a pass whose results are
 e.g. a graph's warm-up forward, and must not index with them), then compiles what it recorded in
 a pool of threads (Triton's own `preload` of each specialization; the external tools release the
 interpreter) and loads each onto the device. The launches that follow find them compiled.
+
+Triton's hook is one for the whole process, so the recording belongs to the thread that runs
+`launches`: another thread's launches meanwhile (a second engine's scheduler, this module's own
+compile pool) go to the hook that was installed before, or compile and launch as usual.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from triton import knobs
-from triton.knobs import JITHookCompileInfo
+from triton.knobs import JITHook, JITHookCompileInfo
 from triton.runtime.jit import JITFunction, JitFunctionInfo
 
 MAX_WORKERS = 16
@@ -37,27 +42,65 @@ class Specialization:
     data: str
 
 
-def record_compiles(launches: Callable[[], object]) -> list[Specialization]:
-    """Runs `launches` with every launch that would compile recorded and skipped (see the module
-    docstring); each specialization once. Nothing when `launches` fails: the caller's real
-    launches compile one by one as without this pass (and raise the error there)."""
-    recorded: dict[tuple[int, str], Specialization] = {}
+class _Recorders:
+    """The process's one `jit_cache_hook` while any thread records: a launch on a recording
+    thread is recorded and skipped, any other thread's is passed to the hook installed before
+    the first recording began (none: it compiles and launches as usual)."""
 
-    def record(*, key: str, repr: str, fn: JitFunctionInfo, compile: JITHookCompileInfo,
-               is_manual_warmup: bool, already_compiled: bool) -> bool:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_thread: dict[int, dict[tuple[int, str], Specialization]] = {}
+        self._outer: JITHook | None = None
+
+    def start(self) -> dict[tuple[int, str], Specialization]:
+        thread = threading.get_ident()
+        with self._lock:
+            if thread in self._by_thread:
+                raise RuntimeError("record_compiles is already recording on this thread")
+            if not self._by_thread:
+                self._outer = knobs.runtime.jit_cache_hook
+                knobs.runtime.jit_cache_hook = self.hook
+            recorded: dict[tuple[int, str], Specialization] = {}
+            self._by_thread[thread] = recorded
+            return recorded
+
+    def stop(self) -> None:
+        with self._lock:
+            del self._by_thread[threading.get_ident()]
+            if not self._by_thread:
+                if knobs.runtime.jit_cache_hook == self.hook:  # unless replaced meanwhile
+                    knobs.runtime.jit_cache_hook = self._outer
+                self._outer = None
+
+    def hook(self, *, key: str, repr: str, fn: JitFunctionInfo, compile: JITHookCompileInfo,
+             is_manual_warmup: bool, already_compiled: bool) -> bool | None:
+        recorded = self._by_thread.get(threading.get_ident())
+        if recorded is None:
+            outer = self._outer
+            return outer(key=key, repr=repr, fn=fn, compile=compile,
+                         is_manual_warmup=is_manual_warmup,
+                         already_compiled=already_compiled) if outer is not None else None
         recorded.setdefault((id(fn.jit_function), key),
                             Specialization(fn.jit_function, compile["specialization_data"]))
         return True  # skip: nothing compiled or launched
 
-    previous = knobs.runtime.jit_cache_hook
-    knobs.runtime.jit_cache_hook = record
+
+_RECORDERS = _Recorders()
+
+
+def record_compiles(launches: Callable[[], object]) -> list[Specialization]:
+    """Runs `launches` with every launch on this thread that would compile recorded and skipped
+    (see the module docstring); each specialization once. Nothing when `launches` fails: the
+    caller's real launches compile one by one as without this pass (and raise the error
+    there)."""
+    recorded = _RECORDERS.start()
     try:
         launches()
     except Exception:  # noqa: BLE001  # the same launches follow for real and raise there
         logger.debug("recording the kernels to compile failed", exc_info=True)
         return []
     finally:
-        knobs.runtime.jit_cache_hook = previous
+        _RECORDERS.stop()
     return list(recorded.values())
 
 
