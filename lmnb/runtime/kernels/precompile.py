@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from triton import knobs
-from triton.knobs import JITHook, JITHookCompileInfo
+from triton.knobs import JITHookCompileInfo
 from triton.runtime.jit import JITFunction, JitFunctionInfo
 
 MAX_WORKERS = 16
@@ -50,7 +50,7 @@ class _Recorders:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_thread: dict[int, dict[tuple[int, str], Specialization]] = {}
-        self._outer: JITHook | None = None
+        self._outer: Callable[..., bool | None] | None = None  # triton.knobs.JITHook
 
     def start(self) -> dict[tuple[int, str], Specialization]:
         thread = threading.get_ident()
