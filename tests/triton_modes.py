@@ -29,10 +29,10 @@ if INTERPRET:
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
 
-from lmnb.runtime.kernels import triton_decode  # noqa: E402
+from lmnb.runtime.kernels import interpreter  # noqa: E402
 
 # The kernels were defined by whichever module imported them first: skip if that was the other mode.
-SAME_TRITON_MODE = pytest.mark.skipif(triton_decode.INTERPRETED != INTERPRET,
+SAME_TRITON_MODE = pytest.mark.skipif(interpreter.INTERPRETED != INTERPRET,
                                       reason="the kernels were imported in the other Triton mode")
 # The one device the kernels run on in this mode; the other is a skipped case.
 DEVICES = [

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_upcast
+from lmnb.runtime.kernels.attend import attend_block
+from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
 
 PREFIX_SPLITS = 8  # most parts a prefix is cut into
 PART_MIN_TOKENS = 256  # shorter parts cost more in partial writes than they add in parallelism

@@ -27,96 +27,20 @@ tokens over twice the warps was slower).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.interpreter import INTERPRETED
+from lmnb.runtime.kernels import shared_prefix
+from lmnb.runtime.kernels.attend import attend_block, attend_slots
+from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
 from lmnb.runtime.kernels.pdl import wait_for_previous
+from lmnb.runtime.kernels.shared_prefix import SharedPrefixes
 
 MIN_SPLIT_LEN = 64
-
-if TYPE_CHECKING:
-    from lmnb.runtime.kernels.shared_prefix import SharedPrefixes
-
-
-
-
-def dot_upcast(dtype: torch.dtype) -> bool:
-    """Feed tl.dot float32 operands: the interpreter (triton 3.9) computes bf16 dots wrongly."""
-    return dtype == torch.bfloat16 and INTERPRETED
-
-
-@triton.jit
-def dot_operand(x, UPCAST: tl.constexpr):
-    if UPCAST:
-        return x.to(tl.float32)
-    else:
-        return x
-
-
-@triton.jit
-def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
-                  stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
-                  V_SCALE=None, stride_st=0):
-    """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
-    slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]. KV_FP8: K/V are FP8,
-    dequantized to q's dtype, with this KV head's scales of slot s at K_SCALE + s * stride_st
-    (V_SCALE likewise). K_ROWS: see `attend_slots`."""
-    cols = n + offs_n
-    mask_n = cols < end
-    slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
-    return attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
-                        stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                        CAUSAL, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st)
-
-
-@triton.jit
-def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
-                 stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
-                 V_SCALE=None, stride_st=0):
-    """`attend_block` with the block's slots [BLOCK_N] (and its column positions `cols`, valid
-    where mask_n) already loaded. K_ROWS: K is loaded token-major and transposed for the dot."""
-    if K_ROWS:
-        k = tl.trans(tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh
-                             + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
-                             other=0.0))  # [BLOCK_D, BLOCK_N]
-    else:
-        k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-    if KV_FP8:
-        k_scale = tl.load(K_SCALE + slots * stride_st, mask=mask_n, other=1.0)
-        v_scale = tl.load(V_SCALE + slots * stride_st, mask=mask_n, other=1.0)
-        k = k.to(q.dtype)
-    qk = tl.dot(q, dot_operand(k, UPCAST), input_precision=PRECISION)
-    if KV_FP8:
-        qk = qk * (k_scale * scale)[None, :]
-    else:
-        qk = qk * scale
-    if CAUSAL:
-        qk = tl.where(mask_n[None, :] & (cols[None, :] <= last[:, None]), qk, float("-inf"))
-    else:
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(qk - m_new[:, None])
-    v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-    if KV_FP8:
-        v = v.to(q.dtype)
-        p_v = p * v_scale[None, :]
-    else:
-        p_v = p
-    v = dot_operand(v, UPCAST)
-    acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
@@ -340,8 +264,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     tile, see `shared_prefix.py`). An FP8 pool needs its `kv_scales` (k_scales, v_scales)
     [slots, kv_heads] float32 (`KVStorage.scales`).
     """
-    from lmnb.runtime.kernels import shared_prefix
-
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads

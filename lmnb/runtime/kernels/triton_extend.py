@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.triton_decode import attend_block, dot_operand, dot_upcast
+from lmnb.runtime.kernels.attend import attend_block
+from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
 
 
 @triton.jit

@@ -26,10 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.dot import dot_upcast
 from lmnb.runtime.kernels.fused.activation import silu_mul
+from lmnb.runtime.kernels.interpreter import INTERPRETED
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
 from lmnb.runtime.kernels.pdl import wait_for_previous
-from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
 SKINNY_MAX_ROWS = 16  # rows the dot path pads to (one m16 tensor-core tile)
 

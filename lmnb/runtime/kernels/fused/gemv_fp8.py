@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.dot import dot_upcast
 from lmnb.runtime.kernels.fused.activation import silu_mul
 from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
 from lmnb.runtime.kernels.fused.gemv_rotary import (
@@ -63,9 +64,9 @@ from lmnb.runtime.kernels.fused.gemv_rotary import (
     rotary_inputs,
     rotary_launch,
 )
+from lmnb.runtime.kernels.interpreter import INTERPRETED
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
 from lmnb.runtime.kernels.pdl import wait_for_previous
-from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_upcast
 
 STREAM_BLOCK: tl.constexpr = tl.constexpr(1024)  # the residual stream's store: columns a step
 FMA_VEC = 8  # FMA path: elements a thread loads at once (8 B of weight, 16 B of activations)

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.triton_decode import INTERPRETED, dot_operand, dot_upcast
+from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
+from lmnb.runtime.kernels.interpreter import INTERPRETED
 
 
 @triton.jit
