@@ -7,7 +7,7 @@ import re
 import sys
 from typing import Any
 
-from lmnb.runtime.fsm.json_schema import _BAD, STRING_CHAR, InvalidSchemaError
+from lmnb.runtime.fsm.json_text import RAW_EXCLUDED, STRING_CHAR, InvalidSchemaError
 from lmnb.runtime.fsm.regex_text import class_char, literal_text, repeat
 
 if sys.version_info >= (3, 11):
@@ -102,7 +102,8 @@ class PatternTranslator:
 
         raw: list[str] = []
         if negate:
-            raw.append("[^" + "".join(_set_item_text(op, arg) for op, arg in items) + _BAD + "]")
+            listed = "".join(_set_item_text(op, arg) for op, arg in items)
+            raw.append("[^" + listed + RAW_EXCLUDED + "]")
         else:
             intervals = []
             for op, arg in items:
@@ -111,7 +112,7 @@ class PatternTranslator:
                 elif op is _sre.RANGE:
                     intervals.append(arg)
                 elif op is _sre.CATEGORY:
-                    raw.append("[^" + _CATEGORIES[arg].swapcase() + _BAD + "]")
+                    raw.append("[^" + _CATEGORIES[arg].swapcase() + RAW_EXCLUDED + "]")
                 else:
                     raise self.fail(f"{str(op).lower()!r} in a character class")
             allowed = _subtract(intervals, _BAD_INTERVALS)

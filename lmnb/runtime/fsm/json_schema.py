@@ -48,17 +48,10 @@ from typing import Any
 from urllib.parse import unquote
 
 from lmnb.runtime.fsm.json_numbers import float_range, integer_range
+from lmnb.runtime.fsm.json_pattern import PatternTranslator
+from lmnb.runtime.fsm.json_text import STRING_CHAR, InvalidSchemaError
 from lmnb.runtime.fsm.regex_text import alternatives, group, literal_text, repeat
 
-
-class InvalidSchemaError(ValueError):
-    """The schema is malformed or uses a keyword this translation cannot express."""
-
-
-_NON_SURROGATE = r"[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}"
-_SURROGATE_PAIR = r"[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-_BAD = r'"\\\x00-\x1f'  # class text of the characters a JSON string cannot hold raw
-STRING_CHAR = rf'([^{_BAD}]|\\(["\\/bfnrt]|u({_NON_SURROGATE}|{_SURROGATE_PAIR})))'
 STRING = f'"{STRING_CHAR}*"'
 INTEGER = r"-?(0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(\.[0-9]+)?([eE][-+]?[0-9]+)?"
@@ -395,8 +388,6 @@ class _Builder:
                     "'pattern' cannot be combined with 'format', 'minLength' or 'maxLength'")
             if not isinstance(pattern, str):
                 raise InvalidSchemaError(f"'pattern' must be a string, got {pattern!r}")
-            from lmnb.runtime.fsm.json_pattern import PatternTranslator  # imports this module
-
             return f'"{PatternTranslator(pattern).regex()}"'
         if fmt in FORMATS:
             if lo or hi is not None:
