@@ -11,18 +11,12 @@ from functools import wraps
 from typing import Any
 
 from lmnb.lang.program import Program, ProgramState
+from lmnb.magics.abort import abort_and_settle
 from lmnb.magics.errors import LMProgramInterrupted
 from lmnb.magics.live import LiveView, fork_view
 from lmnb.magics.result import ProgramResult
 
 _POLL = 0.02
-
-
-def abort_and_settle(state: ProgramState) -> None:
-    """Aborts every request of the state's run (forks included) and waits until its executors
-    have stopped, so that their KV cache is released."""
-    state.abort()
-    state.run.settle()
 
 
 def _recording(func: Callable[..., Any], holder: list[ProgramState],

@@ -13,14 +13,10 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from traitlets import Bool, Float, Int, TraitError, Unicode, validate
 
 from lmnb.lang.program import Program, set_default_backend
+from lmnb.magics.abort import abort_and_settle
 from lmnb.magics.cell import CELL_FUNCTION, CellNamespace, CellSource, SignatureError, compile_cell
 from lmnb.magics.errors import LMProgramError
-from lmnb.magics.execution import (
-    abort_and_settle,
-    run_background,
-    run_foreground,
-    run_streaming,
-)
+from lmnb.magics.execution import run_background, run_foreground, run_streaming
 from lmnb.magics.loading import describe
 from lmnb.magics.parsing import (
     HelpShown,

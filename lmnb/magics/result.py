@@ -7,6 +7,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from lmnb.magics.abort import abort_and_settle
+
 # Generated text is marked in calm tints (blues, greens, violets): nothing that reads as an error.
 _COLORS = ("#bfdbfe", "#bbf7d0", "#ddd6fe", "#a5f3fc", "#c7d2fe", "#d9f99d")
 _MAX_VALUE = 200
@@ -145,8 +147,6 @@ class ProgramResult:
 
     def wait(self) -> ProgramResult:
         """Waits for the program to finish; Ctrl-C aborts it and frees its KV cache."""
-        from lmnb.magics.execution import abort_and_settle
-
         try:
             while self._body_running:
                 self._thread.join(0.05)

@@ -8,8 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lmnb.magics.abort import abort_and_settle
 from lmnb.magics.errors import LMProgramInterrupted
-from lmnb.magics.execution import abort_and_settle, start
+from lmnb.magics.execution import start
 from lmnb.magics.result import ProgramResult
 
 _POLL = 0.02
