@@ -366,9 +366,10 @@ def test_role_forms_give_the_same_text(rt):
         assert state.messages() == messages
 
 
-def test_role_methods_return_what_they_appended_and_none_is_a_value_error():
+def test_role_methods_return_what_they_appended_and_bad_appends_are_value_errors():
     """As SGLang's `ProgramState`: `s.user(expr)` returns the role expression it appended, and
-    `s += None` (or `forks += None`) raises ValueError in the program's body."""
+    `s += None` (or `forks += None`) raises ValueError in the program's body, and so does
+    a number (`s += 5`; a TypeError too)."""
     returned = []
 
     @lmnb.function
@@ -391,6 +392,20 @@ def test_role_methods_return_what_they_appended_and_none_is_a_value_error():
             appends_none.run(forked=forked, backend=FakeBackend())
         with pytest.raises(ValueError, match="append None"):
             appends_none.trace(forked=forked)
+
+    @lmnb.function
+    def appends_a_number(s, forked):
+        if forked:
+            forks = s.fork(2)
+            forks += 5
+        s += 5
+
+    for forked in (False, True):  # SGLang: ValueError; a TypeError too
+        for error in (ValueError, TypeError):
+            with pytest.raises(error, match="cannot add int"):
+                appends_a_number.run(forked=forked, backend=FakeBackend())
+            with pytest.raises(error, match="cannot add int"):
+                appends_a_number.trace(forked=forked)
 
 
 def test_role_errors_are_kept():

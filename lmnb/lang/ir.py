@@ -33,6 +33,11 @@ class Expr:
         return concat(other, self)
 
 
+class InvalidExprError(TypeError, ValueError):
+    """A value appended to a program state that is neither text nor a DSL expression: a
+    TypeError, and a ValueError as SGLang raises for it (`s += 5`, `forks += 5`)."""
+
+
 def to_expr(value: Any) -> Expr:
     if isinstance(value, Expr):
         return value
@@ -40,8 +45,8 @@ def to_expr(value: Any) -> Expr:
         return Text(value)
     if isinstance(value, list | tuple):
         return concat(*value)
-    raise TypeError(f"cannot add {type(value).__name__} to a program state; use str or DSL "
-                    f"expressions (gen, select, image, roles...)")
+    raise InvalidExprError(f"cannot add {type(value).__name__} to a program state; use str or "
+                           f"DSL expressions (gen, select, image, roles...)")
 
 
 def concat(*values: Any) -> ExprList:
