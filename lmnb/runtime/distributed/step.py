@@ -21,14 +21,13 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from lmnb.runtime.core import Batch, ForwardMode
 
 if TYPE_CHECKING:
-    from lmnb.runtime.distributed.group import TPGroup
     from lmnb.runtime.forward_batch import ForwardBatch
 
 HEADER = 8
@@ -58,10 +57,22 @@ class Step:
     kv_indices: torch.Tensor
 
 
+class Broadcasts(Protocol):
+    """What the channel needs of its tensor-parallel group (`TPGroup`): rank 0's tensors
+    broadcast in place to every rank, host ints over the control group, the rest on the
+    device."""
+
+    device: torch.device
+
+    def broadcast_control(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast_device(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class StepChannel:
     """Both ends of the per-step broadcast; rank 0 sends, the others receive."""
 
-    def __init__(self, tp: TPGroup) -> None:
+    def __init__(self, tp: Broadcasts) -> None:
         self.tp = tp
         self.max_bs = 0
         self._control = torch.zeros(HEADER, dtype=torch.int64)
