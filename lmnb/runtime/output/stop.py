@@ -19,15 +19,23 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lmnb.params import SamplingParams
 
 if TYPE_CHECKING:
     from lmnb.runtime.fsm.protocol import Grammar
-    from lmnb.runtime.output.stop_text import StopText
 
 STOP_REGEX_WINDOW = 256  # characters before the new text that a stop_regex match may start in
+
+
+class StopWatch(Protocol):
+    """What the rules read of a request's `stop_text.StopText`."""
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string or regex match, once one has completed."""
+        ...
 
 
 # ---- finish reasons ----------------------------------------------------------------------------
@@ -131,7 +139,7 @@ class StopRules:
         return by_length(params, output_len)
 
     @staticmethod
-    def after_text(stop_text: StopText | None, grammar: Grammar | None,
+    def after_text(stop_text: StopWatch | None, grammar: Grammar | None,
                    params: SamplingParams, output_len: int) -> dict[str, Any] | None:
         """A stop string or regex, a completed (or dead) constraint, or the length limit."""
         if stop_text is not None and stop_text.matched is not None:
