@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import torch
 
 from lmnb.runtime.memory import KVAllocator
 
-if TYPE_CHECKING:
-    from lmnb.runtime.radix.cache import EvictionListener
-
 CacheHandle = Any  # opaque to callers: pass it back to lock/unlock/note_hit
+
+
+class EvictionListener(Protocol):
+    """Told of evictions (a data-parallel replica's `CacheEventLog`)."""
+
+    def evicted(self, tokens: Sequence[int]) -> None: ...  # root path through the leaf's 1st token
+    def reset(self) -> None: ...
 
 
 class MatchResult:

@@ -23,7 +23,7 @@ from lmnb.params import InvalidRequestError
 from lmnb.server.errors import error_body
 
 if TYPE_CHECKING:
-    from lmnb.server.streams import ServedRuntime
+    from lmnb.runtime.surface import EngineSurface
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 PROBE_CHARS_PER_TOKEN = 8  # English averages ~4 characters per token
@@ -133,7 +133,7 @@ def max_token_bytes(tokenizer: Any) -> int:
     return bound
 
 
-def check_prompt_size(runtime: ServedRuntime, prompt: str | Sequence[Any] | None,
+def check_prompt_size(runtime: EngineSurface, prompt: str | Sequence[Any] | None,
                       input_ids: Sequence[Any] | None = None) -> None:
     """Raises `InvalidRequestError` for a prompt (text, texts or id lists) that cannot fit in
     `runtime.context_len` tokens, tokenizing at most a bounded prefix of a text to tell. A
@@ -152,7 +152,7 @@ def check_prompt_size(runtime: ServedRuntime, prompt: str | Sequence[Any] | None
         _check_text(runtime, text, context)
 
 
-def _check_text(runtime: ServedRuntime, text: str, context: int) -> None:
+def _check_text(runtime: EngineSurface, text: str, context: int) -> None:
     most = max_token_bytes(runtime.tokenizer)
     if len(text) > context * most:
         raise InvalidRequestError(

@@ -14,19 +14,17 @@ import heapq
 import itertools
 import time
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from lmnb.runtime.memory import KVAllocator
-from lmnb.runtime.prefix_cache import MatchResult, PrefixCache, common_prefix_length
-
-
-class EvictionListener(Protocol):
-    """Told of evictions (a data-parallel replica's `CacheEventLog`)."""
-
-    def evicted(self, tokens: Sequence[int]) -> None: ...  # root path through the leaf's 1st token
-    def reset(self) -> None: ...
+from lmnb.runtime.prefix_cache import (
+    EvictionListener,
+    MatchResult,
+    PrefixCache,
+    common_prefix_length,
+)
 
 
 class TreeNode:
