@@ -109,17 +109,17 @@ def test_two_threads_record_side_by_side_each_its_own() -> None:
     def first() -> None:
         _would_compile("a", "spec-a")
         first_recording.set()
-        assert second_recording.wait(10)
+        assert second_recording.wait(60)
         _would_compile("c", "spec-c")
 
     def second_launches() -> None:
         _would_compile("b", "spec-b")
         second_recording.set()
-        assert first_done.wait(10)
+        assert first_done.wait(60)
         _would_compile("d", "spec-d")
 
     def second() -> list[precompile.Specialization]:
-        assert first_recording.wait(10)
+        assert first_recording.wait(60)
         return precompile.record_compiles(second_launches)
 
     previous = knobs.runtime.jit_cache_hook
