@@ -33,12 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels import shared_prefix
 from lmnb.runtime.kernels.attend import attend_block, attend_slots
 from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
 from lmnb.runtime.kernels.pdl import wait_for_previous
-from lmnb.runtime.kernels.shared_prefix import SharedPrefixes
+from lmnb.runtime.kernels.shared_prefix import PREFIX_SPLITS, SharedPrefixes, shared_prefix_partials
 
 MIN_SPLIT_LEN = 64
 
@@ -288,9 +287,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     prefix_splits = 0
     max_kv_splits = min(max_kv_splits, config.max_splits)
     if shared is not None:  # the prefix's partials sit after the suffix's splits
-        prefix_splits = shared_prefix.PREFIX_SPLITS
+        prefix_splits = PREFIX_SPLITS
         assert partial_out.shape[2] >= max_kv_splits + prefix_splits, "partials too narrow"
-        shared_prefix.shared_prefix_partials(
+        shared_prefix_partials(
             q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.items, partial_out,
             partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
     grid = ((num_kv_heads, bs, max_kv_splits) if config.heads_first
