@@ -324,8 +324,8 @@ class _PassRunner:
 
     def extend(self, tokens: int, requests: int, meter: MemoryMeter) -> int:
         """One EXTEND pass of `tokens` new tokens (at most a full context per request) over
-        `requests` requests, every one sampling: the first ones as long as the
-        context allows, the last ones one token each."""
+        `requests` requests, every one sampling: the first ones as long as the context allows,
+        the last ones one token each."""
         context = self.req_pool.max_context_len - 1
         extend_lens = []
         remaining = min(tokens, requests * context)

@@ -3,7 +3,12 @@ padded batch sizes of the ladder included."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,12 +101,6 @@ print("RESULT", json.dumps({"start": start, "precompiled": precompiled, "got": g
 def _cold_start(folder, tmp_path, options: dict) -> dict:
     """`_COLD_START` in a fresh process with an empty Triton cache: what it compiled while the
     engine started ([kernel, compiled by a warm-up], in order) and the tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
