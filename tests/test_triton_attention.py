@@ -355,6 +355,25 @@ def test_decode_long_splits_of_busy_batches_match_float64(device):
             torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-4, rtol=1e-4)
 
 
+
+def test_busy_batches_within_two_waves_take_the_smaller_tile():
+    """From 512 (request, KV head) programs the 128-token tile, unless the batch fits two waves
+    of 2 programs a multiprocessor: then 64-token tiles in one split (known SMs only)."""
+    from lmnb.runtime.kernels.triton_decode import decode_config
+
+    def pick(bs: int, sm_count: int | None, dtype: torch.dtype = torch.bfloat16):
+        return decode_config(128, dtype, batch_size=bs, num_kv_heads=8, sm_count=sm_count)
+
+    assert pick(64, None).block_n == 128 and pick(64, 114).block_n == 128
+    two_waves = pick(64, 132)  # 512 programs, 528 places
+    assert (two_waves.block_n, two_waves.num_warps, two_waves.max_splits) == (64, 4, 1)
+    assert pick(66, 132).block_n == 64 and pick(67, 132).block_n == 128
+    assert pick(63, 132) == pick(63, None)  # below the busy level: unchanged
+    assert pick(256, 132) == pick(256, None)
+    fp8 = torch.float8_e4m3fn
+    assert pick(64, 132, fp8) == pick(64, None, fp8) and pick(64, None, fp8).block_n == 128
+
+
 # ---- code generation for a real GPU, without one -------------------------------------------
 
 _COMPILE_FOR_HOPPER = """

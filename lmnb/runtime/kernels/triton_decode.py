@@ -27,6 +27,7 @@ tokens over twice the warps was slower).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -191,14 +192,17 @@ class DecodeConfig(NamedTuple):
 # (request, KV head) programs above which splitting a request's KV buys no parallelism, only
 # partial writes and a merge: the split length then grows (fewer, longer splits).
 _BUSY_PROGRAMS = (128, 512, 2048)
+_BUSY_PER_SM = 2  # the busy tiles' programs resident on a multiprocessor (registers bound it)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
-                  num_kv_heads: int = 1, shared: bool = False) -> DecodeConfig:
+                  num_kv_heads: int = 1, shared: bool = False,
+                  sm_count: int | None = None) -> DecodeConfig:
     """Tile sizes by head size and element width (smaller KV tiles for large fp32 heads, three
     stages for FP8 pools at the busiest level), the shortest split by how many (request, KV
     head) programs the batch has already. `shared`: the suffixes of requests whose shared
-    prefix is read apart (`shared_prefix.py`), mostly short."""
+    prefix is read apart (`shared_prefix.py`), mostly short. `sm_count`: the GPU's
+    multiprocessors, where known (a busy batch that fits two waves takes a smaller tile)."""
     programs = batch_size * num_kv_heads
     level = sum(programs >= busy for busy in _BUSY_PROGRAMS)
     if shared:
@@ -215,7 +219,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
         # stages 322 us (1.86 TB/s; bf16's tiles 411 us on 1,163 MB), the 16-bit busy tile 349,
         # 2x tokens over 2x warps 471. Below the busiest level the 16-bit tiles (not swept).
         base = decode_config(head_dim, torch.bfloat16, batch_size=batch_size,
-                             num_kv_heads=num_kv_heads)
+                             num_kv_heads=num_kv_heads)  # the 16-bit pick without the waves' rule
         if base.block_n == 128:  # the busiest level
             return base._replace(num_stages=3, prefetch=False, k_rows=False, max_splits=2,
                                  heads_first=False)
@@ -232,12 +236,29 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
     # contexts 100-2,048 laid out by 600 decode steps in a 243k/500k-slot pool, a layer:
     # Llama-2 batch 234 976.5 -> 950.7 us (FlashInfer's page-1 decode 962.9), Llama-3 batch
     # 256 283.3 -> 274.5 us, Llama-2 batch 32 (heads first only) 155.6 -> 154.5 us.
+    # Unless the busy batch fits two waves of 2 programs an SM (512-528 programs on 132 SMs):
+    # then the 128-token tile's spills (784 B a thread with triton 3.6, `bench/kernel_resources.py`)
+    # cost more than its longer steps save, and 64-token tiles over 4 warps in one split are
+    # faster. H200, contexts laid out by 48 decode steps, a layer: Llama-3 batch 64, 512-560
+    # 46.7 -> 39.3 us, 1,500-2,048 122.2 -> 115.7; Llama-2 batch 16, 1,000-2,048 113.0 -> 107.6;
+    # past two waves they lose (Llama-3 batch 72 +1%, 80 +8%, 96 +7%).
+    if level >= 2 and not wide and sm_count is not None and programs <= 2 * _BUSY_PER_SM * sm_count:
+        return DecodeConfig(64, 16 * MIN_SPLIT_LEN, 4, 2, 1, prefetch=True, k_rows=True,
+                            heads_first=True)
     if level >= 2 and not wide:
         return DecodeConfig(128, 16 * MIN_SPLIT_LEN, 4, 2, 2 if level == 2 else 1,
                             prefetch=True, k_rows=True, heads_first=True)
     level = min(level, 2)
     return DecodeConfig(32 if wide else 64, (MIN_SPLIT_LEN, 4 * MIN_SPLIT_LEN,
                                              16 * MIN_SPLIT_LEN)[level], 2, 2, (16, 4, 2)[level])
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int | None:
+    """The CUDA device's multiprocessors; None elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
@@ -268,7 +289,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     config = config or decode_config(head_dim, k_buffer.dtype, batch_size=bs,
-                                     num_kv_heads=num_kv_heads, shared=shared is not None)
+                                     num_kv_heads=num_kv_heads, shared=shared is not None,
+                                     sm_count=multiprocessors(q.device))
     block_h = max(16, triton.next_power_of_2(group))
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
     compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
