@@ -140,7 +140,8 @@ def triton_runs(batch: Batch, sweep: bool, split_counts: tuple[int, ...] = (16,)
 
     out = torch.empty_like(batch.q)
     default = td.decode_config(batch.head_dim, batch.k.dtype, batch_size=len(batch.lens),
-                               num_kv_heads=batch.kv_heads)
+                               num_kv_heads=batch.kv_heads,
+                               sm_count=td.multiprocessors(batch.q.device))
     configs = [("default", default)]
     if sweep and batch.kv_scales is not None:  # FP8 tiles: a 16-bit tile's bytes and more
         tiles = ((64, 2, 2), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (256, 4, 2),

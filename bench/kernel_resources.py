@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     heads, kv_heads, head_dim, dtype = MODELS[args.model]
     rows, records = [], []
     for batch in (int(b) for b in args.batches.split(",")):
-        pick = decode_config(head_dim, dtype, batch_size=batch, num_kv_heads=kv_heads)
+        pick = decode_config(head_dim, dtype, batch_size=batch, num_kv_heads=kv_heads,
+                             sm_count=SMS)
         configs = [("pick", pick)] + [
             (f"{n}:{w}:{s}", pick._replace(block_n=n, num_warps=w, num_stages=s))
             for n, w, s in parse_tiles(args.tiles)]
