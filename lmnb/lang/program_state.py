@@ -14,6 +14,7 @@ from lmnb.lang.state_writer import ProgramStateGroup, StateWriter, position_offs
 
 if TYPE_CHECKING:
     from lmnb.lang.token_trace import TokenTrace
+    from lmnb.widgets.token_view import TokenView
 
 
 class ProgramState(StateWriter):
@@ -177,12 +178,13 @@ class ProgramState(StateWriter):
         `%%lmprogram --tokens`), else None."""
         return self._executor.token_trace
 
-    def token_view(self, **options: Any) -> Any:
+    def token_view(self, *, title: str = "", hz: float = 10.0) -> TokenView:
         """A `lmnb.widgets.TokenView` of this state's run (its forks one row each), live while
-        it runs; the run must have been traced (`run(..., token_view=True)`)."""
+        it runs, redrawn at most `hz` times a second; the run must have been traced
+        (`run(..., token_view=True)`)."""
         from lmnb.widgets.token_view import TokenView
 
-        return TokenView(self, **options)
+        return TokenView(self, title=title, hz=hz)
 
     def observe(self, observer: Observer | None) -> None:
         """Calls `observer(kind, executor, data)` on this run's events (text deltas, finished
