@@ -62,7 +62,7 @@ def compile_partial(config: DecodeConfig, *, group: int, head_dim: int, dtype: t
             "stride_plh", "stride_ot", "stride_oh")}}
     constants: dict[str, Any] = {
         "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-        "BLOCK_H": max(16, triton.next_power_of_2(group)), "BLOCK_N": config.block_n,
+        "BLOCK_H": triton_decode.query_rows(group), "BLOCK_N": config.block_n,
         "MAX_SPLITS": max_splits, "MIN_SPLIT": config.min_split, "PRECISION": "tf32",
         "UPCAST": False, "HAS_SKIP": False, "KV_FP8": False, "PREFETCH": config.prefetch,
         "K_ROWS": config.k_rows, "HEADS_FIRST": config.heads_first, "USE_PDL": True}

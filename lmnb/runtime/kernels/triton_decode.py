@@ -253,6 +253,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
                                              16 * MIN_SPLIT_LEN)[level], 2, 2, (16, 4, 2)[level])
 
 
+def query_rows(group: int) -> int:
+    """The query rows a stage-1 program stacks (BLOCK_H): a GQA group's heads, padded to a
+    16-row tensor-core tile."""
+    return max(16, triton.next_power_of_2(group))
+
+
 @functools.cache
 def multiprocessors(device: torch.device) -> int | None:
     """The CUDA device's multiprocessors; None elsewhere (the interpreter)."""
@@ -291,7 +297,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     config = config or decode_config(head_dim, k_buffer.dtype, batch_size=bs,
                                      num_kv_heads=num_kv_heads, shared=shared is not None,
                                      sm_count=multiprocessors(q.device))
-    block_h = max(16, triton.next_power_of_2(group))
+    block_h = query_rows(group)
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
     compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert shared is None or not kv_fp8, "shared-prefix decode reads 16/32-bit KV only"
