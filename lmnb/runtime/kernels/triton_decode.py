@@ -237,9 +237,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
     # Llama-2 batch 234 976.5 -> 950.7 us (FlashInfer's page-1 decode 962.9), Llama-3 batch
     # 256 283.3 -> 274.5 us, Llama-2 batch 32 (heads first only) 155.6 -> 154.5 us.
     # Unless the busy batch fits two waves of 2 programs an SM (512-528 programs on 132 SMs):
-    # then the 128-token tile's spills (784 B a thread with triton 3.6, `bench/kernel_resources.py`)
-    # cost more than its longer steps save, and 64-token tiles over 4 warps in one split are
-    # faster. H200, contexts laid out by 48 decode steps, a layer: Llama-3 batch 64, 512-560
+    # then 64-token tiles over 4 warps in one split are faster (the 128-token tile spills 784 B
+    # a thread with triton 3.6, they none: `bench/kernel_resources.py`). H200, contexts laid
+    # out by 48 decode steps, a layer: Llama-3 batch 64, 512-560
     # 46.7 -> 39.3 us, 1,500-2,048 122.2 -> 115.7; Llama-2 batch 16, 1,000-2,048 113.0 -> 107.6;
     # past two waves they lose (Llama-3 batch 72 +1%, 80 +8%, 96 +7%).
     if level >= 2 and not wide and sm_count is not None and programs <= 2 * _BUSY_PER_SM * sm_count:
