@@ -55,7 +55,8 @@ def compile_partial(config: DecodeConfig, *, group: int, head_dim: int, dtype: t
     signature: dict[str, str] = {
         "Q": "*" + dtype_name, "K": "*" + dtype_name, "V": "*" + dtype_name, "K_SCALE": "*i32",
         "V_SCALE": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "KV_SKIP": "*i32",
-        "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*" + dtype_name, "scale": "fp32",
+        "PREFIX_PARTS": "*i32", "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*" + dtype_name,
+        "scale": "fp32",
         **{name: "i32" for name in (
             "stride_st", "stride_sh", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
             "stride_vt", "stride_vh", "stride_pob", "stride_poh", "stride_pos", "stride_plb",
@@ -65,7 +66,8 @@ def compile_partial(config: DecodeConfig, *, group: int, head_dim: int, dtype: t
         "BLOCK_H": triton_decode.query_rows(group), "BLOCK_N": config.block_n,
         "MAX_SPLITS": max_splits, "MIN_SPLIT": config.min_split, "PRECISION": "tf32",
         "UPCAST": False, "HAS_SKIP": False, "KV_FP8": False, "PREFETCH": config.prefetch,
-        "K_ROWS": config.k_rows, "HEADS_FIRST": config.heads_first, "USE_PDL": True}
+        "K_ROWS": config.k_rows, "HEADS_FIRST": config.heads_first, "MERGE_PREFIX": False,
+        "USE_PDL": True}
     signature.update({name: "constexpr" for name in constants})
     kernel = triton.compile(
         ASTSource(fn=triton_decode._decode_partial_kernel, signature=signature,

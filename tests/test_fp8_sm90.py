@@ -73,8 +73,9 @@ compile(gemv._split_k_reduce_kernel,
 for block_n, warps in ((64, 4), (256, 8)):
     kernel = compile(triton_decode._decode_partial_kernel,
             {"Q": dt, "K": f8, "V": f8, "K_SCALE": "*fp32", "V_SCALE": "*fp32", "KV_INDPTR": i64,
-             "KV_INDICES": i64, "KV_SKIP": i64, "PART_O": "*fp32", "PART_LSE": "*fp32",
-             "OUT": dt, "scale": "fp32", "stride_st": "i32", "stride_sh": "i32",
+             "KV_INDICES": i64, "KV_SKIP": i64, "PREFIX_PARTS": i64, "PART_O": "*fp32",
+             "PART_LSE": "*fp32", "OUT": dt, "scale": "fp32", "stride_st": "i32",
+             "stride_sh": "i32",
              **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                    "stride_vt", "stride_vh", "stride_pob", "stride_poh",
                                    "stride_pos", "stride_plb", "stride_plh", "stride_ot",
@@ -82,7 +83,7 @@ for block_n, warps in ((64, 4), (256, 8)):
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": block_n,
              "MAX_SPLITS": 2, "MIN_SPLIT": 1024, "PRECISION": "tf32", "UPCAST": False,
              "HAS_SKIP": False, "KV_FP8": True, "PREFETCH": True, "K_ROWS": True,
-             "HEADS_FIRST": False},
+             "HEADS_FIRST": False, "MERGE_PREFIX": False},
             warps=warps)
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 compile(fp8_quant._per_token_quant_kernel,

@@ -381,19 +381,22 @@ from lmnb.runtime.kernels import shared_prefix, triton_decode, triton_extend
 
 dt = "bf16"
 i64 = "*i64"
-for skip, variant in ((True, False), (False, False), (False, True)):
+# (shared prefix, tile variant, one split merging the prefix's partials)
+for skip, variant, merge in ((True, False, False), (False, False, False), (False, True, False),
+                             (True, False, True)):
     compile(triton_decode._decode_partial_kernel,
             {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "K_SCALE": i64, "V_SCALE": i64,
-             "KV_INDPTR": i64, "KV_INDICES": i64, "KV_SKIP": i64, "PART_O": "*fp32",
+             "KV_INDPTR": i64, "KV_INDICES": i64, "KV_SKIP": i64, "PREFIX_PARTS": i64,
+             "PART_O": "*fp32",
              "PART_LSE": "*fp32", "OUT": "*" + dt, "scale": "fp32", "stride_st": "i32",
              "stride_sh": "i32",
              **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                                    "stride_vh", "stride_pob", "stride_poh", "stride_pos",
                                    "stride_plb", "stride_plh", "stride_ot", "stride_oh")}},
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
-             "MAX_SPLITS": 16, "MIN_SPLIT": 64, "PRECISION": "tf32", "UPCAST": False,
-             "HAS_SKIP": skip, "KV_FP8": False, "PREFETCH": variant, "K_ROWS": variant,
-             "HEADS_FIRST": variant},
+             "MAX_SPLITS": 1 if merge else 16, "MIN_SPLIT": 64, "PRECISION": "tf32",
+             "UPCAST": False, "HAS_SKIP": skip, "KV_FP8": False, "PREFETCH": variant,
+             "K_ROWS": variant, "HEADS_FIRST": variant, "MERGE_PREFIX": merge},
             warps=2)
     compile(triton_decode._decode_merge_kernel,
             {"PART_O": "*fp32", "PART_LSE": "*fp32", "KV_INDPTR": i64, "KV_SKIP": i64,

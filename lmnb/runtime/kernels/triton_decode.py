@@ -4,7 +4,9 @@ One query token per request. Stage 1 runs a program per (request, KV head, split
 sharing that KV head (GQA group, padded to BLOCK_H rows) attend to one chunk of the request's KV
 with an online softmax and store the chunk's normalised output and log-sum-exp. Stage 2 runs a
 program per (request, query head) and merges the splits. A request whose KV is one split (most of
-a busy batch's, see `decode_config`) gets its output from stage 1, and stage 2 skips it.
+a busy batch's, see `decode_config`) gets its output from stage 1, and stage 2 skips it. With a
+shared prefix (`shared_prefix.py`) and a launch of one split, stage 1 folds the prefix's partials
+into its suffix's output itself, and stage 2 is not launched.
 
 The split count is a launch constant (`max_kv_splits`, capped by the config's `max_splits`, which
 shrinks as the batch grows): a request of kv_len tokens uses
@@ -52,8 +54,8 @@ def _split_len(kv_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, K_SCALE, V_SCALE, KV_INDPTR, KV_INDICES, KV_SKIP, PART_O, PART_LSE, OUT,
-    scale, stride_st, stride_sh,
+    Q, K, V, K_SCALE, V_SCALE, KV_INDPTR, KV_INDICES, KV_SKIP, PREFIX_PARTS, PART_O, PART_LSE,
+    OUT, scale, stride_st, stride_sh,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -64,7 +66,8 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
     KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, K_ROWS: tl.constexpr = False,
-    HEADS_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False, MERGE_PREFIX: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
     if HEADS_FIRST:  # a request's KV heads run side by side: they read each token's whole row
@@ -124,7 +127,23 @@ def _decode_partial_kernel(
                     False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
         out = acc / l_i[:, None]
         mask = mask_h[:, None] & mask_d[None, :]
-        if HAS_SKIP or split_len < kv_len:  # partials for the merge kernel
+        if MERGE_PREFIX:  # one split: fold in the prefix's partials (written before this launch)
+            top = m_i + tl.log(l_i)
+            weight = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+            for part in range(tl.load(PREFIX_PARTS + req)):
+                slot = MAX_SPLITS + part
+                lse = tl.load(PART_LSE + req * stride_plb + heads * stride_plh + slot,
+                              mask=mask_h, other=float("-inf"))
+                part_out = tl.load(PART_O + req * stride_pob + heads[:, None] * stride_poh
+                                   + slot * stride_pos + offs_d[None, :], mask=mask, other=0.0)
+                new_top = tl.maximum(top, lse)
+                old_scale, part_scale = tl.exp(top - new_top), tl.exp(lse - new_top)
+                out = out * old_scale[:, None] + part_out * part_scale[:, None]
+                weight = weight * old_scale + part_scale
+                top = new_top
+            tl.store(OUT + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                     (out / weight[:, None]).to(OUT.dtype.element_ty), mask=mask)
+        elif HAS_SKIP or split_len < kv_len:  # partials for the merge kernel
             tl.store(PART_O + req * stride_pob + heads[:, None] * stride_poh
                      + split * stride_pos + offs_d[None, :], out, mask=mask)
             tl.store(PART_LSE + req * stride_plb + heads * stride_plh + split,
@@ -320,11 +339,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         shared_prefix_partials(
             q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.items, partial_out,
             partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
+    # a suffix of one split merges its group's prefix partials itself: no merge launch
+    merge_prefix = shared is not None and max_kv_splits == 1
     grid = ((num_kv_heads, bs, max_kv_splits) if config.heads_first
             else (bs, num_kv_heads, max_kv_splits))
     _decode_partial_kernel[grid](
-        q, k_buffer, v_buffer, k_scale, v_scale, kv_indptr, kv_indices, kv_skip, partial_out,
-        partial_lse, out, scale, *scale_strides,
+        q, k_buffer, v_buffer, k_scale, v_scale, kv_indptr, kv_indices, kv_skip, prefix_parts,
+        partial_out, partial_lse, out, scale, *scale_strides,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -335,10 +356,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
         KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
-        HEADS_FIRST=config.heads_first,
+        HEADS_FIRST=config.heads_first, MERGE_PREFIX=merge_prefix,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(q.device),
     )
-    if max_kv_splits == 1 and shared is None:  # every request's output came from stage 1
+    if max_kv_splits == 1:  # every request's output came from stage 1
         return out
     block_s = triton.next_power_of_2(max_kv_splits + prefix_splits)
     # heads a merge program takes: its [heads, splits, head_dim] partials ~8k floats at most
