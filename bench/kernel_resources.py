@@ -52,15 +52,7 @@ def compile_partial(config: DecodeConfig, *, group: int, head_dim: int, dtype: t
                     max_splits: int) -> dict[str, int]:
     """`_decode_partial_kernel` compiled for sm_90 with `config`: its resources."""
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    signature: dict[str, str] = {
-        "Q": "*" + dtype_name, "K": "*" + dtype_name, "V": "*" + dtype_name, "K_SCALE": "*i32",
-        "V_SCALE": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "KV_SKIP": "*i32",
-        "PREFIX_PARTS": "*i32", "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*" + dtype_name,
-        "scale": "fp32",
-        **{name: "i32" for name in (
-            "stride_st", "stride_sh", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
-            "stride_vt", "stride_vh", "stride_pob", "stride_poh", "stride_pos", "stride_plb",
-            "stride_plh", "stride_ot", "stride_oh")}}
+    signature = triton_decode.partial_kernel_types(q="*" + dtype_name, kv="*" + dtype_name)
     constants: dict[str, Any] = {
         "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
         "BLOCK_H": triton_decode.query_rows(group), "BLOCK_N": config.block_n,

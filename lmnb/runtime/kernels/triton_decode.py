@@ -153,6 +153,20 @@ def _decode_partial_kernel(
                      out.to(OUT.dtype.element_ty), mask=mask)
 
 
+def partial_kernel_types(*, q: str, kv: str, kv_scales: str = "*fp32",
+                         index: str = "*i32") -> dict[str, str]:
+    """`_decode_partial_kernel`'s tensor and scalar arguments as Triton signature types, for
+    compiling it ahead of time for another GPU (tests, `bench/kernel_resources.py`): q (also the
+    output's) and kv like "*bf16", kv_scales the FP8 pool's scales, index the index tensors'."""
+    strides = ("stride_st", "stride_sh", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
+               "stride_vt", "stride_vh", "stride_pob", "stride_poh", "stride_pos", "stride_plb",
+               "stride_plh", "stride_ot", "stride_oh")
+    return {"Q": q, "K": kv, "V": kv, "K_SCALE": kv_scales, "V_SCALE": kv_scales,
+            "KV_INDPTR": index, "KV_INDICES": index, "KV_SKIP": index, "PREFIX_PARTS": index,
+            "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": q, "scale": "fp32",
+            **{name: "i32" for name in strides}}
+
+
 @triton.jit
 def _decode_merge_kernel(
     PART_O, PART_LSE, KV_INDPTR, KV_SKIP, PREFIX_PARTS, OUT,
