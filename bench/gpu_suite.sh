@@ -26,6 +26,10 @@
 #                                                                    (not in "all")  ~3 min
 #   profile-llama2  the same on random Llama-2-7B fp16, for the comparison   (not in "all")  ~3 min
 #   gemv            bench/gemv.py --sweep: the batch-1 GEMV kernels     (not in "all")
+#   fp8             bench/fp8.py, issue 23's table: random Llama-3-8B bf16 / FP8 weights / FP8
+#                   KV / both, batch-1 decode against each one's floor and the offline workload;
+#                   quality on the embedded SmolLM2 with the GPTQ FP8 checkpoints
+#                                                                    (not in "all")  ~8 min
 #   vs-vllm-llama3  bench/vs_vllm.py: lmnb vs vLLM 0.26.0 on random Llama-3-8B bf16, every
 #                   workload (offline, shared prefixes as ids and as text, fork, decode b64/b1,
 #                   engine start), each engine in its own process       (not in "all")  ~8 min
@@ -139,7 +143,10 @@ for stage in "${stages[@]}"; do
       run_stage profile-llama2 $PY bench/profile_offline.py --dummy-config llama-2-7b \
         --tokenizer "$TOKENIZER" --output "$RESULTS/profile_offline_llama-2-7b.json" ;;
     gemv)
-      run_stage gemv $PY bench/gemv.py --sweep --output "$RESULTS/gemv.json" ;;
+      run_stage gemv $PY bench/gemv.py --sweep --out "$RESULTS/gemv.json" ;;
+    fp8)
+      run_stage fp8 $PY bench/fp8.py --tokenizer "$TOKENIZER" --repeats 2 \
+        --quality-checkpoints fp8-gptq,fp8-gptq-ends ;;
     vs-vllm-llama3)
       run_stage vs-vllm-llama3 vs_vllm "$RESULTS/vs_vllm_llama-3-8b.json" --models llama-3-8b ;;
     vs-vllm-llama2)
@@ -152,7 +159,7 @@ for stage in "${stages[@]}"; do
         tests/gpu/test_gpu_attention_backends.py ;;
     *)
       echo "gpu_suite: unknown stage $stage (decode offline-llama3 offline-llama2 programs" \
-        "ablation json profile-llama3 profile-llama2 gemv vs-vllm vs-vllm-llama3" \
+        "ablation json profile-llama3 profile-llama2 gemv fp8 vs-vllm vs-vllm-llama3" \
         "vs-vllm-llama2 tests)"
       failed+=("$stage") ;;
   esac
