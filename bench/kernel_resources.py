@@ -58,8 +58,7 @@ def compile_partial(config: DecodeConfig, *, group: int, head_dim: int, dtype: t
         "BLOCK_H": triton_decode.query_rows(group), "BLOCK_N": config.block_n,
         "MAX_SPLITS": max_splits, "MIN_SPLIT": config.min_split, "PRECISION": "tf32",
         "UPCAST": False, "HAS_SKIP": False, "KV_FP8": False, "PREFETCH": config.prefetch,
-        "K_ROWS": config.k_rows, "HEADS_FIRST": config.heads_first, "MERGE_PREFIX": False,
-        "USE_PDL": True}
+        "K_ROWS": config.k_rows, "HEADS_FIRST": config.heads_first, "USE_PDL": True}
     signature.update({name: "constexpr" for name in constants})
     kernel = triton.compile(
         ASTSource(fn=triton_decode._decode_partial_kernel, signature=signature,

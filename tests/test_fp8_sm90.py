@@ -76,7 +76,7 @@ for block_n, warps in ((64, 4), (256, 8)):
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": block_n,
              "MAX_SPLITS": 2, "MIN_SPLIT": 1024, "PRECISION": "tf32", "UPCAST": False,
              "HAS_SKIP": False, "KV_FP8": True, "PREFETCH": True, "K_ROWS": True,
-             "HEADS_FIRST": False, "MERGE_PREFIX": False},
+             "HEADS_FIRST": False},
             warps=warps)
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 compile(fp8_quant._per_token_quant_kernel,

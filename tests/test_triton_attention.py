@@ -389,7 +389,7 @@ for skip, variant, merge in ((True, False, False), (False, False, False), (False
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64,
              "MAX_SPLITS": 1 if merge else 16, "MIN_SPLIT": 64, "PRECISION": "tf32",
              "UPCAST": False, "HAS_SKIP": skip, "KV_FP8": False, "PREFETCH": variant,
-             "K_ROWS": variant, "HEADS_FIRST": variant, "MERGE_PREFIX": merge},
+             "K_ROWS": variant, "HEADS_FIRST": variant},
             warps=2)
     compile(triton_decode._decode_merge_kernel,
             {"PART_O": "*fp32", "PART_LSE": "*fp32", "KV_INDPTR": i64, "KV_SKIP": i64,

@@ -66,8 +66,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SKIP: tl.constexpr,
     KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, K_ROWS: tl.constexpr = False,
-    HEADS_FIRST: tl.constexpr = False, MERGE_PREFIX: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
     if HEADS_FIRST:  # a request's KV heads run side by side: they read each token's whole row
@@ -127,7 +126,7 @@ def _decode_partial_kernel(
                     False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
         out = acc / l_i[:, None]
         mask = mask_h[:, None] & mask_d[None, :]
-        if MERGE_PREFIX:  # one split: fold in the prefix's partials (written before this launch)
+        if HAS_SKIP and MAX_SPLITS == 1:  # fold in the prefix's partials (written before)
             top = m_i + tl.log(l_i)
             weight = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
             for part in range(tl.load(PREFIX_PARTS + req)):
@@ -353,8 +352,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         shared_prefix_partials(
             q, k_buffer, v_buffer, kv_indptr, kv_indices, shared.items, partial_out,
             partial_lse, scale=scale, split_offset=max_kv_splits, precision=precision)
-    # a suffix of one split merges its group's prefix partials itself: no merge launch
-    merge_prefix = shared is not None and max_kv_splits == 1
     grid = ((num_kv_heads, bs, max_kv_splits) if config.heads_first
             else (bs, num_kv_heads, max_kv_splits))
     _decode_partial_kernel[grid](
@@ -370,10 +367,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_N=config.block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT=config.min_split,
         PRECISION=precision, UPCAST=dot_upcast(compute), HAS_SKIP=shared is not None,
         KV_FP8=kv_fp8, PREFETCH=config.prefetch, K_ROWS=config.k_rows,
-        HEADS_FIRST=config.heads_first, MERGE_PREFIX=merge_prefix,
+        HEADS_FIRST=config.heads_first,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(q.device),
     )
-    if max_kv_splits == 1:  # every request's output came from stage 1
+    if max_kv_splits == 1:  # every output came from stage 1 (a suffix folds its prefix)
         return out
     block_s = triton.next_power_of_2(max_kv_splits + prefix_splits)
     # heads a merge program takes: its [heads, splits, head_dim] partials ~8k floats at most
