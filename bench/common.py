@@ -117,6 +117,15 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+def write_results(path: str | Path, payload: dict[str, Any]) -> Path:
+    """`write_json`, and a copy in $OUT when that is set (the device machine's folder that comes
+    back) and `path` is not already there; returns `path`."""
+    path = write_json(path, payload)
+    if (out := os.environ.get("OUT")) and (Path(out) / path.name).resolve() != path.resolve():
+        write_json(Path(out) / path.name, payload)
+    return path
+
+
 def graph_seconds_per_call(call: Callable[[int], object], *, calls: int, replays: int) -> float:
     """Seconds per call of `call(i)`, i = 0..calls-1, captured in one CUDA graph and replayed
     `replays` times (best of 3 timings). `call` must already be compiled / warmed up."""

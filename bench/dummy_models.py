@@ -52,9 +52,6 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
                      "bos_token_id": 128000, "eos_token_id": 128001, "dtype": "float32"},
 }
 
-# The files of an HF tokenizer folder that `copy_tokenizer` copies beside a config.json.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
 @dataclass(frozen=True)
@@ -87,7 +84,8 @@ def write_dummy_model(name: str, root: str | Path, tokenizer: str | Path | None 
     id the tokenizer can produce (prompts, constrained decoding) is a row of the embedding."""
     from lmnb.runtime.models import loader
 
-    tokenizer_dir = loader.resolve_model_dir(str(tokenizer) if tokenizer is not None else None)
+    tokenizer_dir = (loader.resolve_tokenizer_dir(tokenizer) if tokenizer is not None
+                     else loader.resolve_model_dir(None))
     fields = dict(DUMMY_CONFIGS[name])
     if grow_vocab:
         fields["vocab_size"] = max(fields["vocab_size"],
@@ -105,6 +103,8 @@ def write_self_contained_dummy_model(name: str, root: str | Path,
     folder that serves itself, for engines that take one folder for both (vLLM's
     `LLM(model=d, tokenizer=d)`), so that every engine reads the same files."""
     import shutil
+
+    from lmnb.runtime.models.loader import TOKENIZER_FILES
 
     source = Path(tokenizer)
     files = [file for file in TOKENIZER_FILES if (source / file).is_file()]

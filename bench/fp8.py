@@ -52,7 +52,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -71,7 +70,7 @@ from bench.common import (  # noqa: E402
     environment,
     format_table,
     stopwatch,
-    write_json,
+    write_results,
 )
 from bench.dummy_models import write_dummy_model  # noqa: E402
 from bench.floor import copy_bandwidth  # noqa: E402
@@ -412,9 +411,7 @@ def main() -> None:
         print(format_table(["rows", "bf16", "W8A8 _scaled_mm", "W8A16 mm_fp8", "W8A16 dequant"],
                            [[m, r["bf16"], r["w8a8"], r["w8a16_kernel"], r["w8a16_dequant"]]
                             for m, r in w8a16.items()]))
-    path = write_json(RESULTS_DIR / ("fp8_tiny.json" if args.tiny else "fp8.json"), results)
-    if os.environ.get("OUT"):
-        write_json(Path(os.environ["OUT"]) / path.name, results)
+    path = write_results(RESULTS_DIR / ("fp8_tiny.json" if args.tiny else "fp8.json"), results)
     print(f"wrote {path}")
 
 

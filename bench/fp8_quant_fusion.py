@@ -32,7 +32,7 @@ from bench.common import (  # noqa: E402
     environment,
     format_table,
     graph_seconds_per_call,
-    write_json,
+    write_results,
 )
 from lmnb.runtime.kernels.fused import activation, fp8_quant, rmsnorm  # noqa: E402
 
@@ -106,9 +106,7 @@ def main() -> int:
     print(format_table(["M", "op", "variant", "us/call", "speed-up", "bits equal"], table))
     payload = {"environment": environment(device), "hidden": hidden, "intermediate": width,
                "results": results}
-    write_json(RESULTS_DIR / "fp8_quant_fusion.json", payload)
-    if os.environ.get("OUT"):
-        write_json(Path(os.environ["OUT"]) / "fp8_quant_fusion.json", payload)
+    write_results(RESULTS_DIR / "fp8_quant_fusion.json", payload)
     return 0 if all(r["bit_equal"] for r in results) else 1
 
 

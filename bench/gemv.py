@@ -38,8 +38,6 @@ import argparse
 import itertools
 import json
 import math
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,7 +53,7 @@ from bench.common import (  # noqa: E402
     environment,
     format_table,
     graph_seconds_per_call,
-    write_json,
+    write_results,
 )
 from bench.floor import copy_bandwidth  # noqa: E402
 from lmnb.runtime.kernels.fused import rms_norm, rotary_qkv, silu_and_mul  # noqa: E402
@@ -492,10 +490,8 @@ def main_fp8(args: argparse.Namespace, copy_bw: float) -> int:
                "sweep": args.sweep, "results": results, "step_linears_ms": steps,
                "failures": failures, "environment": environment("cuda")}
     name = "gemv_fp8_sweep.json" if args.sweep else "gemv_fp8.json"
-    path = write_json(args.out or RESULTS_DIR / name, payload)
+    path = write_results(args.out or RESULTS_DIR / name, payload)
     print(f"wrote {path}")
-    if os.environ.get("OUT"):
-        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
     return 1 if failures else 0
 
 
@@ -585,10 +581,8 @@ def main() -> int:
                "sweep": args.sweep, "results": results, "step_linears_ms": steps,
                "failures": failures, "environment": environment("cuda")}
     name = "gemv_sweep.json" if args.sweep else "gemv.json"
-    path = write_json(args.out or RESULTS_DIR / name, payload)
+    path = write_results(args.out or RESULTS_DIR / name, payload)
     print(f"wrote {path}")
-    if os.environ.get("OUT"):
-        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
     return 1 if failures else 0
 
 

@@ -50,7 +50,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
 import subprocess
@@ -68,7 +67,13 @@ _MODULE_T0 = time.perf_counter()  # fallback for the process's start when /proc 
 if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, RESULTS_DIR, format_markdown_table, format_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    REPO_ROOT,
+    RESULTS_DIR,
+    format_markdown_table,
+    format_table,
+    write_results,
+)
 from bench.dummy_models import DUMMY_CONFIGS  # noqa: E402
 
 ENGINES = ("vllm", "lmnb")
@@ -795,9 +800,9 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                               if args.cold_caches else env)
                 runs[engine] = run_engine_process(command, engine_env, json_out,
                                                   args.child_timeout)
-                _write(payload, args.output)
+                write_results(args.output, payload)
     print_report(payload)
-    path = _write(payload, args.output)
+    path = write_results(args.output, payload)
     print(f"wrote {path}" + (f" (and {os.environ['OUT']})" if os.environ.get("OUT") else ""))
     return payload
 
@@ -853,12 +858,6 @@ def print_profile(title: str, summary: dict[str, Any],
               "scheduler thread; CUDA kernels are recorded from every thread)")
 
 
-def _write(payload: dict[str, Any], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    if (out := os.environ.get("OUT")) and (Path(out) / path.name).resolve() != path.resolve():
-        shutil.copy(path, Path(out) / path.name)
-    return path
 
 
 def _git_commit() -> str | None:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from lmnb.runtime.models import loader, tokenizer_choice
 
 TEXTS = ["Hello world, héllo wörld! 123 +-*/ 日本語 🙂",
@@ -104,6 +106,30 @@ def test_remote_code_and_other_classes_go_through_autotokenizer(tmp_path: Path,
         assert tokenizer_choice.class_name(folder) == name, model_type
     (folder / "tokenizer.json").unlink()
     assert tokenizer_choice.class_name(folder) is None
+
+
+def test_a_tokenizer_only_folder_is_a_tokenizer_path(tmp_path: Path, smollm2_dir: Path,
+                                                    tiny_models: dict[str, Path]) -> None:
+    """A `tokenizer_path` folder needs no config.json (bench/fetch_tokenizers.sh writes such);
+    a model folder still resolves as before, a folder with neither is the loader's error."""
+    from bench.dummy_models import write_dummy_model
+    from lmnb.runtime.engine import Runtime
+
+    bare = _bare_tokenizer_folder(tmp_path, smollm2_dir)
+    assert loader.resolve_tokenizer_dir(bare) == bare
+    assert loader.resolve_tokenizer_dir(smollm2_dir) == smollm2_dir
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(loader.ModelNotFoundError):
+        loader.resolve_tokenizer_dir(tmp_path / "empty")
+
+    assert write_dummy_model("llama-3-8b", tmp_path / "dummy", bare).tokenizer_path == bare
+    runtime = Runtime(str(tiny_models["llama-gqa"]), device="cpu", max_total_tokens=256,
+                      tokenizer_path=str(bare))
+    try:
+        assert runtime.tokenizer.encode(TEXTS[0]) == loader.load_tokenizer(smollm2_dir).encode(
+            TEXTS[0])
+    finally:
+        runtime.shutdown()
 
 
 # Run in a fresh interpreter: an engine's start over the tiny Llama, with a stand-in torchvision

@@ -93,6 +93,21 @@ def resolve_model_dir(model_path: str | os.PathLike[str] | None) -> Path:
     )
 
 
+# The files of an HF tokenizer folder (any one of them makes a folder a tokenizer's).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def resolve_tokenizer_dir(tokenizer_path: str | os.PathLike[str]) -> Path:
+    """The folder a tokenizer loads from: a folder holding tokenizer files as it is (it needs no
+    config.json, as SGLang's `tokenizer_path`); else a model folder or GGUF, as
+    `resolve_model_dir`."""
+    path = Path(tokenizer_path).expanduser()
+    if path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES):
+        return path
+    return resolve_model_dir(path)
+
+
 def _stat_key(gguf: Path) -> tuple[int, int]:
     st = gguf.stat()
     return st.st_size, st.st_mtime_ns
