@@ -171,6 +171,8 @@ def test_gated_is_silu_and_mul_of_the_gemm(device, dtype, name):
 # (16-bit x: packed or element by element), split K overridden (the norm needs all of K)
 NORMED = {
     "FMA, packed": ((1, 12, 2100), Fp8GemvConfig(4, 1024, 1, 4, 1, False)),
+    "FMA, packed, prefetch": ((1, 12, 2100), Fp8GemvConfig(2, 512, 1, 2, 2, False)),
+    "FMA, packed, prefetch, even K": ((1, 6, 2048), Fp8GemvConfig(2, 512, 1, 2, 2, False)),
     "FMA, element by element, split K asked": ((1, 10, 1001), Fp8GemvConfig(2, 512, 2, 2, 2,
                                                                             False)),
     "dot": ((5, 70, 520), Fp8GemvConfig(64, 256, 1, 4, 3, True)),
@@ -227,6 +229,7 @@ def _same_pools(a, b) -> bool:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("m", "config", "kv_dtype", "head_dim"), [
     (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float32, 16),  # FMA, packed x
+    (1, Fp8GemvConfig(2, 512, 1, 2, 2, False), torch.bfloat16, 16),  # FMA, prefetch (qkv's)
     (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16, 16),  # dot
     # FP8 pools: 4 programs a head (2 rows each); 8 pairs a program over heads of 12 pairs
     (1, Fp8GemvConfig(4, 256, 1, 1, 1, False), torch.float8_e4m3fn, 16),

@@ -350,7 +350,27 @@ def _fp8_gemv_kernel(
         ss = tl.zeros((1, BLOCK_K), dtype=tl.float32)  # NORM: s^2 a lane
         # the first step's weight tile was read before the wait (`w_first`); its step runs on
         # its own, then the loop from the second step as it would from the first
-        if NORM:  # r and g are read as the step runs (L1 hits), not prefetched
+        if NORM and PREFETCH:  # the next step's w, x, r and g are issued before this step's
+            w_next = w_first  # FMAs (qkv: few K steps a program, each a round trip to HBM)
+            x_next = _load_x(x_ptrs, k_start, k_end, offs_k, mask_m, EVEN_K)
+            r_next = _load_x(r_ptrs, k_start, k_end, offs_k, mask_m, EVEN_K)
+            g_next = _load_k(g_ptrs, k_start, k_end, offs_k, EVEN_K)
+            x_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            for k in range(k_start, k_end, BLOCK_K):
+                w, x, r, g = w_next, x_next, r_next, g_next
+                w_next, x_next = _load_step(w_ptrs, x_ptrs, k + BLOCK_K, k_end, offs_k, mask_n,
+                                            mask_m, EVEN_K)
+                r_next = _load_x(r_ptrs, k + BLOCK_K, k_end, offs_k, mask_m, EVEN_K)
+                g_next = _load_k(g_ptrs, k + BLOCK_K, k_end, offs_k, EVEN_K)
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+                r_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                acc2, ss = _norm_fma_step(acc2, ss, w, x, r, g, BLOCK_N, BLOCK_K, VEC_K, PACKED,
+                                          X_BF16, ASM_CVT, HAS_RES, RES_OUT.dtype.element_ty)
+        elif NORM:  # r and g are read as the step runs (L1 hits), not prefetched
             x = _load_x(x_ptrs, k_start, k_end, offs_k, mask_m, EVEN_K)
             r = _load_x(r_ptrs, k_start, k_end, offs_k, mask_m, EVEN_K)
             g = _load_k(g_ptrs, k_start, k_end, offs_k, EVEN_K)
