@@ -57,6 +57,8 @@ for use_dot, gated, norm, rotary in (
         assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in ptx
         # 2 rows x 8 weights a step, a pair each; without prefetch the first step is apart
         assert ptx.count("cvt.rn.f16x2.e4m3x2") == (8 if prefetch else 16)
+        if prefetch:  # the loop's weight loads are the next step's: ahead of its conversions
+            assert ptx.rindex("ld.global.L1::evict_first") < ptx.index("cvt.rn.f16x2.e4m3x2")
         # the first weight tile is read before the wait for the kernel in front (PDL)
         wait = ptx.index("griddepcontrol.wait")
         assert ptx.index("ld.global.L1::evict_first") < wait
