@@ -229,7 +229,7 @@ def _same_pools(a, b) -> bool:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("m", "config", "kv_dtype", "head_dim"), [
     (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float32, 16),  # FMA, packed x
-    (1, Fp8GemvConfig(2, 512, 1, 2, 2, False), torch.bfloat16, 16),  # FMA, prefetch (qkv's)
+    (1, Fp8GemvConfig(4, 512, 1, 2, 2, False), torch.bfloat16, 16),  # FMA, prefetch (qkv's)
     (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16, 16),  # dot
     # FP8 pools: 4 programs a head (2 rows each); 8 pairs a program over heads of 12 pairs
     (1, Fp8GemvConfig(4, 256, 1, 1, 1, False), torch.float8_e4m3fn, 16),
