@@ -213,13 +213,16 @@ FMA_BLOCKS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (1, 2048, 
               (1, 2048, 8), (2, 2048, 8), (4, 2048, 8), (2, 512, 2), (4, 512, 2), (8, 512, 2),
               (8, 2048, 8), (2, 4096, 16), (4, 4096, 16), (8, 4096, 16), (2, 256, 1),
               (4, 256, 1), (8, 256, 1)]
+# weights a thread holds in flight (rows x its columns x stages): the prefetching blocks up to
+# twice the largest 1-stage block (8 rows x 2048 / 8 warps = 64); a block that spills times slow
+FMA_MAX_WEIGHTS_A_THREAD = 128
 # dot path: (rows, columns, stages), 4 warps; 16-32 rows also at M = 1
 DOT_BLOCKS = [(16, 512, 3), (32, 256, 4), (64, 128, 4), (64, 256, 3), (128, 128, 4)]
 
 
 def fp8_sweep_grid(m: int, n: int, k: int) -> list[Fp8GemvConfig]:
     """Configs worth timing for one FP8 shape (the table's / rule's pick is added by the caller):
-    the FMA blocks without and with prefetch (where a thread then holds <= 64 weights), the dot
+    the FMA blocks without and with prefetch (up to FMA_MAX_WEIGHTS_A_THREAD a thread), the dot
     blocks; split K where the programs are fewer than 16 an SM."""
     def splits(blocks: int, block_k: int) -> list[int]:
         return [s for s in (1, 2, 4, 8, 16) if k // s >= block_k and (
@@ -229,7 +232,7 @@ def fp8_sweep_grid(m: int, n: int, k: int) -> list[Fp8GemvConfig]:
     if m == 1:
         for (block_n, block_k, warps), stages in itertools.product(FMA_BLOCKS, (1, 2)):
             assert block_k % (FMA_VEC * 32 * warps) == 0
-            if stages * block_n * block_k // (32 * warps) > 64:
+            if stages * block_n * block_k // (32 * warps) > FMA_MAX_WEIGHTS_A_THREAD:
                 continue
             for split in splits(math.ceil(n / block_n), block_k):
                 grid.append(Fp8GemvConfig(block_n, block_k, split, warps, stages, False))
