@@ -458,7 +458,8 @@ def _fp8_gemv_kernel(
 MIN_PROGRAMS = 264  # two programs an SM of an H100 (132 SMs) at least, else split K
 
 # (M, N, K) -> config: the best of `python bench/gemv.py --fp8 --sweep` on an H100 80GB (triton
-# 3.6, 2026-11-24; % of the device-to-device copy bandwidth measured in the same run) for
+# 3.6, 2026-11-24; rows marked H200: that device's sweep of 2026-12-03, where the H100's pick
+# lost; % of the device-to-device copy bandwidth measured in the same run) for
 # Llama-3-8B's FP8 linears (M = 1: qkv and gate_up as the fused kernels decode runs, the second
 # sweep after the fusions); M = 16 for every M of the dot path. Shapes not listed take the
 # rule in `fp8_gemv_config` (`bench/fp8.py --fp8-gemv-table` loads a sweep's JSON for one run).
@@ -466,7 +467,7 @@ TUNED: dict[tuple[int, int, int], Fp8GemvConfig] = {
     (1, 6144, 4096): Fp8GemvConfig(4, 512, 1, 2, 2, False),  # qkv + norm + rotary: 66% (H200)
     (1, 4096, 4096): Fp8GemvConfig(2, 1024, 1, 4, 1, False),  # o: 72% of copy
     (1, 28672, 4096): Fp8GemvConfig(8, 256, 1, 1, 1, False),  # gate_up + norm + SiLU: 96%
-    (1, 4096, 14336): Fp8GemvConfig(4, 1024, 1, 4, 2, False),  # down: 90% of copy
+    (1, 4096, 14336): Fp8GemvConfig(8, 2048, 1, 8, 1, False),  # down: 90% of copy (H200)
     (1, 128256, 4096): Fp8GemvConfig(4, 2048, 1, 8, 1, False),  # lm_head: 105% of copy
     (16, 6144, 4096): Fp8GemvConfig(32, 256, 2, 4, 4, True),  # qkv: 62% of copy
     (16, 4096, 4096): Fp8GemvConfig(32, 256, 1, 4, 4, True),  # o: 56% of copy
