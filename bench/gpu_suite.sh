@@ -30,6 +30,10 @@
 #                   KV / both, batch-1 decode against each one's floor and the offline workload;
 #                   quality on the embedded SmolLM2 with the GPTQ FP8 checkpoints
 #                                                                    (not in "all")  ~8 min
+#   fp8-sweep       bench/gemv.py --fp8 --sweep of batch 1's four linears on this device, then
+#                   bench/fp8.py's batch-1 decode with its picks (--fp8-gemv-table) instead of
+#                   gemv_fp8.TUNED's (whose rows come from an H100 and an H200)
+#                                                                    (not in "all")  ~3 min
 #   vs-vllm-llama3  bench/vs_vllm.py: lmnb vs vLLM 0.26.0 on random Llama-3-8B bf16, every
 #                   workload (offline, shared prefixes as ids and as text, fork, decode b64/b1,
 #                   engine start), each engine in its own process       (not in "all")  ~8 min
@@ -147,6 +151,11 @@ for stage in "${stages[@]}"; do
     fp8)
       run_stage fp8 $PY bench/fp8.py --tokenizer "$TOKENIZER" --repeats 2 \
         --quality-checkpoints fp8-gptq,fp8-gptq-ends ;;
+    fp8-sweep)
+      run_stage fp8-sweep $PY bench/gemv.py --fp8 --sweep --rows 1 --ops qkv o gate_up down \
+        --jobs 16 --out "$RESULTS/gemv_fp8_sweep.json"
+      run_stage fp8-sweep-decode $PY bench/fp8.py --tokenizer "$TOKENIZER" --parts decode \
+        --variants bf16,fp8 --repeats 2 --fp8-gemv-table "$RESULTS/gemv_fp8_sweep.json" ;;
     vs-vllm-llama3)
       run_stage vs-vllm-llama3 vs_vllm "$RESULTS/vs_vllm_llama-3-8b.json" --models llama-3-8b ;;
     vs-vllm-llama2)
