@@ -3,10 +3,10 @@
 One query token per request. Stage 1 runs a program per (request, KV head, split): the query heads
 sharing that KV head (GQA group, padded to BLOCK_H rows) attend to one chunk of the request's KV
 with an online softmax and store the chunk's normalised output and log-sum-exp. Stage 2 runs a
-program per (request, block of query heads) and merges the splits. A request whose KV is one split (most of
-a busy batch's, see `decode_config`) gets its output from stage 1, and stage 2 skips it. With a
-shared prefix (`shared_prefix.py`) and a launch of one split, stage 1 folds the prefix's partials
-into its suffix's output itself, and stage 2 is not launched.
+program per (request, block of query heads) and merges the splits. A request whose KV is one
+split (most of a busy batch's, see `decode_config`) gets its output from stage 1, and stage 2
+skips it. With a shared prefix (`shared_prefix.py`) and a launch of one split, stage 1 folds the
+prefix's partials into its suffix's output itself, and stage 2 is not launched.
 
 The split count is a launch constant (`max_kv_splits`, capped by the config's `max_splits`, which
 shrinks as the batch grows): a request of kv_len tokens uses
