@@ -53,7 +53,6 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-
 @dataclass(frozen=True)
 class DummyModel:
     """A folder with only the config.json of a `DUMMY_CONFIGS` architecture, and its tokenizer."""
