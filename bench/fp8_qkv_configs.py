@@ -1,8 +1,9 @@
 """qkv's fused FP8 GEMV at batch 1 as decode runs it (RMSNorm + residual in the prologue, the
 rotary and the bf16 KV store in the epilogue), Llama-3-8B shapes, several launch configs side by
 side in one process: each config's 48 calls over different weight copies (1.2 GB, past L2) in a
-CUDA graph, replayed 20 times, two rounds; us a call and % of the copy bandwidth of this run.
-Outputs are compared with the first config's, bit for bit.
+CUDA graph, replayed 20 times (best of three timings), two rounds; us a call and % of the copy
+bandwidth of this run (bench/floor.py's). Outputs are compared with the first config's, bit for
+bit.
 
     python bench/fp8_qkv_configs.py 2:512:1:2:1 2:512:1:2:2   # block_n:block_k:split:warps:stages
 """
@@ -10,10 +11,17 @@ Outputs are compared with the first config's, bit for bit.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from lmnb.runtime.kernels.fused.gemv_fp8 import (
+if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import graph_seconds_per_call  # noqa: E402
+from bench.floor import copy_bandwidth  # noqa: E402
+from lmnb.runtime.kernels.fused.gemv_fp8 import (  # noqa: E402
     Fp8GemvConfig,
     RmsNormInput,
     RotaryStore,
@@ -21,25 +29,6 @@ from lmnb.runtime.kernels.fused.gemv_fp8 import (
 )
 
 N, K, COPIES, REPLAYS = 6144, 4096, 48, 20  # Llama-3-8B: 32 q + 2 x 8 kv heads of 128
-
-
-def elapsed_us(run, repeats: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes read + written a second by a 1 GiB device-to-device copy."""
-    a = torch.empty(1 << 28, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    return 2 * a.numel() * 4 / (elapsed_us(lambda: b.copy_(a), 10) * 1e-6)
 
 
 def main() -> None:
@@ -65,18 +54,9 @@ def main() -> None:
         for cfg in configs:
             out = fp8_norm_gemv(x, norm, weights[0], scale, None, cfg, rope=rope)[0]
             first = out.clone() if first is None else first
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture stream
-                for w in weights:
-                    fp8_norm_gemv(x, norm, w, scale, None, cfg, rope=rope)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for w in weights:
-                    fp8_norm_gemv(x, norm, w, scale, None, cfg, rope=rope)
-            graph.replay()
-            us = elapsed_us(graph.replay, REPLAYS) / COPIES
+            us = 1e6 * graph_seconds_per_call(
+                lambda i, c=cfg: fp8_norm_gemv(x, norm, weights[i], scale, None, c, rope=rope),
+                calls=COPIES, replays=REPLAYS)
             print(f"round {round_} {tuple(cfg)[:5]}: {us:6.2f} us, "
                   f"{100 * N * K / (us * 1e-6) / bandwidth:5.1f}% of copy, "
                   f"output as the first config's: {torch.equal(out, first)}")
