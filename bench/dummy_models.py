@@ -83,8 +83,7 @@ def write_dummy_model(name: str, root: str | Path, tokenizer: str | Path | None 
     id the tokenizer can produce (prompts, constrained decoding) is a row of the embedding."""
     from lmnb.runtime.models import loader
 
-    tokenizer_dir = (loader.resolve_tokenizer_dir(tokenizer) if tokenizer is not None
-                     else loader.resolve_model_dir(None))
+    tokenizer_dir = loader.resolve_tokenizer_dir(tokenizer)
     fields = dict(DUMMY_CONFIGS[name])
     if grow_vocab:
         fields["vocab_size"] = max(fields["vocab_size"],

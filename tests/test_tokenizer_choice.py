@@ -118,6 +118,7 @@ def test_a_tokenizer_only_folder_is_a_tokenizer_path(tmp_path: Path, smollm2_dir
     bare = _bare_tokenizer_folder(tmp_path, smollm2_dir)
     assert loader.resolve_tokenizer_dir(bare) == bare
     assert loader.resolve_tokenizer_dir(smollm2_dir) == smollm2_dir
+    assert loader.resolve_tokenizer_dir(None) == loader.resolve_model_dir(None)  # embedded
     (tmp_path / "empty").mkdir()
     with pytest.raises(loader.ModelNotFoundError):
         loader.resolve_tokenizer_dir(tmp_path / "empty")

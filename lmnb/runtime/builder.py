@@ -104,8 +104,7 @@ def build_model(config: EngineConfig) -> ModelParts:
                             model_config=model_config, engine_config=config, dtype=dtype)
     try:
         tokenizer = loader.load_tokenizer(
-            loader.resolve_tokenizer_dir(config.tokenizer_path) if config.tokenizer_path
-            else model_dir)
+            loader.resolve_tokenizer_dir(config.tokenizer_path or model_dir))
         eos = eos_token_ids(model_config, tokenizer, model_dir)
         media_processor = (MediaProcessor.from_model_dir(model_dir, model_config)
                            if model_config.is_multimodal else None)

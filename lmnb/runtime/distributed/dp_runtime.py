@@ -116,8 +116,7 @@ class DataParallelRuntime:
         self.model_dir = loader.resolve_model_dir(config.model_path)
         self.model_config = loader.load_model_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(
-            loader.resolve_tokenizer_dir(config.tokenizer_path) if config.tokenizer_path
-            else self.model_dir)
+            loader.resolve_tokenizer_dir(config.tokenizer_path or self.model_dir))
         self.media_processor: MediaProcessor | None = None  # media are not routed yet
         self.event_poll_interval = event_poll_interval
         self._ray_runtime_env = ray_runtime_env

@@ -98,10 +98,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
-def resolve_tokenizer_dir(tokenizer_path: str | os.PathLike[str]) -> Path:
+def resolve_tokenizer_dir(tokenizer_path: str | os.PathLike[str] | None) -> Path:
     """The folder a tokenizer loads from: a folder holding tokenizer files as it is (it needs no
-    config.json, as SGLang's `tokenizer_path`); else a model folder or GGUF, as
-    `resolve_model_dir`."""
+    config.json, as SGLang's `tokenizer_path`); else a model folder or GGUF, or None (the
+    embedded SmolLM2), as `resolve_model_dir`."""
+    if tokenizer_path is None:
+        return resolve_model_dir(None)
     path = Path(tokenizer_path).expanduser()
     if path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES):
         return path
