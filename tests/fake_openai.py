@@ -124,17 +124,18 @@ class FakeEndpoint:
         if partial and not extra_continue:
             return httpx.Response(400, json={"error": {"message": "last message is assistant"}})
         text, reason, matched, tokens = self.complete(partial, body)
-        usage = self._record("chat", body, prompt_tokens, tokens)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": reason, "matched_stop": matched,
-                  "logprobs": _chat_logprobs(text, body)}
+        samples = body.get("n") or 1  # n samples, the same (the model is scripted)
+        usage = self._record("chat", body, prompt_tokens, tokens * samples)
+        choices = [{"index": index, "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason, "matched_stop": matched,
+                    "logprobs": _chat_logprobs(text, body)} for index in range(samples)]
         if body.get("stream"):
-            return self._sse("chat.completion.chunk", text, choice, usage, body,
+            return self._sse("chat.completion.chunk", text, choices[0], usage, body,
                              lambda piece: {"delta": {"content": piece},
                                             "logprobs": _chat_logprobs(piece, body)})
         return httpx.Response(200, json={"id": "chat", "object": "chat.completion",
                                          "created": 0, "model": body["model"],
-                                         "choices": [choice], "usage": usage})
+                                         "choices": choices, "usage": usage})
 
     @staticmethod
     def _sse(kind: str, text: str, choice: dict, usage: dict, body: dict, piece_of) -> Any:

@@ -9,6 +9,7 @@ pytest.importorskip("openai")
 
 import lmnb  # noqa: E402
 from lmnb import assistant, function, gen, select, system, user  # noqa: E402
+from lmnb.lang.backends.base import ChatPrompt  # noqa: E402
 from tests.fake_openai import FakeEndpoint  # noqa: E402
 
 DOCUMENT = ("Name: Harry Potter\nBirthday: July 31, 1980\nJob: Student at Hogwarts\n"
@@ -141,14 +142,25 @@ def test_return_logprob_gives_token_texts():
         assert "".join(text for _, _, text in logprobs) == expected
 
 
-def test_n_samples_in_one_call():
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_samples_in_one_call(chat):
     endpoint = FakeEndpoint(DOCUMENT)
-    api = backend(endpoint, chat=False)
-    out = api.generate("Name:", lmnb.lang.ir.GenParams(n=3, stop=("\n",), max_new_tokens=32))
-    assert out.text == [" Harry Potter"] * 3
+    api = backend(endpoint, chat=chat)
+    params = lmnb.lang.ir.GenParams(n=3, stop=("\n",), max_new_tokens=32, return_logprob=True)
+    if chat:  # the reply is the chat message's content
+        out = api.generate("", params, chat=ChatPrompt(({"role": "user", "content": "Who?"},),
+                                                       "assistant"))
+        expected = "Name: Harry Potter"
+    else:
+        out = api.generate("Name:", params)
+        expected = " Harry Potter"
+    assert out.text == [expected] * 3
     assert [m["finish_reason"]["type"] for m in out.meta_info] == ["stop"] * 3
+    for meta in out.meta_info:
+        assert "".join(text for _, _, text in meta["output_token_logprobs"]) == expected
     (call,) = endpoint.calls
     assert call.body["n"] == 3 and "stream" not in call.body
+    assert api.token_usage.completion_tokens == 3 * (len(expected) + 1)  # each billed its stop
 
 
 def test_stop_regex_is_cut_client_side():

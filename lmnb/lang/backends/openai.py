@@ -20,7 +20,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import (
     ChatPrompt,
@@ -33,6 +33,15 @@ from lmnb.lang.chat_template import ChatTemplate
 from lmnb.lang.ir import GenParams
 from lmnb.params import default_sampling_params
 from lmnb.runtime.output.stop import compile_stop_regex, first_stop_regex_match
+
+if TYPE_CHECKING:  # the `openai` package is imported when a client is built, not with lmnb
+    import openai
+    from openai.types import CompletionChoice, CompletionUsage
+    from openai.types.chat.chat_completion import Choice as ChatChoice
+    from openai.types.chat.chat_completion_chunk import Choice as ChatChunkChoice
+
+    # a choice of a completion (streamed or not), a chat completion, or a chat chunk
+    AnyChoice = CompletionChoice | ChatChoice | ChatChunkChoice
 
 # Known completion (non-chat) models of the OpenAI API; any other name is taken as a chat model.
 COMPLETION_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
@@ -88,17 +97,18 @@ class _Reply:
     matched: str | int | None = None
     logprobs: list[tuple[float | None, None, str]] | None = None  # (logprob, id, token text)
 
-    def add_logprobs(self, logprobs: Any) -> None:
+    def add_logprobs(self, choice: AnyChoice) -> None:
         """Appends a choice's (or chunk's) output logprobs: chat `content` or completion
         `tokens`/`token_logprobs`."""
-        if logprobs is None:
+        from openai.types import CompletionChoice
+
+        if choice.logprobs is None:
             return
-        content = getattr(logprobs, "content", None)
-        if content is not None:
-            pairs = [(item.logprob, item.token) for item in content]
+        if isinstance(choice, CompletionChoice):
+            pairs = list(zip(choice.logprobs.token_logprobs or [], choice.logprobs.tokens or [],
+                             strict=False))
         else:
-            pairs = list(zip(getattr(logprobs, "token_logprobs", None) or [],
-                             getattr(logprobs, "tokens", None) or [], strict=False))
+            pairs = [(item.logprob, item.token) for item in choice.logprobs.content or []]
         self.logprobs = (self.logprobs or []) + [(lp, None, token) for lp, token in pairs]
 
 
@@ -113,7 +123,7 @@ class OpenAI:
 
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None, *,
                  is_chat_model: bool | None = None, chat_template: ChatTemplate | None = None,
-                 continue_final_message: bool = False, client: Any = None,
+                 continue_final_message: bool = False, client: openai.OpenAI | None = None,
                  **client_options: Any) -> None:
         if client is None:
             import openai
@@ -143,8 +153,7 @@ class OpenAI:
 
     def __repr__(self) -> str:
         kind = "chat" if self.is_chat_model else "completion"
-        base_url = getattr(self.client, "base_url", None)
-        return f"lmnb.OpenAI({self.model!r}, {kind} model, base_url={str(base_url)!r})"
+        return f"lmnb.OpenAI({self.model!r}, {kind} model, base_url={str(self.client.base_url)!r})"
 
     # ---- gen -------------------------------------------------------------------------------
     def generate(self, prompt: str, params: GenParams, *,
@@ -225,7 +234,7 @@ class OpenAI:
 
     def _stream(self, create: Callable[..., Any], kwargs: dict[str, Any],
                 on_delta: Callable[[str], None] | None, cancel: threading.Event | None,
-                stop_regex: list[re.Pattern]) -> tuple[_Reply, Any]:
+                stop_regex: list[re.Pattern]) -> tuple[_Reply, CompletionUsage | None]:
         self._chat_extra(kwargs)
         stream = create(stream=True, stream_options={"include_usage": True}, **kwargs)
         reply, usage, streamed = _Reply(), None, 0
@@ -233,12 +242,12 @@ class OpenAI:
             for chunk in stream:
                 if cancel is not None and cancel.is_set():
                     raise ProgramAborted("the program was interrupted")
-                usage = getattr(chunk, "usage", None) or usage
+                usage = chunk.usage or usage
                 for choice in chunk.choices or ():
                     reply.text += _delta_text(choice) or ""
                     reply.finish_reason = choice.finish_reason or reply.finish_reason
                     reply.matched = _matched_stop(choice) or reply.matched
-                    reply.add_logprobs(getattr(choice, "logprobs", None))
+                    reply.add_logprobs(choice)
                 if _cut(reply, stop_regex):
                     break
                 if on_delta is not None and len(reply.text) > streamed:
@@ -252,26 +261,25 @@ class OpenAI:
         return reply, usage
 
     def _complete(self, create: Callable[..., Any], kwargs: dict[str, Any], n: int,
-                  stop_regex: list[re.Pattern]) -> tuple[list[_Reply], Any]:
+                  stop_regex: list[re.Pattern]) -> tuple[list[_Reply], CompletionUsage | None]:
         self._chat_extra(kwargs)
         response = create(**kwargs)
         replies = [_Reply() for _ in range(n)]
         for choice in response.choices:
             reply = replies[choice.index]
-            message = getattr(choice, "message", None)
-            reply.text = (message.content if message is not None else choice.text) or ""
+            reply.text = _choice_text(choice) or ""
             reply.finish_reason, reply.matched = choice.finish_reason, _matched_stop(choice)
-            reply.add_logprobs(getattr(choice, "logprobs", None))
+            reply.add_logprobs(choice)
             _cut(reply, stop_regex)
         self._count(response.usage)
         return replies, response.usage
 
-    def _count(self, usage: Any) -> None:
-        self.token_usage.add(getattr(usage, "prompt_tokens", 0) or 0,
-                             getattr(usage, "completion_tokens", 0) or 0)
+    def _count(self, usage: CompletionUsage | None) -> None:
+        if usage is not None:  # servers may leave a count out (null)
+            self.token_usage.add(usage.prompt_tokens or 0, usage.completion_tokens or 0)
 
     @staticmethod
-    def _meta(reply: _Reply, usage: Any, n: int) -> dict[str, Any]:
+    def _meta(reply: _Reply, usage: CompletionUsage | None, n: int) -> dict[str, Any]:
         reason: dict[str, Any] = {"type": _FINISH.get(reply.finish_reason or "",
                                                       reply.finish_reason)}
         if reply.matched is not None:
@@ -352,12 +360,13 @@ _SELECT_METHODS: dict[str, Callable[[list[list[float]]], int]] = {
 }
 
 
-def _choice_logprobs(choice: Any, start: int, end: int, method: str) -> list[float]:
+def _choice_logprobs(choice: CompletionChoice, start: int, end: int,
+                     method: str) -> list[float]:
     """Logprobs of the echoed tokens that overlap characters [start, end) of the prompt."""
-    logprobs = getattr(choice, "logprobs", None)
-    tokens = getattr(logprobs, "tokens", None)
-    values = getattr(logprobs, "token_logprobs", None)
-    offsets = getattr(logprobs, "text_offset", None)
+    logprobs = choice.logprobs
+    tokens = logprobs.tokens if logprobs is not None else None
+    values = logprobs.token_logprobs if logprobs is not None else None
+    offsets = logprobs.text_offset if logprobs is not None else None
     if not tokens or values is None or offsets is None:
         raise ValueError(f"select(method={method!r}) needs prompt logprobs, and this endpoint "
                          f"returned none for completions with echo=True and logprobs=1")
@@ -368,17 +377,24 @@ def _choice_logprobs(choice: Any, start: int, end: int, method: str) -> list[flo
     return picked
 
 
-def _delta_text(choice: Any) -> str | None:
-    delta = getattr(choice, "delta", None)
-    if delta is not None:
-        return delta.content
-    return getattr(choice, "text", None)
+def _delta_text(choice: CompletionChoice | ChatChunkChoice) -> str | None:
+    """A streamed chunk's new text: a completion's `text` or a chat chunk's `delta`."""
+    from openai.types import CompletionChoice
+
+    return choice.text if isinstance(choice, CompletionChoice) else choice.delta.content
 
 
-def _matched_stop(choice: Any) -> str | int | None:
+def _choice_text(choice: CompletionChoice | ChatChoice) -> str | None:
+    """A whole choice's text: a completion's `text` or a chat reply's message."""
+    from openai.types import CompletionChoice
+
+    return choice.text if isinstance(choice, CompletionChoice) else choice.message.content
+
+
+def _matched_stop(choice: AnyChoice) -> str | int | None:
     """The stop that ended a choice, where the server says (SGLang: matched_stop, vLLM:
     stop_reason)."""
-    extra = getattr(choice, "model_extra", None) or {}
+    extra = choice.model_extra or {}
     return extra.get("matched_stop", extra.get("stop_reason"))
 
 
