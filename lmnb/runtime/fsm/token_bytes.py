@@ -14,13 +14,17 @@ import re
 import threading
 import weakref
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BYTE_LEVEL = "byte_level"
 SENTENCEPIECE = "sentencepiece"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
-_cache: weakref.WeakKeyDictionary[Any, tuple[int, list[bytes | None]]] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, tuple[int, list[bytes | None]]] = (
+    weakref.WeakKeyDictionary())
 _lock = threading.Lock()
 
 
@@ -39,10 +43,12 @@ def _unicode_to_byte() -> dict[str, int]:
     return table
 
 
-def detect_scheme(tokenizer: Any) -> str:
+def detect_scheme(tokenizer: PreTrainedTokenizerBase) -> str:
     """BYTE_LEVEL or SENTENCEPIECE, from the fast tokenizer's decoder, else from the vocabulary."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = repr(getattr(backend, "decoder", None))
+    from transformers import PreTrainedTokenizerFast
+
+    decoder = (repr(tokenizer.backend_tokenizer.decoder)
+               if isinstance(tokenizer, PreTrainedTokenizerFast) else "")
     if "ByteLevel" in decoder:
         return BYTE_LEVEL
     if "ByteFallback" in decoder or "Metaspace" in decoder or "▁" in decoder:
@@ -57,16 +63,16 @@ def detect_scheme(tokenizer: Any) -> str:
         "SentencePiece with byte fallback): constrained decoding is not supported for it")
 
 
-def special_token_ids(tokenizer: Any) -> set[int]:
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """BOS/EOS/pad/unk and every added token marked special: never part of constrained text."""
-    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", ()) if i is not None}
-    for ident, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
-        if getattr(added, "special", False):
+    ids = {int(i) for i in tokenizer.all_special_ids if i is not None}
+    for ident, added in tokenizer.added_tokens_decoder.items():
+        if added.special:
             ids.add(int(ident))
     return ids
 
 
-def token_byte_table(tokenizer: Any) -> list[bytes | None]:
+def token_byte_table(tokenizer: PreTrainedTokenizerBase) -> list[bytes | None]:
     """`table[id]` is the bytes token `id` adds to the text, or None (special, unused or empty).
 
     Cached per tokenizer object (weakly); the list is shared, do not modify it.
@@ -82,10 +88,10 @@ def token_byte_table(tokenizer: Any) -> list[bytes | None]:
     return table
 
 
-def _build(tokenizer: Any, size: int) -> list[bytes | None]:
+def _build(tokenizer: PreTrainedTokenizerBase, size: int) -> list[bytes | None]:
     scheme = detect_scheme(tokenizer)
     specials = special_token_ids(tokenizer)
-    added = {int(i): t for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    added = {int(i): t for i, t in tokenizer.added_tokens_decoder.items()}
     vocab = tokenizer.get_vocab()
     size = max(size, max(vocab.values(), default=-1) + 1)
     pieces: list[str | None] = [None] * size
@@ -97,7 +103,7 @@ def _build(tokenizer: Any, size: int) -> list[bytes | None]:
         if piece is None or ident in specials:
             continue
         if ident in added:  # added tokens are matched and decoded as literal text
-            data = str(getattr(added[ident], "content", piece)).encode("utf-8")
+            data = added[ident].content.encode("utf-8")
         elif scheme == BYTE_LEVEL:
             try:
                 data = bytes(to_byte[ch] for ch in piece)
