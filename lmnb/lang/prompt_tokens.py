@@ -27,7 +27,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, islice
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # Prompts sharing their first N characters are candidates for each other, for the longest N
 # of these the prompt has; the most recent few of them are compared.
@@ -76,7 +79,7 @@ class PromptTokens:
     """`encode(text)` equals `tokenizer.encode(text, add_special_tokens=True)`, and
     `encode_many(texts)` each of them; thread-safe."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
         self.backend = tokenizer.backend_tokenizer
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
@@ -87,7 +90,7 @@ class PromptTokens:
         self.reused_chars = 0  # statistics: characters not re-tokenized
         self.encoded_chars = 0
 
-    def _check(self, tokenizer: Any) -> tuple[list[int], bool]:
+    def _check(self, tokenizer: PreTrainedTokenizerFast) -> tuple[list[int], bool]:
         """(ids the tokenizer puts before a text, whether incremental encoding is exact)."""
         backend = self.backend
         sample = "Hello world"
@@ -96,24 +99,25 @@ class PromptTokens:
         prefix = full[:len(full) - len(plain)]
         if full[len(prefix):] != plain:  # a suffix (an EOS) or something else: encode whole
             return [], False
+        from tokenizers.pre_tokenizers import ByteLevel
+
         pre = backend.pre_tokenizer
-        byte_level = (type(pre).__name__ == "ByteLevel" and getattr(pre, "use_regex", False)
-                      and not getattr(pre, "add_prefix_space", True))
-        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        byte_level = isinstance(pre, ByteLevel) and pre.use_regex and not pre.add_prefix_space
+        added = tokenizer.added_tokens_decoder.values()
         added_ok = all(not any(c.isspace() for c in token.content)
                        and not (token.lstrip or token.rstrip or token.single_word)
                        for token in added)
         return prefix, byte_level and backend.normalizer is None and added_ok
 
     @staticmethod
-    def _token_lengths(tokenizer: Any) -> list[int]:
+    def _token_lengths(tokenizer: PreTrainedTokenizerFast) -> list[int]:
         """UTF-8 bytes of text each id stands for: one per byte-level character; an added
         token's content as written."""
         vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
         lengths = [0] * (max(vocab.values(), default=0) + 1)
         for token, index in vocab.items():
             lengths[index] = len(token)
-        for index, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        for index, added in tokenizer.added_tokens_decoder.items():
             if index >= len(lengths):
                 lengths.extend([0] * (index + 1 - len(lengths)))
             lengths[index] = len(added.content.encode("utf-8"))
@@ -282,14 +286,19 @@ def _shared_prefix(a: str, b: str) -> int:
     return low
 
 
-_per_tokenizer: weakref.WeakKeyDictionary[Any, PromptTokens] = weakref.WeakKeyDictionary()
+_per_tokenizer: weakref.WeakKeyDictionary[PreTrainedTokenizerFast, PromptTokens] = (
+    weakref.WeakKeyDictionary())
 _per_tokenizer_lock = threading.Lock()
 
 
-def prompt_tokens(tokenizer: Any) -> PromptTokens | None:
+def prompt_tokens(tokenizer: PreTrainedTokenizerBase | None) -> PromptTokens | None:
     """The shared `PromptTokens` of `tokenizer` (one per tokenizer, so every backend over a
-    runtime reuses it); None for a tokenizer without a fast backend."""
-    if getattr(tokenizer, "backend_tokenizer", None) is None:
+    runtime reuses it); None for a tokenizer without a fast backend, or none."""
+    if tokenizer is None:
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
         return None
     with _per_tokenizer_lock:
         found = _per_tokenizer.get(tokenizer)
