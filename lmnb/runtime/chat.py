@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from lmnb.runtime.core import InvalidRequestError
 
@@ -49,6 +49,18 @@ _PROBE_TOOL = {"type": "function", "function": {
 _renders_tools: dict[str, bool] = {}  # chat template text -> whether it writes the tools
 
 
+class ChatTokenizer(Protocol):
+    """What rendering chats takes of a tokenizer (transformers' tokenizers have all of it)."""
+
+    chat_template: str | dict[str, str] | None  # jinja text, or named templates
+    bos_token: str | None
+    bos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
+
+
 def _check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} dicts")
@@ -61,24 +73,24 @@ def _check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [dict(message) for message in messages]
 
 
-def adds_bos(tokenizer: Any) -> bool:
+def adds_bos(tokenizer: ChatTokenizer) -> bool:
     """Whether encoding a text (special tokens added) starts it with the BOS token."""
     ids = tokenizer.encode("a", add_special_tokens=True)
     return bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
-def strip_added_bos(tokenizer: Any, text: str) -> str:
+def strip_added_bos(tokenizer: ChatTokenizer, text: str) -> str:
     """`text` without a leading BOS token text when encoding adds BOS anyway."""
-    bos = getattr(tokenizer, "bos_token", None)
+    bos = tokenizer.bos_token
     if not bos or not text.startswith(bos):
         return text
     return text[len(bos):] if adds_bos(tokenizer) else text
 
 
-def renders_tools(tokenizer: Any) -> bool:
+def renders_tools(tokenizer: ChatTokenizer) -> bool:
     """Whether the tokenizer's chat template writes the `tools` it is given (cached per
     template text)."""
-    template = getattr(tokenizer, "chat_template", None)
+    template = tokenizer.chat_template
     if not isinstance(template, str):
         return False
     known = _renders_tools.get(template)
@@ -214,7 +226,8 @@ def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any
     return [{"role": "system", "content": prompt}, *messages]
 
 
-def _template_variables(tokenizer: Any, variables: Mapping[str, Any] | None) -> dict[str, Any]:
+def _template_variables(tokenizer: ChatTokenizer,
+                        variables: Mapping[str, Any] | None) -> dict[str, Any]:
     """`variables` for the template, none of them one of the renderer's own arguments."""
     if not variables:
         return {}
@@ -226,7 +239,7 @@ def _template_variables(tokenizer: Any, variables: Mapping[str, Any] | None) -> 
     return dict(variables)
 
 
-def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
+def apply_chat_template(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], *,
                         add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None,
                         template_kwargs: Mapping[str, Any] | None = None) -> str:
@@ -237,7 +250,7 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
     `chat_template_kwargs`, e.g. `enable_thinking`). Raises `InvalidRequestError` when the
     tokenizer has no template or the template rejects the messages (e.g. roles that do not
     alternate)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not tokenizer.chat_template:
         raise InvalidRequestError("the tokenizer has no chat template; format the prompt "
                                   "yourself or load a model whose tokenizer has one")
     variables = _template_variables(tokenizer, template_kwargs)
