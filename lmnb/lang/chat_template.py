@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # (messages, add_generation_prompt) -> prompt text, e.g. `Runtime.apply_chat_template`
 ChatRender = Callable[[list[dict[str, str]], bool], str]
@@ -38,7 +41,8 @@ class ChatTemplate:
     `render` applies the template (default: `lmnb.runtime.chat.apply_chat_template` over
     `tokenizer`); `tokenizer` also tokenizes the end-of-turn marker."""
 
-    def __init__(self, tokenizer: Any = None, *, render: ChatRender | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None = None, *,
+                 render: ChatRender | None = None) -> None:
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.render = render or self._render_with_tokenizer

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.runtime.output.token_origins import (
     CACHED,
@@ -30,6 +30,9 @@ from lmnb.runtime.output.token_origins import (
     JUMP_FORWARD,
     ORIGINS,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TRACE_TOP_K = 5  # alternatives per generated token a traced gen asks for (at least)
 ORIGIN_INDEX = {name: i for i, name in enumerate(ORIGINS)}
@@ -309,7 +312,8 @@ def trace_totals(traces: Sequence[TokenTrace]) -> dict[str, Any]:
     return totals
 
 
-def token_byte_counter(tokenizer: Any, text: Callable[[int], str]) -> Callable[[int], int]:
+def token_byte_counter(tokenizer: PreTrainedTokenizerBase,
+                       text: Callable[[int], str]) -> Callable[[int], int]:
     """Token id -> the UTF-8 bytes it adds to the text: from the tokenizer's byte table (exact
     for pieces of a character), its text for special tokens and unknown schemes."""
     from lmnb.runtime.fsm.token_bytes import token_byte_table

@@ -9,7 +9,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from lmnb.runtime.radix.cache import RadixCache
 from lmnb.runtime.scheduler import CacheManager, Scheduler, SchedulerConfig, SchedulerThread
 from lmnb.runtime.speculative.factory import make_speculator
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 SHARED_PREFIX_MIN_TOKENS = 64  # a decode group's prefix worth reading once (one KV tile)
 
 
@@ -46,7 +49,7 @@ class ModelParts:
     model_dir: Path
     model_config: ModelConfig
     dtype: torch.dtype
-    tokenizer: Any  # the model's HF tokenizer
+    tokenizer: PreTrainedTokenizerBase  # the model's HF tokenizer
     eos_token_ids: set[int]
     media_processor: MediaProcessor | None  # None for a text model
     tp_workers: TPWorkers | None  # ranks 1..N-1 (tp_size > 1)
@@ -66,7 +69,8 @@ class ServingParts:
     grammars: GrammarFactory
 
 
-def eos_token_ids(model_config: ModelConfig, tokenizer: Any, model_dir: Path | None) -> set[int]:
+def eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase,
+                  model_dir: Path | None) -> set[int]:
     """The model's, the tokenizer's and `generation_config.json`'s EOS ids together."""
     ids: set[int] = set(model_config.eos_token_ids)
 

@@ -10,11 +10,14 @@ import operator
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lmnb.params import InvalidRequestError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PromptInput = str | Sequence[str] | None
 IdsInput = Sequence[int] | Sequence[Sequence[int]] | None
@@ -58,7 +61,7 @@ def plain_ids(ids: Sequence[object]) -> list[object]:
         return copy
 
 
-def encode_many(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+def encode_many(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
     """Per text the ids of `tokenizer.encode(text, add_special_tokens=True)`: a fast (Rust)
     tokenizer encodes them in one batch call, across cores and without the GIL; a slow one
     text by text, through that same call."""

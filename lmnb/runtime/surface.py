@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lmnb.multimodal.processor import MediaProcessor
 from lmnb.runtime.config import EngineConfig, ModelConfig
@@ -23,6 +23,9 @@ from lmnb.runtime.request_checks import (
     TokenIdsInput,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 GenerateResult = dict[str, Any] | list[dict[str, Any]] | OutputStream
 
 
@@ -30,7 +33,7 @@ GenerateResult = dict[str, Any] | list[dict[str, Any]] | OutputStream
 class EngineSurface(Protocol):
     """A runtime as its frontends see it (`isinstance` checks that the names exist)."""
 
-    tokenizer: Any  # the model's HF tokenizer
+    tokenizer: PreTrainedTokenizerBase
     model_config: ModelConfig
     engine_config: EngineConfig
     model_dir: Path

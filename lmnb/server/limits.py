@@ -23,6 +23,8 @@ from lmnb.params import InvalidRequestError
 from lmnb.server.errors import error_body
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from lmnb.runtime.surface import EngineSurface
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
@@ -122,7 +124,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 _max_token_bytes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
-def max_token_bytes(tokenizer: Any) -> int:
+def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
     """The most UTF-8 bytes of text one token of `tokenizer`'s vocabulary can stand for (an
     upper bound: a byte-level BPE entry spells each byte with a character of one or two
     bytes), computed once per tokenizer (`create_app` asks first, before serving)."""

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -49,6 +49,9 @@ from lmnb.server.tools import (
     openai_tools,
     tool_plan,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # A JSON object of any shape (`response_format: json_object`).
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
@@ -479,7 +482,7 @@ def _prompt_count(prompt: Any, input_ids: Any) -> int:
     return len(prompt if prompt is not None else input_ids)
 
 
-def _echoed(prompt: Any, input_ids: Any, tokenizer: Any) -> list[str]:
+def _echoed(prompt: Any, input_ids: Any, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """Each prompt's text as `echo` repeats it (prompts of ids decoded, as vLLM does)."""
     if prompt is not None:
         return [prompt] if isinstance(prompt, str) else list(prompt)

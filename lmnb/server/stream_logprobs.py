@@ -5,11 +5,14 @@ their own new tokens (as vLLM's and SGLang's do), not all of them in a choice's 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmnb.runtime.fsm.token_bytes import token_byte_table
 from lmnb.runtime.output.logprob_lists import OutputLists
 from lmnb.runtime.output.logprob_text import TokenTexts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Meta = dict[str, Any]
 
@@ -44,7 +47,7 @@ class TokenPieces:
     U+FFFD, but their bytes concatenated are the character). A special token, or a vocabulary
     whose byte scheme is unknown, gives its text's UTF-8."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.text = TokenTexts(tokenizer)
         self._tokenizer = tokenizer
         self._table: list[bytes | None] | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lmnb.runtime.chat import (
     TOOL_CALL_CLOSE,
@@ -25,6 +25,9 @@ from lmnb.runtime.chat import (
 from lmnb.runtime.fsm.json_schema import InvalidSchemaError, json_schema_to_regex
 from lmnb.runtime.fsm.regex_text import alternatives, literal_text
 from lmnb.server.errors import APIError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _DECODER = json.JSONDecoder()
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -175,7 +178,7 @@ LLAMA3_JSON = CallFormat(open="", close="", separator="; ", arguments_key="param
                          marker="{", leading_only=True)
 
 
-def call_format(tokenizer: Any) -> CallFormat:
+def call_format(tokenizer: PreTrainedTokenizerBase) -> CallFormat:
     """The format the model's template teaches: Llama-3's JSON when the template writes tools
     and asks for `"parameters"` (and has no `<tool_call>`); Hermes otherwise, which is also the
     format `lmnb.runtime.chat` prompts for when the template has no tools of its own."""
@@ -228,7 +231,8 @@ class ToolPlan:
         return [t.openai() for t in self.tools]
 
 
-def tool_plan(tools: list[Tool], choice: ToolChoice, tokenizer: Any) -> ToolPlan | None:
+def tool_plan(tools: list[Tool], choice: ToolChoice,
+              tokenizer: PreTrainedTokenizerBase) -> ToolPlan | None:
     """The plan of a request, or None when it makes no calls (no tools, or `none`)."""
     if not tools or choice.mode == "none":
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmnb.params import InvalidRequestError, SamplingParams
 from lmnb.runtime.config import GRAMMAR_BACKENDS
@@ -20,6 +20,8 @@ from lmnb.runtime.fsm.protocol import Grammar
 from lmnb.runtime.fsm.regex import InvalidRegexError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from lmnb.runtime.fsm.xgrammar_backend import XGrammarCompiler
 
 
@@ -40,8 +42,8 @@ class GrammarFactory:
     """Builds grammars for one tokenizer and model vocabulary. xgrammar (imported on first use)
     compiles once per (kind, text)."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: set[int],
-                 backend: str = "lmnb") -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, vocab_size: int,
+                 eos_token_ids: set[int], backend: str = "lmnb") -> None:
         if backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"unknown grammar_backend {backend!r}; choose one of: "
                              f"{', '.join(GRAMMAR_BACKENDS)}")

@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from lmnb.runtime.fsm.regex import ByteFSM, compile_regex
 from lmnb.runtime.fsm.token_bytes import token_byte_table
 from lmnb.runtime.kernels.metadata import to_device
 from lmnb.runtime.sampling.bitmask import pack_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _BATCH = 64  # FSM states walked together by build_all
 MAX_CACHED_INDEXES = 128
@@ -235,7 +238,7 @@ _indexes: OrderedDict[tuple[str, int, int], tuple[weakref.ref[Any], TokenIndex]]
 _lock = threading.Lock()
 
 
-def vocab_trie(tokenizer: Any) -> VocabTrie:
+def vocab_trie(tokenizer: PreTrainedTokenizerBase) -> VocabTrie:
     """The byte trie of `tokenizer`'s vocabulary, built once per tokenizer object."""
     table = token_byte_table(tokenizer)
     with _lock:
@@ -245,7 +248,8 @@ def vocab_trie(tokenizer: Any) -> VocabTrie:
         return trie
 
 
-def get_token_index(pattern: str, tokenizer: Any, *, vocab_size: int | None = None) -> TokenIndex:
+def get_token_index(pattern: str, tokenizer: PreTrainedTokenizerBase, *,
+                    vocab_size: int | None = None) -> TokenIndex:
     """The shared TokenIndex of (pattern, tokenizer); masks are padded to `vocab_size` (e.g. the
     model's logits width) with False. The last MAX_CACHED_INDEXES are kept. Raises
     InvalidRegexError for a bad pattern."""

@@ -13,10 +13,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lmnb.runtime.fsm.regex import ByteFSM
 from lmnb.runtime.fsm.token_bytes import token_byte_table
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class CompressedFSM:
@@ -84,7 +87,8 @@ class JumpForward:
     gives no jump).
     """
 
-    def __init__(self, tokenizer: Any, *, context_tokens: int | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *,
+                 context_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.table = token_byte_table(tokenizer)
         self.context_tokens = context_tokens

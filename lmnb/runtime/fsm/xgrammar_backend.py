@@ -27,7 +27,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar
@@ -35,6 +35,9 @@ import xgrammar
 from lmnb.runtime.fsm.token_bytes import token_byte_table
 from lmnb.runtime.kernels.metadata import to_device
 from lmnb.runtime.sampling.bitmask import num_words, pack_mask, with_bits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 KINDS = ("regex", "json_schema", "ebnf")
 MAX_CACHED_GRAMMARS = 128
@@ -55,8 +58,8 @@ def _reason(error: Exception) -> str:
 class XGrammarCompiler:
     """Compiles constraints for one tokenizer and model vocabulary; thread-safe."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int, stop_token_ids: Iterable[int] = ()
-                 ) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, vocab_size: int,
+                 stop_token_ids: Iterable[int] = ()) -> None:
         stops = sorted(stop_token_ids)
         self.vocab_size = vocab_size
         self.info = xgrammar.TokenizerInfo.from_huggingface(

