@@ -44,7 +44,7 @@ class ChatTemplate:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  render: ChatRender | None = None) -> None:
         self.tokenizer = tokenizer
-        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.has_template = tokenizer is not None and bool(tokenizer.chat_template)
         self.render = render or self._render_with_tokenizer
         self._role_text = lru_cache(maxsize=None)(self._compute_role_text)
         self._media_text = lru_cache(maxsize=None)(self._compute_media_text)

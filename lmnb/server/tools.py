@@ -182,7 +182,7 @@ def call_format(tokenizer: PreTrainedTokenizerBase) -> CallFormat:
     """The format the model's template teaches: Llama-3's JSON when the template writes tools
     and asks for `"parameters"` (and has no `<tool_call>`); Hermes otherwise, which is also the
     format `lmnb.runtime.chat` prompts for when the template has no tools of its own."""
-    template = getattr(tokenizer, "chat_template", None)
+    template = tokenizer.chat_template
     if (isinstance(template, str) and renders_tools(tokenizer) and HERMES.marker not in template
             and '"parameters"' in template):
         return LLAMA3_JSON
