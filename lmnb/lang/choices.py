@@ -30,9 +30,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from lmnb.lang.program_error import ProgramError, runtime_abort_message
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 METHODS = ("token_length_normalized", "greedy_token_selection",
            "unconditional_likelihood_normalized")
@@ -223,6 +226,20 @@ def select_choice(scorer: ChoiceScorer, prompt: str, choices: Sequence[str],
     return ChoiceResult(choice=choices[index], index=index, meta_info=meta)
 
 
+class ScoringRuntime(Protocol):
+    """What `RuntimeChoiceScorer` calls of a runtime: an `lmnb.Runtime` itself, or an adapter
+    with these calls (the program loop's `AwaitedRuntime`, an endpoint's scoring client)."""
+
+    tokenizer: PreTrainedTokenizerBase
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def generate(self, *, input_ids: list[list[int]], sampling_params: dict[str, Any],
+                 **options: Any) -> Any: ...  # a result dict per sequence (a list)
+
+    def cache_prefix(self, *, input_ids: list[int]) -> Any: ...
+
+
 class RuntimeChoiceScorer:
     """`ChoiceScorer` over an in-process `lmnb.Runtime` (or a client with its `generate`).
 
@@ -232,7 +249,7 @@ class RuntimeChoiceScorer:
     shift by the spans' length, which `cache_prefix` of the shared prefix measures
     (`prompt_tokens` minus the ids sent) before any sequence is scored."""
 
-    def __init__(self, runtime: Any, *, media: dict[str, list[Any]] | None = None,
+    def __init__(self, runtime: ScoringRuntime, *, media: dict[str, list[Any]] | None = None,
                  media_token_ids: frozenset[int] = frozenset()) -> None:
         self.runtime = runtime
         self.media = {key: list(value) for key, value in (media or {}).items() if value}

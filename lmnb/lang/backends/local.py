@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmnb.lang.backends.base import (
+    Backend,
     CancelEvent,
     Generation,
     MediaInput,
@@ -35,6 +36,7 @@ from lmnb.runtime.encoded_submit import EncodedSubmitter
 from lmnb.runtime.output.logprob_text import TokenTexts, with_token_texts
 
 if TYPE_CHECKING:
+    from lmnb.lang.choices import ScoringRuntime
     from lmnb.runtime.surface import EngineSurface
 
 _CANCEL_POLL_S = 0.05  # a cancelled program aborts its requests within this, even unadmitted
@@ -66,7 +68,7 @@ class AwaitedRuntime:
     `cache_prefix`), from a greenlet on the program loop: each `generate` is submitted as a
     stream and awaited there (`block_on` suspends the greenlet), so no thread waits on it."""
 
-    def __init__(self, runtime: Any, *, submits: SubmitChunks) -> None:
+    def __init__(self, runtime: EngineSurface, *, submits: SubmitChunks) -> None:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
         self.submits = submits
@@ -308,7 +310,7 @@ class LocalBackend:
                media: Sequence[MediaInput] = ()) -> tuple[str, dict]:
         return self._select(self.runtime, prompt, choices, method, media)
 
-    def _select(self, runtime: Any, prompt: str, choices: tuple[str, ...], method: str,
+    def _select(self, runtime: ScoringRuntime, prompt: str, choices: tuple[str, ...], method: str,
                 media: Sequence[MediaInput]) -> tuple[str, dict]:
         from lmnb.lang.choices import RuntimeChoiceScorer, select_choice
 
@@ -356,7 +358,7 @@ class LocalBackend:
                 "internal_states": [runtime.stats()]}
 
 
-def start_trace(backend: Any) -> TokenTrace:
+def start_trace(backend: Backend) -> TokenTrace:
     """The root trace of a run on `backend`, which must run on an in-process runtime (the
     trace reads its token ids and the runtime's token origins)."""
     if not isinstance(backend, LocalBackend):
