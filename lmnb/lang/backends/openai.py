@@ -244,7 +244,7 @@ class OpenAI:
                     raise ProgramAborted("the program was interrupted")
                 usage = chunk.usage or usage
                 for choice in chunk.choices or ():
-                    reply.text += _delta_text(choice) or ""
+                    reply.text += _choice_text(choice) or ""
                     reply.finish_reason = choice.finish_reason or reply.finish_reason
                     reply.matched = _matched_stop(choice) or reply.matched
                     reply.add_logprobs(choice)
@@ -364,31 +364,29 @@ def _choice_logprobs(choice: CompletionChoice, start: int, end: int,
                      method: str) -> list[float]:
     """Logprobs of the echoed tokens that overlap characters [start, end) of the prompt."""
     logprobs = choice.logprobs
-    tokens = logprobs.tokens if logprobs is not None else None
-    values = logprobs.token_logprobs if logprobs is not None else None
-    offsets = logprobs.text_offset if logprobs is not None else None
-    if not tokens or values is None or offsets is None:
+    if (logprobs is None or not logprobs.tokens or logprobs.token_logprobs is None
+            or logprobs.text_offset is None):
         raise ValueError(f"select(method={method!r}) needs prompt logprobs, and this endpoint "
                          f"returned none for completions with echo=True and logprobs=1")
     picked = []
-    for token, value, offset in zip(tokens, values, offsets, strict=False):
+    for token, value, offset in zip(logprobs.tokens, logprobs.token_logprobs,
+                                    logprobs.text_offset, strict=False):
         if offset < end and offset + len(token) > start and value is not None:
             picked.append(float(value))
     return picked
 
 
-def _delta_text(choice: CompletionChoice | ChatChunkChoice) -> str | None:
-    """A streamed chunk's new text: a completion's `text` or a chat chunk's `delta`."""
+def _choice_text(choice: AnyChoice) -> str | None:
+    """A choice's text: a completion's (or its streamed chunk's) `text`, a chat chunk's `delta`,
+    a chat reply's `message`."""
     from openai.types import CompletionChoice
+    from openai.types.chat.chat_completion_chunk import Choice as ChatChunkChoice
 
-    return choice.text if isinstance(choice, CompletionChoice) else choice.delta.content
-
-
-def _choice_text(choice: CompletionChoice | ChatChoice) -> str | None:
-    """A whole choice's text: a completion's `text` or a chat reply's message."""
-    from openai.types import CompletionChoice
-
-    return choice.text if isinstance(choice, CompletionChoice) else choice.message.content
+    if isinstance(choice, CompletionChoice):
+        return choice.text
+    if isinstance(choice, ChatChunkChoice):
+        return choice.delta.content
+    return choice.message.content
 
 
 def _matched_stop(choice: AnyChoice) -> str | int | None:
