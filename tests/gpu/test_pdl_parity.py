@@ -18,7 +18,6 @@ import torch
 
 from lmnb.runtime.engine import Runtime
 from lmnb.runtime.kernels import pdl
-from lmnb.runtime.models import loader
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -39,10 +38,11 @@ def llama_3_8b_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _decode(folder: Path, prompts: list[list[int]], quantization: str | None) -> list[dict]:
+def _decode(folder: Path, tokenizer: Path, prompts: list[list[int]],
+            quantization: str | None) -> list[dict]:
     options = dict(device="cuda", dtype="bfloat16", load_format="dummy", max_total_tokens=16384,
                    context_length=1024, attention_backend="triton", max_running_requests=8,
-                   tokenizer_path=str(loader.resolve_tokenizer_dir(None)))  # ids in, ids out
+                   tokenizer_path=str(tokenizer))  # ids in, ids out
     if quantization is not None:
         options["quantization"] = quantization
     with Runtime(folder, **options) as rt:
@@ -54,7 +54,7 @@ def _decode(folder: Path, prompts: list[list[int]], quantization: str | None) ->
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_pdl_changes_no_result(llama_3_8b_layers, monkeypatch, quantization, batch):
+def test_pdl_changes_no_result(llama_3_8b_layers, smollm2_dir, monkeypatch, quantization, batch):
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("PDL needs compute capability >= 9.0 (and LMNB_DISABLE_PDL unset)")
     if quantization == "fp8" and torch.cuda.get_device_capability()[0] < 9:
@@ -62,10 +62,10 @@ def test_pdl_changes_no_result(llama_3_8b_layers, monkeypatch, quantization, bat
     rng = random.Random(batch)
     prompts = [[rng.randrange(3, 128000) for _ in range(rng.randint(100, 400))]
                for _ in range(batch)]
-    with_pdl = _decode(llama_3_8b_layers, prompts, quantization)
+    with_pdl = _decode(llama_3_8b_layers, smollm2_dir, prompts, quantization)
     monkeypatch.setenv("LMNB_DISABLE_PDL", "1")
     assert not pdl.enabled(torch.device("cuda"))
-    without = _decode(llama_3_8b_layers, prompts, quantization)
+    without = _decode(llama_3_8b_layers, smollm2_dir, prompts, quantization)
     for mine, theirs in zip(with_pdl, without, strict=True):
         assert mine["output_ids"] == theirs["output_ids"]
         assert (mine["meta_info"]["output_token_logprobs"]
