@@ -399,8 +399,8 @@ def test_per_token_quant_kernel_is_quantize_tokens(device, dtype):
         assert ((got - want).abs() <= want.abs() * 2**-3).all()
 
 
-def _fp8_pool(num_slots: int, kv_heads: int, head_dim: int, device: str, gen: torch.Generator
-              ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor],
+def _fp8_pool(num_slots: int, kv_heads: int, head_dim: int, device: str, gen: torch.Generator,
+              magnitude: float = 1.0) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor],
                          tuple[torch.Tensor, torch.Tensor]]:
     """((k, v) FP8 pools, (k, v) scales, (k, v) dequantized in float32): rows of very different
     sizes with an outlier channel, as real keys have, quantized by `KVStorage.set_kv`."""
@@ -408,7 +408,8 @@ def _fp8_pool(num_slots: int, kv_heads: int, head_dim: int, device: str, gen: to
                         device=torch.device(device), compute_dtype=torch.float32)
     shape = (num_slots, kv_heads, head_dim)
     rows = torch.logspace(-2, 1, num_slots)[torch.randperm(num_slots, generator=gen)]
-    k, v = (torch.randn(shape, generator=gen) * rows[:, None, None] for _ in range(2))
+    k, v = (torch.randn(shape, generator=gen) * rows[:, None, None] * magnitude
+            for _ in range(2))
     k[..., 3] += 8 * rows[:, None]  # an outlier channel
     slots = torch.arange(1, num_slots + 1, device=device)
     storage.set_kv(0, slots, k.to(device), v.to(device))
@@ -450,6 +451,37 @@ def test_decode_and_extend_read_an_fp8_pool(device, dtype):
         rows = slice(qo_indptr[i], qo_indptr[i + 1])
         expected = _reference(q[rows], k_ref, v_ref, slots, n - extend_lens[i])
         torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_magnitude, kv_magnitude", [(3e4, 1.0), (1.0, 1e-6)])
+def test_fp8_pool_kernels_keep_large_queries_and_tiny_scales(device, q_magnitude, kv_magnitude):
+    """Over an FP8 pool the kernels' dots multiply float16 (`attend.fp8_pool_query`): bf16 q past
+    float16's range (65,504 after the dot's sums) and K/V scales far below its smallest normal
+    (6e-5: here ~1e-8) still give float64 attention's output, relative to its size."""
+    heads, kv_heads, head_dim = 4, 2, 32
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [1, 70, 133]
+    kv_indptr, kv_indices = _ragged(seq_lens, device, gen)
+    (k_buffer, v_buffer), scales, (k_ref, v_ref) = _fp8_pool(
+        sum(seq_lens), kv_heads, head_dim, device, gen, magnitude=kv_magnitude)
+    q = (torch.randn(len(seq_lens), heads, head_dim, generator=gen) * q_magnitude).to(
+        device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    decode_attention(q, k_buffer, v_buffer, out, kv_indptr, kv_indices,
+                     *partial_buffers(len(seq_lens), heads, head_dim, 4, q.device),
+                     scale=head_dim**-0.5, max_kv_splits=4, kv_scales=scales)
+    extended = extend_attention(q, k_buffer, v_buffer, torch.empty_like(q),
+                                torch.arange(len(seq_lens) + 1, device=device), kv_indptr,
+                                kv_indices, max_extend_len=1, scale=head_dim**-0.5,
+                                kv_scales=scales)
+    for i, n in enumerate(seq_lens):
+        slots = kv_indices[kv_indptr[i]:kv_indptr[i] + n]
+        expected = _reference(q[i:i + 1], k_ref, v_ref, slots, n - 1)
+        size = expected.abs().max()
+        for got in (out[i:i + 1], extended[i:i + 1]):
+            assert torch.isfinite(got).all()
+            assert (got.double() - expected).abs().max() <= 3e-2 * size
 
 
 def test_per_head_kv_scales_beat_one_fixed_scale():

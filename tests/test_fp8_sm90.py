@@ -82,6 +82,10 @@ for block_n, warps in ((64, 4), (256, 8)):
              "HEADS_FIRST": False},
             warps=warps)
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+    # bf16 q's dots over the pool multiply float16: e4m3 pairs convert in one instruction
+    ptx = kernel.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
 compile(fp8_quant._per_token_quant_kernel,
         {"X": dt, "OUT": f8, "SCALE": "*fp32", "K": "i32", "stride_x": "i32",
          "stride_out": "i32"}, {"BLOCK": 2048, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},

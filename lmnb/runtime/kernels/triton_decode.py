@@ -36,7 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.attend import attend_block, attend_slots
+from lmnb.runtime.kernels.attend import (
+    attend_block,
+    attend_slots,
+    fp8_pool_compute,
+    fp8_pool_query,
+)
 from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
 from lmnb.runtime.kernels.pdl import wait_for_previous
@@ -97,10 +102,11 @@ def _decode_partial_kernel(
     if end > start:
         q = tl.load(Q + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        if KV_FP8:
-            q = dot_operand(q, UPCAST)
+        if KV_FP8:  # FP8 pool: K/V converted to the dtype of fp8_pool_query's q
+            q, q_scale = fp8_pool_query(q)
         else:
             q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
+            q_scale = tl.full([BLOCK_H], 1.0, dtype=tl.float32)  # unread
         k_scales = K_SCALE + kv_head * stride_sh  # this KV head's (FP8 pools)
         v_scales = V_SCALE + kv_head * stride_sh
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -116,14 +122,16 @@ def _decode_partial_kernel(
                 m_i, l_i, acc = attend_slots(
                     q, K, V, slots, cols, cols < end, end, m_i, l_i, acc, scale, kv_head,
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
-                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
+                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
+                    q_scale)
                 cols, slots = next_cols, next_slots
         else:
             for n in range(start, end, BLOCK_N):
                 m_i, l_i, acc = attend_block(
                     q, K, V, slots_of, n, end, end, m_i, l_i, acc, scale, kv_head,
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
+                    False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
+                    q_scale)
         out = acc / l_i[:, None]
         mask = mask_h[:, None] & mask_d[None, :]
         if HAS_SKIP and MAX_SPLITS == 1:  # fold in the prefix's partials (written before)
@@ -331,7 +339,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                                      sm_count=multiprocessors(q.device))
     block_h = query_rows(group)
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
-    compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
+    compute = fp8_pool_compute(q.dtype) if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert shared is None or not kv_fp8, "shared-prefix decode reads 16/32-bit KV only"
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.attend import attend_block
+from lmnb.runtime.kernels.attend import attend_block, fp8_pool_compute, fp8_pool_query
 from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
 
 
@@ -61,10 +61,11 @@ def _extend_kernel(
         tokens = (q_begin + rows).to(tl.int64)
         q = tl.load(Q + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
                     + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        if KV_FP8:  # FP8 pool: K/V dequantized to q's dtype in attend_block
-            q = dot_operand(q, UPCAST)
+        if KV_FP8:  # FP8 pool: K/V converted to the dtype of fp8_pool_query's q
+            q, q_scale = fp8_pool_query(q)
         else:
             q = dot_operand(q.to(K.dtype.element_ty), UPCAST)
+            q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # unread
         last = prefix_len + rows  # [BLOCK_M] the last KV position each row may see
         k_scales = K_SCALE + kv_head * stride_sh  # this KV head's (FP8 pools)
         v_scales = V_SCALE + kv_head * stride_sh
@@ -80,7 +81,8 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, visible_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
+                False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
+                    q_scale)
         # The block's diagonal, causally; columns past its last row are never loaded (fully
         # masked columns of a row add exp(-inf) = 0).
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
@@ -88,7 +90,8 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
-                True, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st)
+                True, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
+                    q_scale)
         out = acc / l_i[:, None]
         tl.store(OUT + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -149,7 +152,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     config = config or extend_config(head_dim, k_buffer.dtype, rows=[max_extend_len * group],
                                      group=group)
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
-    compute = q.dtype if kv_fp8 else k_buffer.dtype  # what the dots multiply
+    compute = fp8_pool_compute(q.dtype) if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
     assert not kv_fp8 or v_scale.stride() == k_scale.stride(), "K and V scales share strides"
