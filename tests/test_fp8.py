@@ -400,7 +400,8 @@ def test_per_token_quant_kernel_is_quantize_tokens(device, dtype):
 
 
 def _fp8_pool(num_slots: int, kv_heads: int, head_dim: int, device: str, gen: torch.Generator,
-              magnitude: float = 1.0) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor],
+              magnitude: float = 1.0
+              ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor],
                          tuple[torch.Tensor, torch.Tensor]]:
     """((k, v) FP8 pools, (k, v) scales, (k, v) dequantized in float32): rows of very different
     sizes with an outlier channel, as real keys have, quantized by `KVStorage.set_kv`."""

@@ -86,6 +86,8 @@ for block_n, warps in ((64, 4), (256, 8)):
     ptx = kernel.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
+    # V converted where it was loaded, then transposed for the dot as 16-bit (not byte) reads
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "ld.shared.b8" not in ptx
 compile(fp8_quant._per_token_quant_kernel,
         {"X": dt, "OUT": f8, "SCALE": "*fp32", "K": "i32", "stride_x": "i32",
          "stride_out": "i32"}, {"BLOCK": 2048, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},

@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 
 from lmnb.runtime.kernels.dot import dot_operand
+from lmnb.runtime.kernels.interpreter import INTERPRETED
+
+_ASM_CVT = tl.constexpr(not INTERPRETED)
 
 
 def fp8_pool_compute(q_dtype: torch.dtype) -> torch.dtype:
@@ -35,11 +38,52 @@ def fp8_pool_query(q):
 
 
 @triton.jit
+def _e4m3x4_to_f16(w):
+    """int32 of four e4m3 (little-endian) -> four float16 tensors of w's shape, exact."""
+    if _ASM_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            .reg .b32 p01, p23;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 p01, lo;
+            cvt.rn.f16x2.e4m3x2 p23, hi;
+            mov.b32 {$0, $1}, p01;
+            mov.b32 {$2, $3}, p23;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        w0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        w1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        w2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        w3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return w0, w1, w2, w3
+
+
+@triton.jit
+def _fp8_rows_f16(V, slots, kv_head, stride_vt, stride_vh, mask_n, BLOCK_D: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """V's FP8 rows [BLOCK_N, BLOCK_D] of `slots` as float16, converted where they were loaded
+    (four to an int32 word): Triton's own cast converts after the dot's transposing layout
+    change, one byte at a time from shared memory."""
+    words = V.to(tl.pointer_type(tl.int32))
+    offs_w = tl.arange(0, BLOCK_D // 4)
+    w = tl.load(words + slots[:, None] * (stride_vt // 4) + kv_head * (stride_vh // 4)
+                + offs_w[None, :], mask=mask_n[:, None] & (offs_w < HEAD_DIM // 4)[None, :],
+                other=0)
+    v0, v1, v2, v3 = _e4m3x4_to_f16(w)
+    v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [n, j, a, b] = v_{2a+b}: column 4j + 2a + b
+    return tl.reshape(v, (slots.shape[0], BLOCK_D))
+
+
+@triton.jit
 def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
                   stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                   KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
-                  V_SCALE=None, stride_st=0, q_scale=None):
+                  V_SCALE=None, stride_st=0, q_scale=None,
+                  HEAD_DIM: tl.constexpr = 0):
     """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
     slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]. KV_FP8: K/V are FP8,
     dequantized to q's dtype, with this KV head's scales of slot s at K_SCALE + s * stride_st
@@ -51,7 +95,7 @@ def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
     return attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_head,
                         stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
                         CAUSAL, PRECISION, UPCAST, KV_FP8, K_ROWS, K_SCALE, V_SCALE, stride_st,
-                        q_scale)
+                        q_scale, HEAD_DIM)
 
 
 @triton.jit
@@ -59,7 +103,8 @@ def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_he
                  stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
-                 V_SCALE=None, stride_st=0, q_scale=None):
+                 V_SCALE=None, stride_st=0, q_scale=None,
+                  HEAD_DIM: tl.constexpr = 0):
     """`attend_block` with the block's slots [BLOCK_N] (and its column positions `cols`, valid
     where mask_n) already loaded. K_ROWS: K is loaded token-major and transposed for the dot."""
     if K_ROWS:
@@ -85,8 +130,12 @@ def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_he
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
-    v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    if KV_FP8 and q.dtype == tl.float16:
+        v = _fp8_rows_f16(V, slots, kv_head, stride_vt, stride_vh, mask_n, offs_d.shape[0],
+                          HEAD_DIM)
+    else:
+        v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     if KV_FP8:
         v = v.to(q.dtype)
         v_top = tl.maximum(tl.max(v_scale, 0), 1e-30)

@@ -123,7 +123,7 @@ def _decode_partial_kernel(
                     q, K, V, slots, cols, cols < end, end, m_i, l_i, acc, scale, kv_head,
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, mask_d,
                     False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
-                    q_scale)
+                    q_scale, HEAD_DIM)
                 cols, slots = next_cols, next_slots
         else:
             for n in range(start, end, BLOCK_N):
@@ -131,7 +131,7 @@ def _decode_partial_kernel(
                     q, K, V, slots_of, n, end, end, m_i, l_i, acc, scale, kv_head,
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                     False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
-                    q_scale)
+                    q_scale, HEAD_DIM)
         out = acc / l_i[:, None]
         mask = mask_h[:, None] & mask_d[None, :]
         if HAS_SKIP and MAX_SPLITS == 1:  # fold in the prefix's partials (written before)
@@ -342,6 +342,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     compute = fp8_pool_compute(q.dtype) if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert shared is None or not kv_fp8, "shared-prefix decode reads 16/32-bit KV only"
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
+    assert not kv_fp8 or (v_buffer.stride(-1) == 1 and v_buffer.stride(0) % 4 == 0
+                          and v_buffer.stride(1) % 4 == 0), "FP8 V rows are read as int32 words"
     k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
     scale_strides = k_scale.stride() if kv_fp8 else (0, 0)
     assert not kv_fp8 or (k_scale.shape == k_buffer.shape[:2]

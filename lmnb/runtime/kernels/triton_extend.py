@@ -82,7 +82,7 @@ def _extend_kernel(
                 q, K, V, KV_INDICES + kv_begin, n, visible_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
-                    q_scale)
+                    q_scale, HEAD_DIM)
         # The block's diagonal, causally; columns past its last row are never loaded (fully
         # masked columns of a row add exp(-inf) = 0).
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
@@ -91,7 +91,7 @@ def _extend_kernel(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 True, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
-                    q_scale)
+                    q_scale, HEAD_DIM)
         out = acc / l_i[:, None]
         tl.store(OUT + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -154,6 +154,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
     compute = fp8_pool_compute(q.dtype) if kv_fp8 else k_buffer.dtype  # what the dots multiply
     assert not kv_fp8 or kv_scales is not None, "an FP8 pool needs its scales"
+    assert not kv_fp8 or (v_buffer.stride(-1) == 1 and v_buffer.stride(0) % 4 == 0
+                          and v_buffer.stride(1) % 4 == 0), "FP8 V rows are read as int32 words"
     k_scale, v_scale = kv_scales if kv_fp8 else (kv_indptr, kv_indptr)  # unread without FP8
     assert not kv_fp8 or v_scale.stride() == k_scale.stride(), "K and V scales share strides"
     precision = "ieee" if compute == torch.float32 else "tf32"
