@@ -2,10 +2,12 @@
 pool, shared by the extend, decode and shared-prefix attention kernels.
 
 Over an FP8 pool the dots multiply float16: e4m3 converts to float16 in one instruction a pair
-(`cvt.rn.f16x2.e4m3x2`) but to bfloat16 in three more a value, which bound the kernel, not the
-bytes. So 16-bit q enters as float16 rows scaled to |q| <= 1 (`fp8_pool_query`: float16's range
-holds any q, its 10-bit mantissa keeps more than bfloat16's 7), and the probabilities times V's
-scales as float16 normalised by the block's largest scale (no underflow of small scales)."""
+(`cvt.rn.f16x2.e4m3x2`), to bfloat16 in three more a value. 16-bit q enters as float16 rows
+scaled to |q| <= 1 (`fp8_pool_query`: float16's range holds any q, its 10-bit mantissa keeps
+more than bfloat16's 7), and the probabilities times V's scales as float16 normalised by the
+block's largest scale (no underflow of small scales). V's rows are read as int32 words and
+converted where loaded (`e4m3_words`), so the dot's transposing layout change moves 16-bit
+values, not bytes."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import triton
 import triton.language as tl
 
 from lmnb.runtime.kernels.dot import dot_operand
+from lmnb.runtime.kernels.e4m3_words import e4m3x4
 from lmnb.runtime.kernels.interpreter import INTERPRETED
 
 _ASM_CVT = tl.constexpr(not INTERPRETED)
@@ -38,41 +41,16 @@ def fp8_pool_query(q):
 
 
 @triton.jit
-def _e4m3x4_to_f16(w):
-    """int32 of four e4m3 (little-endian) -> four float16 tensors of w's shape, exact."""
-    if _ASM_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            .reg .b32 p01, p23;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 p01, lo;
-            cvt.rn.f16x2.e4m3x2 p23, hi;
-            mov.b32 {$0, $1}, p01;
-            mov.b32 {$2, $3}, p23;
-            }""",
-            constraints="=h,=h,=h,=h,r", args=[w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    else:
-        w0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        w1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        w2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        w3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        return w0, w1, w2, w3
-
-
-@triton.jit
 def _fp8_rows_f16(V, slots, kv_head, stride_vt, stride_vh, mask_n, BLOCK_D: tl.constexpr,
                   HEAD_DIM: tl.constexpr):
     """V's FP8 rows [BLOCK_N, BLOCK_D] of `slots` as float16, converted where they were loaded
-    (four to an int32 word): Triton's own cast converts after the dot's transposing layout
-    change, one byte at a time from shared memory."""
+    (four to an int32 word; rows of HEAD_DIM, a multiple of 4)."""
     words = V.to(tl.pointer_type(tl.int32))
     offs_w = tl.arange(0, BLOCK_D // 4)
     w = tl.load(words + slots[:, None] * (stride_vt // 4) + kv_head * (stride_vh // 4)
                 + offs_w[None, :], mask=mask_n[:, None] & (offs_w < HEAD_DIM // 4)[None, :],
                 other=0)
-    v0, v1, v2, v3 = _e4m3x4_to_f16(w)
+    v0, v1, v2, v3 = e4m3x4(w, tl.float16, _ASM_CVT)
     v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [n, j, a, b] = v_{2a+b}: column 4j + 2a + b
     return tl.reshape(v, (slots.shape[0], BLOCK_D))
 
@@ -83,12 +61,12 @@ def attend_block(q, K, V, SLOTS, n, end, last, m_i, l_i, acc, scale, kv_head,
                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                   KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
                   V_SCALE=None, stride_st=0, q_scale=None,
-                  HEAD_DIM: tl.constexpr = 0):
+                 HEAD_DIM: tl.constexpr = 0):
     """One online-softmax step of q's rows over KV columns n : n + BLOCK_N (those < end) whose
     slots are SLOTS[n:]; with CAUSAL, row r sees columns <= last[r]. KV_FP8: K/V are FP8,
     dequantized to q's dtype, with this KV head's scales of slot s at K_SCALE + s * stride_st
-    (V_SCALE likewise), q given by `fp8_pool_query` with its rows' `q_scale`. K_ROWS: see
-    `attend_slots`."""
+    (V_SCALE likewise), q given by `fp8_pool_query` with its rows' `q_scale`, rows of HEAD_DIM.
+    K_ROWS: see `attend_slots`."""
     cols = n + offs_n
     mask_n = cols < end
     slots = tl.load(SLOTS + cols, mask=mask_n, other=0)
@@ -104,7 +82,7 @@ def attend_slots(q, K, V, slots, cols, mask_n, last, m_i, l_i, acc, scale, kv_he
                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, K_SCALE=None,
                  V_SCALE=None, stride_st=0, q_scale=None,
-                  HEAD_DIM: tl.constexpr = 0):
+                 HEAD_DIM: tl.constexpr = 0):
     """`attend_block` with the block's slots [BLOCK_N] (and its column positions `cols`, valid
     where mask_n) already loaded. K_ROWS: K is loaded token-major and transposed for the dot."""
     if K_ROWS:

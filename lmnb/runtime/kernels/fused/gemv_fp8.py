@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from lmnb.runtime.kernels.dot import dot_upcast
+from lmnb.runtime.kernels.e4m3_words import e4m3x4
 from lmnb.runtime.kernels.fused.activation import silu_mul
 from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
 from lmnb.runtime.kernels.fused.gemv_rotary import (
@@ -103,37 +104,6 @@ def _load_w(w_ptrs, k, k_end, offs_k, mask_n, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _e4m3x4_to_f32(w, ASM: tl.constexpr):
-    """int32 of four e4m3 weights (little-endian) -> four f32 tensors of w's shape, exact.
-    ASM (compiled for NVIDIA): two `cvt.rn.f16x2.e4m3x2` straight from the register's halves and
-    four f16 -> f32 (Triton's own cast of an FP8 tensor extracts each byte and repacks pairs
-    first: twice the instructions); else shifts and Triton's cast (the interpreter)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi, h0, h1, h2, h3;
-            .reg .b32 p01, p23;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 p01, lo;
-            cvt.rn.f16x2.e4m3x2 p23, hi;
-            mov.b32 {h0, h1}, p01;
-            mov.b32 {h2, h3}, p23;
-            cvt.f32.f16 $0, h0;
-            cvt.f32.f16 $1, h1;
-            cvt.f32.f16 $2, h2;
-            cvt.f32.f16 $3, h3;
-            }""",
-            constraints="=f,=f,=f,=f,r", args=[w],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        w0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return w0, w1, w2, w3
-
-
-@triton.jit
 def _half(bits):
     """The low 16 bits of an int32 as an f16 -> f32."""
     return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -163,7 +133,7 @@ def _fma_step(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl
     Else: FP8 and 16/32-bit elements, e4m3 -> f16 -> f32 (exact), acc [BLOCK_N, BLOCK_K / VEC_K]
     += each thread's VEC_K products, summed in registers."""
     if PACKED:
-        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        w0, w1, w2, w3 = e4m3x4(w, tl.float32, ASM)
         x0, x1, x2, x3 = _x16x4_to_f32(x, X_BF16)
         return acc + w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
     else:
@@ -248,7 +218,7 @@ def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
                                         HAS_RES)
         h2, h3, s2, s3 = _bf16x2_normed((x >> 32).to(tl.int32), (r >> 32).to(tl.int32),
                                         (g >> 32).to(tl.int32), HAS_RES)
-        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        w0, w1, w2, w3 = e4m3x4(w, tl.float32, ASM)
         ss += s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
         return acc + w0 * h0 + w1 * h1 + w2 * h2 + w3 * h3, ss
     elif PACKED:
@@ -259,7 +229,7 @@ def _norm_fma_step(acc, ss, w, x, r, g, BLOCK_N: tl.constexpr,
         s1, h1 = _normed_x(x1, r1, g1, HAS_RES, DTYPE)
         s2, h2 = _normed_x(x2, r2, g2, HAS_RES, DTYPE)
         s3, h3 = _normed_x(x3, r3, g3, HAS_RES, DTYPE)
-        w0, w1, w2, w3 = _e4m3x4_to_f32(w, ASM)
+        w0, w1, w2, w3 = e4m3x4(w, tl.float32, ASM)
         ss += s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3
         return acc + w0 * h0 + w1 * h1 + w2 * h2 + w3 * h3, ss
     else:
