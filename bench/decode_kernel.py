@@ -26,13 +26,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from bench.common import environment, format_table, write_json
+if __package__ in (None, ""):  # run as a script: make `bench` and `lmnb` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import environment, format_table, write_json  # noqa: E402
 
 MODELS = {  # (query heads, KV heads, head_dim, dtype)
     "llama3": (32, 8, 128, torch.bfloat16),
