@@ -16,18 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.dummy_models import DUMMY_CONFIGS
 from lmnb.runtime.engine import Runtime
 from lmnb.runtime.kernels import pdl
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-LLAMA_3_8B_LAYERS = dict(
-    model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
-    vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-    hidden_act="silu", tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-    initializer_range=0.02, dtype="bfloat16")
+LLAMA_3_8B_LAYERS = {**DUMMY_CONFIGS["llama-3-8b"], "num_hidden_layers": 4}
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 24}
 
 
