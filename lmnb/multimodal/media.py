@@ -19,14 +19,20 @@ import binascii
 import io
 import os
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
 from lmnb.params import InvalidRequestError
 
-ImageSource = Any  # str | os.PathLike | bytes | PIL.Image.Image | np.ndarray
-VideoSource = Any  # str | os.PathLike | bytes | np.ndarray [F, H, W, 3]
+if TYPE_CHECKING:
+    from PIL import Image
+
+ImageSource: TypeAlias = (
+    "str | os.PathLike[str] | bytes | bytearray | memoryview | Image.Image | np.ndarray")
+VideoSource: TypeAlias = (  # a decoded clip: uint8 frames [F, H, W, 3], or a list of them
+    "str | os.PathLike[str] | bytes | bytearray | memoryview | np.ndarray | list[np.ndarray]")
 
 # names SGLang's `load_image` opens as files before it tries base64
 _IMAGE_SUFFIXES = ("png", "jpg", "jpeg", "webp", "gif")
@@ -38,12 +44,13 @@ class MediaError(InvalidRequestError):
     """An image or video that cannot be loaded (missing, corrupt, remote, of an unknown type)."""
 
 
-def _describe(source: Any) -> str:
+def _describe(source: object) -> str:
     text = repr(source)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _read_source(source: Any, what: str) -> bytes | Path:
+def _read_source(source: str | os.PathLike[str] | bytes | bytearray | memoryview,
+                 what: str) -> bytes | Path:
     """Bytes (inline: bytes, a data: URL, bare base64) or an existing file's path, from a str /
     PathLike / bytes source."""
     if isinstance(source, bytes | bytearray | memoryview):
@@ -103,7 +110,7 @@ def _decode_data_url(url: str, what: str) -> bytes:
 
 
 # ---- images --------------------------------------------------------------------------------------
-def load_image(source: ImageSource) -> Any:
+def load_image(source: ImageSource) -> Image.Image:
     """An RGB `PIL.Image.Image` from any image source (see the module docstring)."""
     from PIL import Image
 
@@ -112,7 +119,7 @@ def load_image(source: ImageSource) -> Any:
     elif isinstance(source, np.ndarray):
         image = _image_from_array(source)
     elif isinstance(source, str | bytes | bytearray | memoryview | os.PathLike):
-        image = _decode_image(_read_source(source, "image"), source)
+        image = _decode_image(_read_source(source, "image"))
     else:
         raise MediaError(f"unsupported image type {type(source).__name__}: give {_SOURCE_HELP}")
     width, height = image.size
@@ -121,7 +128,7 @@ def load_image(source: ImageSource) -> Any:
     return image
 
 
-def _to_rgb(image: Any) -> Any:
+def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
@@ -134,7 +141,7 @@ def _to_rgb(image: Any) -> Any:
     return image.convert("RGB")
 
 
-def _image_from_array(array: np.ndarray) -> Any:
+def _image_from_array(array: np.ndarray) -> Image.Image:
     from PIL import Image
 
     if array.dtype != np.uint8:
@@ -151,7 +158,7 @@ def _image_from_array(array: np.ndarray) -> Any:
     return _to_rgb(image)
 
 
-def _decode_image(data: bytes | Path, source: Any) -> Any:
+def _decode_image(data: bytes | Path) -> Image.Image:
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -215,7 +222,7 @@ def _frames_from_array(frames: np.ndarray, num_frames: int) -> tuple[np.ndarray,
     return np.ascontiguousarray(frames[sample_indices(total, num_frames)]), total
 
 
-def _decord() -> Any:
+def _decord() -> ModuleType:
     try:
         import decord
     except ImportError:
@@ -240,7 +247,7 @@ def sample_video_path() -> Path:
 
 
 # ---- thumbnails ----------------------------------------------------------------------------------
-def thumbnail_png(image: Any, max_side: int = 96) -> bytes:
+def thumbnail_png(image: Image.Image, max_side: int = 96) -> bytes:
     """A small PNG of an RGB PIL image (aspect kept, longest side `max_side`)."""
     small = image.copy()
     small.thumbnail((max_side, max_side))
