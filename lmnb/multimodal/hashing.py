@@ -5,9 +5,12 @@ KV; any pixel that differs gives another hash."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 HASH_BITS = 63
 _MASK = (1 << HASH_BITS) - 1
@@ -22,7 +25,7 @@ def _digest(kind: str, pixels: np.ndarray) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK
 
 
-def image_hash(image: Any) -> int:
+def image_hash(image: Image.Image | np.ndarray) -> int:
     """63-bit hash of an RGB image's pixels (a PIL image or a uint8 array [H, W, 3])."""
     pixels = image if isinstance(image, np.ndarray) else np.asarray(image.convert("RGB"))
     return _digest("image", pixels)

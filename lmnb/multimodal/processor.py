@@ -35,6 +35,8 @@ from lmnb.multimodal.media import (
 )
 
 if TYPE_CHECKING:
+    from transformers.image_processing_utils import BaseImageProcessor
+
     from lmnb.runtime.config import ModelConfig
 
 DEFAULT_NUM_FRAMES = 8
@@ -46,7 +48,8 @@ _FRAME_KEYS = ("size", "crop_size", "do_resize", "do_center_crop", "do_rescale",
 class MediaProcessor:
     """Loads, hashes and preprocesses a request's images and videos for one model."""
 
-    def __init__(self, *, image_processor: Any, frame_processor: Any,
+    def __init__(self, *, image_processor: BaseImageProcessor,
+                 frame_processor: BaseImageProcessor | None,
                  count_tokens: Callable[..., int], vocab_size: int, image_token_id: int | None,
                  video_token_id: int | None, anyres: bool) -> None:
         """`count_tokens(kind, image_size=(h, w), num_frames=n)`: prompt tokens of an item."""
@@ -139,7 +142,8 @@ class MediaProcessor:
                 self._recent.popitem(last=False)
         return _copy(item)
 
-    def item(self, kind: str, source: Any) -> MediaItem:
+    def item(self, kind: str,
+             source: ImageSource | VideoSource | MediaItem | dict[str, Any]) -> MediaItem:
         """An item from what `Runtime.generate` accepts per image/video: a source, a `MediaItem`
         (copied, so one item may serve several prompts), or for videos a dict
         `{"video": source, "num_frames": n}`."""
@@ -196,7 +200,7 @@ def _copy(item: MediaItem) -> MediaItem:
                      -1, item.thumbnail)
 
 
-def _frame_processor(folder: Path) -> Any:
+def _frame_processor(folder: Path) -> BaseImageProcessor:
     """The per-frame image processor: CLIP-style, from the video processor config when the
     folder has one (else the image processor config without anyres)."""
     from transformers import CLIPImageProcessorPil
