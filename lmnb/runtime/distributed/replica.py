@@ -21,12 +21,15 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lmnb.params import InvalidRequestError
 from lmnb.runtime.output.logprob_lists import running_form
 from lmnb.runtime.output.logprob_text import TOKEN_LOGPROB_KEYS, TOP_LOGPROB_KEYS
 from lmnb.runtime.prefix_cache import common_prefix_length
+
+if TYPE_CHECKING:
+    import httpx
 
 READY_PREFIX = "lmnb: serving on "  # `python -m lmnb serve --port 0` prints this + its URL
 
@@ -114,7 +117,7 @@ class ProcessReplica:
         self._reader = threading.Thread(target=self._read_output, daemon=True,
                                          name=f"lmnb-replica-{index}-output")
         self._reader.start()
-        self._client: Any = None  # httpx.AsyncClient, made on the router's loop
+        self._client: httpx.AsyncClient | None = None  # made on the router's loop
 
     @classmethod
     def launch(cls, index: int, model_path: str | None, options: dict[str, Any], *,
@@ -164,7 +167,7 @@ class ProcessReplica:
         self.max_total_tokens = int(info["max_total_num_tokens"])
 
     # ---- requests (on the router's event loop) ---------------------------------------------------
-    def _http(self) -> Any:
+    def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             import httpx
 
@@ -197,7 +200,7 @@ class ProcessReplica:
         except httpx.TransportError as error:
             raise await self._failure(error) from None
 
-    async def _deltas(self, response: Any) -> AsyncIterator[Chunk]:
+    async def _deltas(self, response: httpx.Response) -> AsyncIterator[Chunk]:
         """SGLang's cumulative stream events as incremental chunks, their running meta_info in
         the runtime's running form (`logprob_lists.running_form`)."""
         texts: dict[int, int] = {}
