@@ -14,7 +14,7 @@ on first use and are cached under FLASHINFER_WORKSPACE_BASE).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.registry import register_attention_backend
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 WORKSPACE_BYTES = 256 << 20
 _KV_DTYPES = (torch.float16, torch.bfloat16)
@@ -76,18 +79,20 @@ class FlashInferAttention(AttentionBackend):
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode = self._decode_wrapper()
-        self._graph_decode: dict[int, Any] = {}
-        self._active: Any = None
+        self._graph_decode: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
+        self._active: (BatchDecodeWithPagedKVCacheWrapper | BatchPrefillWithPagedKVCacheWrapper
+                       | None) = None
         self._max_bs = 0
         self._graph_kv_capacity = 0
 
-    def _decode_wrapper(self, **graph: Any) -> Any:
+    def _decode_wrapper(self, **graph: Any) -> BatchDecodeWithPagedKVCacheWrapper:
         # Tensor cores pay off when several query heads share a KV head.
         tensor_cores = self.num_heads // self.num_kv_heads >= 4
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=tensor_cores, **graph)
 
-    def _plan_decode(self, wrapper: Any, kv_lens: list[int], kv_indices: torch.Tensor) -> None:
+    def _plan_decode(self, wrapper: BatchDecodeWithPagedKVCacheWrapper, kv_lens: list[int],
+                     kv_indices: torch.Tensor) -> None:
         pinned = self.device.type == "cuda"
         wrapper.plan(_host_int32(_indptr(kv_lens), pinned), kv_indices.to(torch.int32),
                      _host_int32([1] * len(kv_lens), pinned), self.num_heads, self.num_kv_heads,
@@ -125,7 +130,7 @@ class FlashInferAttention(AttentionBackend):
         self._max_bs = max_bs
         self._graph_kv_capacity = max_bs * self.req_to_token_pool.max_context_len
 
-    def _graph_wrapper(self, bs: int) -> Any:
+    def _graph_wrapper(self, bs: int) -> BatchDecodeWithPagedKVCacheWrapper:
         wrapper = self._graph_decode.get(bs)
         if wrapper is None:
             wrapper = self._graph_decode[bs] = self._decode_wrapper(
