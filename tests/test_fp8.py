@@ -457,9 +457,10 @@ def test_decode_and_extend_read_an_fp8_pool(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("q_magnitude, kv_magnitude", [(3e4, 1.0), (1.0, 1e-6)])
 def test_fp8_pool_kernels_keep_large_queries_and_tiny_scales(device, q_magnitude, kv_magnitude):
-    """Over an FP8 pool the kernels' dots multiply float16 (`attend.fp8_pool_query`): bf16 q past
-    float16's range (65,504 after the dot's sums) and K/V scales far below its smallest normal
-    (6e-5: here ~1e-8) still give float64 attention's output, relative to its size."""
+    """Over an FP8 pool the kernels' dots multiply float16 (`attend.fp8_pool_query`): bf16 q with
+    entries past float16's largest value (65,504; here up to ~1e5) and K/V scales far below its
+    smallest normal (6e-5; here ~1e-8) still give float64 attention's output, relative to its
+    size."""
     heads, kv_heads, head_dim = 4, 2, 32
     gen = torch.Generator().manual_seed(11)
     seq_lens = [1, 70, 133]
