@@ -45,6 +45,7 @@ def _fp8_rows_f16(V, slots, kv_head, stride_vt, stride_vh, mask_n, BLOCK_D: tl.c
                   HEAD_DIM: tl.constexpr):
     """V's FP8 rows [BLOCK_N, BLOCK_D] of `slots` as float16, converted where they were loaded
     (four to an int32 word; rows of HEAD_DIM, a multiple of 4)."""
+    tl.static_assert(HEAD_DIM > 0 and HEAD_DIM % 4 == 0, "an FP8 pool's V needs HEAD_DIM")
     words = V.to(tl.pointer_type(tl.int32))
     offs_w = tl.arange(0, BLOCK_D // 4)
     w = tl.load(words + slots[:, None] * (stride_vt // 4) + kv_head * (stride_vh // 4)
