@@ -82,7 +82,7 @@ def _extend_kernel(
                 q, K, V, KV_INDICES + kv_begin, n, visible_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 False, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
-                    q_scale, HEAD_DIM)
+                q_scale, HEAD_DIM)
         # The block's diagonal, causally; columns past its last row are never loaded (fully
         # masked columns of a row add exp(-inf) = 0).
         kv_end = tl.minimum(seq_len, prefix_len + ((block + 1) * BLOCK_M - 1) // GROUP + 1)
@@ -91,7 +91,7 @@ def _extend_kernel(
                 q, K, V, KV_INDICES + kv_begin, n, kv_end, last, m_i, l_i, acc, scale,
                 kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, mask_d,
                 True, PRECISION, UPCAST, KV_FP8, K_ROWS, k_scales, v_scales, stride_st,
-                    q_scale, HEAD_DIM)
+                q_scale, HEAD_DIM)
         out = acc / l_i[:, None]
         tl.store(OUT + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(OUT.dtype.element_ty),
