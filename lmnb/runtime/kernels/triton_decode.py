@@ -258,8 +258,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, *, batch_size: int = 1,
         # 100-2,048, 600 MB of FP8 K/V and scales a layer): 128-token tiles over 4 warps with 3
         # stages 322 us (1.86 TB/s; bf16's tiles 411 us on 1,163 MB), the 16-bit busy tile 349,
         # 2x tokens over 2x warps 471. Below the busiest level the 16-bit tiles (not swept).
-        # Swept before the float16 dots and V read as words (`attend.py`): H200, batch 234, this
-        # pick 341.6 -> 275.2 us a layer with them; not re-swept since.
+        # With the float16 dots and V read as words (`attend.py`): H200, batch 234, this pick
+        # 343.6 -> 275.2 us a layer beside the old loop; re-swept, 36 configs, the best 273.3 (all
+        # 128-token 4-warp tiles within 1.5%, 64-token 283-298, 128/8 warps 370, 256-token 410+).
         base = decode_config(head_dim, torch.bfloat16, batch_size=batch_size,
                              num_kv_heads=num_kv_heads)  # the 16-bit pick without the waves' rule
         if base.block_n == 128:  # the busiest level
