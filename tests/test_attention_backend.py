@@ -21,6 +21,7 @@ from lmnb.runtime.kernels.registry import (
     attention_backend_class,
     available_attention_backends,
     create_attention_backend,
+    fp8_kv_scales,
     select_attention_backend,
 )
 from lmnb.runtime.memory import KVAllocator, KVStorage, ReqToTokenPool
@@ -299,6 +300,24 @@ def test_registry_by_name_auto_and_unknown():
                                        dtype=torch.float32, device=torch.device("cpu")))
     assert type(backend).__name__ == "TorchNativeAttention"
     assert backend.choice is not None and backend.choice.name == "torch_native"
+
+
+def test_auto_keeps_per_token_fp8_scales_and_flashinfer_reads_fixed_ones(monkeypatch):
+    """FlashInfer reads an FP8 pool with one scale per tensor: "auto" passes over it for FP8
+    KV (Triton keeps per-token scales), the pool asked for by its name has fixed scales."""
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        object() if name == "flashinfer" else found(name, *args)))  # as if installed
+    cuda, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+    assert select_attention_backend("auto", cuda, dtype=torch.bfloat16,
+                                    head_dim=128).name == "flashinfer"
+    choice = select_attention_backend("auto", cuda, dtype=fp8, head_dim=128)
+    assert choice.name == ("triton" if found("triton") else "torch_native")
+    if choice.name == "torch_native":
+        assert "flashinfer: reads an FP8 KV pool with one scale per tensor" in choice.reason
+    assert fp8_kv_scales("auto", cuda, dtype=fp8, head_dim=128) == "token"
+    assert fp8_kv_scales("flashinfer", cuda, dtype=fp8, head_dim=128) == "tensor"
+    assert fp8_kv_scales("torch_native", cuda, dtype=fp8, head_dim=128) == "token"
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ from lmnb.runtime.config import EngineConfig
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
 from lmnb.runtime.kernels.triton_extend import extend_attention
 from lmnb.runtime.memory import KVStorage
+from lmnb.runtime.memory.kv_storage import TENSOR_SCALE, Fp8Scales, fixed_fp8_scales
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
 from lmnb.runtime.models.layers import fp8, linear
@@ -90,6 +91,29 @@ def test_kv_storage_stores_fp8_with_a_scale_per_token_and_head():
                      device=torch.device("cpu")).scales(0) is None
     with pytest.raises(ValueError, match="fp8_e4m3"):  # the host tier would drop the scales
         EngineConfig(kv_cache_dtype="fp8_e4m3", enable_hierarchical_cache=True)
+
+
+def test_kv_storage_with_fixed_scales_stores_x_over_its_scale():
+    """fp8_scales="tensor" (FlashInfer's pools): one fixed scale per layer for K and one for V,
+    seen as [slots, kv_heads] with slot stride 0 (no memory, none stored), rows x / scale."""
+    storage = KVStorage(8, num_layers=2, kv_heads=2, head_dim=4, dtype=FP8,
+                        device=torch.device("cpu"), compute_dtype=torch.float32,
+                        fp8_scales="tensor")
+    storage.set_tensor_scales(1, 0.5, 2.0)
+    k = torch.tensor([[[1.0, -3.0, 1000.0, 0.01], [0.0] * 4]])
+    storage.set_kv(1, torch.tensor([4]), k, k)
+    assert storage.k_buffers[1][4, 0].float().tolist() == [2.0, -6.0, 448.0, 0.01953125]
+    assert storage.v_buffers[1][4, 0].float().tolist() == [0.5, -1.5, 448.0, 0.005859375]
+    k_back, v_back = storage.read(1, torch.tensor([4]))
+    assert k_back[0, 0].tolist() == [1.0, -3.0, 224.0, 0.009765625]  # 1000 clamped to 448 * 0.5
+    assert v_back[0, 0].tolist() == [1.0, -3.0, 896.0, 0.01171875]  # 0.005: 3 x 2^-9
+    for scales in (*storage.scales(0), *storage.scales(1)):
+        assert fixed_fp8_scales(scales) and scales.shape == (9, 2)
+    assert storage.scales(0)[0][5, 1].item() == TENSOR_SCALE == 1.0
+    assert not fixed_fp8_scales(KVStorage(8, num_layers=1, kv_heads=2, head_dim=4, dtype=FP8,
+                                          device=torch.device("cpu")).scales(0)[0])
+    assert KVStorage.bytes_per_token(num_layers=2, kv_heads=2, head_dim=64, dtype=FP8,
+                                     fp8_scales="tensor") == 2 * 2 * 2 * 64
 
 
 def test_options_are_sglangs_and_bad_values_are_named():
@@ -354,7 +378,7 @@ def test_decode_fusions_over_an_fp8_pool_store_kv_in_the_qkv_gemv(tiny_models, m
                                  attention_backend="torch_native", kv_cache_dtype="fp8_e4m3")
     runner = ModelRunner(model, config, engine_config, device=torch.device("cpu"),
                          dtype=torch.float32, eos_token_ids={2})
-    assert runner.kv_storage.is_fp8
+    assert runner.kv_storage.is_fp8 and runner.stats()["kv_fp8_scales"] == "token"
     calls: list[tuple[str, int]] = []
     for module, name, rows in ((fp8, "fp8_norm_rotary_linear", 0),
                                (fused_kernels, "rotary_qkv", 1)):
@@ -400,13 +424,14 @@ def test_per_token_quant_kernel_is_quantize_tokens(device, dtype):
 
 
 def _fp8_pool(num_slots: int, kv_heads: int, head_dim: int, device: str, gen: torch.Generator,
-              magnitude: float = 1.0
+              magnitude: float = 1.0, fp8_scales: Fp8Scales = "token"
               ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor],
                          tuple[torch.Tensor, torch.Tensor]]:
     """((k, v) FP8 pools, (k, v) scales, (k, v) dequantized in float32): rows of very different
     sizes with an outlier channel, as real keys have, quantized by `KVStorage.set_kv`."""
     storage = KVStorage(num_slots, num_layers=1, kv_heads=kv_heads, head_dim=head_dim, dtype=FP8,
-                        device=torch.device(device), compute_dtype=torch.float32)
+                        device=torch.device(device), compute_dtype=torch.float32,
+                        fp8_scales=fp8_scales)
     shape = (num_slots, kv_heads, head_dim)
     rows = torch.logspace(-2, 1, num_slots)[torch.randperm(num_slots, generator=gen)]
     k, v = (torch.randn(shape, generator=gen) * rows[:, None, None] * magnitude
@@ -420,16 +445,18 @@ def _fp8_pool(num_slots: int, kv_heads: int, head_dim: int, device: str, gen: to
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_and_extend_read_an_fp8_pool(device, dtype):
-    """The kernels dequantize FP8 K/V with their per-(slot, head) scales in registers: the float64
-    attention over the pool's dequantized values is the reference (q keeps its dtype)."""
+@pytest.mark.parametrize(("dtype", "fp8_scales"), [
+    (torch.float32, "token"), (torch.bfloat16, "token"), (torch.bfloat16, "tensor")])
+def test_decode_and_extend_read_an_fp8_pool(device, dtype, fp8_scales):
+    """The kernels dequantize FP8 K/V with their per-(slot, head) scales in registers (or a
+    pool's fixed scales, slot stride 0): the float64 attention over the pool's dequantized values
+    is the reference (q keeps its dtype)."""
     heads, kv_heads, head_dim = 4, 2, 32
     gen = torch.Generator().manual_seed(7)
     seq_lens = [1, 70, 133] if INTERPRET else [1, 700, 2048]
     kv_indptr, kv_indices = _ragged(seq_lens, device, gen)
-    (k_buffer, v_buffer), scales, (k_ref, v_ref) = _fp8_pool(sum(seq_lens), kv_heads, head_dim,
-                                                             device, gen)
+    (k_buffer, v_buffer), scales, (k_ref, v_ref) = _fp8_pool(
+        sum(seq_lens), kv_heads, head_dim, device, gen, fp8_scales=fp8_scales)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     q = torch.randn(len(seq_lens), heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     out = torch.empty_like(q)
@@ -512,10 +539,12 @@ def test_per_head_kv_scales_beat_one_fixed_scale():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rotary_kernel_stores_fp8_kv_as_kv_storage_does(device):
+@pytest.mark.parametrize("fp8_scales", ["token", "tensor"])
+def test_rotary_kernel_stores_fp8_kv_as_kv_storage_does(device, fp8_scales):
     """The fused rotary kernel's FP8 store (rotated K and V, each (token, head) row divided by
-    its scale amax / 448, the scales beside the pool) equals rotating with torch then
-    `KVStorage.set_kv`, up to one FP8 rounding step; other rows stay untouched."""
+    its scale amax / 448, the scales beside the pool; or by the pool's fixed scales) equals
+    rotating with torch then `KVStorage.set_kv`, up to one FP8 rounding step; other rows stay
+    untouched."""
     from lmnb.runtime.kernels.fused import rotary_qkv
     from lmnb.runtime.models.layers.rotary import RotaryEmbedding
     from tests.test_fused_kernels import _rope_config
@@ -530,7 +559,11 @@ def test_rotary_kernel_stores_fp8_kv_as_kv_storage_does(device):
     slots = (torch.randperm(12, generator=gen)[:tokens] + 1).to(device)
     fused, torch_path = (KVStorage(12, num_layers=1, kv_heads=kv_heads, head_dim=head_dim,
                                    dtype=FP8, device=torch.device(device),
-                                   compute_dtype=torch.float32) for _ in range(2))
+                                   compute_dtype=torch.float32, fp8_scales=fp8_scales)
+                         for _ in range(2))
+    if fp8_scales == "tensor":  # K's outlier channel reaches ~150: past 448 at 0.25
+        for storage in (fused, torch_path):
+            storage.set_tensor_scales(0, 0.25, 0.01)
     q, k_none = rotary_qkv(positions, qkv, rotary.cos, rotary.sin, num_heads=heads,
                            num_kv_heads=kv_heads, head_dim=head_dim,
                            kv_buffers=(fused.k_buffers[0], fused.v_buffers[0]), slots=slots,
@@ -548,7 +581,8 @@ def test_rotary_kernel_stores_fp8_kv_as_kv_storage_does(device):
             got = torch.where((want.abs().log2() % 1 == 0) & (got == want / 2), want, got)
         # at most one e4m3 step apart (fp32 division and rotation order): 2^-3 relative
         assert ((got - want).abs() <= want.abs() * 2**-3 + 2**-9).all()
-    assert (fused.k_scales[0][0] == 1).all() and (fused.read(0, slots[2:3])[1] == 0).all()
+    assert (fused.k_scales[0][0] == (1.0 if fp8_scales == "token" else 0.25)).all()
+    assert (fused.read(0, slots[2:3])[1] == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_modes import DEVICES, SAME_TRITON_MODE
+from tests.triton_modes import DEVICES, INTERPRET, SAME_TRITON_MODE
 
 # isort: split
 from lmnb.runtime.kernels.fused import gemv_fp8
@@ -206,12 +206,17 @@ def test_norm_prologue_is_rms_norm_then_the_gemm(device, dtype, name):
                                    atol=tol * want.abs().max().item())
 
 
-def _pool(kv_dtype: torch.dtype, kv_heads: int, head_dim: int, device: str):
-    """K, V buffers [12 slots, kv_heads, head_dim] of 3.0 (and an FP8 pool's scales, 2.0)."""
+def _pool(kv_dtype: torch.dtype, kv_heads: int, head_dim: int, device: str,
+          fixed_scales: bool = False):
+    """K, V buffers [12 slots, kv_heads, head_dim] of 3.0 (and an FP8 pool's scales: 2.0, or
+    fixed ones, slot stride 0, 0.05 * (head + 1) for K and 0.02 * (head + 1) for V)."""
     buffers = tuple(torch.full((12, kv_heads, head_dim), 3.0, device=device).to(kv_dtype)
                     for _ in range(2))
     if kv_dtype != torch.float8_e4m3fn:
         return buffers, None
+    if fixed_scales:
+        heads = torch.arange(1.0, kv_heads + 1, device=device)
+        return buffers, tuple((step * heads)[None, :].expand(12, kv_heads) for step in (0.05, 0.02))
     return buffers, tuple(torch.full((12, kv_heads), 2.0, device=device) for _ in range(2))
 
 
@@ -227,20 +232,25 @@ def _same_pools(a, b) -> bool:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("m", "config", "kv_dtype", "head_dim"), [
-    (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float32, 16),  # FMA, packed x
-    (1, Fp8GemvConfig(4, 512, 1, 2, 2, False), torch.bfloat16, 16),  # FMA, prefetch (qkv's)
-    (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16, 16),  # dot
+@pytest.mark.parametrize(("m", "config", "kv_dtype", "head_dim", "fixed_scales"), [
+    (1, Fp8GemvConfig(16, 256, 2, 1, 1, False), torch.float32, 16, False),  # FMA, packed x
+    (1, Fp8GemvConfig(4, 512, 1, 2, 2, False), torch.bfloat16, 16, False),  # FMA, prefetch
+    (3, Fp8GemvConfig(32, 128, 1, 4, 3, True), torch.bfloat16, 16, False),  # dot
     # FP8 pools: 4 programs a head (2 rows each); 8 pairs a program over heads of 12 pairs
-    (1, Fp8GemvConfig(4, 256, 1, 1, 1, False), torch.float8_e4m3fn, 16),
-    (3, Fp8GemvConfig(16, 128, 1, 4, 3, True), torch.float8_e4m3fn, 24),
+    (1, Fp8GemvConfig(4, 256, 1, 1, 1, False), torch.float8_e4m3fn, 16, False),
+    (3, Fp8GemvConfig(16, 128, 1, 4, 3, True), torch.float8_e4m3fn, 24, False),
+    # FP8 pools with fixed scales (slot stride 0), one per KV head
+    (1, Fp8GemvConfig(4, 256, 1, 1, 1, False), torch.float8_e4m3fn, 16, True),
+    (3, Fp8GemvConfig(16, 128, 1, 4, 3, True), torch.float8_e4m3fn, 24, True),
 ])
-def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype, head_dim):
+def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype, head_dim,
+                                                   fixed_scales):
     """qkv with the norm in front and the neox rotary behind (`rope=`): q and the KV pool's
     rows at the slots equal `rotary_qkv(..., kv_buffers=, slots=)` of the GEMM's output, an FP8
     pool's bytes and per-(token, head) scales too (its heads' pairs spread over programs, or a
-    program's over heads); other slots untouched; the residual stream the same. Twice, to
-    other slots: the FP8 store's arrival counters are back at zero after a launch."""
+    program's over heads), or its bytes under fixed scales; other slots untouched; the residual
+    stream the same. Twice, to other slots: the FP8 store's arrival counters are back at zero
+    after a launch."""
     from lmnb.runtime.kernels.fused import rotary_qkv
     from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
     from lmnb.runtime.kernels.fused.gemv_rotary import arrival_counters
@@ -253,7 +263,7 @@ def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype, 
     freqs = torch.outer(torch.arange(64.0), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim))
     cos, sin = (f(torch.cat((freqs, freqs), -1)).to(device) for f in (torch.cos, torch.sin))
     positions = torch.tensor([5, 63, 0][:m], device=device)
-    pools = [_pool(kv_dtype, kv_heads, head_dim, device) for _ in range(2)]
+    pools = [_pool(kv_dtype, kv_heads, head_dim, device, fixed_scales) for _ in range(2)]
     qkv, stream = fp8_norm_gemv(x, norm, w, scale, bias, config)
     for slots in ([7, 2, 11][:m], [3, 9, 1][:m]):
         slots = torch.tensor(slots, device=device)
@@ -265,6 +275,17 @@ def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype, 
         assert torch.equal(got, want) and torch.equal(got_stream, stream)
         assert _same_pools(pools[0], pools[1])
     assert not arrival_counters(x.device, 2 * kv_heads).any()
+    if fixed_scales:  # against torch: rotated k and v divided by their head's scale
+        _, k_rot = rotary_qkv(positions, qkv, cos, sin, num_heads=heads, num_kv_heads=kv_heads,
+                              head_dim=head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim:]
+        for rows, buffer, scales in zip((k_rot, v), pools[1][0], pools[1][1], strict=True):
+            want = (rows.float().view(m, kv_heads, head_dim) / scales[0][None, :, None]).clamp(
+                -448, 448).to(torch.float8_e4m3fn).float().cpu()
+            got = buffer[slots].float().cpu()
+            if INTERPRET:  # the interpreter drops e4m3's carry rounding up to a power of two
+                got = torch.where((want.abs().log2() % 1 == 0) & (got == want / 2), want, got)
+            assert ((got - want).abs() <= want.abs() * 2**-3 + 2**-9).all()  # an e4m3 step
     if kv_dtype == torch.float8_e4m3fn:
         with pytest.raises(ValueError, match="needs its scales"):
             fp8_norm_gemv(x, norm, w, scale, bias, config, rope=RotaryStore(

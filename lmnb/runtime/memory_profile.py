@@ -28,7 +28,7 @@ from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import SHARED_MIN_BS, batch_size_ladder
 from lmnb.runtime.kernels.base import AttentionBackend
 from lmnb.runtime.kernels.precompile import compile_side_by_side
-from lmnb.runtime.kernels.registry import create_attention_backend
+from lmnb.runtime.kernels.registry import create_attention_backend, fp8_kv_scales
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
 from lmnb.runtime.models.layers.attention import bind_attention_backend
 from lmnb.runtime.sampling import Sampler
@@ -261,7 +261,9 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
     with_pool = meter.allocated()
     storage = KVStorage(shape.prefill_tokens + 2 * shape.max_running_requests,
                         num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
-                        dtype=kv_dtype or dtype, device=device, compute_dtype=dtype)
+                        dtype=kv_dtype or dtype, device=device, compute_dtype=dtype,
+                        fp8_scales=fp8_kv_scales(attention_backend, device,
+                                                 dtype=kv_dtype or dtype, head_dim=head_dim))
     with_storage = meter.allocated()
     backend = create_attention_backend(
         attention_backend, device=device, num_heads=q_heads, num_kv_heads=kv_heads,

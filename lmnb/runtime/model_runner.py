@@ -18,6 +18,7 @@ from lmnb.runtime.kernels.metadata import host_int64, to_device
 from lmnb.runtime.kernels.registry import (
     attention_backend_class,
     create_attention_backend,
+    fp8_kv_scales,
     select_attention_backend,
 )
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool, kv_cache_dtype
@@ -106,8 +107,11 @@ class ModelRunner:
         num_layers, num_kv_heads = model_config.num_layers, heads.kv_heads
         head_dim = model_config.head_dim
         self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
+        backend_name = engine_config.attention_backend or "auto"
+        fp8_scales = fp8_kv_scales(backend_name, device, dtype=self.kv_dtype, head_dim=head_dim)
         per_token = KVStorage.bytes_per_token(
-            num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.kv_dtype)
+            num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.kv_dtype,
+            fp8_scales=fp8_scales)
         self._bytes_per_token = per_token
         speculative = engine_config.speculative()
         self._verify_mode = speculative.verify_mode if speculative is not None else "extend"
@@ -115,7 +119,6 @@ class ModelRunner:
             row_pass_rows = speculative.max_verify_rows if speculative is not None else 0
         self._row_pass_rows = row_pass_rows
         self.sampler = Sampler(self.vocab_size, eos_token_ids)
-        backend_name = engine_config.attention_backend or "auto"
         self.memory_plan: MemoryPlan | None = None
         if engine_config.max_total_tokens:
             self.max_total_tokens = engine_config.max_total_tokens
@@ -142,7 +145,8 @@ class ModelRunner:
                                                 device)
         self.kv_storage = KVStorage(
             self.max_total_tokens, num_layers=num_layers, kv_heads=num_kv_heads,
-            head_dim=head_dim, dtype=self.kv_dtype, device=device, compute_dtype=dtype)
+            head_dim=head_dim, dtype=self.kv_dtype, device=device, compute_dtype=dtype,
+            fp8_scales=fp8_scales)
         self.attn_backend = create_attention_backend(
             backend_name, device=device,
             num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -230,12 +234,13 @@ class ModelRunner:
                 "media_embedding_cache_bytes": cache.bytes}
 
     def stats(self) -> dict[str, Any]:
-        """This runner's part of `Runtime.stats()`: attention backend, decode graphs, memory (the
-        plan's, and the device's now: `device_memory`), tensor-parallel steps sent, media
-        counters."""
+        """This runner's part of `Runtime.stats()`: attention backend, an FP8 KV pool's scales
+        ("token" | "tensor"), decode graphs, memory (the plan's, and the device's now:
+        `device_memory`), tensor-parallel steps sent, media counters."""
         graphs, tp, choice = self.graph_runner, self.tp, self.attn_backend.choice
         return {
             "attention_backend": choice.name if choice else "custom",
+            "kv_fp8_scales": self.kv_storage.fp8_scales if self.kv_storage.is_fp8 else None,
             "tp_steps_sent": tp.steps.forwards_sent if tp else 0,
             "tp_step_send_seconds": tp.steps.send_seconds if tp else 0.0,
             "cuda_graph_batch_sizes": list(graphs.ladder) if graphs else [],

@@ -2,8 +2,8 @@
 norm, rotary and an FP8 pool's K/V store fused in), the W8A8 inputs quantized inside the
 RMSNorm and SiLU-and-mul kernels (served tokens against the ablation's), the rotary kernel's
 FP8 K/V store with per-(token, head) scales, and a tiny model end to end with FP8 weights and
-an FP8 KV cache through the Triton backend (FlashInfer: FP8 weights; its kernels take no
-per-token KV scales), with CUDA graphs (against bf16).
+an FP8 KV cache through the Triton backend (per-token scales) and FlashInfer (one scale per
+tensor), with CUDA graphs (against bf16).
 (tests/test_fp8.py also runs here: its kernel tests compiled on the GPU.)"""
 
 from __future__ import annotations
@@ -245,17 +245,16 @@ def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
         expected = reference.generate(input_ids=prompts, sampling_params=greedy)
     for extra in ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"},
                   {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}):
-        if backend == "flashinfer" and "kv_cache_dtype" in extra:  # one KV scale per tensor
-            with pytest.raises(ValueError, match="one per token and KV head"):
-                Runtime(folder, **options, **extra)
-            continue
         with Runtime(folder, **options, **extra) as rt:
             got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                               top_logprobs_num=5)
             rt.check_integrity()
             if "kv_cache_dtype" in extra:  # about twice the tokens in the same memory:
-                # 64 FP8 bytes + a float32 scale per row against 128 bytes is 1.88x, less the
-                # allocator's per-slot bookkeeping, which weighs on a model of few layers
+                # 64 FP8 bytes + a float32 scale per row against 128 bytes is 1.88x (FlashInfer's
+                # pool, one scale per tensor: 2x), less the allocator's per-slot bookkeeping,
+                # which weighs on a model of few layers
+                assert rt.stats()["kv_fp8_scales"] == ("tensor" if backend == "flashinfer"
+                                                      else "token")
                 assert rt.max_total_tokens > 1.75 * bf16_tokens
         # a random tiny model has many near-ties, so the argmax flips often (on the H100 13 of
         # 20 first tokens agree for fp8 weights, 9 of 20 with the FP8 KV cache too); bf16's

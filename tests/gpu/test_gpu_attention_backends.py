@@ -48,6 +48,48 @@ def test_backend_matches_reference_on_ragged_batches(name, heads, kv_heads, head
         torch.testing.assert_close(_run(case).float(), _reference(case), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_backend_reads_an_fp8_pool_with_fixed_scales(name, mode):
+    """An FP8 pool with one K and one V scale per layer (`fp8_scales="tensor"`, what FlashInfer
+    reads): the new tokens' K/V stored by the backend (`set_kv`: x / scale), bf16 q, against the
+    float64 reference over the pool's dequantized rows."""
+    heads, kv_heads, head_dim = 16, 2, 64  # the tiny models' head_dim: FlashInfer JITs once
+    device = torch.device("cuda")
+    storage = KVStorage(POOL_SIZE * 16, num_layers=1, kv_heads=kv_heads, head_dim=head_dim,
+                        dtype=torch.float8_e4m3fn, device=device, compute_dtype=torch.bfloat16,
+                        fp8_scales="tensor")
+    storage.set_tensor_scales(0, 0.02, 0.005)  # rows of ~N(0, 1): codes up to ~250 / ~900
+    backend = attention_backend_class(name)(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        req_to_token_pool=ReqToTokenPool(32, 2304, device), kv_storage=storage)
+    rng = random.Random(3)
+    for bs in (1, 5, 16):
+        case = _case(backend, rng, mode=mode, bs=bs, max_prefix=2000, max_extend=300)
+        case.q = case.q.bfloat16()
+        got = _run(case).float()
+        new_k, new_v = storage.read(0, case.out_cache_loc)
+        case.k, case.v = new_k.flatten(1).float(), new_v.flatten(1).float()
+        want = _reference(_dequantized_prefixes(case))
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def _dequantized_prefixes(case):
+    """`case` with its cached prefixes' rows rewritten as their dequantized values in a 16-bit
+    pool of the same slots (`_reference` reads the pool's rows as values)."""
+    import copy
+    import dataclasses
+
+    storage = case.backend.kv_storage
+    plain = KVStorage(storage.size, num_layers=1, kv_heads=storage.kv_heads,
+                      head_dim=storage.head_dim, dtype=torch.float32, device=storage.device)
+    every = torch.arange(storage.size + 1, device=storage.device)
+    plain.k_buffers[0][:], plain.v_buffers[0][:] = storage.read(0, every)
+    backend = copy.copy(case.backend)
+    backend.kv_storage = plain
+    return dataclasses.replace(case, backend=backend)
+
+
 @pytest.fixture(scope="module")
 def head_dim_64_model(tmp_path_factory, smollm2_dir):
     """A tiny random llama whose head_dim (64) every GPU backend serves."""

@@ -9,6 +9,7 @@ import torch
 
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+from lmnb.runtime.memory.kv_storage import Fp8Scales
 
 
 class BackendChoice(NamedTuple):
@@ -63,6 +64,9 @@ class AttentionBackend(ABC):
     supports_shared_prefixes: ClassVar[bool] = False
     # the variants of such decode a graph is captured in (tile heights, `prefix_rows`)
     prefix_variants: ClassVar[tuple[int, ...]] = ()
+    # the scales of an FP8 KV pool this backend reads (`KVStorage(fp8_scales=)`): "token" pools
+    # (per token and KV head, the quality pick) or "tensor" ones (FlashInfer's one per tensor)
+    fp8_kv_scales: ClassVar[Fp8Scales] = "token"
     choice: BackendChoice | None = None  # set by `create_attention_backend`: name and why
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,

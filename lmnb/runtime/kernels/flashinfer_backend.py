@@ -7,6 +7,10 @@ and `kv_indices` are its page indices.
     DECODE  BatchDecodeWithPagedKVCacheWrapper; one CUDA-graph wrapper per captured batch size,
             with fixed indptr / indices / last-page-length buffers that `plan` refills per step
 
+An FP8 pool (`kv_cache_dtype="fp8_e4m3"`) is read as FlashInfer reads FP8 KV: one K and one V
+scale per layer (`KVStorage(fp8_scales="tensor")`: `fp8_kv_scales`), passed to `run` as floats
+(k_scale folds into the softmax scale, v_scale multiplies the output); q stays 16-bit.
+
 `plan` runs on the host from host copies of the indptrs (pinned, so no stream sync) and the
 device `kv_indices`; `flashinfer` is imported when the backend is built (1 s; kernels JIT-compile
 on first use and are cached under FLASHINFER_WORKSPACE_BASE).
@@ -28,7 +32,8 @@ if TYPE_CHECKING:
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 WORKSPACE_BYTES = 256 << 20
-_KV_DTYPES = (torch.float16, torch.bfloat16)
+_Q_DTYPES = (torch.float16, torch.bfloat16)
+_KV_DTYPES = (*_Q_DTYPES, torch.float8_e4m3fn)
 
 
 def _host_int32(values: list[int], pinned: bool) -> torch.Tensor:
@@ -45,14 +50,12 @@ def _indptr(lens: list[int]) -> list[int]:
 @register_attention_backend("flashinfer")
 class FlashInferAttention(AttentionBackend):
     supports_capture = True
+    fp8_kv_scales = "tensor"  # `run` takes one k_scale / v_scale
 
     @classmethod
     def unsupported(cls, *, dtype: torch.dtype, head_dim: int) -> str | None:
-        if dtype == torch.float8_e4m3fn:  # FlashInfer takes one k_scale / v_scale per call
-            return ("its kernels read FP8 KV with one scale per tensor; lmnb's FP8 pool has one "
-                    "per token and KV head (use the triton backend)")
         if dtype not in _KV_DTYPES:
-            return f"its kernels take fp16/bf16 KV, not {dtype}"
+            return f"its kernels take fp16/bf16/fp8_e4m3 KV, not {dtype}"
         if head_dim not in (64, 128, 256):
             return f"head_dim {head_dim} is not one of 64, 128, 256"
         return None
@@ -70,10 +73,13 @@ class FlashInferAttention(AttentionBackend):
         reason = self.unsupported(dtype=storage.dtype, head_dim=self.head_dim)
         if reason:
             raise ValueError(f"FlashInfer attention: {reason}")
+        if storage.is_fp8 and storage.fp8_scales != "tensor":
+            raise ValueError("FlashInfer attention: it reads an FP8 KV pool with one scale per "
+                             "tensor (KVStorage(fp8_scales='tensor')), not per token")
         self._flashinfer = flashinfer
         self.device = storage.device
-        self._q_dtype = storage.dtype
-        if self._q_dtype not in _KV_DTYPES:
+        self._q_dtype = storage.compute_dtype
+        if self._q_dtype not in _Q_DTYPES:
             raise ValueError(f"FlashInfer attention: queries must be fp16/bf16, not "
                              f"{self._q_dtype}")
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -122,7 +128,9 @@ class FlashInferAttention(AttentionBackend):
                                                        save_kv=save_kv)
         cache = (k_buffer.unsqueeze(1),  # [pages, page_size 1, kv_heads, dim]
                  v_buffer.unsqueeze(1))
-        out = self._active.run(query.to(self._q_dtype), cache)
+        k_scale, v_scale = (self.kv_storage.tensor_scales[layer_id]
+                            if self.kv_storage.is_fp8 else (None, None))
+        out = self._active.run(query.to(self._q_dtype), cache, k_scale=k_scale, v_scale=v_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim).to(q.dtype)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------

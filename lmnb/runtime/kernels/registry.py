@@ -14,6 +14,7 @@ import torch
 
 from lmnb.runtime.kernels.base import AttentionBackend, BackendChoice
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
+from lmnb.runtime.memory.kv_storage import Fp8Scales
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 # name -> module defining it; the GPU backends add their lines here when they land.
@@ -69,9 +70,20 @@ def select_attention_backend(name: str, device: torch.device, *,
                 reason := attention_backend_class(candidate).unsupported(dtype=dtype,
                                                                          head_dim=head_dim)):
             passed_over.append(f"{candidate}: {reason}")
+        elif dtype == torch.float8_e4m3fn and attention_backend_class(
+                candidate).fp8_kv_scales == "tensor":
+            passed_over.append(f"{candidate}: reads an FP8 KV pool with one scale per tensor "
+                               "(ask for it by name); auto keeps per-token scales")
         else:
             return BackendChoice(candidate, "auto on cuda: first available")
     return BackendChoice(_FALLBACK, "auto on cuda: " + "; ".join(passed_over))
+
+
+def fp8_kv_scales(name: str, device: torch.device, *, dtype: torch.dtype,
+                  head_dim: int) -> Fp8Scales:
+    """The scales an FP8 KV pool needs for the backend `name` ("auto" allowed) resolves to."""
+    choice = select_attention_backend(name, device, dtype=dtype, head_dim=head_dim)
+    return attention_backend_class(choice.name).fp8_kv_scales
 
 
 def create_attention_backend(name: str, *, device: torch.device, num_heads: int,

@@ -16,6 +16,12 @@ request's slots are mostly runs, so its tile's scales share a few 32-byte sector
 each scale would cost a sector of its own). Every kernel takes both strides; torch code indexes
 the view as any [slots, kv_heads] tensor.
 
+`fp8_scales="tensor"` (for backends that read one scale per tensor: FlashInfer) keeps instead
+one fixed scale per layer for K and one for V (`tensor_scales`, SGLang's and vLLM's default 1.0
+without a calibrated checkpoint); `k_scales` / `v_scales` are then that scale seen as
+[size + 1, kv_heads] with slot stride 0 (no memory), so the same readers serve both, and writers
+told by the 0 stride (`fixed_fp8_scales`) divide by it and store no scale.
+
 With one fixed scale, e4m3's 3-bit mantissa puts ~3% of error on K's few large channels, which
 dominate q.k; a per-row scale stores each head's largest element exactly. On SmolLM2-135M it moves
 top-1 agreement with fp32 from 93.4% to 95.2% (bench/fp8_sensitivity.py), for 4 bytes per head
@@ -24,7 +30,7 @@ and token beside head_dim bytes (+3% of the pool for head_dim 128, +6% for 64).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -47,9 +53,30 @@ def dequantize_heads(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return (x.float() * scale[..., None]).to(dtype)
 
 
+Fp8Scales = Literal["token", "tensor"]  # an FP8 pool's scales: per (token, KV head) | per tensor
+TENSOR_SCALE = 1.0  # "tensor" pools' K and V scale (SGLang's and vLLM's uncalibrated default)
+
+
+def quantize_fixed(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x -> float8_e4m3fn codes of x / scale, clamped to +-448 (a "tensor" pool's rows)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fixed_fp8_scales(scales: torch.Tensor) -> bool:
+    """Whether an FP8 pool's [slots, kv_heads] scales are one fixed scale (slot stride 0: a
+    "tensor" pool's): writers divide by it and store none."""
+    return scales.stride(0) == 0
+
+
 def _head_major_ones(slots: int, kv_heads: int, device: torch.device) -> torch.Tensor:
     """[slots, kv_heads] float32 ones whose memory is [kv_heads, slots] (see the docstring)."""
     return torch.ones((kv_heads, slots), dtype=torch.float32, device=device).t()
+
+
+def _fixed(scale: float, slots: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """[slots, kv_heads] float32 `scale` with slot stride 0."""
+    return torch.full((1, kv_heads), scale, dtype=torch.float32, device=device).expand(
+        slots, kv_heads)
 
 
 class PendingWrites(Protocol):
@@ -62,7 +89,8 @@ class PendingWrites(Protocol):
 class KVStorage:
     def __init__(self, size: int, *, num_layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, fp8_scales: Fp8Scales = "token"
+                 ) -> None:
         self.size = size
         self.num_layers = num_layers
         self.kv_heads = kv_heads
@@ -76,10 +104,17 @@ class KVStorage:
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for buffer in (*self.k_buffers, *self.v_buffers):
             buffer[0].zero_()
-        # FP8: per (slot, head) scales (see the module docstring); empty for 16/32-bit pools
+        # FP8: per (slot, head) or fixed scales (see the module docstring); else empty
+        self.fp8_scales: Fp8Scales = fp8_scales
         layers = range(num_layers) if self.is_fp8 else range(0)
-        self.k_scales = [_head_major_ones(size + 1, kv_heads, device) for _ in layers]
-        self.v_scales = [_head_major_ones(size + 1, kv_heads, device) for _ in layers]
+        self.tensor_scales = [(TENSOR_SCALE, TENSOR_SCALE) for _ in layers
+                              ] if fp8_scales == "tensor" else []
+        if self.tensor_scales:
+            self.k_scales = [_fixed(k, size + 1, kv_heads, device) for k, _ in self.tensor_scales]
+            self.v_scales = [_fixed(v, size + 1, kv_heads, device) for _, v in self.tensor_scales]
+        else:
+            self.k_scales = [_head_major_ones(size + 1, kv_heads, device) for _ in layers]
+            self.v_scales = [_head_major_ones(size + 1, kv_heads, device) for _ in layers]
         self.pending: PendingWrites | None = None
 
     def ready(self, layer_id: int) -> None:
@@ -90,9 +125,9 @@ class KVStorage:
 
     @staticmethod
     def bytes_per_token(*, num_layers: int, kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, fp8_scales: Fp8Scales = "token") -> int:
         per_head = head_dim * torch.empty((), dtype=dtype).element_size()
-        if dtype == torch.float8_e4m3fn:
+        if dtype == torch.float8_e4m3fn and fp8_scales == "token":
             per_head += 4  # its float32 scale
         return 2 * num_layers * kv_heads * per_head
 
@@ -100,9 +135,22 @@ class KVStorage:
         """Layer `layer_id`'s (k_scales, v_scales) [size + 1, kv_heads] (FP8 pools; else None)."""
         return (self.k_scales[layer_id], self.v_scales[layer_id]) if self.is_fp8 else None
 
+    def set_tensor_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        """A "tensor" pool's fixed K and V scales of layer `layer_id` (a calibrated checkpoint's),
+        before any of its rows is written."""
+        assert self.tensor_scales, "only an FP8 pool with fp8_scales='tensor' has fixed scales"
+        self.tensor_scales[layer_id] = (k_scale, v_scale)
+        self.k_scales[layer_id] = _fixed(k_scale, self.size + 1, self.kv_heads, self.device)
+        self.v_scales[layer_id] = _fixed(v_scale, self.size + 1, self.kv_heads, self.device)
+
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
         """k, v [num_tokens, kv_heads, head_dim] written to rows `slots` of layer `layer_id`."""
+        if self.tensor_scales:
+            k_scale, v_scale = self.tensor_scales[layer_id]
+            self.k_buffers[layer_id][slots] = quantize_fixed(k, k_scale)
+            self.v_buffers[layer_id][slots] = quantize_fixed(v, v_scale)
+            return
         if self.is_fp8:
             k_q, k_scale = quantize_heads(k)
             v_q, v_scale = quantize_heads(v)

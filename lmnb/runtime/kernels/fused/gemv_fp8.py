@@ -254,7 +254,7 @@ def _fp8_gemv_kernel(
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 2, HALF: tl.constexpr = 1,
     KV_FP8: tl.constexpr = False, BLOCK_HALF: tl.constexpr = 1, HEADS_A_PROGRAM: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    KV_FIXED_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -416,7 +416,7 @@ def _fp8_gemv_kernel(
                             K_SCALE, V_SCALE, STAGE, ARRIVALS, stride_om, stride_k_row,
                             stride_k_head, stride_v_row, stride_v_head, stride_st, stride_sh,
                             num_heads, num_kv_heads, BLOCK_N, BLOCK_M, HEAD_DIM, HALF, KV_FP8,
-                            BLOCK_HALF, HEADS_A_PROGRAM)
+                            BLOCK_HALF, HEADS_A_PROGRAM, KV_FIXED_FP8)
         else:
             out_ptrs = OUT + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)

@@ -15,6 +15,8 @@ A program owns BLOCK_N / 2 (d, d + head_dim / 2) row pairs of qkv's heads, for a
                      the counter to 0. The counters are shared by every launch on a device (one
                      launch at a time: a stream's order) and are zero between launches, so
                      CUDA-graph replays need no memset.
+    FP8 pool with    (`kv_storage.fixed_fp8_scales`, KV_FIXED_FP8) no head's amax is needed: each
+    fixed scales     pair is divided by its head's scale and goes straight to its slot.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import triton
 import triton.language as tl
 
 from lmnb.runtime.kernels.fused.fp8_quant import FP8_MAX
-from lmnb.runtime.kernels.fused.rope import fp8_rows, rotate
+from lmnb.runtime.kernels.fused.rope import fixed_fp8_rows, fp8_rows, rotate
+from lmnb.runtime.memory.kv_storage import fixed_fp8_scales
 
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = tl.constexpr(FP8_MAX)  # a global a kernel reads must be a constexpr
@@ -122,11 +125,11 @@ def rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT,
                     stride_v_row, stride_v_head, stride_st, stride_sh, num_heads, num_kv_heads,
                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                     HALF: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    HEADS_A_PROGRAM: tl.constexpr):
+                    HEADS_A_PROGRAM: tl.constexpr, KV_FIXED_FP8: tl.constexpr):
     """qkv's out^T [BLOCK_N, BLOCK_M] in (d, d + HALF) row pairs -> neox rotary of the q and k
     heads (`rope.rotary_qkv`'s math: qkv rounded to its dtype, rotated in float32): q to
     Q_OUT [M, heads * HEAD_DIM], k and v to row `slot` of the KV buffers (KV_FP8: through
-    STAGE, with scales)."""
+    STAGE, with scales; KV_FIXED_FP8: divided by the pool's fixed scales)."""
     dtype = Q_OUT.dtype.element_ty
     pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_N // 2, 2, BLOCK_M)),
                        (0, 2, 1))
@@ -154,15 +157,25 @@ def rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT,
                             stride_v_head, stride_st, stride_sh, num_heads, num_kv_heads, BLOCK_N,
                             HEAD_DIM, HALF, BLOCK_HALF, HEADS_A_PROGRAM)
     else:
+        is_k = is_kv & ~is_q
+        k1, k2, v1, v2 = y1, y2, x1, x2
+        if KV_FIXED_FP8:  # each pair's head's scale (slot stride 0)
+            kv_head = tl.where(head < num_heads + num_kv_heads, head - num_heads,
+                               head - num_heads - num_kv_heads)
+            has_scale = (kv_head >= 0) & (kv_head < num_kv_heads)  # a k or v head's pair
+            scale_at = tl.where(has_scale, kv_head, 0) * stride_sh
+            k_scale = tl.load(K_SCALE + scale_at, mask=has_scale, other=1.0)
+            v_scale = tl.load(V_SCALE + scale_at, mask=has_scale, other=1.0)
+            k1, k2 = fixed_fp8_rows(y1, y2, k_scale, _FP8_MAX)
+            v1, v2 = fixed_fp8_rows(x1, x2, v_scale, _FP8_MAX)
         k_ptrs = (K_OUT + slot[None, :] * stride_k_row
                   + ((head - num_heads) * stride_k_head + d)[:, None])
-        is_k = is_kv & ~is_q
-        tl.store(k_ptrs, y1.to(K_OUT.dtype.element_ty), mask=inside & is_k)
-        tl.store(k_ptrs + HALF, y2.to(K_OUT.dtype.element_ty), mask=inside & is_k)
+        tl.store(k_ptrs, k1.to(K_OUT.dtype.element_ty), mask=inside & is_k)
+        tl.store(k_ptrs + HALF, k2.to(K_OUT.dtype.element_ty), mask=inside & is_k)
         v_ptrs = (V_OUT + slot[None, :] * stride_v_row
                   + ((head - num_heads - num_kv_heads) * stride_v_head + d)[:, None])
-        tl.store(v_ptrs, x1.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
-        tl.store(v_ptrs + HALF, x2.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
+        tl.store(v_ptrs, v1.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
+        tl.store(v_ptrs + HALF, v2.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -202,8 +215,8 @@ def rotary_launch(rope: RotaryStore | None, *, m: int, n: int, filler: torch.Ten
     k_buf, v_buf = rope.k_buffer, rope.v_buffer
     assert k_buf.shape[1:] == v_buf.shape[1:] == (rope.num_kv_heads, rope.head_dim)
     assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
-    kv_fp8 = FP8 in (k_buf.dtype, v_buf.dtype)
-    if kv_fp8:  # per-(token, head) scales
+    kv_fp8 = kv_fixed_fp8 = FP8 in (k_buf.dtype, v_buf.dtype)
+    if kv_fp8:  # per-(token, head) or fixed scales
         assert k_buf.dtype == v_buf.dtype, "an FP8 pool stores K and V in FP8"
         if rope.kv_scales is None:
             raise ValueError("an FP8 KV pool needs its scales: RotaryStore(..., kv_scales=)")
@@ -211,12 +224,17 @@ def rotary_launch(rope: RotaryStore | None, *, m: int, n: int, filler: torch.Ten
         assert k_scale.dtype == v_scale.dtype == torch.float32
         assert k_scale.shape == v_scale.shape == k_buf.shape[:2] and k_scale.stride() == \
             v_scale.stride()  # any layout (`KVStorage`'s is head-major)
+        stride_st, stride_sh = k_scale.stride()
+        kv_fixed_fp8 = fixed_fp8_scales(k_scale)
+        kv_fp8 = not kv_fixed_fp8
+    if kv_fp8:
         stage = torch.empty((m, 2 * rope.num_kv_heads * rope.head_dim), dtype=torch.float32,
                             device=filler.device)
         arrivals = arrival_counters(filler.device, 2 * rope.num_kv_heads)
-        stride_st, stride_sh = k_scale.stride()
     else:
-        k_scale = v_scale = stage = arrivals = filler  # unread
+        stage = arrivals = filler  # unread
+    if not (kv_fp8 or kv_fixed_fp8):
+        k_scale = v_scale = filler  # unread
         stride_st = stride_sh = 0
     pairs = block_n // 2
     return RotaryLaunch(
@@ -225,5 +243,6 @@ def rotary_launch(rope: RotaryStore | None, *, m: int, n: int, filler: torch.Ten
         (rope.cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
          stride_st, stride_sh, rope.num_heads, rope.num_kv_heads),
         {"ROPE": True, "HEAD_DIM": rope.head_dim, "HALF": half, "KV_FP8": kv_fp8,
+         "KV_FIXED_FP8": kv_fixed_fp8,
          "BLOCK_HALF": triton.next_power_of_2(half),
          "HEADS_A_PROGRAM": (pairs + half - 2) // half + 1})

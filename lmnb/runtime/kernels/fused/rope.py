@@ -19,6 +19,7 @@ import triton.language as tl
 
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
 from lmnb.runtime.kernels.pdl import wait_for_previous
+from lmnb.runtime.memory.kv_storage import fixed_fp8_scales
 
 
 @triton.jit
@@ -55,8 +56,19 @@ def fp8_rows(x1, x2, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _scaled_fp8(x1, x2, mask_h, SCALE, FP8_MAX: tl.constexpr):
-    """Rows (x1 | x2) [heads, half] divided by their scale amax / FP8_MAX, stored at SCALE[h]."""
+def fixed_fp8_rows(x1, x2, scale, FP8_MAX: tl.constexpr):
+    """Rows (x1 | x2) [rows, half] float32 divided by a pool's fixed scale [rows] and clamped
+    to +-FP8_MAX (`kv_storage.quantize_fixed`)."""
+    x1 = tl.clamp(x1 / scale[:, None], -FP8_MAX, FP8_MAX)
+    return x1, tl.clamp(x2 / scale[:, None], -FP8_MAX, FP8_MAX)
+
+
+@triton.jit
+def _scaled_fp8(x1, x2, mask_h, SCALE, FP8_MAX: tl.constexpr, FIXED_SCALES: tl.constexpr):
+    """Rows (x1 | x2) [heads, half] divided by their scale amax / FP8_MAX, stored at SCALE[h];
+    FIXED_SCALES: by the pool's fixed scale read there."""
+    if FIXED_SCALES:
+        return fixed_fp8_rows(x1, x2, tl.load(SCALE, mask=mask_h, other=1.0), FP8_MAX)
     x1, x2, scale = fp8_rows(x1, x2, FP8_MAX)
     tl.store(SCALE, scale, mask=mask_h)
     return x1, x2
@@ -70,8 +82,8 @@ def _rotary_qkv_kernel(
     num_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE_KV: tl.constexpr,
-    KV_FP8: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
-    USE_PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, FIXED_SCALES: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 448.0, USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -96,10 +108,10 @@ def _rotary_qkv_kernel(
         v_src = src + num_kv_heads * HEAD_DIM
         v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
-        if KV_FP8:  # one scale per (token, KV head), beside the pool (`KVStorage`)
+        if KV_FP8:  # one scale per (token, KV head), beside the pool (`KVStorage`), or fixed
             at = slot * stride_st + heads * stride_sh
-            k1, k2 = _scaled_fp8(k1, k2, mask_h, K_SCALE + at, FP8_MAX)
-            v1, v2 = _scaled_fp8(v1, v2, mask_h, V_SCALE + at, FP8_MAX)
+            k1, k2 = _scaled_fp8(k1, k2, mask_h, K_SCALE + at, FP8_MAX, FIXED_SCALES)
+            v1, v2 = _scaled_fp8(v1, v2, mask_h, V_SCALE + at, FP8_MAX, FIXED_SCALES)
         k_dst = K_OUT + slot * stride_k_row + heads[:, None] * stride_k_head + offs[None, :]
         tl.store(k_dst, k1.to(K_OUT.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF, k2.to(K_OUT.dtype.element_ty), mask=mask)
@@ -123,7 +135,8 @@ def rotary_qkv(positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, si
     the rotated k and the v of token t go to row slots[t] of those buffers (in their dtype)
     instead, and the returned k is None. FP8 buffers need `kv_scales` (k_scales, v_scales)
     [slots, kv_heads] float32 (any strides, the same for both; `KVStorage`'s are head-major):
-    each (token, head) row is stored divided by amax / 448 and that scale goes to its entry."""
+    each (token, head) row is stored divided by amax / 448 and that scale goes to its entry, or,
+    where they are a pool's fixed scales (`kv_storage.fixed_fp8_scales`), divided by its entry."""
     tokens = qkv.shape[0]
     assert head_dim % 2 == 0, "neox rotary needs an even head_dim"
     assert qkv.dim() == 2 and qkv.stride(-1) == 1
@@ -154,6 +167,7 @@ def rotary_qkv(positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, si
             HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
             BLOCK_H=block_h, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
             STORE_KV=kv_buffers is not None, KV_FP8=kv_fp8,
+            FIXED_SCALES=kv_fp8 and fixed_fp8_scales(k_scale),
             num_warps=4 if block_h * head_dim <= 2048 else 8, **pdl_args(q.device),
         )
     return q, k
