@@ -1,5 +1,6 @@
-"""The weight-only FP8 GEMM (`kernels.fused.mm_fp8`, W8A16 for more than 16 rows) against the
-dequantized weight times x; interpreted on the CPU (tiny shapes), compiled on a GPU."""
+"""The FP8-weight GEMMs for more than 16 rows (`kernels.fused.mm_fp8`): W8A16 against the
+dequantized weight times x, W8A8 against float32 sums of the FP8 rows and weights (and on a GPU
+`torch._scaled_mm`); interpreted on the CPU (tiny shapes), compiled on a GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from tests.triton_modes import DEVICES, SAME_TRITON_MODE
 
 # isort: split
-from lmnb.runtime.kernels.fused.mm_fp8 import W8A16Config, w8a16_mm
+from lmnb.runtime.kernels.fused.mm_fp8 import W8A16Config, w8a8_mm, w8a16_mm
 from lmnb.runtime.models.layers import fp8
 
 pytestmark = SAME_TRITON_MODE
@@ -53,3 +54,37 @@ def test_weight_only_linear_takes_the_kernel_when_fused():
     plain = fp8.fp8_linear(x, w, scale, None, fused=False, weight_only=True)
     assert torch.equal(fused, w8a16_mm(x, w, scale))
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("m", "n", "k", "bias", "out_dtype"), [
+    (37, 40, 72, True, torch.bfloat16),  # ragged in every dimension, K not a whole tile
+    (20, 64, 64, False, torch.float32),
+])
+def test_w8a8_mm_is_the_float32_sum_of_fp8_rows_and_weights(device, m, n, k, bias, out_dtype):
+    gen = torch.Generator().manual_seed(m)
+    w, w_scale = fp8.quantize_rows(torch.randn(n, k, generator=gen))
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]
+    codes, scale = fp8.quantize_tokens(x)
+    b = torch.randn(n, generator=gen) if bias else None
+    want = (codes.float() @ w.float().t()) * scale.reshape(-1, 1) * w_scale[None, :]
+    want = want + (b if b is not None else 0)
+    codes, scale, w, w_scale = (t.to(device) for t in (codes, scale, w, w_scale))
+    b = b.to(device) if b is not None else None
+    cfg = W8A16Config(16, 32, 32, 2, 4, 2) if device == "cuda" else None
+    got = w8a8_mm(codes, scale, w, w_scale, b, out_dtype, cfg)
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    tol = 1e-5 if out_dtype == torch.float32 else 2**-7
+    _assert_rows_close(got.float().cpu(), want, tol)
+    if device == "cuda" and k % 16 == 0 and n % 16 == 0:  # _scaled_mm's own shapes
+        theirs = torch._scaled_mm(codes, w.t(), scale_a=scale.reshape(-1, 1),
+                                  scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+        theirs = theirs.float() + (b if b is not None else 0)
+        mine = w8a8_mm(codes, scale, w, w_scale, b, torch.bfloat16)  # the default config
+        _assert_rows_close(mine.float(), theirs, 2**-7)
+    assert w8a8_mm(codes[:0], scale[:0], w, w_scale, None, out_dtype).shape == (0, n)
+
+
+def _assert_rows_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """Within tol of each row's largest value (the rows' scales span 1e4)."""
+    assert ((got - want).abs() <= tol * want.abs().amax(1, keepdim=True)).all()

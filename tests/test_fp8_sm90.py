@@ -1,10 +1,10 @@
 """The FP8 Triton kernels compiled for an H100 (sm_90) on a machine without one (tests/sm90.py):
 the skinny GEMM over FP8 weights in each of decode's fused forms, its split-K reduce, decode
 over an FP8 pool, the per-token activation quantizer (alone, and fused into RMSNorm and
-SiLU-and-mul), the rotary kernel's FP8 K/V store and the
-weight-only GEMM; the PTX checks what the interpreter cannot (register layouts, instructions,
-the FP8 K/V store's gpu-scope arrival counter). tests/test_fp8.py runs the same kernels in the
-interpreter; tests/gpu/test_fp8_cuda.py on a GPU."""
+SiLU-and-mul), the rotary kernel's FP8 K/V store, the weight-only GEMM and the W8A8 GEMM; the
+PTX checks what the interpreter cannot (register layouts, instructions, the FP8 K/V store's
+gpu-scope arrival counter). tests/test_fp8.py runs the same kernels in the interpreter;
+tests/gpu/test_fp8_cuda.py on a GPU."""
 
 from __future__ import annotations
 
@@ -125,6 +125,18 @@ for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16
                      aligned=["X", "W", "SCALE", "OUT", "K", "stride_xm", "stride_wn",
                               "stride_om"])
     assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"] and "wgmma" in kernel.asm["ptx"]
+for bn in (64, 128):  # W8A8: FP8 rows and FP8 weight tiles straight into FP8 wgmma
+    kernel = compile(mm_fp8._w8a8_mm_kernel,
+                     {"X": f8, "X_SCALE": "*fp32", "W": f8, "W_SCALE": "*fp32", "B": dt,
+                      "OUT": dt, **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn",
+                                                        "stride_om")}},
+                     {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 64, "BLOCK_N": bn,
+                      "BLOCK_K": 128, "GROUP_M": 8}, warps=4,
+                     aligned=["X", "W", "X_SCALE", "W_SCALE", "OUT", "K", "stride_xm",
+                              "stride_wn", "stride_om"])
+    ptx = kernel.asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k32.f32.e4m3.e4m3" in ptx, bn
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx and kernel.metadata.shared <= 227 * 1024
 print("compiled")
 """
 

@@ -1,4 +1,6 @@
-"""Weight-only FP8 GEMM (W8A16) for more rows than the skinny GEMV takes:
+"""FP8-weight GEMMs for more rows than the skinny GEMV takes.
+
+Weight-only (W8A16), `w8a16_mm`:
 
     out [M, N] = x [M, K] @ (weight [N, K] * scale[:, None])^T (+ bias)   in x's dtype
 
@@ -6,9 +8,15 @@ The FP8 weight tiles are converted to x's dtype in registers (e4m3 values are ex
 and fp32) and multiplied on the tensor cores with float32 accumulation; the per-row scales apply
 to the sums. Each BLOCK_M rows of x read the weight once and no 16-bit copy of it is ever written
 (`F.linear(x, dequantize_rows(...))` writes and reads one per call: at Llama-3-8B size ~40 GB of
-traffic a forward, more than a decode step's GEMMs). Programs are ordered in groups of GROUP_M row
-blocks so that neighbours share weight tiles in L2. No autotuning: the config is a function of M
-(`w8a16_config`); untuned on a GPU so far (bench/fp8.py --parts w8a16 times it).
+traffic a forward, more than a decode step's GEMMs).
+
+W8A8, `w8a8_mm`: what `torch._scaled_mm` computes with row-wise scales (per-token FP8 rows times
+FP8 weights on the FP8 tensor cores, float32 sums, both scales on the sums), with tiles sized for
+17-512 rows: cuBLASLt's pick at 234 rows is 128 x 128 tiles, 64 CTAs for a 4,096-column GEMM on
+132 SMs (bench/RESULTS.md, FP8, session 28); `bench/w8a8_mm.py` times the two per shape.
+
+Programs are ordered in groups of GROUP_M row blocks so that neighbours share weight tiles in L2.
+No autotuning: the configs are functions of M (`w8a16_config`, `w8a8_config`).
 """
 
 from __future__ import annotations
@@ -24,19 +32,23 @@ from lmnb.runtime.kernels.interpreter import INTERPRETED
 
 
 @triton.jit
-def _w8a16_mm_kernel(X, W, SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    """Program pid's (row block, column block): GROUP_M row blocks sweep the columns together."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
     group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
 
+
+@triton.jit
+def _w8a16_mm_kernel(X, W, SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -100,5 +112,73 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         PRECISION="ieee" if x.dtype == torch.float32 or dot_upcast(x.dtype) else "tf32",
         UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+@triton.jit
+def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # rows past M / N read row 0 / column 0 (in bounds) instead of masking every K step
+    rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+    cols = tl.where(mask_n, offs_n, 0).to(tl.int64)
+    x_ptrs = X + rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            mask_k = k + offs_k < K
+            x = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(X_SCALE + rows)[:, None] * tl.load(W_SCALE + cols)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(B + cols).to(tl.float32)[None, :]
+    out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def w8a8_config(m: int) -> W8A16Config:
+    """The W8A8 launch config for m rows (a rule until `bench/w8a8_mm.py --sweep` tunes it)."""
+    if INTERPRETED:
+        return W8A16Config(16, 32, 32, 2, 1, 1)
+    if m <= 64:
+        return W8A16Config(64, 64, 128, 8, 4, 5)
+    return W8A16Config(64, 128, 128, 8, 4, 4)
+
+
+def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+            weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+            config: W8A16Config | None = None) -> torch.Tensor:
+    """FP8 rows codes [M, K] with float32 scales [M] or [M, 1] @ FP8 weight [N, K] with float32
+    scales [N] -> [M, N] in out_dtype: `torch._scaled_mm(codes, weight.t(), scale_a=scale,
+    scale_b=weight_scale)` (+ bias)."""
+    assert codes.dim() == 2 and codes.stride(-1) == 1 and weight.stride(-1) == 1
+    m, k = codes.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and codes.dtype == weight.dtype == torch.float8_e4m3fn
+    assert scale.numel() == m and weight_scale.numel() == n
+    cfg = config or w8a8_config(m)
+    out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w8a8_mm_kernel[grid](
+        codes, scale.reshape(-1), weight, weight_scale.reshape(-1),
+        bias if bias is not None else out, out, m, n, k, codes.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
