@@ -88,3 +88,21 @@ def test_w8a8_mm_is_the_float32_sum_of_fp8_rows_and_weights(device, m, n, k, bia
 def _assert_rows_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     """Within tol of each row's largest value (the rows' scales span 1e4)."""
     assert ((got - want).abs() <= tol * want.abs().amax(1, keepdim=True)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the W8A8 GEMMs' CUDA dispatch")
+def test_rows_linear_takes_the_triton_gemm_up_to_its_rows(monkeypatch):
+    """`fp8_rows_linear` on CUDA: `w8a8_mm` up to `W8A8_TRITON_MAX_ROWS` rows, `_scaled_mm`
+    past them; the two agree within bf16 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    w, w_scale = (t.cuda() for t in fp8.quantize_rows(torch.randn(256, 512, generator=gen)))
+    codes, scale = (t.cuda() for t in fp8.quantize_tokens(torch.randn(40, 512, generator=gen)))
+    rows = fp8.Fp8Rows(codes, scale, torch.bfloat16)
+    triton_out = fp8.fp8_rows_linear(rows, w, w_scale, None)
+    assert torch.equal(triton_out, w8a8_mm(codes, scale, w, w_scale, None, torch.bfloat16))
+    monkeypatch.setattr(fp8, "W8A8_TRITON_MAX_ROWS", 39)
+    cublas_out = fp8.fp8_rows_linear(rows, w, w_scale, None)
+    assert torch.equal(cublas_out, torch._scaled_mm(codes, w.t(), scale_a=scale,
+                                                    scale_b=w_scale.view(1, -1),
+                                                    out_dtype=torch.bfloat16))
+    _assert_rows_close(triton_out.float(), cublas_out.float(), 2**-7)

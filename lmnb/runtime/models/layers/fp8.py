@@ -8,8 +8,10 @@
     M <= 16 and fused   `kernels.fused.gemv_fp8`: the skinny Triton GEMM reading FP8 weights,
                         dequantized in registers (activations stay 16-bit: W8A16, what batch-1
                         decode needs)
-    CUDA                `torch._scaled_mm` (FP8 tensor cores, W8A8) with row-wise scales, the
-                        activations quantized by one Triton kernel when fused
+    CUDA                W8A8 on the FP8 tensor cores with row-wise scales: up to
+                        `W8A8_TRITON_MAX_ROWS` rows `kernels.fused.mm_fp8.w8a8_mm` (Triton),
+                        past them `torch._scaled_mm`; the activations quantized by one Triton
+                        kernel when fused
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
                         float32; the activations quantized by that kernel, interpreted, when
                         fused), slow; the loader warns that the CPU runs FP8 this way
@@ -135,10 +137,20 @@ def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, f
     return device.type != "cuda" or _scaled_mm_shapes(weight.shape[1], weight.shape[0])
 
 
+# Rows up to which CUDA's W8A8 GEMMs run the Triton kernel (`mm_fp8.w8a8_mm`, tiles that fill
+# the SMs at a decode batch's rows) instead of `_scaled_mm`; 0: never. Read at each call.
+W8A8_TRITON_MAX_ROWS = 512
+
+
 def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_linear`'s W8A8 GEMM over rows already quantized (where `quantizes_tokens`):
-    x [M, K] -> [M, N] in x.dtype; `_scaled_mm` on CUDA, the float32 reference elsewhere."""
+    x [M, K] -> [M, N] in x.dtype; on CUDA `mm_fp8.w8a8_mm` up to `W8A8_TRITON_MAX_ROWS` rows,
+    `_scaled_mm` past them; the float32 reference elsewhere."""
+    if x.codes.is_cuda and x.codes.shape[0] <= W8A8_TRITON_MAX_ROWS:
+        from lmnb.runtime.kernels.fused.mm_fp8 import w8a8_mm
+
+        return w8a8_mm(x.codes, x.scale, weight, weight_scale, bias, x.dtype)
     if x.codes.is_cuda:
         return _scaled_mm(x, weight, weight_scale, bias)
     return _rows_reference(x, weight, weight_scale, bias)
