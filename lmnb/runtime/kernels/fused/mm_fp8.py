@@ -140,7 +140,9 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_w
             mask_k = k + offs_k < K
             x = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
-        acc = tl.dot(x, w, acc)
+        # sm_90's FP8 MMAs add in less than float32: promote to the float32 sum every tile, as
+        # `_scaled_mm` (without fast accumulation) does
+        acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = acc * tl.load(X_SCALE + rows)[:, None] * tl.load(W_SCALE + cols)[None, :]
