@@ -1,4 +1,4 @@
-"""The W8A8 FP8 GEMM for 17-512 rows (`mm_fp8.w8a8_mm`, Triton) against `torch._scaled_mm`
+"""The W8A8 FP8 GEMM for 17-64 rows (`mm_fp8.w8a8_mm`, Triton) against `torch._scaled_mm`
 (cuBLASLt), at Llama-3-8B's four linears.
 
 At M rows of a large decode batch or a short prefill: microseconds per call (CUDA graph of CALLS

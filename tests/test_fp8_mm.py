@@ -88,16 +88,17 @@ def test_w8a8_mm_is_the_float32_sum_of_fp8_rows_and_weights(device, m, n, k, bia
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sm_90's FP8 MMA accumulation")
 @pytest.mark.parametrize("m", [64, 234])
 def test_w8a8_mm_sums_a_long_k_in_float32(m):
-    """Down_proj's K (14,336): the products of FP8 codes are exact in float32, so the float32
-    output stays within float32 summation error of the float64 sum, which sm_90's FP8 MMAs miss
-    when left to accumulate the whole K in their own narrower adder."""
+    """Down_proj's K (14,336): FP8 products are exact in float32. sm_90's FP8 MMAs add in a
+    narrower adder; promoted to the float32 sum every K tile the output is within ~2e-4 of each
+    row's largest value (H200: as `_scaled_mm` without fast accumulation), left to sum the whole
+    K there ~1e-2 (as `_scaled_mm(use_fast_accum=True)`)."""
     gen = torch.Generator().manual_seed(m)
     n, k = 256, 14336
     w, w_scale = fp8.quantize_rows(torch.randn(n, k, generator=gen))
     codes, scale = fp8.quantize_tokens(torch.randn(m, k, generator=gen) + 0.5)
     want = (codes.double() @ w.double().t()) * scale.double().reshape(-1, 1) * w_scale.double()
     got = w8a8_mm(codes.cuda(), scale.cuda(), w.cuda(), w_scale.cuda(), None, torch.float32)
-    _assert_rows_close(got.double().cpu(), want, 2**-14)
+    _assert_rows_close(got.double().cpu(), want, 2**-11)
 
 
 def _assert_rows_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:

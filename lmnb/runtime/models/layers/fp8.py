@@ -139,9 +139,9 @@ def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, f
 
 # Rows up to which CUDA's W8A8 GEMMs run the Triton kernel (`mm_fp8.w8a8_mm`, tiles that fill
 # the SMs at a decode batch's rows) instead of `_scaled_mm`; 0: never. Read at each call. H200
-# (`bench/w8a8_mm.py --sweep`, Llama-3-8B shapes): 1.25-1.35x `_scaled_mm` at 64 rows, behind it
-# at 234 (0.64-1.04x).
-W8A8_TRITON_MAX_ROWS = 128
+# (`bench/w8a8_mm.py --sweep`, Llama-3-8B's linears): 1.19-1.27x `_scaled_mm` at 64 rows; at 128
+# o/down 1.16-1.27x but gate_up 0.89x or less with every tile swept; at 234 0.61-0.93x.
+W8A8_TRITON_MAX_ROWS = 64
 
 
 def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
