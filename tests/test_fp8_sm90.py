@@ -30,10 +30,12 @@ gemv_args = {"W_SCALE": "*fp32", "B": dt, "OUT": dt, "PARTIAL": "*fp32",
 # aligned as the launcher's arguments are at Llama shapes; gated: gate_up with SiLU-and-mul;
 # norm: RMSNorm + the residual add in the prologue (qkv, and gate_up with gated); rotary: qkv's
 # rotary in the epilogue, k and v stored to an FP8 pool with their scales
-for use_dot, gated, norm, rotary in (
-        (False, False, False, False), (True, False, False, False), (False, True, False, False),
-        (False, False, True, False), (False, True, True, False), (True, True, True, False),
-        (False, False, True, True), (True, False, True, True)):
+for use_dot, gated, norm, rotary, fixed in (
+        (False, False, False, False, False), (True, False, False, False, False),
+        (False, True, False, False, False), (False, False, True, False, False),
+        (False, True, True, False, False), (True, True, True, False, False),
+        (False, False, True, True, False), (True, False, True, True, False),
+        (False, False, True, True, True), (True, False, True, True, True)):
     packed = not use_dot  # FMA path: 4 weights an int32, 4 bf16 activations an int64
     prefetch = not use_dot and not gated  # as the tuned configs: qkv and down 2 stages, gate_up 1
     vec = "*i64" if packed else dt
@@ -47,7 +49,8 @@ for use_dot, gated, norm, rotary in (
                       "USE_DOT": use_dot, "DOT_UPCAST": False, "PREFETCH": prefetch,
                       "PACKED": packed, "X_BF16": True, "ASM_CVT": True, "GATED": gated,
                       "NORM": norm, "HAS_RES": norm, "ROPE": rotary, "HEAD_DIM": 128, "HALF": 64,
-                      "KV_FP8": rotary, "BLOCK_HALF": 64, "HEADS_A_PROGRAM": 2 if use_dot else 1,
+                      "KV_FP8": rotary and not fixed, "BLOCK_HALF": 64,
+                      "HEADS_A_PROGRAM": 2 if use_dot else 1, "KV_FIXED_FP8": fixed,
                       "USE_PDL": True},
                      aligned=[name for name in args if name not in ("M", "eps")])
     loop = kernel.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
@@ -66,9 +69,10 @@ for use_dot, gated, norm, rotary in (
         assert ("ex2.approx" in ptx) == gated  # silu's exp in the epilogue
         assert ("rsqrt" in ptx) == norm  # the norm's x + r and s * g: bf16x2 instructions
         assert ("add.rn.bf16x2" in ptx) == ("mul.rn.bf16x2" in ptx) == norm
-    if rotary:  # the FP8 store: a head's pairs counted in at gpu scope, its rows read from L2
+    if rotary:  # the FP8 store: a head's pairs counted in at gpu scope, its rows read from L2;
+        # with fixed scales neither: each pair stored as it is rotated
         ptx = kernel.asm["ptx"]
-        assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+        assert ("atom.global.gpu.acq_rel.add" in ptx) == ("ld.global.cg" in ptx) == (not fixed)
 compile(gemv._split_k_reduce_kernel,
         {"PARTIAL": "*fp32", "B": dt, "OUT": dt, "M": "i32", "N": "i32", "stride_om": "i32"},
         {"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024, "GATED": True})
@@ -106,15 +110,16 @@ for block, one_block, warps in ((16384, True, 16), (4096, False, 8)):
              "width": "i32"},
             {"BLOCK": block, "ONE_BLOCK": one_block, "FP8_MAX_C": 448.0, "MIN_SCALE_C": 1e-12},
             warps=warps)
-compile(rope._rotary_qkv_kernel,
-        {"QKV": dt, "Q_OUT": dt, "K_OUT": f8, "V_OUT": f8, "K_SCALE": "*fp32",
-         "V_SCALE": "*fp32", "POS": i64, "SLOTS": i64, "COS": "*fp32", "SIN": "*fp32",
-         **{n: "i32" for n in ("stride_qkv", "stride_cos", "stride_sin", "stride_q_out",
-                               "stride_k_row", "stride_k_head", "stride_v_row",
-                               "stride_v_head", "stride_st", "stride_sh", "num_heads",
-                               "num_kv_heads")}},
-        {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
-         "STORE_KV": True, "KV_FP8": True, "FP8_MAX": 448.0})
+for fixed in (False, True):
+    compile(rope._rotary_qkv_kernel,
+            {"QKV": dt, "Q_OUT": dt, "K_OUT": f8, "V_OUT": f8, "K_SCALE": "*fp32",
+             "V_SCALE": "*fp32", "POS": i64, "SLOTS": i64, "COS": "*fp32", "SIN": "*fp32",
+             **{n: "i32" for n in ("stride_qkv", "stride_cos", "stride_sin", "stride_q_out",
+                                   "stride_k_row", "stride_k_head", "stride_v_row",
+                                   "stride_v_head", "stride_st", "stride_sh", "num_heads",
+                                   "num_kv_heads")}},
+            {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
+             "STORE_KV": True, "KV_FP8": True, "FIXED_SCALES": fixed, "FP8_MAX": 448.0})
 for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16 -> wgmma
     kernel = compile(mm_fp8._w8a16_mm_kernel,
                      {"X": dt, "W": f8, "SCALE": "*fp32", "B": dt, "OUT": dt,
