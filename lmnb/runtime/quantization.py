@@ -9,7 +9,9 @@
 
     kv_cache_dtype="auto"       the KV pool in the model's dtype
     kv_cache_dtype="fp8_e4m3"   the KV pool in float8_e4m3fn with a float32 scale per token and
-                                KV head (memory/kv_storage.py): ~half the bytes per token
+                                KV head (memory/kv_storage.py): ~half the bytes per token; with
+                                attention_backend="flashinfer" one fixed scale per layer for K
+                                and one for V (1.0), as FlashInfer reads FP8 KV
     kv_cache_dtype="bf16"/"bfloat16"    bfloat16 whatever the model's dtype
 
 What FP8 covers: the decoder's linear layers (q/k/v, o, gate/up, down), in every Llama-family model
