@@ -18,7 +18,11 @@ its i-th slot), and `--pool-slots` spreads the runs over a pool that large (the 
 `KVStorage.set_kv` does, float32 scales per slot and KV head, head-major as `KVStorage` keeps them;
 `--slot-major-scales` lays them [slots, kv_heads] instead), q in the model's dtype; GB/s counts the
 bytes the kernel needs (the FP8 K/V and their scales) and the sweep covers FP8 tiles (more tokens,
-warps, stages, float16 dots). FlashInfer and FA3 rows are 16-bit only and left out.
+warps, stages, float16 dots). FA3 rows are 16-bit only and left out; with the flashinfer peer the
+same K/V also go to a pool of fixed scales (one for K, one for V: `KVStorage(fp8_scales="tensor")`,
+what lmnb's FlashInfer backend reads), timed through FlashInfer (page size 1, tensor cores as the
+backend picks them) and through Triton (its scales seen with slot stride 0); their GB/s count only
+the FP8 bytes, and their error includes their own rounding (against the per-token pool's values).
 """
 
 from __future__ import annotations
@@ -354,6 +358,55 @@ def flashinfer_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
     return runs
 
 
+def fixed_scale_runs(batch: Batch, with_flashinfer: bool
+                     ) -> list[tuple[str, Callable[[], Any], dict]]:
+    """An FP8 batch's K/V requantized with one scale per tensor (amax / 448), read by Triton's
+    default config and, `with_flashinfer` and installed, FlashInfer's paged decode."""
+    from lmnb.runtime.kernels import triton_decode as td
+    from lmnb.runtime.memory.kv_storage import FP8_MAX, quantize_fixed
+
+    device = batch.q.device
+    every = torch.arange(batch.k.shape[0], device=device)
+    pools, scales = [], []
+    for name in ("k", "v"):
+        values = batch.kv_float(name, every)
+        scale = max(float(values.abs().max()) / FP8_MAX, 1e-12)
+        pools.append(quantize_fixed(values, scale))
+        scales.append(scale)
+        del values
+    k, v = pools
+    kv_bytes = 2 * sum(batch.lens) * batch.kv_heads * batch.head_dim
+    fixed = tuple(torch.full((1, batch.kv_heads), scale, device=device).expand(
+        k.shape[0], batch.kv_heads) for scale in scales)
+    out = torch.empty_like(batch.q)
+    default = td.decode_config(batch.head_dim, k.dtype, batch_size=len(batch.lens),
+                               num_kv_heads=batch.kv_heads, sm_count=td.multiprocessors(device))
+    part_o, part_lse = td.partial_buffers(len(batch.lens), batch.heads, batch.head_dim, 16,
+                                          device)
+    runs = [("triton default, fixed scales", lambda: td.decode_attention(
+        batch.q, k, v, out, batch.kv_indptr, batch.kv_indices, part_o, part_lse,
+        scale=batch.scale, max_kv_splits=16, config=default, kv_scales=fixed),
+        {**default._asdict(), "kv_bytes": kv_bytes})]
+    if not with_flashinfer:
+        return runs
+    try:
+        import flashinfer
+    except ImportError:
+        return runs
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD",
+        use_tensor_cores=batch.heads // batch.kv_heads >= 4)  # as lmnb's backend
+    wrapper.plan(batch.kv_indptr, batch.kv_indices,
+                 torch.ones(len(batch.lens), dtype=torch.int32, device=device), batch.heads,
+                 batch.kv_heads, batch.head_dim, 1, q_data_type=batch.dtype,
+                 kv_data_type=k.dtype, sm_scale=batch.scale)
+    cache = (k.unsqueeze(1), v.unsqueeze(1))
+    runs.append(("flashinfer page 1, fixed scales",
+                 lambda: wrapper.run(batch.q, cache, k_scale=scales[0], v_scale=scales[1]),
+                 {"kv_bytes": kv_bytes}))
+    return runs
+
+
 def fa3_runs(batch: Batch) -> list[tuple[str, Callable[[], Any], dict]]:
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -470,6 +523,8 @@ def main() -> None:
     if not args.kv_fp8:  # the peers read 16-bit KV only
         others += flashinfer_runs(batch) if "flashinfer" in peers else []
         others += fa3_runs(batch) if "fa3" in peers else []
+    else:
+        others += fixed_scale_runs(batch, "flashinfer" in peers)
     runs = triton_runs(batch, args.sweep, split_counts, tiles, split_grids,
                        args.heads_first) + others
     for name, run, config in runs:
@@ -481,7 +536,7 @@ def main() -> None:
         except Exception as failure:  # noqa: BLE001 - a config that does not compile is a row
             print(f"{name}: {type(failure).__name__}: {failure}")
             continue
-        gbps = batch.kv_bytes / ms / 1e6
+        gbps = config.get("kv_bytes", batch.kv_bytes) / ms / 1e6
         rows.append([name, f"{ms * 1000:.1f}", f"{gbps:.0f}", f"{error:.1e}" if error else "-"])
         results.append({"name": name, "us": ms * 1000, "kv_gb_per_s": gbps,
                         "max_abs_error": error, "config": config})

@@ -217,7 +217,8 @@ for dt in ("fp16", "bf16", "fp32"):
                                        "stride_v_head", "stride_st", "stride_sh", "num_heads",
                                        "num_kv_heads")}},
                 {"HEAD_DIM": 128, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_H": 32, "BLOCK_KV": 8,
-                 "STORE_KV": store, "KV_FP8": False, "FP8_MAX": 448.0})
+                 "STORE_KV": store, "KV_FP8": False, "FIXED_SCALES": False,
+                 "FP8_MAX": 448.0})
 print("compiled")
 """
 
