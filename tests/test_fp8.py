@@ -20,6 +20,7 @@ from tests.triton_modes import DEVICES, INTERPRET, SAME_TRITON_MODE
 
 # isort: split
 from lmnb.runtime.config import EngineConfig
+from lmnb.runtime.kernels.torch_native import TorchNativeAttention
 from lmnb.runtime.kernels.triton_decode import decode_attention, partial_buffers
 from lmnb.runtime.kernels.triton_extend import extend_attention
 from lmnb.runtime.memory import KVStorage
@@ -27,6 +28,7 @@ from lmnb.runtime.memory.kv_storage import TENSOR_SCALE, Fp8Scales, fixed_fp8_sc
 from lmnb.runtime.model_runner import ModelRunner
 from lmnb.runtime.models import loader
 from lmnb.runtime.models.layers import fp8, linear
+from lmnb.runtime.models.layers.attention import apply_checkpoint_kv_scales
 from lmnb.runtime.models.layers.fusion import set_fused_kernels
 from lmnb.runtime.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from lmnb.runtime.quantization import (
@@ -204,6 +206,110 @@ def test_compressed_tensors_checkpoint_loads_as_it_is(fp8_checkpoints):
                   .reshape(-1).expand(t.shape[0]) for p, t in zip("qkv", (q, k, v), strict=True)]
         assert torch.equal(attn.qkv_proj.weight_scale, torch.cat(scales))
         assert model.model.embed_tokens.weight.dtype == torch.float32  # not quantized
+
+
+def _with_kv_scales(source: Path, target: Path, scheme: dict | None = None,
+                    drop: str | None = None, extra: dict | None = None) -> Path:
+    """`source` (a compressed-tensors checkpoint) with llm-compressor's FP8 KV scales: layer i's
+    K scale 0.03 (i + 1) and V scale 0.01 (i + 1), layer 0's as `self_attn.k_scale` / `v_scale`
+    (shape []), the others' under the older `k_proj.output_scale` / `v_proj.output_scale` ([1]);
+    `kv_cache_scheme` in config.json; `drop` leaves one tensor out, `extra` adds tensors."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors")
+    layers = loader.load_model_config(source).num_layers
+    for i in range(layers):
+        names = (("k_scale", "v_scale") if i == 0 else
+                 ("k_proj.output_scale", "v_proj.output_scale"))
+        for name, step in zip(names, (0.03, 0.01), strict=True):
+            value = torch.tensor(step * (i + 1))
+            tensors[f"model.layers.{i}.self_attn.{name}"] = value if i == 0 else value.reshape(1)
+    tensors.pop(drop, None)
+    save_file(tensors | (extra or {}), target / "model.safetensors")
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = scheme or {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+        "symmetric": True}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_checkpoint_kv_scales_fill_a_pool_of_fixed_scales(fp8_checkpoints, tmp_path,
+                                                          monkeypatch):
+    """A compressed-tensors checkpoint with a `kv_cache_scheme` (llm-compressor's calibrated FP8
+    KV scales, either naming) loads; its scales go to a pool of fixed scales (FlashInfer's),
+    while a pool of per-token scales (Triton's, torch-native's) keeps computing its own."""
+    folder = _with_kv_scales(fp8_checkpoints["channel"], tmp_path / "kv")
+    config = loader.load_model_config(folder)
+    with pytest.warns(UserWarning, match="reference path"):
+        model = _load(folder, config)
+    layers = config.num_layers
+    want = [(pytest.approx(0.03 * (i + 1)), pytest.approx(0.01 * (i + 1))) for i in range(layers)]
+    assert [layer.self_attn.kv_scales for layer in model.model.layers] == want
+    pools = {granularity: KVStorage(8, num_layers=layers, kv_heads=config.num_kv_heads,
+                                    head_dim=config.head_dim, dtype=FP8,
+                                    device=torch.device("cpu"), fp8_scales=granularity)
+             for granularity in ("tensor", "token")}
+    assert apply_checkpoint_kv_scales(model, pools["tensor"]) == layers
+    assert pools["tensor"].tensor_scales == want
+    assert pools["tensor"].k_scales[1][5, 0].item() == pytest.approx(0.06)
+    assert apply_checkpoint_kv_scales(model, pools["token"]) == 0
+    assert (pools["token"].k_scales[1] == 1).all()
+    prompt = [5, 900, 31, 7]
+    plain = ModelRunner(model, config, EngineConfig(
+        max_total_tokens=64, max_running_requests=2, attention_backend="torch_native"),
+        device=torch.device("cpu"), dtype=torch.float32, eos_token_ids={2})
+    plain.kv_storage.k_buffers[0].zero_()
+    _greedy(plain, prompt, 1)  # a prefill and a decode step (before the next runner binds)
+    engine_config = EngineConfig(max_total_tokens=64, max_running_requests=2,
+                                 attention_backend="torch_native", kv_cache_dtype="fp8_e4m3")
+    runners = {}
+    for granularity in ("token", "tensor"):  # torch-native made to ask for fixed scales
+        monkeypatch.setattr(TorchNativeAttention, "fp8_kv_scales", granularity)
+        runners[granularity] = ModelRunner(model, config, engine_config,
+                                           device=torch.device("cpu"), dtype=torch.float32,
+                                           eos_token_ids={2})
+    assert not runners["token"].kv_storage.tensor_scales
+    storage = runners["tensor"].kv_storage
+    assert storage.fp8_scales == "tensor" and storage.tensor_scales == want
+    storage.k_buffers[0].zero_()
+    _greedy(runners["tensor"], prompt, 1)  # the same passes, the same slots
+    used = plain.kv_storage.k_buffers[0].abs().amax(dim=(1, 2)) > 0
+    assert torch.equal(used, storage.k_buffers[0].float().abs().amax(dim=(1, 2)) > 0)
+    assert used.sum() == len(prompt)
+    for got, want, scale in zip(storage.read(0, used.nonzero()[:, 0]),
+                                (plain.kv_storage.k_buffers[0][used],
+                                 plain.kv_storage.v_buffers[0][used]), (0.03, 0.01), strict=True):
+        # layer 0's rows (what the layers after it see differs) stored as x / its checkpoint
+        # scale: one e4m3 step from x
+        assert ((got - want).abs() <= want.abs() * 2**-4 + scale * 2**-9).all()
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"scheme": {"num_bits": 8, "type": "float", "strategy": "head", "symmetric": True}},
+     "per-tensor KV scales"),
+    ({"scheme": {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True}},
+     "not FP8"),
+    ({"drop": "model.layers.1.self_attn.v_proj.output_scale"}, "without its v_scale"),
+    ({"drop": "model.layers.0.self_attn.k_scale"}, "without its k_scale"),
+    ({"extra": {"model.layers.0.mlp.k_scale": torch.tensor(1.0)}}, "has no place"),
+])
+def test_bad_checkpoint_kv_scales_are_named(fp8_checkpoints, tmp_path, change, error):
+    folder = _with_kv_scales(fp8_checkpoints["channel"], tmp_path / "kv", **change)
+    if "scheme" in change:
+        with pytest.raises(UnsupportedQuantizationError, match=error):
+            loader.load_model_config(folder)
+        return
+    with pytest.warns(UserWarning), pytest.raises(KeyError, match=error):
+        _load(folder, loader.load_model_config(folder))
+
+
+def test_a_layer_scale_of_many_values_is_refused(fp8_checkpoints, tmp_path):
+    folder = _with_kv_scales(fp8_checkpoints["channel"], tmp_path / "kv", extra={
+        "model.layers.0.self_attn.k_scale": torch.tensor([0.1, 0.2])})
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="2 values"):
+        _load(folder, loader.load_model_config(folder))
 
 
 def test_a_checkpoint_without_its_scales_is_refused(fp8_checkpoints, tmp_path):

@@ -24,7 +24,7 @@ from lmnb.runtime.kernels.registry import (
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool, kv_cache_dtype
 from lmnb.runtime.memory.device import device_memory
 from lmnb.runtime.memory_profile import MemoryMeter, MemoryPlan, ProfileShape
-from lmnb.runtime.models.layers.attention import bind_attention_backend
+from lmnb.runtime.models.layers.attention import apply_checkpoint_kv_scales, bind_attention_backend
 from lmnb.runtime.models.layers.linear import head_split
 from lmnb.runtime.sampling import (
     SampleOutput,
@@ -147,6 +147,7 @@ class ModelRunner:
             self.max_total_tokens, num_layers=num_layers, kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=self.kv_dtype, device=device, compute_dtype=dtype,
             fp8_scales=fp8_scales)
+        apply_checkpoint_kv_scales(model, self.kv_storage)
         self.attn_backend = create_attention_backend(
             backend_name, device=device,
             num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

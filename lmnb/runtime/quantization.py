@@ -11,7 +11,8 @@
     kv_cache_dtype="fp8_e4m3"   the KV pool in float8_e4m3fn with a float32 scale per token and
                                 KV head (memory/kv_storage.py): ~half the bytes per token; with
                                 attention_backend="flashinfer" one fixed scale per layer for K
-                                and one for V (1.0), as FlashInfer reads FP8 KV
+                                and one for V, as FlashInfer reads FP8 KV: the checkpoint's
+                                (compressed-tensors `kv_cache_scheme`), else 1.0
     kv_cache_dtype="bf16"/"bfloat16"    bfloat16 whatever the model's dtype
 
 What FP8 covers: the decoder's linear layers (q/k/v, o, gate/up, down), in every Llama-family model
@@ -149,11 +150,29 @@ def checkpoint_quantization(quantization_config: Mapping[str, Any] | None) -> Fp
         raise UnsupportedQuantizationError(
             "compressed-tensors config_groups mix weight-only FP8 with FP8 activations; lmnb "
             "runs one scheme for every linear")
+    check_kv_cache_scheme(quantization_config.get("kv_cache_scheme"))
     ignored = tuple(str(n) for n in quantization_config.get("ignore") or ())
     return Fp8Config(prequantized=True,
                      weight_strategy="tensor" if "tensor" in strategies else "channel",
                      static_input_scale=static, ignored=ignored, targets=tuple(targets),
                      weight_only=with_inputs == {False})
+
+
+def check_kv_cache_scheme(scheme: Mapping[str, Any] | None) -> None:
+    """A compressed-tensors `kv_cache_scheme` lmnb can read: FP8, one static symmetric scale per
+    tensor for K and one for V (`self_attn.k_scale` / `v_scale`); else
+    UnsupportedQuantizationError. Its scales serve a pool of fixed scales (FlashInfer's); a pool
+    of per-token scales computes its own."""
+    if not scheme:
+        return
+    if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
+        raise UnsupportedQuantizationError(f"kv_cache_scheme {dict(scheme)!r} is not FP8 (8-bit "
+                                           "float)")
+    if scheme.get("strategy") != "tensor" or scheme.get("dynamic") or not scheme.get(
+            "symmetric", True):
+        raise UnsupportedQuantizationError(
+            f"kv_cache_scheme {dict(scheme)!r}: lmnb reads static symmetric per-tensor KV scales "
+            "(strategy 'tensor')")
 
 
 def resolve_quantization(option: str | None, checkpoint: Fp8Config | None) -> Fp8Config | None:

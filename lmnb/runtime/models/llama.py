@@ -30,7 +30,12 @@ from lmnb.runtime.models.layers.linear import (
 )
 from lmnb.runtime.models.layers.norm import RMSNorm
 from lmnb.runtime.models.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
-from lmnb.runtime.models.layers.weights import WeightSource, copy_weight
+from lmnb.runtime.models.layers.weights import (
+    WeightSource,
+    copy_weight,
+    kv_scale_place,
+    scalar_scale,
+)
 from lmnb.runtime.models.registry import register_model
 from lmnb.runtime.quantization import module_quantization
 
@@ -218,8 +223,13 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         needed: set[str] = set()  # scales of FP8 checkpoint weights
+        kv_scales: dict[str, list[float | None]] = {}  # attention module -> [k, v]
         for name, tensor in weights:
             if "rotary_emb" in name:
+                continue
+            if (kv_scale := kv_scale_place(name)) is not None:
+                attention, which = kv_scale
+                kv_scales.setdefault(attention, [None, None])[which] = scalar_scale(tensor, name)
                 continue
             if name.startswith("lm_head.") and self.tie_word_embeddings:
                 continue
@@ -244,6 +254,22 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        self._set_kv_scales(kv_scales)
+
+    def _set_kv_scales(self, kv_scales: dict[str, list[float | None]]) -> None:
+        """The checkpoint's FP8 KV scales onto the attention layers: every layer's K and V, or
+        none (`PooledAttention.kv_scales`)."""
+        if not kv_scales:
+            return
+        layers = {name: m for name, m in self.named_modules() if isinstance(m, PooledAttention)}
+        if set(kv_scales) != set(layers):
+            raise KeyError(f"checkpoint has FP8 KV scales for {len(kv_scales)} of "
+                           f"{len(layers)} attention layers (e.g. {sorted(kv_scales)[:2]})")
+        for name, (k, v) in kv_scales.items():
+            if k is None or v is None:
+                raise KeyError(f"checkpoint has {name}'s {'v' if k is None else 'k'}_scale "
+                               f"without its {'k' if k is None else 'v'}_scale")
+            layers[name].kv_scales = (k, v)
 
     def _is_fp8_scale(self, module_name: str, param_name: str) -> bool:
         if param_name not in ("weight_scale", "input_scale"):

@@ -49,3 +49,32 @@ def copy_weight(param: torch.Tensor, source: WeightSource, name: str) -> None:
         raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)} != model shape "
                          f"{tuple(param.shape)}")
     param.copy_(materialize(source))
+
+
+# A layer's FP8 KV scale in compressed-tensors checkpoints (`kv_cache_scheme`, strategy 'tensor'):
+# `<layer>.self_attn.k_scale` / `v_scale`, or older `<layer>.self_attn.k_proj.output_scale`.
+_KV_SCALE_SUFFIXES = {".k_scale": 0, ".v_scale": 1, ".k_proj.output_scale": 0,
+                      ".v_proj.output_scale": 1}
+
+
+def kv_scale_place(name: str) -> tuple[str, int] | None:
+    """(the attention module, 0 for K | 1 for V) of a checkpoint's FP8 KV scale `name`; None
+    for any other tensor."""
+    for suffix, which in _KV_SCALE_SUFFIXES.items():
+        module = name.removesuffix(suffix)
+        if module != name and module.endswith(".self_attn"):
+            return module, which
+    return None
+
+
+def scalar_scale(source: WeightSource, name: str) -> float:
+    """A per-tensor scale's value; an error for any other shape or a value that is not a
+    positive finite number."""
+    tensor = materialize(source).float().reshape(-1)
+    if tensor.numel() != 1:
+        raise ValueError(f"{name}: {tensor.numel()} values; lmnb reads one FP8 KV scale per "
+                         "tensor (kv_cache_scheme strategy 'tensor')")
+    value = float(tensor[0])
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}: scale {value} is not a positive finite number")
+    return value
