@@ -265,6 +265,34 @@ def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
         assert in_top5 >= 0.9 * len(prompts), (extra, in_top5)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                    reason="flashinfer is not installed")
+def test_checkpoint_kv_scales_through_flashinfer(request, tmp_path):
+    """An FP8 checkpoint with calibrated KV scales (compressed-tensors `kv_cache_scheme`) served
+    through FlashInfer with the FP8 KV cache: the pool takes the checkpoint's scales, and bf16's
+    first token stays among the five likeliest (as above)."""
+    from tests.test_fp8 import _with_kv_scales, _write_compressed_tensors
+
+    folder = request.getfixturevalue("head_dim_64_model")
+    checkpoint = _with_kv_scales(
+        _write_compressed_tensors(folder, tmp_path / "fp8", strategy="channel"), tmp_path / "kv")
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(1, 300))] for _ in range(20)]
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 16}
+    options = dict(device="cuda", dtype="bfloat16", context_length=512,
+                   attention_backend="flashinfer", max_running_requests=32)
+    with Runtime(folder, **options) as reference:
+        expected = reference.generate(input_ids=prompts, sampling_params=greedy)
+    with Runtime(checkpoint, kv_cache_dtype="fp8_e4m3", **options) as rt:
+        assert rt.stats()["kv_fp8_scales"] == "tensor"
+        got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
+                          top_logprobs_num=5)
+        rt.check_integrity()
+    in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
+                  for g, e in zip(got, expected, strict=True))
+    assert in_top5 >= 0.9 * len(prompts), in_top5
+
+
 def test_gptq_weight_only_checkpoint_end_to_end(request, tmp_path):
     """bench/fp8_gptq.py's weight-only FP8 checkpoint (first layer 16-bit) served on the GPU:
     prefill multiplies the dequantized weights (no `_scaled_mm`), decode the skinny GEMV; the
