@@ -232,6 +232,13 @@ def test_rotary_kernel_stores_fp8_kv_with_per_head_scales():
         assert ((got - want).abs() <= want.abs() * 2**-4 * 1.01 + amax / 448 * 2**-9).all()
 
 
+def _first_tokens_in_top5(got: list[dict], expected: list[dict]) -> int:
+    """How many requests' first expected token is among the five likeliest of `got`'s first
+    step (`top_logprobs_num=5`)."""
+    return sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
+               for g, e in zip(got, expected, strict=True))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
     folder = request.getfixturevalue("head_dim_64_model")
@@ -260,8 +267,7 @@ def test_tiny_model_fp8_weights_and_kv_end_to_end(request, backend):
         # 20 first tokens agree for fp8 weights, 9 of 20 with the FP8 KV cache too); bf16's
         # choice stays among the five likeliest, where broken scales or a misread KV cache
         # would put it among 49,152 at random
-        in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
-                      for g, e in zip(got, expected, strict=True))
+        in_top5 = _first_tokens_in_top5(got, expected)
         assert in_top5 >= 0.9 * len(prompts), (extra, in_top5)
 
 
@@ -288,8 +294,7 @@ def test_checkpoint_kv_scales_through_flashinfer(request, tmp_path):
         got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                           top_logprobs_num=5)
         rt.check_integrity()
-    in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
-                  for g, e in zip(got, expected, strict=True))
+    in_top5 = _first_tokens_in_top5(got, expected)
     assert in_top5 >= 0.9 * len(prompts), in_top5
 
 
@@ -312,8 +317,7 @@ def test_gptq_weight_only_checkpoint_end_to_end(request, tmp_path):
         got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                           top_logprobs_num=5)
         rt.check_integrity()
-    in_top5 = sum(e["output_ids"][0] in [t[1] for t in g["meta_info"]["output_top_logprobs"][0]]
-                  for g, e in zip(got, expected, strict=True))
+    in_top5 = _first_tokens_in_top5(got, expected)
     assert in_top5 >= 0.9 * len(prompts), in_top5
 
 

@@ -35,13 +35,18 @@ from lmnb.runtime.kernels.interpreter import INTERPRETED
 @triton.jit
 def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   GROUP_M: tl.constexpr):
-    """Program pid's (row block, column block): GROUP_M row blocks sweep the columns together."""
+    """Program pid's output tile: its rows [BLOCK_M] and columns [BLOCK_N] and their masks
+    (< M, < N); GROUP_M row blocks sweep the columns together."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
     group_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
 
 
 @triton.jit
@@ -49,12 +54,9 @@ def _w8a16_mm_kernel(X, W, SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
                      UPCAST: tl.constexpr):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
+                                                   GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -84,13 +86,22 @@ class W8A16Config(NamedTuple):
     num_stages: int
 
 
+def _grid(m: int, n: int, cfg: W8A16Config) -> tuple[int]:
+    """One program per [block_m, block_n] output tile (`_grouped_tile` orders them)."""
+    return (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+
+
+def _by_rows(m: int, interpreted: W8A16Config, up_to_64: W8A16Config,
+             more: W8A16Config) -> W8A16Config:
+    if INTERPRETED:  # small tiles: the interpreter's time grows with a tile's size
+        return interpreted
+    return up_to_64 if m <= 64 else more
+
+
 def w8a16_config(m: int) -> W8A16Config:
     """The launch config for m rows (a rule, not yet tuned on a GPU)."""
-    if INTERPRETED:
-        return W8A16Config(16, 16, 16, 2, 1, 1)
-    if m <= 64:
-        return W8A16Config(64, 128, 128, 8, 4, 4)
-    return W8A16Config(128, 128, 64, 8, 8, 4)
+    return _by_rows(m, W8A16Config(16, 16, 16, 2, 1, 1), W8A16Config(64, 128, 128, 8, 4, 4),
+                    W8A16Config(128, 128, 64, 8, 8, 4))
 
 
 def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -106,8 +117,7 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _w8a16_mm_kernel[grid](
+    _w8a16_mm_kernel[_grid(m, n, cfg)](
         x, weight, weight_scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -121,12 +131,9 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
+                                                   GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     # rows past M / N read row 0 / column 0 (in bounds) instead of masking every K step
     rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
     cols = tl.where(mask_n, offs_n, 0).to(tl.int64)
@@ -157,11 +164,8 @@ def w8a8_config(m: int) -> W8A16Config:
     """The W8A8 launch config for m rows. H200 sweep (`bench/w8a8_mm.py --sweep`): at 64 rows
     64 x 64 x 128 tiles over 4 warps, 5 stages, best or within 4% of the best for all four of
     Llama-3-8B's linears; past 64 rows (not taken by `fp8_rows_linear`) no tile wins them all."""
-    if INTERPRETED:
-        return W8A16Config(16, 32, 32, 2, 1, 1)
-    if m <= 64:
-        return W8A16Config(64, 64, 128, 8, 4, 5)
-    return W8A16Config(64, 128, 128, 8, 4, 4)
+    return _by_rows(m, W8A16Config(16, 32, 32, 2, 1, 1), W8A16Config(64, 64, 128, 8, 4, 5),
+                    W8A16Config(64, 128, 128, 8, 4, 4))
 
 
 def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
@@ -179,8 +183,7 @@ def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _w8a8_mm_kernel[grid](
+    _w8a8_mm_kernel[_grid(m, n, cfg)](
         codes, scale.reshape(-1), weight, weight_scale.reshape(-1),
         bias if bias is not None else out, out, m, n, k, codes.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
