@@ -215,8 +215,8 @@ def rotary_launch(rope: RotaryStore | None, *, m: int, n: int, filler: torch.Ten
     k_buf, v_buf = rope.k_buffer, rope.v_buffer
     assert k_buf.shape[1:] == v_buf.shape[1:] == (rope.num_kv_heads, rope.head_dim)
     assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
-    kv_fp8 = kv_fixed_fp8 = FP8 in (k_buf.dtype, v_buf.dtype)
-    if kv_fp8:  # per-(token, head) or fixed scales
+    pool_fp8, kv_fixed_fp8 = FP8 in (k_buf.dtype, v_buf.dtype), False
+    if pool_fp8:  # per-(token, head) or fixed scales
         assert k_buf.dtype == v_buf.dtype, "an FP8 pool stores K and V in FP8"
         if rope.kv_scales is None:
             raise ValueError("an FP8 KV pool needs its scales: RotaryStore(..., kv_scales=)")
@@ -226,16 +226,16 @@ def rotary_launch(rope: RotaryStore | None, *, m: int, n: int, filler: torch.Ten
             v_scale.stride()  # any layout (`KVStorage`'s is head-major)
         stride_st, stride_sh = k_scale.stride()
         kv_fixed_fp8 = fixed_fp8_scales(k_scale)
-        kv_fp8 = not kv_fixed_fp8
+    else:
+        k_scale = v_scale = filler  # unread
+        stride_st = stride_sh = 0
+    kv_fp8 = pool_fp8 and not kv_fixed_fp8  # per-token scales: the heads' rows staged
     if kv_fp8:
         stage = torch.empty((m, 2 * rope.num_kv_heads * rope.head_dim), dtype=torch.float32,
                             device=filler.device)
         arrivals = arrival_counters(filler.device, 2 * rope.num_kv_heads)
     else:
         stage = arrivals = filler  # unread
-    if not (kv_fp8 or kv_fixed_fp8):
-        k_scale = v_scale = filler  # unread
-        stride_st = stride_sh = 0
     pairs = block_n // 2
     return RotaryLaunch(
         (rope.positions, rope.cos, rope.sin, rope.slots, k_buf, v_buf, k_scale, v_scale, stage,
