@@ -134,28 +134,28 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_w
     offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # rows past M / N read row 0 / column 0 (in bounds) instead of masking every K step
-    rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
-    cols = tl.where(mask_n, offs_n, 0).to(tl.int64)
-    x_ptrs = X + rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    # Rows past M and columns past N are masked, not pointed at row 0 / column 0: many loads of
+    # one address cost time (H200, 17 rows of a 64-row tile: 1.9x the 64 rows' time).
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
         else:
             mask_k = k + offs_k < K
-            x = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         # sm_90's FP8 MMAs add in less than float32: promote to the float32 sum every tile, as
         # `_scaled_mm` (without fast accumulation) does
         acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc = acc * tl.load(X_SCALE + rows)[:, None] * tl.load(W_SCALE + cols)[None, :]
+    acc *= tl.load(X_SCALE + offs_m, mask=mask_m, other=0.0)[:, None]
+    acc *= tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
-        acc += tl.load(B + cols).to(tl.float32)[None, :]
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
