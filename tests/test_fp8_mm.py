@@ -108,8 +108,8 @@ def _assert_rows_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> Non
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the W8A8 GEMMs' CUDA dispatch")
 def test_rows_linear_takes_the_triton_gemm_up_to_its_rows(monkeypatch):
-    """`fp8_rows_linear` on CUDA: `w8a8_mm` up to `W8A8_TRITON_MAX_ROWS` rows, `_scaled_mm`
-    past them; the two agree within bf16 rounding."""
+    """`fp8_rows_linear` on CUDA: `w8a8_mm` where `takes_triton_w8a8`, `_scaled_mm` elsewhere;
+    the two agree within bf16 rounding."""
     gen = torch.Generator().manual_seed(3)
     w, w_scale = (t.cuda() for t in fp8.quantize_rows(torch.randn(256, 512, generator=gen)))
     codes, scale = (t.cuda() for t in fp8.quantize_tokens(torch.randn(40, 512, generator=gen)))
@@ -117,8 +117,22 @@ def test_rows_linear_takes_the_triton_gemm_up_to_its_rows(monkeypatch):
     triton_out = fp8.fp8_rows_linear(rows, w, w_scale, None)
     assert torch.equal(triton_out, w8a8_mm(codes, scale, w, w_scale, None, torch.bfloat16))
     monkeypatch.setattr(fp8, "W8A8_TRITON_MAX_ROWS", 39)
+    monkeypatch.setattr(fp8, "W8A8_TRITON_SPARSE_GRID_MAX_ROWS", 39)
     cublas_out = fp8.fp8_rows_linear(rows, w, w_scale, None)
     assert torch.equal(cublas_out, torch._scaled_mm(codes, w.t(), scale_a=scale,
                                                     scale_b=w_scale.view(1, -1),
                                                     out_dtype=torch.bfloat16))
     _assert_rows_close(triton_out.float(), cublas_out.float(), 2**-7)
+
+
+def test_the_triton_w8a8_gemm_takes_decode_rows_and_narrow_weights_to_128_rows():
+    """Up to 64 rows every weight; at 65-128 rows only a weight whose 128 x 128 tiles would
+    leave more than half the SMs idle (Llama-3-8B's qkv, o and down on 132 SMs, not gate_up);
+    past 128 rows none."""
+    columns = {"qkv": 6144, "o": 4096, "gate_up": 28672, "down": 4096}
+    takes = {rows: {op for op, n in columns.items() if fp8.takes_triton_w8a8(rows, n, 132)}
+             for rows in (17, 64, 65, 128, 129, 234)}
+    assert takes[17] == takes[64] == set(columns)
+    assert takes[65] == takes[128] == {"qkv", "o", "down"}
+    assert takes[129] == takes[234] == set()
+    assert not fp8.takes_triton_w8a8(100, 6144, 64)  # 96 tiles: more than half of 64 SMs

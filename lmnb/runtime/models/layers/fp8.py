@@ -9,9 +9,9 @@
                         dequantized in registers (activations stay 16-bit: W8A16, what batch-1
                         decode needs)
     CUDA                W8A8 on the FP8 tensor cores with row-wise scales: up to
-                        `W8A8_TRITON_MAX_ROWS` rows `kernels.fused.mm_fp8.w8a8_mm` (Triton),
-                        past them `torch._scaled_mm`; the activations quantized by one Triton
-                        kernel when fused
+                        `W8A8_TRITON_MAX_ROWS` rows (more where `takes_triton_w8a8`)
+                        `kernels.fused.mm_fp8.w8a8_mm` (Triton), else `torch._scaled_mm`;
+                        the activations quantized by one Triton kernel when fused
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
                         float32; the activations quantized by that kernel, interpreted, when
                         fused), slow; the loader warns that the CPU runs FP8 this way
@@ -142,18 +142,35 @@ def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, f
 # (`bench/w8a8_mm.py --sweep`, Llama-3-8B's linears): 1.19-1.27x `_scaled_mm` at 64 rows; at 128
 # o/down 1.16-1.27x but gate_up 0.89x or less with every tile swept; at 234 0.61-0.93x.
 W8A8_TRITON_MAX_ROWS = 64
+# Past those rows and up to these, the Triton kernel still takes a weight whose 128 x 128 tiles
+# (cuBLASLt's at these rows) would leave more than half the SMs idle: Llama-3-8B's qkv, o and
+# down at 65-128 rows, not gate_up.
+W8A8_TRITON_SPARSE_GRID_MAX_ROWS = 128
+
+
+def takes_triton_w8a8(rows: int, columns: int, multiprocessors: int) -> bool:
+    """Whether `fp8_rows_linear` runs `rows` x `columns` through `mm_fp8.w8a8_mm` on a GPU of
+    `multiprocessors` SMs rather than `_scaled_mm`."""
+    if rows <= W8A8_TRITON_MAX_ROWS:
+        return True
+    if rows > W8A8_TRITON_SPARSE_GRID_MAX_ROWS:
+        return False
+    return 2 * (-(-rows // 128)) * (-(-columns // 128)) < multiprocessors
 
 
 def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_linear`'s W8A8 GEMM over rows already quantized (where `quantizes_tokens`):
-    x [M, K] -> [M, N] in x.dtype; on CUDA `mm_fp8.w8a8_mm` up to `W8A8_TRITON_MAX_ROWS` rows,
-    `_scaled_mm` past them; the float32 reference elsewhere."""
-    if x.codes.is_cuda and x.codes.shape[0] <= W8A8_TRITON_MAX_ROWS:
-        from lmnb.runtime.kernels.fused.mm_fp8 import w8a8_mm
-
-        return w8a8_mm(x.codes, x.scale, weight, weight_scale, bias, x.dtype)
+    x [M, K] -> [M, N] in x.dtype; on CUDA `mm_fp8.w8a8_mm` where `takes_triton_w8a8`,
+    `_scaled_mm` elsewhere; the float32 reference off CUDA."""
     if x.codes.is_cuda:
+        from lmnb.runtime.kernels.triton_decode import multiprocessors
+
+        sms = multiprocessors(x.codes.device) or 0
+        if takes_triton_w8a8(x.codes.shape[0], weight.shape[0], sms):
+            from lmnb.runtime.kernels.fused.mm_fp8 import w8a8_mm
+
+            return w8a8_mm(x.codes, x.scale, weight, weight_scale, bias, x.dtype)
         return _scaled_mm(x, weight, weight_scale, bias)
     return _rows_reference(x, weight, weight_scale, bias)
 
