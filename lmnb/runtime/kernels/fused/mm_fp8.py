@@ -11,9 +11,10 @@ to the sums. Each BLOCK_M rows of x read the weight once and no 16-bit copy of i
 traffic a forward, more than a decode step's GEMMs).
 
 W8A8, `w8a8_mm`: what `torch._scaled_mm` computes with row-wise scales (per-token FP8 rows times
-FP8 weights on the FP8 tensor cores, float32 sums, both scales on the sums), with tiles sized for
-17-64 rows, where it takes 0.78-0.84x `_scaled_mm`'s time at Llama-3-8B's linears (H200,
-bench/RESULTS.md, FP8, session 29); `bench/w8a8_mm.py` times the two per shape. sm_90's FP8 MMAs
+FP8 weights on the FP8 tensor cores, float32 sums, both scales on the sums), with 64 x 64 tiles for
+17-128 rows (rows past M masked), where it takes 0.69-0.86x `_scaled_mm`'s time at Llama-3-8B's
+linears up to 64 rows, and at 65-128 rows 0.79-1.0x on the narrow ones (H200, bench/RESULTS.md,
+FP8, session 30); `bench/w8a8_mm.py` times the two per shape. sm_90's FP8 MMAs
 add in a narrower adder than float32, so the sums are promoted to float32 every K tile.
 
 Programs are ordered in groups of GROUP_M row blocks so that neighbours share weight tiles in L2.
@@ -163,9 +164,9 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_w
 def w8a8_config(m: int) -> W8A16Config:
     """The W8A8 launch config for m rows. H200 sweep (`bench/w8a8_mm.py --sweep`): at 64 rows
     64 x 64 x 128 tiles over 4 warps, 5 stages, best or within 4% of the best for all four of
-    Llama-3-8B's linears; up to 128 rows the same tiles (twice the row tiles: the grid the
-    narrow weights that take it at those rows need, `fp8.takes_triton_w8a8`); past 128 rows
-    no tile wins them all."""
+    Llama-3-8B's linears; up to 128 rows the same tiles (the grid the narrow weights that take
+    it at those rows need, `fp8.takes_triton_w8a8`: o 1.27x `_scaled_mm` at 128 rows where
+    64 x 128 tiles gave 0.89x); past 128 rows no tile wins them all."""
     return _by_rows(m if m > 128 else min(m, 64), W8A16Config(16, 32, 32, 2, 1, 1),
                     W8A16Config(64, 64, 128, 8, 4, 5), W8A16Config(64, 128, 128, 8, 4, 4))
 

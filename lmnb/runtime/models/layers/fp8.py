@@ -139,8 +139,9 @@ def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, f
 
 # Rows up to which CUDA's W8A8 GEMMs run the Triton kernel (`mm_fp8.w8a8_mm`, tiles that fill
 # the SMs at a decode batch's rows) instead of `_scaled_mm`; 0: never. Read at each call. H200
-# (`bench/w8a8_mm.py --sweep`, Llama-3-8B's linears): 1.19-1.27x `_scaled_mm` at 64 rows; at 128
-# o/down 1.16-1.27x but gate_up 0.89x or less with every tile swept; at 234 0.61-0.93x.
+# (`bench/w8a8_mm.py`, Llama-3-8B's linears): 1.16-1.46x `_scaled_mm` at 17-64 rows; at 128
+# o/down 1.16-1.27x, qkv 1.0x, but gate_up 0.85x or less with every tile swept; past 128 rows
+# 0.63-1.12x (the best tile of each).
 W8A8_TRITON_MAX_ROWS = 64
 # Past those rows and up to these, the Triton kernel still takes a weight whose 128 x 128 tiles
 # (cuBLASLt's at these rows) would leave more than half the SMs idle: Llama-3-8B's qkv, o and
