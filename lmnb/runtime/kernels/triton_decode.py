@@ -29,7 +29,6 @@ tokens over twice the warps was slower).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -43,6 +42,7 @@ from lmnb.runtime.kernels.attend import (
     fp8_pool_query,
 )
 from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
+from lmnb.runtime.kernels.multiprocessors import multiprocessors
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
 from lmnb.runtime.kernels.pdl import wait_for_previous
 from lmnb.runtime.kernels.shared_prefix import PREFIX_SPLITS, SharedPrefixes, shared_prefix_partials
@@ -300,14 +300,6 @@ def query_rows(group: int) -> int:
     """The query rows a stage-1 program stacks (BLOCK_H): a GQA group's heads, padded to a
     16-row tensor-core tile."""
     return max(16, triton.next_power_of_2(group))
-
-
-@functools.cache
-def multiprocessors(device: torch.device) -> int | None:
-    """The CUDA device's multiprocessors; None elsewhere (the interpreter)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def partial_buffers(bs: int, num_heads: int, head_dim: int, max_kv_splits: int,
