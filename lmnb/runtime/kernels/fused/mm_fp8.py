@@ -51,20 +51,51 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _operand_pointers(X, W, offs_m, offs_n, stride_xm, stride_wn, BLOCK_K: tl.constexpr):
+    """The first K step's x tile [BLOCK_M, BLOCK_K] and weight tile [BLOCK_K, BLOCK_N] (the
+    weight's rows read K-major); each step moves both by BLOCK_K."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    return x_ptrs, w_ptrs
+
+
+@triton.jit
+def _load_operands(x_ptrs, w_ptrs, k, K, mask_m, mask_n, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    """Step k's x and weight tiles, zero past M, N and K. Rows past M are masked, not pointed
+    at row 0: many loads of one address cost time (H200, W8A8 over 17 rows of a 64-row tile:
+    1.9x the 64 rows' time)."""
+    if EVEN_K:
+        x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+    else:
+        mask_k = k + tl.arange(0, BLOCK_K) < K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
+def _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om,
+                        HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _w8a16_mm_kernel(X, W, SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
                      UPCAST: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    x_ptrs, w_ptrs = _operand_pointers(X, W, offs_m, offs_n, stride_xm, stride_wn, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        mask_k = k + offs_k < K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        x, w = _load_operands(x_ptrs, w_ptrs, k, K, mask_m, mask_n, BLOCK_K, False)
         # e4m3 -> f16 is the hardware's conversion (and exact), f16 -> bf16 / f32 exact too
         w = w.to(tl.float16).to(X.dtype.element_ty)
         acc = tl.dot(dot_operand(x, UPCAST), dot_operand(w, UPCAST), acc,
@@ -72,10 +103,7 @@ def _w8a16_mm_kernel(X, W, SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = acc * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
 
 class W8A16Config(NamedTuple):
@@ -134,20 +162,10 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_w
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past M and columns past N are masked, not pointed at row 0 / column 0: many loads of
-    # one address cost time (H200, 17 rows of a 64-row tile: 1.9x the 64 rows' time).
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    x_ptrs, w_ptrs = _operand_pointers(X, W, offs_m, offs_n, stride_xm, stride_wn, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = k + offs_k < K
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        x, w = _load_operands(x_ptrs, w_ptrs, k, K, mask_m, mask_n, BLOCK_K, EVEN_K)
         # sm_90's FP8 MMAs add in less than float32: promote to the float32 sum every tile, as
         # `_scaled_mm` (without fast accumulation) does
         acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
@@ -155,10 +173,7 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_w
         w_ptrs += BLOCK_K
     acc *= tl.load(X_SCALE + offs_m, mask=mask_m, other=0.0)[:, None]
     acc *= tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
 
 def w8a8_config(m: int) -> W8A16Config:
