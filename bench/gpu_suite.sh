@@ -45,6 +45,7 @@
 #                   "--repeats 5 --lmnb-backend triton --profile", "--skip-vllm", or
 #                   "--cold-caches": each engine's start as a fresh machine's). vLLM's
 #                   flashinfer-python 0.6.14 comes first on their PYTHONPATH, for lmnb too.
+# `bash bench/gpu_prep.sh` (here) fills .gpu/deps, .gpu/whl and .gpu/tokenizer.
 # FlashInfer: wheels in .gpu/whl are installed into /tmp/site when present (no network); its JIT
 # output goes to build/flashinfer (ignored and not carried, so a warm machine keeps it between
 # calls that carry .gpu). The tokenizer comes
