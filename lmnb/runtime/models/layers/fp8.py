@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch.nn import functional as F
 
+from lmnb.runtime.kernels.multiprocessors import multiprocessors
+
 if TYPE_CHECKING:
     from lmnb.runtime.kernels.fused.gemv_fp8 import RotaryStore
 
@@ -165,8 +167,6 @@ def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor
     x [M, K] -> [M, N] in x.dtype; on CUDA `mm_fp8.w8a8_mm` where `takes_triton_w8a8`,
     `_scaled_mm` elsewhere; the float32 reference off CUDA."""
     if x.codes.is_cuda:
-        from lmnb.runtime.kernels.multiprocessors import multiprocessors
-
         sms = multiprocessors(x.codes.device) or 0
         if takes_triton_w8a8(x.codes.shape[0], weight.shape[0], sms):
             from lmnb.runtime.kernels.fused.mm_fp8 import w8a8_mm
