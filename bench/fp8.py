@@ -9,15 +9,18 @@ Variants (one `Runtime` each, built one after the other and closed between):
                 the skinny GEMMs (`layers.linear.FP8_DECODE_FUSIONS`; not run by default)
   fp8-quant-apart  fp8 with the W8A8 GEMMs' inputs quantized by their own kernel, not inside the
                 RMSNorm / SiLU-and-mul kernels (`layers.linear.FP8_QUANT_FUSIONS`; not by default)
-  fp8-w8a8-rows  fp8 with 2-16 rows (decode at batch 2-16) on FP8 tensor cores (`_scaled_mm`
-                over per-token FP8 rows) instead of the skinny W8A16 kernel
+  fp8-w8a8-rows  fp8 with 2-16 rows (decode at batch 2-16) on FP8 tensor cores (per-token FP8
+                rows through `fp8.fp8_rows_linear`: the Triton W8A8 GEMM at these rows) instead
+                of the skinny W8A16 kernel
                 (`layers.fp8.W8A16_MAX_ROWS`; not by default)
 
 Parts (`--parts`, default all):
   decode    random Llama-3-8B (`--model`), one 128-id prompt, ms per decode step as
             (T(16 + 256 new tokens) - T(16)) / 256 (medians of `--repeats` runs), tok/s, and the
             floor: the runtime's weight bytes (`Runtime.weight_bytes`) / copy bandwidth measured
-            in this run; FP8's speed-up over bf16 and its fraction of its own floor
+            in this run; FP8's speed-up over bf16 and its fraction of its own floor.
+            `--decode-batch 1,8,32` times each batch size (that many prompts) in turn on the
+            same runtime: one model build per variant
   offline   nano-vllm's offline workload (bench/offline.py: 256 seqs, in/out lengths 100-1024,
             seed 0, temperature 0.6), one generate call: output tok/s and the KV pool's tokens
   w8a16     (not by default) weight-only FP8 GEMMs of more than 16 rows at Llama-3-8B's linears:
@@ -281,12 +284,18 @@ def run_speed(args: argparse.Namespace, device: torch.device,
                 row["weight_gb"] = rt.weight_bytes / 1e9
                 row["kv_tokens"] = rt.max_total_tokens
                 if "decode" in parts:
-                    ms = decode_step_ms(rt, steps=args.steps, repeats=args.repeats, device=device,
-                                        batch=args.decode_batch)
-                    row |= {"decode_ms_per_step": ms, "decode_tok_s": 1e3 / ms}
-                    if bandwidth:
-                        floor_ms = rt.weight_bytes / bandwidth * 1e3
-                        row |= {"floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms}
+                    by_batch = {}
+                    for batch in args.decode_batch:
+                        ms = decode_step_ms(rt, steps=args.steps, repeats=args.repeats,
+                                            device=device, batch=batch)
+                        by_batch[batch] = {"decode_ms_per_step": ms, "decode_tok_s": 1e3 / ms}
+                        if bandwidth:
+                            floor_ms = rt.weight_bytes / bandwidth * 1e3
+                            by_batch[batch] |= {"floor_ms": floor_ms,
+                                                "fraction_of_floor": floor_ms / ms}
+                    row |= by_batch[args.decode_batch[0]]  # the first size, as one size reads
+                    if len(by_batch) > 1:
+                        row["decode_by_batch"] = by_batch
                 if "offline" in parts:
                     measured = measure_workload(rt, workload, temperature=0.6, rates=None,
                                                 device=device)
@@ -307,6 +316,9 @@ def _ratios(speed: dict[str, Any]) -> dict[str, float]:
         row = speed.get(name, {})
         if "decode_tok_s" in row and "decode_tok_s" in base:
             out[f"decode {name}/bf16"] = row["decode_tok_s"] / base["decode_tok_s"]
+        for batch, timed in row.get("decode_by_batch", {}).items():
+            out[f"decode b{batch} {name}/bf16"] = (
+                timed["decode_tok_s"] / base["decode_by_batch"][batch]["decode_tok_s"])
         if "offline_tok_s" in row and "offline_tok_s" in base:
             out[f"offline {name}/bf16"] = row["offline_tok_s"] / base["offline_tok_s"]
         if "kv_tokens" in row and "kv_tokens" in base:
@@ -323,8 +335,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder for the random model (default: SmolLM2's)")
     parser.add_argument("--steps", type=int, default=256)
-    parser.add_argument("--decode-batch", type=int, default=1,
-                        help="requests decoded together in the decode part")
+    parser.add_argument("--decode-batch", default="1",
+                        help="requests decoded together in the decode part; comma-separated "
+                             "sizes are timed in turn")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=1024)
@@ -350,6 +363,9 @@ def main() -> None:
     if parts - set(PARTS):
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {PARTS}")
     args.variants = args.variants.split(",")
+    args.decode_batch = [int(size) for size in args.decode_batch.split(",")]
+    if min(args.decode_batch) < 1 or len(set(args.decode_batch)) < len(args.decode_batch):
+        parser.error("--decode-batch: distinct sizes of at least 1")
     args.floor = [name for name in args.floor.split(",") if name]
     args.quality_checkpoints = [n for n in args.quality_checkpoints.split(",") if n]
     if set(args.quality_checkpoints) - set(QUALITY_CHECKPOINTS):
@@ -382,9 +398,14 @@ def main() -> None:
             "weight_gb", "decode_ms_per_step", "decode_tok_s", "fraction_of_floor",
             "offline_tok_s", "kv_tokens"))] for name in args.variants]
         print(f"{speed['model']}, copy bandwidth {speed['copy_bandwidth_gbs']} GB/s")
-        b = f"b{args.decode_batch}"
+        b = f"b{args.decode_batch[0]}"
         print(format_table(["variant", "weights GB", f"{b} ms/step", f"{b} tok/s", "of floor",
                             "offline tok/s", "KV tokens"], rows))
+        if len(args.decode_batch) > 1 and "decode" in parts:
+            print(format_table(["variant", *(f"b{batch} ms/step" for batch in args.decode_batch)],
+                               [[name, *(speed[name]["decode_by_batch"][batch]
+                                         ["decode_ms_per_step"] for batch in args.decode_batch)]
+                                for name in args.variants]))
         results["ratios"] = _ratios(speed)
         for key, value in results["ratios"].items():
             print(f"{key}: {value:.3f}")
