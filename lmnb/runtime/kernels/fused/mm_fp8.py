@@ -120,11 +120,11 @@ def _grid(m: int, n: int, cfg: W8A16Config) -> tuple[int]:
     return (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
 
 
-def _by_rows(m: int, interpreted: W8A16Config, up_to_64: W8A16Config,
-             more: W8A16Config) -> W8A16Config:
+def _by_rows(m: int, interpreted: W8A16Config, few: W8A16Config, more: W8A16Config, *,
+             few_up_to: int = 64) -> W8A16Config:
     if INTERPRETED:  # small tiles: the interpreter's time grows with a tile's size
         return interpreted
-    return up_to_64 if m <= 64 else more
+    return few if m <= few_up_to else more
 
 
 def w8a16_config(m: int) -> W8A16Config:
@@ -182,8 +182,8 @@ def w8a8_config(m: int) -> W8A16Config:
     Llama-3-8B's linears; up to 128 rows the same tiles (the grid the narrow weights that take
     it at those rows need, `fp8.takes_triton_w8a8`: o 1.27x `_scaled_mm` at 128 rows where
     64 x 128 tiles gave 0.89x); past 128 rows no tile wins them all."""
-    return _by_rows(m if m > 128 else min(m, 64), W8A16Config(16, 32, 32, 2, 1, 1),
-                    W8A16Config(64, 64, 128, 8, 4, 5), W8A16Config(64, 128, 128, 8, 4, 4))
+    return _by_rows(m, W8A16Config(16, 32, 32, 2, 1, 1), W8A16Config(64, 64, 128, 8, 4, 5),
+                    W8A16Config(64, 128, 128, 8, 4, 4), few_up_to=128)
 
 
 def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
