@@ -363,7 +363,7 @@ def fixed_scale_runs(batch: Batch, with_flashinfer: bool
     """An FP8 batch's K/V requantized with one scale per tensor (amax / 448), read by Triton's
     default config and, `with_flashinfer` and installed, FlashInfer's paged decode."""
     from lmnb.runtime.kernels import triton_decode as td
-    from lmnb.runtime.memory.kv_storage import FP8_MAX, quantize_fixed
+    from lmnb.runtime.memory.kv_storage import FP8_MAX, fixed_scale_view, quantize_fixed
 
     device = batch.q.device
     every = torch.arange(batch.k.shape[0], device=device)
@@ -376,8 +376,8 @@ def fixed_scale_runs(batch: Batch, with_flashinfer: bool
         del values
     k, v = pools
     kv_bytes = 2 * sum(batch.lens) * batch.kv_heads * batch.head_dim
-    fixed = tuple(torch.full((1, batch.kv_heads), scale, device=device).expand(
-        k.shape[0], batch.kv_heads) for scale in scales)
+    fixed = tuple(fixed_scale_view(scale, k.shape[0], batch.kv_heads, device)
+                  for scale in scales)
     out = torch.empty_like(batch.q)
     default = td.decode_config(batch.head_dim, k.dtype, batch_size=len(batch.lens),
                                num_kv_heads=batch.kv_heads, sm_count=td.multiprocessors(device))

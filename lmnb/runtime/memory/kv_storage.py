@@ -73,8 +73,9 @@ def _head_major_ones(slots: int, kv_heads: int, device: torch.device) -> torch.T
     return torch.ones((kv_heads, slots), dtype=torch.float32, device=device).t()
 
 
-def _fixed(scale: float, slots: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """[slots, kv_heads] float32 `scale` with slot stride 0."""
+def fixed_scale_view(scale: float, slots: int, kv_heads: int, device: torch.device
+                     ) -> torch.Tensor:
+    """[slots, kv_heads] float32 `scale` with slot stride 0 (a "tensor" pool's scales)."""
     return torch.full((1, kv_heads), scale, dtype=torch.float32, device=device).expand(
         slots, kv_heads)
 
@@ -110,8 +111,10 @@ class KVStorage:
         self.tensor_scales = [(TENSOR_SCALE, TENSOR_SCALE) for _ in layers
                               ] if fp8_scales == "tensor" else []
         if self.tensor_scales:
-            self.k_scales = [_fixed(k, size + 1, kv_heads, device) for k, _ in self.tensor_scales]
-            self.v_scales = [_fixed(v, size + 1, kv_heads, device) for _, v in self.tensor_scales]
+            self.k_scales = [fixed_scale_view(k, size + 1, kv_heads, device)
+                             for k, _ in self.tensor_scales]
+            self.v_scales = [fixed_scale_view(v, size + 1, kv_heads, device)
+                             for _, v in self.tensor_scales]
         else:
             self.k_scales = [_head_major_ones(size + 1, kv_heads, device) for _ in layers]
             self.v_scales = [_head_major_ones(size + 1, kv_heads, device) for _ in layers]
@@ -140,8 +143,10 @@ class KVStorage:
         before any of its rows is written."""
         assert self.tensor_scales, "only an FP8 pool with fp8_scales='tensor' has fixed scales"
         self.tensor_scales[layer_id] = (k_scale, v_scale)
-        self.k_scales[layer_id] = _fixed(k_scale, self.size + 1, self.kv_heads, self.device)
-        self.v_scales[layer_id] = _fixed(v_scale, self.size + 1, self.kv_heads, self.device)
+        self.k_scales[layer_id] = fixed_scale_view(k_scale, self.size + 1, self.kv_heads,
+                                                   self.device)
+        self.v_scales[layer_id] = fixed_scale_view(v_scale, self.size + 1, self.kv_heads,
+                                                   self.device)
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
