@@ -9,10 +9,10 @@ Variants (one `Runtime` each, built one after the other and closed between):
                 the skinny GEMMs (`layers.linear.FP8_DECODE_FUSIONS`; not run by default)
   fp8-quant-apart  fp8 with the W8A8 GEMMs' inputs quantized by their own kernel, not inside the
                 RMSNorm / SiLU-and-mul kernels (`layers.linear.FP8_QUANT_FUSIONS`; not by default)
-  fp8-w8a8-rows  fp8 with 2-16 rows (decode at batch 2-16) on FP8 tensor cores (per-token FP8
-                rows through `fp8.fp8_rows_linear`: the Triton W8A8 GEMM at these rows) instead
-                of the skinny W8A16 kernel
-                (`layers.fp8.W8A16_MAX_ROWS`; not by default)
+  fp8-skinny-rows  fp8 with 2-16 rows (decode at batch 2-16) through the skinny W8A16 kernel
+                (16-bit activations, its dot path) instead of per-token FP8 rows through the
+                split-K W8A8 GEMM (`layers.fp8.W8A16_MAX_ROWS`; before session 31; not by
+                default)
 
 Parts (`--parts`, default all):
   decode    random Llama-3-8B (`--model`), one 128-id prompt, ms per decode step as
@@ -88,9 +88,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     "fp8-unfused": {"quantization": "fp8"},  # decode's norms and SiLU apart (ablation)
     "fp8-quant-apart": {"quantization": "fp8"},  # per_token_quant apart (ablation)
-    "fp8-w8a8-rows": {"quantization": "fp8"},  # 2-16 rows W8A8 (`_scaled_mm`), not skinny
+    "fp8-skinny-rows": {"quantization": "fp8"},  # 2-16 rows skinny W8A16, not W8A8
 }
 DEFAULT_VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8+fp8-kv")
+W8A16_MAX_ROWS = fp8.W8A16_MAX_ROWS  # the runtime's, restored after each variant
 # The noise floor of the quality part: the model in other 16/32-bit dtypes against bf16.
 FLOOR_VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
@@ -278,7 +279,8 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             row: dict[str, Any] = {}
             linear.FP8_DECODE_FUSIONS = name != "fp8-unfused"
             linear.FP8_QUANT_FUSIONS = name != "fp8-quant-apart"
-            fp8.W8A16_MAX_ROWS = 1 if name == "fp8-w8a8-rows" else fp8.SKINNY_MAX_ROWS
+            fp8.W8A16_MAX_ROWS = (fp8.SKINNY_MAX_ROWS if name == "fp8-skinny-rows" else
+                                  W8A16_MAX_ROWS)
             with Runtime(str(spec.path), device=str(device),
                          **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
                 row["weight_gb"] = rt.weight_bytes / 1e9
@@ -304,7 +306,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
                             "offline_retractions": measured["retractions"]}
             results[name] = row
             linear.FP8_DECODE_FUSIONS = linear.FP8_QUANT_FUSIONS = True
-            fp8.W8A16_MAX_ROWS = fp8.SKINNY_MAX_ROWS
+            fp8.W8A16_MAX_ROWS = W8A16_MAX_ROWS
             _free()
         return results
 

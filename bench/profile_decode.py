@@ -1,6 +1,6 @@
-"""Where a decode step's time goes: torch profiler over one request (1 prefill + N decode steps)
-on random weights of a real architecture; prints kernel launches per step, device time by kernel
-category (bench/kernel_profile.py) and the host-side table (GPU).
+"""Where a decode step's time goes: torch profiler over --batch requests (1 prefill + N decode
+steps) on random weights of a real architecture; prints kernel launches per step, device time by
+kernel category (bench/kernel_profile.py) and the host-side table (GPU).
 
     python bench/profile_decode.py --model-config llama-2-7b --tokenizer <tokenizer folder>
 """
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-config", default="llama-2-7b", choices=sorted(DUMMY_CONFIGS))
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=1, help="requests decoded together")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--disable-fused-kernels", action="store_true")
@@ -48,17 +49,17 @@ def main(argv: list[str] | None = None) -> None:
                      disable_cuda_graph=args.disable_cuda_graph,
                      disable_fused_kernels=args.disable_fused_kernels, **quant) as rt:
             params = {"temperature": 0, "ignore_eos": True}
-            prompt = list(range(100, 356))
-            rt.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
+            prompts = [list(range(100 + i, 356 + i)) for i in range(args.batch)]
+            rt.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 8})
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with profile(activities=activities) as prof:
-                rt.generate(input_ids=prompt,
+                rt.generate(input_ids=prompts,
                             sampling_params={**params, "max_new_tokens": args.steps + 1})
     events = prof.key_averages()
     kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
     passes = args.steps + 1
-    print(f"CUDA kernels for 1 prefill + {args.steps} decode steps: {kernels} "
-          f"(~{kernels / passes:.0f} per pass)")
+    print(f"CUDA kernels for 1 prefill + {args.steps} decode steps at batch {args.batch}: "
+          f"{kernels} (~{kernels / passes:.0f} per pass)")
     summary = summarize(device_events(prof), wall_seconds=0.0, passes=passes)
     print(format_table(CATEGORY_HEADERS, category_rows(summary)))
     print(format_table(["kernel", "category", "count", "us per pass"],

@@ -1,4 +1,4 @@
-"""The W8A8 FP8 GEMM for 17-64 rows (`mm_fp8.w8a8_mm`, Triton) against `torch._scaled_mm`
+"""The W8A8 FP8 GEMM for 2-128 rows (`mm_fp8.w8a8_mm`, Triton) against `torch._scaled_mm`
 (cuBLASLt), at Llama-3-8B's four linears.
 
 At M rows of a large decode batch or a short prefill: microseconds per call (CUDA graph of CALLS
@@ -14,6 +14,7 @@ when $OUT is set).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -33,7 +34,9 @@ from bench.common import (  # noqa: E402
     graph_seconds_per_call,
     write_results,
 )
+from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv  # noqa: E402
 from lmnb.runtime.kernels.fused.mm_fp8 import W8A16Config, w8a8_config, w8a8_mm  # noqa: E402
+from lmnb.runtime.kernels.multiprocessors import multiprocessors  # noqa: E402
 from lmnb.runtime.models.layers import fp8  # noqa: E402
 
 CALLS = 24
@@ -41,10 +44,26 @@ L2_BYTES = 64 << 20  # at least H100's 50 MB and H200's 50 MB
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # (N, K) of Llama-3-8B's linears
 SWEEP = [W8A16Config(bm, bn, bk, 8, warps, stages) for bm, bn, bk, warps, stages in (
-    (32, 64, 128, 4, 5), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 128, 4, 5),
+    (16, 64, 128, 4, 5), (16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 5),
+    (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 128, 4, 5),
     (64, 64, 256, 4, 3), (64, 128, 64, 4, 5), (64, 128, 128, 4, 3), (64, 128, 128, 4, 4),
     (64, 256, 128, 8, 3), (128, 64, 128, 4, 4), (128, 128, 128, 8, 3), (128, 128, 128, 8, 4),
     (128, 256, 64, 8, 3))]
+
+# at decode's 2-16 rows: 16-row tiles, K split until the SMs hold ~2-16 programs each
+SMALL_ROWS = 16
+SMALL_SWEEP_TILES = [(16, bn, bk, 4, stages) for bn, bk, stages in itertools.product(
+    (32, 64, 128), (128, 256), (4, 6))]
+
+
+def small_rows_sweep(n: int, k: int, multiprocessors: int) -> list[W8A16Config]:
+    configs = []
+    for bm, bn, bk, warps, stages in SMALL_SWEEP_TILES:
+        tiles = -(-n // bn)
+        for split in (1, 2, 4, 8):
+            if (split == 1 or tiles * split <= 16 * multiprocessors) and k // split >= 2 * bk:
+                configs.append(W8A16Config(bm, bn, bk, 8, warps, stages, split))
+    return configs
 
 
 def _scaled_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
@@ -67,10 +86,12 @@ def run_shape(op: str, m: int, n: int, k: int, device: str, sweep: bool, replays
     weights = [fp8.quantize_rows(torch.randn(n, k, device=device, generator=gen))
                for _ in range(copies)]
     reference = (codes.float() @ weights[0][0].float().t()) * scale * weights[0][1][None, :]
-    configs = [("triton default", w8a8_config(m))]
+    sms = multiprocessors(torch.device(device)) or 132
+    configs = [("triton default", w8a8_config(m, n, k, sms))]
     if sweep:
+        grid = small_rows_sweep(n, k, sms) if m <= SMALL_ROWS else SWEEP
         configs += [(f"triton {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} "
-                     f"s{c.num_stages}", c) for c in SWEEP]
+                     f"s{c.num_stages} k{c.split_k}", c) for c in grid]
     rows = []
     if device == "cuda":
         theirs = _scaled_mm(codes, scale, *weights[0])
@@ -78,6 +99,12 @@ def run_shape(op: str, m: int, n: int, k: int, device: str, sweep: bool, replays
             lambda i: _scaled_mm(codes, scale, *weights[i % copies]), calls=CALLS,
             replays=replays) * 1e6
         rows.append({"op": op, "m": m, "kernel": "_scaled_mm", "us": us, "close": True})
+        if m <= fp8.SKINNY_MAX_ROWS:  # what decode at these rows takes: 16-bit x, no quantize
+            x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+            us = graph_seconds_per_call(
+                lambda i: fp8_gemv(x, *weights[i % copies]), calls=CALLS,
+                replays=replays) * 1e6
+            rows.append({"op": op, "m": m, "kernel": "skinny W8A16", "us": us, "close": True})
     else:
         theirs = reference
     for name, config in configs:
@@ -112,10 +139,10 @@ def main() -> int:
             rows = run_shape(op, m, n, k, device, args.sweep and not args.tiny, args.replays)
             results += rows
             base = rows[0]["us"] if rows[0]["kernel"] == "_scaled_mm" else None
-            timed = [r for r in rows if r["us"] is not None and r["kernel"] != "_scaled_mm"]
+            timed = [r for r in rows if r["us"] is not None and r["kernel"].startswith("triton")]
             best = min(timed, key=lambda r: r["us"]) if timed else None
             for r in rows:
-                if r["kernel"] in ("_scaled_mm", "triton default") or r is best:
+                if r["kernel"] in ("_scaled_mm", "skinny W8A16", "triton default") or r is best:
                     gbs = n * k / (r["us"] * 1e3) if r["us"] else None
                     table.append([op, m, r["kernel"] + (" (best)" if r is best else ""),
                                   r["us"], gbs, base / r["us"] if base and r["us"] else None,

@@ -457,10 +457,16 @@ def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
     layers = config.num_layers
     assert calls.count(("fp8_norm_rotary_linear", 1)) == 2 * layers  # 2 decode steps
     assert calls.count(("fp8_norm_linear", 1)) == 2 * layers  # gate_up
-    calls.clear()  # two rows: the norms and the rotary apart, SiLU still in gate_up's epilogue
+    calls.clear()  # two rows: the W8A8 GEMMs (`fp8.W8A16_MAX_ROWS`), none of these
+    _passes(runner, [[5, 900, 31], [8, 2, 77]], [7, 9])
+    assert not calls
+    # two rows through the skinny kernel: the norms and the rotary apart, SiLU still in gate_up's
+    # epilogue
+    monkeypatch.setattr(fp8, "W8A16_MAX_ROWS", fp8.SKINNY_MAX_ROWS)
     _passes(runner, [[5, 900, 31], [8, 2, 77]], [7, 9])
     assert calls.count(("fp8_silu_linear", 2)) == layers  # the decode pass (prefill: 6 rows)
     assert {name for name, _ in calls} == {"fp8_silu_linear"}
+    monkeypatch.setattr(fp8, "W8A16_MAX_ROWS", 1)
     calls.clear()
     monkeypatch.setattr(linear, "FP8_DECODE_FUSIONS", False)  # the ablation switch
     calls.clear()

@@ -130,18 +130,26 @@ for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16
                      aligned=["X", "W", "SCALE", "OUT", "K", "stride_xm", "stride_wn",
                               "stride_om"])
     assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"] and "wgmma" in kernel.asm["ptx"]
-for bn in (64, 128):  # W8A8: FP8 rows and FP8 weight tiles straight into FP8 wgmma
+for bm, bn, split in ((64, 64, 1), (64, 128, 1), (16, 64, 4)):
+    # W8A8: 64-row tiles take FP8 rows and FP8 weight tiles straight into FP8 wgmma; decode's
+    # 16-row tiles (K split) are too few rows for wgmma, and Triton converts them to f16 for
+    # mma.sync in registers
     kernel = compile(mm_fp8._w8a8_mm_kernel,
                      {"X": f8, "X_SCALE": "*fp32", "W": f8, "W_SCALE": "*fp32", "B": dt,
-                      "OUT": dt, **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn",
-                                                        "stride_om")}},
-                     {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": 64, "BLOCK_N": bn,
-                      "BLOCK_K": 128, "GROUP_M": 8}, warps=4,
-                     aligned=["X", "W", "X_SCALE", "W_SCALE", "OUT", "K", "stride_xm",
-                              "stride_wn", "stride_om"])
+                      "OUT": dt, "PARTIAL": "*fp32",
+                      **{n: "i32" for n in ("M", "N", "K", "K_SPAN", "stride_xm", "stride_wn",
+                                            "stride_om")}},
+                     {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn,
+                      "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": split},
+                     warps=4, aligned=["X", "W", "X_SCALE", "W_SCALE", "OUT", "PARTIAL", "K",
+                                       "K_SPAN", "stride_xm", "stride_wn", "stride_om"])
     ptx = kernel.asm["ptx"]
-    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k32.f32.e4m3.e4m3" in ptx, bn
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx and kernel.metadata.shared <= 227 * 1024
+    if bm == 64:
+        assert f"wgmma.mma_async.sync.aligned.m64n{bn}k32.f32.e4m3.e4m3" in ptx, bn
+        assert "cvt.rn.f16x2.e4m3x2" not in ptx
+    else:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert kernel.metadata.shared <= 227 * 1024
 print("compiled")
 """
 

@@ -131,10 +131,17 @@ def test_fp8_linear_takes_it_for_few_rows_when_fused(device, monkeypatch):
 
     monkeypatch.setattr(gemv_fp8, "fp8_gemv", counting)
     x, w, scale, bias = _inputs(SKINNY_MAX_ROWS + 1, 24, 40, torch.float32, device)
-    for rows in (1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
-        out = fp8.fp8_linear(x[:rows].reshape(1, rows, 40), w, scale, bias, fused=True)
-        assert out.shape == (1, rows, 24)
-    fp8.fp8_linear(x[:2], w, scale, bias, fused=False)
+    def run_rows() -> None:
+        for rows in (1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
+            out = fp8.fp8_linear(x[:rows].reshape(1, rows, 40), w, scale, bias, fused=True)
+            assert out.shape == (1, rows, 24)
+        fp8.fp8_linear(x[:2], w, scale, bias, fused=False)
+
+    run_rows()
+    assert calls == [1]  # 2+ rows: the W8A8 GEMM over per-token FP8 rows
+    calls.clear()
+    monkeypatch.setattr(fp8, "W8A16_MAX_ROWS", SKINNY_MAX_ROWS)
+    run_rows()
     assert calls == [1, 3, SKINNY_MAX_ROWS]
 
 

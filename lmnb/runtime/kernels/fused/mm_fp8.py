@@ -14,8 +14,11 @@ W8A8, `w8a8_mm`: what `torch._scaled_mm` computes with row-wise scales (per-toke
 FP8 weights on the FP8 tensor cores, float32 sums, both scales on the sums), with 64 x 64 tiles for
 17-128 rows (rows past M masked), where it takes 0.69-0.86x `_scaled_mm`'s time at Llama-3-8B's
 linears up to 64 rows, and at 65-128 rows 0.79-1.0x on the narrow ones (H200, bench/RESULTS.md,
-FP8, session 30); `bench/w8a8_mm.py` times the two per shape. sm_90's FP8 MMAs
-add in a narrower adder than float32, so the sums are promoted to float32 every K tile.
+FP8, session 30); at decode's 2-16 rows 16-row tiles with K split over the SMs (float32 partials
+summed by a second kernel), 0.41-0.72x `_scaled_mm`'s time and 0.77-0.87x the skinny W8A16
+kernel's (session 31); `bench/w8a8_mm.py` times them per shape. sm_90's FP8 MMAs
+add in a narrower adder than float32, so the sums are promoted to float32 every K tile; at 16-row
+tiles (too few rows for wgmma) Triton converts both operands to f16 for mma.sync instead.
 
 Programs are ordered in groups of GROUP_M row blocks so that neighbours share weight tiles in L2.
 No autotuning: the configs are functions of M (`w8a16_config`, `w8a8_config`).
@@ -30,7 +33,11 @@ import triton
 import triton.language as tl
 
 from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
+from lmnb.runtime.kernels.fused.gemv import _split_k_reduce_kernel
 from lmnb.runtime.kernels.interpreter import INTERPRETED
+from lmnb.runtime.kernels.multiprocessors import multiprocessors
+from lmnb.runtime.kernels.pdl import launch_args as pdl_args
+from lmnb.runtime.kernels.pdl import wait_for_previous
 
 
 @triton.jit
@@ -113,6 +120,7 @@ class W8A16Config(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # W8A8 only: K slices summed by a second kernel
 
 
 def _grid(m: int, n: int, cfg: W8A16Config) -> tuple[int]:
@@ -157,15 +165,24 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
 
 @triton.jit
-def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, stride_xm,
+                    stride_wn, stride_om,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Program (tile, s) sums K slice s (K_SPAN columns); with SPLIT_K > 1 it writes its scaled
+    float32 sums to PARTIAL [SPLIT_K, M, N] for `_split_k_reduce_kernel`."""
+    wait_for_previous(USE_PDL)
     offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M)
-    x_ptrs, w_ptrs = _operand_pointers(X, W, offs_m, offs_n, stride_xm, stride_wn, BLOCK_K)
+    pid_k = tl.program_id(1)
+    k_first = pid_k * K_SPAN
+    k_end = tl.minimum(k_first + K_SPAN, K)
+    x_ptrs, w_ptrs = _operand_pointers(X + k_first, W + k_first, offs_m, offs_n, stride_xm,
+                                       stride_wn, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x, w = _load_operands(x_ptrs, w_ptrs, k, K, mask_m, mask_n, BLOCK_K, EVEN_K)
+    for k in range(k_first, k_end, BLOCK_K):
+        x, w = _load_operands(x_ptrs, w_ptrs, k, k_end, mask_m, mask_n, BLOCK_K, EVEN_K)
         # sm_90's FP8 MMAs add in less than float32: promote to the float32 sum every tile, as
         # `_scaled_mm` (without fast accumulation) does
         acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
@@ -173,15 +190,37 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, M, N, K, stride_xm, stride_w
         w_ptrs += BLOCK_K
     acc *= tl.load(X_SCALE + offs_m, mask=mask_m, other=0.0)[:, None]
     acc *= tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
-    _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
+    if SPLIT_K == 1:
+        _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
+    else:
+        part_ptrs = PARTIAL + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
-def w8a8_config(m: int) -> W8A16Config:
-    """The W8A8 launch config for m rows. H200 sweep (`bench/w8a8_mm.py --sweep`): at 64 rows
-    64 x 64 x 128 tiles over 4 warps, 5 stages, best or within 4% of the best for all four of
-    Llama-3-8B's linears; up to 128 rows the same tiles (the grid the narrow weights that take
-    it at those rows need, `fp8.takes_triton_w8a8`: o 1.27x `_scaled_mm` at 128 rows where
-    64 x 128 tiles gave 0.89x); past 128 rows no tile wins them all."""
+W8A8_DECODE_ROWS = 16  # up to these rows: 16-row tiles, K split to fill the SMs
+W8A8_MIN_PROGRAMS_AN_SM = 1.5
+
+
+def w8a8_config(m: int, n: int, k: int, multiprocessors: int) -> W8A16Config:
+    """The W8A8 launch config for m rows against an [n, k] weight on `multiprocessors` SMs.
+    H200 sweeps (`bench/w8a8_mm.py --sweep`) over Llama-3-8B's linears:
+    - up to 16 rows (decode batches): 16 x 64 x 128 tiles over 4 warps, K split in two until
+      there are 1.5 programs an SM (qkv and o 4 slices, down 4, gate_up none), 6 stages where
+      split (a program's few K steps all in flight), else 4 (gate_up's 448 programs all
+      resident); within 4% of the best swept tile at 2, 8 and 16 rows. Without the split qkv,
+      o and down took 1.3-2.1x as long: 64-96 programs cannot keep the SMs' loads in flight.
+    - 17-64 rows: 64 x 64 x 128 tiles, 5 stages, best or within 4% of the best for all four;
+      up to 128 rows the same tiles (the grid the narrow weights that take it at those rows
+      need, `fp8.takes_triton_w8a8`: o 1.27x `_scaled_mm` at 128 rows where 64 x 128 tiles
+      gave 0.89x); past 128 rows no tile wins them all."""
+    if m <= W8A8_DECODE_ROWS and not INTERPRETED:
+        block_n, block_k = 64, 128
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while (tiles * split < W8A8_MIN_PROGRAMS_AN_SM * multiprocessors
+               and k // (2 * split) >= 2 * block_k):
+            split *= 2
+        return W8A16Config(16, block_n, block_k, 8, 4, 4 if split == 1 else 6, split)
     return _by_rows(m, W8A16Config(16, 32, 32, 2, 1, 1), W8A16Config(64, 64, 128, 8, 4, 5),
                     W8A16Config(64, 128, 128, 8, 4, 4), few_up_to=128)
 
@@ -197,14 +236,24 @@ def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     n = weight.shape[0]
     assert weight.shape[1] == k and codes.dtype == weight.dtype == torch.float8_e4m3fn
     assert scale.numel() == m and weight_scale.numel() == n
-    cfg = config or w8a8_config(m)
+    cfg = config or w8a8_config(m, n, k, multiprocessors(codes.device) or 1)
     out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
     if m == 0:
         return out
-    _w8a8_mm_kernel[_grid(m, n, cfg)](
-        codes, scale.reshape(-1), weight, weight_scale.reshape(-1),
-        bias if bias is not None else out, out, m, n, k, codes.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partial = (out if cfg.split_k == 1 else
+               torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=codes.device))
+    b = bias if bias is not None else out  # unused without HAS_BIAS
+    pdl = pdl_args(codes.device)
+    _w8a8_mm_kernel[(_grid(m, n, cfg)[0], cfg.split_k)](
+        codes, scale.reshape(-1), weight, weight_scale.reshape(-1), b, out, partial, m, n, k,
+        k_span, codes.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        EVEN_K=k % k_span == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl)
+    if cfg.split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
+            SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4, **pdl)
     return out

@@ -5,21 +5,23 @@
     activations   per token, at run time: x ~= x_q * x_scale[:, None], x_scale = amax(row) / 448
 
 `fp8_linear` picks one of three paths by rows M and device:
-    M <= 16 and fused   `kernels.fused.gemv_fp8`: the skinny Triton GEMM reading FP8 weights,
+    M = 1 and fused     `kernels.fused.gemv_fp8`: the skinny Triton GEMM reading FP8 weights,
                         dequantized in registers (activations stay 16-bit: W8A16, what batch-1
-                        decode needs)
+                        decode needs; `W8A16_MAX_ROWS`)
     CUDA                W8A8 on the FP8 tensor cores with row-wise scales: up to
                         `W8A8_TRITON_MAX_ROWS` rows (more where `takes_triton_w8a8`)
-                        `kernels.fused.mm_fp8.w8a8_mm` (Triton), else `torch._scaled_mm`;
+                        `kernels.fused.mm_fp8.w8a8_mm` (Triton; K split over the SMs at
+                        2-16 rows), else `torch._scaled_mm`;
                         the activations quantized by one Triton kernel when fused
     otherwise (CPU)     the reference: the same W8A8 math in float32 (FP8 products are exact in
                         float32; the activations quantized by that kernel, interpreted, when
                         fused), slow; the loader warns that the CPU runs FP8 this way
 With `weight_only` (W8A16 checkpoints, `Fp8Config.weight_only`) the activations are never
-quantized: M <= 16 as above, more rows through `kernels.fused.mm_fp8.w8a16_mm` when fused (FP8
-weight tiles converted in registers), else the weight dequantized to x's dtype and F.linear.
+quantized: M <= 16 through the skinny kernel, more rows through `kernels.fused.mm_fp8.w8a16_mm`
+when fused (FP8 weight tiles converted in registers), else the weight dequantized to x's dtype
+and F.linear.
 
-Decode's fusions (skinny rows only; at batch 1 a launch costs about what streaming 6 MB of
+Decode's fusions (skinny rows only: batch 1; there a launch costs about what streaming 6 MB of
 FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
     `fp8_silu_linear`   gate_up with SiLU-and-mul in the GEMM's epilogue
     `fp8_norm_linear`   RMSNorm (+ the residual add) in the GEMM's prologue: qkv after
@@ -27,7 +29,7 @@ FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
     `fp8_norm_rotary_linear`  qkv's, with the rotary in the epilogue storing k and v in the
                         KV pool (the norm, qkv and rotary kernels in one)
 
-The W8A8 paths' fusions (more rows: prefill, large decode batches): the kernel in front emits
+The W8A8 paths' fusions (more rows: prefill, decode batches): the kernel in front emits
 the per-token FP8 rows (`Fp8Rows`) instead of its 16-bit output (`rmsnorm.rms_norm_quant`,
 `activation.silu_and_mul_quant`; `quantizes_tokens` says where a layer takes them) and
 `fp8_rows_linear` runs the GEMM over them: the same codes and scales as quantizing that output.
@@ -49,10 +51,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 _MIN_SCALE = 1e-12  # all-zero rows: any positive scale gives zero back
 SKINNY_MAX_ROWS = 16  # = kernels.fused.gemv.SKINNY_MAX_ROWS (not imported: triton is optional)
-# Rows up to which fused W8A8 layers take the skinny W8A16 kernel (decode); above it, per-token
-# FP8 rows through `_scaled_mm`. Read when a forward runs (bench/fp8.py's "fp8-w8a8-rows"
-# variant sets 1: rows 2-16 on FP8 tensor cores; set it before a Runtime captures its graphs).
-W8A16_MAX_ROWS = SKINNY_MAX_ROWS
+# Rows up to which fused W8A8 layers take the skinny W8A16 kernel (batch-1 decode, with its
+# fusions); above it, per-token FP8 rows through the W8A8 GEMMs. At 2-16 rows the split-K W8A8
+# GEMM (`mm_fp8.w8a8_config`) reads the weights faster than the skinny kernel's dot path, which
+# converts every weight tile in registers: H200, random Llama-3-8B, decode at batch 2/4/8/16
+# 3.31/3.22/3.54/3.55 ms a step against 3.86/4.30/4.13/4.17 (`bench/fp8.py`'s
+# "fp8-skinny-rows" variant sets SKINNY_MAX_ROWS back). Read when a forward runs (set it before
+# a Runtime captures its graphs).
+W8A16_MAX_ROWS = 1
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
