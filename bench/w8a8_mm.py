@@ -63,6 +63,8 @@ def small_rows_sweep(n: int, k: int, multiprocessors: int) -> list[W8A16Config]:
         for split in (1, 2, 4, 8):
             if (split == 1 or tiles * split <= 16 * multiprocessors) and k // split >= 2 * bk:
                 configs.append(W8A16Config(bm, bn, bk, 8, warps, stages, split))
+                if bn >= 64:  # the weight's rows on wgmma's 64-row side
+                    configs.append(W8A16Config(bm, bn, bk, 8, warps, stages, split, True))
     return configs
 
 
@@ -91,7 +93,8 @@ def run_shape(op: str, m: int, n: int, k: int, device: str, sweep: bool, replays
     if sweep:
         grid = small_rows_sweep(n, k, sms) if m <= SMALL_ROWS else SWEEP
         configs += [(f"triton {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} "
-                     f"s{c.num_stages} k{c.split_k}", c) for c in grid]
+                     f"s{c.num_stages} k{c.split_k}{' swap' if c.swap_ab else ''}", c)
+                    for c in grid]
     rows = []
     if device == "cuda":
         theirs = _scaled_mm(codes, scale, *weights[0])

@@ -57,14 +57,15 @@ def test_weight_only_linear_takes_the_kernel_when_fused():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("m", "n", "k", "bias", "out_dtype", "split_k"), [
-    (37, 40, 72, True, torch.bfloat16, 1),  # ragged in every dimension, K not a whole tile
-    (20, 64, 64, False, torch.float32, 1),
-    (5, 40, 72, True, torch.bfloat16, 3),  # K slices of 32, 32 and 8 columns, then the sum
-    (3, 64, 128, False, torch.float32, 2),
+@pytest.mark.parametrize(("m", "n", "k", "bias", "out_dtype", "split_k", "swap_ab"), [
+    (37, 40, 72, True, torch.bfloat16, 1, False),  # ragged in every dimension, K not a tile
+    (20, 64, 64, False, torch.float32, 1, False),
+    (5, 40, 72, True, torch.bfloat16, 3, False),  # K slices of 32, 32 and 8 columns, summed
+    (3, 64, 128, False, torch.float32, 2, True),
+    (7, 40, 72, True, torch.bfloat16, 1, True),
 ])
 def test_w8a8_mm_is_the_float32_sum_of_fp8_rows_and_weights(device, m, n, k, bias, out_dtype,
-                                                             split_k):
+                                                             split_k, swap_ab):
     gen = torch.Generator().manual_seed(m)
     w, w_scale = fp8.quantize_rows(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]
@@ -74,11 +75,14 @@ def test_w8a8_mm_is_the_float32_sum_of_fp8_rows_and_weights(device, m, n, k, bia
     want = want + (b if b is not None else 0)
     codes, scale, w, w_scale = (t.to(device) for t in (codes, scale, w, w_scale))
     b = b.to(device) if b is not None else None
-    cfg = (W8A16Config(16, 32, 32, 2, 4, 2, split_k) if device == "cuda" else
-           W8A16Config(16, 32, 32, 2, 1, 1, split_k))
+    cfg = (W8A16Config(16, 64 if swap_ab else 32, 32, 2, 4, 2, split_k, swap_ab)
+           if device == "cuda" else W8A16Config(16, 32, 32, 2, 1, 1, split_k, swap_ab))
     got = w8a8_mm(codes, scale, w, w_scale, b, out_dtype, cfg)
     assert got.dtype == out_dtype and got.shape == (m, n)
-    tol = 1e-5 if out_dtype == torch.float32 else 2**-7
+    # float32 out: the float32 sum, but swapped onto sm_90's FP8 wgmma, whose adder is narrower
+    # inside each K tile (`test_w8a8_mm_sums_a_long_k_in_float32`), 2^-11
+    tol = (2**-7 if out_dtype == torch.bfloat16 else
+           2**-11 if swap_ab and device == "cuda" else 1e-5)
     _assert_rows_close(got.float().cpu(), want, tol)
     if device == "cuda" and k % 16 == 0 and n % 16 == 0:  # _scaled_mm's own shapes
         theirs = torch._scaled_mm(codes, w.t(), scale_a=scale.reshape(-1, 1),

@@ -130,22 +130,24 @@ for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16
                      aligned=["X", "W", "SCALE", "OUT", "K", "stride_xm", "stride_wn",
                               "stride_om"])
     assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"] and "wgmma" in kernel.asm["ptx"]
-for bm, bn, split in ((64, 64, 1), (64, 128, 1), (16, 64, 4)):
+for bm, bn, split, swap in ((64, 64, 1, False), (64, 128, 1, False), (16, 64, 4, False),
+                            (16, 64, 4, True)):
     # W8A8: 64-row tiles take FP8 rows and FP8 weight tiles straight into FP8 wgmma; decode's
     # 16-row tiles (K split) are too few rows for wgmma, and Triton converts them to f16 for
-    # mma.sync in registers
+    # mma.sync in registers, unless swapped: the weight's 64 rows on wgmma's M side, x's 16 on N
     kernel = compile(mm_fp8._w8a8_mm_kernel,
                      {"X": f8, "X_SCALE": "*fp32", "W": f8, "W_SCALE": "*fp32", "B": dt,
                       "OUT": dt, "PARTIAL": "*fp32",
                       **{n: "i32" for n in ("M", "N", "K", "K_SPAN", "stride_xm", "stride_wn",
                                             "stride_om")}},
                      {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn,
-                      "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": split},
+                      "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": split, "SWAP_AB": swap},
                      warps=4, aligned=["X", "W", "X_SCALE", "W_SCALE", "OUT", "PARTIAL", "K",
                                        "K_SPAN", "stride_xm", "stride_wn", "stride_om"])
     ptx = kernel.asm["ptx"]
-    if bm == 64:
-        assert f"wgmma.mma_async.sync.aligned.m64n{bn}k32.f32.e4m3.e4m3" in ptx, bn
+    if bm == 64 or swap:
+        mma = f"m64n{bm}k32" if swap else f"m64n{bn}k32"
+        assert f"wgmma.mma_async.sync.aligned.{mma}.f32.e4m3.e4m3" in ptx, (bn, swap)
         assert "cvt.rn.f16x2.e4m3x2" not in ptx
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx

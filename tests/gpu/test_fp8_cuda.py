@@ -336,6 +336,19 @@ def test_compiled_w8a16_mm_at_llama_3_8b_shapes(m, n, k):
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max())
 
 
+def _fp8_serving(*, seed: int, requests: int, max_running_requests: int
+                 ) -> tuple[list[list[int]], dict, dict]:
+    """Random prompts of 20-300 ids, 8 greedy tokens each, and the FP8 Runtime's options
+    (bf16 activations, Triton attention)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(20, 300))]
+               for _ in range(requests)]
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+    options = dict(device="cuda", dtype="bfloat16", context_length=512, quantization="fp8",
+                   attention_backend="triton", max_running_requests=max_running_requests)
+    return prompts, greedy, options
+
+
 def test_quantizing_norm_and_activation_keep_the_served_tokens(request, monkeypatch):
     """FP8 weights served with the W8A8 GEMMs' inputs quantized inside the RMSNorm and
     SiLU-and-mul kernels (prefill, and decode at 20 rows: past the skinny path, in CUDA graphs)
@@ -345,11 +358,7 @@ def test_quantizing_norm_and_activation_keep_the_served_tokens(request, monkeypa
     from lmnb.runtime.models.layers import linear
 
     folder = request.getfixturevalue("head_dim_64_model")
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(20, 300))] for _ in range(20)]
-    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
-    options = dict(device="cuda", dtype="bfloat16", context_length=512, quantization="fp8",
-                   attention_backend="triton", max_running_requests=32)
+    prompts, greedy, options = _fp8_serving(seed=7, requests=20, max_running_requests=32)
     calls: list[int] = []
     op = rmsnorm.rms_norm_quant
     monkeypatch.setattr(rmsnorm, "rms_norm_quant",
@@ -366,3 +375,40 @@ def test_quantizing_norm_and_activation_keep_the_served_tokens(request, monkeypa
     for f, a in zip(fused, apart, strict=True):
         assert f["output_ids"] == a["output_ids"]
         assert f["meta_info"]["output_token_logprobs"] == a["meta_info"]["output_token_logprobs"]
+
+
+def test_decode_batches_of_2_to_16_take_the_split_k_w8a8_gemm(request, monkeypatch):
+    """Four requests decoding (CUDA graphs, captured at 1-8 rows and more): the FP8 linears
+    of 2-16 rows run the Triton W8A8 GEMM over per-token FP8 rows, not the skinny W8A16 kernel,
+    down_proj (K = 512) with its K split (`mm_fp8.w8a8_config`); the tokens agree with the
+    skinny kernel's (`fp8.W8A16_MAX_ROWS` = 16) as FP8 runs agree with bf16: the first expected
+    token among the five likeliest."""
+    from lmnb.runtime.kernels.fused import gemv_fp8, mm_fp8
+    from lmnb.runtime.kernels.multiprocessors import multiprocessors
+
+    folder = request.getfixturevalue("head_dim_64_model")
+    prompts, greedy, options = _fp8_serving(seed=11, requests=4, max_running_requests=8)
+    splits: list[tuple[int, int]] = []
+    op = mm_fp8.w8a8_mm
+
+    def counting(codes, *args, **kwargs):
+        m, k = codes.shape
+        sms = multiprocessors(codes.device) or 1
+        splits.append((m, mm_fp8.w8a8_config(m, args[1].shape[0], k, sms).split_k))
+        return op(codes, *args, **kwargs)
+
+    monkeypatch.setattr(mm_fp8, "w8a8_mm", counting)
+    skinny_rows: list[int] = []
+    gemv = gemv_fp8.fp8_gemv
+    monkeypatch.setattr(gemv_fp8, "fp8_gemv",
+                        lambda x, *a, **k: (skinny_rows.append(x.shape[0]), gemv(x, *a, **k))[1])
+    with Runtime(folder, **options) as rt:
+        got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
+                          top_logprobs_num=5)
+        rt.check_integrity()
+    assert any(m == 4 and split > 1 for m, split in splits)
+    assert 1 in skinny_rows and not [m for m in skinny_rows if m > 1]
+    monkeypatch.setattr(fp8, "W8A16_MAX_ROWS", fp8.SKINNY_MAX_ROWS)
+    with Runtime(folder, **options) as rt:
+        expected = rt.generate(input_ids=prompts, sampling_params=greedy)
+    assert _first_tokens_in_top5(got, expected) >= 3

@@ -121,6 +121,7 @@ class W8A16Config(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # W8A8 only: K slices summed by a second kernel
+    swap_ab: bool = False  # W8A8 only: out^T = w @ x^T (few rows of x on the MMA's N side)
 
 
 def _grid(m: int, n: int, cfg: W8A16Config) -> tuple[int]:
@@ -169,7 +170,8 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
                     stride_wn, stride_om,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                    SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr = False,
+                    USE_PDL: tl.constexpr = False):
     """Program (tile, s) sums K slice s (K_SPAN columns); with SPLIT_K > 1 it writes its scaled
     float32 sums to PARTIAL [SPLIT_K, M, N] for `_split_k_reduce_kernel`."""
     wait_for_previous(USE_PDL)
@@ -180,14 +182,23 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
     k_end = tl.minimum(k_first + K_SPAN, K)
     x_ptrs, w_ptrs = _operand_pointers(X + k_first, W + k_first, offs_m, offs_n, stride_xm,
                                        stride_wn, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_first, k_end, BLOCK_K):
-        x, w = _load_operands(x_ptrs, w_ptrs, k, k_end, mask_m, mask_n, BLOCK_K, EVEN_K)
-        # sm_90's FP8 MMAs add in less than float32: promote to the float32 sum every tile, as
-        # `_scaled_mm` (without fast accumulation) does
-        acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if SWAP_AB:  # out^T = w @ x^T: the weight's rows fill the MMA's 64-row side
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k_first, k_end, BLOCK_K):
+            x, w = _load_operands(x_ptrs, w_ptrs, k, k_end, mask_m, mask_n, BLOCK_K, EVEN_K)
+            acc_t = tl.dot(tl.trans(w), tl.trans(x), acc_t, max_num_imprecise_acc=BLOCK_K)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_first, k_end, BLOCK_K):
+            x, w = _load_operands(x_ptrs, w_ptrs, k, k_end, mask_m, mask_n, BLOCK_K, EVEN_K)
+            # sm_90's FP8 MMAs add in less than float32: promote to the float32 sum every tile,
+            # as `_scaled_mm` (without fast accumulation) does
+            acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     acc *= tl.load(X_SCALE + offs_m, mask=mask_m, other=0.0)[:, None]
     acc *= tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
     if SPLIT_K == 1:
@@ -249,7 +260,7 @@ def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
         codes, scale.reshape(-1), weight, weight_scale.reshape(-1), b, out, partial, m, n, k,
         k_span, codes.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         EVEN_K=k % k_span == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl)
     if cfg.split_k > 1:
         block = 1024
