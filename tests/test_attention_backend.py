@@ -294,8 +294,8 @@ def test_registry_by_name_auto_and_unknown():
         select_attention_backend("flashattention9", torch.device("cpu"))
     assert "auto" in str(error.value)
     backend = create_attention_backend(
-        "auto", device=torch.device("cpu"), num_heads=2, num_kv_heads=1, head_dim=8,
-        req_to_token_pool=ReqToTokenPool(2, 8, torch.device("cpu")),
+        select_attention_backend("auto", torch.device("cpu")), num_heads=2, num_kv_heads=1,
+        head_dim=8, req_to_token_pool=ReqToTokenPool(2, 8, torch.device("cpu")),
         kv_storage=KVStorage(8, num_layers=1, kv_heads=1, head_dim=8,
                                        dtype=torch.float32, device=torch.device("cpu")))
     assert type(backend).__name__ == "TorchNativeAttention"
@@ -315,9 +315,9 @@ def test_auto_keeps_per_token_fp8_scales_and_flashinfer_reads_fixed_ones(monkeyp
     assert choice.name == ("triton" if found("triton") else "torch_native")
     if choice.name == "torch_native":
         assert "flashinfer: reads an FP8 KV pool with one scale per tensor" in choice.reason
-    assert fp8_kv_scales("auto", cuda, dtype=fp8, head_dim=128) == "token"
-    assert fp8_kv_scales("flashinfer", cuda, dtype=fp8, head_dim=128) == "tensor"
-    assert fp8_kv_scales("torch_native", cuda, dtype=fp8, head_dim=128) == "token"
+    for name, scales in (("auto", "token"), ("flashinfer", "tensor"), ("torch_native", "token")):
+        chosen = select_attention_backend(name, cuda, dtype=fp8, head_dim=128)
+        assert fp8_kv_scales(chosen) == scales, name
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ import torch
 
 from lmnb.runtime import memory_profile
 from lmnb.runtime.engine import Runtime
+from lmnb.runtime.kernels.base import BackendChoice
 from lmnb.runtime.memory_profile import (
     GIB,
     SLOT_BOOKKEEPING_BYTES,
@@ -129,7 +130,8 @@ def _tiny_profile(tiny_models, *, max_running_requests: int, graph_max_bs: int):
     profile = profile_activations(
         model, ProfileShape(prefill_tokens=40, max_running_requests=max_running_requests,
                             graph_max_bs=graph_max_bs, context_len=16), meter,
-        attention_backend="torch_native", q_heads=config.num_heads,
+        attention_backend=BackendChoice("torch_native", "asked for by name"),
+        q_heads=config.num_heads,
         kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         num_layers=config.num_layers, dtype=torch.float32, device=torch.device("cpu"),
         vocab_size=config.vocab_size, sampler=Sampler(config.vocab_size, {2}))

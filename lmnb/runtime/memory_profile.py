@@ -26,7 +26,7 @@ from lmnb.params import SamplingParams
 from lmnb.runtime.core import ForwardMode
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import SHARED_MIN_BS, batch_size_ladder
-from lmnb.runtime.kernels.base import AttentionBackend
+from lmnb.runtime.kernels.base import AttentionBackend, BackendChoice
 from lmnb.runtime.kernels.precompile import compile_side_by_side
 from lmnb.runtime.kernels.registry import create_attention_backend, fp8_kv_scales
 from lmnb.runtime.memory import KVStorage, ReqToTokenPool
@@ -249,8 +249,8 @@ def _heavy_rows(n: int, vocab_size: int) -> list[_ProfileRow]:
 
 @torch.inference_mode()
 def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: MemoryMeter, *,
-                        attention_backend: str, q_heads: int, kv_heads: int, head_dim: int,
-                        num_layers: int, dtype: torch.dtype, device: torch.device,
+                        attention_backend: BackendChoice, q_heads: int, kv_heads: int,
+                        head_dim: int, num_layers: int, dtype: torch.dtype, device: torch.device,
                         vocab_size: int, sampler: Sampler,
                         kv_dtype: torch.dtype | None = None) -> ActivationProfile:
     """Runs the profile passes with temporary pools (freed on return: the model's attention
@@ -262,12 +262,11 @@ def profile_activations(model: torch.nn.Module, shape: ProfileShape, meter: Memo
     storage = KVStorage(shape.prefill_tokens + 2 * shape.max_running_requests,
                         num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
                         dtype=kv_dtype or dtype, device=device, compute_dtype=dtype,
-                        fp8_scales=fp8_kv_scales(attention_backend, device,
-                                                 dtype=kv_dtype or dtype, head_dim=head_dim))
+                        fp8_scales=fp8_kv_scales(attention_backend))
     with_storage = meter.allocated()
     backend = create_attention_backend(
-        attention_backend, device=device, num_heads=q_heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, req_to_token_pool=req_pool, kv_storage=storage)
+        attention_backend, num_heads=q_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        req_to_token_pool=req_pool, kv_storage=storage)
     fixed = with_pool - base + meter.allocated() - with_storage
     run = _PassRunner(model, backend, req_pool, sampler, vocab_size)
     bind_attention_backend(model, backend)

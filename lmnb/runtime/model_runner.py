@@ -14,6 +14,7 @@ from lmnb.runtime.config import EngineConfig, ModelConfig
 from lmnb.runtime.core import Batch, ForwardMode, StepOutput, VerifyOutput
 from lmnb.runtime.forward_batch import ForwardBatch
 from lmnb.runtime.graph_runner import DecodeGraphRunner, graph_max_bs
+from lmnb.runtime.kernels.base import BackendChoice
 from lmnb.runtime.kernels.metadata import host_int64, to_device
 from lmnb.runtime.kernels.registry import (
     attention_backend_class,
@@ -107,8 +108,9 @@ class ModelRunner:
         num_layers, num_kv_heads = model_config.num_layers, heads.kv_heads
         head_dim = model_config.head_dim
         self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
-        backend_name = engine_config.attention_backend or "auto"
-        fp8_scales = fp8_kv_scales(backend_name, device, dtype=self.kv_dtype, head_dim=head_dim)
+        backend = select_attention_backend(engine_config.attention_backend or "auto", device,
+                                           dtype=self.kv_dtype, head_dim=head_dim)
+        fp8_scales = fp8_kv_scales(backend)
         per_token = KVStorage.bytes_per_token(
             num_layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.kv_dtype,
             fp8_scales=fp8_scales)
@@ -129,7 +131,7 @@ class ModelRunner:
                     available=_available_memory(device), per_token=per_token,
                     mem_fraction_static=engine_config.mem_fraction_static)
             else:
-                self.memory_plan = self._plan_memory(meter, engine_config, backend_name,
+                self.memory_plan = self._plan_memory(meter, engine_config, backend,
                                                      heads.q_heads, num_kv_heads, per_token)
                 self.max_total_tokens = self.memory_plan.kv_tokens
         if tp is not None:
@@ -149,8 +151,7 @@ class ModelRunner:
             fp8_scales=fp8_scales)
         apply_checkpoint_kv_scales(model, self.kv_storage)
         self.attn_backend = create_attention_backend(
-            backend_name, device=device,
-            num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            backend, num_heads=heads.q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             req_to_token_pool=self.req_to_token_pool, kv_storage=self.kv_storage)
         bind_attention_backend(model, self.attn_backend)
         choice = self.attn_backend.choice
@@ -171,32 +172,30 @@ class ModelRunner:
         if tp is not None:
             tp.steps.reserve(self.max_running_requests)
 
-    def _plan_memory(self, meter: MemoryMeter, config: EngineConfig, backend_name: str,
+    def _plan_memory(self, meter: MemoryMeter, config: EngineConfig, backend: BackendChoice,
                      q_heads: int, kv_heads: int, per_token: int) -> MemoryPlan:
         """Profiles the largest passes the engine will run, then sizes the KV pool from what is
         free (see memory_profile). Sizes not yet known are bounded: 256 running requests unless
         given, the model's context unless a smaller one is given."""
         mc = self.model_config
         max_running = config.max_running_requests or 256
-        choice = select_attention_backend(backend_name, self.device, dtype=self.kv_dtype,
-                                          head_dim=mc.head_dim)
         shape = ProfileShape(
             prefill_tokens=config.prefill_chunk_size(self.device.type),
             max_running_requests=max_running,
             graph_max_bs=graph_max_bs(
                 device_type=self.device.type, disable_cuda_graph=config.disable_cuda_graph,
-                cuda_graph_max_bs=config.cuda_graph_max_bs, backend_name=choice.name,
-                supports_capture=attention_backend_class(choice.name).supports_capture,
+                cuda_graph_max_bs=config.cuda_graph_max_bs, backend_name=backend.name,
+                supports_capture=attention_backend_class(backend.name).supports_capture,
                 max_running_requests=max_running, verify_rows=self._row_pass_rows),
             context_len=min(config.context_length or mc.context_length, mc.context_length))
         profile = memory_profile.profile_activations(
-            self.model, shape, meter, attention_backend=backend_name, q_heads=q_heads,
+            self.model, shape, meter, attention_backend=backend, q_heads=q_heads,
             kv_heads=kv_heads, head_dim=mc.head_dim, num_layers=mc.num_layers, dtype=self.dtype,
             kv_dtype=self.kv_dtype, device=self.device, vocab_size=self.vocab_size,
             sampler=self.sampler)
         free, total = meter.device_memory()
         activations = profile.activation_bytes
-        if choice.name == "torch_native" and self.device.type == "cuda":
+        if backend.name == "torch_native" and self.device.type == "cuda":
             activations = max(activations,
                               int(total * memory_profile.TORCH_NATIVE_ACTIVATION_FRACTION))
         return memory_profile.plan_kv_pool(

@@ -1,4 +1,5 @@
-"""Attention backends by name or "auto": `select_attention_backend`, `create_attention_backend`.
+"""Attention backends by name or "auto": `select_attention_backend` resolves a name once (a
+`BackendChoice`), `create_attention_backend` builds the chosen one.
 
 A backend module registers its class with `@register_attention_backend(name)`; `_MODULES` says
 which module to import for a name, so nothing heavy (triton, flashinfer) loads until asked for.
@@ -79,19 +80,15 @@ def select_attention_backend(name: str, device: torch.device, *,
     return BackendChoice(_FALLBACK, "auto on cuda: " + "; ".join(passed_over))
 
 
-def fp8_kv_scales(name: str, device: torch.device, *, dtype: torch.dtype,
-                  head_dim: int) -> Fp8Scales:
-    """The scales an FP8 KV pool needs for the backend `name` ("auto" allowed) resolves to."""
-    choice = select_attention_backend(name, device, dtype=dtype, head_dim=head_dim)
+def fp8_kv_scales(choice: BackendChoice) -> Fp8Scales:
+    """The scales an FP8 KV pool needs for the chosen backend."""
     return attention_backend_class(choice.name).fp8_kv_scales
 
 
-def create_attention_backend(name: str, *, device: torch.device, num_heads: int,
-                             num_kv_heads: int, head_dim: int, req_to_token_pool: ReqToTokenPool,
+def create_attention_backend(choice: BackendChoice, *, num_heads: int, num_kv_heads: int,
+                             head_dim: int, req_to_token_pool: ReqToTokenPool,
                              kv_storage: KVStorage) -> AttentionBackend:
-    """Instantiate the backend `name` ("auto" allowed: chosen for the KV's dtype and head_dim)
-    over the pools it will own."""
-    choice = select_attention_backend(name, device, dtype=kv_storage.dtype, head_dim=head_dim)
+    """Instantiate the chosen backend (`select_attention_backend`) over the pools it will own."""
     backend = attention_backend_class(choice.name)(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         req_to_token_pool=req_to_token_pool, kv_storage=kv_storage)
