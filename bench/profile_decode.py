@@ -1,6 +1,9 @@
 """Where a decode step's time goes: torch profiler over --batch requests (1 prefill + N decode
 steps) on random weights of a real architecture; prints kernel launches per step, device time by
-kernel category (bench/kernel_profile.py) and the host-side table (GPU).
+kernel category (bench/kernel_profile.py) and the host-side table (GPU). With programmatic
+dependent launch (kernels/pdl.py) a kernel starts before the one in front ends and its recorded
+time includes that wait (a split-K reduce shows the whole GEMM's time); `--no-pdl` launches
+without it, so each kernel's time is its own.
 
     python bench/profile_decode.py --model-config llama-2-7b --tokenizer <tokenizer folder>
 """
@@ -8,6 +11,7 @@ kernel category (bench/kernel_profile.py) and the host-side table (GPU).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disable-fused-kernels", action="store_true")
     parser.add_argument("--quantization", default=None, help="e.g. fp8 (Runtime's option)")
     parser.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_e4m3")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch without programmatic dependent launch (LMNB_DISABLE_PDL=1)")
     args = parser.parse_args(argv)
+    if args.no_pdl:
+        os.environ["LMNB_DISABLE_PDL"] = "1"
     quant = {key: value for key, value in (("quantization", args.quantization),
                                            ("kv_cache_dtype", args.kv_cache_dtype)) if value}
     with tempfile.TemporaryDirectory() as scratch:

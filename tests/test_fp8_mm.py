@@ -144,3 +144,23 @@ def test_the_triton_w8a8_gemm_takes_decode_rows_and_narrow_weights_to_128_rows()
     assert takes[65] == takes[128] == {"qkv", "o", "down"}
     assert takes[129] == takes[234] == set()
     assert not fp8.takes_triton_w8a8(100, 6144, 64)  # 96 tiles: more than half of 64 SMs
+
+
+@pytest.mark.parametrize(("swap_ab", "splits"), [
+    (False, {"qkv": 4, "o": 4, "gate_up": 1, "down": 4}),  # 64 x 128 tiles, 1.5 programs an SM
+    (True, {"qkv": 2, "o": 2, "gate_up": 1, "down": 4}),  # 64 x 256: slices of 8+ K steps
+])
+def test_decode_rows_split_k_until_the_sms_are_busy(monkeypatch, swap_ab, splits):
+    """`w8a8_config` at 2-16 rows on 132 SMs (the H200's sweep picks) for Llama-3-8B's linears;
+    17+ rows keep 64-row tiles whole."""
+    from lmnb.runtime.kernels.fused import mm_fp8
+
+    monkeypatch.setattr(mm_fp8, "INTERPRETED", False)  # the GPU's rule, not the interpreter's
+    monkeypatch.setattr(mm_fp8, "W8A8_DECODE_SWAP_AB", swap_ab)
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336)}
+    for op, (n, k) in shapes.items():
+        for m in (2, 16):
+            cfg = mm_fp8.w8a8_config(m, n, k, 132)
+            assert (cfg.block_m, cfg.swap_ab, cfg.split_k) == (16, swap_ab, splits[op]), op
+        assert mm_fp8.w8a8_config(17, n, k, 132).split_k == 1

@@ -210,6 +210,10 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
 
 W8A8_DECODE_ROWS = 16  # up to these rows: 16-row tiles, K split to fill the SMs
 W8A8_MIN_PROGRAMS_AN_SM = 1.5
+# Decode's rows with swapped operands (`W8A16Config.swap_ab`: FP8 wgmma, 16 x 64 x 256 tiles,
+# slices of 8+ K steps): 2-8% faster a GEMM on the H200 (bench/RESULTS.md, FP8, session 31),
+# not yet measured end to end; bench/fp8.py's "fp8-swap-rows" variant sets it. Read at each call.
+W8A8_DECODE_SWAP_AB = False
 
 
 def w8a8_config(m: int, n: int, k: int, multiprocessors: int) -> W8A16Config:
@@ -220,18 +224,22 @@ def w8a8_config(m: int, n: int, k: int, multiprocessors: int) -> W8A16Config:
       split (a program's few K steps all in flight), else 4 (gate_up's 448 programs all
       resident); within 4% of the best swept tile at 2, 8 and 16 rows. Without the split qkv,
       o and down took 1.3-2.1x as long: 64-96 programs cannot keep the SMs' loads in flight.
+      With `W8A8_DECODE_SWAP_AB`: swapped 16 x 64 x 256 tiles, 4 stages, split while each
+      slice keeps 8 K steps (qkv and o 2 slices, down 4, gate_up none).
     - 17-64 rows: 64 x 64 x 128 tiles, 5 stages, best or within 4% of the best for all four;
       up to 128 rows the same tiles (the grid the narrow weights that take it at those rows
       need, `fp8.takes_triton_w8a8`: o 1.27x `_scaled_mm` at 128 rows where 64 x 128 tiles
       gave 0.89x); past 128 rows no tile wins them all."""
     if m <= W8A8_DECODE_ROWS and not INTERPRETED:
-        block_n, block_k = 64, 128
+        swap = W8A8_DECODE_SWAP_AB
+        block_n, block_k, min_steps = (64, 256, 8) if swap else (64, 128, 2)
         tiles = triton.cdiv(n, block_n)
         split = 1
         while (tiles * split < W8A8_MIN_PROGRAMS_AN_SM * multiprocessors
-               and k // (2 * split) >= 2 * block_k):
+               and k // (2 * split) >= min_steps * block_k):
             split *= 2
-        return W8A16Config(16, block_n, block_k, 8, 4, 4 if split == 1 else 6, split)
+        stages = 4 if swap or split == 1 else 6
+        return W8A16Config(16, block_n, block_k, 8, 4, stages, split, swap)
     return _by_rows(m, W8A16Config(16, 32, 32, 2, 1, 1), W8A16Config(64, 64, 128, 8, 4, 5),
                     W8A16Config(64, 128, 128, 8, 4, 4), few_up_to=128)
 
