@@ -81,7 +81,6 @@ from bench.dummy_models import write_dummy_model  # noqa: E402
 from bench.floor import copy_bandwidth  # noqa: E402
 from bench.offline import make_workload, measure_workload  # noqa: E402
 from lmnb.runtime.engine import Runtime  # noqa: E402
-from lmnb.runtime.kernels.fused import mm_fp8  # noqa: E402
 from lmnb.runtime.models.layers import fp8, linear  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -269,6 +268,8 @@ def _quality_checkpoint(args: argparse.Namespace, name: str, root: Path) -> Path
 
 def run_speed(args: argparse.Namespace, device: torch.device,
               parts: set[str]) -> dict[str, Any]:
+    from lmnb.runtime.kernels.fused import mm_fp8  # triton: imported where the speed runs
+
     with tempfile.TemporaryDirectory() as root:
         spec = write_dummy_model(args.model, root, args.tokenizer, grow_vocab=False)
         bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
