@@ -182,10 +182,18 @@ def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor
     return _rows_reference(x, weight, weight_scale, bias)
 
 
-def skinny_rows(x: torch.Tensor, max_rows: int | None = None) -> bool:
-    """Whether x [..., K] has few enough rows (1..max_rows, by default `W8A16_MAX_ROWS`) for
+def skinny_max_rows(weight_only: bool) -> int:
+    """Rows up to which a fused FP8 linear takes the skinny kernel: a weight-only (W8A16) one up
+    to SKINNY_MAX_ROWS (its activations stay 16-bit at any rows), a W8A8 one up to
+    `W8A16_MAX_ROWS`."""
+    return SKINNY_MAX_ROWS if weight_only else W8A16_MAX_ROWS
+
+
+def skinny_rows(x: torch.Tensor, max_rows: int | None = None, *,
+                weight_only: bool = False) -> bool:
+    """Whether x [..., K] has few enough rows (1..max_rows, by default `skinny_max_rows`) for
     the skinny kernels."""
-    limit = W8A16_MAX_ROWS if max_rows is None else max_rows
+    limit = skinny_max_rows(weight_only) if max_rows is None else max_rows
     return 1 <= x.numel() // max(x.shape[-1], 1) <= limit
 
 
@@ -255,7 +263,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     rows = x.numel() // max(k, 1)
     n = weight.shape[0]
     x2 = x.reshape(rows, k)
-    if fused and 1 <= rows <= (SKINNY_MAX_ROWS if weight_only else W8A16_MAX_ROWS):
+    if fused and 1 <= rows <= skinny_max_rows(weight_only):
         from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
         out = fp8_gemv(x2.contiguous(), weight, weight_scale, bias)
