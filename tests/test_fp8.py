@@ -458,8 +458,12 @@ def test_decode_fusions_keep_greedy_tokens(tiny_models, monkeypatch):
     assert calls.count(("fp8_norm_rotary_linear", 1)) == 2 * layers  # 2 decode steps
     assert calls.count(("fp8_norm_linear", 1)) == 2 * layers  # gate_up
     calls.clear()  # two rows: the W8A8 GEMMs (`fp8.W8A16_MAX_ROWS`), none of these
+    rows: list[int] = []
+    rows_linear = fp8.fp8_rows_linear
+    monkeypatch.setattr(fp8, "fp8_rows_linear", lambda x, *args: (
+        rows.append(x.codes.shape[0]), rows_linear(x, *args))[1])
     _passes(runner, [[5, 900, 31], [8, 2, 77]], [7, 9])
-    assert not calls
+    assert not calls and rows.count(2) == 4 * layers  # qkv, o, gate_up, down of the decode
     # two rows through the skinny kernel: the norms and the rotary apart, SiLU still in gate_up's
     # epilogue
     monkeypatch.setattr(fp8, "W8A16_MAX_ROWS", fp8.SKINNY_MAX_ROWS)

@@ -94,12 +94,13 @@ def test_w8a8_mm_is_the_float32_sum_of_fp8_rows_and_weights(device, m, n, k, bia
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sm_90's FP8 MMA accumulation")
-@pytest.mark.parametrize("m", [64, 234])
+@pytest.mark.parametrize("m", [4, 64, 234])
 def test_w8a8_mm_sums_a_long_k_in_float32(m):
     """Down_proj's K (14,336): FP8 products are exact in float32. sm_90's FP8 MMAs add in a
     narrower adder; promoted to the float32 sum every K tile the output is within ~2e-4 of each
     row's largest value (H200: as `_scaled_mm` without fast accumulation), left to sum the whole
-    K there ~1e-2 (as `_scaled_mm(use_fast_accum=True)`)."""
+    K there ~1e-2 (as `_scaled_mm(use_fast_accum=True)`). At 4 rows (decode) K split in slices
+    summed in float32 (`w8a8_config`)."""
     gen = torch.Generator().manual_seed(m)
     n, k = 256, 14336
     w, w_scale = fp8.quantize_rows(torch.randn(n, k, generator=gen))

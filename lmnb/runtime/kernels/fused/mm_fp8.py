@@ -1,4 +1,4 @@
-"""FP8-weight GEMMs for more rows than the skinny GEMV takes.
+"""FP8-weight GEMMs for more rows than batch-1 decode's skinny GEMV.
 
 Weight-only (W8A16), `w8a16_mm`:
 
@@ -21,7 +21,8 @@ add in a narrower adder than float32, so the sums are promoted to float32 every 
 tiles (too few rows for wgmma) Triton converts both operands to f16 for mma.sync instead.
 
 Programs are ordered in groups of GROUP_M row blocks so that neighbours share weight tiles in L2.
-No autotuning: the configs are functions of M (`w8a16_config`, `w8a8_config`).
+No autotuning: the configs are functions of the shape (`w8a16_config(M)`, `w8a8_config(M, N, K,
+multiprocessors)`).
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
     if m == 0:
         return out
-    k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    k_span = max(triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k), 1) * cfg.block_k
     partial = (out if cfg.split_k == 1 else
                torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=codes.device))
     b = bias if bias is not None else out  # unused without HAS_BIAS

@@ -21,8 +21,9 @@ quantized: M <= 16 through the skinny kernel, more rows through `kernels.fused.m
 when fused (FP8 weight tiles converted in registers), else the weight dequantized to x's dtype
 and F.linear.
 
-Decode's fusions (skinny rows only: batch 1; there a launch costs about what streaming 6 MB of
-FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
+Decode's fusions (skinny rows only: batch 1, and weight-only layers' 2-16 rows; at batch 1 a
+launch costs about what streaming 6 MB of FP8 weights does, and a layer has 5 small kernels
+beside its 4 GEMMs):
     `fp8_silu_linear`   gate_up with SiLU-and-mul in the GEMM's epilogue
     `fp8_norm_linear`   RMSNorm (+ the residual add) in the GEMM's prologue: qkv after
                         input_layernorm, gate_up (+ SiLU) after post_attention_layernorm
@@ -138,11 +139,15 @@ def _scaled_mm_shapes(k: int, n: int) -> bool:
 
 def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, fused: bool,
                      weight_only: bool) -> bool:
-    """Whether `fp8_linear` quantizes `rows` rows of input on `device` per token (W8A8:
-    `_scaled_mm`, or the reference off CUDA), so that it may take them as `Fp8Rows`."""
+    """Whether `fp8_linear` quantizes `rows` rows of input on `device` per token (W8A8: the
+    Triton GEMM at its rows, any shape; `_scaled_mm` where K and N are multiples of 16; the
+    reference off CUDA), so that it may take them as `Fp8Rows`."""
     if weight_only or rows <= 0 or (fused and rows <= W8A16_MAX_ROWS):
         return False
-    return device.type != "cuda" or _scaled_mm_shapes(weight.shape[1], weight.shape[0])
+    if device.type != "cuda":
+        return True
+    n, k = weight.shape
+    return takes_triton_w8a8(rows, n, multiprocessors(device) or 0) or _scaled_mm_shapes(k, n)
 
 
 # Rows up to which CUDA's W8A8 GEMMs run the Triton kernel (`mm_fp8.w8a8_mm`, tiles that fill
@@ -277,6 +282,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # _scaled_mm on CUDA, the reference elsewhere (its quantization in Triton's interpreter
         # when fused, as the kernels feeding `fp8_rows_linear` there quantize)
         out = fp8_rows_linear(_quantize(x2.contiguous(), fused), weight, weight_scale, bias)
-    else:  # no rows, or shapes _scaled_mm refuses (tiny test models): dequantized weights
+    else:  # no rows, or shapes _scaled_mm refuses past the Triton GEMM's rows: dequantized
         out = F.linear(x2, dequantize_rows(weight, weight_scale, x.dtype), bias)
     return out.view(*x.shape[:-1], n)
