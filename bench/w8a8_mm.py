@@ -4,9 +4,11 @@
 At M rows of a large decode batch or a short prefill: microseconds per call (CUDA graph of CALLS
 calls over rotating weight copies larger than L2, so each call reads its weight from HBM as a
 forward does; best of 3), the weight's bytes over that time, and whether the Triton output is
-within bf16 rounding of `_scaled_mm`'s. With --sweep, a grid of Triton tiles per shape, its best
-reported beside `w8a8_config`'s pick. JSON to bench/results/w8a8_mm.json (and $OUT/w8a8_mm.json
-when $OUT is set).
+within bf16 rounding of `_scaled_mm`'s. At <= 16 rows also the 16-bit-activation GEMMs over the
+same weights: the skinny W8A16 kernel (batch-1 decode's) and `mm_fp8.w8a16_mm` on the W8A8 rule's
+split-K tiles (each within bf16 rounding of x @ the dequantized weight). With --sweep, a grid of
+Triton tiles per shape, its best reported beside `w8a8_config`'s pick. JSON to
+bench/results/w8a8_mm.json (and $OUT/w8a8_mm.json when $OUT is set).
     python bench/w8a8_mm.py [--rows 64,128,234,256,512] [--sweep]   # on the GPU machine
     python bench/w8a8_mm.py --tiny                                  # CPU: the interpreter
 """
@@ -35,7 +37,12 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv  # noqa: E402
-from lmnb.runtime.kernels.fused.mm_fp8 import W8A16Config, w8a8_config, w8a8_mm  # noqa: E402
+from lmnb.runtime.kernels.fused.mm_fp8 import (  # noqa: E402
+    W8A16Config,
+    w8a8_config,
+    w8a8_mm,
+    w8a16_mm,
+)
 from lmnb.runtime.kernels.multiprocessors import multiprocessors  # noqa: E402
 from lmnb.runtime.models.layers import fp8  # noqa: E402
 
@@ -104,10 +111,21 @@ def run_shape(op: str, m: int, n: int, k: int, device: str, sweep: bool, replays
         rows.append({"op": op, "m": m, "kernel": "_scaled_mm", "us": us, "close": True})
         if m <= fp8.SKINNY_MAX_ROWS:  # what decode at these rows takes: 16-bit x, no quantize
             x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+            exact = x.float() @ fp8.dequantize_rows(*weights[0]).t()
             us = graph_seconds_per_call(
                 lambda i: fp8_gemv(x, *weights[i % copies]), calls=CALLS,
                 replays=replays) * 1e6
-            rows.append({"op": op, "m": m, "kernel": "skinny W8A16", "us": us, "close": True})
+            rows.append({"op": op, "m": m, "kernel": "skinny W8A16", "us": us,
+                         "close": _close(fp8_gemv(x, *weights[0]), exact)})
+            # the same 16-bit x through the W8A16 GEMM on the W8A8 rule's split-K tiles (no
+            # per-token quantization in front; the FP8 weight converted in registers)
+            split = w8a8_config(m, n, k, sms)._replace(swap_ab=False)
+            us = graph_seconds_per_call(
+                lambda i: w8a16_mm(x, *weights[i % copies], None, split), calls=CALLS,
+                replays=replays) * 1e6
+            rows.append({"op": op, "m": m, "kernel": "W8A16 split-K", "us": us,
+                         "close": _close(w8a16_mm(x, *weights[0], None, split), exact),
+                         "config": split._asdict()})
     else:
         theirs = reference
     for name, config in configs:
@@ -145,7 +163,8 @@ def main() -> int:
             timed = [r for r in rows if r["us"] is not None and r["kernel"].startswith("triton")]
             best = min(timed, key=lambda r: r["us"]) if timed else None
             for r in rows:
-                if r["kernel"] in ("_scaled_mm", "skinny W8A16", "triton default") or r is best:
+                if r["kernel"] in ("_scaled_mm", "skinny W8A16", "W8A16 split-K",
+                                   "triton default") or r is best:
                     gbs = n * k / (r["us"] * 1e3) if r["us"] else None
                     table.append([op, m, r["kernel"] + (" (best)" if r is best else ""),
                                   r["us"], gbs, base / r["us"] if base and r["us"] else None,

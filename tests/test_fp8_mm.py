@@ -17,11 +17,12 @@ pytestmark = SAME_TRITON_MODE
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("m", "n", "k", "dtype", "bias"), [
-    (37, 40, 72, torch.float32, True),  # ragged in every dimension (masks)
-    (20, 32, 48, torch.bfloat16, False),
+@pytest.mark.parametrize(("m", "n", "k", "dtype", "bias", "split_k"), [
+    (37, 40, 72, torch.float32, True, 1),  # ragged in every dimension (masks)
+    (20, 32, 48, torch.bfloat16, False, 1),
+    (5, 40, 72, torch.bfloat16, True, 3),  # K slices of 32, 32 and 8 columns, then the sum
 ])
-def test_w8a16_mm_is_the_dequantized_linear(device, m, n, k, dtype, bias):
+def test_w8a16_mm_is_the_dequantized_linear(device, m, n, k, dtype, bias, split_k):
     gen = torch.Generator().manual_seed(m)
     w, scale = fp8.quantize_rows(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -31,7 +32,8 @@ def test_w8a16_mm_is_the_dequantized_linear(device, m, n, k, dtype, bias):
     # the weight exact in float32, the sums in float32 on both sides
     want = (x.float() @ fp8.dequantize_rows(w, scale).t()
             + (b.float() if b is not None else 0)).to(dtype)
-    cfg = W8A16Config(16, 16, 16, 2, 4, 2) if device == "cuda" else None
+    cfg = (W8A16Config(16, 16, 16, 2, 4, 2, split_k) if device == "cuda" else
+           W8A16Config(16, 16, 32 if split_k > 1 else 16, 2, 1, 1, split_k))
     got = w8a16_mm(x, w, scale, b, cfg)
     assert got.dtype == dtype and got.shape == (m, n)
     tol = 1e-5 if dtype == torch.float32 else 2**-7

@@ -123,12 +123,14 @@ for fixed in (False, True):
 for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16 -> wgmma
     kernel = compile(mm_fp8._w8a16_mm_kernel,
                      {"X": dt, "W": f8, "SCALE": "*fp32", "B": dt, "OUT": dt,
-                      **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn",
-                                            "stride_om")}},
+                      "PARTIAL": "*fp32", **{n: "i32" for n in ("M", "N", "K", "K_SPAN",
+                                                                "stride_xm", "stride_wn",
+                                                                "stride_om")}},
                      {"HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64,
-                      "GROUP_M": 8, "PRECISION": "tf32", "UPCAST": False}, warps=warps,
-                     aligned=["X", "W", "SCALE", "OUT", "K", "stride_xm", "stride_wn",
-                              "stride_om"])
+                      "GROUP_M": 8, "PRECISION": "tf32", "UPCAST": False,
+                      "SPLIT_K": 1}, warps=warps,
+                     aligned=["X", "W", "SCALE", "OUT", "PARTIAL", "K", "K_SPAN", "stride_xm",
+                              "stride_wn", "stride_om"])
     assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"] and "wgmma" in kernel.asm["ptx"]
 for bm, bn, split, swap in ((64, 64, 1, False), (64, 128, 1, False), (16, 64, 4, False),
                             (16, 64, 4, True)):

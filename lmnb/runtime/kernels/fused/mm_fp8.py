@@ -94,16 +94,40 @@ def _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om,
 
 
 @triton.jit
-def _w8a16_mm_kernel(X, W, SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr):
+def _k_slice(K, K_SPAN):
+    """This program's K slice (grid axis 1): its index and its columns [k_first, k_end)."""
+    pid_k = tl.program_id(1)
+    k_first = pid_k * K_SPAN
+    return pid_k, k_first, tl.minimum(k_first + K_SPAN, K)
+
+
+@triton.jit
+def _store_sums(acc, B, OUT, PARTIAL, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A tile's scaled float32 sums: whole K to OUT (+ bias); a K slice to PARTIAL
+    [SPLIT_K, M, N], which `_split_k_reduce_kernel` adds up (with the bias)."""
+    if SPLIT_K == 1:
+        _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
+    else:
+        part_ptrs = PARTIAL + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _w8a16_mm_kernel(X, W, SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, stride_xm, stride_wn,
+                     stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_K: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    wait_for_previous(USE_PDL)
     offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M)
-    x_ptrs, w_ptrs = _operand_pointers(X, W, offs_m, offs_n, stride_xm, stride_wn, BLOCK_K)
+    pid_k, k_first, k_end = _k_slice(K, K_SPAN)
+    x_ptrs, w_ptrs = _operand_pointers(X + k_first, W + k_first, offs_m, offs_n, stride_xm,
+                                       stride_wn, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x, w = _load_operands(x_ptrs, w_ptrs, k, K, mask_m, mask_n, BLOCK_K, False)
+    for k in range(k_first, k_end, BLOCK_K):
+        x, w = _load_operands(x_ptrs, w_ptrs, k, k_end, mask_m, mask_n, BLOCK_K, False)
         # e4m3 -> f16 is the hardware's conversion (and exact), f16 -> bf16 / f32 exact too
         w = w.to(tl.float16).to(X.dtype.element_ty)
         acc = tl.dot(dot_operand(x, UPCAST), dot_operand(w, UPCAST), acc,
@@ -111,7 +135,8 @@ def _w8a16_mm_kernel(X, W, SCALE, B, OUT, M, N, K, stride_xm, stride_wn, stride_
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = acc * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
-    _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
+    _store_sums(acc, B, OUT, PARTIAL, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om,
+                HAS_BIAS, SPLIT_K)
 
 
 class W8A16Config(NamedTuple):
@@ -121,7 +146,7 @@ class W8A16Config(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
-    split_k: int = 1  # W8A8 only: K slices summed by a second kernel
+    split_k: int = 1  # K slices summed by a second kernel
     swap_ab: bool = False  # W8A8 only: out^T = w @ x^T (few rows of x on the MMA's N side)
 
 
@@ -156,14 +181,40 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    _w8a16_mm_kernel[_grid(m, n, cfg)](
-        x, weight, weight_scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        PRECISION="ieee" if x.dtype == torch.float32 or dot_upcast(x.dtype) else "tf32",
-        UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _launch(_w8a16_mm_kernel, (x, weight, weight_scale), x, weight, bias, out, cfg,
+            PRECISION="ieee" if x.dtype == torch.float32 or dot_upcast(x.dtype) else "tf32",
+            UPCAST=dot_upcast(x.dtype))
     return out
+
+
+def _k_span(k: int, cfg: W8A16Config) -> int:
+    """Columns of K a program sums: whole BLOCK_K steps, `cfg.split_k` slices (the last
+    shorter, or empty)."""
+    return max(triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k), 1) * cfg.block_k
+
+
+def _launch(kernel: triton.JITFunction, operands: tuple[torch.Tensor, ...], x: torch.Tensor,
+            weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            cfg: W8A16Config, **constexprs: object) -> None:
+    """One of the GEMM kernels over x [M, K] (its `operands` first: x or its codes and scales,
+    the weight and its scales) into out [M, N]; with `cfg.split_k` > 1 each K slice's sums go
+    to float32 partials that `_split_k_reduce_kernel` adds up (and the bias)."""
+    (m, k), n = x.shape, weight.shape[0]
+    k_span = _k_span(k, cfg)
+    partial = (out if cfg.split_k == 1 else
+               torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
+    b = bias if bias is not None else out  # unused without HAS_BIAS
+    pdl = pdl_args(x.device)
+    kernel[(_grid(m, n, cfg)[0], cfg.split_k)](
+        *operands, b, out, partial, m, n, k, k_span, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs, **pdl)
+    if cfg.split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
+            SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4, **pdl)
 
 
 @triton.jit
@@ -178,9 +229,7 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
     wait_for_previous(USE_PDL)
     offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M)
-    pid_k = tl.program_id(1)
-    k_first = pid_k * K_SPAN
-    k_end = tl.minimum(k_first + K_SPAN, K)
+    pid_k, k_first, k_end = _k_slice(K, K_SPAN)
     x_ptrs, w_ptrs = _operand_pointers(X + k_first, W + k_first, offs_m, offs_n, stride_xm,
                                        stride_wn, BLOCK_K)
     if SWAP_AB:  # out^T = w @ x^T: the weight's rows fill the MMA's 64-row side
@@ -202,11 +251,8 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
             w_ptrs += BLOCK_K
     acc *= tl.load(X_SCALE + offs_m, mask=mask_m, other=0.0)[:, None]
     acc *= tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
-    if SPLIT_K == 1:
-        _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
-    else:
-        part_ptrs = PARTIAL + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-        tl.store(part_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    _store_sums(acc, B, OUT, PARTIAL, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om,
+                HAS_BIAS, SPLIT_K)
 
 
 W8A8_DECODE_ROWS = 16  # up to these rows: 16-row tiles, K split to fill the SMs
@@ -260,20 +306,7 @@ def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
     if m == 0:
         return out
-    k_span = max(triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k), 1) * cfg.block_k
-    partial = (out if cfg.split_k == 1 else
-               torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=codes.device))
-    b = bias if bias is not None else out  # unused without HAS_BIAS
-    pdl = pdl_args(codes.device)
-    _w8a8_mm_kernel[(_grid(m, n, cfg)[0], cfg.split_k)](
-        codes, scale.reshape(-1), weight, weight_scale.reshape(-1), b, out, partial, m, n, k,
-        k_span, codes.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        EVEN_K=k % k_span == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl)
-    if cfg.split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            partial, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
-            SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4, **pdl)
+    _launch(_w8a8_mm_kernel, (codes, scale.reshape(-1), weight, weight_scale.reshape(-1)),
+            codes, weight, bias, out, cfg, EVEN_K=k % _k_span(k, cfg) == 0,
+            SWAP_AB=cfg.swap_ab)
     return out
