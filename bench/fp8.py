@@ -11,6 +11,9 @@ Variants (one `Runtime` each, built one after the other and closed between):
                 RMSNorm / SiLU-and-mul kernels (`layers.linear.FP8_QUANT_FUSIONS`; not by default)
   fp8-swap-rows  fp8 with 2-16 rows through the W8A8 GEMM with swapped operands (FP8 wgmma;
                 `kernels.fused.mm_fp8.W8A8_DECODE_SWAP_AB`; not by default)
+  fp8-w8a16-rows  fp8 with 2-16 rows through the W8A16 GEMM on the same split-K tiles (16-bit
+                activations, no per-token quantizing; `layers.fp8.W8A16_GEMM_DECODE_ROWS`; not
+                by default)
   fp8-skinny-rows  fp8 with 2-16 rows (decode at batch 2-16) through the skinny W8A16 kernel
                 (16-bit activations, its dot path) instead of per-token FP8 rows through the
                 split-K W8A8 GEMM (`layers.fp8.W8A16_MAX_ROWS`; before session 31; not by
@@ -92,6 +95,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8-quant-apart": {"quantization": "fp8"},  # per_token_quant apart (ablation)
     "fp8-skinny-rows": {"quantization": "fp8"},  # 2-16 rows skinny W8A16, not W8A8
     "fp8-swap-rows": {"quantization": "fp8"},  # 2-16 rows W8A8 with swapped operands
+    "fp8-w8a16-rows": {"quantization": "fp8"},  # 2-16 rows W8A16 on split-K tiles
 }
 DEFAULT_VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8+fp8-kv")
 W8A16_MAX_ROWS = fp8.W8A16_MAX_ROWS  # the runtime's, restored after each variant
@@ -287,6 +291,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             fp8.W8A16_MAX_ROWS = (fp8.SKINNY_MAX_ROWS if name == "fp8-skinny-rows" else
                                   W8A16_MAX_ROWS)
             mm_fp8.W8A8_DECODE_SWAP_AB = name == "fp8-swap-rows"
+            fp8.W8A16_GEMM_DECODE_ROWS = name == "fp8-w8a16-rows"
             with Runtime(str(spec.path), device=str(device),
                          **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
                 row["weight_gb"] = rt.weight_bytes / 1e9
@@ -313,7 +318,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             results[name] = row
             linear.FP8_DECODE_FUSIONS = linear.FP8_QUANT_FUSIONS = True
             fp8.W8A16_MAX_ROWS = W8A16_MAX_ROWS
-            mm_fp8.W8A8_DECODE_SWAP_AB = False
+            mm_fp8.W8A8_DECODE_SWAP_AB = fp8.W8A16_GEMM_DECODE_ROWS = False
             _free()
         return results
 

@@ -167,3 +167,31 @@ def test_decode_rows_split_k_until_the_sms_are_busy(monkeypatch, swap_ab, splits
             cfg = mm_fp8.w8a8_config(m, n, k, 132)
             assert (cfg.block_m, cfg.swap_ab, cfg.split_k) == (16, swap_ab, splits[op]), op
         assert mm_fp8.w8a8_config(17, n, k, 132).split_k == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_rows_take_the_w8a16_gemm_where_asked(device, monkeypatch):
+    """`fp8.W8A16_GEMM_DECODE_ROWS`: fused FP8 linears of 2-16 rows, W8A8 and weight-only ones
+    alike, run `mm_fp8.w8a16_mm` over the 16-bit rows (no per-token quantizing; the layers'
+    norms do not emit FP8 rows for them), one row the skinny kernel, 17 the W8A8 GEMM (or
+    weight-only's w8a16_mm); the outputs are x @ the dequantized weight."""
+    from lmnb.runtime.kernels.fused import gemv_fp8, mm_fp8
+
+    gen = torch.Generator().manual_seed(4)
+    w, scale = (t.to(device) for t in fp8.quantize_rows(torch.randn(48, 64, generator=gen)))
+    x = torch.randn(17, 64, generator=gen).to(device)
+    calls: list[tuple[str, int]] = []
+    for module, name in ((mm_fp8, "w8a16_mm"), (gemv_fp8, "fp8_gemv")):
+        op = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda x, *a, op=op, name=name, **k: (
+            calls.append((name, x.shape[0])), op(x, *a, **k))[1])
+    monkeypatch.setattr(fp8, "W8A16_GEMM_DECODE_ROWS", True)
+    for weight_only in (False, True):
+        for rows in (1, 3, 16, 17):
+            got = fp8.fp8_linear(x[:rows], w, scale, None, fused=True, weight_only=weight_only)
+            if rows <= 16:
+                torch.testing.assert_close(got, x[:rows] @ fp8.dequantize_rows(w, scale).t(),
+                                           rtol=1e-4, atol=1e-4)
+        assert not fp8.quantizes_tokens(3, w, x.device, fused=True, weight_only=False)
+    assert calls == [("fp8_gemv", 1), ("w8a16_mm", 3), ("w8a16_mm", 16),
+                     ("fp8_gemv", 1), ("w8a16_mm", 3), ("w8a16_mm", 16), ("w8a16_mm", 17)]

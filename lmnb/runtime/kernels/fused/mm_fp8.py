@@ -21,8 +21,8 @@ add in a narrower adder than float32, so the sums are promoted to float32 every 
 tiles (too few rows for wgmma) Triton converts both operands to f16 for mma.sync instead.
 
 Programs are ordered in groups of GROUP_M row blocks so that neighbours share weight tiles in L2.
-No autotuning: the configs are functions of the shape (`w8a16_config(M)`, `w8a8_config(M, N, K,
-multiprocessors)`).
+No autotuning: the configs are functions of the shape (`w8a16_config`, `w8a8_config`: M, N, K
+and the SM count).
 """
 
 from __future__ import annotations
@@ -162,8 +162,11 @@ def _by_rows(m: int, interpreted: W8A16Config, few: W8A16Config, more: W8A16Conf
     return few if m <= few_up_to else more
 
 
-def w8a16_config(m: int) -> W8A16Config:
-    """The launch config for m rows (a rule, not yet tuned on a GPU)."""
+def w8a16_config(m: int, n: int, k: int, multiprocessors: int) -> W8A16Config:
+    """The launch config for m rows against an [n, k] weight (a rule, not yet tuned on a GPU;
+    up to 16 rows the W8A8 GEMM's split-K tiles, `decode_rows_config`)."""
+    if m <= DECODE_ROWS and not INTERPRETED:
+        return decode_rows_config(n, k, multiprocessors, swap_ab=False)
     return _by_rows(m, W8A16Config(16, 16, 16, 2, 1, 1), W8A16Config(64, 128, 128, 8, 4, 4),
                     W8A16Config(128, 128, 64, 8, 8, 4))
 
@@ -177,7 +180,7 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn
-    cfg = config or w8a16_config(m)
+    cfg = config or w8a16_config(m, n, k, multiprocessors(x.device) or 1)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -255,12 +258,26 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
                 HAS_BIAS, SPLIT_K)
 
 
-W8A8_DECODE_ROWS = 16  # up to these rows: 16-row tiles, K split to fill the SMs
-W8A8_MIN_PROGRAMS_AN_SM = 1.5
+DECODE_ROWS = 16  # up to these rows: 16-row tiles, K split to fill the SMs
+MIN_PROGRAMS_AN_SM = 1.5
 # Decode's rows with swapped operands (`W8A16Config.swap_ab`: FP8 wgmma, 16 x 64 x 256 tiles,
 # slices of 8+ K steps): 2-8% faster a GEMM on the H200 (bench/RESULTS.md, FP8, session 31),
 # not yet measured end to end; bench/fp8.py's "fp8-swap-rows" variant sets it. Read at each call.
 W8A8_DECODE_SWAP_AB = False
+
+
+def decode_rows_config(n: int, k: int, multiprocessors: int, *, swap_ab: bool) -> W8A16Config:
+    """Tiles for decode's <= 16 rows against an [n, k] weight (`w8a8_config`'s rule): 16 x 64
+    tiles, K halved while there are fewer than MIN_PROGRAMS_AN_SM programs an SM and a slice
+    keeps 2 K steps of 128 (swapped: 8 of 256); 6 stages where split, else 4."""
+    block_n, block_k, min_steps = (64, 256, 8) if swap_ab else (64, 128, 2)
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while (tiles * split < MIN_PROGRAMS_AN_SM * multiprocessors
+           and k // (2 * split) >= min_steps * block_k):
+        split *= 2
+    stages = 4 if swap_ab or split == 1 else 6
+    return W8A16Config(16, block_n, block_k, 8, 4, stages, split, swap_ab)
 
 
 def w8a8_config(m: int, n: int, k: int, multiprocessors: int) -> W8A16Config:
@@ -277,16 +294,8 @@ def w8a8_config(m: int, n: int, k: int, multiprocessors: int) -> W8A16Config:
       up to 128 rows the same tiles (the grid the narrow weights that take it at those rows
       need, `fp8.takes_triton_w8a8`: o 1.27x `_scaled_mm` at 128 rows where 64 x 128 tiles
       gave 0.89x); past 128 rows no tile wins them all."""
-    if m <= W8A8_DECODE_ROWS and not INTERPRETED:
-        swap = W8A8_DECODE_SWAP_AB
-        block_n, block_k, min_steps = (64, 256, 8) if swap else (64, 128, 2)
-        tiles = triton.cdiv(n, block_n)
-        split = 1
-        while (tiles * split < W8A8_MIN_PROGRAMS_AN_SM * multiprocessors
-               and k // (2 * split) >= min_steps * block_k):
-            split *= 2
-        stages = 4 if swap or split == 1 else 6
-        return W8A16Config(16, block_n, block_k, 8, 4, stages, split, swap)
+    if m <= DECODE_ROWS and not INTERPRETED:
+        return decode_rows_config(n, k, multiprocessors, swap_ab=W8A8_DECODE_SWAP_AB)
     return _by_rows(m, W8A16Config(16, 32, 32, 2, 1, 1), W8A16Config(64, 64, 128, 8, 4, 5),
                     W8A16Config(64, 128, 128, 8, 4, 4), few_up_to=128)
 

@@ -60,6 +60,11 @@ SKINNY_MAX_ROWS = 16  # = kernels.fused.gemv.SKINNY_MAX_ROWS (not imported: trit
 # "fp8-skinny-rows" variant sets SKINNY_MAX_ROWS back). Read when a forward runs (set it before
 # a Runtime captures its graphs).
 W8A16_MAX_ROWS = 1
+# Decode's 2-16 rows through `mm_fp8.w8a16_mm` on the W8A8 GEMM's split-K tiles, activations
+# left 16-bit (as batch 1's), instead of the W8A8 GEMM (W8A8 layers: no per-token quantizing) or
+# the skinny kernel (weight-only ones). Off: not yet measured end to end (bench/fp8.py's
+# "fp8-w8a16-rows" variant sets it). Read when a forward runs.
+W8A16_GEMM_DECODE_ROWS = False
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -144,6 +149,8 @@ def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, f
     reference off CUDA), so that it may take them as `Fp8Rows`."""
     if weight_only or rows <= 0 or (fused and rows <= W8A16_MAX_ROWS):
         return False
+    if fused and W8A16_GEMM_DECODE_ROWS and rows <= SKINNY_MAX_ROWS:
+        return False
     if device.type != "cuda":
         return True
     n, k = weight.shape
@@ -189,9 +196,11 @@ def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def skinny_max_rows(weight_only: bool) -> int:
     """Rows up to which a fused FP8 linear takes the skinny kernel: a weight-only (W8A16) one up
-    to SKINNY_MAX_ROWS (its activations stay 16-bit at any rows), a W8A8 one up to
-    `W8A16_MAX_ROWS`."""
-    return SKINNY_MAX_ROWS if weight_only else W8A16_MAX_ROWS
+    to SKINNY_MAX_ROWS (its activations stay 16-bit at any rows; 1 with
+    `W8A16_GEMM_DECODE_ROWS`), a W8A8 one up to `W8A16_MAX_ROWS`."""
+    if weight_only:
+        return 1 if W8A16_GEMM_DECODE_ROWS else SKINNY_MAX_ROWS
+    return W8A16_MAX_ROWS
 
 
 def skinny_rows(x: torch.Tensor, max_rows: int | None = None, *,
@@ -272,7 +281,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
         out = fp8_gemv(x2.contiguous(), weight, weight_scale, bias)
-    elif weight_only and fused and rows > 0:
+    elif fused and rows > 0 and (weight_only or (W8A16_GEMM_DECODE_ROWS
+                                                 and rows <= SKINNY_MAX_ROWS)):
         from lmnb.runtime.kernels.fused.mm_fp8 import w8a16_mm
 
         out = w8a16_mm(x2.contiguous(), weight, weight_scale, bias)
