@@ -94,11 +94,19 @@ def _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om,
 
 
 @triton.jit
-def _k_slice(K, K_SPAN):
-    """This program's K slice (grid axis 1): its index and its columns [k_first, k_end)."""
+def _program_slice(X, W, M, N, K, K_SPAN, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile (grid axis 0: rows, columns and their masks) and K slice
+    (axis 1: its index and columns [k_first, k_end)), and the pointers to its first x and
+    weight tiles."""
+    offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
+                                                   GROUP_M)
     pid_k = tl.program_id(1)
     k_first = pid_k * K_SPAN
-    return pid_k, k_first, tl.minimum(k_first + K_SPAN, K)
+    k_end = tl.minimum(k_first + K_SPAN, K)
+    x_ptrs, w_ptrs = _operand_pointers(X + k_first, W + k_first, offs_m, offs_n, stride_xm,
+                                       stride_wn, BLOCK_K)
+    return offs_m, offs_n, mask_m, mask_n, pid_k, k_first, k_end, x_ptrs, w_ptrs
 
 
 @triton.jit
@@ -120,11 +128,8 @@ def _w8a16_mm_kernel(X, W, SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, stride_xm, s
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_K: tl.constexpr,
                      USE_PDL: tl.constexpr = False):
     wait_for_previous(USE_PDL)
-    offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
-                                                   GROUP_M)
-    pid_k, k_first, k_end = _k_slice(K, K_SPAN)
-    x_ptrs, w_ptrs = _operand_pointers(X + k_first, W + k_first, offs_m, offs_n, stride_xm,
-                                       stride_wn, BLOCK_K)
+    offs_m, offs_n, mask_m, mask_n, pid_k, k_first, k_end, x_ptrs, w_ptrs = _program_slice(
+        X, W, M, N, K, K_SPAN, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, k_end, BLOCK_K):
         x, w = _load_operands(x_ptrs, w_ptrs, k, k_end, mask_m, mask_n, BLOCK_K, False)
@@ -230,11 +235,8 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
     """Program (tile, s) sums K slice s (K_SPAN columns); with SPLIT_K > 1 it writes its scaled
     float32 sums to PARTIAL [SPLIT_K, M, N] for `_split_k_reduce_kernel`."""
     wait_for_previous(USE_PDL)
-    offs_m, offs_n, mask_m, mask_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N,
-                                                   GROUP_M)
-    pid_k, k_first, k_end = _k_slice(K, K_SPAN)
-    x_ptrs, w_ptrs = _operand_pointers(X + k_first, W + k_first, offs_m, offs_n, stride_xm,
-                                       stride_wn, BLOCK_K)
+    offs_m, offs_n, mask_m, mask_n, pid_k, k_first, k_end, x_ptrs, w_ptrs = _program_slice(
+        X, W, M, N, K, K_SPAN, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     if SWAP_AB:  # out^T = w @ x^T: the weight's rows fill the MMA's 64-row side
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(k_first, k_end, BLOCK_K):

@@ -67,6 +67,12 @@ W8A16_MAX_ROWS = 1
 W8A16_GEMM_DECODE_ROWS = False
 
 
+def _w8a16_gemm_rows(rows: int) -> bool:
+    """Whether a fused FP8 linear's `rows` (past the skinny kernel's) take `mm_fp8.w8a16_mm`
+    with 16-bit activations under `W8A16_GEMM_DECODE_ROWS`."""
+    return W8A16_GEMM_DECODE_ROWS and rows <= SKINNY_MAX_ROWS
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -149,7 +155,7 @@ def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, f
     reference off CUDA), so that it may take them as `Fp8Rows`."""
     if weight_only or rows <= 0 or (fused and rows <= W8A16_MAX_ROWS):
         return False
-    if fused and W8A16_GEMM_DECODE_ROWS and rows <= SKINNY_MAX_ROWS:
+    if fused and _w8a16_gemm_rows(rows):
         return False
     if device.type != "cuda":
         return True
@@ -281,8 +287,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
         out = fp8_gemv(x2.contiguous(), weight, weight_scale, bias)
-    elif fused and rows > 0 and (weight_only or (W8A16_GEMM_DECODE_ROWS
-                                                 and rows <= SKINNY_MAX_ROWS)):
+    elif fused and rows > 0 and (weight_only or _w8a16_gemm_rows(rows)):
         from lmnb.runtime.kernels.fused.mm_fp8 import w8a16_mm
 
         out = w8a16_mm(x2.contiguous(), weight, weight_scale, bias)
