@@ -9,11 +9,9 @@ Variants (one `Runtime` each, built one after the other and closed between):
                 the skinny GEMMs (`layers.linear.FP8_DECODE_FUSIONS`; not run by default)
   fp8-quant-apart  fp8 with the W8A8 GEMMs' inputs quantized by their own kernel, not inside the
                 RMSNorm / SiLU-and-mul kernels (`layers.linear.FP8_QUANT_FUSIONS`; not by default)
-  fp8-swap-rows  fp8 with 2-16 rows through the W8A8 GEMM with swapped operands (FP8 wgmma;
-                `kernels.fused.mm_fp8.W8A8_DECODE_SWAP_AB`; not by default)
-  fp8-w8a16-rows  fp8 with 2-16 rows through the W8A16 GEMM on the same split-K tiles (16-bit
-                activations, no per-token quantizing; `layers.fp8.W8A16_GEMM_DECODE_ROWS`; not
-                by default)
+  fp8-unswapped-rows  fp8 with 2-16 rows through the W8A8 GEMM without swapped operands (mma.sync
+                over f16 conversions, not FP8 wgmma; `kernels.fused.mm_fp8.W8A8_DECODE_SWAP_AB`;
+                before session 32; not by default)
   fp8-skinny-rows  fp8 with 2-16 rows (decode at batch 2-16) through the skinny W8A16 kernel
                 (16-bit activations, its dot path) instead of per-token FP8 rows through the
                 split-K W8A8 GEMM (`layers.fp8.W8A16_MAX_ROWS`; before session 31; not by
@@ -94,8 +92,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8-unfused": {"quantization": "fp8"},  # decode's norms and SiLU apart (ablation)
     "fp8-quant-apart": {"quantization": "fp8"},  # per_token_quant apart (ablation)
     "fp8-skinny-rows": {"quantization": "fp8"},  # 2-16 rows skinny W8A16, not W8A8
-    "fp8-swap-rows": {"quantization": "fp8"},  # 2-16 rows W8A8 with swapped operands
-    "fp8-w8a16-rows": {"quantization": "fp8"},  # 2-16 rows W8A16 on split-K tiles
+    "fp8-unswapped-rows": {"quantization": "fp8"},  # 2-16 rows W8A8, operands unswapped
 }
 DEFAULT_VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8+fp8-kv")
 W8A16_MAX_ROWS = fp8.W8A16_MAX_ROWS  # the runtime's, restored after each variant
@@ -290,8 +287,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             linear.FP8_QUANT_FUSIONS = name != "fp8-quant-apart"
             fp8.W8A16_MAX_ROWS = (fp8.SKINNY_MAX_ROWS if name == "fp8-skinny-rows" else
                                   W8A16_MAX_ROWS)
-            mm_fp8.W8A8_DECODE_SWAP_AB = name == "fp8-swap-rows"
-            fp8.W8A16_GEMM_DECODE_ROWS = name == "fp8-w8a16-rows"
+            mm_fp8.W8A8_DECODE_SWAP_AB = name != "fp8-unswapped-rows"
             with Runtime(str(spec.path), device=str(device),
                          **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
                 row["weight_gb"] = rt.weight_bytes / 1e9
@@ -318,7 +314,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             results[name] = row
             linear.FP8_DECODE_FUSIONS = linear.FP8_QUANT_FUSIONS = True
             fp8.W8A16_MAX_ROWS = W8A16_MAX_ROWS
-            mm_fp8.W8A8_DECODE_SWAP_AB = fp8.W8A16_GEMM_DECODE_ROWS = False
+            mm_fp8.W8A8_DECODE_SWAP_AB = True
             _free()
         return results
 

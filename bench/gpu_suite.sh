@@ -35,9 +35,8 @@
 #                   gemv_fp8.TUNED's (whose rows come from an H100 and an H200)
 #                                                                    (not in "all")  ~3 min
 #   fp8-batches     bench/fp8.py's decode at batch 1-64: bf16, FP8 (2-16 rows on the split-K W8A8
-#                   GEMM), FP8 with its swapped tiles there (fp8-swap-rows), on the W8A16 GEMM's
-#                   split tiles (fp8-w8a16-rows), on the skinny W8A16 kernel (fp8-skinny-rows)
-#                                                                    (not in "all")  ~6 min
+#                   GEMM, swapped operands), FP8 unswapped there (fp8-unswapped-rows), on the
+#                   skinny W8A16 kernel (fp8-skinny-rows)          (not in "all")  ~4 min
 #   vs-vllm-llama3  bench/vs_vllm.py: lmnb vs vLLM 0.26.0 on random Llama-3-8B bf16, every
 #                   workload (offline, shared prefixes as ids and as text, fork, decode b64/b1,
 #                   engine start), each engine in its own process       (not in "all")  ~8 min
@@ -163,7 +162,7 @@ for stage in "${stages[@]}"; do
         --variants bf16,fp8 --repeats 2 --fp8-gemv-table "$RESULTS/gemv_fp8_sweep.json" ;;
     fp8-batches)
       run_stage fp8-batches $PY bench/fp8.py --tokenizer "$TOKENIZER" --parts decode \
-        --variants bf16,fp8,fp8-swap-rows,fp8-w8a16-rows,fp8-skinny-rows \
+        --variants bf16,fp8,fp8-unswapped-rows,fp8-skinny-rows \
         --decode-batch 1,2,4,8,16,32,64 \
         --steps 64 --repeats 2 ;;
     vs-vllm-llama3)

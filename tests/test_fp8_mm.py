@@ -170,11 +170,10 @@ def test_decode_rows_split_k_until_the_sms_are_busy(monkeypatch, swap_ab, splits
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_rows_take_the_w8a16_gemm_where_asked(device, monkeypatch):
-    """`fp8.W8A16_GEMM_DECODE_ROWS`: fused FP8 linears of 2-16 rows, W8A8 and weight-only ones
-    alike, run `mm_fp8.w8a16_mm` over the 16-bit rows (no per-token quantizing; the layers'
-    norms do not emit FP8 rows for them), one row the skinny kernel, 17 the W8A8 GEMM (or
-    weight-only's w8a16_mm); the outputs are x @ the dequantized weight."""
+def test_weight_only_rows_past_one_take_the_w8a16_gemm(device, monkeypatch):
+    """Fused weight-only (W8A16) FP8 linears: one row the skinny kernel, 2+ rows (decode's 2-16
+    on the split-K tiles) `mm_fp8.w8a16_mm` over the 16-bit rows, none quantized per token;
+    the outputs are x @ the dequantized weight. W8A8 layers quantize 2+ rows."""
     from lmnb.runtime.kernels.fused import gemv_fp8, mm_fp8
 
     gen = torch.Generator().manual_seed(4)
@@ -185,13 +184,10 @@ def test_decode_rows_take_the_w8a16_gemm_where_asked(device, monkeypatch):
         op = getattr(module, name)
         monkeypatch.setattr(module, name, lambda x, *a, op=op, name=name, **k: (
             calls.append((name, x.shape[0])), op(x, *a, **k))[1])
-    monkeypatch.setattr(fp8, "W8A16_GEMM_DECODE_ROWS", True)
-    for weight_only in (False, True):
-        for rows in (1, 3, 16, 17):
-            got = fp8.fp8_linear(x[:rows], w, scale, None, fused=True, weight_only=weight_only)
-            if rows <= 16:
-                torch.testing.assert_close(got, x[:rows] @ fp8.dequantize_rows(w, scale).t(),
-                                           rtol=1e-4, atol=1e-4)
-        assert not fp8.quantizes_tokens(3, w, x.device, fused=True, weight_only=False)
-    assert calls == [("fp8_gemv", 1), ("w8a16_mm", 3), ("w8a16_mm", 16),
-                     ("fp8_gemv", 1), ("w8a16_mm", 3), ("w8a16_mm", 16), ("w8a16_mm", 17)]
+    for rows in (1, 3, 16, 17):
+        got = fp8.fp8_linear(x[:rows], w, scale, None, fused=True, weight_only=True)
+        torch.testing.assert_close(got, x[:rows] @ fp8.dequantize_rows(w, scale).t(),
+                                   rtol=1e-4, atol=1e-4)
+        assert not fp8.quantizes_tokens(rows, w, x.device, fused=True, weight_only=True)
+    assert fp8.quantizes_tokens(3, w, x.device, fused=True, weight_only=False)
+    assert calls == [("fp8_gemv", 1), ("w8a16_mm", 3), ("w8a16_mm", 16), ("w8a16_mm", 17)]

@@ -312,8 +312,10 @@ def test_checkpoint_kv_scales_through_flashinfer(request, tmp_path):
 
 def test_gptq_weight_only_checkpoint_end_to_end(request, tmp_path):
     """bench/fp8_gptq.py's weight-only FP8 checkpoint (first layer 16-bit) served on the GPU:
-    prefill multiplies the dequantized weights (no `_scaled_mm`), decode the skinny GEMV; the
-    same top-5 check as above against the 16-bit model."""
+    prefill runs the W8A16 GEMM (no `_scaled_mm`), decode at one row the skinny GEMV and past
+    it the W8A16 GEMM (at 2-16 rows on split-K tiles: 4 requests decode together); the same
+    top-5 check as above against the 16-bit model, and the 4 requests' tokens walked through
+    their decode steps."""
     from bench.fp8_gptq import write_fp8_checkpoint
 
     folder = request.getfixturevalue("head_dim_64_model")
@@ -328,9 +330,14 @@ def test_gptq_weight_only_checkpoint_end_to_end(request, tmp_path):
     with Runtime(checkpoint, **options) as rt:
         got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                           top_logprobs_num=5)
+        few = rt.generate(input_ids=prompts[:4], sampling_params=greedy, return_logprob=True,
+                          top_logprobs_num=5)
         rt.check_integrity()
     in_top5 = _first_tokens_in_top5(got, expected)
     assert in_top5 >= 0.9 * len(prompts), in_top5
+    walks = [_agreeing_steps(g, e) for g, e in zip(few, expected[:4], strict=True)]
+    assert sum(near for _, near in walks) >= 3, walks
+    assert sum(steps for steps, _ in walks) > 4, walks  # decode steps compared
 
 
 @pytest.mark.parametrize("m", [17, 100, 512])
@@ -389,10 +396,12 @@ def test_quantizing_norm_and_activation_keep_the_served_tokens(request, monkeypa
         assert f["meta_info"]["output_token_logprobs"] == a["meta_info"]["output_token_logprobs"]
 
 
-def test_decode_batches_of_2_to_16_take_the_split_k_w8a8_gemm(request, monkeypatch):
+@pytest.mark.parametrize("swap_ab", [True, False])
+def test_decode_batches_of_2_to_16_take_the_decode_rows_w8a8_gemm(request, monkeypatch, swap_ab):
     """Four requests decoding (CUDA graphs, captured at 1-8 rows and more): the FP8 linears
     of 2-16 rows run the Triton W8A8 GEMM over per-token FP8 rows, not the skinny W8A16 kernel,
-    down_proj (K = 512) with its K split (`mm_fp8.w8a8_config`); the tokens agree with the
+    on `mm_fp8.decode_rows_config`'s tiles: swapped (the default; K = 512 too short to split)
+    or not (`W8A8_DECODE_SWAP_AB` off: down_proj's K split); the tokens agree with the
     skinny kernel's (`fp8.W8A16_MAX_ROWS` = 16) as FP8 runs agree with bf16: each request's
     tokens the same up to a step where the expected one is among the five likeliest, through
     the decode steps (not only the prefill's token)."""
@@ -401,13 +410,14 @@ def test_decode_batches_of_2_to_16_take_the_split_k_w8a8_gemm(request, monkeypat
 
     folder = request.getfixturevalue("head_dim_64_model")
     prompts, greedy, options = _fp8_serving(seed=11, requests=4, max_running_requests=8)
-    splits: list[tuple[int, int]] = []
+    monkeypatch.setattr(mm_fp8, "W8A8_DECODE_SWAP_AB", swap_ab)
+    configs: list[tuple[int, mm_fp8.W8A16Config]] = []
     op = mm_fp8.w8a8_mm
 
     def counting(codes, *args, **kwargs):
         m, k = codes.shape
         sms = multiprocessors(codes.device) or 1
-        splits.append((m, mm_fp8.w8a8_config(m, args[1].shape[0], k, sms).split_k))
+        configs.append((m, mm_fp8.w8a8_config(m, args[1].shape[0], k, sms)))
         return op(codes, *args, **kwargs)
 
     monkeypatch.setattr(mm_fp8, "w8a8_mm", counting)
@@ -419,7 +429,9 @@ def test_decode_batches_of_2_to_16_take_the_split_k_w8a8_gemm(request, monkeypat
         got = rt.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                           top_logprobs_num=5)
         rt.check_integrity()
-    assert any(m == 4 and split > 1 for m, split in splits)
+    at_4 = [cfg for m, cfg in configs if m == 4]
+    assert at_4 and all(cfg.swap_ab == swap_ab for cfg in at_4)
+    assert swap_ab or any(cfg.split_k > 1 for cfg in at_4)
     assert 1 in skinny_rows and not [m for m in skinny_rows if m > 1]
     monkeypatch.setattr(fp8, "W8A16_MAX_ROWS", fp8.SKINNY_MAX_ROWS)
     with Runtime(folder, **options) as rt:

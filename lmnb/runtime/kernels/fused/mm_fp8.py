@@ -262,10 +262,12 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
 
 DECODE_ROWS = 16  # up to these rows: 16-row tiles, K split to fill the SMs
 MIN_PROGRAMS_AN_SM = 1.5
-# Decode's rows with swapped operands (`W8A16Config.swap_ab`: FP8 wgmma, 16 x 64 x 256 tiles,
-# slices of 8+ K steps): 2-8% faster a GEMM on the H200 (bench/RESULTS.md, FP8, session 31),
-# not yet measured end to end; bench/fp8.py's "fp8-swap-rows" variant sets it. Read at each call.
-W8A8_DECODE_SWAP_AB = False
+# Decode's rows with swapped operands (`W8A16Config.swap_ab`: FP8 wgmma m64n16k32 where 16-row
+# tiles unswapped convert both operands to f16 for mma.sync; 16 x 64 x 256 tiles, slices of 8+ K
+# steps): 2-8% faster a GEMM on the H200, 0-7% a decode step at batch 4-16 over two runs
+# (bench/RESULTS.md, FP8, sessions 31-32); bench/fp8.py's "fp8-unswapped-rows" variant clears
+# it. Read at each call.
+W8A8_DECODE_SWAP_AB = True
 
 
 def decode_rows_config(n: int, k: int, multiprocessors: int, *, swap_ab: bool) -> W8A16Config:
@@ -285,13 +287,14 @@ def decode_rows_config(n: int, k: int, multiprocessors: int, *, swap_ab: bool) -
 def w8a8_config(m: int, n: int, k: int, multiprocessors: int) -> W8A16Config:
     """The W8A8 launch config for m rows against an [n, k] weight on `multiprocessors` SMs.
     H200 sweeps (`bench/w8a8_mm.py --sweep`) over Llama-3-8B's linears:
-    - up to 16 rows (decode batches): 16 x 64 x 128 tiles over 4 warps, K split in two until
-      there are 1.5 programs an SM (qkv and o 4 slices, down 4, gate_up none), 6 stages where
-      split (a program's few K steps all in flight), else 4 (gate_up's 448 programs all
-      resident); within 4% of the best swept tile at 2, 8 and 16 rows. Without the split qkv,
-      o and down took 1.3-2.1x as long: 64-96 programs cannot keep the SMs' loads in flight.
-      With `W8A8_DECODE_SWAP_AB`: swapped 16 x 64 x 256 tiles, 4 stages, split while each
-      slice keeps 8 K steps (qkv and o 2 slices, down 4, gate_up none).
+    - up to 16 rows (decode batches), unswapped: 16 x 64 x 128 tiles over 4 warps, K split in
+      two until there are 1.5 programs an SM (qkv and o 4 slices, down 4, gate_up none),
+      6 stages where split (a program's few K steps all in flight), else 4 (gate_up's 448
+      programs all resident); within 4% of the best swept tile at 2, 8 and 16 rows. Without
+      the split qkv, o and down took 1.3-2.1x as long: 64-96 programs cannot keep the SMs'
+      loads in flight.
+      With `W8A8_DECODE_SWAP_AB` (the default): swapped 16 x 64 x 256 tiles, 4 stages, split
+      while each slice keeps 8 K steps (qkv and o 2 slices, down 4, gate_up none).
     - 17-64 rows: 64 x 64 x 128 tiles, 5 stages, best or within 4% of the best for all four;
       up to 128 rows the same tiles (the grid the narrow weights that take it at those rows
       need, `fp8.takes_triton_w8a8`: o 1.27x `_scaled_mm` at 128 rows where 64 x 128 tiles

@@ -52,27 +52,16 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 _MIN_SCALE = 1e-12  # all-zero rows: any positive scale gives zero back
 SKINNY_MAX_ROWS = 16  # = kernels.fused.gemv.SKINNY_MAX_ROWS (not imported: triton is optional)
-# Rows up to which fused W8A8 layers take the skinny W8A16 kernel (batch-1 decode, with its
-# fusions); above it, per-token FP8 rows through the W8A8 GEMMs. At 2-16 rows the split-K W8A8
-# GEMM (`mm_fp8.w8a8_config`) reads the weights faster than the skinny kernel's dot path, which
-# converts every weight tile in registers: H200, random Llama-3-8B, decode at batch 2/4/8/16
-# 3.31/3.22/3.54/3.55 ms a step against 3.86/4.30/4.13/4.17 (`bench/fp8.py`'s
-# "fp8-skinny-rows" variant sets SKINNY_MAX_ROWS back). Read when a forward runs (set it before
-# a Runtime captures its graphs).
+# Rows up to which fused FP8 layers take the skinny W8A16 kernel (batch-1 decode, with its
+# fusions). Above it W8A8 layers quantize per token for the W8A8 GEMMs, and weight-only ones run
+# `mm_fp8.w8a16_mm`; at 2-16 rows both on split-K tiles (`mm_fp8.decode_rows_config`), which read
+# the weights faster than the skinny kernel's dot path (it converts every weight tile in
+# registers). H200, random Llama-3-8B, decode at batch 2/4/8/16 (every linear on one path): the
+# W8A8 GEMM 3.31/3.22/3.54/3.55 ms a step, the W8A16 one 3.25/3.25/3.56/3.56 (session 32), the
+# skinny kernel 3.86/4.30/4.13/4.17
+# (`bench/fp8.py`'s "fp8-skinny-rows" variant sets SKINNY_MAX_ROWS back). Read when a forward
+# runs (set it before a Runtime captures its graphs).
 W8A16_MAX_ROWS = 1
-# Decode's 2-16 rows through `mm_fp8.w8a16_mm` on the W8A8 GEMM's split-K tiles, activations
-# left 16-bit (as batch 1's), instead of the W8A8 GEMM (W8A8 layers: no per-token quantizing) or
-# the skinny kernel (weight-only ones). Off: not yet measured end to end (bench/fp8.py's
-# "fp8-w8a16-rows" variant sets it). Read when a forward runs.
-W8A16_GEMM_DECODE_ROWS = False
-
-
-def _w8a16_gemm_rows(rows: int) -> bool:
-    """Whether a fused FP8 linear's `rows` (past the skinny kernel's) take `mm_fp8.w8a16_mm`
-    with 16-bit activations under `W8A16_GEMM_DECODE_ROWS`."""
-    return W8A16_GEMM_DECODE_ROWS and rows <= SKINNY_MAX_ROWS
-
-
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -155,8 +144,6 @@ def quantizes_tokens(rows: int, weight: torch.Tensor, device: torch.device, *, f
     reference off CUDA), so that it may take them as `Fp8Rows`."""
     if weight_only or rows <= 0 or (fused and rows <= W8A16_MAX_ROWS):
         return False
-    if fused and _w8a16_gemm_rows(rows):
-        return False
     if device.type != "cuda":
         return True
     n, k = weight.shape
@@ -200,20 +187,10 @@ def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor
     return _rows_reference(x, weight, weight_scale, bias)
 
 
-def skinny_max_rows(weight_only: bool) -> int:
-    """Rows up to which a fused FP8 linear takes the skinny kernel: a weight-only (W8A16) one up
-    to SKINNY_MAX_ROWS (its activations stay 16-bit at any rows; 1 with
-    `W8A16_GEMM_DECODE_ROWS`), a W8A8 one up to `W8A16_MAX_ROWS`."""
-    if weight_only:
-        return 1 if W8A16_GEMM_DECODE_ROWS else SKINNY_MAX_ROWS
-    return W8A16_MAX_ROWS
-
-
-def skinny_rows(x: torch.Tensor, max_rows: int | None = None, *,
-                weight_only: bool = False) -> bool:
-    """Whether x [..., K] has few enough rows (1..max_rows, by default `skinny_max_rows`) for
+def skinny_rows(x: torch.Tensor, max_rows: int | None = None) -> bool:
+    """Whether x [..., K] has few enough rows (1..max_rows, by default `W8A16_MAX_ROWS`) for
     the skinny kernels."""
-    limit = skinny_max_rows(weight_only) if max_rows is None else max_rows
+    limit = W8A16_MAX_ROWS if max_rows is None else max_rows
     return 1 <= x.numel() // max(x.shape[-1], 1) <= limit
 
 
@@ -283,11 +260,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     rows = x.numel() // max(k, 1)
     n = weight.shape[0]
     x2 = x.reshape(rows, k)
-    if fused and 1 <= rows <= skinny_max_rows(weight_only):
+    if fused and 1 <= rows <= W8A16_MAX_ROWS:
         from lmnb.runtime.kernels.fused.gemv_fp8 import fp8_gemv
 
         out = fp8_gemv(x2.contiguous(), weight, weight_scale, bias)
-    elif fused and rows > 0 and (weight_only or _w8a16_gemm_rows(rows)):
+    elif fused and rows > 0 and weight_only:
         from lmnb.runtime.kernels.fused.mm_fp8 import w8a16_mm
 
         out = w8a16_mm(x2.contiguous(), weight, weight_scale, bias)

@@ -245,7 +245,7 @@ class MergedColumnParallelLinear(FusableLinear):
     def _fp8_skinny(self, x: torch.Tensor) -> bool:
         """Whether x takes the fused FP8 skinny path (decode), where the fusions below run."""
         return (FP8_DECODE_FUSIONS and self.fused and self.weight_scale is not None
-                and fp8.skinny_rows(x, weight_only=self.fp8_weight_only))
+                and fp8.skinny_rows(x))
 
     def _fuses(self, act: GatedActivation) -> bool:
         return (act.fused and act.hidden_act == "silu" and len(self.output_sizes) == 2
