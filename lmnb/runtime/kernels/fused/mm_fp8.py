@@ -264,9 +264,9 @@ DECODE_ROWS = 16  # up to these rows: 16-row tiles, K split to fill the SMs
 MIN_PROGRAMS_AN_SM = 1.5
 # Decode's rows with swapped operands (`W8A16Config.swap_ab`: FP8 wgmma m64n16k32 where 16-row
 # tiles unswapped convert both operands to f16 for mma.sync; 16 x 64 x 256 tiles, slices of 8+ K
-# steps): 2-8% faster a GEMM on the H200, 0-7% a decode step at batch 4-16 over two runs
-# (bench/RESULTS.md, FP8, sessions 31-32); bench/fp8.py's "fp8-unswapped-rows" variant clears
-# it. Read at each call.
+# steps): 2-8% faster a GEMM on the H200; a decode step 3-10% faster at batch 4-16 on the mean
+# of four runs, a tie at 2 (bench/RESULTS.md, FP8, sessions 31-32); bench/fp8.py's
+# "fp8-unswapped-rows" variant clears it. Read at each call.
 W8A8_DECODE_SWAP_AB = True
 
 

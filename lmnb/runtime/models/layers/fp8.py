@@ -58,10 +58,11 @@ SKINNY_MAX_ROWS = 16  # = kernels.fused.gemv.SKINNY_MAX_ROWS (not imported: trit
 # the weights faster than the skinny kernel's dot path (it converts every weight tile in
 # registers). H200, random Llama-3-8B, decode at batch 2/4/8/16 (every linear on one path): the
 # W8A8 GEMM 3.31/3.22/3.54/3.55 ms a step, the W8A16 one 3.25/3.25/3.56/3.56 (session 32), the
-# skinny kernel 3.86/4.30/4.13/4.17
-# (`bench/fp8.py`'s "fp8-skinny-rows" variant sets SKINNY_MAX_ROWS back). Read when a forward
-# runs (set it before a Runtime captures its graphs).
+# skinny kernel 3.86/4.30/4.13/4.17 (`bench/fp8.py`'s "fp8-skinny-rows" variant sets
+# SKINNY_MAX_ROWS back). Read when a forward runs (set it before a Runtime captures its graphs).
 W8A16_MAX_ROWS = 1
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
