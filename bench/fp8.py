@@ -368,6 +368,9 @@ def main() -> None:
     parser.add_argument("--fp8-gemv-table", type=Path, default=None,
                         help="a `bench/gemv.py --fp8 --sweep` JSON: its best configs replace "
                              "gemv_fp8's table for this run")
+    parser.add_argument("--attention-backend", default=None,
+                        help="every variant's attention backend (Runtime's option; default: "
+                             "the device's)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
@@ -391,7 +394,10 @@ def main() -> None:
             "tiny-llama-3", 4, 1, 4, 110)
         args.quality_tokens, args.dtype = 64, "float32"
         args.runtime_options = {"max_total_tokens": 2048, "dtype": "float32"}
-    results: dict[str, Any] = {"environment": environment(device)}
+    if args.attention_backend is not None:
+        args.runtime_options["attention_backend"] = args.attention_backend
+    results: dict[str, Any] = {"environment": environment(device),
+                               "attention_backend": args.attention_backend or "default"}
     if args.fp8_gemv_table is not None:
         from bench.gemv import tuned_from_sweep
         from lmnb.runtime.kernels.fused import gemv_fp8
