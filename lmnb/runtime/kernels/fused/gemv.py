@@ -139,6 +139,32 @@ def _split_k_reduce_kernel(
     tl.store(OUT + row * stride_om + col, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
+def split_k_span(k: int, split_k: int, block_k: int) -> int:
+    """Columns of K each of `split_k` slices sums: whole `block_k` steps (the last slice
+    shorter, or empty)."""
+    return max(triton.cdiv(triton.cdiv(k, split_k), block_k), 1) * block_k
+
+
+def split_k_partials(out: torch.Tensor, rows: int, columns: int, split_k: int) -> torch.Tensor:
+    """Where a split-K kernel's programs store their sums: `out` itself without a split, else
+    float32 partials [split_k, rows, columns] for `reduce_split_k`."""
+    if split_k == 1:
+        return out
+    return torch.empty((split_k, rows, columns), dtype=torch.float32, device=out.device)
+
+
+def reduce_split_k(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *,
+                   gated: bool = False) -> None:
+    """out [M, N] = the sum of partial [SPLIT_K, M, N] (+ bias); `gated`: partial holds
+    gate | up [SPLIT_K, M, 2N], out = silu(gate) * up (`_split_k_reduce_kernel`)."""
+    m, n = out.shape
+    block = 1024
+    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        partial, bias if bias is not None else out, out, m, n, out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=partial.shape[0], BLOCK=block, GATED=gated,
+        num_warps=4, **pdl_args(out.device))
+
+
 MIN_PROGRAMS = 256  # below this many output blocks, split K
 
 
@@ -202,9 +228,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         assert m <= 4, "the FMA path takes up to 4 rows"
     block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    partial = (out if cfg.split_k == 1 else
-               torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
+    k_span = split_k_span(k, cfg.split_k, cfg.block_k)
+    partial = split_k_partials(out, m, n, cfg.split_k)
     b = bias if bias is not None else out  # unused without HAS_BIAS
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _skinny_kernel[grid](
@@ -218,10 +243,5 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     if cfg.split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            partial, b, out, m, n, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4,
-            **pdl_args(x.device),
-        )
+        reduce_split_k(partial, bias, out)
     return out

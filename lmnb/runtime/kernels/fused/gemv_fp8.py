@@ -58,7 +58,12 @@ import triton.language as tl
 from lmnb.runtime.kernels.dot import dot_upcast
 from lmnb.runtime.kernels.e4m3_words import e4m3x4
 from lmnb.runtime.kernels.fused.activation import silu_mul
-from lmnb.runtime.kernels.fused.gemv import SKINNY_MAX_ROWS, _split_k_reduce_kernel
+from lmnb.runtime.kernels.fused.gemv import (
+    SKINNY_MAX_ROWS,
+    reduce_split_k,
+    split_k_partials,
+    split_k_span,
+)
 from lmnb.runtime.kernels.fused.gemv_rotary import (
     RotaryStore,
     rotary_epilogue,
@@ -566,9 +571,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     assert cfg.block_k % vec == 0, f"block_k {cfg.block_k}: a multiple of {vec}"
     block_m = 16 if cfg.use_dot else 1
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    k_span = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    partial = (out if cfg.split_k == 1 else
-               torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
+    k_span = split_k_span(k, cfg.split_k, cfg.block_k)
+    partial = split_k_partials(out, m, n, cfg.split_k)
     b = bias if bias is not None else out  # unused without HAS_BIAS
     res = norm.residual if norm is not None and norm.residual is not None else None
     if res is not None:
@@ -608,10 +612,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         **pdl_args(x.device),
     )
     if cfg.split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n_out, block),)](
-            partial, b, out, m, n_out, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, GATED=gated,
-            num_warps=4, **pdl_args(x.device),
-        )
+        reduce_split_k(partial, bias, out, gated=gated)
     return out, res_out

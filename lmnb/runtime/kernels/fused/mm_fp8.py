@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
-from lmnb.runtime.kernels.fused.gemv import _split_k_reduce_kernel
+from lmnb.runtime.kernels.fused.gemv import reduce_split_k, split_k_partials, split_k_span
 from lmnb.runtime.kernels.interpreter import INTERPRETED
 from lmnb.runtime.kernels.multiprocessors import multiprocessors
 from lmnb.runtime.kernels.pdl import launch_args as pdl_args
@@ -113,7 +113,7 @@ def _program_slice(X, W, M, N, K, K_SPAN, stride_xm, stride_wn, BLOCK_M: tl.cons
 def _store_sums(acc, B, OUT, PARTIAL, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """A tile's scaled float32 sums: whole K to OUT (+ bias); a K slice to PARTIAL
-    [SPLIT_K, M, N], which `_split_k_reduce_kernel` adds up (with the bias)."""
+    [SPLIT_K, M, N], which `gemv.reduce_split_k` adds up (with the bias)."""
     if SPLIT_K == 1:
         _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
     else:
@@ -195,34 +195,24 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return out
 
 
-def _k_span(k: int, cfg: W8A16Config) -> int:
-    """Columns of K a program sums: whole BLOCK_K steps, `cfg.split_k` slices (the last
-    shorter, or empty)."""
-    return max(triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k), 1) * cfg.block_k
-
-
 def _launch(kernel: triton.JITFunction, operands: tuple[torch.Tensor, ...], x: torch.Tensor,
             weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             cfg: W8A16Config, **constexprs: object) -> None:
     """One of the GEMM kernels over x [M, K] (its `operands` first: x or its codes and scales,
     the weight and its scales) into out [M, N]; with `cfg.split_k` > 1 each K slice's sums go
-    to float32 partials that `_split_k_reduce_kernel` adds up (and the bias)."""
+    to float32 partials that `gemv.reduce_split_k` adds up (and the bias)."""
     (m, k), n = x.shape, weight.shape[0]
-    k_span = _k_span(k, cfg)
-    partial = (out if cfg.split_k == 1 else
-               torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device))
+    k_span = split_k_span(k, cfg.split_k, cfg.block_k)
+    partial = split_k_partials(out, m, n, cfg.split_k)
     b = bias if bias is not None else out  # unused without HAS_BIAS
-    pdl = pdl_args(x.device)
     kernel[(_grid(m, n, cfg)[0], cfg.split_k)](
         *operands, b, out, partial, m, n, k, k_span, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs, **pdl)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        **pdl_args(x.device))
     if cfg.split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            partial, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
-            SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4, **pdl)
+        reduce_split_k(partial, bias, out)
 
 
 @triton.jit
@@ -233,7 +223,7 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, st
                     SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr = False,
                     USE_PDL: tl.constexpr = False):
     """Program (tile, s) sums K slice s (K_SPAN columns); with SPLIT_K > 1 it writes its scaled
-    float32 sums to PARTIAL [SPLIT_K, M, N] for `_split_k_reduce_kernel`."""
+    float32 sums to PARTIAL [SPLIT_K, M, N] for `gemv.reduce_split_k`."""
     wait_for_previous(USE_PDL)
     offs_m, offs_n, mask_m, mask_n, pid_k, k_first, k_end, x_ptrs, w_ptrs = _program_slice(
         X, W, M, N, K, K_SPAN, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
@@ -320,7 +310,7 @@ def w8a8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
     if m == 0:
         return out
+    even_k = k % split_k_span(k, cfg.split_k, cfg.block_k) == 0
     _launch(_w8a8_mm_kernel, (codes, scale.reshape(-1), weight, weight_scale.reshape(-1)),
-            codes, weight, bias, out, cfg, EVEN_K=k % _k_span(k, cfg) == 0,
-            SWAP_AB=cfg.swap_ab)
+            codes, weight, bias, out, cfg, EVEN_K=even_k, SWAP_AB=cfg.swap_ab)
     return out
