@@ -271,6 +271,8 @@ def run_speed(args: argparse.Namespace, device: torch.device,
               parts: set[str]) -> dict[str, Any]:
     from lmnb.runtime.kernels.fused import mm_fp8  # triton: imported where the speed runs
 
+    swap_ab = mm_fp8.W8A8_DECODE_SWAP_AB  # the runtime's, restored after each variant
+
     with tempfile.TemporaryDirectory() as root:
         spec = write_dummy_model(args.model, root, args.tokenizer, grow_vocab=False)
         bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
@@ -287,7 +289,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             linear.FP8_QUANT_FUSIONS = name != "fp8-quant-apart"
             fp8.W8A16_MAX_ROWS = (fp8.SKINNY_MAX_ROWS if name == "fp8-skinny-rows" else
                                   W8A16_MAX_ROWS)
-            mm_fp8.W8A8_DECODE_SWAP_AB = name != "fp8-unswapped-rows"
+            mm_fp8.W8A8_DECODE_SWAP_AB = swap_ab and name != "fp8-unswapped-rows"
             with Runtime(str(spec.path), device=str(device),
                          **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
                 row["weight_gb"] = rt.weight_bytes / 1e9
@@ -314,7 +316,7 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             results[name] = row
             linear.FP8_DECODE_FUSIONS = linear.FP8_QUANT_FUSIONS = True
             fp8.W8A16_MAX_ROWS = W8A16_MAX_ROWS
-            mm_fp8.W8A8_DECODE_SWAP_AB = True
+            mm_fp8.W8A8_DECODE_SWAP_AB = swap_ab
             _free()
         return results
 
