@@ -17,13 +17,12 @@
                         float32; the activations quantized by that kernel, interpreted, when
                         fused), slow; the loader warns that the CPU runs FP8 this way
 With `weight_only` (W8A16 checkpoints, `Fp8Config.weight_only`) the activations are never
-quantized: M <= 16 through the skinny kernel, more rows through `kernels.fused.mm_fp8.w8a16_mm`
-when fused (FP8 weight tiles converted in registers), else the weight dequantized to x's dtype
-and F.linear.
+quantized: M = 1 through the skinny kernel, more rows through `kernels.fused.mm_fp8.w8a16_mm`
+when fused (FP8 weight tiles converted in registers; K split over the SMs at 2-16 rows), else
+the weight dequantized to x's dtype and F.linear.
 
-Decode's fusions (skinny rows only: batch 1, and weight-only layers' 2-16 rows; at batch 1 a
-launch costs about what streaming 6 MB of FP8 weights does, and a layer has 5 small kernels
-beside its 4 GEMMs):
+Decode's fusions (skinny rows only: batch 1; a launch there costs about what streaming 6 MB of
+FP8 weights does, and a layer has 5 small kernels beside its 4 GEMMs):
     `fp8_silu_linear`   gate_up with SiLU-and-mul in the GEMM's epilogue
     `fp8_norm_linear`   RMSNorm (+ the residual add) in the GEMM's prologue: qkv after
                         input_layernorm, gate_up (+ SiLU) after post_attention_layernorm
