@@ -265,9 +265,9 @@ def test_rotary_epilogue_is_rotary_qkv_of_the_gemm(device, m, config, kv_dtype, 
     program's over heads), or its bytes under fixed scales; other slots untouched; the residual
     stream the same. Twice, to other slots: the FP8 store's arrival counters are back at zero
     after a launch."""
+    from lmnb.runtime.kernels.arrivals import arrival_counters
     from lmnb.runtime.kernels.fused import rotary_qkv
     from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
-    from lmnb.runtime.kernels.fused.gemv_rotary import arrival_counters
 
     heads, kv_heads, k = 4, 2, 200
     x, w, scale, bias = _inputs(m, (heads + 2 * kv_heads) * head_dim, k, torch.bfloat16, device)

@@ -108,9 +108,9 @@ def test_compiled_rotary_epilogue_stores_an_fp8_pool_as_rotary_qkv_does(m):
     one row bit for bit (bytes and scales); more rows within an e4m3 step (the MMA's order of
     a sum). Five rounds of fresh inputs into the same slots: a program reading another round's
     staged rows, or a counter left non-zero, would show."""
+    from lmnb.runtime.kernels.arrivals import arrival_counters
     from lmnb.runtime.kernels.fused import rotary_qkv
     from lmnb.runtime.kernels.fused.gemv_fp8 import RmsNormInput, RotaryStore, fp8_norm_gemv
-    from lmnb.runtime.kernels.fused.gemv_rotary import arrival_counters
 
     heads, kv_heads, head_dim, k = 32, 8, 128, 4096
     gen = torch.Generator(device="cuda").manual_seed(m + 5)

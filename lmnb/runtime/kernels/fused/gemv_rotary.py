@@ -13,8 +13,7 @@ A program owns BLOCK_N / 2 (d, d + head_dim / 2) row pairs of qkv's heads, for a
                      the program that completes a head reads the head's staged rows (past L1),
                      quantizes them as `rope.fp8_rows` does, stores bytes and scales and resets
                      the counter to 0. The counters are shared by every launch on a device (one
-                     launch at a time: a stream's order) and are zero between launches, so
-                     CUDA-graph replays need no memset.
+                     launch at a time, `arrivals.py`) and are zero between launches.
     FP8 pool with    (`kv_storage.fixed_fp8_scales`, KV_FIXED_FP8) no head's amax is needed: each
     fixed scales     pair is divided by its head's scale and goes straight to its slot.
 """
@@ -27,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmnb.runtime.kernels.arrivals import arrival_counters
 from lmnb.runtime.kernels.fused.fp8_quant import FP8_MAX
 from lmnb.runtime.kernels.fused.rope import fixed_fp8_rows, fp8_rows, rotate
 from lmnb.runtime.memory.kv_storage import fixed_fp8_scales
@@ -178,19 +178,6 @@ def rotary_epilogue(acc, cos, sin, slot, pid_n, offs_m, mask_m, N, Q_OUT, K_OUT,
         tl.store(v_ptrs + HALF, v2.to(V_OUT.dtype.element_ty), mask=inside & ~is_kv)
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 [n] on `device`, zero: the FP8 store's per-head counters, allocated once per
-    device (the engine's warm-up runs before CUDA-graph capture) and left zero by each launch."""
-    have = _ARRIVALS.get(device)
-    if have is None or have.numel() < n:
-        have = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = have
-    return have[:n]
-
-
 class RotaryLaunch(NamedTuple):
     """`RotaryStore` as the GEMV kernel's arguments (`gemv_fp8._fp8_gemv_kernel`)."""
 
@@ -234,6 +221,9 @@ def rotary_launch(rope: RotaryStore | None, *, m: int, n: int, filler: torch.Ten
         stage = torch.empty((m, 2 * rope.num_kv_heads * rope.head_dim), dtype=torch.float32,
                             device=filler.device)
         arrivals = arrival_counters(filler.device, 2 * rope.num_kv_heads)
+        if arrivals is None:
+            raise RuntimeError("the FP8 rotary store's counters are allocated by an eager run "
+                               "before CUDA-graph capture")
     else:
         stage = arrivals = filler  # unread
     pairs = block_n // 2
