@@ -12,9 +12,6 @@ Variants (one `Runtime` each, built one after the other and closed between):
   fp8-unswapped-rows  fp8 with 2-16 rows through the W8A8 GEMM without swapped operands (mma.sync
                 over f16 conversions, not FP8 wgmma; `kernels.fused.mm_fp8.W8A8_DECODE_SWAP_AB`;
                 before session 32; not by default)
-  fp8-reduce-kernel  fp8 with the split-K GEMMs' K slices (2-16 rows) summed by a second kernel,
-                not by each tile's last slice (`kernels.fused.mm_fp8.SUM_SPLITS_IN_GEMM`; before
-                session 34; not by default)
   fp8-skinny-rows  fp8 with 2-16 rows (decode at batch 2-16) through the skinny W8A16 kernel
                 (16-bit activations, its dot path) instead of per-token FP8 rows through the
                 split-K W8A8 GEMM (`layers.fp8.W8A16_MAX_ROWS`; before session 31; not by
@@ -96,7 +93,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8-quant-apart": {"quantization": "fp8"},  # per_token_quant apart (ablation)
     "fp8-skinny-rows": {"quantization": "fp8"},  # 2-16 rows skinny W8A16, not W8A8
     "fp8-unswapped-rows": {"quantization": "fp8"},  # 2-16 rows W8A8, operands unswapped
-    "fp8-reduce-kernel": {"quantization": "fp8"},  # split-K slices summed by a second kernel
 }
 DEFAULT_VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8+fp8-kv")
 W8A16_MAX_ROWS = fp8.W8A16_MAX_ROWS  # the runtime's, restored after each variant
@@ -276,7 +272,6 @@ def run_speed(args: argparse.Namespace, device: torch.device,
     from lmnb.runtime.kernels.fused import mm_fp8  # triton: imported where the speed runs
 
     swap_ab = mm_fp8.W8A8_DECODE_SWAP_AB  # the runtime's, restored after each variant
-    sum_in_gemm = mm_fp8.SUM_SPLITS_IN_GEMM
 
     with tempfile.TemporaryDirectory() as root:
         spec = write_dummy_model(args.model, root, args.tokenizer, grow_vocab=False)
@@ -295,7 +290,6 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             fp8.W8A16_MAX_ROWS = (fp8.SKINNY_MAX_ROWS if name == "fp8-skinny-rows" else
                                   W8A16_MAX_ROWS)
             mm_fp8.W8A8_DECODE_SWAP_AB = swap_ab and name != "fp8-unswapped-rows"
-            mm_fp8.SUM_SPLITS_IN_GEMM = sum_in_gemm and name != "fp8-reduce-kernel"
             with Runtime(str(spec.path), device=str(device),
                          **{**spec.runtime_options(), **options, **args.runtime_options}) as rt:
                 row["weight_gb"] = rt.weight_bytes / 1e9
@@ -323,7 +317,6 @@ def run_speed(args: argparse.Namespace, device: torch.device,
             linear.FP8_DECODE_FUSIONS = linear.FP8_QUANT_FUSIONS = True
             fp8.W8A16_MAX_ROWS = W8A16_MAX_ROWS
             mm_fp8.W8A8_DECODE_SWAP_AB = swap_ab
-            mm_fp8.SUM_SPLITS_IN_GEMM = sum_in_gemm
             _free()
         return results
 

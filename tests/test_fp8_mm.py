@@ -95,38 +95,6 @@ def test_w8a8_mm_is_the_float32_sum_of_fp8_rows_and_weights(device, m, n, k, bia
     assert w8a8_mm(codes[:0], scale[:0], w, w_scale, None, out_dtype).shape == (0, n)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("weight_only", [False, True])
-def test_split_k_sums_in_the_gemm_are_the_reduce_kernels_bits(device, weight_only,
-                                                                monkeypatch):
-    """Each tile's last K slice to finish adds the slices up, in the order the reduce kernel
-    (`SUM_SPLITS_IN_GEMM` off) does: the same bits, twice over (the tiles' counters are back
-    at zero after a launch, or the second would find no last slice)."""
-    from lmnb.runtime.kernels.arrivals import arrival_counters
-    from lmnb.runtime.kernels.fused import mm_fp8
-
-    m, n, k = 5, 40, 72  # 3 K slices of 32, 32 and 8 columns over ragged tiles
-    cfg = (W8A16Config(16, 32, 32, 2, 4, 2, 3) if device == "cuda" else
-           W8A16Config(16, 32, 32, 2, 1, 1, 3))
-    w, w_scale = (t.to(device) for t in fp8.quantize_rows(torch.randn(n, k)))
-    b = torch.randn(n, device=device).to(torch.bfloat16)
-
-    def gemm(x: torch.Tensor) -> torch.Tensor:
-        if weight_only:
-            return w8a16_mm(x.to(torch.bfloat16), w, w_scale, b, cfg)
-        codes, scale = fp8.quantize_tokens(x)
-        return w8a8_mm(codes, scale, w, w_scale, b, torch.bfloat16, cfg)
-
-    for seed in (0, 1):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(device)
-        summed_last = gemm(x)
-        monkeypatch.setattr(mm_fp8, "SUM_SPLITS_IN_GEMM", False)
-        reduced = gemm(x)
-        monkeypatch.setattr(mm_fp8, "SUM_SPLITS_IN_GEMM", True)
-        assert torch.equal(summed_last, reduced)
-    assert not arrival_counters(w.device, 2).any()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sm_90's FP8 MMA accumulation")
 @pytest.mark.parametrize("m", [4, 64, 234])
 def test_w8a8_mm_sums_a_long_k_in_float32(m):

@@ -123,28 +123,27 @@ for fixed in (False, True):
 for bm, warps in ((64, 4), (128, 8)):  # the weight-only GEMM: FP8 tiles -> bf16 -> wgmma
     kernel = compile(mm_fp8._w8a16_mm_kernel,
                      {"X": dt, "W": f8, "SCALE": "*fp32", "B": dt, "OUT": dt,
-                      "PARTIAL": "*fp32", "ARRIVALS": "*i32",
-                      **{n: "i32" for n in ("M", "N", "K", "K_SPAN", "stride_xm", "stride_wn",
-                                            "stride_om")}},
+                      "PARTIAL": "*fp32", **{n: "i32" for n in ("M", "N", "K", "K_SPAN",
+                                                                "stride_xm", "stride_wn",
+                                                                "stride_om")}},
                      {"HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64,
                       "GROUP_M": 8, "PRECISION": "tf32", "UPCAST": False,
-                      "SPLIT_K": 1, "SUM_LAST": False}, warps=warps,
+                      "SPLIT_K": 1}, warps=warps,
                      aligned=["X", "W", "SCALE", "OUT", "PARTIAL", "K", "K_SPAN", "stride_xm",
                               "stride_wn", "stride_om"])
     assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"] and "wgmma" in kernel.asm["ptx"]
 for bm, bn, split, swap in ((64, 64, 1, False), (64, 128, 1, False), (16, 64, 4, False),
-                            (16, 64, 4, True), (16, 64, 2, True)):
+                            (16, 64, 4, True)):
     # W8A8: 64-row tiles take FP8 rows and FP8 weight tiles straight into FP8 wgmma; decode's
     # 16-row tiles (K split) are too few rows for wgmma, and Triton converts them to f16 for
     # mma.sync in registers, unless swapped: the weight's 64 rows on wgmma's M side, x's 16 on N
     kernel = compile(mm_fp8._w8a8_mm_kernel,
                      {"X": f8, "X_SCALE": "*fp32", "W": f8, "W_SCALE": "*fp32", "B": dt,
-                      "OUT": dt, "PARTIAL": "*fp32", "ARRIVALS": "*i32",
+                      "OUT": dt, "PARTIAL": "*fp32",
                       **{n: "i32" for n in ("M", "N", "K", "K_SPAN", "stride_xm", "stride_wn",
                                             "stride_om")}},
-                     {"HAS_BIAS": split == 2, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn,
-                      "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": split, "SWAP_AB": swap,
-                      "SUM_LAST": split == 2, "USE_PDL": True},
+                     {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn,
+                      "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": split, "SWAP_AB": swap},
                      warps=4, aligned=["X", "W", "X_SCALE", "W_SCALE", "OUT", "PARTIAL", "K",
                                        "K_SPAN", "stride_xm", "stride_wn", "stride_om"])
     ptx = kernel.asm["ptx"]
@@ -154,8 +153,6 @@ for bm, bn, split, swap in ((64, 64, 1, False), (64, 128, 1, False), (16, 64, 4,
         assert "cvt.rn.f16x2.e4m3x2" not in ptx
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
-    # SUM_LAST: each tile's slices counted in at gpu scope, the last reads them from L2
-    assert ("atom.global.gpu.acq_rel.add" in ptx) == ("ld.global.cg" in ptx) == (split == 2)
     assert kernel.metadata.shared <= 227 * 1024
 print("compiled")
 """

@@ -100,6 +100,20 @@ def test_compiled_rotary_epilogue_at_llama_3_8b_qkv(m, kv_dtype):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
+def test_arrival_counters_are_not_allocated_inside_a_graph_capture():
+    """Inside a capture the counters come from the buffer an eager run allocated; more than it
+    holds is None (an allocation there would be zeroed only when the graph replays)."""
+    from lmnb.runtime.kernels.arrivals import arrival_counters
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    eager = arrival_counters(device, 8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        inside, too_many = arrival_counters(device, 8), arrival_counters(device, 1 << 24)
+    assert inside is not None and eager is not None and inside.data_ptr() == eager.data_ptr()
+    assert too_many is None
+
+
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_compiled_rotary_epilogue_stores_an_fp8_pool_as_rotary_qkv_does(m):
     """Llama-3-8B's decode qkv over an FP8 pool as one kernel (norm, GEMM, rotary, each (token,

@@ -2,8 +2,8 @@
 count themselves in (a barrier, then one gpu-scope acq_rel atomic); the program that arrives
 last finishes the piece (reads what the others stored, from L2) and sets the slot back to 0.
 
-One zeroed buffer per device, shared by every kernel that counts (the FP8 rotary store, the
-split-K GEMMs' sums): launches on a device run one at a time (one stream; a PDL launch waits for
+One zeroed buffer per device, shared by every kernel that counts (the FP8 rotary store,
+`fused/gemv_rotary.py`): launches on a device run one at a time (one stream; a PDL launch waits for
 the kernel in front before it touches memory) and each leaves its slots at zero, so CUDA-graph
 replays need no memset. The buffer is allocated outside graph capture (the engine's eager
 warm-up runs first); an outgrown one is kept, since captured graphs still count in it.

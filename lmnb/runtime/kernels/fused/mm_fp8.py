@@ -15,8 +15,8 @@ FP8 weights on the FP8 tensor cores, float32 sums, both scales on the sums), wit
 17-128 rows (rows past M masked), where it takes 0.69-0.86x `_scaled_mm`'s time at Llama-3-8B's
 linears up to 64 rows, and at 65-128 rows 0.79-1.0x on the narrow ones (H200, bench/RESULTS.md,
 FP8, session 30); at decode's 2-16 rows 16-row tiles with K split over the SMs (float32 partials
-that each tile's last slice to finish adds up), 0.41-0.72x `_scaled_mm`'s time and 0.77-0.87x
-the skinny W8A16 kernel's (session 31); `bench/w8a8_mm.py` times them per shape. sm_90's FP8 MMAs
+summed by a second kernel), 0.41-0.72x `_scaled_mm`'s time and 0.77-0.87x the skinny W8A16
+kernel's (session 31); `bench/w8a8_mm.py` times them per shape. sm_90's FP8 MMAs
 add in a narrower adder than float32, so the sums are promoted to float32 every K tile; at 16-row
 tiles (too few rows for wgmma) Triton converts both operands to f16 for mma.sync instead.
 
@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lmnb.runtime.kernels.arrivals import arrival_counters
 from lmnb.runtime.kernels.dot import dot_operand, dot_upcast
 from lmnb.runtime.kernels.fused.gemv import reduce_split_k, split_k_partials, split_k_span
 from lmnb.runtime.kernels.interpreter import INTERPRETED
@@ -111,39 +110,23 @@ def _program_slice(X, W, M, N, K, K_SPAN, stride_xm, stride_wn, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _store_sums(acc, B, OUT, PARTIAL, ARRIVALS, pid_k, offs_m, offs_n, mask_m, mask_n, M, N,
-                stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                SUM_LAST: tl.constexpr):
+def _store_sums(acc, B, OUT, PARTIAL, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """A tile's scaled float32 sums: whole K to OUT (+ bias); a K slice to PARTIAL
-    [SPLIT_K, M, N], which `gemv.reduce_split_k` adds up (with the bias), or with SUM_LAST the
-    tile's last slice to arrive (ARRIVALS, one counter a tile): slices 0..SPLIT_K-1 in order,
-    as the reduce kernel adds them (the same bits)."""
+    [SPLIT_K, M, N], which `gemv.reduce_split_k` adds up (with the bias)."""
     if SPLIT_K == 1:
         _add_bias_and_store(acc, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
     else:
-        mask = mask_m[:, None] & mask_n[None, :]
         part_ptrs = PARTIAL + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-        tl.store(part_ptrs, acc, mask=mask)
-        if SUM_LAST:
-            tl.debug_barrier()  # every thread's sums are stored before the count says so
-            tile = tl.program_id(0)
-            if tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                tl.store(ARRIVALS + tile, 0)
-                total = tl.zeros_like(acc)
-                for s in tl.static_range(SPLIT_K):  # from L2: other SMs stored them
-                    slice_ptrs = (PARTIAL + (s * M + offs_m[:, None]).to(tl.int64) * N
-                                  + offs_n[None, :])
-                    total += tl.load(slice_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                _add_bias_and_store(total, B, OUT, offs_m, offs_n, mask_m, mask_n, stride_om,
-                                    HAS_BIAS)
+        tl.store(part_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _w8a16_mm_kernel(X, W, SCALE, B, OUT, PARTIAL, ARRIVALS, M, N, K, K_SPAN, stride_xm,
-                     stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _w8a16_mm_kernel(X, W, SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, stride_xm, stride_wn,
+                     stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_K: tl.constexpr,
-                     SUM_LAST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                     USE_PDL: tl.constexpr = False):
     wait_for_previous(USE_PDL)
     offs_m, offs_n, mask_m, mask_n, pid_k, k_first, k_end, x_ptrs, w_ptrs = _program_slice(
         X, W, M, N, K, K_SPAN, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
@@ -157,8 +140,8 @@ def _w8a16_mm_kernel(X, W, SCALE, B, OUT, PARTIAL, ARRIVALS, M, N, K, K_SPAN, st
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = acc * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
-    _store_sums(acc, B, OUT, PARTIAL, ARRIVALS, pid_k, offs_m, offs_n, mask_m, mask_n, M, N,
-                stride_om, HAS_BIAS, SPLIT_K, SUM_LAST)
+    _store_sums(acc, B, OUT, PARTIAL, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om,
+                HAS_BIAS, SPLIT_K)
 
 
 class W8A16Config(NamedTuple):
@@ -168,7 +151,7 @@ class W8A16Config(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
-    split_k: int = 1  # K slices, summed by the last to finish (or a second kernel)
+    split_k: int = 1  # K slices summed by a second kernel
     swap_ab: bool = False  # W8A8 only: out^T = w @ x^T (few rows of x on the MMA's N side)
 
 
@@ -217,35 +200,30 @@ def _launch(kernel: triton.JITFunction, operands: tuple[torch.Tensor, ...], x: t
             cfg: W8A16Config, **constexprs: object) -> None:
     """One of the GEMM kernels over x [M, K] (its `operands` first: x or its codes and scales,
     the weight and its scales) into out [M, N]; with `cfg.split_k` > 1 each K slice's sums go
-    to float32 partials that each tile's last slice adds up (and the bias), or, without
-    counters (`SUM_SPLITS_IN_GEMM` off, or none in a graph capture), `gemv.reduce_split_k`."""
+    to float32 partials that `gemv.reduce_split_k` adds up (and the bias)."""
     (m, k), n = x.shape, weight.shape[0]
     k_span = split_k_span(k, cfg.split_k, cfg.block_k)
     partial = split_k_partials(out, m, n, cfg.split_k)
     b = bias if bias is not None else out  # unused without HAS_BIAS
-    tiles = _grid(m, n, cfg)[0]
-    arrivals = (arrival_counters(x.device, tiles) if cfg.split_k > 1 and SUM_SPLITS_IN_GEMM
-                else None)
-    kernel[(tiles, cfg.split_k)](
-        *operands, b, out, partial, arrivals if arrivals is not None else out, m, n, k, k_span,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, SUM_LAST=arrivals is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **constexprs, **pdl_args(x.device))
-    if cfg.split_k > 1 and arrivals is None:
+    kernel[(_grid(m, n, cfg)[0], cfg.split_k)](
+        *operands, b, out, partial, m, n, k, k_span, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        **pdl_args(x.device))
+    if cfg.split_k > 1:
         reduce_split_k(partial, bias, out)
 
 
 @triton.jit
-def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, ARRIVALS, M, N, K, K_SPAN,
-                    stride_xm, stride_wn, stride_om,
+def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, M, N, K, K_SPAN, stride_xm,
+                    stride_wn, stride_om,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr = False,
-                    SUM_LAST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                    USE_PDL: tl.constexpr = False):
     """Program (tile, s) sums K slice s (K_SPAN columns); with SPLIT_K > 1 it writes its scaled
-    float32 sums to PARTIAL [SPLIT_K, M, N], summed by the tile's last slice (SUM_LAST) or
-    `gemv.reduce_split_k`."""
+    float32 sums to PARTIAL [SPLIT_K, M, N] for `gemv.reduce_split_k`."""
     wait_for_previous(USE_PDL)
     offs_m, offs_n, mask_m, mask_n, pid_k, k_first, k_end, x_ptrs, w_ptrs = _program_slice(
         X, W, M, N, K, K_SPAN, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
@@ -268,8 +246,8 @@ def _w8a8_mm_kernel(X, X_SCALE, W, W_SCALE, B, OUT, PARTIAL, ARRIVALS, M, N, K, 
             w_ptrs += BLOCK_K
     acc *= tl.load(X_SCALE + offs_m, mask=mask_m, other=0.0)[:, None]
     acc *= tl.load(W_SCALE + offs_n, mask=mask_n, other=0.0)[None, :]
-    _store_sums(acc, B, OUT, PARTIAL, ARRIVALS, pid_k, offs_m, offs_n, mask_m, mask_n, M, N,
-                stride_om, HAS_BIAS, SPLIT_K, SUM_LAST)
+    _store_sums(acc, B, OUT, PARTIAL, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om,
+                HAS_BIAS, SPLIT_K)
 
 
 DECODE_ROWS = 16  # up to these rows: 16-row tiles, K split to fill the SMs
@@ -280,10 +258,6 @@ MIN_PROGRAMS_AN_SM = 1.5
 # of four runs, a tie at 2 (bench/RESULTS.md, FP8, sessions 31-32); bench/fp8.py's
 # "fp8-unswapped-rows" variant clears it. Read at each call.
 W8A8_DECODE_SWAP_AB = True
-# Split-K slices summed by each tile's last slice to finish (`_store_sums`' SUM_LAST), not by a
-# second kernel (`gemv.reduce_split_k`, ~1.3 us a launch, 96 launches a Llama-3-8B decode step
-# at 2-16 rows, H200); bench/fp8.py's "fp8-reduce-kernel" variant clears it. Read at each call.
-SUM_SPLITS_IN_GEMM = True
 
 
 def decode_rows_config(n: int, k: int, multiprocessors: int, *, swap_ab: bool) -> W8A16Config:
