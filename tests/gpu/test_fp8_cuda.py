@@ -107,9 +107,11 @@ def test_arrival_counters_are_not_allocated_inside_a_graph_capture():
 
     device = torch.device("cuda", torch.cuda.current_device())
     eager = arrival_counters(device, 8)
+    work = torch.zeros(1, device=device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         inside, too_many = arrival_counters(device, 8), arrival_counters(device, 1 << 24)
+        work.add_(1)  # a graph with a node
     assert inside is not None and eager is not None and inside.data_ptr() == eager.data_ptr()
     assert too_many is None
 
