@@ -27,7 +27,9 @@
 #   profile-llama2  the same on random Llama-2-7B fp16, for the comparison   (not in "all")  ~3 min
 #   gemv            bench/gemv.py --sweep: the batch-1 GEMV kernels     (not in "all")
 #   fp8             bench/fp8.py, issue 23's table: random Llama-3-8B bf16 / FP8 weights / FP8
-#                   KV / both, batch-1 decode against each one's floor and the offline workload;
+#                   KV / both, batch-1 decode against each one's floor (medians of 5: the
+#                   FP8 step spread 2.41-2.46 ms over runs on an H200, 2.33-2.51 at 64 steps
+#                   and 3 repeats) and the offline workload;
 #                   quality on the embedded SmolLM2 with the GPTQ FP8 checkpoints
 #                                                                    (not in "all")  ~8 min
 #   fp8-sweep       bench/gemv.py --fp8 --sweep of batch 1's four linears on this device, then
@@ -153,13 +155,13 @@ for stage in "${stages[@]}"; do
     gemv)
       run_stage gemv $PY bench/gemv.py --sweep --out "$RESULTS/gemv.json" ;;
     fp8)
-      run_stage fp8 $PY bench/fp8.py --tokenizer "$TOKENIZER" --repeats 2 \
+      run_stage fp8 $PY bench/fp8.py --tokenizer "$TOKENIZER" --repeats 5 \
         --quality-checkpoints fp8-gptq,fp8-gptq-ends ;;
     fp8-sweep)
       run_stage fp8-sweep $PY bench/gemv.py --fp8 --sweep --rows 1 --ops qkv o gate_up down \
         --jobs 16 --out "$RESULTS/gemv_fp8_sweep.json"
       run_stage fp8-sweep-decode $PY bench/fp8.py --tokenizer "$TOKENIZER" --parts decode \
-        --variants bf16,fp8 --repeats 2 --fp8-gemv-table "$RESULTS/gemv_fp8_sweep.json" ;;
+        --variants bf16,fp8 --repeats 5 --fp8-gemv-table "$RESULTS/gemv_fp8_sweep.json" ;;
     fp8-batches)
       run_stage fp8-batches $PY bench/fp8.py --tokenizer "$TOKENIZER" --parts decode \
         --variants bf16,fp8,fp8-unswapped-rows,fp8-skinny-rows \
