@@ -18,14 +18,16 @@ _OUTGROWN: list[torch.Tensor] = []
 MIN_SLOTS = 1024
 
 
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """int32 [n] on `device`, zero between launches; None while a CUDA graph is being captured
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [n] on `device`, zero between launches. Raises while a CUDA graph is being captured
     and the device has fewer than n (an allocation inside a capture is never zeroed eagerly)."""
     have = _COUNTERS.get(device)
     if have is not None and have.numel() >= n:
         return have[:n]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
+        raise RuntimeError(f"{n} arrival counters are needed inside a CUDA-graph capture, "
+                           f"{0 if have is None else have.numel()} were allocated: an eager "
+                           "run of the same launch allocates them before the capture")
     if have is not None:
         _OUTGROWN.append(have)
     have = torch.zeros(max(n, MIN_SLOTS), dtype=torch.int32, device=device)
